@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages uckpt needs to build and test, skipping the
+# ones already present. Runs apt-get only when something is missing.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  clang libclang-rt-14-dev          # libFuzzer and the sanitizer runtimes
+  zlib1g-dev libssl-dev             # CRC-32 (zlib), SHA-256 (OpenSSL)
+  libcli11-dev nlohmann-json3-dev libfmt-dev libxxhash-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  python3 python3-numpy python3-torch   # reference checks: files load in real PyTorch
+)
+if [ "${UCKPT_WITH_TORCH:-1}" = 1 ]; then
+  packages+=(libtorch-dev libgloo-dev)
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

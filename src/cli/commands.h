@@ -1,0 +1,14 @@
+// Each subcommand registers its flags on the app and returns the function
+// that runs it (its exit code).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace uckpt::cli {
+
+using Runner = std::function<int()>;
+
+Runner AddInspect(CLI::App& app);
+
+}  // namespace uckpt::cli

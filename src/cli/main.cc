@@ -1,0 +1,44 @@
+// uckpt: universal checkpoints for ZeRO data-parallel training.
+#include <iostream>
+#include <map>
+
+#include "cli/commands.h"
+#include "format/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "uckpt - read, convert and train with universal (any-world-size) checkpoints.\n\n"
+      "Examples:\n"
+      "  uckpt inspect model.pt            print the value tree of a torch.save file\n"
+      "  uckpt inspect --json model.pt     the same as JSON (tensors with SHA-256)\n",
+      "uckpt"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Show help for every subcommand");
+
+  std::map<CLI::App*, uckpt::cli::Runner> runners;
+  auto add = [&](auto adder) {
+    size_t before = app.get_subcommands({}).size();
+    auto runner = adder(app);
+    runners[app.get_subcommands({})[before]] = runner;
+  };
+  add(uckpt::cli::AddInspect);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (auto* sub : app.get_subcommands()) return runners.at(sub)();
+  } catch (const uckpt::FormatError& e) {
+    std::cerr << "uckpt: error: " << e.what() << "\n";
+    return 2;
+  } catch (const uckpt::IoError& e) {
+    std::cerr << "uckpt: error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "uckpt: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

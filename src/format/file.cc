@@ -1,0 +1,132 @@
+#include "format/file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "format/error.h"
+
+namespace uckpt {
+namespace {
+
+[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
+  throw IoError(what + " " + path + ": " + std::strerror(errno));
+}
+
+constexpr size_t kBufferSize = 1 << 20;
+
+}  // namespace
+
+std::shared_ptr<const MappedFile> MappedFile::Open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) ThrowErrno("cannot open", path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    ThrowErrno("cannot stat", path);
+  }
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    throw IoError(path + " is a directory, not a file");
+  }
+  std::shared_ptr<MappedFile> m(new MappedFile);
+  m->path_ = path;
+  m->size_ = static_cast<size_t>(st.st_size);
+  if (m->size_ > 0) {
+    void* p = ::mmap(nullptr, m->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      ::close(fd);
+      ThrowErrno("cannot map", path);
+    }
+    m->data_ = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);
+  return m;
+}
+
+std::shared_ptr<const MappedFile> MappedFile::FromMemory(std::vector<uint8_t> data, std::string name) {
+  std::shared_ptr<MappedFile> m(new MappedFile);
+  m->path_ = std::move(name);
+  m->memory_ = std::move(data);
+  m->size_ = m->memory_.size();
+  m->data_ = m->memory_.empty() ? nullptr : m->memory_.data();
+  return m;
+}
+
+MappedFile::~MappedFile() {
+  if (data_ && memory_.empty()) ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+AtomicFile::AtomicFile(std::string path, bool durable) : path_(std::move(path)), durable_(durable) {
+  tmp_path_ = path_ + ".tmp." + std::to_string(::getpid());
+  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) ThrowErrno("cannot create", tmp_path_);
+  buf_.reserve(kBufferSize);
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(tmp_path_.c_str());
+}
+
+void AtomicFile::WriteRaw(const uint8_t* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd_, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      ThrowErrno("cannot write", tmp_path_);
+    }
+    if (w == 0) {
+      errno = ENOSPC;
+      ThrowErrno("cannot write", tmp_path_);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void AtomicFile::Flush() {
+  if (!buf_.empty()) WriteRaw(buf_.data(), buf_.size());
+  buf_.clear();
+}
+
+void AtomicFile::Write(std::span<const uint8_t> data) {
+  offset_ += data.size();
+  if (buf_.size() + data.size() <= kBufferSize) {
+    buf_.insert(buf_.end(), data.begin(), data.end());
+    return;
+  }
+  Flush();
+  if (data.size() >= kBufferSize) {
+    WriteRaw(data.data(), data.size());
+  } else {
+    buf_.insert(buf_.end(), data.begin(), data.end());
+  }
+}
+
+void AtomicFile::Commit() {
+  Flush();
+  if (durable_ && ::fsync(fd_) != 0) ThrowErrno("cannot fsync", tmp_path_);
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    ThrowErrno("cannot close", tmp_path_);
+  }
+  fd_ = -1;
+  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) ThrowErrno("cannot rename " + tmp_path_ + " to", path_);
+  committed_ = true;
+  if (durable_) SyncDir(std::filesystem::path(path_).parent_path().string());
+}
+
+void SyncDir(const std::string& dir) {
+  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // best effort: some filesystems refuse directory opens
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace uckpt

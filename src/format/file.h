@@ -1,0 +1,65 @@
+// Files: read-only memory maps, and output files that appear under their final
+// name only once complete (write to a temporary name, fsync, rename).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace uckpt {
+
+class MappedFile {
+ public:
+  // Maps `path` read-only. Throws IoError naming the path.
+  static std::shared_ptr<const MappedFile> Open(const std::string& path);
+  // Wraps bytes already in memory (tests, fuzzers); `name` stands for the path.
+  static std::shared_ptr<const MappedFile> FromMemory(std::vector<uint8_t> data, std::string name);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  std::span<const uint8_t> bytes() const { return {data_, size_}; }
+  const std::string& path() const { return path_; }
+
+ private:
+  MappedFile() = default;
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  std::vector<uint8_t> memory_;  // FromMemory only
+};
+
+// Writes `path` through a temporary file beside it. Commit() flushes, fsyncs and
+// renames; destroying an uncommitted file removes the temporary.
+class AtomicFile {
+ public:
+  // `durable`: fsync the file and its folder on Commit (off only for scratch
+  // output and for benchmarks that compare against plain `cp`).
+  explicit AtomicFile(std::string path, bool durable = true);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void Write(std::span<const uint8_t> data);
+  void Write(const std::string& s) { Write({reinterpret_cast<const uint8_t*>(s.data()), s.size()}); }
+  uint64_t offset() const { return offset_; }
+  void Commit();
+  const std::string& path() const { return path_; }
+
+ private:
+  void Flush();
+  void WriteRaw(const uint8_t* p, size_t n);
+  std::string path_, tmp_path_;
+  int fd_ = -1;
+  uint64_t offset_ = 0;
+  std::vector<uint8_t> buf_;
+  bool committed_ = false;
+  bool durable_ = true;
+};
+
+// fsyncs a directory so a rename inside it is durable.
+void SyncDir(const std::string& dir);
+
+}  // namespace uckpt

@@ -1,0 +1,830 @@
+#include "format/pickle_reader.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "format/error.h"
+
+namespace uckpt {
+namespace {
+
+// Python 2 names that protocol-2 pickles use, mapped to Python 3 (the subset of
+// _compat_pickle that can appear in checkpoints), plus torch's own rename.
+std::pair<std::string, std::string> RenameGlobal(std::string module, std::string name) {
+  if (module == "__builtin__") {
+    module = "builtins";
+    if (name == "xrange") name = "range";
+    if (name == "unicode" || name == "basestring") name = "str";
+    if (name == "long") name = "int";
+  } else if (module == "copy_reg") {
+    module = "copyreg";
+  } else if (module == "exceptions") {
+    module = "builtins";
+    if (name == "StandardError") name = "Exception";
+  } else if (module == "UserDict" && name == "UserDict") {
+    module = "collections";
+  } else if (module == "torch.tensor") {
+    module = "torch._tensor";
+  }
+  return {module, name};
+}
+
+// Appends code point `cp` to `out` as UTF-8 (surrogates passed through, as
+// Python's "surrogatepass" does).
+void AppendUtf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out.push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+// UTF-8 -> latin-1 bytes (what _codecs.encode(s, 'latin1') does); false if a
+// code point is above 255 or the text is not valid UTF-8.
+bool Utf8ToLatin1(const std::string& in, std::string& out) {
+  out.clear();
+  for (size_t k = 0; k < in.size();) {
+    uint8_t c = static_cast<uint8_t>(in[k]);
+    if (c < 0x80) {
+      out.push_back(static_cast<char>(c));
+      k += 1;
+    } else if ((c & 0xE0) == 0xC0 && k + 1 < in.size()) {
+      uint32_t cp = ((c & 0x1Fu) << 6) | (static_cast<uint8_t>(in[k + 1]) & 0x3Fu);
+      if (cp > 0xFF) return false;
+      out.push_back(static_cast<char>(cp));
+      k += 2;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Normalizes little-endian two's complement bytes into an int value.
+ValuePtr IntFromBytes(const uint8_t* p, size_t n) {
+  auto v = Value::Int(0);
+  if (n == 0) return v;
+  // Drop redundant sign-extension bytes.
+  while (n > 1 && ((p[n - 1] == 0x00 && !(p[n - 2] & 0x80)) || (p[n - 1] == 0xFF && (p[n - 2] & 0x80)))) --n;
+  if (n <= 8) {
+    uint64_t u = 0;
+    for (size_t k = 0; k < n; ++k) u |= uint64_t{p[k]} << (8 * k);
+    if (n < 8 && (p[n - 1] & 0x80)) u |= ~uint64_t{0} << (8 * n);
+    v->i = static_cast<int64_t>(u);
+  } else {
+    v->big.assign(p, p + n);
+  }
+  return v;
+}
+
+// Parses a decimal integer of any size (text opcodes INT / LONG).
+ValuePtr IntFromDecimal(std::string text, size_t max_bytes) {
+  if (!text.empty() && (text.back() == 'L')) text.pop_back();
+  bool neg = false;
+  size_t k = 0;
+  if (k < text.size() && (text[k] == '-' || text[k] == '+')) neg = text[k++] == '-';
+  if (k == text.size()) return nullptr;
+  std::vector<uint8_t> mag{0};
+  for (; k < text.size(); ++k) {
+    if (text[k] < '0' || text[k] > '9') return nullptr;
+    uint32_t carry = static_cast<uint32_t>(text[k] - '0');
+    for (auto& b : mag) {
+      uint32_t cur = b * 10u + carry;
+      b = static_cast<uint8_t>(cur & 0xFF);
+      carry = cur >> 8;
+    }
+    if (carry) mag.push_back(static_cast<uint8_t>(carry));
+    if (mag.size() > max_bytes) return nullptr;
+  }
+  mag.push_back(0);  // room for the sign bit
+  if (neg) {
+    for (auto& b : mag) b = static_cast<uint8_t>(~b);
+    for (auto& b : mag)
+      if (++b != 0) break;
+  }
+  return IntFromBytes(mag.data(), mag.size());
+}
+
+class Machine {
+ public:
+  Machine(std::span<const uint8_t> data, const std::string& where, const PersistentLoader& load,
+          const PickleLimits& limits)
+      : data_(data), where_(where), load_(load), limits_(limits) {}
+
+  ~Machine() {
+    // On failure the partial graph may hold cycles or very deep chains; cut
+    // every edge first so that freeing it neither leaks nor recurses deeply.
+    if (!done_) {
+      for (auto& v : created_) {
+        v->items.clear();
+        v->entries.clear();
+        v->listitems.clear();
+        v->state.reset();
+        v->kwargs.reset();
+      }
+    }
+  }
+
+  ValuePtr Run();
+
+ private:
+  [[noreturn]] void Fail(const std::string& what) const {
+    throw FormatError(where_ + ": pickle offset " + std::to_string(op_pos_) + ": " + what);
+  }
+  const uint8_t* Take(size_t n) {
+    if (data_.size() - pos_ < n) Fail("unexpected end of data");
+    const uint8_t* p = data_.data() + pos_;
+    pos_ += n;
+    return p;
+  }
+  uint8_t U8() { return *Take(1); }
+  uint32_t U32() {
+    const uint8_t* p = Take(4);
+    return uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
+  }
+  uint64_t U64() {
+    uint64_t lo = U32();
+    return lo | (uint64_t{U32()} << 32);
+  }
+  std::string Line() {
+    const uint8_t* start = data_.data() + pos_;
+    const void* nl = std::memchr(start, '\n', data_.size() - pos_);
+    if (!nl) Fail("unterminated text argument");
+    size_t n = static_cast<const uint8_t*>(nl) - start;
+    pos_ += n + 1;
+    return std::string(reinterpret_cast<const char*>(start), n);
+  }
+  std::string Bytes(uint64_t n) {
+    if (n > data_.size() - pos_) Fail("length " + std::to_string(n) + " runs past the end of data");
+    const uint8_t* p = Take(static_cast<size_t>(n));
+    return std::string(reinterpret_cast<const char*>(p), static_cast<size_t>(n));
+  }
+
+  ValuePtr Track(ValuePtr v) {
+    if (v->kind == Kind::kList || v->kind == Kind::kTuple || v->kind == Kind::kDict ||
+        v->kind == Kind::kOrderedDict || v->kind == Kind::kSet || v->kind == Kind::kFrozenSet ||
+        v->kind == Kind::kObject || v->kind == Kind::kParameter || v->kind == Kind::kTensor)
+      created_.push_back(v);
+    return v;
+  }
+  void Push(ValuePtr v) {
+    if (stack_.size() >= limits_.max_stack) Fail("stack limit exceeded");
+    stack_.push_back(Track(std::move(v)));
+  }
+  size_t Base() const { return marks_.empty() ? 0 : marks_.back(); }
+  ValuePtr Pop() {
+    if (stack_.size() <= Base()) Fail("stack underflow");
+    ValuePtr v = std::move(stack_.back());
+    stack_.pop_back();
+    return v;
+  }
+  ValuePtr& Top() {
+    if (stack_.size() <= Base()) Fail("stack underflow");
+    return stack_.back();
+  }
+  std::vector<ValuePtr> PopMark() {
+    if (marks_.empty()) Fail("no MARK on the stack");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<ValuePtr> items(std::make_move_iterator(stack_.begin() + static_cast<ptrdiff_t>(m)),
+                                std::make_move_iterator(stack_.end()));
+    stack_.resize(m);
+    return items;
+  }
+  void Put(uint64_t idx) {
+    if (memo_.size() >= limits_.max_memo && !memo_.count(idx)) Fail("memo limit exceeded");
+    memo_[idx] = Top();
+  }
+  ValuePtr Get(uint64_t idx) {
+    auto it = memo_.find(idx);
+    if (it == memo_.end()) Fail("memo key " + std::to_string(idx) + " is not defined");
+    return it->second;
+  }
+
+  ValuePtr MakeGlobal(std::string module, std::string name);
+  ValuePtr Call(const ValuePtr& callable, const ValuePtr& args);
+  ValuePtr RebuildTensor(const std::string& fn, const std::vector<ValuePtr>& a);
+  void SetItem(Value& target, ValuePtr key, ValuePtr value);
+  void Append(Value& target, ValuePtr item);
+  void Build(Value& target, ValuePtr state);
+  void CheckShape();
+
+  std::span<const uint8_t> data_;
+  const std::string& where_;
+  const PersistentLoader& load_;
+  const PickleLimits& limits_;
+  size_t pos_ = 0, op_pos_ = 0;
+  std::vector<ValuePtr> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, ValuePtr> memo_;
+  std::vector<ValuePtr> created_;
+  // Key index of large dicts so that SETITEMS stays linear.
+  std::unordered_map<const Value*, std::unordered_map<std::string, size_t>> dict_index_;
+  bool done_ = false;
+};
+
+ValuePtr Machine::MakeGlobal(std::string module, std::string name) {
+  auto [m, n] = RenameGlobal(std::move(module), std::move(name));
+  if (m == "torch") {
+    if (auto d = DTypeFromName(n)) return Value::Dtype(*d);
+  }
+  return Value::Global(m, n);
+}
+
+void Machine::SetItem(Value& target, ValuePtr key, ValuePtr value) {
+  if (target.kind == Kind::kObject) {
+    target.entries.emplace_back(std::move(key), std::move(value));
+    return;
+  }
+  if (!target.is_dict()) Fail("SETITEM on a " + KindName(target));
+  std::string hk = HashKey(*key);
+  if (hk.empty()) Fail("unhashable dict key of type " + KindName(*key));
+  auto& index = dict_index_[&target];
+  auto it = index.find(hk);
+  if (it != index.end()) {
+    target.entries[it->second].second = std::move(value);
+  } else {
+    index.emplace(std::move(hk), target.entries.size());
+    target.entries.emplace_back(std::move(key), std::move(value));
+  }
+}
+
+void Machine::Append(Value& target, ValuePtr item) {
+  if (target.kind == Kind::kList) {
+    target.items.push_back(std::move(item));
+  } else if (target.kind == Kind::kObject) {
+    target.listitems.push_back(std::move(item));
+  } else {
+    Fail("APPEND on a " + KindName(target));
+  }
+}
+
+void Machine::Build(Value& target, ValuePtr state) {
+  switch (target.kind) {
+    case Kind::kOrderedDict:
+    case Kind::kObject:
+    case Kind::kParameter:
+      target.state = std::move(state);
+      return;
+    case Kind::kTensor:
+      // torch restores Python attributes of a tensor this way.
+      target.tensor->attrs = std::move(state);
+      return;
+    default:
+      Fail("BUILD on a " + KindName(target));
+  }
+}
+
+namespace {
+bool IsInt(const ValuePtr& v) { return v && (v->kind == Kind::kInt && v->big.empty()); }
+bool IntTuple(const ValuePtr& v, std::vector<int64_t>& out) {
+  if (!v || (v->kind != Kind::kTuple && v->kind != Kind::kList && v->kind != Kind::kTorchSize)) return false;
+  out.clear();
+  for (const auto& it : v->items) {
+    if (!IsInt(it)) return false;
+    out.push_back(it->i);
+  }
+  return true;
+}
+}  // namespace
+
+ValuePtr Machine::RebuildTensor(const std::string& fn, const std::vector<ValuePtr>& a) {
+  const bool v3 = fn == "_rebuild_tensor_v3";
+  const bool v1 = fn == "_rebuild_tensor";
+  size_t min_args = v1 ? 4 : (v3 ? 7 : 6);
+  if (a.size() < min_args || a.size() > min_args + 1)
+    Fail("torch._utils." + fn + " called with " + std::to_string(a.size()) + " arguments");
+  if (a[0]->kind != Kind::kStorage) Fail("torch._utils." + fn + ": first argument is not a storage");
+  Tensor t;
+  t.storage = a[0]->storage;
+  t.rebuild = "torch._utils." + fn;
+  if (v3) {
+    if (a[6]->kind != Kind::kTorchDtype) Fail("_rebuild_tensor_v3: 7th argument is not a dtype");
+    t.dtype = *DTypeFromName(a[6]->s);
+  } else {
+    auto cls = t.storage->storage_class;
+    auto d = cls.rfind("torch.", 0) == 0 ? DTypeFromStorageClass(cls.substr(6)) : std::nullopt;
+    if (!d) Fail("torch._utils." + fn + " on storage class " + cls + " which has no element type");
+    t.dtype = *d;
+  }
+  if (!IsInt(a[1]) || !IntTuple(a[2], t.shape) || !IntTuple(a[3], t.stride))
+    Fail("torch._utils." + fn + ": offset, size or stride is not made of integers");
+  t.storage_offset = a[1]->i;
+  if (!v1) {
+    if (a[4]->kind != Kind::kBool) Fail("torch._utils." + fn + ": requires_grad is not a bool");
+    t.requires_grad = a[4]->b;
+    size_t meta = v3 ? 7 : 6;
+    if (a.size() > meta && a[meta]->kind != Kind::kNone) {
+      if (!a[meta]->is_dict() || !a[meta]->entries.empty()) t.metadata = a[meta];
+    }
+  }
+  if (t.shape.size() != t.stride.size()) Fail("tensor size and stride have different lengths");
+  // The whole view must lie inside the storage.
+  const size_t es = DTypeSize(t.dtype);
+  const uint64_t storage_elems = t.storage->bytes.size() / es;
+  if (t.storage_offset < 0) Fail("negative storage offset");
+  bool empty = false;
+  for (size_t k = 0; k < t.shape.size(); ++k) {
+    if (t.shape[k] < 0 || t.stride[k] < 0) Fail("negative size or stride");
+    if (t.shape[k] == 0) empty = true;
+  }
+  if (!empty) {
+    unsigned __int128 last = static_cast<uint64_t>(t.storage_offset);
+    unsigned __int128 count = 1;
+    for (size_t k = 0; k < t.shape.size(); ++k) {
+      last += static_cast<unsigned __int128>(t.shape[k] - 1) * static_cast<uint64_t>(t.stride[k]);
+      count *= static_cast<uint64_t>(t.shape[k]);
+      if (count > (unsigned __int128)1 << 62) Fail("tensor has too many elements");
+    }
+    if (last >= storage_elems)
+      Fail("tensor view (offset " + std::to_string(t.storage_offset) + ") reaches past the end of storage '" +
+           t.storage->key + "' (" + std::to_string(storage_elems) + " elements)");
+  }
+  return Value::FromTensor(std::move(t));
+}
+
+ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
+  if (callable->kind != Kind::kGlobal)
+    Fail("call of a " + KindName(*callable) + ", which is not a class or function");
+  if (args->kind != Kind::kTuple) Fail("call arguments are a " + KindName(*args) + ", not a tuple");
+  const std::string& path = callable->s;
+  const std::string mod = callable->module(), fn = callable->name();
+  const auto& a = args->items;
+  auto opaque = [&] { return Value::Object(path, args, false); };
+
+  if (mod == "torch._utils") {
+    if (fn == "_rebuild_tensor_v2" || fn == "_rebuild_tensor_v3" || fn == "_rebuild_tensor") return RebuildTensor(fn, a);
+    if ((fn == "_rebuild_parameter" && a.size() == 3) || (fn == "_rebuild_parameter_with_state" && a.size() == 4)) {
+      if (a[0]->kind != Kind::kTensor || a[1]->kind != Kind::kBool) Fail("torch._utils." + fn + ": bad arguments");
+      auto p = std::make_shared<Value>();
+      p->kind = Kind::kParameter;
+      p->tensor = a[0]->tensor;
+      p->b = a[1]->b;
+      if (a.size() == 4 && !(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
+      return p;
+    }
+    return opaque();
+  }
+  if (path == "torch._tensor._rebuild_from_type_v2" && a.size() == 4 && a[0]->kind == Kind::kGlobal &&
+      a[1]->kind == Kind::kGlobal && a[2]->kind == Kind::kTuple) {
+    ValuePtr inner = Call(a[0], a[2]);
+    if (a[1]->s == "torch.Tensor" && inner->kind == Kind::kTensor) {
+      if (!(a[3]->is_dict() && a[3]->entries.empty())) inner->tensor->attrs = a[3];
+      return inner;
+    }
+    if (a[1]->s == "torch.nn.parameter.Parameter" && inner->kind == Kind::kTensor) {
+      auto p = std::make_shared<Value>();
+      p->kind = Kind::kParameter;
+      p->tensor = inner->tensor;
+      p->b = inner->tensor->requires_grad;
+      inner->tensor->requires_grad = false;
+      if (!(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
+      return p;
+    }
+    return opaque();
+  }
+  if (path == "collections.OrderedDict") {
+    auto d = Value::Dict(true);
+    if (a.empty()) return d;
+    if (a.size() == 1 && (a[0]->kind == Kind::kList || a[0]->kind == Kind::kTuple)) {
+      for (const auto& pair : a[0]->items) {
+        if (pair->kind != Kind::kTuple || pair->items.size() != 2) return opaque();
+        SetItem(*d, pair->items[0], pair->items[1]);
+      }
+      return d;
+    }
+    return opaque();
+  }
+  if (mod == "builtins") {
+    if ((fn == "set" || fn == "frozenset") && a.size() <= 1) {
+      auto v = std::make_shared<Value>();
+      v->kind = fn == "set" ? Kind::kSet : Kind::kFrozenSet;
+      if (a.size() == 1) {
+        if (a[0]->kind != Kind::kList && a[0]->kind != Kind::kTuple) return opaque();
+        v->items = a[0]->items;
+      }
+      return v;
+    }
+    if (fn == "bytes" && a.empty()) return Value::Bytes("");
+    if (fn == "bytearray" && a.size() <= 1) {
+      auto v = Value::Bytes("");
+      v->kind = Kind::kByteArray;
+      if (a.size() == 1) {
+        if (a[0]->kind != Kind::kBytes) return opaque();
+        v->s = a[0]->s;
+      }
+      return v;
+    }
+    if (fn == "complex" && a.size() == 2 && a[0]->kind == Kind::kFloat && a[1]->kind == Kind::kFloat) {
+      auto v = std::make_shared<Value>();
+      v->kind = Kind::kComplex;
+      v->f = a[0]->f;
+      v->imag = a[1]->f;
+      return v;
+    }
+    return opaque();
+  }
+  if (path == "_codecs.encode" && a.size() == 2 && a[0]->kind == Kind::kStr && a[1]->kind == Kind::kStr &&
+      (a[1]->s == "latin1" || a[1]->s == "latin-1")) {
+    std::string raw;
+    if (!Utf8ToLatin1(a[0]->s, raw)) return opaque();
+    return Value::Bytes(std::move(raw));
+  }
+  if (path == "torch.Size" && a.size() == 1) {
+    std::vector<int64_t> dims;
+    if (IntTuple(a[0], dims)) return Value::Size(dims);
+    return opaque();
+  }
+  if (path == "torch.device" && !a.empty() && a.size() <= 2 && a[0]->kind == Kind::kStr) {
+    auto v = std::make_shared<Value>();
+    v->kind = Kind::kTorchDevice;
+    v->s = a[0]->s;
+    if (a.size() == 2) {
+      if (!IsInt(a[1])) return opaque();
+      v->s += ":" + std::to_string(a[1]->i);
+    }
+    return v;
+  }
+  return opaque();
+}
+
+void Machine::CheckShape() {
+  // Iterative depth-first walk: rejects cycles and nesting beyond the limit,
+  // so that every later recursive walk of the tree is safe.
+  std::unordered_map<const Value*, int> state;  // 1 = on path, 2 = done
+  struct Frame {
+    const Value* v;
+    std::vector<const Value*> kids;
+    size_t next;
+  };
+  auto children = [](const Value* v) {
+    std::vector<const Value*> out;
+    for (const auto& c : v->items) out.push_back(c.get());
+    for (const auto& c : v->listitems) out.push_back(c.get());
+    for (const auto& [k, val] : v->entries) {
+      out.push_back(k.get());
+      out.push_back(val.get());
+    }
+    if (v->state) out.push_back(v->state.get());
+    if (v->kwargs) out.push_back(v->kwargs.get());
+    if (v->tensor) {
+      if (v->tensor->attrs) out.push_back(v->tensor->attrs.get());
+      if (v->tensor->metadata) out.push_back(v->tensor->metadata.get());
+    }
+    return out;
+  };
+  std::vector<Frame> path;
+  path.push_back({stack_.back().get(), children(stack_.back().get()), 0});
+  state[stack_.back().get()] = 1;
+  while (!path.empty()) {
+    Frame& f = path.back();
+    if (f.next == f.kids.size()) {
+      state[f.v] = 2;
+      path.pop_back();
+      continue;
+    }
+    const Value* c = f.kids[f.next++];
+    int& s = state[c];
+    if (s == 1) Fail("the object graph contains a cycle (a container inside itself)");
+    if (s == 2) continue;
+    s = 1;
+    if (path.size() >= limits_.max_depth) Fail("nesting deeper than " + std::to_string(limits_.max_depth));
+    path.push_back({c, children(c), 0});
+  }
+}
+
+ValuePtr Machine::Run() {
+  while (true) {
+    op_pos_ = pos_;
+    uint8_t op = U8();
+    switch (op) {
+      case 0x80: {  // PROTO
+        if (U8() > 5) Fail("unsupported pickle protocol");
+        break;
+      }
+      case 0x95: Take(8); break;  // FRAME: a length hint only
+      case '.': {  // STOP
+        ValuePtr result = Pop();
+        stack_.assign(1, result);
+        CheckShape();
+        done_ = true;
+        return result;
+      }
+      case '(': marks_.push_back(stack_.size()); break;
+      case '0': {  // POP (pops the mark when nothing is above it, like Python)
+        if (stack_.size() > Base()) stack_.pop_back();
+        else if (!marks_.empty()) marks_.pop_back();
+        else Fail("POP on an empty stack");
+        break;
+      }
+      case '1': PopMark(); break;  // POP_MARK
+      case '2': Push(Top()); break;  // DUP
+      case 'N': Push(Value::None()); break;
+      case 0x88: Push(Value::Bool(true)); break;
+      case 0x89: Push(Value::Bool(false)); break;
+      case 'K': Push(Value::Int(U8())); break;
+      case 'M': {
+        const uint8_t* p = Take(2);
+        Push(Value::Int(p[0] | (p[1] << 8)));
+        break;
+      }
+      case 'J': Push(Value::Int(static_cast<int32_t>(U32()))); break;
+      case 0x8a: {  // LONG1
+        size_t n = U8();
+        Push(IntFromBytes(Take(n), n));
+        break;
+      }
+      case 0x8b: {  // LONG4
+        int32_t n = static_cast<int32_t>(U32());
+        if (n < 0) Fail("negative LONG4 length");
+        if (static_cast<size_t>(n) > limits_.max_int_bytes) Fail("integer of " + std::to_string(n) + " bytes exceeds the limit");
+        Push(IntFromBytes(Take(static_cast<size_t>(n)), static_cast<size_t>(n)));
+        break;
+      }
+      case 'I': {  // INT (text)
+        std::string t = Line();
+        if (t == "01" || t == "00") {
+          Push(Value::Bool(t == "01"));
+          break;
+        }
+        auto v = IntFromDecimal(t, limits_.max_int_bytes);
+        if (!v) Fail("bad INT text");
+        Push(v);
+        break;
+      }
+      case 'L': {  // LONG (text)
+        auto v = IntFromDecimal(Line(), limits_.max_int_bytes);
+        if (!v) Fail("bad LONG text");
+        Push(v);
+        break;
+      }
+      case 'G': {  // BINFLOAT, big-endian
+        const uint8_t* p = Take(8);
+        uint64_t u = 0;
+        for (int k = 0; k < 8; ++k) u = (u << 8) | p[k];
+        Push(Value::Float(std::bit_cast<double>(u)));
+        break;
+      }
+      case 'F': {  // FLOAT (text)
+        std::string t = Line();
+        char* end = nullptr;
+        double d = std::strtod(t.c_str(), &end);
+        if (t.empty() || end != t.c_str() + t.size()) Fail("bad FLOAT text");
+        Push(Value::Float(d));
+        break;
+      }
+      case 'X': Push(Value::Str(Bytes(U32()))); break;          // BINUNICODE
+      case 0x8c: Push(Value::Str(Bytes(U8()))); break;          // SHORT_BINUNICODE
+      case 0x8d: Push(Value::Str(Bytes(U64()))); break;         // BINUNICODE8
+      case 'T': Push(Value::Str(Bytes(U32()))); break;          // BINSTRING (py2 str)
+      case 'U': Push(Value::Str(Bytes(U8()))); break;           // SHORT_BINSTRING
+      case 'B': Push(Value::Bytes(Bytes(U32()))); break;        // BINBYTES
+      case 'C': Push(Value::Bytes(Bytes(U8()))); break;         // SHORT_BINBYTES
+      case 0x8e: Push(Value::Bytes(Bytes(U64()))); break;       // BINBYTES8
+      case 0x96: {                                              // BYTEARRAY8
+        auto v = Value::Bytes(Bytes(U64()));
+        v->kind = Kind::kByteArray;
+        Push(v);
+        break;
+      }
+      case 'S': {  // STRING: a quoted Python 2 literal
+        std::string t = Line();
+        if (t.size() < 2 || (t.front() != '\'' && t.front() != '"') || t.back() != t.front()) Fail("bad STRING quoting");
+        std::string out;
+        for (size_t k = 1; k + 1 < t.size(); ++k) {
+          char c = t[k];
+          if (c != '\\' || k + 2 >= t.size()) {
+            out.push_back(c);
+            continue;
+          }
+          char e = t[++k];
+          switch (e) {
+            case 'n': out.push_back('\n'); break;
+            case 't': out.push_back('\t'); break;
+            case 'r': out.push_back('\r'); break;
+            case '0': out.push_back('\0'); break;
+            case 'x':
+              if (k + 2 < t.size() - 1) {
+                out.push_back(static_cast<char>(std::stoi(t.substr(k + 1, 2), nullptr, 16)));
+                k += 2;
+              }
+              break;
+            default: out.push_back(e);
+          }
+        }
+        Push(Value::Str(out));
+        break;
+      }
+      case 'V': {  // UNICODE: raw-unicode-escape
+        std::string t = Line(), out;
+        for (size_t k = 0; k < t.size(); ++k) {
+          uint8_t c = static_cast<uint8_t>(t[k]);
+          if (c == '\\' && k + 1 < t.size() && (t[k + 1] == 'u' || t[k + 1] == 'U')) {
+            size_t n = t[k + 1] == 'u' ? 4 : 8;
+            if (k + 2 + n > t.size()) Fail("bad \\u escape");
+            uint32_t cp = 0;
+            for (size_t j = 0; j < n; ++j) {
+              char h = t[k + 2 + j];
+              int d = (h >= '0' && h <= '9') ? h - '0' : (h >= 'a' && h <= 'f') ? h - 'a' + 10 : (h >= 'A' && h <= 'F') ? h - 'A' + 10 : -1;
+              if (d < 0) Fail("bad \\u escape");
+              cp = cp * 16 + static_cast<uint32_t>(d);
+            }
+            if (cp > 0x10FFFF) Fail("code point out of range");
+            AppendUtf8(out, cp);
+            k += 1 + n;
+          } else {
+            AppendUtf8(out, c);
+          }
+        }
+        Push(Value::Str(out));
+        break;
+      }
+      case ')': Push(Value::Tuple()); break;
+      case 0x85: {
+        auto a = Pop();
+        Push(Value::Tuple({a}));
+        break;
+      }
+      case 0x86: {
+        auto b = Pop(), a = Pop();
+        Push(Value::Tuple({a, b}));
+        break;
+      }
+      case 0x87: {
+        auto c = Pop(), b = Pop(), a = Pop();
+        Push(Value::Tuple({a, b, c}));
+        break;
+      }
+      case 't': Push(Value::Tuple(PopMark())); break;
+      case ']': Push(Value::List()); break;
+      case 'l': Push(Value::List(PopMark())); break;
+      case '}': Push(Value::Dict()); break;
+      case 'd': {  // DICT
+        auto items = PopMark();
+        if (items.size() % 2) Fail("DICT with an odd number of items");
+        auto d = Value::Dict();
+        for (size_t k = 0; k < items.size(); k += 2) SetItem(*d, items[k], items[k + 1]);
+        Push(d);
+        break;
+      }
+      case 0x8f: {  // EMPTY_SET
+        auto v = std::make_shared<Value>();
+        v->kind = Kind::kSet;
+        Push(v);
+        break;
+      }
+      case 0x90: {  // ADDITEMS
+        auto items = PopMark();
+        auto& s = Top();
+        if (s->kind != Kind::kSet) Fail("ADDITEMS on a " + KindName(*s));
+        for (auto& it : items) s->items.push_back(std::move(it));
+        break;
+      }
+      case 0x91: {  // FROZENSET
+        auto v = std::make_shared<Value>();
+        v->kind = Kind::kFrozenSet;
+        v->items = PopMark();
+        Push(v);
+        break;
+      }
+      case 'a': {  // APPEND
+        auto item = Pop();
+        Append(*Top(), std::move(item));
+        break;
+      }
+      case 'e': {  // APPENDS
+        auto items = PopMark();
+        auto& target = *Top();
+        for (auto& it : items) Append(target, std::move(it));
+        break;
+      }
+      case 's': {  // SETITEM
+        auto v = Pop(), k = Pop();
+        SetItem(*Top(), std::move(k), std::move(v));
+        break;
+      }
+      case 'u': {  // SETITEMS
+        auto items = PopMark();
+        if (items.size() % 2) Fail("SETITEMS with an odd number of items");
+        auto& target = *Top();
+        for (size_t k = 0; k < items.size(); k += 2) SetItem(target, items[k], items[k + 1]);
+        break;
+      }
+      case 'c': {  // GLOBAL
+        std::string module = Line(), name = Line();
+        Push(MakeGlobal(module, name));
+        break;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        auto name = Pop(), module = Pop();
+        if (module->kind != Kind::kStr || name->kind != Kind::kStr) Fail("STACK_GLOBAL needs two strings");
+        Push(MakeGlobal(module->s, name->s));
+        break;
+      }
+      case 'R': {  // REDUCE
+        auto args = Pop();
+        auto callable = Pop();
+        Push(Call(callable, args));
+        break;
+      }
+      case 0x81: {  // NEWOBJ
+        auto args = Pop();
+        auto cls = Pop();
+        if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple) Fail("NEWOBJ needs a class and a tuple");
+        Push(Value::Object(cls->s, args, true));
+        break;
+      }
+      case 0x92: {  // NEWOBJ_EX
+        auto kwargs = Pop(), args = Pop(), cls = Pop();
+        if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple || !kwargs->is_dict())
+          Fail("NEWOBJ_EX needs a class, a tuple and a dict");
+        auto v = Value::Object(cls->s, args, true);
+        if (!kwargs->entries.empty()) v->kwargs = kwargs;
+        Push(v);
+        break;
+      }
+      case 'i': {  // INST: module, name, args to mark
+        std::string module = Line(), name = Line();
+        auto args = Value::Tuple(PopMark());
+        Push(Call(MakeGlobal(module, name), args));
+        break;
+      }
+      case 'o': {  // OBJ: class and args to mark
+        auto items = PopMark();
+        if (items.empty()) Fail("OBJ without a class");
+        auto cls = items.front();
+        items.erase(items.begin());
+        Push(Call(cls, Value::Tuple(std::move(items))));
+        break;
+      }
+      case 'b': {  // BUILD
+        auto state = Pop();
+        Build(*Top(), std::move(state));
+        break;
+      }
+      case 'Q': {  // BINPERSID
+        auto pid = Pop();
+        if (!load_) Fail("persistent id found but no loader given");
+        Push(load_(pid));
+        break;
+      }
+      case 'P': {  // PERSID (text)
+        auto pid = Value::Str(Line());
+        if (!load_) Fail("persistent id found but no loader given");
+        Push(load_(pid));
+        break;
+      }
+      case 'q': Put(U8()); break;
+      case 'r': Put(U32()); break;
+      case 'p': {
+        std::string t = Line();
+        char* end = nullptr;
+        unsigned long long idx = std::strtoull(t.c_str(), &end, 10);
+        if (t.empty() || end != t.c_str() + t.size()) Fail("bad PUT index");
+        Put(idx);
+        break;
+      }
+      case 0x94: Put(memo_.size()); break;  // MEMOIZE
+      case 'h': Push(Get(U8())); break;
+      case 'j': Push(Get(U32())); break;
+      case 'g': {
+        std::string t = Line();
+        char* end = nullptr;
+        unsigned long long idx = std::strtoull(t.c_str(), &end, 10);
+        if (t.empty() || end != t.c_str() + t.size()) Fail("bad GET index");
+        Push(Get(idx));
+        break;
+      }
+      case 0x82: case 0x83: case 0x84: Fail("extension-registry opcodes (EXT1/2/4) are not supported");
+      case 0x97: case 0x98: Fail("out-of-band buffers (protocol 5) are not supported");
+      default: {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "0x%02x", op);
+        Fail(std::string("unknown opcode ") + hex);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+ValuePtr ReadPickle(std::span<const uint8_t> data, const std::string& where,
+                    const PersistentLoader& persistent_load, const PickleLimits& limits) {
+  Machine m(data, where, persistent_load, limits);
+  return m.Run();
+}
+
+}  // namespace uckpt

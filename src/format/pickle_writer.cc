@@ -1,0 +1,433 @@
+#include "format/pickle_writer.h"
+
+#include <bit>
+#include <unordered_map>
+
+#include "format/error.h"
+
+namespace uckpt {
+namespace {
+
+class Pickler {
+ public:
+  PickledValue Run(const ValuePtr& root) {
+    out_.pickle += "\x80\x02";
+    Save(root);
+    out_.pickle += '.';
+    return std::move(out_);
+  }
+
+ private:
+  std::string& b() { return out_.pickle; }
+  void Op(char op) { b().push_back(op); }
+  void U32(uint32_t v) {
+    for (int k = 0; k < 4; ++k) b().push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+  }
+
+  void Put() {
+    uint32_t idx = next_memo_++;
+    if (idx < 256) {
+      Op('q');
+      b().push_back(static_cast<char>(idx));
+    } else {
+      Op('r');
+      U32(idx);
+    }
+  }
+  void Get(uint32_t idx) {
+    if (idx < 256) {
+      Op('h');
+      b().push_back(static_cast<char>(idx));
+    } else {
+      Op('j');
+      U32(idx);
+    }
+  }
+  // Emits BINGET if `key` was memoized; otherwise returns false.
+  bool Memoized(const void* key) {
+    auto it = memo_.find(key);
+    if (it == memo_.end()) return false;
+    Get(it->second);
+    return true;
+  }
+  void Remember(const void* key) {
+    memo_[key] = next_memo_;
+    Put();
+  }
+
+  void Int(int64_t v) {
+    if (v >= 0 && v <= 0xff) {
+      Op('K');
+      b().push_back(static_cast<char>(v));
+    } else if (v >= 0 && v <= 0xffff) {
+      Op('M');
+      b().push_back(static_cast<char>(v & 0xff));
+      b().push_back(static_cast<char>(v >> 8));
+    } else if (v >= INT32_MIN && v <= INT32_MAX) {
+      Op('J');
+      U32(static_cast<uint32_t>(static_cast<int32_t>(v)));
+    } else {
+      std::vector<uint8_t> bytes;
+      uint64_t u = static_cast<uint64_t>(v);
+      for (int k = 0; k < 8; ++k) bytes.push_back(static_cast<uint8_t>(u >> (8 * k)));
+      // Minimal two's complement length.
+      while (bytes.size() > 1 && ((bytes.back() == 0 && !(bytes[bytes.size() - 2] & 0x80)) ||
+                                  (bytes.back() == 0xff && (bytes[bytes.size() - 2] & 0x80))))
+        bytes.pop_back();
+      BigInt(bytes);
+    }
+  }
+  void BigInt(const std::vector<uint8_t>& bytes) {
+    if (bytes.size() < 256) {
+      Op('\x8a');
+      b().push_back(static_cast<char>(bytes.size()));
+    } else {
+      Op('\x8b');
+      U32(static_cast<uint32_t>(bytes.size()));
+    }
+    b().append(bytes.begin(), bytes.end());
+  }
+  void Float(double d) {
+    Op('G');
+    uint64_t u = std::bit_cast<uint64_t>(d);
+    for (int k = 7; k >= 0; --k) b().push_back(static_cast<char>((u >> (8 * k)) & 0xff));
+  }
+  void Str(const std::string& s) {
+    Op('X');
+    U32(static_cast<uint32_t>(s.size()));
+    b() += s;
+  }
+  void MemoStr(const std::string& s) {
+    Str(s);
+    Put();
+  }
+  // GLOBAL, memoized per class path as Python does per class object.
+  void Global(const std::string& module, const std::string& name) {
+    std::string m = module, n = name;
+    // Protocol 2 writes Python 2 module names.
+    if (m == "builtins") m = "__builtin__";
+    else if (m == "copyreg") m = "copy_reg";
+    std::string key = m + "\n" + n + "\n";
+    auto it = global_memo_.find(key);
+    if (it != global_memo_.end()) {
+      Get(it->second);
+      return;
+    }
+    Op('c');
+    b() += key;
+    global_memo_[key] = next_memo_;
+    Put();
+  }
+  void GlobalPath(const std::string& path) {
+    size_t dot = path.rfind('.');
+    Global(dot == std::string::npos ? "" : path.substr(0, dot), dot == std::string::npos ? path : path.substr(dot + 1));
+  }
+  void TupleOf(size_t n) {
+    switch (n) {
+      case 0: Op(')'); return;
+      case 1: Op('\x85'); break;
+      case 2: Op('\x86'); break;
+      case 3: Op('\x87'); break;
+      default: Op('t'); break;
+    }
+    Put();
+  }
+  void EmptyOrderedDict() {
+    Global("collections", "OrderedDict");
+    Op(')');
+    Op('R');
+    Put();
+  }
+
+  void Items(const std::vector<ValuePtr>& items) {  // after a list/object on the stack
+    if (items.size() == 1) {
+      Save(items[0]);
+      Op('a');
+      return;
+    }
+    for (size_t k = 0; k < items.size(); k += 1000) {
+      Op('(');
+      for (size_t j = k; j < std::min(items.size(), k + 1000); ++j) Save(items[j]);
+      Op('e');
+    }
+  }
+  void Entries(const std::vector<std::pair<ValuePtr, ValuePtr>>& entries) {
+    if (entries.size() == 1) {
+      Save(entries[0].first);
+      Save(entries[0].second);
+      Op('s');
+      return;
+    }
+    for (size_t k = 0; k < entries.size(); k += 1000) {
+      Op('(');
+      for (size_t j = k; j < std::min(entries.size(), k + 1000); ++j) {
+        Save(entries[j].first);
+        Save(entries[j].second);
+      }
+      Op('u');
+    }
+  }
+
+  std::string StorageKey(const std::shared_ptr<Storage>& s) {
+    auto it = storage_keys_.find(s.get());
+    if (it != storage_keys_.end()) return it->second;
+    std::string key = std::to_string(out_.storages.size());
+    storage_keys_[s.get()] = key;
+    out_.storages.push_back(s);
+    return key;
+  }
+
+  // The persistent id of `s` viewed as `dtype` (nullopt: keep its class).
+  void PersistentId(const std::shared_ptr<Storage>& s, std::optional<DType> dtype) {
+    std::string cls = s->storage_class;
+    int64_t numel = static_cast<int64_t>(s->bytes.size());
+    if (dtype) {
+      auto legacy = DTypeStorageClass(*dtype);
+      cls = legacy.empty() ? "torch.storage.UntypedStorage" : "torch." + std::string(legacy);
+      if (!legacy.empty()) numel /= static_cast<int64_t>(DTypeSize(*dtype));
+    } else if (auto d = DTypeFromStorageClass(cls.substr(cls.rfind('.') + 1))) {
+      numel /= static_cast<int64_t>(DTypeSize(*d));
+    }
+    auto seen = storage_class_.find(s.get());
+    if (seen != storage_class_.end() && seen->second != cls)
+      throw FormatError("cannot save one storage viewed as two types (" + seen->second + " and " + cls + ")");
+    storage_class_[s.get()] = cls;
+    std::string key = StorageKey(s);
+    Op('(');
+    MemoStr("storage");
+    GlobalPath(cls);
+    MemoStr(key);
+    MemoStr(s->location.empty() ? "cpu" : s->location);
+    Int(numel);
+    TupleOf(5);
+    Op('Q');
+  }
+
+  void TensorArgs(const Tensor& t) {
+    Op('(');
+    PersistentId(t.storage, t.dtype);
+    Int(t.storage_offset);
+    std::vector<ValuePtr> dims;
+    SaveInts(t.shape);
+    SaveInts(t.stride);
+    Op(t.requires_grad ? '\x88' : '\x89');
+    EmptyOrderedDict();
+    const bool v3 = DTypeStorageClass(t.dtype).empty();
+    if (v3) Global("torch", std::string(DTypeName(t.dtype)));
+    if (t.metadata) Save(t.metadata);
+    TupleOf(6 + (v3 ? 1 : 0) + (t.metadata ? 1 : 0));
+  }
+  void SaveInts(const std::vector<int64_t>& v) {
+    if (v.size() >= 4) Op('(');
+    for (int64_t x : v) Int(x);
+    TupleOf(v.size());
+  }
+
+  void SaveTensor(const Tensor& t) {
+    if (!t.storage) throw FormatError("cannot save a tensor without a storage");
+    const bool v3 = DTypeStorageClass(t.dtype).empty();
+    const char* fn = v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2";
+    if (t.attrs) {
+      Global("torch._tensor", "_rebuild_from_type_v2");
+      Op('(');
+      Global("torch._utils", fn);
+      Global("torch", "Tensor");
+      TensorArgs(t);
+      Save(t.attrs);
+      TupleOf(4);
+    } else {
+      Global("torch._utils", fn);
+      TensorArgs(t);
+    }
+    Op('R');
+    Put();
+  }
+
+  void Save(const ValuePtr& vp) {
+    const Value& v = *vp;
+    switch (v.kind) {
+      case Kind::kNone: Op('N'); return;
+      case Kind::kBool: Op(v.b ? '\x88' : '\x89'); return;
+      case Kind::kInt:
+        if (v.big.empty()) Int(v.i);
+        else BigInt(v.big);
+        return;
+      case Kind::kFloat: Float(v.f); return;
+      default: break;
+    }
+    if (Memoized(vp.get())) return;
+    switch (v.kind) {
+      case Kind::kStr:
+        Str(v.s);
+        Remember(vp.get());
+        return;
+      case Kind::kBytes:
+      case Kind::kByteArray: {
+        if (v.kind == Kind::kByteArray) Global("builtins", "bytearray");
+        if (v.s.empty()) {
+          Global("builtins", "bytes");
+          Op(')');
+        } else {
+          Global("_codecs", "encode");
+          std::string latin1;  // bytes as a str of code points 0..255, UTF-8 encoded
+          for (unsigned char c : v.s) {
+            if (c < 0x80) {
+              latin1.push_back(static_cast<char>(c));
+            } else {
+              latin1.push_back(static_cast<char>(0xC0 | (c >> 6)));
+              latin1.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+            }
+          }
+          MemoStr(latin1);
+          MemoStr("latin1");
+          TupleOf(2);
+        }
+        Op('R');
+        if (v.kind == Kind::kByteArray) {
+          Put();
+          TupleOf(1);
+          Op('R');
+        }
+        Remember(vp.get());
+        return;
+      }
+      case Kind::kComplex:
+        Global("builtins", "complex");
+        Float(v.f);
+        Float(v.imag);
+        TupleOf(2);
+        Op('R');
+        Remember(vp.get());
+        return;
+      case Kind::kList:
+        Op(']');
+        Remember(vp.get());
+        Items(v.items);
+        return;
+      case Kind::kTuple:
+        if (v.items.empty()) {
+          Op(')');
+          return;
+        }
+        if (v.items.size() >= 4) Op('(');
+        for (const auto& it : v.items) Save(it);
+        switch (v.items.size()) {
+          case 1: Op('\x85'); break;
+          case 2: Op('\x86'); break;
+          case 3: Op('\x87'); break;
+          default: Op('t');
+        }
+        Remember(vp.get());
+        return;
+      case Kind::kDict:
+        Op('}');
+        Remember(vp.get());
+        Entries(v.entries);
+        return;
+      case Kind::kOrderedDict:
+        Global("collections", "OrderedDict");
+        Op(')');
+        Op('R');
+        Remember(vp.get());
+        Entries(v.entries);
+        if (v.state) {
+          Save(v.state);
+          Op('b');
+        }
+        return;
+      case Kind::kSet:
+      case Kind::kFrozenSet:
+        Global("builtins", v.kind == Kind::kSet ? "set" : "frozenset");
+        Op(']');
+        Put();
+        Items(v.items);
+        TupleOf(1);
+        Op('R');
+        Remember(vp.get());
+        return;
+      case Kind::kTorchSize: {
+        Global("torch", "Size");
+        std::vector<int64_t> dims;
+        for (const auto& it : v.items) dims.push_back(it->i);
+        SaveInts(dims);
+        TupleOf(1);
+        Op('R');
+        Remember(vp.get());
+        return;
+      }
+      case Kind::kTorchDevice: {
+        Global("torch", "device");
+        size_t colon = v.s.find(':');
+        if (colon == std::string::npos) {
+          MemoStr(v.s);
+          TupleOf(1);
+        } else {
+          MemoStr(v.s.substr(0, colon));
+          Int(std::stoll(v.s.substr(colon + 1)));
+          TupleOf(2);
+        }
+        Op('R');
+        Remember(vp.get());
+        return;
+      }
+      case Kind::kTorchDtype: Global("torch", v.s); return;
+      case Kind::kGlobal: Global(v.module(), v.name()); return;
+      case Kind::kTensor:
+        SaveTensor(*v.tensor);
+        memo_[vp.get()] = next_memo_ - 1;
+        return;
+      case Kind::kParameter: {
+        Global("torch._utils", v.state ? "_rebuild_parameter_with_state" : "_rebuild_parameter");
+        Op('(');
+        SaveTensor(*v.tensor);
+        Op(v.b ? '\x88' : '\x89');
+        EmptyOrderedDict();
+        if (v.state) Save(v.state);
+        TupleOf(v.state ? 4 : 3);
+        Op('R');
+        Remember(vp.get());
+        return;
+      }
+      case Kind::kStorage:
+        PersistentId(v.storage, std::nullopt);
+        Remember(vp.get());
+        return;
+      case Kind::kObject: {
+        if (v.newobj && v.kwargs) {
+          Global("copyreg", "__newobj_ex__");
+          Global(v.module(), v.name());
+          Save(v.items.at(0));
+          Save(v.kwargs);
+          TupleOf(3);
+          Op('R');
+        } else {
+          Global(v.module(), v.name());
+          Save(v.items.at(0));
+          Op(v.newobj ? '\x81' : 'R');
+        }
+        Remember(vp.get());
+        if (!v.listitems.empty()) Items(v.listitems);
+        if (!v.entries.empty()) Entries(v.entries);
+        if (v.state) {
+          Save(v.state);
+          Op('b');
+        }
+        return;
+      }
+      default: throw FormatError("cannot pickle a value of type " + KindName(v));
+    }
+  }
+
+  PickledValue out_;
+  uint32_t next_memo_ = 0;
+  std::unordered_map<const void*, uint32_t> memo_;
+  std::unordered_map<std::string, uint32_t> global_memo_;
+  std::unordered_map<const Storage*, std::string> storage_keys_;
+  std::unordered_map<const Storage*, std::string> storage_class_;
+};
+
+}  // namespace
+
+PickledValue PickleForTorch(const ValuePtr& root) { return Pickler().Run(root); }
+
+}  // namespace uckpt

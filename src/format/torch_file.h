@@ -1,0 +1,42 @@
+// torch.save files: load (memory-mapped, zero-copy, no code execution) and save
+// (protocol-2 pickle, 64-byte aligned records, loadable by torch.load with
+// weights_only=True in PyTorch 1.13 and 2.x).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "format/file.h"
+#include "format/pickle_reader.h"
+#include "format/value.h"
+
+namespace uckpt {
+
+struct TorchFile {
+  std::shared_ptr<const MappedFile> file;
+  std::string archive;  // the record folder name inside the zip
+  ValuePtr root;
+};
+
+struct LoadOptions {
+  bool verify_crc = false;  // check every record's CRC-32 (a stored 0 is skipped)
+  PickleLimits limits;
+};
+
+// Throws FormatError naming the file on anything that is not a valid torch.save
+// zip file (legacy pre-1.6 files and TorchScript archives are refused with a
+// message saying so), IoError if it cannot be read.
+TorchFile LoadTorchFile(const std::string& path, const LoadOptions& options = {});
+TorchFile LoadTorchFile(std::shared_ptr<const MappedFile> file, const LoadOptions& options = {});
+
+struct SaveOptions {
+  bool durable = true;  // fsync before the rename
+  uint32_t alignment = 64;
+};
+
+// Writes `root` to `path` through a temporary file renamed into place when
+// complete. Throws FormatError for values torch cannot represent (e.g. one
+// storage viewed with two dtypes), IoError on write failures.
+void SaveTorchFile(const std::string& path, const ValuePtr& root, const SaveOptions& options = {});
+
+}  // namespace uckpt

@@ -1,0 +1,285 @@
+#include "format/zip.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "format/error.h"
+
+namespace uckpt {
+namespace {
+
+constexpr uint32_t kLocalSig = 0x04034b50;
+constexpr uint32_t kCentralSig = 0x02014b50;
+constexpr uint32_t kEndSig = 0x06054b50;
+constexpr uint32_t kZip64EndSig = 0x06064b50;
+constexpr uint32_t kZip64LocatorSig = 0x07064b50;
+constexpr uint32_t kDescriptorSig = 0x08074b50;
+constexpr uint64_t k32Max = 0xFFFFFFFFu;
+
+uint16_t Le16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+uint32_t Le32(const uint8_t* p) {
+  return uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
+}
+uint64_t Le64(const uint8_t* p) { return uint64_t{Le32(p)} | (uint64_t{Le32(p + 4)} << 32); }
+
+void Put16(std::string& b, uint16_t v) {
+  b.push_back(static_cast<char>(v & 0xff));
+  b.push_back(static_cast<char>(v >> 8));
+}
+void Put32(std::string& b, uint32_t v) {
+  Put16(b, static_cast<uint16_t>(v & 0xffff));
+  Put16(b, static_cast<uint16_t>(v >> 16));
+}
+void Put64(std::string& b, uint64_t v) {
+  Put32(b, static_cast<uint32_t>(v & k32Max));
+  Put32(b, static_cast<uint32_t>(v >> 32));
+}
+
+}  // namespace
+
+uint32_t Crc32(std::span<const uint8_t> data, uint32_t crc) {
+  return static_cast<uint32_t>(crc32_z(crc, data.data(), data.size()));
+}
+
+ZipReader::ZipReader(std::shared_ptr<const MappedFile> file) : file_(std::move(file)) {
+  const std::string& path = file_->path();
+  auto bytes = file_->bytes();
+  const uint8_t* base = bytes.data();
+  const uint64_t size = bytes.size();
+  auto fail = [&](const std::string& what) -> void { throw FormatError(path + ": " + what); };
+
+  if (size < 22) fail("too short to be a zip archive (" + std::to_string(size) + " bytes)");
+  // The end record is the last 22 bytes plus a comment of at most 64 KiB.
+  uint64_t eocd = UINT64_MAX;
+  uint64_t lowest = size > 22 + 0xFFFF ? size - 22 - 0xFFFF : 0;
+  for (uint64_t pos = size - 22 + 1; pos-- > lowest;) {
+    if (Le32(base + pos) == kEndSig && pos + 22 + Le16(base + pos + 20) == size) {
+      eocd = pos;
+      break;
+    }
+  }
+  if (eocd == UINT64_MAX) fail("no zip end-of-central-directory record (truncated or not a zip file)");
+  const uint8_t* e = base + eocd;
+  uint64_t count = Le16(e + 10);
+  uint64_t cd_size = Le32(e + 12);
+  uint64_t cd_offset = Le32(e + 16);
+  uint64_t cd_limit = eocd;  // the central directory must end before this
+  if (eocd >= 20 && Le32(base + eocd - 20) == kZip64LocatorSig) {
+    uint64_t z64 = Le64(base + eocd - 20 + 8);
+    if (z64 > eocd - 20 || eocd - 20 - z64 < 56 || Le32(base + z64) != kZip64EndSig)
+      fail("bad zip64 end-of-central-directory record (locator points to offset " + std::to_string(z64) + ")");
+    count = Le64(base + z64 + 32);
+    cd_size = Le64(base + z64 + 40);
+    cd_offset = Le64(base + z64 + 48);
+    cd_limit = z64;
+  }
+  if (cd_offset > cd_limit || cd_size > cd_limit - cd_offset)
+    fail("central directory (offset " + std::to_string(cd_offset) + ", size " + std::to_string(cd_size) +
+         ") lies outside the file");
+  if (count > cd_size / 46) fail("central directory claims " + std::to_string(count) + " records in " +
+                                 std::to_string(cd_size) + " bytes");
+
+  struct Span {
+    uint64_t begin, end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  entries_.reserve(count);
+  uint64_t pos = cd_offset;
+  const uint64_t cd_end = cd_offset + cd_size;
+  for (uint64_t k = 0; k < count; ++k) {
+    std::string where = "central directory record " + std::to_string(k);
+    if (cd_end - pos < 46) fail(where + " is truncated");
+    const uint8_t* c = base + pos;
+    if (Le32(c) != kCentralSig) fail(where + " has a bad signature");
+    uint16_t flags = Le16(c + 8), method = Le16(c + 10);
+    uint64_t csize = Le32(c + 20), usize = Le32(c + 24), offset = Le32(c + 42);
+    uint16_t name_len = Le16(c + 28), extra_len = Le16(c + 30), comment_len = Le16(c + 32);
+    if (cd_end - pos < 46ull + name_len + extra_len + comment_len) fail(where + " is truncated");
+    ZipEntry entry;
+    entry.name.assign(reinterpret_cast<const char*>(c + 46), name_len);
+    entry.crc32 = Le32(c + 16);
+    where = "record '" + entry.name + "'";
+    // zip64 extra field: only the fields that overflowed, in a fixed order.
+    const uint8_t* x = c + 46 + name_len;
+    const uint8_t* x_end = x + extra_len;
+    while (x_end - x >= 4) {
+      uint16_t id = Le16(x), len = Le16(x + 2);
+      if (x_end - x - 4 < len) fail(where + " has a truncated extra field");
+      if (id == 0x0001) {
+        const uint8_t* z = x + 4;
+        const uint8_t* z_end = z + len;
+        auto take = [&](uint64_t& field) {
+          if (field != k32Max) return;
+          if (z_end - z < 8) fail(where + " has a short zip64 extra field");
+          field = Le64(z);
+          z += 8;
+        };
+        take(usize);
+        take(csize);
+        take(offset);
+      }
+      x += 4 + len;
+    }
+    if (flags & 0x1) fail(where + " is encrypted; torch files are never encrypted");
+    if (method != 0)
+      fail(where + " is compressed (method " + std::to_string(method) +
+           "); torch.save writes stored records only, so this archive was re-zipped by another tool");
+    if (csize != usize) fail(where + " has different stored and original sizes");
+    // Local header: its name and extra lengths decide where the data starts.
+    if (offset > size || size - offset < 30) fail(where + ": local header offset " + std::to_string(offset) + " is outside the file");
+    const uint8_t* l = base + offset;
+    if (Le32(l) != kLocalSig) fail(where + ": bad local header signature at offset " + std::to_string(offset));
+    uint64_t data = offset + 30 + Le16(l + 26) + Le16(l + 28);
+    if (Le16(l + 26) != name_len || std::memcmp(l + 30, c + 46, name_len) != 0)
+      fail(where + ": local header name differs from the central directory");
+    if (data > cd_offset || usize > cd_offset - data)
+      fail(where + ": data (offset " + std::to_string(data) + ", " + std::to_string(usize) +
+           " bytes) runs past the start of the central directory");
+    entry.data_offset = data;
+    entry.size = usize;
+    if (!index_.emplace(entry.name, entries_.size()).second) fail("record '" + entry.name + "' appears twice");
+    spans.push_back({offset, data + usize, entries_.size()});
+    entries_.push_back(std::move(entry));
+    pos += 46ull + name_len + extra_len + comment_len;
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < spans.size(); ++k)
+    if (spans[k].begin < spans[k - 1].end)
+      fail("records '" + entries_[spans[k - 1].index].name + "' and '" + entries_[spans[k].index].name + "' overlap");
+}
+
+const ZipEntry* ZipReader::Find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+std::span<const uint8_t> ZipReader::Data(const ZipEntry& e) const {
+  return file_->bytes().subspan(e.data_offset, e.size);
+}
+
+bool ZipReader::CrcMatches(const ZipEntry& e) const { return e.crc32 == 0 || Crc32(Data(e)) == e.crc32; }
+
+void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces) {
+  uint64_t size = 0;
+  uint32_t crc = 0;
+  for (auto p : pieces) {
+    size += p.size();
+    crc = Crc32(p, crc);
+  }
+  const uint64_t cursor = out_.offset();
+  const bool big_size = size >= k32Max, big_offset = cursor >= k32Max;
+  const bool zip64 = big_size || big_offset;
+
+  std::string zip64_extra;
+  if (zip64) {
+    Put16(zip64_extra, 0x0001);
+    Put16(zip64_extra, static_cast<uint16_t>((big_size ? 16 : 0) + (big_offset ? 8 : 0)));
+    if (big_size) {
+      Put64(zip64_extra, size);
+      Put64(zip64_extra, 0);  // compressed-size slot, left 0 as PyTorch's writer does
+    }
+    if (big_offset) Put64(zip64_extra, cursor);
+  }
+  uint64_t start = cursor + 30 + name.size() + 4 + zip64_extra.size();
+  uint32_t pad = static_cast<uint32_t>((alignment_ - start % alignment_) % alignment_);
+
+  std::string h;
+  Put32(h, kLocalSig);
+  Put16(h, 0);
+  Put16(h, size > 0 ? 0x0808 : 0x0800);
+  Put16(h, 0);  // stored
+  Put32(h, 0);  // time, date
+  Put32(h, 0);  // CRC (in the descriptor)
+  Put32(h, 0);
+  Put32(h, 0);
+  Put16(h, static_cast<uint16_t>(name.size()));
+  Put16(h, static_cast<uint16_t>(zip64_extra.size() + 4 + pad));
+  h += name;
+  h += zip64_extra;
+  Put16(h, 0x4246);  // "FB"
+  Put16(h, static_cast<uint16_t>(pad));
+  h.append(pad, 'Z');
+  out_.Write(h);
+  for (auto p : pieces) out_.Write(p);
+  if (size > 0) {
+    std::string d;
+    Put32(d, kDescriptorSig);
+    Put32(d, crc);
+    if (zip64) {
+      Put64(d, size);
+      Put64(d, size);
+    } else {
+      Put32(d, static_cast<uint32_t>(size));
+      Put32(d, static_cast<uint32_t>(size));
+    }
+    out_.Write(d);
+  }
+  records_.push_back({name, start + pad, size, crc});
+  header_offsets_.push_back(cursor);
+}
+
+void ZipWriter::Finish() {
+  const uint64_t cd_offset = out_.offset();
+  std::string cd;
+  for (size_t k = 0; k < records_.size(); ++k) {
+    const ZipEntry& r = records_[k];
+    const uint64_t off = header_offsets_[k];
+    const bool big_size = r.size >= k32Max, big_offset = off >= k32Max;
+    Put32(cd, kCentralSig);
+    Put16(cd, 0);
+    Put16(cd, 0);
+    Put16(cd, r.size > 0 ? 0x0808 : 0x0800);
+    Put16(cd, 0);
+    Put32(cd, 0);
+    Put32(cd, r.crc32);
+    Put32(cd, big_size ? k32Max : static_cast<uint32_t>(r.size));
+    Put32(cd, big_size ? k32Max : static_cast<uint32_t>(r.size));
+    Put16(cd, static_cast<uint16_t>(r.name.size()));
+    Put16(cd, static_cast<uint16_t>(big_size || big_offset ? 4 + (big_size ? 16 : 0) + (big_offset ? 8 : 0) : 0));
+    Put16(cd, 0);  // comment
+    Put16(cd, 0);  // disk
+    Put16(cd, 0);  // internal attributes
+    Put32(cd, 0);  // external attributes
+    Put32(cd, big_offset ? k32Max : static_cast<uint32_t>(off));
+    cd += r.name;
+    if (big_size || big_offset) {
+      Put16(cd, 0x0001);
+      Put16(cd, static_cast<uint16_t>((big_size ? 16 : 0) + (big_offset ? 8 : 0)));
+      if (big_size) {
+        Put64(cd, r.size);
+        Put64(cd, r.size);
+      }
+      if (big_offset) Put64(cd, off);
+    }
+  }
+  const uint64_t n = records_.size();
+  const uint64_t zip64_eocd = cd_offset + cd.size();
+  Put32(cd, kZip64EndSig);
+  Put64(cd, 44);
+  Put16(cd, 0x031E);
+  Put16(cd, 0x002D);
+  Put32(cd, 0);
+  Put32(cd, 0);
+  Put64(cd, n);
+  Put64(cd, n);
+  Put64(cd, zip64_eocd - cd_offset);
+  Put64(cd, cd_offset);
+  Put32(cd, kZip64LocatorSig);
+  Put32(cd, 0);
+  Put64(cd, zip64_eocd);
+  Put32(cd, 1);
+  Put32(cd, kEndSig);
+  Put16(cd, 0);
+  Put16(cd, 0);
+  Put16(cd, static_cast<uint16_t>(std::min<uint64_t>(n, 0xFFFF)));
+  Put16(cd, static_cast<uint16_t>(std::min<uint64_t>(n, 0xFFFF)));
+  Put32(cd, static_cast<uint32_t>(std::min<uint64_t>(zip64_eocd - cd_offset, k32Max)));
+  Put32(cd, static_cast<uint32_t>(std::min<uint64_t>(cd_offset, k32Max)));
+  Put16(cd, 0);
+  out_.Write(cd);
+}
+
+}  // namespace uckpt

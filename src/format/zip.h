@@ -1,0 +1,72 @@
+// The zip container of torch.save files: stored (uncompressed) records, zip64,
+// 64-byte aligned data. The reader exposes records zero-copy from a memory map.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "format/file.h"
+
+namespace uckpt {
+
+struct ZipEntry {
+  std::string name;      // full name, "<archive>/<record>"
+  uint64_t data_offset;  // absolute offset of the first data byte
+  uint64_t size;
+  uint32_t crc32;
+};
+
+class ZipReader {
+ public:
+  // Parses the central directory of `file`. Throws FormatError naming the file
+  // and the bad record on compressed, encrypted, overlapping or out-of-range
+  // entries and on bad signatures.
+  explicit ZipReader(std::shared_ptr<const MappedFile> file);
+
+  const std::vector<ZipEntry>& entries() const { return entries_; }
+  // The entry called `name`, or null.
+  const ZipEntry* Find(const std::string& name) const;
+  std::span<const uint8_t> Data(const ZipEntry& e) const;
+  const std::shared_ptr<const MappedFile>& file() const { return file_; }
+  // Checks a record's CRC-32 (a stored CRC of 0 means "not computed").
+  bool CrcMatches(const ZipEntry& e) const;
+
+ private:
+  std::shared_ptr<const MappedFile> file_;
+  std::vector<ZipEntry> entries_;
+  std::unordered_map<std::string, size_t> index_;
+};
+
+// Writes records exactly as PyTorch's writer lays them out: local header with
+// data descriptor, "FB" padding field aligning data to `alignment`, zip64
+// extra fields when needed, central directory, zip64 end records, end record.
+class ZipWriter {
+ public:
+  ZipWriter(AtomicFile& out, uint32_t alignment = 64) : out_(out), alignment_(alignment) {}
+
+  // Writes one record whose data is the concatenation of `pieces`.
+  void AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces);
+  void AddRecord(const std::string& name, std::span<const uint8_t> data) { AddRecord(name, {&data, 1}); }
+  void AddRecord(const std::string& name, const std::string& s) {
+    AddRecord(name, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
+  }
+  // Writes the central directory and end records.
+  void Finish();
+
+  // The CRC-32 of every record written so far, in order (for the serialization id).
+  const std::vector<ZipEntry>& records() const { return records_; }
+
+ private:
+  AtomicFile& out_;
+  uint32_t alignment_;
+  std::vector<ZipEntry> records_;
+  std::vector<uint64_t> header_offsets_;
+};
+
+uint32_t Crc32(std::span<const uint8_t> data, uint32_t crc = 0);
+
+}  // namespace uckpt
