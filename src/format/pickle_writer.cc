@@ -378,7 +378,7 @@ class Pickler {
         return;
       case Kind::kParameter: {
         Global("torch._utils", v.state ? "_rebuild_parameter_with_state" : "_rebuild_parameter");
-        Op('(');
+        if (v.state) Op('(');  // 4 items need MARK ... TUPLE; 3 use TUPLE3
         SaveTensor(*v.tensor);
         Op(v.b ? '\x88' : '\x89');
         EmptyOrderedDict();
