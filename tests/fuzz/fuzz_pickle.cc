@@ -68,7 +68,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   try {
-    (void)ValueToJson(*root).dump();
+    (void)ValueToJson(*root).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);  // as `inspect --json`
   } catch (const FormatError&) {
   }
   try {

@@ -22,15 +22,20 @@ namespace {
 using namespace uckpt;
 using nlohmann::json;
 
-// A private folder for the round-trip file, removed at exit.
+// A private folder for the round-trip file, removed at exit. Never freed, so
+// that it outlives the exit handler that removes the folder.
 const std::string& ScratchDir() {
-  static const std::string dir = [] {
+  static const std::string* dir = [] {
     std::string pattern = (std::filesystem::temp_directory_path() / "uckpt-fuzz-XXXXXX").string();
     if (!mkdtemp(pattern.data())) __builtin_trap();
-    std::atexit([] { std::filesystem::remove_all(ScratchDir()); });
-    return pattern;
+    auto* d = new std::string(pattern);
+    std::atexit([] {
+      std::error_code ec;
+      std::filesystem::remove_all(ScratchDir(), ec);
+    });
+    return d;
   }();
-  return dir;
+  return *dir;
 }
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
