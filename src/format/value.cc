@@ -56,6 +56,7 @@ bool Tensor::is_contiguous() const {
 
 std::span<const uint8_t> Tensor::contiguous_view() const {
   if (!is_contiguous() || !storage) return {};
+  if (numel() == 0) return {};  // an empty view's offset may lie past the storage end
   size_t es = DTypeSize(dtype);
   return storage->bytes.subspan(static_cast<size_t>(storage_offset) * es, nbytes());
 }
@@ -234,7 +235,8 @@ std::string HashKey(const Value& v) {
     case Kind::kBool: return "i" + std::to_string(v.b ? 1 : 0);
     case Kind::kInt: return v.big.empty() ? "i" + std::to_string(v.i) : "I" + IntToDecimal(v);
     case Kind::kFloat: {
-      if (v.f == static_cast<double>(static_cast<int64_t>(v.f)) && v.f > -9e18 && v.f < 9e18)
+      // Range first: converting NaN or a huge float to int64 is undefined.
+      if (v.f > -9e18 && v.f < 9e18 && v.f == static_cast<double>(static_cast<int64_t>(v.f)))
         return "i" + std::to_string(static_cast<int64_t>(v.f));
       return "f" + std::to_string(std::bit_cast<uint64_t>(v.f));
     }
