@@ -125,16 +125,17 @@ class Machine {
       : data_(data), where_(where), load_(load), limits_(limits) {}
 
   ~Machine() {
-    // On failure the partial graph may hold cycles or very deep chains; cut
-    // every edge first so that freeing it neither leaks nor recurses deeply.
-    if (!done_) {
-      for (auto& v : created_) {
-        v->items.clear();
-        v->entries.clear();
-        v->listitems.clear();
-        v->state.reset();
-        v->kwargs.reset();
-      }
+    // Values left out of the result (all of them on failure) may hold cycles
+    // or very deep chains; cut their edges first so that freeing them neither
+    // leaks nor recurses deeply.
+    for (auto& v : created_) {
+      if (done_ && reachable_.count(v.get())) continue;
+      v->items.clear();
+      v->entries.clear();
+      v->listitems.clear();
+      v->state.reset();
+      v->kwargs.reset();
+      v->tensor.reset();  // a tensor's attrs can lead back to it
     }
   }
 
@@ -234,6 +235,7 @@ class Machine {
   // Key index of large dicts so that SETITEMS stays linear.
   std::unordered_map<const Value*, std::unordered_map<std::string, size_t>> dict_index_;
   bool done_ = false;
+  std::unordered_set<const Value*> reachable_;  // from the result, filled by CheckShape
 };
 
 ValuePtr Machine::MakeGlobal(std::string module, std::string name) {
@@ -493,6 +495,7 @@ void Machine::CheckShape() {
     Frame& f = path.back();
     if (f.next == f.kids.size()) {
       state[f.v] = 2;
+      reachable_.insert(f.v);
       path.pop_back();
       continue;
     }
