@@ -10,5 +10,6 @@ namespace uckpt::cli {
 using Runner = std::function<int()>;
 
 Runner AddInspect(CLI::App& app);
+Runner AddConvert(CLI::App& app);
 
 }  // namespace uckpt::cli

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
     runners[app.get_subcommands({})[before]] = runner;
   };
   add(uckpt::cli::AddInspect);
+  add(uckpt::cli::AddConvert);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,115 @@
+#include "ckpt/folder.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <tuple>
+
+#include "format/error.h"
+
+namespace uckpt::ckpt {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+int ToInt(const std::string& digits) {
+  // Names come from the file system; cap absurd numbers instead of overflowing.
+  if (digits.size() > 9) return 1 << 30;
+  return std::stoi(digits);
+}
+
+}  // namespace
+
+CheckpointFile ClassifyFile(const std::string& folder, const std::string& name) {
+  static const std::regex model(R"(mp_rank_(\d+)_model_states\.pt)");
+  static const std::regex zero3_model(R"(zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
+  static const std::regex optim(R"((bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt)");
+  static const std::regex layer(R"(layer_\d+-model(_\d+)?-model_states\.pt)");
+  static const std::regex expert(R"((layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt|expp_rank_\d+_mp_rank_\d+_optim_states\.pt)");
+  CheckpointFile f;
+  f.name = name;
+  f.path = folder.empty() ? name : folder + "/" + name;
+  std::smatch m;
+  if (std::regex_match(name, m, model)) {
+    f.kind = FileKind::kModelStates;
+    f.mp = ToInt(m[1]);
+  } else if (std::regex_match(name, m, zero3_model)) {
+    f.kind = FileKind::kZero3ModelStates;
+    f.dp = ToInt(m[1]);
+    f.mp = ToInt(m[2]);
+  } else if (std::regex_match(name, m, optim)) {
+    f.kind = FileKind::kOptimStates;
+    f.prefix = m[1];
+    f.dp = ToInt(m[2]);
+    f.mp = ToInt(m[3]);
+  } else if (std::regex_match(name, layer)) {
+    f.kind = FileKind::kPipelineLayer;
+  } else if (std::regex_match(name, expert)) {
+    f.kind = FileKind::kMoeExpert;
+  }
+  return f;
+}
+
+std::vector<CheckpointFile> ListCheckpointFolder(const std::string& folder) {
+  std::error_code ec;
+  fs::directory_iterator it(folder, ec);
+  if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
+  std::vector<CheckpointFile> files;
+  for (const auto& e : it) {
+    if (!e.is_regular_file(ec)) continue;
+    files.push_back(ClassifyFile(folder, e.path().filename().string()));
+  }
+  std::sort(files.begin(), files.end(), [](const CheckpointFile& a, const CheckpointFile& b) {
+    return std::tie(a.kind, a.dp, a.mp, a.name) < std::tie(b.kind, b.dp, b.mp, b.name);
+  });
+  return files;
+}
+
+std::string StripTrailingSlashes(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
+namespace {
+
+bool IsTagFolder(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(fs::path(path) / "zero", ec)) return true;
+  for (const auto& f : ListCheckpointFolder(path))
+    if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates)
+      return true;
+  return false;
+}
+
+std::optional<std::string> ReadTag(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) return std::nullopt;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string tag = ss.str();
+  // `latest` is read with surrounding whitespace stripped, as DeepSpeed does.
+  size_t b = tag.find_first_not_of(" \t\r\n"), e = tag.find_last_not_of(" \t\r\n");
+  if (b == std::string::npos) return std::nullopt;
+  return tag.substr(b, e - b + 1);
+}
+
+}  // namespace
+
+std::optional<std::string> ResolveTagFolder(const std::string& path_in, bool prefer_universal) {
+  std::string path = StripTrailingSlashes(path_in);
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return std::nullopt;
+  if (IsTagFolder(path)) return path;
+  const char* order[2] = {"latest", "latest_universal"};
+  if (prefer_universal) std::swap(order[0], order[1]);
+  for (const char* name : order) {
+    auto tag = ReadTag(path + "/" + name);
+    if (tag && fs::is_directory(path + "/" + *tag, ec)) return path + "/" + *tag;
+  }
+  return std::nullopt;
+}
+
+}  // namespace uckpt::ckpt

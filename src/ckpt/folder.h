@@ -1,0 +1,46 @@
+// The files of a DeepSpeed checkpoint tag folder, classified by name
+// (shared/spec/deepspeed-zero-checkpoint.md §2), and the tag-folder lookup
+// through `latest` / `latest_universal`.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace uckpt::ckpt {
+
+enum class FileKind {
+  kModelStates,       // mp_rank_XX_model_states.pt
+  kZero3ModelStates,  // zero_pp_rank_D_mp_rank_XX_model_states.pt
+  kOptimStates,       // [bf16_|fp16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt
+  kPipelineLayer,     // layer_NN-model_states.pt, layer_NN-model_TT-model_states.pt
+  kMoeExpert,         // [layer_L_]expert_E_mp_rank_XX_model_states.pt, expp_rank_*
+  kOther,
+};
+
+struct CheckpointFile {
+  std::string name;  // file name inside the folder
+  std::string path;  // folder + "/" + name
+  FileKind kind = FileKind::kOther;
+  int dp = -1;             // data-parallel rank (zero_pp_rank_D), -1 if none
+  int mp = -1;             // mp_rank_XX, -1 if none
+  std::string prefix;      // optimizer files: "", "bf16_" or "fp16_"
+};
+
+// Classifies one file name. Numbers are parsed as integers, so
+// zero_pp_rank_10 sorts after zero_pp_rank_9.
+CheckpointFile ClassifyFile(const std::string& folder, const std::string& name);
+
+// The regular files of `folder`, classified, sorted by (kind, dp, mp, name).
+// Throws IoError if the folder cannot be read.
+std::vector<CheckpointFile> ListCheckpointFolder(const std::string& folder);
+
+// `path` itself if it is a tag folder (holds *_model_states.pt or *_optim_states.pt
+// or a zero/ folder); else, if it holds `latest_universal` (preferred when
+// `prefer_universal`) or `latest`, the folder that file names. nullopt otherwise.
+std::optional<std::string> ResolveTagFolder(const std::string& path, bool prefer_universal = false);
+
+// Removes trailing slashes ("ckpt/step5_universal/" -> "ckpt/step5_universal").
+std::string StripTrailingSlashes(std::string path);
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,89 @@
+#include "ckpt/torch_out.h"
+
+#include <sys/mman.h>
+
+#include <filesystem>
+
+#include "format/error.h"
+#include "format/file.h"
+#include "format/pickle_writer.h"
+#include "format/zip.h"
+
+namespace uckpt::ckpt {
+
+namespace {
+
+// Reserved, inaccessible address space of the storage's size: the pickle
+// writer reads only the size of `bytes`, and anything that wrongly read the
+// data would fault instead of writing garbage.
+struct Reservation {
+  void* p = nullptr;
+  size_t n = 0;
+  ~Reservation() {
+    if (p) ::munmap(p, n);
+  }
+};
+
+std::string ArchiveName(const std::string& path) {
+  std::string base = std::filesystem::path(path).filename().string();
+  size_t dot = base.rfind('.');
+  return dot == std::string::npos ? base : base.substr(0, dot);
+}
+
+}  // namespace
+
+std::shared_ptr<Storage> PiecewiseStorage(DType dtype, uint64_t nbytes) {
+  auto r = std::make_shared<Reservation>();
+  if (nbytes > 0) {
+    r->n = nbytes;
+    r->p = ::mmap(nullptr, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (r->p == MAP_FAILED) {
+      r->p = nullptr;
+      throw IoError("cannot reserve " + std::to_string(nbytes) + " bytes of address space");
+    }
+  }
+  return Storage::View({static_cast<const uint8_t*>(r->p), static_cast<size_t>(nbytes)}, dtype, r);
+}
+
+ValuePtr PiecewiseTensor(DType dtype, const std::vector<int64_t>& shape, bool requires_grad) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = shape;
+  t.stride = Tensor::ContiguousStrides(shape);
+  t.requires_grad = requires_grad;
+  t.storage = PiecewiseStorage(dtype, static_cast<uint64_t>(numel) * DTypeSize(dtype));
+  return Value::FromTensor(std::move(t));
+}
+
+uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const StoragePieces& pieces,
+                        const TorchWriteOptions& options) {
+  PickledValue p = PickleForTorch(root);
+  const std::string prefix = ArchiveName(path) + "/";
+  AtomicFile out(path, options.durable);
+  ZipWriter zip(out);
+  zip.AddRecord(prefix + "data.pkl", p.pickle);
+  for (size_t k = 0; k < p.storages.size(); ++k) {
+    const Storage* s = p.storages[k].get();
+    const std::string name = prefix + "data/" + std::to_string(k);
+    auto it = pieces.find(s);
+    if (it == pieces.end()) {
+      zip.AddRecord(name, s->bytes);
+      continue;
+    }
+    uint64_t total = 0;
+    for (auto piece : it->second) total += piece.size();
+    if (total != s->bytes.size())
+      throw FormatError(path + ": pieces of " + std::to_string(total) + " bytes for a storage of " +
+                        std::to_string(s->bytes.size()));
+    zip.AddRecord(name, it->second);
+  }
+  zip.AddRecord(prefix + "version", std::string("3\n"));
+  zip.Finish();
+  const uint64_t size = out.offset();
+  out.Commit();
+  return size;
+}
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,38 @@
+// torch.save files as torch 1.13 lays them out (records data.pkl, data/<k>,
+// version — what DeepSpeed 0.14 on torch 1.13 writes), so that converted files
+// can be byte-identical to DeepSpeed's. Tensor data can be given as pieces
+// that are written one after another, straight from memory-mapped inputs,
+// without being gathered first.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "format/value.h"
+
+namespace uckpt::ckpt {
+
+// A storage of `nbytes` whose bytes are not in memory: its data must be
+// supplied as pieces to WriteTorchFile. (The pickle needs only its size.)
+std::shared_ptr<Storage> PiecewiseStorage(DType dtype, uint64_t nbytes);
+
+// A contiguous tensor of `shape` over a PiecewiseStorage.
+ValuePtr PiecewiseTensor(DType dtype, const std::vector<int64_t>& shape, bool requires_grad);
+
+using StoragePieces = std::unordered_map<const Storage*, std::vector<std::span<const uint8_t>>>;
+
+struct TorchWriteOptions {
+  bool durable = false;  // fsync + rename (off inside a temporary output folder)
+};
+
+// Writes `root` to `path`. Storages listed in `pieces` are written from their
+// pieces (which must add up to the storage's size); all others from their
+// bytes. Returns the file size. Throws IoError naming the file on write errors.
+uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const StoragePieces& pieces = {},
+                        const TorchWriteOptions& options = {});
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,531 @@
+#include "ckpt/zero_checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "ckpt/values.h"
+#include "format/error.h"
+
+namespace uckpt::ckpt {
+
+uint64_t StatePlan::bytes() const {
+  uint64_t n = 0;
+  for (auto p : pieces) n += p.size();
+  return n;
+}
+
+uint64_t ParamPlan::bytes() const {
+  uint64_t n = 0;
+  for (const auto& s : states) n += s.bytes();
+  return n;
+}
+
+uint64_t ZeroCheckpoint::total_bytes() const {
+  uint64_t n = 0;
+  for (const auto& p : params) n += p.bytes();
+  return n;
+}
+
+namespace {
+
+std::string OptimName(const std::string& prefix, int dp) {
+  return prefix + "zero_pp_rank_" + std::to_string(dp) + "_mp_rank_00_optim_states.pt";
+}
+
+std::string Zero3ModelName(int dp) { return "zero_pp_rank_" + std::to_string(dp) + "_mp_rank_00_model_states.pt"; }
+
+// ZeroStageEnum as pickled: getattr(ZeroStageEnum, 'gradients'), ZeroStageEnum(2),
+// or a plain int. 0 when absent (BF16_Optimizer).
+int ParseZeroStage(const ValuePtr& v, const std::string& where) {
+  if (!v) return 0;
+  if (v->kind == Kind::kInt) return static_cast<int>(v->i);
+  if (v->kind == Kind::kObject && !v->items.empty() && v->items[0] && v->items[0]->is_seq()) {
+    const auto& args = v->items[0]->items;
+    if (v->name() == "getattr" && args.size() == 2 && args[1] && args[1]->kind == Kind::kStr) {
+      static const std::map<std::string, int> names = {
+          {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}};
+      auto it = names.find(args[1]->s);
+      if (it != names.end()) return it->second;
+    }
+    if (v->name() == "ZeroStageEnum" && args.size() == 1 && args[0] && args[0]->kind == Kind::kInt)
+      return static_cast<int>(args[0]->i);
+  }
+  Fail(where, "cannot read zero_stage (" + KindName(*v) + ")");
+}
+
+// fragment_address(numel, start) as pickled: NEWOBJ + BUILD {'numel', 'start'}.
+std::pair<int64_t, int64_t> ParseFragmentAddress(const ValuePtr& v, const std::string& where) {
+  ValuePtr fields = v && v->kind == Kind::kObject ? v->state : v;
+  return {AsInt(Need(fields, "numel", where), where + ".numel"), AsInt(Need(fields, "start", where), where + ".start")};
+}
+
+bool SameValue(const ValuePtr& a, const ValuePtr& b) {
+  if (!a || !b) return a == b;
+  if (a->kind != b->kind) return false;
+  if (a->kind == Kind::kTensor) {
+    const Tensor &x = *a->tensor, &y = *b->tensor;
+    if (x.dtype != y.dtype || x.shape != y.shape) return false;
+    auto bx = x.contiguous_bytes(), by = y.contiguous_bytes();
+    return bx == by;
+  }
+  if (a->kind == Kind::kInt) return a->i == b->i && a->big == b->big;
+  if (a->kind == Kind::kFloat) return a->f == b->f;
+  return HashKey(*a) == HashKey(*b) && !HashKey(*a).empty();
+}
+
+std::string StepText(const ValuePtr& v) {
+  if (!v) return "none";
+  if (v->kind == Kind::kTensor && v->tensor && v->tensor->numel() == 1) {
+    auto b = v->tensor->contiguous_bytes();
+    return std::to_string(ElementToDouble(v->tensor->dtype, b.data()));
+  }
+  if (v->kind == Kind::kInt) return std::to_string(v->i);
+  if (v->kind == Kind::kFloat) return std::to_string(v->f);
+  return KindName(*v);
+}
+
+struct Group {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<int64_t> numels;
+};
+
+std::vector<Group> ReadParamShapes(const TorchFile& model) {
+  const std::string where = model.file->path() + ": param_shapes";
+  ValuePtr ps = Need(model.root, "param_shapes", model.file->path());
+  if (IsNone(ps)) Fail(where, "is None (not a ZeRO checkpoint?)");
+  std::vector<Group> groups;
+  for (size_t g = 0; g < AsList(ps, where).size(); ++g) {
+    std::string gw = where + "[" + std::to_string(g) + "]";
+    Group group;
+    for (const auto& [name, shape] : NamedEntries(ps->items[g], gw)) {
+      group.names.push_back(name);
+      group.shapes.push_back(AsShape(shape, gw + "['" + name + "']"));
+      group.numels.push_back(NumelOf(group.shapes.back()));
+    }
+    groups.push_back(std::move(group));
+  }
+  return groups;
+}
+
+// Refuses what this converter does not handle, naming the first such file.
+void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, const std::string& folder) {
+  for (const auto& f : files) {
+    if (f.kind == FileKind::kPipelineLayer)
+      throw FormatError(f.path + ": pipeline-parallel checkpoints (layer_* files) are not supported; "
+                                 "only tensor/pipeline-parallel size 1 (mp_world_size 1) can be converted");
+    if (f.kind == FileKind::kMoeExpert)
+      throw FormatError(f.path + ": MoE expert checkpoints are not supported (DeepSpeed's converter cannot "
+                                 "handle them either: their model states have no param_shapes)");
+    if ((f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates) &&
+        f.mp != 0)
+      throw FormatError(f.path + ": tensor/pipeline-parallel checkpoints (mp_rank " + std::to_string(f.mp) +
+                        " > 0) are not supported; only mp_world_size 1 can be converted");
+  }
+}
+
+class Opener {
+ public:
+  explicit Opener(const std::string& folder) { c_.folder = StripTrailingSlashes(folder); }
+
+  ZeroCheckpoint Open() {
+    auto files = ListCheckpointFolder(c_.folder);
+    RefuseUnsupportedFiles(files, c_.folder);
+    FindOptimFiles(files);
+    LoadOptimFiles();
+    FindModelFiles(files);
+    if (c_.stage == 3)
+      PlanStage3();
+    else
+      PlanStage12();
+    return std::move(c_);
+  }
+
+ private:
+  void FindOptimFiles(const std::vector<CheckpointFile>& files) {
+    std::vector<CheckpointFile> optim;
+    for (const auto& f : files)
+      if (f.kind == FileKind::kOptimStates) optim.push_back(f);
+    if (optim.empty())
+      throw FormatError(c_.folder + ": no zero_pp_rank_*_optim_states.pt files; not a ZeRO checkpoint tag folder");
+    c_.optim_prefix = optim[0].prefix;
+    for (const auto& f : optim)
+      if (f.prefix != c_.optim_prefix)
+        throw FormatError(f.path + ": optimizer file prefix '" + f.prefix + "' differs from '" + optim[0].prefix +
+                          "' of " + optim[0].name + " (files of two checkpoints mixed?)");
+    for (size_t i = 1; i < optim.size(); ++i)
+      if (optim[i].dp == optim[i - 1].dp)
+        throw FormatError(optim[i].path + ": a second optimizer file for dp rank " + std::to_string(optim[i].dp) +
+                          " (beside " + optim[i - 1].name + ")");
+    // The world size comes from the first file's own record; every rank
+    // 0..dp-1 must then be present, and no other.
+    c_.optim.push_back(LoadTorchFile(optim[0].path));
+    const TorchFile& first = c_.optim[0];
+    ValuePtr osd = Need(first.root, "optimizer_state_dict", first.file->path());
+    c_.stage = ParseZeroStage(osd->get("zero_stage"), first.file->path() + ": optimizer_state_dict.zero_stage");
+    if (c_.stage == 0) {
+      c_.bf16_optimizer = true;
+      c_.stage = 1;  // as DeepSpeed's converter treats it
+    }
+    if (c_.stage < 1 || c_.stage > 3) Fail(first.file->path(), "unknown zero_stage " + std::to_string(c_.stage));
+    c_.dp = PartitionCount(first, osd);
+    for (const auto& f : optim)
+      if (f.dp >= c_.dp)
+        throw FormatError(f.path + ": extra rank file: " + optim[0].name + " records a data-parallel size of " +
+                          std::to_string(c_.dp) + ", so ranks are 0.." + std::to_string(c_.dp - 1));
+    for (int r = 0; r < c_.dp; ++r)
+      if (r >= static_cast<int>(optim.size()) || optim[r].dp != r)
+        throw FormatError(c_.folder + "/" + OptimName(c_.optim_prefix, r) + ": missing rank file (data-parallel size " +
+                          std::to_string(c_.dp) + " recorded in " + optim[0].name + ")");
+    c_.optim_files = optim;
+  }
+
+  // partition_count: an int (stage 3) or a list with one int per group (all equal).
+  int PartitionCount(const TorchFile& f, const ValuePtr& osd) {
+    const std::string where = f.file->path() + ": optimizer_state_dict.partition_count";
+    ValuePtr pc = Need(osd, "partition_count", f.file->path() + ": optimizer_state_dict");
+    int64_t dp = -1;
+    if (pc->kind == Kind::kInt) {
+      dp = pc->i;
+    } else {
+      for (const auto& v : AsList(pc, where)) {
+        int64_t x = AsInt(v, where);
+        if (dp >= 0 && x != dp)
+          Fail(where, "param groups are partitioned over different sizes (" + std::to_string(dp) + " and " +
+                          std::to_string(x) + "); MoE expert groups are not supported");
+        dp = x;
+      }
+    }
+    if (dp < 1 || dp > (1 << 20)) Fail(where, "invalid data-parallel size " + std::to_string(dp));
+    return static_cast<int>(dp);
+  }
+
+  void LoadOptimFiles() {
+    for (int r = 1; r < c_.dp; ++r) c_.optim.push_back(LoadTorchFile(c_.optim_files[r].path));
+    for (int r = 0; r < c_.dp; ++r) {
+      const TorchFile& f = c_.optim[r];
+      ValuePtr osd = Need(f.root, "optimizer_state_dict", f.file->path());
+      int stage = ParseZeroStage(osd->get("zero_stage"), f.file->path() + ": optimizer_state_dict.zero_stage");
+      if ((stage == 0) != c_.bf16_optimizer || (stage != 0 && stage != c_.stage))
+        Fail(f.file->path(), "zero_stage " + std::to_string(stage) + " differs from " + c_.optim_files[0].name +
+                                 " (stage " + std::to_string(c_.bf16_optimizer ? 0 : c_.stage) + ")");
+      int dp = PartitionCount(f, osd);
+      if (dp != c_.dp)
+        Fail(f.file->path(), "mixed world sizes: partition_count says " + std::to_string(dp) + " but " +
+                                 c_.optim_files[0].name + " says " + std::to_string(c_.dp));
+    }
+  }
+
+  void FindModelFiles(const std::vector<CheckpointFile>& files) {
+    const FileKind kind = c_.stage == 3 ? FileKind::kZero3ModelStates : FileKind::kModelStates;
+    for (const auto& f : files)
+      if (f.kind == kind) c_.model_files.push_back(f);
+    if (c_.stage == 3) {
+      for (const auto& f : c_.model_files)
+        if (f.dp >= c_.dp)
+          throw FormatError(f.path + ": extra rank file: the optimizer files record a data-parallel size of " +
+                            std::to_string(c_.dp));
+      for (int r = 0; r < c_.dp; ++r)
+        if (r >= static_cast<int>(c_.model_files.size()) || c_.model_files[r].dp != r)
+          throw FormatError(c_.folder + "/" + Zero3ModelName(r) + ": missing rank file (data-parallel size " +
+                            std::to_string(c_.dp) + ")");
+    } else if (c_.model_files.empty()) {
+      throw FormatError(c_.folder + "/mp_rank_00_model_states.pt: missing model-states file");
+    }
+    c_.model = LoadTorchFile(c_.model_files[0].path);
+    for (size_t i = 0; i < c_.model_files.size(); ++i) {
+      TorchFile m = i == 0 ? c_.model : LoadTorchFile(c_.model_files[i].path);
+      const std::string& path = m.file->path();
+      if (ValuePtr dws = m.root->get("dp_world_size"); dws && dws->kind == Kind::kInt && dws->i != c_.dp)
+        Fail(path, "mixed world sizes: dp_world_size is " + std::to_string(dws->i) + " but there are " +
+                       std::to_string(c_.dp) + " optimizer rank files");
+      if (ValuePtr mws = m.root->get("mp_world_size"); mws && mws->kind == Kind::kInt && mws->i != 1)
+        Fail(path, "tensor/pipeline-parallel checkpoints (mp_world_size " + std::to_string(mws->i) +
+                       ") are not supported; only mp_world_size 1 can be converted");
+      int64_t steps = -1;
+      if (ValuePtr gs = m.root->get("global_steps"); gs && gs->kind == Kind::kInt) steps = gs->i;
+      if (i == 0) {
+        c_.global_steps = steps;
+      } else if (steps != c_.global_steps) {
+        Fail(path, "mixed steps: global_steps is " + std::to_string(steps) + " but " + c_.model_files[0].name +
+                       " says " + std::to_string(c_.global_steps));
+      }
+      if (i > 0) {
+        // Every ZeRO-3 rank records the same parameter set.
+        auto a = ReadParamShapes(c_.model), b = ReadParamShapes(m);
+        bool same = a.size() == b.size();
+        for (size_t g = 0; same && g < a.size(); ++g) same = a[g].names == b[g].names && a[g].shapes == b[g].shapes;
+        if (!same) Fail(path, "param_shapes differ from those of " + c_.model_files[0].name);
+      }
+    }
+  }
+
+  // Per-element states of one (rank, group) state dict. `length` is the
+  // element count every per-element state must have.
+  void ReadGroupState(int rank, size_t g, const ValuePtr& st, int64_t length, const std::string& where,
+                      std::vector<std::pair<std::string, const Tensor*>>* tensors, ValuePtr* step) {
+    tensors->clear();
+    *step = nullptr;
+    if (!st) return;
+    for (const auto& [key, v] : NamedEntries(st, where)) {
+      const std::string kw = where + "['" + key + "']";
+      if (key == "step") {
+        *step = v;
+        continue;
+      }
+      if (v && v->kind == Kind::kTensor && v->tensor->shape.size() == 1 && v->tensor->numel() == length) {
+        tensors->emplace_back(key, v->tensor.get());
+        continue;
+      }
+      if (v && v->kind == Kind::kTensor && v->tensor->shape.size() == 1)
+        Fail(kw, "has " + std::to_string(v->tensor->numel()) + " elements but the partition has " +
+                     std::to_string(length) + " (shapes do not add up)");
+      Fail(kw, "is not a per-element state (" + KindName(*v) + "); only per-element optimizer states and 'step' "
+               "can be converted");
+    }
+  }
+
+  // Checks that every (rank, group) has the same per-element state keys, and
+  // records them.
+  void CheckStateKeys(const std::vector<std::pair<std::string, const Tensor*>>& tensors, const std::string& where,
+                      bool first) {
+    std::vector<std::string> keys;
+    for (const auto& [k, t] : tensors) keys.push_back(k);
+    if (first) {
+      c_.state_keys = keys;
+      return;
+    }
+    if (keys != c_.state_keys) {
+      auto join = [](const std::vector<std::string>& v) {
+        std::string s;
+        for (const auto& k : v) s += (s.empty() ? "" : ", ") + k;
+        return "{" + s + "}";
+      };
+      Fail(where, "optimizer state keys " + join(keys) + " differ from " + join(c_.state_keys) + " of rank 0 group 0");
+    }
+  }
+
+  void PlanStage12() {
+    auto groups = ReadParamShapes(c_.model);
+    const size_t G = groups.size();
+    for (const auto& g : groups) {
+      int64_t n = 0;
+      for (int64_t x : g.numels) n += x;
+      c_.layouts.push_back(MakeFlatLayout(n, c_.dp));
+    }
+    // Per rank and group: the fp32 partition, the per-element states and the step.
+    struct RankGroup {
+      const Tensor* fp32 = nullptr;
+      std::vector<std::pair<std::string, const Tensor*>> states;
+      ValuePtr step;
+    };
+    std::vector<std::vector<RankGroup>> rg(c_.dp, std::vector<RankGroup>(G));
+    bool any_state = false, first = true;
+    for (int r = 0; r < c_.dp; ++r) {
+      const std::string path = c_.optim[r].file->path();
+      const std::string w = path + ": optimizer_state_dict";
+      ValuePtr osd = Need(c_.optim[r].root, "optimizer_state_dict", path);
+      ValuePtr bos = Need(osd, "base_optimizer_state", w);
+      if (bos->is_seq())
+        Fail(w + ".base_optimizer_state", "is a list: elastic checkpoints (elastic_checkpoint=true) are not supported");
+      ValuePtr state = Need(bos, "state", w + ".base_optimizer_state");
+      const auto& fp32 = AsList(Need(osd, "single_partition_of_fp32_groups", w), w + ".single_partition_of_fp32_groups");
+      const auto& maps = AsList(Need(osd, "param_slice_mappings", w), w + ".param_slice_mappings");
+      if (fp32.size() != G || maps.size() != G)
+        Fail(w, "has " + std::to_string(fp32.size()) + " fp32 partitions and " + std::to_string(maps.size()) +
+                    " slice mappings but the model states list " + std::to_string(G) + " param groups");
+      for (size_t g = 0; g < G; ++g) {
+        const FlatLayout& l = c_.layouts[g];
+        const std::string gw = w + ".single_partition_of_fp32_groups[" + std::to_string(g) + "]";
+        const Tensor& t = AsTensor(fp32[g], gw);
+        const int64_t len = t.shape.size() == 1 ? t.shape[0] : -1;
+        // Stage 1/2 strip this rank's padding (older DeepSpeed only on the last
+        // rank, possibly "negative" there); BF16_Optimizer keeps it.
+        const int64_t min_len = c_.bf16_optimizer ? l.partition_size : l.real_numel(r);
+        if (len < min_len || len > l.partition_size)
+          Fail(gw, "has shape " + ShapeText(t.shape) + " but the flat layout (" + std::to_string(l.numel) +
+                       " elements over " + std::to_string(c_.dp) + " ranks, partition " + std::to_string(l.partition_size) +
+                       ") needs " + std::to_string(min_len) + " real elements (shapes do not add up)");
+        rg[r][g].fp32 = &t;
+        const std::string sw = w + ".base_optimizer_state.state[" + std::to_string(g) + "]";
+        ReadGroupState(r, g, GetIntKey(state, static_cast<int64_t>(g)), l.partition_size, sw, &rg[r][g].states,
+                       &rg[r][g].step);
+        if (!rg[r][g].states.empty()) any_state = true;
+        CheckStateKeys(rg[r][g].states, sw, first);
+        first = false;
+        CheckMappings(groups[g], r, g, maps[g], w + ".param_slice_mappings[" + std::to_string(g) + "]");
+      }
+    }
+    (void)any_state;
+    // The step must agree over ranks (mixed steps mean files of different saves).
+    for (size_t g = 0; g < G; ++g)
+      for (int r = 1; r < c_.dp; ++r)
+        if (!SameValue(rg[r][g].step, rg[0][g].step))
+          Fail(c_.optim[r].file->path(), "mixed steps: param group " + std::to_string(g) + " has step " +
+                                             StepText(rg[r][g].step) + " but rank 0 has " + StepText(rg[0][g].step));
+    // The plan: every parameter's fragments over the ranks, in rank order.
+    for (size_t g = 0; g < G; ++g) {
+      const Group& group = groups[g];
+      for (size_t i = 0; i < group.names.size(); ++i) {
+        ParamPlan p;
+        p.name = group.names[i];
+        p.shape = group.shapes[i];
+        p.numel = group.numels[i];
+        p.group = g;
+        auto frags = ParamFragments(group.numels, c_.dp, i);
+        StatePlan fp32{"fp32", rg[0][g].fp32->dtype, {}};
+        std::vector<StatePlan> states;
+        for (const auto& [k, t] : rg[0][g].states) states.push_back(StatePlan{k, t->dtype, {}});
+        for (const Fragment& f : frags) {
+          const RankGroup& x = rg[f.rank][g];
+          const std::string where = c_.optim[f.rank].file->path() + ": '" + p.name + "'";
+          if (x.fp32->dtype != fp32.dtype) Fail(where, "fp32 partition dtype differs between ranks");
+          fp32.pieces.push_back(TensorElements(*x.fp32, f.partition_offset, f.numel, where + " fp32"));
+          for (size_t k = 0; k < states.size(); ++k) {
+            const Tensor& t = *x.states[k].second;
+            if (t.dtype != states[k].dtype) Fail(where, "'" + states[k].key + "' dtype differs between ranks");
+            states[k].pieces.push_back(TensorElements(t, f.partition_offset, f.numel, where + " " + states[k].key));
+          }
+        }
+        if (!frags.empty()) p.step = rg[frags[0].rank][g].step;
+        p.states.push_back(std::move(fp32));
+        for (auto& s : states) p.states.push_back(std::move(s));
+        c_.params.push_back(std::move(p));
+      }
+    }
+  }
+
+  // param_slice_mappings of (rank, group) must be exactly the fragments the
+  // flat layout gives; anything else (round_robin_gradients, corruption) would
+  // scramble parameters.
+  void CheckMappings(const Group& group, int r, size_t g, const ValuePtr& maps, const std::string& where) {
+    auto frags = RankFragments(group.numels, c_.dp, r);
+    auto entries = NamedEntries(maps, where);
+    if (entries.size() != frags.size())
+      Fail(where, "lists " + std::to_string(entries.size()) + " parameters but the flat layout of param_shapes puts " +
+                      std::to_string(frags.size()) + " in this rank's partition (round_robin_gradients is not supported)");
+    for (size_t k = 0; k < frags.size(); ++k) {
+      const Fragment& f = frags[k];
+      const std::string& name = group.names[f.param];
+      auto [numel, start] = ParseFragmentAddress(entries[k].second, where + "['" + entries[k].first + "']");
+      if (entries[k].first != name || numel != f.numel || start != f.partition_offset)
+        Fail(where, "entry '" + entries[k].first + "' (start " + std::to_string(start) + ", numel " +
+                        std::to_string(numel) + ") does not match the flat layout, which has '" + name + "' (start " +
+                        std::to_string(f.partition_offset) + ", numel " + std::to_string(f.numel) +
+                        ") (round_robin_gradients is not supported)");
+    }
+  }
+
+  void PlanStage3() {
+    auto subgroups = ReadParamShapes(c_.model);
+    const size_t S = subgroups.size();
+    std::vector<int64_t> lengths(S, 0);
+    for (size_t s = 0; s < S; ++s)
+      for (int64_t n : subgroups[s].numels) lengths[s] += Stage3PartitionSize(n, c_.dp);
+    struct RankSub {
+      const Tensor* fp32 = nullptr;
+      std::vector<std::pair<std::string, const Tensor*>> states;
+      ValuePtr step;
+    };
+    std::vector<std::vector<RankSub>> rs(c_.dp, std::vector<RankSub>(S));
+    bool first = true;
+    for (int r = 0; r < c_.dp; ++r) {
+      const std::string path = c_.optim[r].file->path();
+      const std::string w = path + ": optimizer_state_dict";
+      ValuePtr osd = Need(c_.optim[r].root, "optimizer_state_dict", path);
+      const auto& fp32 = AsList(Need(osd, "fp32_flat_groups", w), w + ".fp32_flat_groups");
+      ValuePtr state = Need(Need(osd, "optimizer_state_dict", w), "state", w + ".optimizer_state_dict");
+      if (fp32.size() != S)
+        Fail(w + ".fp32_flat_groups", "has " + std::to_string(fp32.size()) + " sub-groups but the model states list " +
+                                          std::to_string(S));
+      for (size_t s = 0; s < S; ++s) {
+        const std::string gw = w + ".fp32_flat_groups[" + std::to_string(s) + "]";
+        const Tensor& t = AsTensor(fp32[s], gw);
+        if (t.shape.size() != 1 || t.shape[0] != lengths[s]) {
+          if (t.numel() == 0 && lengths[s] > 0)
+            Fail(gw, "is empty: NVMe-offloaded optimizer partitions (offloaded_tensors/) are not supported");
+          Fail(gw, "has shape " + ShapeText(t.shape) + " but its parameters need " + std::to_string(lengths[s]) +
+                       " elements per rank (shapes do not add up)");
+        }
+        rs[r][s].fp32 = &t;
+        const std::string sw = w + ".optimizer_state_dict.state[" + std::to_string(s) + "]";
+        ReadGroupState(r, s, GetIntKey(state, static_cast<int64_t>(s)), lengths[s], sw, &rs[r][s].states,
+                       &rs[r][s].step);
+        CheckStateKeys(rs[r][s].states, sw, first);
+        first = false;
+      }
+    }
+    for (size_t s = 0; s < S; ++s)
+      for (int r = 1; r < c_.dp; ++r)
+        if (!SameValue(rs[r][s].step, rs[0][s].step))
+          Fail(c_.optim[r].file->path(), "mixed steps: sub-group " + std::to_string(s) + " has step " +
+                                             StepText(rs[r][s].step) + " but rank 0 has " + StepText(rs[0][s].step));
+    for (size_t s = 0; s < S; ++s) {
+      int64_t slot = 0;
+      for (size_t i = 0; i < subgroups[s].names.size(); ++i) {
+        ParamPlan p;
+        p.name = subgroups[s].names[i];
+        p.shape = subgroups[s].shapes[i];
+        p.numel = subgroups[s].numels[i];
+        p.group = s;
+        const int64_t ps = Stage3PartitionSize(p.numel, c_.dp);
+        StatePlan fp32{"fp32", rs[0][s].fp32->dtype, {}};
+        std::vector<StatePlan> states;
+        for (const auto& [k, t] : rs[0][s].states) states.push_back(StatePlan{k, t->dtype, {}});
+        for (int r = 0; r < c_.dp; ++r) {
+          const int64_t real = Stage3RealNumel(p.numel, c_.dp, r);
+          if (real == 0) break;
+          const std::string where = c_.optim[r].file->path() + ": '" + p.name + "'";
+          fp32.pieces.push_back(TensorElements(*rs[r][s].fp32, slot, real, where + " fp32"));
+          for (size_t k = 0; k < states.size(); ++k)
+            states[k].pieces.push_back(TensorElements(*rs[r][s].states[k].second, slot, real, where + " " + states[k].key));
+        }
+        slot += ps;
+        p.states.push_back(std::move(fp32));
+        for (auto& st : states) p.states.push_back(std::move(st));
+        c_.params.push_back(std::move(p));
+      }
+    }
+  }
+
+  ZeroCheckpoint c_;
+};
+
+}  // namespace
+
+ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder) { return Opener(folder).Open(); }
+
+ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
+  const std::string path = ckpt.optim[0].file->path();
+  ValuePtr osd = Need(ckpt.optim[0].root, "optimizer_state_dict", path);
+  auto out = Value::Dict();
+  if (ckpt.stage == 3) {
+    for (const auto& [k, v] : osd->entries) out->entries.emplace_back(k, v);
+    ValuePtr inner = Need(osd, "optimizer_state_dict", path + ": optimizer_state_dict");
+    out->set("param_groups", Need(inner, "param_groups", path + ": optimizer_state_dict.optimizer_state_dict"));
+    return out;
+  }
+  const size_t G = ckpt.layouts.size();
+  for (const auto& [k, v] : osd->entries) {
+    const std::string key = k && k->kind == Kind::kStr ? k->s : std::string();
+    if (key == "base_optimizer_state" || key == "param_slice_mappings" || key == "single_partition_of_fp32_groups")
+      continue;
+    if (key == "group_paddings") {
+      std::vector<ValuePtr> zeros;
+      for (size_t g = 0; g < G; ++g) zeros.push_back(Value::Int(0));
+      out->entries.emplace_back(k, Value::List(std::move(zeros)));
+    } else if (key == "partition_count" && v && v->is_seq()) {
+      std::vector<ValuePtr> counts;
+      for (size_t g = 0; g < G; ++g) counts.push_back(Value::Int(ckpt.dp));
+      out->entries.emplace_back(k, Value::List(std::move(counts)));
+    } else {
+      out->entries.emplace_back(k, v);
+    }
+  }
+  ValuePtr bos = Need(osd, "base_optimizer_state", path + ": optimizer_state_dict");
+  out->set("param_groups", Need(bos, "param_groups", path + ": optimizer_state_dict.base_optimizer_state"));
+  return out;
+}
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,75 @@
+// A DeepSpeed ZeRO checkpoint tag folder, opened and validated, with the plan
+// of where every parameter's fp32 master and per-element optimizer states
+// live: byte ranges of the memory-mapped rank files, in the order that
+// concatenates them into the whole parameter.
+//
+// Supported: ZeRO 1/2 (DeepSpeedZeroOptimizer, fp32/fp16/bf16 file names),
+// BF16_Optimizer, ZeRO 3; any data-parallel size; several parameter groups
+// (stage-3 sub-groups); any optimizer whose per-parameter state is stored per
+// element. Refused with a message saying what is unsupported: tensor/pipeline
+// parallel (mp_rank > 0, layer_* files), MoE, elastic checkpoints, NVMe-offloaded
+// stage-3 partitions, mappings that do not match the flat layout
+// (round_robin_gradients).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/folder.h"
+#include "ckpt/partition.h"
+#include "format/torch_file.h"
+
+namespace uckpt::ckpt {
+
+// One per-element tensor of one parameter ("fp32", "exp_avg", "momentum_buffer"):
+// the concatenation of `pieces` is its flattened data.
+struct StatePlan {
+  std::string key;
+  DType dtype = DType::kFloat32;
+  std::vector<std::span<const uint8_t>> pieces;
+  uint64_t bytes() const;
+};
+
+struct ParamPlan {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  size_t group = 0;             // optimizer param group (stage 3: sub-group)
+  std::vector<StatePlan> states;  // "fp32" first, then the optimizer's keys in file order
+  ValuePtr step;                // stage 1/2: the group's `step` (tensor or int); null if none
+  uint64_t bytes() const;
+};
+
+struct ZeroCheckpoint {
+  std::string folder;
+  int stage = 0;                 // 1, 2 or 3
+  bool bf16_optimizer = false;   // BF16_Optimizer (no zero_stage key; counts as stage 1)
+  int dp = 0;                    // data-parallel size
+  std::string optim_prefix;      // "", "bf16_" or "fp16_"
+  std::vector<CheckpointFile> model_files;  // copied verbatim into a universal output
+  std::vector<CheckpointFile> optim_files;  // index = dp rank
+  TorchFile model;                          // the first model-states file
+  std::vector<TorchFile> optim;             // index = dp rank; the plan points into these maps
+  std::vector<FlatLayout> layouts;          // stage 1/2: per param group
+  std::vector<ParamPlan> params;            // trainable parameters, param_shapes order
+  std::vector<std::string> state_keys;      // per-element optimizer states, e.g. exp_avg, exp_avg_sq
+  int64_t global_steps = -1;                // from the model states, -1 if absent
+
+  uint64_t total_bytes() const;  // all per-parameter state bytes of the plan
+};
+
+// Opens `folder` (a tag folder such as ckpt/global_step5), validates it and
+// computes the plan. Throws FormatError naming the file for: missing or extra
+// rank files, mixed world sizes or steps, shapes that do not add up, corrupt
+// or truncated files, and unsupported layouts; IoError if files cannot be read.
+ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder);
+
+// The `zero/optimizer_state.pt` value DeepSpeed's converter writes
+// (universal spec §3.3): stage 1/2 — rank 0's optimizer_state_dict without the
+// sharded entries, group_paddings all 0, partition_count [dp]*G, plus
+// param_groups; stage 3 — rank 0's whole optimizer_state_dict plus param_groups.
+ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt);
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,132 @@
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+
+#include "ckpt/convert.h"
+#include "cli/commands.h"
+#include "format/value_print.h"
+
+namespace uckpt::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string Duration(double s) {
+  char buf[32];
+  if (s < 60) {
+    std::snprintf(buf, sizeof buf, "%.0fs", s);
+  } else if (s < 3600) {
+    std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
+  } else {
+    std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s) / 3600, static_cast<int>(s) / 60 % 60);
+  }
+  return buf;
+}
+
+// A bar redrawn in place on a terminal; otherwise a plain line every few
+// seconds (logs of batch jobs).
+class ProgressReporter {
+ public:
+  explicit ProgressReporter(bool tty) : tty_(tty), start_(Clock::now()), last_(start_) {}
+
+  void Update(const ckpt::ConvertProgress& p) {
+    auto now = Clock::now();
+    bool done = p.params_done == p.params_total;
+    double since = std::chrono::duration<double>(now - last_).count();
+    if (!done && since < (tty_ ? 0.1 : 5.0)) return;
+    last_ = now;
+    double elapsed = std::chrono::duration<double>(now - start_).count();
+    double rate = elapsed > 0 ? p.bytes_done / elapsed : 0;
+    double eta = rate > 0 ? (p.bytes_total - p.bytes_done) / rate : 0;
+    double frac = p.bytes_total ? static_cast<double>(p.bytes_done) / p.bytes_total : 1.0;
+    char line[256];
+    if (tty_) {
+      const int width = 30;
+      int fill = static_cast<int>(frac * width);
+      std::string bar(fill, '#');
+      bar.resize(width, '.');
+      std::snprintf(line, sizeof line, "\r[%s] %3.0f%% %s/%s  %zu/%zu params  %s/s  ETA %s   ", bar.c_str(), frac * 100,
+                    HumanBytes(p.bytes_done).c_str(), HumanBytes(p.bytes_total).c_str(), p.params_done, p.params_total,
+                    HumanBytes(static_cast<uint64_t>(rate)).c_str(), Duration(eta).c_str());
+      std::cerr << line << (done ? "\n" : "") << std::flush;
+    } else {
+      std::snprintf(line, sizeof line, "convert: %3.0f%% %s of %s, %zu of %zu params, %s/s, ETA %s", frac * 100,
+                    HumanBytes(p.bytes_done).c_str(), HumanBytes(p.bytes_total).c_str(), p.params_done, p.params_total,
+                    HumanBytes(static_cast<uint64_t>(rate)).c_str(), Duration(eta).c_str());
+      std::cerr << line << "\n" << std::flush;
+    }
+  }
+
+ private:
+  bool tty_;
+  Clock::time_point start_, last_;
+};
+
+}  // namespace
+
+Runner AddConvert(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "convert",
+      "Convert a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3) into a universal checkpoint, as DeepSpeed's\n"
+      "ds_to_universal.py does: same files, same keys, bit-identical tensors, but each byte is copied once,\n"
+      "with no temporary fragment files. latest_universal is written beside the output folder.\n\n"
+      "Examples:\n"
+      "  uckpt convert ckpt/global_step100 ckpt/global_step100_universal\n"
+      "  uckpt convert --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal -j 8");
+  struct Args {
+    std::string input, output, input_flag, output_flag;
+    int threads = 0;
+    bool force = false, quiet = false, no_sync = false;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("INPUT", args->input, "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100)");
+  cmd->add_option("OUTPUT", args->output, "The universal checkpoint folder to create");
+  cmd->add_option("--input_folder,--input-folder", args->input_flag, "Same as INPUT (ds_to_universal.py's spelling)");
+  cmd->add_option("--output_folder,--output-folder", args->output_flag, "Same as OUTPUT (ds_to_universal.py's spelling)");
+  cmd->add_option("-j,--threads", args->threads, "Worker threads (default: one per core)")->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--force", args->force, "Replace an existing output folder (only once the new one is complete)");
+  cmd->add_flag("-q,--quiet", args->quiet, "No progress output");
+  cmd->add_flag("--no-sync", args->no_sync, "Do not sync the output to disk before renaming it into place");
+  return [args] {
+    std::string input = !args->input_flag.empty() ? args->input_flag : args->input;
+    std::string output = !args->output_flag.empty() ? args->output_flag : args->output;
+    if (!args->input_flag.empty() && !args->input.empty() && args->input != args->input_flag)
+      throw CLI::ValidationError("give the input folder once (INPUT or --input_folder)");
+    if (!args->output_flag.empty() && !args->output.empty() && args->output != args->output_flag)
+      throw CLI::ValidationError("give the output folder once (OUTPUT or --output_folder)");
+    if (input.empty() || output.empty()) throw CLI::ValidationError("convert needs an input and an output folder");
+    ckpt::ConvertOptions options;
+    options.threads = args->threads;
+    options.force = args->force;
+    options.durable = !args->no_sync;
+    auto start = Clock::now();
+    ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(input);
+    std::mutex mu;
+    ProgressReporter reporter(::isatty(2));
+    if (!args->quiet) {
+      std::cerr << "convert: " << input << ": ZeRO-" << zc.stage << (zc.bf16_optimizer ? " (BF16_Optimizer)" : "")
+                << ", data-parallel size " << zc.dp << ", " << zc.params.size() << " parameters, "
+                << HumanBytes(zc.total_bytes()) << " of state\n";
+      options.progress = [&](const ckpt::ConvertProgress& p) {
+        std::lock_guard<std::mutex> lock(mu);
+        reporter.Update(p);
+      };
+    }
+    ckpt::ConvertStats stats = ckpt::ConvertToUniversal(zc, output, options);
+    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    if (!args->quiet) {
+      char line[256];
+      std::snprintf(line, sizeof line, "convert: wrote %s: %zu parameters, %zu files, read %s, wrote %s in %.2fs\n",
+                    output.c_str(), stats.params, stats.files, HumanBytes(stats.bytes_read).c_str(),
+                    HumanBytes(stats.bytes_written).c_str(), secs);
+      std::cerr << line;
+    }
+    return 0;
+  };
+}
+
+}  // namespace uckpt::cli
