@@ -226,10 +226,20 @@ class Opener {
         if (f.dp >= c_.dp)
           throw FormatError(f.path + ": extra rank file: the optimizer files record a data-parallel size of " +
                             std::to_string(c_.dp));
-      for (int r = 0; r < c_.dp; ++r)
-        if (r >= static_cast<int>(c_.model_files.size()) || c_.model_files[r].dp != r)
-          throw FormatError(c_.folder + "/" + Zero3ModelName(r) + ": missing rank file (data-parallel size " +
-                            std::to_string(c_.dp) + ")");
+      // DeepSpeed bug: after resuming ZeRO-3 from a universal checkpoint every
+      // rank saves its model states to zero_pp_rank_0_*. Those files hold no
+      // weights (ZeRO-3 partitions live in the optimizer files), so rank 0's
+      // is enough.
+      if (c_.dp > 1 && c_.model_files.size() == 1 && c_.model_files[0].dp == 0) {
+        c_.warnings.push_back(c_.folder + ": only " + c_.model_files[0].name +
+                              " is present (DeepSpeed writes no other ZeRO-3 model-states file after a universal "
+                              "resume); it alone is copied");
+      } else {
+        for (int r = 0; r < c_.dp; ++r)
+          if (r >= static_cast<int>(c_.model_files.size()) || c_.model_files[r].dp != r)
+            throw FormatError(c_.folder + "/" + Zero3ModelName(r) + ": missing rank file (data-parallel size " +
+                              std::to_string(c_.dp) + ")");
+      }
     } else if (c_.model_files.empty()) {
       throw FormatError(c_.folder + "/mp_rank_00_model_states.pt: missing model-states file");
     }

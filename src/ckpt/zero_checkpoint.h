@@ -56,6 +56,7 @@ struct ZeroCheckpoint {
   std::vector<ParamPlan> params;            // trainable parameters, param_shapes order
   std::vector<std::string> state_keys;      // per-element optimizer states, e.g. exp_avg, exp_avg_sq
   int64_t global_steps = -1;                // from the model states, -1 if absent
+  std::vector<std::string> warnings;        // accepted oddities worth telling the user
 
   uint64_t total_bytes() const;  // all per-parameter state bytes of the plan
 };

@@ -105,6 +105,7 @@ Runner AddConvert(CLI::App& app) {
     options.durable = !args->no_sync;
     auto start = Clock::now();
     ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(input);
+    for (const auto& w : zc.warnings) std::cerr << "convert: warning: " << w << "\n";
     std::mutex mu;
     ProgressReporter reporter(::isatty(2));
     if (!args->quiet) {
