@@ -35,25 +35,6 @@ std::string OptimName(const std::string& prefix, int dp) {
 
 std::string Zero3ModelName(int dp) { return "zero_pp_rank_" + std::to_string(dp) + "_mp_rank_00_model_states.pt"; }
 
-// ZeroStageEnum as pickled: getattr(ZeroStageEnum, 'gradients'), ZeroStageEnum(2),
-// or a plain int. 0 when absent (BF16_Optimizer).
-int ParseZeroStage(const ValuePtr& v, const std::string& where) {
-  if (!v) return 0;
-  if (v->kind == Kind::kInt) return static_cast<int>(v->i);
-  if (v->kind == Kind::kObject && !v->items.empty() && v->items[0] && v->items[0]->is_seq()) {
-    const auto& args = v->items[0]->items;
-    if (v->name() == "getattr" && args.size() == 2 && args[1] && args[1]->kind == Kind::kStr) {
-      static const std::map<std::string, int> names = {
-          {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}};
-      auto it = names.find(args[1]->s);
-      if (it != names.end()) return it->second;
-    }
-    if (v->name() == "ZeroStageEnum" && args.size() == 1 && args[0] && args[0]->kind == Kind::kInt)
-      return static_cast<int>(args[0]->i);
-  }
-  Fail(where, "cannot read zero_stage (" + KindName(*v) + ")");
-}
-
 // fragment_address(numel, start) as pickled: NEWOBJ + BUILD {'numel', 'start'}.
 std::pair<int64_t, int64_t> ParseFragmentAddress(const ValuePtr& v, const std::string& where) {
   ValuePtr fields = v && v->kind == Kind::kObject ? v->state : v;
@@ -503,6 +484,23 @@ class Opener {
 };
 
 }  // namespace
+
+int ParseZeroStage(const ValuePtr& v, const std::string& where) {
+  if (!v) return 0;
+  if (v->kind == Kind::kInt) return static_cast<int>(v->i);
+  if (v->kind == Kind::kObject && !v->items.empty() && v->items[0] && v->items[0]->is_seq()) {
+    const auto& args = v->items[0]->items;
+    if (v->name() == "getattr" && args.size() == 2 && args[1] && args[1]->kind == Kind::kStr) {
+      static const std::map<std::string, int> names = {
+          {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}};
+      auto it = names.find(args[1]->s);
+      if (it != names.end()) return it->second;
+    }
+    if (v->name() == "ZeroStageEnum" && args.size() == 1 && args[0] && args[0]->kind == Kind::kInt)
+      return static_cast<int>(args[0]->i);
+  }
+  Fail(where, "cannot read zero_stage (" + KindName(*v) + ")");
+}
 
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder) { return Opener(folder).Open(); }
 

@@ -67,6 +67,10 @@ struct ZeroCheckpoint {
 // or truncated files, and unsupported layouts; IoError if files cannot be read.
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder);
 
+// ZeroStageEnum as pickled (getattr(ZeroStageEnum, 'gradients'),
+// ZeroStageEnum(2) or an int): 1..3, or 0 when `v` is null (BF16_Optimizer).
+int ParseZeroStage(const ValuePtr& v, const std::string& where);
+
 // The `zero/optimizer_state.pt` value DeepSpeed's converter writes
 // (universal spec §3.3): stage 1/2 — rank 0's optimizer_state_dict without the
 // sharded entries, group_paddings all 0, partition_count [dp]*G, plus

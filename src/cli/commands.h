@@ -11,5 +11,6 @@ using Runner = std::function<int()>;
 
 Runner AddInspect(CLI::App& app);
 Runner AddConvert(CLI::App& app);
+Runner AddExport(CLI::App& app);
 
 }  // namespace uckpt::cli

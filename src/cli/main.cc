@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   };
   add(uckpt::cli::AddInspect);
   add(uckpt::cli::AddConvert);
+  add(uckpt::cli::AddExport);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,321 @@
+#include "ckpt/export.h"
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <span>
+#include <vector>
+
+#include "ckpt/folder.h"
+#include "ckpt/partition.h"
+#include "ckpt/universal_checkpoint.h"
+#include "ckpt/values.h"
+#include "ckpt/zero_checkpoint.h"
+#include "format/error.h"
+#include "format/file.h"
+
+namespace uckpt::ckpt {
+
+namespace fs = std::filesystem;
+
+std::string SafetensorsDtype(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "F32";
+    case DType::kFloat64: return "F64";
+    case DType::kFloat16: return "F16";
+    case DType::kBFloat16: return "BF16";
+    case DType::kInt64: return "I64";
+    case DType::kInt32: return "I32";
+    case DType::kInt16: return "I16";
+    case DType::kInt8: return "I8";
+    case DType::kUInt8: return "U8";
+    case DType::kBool: return "BOOL";
+    case DType::kUInt16: return "U16";
+    case DType::kUInt32: return "U32";
+    case DType::kUInt64: return "U64";
+    case DType::kFloat8E4M3FN: return "F8_E4M3";
+    case DType::kFloat8E5M2: return "F8_E5M2";
+    default: throw FormatError("safetensors has no dtype for " + std::string(DTypeName(d)));
+  }
+}
+
+namespace {
+
+using Pieces = std::vector<std::span<const uint8_t>>;
+
+// One output tensor; its data is produced only when it is written, so a
+// universal checkpoint's files are opened one at a time.
+struct Entry {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType src = DType::kFloat32;
+  std::function<Pieces(std::shared_ptr<const void>* hold)> data;
+};
+
+// The pieces of a tensor (copied when it is not contiguous).
+Pieces TensorPieces(const Tensor& t, const std::string& where, std::shared_ptr<const void>* hold) {
+  if (t.is_contiguous()) return {TensorBytes(t, where)};
+  auto copy = std::make_shared<std::vector<uint8_t>>(t.contiguous_bytes());
+  *hold = copy;
+  return {std::span<const uint8_t>(*copy)};
+}
+
+class Collector {
+ public:
+  // Buffers, then frozen parameters, then trainable ones are added in
+  // zero_to_fp32.py's order.
+  void AddModelTensors(const TorchFile& model, const std::set<std::string>& trainable, int stage,
+                       const std::vector<TorchFile>& rank_models, int dp) {
+    const std::string path = model.file->path();
+    ValuePtr module = model.root->get("module");
+    std::set<std::string> buffers;
+    if (ValuePtr bn = model.root->get("buffer_names"); bn && bn->is_seq())
+      for (const auto& b : bn->items)
+        if (b && b->kind == Kind::kStr) buffers.insert(b->s);
+    if (ValuePtr sp = model.root->get("shared_params"); sp && sp->is_dict())
+      for (const auto& [alias, owner] : NamedEntries(sp, path + ": shared_params"))
+        aliases_.emplace_back(alias, AsStr(owner, path + ": shared_params['" + alias + "']"));
+    std::set<std::string> alias_names;
+    for (const auto& a : aliases_) alias_names.insert(a.first);
+    if (IsNone(module)) return;
+    auto entries = NamedEntries(module, path + ": module");
+    for (const auto& [name, v] : entries)
+      if (buffers.count(name)) AddTensor(name, v, path + ": module['" + name + "']");
+    ValuePtr frozen_shapes = model.root->get("frozen_param_shapes");
+    if (IsNone(frozen_shapes)) {
+      // Stage 1 and BF16 keep no frozen_param_*: frozen parameters exist only
+      // in `module` (zero_to_fp32.py drops them; we keep them).
+      for (const auto& [name, v] : entries) {
+        if (buffers.count(name) || trainable.count(name) || alias_names.count(name)) continue;
+        if (v && v->tensor && v->tensor->numel() > 0) AddTensor(name, v, path + ": module['" + name + "']");
+      }
+      return;
+    }
+    for (const auto& [name, shape_v] : NamedEntries(frozen_shapes, path + ": frozen_param_shapes")) {
+      std::vector<int64_t> shape = AsShape(shape_v, path + ": frozen_param_shapes['" + name + "']");
+      if (stage == 3)
+        AddStage3Frozen(name, shape, rank_models, dp);
+      else
+        AddTensor(name, Need(Need(model.root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments"),
+                  path + ": frozen_param_fragments['" + name + "']", shape);
+    }
+  }
+
+  void Add(Entry e) { entries_.push_back(std::move(e)); }
+  const std::vector<Entry>& entries() const { return entries_; }
+  const std::vector<std::pair<std::string, std::string>>& aliases() const { return aliases_; }
+
+ private:
+  void AddTensor(const std::string& name, const ValuePtr& v, const std::string& where,
+                 std::vector<int64_t> shape = {}) {
+    const Tensor& t = AsTensor(v, where);
+    if (!shape.empty() && NumelOf(shape) != t.numel())
+      Fail(where, "has " + std::to_string(t.numel()) + " elements but its recorded shape is " + ShapeText(shape));
+    Entry e{name, shape.empty() ? t.shape : shape, t.dtype, nullptr};
+    ValuePtr keep = v;
+    e.data = [keep, where](std::shared_ptr<const void>* hold) { return TensorPieces(*keep->tensor, where, hold); };
+    entries_.push_back(std::move(e));
+  }
+
+  // ZeRO-3 frozen parameters: rank r's frozen_param_fragments[name] holds
+  // its ceil(numel/dp) slot; the real elements concatenate to the parameter.
+  void AddStage3Frozen(const std::string& name, const std::vector<int64_t>& shape, const std::vector<TorchFile>& ranks,
+                       int dp) {
+    const int64_t numel = NumelOf(shape);
+    Entry e{name, shape, DType::kFloat32, nullptr};
+    std::vector<ValuePtr> frags;
+    for (const auto& m : ranks) {
+      const std::string path = m.file->path();
+      frags.push_back(Need(Need(m.root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments"));
+      const Tensor& t = AsTensor(frags.back(), path + ": frozen_param_fragments['" + name + "']");
+      if (t.numel() != Stage3PartitionSize(numel, dp))
+        Fail(path + ": frozen_param_fragments['" + name + "']",
+             "has " + std::to_string(t.numel()) + " elements, not ceil(" + std::to_string(numel) + "/" +
+                 std::to_string(dp) + ")");
+      e.src = t.dtype;
+    }
+    if (static_cast<int>(frags.size()) != dp)
+      Fail(name, "frozen ZeRO-3 parameter needs the model states of all " + std::to_string(dp) + " ranks");
+    e.data = [frags, numel, dp](std::shared_ptr<const void>*) {
+      Pieces p;
+      for (int r = 0; r < dp; ++r) {
+        int64_t real = Stage3RealNumel(numel, dp, r);
+        if (real > 0) p.push_back(TensorElements(*frags[r]->tensor, 0, real, "frozen fragment"));
+      }
+      return p;
+    };
+    entries_.push_back(std::move(e));
+  }
+
+  std::vector<Entry> entries_;
+  std::vector<std::pair<std::string, std::string>> aliases_;
+};
+
+float ToFloat(DType d, const uint8_t* p) {
+  switch (d) {
+    case DType::kFloat32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::kBFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return BFloat16ToFloat(h);
+    }
+    case DType::kFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return HalfToFloat(h);
+    }
+    default: return static_cast<float>(ElementToDouble(d, p));
+  }
+}
+
+void FromFloat(DType d, float f, uint8_t* p) {
+  switch (d) {
+    case DType::kFloat32: std::memcpy(p, &f, 4); return;
+    case DType::kBFloat16: {
+      uint16_t h = FloatToBFloat16(f);
+      std::memcpy(p, &h, 2);
+      return;
+    }
+    case DType::kFloat16: {
+      uint16_t h = FloatToHalf(f);
+      std::memcpy(p, &h, 2);
+      return;
+    }
+    default: throw FormatError("cannot export as " + std::string(DTypeName(d)));
+  }
+}
+
+// Writes `pieces` (elements of `src`) as `dst`, converting in small chunks.
+void WriteConverted(AtomicFile& out, const Pieces& pieces, DType src, DType dst) {
+  if (src == dst) {
+    for (auto p : pieces) out.Write(p);
+    return;
+  }
+  const size_t ss = DTypeSize(src), ds = DTypeSize(dst);
+  std::vector<uint8_t> buf;
+  for (auto p : pieces) {
+    const size_t n = p.size() / ss;
+    for (size_t at = 0; at < n;) {
+      size_t k = std::min<size_t>(n - at, 1 << 16);
+      buf.resize(k * ds);
+      for (size_t i = 0; i < k; ++i) FromFloat(dst, ToFloat(src, p.data() + (at + i) * ss), buf.data() + i * ds);
+      out.Write(buf);
+      at += k;
+    }
+  }
+}
+
+Collector CollectZero(const std::string& folder) {
+  auto z = std::make_shared<ZeroCheckpoint>(OpenZeroCheckpoint(folder));
+  Collector c;
+  std::set<std::string> trainable;
+  for (const auto& p : z->params) trainable.insert(p.name);
+  std::vector<TorchFile> rank_models;
+  if (z->stage == 3)
+    for (const auto& f : z->model_files) rank_models.push_back(LoadTorchFile(f.path));
+  c.AddModelTensors(z->model, trainable, z->stage, rank_models, z->dp);
+  for (size_t i = 0; i < z->params.size(); ++i) {
+    const ParamPlan& p = z->params[i];
+    Entry e{p.name, p.shape, p.states[0].dtype, nullptr};
+    e.data = [z, i](std::shared_ptr<const void>*) { return z->params[i].states[0].pieces; };
+    c.Add(std::move(e));
+  }
+  return c;
+}
+
+Collector CollectUniversal(const std::string& folder) {
+  auto u = std::make_shared<UniversalCheckpoint>(OpenUniversalCheckpoint(folder));
+  Collector c;
+  std::set<std::string> trainable;
+  for (const auto& g : u->groups)
+    for (const auto& p : g) trainable.insert(p.name);
+  std::vector<TorchFile> rank_models;
+  int dp = u->source_dp;
+  if (u->zero3) {
+    for (const auto& f : ListCheckpointFolder(u->folder))
+      if (f.kind == FileKind::kZero3ModelStates) rank_models.push_back(LoadTorchFile(f.path));
+  }
+  c.AddModelTensors(u->model, trainable, u->zero3 ? 3 : 2, rank_models, dp);
+  for (const auto& g : u->groups)
+    for (const auto& p : g) {
+      Entry e{p.name, p.shape, DType::kFloat32, nullptr};
+      e.src = LoadUniversalState(*u, p.name, "fp32").tensor->dtype;
+      std::string name = p.name;
+      int64_t numel = p.numel;
+      e.data = [u, name, numel](std::shared_ptr<const void>* hold) {
+        auto s = std::make_shared<LoadedState>(LoadUniversalState(*u, name, "fp32"));
+        const std::string where = s->file.file->path();
+        if (s->tensor->numel() != numel)
+          Fail(where, "has " + std::to_string(s->tensor->numel()) + " elements, param_shapes says " +
+                          std::to_string(numel));
+        std::shared_ptr<const void> copy;
+        Pieces pieces = TensorPieces(*s->tensor, where, &copy);
+        *hold = copy ? copy : std::static_pointer_cast<const void>(s);  // what the pieces point into
+        return pieces;
+      };
+      c.Add(std::move(e));
+    }
+  return c;
+}
+
+}  // namespace
+
+ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& out_path, DType dtype) {
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16)
+    throw FormatError("export dtype must be float32, bfloat16 or float16, not " + std::string(DTypeName(dtype)));
+  auto tag = ResolveTagFolder(checkpoint);
+  if (!tag) throw FormatError(checkpoint + ": not a checkpoint folder");
+  std::error_code ec;
+  Collector c = fs::is_directory(*tag + "/zero", ec) ? CollectUniversal(*tag) : CollectZero(*tag);
+
+  auto out_dtype = [&](DType src) { return DTypeIsFloating(src) ? dtype : src; };
+  nlohmann::json header = nlohmann::json::object();
+  std::set<std::string> names;
+  uint64_t offset = 0;
+  for (const Entry& e : c.entries()) {
+    if (!names.insert(e.name).second) Fail(*tag, "tensor '" + e.name + "' appears twice");
+    const DType d = out_dtype(e.src);
+    const uint64_t n = static_cast<uint64_t>(NumelOf(e.shape)) * DTypeSize(d);
+    header[e.name] = {{"dtype", SafetensorsDtype(d)}, {"shape", e.shape}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  }
+  nlohmann::json meta = {{"format", "pt"}};
+  for (const auto& [alias, owner] : c.aliases()) {
+    if (!names.count(owner)) Fail(*tag, "shared_params maps '" + alias + "' to '" + owner + "', which is not exported");
+    if (names.count(alias)) continue;  // stored under both names already
+    meta[alias] = owner;
+  }
+  header["__metadata__"] = meta;
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+
+  AtomicFile out(out_path);
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  out.Write(std::span<const uint8_t>(len, 8));
+  out.Write(text);
+  for (const Entry& e : c.entries()) {
+    std::shared_ptr<const void> hold;
+    Pieces pieces = e.data(&hold);
+    uint64_t bytes = 0;
+    for (auto p : pieces) bytes += p.size();
+    if (bytes != static_cast<uint64_t>(NumelOf(e.shape)) * DTypeSize(e.src))
+      Fail(*tag, "'" + e.name + "' has " + std::to_string(bytes) + " bytes of data for shape " + ShapeText(e.shape));
+    WriteConverted(out, pieces, e.src, out_dtype(e.src));
+  }
+  ExportStats st;
+  st.tensors = c.entries().size();
+  st.aliases = meta.size() - 1;
+  st.bytes = out.offset();
+  out.Commit();
+  return st;
+}
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,211 @@
+#include "ckpt/inspect.h"
+
+#include <filesystem>
+
+#include "ckpt/folder.h"
+#include "ckpt/universal_checkpoint.h"
+#include "ckpt/values.h"
+#include "ckpt/zero_checkpoint.h"
+#include "format/error.h"
+#include "format/value_print.h"
+
+namespace uckpt::ckpt {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string ModuleDtype(const TorchFile& model) {
+  ValuePtr module = model.root ? model.root->get("module") : nullptr;
+  if (!module || !module->is_dict()) return "";
+  for (const auto& [k, v] : module->entries)
+    if (v && v->tensor) return std::string(DTypeName(v->tensor->dtype));
+  return "";
+}
+
+std::string ConfigOptimizer(const TorchFile& model) {
+  ValuePtr cfg = model.root ? model.root->get("ds_config") : nullptr;
+  ValuePtr opt = cfg && cfg->is_dict() ? cfg->get("optimizer") : nullptr;
+  ValuePtr type = opt && opt->is_dict() ? opt->get("type") : nullptr;
+  return type && type->kind == Kind::kStr ? type->s : "";
+}
+
+std::string GuessOptimizer(const std::vector<std::string>& states) {
+  auto has = [&](const char* k) { return std::find(states.begin(), states.end(), k) != states.end(); };
+  if (has("exp_avg") && has("exp_avg_sq")) return "Adam-style";
+  if (has("momentum_buffer")) return "SGD-style";
+  return states.empty() ? "none (no optimizer state)" : "unknown";
+}
+
+std::string ValueText(const ValuePtr& v) {
+  if (!v) return "";
+  if (v->kind == Kind::kTensor && v->tensor && v->tensor->numel() == 1) {
+    auto b = v->tensor->contiguous_bytes();
+    double d = ElementToDouble(v->tensor->dtype, b.data());
+    if (d == static_cast<double>(static_cast<int64_t>(d))) return std::to_string(static_cast<int64_t>(d));
+    return std::to_string(d);
+  }
+  if (v->kind == Kind::kInt) return std::to_string(v->i);
+  if (v->kind == Kind::kFloat) return std::to_string(v->f);
+  return KindName(*v);
+}
+
+void CountFiles(const std::string& folder, CheckpointInfo* info) {
+  for (const auto& e : fs::recursive_directory_iterator(folder)) {
+    std::error_code ec;
+    if (!e.is_regular_file(ec)) continue;
+    info->files += 1;
+    info->file_bytes += e.file_size(ec);
+  }
+}
+
+void InspectZero(const std::string& folder, CheckpointInfo* info) {
+  ZeroCheckpoint z = OpenZeroCheckpoint(folder);
+  info->kind = "zero";
+  info->zero_stage = z.stage;
+  info->bf16_optimizer = z.bf16_optimizer;
+  info->world_size = z.dp;
+  info->dtype = ModuleDtype(z.model);
+  info->master_dtype = z.params.empty() ? "" : std::string(DTypeName(z.params[0].states[0].dtype));
+  info->optimizer_states = z.state_keys;
+  info->optimizer = ConfigOptimizer(z.model);
+  if (info->optimizer.empty()) info->optimizer = GuessOptimizer(z.state_keys);
+  if (!z.params.empty()) {
+    if (z.params[0].step) {
+      info->optimizer_step = ValueText(z.params[0].step);
+    } else if (z.stage == 3) {
+      ValuePtr osd = z.optim[0].root->get("optimizer_state_dict");
+      ValuePtr inner = osd ? osd->get("optimizer_state_dict") : nullptr;
+      ValuePtr st = GetIntKey(inner ? inner->get("state") : nullptr, 0);
+      if (st && st->is_dict()) info->optimizer_step = ValueText(st->get("step"));
+    }
+  }
+  size_t groups = 0;
+  for (const auto& p : z.params) {
+    groups = std::max(groups, p.group + 1);
+    info->numel += p.numel;
+    info->state_bytes += p.bytes();
+  }
+  info->param_groups = groups;
+  info->params = z.params.size();
+  info->global_steps = z.global_steps;
+  info->warnings = z.warnings;
+}
+
+void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
+  UniversalCheckpoint u = OpenUniversalCheckpoint(folder);
+  info->kind = "universal";
+  info->world_size = u.source_dp;
+  info->dtype = ModuleDtype(u.model);
+  info->optimizer_states = u.state_keys;
+  info->optimizer = ConfigOptimizer(u.model);
+  if (info->optimizer.empty()) info->optimizer = GuessOptimizer(u.state_keys);
+  info->global_steps = u.global_steps;
+  info->param_groups = u.groups.size();
+  const std::string opt_path = u.folder + "/zero/optimizer_state.pt";
+  std::error_code ec;
+  ValuePtr opt_root;
+  TorchFile opt;
+  if (fs::exists(opt_path, ec)) {
+    opt = LoadTorchFile(opt_path);
+    opt_root = opt.root;
+    int stage = ParseZeroStage(opt.root->get("zero_stage"), opt_path + ": zero_stage");
+    info->zero_stage = stage == 0 ? 1 : stage;
+    info->bf16_optimizer = stage == 0;
+  } else {
+    info->zero_stage = u.zero3 ? 3 : 0;
+    info->warnings.push_back(opt_path + " is missing");
+  }
+  bool first = true;
+  uint64_t state_element_bytes = 0;
+  for (const auto& g : u.groups)
+    for (const auto& p : g) {
+      info->params += 1;
+      info->numel += p.numel;
+      const std::string dir = u.folder + "/zero/" + p.name;
+      if (!fs::is_directory(dir, ec)) {
+        info->warnings.push_back(dir + ": missing parameter folder");
+        continue;
+      }
+      if (first) {
+        first = false;
+        for (const auto& key : u.state_keys)
+          state_element_bytes += DTypeSize(LoadUniversalState(u, p.name, key).tensor->dtype);
+        DType master = LoadUniversalState(u, p.name, "fp32").tensor->dtype;
+        state_element_bytes += DTypeSize(master);
+        info->master_dtype = std::string(DTypeName(master));
+        if (u.has_step) info->optimizer_step = ValueText(LoadTorchFile(dir + "/step.pt").root);
+      }
+    }
+  info->state_bytes = static_cast<uint64_t>(info->numel) * state_element_bytes;
+  if (info->optimizer_step.empty() && opt_root) {  // ZeRO-3: the step travels in optimizer_state.pt
+    ValuePtr inner = opt_root->get("optimizer_state_dict");
+    ValuePtr st = GetIntKey(inner && inner->is_dict() ? inner->get("state") : nullptr, 0);
+    if (st && st->is_dict()) info->optimizer_step = ValueText(st->get("step"));
+  }
+}
+
+}  // namespace
+
+CheckpointInfo InspectCheckpoint(const std::string& path) {
+  auto tag = ResolveTagFolder(path);
+  std::error_code ec;
+  if (!tag) {
+    if (!fs::is_directory(path, ec)) throw IoError(path + " is not a folder");
+    throw FormatError(path + ": not a checkpoint folder (no *_model_states.pt, *_optim_states.pt or zero/, and no "
+                             "latest or latest_universal naming one)");
+  }
+  CheckpointInfo info;
+  info.path = *tag;
+  if (fs::is_directory(*tag + "/zero", ec))
+    InspectUniversal(*tag, &info);
+  else
+    InspectZero(*tag, &info);
+  CountFiles(*tag, &info);
+  return info;
+}
+
+nlohmann::json CheckpointInfoJson(const CheckpointInfo& i) {
+  nlohmann::json j = {{"path", i.path},
+                      {"kind", i.kind},
+                      {"zero_stage", i.zero_stage},
+                      {"bf16_optimizer", i.bf16_optimizer},
+                      {"world_size", i.world_size},
+                      {"dtype", i.dtype},
+                      {"master_dtype", i.master_dtype},
+                      {"optimizer", i.optimizer},
+                      {"optimizer_states", i.optimizer_states},
+                      {"optimizer_step", i.optimizer_step},
+                      {"param_groups", i.param_groups},
+                      {"params", i.params},
+                      {"numel", i.numel},
+                      {"state_bytes", i.state_bytes},
+                      {"global_steps", i.global_steps},
+                      {"files", i.files},
+                      {"file_bytes", i.file_bytes},
+                      {"warnings", i.warnings}};
+  return j;
+}
+
+void PrintCheckpointInfo(std::ostream& os, const CheckpointInfo& i) {
+  std::string kind = i.kind == "zero" ? "ZeRO-" + std::to_string(i.zero_stage) : "universal";
+  if (i.kind == "universal" && i.zero_stage) kind += " (from ZeRO-" + std::to_string(i.zero_stage) + ")";
+  if (i.bf16_optimizer) kind += ", BF16_Optimizer";
+  os << i.path << "\n";
+  os << "  kind:          " << kind << "\n";
+  os << "  world size:    " << i.world_size << (i.kind == "universal" ? " (saved at; loads at any)" : "") << "\n";
+  os << "  dtype:         " << (i.dtype.empty() ? "?" : i.dtype) << " weights, "
+     << (i.master_dtype.empty() ? "?" : i.master_dtype) << " master\n";
+  std::string states;
+  for (const auto& s : i.optimizer_states) states += (states.empty() ? "" : ", ") + s;
+  os << "  optimizer:     " << i.optimizer << (states.empty() ? "" : " (" + states + ")") << "\n";
+  os << "  params:        " << i.params << " tensors in " << i.param_groups << " group(s), " << i.numel
+     << " elements, " << HumanBytes(i.state_bytes) << " of master + optimizer state\n";
+  os << "  global step:   " << i.global_steps;
+  if (!i.optimizer_step.empty()) os << " (optimizer step " << i.optimizer_step << ")";
+  os << "\n";
+  os << "  files:         " << i.files << ", " << HumanBytes(i.file_bytes) << "\n";
+  for (const auto& w : i.warnings) os << "  warning: " << w << "\n";
+}
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,110 @@
+#include "ckpt/universal_checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+
+#include "ckpt/folder.h"
+#include "ckpt/values.h"
+#include "format/error.h"
+
+namespace uckpt::ckpt {
+
+namespace fs = std::filesystem;
+
+UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in) {
+  UniversalCheckpoint u;
+  u.folder = StripTrailingSlashes(folder_in);
+  std::error_code ec;
+  if (!fs::is_directory(u.folder + "/zero", ec))
+    throw FormatError(u.folder + ": no zero/ folder; not a universal checkpoint");
+  std::string model_path;
+  for (const auto& f : ListCheckpointFolder(u.folder)) {
+    if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates) {
+      model_path = f.path;
+      break;
+    }
+  }
+  if (model_path.empty()) throw FormatError(u.folder + ": no copied *_model_states.pt file");
+  u.model = LoadTorchFile(model_path);
+  ValuePtr ps = Need(u.model.root, "param_shapes", model_path);
+  for (size_t g = 0; g < AsList(ps, model_path + ": param_shapes").size(); ++g) {
+    const std::string gw = model_path + ": param_shapes[" + std::to_string(g) + "]";
+    std::vector<UniversalParam> group;
+    for (const auto& [name, shape] : NamedEntries(ps->items[g], gw)) {
+      UniversalParam p{name, AsShape(shape, gw + "['" + name + "']"), 0};
+      p.numel = NumelOf(p.shape);
+      group.push_back(std::move(p));
+    }
+    u.groups.push_back(std::move(group));
+  }
+  if (ValuePtr v = u.model.root->get("dp_world_size"); v && v->kind == Kind::kInt) u.source_dp = static_cast<int>(v->i);
+  if (ValuePtr v = u.model.root->get("global_steps"); v && v->kind == Kind::kInt) u.global_steps = v->i;
+  const UniversalParam* first = nullptr;
+  for (const auto& g : u.groups)
+    if (!g.empty()) {
+      first = &g[0];
+      break;
+    }
+  if (!first) return u;
+  const std::string dir = u.folder + "/zero/" + first->name;
+  if (!fs::is_directory(dir, ec)) throw FormatError(dir + ": missing parameter folder");
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::string f = e.path().filename().string();
+    if (f.size() < 4 || f.substr(f.size() - 3) != ".pt") continue;
+    std::string key = f.substr(0, f.size() - 3);
+    if (key == "step")
+      u.has_step = true;
+    else if (key != "fp32")
+      u.state_keys.push_back(key);
+  }
+  std::sort(u.state_keys.begin(), u.state_keys.end());
+  TorchFile fp32 = LoadTorchFile(dir + "/fp32.pt");
+  u.zero3 = fp32.root && fp32.root->kind == Kind::kTensor;
+  return u;
+}
+
+LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& name, const std::string& key) {
+  LoadedState s;
+  const std::string path = u.folder + "/zero/" + name + "/" + key + ".pt";
+  s.file = LoadTorchFile(path);
+  ValuePtr v = s.file.root;
+  if (v && v->is_dict()) v = Need(v, "param", path);
+  s.tensor = &AsTensor(v, path);
+  return s;
+}
+
+std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, size_t group, const std::string& key, int dp,
+                                            int rank, DType* dtype_out) {
+  if (group >= u.groups.size()) throw FormatError(u.folder + ": no param group " + std::to_string(group));
+  const auto& params = u.groups[group];
+  std::vector<int64_t> numels;
+  for (const auto& p : params) numels.push_back(p.numel);
+  int64_t total = 0;
+  for (int64_t n : numels) total += n;
+  FlatLayout l = MakeFlatLayout(total, dp);
+  std::vector<uint8_t> out;
+  DType dtype = DType::kFloat32;
+  bool first = true;
+  for (const Fragment& f : RankFragments(numels, dp, rank)) {
+    const UniversalParam& p = params[f.param];
+    LoadedState s = LoadUniversalState(u, p.name, key);
+    const std::string where = s.file.file->path();
+    if (s.tensor->numel() != p.numel)
+      Fail(where, "has " + std::to_string(s.tensor->numel()) + " elements but param_shapes says " + ShapeText(p.shape));
+    if (first) {
+      dtype = s.tensor->dtype;
+      out.assign(static_cast<size_t>(l.partition_size) * DTypeSize(dtype), 0);
+      first = false;
+    } else if (s.tensor->dtype != dtype) {
+      Fail(where, "dtype differs from the group's other parameters");
+    }
+    auto bytes = TensorElements(*s.tensor, f.param_offset, f.numel, where);
+    std::memcpy(out.data() + static_cast<size_t>(f.partition_offset) * DTypeSize(dtype), bytes.data(), bytes.size());
+  }
+  if (first) out.assign(static_cast<size_t>(l.partition_size) * DTypeSize(dtype), 0);  // all padding
+  if (dtype_out) *dtype_out = dtype;
+  return out;
+}
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,52 @@
+// Reading a universal checkpoint folder (DeepSpeed's ds_to_universal layout):
+// the parameter list from the copied model states, each parameter's whole
+// tensors from zero/<name>/<state>.pt, and — what a training engine needs to
+// resume at any world size — one rank's flat partition of a parameter group.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/partition.h"
+#include "format/torch_file.h"
+
+namespace uckpt::ckpt {
+
+struct UniversalParam {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+};
+
+struct UniversalCheckpoint {
+  std::string folder;
+  bool zero3 = false;           // per-parameter files are bare 1-D tensors (from ZeRO-3)
+  TorchFile model;              // the first copied model-states file
+  std::vector<std::vector<UniversalParam>> groups;  // param_shapes: groups (ZeRO-3: sub-groups)
+  std::vector<std::string> state_keys;  // per-element files of the first parameter, besides fp32 (sorted)
+  bool has_step = false;        // zero/<first param>/step.pt exists
+  int source_dp = 0;            // dp_world_size recorded in the model states
+  int64_t global_steps = -1;
+};
+
+// Opens `folder` (holding zero/ and the model-states copies). Throws
+// FormatError naming the file if it is not a universal checkpoint.
+UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder);
+
+// zero/<name>/<key>.pt loaded; `*tensor` is the whole parameter (ZeRO-3 files
+// reshaped to `shape` is the caller's business: their tensor is 1-D).
+struct LoadedState {
+  TorchFile file;
+  const Tensor* tensor = nullptr;
+};
+LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& name, const std::string& key);
+
+// Rank `rank`'s flat partition (P elements, padding zero) of state `key`
+// ("fp32", "exp_avg", ...) of param group `group`, re-partitioned for
+// data-parallel size `dp` with DeepSpeed's stage 1/2 flat layout. The bytes
+// are in the state's dtype (`*dtype`).
+std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, size_t group, const std::string& key, int dp,
+                                            int rank, DType* dtype = nullptr);
+
+}  // namespace uckpt::ckpt
