@@ -1,0 +1,61 @@
+// Collectives over the data-parallel ranks. One process (world size 1) needs
+// no process group; several use c10d (TCPStore rendezvous, Gloo on CPU, NCCL
+// on CUDA), see comm_c10d.cc, the one file that knows libtorch versions.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace uckpt::train {
+
+// A collective failed: usually another rank died or timed out. The message
+// says which rank saw it and what it was doing.
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string backend() const = 0;
+
+  // In place: every rank ends with the element-wise sum (max) over ranks.
+  virtual void AllReduceSum(at::Tensor& t) = 0;
+  virtual void AllReduceMax(at::Tensor& t) = 0;
+  // `in` (world_size * out.numel() elements) is summed over ranks and rank r
+  // keeps chunk r in `out`. `in` may be modified.
+  virtual void ReduceScatterSum(at::Tensor& in, at::Tensor& out) = 0;
+  // `out` (world_size * in.numel() elements) = every rank's `in`, in rank order.
+  // `in` must not alias `out`.
+  virtual void AllGather(const at::Tensor& in, at::Tensor& out) = 0;
+  virtual void Broadcast(at::Tensor& t, int root) = 0;
+  virtual void Barrier() = 0;
+};
+
+std::unique_ptr<Comm> MakeSingleProcessComm();
+
+// What torchrun (or `uckpt launch`) puts in the environment.
+struct DistEnv {
+  int rank = 0, world_size = 1, local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. nullopt when
+  // WORLD_SIZE is unset; throws std::invalid_argument on malformed values.
+  static std::optional<DistEnv> FromEnvironment();
+};
+
+// Rendezvous through a TCPStore on master_addr:master_port (rank 0 serves it)
+// and a Gloo (CPU) or NCCL (CUDA) process group. `timeout` bounds the
+// rendezvous and every collective, so a dead rank ends the job with CommError
+// instead of a hang.
+std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds timeout, bool cuda);
+
+}  // namespace uckpt::train

@@ -1,0 +1,150 @@
+// The c10d process group behind Comm, and the only place that knows libtorch
+// versions:
+//  - libtorch 1.13 (Debian, CPU): Gloo has no _reduce_scatter_base /
+//    _allgather_base; reduce-scatter is an all-reduce plus a local slice, and
+//    all-gather the list form with views into the output.
+//  - libtorch 2.x (CUDA builds without Gloo headers): NCCL's flat
+//    _reduce_scatter_base / _allgather_base.
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
+
+#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>) && !defined(UCKPT_NO_GLOO)
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#define UCKPT_HAVE_GLOO 1
+#endif
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+
+#include "train/comm.h"
+
+namespace uckpt::train {
+namespace {
+
+constexpr bool kFlatCollectives = TORCH_VERSION_MAJOR >= 2;
+
+template <typename PG>
+class C10dComm : public Comm {
+ public:
+  C10dComm(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<PG> pg, int rank, int world,
+           std::string backend, std::chrono::milliseconds timeout)
+      : store_(std::move(store)), pg_(std::move(pg)), rank_(rank), world_(world), backend_(std::move(backend)),
+        timeout_(timeout) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string backend() const override { return backend_; }
+
+  void AllReduceSum(at::Tensor& t) override { AllReduce(t, c10d::ReduceOp::SUM, "all-reduce"); }
+  void AllReduceMax(at::Tensor& t) override { AllReduce(t, c10d::ReduceOp::MAX, "all-reduce (max)"); }
+
+  void ReduceScatterSum(at::Tensor& in, at::Tensor& out) override {
+    if constexpr (kFlatCollectives) {
+      Run("reduce-scatter", [&] { return pg_->_reduce_scatter_base(out, in); });
+    } else {
+      AllReduce(in, c10d::ReduceOp::SUM, "reduce-scatter (all-reduce)");
+      out.copy_(in.view(-1).narrow(0, rank_ * out.numel(), out.numel()).view_as(out));
+    }
+  }
+
+  void AllGather(const at::Tensor& in, at::Tensor& out) override {
+    if constexpr (kFlatCollectives) {
+      at::Tensor src = in;
+      Run("all-gather", [&] { return pg_->_allgather_base(out, src); });
+    } else {
+      std::vector<std::vector<at::Tensor>> outs(1);
+      at::Tensor flat = out.view(-1);
+      for (int r = 0; r < world_; ++r) outs[0].push_back(flat.narrow(0, r * in.numel(), in.numel()).view_as(in));
+      std::vector<at::Tensor> ins{in};
+      Run("all-gather", [&] { return pg_->allgather(outs, ins); });
+    }
+  }
+
+  void Broadcast(at::Tensor& t, int root) override {
+    std::vector<at::Tensor> ts{t};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    Run("broadcast", [&] { return pg_->broadcast(ts, o); });
+  }
+
+  void Barrier() override {
+    Run("barrier", [&] { return pg_->barrier(); });
+  }
+
+ private:
+  void AllReduce(at::Tensor& t, c10d::ReduceOp op, const char* what) {
+    std::vector<at::Tensor> ts{t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op;
+    Run(what, [&] { return pg_->allreduce(ts, o); });
+  }
+
+  template <typename F>
+  void Run(const char* what, F&& start) {
+    try {
+      auto work = start();
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      std::string msg = e.what();
+      if (msg.size() > 400) msg = msg.substr(0, 400) + "...";
+      throw CommError("rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ": " + what + " over " +
+                      backend_ + " failed (another rank probably exited or timed out): " + msg);
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<PG> pg_;
+  int rank_, world_;
+  std::string backend_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds timeout, bool cuda) {
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(env.master_port);
+  so.isServer = env.rank == 0;
+  so.numWorkers = static_cast<std::size_t>(env.world_size);
+  so.waitWorkers = true;
+  so.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  } catch (const std::exception& e) {
+    throw CommError("rank " + std::to_string(env.rank) + ": rendezvous at " + env.master_addr + ":" +
+                    std::to_string(env.master_port) + " failed: " + e.what());
+  }
+  if (cuda) {
+#ifdef USE_C10D_NCCL
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, opts);
+    return std::make_unique<C10dComm<c10d::ProcessGroupNCCL>>(store, pg, env.rank, env.world_size, "nccl", timeout);
+#else
+    throw CommError("this uckpt was built without NCCL; CUDA training across processes needs it");
+#endif
+  }
+#ifdef UCKPT_HAVE_GLOO
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (env.master_addr == "127.0.0.1" || env.master_addr == "localhost") {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  try {
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
+    return std::make_unique<C10dComm<c10d::ProcessGroupGloo>>(store, pg, env.rank, env.world_size, "gloo", timeout);
+  } catch (const std::exception& e) {
+    throw CommError("rank " + std::to_string(env.rank) + ": connecting the Gloo process group failed: " + e.what());
+  }
+#else
+  throw CommError("this uckpt was built without Gloo (its libtorch has no Gloo headers); use CUDA with NCCL");
+#endif
+}
+
+}  // namespace uckpt::train

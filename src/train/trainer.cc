@@ -1,0 +1,160 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include "train/weights.h"
+
+namespace uckpt::train {
+namespace {
+
+std::unique_ptr<TokenSource> MakeTokenSource(const TrainOptions& o) {
+  if (!o.data_file.empty() && !o.text_file.empty()) throw std::invalid_argument("give --data or --text, not both");
+  if (!o.data_file.empty())
+    return std::make_unique<TokenFileSource>(o.data_file, TokenFileSource::Encoding::kUInt16, o.seq_len,
+                                             o.model.vocab_size);
+  if (!o.text_file.empty())
+    return std::make_unique<TokenFileSource>(o.text_file, TokenFileSource::Encoding::kBytes, o.seq_len,
+                                             o.model.vocab_size);
+  return std::make_unique<SyntheticSource>(o.seed, o.model.vocab_size);
+}
+
+at::ScalarType ModelDtype(const TrainConfig& c) {
+  if (c.fp16.enabled) return at::kHalf;
+  if (c.bf16) return at::kBFloat16;
+  return at::kFloat;
+}
+
+}  // namespace
+
+Trainer::Trainer(Comm& comm, TrainOptions options)
+    : comm_(comm), opt_(std::move(options)), schedule_(opt_.config.scheduler, opt_.config.optimizer.lr) {
+  const TrainConfig& c = opt_.config;
+  batch_ = ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
+                             comm_.world_size());
+  if (opt_.seq_len < 2 || opt_.seq_len > opt_.model.n_positions)
+    throw std::invalid_argument("--seq_len must be in [2, n_positions = " + std::to_string(opt_.model.n_positions) +
+                                "], got " + std::to_string(opt_.seq_len));
+  data_ = MakeTokenSource(opt_);
+
+  // The model's parameters are views into the optimizer's flat buffer.
+  std::vector<int64_t> numels;
+  for (const auto& [name, shape] : Gpt2ParameterShapes(opt_.model)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    numels.push_back(n);
+  }
+  ZeroSettings zs;
+  zs.stage = c.zero.stage;
+  zs.gradient_clipping = c.gradient_clipping;
+  zs.optimizer = c.optimizer;
+  zs.model_dtype = ModelDtype(c);
+  zs.fp16 = c.fp16;
+  zs.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
+  zero_ = std::make_unique<ZeroOptimizer>(comm_, numels, zs);
+  params_ = Gpt2ParametersIn(opt_.model, zero_->model_flat());
+
+  // Initial weights, identical on every rank (seeded, or from a file).
+  if (!opt_.init_file.empty()) {
+    CopyStateDict(LoadStateDictFile(opt_.init_file), params_, opt_.init_file);
+  } else {
+    Gpt2Init(opt_.model, params_, opt_.init_seed);
+  }
+  zero_->InitMasterFromModel();
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  zero_->BindGradients(tensors);
+  model_ = std::make_unique<Gpt2>(opt_.model, params_);
+}
+
+StepMetrics Trainer::TrainStep() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t step = counters_.global_steps + 1;
+  const int64_t ga = batch_.gradient_accumulation_steps, mb = batch_.micro_batch, T = opt_.seq_len;
+  const double lr = schedule_.current_lr();
+
+  // Micro-batches: rank r's slice of the global batch, one after the other.
+  double loss_sum = 0;
+  for (int64_t m = 0; m < ga; ++m) {
+    const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), mb);
+    auto rows = GatherRows(*data_, step, counters_.global_samples, first_row, mb, T);
+    at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).clone();
+    DropoutKey dk{opt_.seed, step, first_row};
+    at::Tensor loss = model_->Loss(ids, &dk);
+    loss_sum += loss.item<float>();
+    // DeepSpeed scales each micro loss by 1/GA (and by the fp16 loss scale).
+    at::Tensor scaled = ga > 1 ? loss / ga : loss;
+    scaled = scaled * zero_->loss_scale();
+    scaled.backward();
+    zero_->ReduceMicroGradients(m == ga - 1);
+  }
+  ZeroOptimizer::StepResult r = zero_->Step(lr);
+  if (!r.skipped) schedule_.Step();
+  counters_.global_steps = step;
+  counters_.global_samples += batch_.train_batch_size;
+  if (r.skipped) ++counters_.skipped_steps;
+
+  // The step's loss: the mean over all W*GA micro-batches (equal token counts).
+  at::Tensor total = at::full({1}, loss_sum, at::kDouble);
+  comm_.AllReduceSum(total);
+  StepMetrics s;
+  s.step = step;
+  s.loss = total.item<double>() / static_cast<double>(ga * comm_.world_size());
+  s.lr = lr;
+  s.grad_norm = r.grad_norm;
+  s.loss_scale = r.loss_scale;
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  s.tokens_per_s = secs > 0 ? static_cast<double>(batch_.train_batch_size * T) / secs : 0;
+  return s;
+}
+
+int RunTraining(Comm& comm, const TrainOptions& options) {
+  Trainer trainer(comm, options);
+  const bool rank0 = comm.rank() == 0;
+  const TrainOptions& o = trainer.options();
+  if (o.resume) {
+    if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint_dir");
+    trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, o.universal_checkpoint || o.config.load_universal);
+  }
+  std::unique_ptr<MetricsLog> log;
+  if (rank0) {
+    log = std::make_unique<MetricsLog>(o.log_dir + "/" + o.run_name);
+    const auto& b = trainer.batch();
+    std::cerr << "uckpt train: world size " << comm.world_size() << " (" << comm.backend() << "), ZeRO stage "
+              << o.config.zero.stage << ", batch " << b.train_batch_size << " = micro " << b.micro_batch << " x GA "
+              << b.gradient_accumulation_steps << " x " << comm.world_size() << " ranks, "
+              << Gpt2NumParameters(o.model) << " parameters, steps " << trainer.counters().global_steps + 1 << ".."
+              << o.steps << "\n";
+    for (const auto& w : o.config.warnings) std::cerr << "uckpt train: warning: " << w << "\n";
+  }
+  const bool tty = rank0 && o.progress && isatty(fileno(stderr));
+  auto save = [&] {
+    if (o.checkpoint_dir.empty()) return;
+    trainer.SaveCheckpoint(o.checkpoint_dir, "global_step" + std::to_string(trainer.counters().global_steps));
+  };
+  int64_t last_saved = trainer.counters().global_steps;  // nothing new to save yet
+  while (trainer.counters().global_steps < o.steps) {
+    StepMetrics m = trainer.TrainStep();
+    if (log) log->Write(m);
+    if (tty) {
+      std::fprintf(stderr, "\rstep %lld/%lld  loss %.6f  lr %.3g  grad_norm %.4f  %.0f tok/s   ",
+                   static_cast<long long>(m.step), static_cast<long long>(o.steps), m.loss, m.lr, m.grad_norm,
+                   m.tokens_per_s);
+    } else if (rank0 && o.config.steps_per_print > 0 && m.step % o.config.steps_per_print == 0) {
+      std::fprintf(stderr, "step %lld loss %.9g lr %.6g grad_norm %.6g\n", static_cast<long long>(m.step), m.loss, m.lr,
+                   m.grad_norm);
+    }
+    if (o.checkpoint_interval > 0 && m.step % o.checkpoint_interval == 0) {
+      save();
+      last_saved = m.step;
+    }
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  if (last_saved != trainer.counters().global_steps) save();
+  return 0;
+}
+
+}  // namespace uckpt::train
