@@ -27,7 +27,8 @@ CheckpointFile ClassifyFile(const std::string& folder, const std::string& name) 
   static const std::regex model(R"(mp_rank_(\d+)_model_states\.pt)");
   static const std::regex zero3_model(R"(zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
   static const std::regex optim(R"((bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt)");
-  static const std::regex layer(R"(layer_\d+-model(_\d+)?-model_states\.pt)");
+  // DeepSpeed's converter treats every file starting with layer_ as a pipeline layer.
+  static const std::regex layer(R"(layer_.*\.pt)");
   static const std::regex expert(R"((layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt|expp_rank_\d+_mp_rank_\d+_optim_states\.pt)");
   CheckpointFile f;
   f.name = name;
@@ -45,10 +46,10 @@ CheckpointFile ClassifyFile(const std::string& folder, const std::string& name) 
     f.prefix = m[1];
     f.dp = ToInt(m[2]);
     f.mp = ToInt(m[3]);
-  } else if (std::regex_match(name, layer)) {
-    f.kind = FileKind::kPipelineLayer;
   } else if (std::regex_match(name, expert)) {
     f.kind = FileKind::kMoeExpert;
+  } else if (std::regex_match(name, layer)) {
+    f.kind = FileKind::kPipelineLayer;
   }
   return f;
 }

@@ -13,7 +13,7 @@ enum class FileKind {
   kModelStates,       // mp_rank_XX_model_states.pt
   kZero3ModelStates,  // zero_pp_rank_D_mp_rank_XX_model_states.pt
   kOptimStates,       // [bf16_|fp16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt
-  kPipelineLayer,     // layer_NN-model_states.pt, layer_NN-model_TT-model_states.pt
+  kPipelineLayer,     // layer_NN-model_states.pt, layer_NN-model_TT-model_states.pt (any layer_*.pt)
   kMoeExpert,         // [layer_L_]expert_E_mp_rank_XX_model_states.pt, expp_rank_*
   kOther,
 };
