@@ -619,12 +619,16 @@ ValuePtr Machine::Run() {
             case 't': out.push_back('\t'); break;
             case 'r': out.push_back('\r'); break;
             case '0': out.push_back('\0'); break;
-            case 'x':
-              if (k + 2 < t.size() - 1) {
-                out.push_back(static_cast<char>(std::stoi(t.substr(k + 1, 2), nullptr, 16)));
-                k += 2;
-              }
+            case 'x': {  // two hex digits, as Python requires
+              auto hex = [](char h) {
+                return (h >= '0' && h <= '9') ? h - '0' : (h >= 'a' && h <= 'f') ? h - 'a' + 10
+                                                        : (h >= 'A' && h <= 'F') ? h - 'A' + 10 : -1;
+              };
+              if (k + 2 >= t.size() - 1 || hex(t[k + 1]) < 0 || hex(t[k + 2]) < 0) Fail("bad \\x escape in STRING");
+              out.push_back(static_cast<char>(hex(t[k + 1]) * 16 + hex(t[k + 2])));
+              k += 2;
               break;
+            }
             default: out.push_back(e);
           }
         }

@@ -1,6 +1,7 @@
 #include "format/pickle_writer.h"
 
 #include <bit>
+#include <charconv>
 #include <unordered_map>
 
 #include "format/error.h"
@@ -357,13 +358,18 @@ class Pickler {
       }
       case Kind::kTorchDevice: {
         Global("torch", "device");
+        // torch.device("cuda", 1) as torch writes it; any other text (not
+        // made by torch, but readable) as the single string it was.
         size_t colon = v.s.find(':');
-        if (colon == std::string::npos) {
+        std::string index_text = colon == std::string::npos ? "" : v.s.substr(colon + 1);
+        int64_t index = 0;
+        auto parsed = std::from_chars(index_text.data(), index_text.data() + index_text.size(), index);
+        if (colon == std::string::npos || parsed.ec != std::errc() || std::to_string(index) != index_text) {
           MemoStr(v.s);
           TupleOf(1);
         } else {
           MemoStr(v.s.substr(0, colon));
-          Int(std::stoll(v.s.substr(colon + 1)));
+          Int(index);
           TupleOf(2);
         }
         Op('R');
