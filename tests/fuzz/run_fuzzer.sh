@@ -12,7 +12,7 @@ mkdir -p "$work/corpus" "$work/artifacts"
 cp "$seeds"/* "$work/corpus/"
 echo "fuzzing $(basename "$fuzzer") for ${seconds}s; corpus $work/corpus"
 status=0
-"$fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+"$fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -dict="$(dirname "$0")/torch.dict" \
   -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/corpus" || status=$?
 found=$(ls -A "$work/artifacts")
 if [ "$status" != 0 ] || [ -n "$found" ]; then
