@@ -24,6 +24,10 @@ int main(int argc, char** argv) {
   add(uckpt::cli::AddInspect);
   add(uckpt::cli::AddConvert);
   add(uckpt::cli::AddExport);
+#ifdef UCKPT_HAVE_TRAIN
+  add(uckpt::cli::AddTrain);
+  add(uckpt::cli::AddLaunch);
+#endif
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,142 @@
+// `uckpt launch -n N -- CMD...`: N local ranks with torchrun's variables.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+#include "cli/commands.h"
+
+namespace uckpt::cli {
+namespace {
+
+std::atomic<int> g_signal{0};
+void OnSignal(int sig) { g_signal = sig; }
+
+// The exit status a shell would report for `status`.
+int ExitCode(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+void SignalAll(const std::vector<pid_t>& pids, int sig) {
+  for (pid_t p : pids)
+    if (p > 0) kill(p, sig);
+}
+
+}  // namespace
+
+Runner AddLaunch(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "launch",
+      "Start N local ranks of a command with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,\n"
+      "MASTER_ADDR and MASTER_PORT set (as torchrun does). Signals are forwarded; when one rank\n"
+      "fails the others are stopped and its exit code is returned. Multi-node runs are torchrun's\n"
+      "or Slurm's job.\n\n"
+      "Examples:\n"
+      "  uckpt launch -n 2 -- uckpt train --config ds.json --steps 100\n"
+      "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100   (the same)");
+  struct Args {
+    int n = 1;
+    int master_port = 29500;
+    std::string master_addr = "127.0.0.1";
+    double grace_s = 10;
+    std::vector<std::string> command;
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("-n,--nproc", a->n, "Number of ranks")->required()->check(CLI::Range(1, 4096));
+  cmd->add_option("--master_port", a->master_port, "Rendezvous port")->capture_default_str();
+  cmd->add_option("--master_addr", a->master_addr, "Rendezvous address")->capture_default_str();
+  cmd->add_option("--grace", a->grace_s, "Seconds ranks get to exit after SIGTERM before SIGKILL")
+      ->capture_default_str();
+  cmd->add_option("command", a->command, "The command after `--`")->required();
+
+  return [a] {
+    std::vector<std::string> argv = a->command;
+    // `uckpt` means this very binary, wherever it lives.
+    if (argv[0] == "uckpt") {
+      char self[4096];
+      ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+      if (n > 0) argv[0] = std::string(self, static_cast<size_t>(n));
+    }
+    struct sigaction sa{};
+    sa.sa_handler = OnSignal;
+    sigemptyset(&sa.sa_mask);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+
+    std::vector<pid_t> pids(static_cast<size_t>(a->n), -1);
+    for (int r = 0; r < a->n; ++r) {
+      pid_t pid = fork();
+      if (pid < 0) {
+        std::cerr << "uckpt launch: fork failed: " << std::strerror(errno) << "\n";
+        SignalAll(pids, SIGTERM);
+        return 1;
+      }
+      if (pid == 0) {
+        setenv("RANK", std::to_string(r).c_str(), 1);
+        setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+        setenv("WORLD_SIZE", std::to_string(a->n).c_str(), 1);
+        setenv("LOCAL_WORLD_SIZE", std::to_string(a->n).c_str(), 1);
+        setenv("GROUP_RANK", "0", 1);
+        setenv("MASTER_ADDR", a->master_addr.c_str(), 1);
+        setenv("MASTER_PORT", std::to_string(a->master_port).c_str(), 1);
+        std::vector<char*> args;
+        for (auto& s : argv) args.push_back(s.data());
+        args.push_back(nullptr);
+        execvp(args[0], args.data());
+        std::cerr << "uckpt launch: cannot run " << argv[0] << ": " << std::strerror(errno) << "\n";
+        _exit(127);
+      }
+      pids[static_cast<size_t>(r)] = pid;
+    }
+
+    int result = 0, running = a->n;
+    bool stopping = false;
+    auto stop_deadline = std::chrono::steady_clock::time_point::max();
+    while (running > 0) {
+      if (int sig = g_signal.exchange(0); sig != 0) {
+        SignalAll(pids, sig);  // forward; the ranks decide how to end
+        if (!stopping) {
+          stopping = true;
+          result = 128 + sig;
+          stop_deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                                  std::chrono::duration<double>(a->grace_s));
+        }
+      }
+      int status = 0;
+      pid_t pid = waitpid(-1, &status, WNOHANG);
+      if (pid > 0) {
+        for (size_t r = 0; r < pids.size(); ++r) {
+          if (pids[r] != pid) continue;
+          pids[r] = -1;
+          --running;
+          int code = ExitCode(status);
+          if (code != 0 && !stopping) {
+            std::cerr << "uckpt launch: rank " << r << " exited with code " << code << "; stopping the other ranks\n";
+            result = code;
+            stopping = true;
+            SignalAll(pids, SIGTERM);
+            stop_deadline = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(a->grace_s));
+          }
+        }
+        continue;
+      }
+      if (pid < 0 && errno != EINTR) break;
+      if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+        SignalAll(pids, SIGKILL);
+        stop_deadline = std::chrono::steady_clock::time_point::max();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return result;
+  };
+}
+
+}  // namespace uckpt::cli

@@ -1,0 +1,106 @@
+#include <ATen/Parallel.h>
+
+#include <iostream>
+
+#include "cli/commands.h"
+#include "train/comm.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace uckpt::cli {
+
+Runner AddTrain(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "train",
+      "Train GPT-2 with ZeRO-1/2 data parallelism; checkpoints in DeepSpeed's layout.\n\n"
+      "One process trains alone; several are started by `uckpt launch` or torchrun, which set\n"
+      "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (Gloo on CPU).\n\n"
+      "Examples:\n"
+      "  uckpt train --config ds.json --steps 100 --checkpoint_dir ckpt --checkpoint_interval 50\n"
+      "  uckpt launch -n 4 -- uckpt train --config ds.json --steps 200 --checkpoint_dir ckpt \\\n"
+      "      --resume --universal_checkpoint      # resume at 4 ranks from ckpt/latest_universal\n"
+      "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100");
+  struct Args {
+    std::string config;
+    std::optional<int64_t> train_batch_size, micro, ga;
+    std::optional<int> zero_stage;
+    std::optional<double> lr, clip;
+    bool bf16 = false, fp16 = false;
+    train::TrainOptions o;
+    bool no_load_optimizer_states = false;
+    int threads = 0;
+    double timeout_s = 300;
+  };
+  auto a = std::make_shared<Args>();
+  auto& o = a->o;
+  cmd->add_option("--config", a->config, "DeepSpeed-style JSON configuration");
+  cmd->add_option("--train_batch_size", a->train_batch_size, "Global batch (sequences per optimizer step)");
+  cmd->add_option("--train_micro_batch_size_per_gpu", a->micro, "Sequences per rank per micro-step");
+  cmd->add_option("--gradient_accumulation_steps", a->ga, "Micro-steps per optimizer step");
+  cmd->add_option("--zero_stage", a->zero_stage, "ZeRO stage 0, 1 or 2 (overrides the config)");
+  cmd->add_option("--lr", a->lr, "Optimizer learning rate (overrides the config)");
+  cmd->add_option("--gradient_clipping", a->clip, "Global-norm clipping, 0 = off (overrides the config)");
+  cmd->add_flag("--bf16", a->bf16, "bf16 model weights (fp32 masters)");
+  cmd->add_flag("--fp16", a->fp16, "fp16 model weights with dynamic loss scaling");
+  cmd->add_option("--steps", o.steps, "Train until this global step")->required();
+  cmd->add_option("--checkpoint_dir", o.checkpoint_dir, "Where checkpoints go (and come from with --resume)");
+  cmd->add_option("--checkpoint_interval", o.checkpoint_interval, "Save every N steps (and at the end)");
+  cmd->add_option("--run_name", o.run_name, "Metrics go to <log_dir>/<run_name>/")->capture_default_str();
+  cmd->add_option("--log_dir", o.log_dir, "Folder of the per-run metric folders")->capture_default_str();
+  cmd->add_flag("--resume", o.resume, "Resume from --checkpoint_dir (tag from `latest` unless --checkpoint_tag)");
+  cmd->add_option("--checkpoint_tag", o.checkpoint_tag, "Tag folder to resume from, e.g. global_step100");
+  cmd->add_flag("--universal_checkpoint", o.universal_checkpoint,
+                "Resume from a universal checkpoint (any world size; tag from `latest_universal`)");
+  cmd->add_flag("--no_load_optimizer_states", a->no_load_optimizer_states,
+                "Resume weights, step and schedule only; fresh optimizer moments");
+  cmd->add_flag("--keep-saved-hparams,--keep_saved_hparams", o.keep_saved_hparams,
+                "Use the checkpoint's lr instead of this run's config");
+  cmd->add_option("--n_layer", o.model.n_layer)->capture_default_str();
+  cmd->add_option("--n_head", o.model.n_head)->capture_default_str();
+  cmd->add_option("--n_embd", o.model.n_embd)->capture_default_str();
+  cmd->add_option("--vocab_size", o.model.vocab_size)->capture_default_str();
+  cmd->add_option("--n_positions", o.model.n_positions)->capture_default_str();
+  cmd->add_option("--seq_len", o.seq_len, "Tokens per sequence")->capture_default_str();
+  cmd->add_option("--dropout", o.model.dropout, "Dropout (masks seeded per sample and step)")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the synthetic data rule and dropout")->capture_default_str();
+  cmd->add_option("--init_seed", o.init_seed, "Seed of GPT-2's initialisation")->capture_default_str();
+  cmd->add_option("--init", o.init_file, "Initial weights: a torch state dict or safetensors file");
+  cmd->add_option("--data", o.data_file, "Flat uint16 token file (llm.c / nanoGPT .bin)");
+  cmd->add_option("--text", o.text_file, "Train on the bytes of any file (vocab >= 256)");
+  cmd->add_option("--threads", a->threads, "Intra-op threads per rank (0: libtorch's default)");
+  cmd->add_option("--timeout", a->timeout_s, "Seconds a rendezvous or collective may take before the job fails")
+      ->capture_default_str();
+  cmd->add_flag("!--no_progress", o.progress, "No progress line on a terminal");
+
+  return [a] {
+    train::TrainOptions o = a->o;
+    nlohmann::json raw = nlohmann::json::object();
+    if (!a->config.empty()) raw = train::LoadConfigFile(a->config).raw;
+    // Command-line overrides become part of the config (and of the saved ds_config).
+    if (a->train_batch_size) raw["train_batch_size"] = *a->train_batch_size;
+    if (a->micro) raw["train_micro_batch_size_per_gpu"] = *a->micro;
+    if (a->ga) raw["gradient_accumulation_steps"] = *a->ga;
+    if (a->zero_stage) raw["zero_optimization"]["stage"] = *a->zero_stage;
+    if (a->lr) raw["optimizer"]["params"]["lr"] = *a->lr;
+    if (a->clip) raw["gradient_clipping"] = *a->clip;
+    if (a->bf16) raw["bf16"]["enabled"] = true;
+    if (a->fp16) raw["fp16"]["enabled"] = true;
+    o.config = train::ParseConfig(raw, a->config.empty() ? "command line" : a->config);
+    o.load_optimizer_states = !a->no_load_optimizer_states;
+    if (a->threads > 0) at::set_num_threads(a->threads);
+
+    auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
+    auto env = train::DistEnv::FromEnvironment();
+    std::unique_ptr<train::Comm> comm = env && env->world_size > 1 ? train::ConnectC10d(*env, timeout, /*cuda=*/false)
+                                                                   : train::MakeSingleProcessComm();
+    try {
+      return train::RunTraining(*comm, o);
+    } catch (const std::exception& e) {
+      // Name the rank: with several, every message would otherwise look alike.
+      if (comm->world_size() > 1) throw std::runtime_error("rank " + std::to_string(comm->rank()) + ": " + e.what());
+      throw;
+    }
+  };
+}
+
+}  // namespace uckpt::cli
