@@ -1,0 +1,360 @@
+#include "ckpt/zero_writer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+
+#include "ckpt/partition.h"
+#include "ckpt/torch_out.h"
+#include "format/error.h"
+#include "format/value.h"
+
+namespace uckpt::ckpt {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Pieces = std::vector<std::span<const uint8_t>>;
+
+// Zero bytes for padding, handed out as repeated pieces of one buffer.
+void AppendZeros(uint64_t bytes, Pieces* pieces) {
+  static const std::vector<uint8_t> zeros(1 << 20, 0);
+  while (bytes > 0) {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(bytes, zeros.size()));
+    pieces->emplace_back(zeros.data(), n);
+    bytes -= n;
+  }
+}
+
+ValuePtr FloatScalar(float v) {
+  std::vector<uint8_t> b(4);
+  std::memcpy(b.data(), &v, 4);
+  return Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {}, std::move(b)));
+}
+
+ValuePtr Object(const std::string& cls, ValuePtr state) {
+  ValuePtr o = Value::Object(cls, Value::Tuple(), true);
+  o->state = std::move(state);
+  return o;
+}
+
+ValuePtr LossScaler() {
+  auto d = Value::Dict();
+  d->set("cur_scale", Value::Float(1.0));
+  d->set("dynamic", Value::Bool(false));
+  return Object("deepspeed.runtime.fp16.loss_scaler.LossScaler", d);
+}
+
+ValuePtr ZeroStage(int stage) {
+  static const char* names[] = {"disabled", "optimizer_states", "gradients", "weights"};
+  return Value::Object("builtins.getattr",
+                       Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                                     Value::Str(names[stage])}),
+                       false);
+}
+
+ValuePtr FragmentAddress(int64_t numel, int64_t start) {
+  auto d = Value::Dict();
+  d->set("numel", Value::Int(numel));
+  d->set("start", Value::Int(start));
+  return Object("deepspeed.utils.tensor_fragment.fragment_address", d);
+}
+
+ValuePtr AdamGroup(std::vector<int64_t> params) {
+  auto g = Value::Dict();
+  g->set("lr", Value::Float(0.001));
+  g->set("betas", Value::List({Value::Float(0.9), Value::Float(0.999)}));
+  g->set("eps", Value::Float(1e-8));
+  g->set("weight_decay", Value::Float(0.01));
+  g->set("amsgrad", Value::Bool(false));
+  g->set("foreach", Value::None());
+  g->set("maximize", Value::Bool(false));
+  g->set("capturable", Value::Bool(false));
+  std::vector<ValuePtr> ids;
+  for (int64_t p : params) ids.push_back(Value::Int(p));
+  g->set("params", Value::List(std::move(ids)));
+  return g;
+}
+
+ValuePtr IntList(const std::vector<int64_t>& v) {
+  std::vector<ValuePtr> items;
+  for (int64_t x : v) items.push_back(Value::Int(x));
+  return Value::List(std::move(items));
+}
+
+// A 1-D float32 tensor of `numel` elements over a storage of `storage_numel`
+// whose bytes are `pieces` (registered in `all`).
+ValuePtr FlatTensor(int64_t numel, int64_t storage_numel, Pieces pieces, StoragePieces* all, bool requires_grad = false) {
+  ValuePtr t = PiecewiseTensor(DType::kFloat32, {storage_numel}, requires_grad);
+  t->tensor->shape = {numel};
+  t->tensor->stride = {1};
+  (*all)[t->tensor->storage.get()] = std::move(pieces);
+  return t;
+}
+
+class Writer {
+ public:
+  Writer(std::string folder, const ZeroWriteSpec& spec) : folder_(std::move(folder)), s_(spec) {
+    size_t base = 0;
+    for (const auto& g : s_.groups) {
+      bases_.push_back(base);
+      std::vector<int64_t> numels;
+      for (const auto& p : g) {
+        int64_t n = 1;
+        for (int64_t d : p.shape) n *= d;
+        numels.push_back(n);
+      }
+      numels_.push_back(std::move(numels));
+      base += g.size();
+    }
+  }
+
+  void Write() {
+    if (s_.stage < 1 || s_.stage > 3 || s_.dp < 1) throw std::invalid_argument("bad ZeRO stage or dp size");
+    if (fs::exists(folder_)) throw IoError(folder_ + " already exists");
+    fs::create_directories(folder_);
+    if (s_.stage == 3) {
+      PlanSubGroups();
+      for (int r = 0; r < s_.dp; ++r) {
+        WriteModelStates(folder_ + "/zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_model_states.pt");
+        WriteStage3Optim(r);
+      }
+    } else {
+      WriteModelStates(folder_ + "/mp_rank_00_model_states.pt");
+      for (int r = 0; r < s_.dp; ++r) WriteStage12Optim(r);
+    }
+  }
+
+ private:
+  std::string OptimPath(int r) const {
+    return folder_ + "/" + s_.optim_prefix + "zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_optim_states.pt";
+  }
+
+  // Stage 3: the sub-groups of every param group, as (group, first, count).
+  void PlanSubGroups() {
+    for (size_t g = 0; g < s_.groups.size(); ++g) {
+      size_t first = 0;
+      for (size_t count : Stage3SubGroups(numels_[g], s_.dp, s_.sub_group_size)) {
+        subs_.push_back({g, first, count});
+        first += count;
+      }
+    }
+  }
+
+  ValuePtr ParamShapes() const {
+    auto list = Value::List();
+    auto add = [&](size_t g, size_t first, size_t count) {
+      auto d = Value::Dict(true);
+      for (size_t i = first; i < first + count; ++i) d->set(s_.groups[g][i].name, Value::Size(s_.groups[g][i].shape));
+      list->items.push_back(d);
+    };
+    if (s_.stage == 3) {
+      for (const auto& sg : subs_) add(sg.group, sg.first, sg.count);
+    } else {
+      for (size_t g = 0; g < s_.groups.size(); ++g) add(g, 0, s_.groups[g].size());
+    }
+    return list;
+  }
+
+  void WriteModelStates(const std::string& path) {
+    StoragePieces pieces;
+    auto module = Value::Dict(true);
+    for (size_t g = 0; g < s_.groups.size(); ++g)
+      for (size_t i = 0; i < s_.groups[g].size(); ++i) {
+        const ZeroParam& p = s_.groups[g][i];
+        if (s_.stage == 3) {
+          module->set(p.name, Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {0}, {})));
+        } else if (s_.write_module) {
+          ValuePtr t = PiecewiseTensor(DType::kFloat32, p.shape, false);
+          s_.source(bases_[g] + i, "fp32", 0, numels_[g][i], &pieces[t->tensor->storage.get()]);
+          module->set(p.name, t);
+        }
+      }
+    auto root = Value::Dict();
+    root->set("module", module);
+    root->set("buffer_names", Value::List());
+    root->set("optimizer", Value::None());
+    root->set("param_shapes", ParamShapes());
+    root->set("frozen_param_shapes", s_.stage >= 2 ? Value::Dict(true) : Value::None());
+    root->set("shared_params", Value::Dict());
+    root->set("frozen_param_fragments", s_.stage >= 2 ? Value::Dict(true) : Value::None());
+    auto sched = Value::Dict();
+    sched->set("last_batch_iteration", Value::Int(s_.global_steps - 1));
+    root->set("lr_scheduler", sched);
+    root->set("data_sampler", Value::None());
+    root->set("random_ltd", Value::None());
+    auto set = std::make_shared<Value>();
+    set->kind = Kind::kSet;
+    root->set("sparse_tensor_module_names", set);
+    root->set("skipped_steps", Value::Int(0));
+    root->set("global_steps", Value::Int(s_.global_steps));
+    root->set("global_samples", Value::Int(s_.global_steps * 8));
+    root->set("dp_world_size", Value::Int(s_.dp));
+    root->set("mp_world_size", Value::Int(1));
+    root->set("ds_config", Config());
+    root->set("ds_version", Value::Str("0.14.5"));
+    auto info = Value::Dict();
+    info->set("universal_checkpoint_version", Value::Float(0.2));
+    root->set("universal_checkpoint_info", info);
+    root->set("iteration", Value::Int(s_.global_steps));
+    WriteTorchFile(path, root, pieces);
+  }
+
+  ValuePtr Config() const {
+    auto zero = Value::Dict();
+    zero->set("stage", Value::Int(s_.stage));
+    auto cfg = Value::Dict();
+    cfg->set("train_batch_size", Value::Int(8));
+    cfg->set("zero_optimization", zero);
+    return cfg;
+  }
+
+  // The bytes of `key` for partition [begin, begin + n) of flat group g: the
+  // fragments of the parameters there, then zeros.
+  Pieces PartitionPieces(size_t g, int rank, const std::string& key, int64_t* real) const {
+    Pieces pieces;
+    *real = 0;
+    for (const Fragment& f : RankFragments(numels_[g], s_.dp, rank)) {
+      s_.source(bases_[g] + f.param, key, f.param_offset, f.numel, &pieces);
+      *real += f.numel;
+    }
+    FlatLayout l = MakeFlatLayout(Sum(numels_[g]), s_.dp);
+    AppendZeros(static_cast<uint64_t>(l.partition_size - *real) * 4, &pieces);
+    return pieces;
+  }
+
+  static int64_t Sum(const std::vector<int64_t>& v) {
+    int64_t n = 0;
+    for (int64_t x : v) n += x;
+    return n;
+  }
+
+  void WriteStage12Optim(int r) {
+    StoragePieces all;
+    auto state = Value::Dict();
+    auto groups = Value::List();
+    auto fp32 = Value::List();
+    auto maps = Value::List();
+    std::vector<int64_t> paddings;
+    for (size_t g = 0; g < s_.groups.size(); ++g) {
+      FlatLayout l = MakeFlatLayout(Sum(numels_[g]), s_.dp);
+      const int64_t pad = s_.legacy_group_paddings || s_.bf16_optimizer ? l.legacy_padding(r) : l.padding(r);
+      paddings.push_back(pad);
+      int64_t real = 0;
+      auto st = Value::Dict();
+      st->set("step", FloatScalar(s_.step));
+      for (const auto& key : s_.state_keys) {
+        Pieces p = PartitionPieces(g, r, key, &real);
+        st->set(key, FlatTensor(l.partition_size, l.partition_size, std::move(p), &all));
+      }
+      if (!s_.state_keys.empty()) state->entries.emplace_back(Value::Int(static_cast<int64_t>(g)), st);
+      groups->items.push_back(AdamGroup({static_cast<int64_t>(g)}));
+      // Stage 1/2 keep partition[:P - pad] (Python slicing: a negative end
+      // counts from the back); BF16_Optimizer keeps the whole partition.
+      int64_t lean = l.partition_size;
+      if (!s_.bf16_optimizer) {
+        int64_t end = l.partition_size - pad;
+        lean = end >= 0 ? end : std::max<int64_t>(0, l.partition_size + end);
+      }
+      fp32->items.push_back(
+          FlatTensor(lean, l.partition_size, PartitionPieces(g, r, "fp32", &real), &all, /*requires_grad=*/true));
+      auto m = Value::Dict(true);
+      for (const Fragment& f : RankFragments(numels_[g], s_.dp, r))
+        m->set(s_.groups[g][f.param].name, FragmentAddress(f.numel, f.partition_offset));
+      maps->items.push_back(m);
+    }
+    auto bos = Value::Dict();
+    bos->set("state", state);
+    bos->set("param_groups", groups);
+    auto osd = Value::Dict();
+    if (!s_.bf16_optimizer) {
+      osd->set("loss_scaler", LossScaler());
+      osd->set("dynamic_loss_scale", Value::Bool(false));
+      osd->set("overflow", Value::Bool(false));
+    }
+    osd->set("clip_grad", Value::Float(1.0));
+    osd->set("base_optimizer_state", bos);
+    osd->set("single_partition_of_fp32_groups", fp32);
+    if (!s_.bf16_optimizer) osd->set("zero_stage", ZeroStage(s_.stage));
+    osd->set("group_paddings", IntList(paddings));
+    osd->set("partition_count", IntList(std::vector<int64_t>(s_.groups.size(), s_.dp)));
+    osd->set("ds_version", Value::Str("0.14.5"));
+    osd->set("param_slice_mappings", maps);
+    WriteOptim(r, osd, all);
+  }
+
+  void WriteStage3Optim(int r) {
+    StoragePieces all;
+    auto state = Value::Dict();
+    auto flat = Value::List();
+    std::vector<std::vector<int64_t>> group_subs(s_.groups.size());
+    for (size_t s = 0; s < subs_.size(); ++s) {
+      const SubGroup& sg = subs_[s];
+      group_subs[sg.group].push_back(static_cast<int64_t>(s));
+      auto pieces_for = [&](const std::string& key, int64_t* length) {
+        Pieces pieces;
+        *length = 0;
+        for (size_t i = sg.first; i < sg.first + sg.count; ++i) {
+          const int64_t n = numels_[sg.group][i], ps = Stage3PartitionSize(n, s_.dp);
+          const int64_t real = Stage3RealNumel(n, s_.dp, r);
+          if (real > 0) s_.source(bases_[sg.group] + i, key, r * ps, real, &pieces);
+          AppendZeros(static_cast<uint64_t>(ps - real) * 4, &pieces);
+          *length += ps;
+        }
+        return pieces;
+      };
+      int64_t length = 0;
+      auto st = Value::Dict();
+      st->set("step", FloatScalar(s_.step));
+      for (const auto& key : s_.state_keys) {
+        Pieces p = pieces_for(key, &length);
+        st->set(key, FlatTensor(length, length, std::move(p), &all));
+      }
+      if (!s_.state_keys.empty()) state->entries.emplace_back(Value::Int(static_cast<int64_t>(s)), st);
+      Pieces p = pieces_for("fp32", &length);
+      flat->items.push_back(FlatTensor(length, length, std::move(p), &all, /*requires_grad=*/true));
+    }
+    auto groups = Value::List();
+    for (const auto& ids : group_subs) groups->items.push_back(AdamGroup(ids));
+    auto inner = Value::Dict();
+    inner->set("state", state);
+    inner->set("param_groups", groups);
+    auto osd = Value::Dict();
+    osd->set("zero_stage", ZeroStage(3));
+    osd->set("loss_scaler", LossScaler());
+    osd->set("dynamic_loss_scale", Value::Bool(false));
+    osd->set("overflow", Value::Bool(false));
+    osd->set("partition_count", Value::Int(s_.dp));
+    osd->set("optimizer_state_dict", inner);
+    osd->set("fp32_flat_groups", flat);
+    WriteOptim(r, osd, all);
+  }
+
+  void WriteOptim(int r, const ValuePtr& osd, const StoragePieces& pieces) {
+    auto root = Value::Dict();
+    root->set("optimizer_state_dict", osd);
+    root->set("ds_config", Config());
+    root->set("ds_version", Value::Str("0.14.5"));
+    WriteTorchFile(OptimPath(r), root, pieces);
+  }
+
+  struct SubGroup {
+    size_t group, first, count;
+  };
+
+  std::string folder_;
+  const ZeroWriteSpec& s_;
+  std::vector<size_t> bases_;
+  std::vector<std::vector<int64_t>> numels_;
+  std::vector<SubGroup> subs_;
+};
+
+}  // namespace
+
+void WriteZeroCheckpoint(const std::string& folder, const ZeroWriteSpec& spec) {
+  if (!spec.source) throw std::invalid_argument("WriteZeroCheckpoint needs a data source");
+  Writer(folder, spec).Write();
+}
+
+}  // namespace uckpt::ckpt
