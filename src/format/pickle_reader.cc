@@ -349,7 +349,8 @@ ValuePtr Machine::RebuildTensor(const std::string& fn, const std::vector<ValuePt
     for (size_t k = 0; k < t.shape.size(); ++k) {
       last += static_cast<unsigned __int128>(t.shape[k] - 1) * static_cast<uint64_t>(t.stride[k]);
       count *= static_cast<uint64_t>(t.shape[k]);
-      if (count > (unsigned __int128)1 << 62) Fail("tensor has too many elements");
+      // In bytes, so that numel * element size never overflows 64 bits.
+      if (count * es > (unsigned __int128)1 << 62) Fail("tensor has too many elements");
     }
     if (last >= storage_elems)
       Fail("tensor view (offset " + std::to_string(t.storage_offset) + ") reaches past the end of storage '" +

@@ -202,6 +202,11 @@ class Renderer {
     std::vector<uint8_t> gathered;
     std::span<const uint8_t> bytes = t.contiguous_view();
     if (bytes.size() != t.nbytes()) {
+      if (t.nbytes() > options_.max_gather_bytes)
+        throw FormatError("tensor " + std::string(DTypeName(t.dtype)) + " of " + std::to_string(t.numel()) +
+                          " elements over storage '" + t.storage->key + "' is too large to render: its strided view (" +
+                          std::to_string(t.nbytes()) + " bytes) exceeds the limit of " +
+                          std::to_string(options_.max_gather_bytes) + " bytes");
       gathered = t.contiguous_bytes();
       bytes = gathered;
     }

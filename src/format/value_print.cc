@@ -90,6 +90,8 @@ class Printer {
   }
 
   void Print(const Value& v, const std::string& indent, size_t depth) {
+    if (Stopped()) return;
+    ++printed_;
     std::string one = Inline(v);
     if (!one.empty()) {
       os_ << one << "\n";
@@ -104,6 +106,7 @@ class Printer {
       os_ << (v.kind == Kind::kDict ? "dict" : "OrderedDict") << " (" << v.entries.size() << " items)\n";
       size_t shown = 0;
       for (const auto& [k, val] : v.entries) {
+        if (Stopped()) return;
         if (shown++ == o_.max_items) {
           os_ << inner << "... " << v.entries.size() - o_.max_items << " more\n";
           break;
@@ -112,7 +115,7 @@ class Printer {
         os_ << inner << (key.empty() ? KindName(*k) : key) << ": ";
         Print(*val, inner, depth + 1);
       }
-      if (v.state) {
+      if (v.state && !Stopped()) {
         os_ << inner << "(state): ";
         Print(*v.state, inner, depth + 1);
       }
@@ -122,7 +125,7 @@ class Printer {
       os_ << "object " << v.s << (v.newobj ? " (newobj)" : " (call)") << "\n";
       os_ << inner << "args: ";
       Print(*v.items.at(0), inner, depth + 1);
-      if (v.state) {
+      if (v.state && !Stopped()) {
         os_ << inner << "state: ";
         Print(*v.state, inner, depth + 1);
       }
@@ -131,6 +134,7 @@ class Printer {
     // list, tuple, set, frozenset
     os_ << KindName(v) << " (" << v.items.size() << " items)\n";
     for (size_t k = 0; k < v.items.size(); ++k) {
+      if (Stopped()) return;
       if (k == o_.max_items) {
         os_ << inner << "... " << v.items.size() - o_.max_items << " more\n";
         break;
@@ -150,8 +154,18 @@ class Printer {
     return s;
   }
 
+  // True once max_nodes values were printed; says so once.
+  bool Stopped() {
+    if (printed_ < o_.max_nodes) return false;
+    if (!noted_) os_ << "... (stopped after " << o_.max_nodes << " values)\n";
+    noted_ = true;
+    return true;
+  }
+
   std::ostream& os_;
   const PrintOptions& o_;
+  size_t printed_ = 0;  // values printed so far
+  bool noted_ = false;
 };
 
 }  // namespace
