@@ -1,0 +1,154 @@
+// The writer: every fixture read, written with SaveTorchFile and read again
+// must give the manifest's value tree again, in torch's record layout.
+#include <gtest/gtest.h>
+
+#include "format/error.h"
+#include "format/torch_file.h"
+#include "format/value_json.h"
+#include "format/zip.h"
+#include "test_support.h"
+
+namespace uckpt::test {
+namespace {
+
+std::string RecordText(const ZipReader& zip, const std::string& name) {
+  const ZipEntry* e = zip.Find(name);
+  if (!e) return "<missing>";
+  auto d = zip.Data(*e);
+  return std::string(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+// The records SaveTorchFile must write, in order, for `storages` storages.
+std::vector<std::string> ExpectedRecords(const std::string& archive, size_t storages) {
+  std::vector<std::string> names = {"data.pkl", ".format_version", ".storage_alignment", "byteorder"};
+  for (size_t k = 0; k < storages; ++k) names.push_back("data/" + std::to_string(k));
+  names.push_back("version");
+  names.push_back(".data/serialization_id");
+  for (auto& n : names) n = archive + "/" + n;
+  return names;
+}
+
+size_t DistinctStorages(const Value& root) {
+  std::set<const Storage*> seen;
+  for (const Tensor* t : Tensors(root)) seen.insert(t->storage.get());
+  return seen.size();
+}
+
+void ExpectTorchLayout(const std::string& path, const std::string& archive, size_t storages, uint32_t alignment) {
+  ZipReader zip(MappedFile::Open(path));
+  std::vector<std::string> names;
+  for (const auto& e : zip.entries()) {
+    names.push_back(e.name);
+    EXPECT_EQ(e.data_offset % alignment, 0u) << e.name << " starts at " << e.data_offset;
+    EXPECT_TRUE(zip.CrcMatches(e)) << e.name;
+    if (e.size > 0) {
+      EXPECT_NE(e.crc32, 0u) << e.name << ": the writer must compute CRCs";
+    }
+  }
+  EXPECT_EQ(names, ExpectedRecords(archive, storages));
+  EXPECT_EQ(RecordText(zip, archive + "/.format_version"), "1");
+  EXPECT_EQ(RecordText(zip, archive + "/.storage_alignment"), std::to_string(alignment));
+  EXPECT_EQ(RecordText(zip, archive + "/byteorder"), "little");
+  EXPECT_EQ(RecordText(zip, archive + "/version"), "3\n");
+  std::string id = RecordText(zip, archive + "/.data/serialization_id");
+  EXPECT_EQ(id.size(), 40u);
+  EXPECT_EQ(id.find_first_not_of("0123456789"), std::string::npos) << id;
+}
+
+// True when the manifest's storage keys are "0".."N-1" in first-reference
+// order: then the writer must keep them exactly.
+bool KeysAreCanonical(const json& entry) {
+  size_t k = 0;
+  const json storages = entry.value("storages", json::object());
+  for (auto it = storages.begin(); it != storages.end(); ++it, ++k)
+    if (it.key() != std::to_string(k)) return false;
+  return true;
+}
+
+class RoundTripTest : public ::testing::TestWithParam<Fixture> {};
+
+TEST_P(RoundTripTest, ReadWriteReadMatchesManifest) {
+  const Fixture& fx = GetParam();
+  const json& entry = fx.entry();
+  const json& want = fx.malicious ? entry["opaque_view"] : entry["expected"];
+  TempDir dir;
+  TorchFile original = LoadTorchFile(fx.path);
+  const std::string out = dir.File(fx.name + ".pt");
+  SaveOptions so;
+  so.durable = false;
+  SaveTorchFile(out, original.root, so);
+
+  TorchFile again = LoadTorchFile(out);
+  EXPECT_EQ(again.archive, fx.name);
+  CompareOptions co;
+  co.map_storage_keys = !KeysAreCanonical(entry);
+  auto diffs = JsonDiff(want, ValueToJson(*again.root), co);
+  EXPECT_TRUE(diffs.empty()) << "round trip of " << fx.path << " differs from its manifest:\n" << DiffText(diffs);
+
+  // Whole storages survive byte for byte (JSON only hashes the views), and
+  // the sharing pattern is the same.
+  auto before = Tensors(*original.root), after = Tensors(*again.root);
+  ASSERT_EQ(before.size(), after.size());
+  std::map<const Storage*, const Storage*> map;
+  for (size_t k = 0; k < before.size(); ++k) {
+    EXPECT_EQ(Sha256Hex(before[k]->storage->bytes), Sha256Hex(after[k]->storage->bytes)) << "tensor " << k;
+    auto [it, fresh] = map.emplace(before[k]->storage.get(), after[k]->storage.get());
+    EXPECT_EQ(it->second, after[k]->storage.get()) << "tensor " << k << " lost its storage sharing";
+  }
+  const size_t storages = DistinctStorages(*original.root);
+  EXPECT_EQ(DistinctStorages(*again.root), storages);
+  ExpectTorchLayout(out, fx.name, storages, 64);
+
+  // Writing what was read back gives the same bytes (the writer is deterministic).
+  const std::string out2 = dir.File("second/" + fx.name + ".pt");
+  std::filesystem::create_directories(dir.File("second"));
+  SaveTorchFile(out2, again.root, so);
+  EXPECT_EQ(ReadFile(out), ReadFile(out2)) << "second write differs from the first";
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, RoundTripTest, ::testing::ValuesIn(ZipFixtures()),
+                         [](const auto& info) { return TestName(info.param); });
+
+TEST(RoundTrip, OtherAlignment) {
+  auto all = ZipFixtures();
+  auto it = std::find_if(all.begin(), all.end(), [](const Fixture& f) { return f.name == "large_multi_tensor"; });
+  ASSERT_NE(it, all.end());
+  TorchFile f = LoadTorchFile(it->path);
+  TempDir dir;
+  SaveOptions so;
+  so.durable = false;
+  so.alignment = 4096;
+  SaveTorchFile(dir.File("large_multi_tensor.pt"), f.root, so);
+  ExpectTorchLayout(dir.File("large_multi_tensor.pt"), "large_multi_tensor", DistinctStorages(*f.root), 4096);
+  auto diffs = JsonDiff(it->entry()["expected"], ValueToJson(*LoadTorchFile(dir.File("large_multi_tensor.pt")).root));
+  EXPECT_TRUE(diffs.empty()) << DiffText(diffs);
+}
+
+// The archive folder is the file name without its extension, like torch.save.
+TEST(RoundTrip, ArchiveNameFollowsFileName) {
+  TempDir dir;
+  auto root = Value::Dict();
+  root->set("x", Value::Int(1));
+  SaveOptions so;
+  so.durable = false;
+  SaveTorchFile(dir.File("my.model.pt"), root, so);
+  EXPECT_EQ(LoadTorchFile(dir.File("my.model.pt")).archive, "my.model");
+  SaveTorchFile(dir.File("noext"), root, so);
+  EXPECT_EQ(LoadTorchFile(dir.File("noext")).archive, "noext");
+}
+
+// One storage viewed with two dtypes cannot be written as torch storages.
+TEST(RoundTrip, StorageWithTwoDtypesIsRefused) {
+  Tensor a = Tensor::FromBytes(DType::kFloat32, {2}, std::vector<uint8_t>(8, 0));
+  Tensor b = a;
+  b.dtype = DType::kInt32;
+  auto root = Value::List({Value::FromTensor(a), Value::FromTensor(b)});
+  TempDir dir;
+  SaveOptions so;
+  so.durable = false;
+  EXPECT_THROW(SaveTorchFile(dir.File("x.pt"), root, so), FormatError);
+  EXPECT_FALSE(FileExists(dir.File("x.pt"))) << "a failed save must not leave the file behind";
+}
+
+}  // namespace
+}  // namespace uckpt::test
