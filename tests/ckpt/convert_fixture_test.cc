@@ -5,6 +5,8 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/convert.h"
+#include "ckpt/universal_checkpoint.h"
+#include "ckpt/values.h"
 #include "format/torch_file.h"
 #include "format/value_json.h"
 #include "test_util.h"
@@ -117,7 +119,34 @@ TEST_P(DeepSpeedFixture, ReshardedConvertsBackToTheSameParams) {
   EXPECT_GE(same, 90);
 }
 
+// Check B, for uckpt's re-partitioning (what a trainer resuming at another
+// world size needs): the partitions cut from DeepSpeed's universal checkpoint
+// for the new world size equal what DeepSpeed itself built when it loaded it
+// there (resharded_ws<M>): optimizer states with zero padding, fp32 masters.
+class Stage12Fixture : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Stage12Fixture, RepartitionEqualsDeepSpeedResharding) {
+  const std::string fx = DsFixture(GetParam());
+  std::string resharded;
+  for (const auto& e : std::filesystem::directory_iterator(fx))
+    if (e.path().filename().string().rfind("resharded_ws", 0) == 0) resharded = e.path().string() + "/global_step5";
+  ZeroCheckpoint z = OpenZeroCheckpoint(resharded);
+  UniversalCheckpoint u = OpenUniversalCheckpoint(fx + "/ckpt/global_step5_universal");
+  for (int r = 0; r < z.dp; ++r) {
+    ValuePtr osd = z.optim[r].root->get("optimizer_state_dict");
+    ValuePtr st = GetIntKey(osd->get("base_optimizer_state")->get("state"), 0);
+    for (const char* key : {"exp_avg", "exp_avg_sq"})
+      EXPECT_EQ(LoadUniversalPartition(u, 0, key, z.dp, r), st->get(key)->tensor->contiguous_bytes()) << key << r;
+    auto lean = osd->get("single_partition_of_fp32_groups")->items[0]->tensor->contiguous_bytes();
+    auto full = LoadUniversalPartition(u, 0, "fp32", z.dp, r);
+    ASSERT_GE(full.size(), lean.size());
+    EXPECT_TRUE(std::equal(lean.begin(), lean.end(), full.begin())) << "fp32 rank " << r;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, DeepSpeedFixture, ::testing::ValuesIn(kFixtures),
+                         [](const auto& info) { return std::string(info.param); });
+INSTANTIATE_TEST_SUITE_P(All, Stage12Fixture, ::testing::ValuesIn(kFixtures, kFixtures + 6),
                          [](const auto& info) { return std::string(info.param); });
 
 // GPT-2 with tied embeddings (shared_params), ZeRO-2, ws 2, and DeepSpeed's
