@@ -352,6 +352,45 @@ class Writer {
 
 }  // namespace
 
+namespace {
+
+constexpr int64_t kPeriod = 1000003;
+
+const std::vector<float>& PatternTable() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(kPeriod);
+    for (int64_t i = 0; i < kPeriod; ++i) t[i] = static_cast<float>(i) * 1e-6f - 0.5f;
+    return t;
+  }();
+  return table;
+}
+
+int64_t PatternShift(size_t param, const std::string& key) {
+  uint64_t h = 1469598103934665603ull ^ param;
+  for (char c : key) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return static_cast<int64_t>(h % kPeriod);
+}
+
+}  // namespace
+
+float PatternValue(size_t param, const std::string& key, int64_t element) {
+  return PatternTable()[(element + PatternShift(param, key)) % kPeriod];
+}
+
+StateSource PatternSource() {
+  return [](size_t param, const std::string& key, int64_t first, int64_t count,
+            std::vector<std::span<const uint8_t>>* pieces) {
+    const auto& table = PatternTable();
+    int64_t at = (first + PatternShift(param, key)) % kPeriod;
+    while (count > 0) {
+      int64_t n = std::min(count, kPeriod - at);
+      pieces->emplace_back(reinterpret_cast<const uint8_t*>(table.data() + at), static_cast<size_t>(n) * 4);
+      count -= n;
+      at = 0;
+    }
+  };
+}
+
 void WriteZeroCheckpoint(const std::string& folder, const ZeroWriteSpec& spec) {
   if (!spec.source) throw std::invalid_argument("WriteZeroCheckpoint needs a data source");
   Writer(folder, spec).Write();

@@ -41,6 +41,12 @@ struct ZeroWriteSpec {
   StateSource source;
 };
 
+// Cheap data for tests and benchmarks of any size: element e of state `key`
+// of parameter `param` is PatternValue(param, key, e), served from one table
+// of a prime period (1,000,003 floats), so misplaced bytes do not go unseen.
+StateSource PatternSource();
+float PatternValue(size_t param, const std::string& key, int64_t element);
+
 // Creates `folder` (must not exist) with the model-states and optimizer files
 // of every rank. Throws IoError on write errors.
 void WriteZeroCheckpoint(const std::string& folder, const ZeroWriteSpec& spec);
