@@ -5,6 +5,8 @@
 //    all-gather the list form with views into the output.
 //  - libtorch 2.x (CUDA builds without Gloo headers): NCCL's flat
 //    _reduce_scatter_base / _allgather_base.
+//  - Gloo knows no bfloat16: all-gathers move its bits as fp16, reductions go
+//    through fp32.
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
@@ -49,7 +51,11 @@ class C10dComm : public Comm {
     }
   }
 
-  void AllGather(const at::Tensor& in, at::Tensor& out) override {
+  void AllGather(const at::Tensor& in_any, at::Tensor& out_any) override {
+    // Gloo (1.13) has no bf16: gather its bits as fp16 (a copy, no arithmetic).
+    const bool bits = backend_ == "gloo" && in_any.scalar_type() == at::kBFloat16;
+    const at::Tensor in = bits ? in_any.view(at::kHalf) : in_any;
+    at::Tensor out = bits ? out_any.view(at::kHalf) : out_any;
     if constexpr (kFlatCollectives) {
       at::Tensor src = in;
       Run("all-gather", [&] { return pg_->_allgather_base(out, src); });
@@ -75,6 +81,12 @@ class C10dComm : public Comm {
 
  private:
   void AllReduce(at::Tensor& t, c10d::ReduceOp op, const char* what) {
+    if (backend_ == "gloo" && t.scalar_type() == at::kBFloat16) {  // Gloo (1.13) has no bf16
+      at::Tensor f = t.to(at::kFloat);
+      AllReduce(f, op, what);
+      t.copy_(f);
+      return;
+    }
     std::vector<at::Tensor> ts{t};
     c10d::AllreduceOptions o;
     o.reduceOp = op;
