@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <unordered_map>
 
 #include "format/error.h"
 
@@ -239,8 +240,40 @@ class Renderer {
   size_t nodes_ = 0;
 };
 
+// The number of nodes rendering `v` visits, counting a shared value once per
+// reference (at most limit + 1). Memoized per value, so a small file whose
+// references double at every level is measured without being expanded.
+size_t ExpandedNodes(const Value& v, size_t limit, std::unordered_map<const Value*, size_t>& memo) {
+  auto it = memo.find(&v);
+  if (it != memo.end()) return it->second;
+  size_t n = 1;
+  auto add = [&](const ValuePtr& c) {
+    if (c && n <= limit) n = std::min(limit + 1, n + ExpandedNodes(*c, limit, memo));
+  };
+  for (const auto& c : v.items) add(c);
+  for (const auto& c : v.listitems) add(c);
+  for (const auto& [k, val] : v.entries) {
+    add(k);
+    add(val);
+  }
+  add(v.state);
+  add(v.kwargs);
+  if (v.tensor) {
+    add(v.tensor->attrs);
+    add(v.tensor->metadata);
+  }
+  memo[&v] = n;
+  return n;
+}
+
 }  // namespace
 
-nlohmann::json ValueToJson(const Value& v, const JsonOptions& options) { return Renderer(options).Render(v); }
+nlohmann::json ValueToJson(const Value& v, const JsonOptions& options) {
+  std::unordered_map<const Value*, size_t> memo;
+  if (ExpandedNodes(v, options.max_nodes, memo) > options.max_nodes)
+    throw FormatError("value tree expands to more than " + std::to_string(options.max_nodes) +
+                      " nodes through shared references");
+  return Renderer(options).Render(v);
+}
 
 }  // namespace uckpt

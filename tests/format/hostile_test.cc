@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -216,6 +217,29 @@ TEST(ResourceBombs, SharedReferencesDoNotExplodeJson) {
   JsonOptions o;
   o.max_nodes = 100000;
   EXPECT_THROW(ValueToJson(*v, o), FormatError);
+}
+
+// The same with the default limit of 10 million nodes: refused at once
+// instead of after minutes and gigabytes of JSON.
+TEST(ResourceBombs, SharedReferencesRefusedBeforeRendering) {
+  const std::string p = DoublingLists(60);
+  auto v = ReadPickle({reinterpret_cast<const uint8_t*>(p.data()), p.size()}, "bomb.pkl", {});
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(ValueToJson(*v), FormatError);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0);
+  // Sharing that stays under the limit renders every reference in full.
+  const std::string small = DoublingLists(10);
+  auto w = ReadPickle({reinterpret_cast<const uint8_t*>(small.data()), small.size()}, "small.pkl", {});
+  json j = ValueToJson(*w);
+  size_t leaves = 0;
+  std::function<void(const json&)> count = [&](const json& n) {
+    if (n["type"] == "none") ++leaves;
+    if (n.contains("items"))
+      for (const auto& c : n["items"]) count(c);
+  };
+  count(j);
+  EXPECT_EQ(leaves, 1024u);
 }
 
 TEST(ResourceBombs, SharedReferencesDoNotExplodePrint) {
