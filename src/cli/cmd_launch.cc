@@ -24,9 +24,10 @@ int ExitCode(int status) {
   return 1;
 }
 
+// Signals each rank's process group (the rank and whatever it started).
 void SignalAll(const std::vector<pid_t>& pids, int sig) {
   for (pid_t p : pids)
-    if (p > 0) kill(p, sig);
+    if (p > 0) kill(-p, sig);
 }
 
 }  // namespace
@@ -78,6 +79,7 @@ Runner AddLaunch(CLI::App& app) {
         return 1;
       }
       if (pid == 0) {
+        setpgid(0, 0);  // its own process group: signals reach the rank's children too
         setenv("RANK", std::to_string(r).c_str(), 1);
         setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
         setenv("WORLD_SIZE", std::to_string(a->n).c_str(), 1);
@@ -92,6 +94,7 @@ Runner AddLaunch(CLI::App& app) {
         std::cerr << "uckpt launch: cannot run " << argv[0] << ": " << std::strerror(errno) << "\n";
         _exit(127);
       }
+      setpgid(pid, pid);  // also here, so no signal can race the child's own call
       pids[static_cast<size_t>(r)] = pid;
     }
 

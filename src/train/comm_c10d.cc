@@ -27,6 +27,14 @@ namespace {
 
 constexpr bool kFlatCollectives = TORCH_VERSION_MAJOR >= 2;
 
+// c10::Error messages carry a C++ backtrace; users need the first line.
+std::string Brief(const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  std::string msg = c10 ? c10->what_without_backtrace() : e.what();
+  if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
+  return msg;
+}
+
 template <typename PG>
 class C10dComm : public Comm {
  public:
@@ -99,8 +107,7 @@ class C10dComm : public Comm {
       auto work = start();
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      std::string msg = e.what();
-      if (msg.size() > 400) msg = msg.substr(0, 400) + "...";
+      const std::string msg = Brief(e);
       throw CommError("rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ": " + what + " over " +
                       backend_ + " failed (another rank probably exited or timed out): " + msg);
     }
@@ -127,7 +134,7 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(env.rank) + ": rendezvous at " + env.master_addr + ":" +
-                    std::to_string(env.master_port) + " failed: " + e.what());
+                    std::to_string(env.master_port) + " failed: " + Brief(e));
   }
   if (cuda) {
 #ifdef USE_C10D_NCCL
@@ -152,7 +159,10 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
     return std::make_unique<C10dComm<c10d::ProcessGroupGloo>>(store, pg, env.rank, env.world_size, "gloo", timeout);
   } catch (const std::exception& e) {
-    throw CommError("rank " + std::to_string(env.rank) + ": connecting the Gloo process group failed: " + e.what());
+    throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
+                    ": connecting the Gloo process group through " + env.master_addr + ":" +
+                    std::to_string(env.master_port) + " failed within " + std::to_string(timeout.count() / 1000) +
+                    " s (did every rank start?): " + Brief(e));
   }
 #else
   throw CommError("this uckpt was built without Gloo (its libtorch has no Gloo headers); use CUDA with NCCL");
