@@ -27,25 +27,25 @@ esac
 calc() { awk "BEGIN { print $1 }"; }
 field() { sed -n "s/.*\b$1=\([^ ]*\).*/\1/p" <<<"$2"; }
 
-# best_of N CMD...: "<wall> <cpu>" of the fastest of N runs (cpu: user + system
-# seconds of that run), each after removing $copy and writing back dirty pages
-# (neither timed), as the writer's runs do.
-best_of() {
-  local n=$1 best="" best_cpu="" t wall cpu
-  shift
-  for ((i = 0; i < n; i++)); do
-    rm -f "$copy"
-    sync
-    t=$({ TIMEFORMAT='%3R %3U %3S'; time "$@" >/dev/null; } 2>&1)
-    read -r wall user sys <<<"$t"
-    cpu=$(calc "$user + $sys")
-    if [ -z "$best" ] || [ "$(calc "$wall < $best")" = 1 ]; then
-      best=$wall
-      best_cpu=$cpu
-    fi
-  done
-  echo "$best $best_cpu"
+# timed CMD...: "<wall> <cpu>" seconds of one run (cpu: user + system).
+timed() {
+  local t wall user sys
+  t=$({ TIMEFORMAT='%3R %3U %3S'; time "$@" >/dev/null; } 2>&1)
+  read -r wall user sys <<<"$t"
+  echo "$wall $(calc "$user + $sys")"
 }
+# keep_best VAR "<wall> <cpu> [rest]": VAR holds the line with the smallest wall.
+keep_best() {
+  local -n best=$1
+  if [ -z "$best" ] || [ "$(calc "${2%% *} < ${best%% *}")" = 1 ]; then best=$2; fi
+}
+# One run of our writer or reader, as "<wall> <cpu> <its output line>".
+ours() {
+  local out
+  out=$("$bench" "$@" --runs 1)
+  echo "$(field best_s "$out") $(field cpu_s "$out") $out"
+}
+fresh_copy() { rm -f "$copy" && sync; }  # as the writer does before each run
 
 cat_file() { cat "$file"; }
 cp_file() { cp "${cp_flags[@]}" "$file" "$copy"; }
@@ -53,22 +53,34 @@ cp_sync_file() { cp "${cp_flags[@]}" "$file" "$copy" && sync "$copy"; }
 
 echo "torch-file benchmark: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), $fs, best of $runs runs"
 
-# Writes. The file written last stays in the page cache for the reads.
-w=$("$bench" write "$file" --runs "$runs")
-wd=$("$bench" write "$file" --durable --runs "$runs")
-read -r cp_s cp_cpu <<<"$(best_of "$runs" cp_file)"
-read -r cp_sync_s cp_sync_cpu <<<"$(best_of "$runs" cp_sync_file)"
+# Rounds alternate ours and the baseline, so that load from other processes
+# falls on both alike. The file written last stays in the page cache.
+w="" cp_best="" wd="" cp_sync_best=""
+for ((i = 0; i < runs; i++)); do
+  keep_best w "$(ours write "$file")"
+  fresh_copy
+  keep_best cp_best "$(timed cp_file)"
+  keep_best wd "$(ours write "$file" --durable)"
+  fresh_copy
+  keep_best cp_sync_best "$(timed cp_sync_file)"
+done
 rm -f "$copy"
 
 # An independent check of what we wrote: Python's zipfile verifies every CRC-32.
-if command -v /usr/bin/python3 >/dev/null; then
+if [ -x /usr/bin/python3 ]; then
   /usr/bin/python3 -c 'import sys, zipfile; bad = zipfile.ZipFile(sys.argv[1]).testzip(); sys.exit(bad and "CRC mismatch in " + bad)' "$file"
 fi
 
 # Reads, page cache warm.
 cat "$file" >/dev/null
-r=$("$bench" read "$file" --runs "$runs")
-read -r cat_s cat_cpu <<<"$(best_of "$runs" cat_file)"
+r="" cat_best=""
+for ((i = 0; i < runs; i++)); do
+  keep_best r "$(ours read "$file")"
+  keep_best cat_best "$(timed cat_file)"
+done
+read -r cat_s cat_cpu <<<"$cat_best"
+read -r cp_s cp_cpu <<<"$cp_best"
+read -r cp_sync_s cp_sync_cpu <<<"$cp_sync_best"
 
 if [ "$(field checksum "$w")" != "$(field checksum "$r")" ]; then
   echo "torch_file.sh: the reader saw different tensor bytes than the writer wrote" >&2
