@@ -39,6 +39,14 @@ Trainer::Trainer(Comm& comm, TrainOptions options)
     throw std::invalid_argument("--seq_len must be in [2, n_positions = " + std::to_string(opt_.model.n_positions) +
                                 "], got " + std::to_string(opt_.seq_len));
   data_ = MakeTokenSource(opt_);
+  if (c.fp16.enabled) {
+    // libtorch 1.13 has no CPU fp16 kernels for LayerNorm and friends.
+    try {
+      at::layer_norm(at::zeros({1, 2}, at::kHalf), {2});
+    } catch (const std::exception&) {
+      throw std::invalid_argument("fp16 training needs CUDA or a libtorch with CPU fp16 kernels; on this CPU use bf16");
+    }
+  }
 
   // The model's parameters are views into the optimizer's flat buffer.
   std::vector<int64_t> numels;
