@@ -15,6 +15,36 @@
 namespace uckpt::test {
 namespace {
 
+// ---- The test's own JSON comparison ------------------------------------------
+
+TEST(JsonDiff, IsStrictWhereTheSchemaIsAndLooseWhereItIsNot) {
+  auto f = [](double d) { return json(d); };
+  EXPECT_TRUE(JsonDiff(f(0.0), f(0.0)).empty());
+  EXPECT_FALSE(JsonDiff(f(0.0), f(-0.0)).empty()) << "-0.0 must differ from 0.0";
+  EXPECT_TRUE(JsonDiff(f(std::nan("")), f(std::nan(""))).empty());
+  EXPECT_FALSE(JsonDiff(json(1), f(1.0)).empty()) << "int vs float";
+  EXPECT_TRUE(JsonDiff(json(uint64_t{5}), json(int64_t{5})).empty());
+  EXPECT_FALSE(JsonDiff(json::parse(R"({"a":1})"), json::parse(R"({"a":1,"b":2})")).empty());
+  // Sets compare as multisets; lists do not.
+  json set1 = json::parse(R"({"type":"set","items":[{"type":"int","value":"1"},{"type":"int","value":"2"}]})");
+  json set2 = json::parse(R"({"type":"set","items":[{"type":"int","value":"2"},{"type":"int","value":"1"}]})");
+  EXPECT_TRUE(JsonDiff(set1, set2).empty());
+  set1["type"] = set2["type"] = "list";
+  EXPECT_FALSE(JsonDiff(set1, set2).empty());
+  json set3 = json::parse(R"({"type":"frozenset","items":[{"type":"int","value":"1"},{"type":"int","value":"1"}]})");
+  json set4 = json::parse(R"({"type":"frozenset","items":[{"type":"int","value":"1"},{"type":"int","value":"2"}]})");
+  EXPECT_FALSE(JsonDiff(set3, set4).empty());
+  // Storage keys: exact, or mapped one-to-one.
+  json two = json::parse(R"([{"storage_key":"0"},{"storage_key":"1"},{"storage_key":"0"}])");
+  json renamed = json::parse(R"([{"storage_key":"5"},{"storage_key":"7"},{"storage_key":"5"}])");
+  json merged = json::parse(R"([{"storage_key":"5"},{"storage_key":"5"},{"storage_key":"5"}])");
+  json split = json::parse(R"([{"storage_key":"5"},{"storage_key":"7"},{"storage_key":"8"}])");
+  EXPECT_FALSE(JsonDiff(two, renamed).empty());
+  EXPECT_TRUE(JsonDiff(two, renamed, {.map_storage_keys = true}).empty());
+  EXPECT_FALSE(JsonDiff(two, merged, {.map_storage_keys = true}).empty());
+  EXPECT_FALSE(JsonDiff(two, split, {.map_storage_keys = true}).empty());
+}
+
 // ---- PythonFloatRepr -------------------------------------------------------
 
 TEST(PythonFloatRepr, MatchesPythonRepr) {
