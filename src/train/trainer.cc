@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "train/weights.h"
@@ -123,9 +124,14 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   Trainer trainer(comm, options);
   const bool rank0 = comm.rank() == 0;
   const TrainOptions& o = trainer.options();
-  if (o.resume) {
+  const bool universal = o.universal_checkpoint || o.config.load_universal;
+  const std::string tag_file = o.checkpoint_dir + (universal ? "/latest_universal" : "/latest");
+  if (o.resume && o.checkpoint_tag.empty() && !o.checkpoint_dir.empty() && !std::filesystem::exists(tag_file)) {
+    // As DeepSpeed's load_checkpoint: nothing to resume is a warning, not an error.
+    if (rank0) std::cerr << "uckpt train: warning: " << tag_file << " does not exist; starting from step 1\n";
+  } else if (o.resume) {
     if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint_dir");
-    trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, o.universal_checkpoint || o.config.load_universal);
+    trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, universal);
   }
   std::unique_ptr<MetricsLog> log;
   if (rank0) {

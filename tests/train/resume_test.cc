@@ -214,6 +214,7 @@ void ExpectResumeIsSeamless(int world, int stage, double dropout) {
 TEST(Resume, SeamlessAtOneRank) { ExpectResumeIsSeamless(1, 2, 0.0); }
 TEST(Resume, SeamlessAtTwoRanksStage2WithDropout) { ExpectResumeIsSeamless(2, 2, 0.1); }
 TEST(Resume, SeamlessAtThreeRanksStage1) { ExpectResumeIsSeamless(3, 1, 0.0); }
+TEST(Resume, SeamlessAtTwoRanksStage0) { ExpectResumeIsSeamless(2, 0, 0.0); }
 
 // The same global batch gives the same loss and update whatever the split.
 TEST(Splits, SameGlobalBatchSameLossAndUpdate) {
