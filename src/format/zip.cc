@@ -211,10 +211,7 @@ bool ZipReader::CrcMatches(const ZipEntry& e) const { return e.crc32 == 0 || Crc
 void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces) {
   uint64_t size = 0;
   uint32_t crc = 0;
-  for (auto p : pieces) {
-    size += p.size();
-    crc = Crc32(p, crc);
-  }
+  for (auto p : pieces) size += p.size();
   const uint64_t cursor = out_.offset();
   const bool big_size = size >= k32Max, big_offset = cursor >= k32Max;
   const bool zip64 = big_size || big_offset;
@@ -249,7 +246,12 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<con
   Put16(h, static_cast<uint16_t>(pad));
   h.append(pad, 'Z');
   out_.Write(h);
-  for (auto p : pieces) out_.Write(p);
+  // The CRC goes in the data descriptor after the data, so it is computed
+  // piece by piece as each is written, while the piece is still in cache.
+  for (auto p : pieces) {
+    crc = Crc32(p, crc);
+    out_.Write(p);
+  }
   if (size > 0) {
     std::string d;
     Put32(d, kDescriptorSig);
