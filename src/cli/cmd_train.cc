@@ -67,6 +67,7 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--init", o.init_file, "Initial weights: a torch state dict or safetensors file");
   cmd->add_option("--data", o.data_file, "Flat uint16 token file (llm.c / nanoGPT .bin)");
   cmd->add_option("--text", o.text_file, "Train on the bytes of any file (vocab >= 256)");
+  cmd->add_option("--device", o.device, "cpu, or cuda (GPU LOCAL_RANK, NCCL between ranks)")->capture_default_str();
   cmd->add_option("--threads", a->threads, "Intra-op threads per rank (0: libtorch's default)");
   cmd->add_option("--timeout", a->timeout_s, "Seconds a rendezvous or collective may take before the job fails")
       ->capture_default_str();
@@ -91,8 +92,10 @@ Runner AddTrain(CLI::App& app) {
 
     auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
     auto env = train::DistEnv::FromEnvironment();
-    std::unique_ptr<train::Comm> comm = env && env->world_size > 1 ? train::ConnectC10d(*env, timeout, /*cuda=*/false)
-                                                                   : train::MakeSingleProcessComm();
+    if (env) o.local_rank = env->local_rank;
+    std::unique_ptr<train::Comm> comm = env && env->world_size > 1
+                                            ? train::ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda")
+                                            : train::MakeSingleProcessComm();
     try {
       return train::RunTraining(*comm, o);
     } catch (const std::exception& e) {

@@ -35,22 +35,49 @@ std::string Brief(const std::exception& e) {
   return msg;
 }
 
+// NCCL takes only GPU tensors: CPU ones (scalars, offloaded partitions) travel
+// through a device copy.
+template <typename F>
+void OnDevice(at::Device device, std::initializer_list<at::Tensor*> ts, F&& f) {
+  bool stage = false;
+  for (auto* t : ts) stage |= t->device() != device;
+  if (!stage) return f();
+  std::vector<at::Tensor> orig;
+  for (auto* t : ts) {
+    orig.push_back(*t);
+    *t = t->to(device);
+  }
+  f();
+  size_t k = 0;
+  for (auto* t : ts) {
+    orig[k].copy_(*t);
+    *t = orig[k++];
+  }
+}
+
 template <typename PG>
 class C10dComm : public Comm {
  public:
   C10dComm(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<PG> pg, int rank, int world,
-           std::string backend, std::chrono::milliseconds timeout)
+           std::string backend, std::chrono::milliseconds timeout, at::Device device)
       : store_(std::move(store)), pg_(std::move(pg)), rank_(rank), world_(world), backend_(std::move(backend)),
-        timeout_(timeout) {}
+        timeout_(timeout), device_(device) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   std::string backend() const override { return backend_; }
 
-  void AllReduceSum(at::Tensor& t) override { AllReduce(t, c10d::ReduceOp::SUM, "all-reduce"); }
-  void AllReduceMax(at::Tensor& t) override { AllReduce(t, c10d::ReduceOp::MAX, "all-reduce (max)"); }
+  void AllReduceSum(at::Tensor& t) override {
+    OnDevice(device_, {&t}, [&] { AllReduce(t, c10d::ReduceOp::SUM, "all-reduce"); });
+  }
+  void AllReduceMax(at::Tensor& t) override {
+    OnDevice(device_, {&t}, [&] { AllReduce(t, c10d::ReduceOp::MAX, "all-reduce (max)"); });
+  }
 
   void ReduceScatterSum(at::Tensor& in, at::Tensor& out) override {
+    OnDevice(device_, {&in, &out}, [&] { ReduceScatterOnDevice(in, out); });
+  }
+  void ReduceScatterOnDevice(at::Tensor& in, at::Tensor& out) {
     if constexpr (kFlatCollectives) {
       Run("reduce-scatter", [&] { return pg_->_reduce_scatter_base(out, in); });
     } else {
@@ -59,7 +86,11 @@ class C10dComm : public Comm {
     }
   }
 
-  void AllGather(const at::Tensor& in_any, at::Tensor& out_any) override {
+  void AllGather(const at::Tensor& in_const, at::Tensor& out_any) override {
+    at::Tensor in_any = in_const;
+    OnDevice(device_, {&in_any, &out_any}, [&] { AllGatherOnDevice(in_any, out_any); });
+  }
+  void AllGatherOnDevice(const at::Tensor& in_any, at::Tensor& out_any) {
     // Gloo (1.13) has no bf16: gather its bits as fp16 (a copy, no arithmetic).
     const bool bits = backend_ == "gloo" && in_any.scalar_type() == at::kBFloat16;
     const at::Tensor in = bits ? in_any.view(at::kHalf) : in_any;
@@ -76,7 +107,10 @@ class C10dComm : public Comm {
     }
   }
 
-  void Broadcast(at::Tensor& t, int root) override {
+  void Broadcast(at::Tensor& t_any, int root) override {
+    OnDevice(device_, {&t_any}, [&] { BroadcastOnDevice(t_any, root); });
+  }
+  void BroadcastOnDevice(at::Tensor& t, int root) {
     std::vector<at::Tensor> ts{t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -118,7 +152,9 @@ class C10dComm : public Comm {
   int rank_, world_;
   std::string backend_;
   std::chrono::milliseconds timeout_;
+  at::Device device_;  // where this backend needs its tensors
 };
+
 
 }  // namespace
 
@@ -141,7 +177,9 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout;
     auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, opts);
-    return std::make_unique<C10dComm<c10d::ProcessGroupNCCL>>(store, pg, env.rank, env.world_size, "nccl", timeout);
+    return std::make_unique<C10dComm<c10d::ProcessGroupNCCL>>(
+        store, pg, env.rank, env.world_size, "nccl", timeout,
+        at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)));
 #else
     throw CommError("this uckpt was built without NCCL; CUDA training across processes needs it");
 #endif
@@ -157,7 +195,8 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
   }
   try {
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
-    return std::make_unique<C10dComm<c10d::ProcessGroupGloo>>(store, pg, env.rank, env.world_size, "gloo", timeout);
+    return std::make_unique<C10dComm<c10d::ProcessGroupGloo>>(store, pg, env.rank, env.world_size, "gloo", timeout,
+                                                              at::Device(at::kCPU));
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
                     ": connecting the Gloo process group through " + env.master_addr + ":" +

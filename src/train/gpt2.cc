@@ -125,9 +125,9 @@ at::Tensor Gpt2::Dropout(const at::Tensor& x, const DropoutKey* dk, int64_t site
     uint64_t s = SplitMix64(dk->seed ^ SplitMix64(static_cast<uint64_t>(dk->step) * 1000003u +
                                                   static_cast<uint64_t>(dk->first_row + b)));
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(SplitMix64(s + static_cast<uint64_t>(site)));
-    rows.push_back(at::empty(x.sizes().slice(1), x.options()).bernoulli_(1 - p, gen));
+    rows.push_back(at::empty(x.sizes().slice(1), x.options().dtype(at::kFloat).device(at::kCPU)).bernoulli_(1 - p, gen));
   }
-  at::Tensor noise = at::stack(rows).div_(1 - p);
+  at::Tensor noise = at::stack(rows).div_(1 - p).to(x.options());
   return x * noise;
 }
 
@@ -188,15 +188,17 @@ void Gpt2Init(const Gpt2Config& cfg, const std::vector<NamedTensor>& params, uin
   };
   for (const auto& [name, p] : params) {
     bool layer_norm = name.find(".ln_") != std::string::npos || name.rfind("transformer.ln_f", 0) == 0;
-    // Draw in fp32 (as the reference does), then cast into the parameter.
+    // Draw in fp32 on the CPU generator (as the reference does), then copy
+    // into the parameter (any dtype, any device).
+    const auto cpu = p.options().dtype(at::kFloat).device(at::kCPU);
     at::Tensor v;
     if (layer_norm && ends_with(name, ".weight")) {
-      v = at::ones(p.sizes(), p.options().dtype(at::kFloat));
+      v = at::ones(p.sizes(), cpu);
     } else if (ends_with(name, ".bias")) {
-      v = at::zeros(p.sizes(), p.options().dtype(at::kFloat));
+      v = at::zeros(p.sizes(), cpu);
     } else {
       double std = ends_with(name, "c_proj.weight") ? proj_std : cfg.initializer_range;
-      v = at::empty(p.sizes(), p.options().dtype(at::kFloat)).normal_(0.0, std, gen);
+      v = at::empty(p.sizes(), cpu).normal_(0.0, std, gen);
     }
     p.copy_(v);
   }

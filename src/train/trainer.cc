@@ -40,7 +40,13 @@ Trainer::Trainer(Comm& comm, TrainOptions options)
     throw std::invalid_argument("--seq_len must be in [2, n_positions = " + std::to_string(opt_.model.n_positions) +
                                 "], got " + std::to_string(opt_.seq_len));
   data_ = MakeTokenSource(opt_);
-  if (c.fp16.enabled) {
+  if (opt_.device == "cuda") {
+    if (!at::hasCUDA()) throw std::invalid_argument("--device cuda: this libtorch has no CUDA (or no GPU is visible)");
+    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(opt_.local_rank));
+  } else if (opt_.device != "cpu") {
+    throw std::invalid_argument("--device must be cpu or cuda, got " + opt_.device);
+  }
+  if (c.fp16.enabled && device_.is_cpu()) {
     // libtorch 1.13 has no CPU fp16 kernels for LayerNorm and friends.
     try {
       at::layer_norm(at::zeros({1, 2}, at::kHalf), {2});
@@ -63,7 +69,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options)
   zs.model_dtype = ModelDtype(c);
   zs.fp16 = c.fp16;
   zs.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
-  zero_ = std::make_unique<ZeroOptimizer>(comm_, numels, zs);
+  zero_ = std::make_unique<ZeroOptimizer>(comm_, numels, zs, device_);
   params_ = Gpt2ParametersIn(opt_.model, zero_->model_flat());
 
   // Initial weights, identical on every rank (seeded, or from a file).
@@ -90,7 +96,7 @@ StepMetrics Trainer::TrainStep() {
   for (int64_t m = 0; m < ga; ++m) {
     const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), mb);
     auto rows = GatherRows(*data_, step, counters_.global_samples, first_row, mb, T);
-    at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).clone();
+    at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).to(device_, /*non_blocking=*/false, /*copy=*/true);
     DropoutKey dk{opt_.seed, step, first_row};
     at::Tensor loss = model_->Loss(ids, &dk);
     loss_sum += loss.item<float>();

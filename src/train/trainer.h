@@ -39,6 +39,9 @@ struct TrainOptions {
   bool load_optimizer_states = true;
   bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint
   bool progress = true;             // a progress line on a TTY
+
+  std::string device = "cpu";  // "cpu", or "cuda" (device LOCAL_RANK; NCCL between ranks)
+  int local_rank = 0;
 };
 
 // Data position and RNG a checkpoint carries beyond DeepSpeed's own keys.
@@ -68,6 +71,7 @@ class Trainer {
   const TrainOptions& options() const { return opt_; }
   const BatchSizes& batch() const { return batch_; }
   Comm& comm() { return comm_; }
+  at::Device device() const { return device_; }
   ZeroOptimizer& optimizer() { return *zero_; }
   const ZeroOptimizer& optimizer() const { return *zero_; }
   LrSchedule& schedule() { return schedule_; }
@@ -78,6 +82,7 @@ class Trainer {
  private:
   Comm& comm_;
   TrainOptions opt_;
+  at::Device device_ = at::kCPU;
   BatchSizes batch_;
   std::unique_ptr<TokenSource> data_;
   std::unique_ptr<ZeroOptimizer> zero_;
