@@ -1,3 +1,4 @@
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -120,10 +121,16 @@ Runner AddConvert(CLI::App& app) {
     ckpt::ConvertStats stats = ckpt::ConvertToUniversal(zc, output, options);
     double secs = std::chrono::duration<double>(Clock::now() - start).count();
     if (!args->quiet) {
-      char line[256];
-      std::snprintf(line, sizeof line, "convert: wrote %s: %zu parameters, %zu files, read %s, wrote %s in %.2fs\n",
+      struct rusage ru {};
+      ::getrusage(RUSAGE_SELF, &ru);
+      char line[512];
+      std::snprintf(line, sizeof line,
+                    "convert: wrote %s: %zu parameters, %zu files, read %s (%llu bytes), wrote %s (%llu bytes) in "
+                    "%.2fs, peak RSS %s\n",
                     output.c_str(), stats.params, stats.files, HumanBytes(stats.bytes_read).c_str(),
-                    HumanBytes(stats.bytes_written).c_str(), secs);
+                    static_cast<unsigned long long>(stats.bytes_read), HumanBytes(stats.bytes_written).c_str(),
+                    static_cast<unsigned long long>(stats.bytes_written), secs,
+                    HumanBytes(static_cast<uint64_t>(ru.ru_maxrss) * 1024).c_str());
       std::cerr << line;
     }
     return 0;
