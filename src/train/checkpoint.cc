@@ -2,6 +2,7 @@
 // and read into the flat ZeRO buffers.
 #include "train/checkpoint.h"
 
+#include <c10/core/GradMode.h>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -488,7 +489,7 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, 
   PartitionState& st = zero_->state();
   const int rank = zero_->partition_rank();
   const auto& layout = zero_->layout();
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
 
   if (!universal) {
     const int64_t saved_dp = mr.Int(root, "dp_world_size");

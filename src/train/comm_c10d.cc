@@ -10,7 +10,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
-#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>) && !defined(UCKPT_NO_GLOO)
+// PyTorch 2.x wheels ship ProcessGroupGloo.hpp but not the gloo headers it needs.
+#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>) && __has_include(<gloo/algorithm.h>) && \
+    !defined(UCKPT_NO_GLOO)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #define UCKPT_HAVE_GLOO 1
 #endif
@@ -62,6 +64,16 @@ class C10dComm : public Comm {
            std::string backend, std::chrono::milliseconds timeout, at::Device device)
       : store_(std::move(store)), pg_(std::move(pg)), rank_(rank), world_(world), backend_(std::move(backend)),
         timeout_(timeout), device_(device) {}
+
+  ~C10dComm() override {
+    // PyTorch 2.x wants NCCL groups shut down explicitly (1.13 has no shutdown()).
+    if constexpr (kFlatCollectives) {
+      try {
+        pg_->shutdown();
+      } catch (...) {
+      }
+    }
+  }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }

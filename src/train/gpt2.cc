@@ -1,5 +1,6 @@
 #include "train/gpt2.h"
 
+#include <c10/core/GradMode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
@@ -180,7 +181,7 @@ at::Tensor Gpt2::Loss(const at::Tensor& input_ids, const DropoutKey* dk) const {
 }
 
 void Gpt2Init(const Gpt2Config& cfg, const std::vector<NamedTensor>& params, uint64_t seed) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const double proj_std = cfg.initializer_range / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
   auto ends_with = [](const std::string& s, const std::string& suffix) {

@@ -1,5 +1,6 @@
 #include "train/weights.h"
 
+#include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
 #include <map>
@@ -87,7 +88,7 @@ void CopyStateDict(const std::vector<NamedTensor>& state, const std::vector<Name
   std::map<std::string, const at::Tensor*> by_name;
   for (const auto& [name, t] : state) by_name[name] = &t;
   std::set<std::string> used;
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (const auto& [name, p] : params) {
     auto it = by_name.find(name);
     if (it == by_name.end()) throw FormatError(source + ": has no tensor '" + name + "'");

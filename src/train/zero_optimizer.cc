@@ -1,5 +1,6 @@
 #include "train/zero_optimizer.h"
 
+#include <c10/core/GradMode.h>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
@@ -122,7 +123,7 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(double lr) {
 void ZeroOptimizer::AdamStep(const at::Tensor& grad_in, double lr) {
   // torch.optim.Adam/AdamW, single-tensor path (torch 1.13), on the partition.
   const auto& o = s_.optimizer;
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   at::Tensor& p = state_.master;
   if (!state_.step.defined()) {
     state_.step = at::zeros({}, p.options());
@@ -152,7 +153,7 @@ void ZeroOptimizer::InitMasterFromModel() {
 }
 
 void ZeroOptimizer::GatherModelFromMasters() {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   at::Tensor mine = state_.master.to(model_flat_.device()).to(s_.model_dtype);
   if (layout_.dp > 1) {
     comm_.AllGather(mine, model_flat_);
