@@ -64,6 +64,7 @@ struct FullState {
 
 at::Tensor Gather(Comm& comm, const ZeroOptimizer& z, const at::Tensor& part) {
   const auto& l = z.layout();
+  if (!part.defined()) return part;  // no optimizer state yet
   if (l.dp == 1) return part.narrow(0, 0, l.numel).clone();
   at::Tensor full = at::empty({l.padded_numel}, part.options());
   comm.AllGather(part.contiguous(), full);
@@ -77,7 +78,7 @@ FullState GatherState(Trainer& t) {
   s.exp_avg = Gather(t.comm(), z, z.state().exp_avg);
   s.exp_avg_sq = Gather(t.comm(), z, z.state().exp_avg_sq);
   s.model = z.model_flat().narrow(0, 0, z.layout().numel).clone();
-  s.step = z.state().step.item<float>();
+  s.step = z.state().step.defined() ? z.state().step.item<float>() : 0.f;
   s.counters = t.counters();
   s.last_batch_iteration = t.schedule().last_batch_iteration();
   return s;
@@ -246,6 +247,74 @@ TEST(Splits, SameGlobalBatchSameLossAndUpdate) {
   }
   // Different data would differ: the check above is not vacuous.
   EXPECT_NE(losses[0][0], losses[0][1]);
+}
+
+}  // namespace
+}  // namespace uckpt::train
+
+namespace uckpt::train {
+namespace {
+
+// load_optimizer_states = false: weights, counters and schedule, fresh moments
+// (from ZeRO files and from a universal checkpoint alike).
+TEST(Resume, WeightsOnlyLoadsWeightsOnly) {
+  const std::string dir = TempDir("weights_only");
+  FullState saved;
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, TinyOptions(2, false, 2));
+    t.TrainStep();
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step2");
+    FullState s = GatherState(t);
+    if (comm.rank() == 0) saved = s;
+  });
+  ckpt::ConvertOptions co;
+  co.durable = false;
+  ckpt::ConvertToUniversal(dir + "/global_step2", dir + "/global_step2_universal", co);
+  for (bool universal : {false, true}) {
+    RunRanks(2, [&](Comm& comm) {
+      TrainOptions o = TinyOptions(2, false, 2);
+      o.load_optimizer_states = false;
+      Trainer t(comm, o);
+      t.LoadCheckpoint(dir, "", universal);
+      FullState got = GatherState(t);
+      EXPECT_TRUE(at::equal(got.master, saved.master)) << universal;
+      EXPECT_TRUE(at::equal(got.model, saved.model)) << universal;
+      EXPECT_FALSE(t.optimizer().state().step.defined()) << universal;
+      EXPECT_FALSE(t.optimizer().state().exp_avg.defined()) << universal;
+      EXPECT_EQ(t.counters().global_steps, 2) << universal;
+      EXPECT_EQ(t.schedule().last_batch_iteration(), 1) << universal;
+      t.TrainStep();
+      EXPECT_EQ(t.optimizer().state().step.item<float>(), 1.0f);  // Adam starts over
+    });
+  }
+  fs::remove_all(dir);
+}
+
+// The new run's lr wins over the saved one unless keep_saved_hparams.
+TEST(Resume, ConfigLrWinsUnlessKeepSavedHparams) {
+  const std::string dir = TempDir("hparams");
+  auto options = [](double lr, bool keep) {
+    TrainOptions o = TinyOptions(1, false, 1);
+    o.config.scheduler.type.clear();  // constant lr
+    o.config.optimizer.lr = lr;
+    o.keep_saved_hparams = keep;
+    return o;
+  };
+  RunRanks(1, [&](Comm& comm) {
+    Trainer t(comm, options(0.01, false));
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step1");
+  });
+  for (bool keep : {false, true}) {
+    RunRanks(1, [&](Comm& comm) {
+      Trainer t(comm, options(0.02, keep));
+      t.LoadCheckpoint(dir, "", false);
+      EXPECT_DOUBLE_EQ(t.schedule().current_lr(), keep ? 0.01 : 0.02);
+      EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02);
+    });
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace
