@@ -276,7 +276,7 @@ ValuePtr ModelStatesValue(const Trainer& t) {
         ++k;
       }
     }
-    ValuePtr group = ParamGroupValue(o.config.optimizer, const_cast<Trainer&>(t).schedule().current_lr());
+    ValuePtr group = ParamGroupValue(o.config.optimizer, t.schedule().current_lr());
     for (size_t k = 0; k < t.parameters().size(); ++k) ids->items.push_back(Value::Int(static_cast<int64_t>(k)));
     group->set("params", ids);
     optimizer = Dict({{"state", state}, {"param_groups", Value::List({group})}});
@@ -287,7 +287,7 @@ ValuePtr ModelStatesValue(const Trainer& t) {
   d->set("shared_params",
          stage == 0 ? Value::None() : Dict({{"lm_head.weight", Value::Str("transformer.wte.weight")}}));
   d->set("frozen_param_fragments", stage == 2 ? Value::Dict(true) : Value::None());
-  const LrSchedule& sched = const_cast<Trainer&>(t).schedule();
+  const LrSchedule& sched = t.schedule();
   d->set("lr_scheduler", o.config.scheduler.type.empty()
                              ? Value::None()
                              : Dict({{"last_batch_iteration", Value::Int(sched.last_batch_iteration())}}));
@@ -297,7 +297,7 @@ ValuePtr ModelStatesValue(const Trainer& t) {
   d->set("skipped_steps", Value::Int(c.skipped_steps));
   d->set("global_steps", Value::Int(c.global_steps));
   d->set("global_samples", Value::Int(c.global_samples));
-  d->set("dp_world_size", Value::Int(const_cast<Trainer&>(t).comm().world_size()));
+  d->set("dp_world_size", Value::Int(t.comm().world_size()));
   d->set("mp_world_size", Value::Int(1));
   d->set("ds_config", JsonToValue(o.config.raw));
   d->set("ds_version", Value::Str(kDeepSpeedVersion));
@@ -324,7 +324,7 @@ ValuePtr OptimStatesValue(const Trainer& t) {
     state->set(Value::Int(0), Dict({{"step", TensorValue(s.step)},
                                     {"exp_avg", TensorValue(s.exp_avg)},
                                     {"exp_avg_sq", TensorValue(s.exp_avg_sq)}}));
-  const double lr = const_cast<Trainer&>(t).schedule().current_lr();
+  const double lr = t.schedule().current_lr();
   ValuePtr base = Dict({{"state", state}, {"param_groups", Value::List({ParamGroupValue(o.config.optimizer, lr)})}});
 
   // The lean fp32 partition: a view of the padded one, padding cut off.
@@ -386,7 +386,7 @@ void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
 namespace {
 
 // The model-states keys both load paths restore.
-void RestoreCounters(Trainer& t, const Reader& r, const ValuePtr& root, bool keep_saved_hparams) {
+void RestoreCounters(Trainer& t, const Reader& r, const ValuePtr& root) {
   Counters& c = t.counters();
   c.global_steps = r.Int(root, "global_steps");
   c.skipped_steps = r.Get(root, "skipped_steps", false) ? r.Int(root, "skipped_steps") : 0;
@@ -402,7 +402,6 @@ void RestoreCounters(Trainer& t, const Reader& r, const ValuePtr& root, bool kee
     // No saved scheduler: continue the schedule where the step count says.
     t.schedule().Restore(c.global_steps - 1 - c.skipped_steps);
   }
-  (void)keep_saved_hparams;
 }
 
 // The saved param group's hyper-parameters, kept only on request.
@@ -498,7 +497,7 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, 
                         std::to_string(comm_.world_size()) +
                         ". ZeRO partitions only load at the same size; convert it with `uckpt convert " + folder +
                         " " + folder + "_universal` and resume with --universal_checkpoint");
-    RestoreCounters(*this, mr, root, opt_.keep_saved_hparams);
+    RestoreCounters(*this, mr, root);
     bool from_module = !opt_.load_optimizer_states || stage == 0;
     if (stage > 0 && opt_.load_optimizer_states) {
       const std::string path = folder + "/" + OptimStatesName(comm_.rank(), opt_.config.bf16);
@@ -553,7 +552,7 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, 
 
   // Universal: each rank reads, from every parameter's files, only the
   // elements its own partition holds (memory-mapped).
-  RestoreCounters(*this, mr, root, opt_.keep_saved_hparams);
+  RestoreCounters(*this, mr, root);
   const std::string zero_dir = folder + "/zero";
   {
     const std::string path = zero_dir + "/optimizer_state.pt";

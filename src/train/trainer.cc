@@ -69,6 +69,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options)
   zs.model_dtype = ModelDtype(c);
   zs.fp16 = c.fp16;
   zs.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
+  zs.reduce_bucket_size = c.zero.reduce_bucket_size;
   zero_ = std::make_unique<ZeroOptimizer>(comm_, numels, zs, device_);
   params_ = Gpt2ParametersIn(opt_.model, zero_->model_flat());
 

@@ -71,10 +71,12 @@ class Trainer {
   const TrainOptions& options() const { return opt_; }
   const BatchSizes& batch() const { return batch_; }
   Comm& comm() { return comm_; }
+  const Comm& comm() const { return comm_; }
   at::Device device() const { return device_; }
   ZeroOptimizer& optimizer() { return *zero_; }
   const ZeroOptimizer& optimizer() const { return *zero_; }
   LrSchedule& schedule() { return schedule_; }
+  const LrSchedule& schedule() const { return schedule_; }
   const Gpt2& model() const { return *model_; }
   // name -> parameter (views into the optimizer's model_flat), flat order.
   const std::vector<NamedTensor>& parameters() const { return params_; }

@@ -1,6 +1,7 @@
 #include "train/zero_optimizer.h"
 
 #include <c10/core/GradMode.h>
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
@@ -38,19 +39,29 @@ void ZeroOptimizer::ReduceMicroGradients(bool boundary) {
 
 void ZeroOptimizer::ReduceIntoPartition() {
   // DeepSpeed's average_tensor: divide by dp, then sum over ranks.
-  at::Tensor g = grad_flat_.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-  g.div_(static_cast<double>(layout_.dp));
   at::Tensor part;
   if (layout_.dp > 1) {
-    part = at::empty({layout_.partition_size}, g.options());
-    comm_.ReduceScatterSum(g, part);
+    // Bucketed: bucket k holds columns [o, o+b) of every rank's partition, so
+    // one reduce-scatter hands each owner its own columns.
+    const int64_t dp = layout_.dp, P = layout_.partition_size;
+    const int64_t b_max = std::max<int64_t>(1, s_.reduce_bucket_size / dp);
+    part = at::empty({P}, grad_flat_.options().dtype(at::kFloat));
+    at::Tensor by_rank = grad_flat_.view({dp, P});
+    for (int64_t o = 0; o < P; o += b_max) {
+      const int64_t b = std::min(b_max, P - o);
+      at::Tensor bucket = by_rank.narrow(1, o, b).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      bucket.div_(static_cast<double>(dp));
+      at::Tensor out = part.narrow(0, o, b);
+      comm_.ReduceScatterSum(bucket, out);
+    }
   } else if (s_.stage == 0 && comm_.world_size() > 1) {
+    at::Tensor g = grad_flat_.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     // Stage 0: every rank steps the whole model on the averaged gradient.
     g.mul_(1.0 / comm_.world_size());
     comm_.AllReduceSum(g);
     part = g;
   } else {
-    part = g;
+    part = grad_flat_.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   }
   part = part.to(state_.master.device());
   if (have_grad_partition_) {

@@ -32,6 +32,7 @@ struct ZeroSettings {
   at::ScalarType model_dtype = at::kFloat;  // kFloat, kBFloat16 or kHalf
   Fp16Config fp16;                          // used when model_dtype is kHalf
   bool offload_optimizer_cpu = false;       // master + moments in host memory
+  int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
 };
 
 // The optimizer state of one rank's partition (DeepSpeed's

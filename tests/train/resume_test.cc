@@ -319,3 +319,41 @@ TEST(Resume, ConfigLrWinsUnlessKeepSavedHparams) {
 
 }  // namespace
 }  // namespace uckpt::train
+
+namespace uckpt::train {
+namespace {
+
+// Small reduce buckets (several reduce-scatters per micro-step) change
+// nothing at 2 ranks (a + b is a + b); at 3, Gloo's ring sums each element in
+// an order that depends on where it falls in the buffer, so only fp32 noise.
+void ExpectBucketsDoNotMatter(int world, bool bitwise) {
+  std::vector<at::Tensor> weights;
+  std::vector<double> losses;
+  for (int64_t bucket : {int64_t{500000000}, int64_t{10}}) {
+    RunRanks(world, [&](Comm& comm) {
+      TrainOptions o = TinyOptions(2, false, 2);
+      o.config.zero.reduce_bucket_size = bucket;
+      Trainer t(comm, o);
+      double l = 0;
+      for (int k = 0; k < 3; ++k) l = t.TrainStep().loss;
+      if (comm.rank() == 0) {
+        weights.push_back(t.optimizer().model_flat().clone());
+        losses.push_back(l);
+      }
+    });
+  }
+  ASSERT_EQ(weights.size(), 2u);
+  if (bitwise) {
+    EXPECT_TRUE(at::equal(weights[0], weights[1]));
+    EXPECT_EQ(losses[0], losses[1]);
+  } else {
+    EXPECT_LT((weights[0] - weights[1]).abs().max().item<double>(), 1e-5);
+    EXPECT_NEAR(losses[0], losses[1], 1e-6 * losses[0]);
+  }
+}
+
+TEST(Buckets, SmallBucketsSameBitsAtTwoRanks) { ExpectBucketsDoNotMatter(2, true); }
+TEST(Buckets, SmallBucketsSameLossAtThreeRanks) { ExpectBucketsDoNotMatter(3, false); }
+
+}  // namespace
+}  // namespace uckpt::train
