@@ -91,8 +91,13 @@ ValuePtr IntFromBytes(const uint8_t* p, size_t n) {
 }
 
 // Parses a decimal integer of any size (text opcodes INT / LONG).
+// Python refuses decimal integers of more than 4300 digits (its
+// int_max_str_digits); so do we, which also keeps this quadratic loop cheap.
+constexpr size_t kMaxDecimalDigits = 4300;
+
 ValuePtr IntFromDecimal(std::string text, size_t max_bytes) {
   if (!text.empty() && (text.back() == 'L')) text.pop_back();
+  if (text.size() > kMaxDecimalDigits + 1) return nullptr;
   bool neg = false;
   size_t k = 0;
   if (k < text.size() && (text[k] == '-' || text[k] == '+')) neg = text[k++] == '-';
@@ -565,13 +570,13 @@ ValuePtr Machine::Run() {
           break;
         }
         auto v = IntFromDecimal(t, limits_.max_int_bytes);
-        if (!v) Fail("bad INT text");
+        if (!v) Fail("bad or over-long INT text");
         Push(v);
         break;
       }
       case 'L': {  // LONG (text)
         auto v = IntFromDecimal(Line(), limits_.max_int_bytes);
-        if (!v) Fail("bad LONG text");
+        if (!v) Fail("bad or over-long LONG text");
         Push(v);
         break;
       }
