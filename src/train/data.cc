@@ -20,6 +20,20 @@ TokenFileSource::TokenFileSource(const std::string& path, Encoding encoding, int
   auto file = MappedFile::Open(path);
   auto bytes = file->bytes();
   if (encoding == Encoding::kUInt16) {
+    // llm.c's .bin files start with a 256 x int32 header: magic 20240520,
+    // version 1, token count. nanoGPT's are bare ids.
+    auto i32 = [&](size_t k) {
+      return static_cast<int32_t>(bytes[4 * k] | bytes[4 * k + 1] << 8 | bytes[4 * k + 2] << 16 |
+                                  static_cast<uint32_t>(bytes[4 * k + 3]) << 24);
+    };
+    if (bytes.size() >= 1024 && i32(0) == 20240520) {
+      if (i32(1) != 1) throw FormatError(path + ": llm.c token file version " + std::to_string(i32(1)) + " (need 1)");
+      const uint64_t n = static_cast<uint32_t>(i32(2));
+      if (1024 + 2 * n > bytes.size())
+        throw FormatError(path + ": llm.c header promises " + std::to_string(n) + " tokens, the file holds " +
+                          std::to_string((bytes.size() - 1024) / 2));
+      bytes = bytes.subspan(1024, 2 * n);
+    }
     if (bytes.size() % 2 != 0)
       throw FormatError(path + ": a uint16 token file must have an even size, has " + std::to_string(bytes.size()) +
                         " bytes");

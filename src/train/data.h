@@ -58,7 +58,8 @@ class SyntheticSource : public TokenSource {
 
 // A token file read as consecutive sequences of `seq_len` tokens: sample n
 // (n = samples_before + row) is sequence n mod (tokens / seq_len). Either
-// flat little-endian uint16 ids (llm.c / nanoGPT .bin) or the bytes of any
+// little-endian uint16 ids (nanoGPT .bin, or llm.c .bin with its 1 KiB
+// header) or the bytes of any
 // file (byte-level, vocab 256). Throws FormatError naming the file if it is
 // too short or an id is >= vocab_size.
 class TokenFileSource : public TokenSource {

@@ -68,6 +68,21 @@ TEST(Data, TokenFilesFollowTheDataPosition) {
   std::filesystem::remove(path);
 }
 
+TEST(Data, LlmCTokenFilesSkipTheirHeader) {
+  auto path = std::filesystem::temp_directory_path() / "uckpt_llmc_test.bin";
+  {
+    std::ofstream out(path, std::ios::binary);
+    int32_t header[256] = {20240520, 1, 20};
+    out.write(reinterpret_cast<const char*>(header), sizeof(header));
+    for (uint16_t t = 100; t < 120; ++t) out.write(reinterpret_cast<const char*>(&t), 2);
+    out.write("junk", 4);  // beyond the promised count: ignored
+  }
+  TokenFileSource src(path.string(), TokenFileSource::Encoding::kUInt16, 10, 200);
+  EXPECT_EQ(src.num_sequences(), 2);
+  EXPECT_EQ(GatherRows(src, 1, 0, 1, 1, 10)[0], 110);
+  std::filesystem::remove(path);
+}
+
 TEST(Config, FixtureConfigsAreAcceptedAsIs) {
   for (auto run : {"z2_ws2_baseline", "z1_ws2_baseline", "z2_univ_ws4_resume", "z2_univ_ws1_resume",
                    "z2_ws2_baseline_clip0.5"}) {
