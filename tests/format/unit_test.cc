@@ -530,7 +530,10 @@ TEST(PickleLimits, Long4OverLimit) {
   EXPECT_NE(PickleError(long4(1u << 20)).find("exceeds the limit"), std::string::npos);
   EXPECT_NE(PickleError("\x80\x02\x8b\xff\xff\xff\xff.").find("negative LONG4 length"), std::string::npos);
   // Text LONG obeys the same limit.
-  EXPECT_NE(PickleError("L" + std::string(200, '9') + "L\n.", l).find("bad LONG"), std::string::npos);
+  EXPECT_NE(PickleError("L" + std::string(200, '9') + "L\n.", l).find("bad or over-long LONG"), std::string::npos);
+  // Decimal text is capped at Python's 4300 digits whatever the byte limit.
+  EXPECT_NO_THROW(Read("I" + std::string(4300, '7') + "\n."));
+  EXPECT_NE(PickleError("I" + std::string(4301, '7') + "\n.").find("over-long INT"), std::string::npos);
 }
 
 TEST(PickleLimits, MemoGetOfUndefinedKey) {
