@@ -97,11 +97,10 @@ constexpr size_t kMaxDecimalDigits = 4300;
 
 ValuePtr IntFromDecimal(std::string text, size_t max_bytes) {
   if (!text.empty() && (text.back() == 'L')) text.pop_back();
-  if (text.size() > kMaxDecimalDigits + 1) return nullptr;
   bool neg = false;
   size_t k = 0;
   if (k < text.size() && (text[k] == '-' || text[k] == '+')) neg = text[k++] == '-';
-  if (k == text.size()) return nullptr;
+  if (k == text.size() || text.size() - k > kMaxDecimalDigits) return nullptr;
   std::vector<uint8_t> mag{0};
   for (; k < text.size(); ++k) {
     if (text[k] < '0' || text[k] > '9') return nullptr;
