@@ -81,7 +81,7 @@ uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const Sto
     const std::string name = prefix + "data/" + std::to_string(k);
     auto it = pieces.find(s);
     if (it == pieces.end()) {
-      zip.AddRecord(name, s->bytes);
+      zip.AddRecord(name, Chunked({s->bytes}), options.written);
       continue;
     }
     uint64_t total = 0;
@@ -89,7 +89,7 @@ uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const Sto
     if (total != s->bytes.size())
       throw FormatError(path + ": pieces of " + std::to_string(total) + " bytes for a storage of " +
                         std::to_string(s->bytes.size()));
-    zip.AddRecord(name, Chunked(it->second));
+    zip.AddRecord(name, Chunked(it->second), options.written);
   }
   zip.AddRecord(prefix + "version", std::string("3\n"));
   zip.Finish();

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -27,6 +28,8 @@ using StoragePieces = std::unordered_map<const Storage*, std::vector<std::span<c
 
 struct TorchWriteOptions {
   bool durable = false;  // fsync + rename (off inside a temporary output folder)
+  // Called with each piece of storage data (at most 1 MiB) once written.
+  std::function<void(std::span<const uint8_t>)> written;
 };
 
 // Writes `root` to `path`. Storages listed in `pieces` are written from their

@@ -208,7 +208,8 @@ std::span<const uint8_t> ZipReader::Data(const ZipEntry& e) const {
 
 bool ZipReader::CrcMatches(const ZipEntry& e) const { return e.crc32 == 0 || Crc32(Data(e)) == e.crc32; }
 
-void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces) {
+void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces,
+                          const std::function<void(std::span<const uint8_t>)>& written) {
   uint64_t size = 0;
   uint32_t crc = 0;
   for (auto p : pieces) size += p.size();
@@ -251,6 +252,7 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<con
   for (auto p : pieces) {
     crc = Crc32(p, crc);
     out_.Write(p);
+    if (written) written(p);
   }
   if (size > 0) {
     std::string d;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -49,7 +50,10 @@ class ZipWriter {
   ZipWriter(AtomicFile& out, uint32_t alignment = 64) : out_(out), alignment_(alignment) {}
 
   // Writes one record whose data is the concatenation of `pieces`.
-  void AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces);
+  // `written`, if set, is called with each piece once it has been written
+  // (the converter drops memory-mapped source pages there).
+  void AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces,
+                 const std::function<void(std::span<const uint8_t>)>& written = nullptr);
   void AddRecord(const std::string& name, std::span<const uint8_t> data) { AddRecord(name, {&data, 1}); }
   void AddRecord(const std::string& name, const std::string& s) {
     AddRecord(name, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
