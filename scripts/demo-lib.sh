@@ -5,6 +5,7 @@
 # compare_losses BASE_CSV RUN_CSV FIRST LAST MODE
 #   MODE: exact       every step bit-identical (the logged float64 text)
 #         universal   first step within 1e-6 relative, later steps 1e-3 absolute
+#         changed:R:A first step within R relative, later steps A absolute
 #         rel:TOL     every step within TOL relative
 # Prints "FIRST-LAST MAX_ABS_DELTA TOLERANCE PASS|FAIL [why]"; returns 1 on FAIL.
 # A step missing from either file is a FAIL.
@@ -16,9 +17,13 @@ compare_losses() {
     { run[$1] = $2 }
     END {
       if (mode == "exact") tol = "bit-identical"
-      else if (mode == "universal") tol = "1st rel 1e-6, then abs 1e-3"
+      if (mode == "universal") mode = "changed:1e-6:1e-3"
+      if (mode ~ /^changed:/) {
+        split(mode, part, ":"); first_rel = part[2] + 0; later_abs = part[3] + 0
+        tol = "1st rel " part[2] ", then abs " part[3]; mode = "changed"
+      }
       else if (mode ~ /^rel:/) { rel = substr(mode, 5) + 0; tol = "rel " substr(mode, 5) }
-      else { print "unknown mode " mode; exit 2 }
+      if (tol == "") { print "unknown mode " mode; exit 2 }
       max = 0; ok = 1; why = ""
       for (s = first; s <= last; s++) {
         if (!(s in base) || !(s in run)) { ok = 0; why = "step " s " missing"; continue }
@@ -26,7 +31,7 @@ compare_losses() {
         if (d > max) max = d
         ab = b < 0 ? -b : b
         if (mode == "exact") pass = (r == b)
-        else if (mode == "universal") pass = (s == first) ? (d <= 1e-6 * ab) : (d <= 1e-3)
+        else if (mode == "changed") pass = (s == first) ? (d <= first_rel * ab) : (d <= later_abs)
         else pass = (d <= rel * ab)
         if (!pass && why == "") { ok = 0; why = "step " s ": " base[s] " vs " run[s] }
       }

@@ -17,13 +17,20 @@ out=${DEMO_OUT:-demo-out}
 source scripts/demo-lib.sh
 
 # Scaled-down sizes (the issue's: GPT-2 default model, 200 steps, batch 256,
-# micro 64, checkpoint at 100; GA runs micro 32/8 on batch 32).
+# micro 64, checkpoint at 100; scripts/demo-gpu.sh sets those through these
+# variables). Experiment 2 keeps the issue's batch 32 = 32x1 = 8x4 = 8x2x2.
 STEPS=${DEMO_STEPS:-40}
 MID=$((STEPS / 2))
-BATCH=32        # global batch of every run
-MICRO4=8        # experiment 1: 4 ranks x micro 8 x GA 1
-GA_MICRO=8      # experiment 2: 32x1, 8x4 on 1 rank, 8x2 on 2 ranks
-MODEL=(--n_layer 2 --n_head 4 --n_embd 128 --vocab_size 256 --n_positions 64 --seq_len 64)
+BATCH=${DEMO_BATCH:-32}      # experiments 1 and 3
+MICRO=${DEMO_MICRO:-8}       # experiment 1: 4 ranks x MICRO x GA 1; experiment 3: 2 ranks, GA 2
+read -r -a MODEL <<<"${DEMO_MODEL:---n_layer 2 --n_head 4 --n_embd 64 --vocab_size 256 --n_positions 64 --seq_len 64}"
+read -r -a RUN_FLAGS <<<"${DEMO_RUN_FLAGS:---threads 1}"   # e.g. --device cuda --bf16
+TOL_SAME=${DEMO_TOL_SAME:-exact}
+TOL_CHANGED=${DEMO_TOL_CHANGED:-universal}
+TOL_GA=${DEMO_TOL_GA:-rel:1e-5}
+DEMO_SCALED=${DEMO_SCALED-"scaled down from the issue's sizes: GPT-2 with ${MODEL[*]}
+   (byte-level, trained on uckpt's own sources), $STEPS steps (not 200), global batch $BATCH (not 256),
+   micro $MICRO (not 64), checkpoint at step $MID (not 100); experiment 2 at the issue's sizes (batch 32)"}
 port=$((20000 + $$ % 20000))
 
 rm -rf "$out"; mkdir -p "$out/logs" "$out/plots"
@@ -31,7 +38,6 @@ rm -rf "$out"; mkdir -p "$out/logs" "$out/plots"
 find src -name '*.h' -o -name '*.cc' | LC_ALL=C sort | xargs cat >"$out/data.txt"
 cat >"$out/ds_config.json" <<JSON
 {
-  "train_batch_size": $BATCH,
   "gradient_clipping": 1.0,
   "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
   "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
@@ -40,9 +46,8 @@ cat >"$out/ds_config.json" <<JSON
 JSON
 
 echo "== uckpt demo: three experiments on CPU (Gloo), output in $out/"
-echo "   scaled down from the issue's sizes: GPT-2 with ${MODEL[*]} (byte-level, trained on uckpt's"
-echo "   own sources), $STEPS steps (not 200), global batch $BATCH (not 256), checkpoint at step $MID (not 100),"
-echo "   experiment 1 micro $MICRO4 x 4 ranks (not 64 x 4); experiment 2 as specified (batch 32: 32x1, 8x4, 8x2x2)"
+echo "   $DEMO_SCALED"
+echo "   tolerances: same size $TOL_SAME; changed size $TOL_CHANGED; gradient accumulation $TOL_GA"
 echo
 
 # train NP RUN_NAME TRAIN_FLAGS...: one job of NP ranks, logs in $out/logs/RUN_NAME
@@ -51,7 +56,7 @@ train() {
   local t0=$SECONDS
   port=$((port + 1))
   "$UCKPT" launch -n "$np" --master_port "$port" -- "$UCKPT" train --config "$out/ds_config.json" \
-    --text "$out/data.txt" "${MODEL[@]}" --log_dir "$out/logs" --run_name "$name" --threads 1 --no_progress \
+    --text "$out/data.txt" "${MODEL[@]}" --log_dir "$out/logs" --run_name "$name" "${RUN_FLAGS[@]}" --no_progress \
     --timeout 120 "$@" >"$out/logs/$name.out" 2>&1 || { cat "$out/logs/$name.out"; echo "demo: $name failed"; exit 1; }
   printf '   %-34s %2d ranks  %3ds  %s\n' "$name" "$np" $((SECONDS - t0)) "$(grep -m1 'world size' "$out/logs/$name.out" | sed 's/.*ZeRO/ZeRO/')"
 }
@@ -59,29 +64,29 @@ csv() { echo "$out/logs/$1/metrics.csv"; }
 start=$SECONDS
 
 echo "-- experiment 1: baseline, resume from ZeRO and from universal at the same size"
-train 4 baseline_4ranks --steps "$STEPS" --train_micro_batch_size_per_gpu $MICRO4 \
+train 4 baseline_4ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
   --checkpoint_dir "$out/ckpt/baseline" --checkpoint_interval "$MID"
 "$UCKPT" convert -q "$out/ckpt/baseline/global_step$MID" "$out/ckpt/baseline/global_step${MID}_universal"
 echo "   uckpt convert global_step$MID -> global_step${MID}_universal"
 copy_checkpoint "$out/ckpt/baseline" "global_step$MID" "$out/ckpt/resume_zero"
-train 4 resume_zero_4ranks --steps "$STEPS" --train_micro_batch_size_per_gpu $MICRO4 \
+train 4 resume_zero_4ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
   --checkpoint_dir "$out/ckpt/resume_zero" --resume
 copy_checkpoint "$out/ckpt/baseline" "global_step${MID}_universal" "$out/ckpt/resume_universal"
-train 4 resume_universal_4ranks --steps "$STEPS" --train_micro_batch_size_per_gpu $MICRO4 \
+train 4 resume_universal_4ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
   --checkpoint_dir "$out/ckpt/resume_universal" --resume --universal_checkpoint
 
-echo "-- experiment 2: gradient accumulation (global batch $BATCH)"
-train 1 ga_1rank_micro32_ga1 --steps "$STEPS" --train_micro_batch_size_per_gpu $BATCH
-train 1 ga_1rank_micro8_ga4 --steps "$STEPS" --train_micro_batch_size_per_gpu $GA_MICRO
-train 2 ga_2ranks_micro8_ga2 --steps "$STEPS" --train_micro_batch_size_per_gpu $GA_MICRO
+echo "-- experiment 2: gradient accumulation (global batch 32)"
+train 1 ga_1rank_micro32_ga1 --steps "$STEPS" --train_batch_size 32 --train_micro_batch_size_per_gpu 32
+train 1 ga_1rank_micro8_ga4 --steps "$STEPS" --train_batch_size 32 --train_micro_batch_size_per_gpu 8
+train 2 ga_2ranks_micro8_ga2 --steps "$STEPS" --train_batch_size 32 --train_micro_batch_size_per_gpu 8
 
-echo "-- experiment 3: the universal checkpoint on 2 ranks (micro $MICRO4, GA doubles to 2)"
+echo "-- experiment 3: the universal checkpoint on 2 ranks (micro $MICRO, GA doubles to 2)"
 copy_checkpoint "$out/ckpt/baseline" "global_step${MID}_universal" "$out/ckpt/resume_universal_2"
-train 2 resume_universal_2ranks --steps "$STEPS" --train_micro_batch_size_per_gpu $MICRO4 \
+train 2 resume_universal_2ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
   --checkpoint_dir "$out/ckpt/resume_universal_2" --resume --universal_checkpoint
 echo "-- negative control: the same resume without the optimizer state (load_optimizer_states=false)"
 copy_checkpoint "$out/ckpt/baseline" "global_step${MID}_universal" "$out/ckpt/no_optimizer_2"
-train 2 no_optimizer_states_2ranks --steps "$STEPS" --train_micro_batch_size_per_gpu $MICRO4 \
+train 2 no_optimizer_states_2ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
   --checkpoint_dir "$out/ckpt/no_optimizer_2" --resume --universal_checkpoint --no_load_optimizer_states
 
 plot() { "$UCKPT" plot "$@" 2>/dev/null; }
@@ -89,7 +94,7 @@ for ext in svg png; do
   plot "$out/logs/baseline_4ranks" "$out/logs/resume_zero_4ranks" "$out/logs/resume_universal_4ranks" \
     --resume-step "$MID" --title "1. resume at step $MID on 4 ranks (ZeRO and universal)" -o "$out/plots/1_resume.$ext"
   plot "$out/logs/ga_1rank_micro32_ga1" "$out/logs/ga_1rank_micro8_ga4" "$out/logs/ga_2ranks_micro8_ga2" \
-    --title "2. gradient accumulation, global batch $BATCH" -o "$out/plots/2_gradient_accumulation.$ext"
+    --title "2. gradient accumulation, global batch 32" -o "$out/plots/2_gradient_accumulation.$ext"
   plot "$out/logs/baseline_4ranks" "$out/logs/resume_universal_2ranks" "$out/logs/no_optimizer_states_2ranks" \
     --resume-step "$MID" --title "3. universal checkpoint resumed on 2 ranks (GA 2)" -o "$out/plots/3_universal_2ranks.$ext"
 done
@@ -97,12 +102,12 @@ echo "   plots: $(cd "$out/plots" && echo *)  (in $out/plots/)"
 echo
 
 first=$((MID + 1))
-add_row "1  resume ZeRO, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_zero_4ranks)" $first "$STEPS" exact
-add_row "1  resume universal, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_universal_4ranks)" $first "$STEPS" exact
-add_row "2  1 rank micro 8 GA 4 vs micro 32 GA 1" pass "$(csv ga_1rank_micro32_ga1)" "$(csv ga_1rank_micro8_ga4)" 1 "$STEPS" rel:1e-5
-add_row "2  2 ranks micro 8 GA 2 vs 1 rank micro 32" pass "$(csv ga_1rank_micro32_ga1)" "$(csv ga_2ranks_micro8_ga2)" 1 "$STEPS" rel:1e-5
-add_row "3  resume universal, 4 -> 2 ranks (GA 2)" pass "$(csv baseline_4ranks)" "$(csv resume_universal_2ranks)" $first "$STEPS" universal
-add_row "-  control: 4 -> 2 without optimizer state" fail "$(csv baseline_4ranks)" "$(csv no_optimizer_states_2ranks)" $first "$STEPS" universal
+add_row "1  resume ZeRO, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_zero_4ranks)" $first "$STEPS" "$TOL_SAME"
+add_row "1  resume universal, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_universal_4ranks)" $first "$STEPS" "$TOL_SAME"
+add_row "2  1 rank micro 8 GA 4 vs micro 32 GA 1" pass "$(csv ga_1rank_micro32_ga1)" "$(csv ga_1rank_micro8_ga4)" 1 "$STEPS" "$TOL_GA"
+add_row "2  2 ranks micro 8 GA 2 vs 1 rank micro 32" pass "$(csv ga_1rank_micro32_ga1)" "$(csv ga_2ranks_micro8_ga2)" 1 "$STEPS" "$TOL_GA"
+add_row "3  resume universal, 4 -> 2 ranks (GA 2)" pass "$(csv baseline_4ranks)" "$(csv resume_universal_2ranks)" $first "$STEPS" "$TOL_CHANGED"
+add_row "-  control: 4 -> 2 without optimizer state" fail "$(csv baseline_4ranks)" "$(csv no_optimizer_states_2ranks)" $first "$STEPS" "$TOL_CHANGED"
 print_table
 echo
 echo "demo: $((SECONDS - start)) s; logs (metrics.csv, TensorBoard events) in $out/logs/, plots in $out/plots/"

@@ -10,6 +10,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-torch   # reference checks: files load in real PyTorch
+  librsvg2-bin                      # rsvg-convert: `uckpt plot -o FILE.png`
 )
 if [ "${UCKPT_WITH_TORCH:-1}" = 1 ]; then
   packages+=(libtorch-dev libgloo-dev)

@@ -12,6 +12,7 @@ using Runner = std::function<int()>;
 Runner AddInspect(CLI::App& app);
 Runner AddConvert(CLI::App& app);
 Runner AddExport(CLI::App& app);
+Runner AddPlot(CLI::App& app);
 #ifdef UCKPT_HAVE_TRAIN
 Runner AddTrain(CLI::App& app);   // needs libtorch
 Runner AddLaunch(CLI::App& app);

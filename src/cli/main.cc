@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   add(uckpt::cli::AddInspect);
   add(uckpt::cli::AddConvert);
   add(uckpt::cli::AddExport);
+  add(uckpt::cli::AddPlot);
 #ifdef UCKPT_HAVE_TRAIN
   add(uckpt::cli::AddTrain);
   add(uckpt::cli::AddLaunch);
