@@ -225,6 +225,7 @@ class Opener {
       throw FormatError(c_.folder + "/mp_rank_00_model_states.pt: missing model-states file");
     }
     c_.model = LoadTorchFile(c_.model_files[0].path);
+    if (c_.stage != 3) RefusePatterns(c_.model);
     for (size_t i = 0; i < c_.model_files.size(); ++i) {
       TorchFile m = i == 0 ? c_.model : LoadTorchFile(c_.model_files[i].path);
       const std::string& path = m.file->path();
@@ -250,6 +251,28 @@ class Opener {
         if (!same) Fail(path, "param_shapes differ from those of " + c_.model_files[0].name);
       }
     }
+  }
+
+  // universal_checkpoint_info pattern lists change the output (no cat_dim,
+  // cat_dim 1, sub-parameter keys, trimmed vocabulary rows); DeepSpeed's
+  // ZeRO 1/2 converter applies them even without tensor parallelism. They are
+  // not implemented, so such checkpoints are refused rather than converted
+  // differently.
+  static void RefusePatterns(const TorchFile& model) {
+    ValuePtr info = model.root->get("universal_checkpoint_info");
+    if (!info || !info->is_dict()) return;
+    for (const auto& [k, v] : info->entries) {
+      if (!k || k->kind != Kind::kStr || k->s.find("pattern") == std::string::npos) continue;
+      if (k->s == "pipeline_replicated_parameter_patterns") continue;  // only matters for pp > 0
+      if (v && (v->is_seq() ? !v->items.empty() : !IsNone(v)))
+        Fail(model.file->path(), "universal_checkpoint_info['" + k->s +
+                                     "'] is set; parameter pattern rules (TP merging, vocabulary trimming) are not "
+                                     "supported");
+    }
+    for (const char* key : {"parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params"})
+      if (ValuePtr v = info->get(key); v && v->is_seq() && !v->items.empty())
+        Fail(model.file->path(), "universal_checkpoint_info['" + std::string(key) +
+                                     "'] is set; sub-parameter rules are not supported");
   }
 
   // Per-element states of one (rank, group) state dict. `length` is the

@@ -170,6 +170,17 @@ TEST(ConvertErrors, PipelineParallelIsRefused) {
   ExpectRefused(tmp, in, {"layer_01-model_states.pt", "pipeline-parallel"});
 }
 
+TEST(ConvertErrors, PatternRulesAreRefused) {
+  TempDir tmp;
+  std::string in = CopyTag(tmp, "z1_ws2_fp32");
+  const std::string model = in + "/mp_rank_00_model_states.pt";
+  TorchFile f = LoadTorchFile(model);
+  f.root->get("universal_checkpoint_info")->set("vocabulary_parameter_patterns", Value::List({Value::Str("wte")}));
+  SaveTorchFile(model + ".new", f.root);
+  fs::rename(model + ".new", model);
+  ExpectRefused(tmp, in, {"mp_rank_00_model_states.pt", "vocabulary_parameter_patterns", "not supported"});
+}
+
 TEST(ConvertErrors, NotACheckpoint) {
   TempDir tmp;
   fs::create_directories(tmp / "empty");
