@@ -8,6 +8,7 @@
 #   3. resume the universal checkpoint on 2 ranks (GA doubles);
 # plus a negative control (a resume without the optimizer state must fail the
 # comparison). Prints a table and exits non-zero when a comparison fails.
+# The README's "demo by hand" is this script, command by command.
 # Usage: scripts/demo.sh [BUILD_DIR] ; output in $DEMO_OUT (default demo-out/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,12 +20,12 @@ source scripts/demo-lib.sh
 # Scaled-down sizes (the issue's: GPT-2 default model, 200 steps, batch 256,
 # micro 64, checkpoint at 100; scripts/demo-gpu.sh sets those through these
 # variables). Experiment 2 keeps the issue's batch 32 = 32x1 = 8x4 = 8x2x2.
-STEPS=${DEMO_STEPS:-40}
+STEPS=${DEMO_STEPS:-100}
 MID=$((STEPS / 2))
 BATCH=${DEMO_BATCH:-32}      # experiments 1 and 3
 MICRO=${DEMO_MICRO:-8}       # experiment 1: 4 ranks x MICRO x GA 1; experiment 3: 2 ranks, GA 2
 read -r -a MODEL <<<"${DEMO_MODEL:---n_layer 2 --n_head 4 --n_embd 64 --vocab_size 256 --n_positions 64 --seq_len 64}"
-read -r -a RUN_FLAGS <<<"${DEMO_RUN_FLAGS:---threads 1}"   # e.g. --device cuda --bf16
+read -r -a RUN_FLAGS <<<"${DEMO_RUN_FLAGS:-}"   # e.g. --device cuda --bf16
 TOL_SAME=${DEMO_TOL_SAME:-exact}
 TOL_CHANGED=${DEMO_TOL_CHANGED:-universal}
 TOL_GA=${DEMO_TOL_GA:-rel:1e-5}
@@ -39,8 +40,8 @@ find src -name '*.h' -o -name '*.cc' | LC_ALL=C sort | xargs cat >"$out/data.txt
 cat >"$out/ds_config.json" <<JSON
 {
   "gradient_clipping": 1.0,
-  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
-  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
+  "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-3, "warmup_num_steps": 10}},
   "zero_optimization": {"stage": 2}
 }
 JSON
@@ -55,8 +56,9 @@ train() {
   local np=$1 name=$2; shift 2
   local t0=$SECONDS
   port=$((port + 1))
+  local threads=${DEMO_THREADS:-1}   # 1: more spins and thrashes on a loaded 2-core machine
   "$UCKPT" launch -n "$np" --master_port "$port" -- "$UCKPT" train --config "$out/ds_config.json" \
-    --text "$out/data.txt" "${MODEL[@]}" --log_dir "$out/logs" --run_name "$name" "${RUN_FLAGS[@]}" --no_progress \
+    --text "$out/data.txt" "${MODEL[@]}" --log_dir "$out/logs" --run_name "$name" --threads $threads "${RUN_FLAGS[@]}" --no_progress \
     --timeout 120 "$@" >"$out/logs/$name.out" 2>&1 || { cat "$out/logs/$name.out"; echo "demo: $name failed"; exit 1; }
   printf '   %-34s %2d ranks  %3ds  %s\n' "$name" "$np" $((SECONDS - t0)) "$(grep -m1 'world size' "$out/logs/$name.out" | sed 's/.*ZeRO/ZeRO/')"
 }
@@ -66,14 +68,16 @@ start=$SECONDS
 echo "-- experiment 1: baseline, resume from ZeRO and from universal at the same size"
 train 4 baseline_4ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
   --checkpoint_dir "$out/ckpt/baseline" --checkpoint_interval "$MID"
-"$UCKPT" convert -q "$out/ckpt/baseline/global_step$MID" "$out/ckpt/baseline/global_step${MID}_universal"
-echo "   uckpt convert global_step$MID -> global_step${MID}_universal"
-copy_checkpoint "$out/ckpt/baseline" "global_step$MID" "$out/ckpt/resume_zero"
+# Resumed runs save their own step $STEPS, so the ZeRO resume works in a copy
+# of the tag; the universal resumes share the converted folder (each reads
+# latest_universal, which saving never rewrites).
+mkdir -p "$out/ckpt/resume_zero" && cp -r "$out/ckpt/baseline/global_step$MID" "$out/ckpt/resume_zero/"
 train 4 resume_zero_4ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
-  --checkpoint_dir "$out/ckpt/resume_zero" --resume
-copy_checkpoint "$out/ckpt/baseline" "global_step${MID}_universal" "$out/ckpt/resume_universal"
+  --checkpoint_dir "$out/ckpt/resume_zero" --resume --checkpoint_tag "global_step$MID"
+"$UCKPT" convert -q "$out/ckpt/baseline/global_step$MID" "$out/ckpt/universal/global_step${MID}_universal"
+echo "   uckpt convert ckpt/baseline/global_step$MID -> ckpt/universal/global_step${MID}_universal"
 train 4 resume_universal_4ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
-  --checkpoint_dir "$out/ckpt/resume_universal" --resume --universal_checkpoint
+  --checkpoint_dir "$out/ckpt/universal" --resume --universal_checkpoint
 
 echo "-- experiment 2: gradient accumulation (global batch 32)"
 train 1 ga_1rank_micro32_ga1 --steps "$STEPS" --train_batch_size 32 --train_micro_batch_size_per_gpu 32
@@ -81,13 +85,11 @@ train 1 ga_1rank_micro8_ga4 --steps "$STEPS" --train_batch_size 32 --train_micro
 train 2 ga_2ranks_micro8_ga2 --steps "$STEPS" --train_batch_size 32 --train_micro_batch_size_per_gpu 8
 
 echo "-- experiment 3: the universal checkpoint on 2 ranks (micro $MICRO, GA doubles to 2)"
-copy_checkpoint "$out/ckpt/baseline" "global_step${MID}_universal" "$out/ckpt/resume_universal_2"
 train 2 resume_universal_2ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
-  --checkpoint_dir "$out/ckpt/resume_universal_2" --resume --universal_checkpoint
+  --checkpoint_dir "$out/ckpt/universal" --resume --universal_checkpoint
 echo "-- negative control: the same resume without the optimizer state (load_optimizer_states=false)"
-copy_checkpoint "$out/ckpt/baseline" "global_step${MID}_universal" "$out/ckpt/no_optimizer_2"
 train 2 no_optimizer_states_2ranks --steps "$STEPS" --train_batch_size $BATCH --train_micro_batch_size_per_gpu $MICRO \
-  --checkpoint_dir "$out/ckpt/no_optimizer_2" --resume --universal_checkpoint --no_load_optimizer_states
+  --checkpoint_dir "$out/ckpt/universal" --resume --universal_checkpoint --no_load_optimizer_states
 
 plot() { "$UCKPT" plot "$@" 2>/dev/null; }
 for ext in svg png; do
