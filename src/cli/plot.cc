@@ -194,6 +194,11 @@ std::string RenderLossSvg(const std::vector<LossCurve>& curves, const PlotOption
       first = false;
     }
     svg << "\"/>\n";
+    // A run that starts later than the others was resumed: mark its first point.
+    if (!c.points.empty() && c.points.front().step > x0 && std::isfinite(c.points.front().loss)) {
+      svg << "<circle class=\"resume-point\" cx=\"" << Num(X(c.points.front().step)) << "\" cy=\""
+          << Num(Y(c.points.front().loss)) << "\" r=\"4\" fill=\"" << kColours[i % 8] << "\"/>\n";
+    }
   }
 
   // Legend, top right.

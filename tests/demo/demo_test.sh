@@ -112,6 +112,8 @@ texts = ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}t
 assert "base" in texts and "resumed" in texts, texts          # legend
 assert "a <test> & title" in texts, texts                      # escaped title
 assert "resume @10" in texts, texts                            # resume marker
+circles = root.findall(".//s:circle[@class='resume-point']", ns)
+assert len(circles) == 1, len(circles)                         # the resumed run starts at a dot
 print("OK: 2 polylines with 20 and 10 points, legend, marker")
 PY
     ;;
