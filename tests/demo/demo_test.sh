@@ -32,6 +32,7 @@ JSON
 train() {  # train NP NAME MICRO FLAGS...
   local np=$1 name=$2 mb=$3; shift 3
   port=$((port + 1))
+  rm -rf "logs/$name"   # metrics.csv appends: a rerun starts a fresh log
   "$UCKPT" launch -n "$np" --master_port "$port" -- "$UCKPT" train --config "config-$case.json" --text data.txt \
     "${MODEL[@]}" --log_dir logs --run_name "$name" --threads 1 --no_progress --timeout 60 \
     --train_micro_batch_size_per_gpu "$mb" --steps $STEPS "$@" >"logs-$name.out" 2>&1 \
