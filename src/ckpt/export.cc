@@ -154,27 +154,6 @@ class Collector {
   std::vector<std::pair<std::string, std::string>> aliases_;
 };
 
-float ToFloat(DType d, const uint8_t* p) {
-  switch (d) {
-    case DType::kFloat32: {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-    case DType::kBFloat16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      return BFloat16ToFloat(h);
-    }
-    case DType::kFloat16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      return HalfToFloat(h);
-    }
-    default: return static_cast<float>(ElementToDouble(d, p));
-  }
-}
-
 void FromFloat(DType d, float f, uint8_t* p) {
   switch (d) {
     case DType::kFloat32: std::memcpy(p, &f, 4); return;
@@ -205,7 +184,7 @@ void WriteConverted(AtomicFile& out, const Pieces& pieces, DType src, DType dst)
     for (size_t at = 0; at < n;) {
       size_t k = std::min<size_t>(n - at, 1 << 16);
       buf.resize(k * ds);
-      for (size_t i = 0; i < k; ++i) FromFloat(dst, ToFloat(src, p.data() + (at + i) * ss), buf.data() + i * ds);
+      for (size_t i = 0; i < k; ++i) FromFloat(dst, static_cast<float>(ElementToDouble(src, p.data() + (at + i) * ss)), buf.data() + i * ds);
       out.Write(buf);
       at += k;
     }
