@@ -92,7 +92,8 @@ train 2 no_optimizer_states_2ranks --steps "$STEPS" --train_batch_size $BATCH --
   --checkpoint_dir "$out/ckpt/universal" --resume --universal_checkpoint --no_load_optimizer_states
 
 plot() { "$UCKPT" plot "$@" 2>/dev/null; }
-for ext in svg png; do
+exts=svg; command -v rsvg-convert >/dev/null && exts="svg png"   # PNG needs librsvg2-bin
+for ext in $exts; do
   plot "$out/logs/baseline_4ranks" "$out/logs/resume_zero_4ranks" "$out/logs/resume_universal_4ranks" \
     --resume-step "$MID" --title "1. resume at step $MID on 4 ranks (ZeRO and universal)" -o "$out/plots/1_resume.$ext"
   plot "$out/logs/ga_1rank_micro32_ga1" "$out/logs/ga_1rank_micro8_ga4" "$out/logs/ga_2ranks_micro8_ga2" \
