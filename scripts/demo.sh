@@ -46,7 +46,8 @@ cat >"$out/ds_config.json" <<JSON
 }
 JSON
 
-echo "== uckpt demo: three experiments on CPU (Gloo), output in $out/"
+where="CPU (Gloo)"; [[ " ${RUN_FLAGS[*]} " == *" --device cuda"* ]] && where="GPUs (NCCL)"
+echo "== uckpt demo: three experiments on $where, output in $out/"
 echo "   $DEMO_SCALED"
 echo "   tolerances: same size $TOL_SAME; changed size $TOL_CHANGED; gradient accumulation $TOL_GA"
 echo
