@@ -26,6 +26,8 @@ BATCH=${DEMO_BATCH:-32}      # experiments 1 and 3
 MICRO=${DEMO_MICRO:-8}       # experiment 1: 4 ranks x MICRO x GA 1; experiment 3: 2 ranks, GA 2
 read -r -a MODEL <<<"${DEMO_MODEL:---n_layer 2 --n_head 4 --n_embd 64 --vocab_size 256 --n_positions 64 --seq_len 64}"
 read -r -a RUN_FLAGS <<<"${DEMO_RUN_FLAGS:-}"   # e.g. --device cuda --bf16
+LR=${DEMO_LR:-2e-3}          # AdamW, reached after WARMUP steps of WarmupLR
+WARMUP=${DEMO_WARMUP:-10}
 TOL_SAME=${DEMO_TOL_SAME:-exact}
 TOL_CHANGED=${DEMO_TOL_CHANGED:-universal}
 TOL_GA=${DEMO_TOL_GA:-rel:1e-5}
@@ -40,8 +42,8 @@ find src -name '*.h' -o -name '*.cc' | LC_ALL=C sort | xargs cat >"$out/data.txt
 cat >"$out/ds_config.json" <<JSON
 {
   "gradient_clipping": 1.0,
-  "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
-  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-3, "warmup_num_steps": 10}},
+  "optimizer": {"type": "AdamW", "params": {"lr": $LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": $LR, "warmup_num_steps": $WARMUP}},
   "zero_optimization": {"stage": 2}
 }
 JSON
