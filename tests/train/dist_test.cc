@@ -21,17 +21,7 @@ using testing::RefrunModel;
 using testing::RunRanks;
 
 // The fixture run's DeepSpeed config, as given.
-TrainOptions RunOptions(const std::string& run) {
-  auto spec = ReadJson(RefrunDir() + "/runs/" + run + "/config.json");
-  TrainOptions o;
-  o.config = ParseConfig(spec["ds_config_as_passed"], run);
-  o.model = RefrunModel();
-  o.seq_len = 16;
-  o.seed = 42;
-  o.init_file = RefrunDir() + "/init.pt";
-  o.steps = 12;
-  return o;
-}
+TrainOptions RunOptions(const std::string& run) { return testing::RefrunOptions(testing::RefrunDsConfig(run), run); }
 
 struct RunResult {
   std::map<int64_t, StepMetrics> steps;

@@ -6,7 +6,9 @@
 #include <fstream>
 #include <string>
 
+#include "train/config.h"
 #include "train/gpt2.h"
+#include "train/trainer.h"
 
 namespace uckpt::train::testing {
 
@@ -27,6 +29,24 @@ inline Gpt2Config RefrunModel() {
   c.n_layer = 2;
   c.n_head = 2;
   return c;
+}
+
+// The fixture's DeepSpeed config of run `run` (as passed to DeepSpeed).
+inline nlohmann::json RefrunDsConfig(const std::string& run) {
+  return ReadJson(RefrunDir() + "/runs/" + run + "/config.json")["ds_config_as_passed"];
+}
+
+// A run of the fixture's model, data rule (seed 42, 16 tokens) and init.pt,
+// 12 steps, with DeepSpeed config `ds`.
+inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& run) {
+  TrainOptions o;
+  o.config = ParseConfig(ds, run);
+  o.model = RefrunModel();
+  o.seq_len = 16;
+  o.seed = 42;
+  o.init_file = RefrunDir() + "/init.pt";
+  o.steps = 12;
+  return o;
 }
 
 }  // namespace uckpt::train::testing

@@ -17,18 +17,10 @@ using testing::RefrunModel;
 // The fixture's run `run` as uckpt options, with the DeepSpeed JSON as given
 // except for the batch split (`micro`, GA derived for world size 1).
 TrainOptions FixtureOptions(const std::string& run, int64_t micro) {
-  auto spec = ReadJson(RefrunDir() + "/runs/" + run + "/config.json");
-  nlohmann::json ds = spec["ds_config_as_passed"];
+  nlohmann::json ds = testing::RefrunDsConfig(run);
   ds.erase("gradient_accumulation_steps");
   ds["train_micro_batch_size_per_gpu"] = micro;
-  TrainOptions o;
-  o.config = ParseConfig(ds, run);
-  o.model = RefrunModel();
-  o.seq_len = 16;
-  o.seed = 42;
-  o.init_file = RefrunDir() + "/init.pt";
-  o.steps = 12;
-  return o;
+  return testing::RefrunOptions(ds, run);
 }
 
 double MaxAbsDiff(const Trainer& t, const std::string& state_dict_path) {
