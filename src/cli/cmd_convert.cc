@@ -1,13 +1,17 @@
+#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 
 #include "ckpt/convert.h"
 #include "cli/commands.h"
+#include "format/error.h"
 #include "format/value_print.h"
 
 namespace uckpt::cli {
@@ -15,6 +19,19 @@ namespace uckpt::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Ctrl-C / SIGTERM / SIGHUP stop the conversion at the next parameter
+// boundary; the converter then removes its temporary folder as on any error.
+std::atomic<int> g_stop_signal{0};
+
+void OnStopSignal(int sig) { g_stop_signal.store(sig); }
+
+void CatchStopSignals() {
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+}
 
 std::string Duration(double s) {
   char buf[32];
@@ -109,11 +126,18 @@ Runner AddConvert(CLI::App& app) {
     for (const auto& w : zc.warnings) std::cerr << "convert: warning: " << w << "\n";
     std::mutex mu;
     ProgressReporter reporter(::isatty(2));
+    CatchStopSignals();
+    options.progress = [](const ckpt::ConvertProgress&) {
+      if (int sig = g_stop_signal.load())
+        throw IoError("interrupted by signal " + std::to_string(sig) + " (" + strsignal(sig) +
+                      "); the partial output was removed");
+    };
     if (!args->quiet) {
       std::cerr << "convert: " << input << ": ZeRO-" << zc.stage << (zc.bf16_optimizer ? " (BF16_Optimizer)" : "")
                 << ", data-parallel size " << zc.dp << ", " << zc.params.size() << " parameters, "
                 << HumanBytes(zc.total_bytes()) << " of state\n";
-      options.progress = [&](const ckpt::ConvertProgress& p) {
+      options.progress = [&, check_signal = options.progress](const ckpt::ConvertProgress& p) {
+        check_signal(p);
         std::lock_guard<std::mutex> lock(mu);
         reporter.Update(p);
       };
