@@ -1,5 +1,8 @@
 // `uckpt launch -n N -- CMD...`: N local ranks with torchrun's variables.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,6 +35,29 @@ void SignalAll(const std::vector<pid_t>& pids, int sig) {
 
 }  // namespace
 
+namespace {
+
+// A TCP port that is free now: the kernel picks it for a socket bound to
+// port 0. (Another process could take it before rank 0 binds it; far less
+// likely than a collision between fixed or derived port numbers.)
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error(std::string("launch: cannot create a socket: ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+    port = ntohs(addr.sin_port);
+  ::close(fd);
+  if (port <= 0) throw std::runtime_error(std::string("launch: cannot find a free port: ") + std::strerror(errno));
+  return port;
+}
+
+}  // namespace
+
 Runner AddLaunch(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "launch",
@@ -51,7 +77,9 @@ Runner AddLaunch(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("-n,--nproc", a->n, "Number of ranks")->required()->check(CLI::Range(1, 4096));
-  cmd->add_option("--master_port", a->master_port, "Rendezvous port")->capture_default_str();
+  cmd->add_option("--master_port", a->master_port, "Rendezvous port; 0 picks a free one (for parallel jobs)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
   cmd->add_option("--master_addr", a->master_addr, "Rendezvous address")->capture_default_str();
   cmd->add_option("--grace", a->grace_s, "Seconds ranks get to exit after SIGTERM before SIGKILL")
       ->capture_default_str();
@@ -69,6 +97,8 @@ Runner AddLaunch(CLI::App& app) {
     sa.sa_handler = OnSignal;
     sigemptyset(&sa.sa_mask);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+
+    if (a->master_port == 0) a->master_port = FreePort();
 
     std::vector<pid_t> pids(static_cast<size_t>(a->n), -1);
     for (int r = 0; r < a->n; ++r) {

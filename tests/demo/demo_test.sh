@@ -16,7 +16,6 @@ STEPS=8; MID=4; BATCH=12
 MODEL=(--n_layer 1 --n_head 2 --n_embd 32 --vocab_size 256 --n_positions 16 --seq_len 16)
 # Micro-batch per world size for global batch 12 (3 ranks: micro 2, GA 2).
 micro() { case $1 in 1) echo 12 ;; 2) echo 6 ;; 3) echo 2 ;; 4) echo 3 ;; esac; }
-port=$((21000 + ($(cksum <<<"$case" | cut -d' ' -f1) + $$) % 20000))
 data() {
   [ -f data.txt ] && return
   # Deterministic bytes with structure to learn (no dependency on the source tree).
@@ -31,9 +30,8 @@ cat >"config-$case.json" <<JSON
 JSON
 train() {  # train NP NAME MICRO FLAGS...
   local np=$1 name=$2 mb=$3; shift 3
-  port=$((port + 1))
   rm -rf "logs/$name"   # metrics.csv appends: a rerun starts a fresh log
-  "$UCKPT" launch -n "$np" --master_port "$port" -- "$UCKPT" train --config "config-$case.json" --text data.txt \
+  "$UCKPT" launch -n "$np" --master_port 0 -- "$UCKPT" train --config "config-$case.json" --text data.txt \
     "${MODEL[@]}" --log_dir logs --run_name "$name" --threads 1 --no_progress --timeout 60 \
     --train_micro_batch_size_per_gpu "$mb" --steps $STEPS "$@" >"logs-$name.out" 2>&1 \
     || { cat "logs-$name.out"; echo "FAIL: run $name"; exit 1; }

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "fixture.h"
+#include "ranks.h"
 #include "train/metrics_log.h"
 
 namespace uckpt::train {
@@ -65,8 +66,7 @@ class Cli : public ::testing::Test {
 };
 
 TEST_F(Cli, LaunchTrainResumeAndLogs) {
-  int port = 29000 + getpid() % 1000;
-  Result a = Shell(std::string(UCKPT_BIN) + " launch -n 2 --master_port " + std::to_string(port) + " -- " +
+  Result a = Shell(std::string(UCKPT_BIN) + " launch -n 2 --master_port 0 -- " +
                  Train("--steps 4 --run_name r --timeout 60"));
   ASSERT_EQ(a.code, 0) << a.output;
   EXPECT_EQ(Slurp(dir_ / "ckpt" / "latest"), "global_step4");
@@ -137,7 +137,7 @@ TEST_F(Cli, LaunchStopsEveryRankWhenOneFails) {
 }
 
 TEST_F(Cli, MissingRankEndsWithAClearMessageNotAHang) {
-  int port = 30000 + getpid() % 1000;
+  int port = uckpt::train::testing::FreePort();
   Result r = Shell("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
                  Train("--steps 2 --timeout 3"));
   EXPECT_NE(r.code, 0);
