@@ -208,7 +208,6 @@ class Pickler {
     Op('(');
     PersistentId(t.storage, t.dtype);
     Int(t.storage_offset);
-    std::vector<ValuePtr> dims;
     SaveInts(t.shape);
     SaveInts(t.stride);
     Op(t.requires_grad ? '\x88' : '\x89');

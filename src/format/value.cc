@@ -189,10 +189,22 @@ ValuePtr Value::get(std::string_view key) const {
 }
 
 void Value::set(ValuePtr key, ValuePtr value) {
-  std::string hk = HashKey(*key);
-  if (!hk.empty()) {
+  // String keys (nearly all) compare directly; other hashable keys by HashKey.
+  auto same = [&](const Value& k) { return k.kind == Kind::kStr && k.s == key->s; };
+  if (key->kind != Kind::kStr) {
+    const std::string hk = HashKey(*key);
+    if (hk.empty()) {
+      entries.emplace_back(std::move(key), std::move(value));
+      return;
+    }
     for (auto& e : entries)
-      if (HashKey(*e.first) == hk) {
+      if (e.first->kind != Kind::kStr && HashKey(*e.first) == hk) {
+        e.second = std::move(value);
+        return;
+      }
+  } else {
+    for (auto& e : entries)
+      if (same(*e.first)) {
         e.second = std::move(value);
         return;
       }
