@@ -1,0 +1,304 @@
+#include "ckpt/manifest.h"
+
+#include <sys/mman.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "format/error.h"
+#include "format/file.h"
+
+namespace uckpt::ckpt {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// Hash this much at a time, then drop those pages from our page tables so the
+// resident set stays small however large the file (the page cache keeps them).
+constexpr size_t kChunk = 16 << 20;
+
+std::string Join(const std::string& folder, const std::string& rel) { return folder + "/" + rel; }
+
+// Regular files under `folder` (recursive, symlinks not followed), relative
+// '/'-separated paths, sorted; without the manifest itself.
+std::vector<std::string> ListFiles(const std::string& folder) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  fs::recursive_directory_iterator it(folder, ec), end;
+  if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
+  for (; it != end; it.increment(ec)) {
+    if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
+    std::error_code sec;
+    if (it->symlink_status(sec).type() != fs::file_type::regular || sec) continue;
+    std::string rel = it->path().lexically_relative(folder).generic_string();
+    if (rel == kManifestName) continue;
+    out.push_back(std::move(rel));
+  }
+  if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int HashThreads(int requested, size_t jobs) {
+  int n = requested > 0 ? requested : std::min(4u, std::max(1u, std::thread::hardware_concurrency()));
+  return static_cast<int>(std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(n), jobs)));
+}
+
+// Runs job(i) for i in [0, n) on `threads` threads, largest first (`sizes`),
+// and rethrows the first exception once all threads have stopped.
+template <typename Job>
+void ParallelBySize(const std::vector<uint64_t>& sizes, int threads, Job job) {
+  std::vector<size_t> order(sizes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex mu;
+  auto work = [&] {
+    for (size_t k; !failed && (k = next++) < order.size();) {
+      try {
+        job(order[k]);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+        failed = true;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+bool SafeRelativePath(const std::string& rel) {
+  if (rel.empty() || rel.front() == '/' || rel.find('\0') != std::string::npos) return false;
+  std::stringstream ss(rel);
+  for (std::string part; std::getline(ss, part, '/');)
+    if (part.empty() || part == "." || part == "..") return false;
+  return rel.back() != '/';
+}
+
+uint64_t FileSize(const std::string& path, std::string* problem) {
+  std::error_code ec;
+  fs::file_status st = fs::symlink_status(path, ec);
+  if (ec || st.type() == fs::file_type::not_found) {
+    *problem = "missing";
+    return 0;
+  }
+  if (st.type() != fs::file_type::regular) {
+    *problem = "is not a regular file";
+    return 0;
+  }
+  uint64_t n = fs::file_size(path, ec);
+  if (ec) *problem = "cannot stat: " + ec.message();
+  return n;
+}
+
+}  // namespace
+
+std::string HashToHex(uint64_t h) {
+  static const char* digits = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, h >>= 4) s[static_cast<size_t>(i)] = digits[h & 15];
+  return s;
+}
+
+bool HexToHash(const std::string& hex, uint64_t* h) {
+  if (hex.size() != 16) return false;
+  uint64_t v = 0;
+  for (char c : hex) {
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (d < 0) return false;
+    v = v << 4 | static_cast<uint64_t>(d);
+  }
+  *h = v;
+  return true;
+}
+
+uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress) {
+  auto file = MappedFile::Open(path);
+  std::span<const uint8_t> bytes = file->bytes();
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
+  if (!state) throw std::bad_alloc();
+  XXH64_reset(state.get(), 0);
+  if (!bytes.empty()) ::madvise(const_cast<uint8_t*>(bytes.data()), bytes.size(), MADV_SEQUENTIAL);
+  for (size_t off = 0; off < bytes.size(); off += kChunk) {
+    size_t n = std::min(kChunk, bytes.size() - off);
+    XXH64_update(state.get(), bytes.data() + off, n);
+    // Chunks start at multiples of kChunk from the page-aligned map.
+    ::madvise(const_cast<uint8_t*>(bytes.data() + off), n, MADV_DONTNEED);
+    if (progress) *progress += n;
+  }
+  return XXH64_digest(state.get());
+}
+
+Manifest WriteManifest(const std::string& folder, bool durable) {
+  Manifest m;
+  for (auto& rel : ListFiles(folder)) m.files.push_back({std::move(rel), 0, 0});
+  std::vector<uint64_t> sizes(m.files.size());
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    std::error_code ec;
+    sizes[i] = fs::file_size(Join(folder, m.files[i].path), ec);
+    if (ec) throw IoError("cannot stat " + Join(folder, m.files[i].path) + ": " + ec.message());
+  }
+  ParallelBySize(sizes, HashThreads(0, m.files.size()), [&](size_t i) {
+    const std::string path = Join(folder, m.files[i].path);
+    m.files[i].xxh64 = HashFile(path);
+    // The size of what was hashed, not of the earlier stat: a file still being
+    // written would show here as a mismatch later, never as a wrong hash.
+    std::error_code ec;
+    m.files[i].size = fs::file_size(path, ec);
+    if (ec) throw IoError("cannot stat " + path + ": " + ec.message());
+  });
+
+  json files = json::array();
+  for (const auto& e : m.files)
+    files.push_back({{"path", e.path}, {"size", e.size}, {"xxh64", HashToHex(e.xxh64)}});
+  json doc = {{"format", kManifestFormat}, {"version", kManifestVersion}, {"hash", "xxh64"}, {"files", files}};
+  std::string text;
+  try {
+    text = doc.dump(1) + "\n";
+  } catch (const json::exception&) {
+    throw FormatError(folder + ": a file name is not valid UTF-8; it cannot be listed in " + kManifestName);
+  }
+  AtomicFile out(Join(folder, kManifestName), durable);
+  out.Write(text);
+  out.Commit();
+  return m;
+}
+
+bool HasManifest(const std::string& folder) {
+  std::error_code ec;
+  return fs::is_regular_file(Join(folder, kManifestName), ec);
+}
+
+Manifest ReadManifest(const std::string& folder) {
+  const std::string path = Join(folder, kManifestName);
+  auto file = MappedFile::Open(path);
+  auto bytes = file->bytes();
+  json doc = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
+  auto bad = [&](const std::string& what) { return FormatError(path + ": " + what); };
+  if (doc.is_discarded()) throw bad("is not valid JSON (damaged manifest)");
+  if (!doc.is_object()) throw bad("is not a JSON object");
+  if (!doc.contains("format") || doc["format"] != kManifestFormat)
+    throw bad(std::string("is not a uckpt manifest (\"format\" is not \"") + kManifestFormat + "\")");
+  if (!doc.contains("version") || !doc["version"].is_number_integer()) throw bad("has no integer \"version\"");
+  if (doc["version"].get<int64_t>() > kManifestVersion || doc["version"].get<int64_t>() < 1)
+    throw bad("has version " + doc["version"].dump() + "; this uckpt reads version " + std::to_string(kManifestVersion));
+  if (!doc.contains("hash") || doc["hash"] != "xxh64") throw bad("\"hash\" is not \"xxh64\"");
+  if (!doc.contains("files") || !doc["files"].is_array()) throw bad("has no \"files\" array");
+  Manifest m;
+  std::set<std::string> seen;
+  for (const auto& f : doc["files"]) {
+    if (!f.is_object() || !f.contains("path") || !f["path"].is_string() || !f.contains("size") ||
+        !f["size"].is_number_unsigned() || !f.contains("xxh64") || !f["xxh64"].is_string())
+      throw bad("entry " + f.dump() + " lacks a string \"path\", an unsigned \"size\" or a string \"xxh64\"");
+    ManifestEntry e;
+    e.path = f["path"].get<std::string>();
+    if (!SafeRelativePath(e.path) || e.path == kManifestName)
+      throw bad("lists \"" + e.path + "\", which is not a relative path inside the folder");
+    if (!seen.insert(e.path).second) throw bad("lists \"" + e.path + "\" twice");
+    e.size = f["size"].get<uint64_t>();
+    if (!HexToHash(f["xxh64"].get<std::string>(), &e.xxh64))
+      throw bad("the hash of \"" + e.path + "\" is not 16 lower-case hex digits");
+    m.files.push_back(std::move(e));
+  }
+  std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.path < b.path; });
+  return m;
+}
+
+ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOptions& options) {
+  ManifestCheck check;
+  check.present = HasManifest(folder);
+  if (!check.present) return check;
+  Manifest m;
+  try {
+    m = ReadManifest(folder);
+  } catch (const std::exception& e) {
+    check.problems.push_back({Join(folder, kManifestName), e.what()});
+    return check;
+  }
+  check.files = m.files.size();
+  std::set<std::string> listed;
+  std::vector<size_t> to_hash;
+  std::vector<uint64_t> hash_sizes;
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    const ManifestEntry& e = m.files[i];
+    listed.insert(e.path);
+    check.bytes += e.size;
+    const std::string path = Join(folder, e.path);
+    std::string problem;
+    uint64_t size = FileSize(path, &problem);
+    if (problem.empty() && size != e.size)
+      problem = "size " + std::to_string(size) + " bytes, the manifest says " + std::to_string(e.size) +
+                (size < e.size ? " (truncated)" : "");
+    if (!problem.empty()) {
+      check.problems.push_back({path, problem});
+    } else if (options.hashes) {
+      to_hash.push_back(i);
+      hash_sizes.push_back(size);
+    }
+  }
+  std::vector<std::string> extra;
+  try {
+    for (const auto& rel : ListFiles(folder))
+      if (!listed.count(rel)) extra.push_back(rel);
+  } catch (const std::exception& e) {
+    check.problems.push_back({folder, e.what()});
+  }
+  if (options.hashes) {
+    check.hashed = true;
+    std::vector<std::string> results(to_hash.size());  // empty: hash matches
+    ParallelBySize(hash_sizes, HashThreads(options.threads, to_hash.size()), [&](size_t k) {
+      const ManifestEntry& e = m.files[to_hash[k]];
+      try {
+        uint64_t h = HashFile(Join(folder, e.path), options.progress);
+        if (h != e.xxh64)
+          results[k] = "content differs from the manifest (xxh64 " + HashToHex(h) + ", expected " +
+                       HashToHex(e.xxh64) + ")";
+      } catch (const std::exception& ex) {
+        results[k] = ex.what();
+      }
+    });
+    for (size_t k = 0; k < to_hash.size(); ++k)
+      if (!results[k].empty()) check.problems.push_back({Join(folder, m.files[to_hash[k]].path), results[k]});
+  }
+  for (const auto& rel : extra) check.problems.push_back({Join(folder, rel), "is not listed in the manifest"});
+  std::stable_sort(check.problems.begin(), check.problems.end(),
+                   [](const auto& a, const auto& b) { return a.file < b.file; });
+  return check;
+}
+
+void CheckFolderAgainstManifest(const std::string& folder, bool hashes) {
+  ManifestCheckOptions options;
+  options.hashes = hashes;
+  ManifestCheck check = CheckManifest(folder, options);
+  if (check.ok()) return;  // also without a manifest (DeepSpeed's own folders)
+  std::string msg = folder + " does not match its manifest (" + kManifestName + "):";
+  size_t shown = 0;
+  for (const auto& p : check.problems) {
+    if (++shown > 10) {
+      msg += "\n  ... and " + std::to_string(check.problems.size() - 10) + " more (run `uckpt verify " + folder + "`)";
+      break;
+    }
+    msg += "\n  " + p.file + ": " + p.what;
+  }
+  throw FormatError(msg);
+}
+
+}  // namespace uckpt::ckpt

@@ -1,0 +1,83 @@
+// Checkpoint manifests (docs/manifest-format.md): a file `uckpt-manifest.json`
+// in a checkpoint folder that lists every other file of the folder (recursively)
+// with its size and XXH64 hash, so that a truncated, corrupted, missing or
+// added file is found before training resumes from it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace uckpt::ckpt {
+
+inline constexpr const char* kManifestName = "uckpt-manifest.json";
+inline constexpr const char* kManifestFormat = "uckpt-manifest";
+inline constexpr int kManifestVersion = 1;
+
+struct ManifestEntry {
+  std::string path;   // relative to the folder, '/'-separated
+  uint64_t size = 0;
+  uint64_t xxh64 = 0;
+};
+
+// Entries sorted by path.
+struct Manifest {
+  std::vector<ManifestEntry> files;
+};
+
+// Hashes every regular file under `folder` (recursively; not the manifest
+// itself, not symlinks) on a few threads and writes `folder/uckpt-manifest.json`
+// atomically (temporary name, fsync when `durable`, rename). Call it when every
+// file of the folder is complete. Throws IoError / FormatError naming the file.
+Manifest WriteManifest(const std::string& folder, bool durable = true);
+
+// True if `folder/uckpt-manifest.json` exists.
+bool HasManifest(const std::string& folder);
+
+// Parses `folder/uckpt-manifest.json`. Throws FormatError naming the manifest
+// if it is not a valid manifest (bad JSON, unknown format or newer version,
+// a path that leaves the folder, a duplicate path, a malformed hash).
+Manifest ReadManifest(const std::string& folder);
+
+// XXH64 (seed 0) of the whole file, read through a read-only map.
+// `progress`, if given, is advanced by the bytes hashed as they are hashed.
+uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress = nullptr);
+
+// 16 lower-case hex digits, and back (nullopt-like: returns false if malformed).
+std::string HashToHex(uint64_t h);
+bool HexToHash(const std::string& hex, uint64_t* h);
+
+struct ManifestProblem {
+  std::string file;  // the file's path (folder + "/" + relative path)
+  std::string what;  // "missing", "size 10 bytes, the manifest says 12", ...
+};
+
+struct ManifestCheck {
+  bool present = false;        // the folder has a manifest
+  size_t files = 0;            // files listed
+  uint64_t bytes = 0;          // their total size per the manifest
+  bool hashed = false;         // hashes were compared
+  std::vector<ManifestProblem> problems;
+  bool ok() const { return problems.empty(); }
+};
+
+struct ManifestCheckOptions {
+  bool hashes = false;  // also compare XXH64 (reads every byte); sizes are always compared
+  int threads = 0;      // hashing threads; 0: min(4, cores)
+  // Advanced by bytes hashed while hashing (another thread may print it).
+  std::atomic<uint64_t>* progress = nullptr;
+};
+
+// Checks `folder` against its manifest: every listed file present with the
+// listed size (and hash); every regular file not listed is a problem too (a
+// manifest describes the folder exactly). Without a manifest: present = false
+// and no problems. A manifest that cannot be parsed is one problem naming it.
+ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOptions& options = {});
+
+// What every checkpoint reader calls before it opens a folder: if the folder
+// has a manifest, CheckManifest it (sizes; hashes with `hashes`) and throw
+// FormatError naming each bad file; without a manifest, do nothing.
+void CheckFolderAgainstManifest(const std::string& folder, bool hashes);
+
+}  // namespace uckpt::ckpt
