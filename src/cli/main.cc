@@ -4,6 +4,7 @@
 
 #include "cli/commands.h"
 #include "format/error.h"
+#include "format/fault_env.h"
 
 int main(int argc, char** argv) {
   CLI::App app{
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    uckpt::InstallWriteHookFromEnvironment();  // UCKPT_CRASH_AFTER_WRITES etc. (docs/reliability.md)
     for (auto* sub : app.get_subcommands()) return runners.at(sub)();
   } catch (const uckpt::FormatError& e) {
     std::cerr << "uckpt: error: " << e.what() << "\n";

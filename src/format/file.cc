@@ -22,7 +22,9 @@ constexpr size_t kBufferSize = 1 << 20;
 
 }  // namespace
 
-std::shared_ptr<const MappedFile> MappedFile::Open(const std::string& path) {
+std::shared_ptr<const MappedFile> MappedFile::Open(const std::string& path) { return Env::Current().MapFile(path); }
+
+std::shared_ptr<const MappedFile> MappedFile::OpenDirect(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) ThrowErrno("cannot open", path);
   struct stat st;
@@ -62,31 +64,29 @@ MappedFile::~MappedFile() {
   if (data_ && memory_.empty()) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
-AtomicFile::AtomicFile(std::string path, bool durable) : path_(std::move(path)), durable_(durable) {
+AtomicFile::AtomicFile(std::string path, bool durable)
+    : path_(std::move(path)), env_(Env::Current()), durable_(durable) {
   tmp_path_ = path_ + ".tmp." + std::to_string(::getpid());
-  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) ThrowErrno("cannot create", tmp_path_);
+  file_ = env_.NewWritableFile(tmp_path_);
   buf_.reserve(kBufferSize);
 }
 
 AtomicFile::~AtomicFile() {
-  if (fd_ >= 0) ::close(fd_);
-  if (!committed_) ::unlink(tmp_path_.c_str());
+  file_.reset();
+  if (committed_) return;
+  try {
+    env_.RemoveAll(tmp_path_);
+  } catch (const std::exception&) {
+    // The error that got us here is the one to report.
+  }
 }
 
 void AtomicFile::WriteRaw(const uint8_t* p, size_t n) {
+  if (!file_) throw IoError("cannot write " + tmp_path_ + ": already closed");
   while (n > 0) {
-    ssize_t w = ::write(fd_, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      ThrowErrno("cannot write", tmp_path_);
-    }
-    if (w == 0) {
-      errno = ENOSPC;
-      ThrowErrno("cannot write", tmp_path_);
-    }
+    size_t w = file_->Write({p, n});  // may be short; throws on error
     p += w;
-    n -= static_cast<size_t>(w);
+    n -= w;
   }
 }
 
@@ -111,22 +111,15 @@ void AtomicFile::Write(std::span<const uint8_t> data) {
 
 void AtomicFile::Commit() {
   Flush();
-  if (durable_ && ::fsync(fd_) != 0) ThrowErrno("cannot fsync", tmp_path_);
-  if (::close(fd_) != 0) {
-    fd_ = -1;
-    ThrowErrno("cannot close", tmp_path_);
-  }
-  fd_ = -1;
-  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) ThrowErrno("cannot rename " + tmp_path_ + " to", path_);
+  if (!file_) throw IoError("cannot commit " + path_ + ": already closed");
+  if (durable_) file_->Sync();
+  std::unique_ptr<WritableFile> f = std::move(file_);
+  f->Close();
+  env_.Rename(tmp_path_, path_);
   committed_ = true;
-  if (durable_) SyncDir(std::filesystem::path(path_).parent_path().string());
+  if (durable_) env_.SyncDir(std::filesystem::path(path_).parent_path().string());
 }
 
-void SyncDir(const std::string& dir) {
-  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // best effort: some filesystems refuse directory opens
-  ::fsync(fd);
-  ::close(fd);
-}
+void SyncDir(const std::string& dir) { Env::Current().SyncDir(dir); }
 
 }  // namespace uckpt

@@ -1,5 +1,6 @@
 // Files: read-only memory maps, and output files that appear under their final
-// name only once complete (write to a temporary name, fsync, rename).
+// name only once complete (write to a temporary name, fsync, rename). Both go
+// through the I/O seam (format/env.h).
 #pragma once
 
 #include <cstdint>
@@ -8,12 +9,16 @@
 #include <string>
 #include <vector>
 
+#include "format/env.h"
+
 namespace uckpt {
 
 class MappedFile {
  public:
-  // Maps `path` read-only. Throws IoError naming the path.
+  // Maps `path` read-only, through Env::Current(). Throws IoError naming the path.
   static std::shared_ptr<const MappedFile> Open(const std::string& path);
+  // The same without the Env (what the POSIX Env does).
+  static std::shared_ptr<const MappedFile> OpenDirect(const std::string& path);
   // Wraps bytes already in memory (tests, fuzzers); `name` stands for the path.
   static std::shared_ptr<const MappedFile> FromMemory(std::vector<uint8_t> data, std::string name);
   ~MappedFile();
@@ -31,8 +36,9 @@ class MappedFile {
   std::vector<uint8_t> memory_;  // FromMemory only
 };
 
-// Writes `path` through a temporary file beside it. Commit() flushes, fsyncs and
-// renames; destroying an uncommitted file removes the temporary.
+// Writes `path` through a temporary file beside it (`path`.tmp.<pid>), all
+// through the Env current at construction. Commit() flushes, fsyncs, renames
+// and fsyncs the folder; destroying an uncommitted file removes the temporary.
 class AtomicFile {
  public:
   // `durable`: fsync the file and its folder on Commit (off only for scratch
@@ -52,14 +58,15 @@ class AtomicFile {
   void Flush();
   void WriteRaw(const uint8_t* p, size_t n);
   std::string path_, tmp_path_;
-  int fd_ = -1;
+  Env& env_;
+  std::unique_ptr<WritableFile> file_;
   uint64_t offset_ = 0;
   std::vector<uint8_t> buf_;
   bool committed_ = false;
   bool durable_ = true;
 };
 
-// fsyncs a directory so a rename inside it is durable.
+// fsyncs a directory (through Env::Current()) so a rename inside it is durable.
 void SyncDir(const std::string& dir);
 
 }  // namespace uckpt

@@ -1,0 +1,191 @@
+#include "format/env.h"
+
+#include <fcntl.h>
+#include <stdio.h>  // renameat2
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "format/error.h"
+#include "format/file.h"
+
+namespace uckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path, int error = errno) {
+  throw IoError(what + " " + path + ": " + std::strerror(error));
+}
+
+class PosixWritableFile : public WritableFile {
+ public:
+  PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  ~PosixWritableFile() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  size_t Write(std::span<const uint8_t> data) override {
+    if (data.empty()) return 0;
+    for (;;) {
+      ssize_t w = ::write(fd_, data.data(), data.size());
+      if (w > 0) return static_cast<size_t>(w);
+      if (w < 0 && errno == EINTR) continue;
+      ThrowErrno("cannot write", path_, w == 0 ? ENOSPC : errno);
+    }
+  }
+
+  void Sync() override {
+    if (::fsync(fd_) != 0) ThrowErrno("cannot fsync", path_);
+  }
+
+  void Close() override {
+    if (fd_ < 0) return;
+    int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) ThrowErrno("cannot close", path_);
+  }
+
+  const std::string& path() const override { return path_; }
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
+class PosixEnv : public Env {
+ public:
+  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return MappedFile::OpenDirect(path); }
+
+  std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+    if (fd < 0) ThrowErrno("cannot create", path);
+    return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
+  uint64_t CopyFile(const std::string& from, const std::string& to) override {
+    int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
+    if (in < 0) ThrowErrno("cannot open", from);
+    struct stat st;
+    if (::fstat(in, &st) != 0) {
+      int e = errno;
+      ::close(in);
+      ThrowErrno("cannot stat", from, e);
+    }
+    int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, st.st_mode & 0777);
+    if (out < 0) {
+      int e = errno;
+      ::close(in);
+      ThrowErrno("cannot create", to, e);
+    }
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    uint64_t done = 0;
+    try {
+      std::vector<char> buf;
+      while (done < size) {
+        // The kernel copies (or reflinks) where it can; read/write otherwise.
+        ssize_t n = buf.empty() ? ::copy_file_range(in, nullptr, out, nullptr, size - done, 0) : -1;
+        if (n < 0 && (!buf.empty() || errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
+          if (buf.empty()) buf.resize(1 << 20);
+          ssize_t r = ::pread(in, buf.data(), buf.size(), static_cast<off_t>(done));
+          if (r < 0 && errno == EINTR) continue;
+          if (r < 0) ThrowErrno("cannot read", from);
+          if (r == 0) break;
+          for (ssize_t w = 0; w < r;) {
+            ssize_t k = ::pwrite(out, buf.data() + w, static_cast<size_t>(r - w), static_cast<off_t>(done + w));
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) ThrowErrno("cannot write", to, k == 0 ? ENOSPC : errno);
+            w += k;
+          }
+          n = r;
+        } else if (n < 0) {
+          if (errno == EINTR) continue;
+          ThrowErrno("cannot copy " + from + " to", to);
+        } else if (n == 0) {
+          break;
+        }
+        done += static_cast<uint64_t>(n);
+      }
+      if (done != size) throw IoError("cannot copy " + from + ": file shrank while copying");
+      struct timespec times[2] = {st.st_atim, st.st_mtim};
+      ::futimens(out, times);
+    } catch (...) {
+      ::close(in);
+      ::close(out);
+      throw;
+    }
+    ::close(in);
+    if (::close(out) != 0) ThrowErrno("cannot write", to);
+    return done;
+  }
+
+  void CreateDirs(const std::string& path) override {
+    std::error_code ec;
+    fs::create_directories(path, ec);
+    if (ec) throw IoError("cannot create " + path + ": " + ec.message());
+  }
+
+  void Rename(const std::string& from, const std::string& to) override {
+    if (::rename(from.c_str(), to.c_str()) != 0) ThrowErrno("cannot rename " + from + " to", to);
+  }
+
+  bool Exchange(const std::string& a, const std::string& b) override {
+    if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return true;
+    if (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) return false;
+    ThrowErrno("cannot exchange " + a + " and", b);
+  }
+
+  void RemoveAll(const std::string& path) override {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+    if (ec) throw IoError("cannot remove " + path + ": " + ec.message());
+  }
+
+  void SyncDir(const std::string& dir) override {
+    const std::string d = dir.empty() ? "." : dir;
+    int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return;  // best effort: some filesystems refuse directory opens
+    if (::fsync(fd) != 0 && errno != EINVAL) {  // EINVAL: the filesystem does not sync folders
+      int e = errno;
+      ::close(fd);
+      ThrowErrno("cannot fsync the folder", d, e);
+    }
+    ::close(fd);
+  }
+
+  void SyncFilesystem(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) ThrowErrno("cannot open", path);
+    if (::syncfs(fd) != 0) {
+      int e = errno;
+      ::close(fd);
+      ThrowErrno("cannot sync", path, e);
+    }
+    ::close(fd);
+  }
+};
+
+std::atomic<Env*> g_current{nullptr};
+
+}  // namespace
+
+Env& Env::Posix() {
+  static PosixEnv env;
+  return env;
+}
+
+Env& Env::Current() {
+  Env* e = g_current.load(std::memory_order_acquire);
+  return e ? *e : Posix();
+}
+
+ScopedEnv::ScopedEnv(Env& env) : previous_(g_current.exchange(&env)) {}
+
+ScopedEnv::~ScopedEnv() { g_current.store(previous_); }
+
+}  // namespace uckpt

@@ -1,0 +1,94 @@
+// The I/O seam. Every file uckpt creates, writes, syncs, renames or removes
+// for a checkpoint, and every file it maps for reading, goes through
+// Env::Current(): the POSIX implementation, unless a test (fault injection)
+// or the crash hook (src/format/fault_env.h) put another one in its place.
+// Errors are IoError naming the file and the system's reason.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+namespace uckpt {
+
+class MappedFile;
+
+// A file being written, as write(2): Write may take only a prefix of `data`.
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+  // Writes a prefix of `data` (at least one byte when `data` is not empty)
+  // and returns its length. Throws IoError naming the file.
+  virtual size_t Write(std::span<const uint8_t> data) = 0;
+  virtual void Sync() = 0;   // fsync
+  virtual void Close() = 0;  // the destructor closes too, ignoring errors
+  virtual const std::string& path() const = 0;
+};
+
+class Env {
+ public:
+  virtual ~Env() = default;
+
+  // The Env in use (process-wide). Thread-safe.
+  static Env& Current();
+  // The operating system's, which Current() is unless overridden.
+  static Env& Posix();
+
+  // Reading: the whole file mapped read-only.
+  virtual std::shared_ptr<const MappedFile> MapFile(const std::string& path) = 0;
+
+  // Writing. Each of these is a "write point" for the crash hook.
+  // Creates (or truncates) `path` for writing with permission bits `mode`.
+  virtual std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode = 0644) = 0;
+  // Copies a file's bytes, permission bits and times (as cp -p); returns the size.
+  virtual uint64_t CopyFile(const std::string& from, const std::string& to) = 0;
+  virtual void CreateDirs(const std::string& path) = 0;  // mkdir -p
+  virtual void Rename(const std::string& from, const std::string& to) = 0;
+  // Swaps two existing paths atomically (renameat2 RENAME_EXCHANGE); false,
+  // with nothing changed, where the filesystem cannot.
+  virtual bool Exchange(const std::string& a, const std::string& b) = 0;
+  virtual void RemoveAll(const std::string& path) = 0;  // a file or a tree; absent is fine
+  // fsync of a folder, so the names created or renamed in it are durable.
+  virtual void SyncDir(const std::string& dir) = 0;
+  // Flushes every file of the filesystem holding `path` (syncfs): one call
+  // instead of an fsync per file for folders of many files.
+  virtual void SyncFilesystem(const std::string& path) = 0;
+};
+
+// Forwards every call to `target`; override what you want to change.
+class EnvWrapper : public Env {
+ public:
+  explicit EnvWrapper(Env& target) : target_(target) {}
+  Env& target() const { return target_; }
+
+  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return target_.MapFile(path); }
+  std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {
+    return target_.NewWritableFile(path, mode);
+  }
+  uint64_t CopyFile(const std::string& from, const std::string& to) override { return target_.CopyFile(from, to); }
+  void CreateDirs(const std::string& path) override { target_.CreateDirs(path); }
+  void Rename(const std::string& from, const std::string& to) override { target_.Rename(from, to); }
+  bool Exchange(const std::string& a, const std::string& b) override { return target_.Exchange(a, b); }
+  void RemoveAll(const std::string& path) override { target_.RemoveAll(path); }
+  void SyncDir(const std::string& dir) override { target_.SyncDir(dir); }
+  void SyncFilesystem(const std::string& path) override { target_.SyncFilesystem(path); }
+
+ private:
+  Env& target_;
+};
+
+// Makes `env` the current Env for this object's lifetime (tests). Not nested
+// across threads: one override at a time.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(Env& env);
+  ~ScopedEnv();
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  Env* previous_;
+};
+
+}  // namespace uckpt
