@@ -22,6 +22,7 @@ struct ConvertOptions {
   int threads = 0;        // worker threads over parameters; 0: one per core
   bool force = false;     // replace an existing output folder
   bool durable = true;    // sync the output to disk before it is renamed into place
+  bool write_manifest = true;  // uckpt-manifest.json (ckpt/manifest.h); off only to benchmark its cost
   // Called after each parameter (from worker threads, one call at a time).
   std::function<void(const ConvertProgress&)> progress;
 };

@@ -191,8 +191,8 @@ void WriteConverted(AtomicFile& out, const Pieces& pieces, DType src, DType dst)
   }
 }
 
-Collector CollectZero(const std::string& folder) {
-  auto z = std::make_shared<ZeroCheckpoint>(OpenZeroCheckpoint(folder));
+Collector CollectZero(const std::string& folder, bool verify_hashes) {
+  auto z = std::make_shared<ZeroCheckpoint>(OpenZeroCheckpoint(folder, verify_hashes));
   Collector c;
   std::set<std::string> trainable;
   for (const auto& p : z->params) trainable.insert(p.name);
@@ -209,8 +209,8 @@ Collector CollectZero(const std::string& folder) {
   return c;
 }
 
-Collector CollectUniversal(const std::string& folder) {
-  auto u = std::make_shared<UniversalCheckpoint>(OpenUniversalCheckpoint(folder));
+Collector CollectUniversal(const std::string& folder, bool verify_hashes) {
+  auto u = std::make_shared<UniversalCheckpoint>(OpenUniversalCheckpoint(folder, verify_hashes));
   Collector c;
   std::set<std::string> trainable;
   for (const auto& g : u->groups)
@@ -246,13 +246,15 @@ Collector CollectUniversal(const std::string& folder) {
 
 }  // namespace
 
-ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& out_path, DType dtype) {
+ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& out_path, DType dtype,
+                              bool verify_hashes) {
   if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16)
     throw FormatError("export dtype must be float32, bfloat16 or float16, not " + std::string(DTypeName(dtype)));
   auto tag = ResolveTagFolder(checkpoint);
   if (!tag) throw FormatError(checkpoint + ": not a checkpoint folder");
   std::error_code ec;
-  Collector c = fs::is_directory(*tag + "/zero", ec) ? CollectUniversal(*tag) : CollectZero(*tag);
+  Collector c = fs::is_directory(*tag + "/zero", ec) ? CollectUniversal(*tag, verify_hashes)
+                                                          : CollectZero(*tag, verify_hashes);
 
   auto out_dtype = [&](DType src) { return DTypeIsFloating(src) ? dtype : src; };
   nlohmann::json header = nlohmann::json::object();

@@ -23,7 +23,11 @@ struct ExportStats {
 // rounding to nearest even), others unchanged. Tied parameters are written
 // once; `__metadata__` maps each alias to the name holding the data (as
 // safetensors' save_model does). Throws FormatError / IoError naming the file.
-ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& out, DType dtype = DType::kFloat32);
+// The output gets no manifest: a safetensors header already gives every
+// tensor's extent (docs/manifest-format.md). The input's manifest, if it has
+// one, is checked (sizes; hashes with `verify_hashes`).
+ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& out, DType dtype = DType::kFloat32,
+                              bool verify_hashes = false);
 
 // safetensors' name for a dtype ("F32", "BF16", ...); throws FormatError for
 // dtypes it has none for.

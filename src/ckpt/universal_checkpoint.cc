@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "ckpt/folder.h"
+#include "ckpt/manifest.h"
 #include "ckpt/values.h"
 #include "format/error.h"
 
@@ -12,9 +13,10 @@ namespace uckpt::ckpt {
 
 namespace fs = std::filesystem;
 
-UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in) {
+UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool verify_hashes) {
   UniversalCheckpoint u;
   u.folder = StripTrailingSlashes(folder_in);
+  CheckFolderAgainstManifest(u.folder, verify_hashes);
   std::error_code ec;
   if (!fs::is_directory(u.folder + "/zero", ec))
     throw FormatError(u.folder + ": no zero/ folder; not a universal checkpoint");

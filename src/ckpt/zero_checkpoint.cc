@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 
+#include "ckpt/manifest.h"
 #include "ckpt/values.h"
 #include "format/error.h"
 
@@ -525,7 +526,10 @@ int ParseZeroStage(const ValuePtr& v, const std::string& where) {
   Fail(where, "cannot read zero_stage (" + KindName(*v) + ")");
 }
 
-ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder) { return Opener(folder).Open(); }
+ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes) {
+  CheckFolderAgainstManifest(StripTrailingSlashes(folder), verify_hashes);
+  return Opener(folder).Open();
+}
 
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
   const std::string path = ckpt.optim[0].file->path();

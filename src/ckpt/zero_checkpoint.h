@@ -65,7 +65,9 @@ struct ZeroCheckpoint {
 // computes the plan. Throws FormatError naming the file for: missing or extra
 // rank files, mixed world sizes or steps, shapes that do not add up, corrupt
 // or truncated files, and unsupported layouts; IoError if files cannot be read.
-ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder);
+// A folder with a manifest (ckpt/manifest.h) is first checked against it:
+// sizes always, XXH64 hashes too with `verify_hashes`.
+ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes = false);
 
 // ZeroStageEnum as pickled (getattr(ZeroStageEnum, 'gradients'),
 // ZeroStageEnum(2) or an int): 1..3, or 0 when `v` is null (BF16_Optimizer).

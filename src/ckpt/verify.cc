@@ -1,0 +1,322 @@
+#include "ckpt/verify.h"
+
+#include <algorithm>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "ckpt/folder.h"
+#include "ckpt/universal_checkpoint.h"
+#include "ckpt/values.h"
+#include "ckpt/zero_checkpoint.h"
+#include "format/error.h"
+#include "format/torch_file.h"
+
+namespace uckpt::ckpt {
+
+namespace fs = std::filesystem;
+
+const char* FolderKindName(FolderKind k) {
+  switch (k) {
+    case FolderKind::kZero: return "zero";
+    case FolderKind::kUniversal: return "universal";
+    default: return "unknown";
+  }
+}
+
+size_t VerifyReport::problem_count() const {
+  size_t n = problems.size();
+  for (const auto& f : folders) n += f.problems.size();
+  return n;
+}
+
+namespace {
+
+// Splits "path/to/file.pt: what went wrong" (our errors name the file first)
+// into a problem; messages that do not start with a path under `folder` are
+// filed under `fallback`.
+ManifestProblem ProblemFromError(const std::string& message, const std::string& folder, const std::string& fallback) {
+  if (message.rfind(folder + "/", 0) == 0) {
+    size_t colon = message.find(": ");
+    if (colon != std::string::npos) return {message.substr(0, colon), message.substr(colon + 2)};
+  }
+  if (message.rfind(fallback + ": ", 0) == 0) return {fallback, message.substr(fallback.size() + 2)};
+  return {fallback, message};
+}
+
+FolderKind Classify(const std::string& folder) {
+  std::error_code ec;
+  if (fs::is_directory(folder + "/zero", ec)) return FolderKind::kUniversal;
+  for (const auto& f : ListCheckpointFolder(folder))
+    if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates)
+      return FolderKind::kZero;
+  return FolderKind::kUnknown;
+}
+
+uint64_t SizeOr0(const std::string& path) {
+  std::error_code ec;
+  uint64_t n = fs::file_size(path, ec);
+  return ec ? 0 : n;
+}
+
+// Runs job(i), i in [0, n), on `threads` threads; job must not throw.
+template <typename Job>
+void ParallelFor(size_t n, int threads, Job job) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next++) < n;) job(i);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads && static_cast<size_t>(t) < n; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+}
+
+int Threads(int requested) {
+  return requested > 0 ? requested : static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+}
+
+// Checks one folder's structure without a manifest's help (or after it).
+class StructureCheck {
+ public:
+  StructureCheck(FolderVerdict& v, const VerifyOptions& o, bool read_contents)
+      : v_(v), o_(o), read_contents_(read_contents) {}
+
+  void Run() {
+    try {
+      if (v_.kind == FolderKind::kZero) Zero();
+      if (v_.kind == FolderKind::kUniversal) Universal();
+    } catch (const std::exception& e) {
+      Add(ProblemFromError(e.what(), v_.folder, v_.folder));
+    }
+  }
+
+ private:
+  void Add(ManifestProblem p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    v_.problems.push_back(std::move(p));
+  }
+
+  // Parses `path` (checking its records' CRC-32s when reading contents);
+  // a problem and nullopt if that fails.
+  std::optional<TorchFile> Parse(const std::string& path) {
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(path, ec))) {
+      Add({path, "missing"});
+      return std::nullopt;
+    }
+    const uint64_t size = SizeOr0(path);
+    if (read_contents_ && o_.progress) o_.progress->bytes_total += size;
+    try {
+      LoadOptions lo;
+      lo.verify_crc = read_contents_;
+      TorchFile f = LoadTorchFile(path, lo);
+      Count(size);
+      return f;
+    } catch (const std::exception& e) {
+      Count(size);
+      Add(ProblemFromError(e.what(), v_.folder, path));
+      return std::nullopt;
+    }
+  }
+
+  void Count(uint64_t size) {
+    if (read_contents_ && o_.progress) o_.progress->bytes_done += size;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!counting_) return;
+    v_.files += 1;
+    v_.bytes += size;
+  }
+
+  // Every checkpoint file parses; then the folder opens as a whole, which
+  // checks rank files (missing, extra, mixed sizes or steps) and that every
+  // partition has the size its parameters need.
+  void Zero() {
+    std::vector<CheckpointFile> files;
+    for (auto& f : ListCheckpointFolder(v_.folder))
+      if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates)
+        files.push_back(std::move(f));
+    const size_t before = v_.problems.size();
+    ParallelFor(files.size(), Threads(o_.threads), [&](size_t i) { Parse(files[i].path); });
+    if (v_.problems.size() > before) return;  // opening would only repeat the first of them
+    OpenZeroCheckpoint(v_.folder);
+  }
+
+  // The copied model states parse and give the parameters; each has its
+  // fp32 file and the optimizer's per-element states (those of the first
+  // parameter, as DeepSpeed's loader assumes), each holding a tensor of the
+  // parameter's size; zero/optimizer_state.pt parses; zero/ holds no folder
+  // that is not a parameter.
+  void Universal() {
+    for (const auto& f : ListCheckpointFolder(v_.folder))
+      if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates)
+        if (!Parse(f.path)) return;
+    UniversalCheckpoint u = OpenUniversalCheckpoint(v_.folder);
+    Parse(v_.folder + "/zero/optimizer_state.pt");
+    std::vector<std::string> keys = {"fp32"};
+    keys.insert(keys.end(), u.state_keys.begin(), u.state_keys.end());
+    struct Job {
+      const UniversalParam* param;
+      std::string key;
+    };
+    std::vector<Job> jobs;
+    std::set<std::string> names;
+    for (const auto& g : u.groups)
+      for (const auto& p : g) {
+        names.insert(p.name);
+        for (const auto& k : keys) jobs.push_back({&p, k});
+        if (u.has_step) jobs.push_back({&p, "step"});
+      }
+    ParallelFor(jobs.size(), Threads(o_.threads), [&](size_t i) {
+      const Job& j = jobs[i];
+      const std::string path = v_.folder + "/zero/" + j.param->name + "/" + j.key + ".pt";
+      std::optional<TorchFile> f = Parse(path);
+      if (!f || j.key == "step") return;
+      try {
+        ValuePtr v = f->root;
+        if (v && v->is_dict()) v = Need(v, "param", path);
+        const Tensor& t = AsTensor(v, path);
+        if (t.numel() != j.param->numel)
+          Add({path, "has " + std::to_string(t.numel()) + " elements, param_shapes gives " + j.param->name +
+                         " the shape " + ShapeText(j.param->shape)});
+        else
+          TensorBytes(t, path);  // its storage holds all of them
+      } catch (const std::exception& e) {
+        Add(ProblemFromError(e.what(), v_.folder, path));
+      }
+    });
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(v_.folder + "/zero", ec))
+      if (e.is_directory(ec) && !names.count(e.path().filename().string()))
+        Add({e.path().string(), "is a folder of a parameter that param_shapes does not list"});
+  }
+
+  FolderVerdict& v_;
+  const VerifyOptions& o_;
+  bool read_contents_;
+  std::mutex mu_;
+
+ public:
+  bool counting_ = true;  // count parsed files in the verdict (not when a manifest already did)
+};
+
+FolderVerdict VerifyFolder(const std::string& folder, FolderKind kind, const VerifyOptions& o) {
+  FolderVerdict v;
+  v.folder = folder;
+  v.kind = kind;
+  v.manifest = HasManifest(folder);
+  bool contents_checked = false;
+  if (v.manifest) {
+    if (o.progress) {
+      try {
+        for (const auto& e : ReadManifest(folder).files) o.progress->bytes_total += e.size;
+      } catch (const std::exception&) {
+        // CheckManifest reports it.
+      }
+    }
+    ManifestCheckOptions mo;
+    mo.hashes = o.hashes;
+    mo.threads = o.threads;
+    mo.progress = o.progress ? &o.progress->bytes_done : nullptr;
+    ManifestCheck c = CheckManifest(folder, mo);
+    v.files = c.files;
+    v.bytes = c.bytes;
+    v.problems = std::move(c.problems);
+    // A folder that does not match its manifest is already condemned, file
+    // by file; parsing it would mostly repeat the same problems.
+    if (!v.problems.empty()) return v;
+    contents_checked = o.hashes;
+  }
+  // Structure: with a matching manifest whose hashes were compared, the
+  // files' CRC-32s need not be read again.
+  StructureCheck s(v, o, o.hashes && !contents_checked);
+  s.counting_ = !v.manifest;
+  s.Run();
+  std::stable_sort(v.problems.begin(), v.problems.end(), [](const auto& a, const auto& b) { return a.file < b.file; });
+  return v;
+}
+
+std::optional<std::string> ReadTagFile(const std::string& path, std::string* problem) {
+  std::ifstream in(path);
+  if (!in) {
+    *problem = "cannot be read";
+    return std::nullopt;
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string tag = ss.str();
+  size_t b = tag.find_first_not_of(" \t\r\n"), e = tag.find_last_not_of(" \t\r\n");
+  if (b == std::string::npos) {
+    *problem = "is empty";
+    return std::nullopt;
+  }
+  return tag.substr(b, e - b + 1);
+}
+
+}  // namespace
+
+VerifyReport VerifyCheckpoint(const std::string& path_in, const VerifyOptions& options) {
+  VerifyReport r;
+  r.path = StripTrailingSlashes(path_in);
+  r.hashes = options.hashes;
+  std::error_code ec;
+  if (!fs::is_directory(r.path, ec)) throw IoError(r.path + ": no such folder");
+  auto run = [&](const std::string& folder, FolderKind kind) {
+    r.folders.push_back(VerifyFolder(folder, kind, options));
+    if (options.progress) options.progress->folders_done += 1;
+  };
+  FolderKind kind = Classify(r.path);
+  if (kind != FolderKind::kUnknown) {
+    if (options.progress) options.progress->folders_total = 1;
+    run(r.path, kind);
+    return r;
+  }
+
+  // A checkpoint root: every checkpoint folder directly inside.
+  std::vector<std::pair<std::string, FolderKind>> found;
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(r.path, ec)) {
+    if (!e.is_directory(ec)) continue;
+    names.push_back(e.path().filename().string());
+  }
+  if (ec) throw IoError("cannot read folder " + r.path + ": " + ec.message());
+  std::sort(names.begin(), names.end());
+  std::set<std::string> checkpoints;
+  for (const auto& name : names) {
+    const std::string folder = r.path + "/" + name;
+    FolderKind k = Classify(folder);
+    if (k == FolderKind::kUnknown) continue;
+    if (name[0] == '.') {
+      r.notes.push_back(folder + ": skipped (a temporary folder of an interrupted save or conversion; "
+                        "uckpt never loads it)");
+      continue;
+    }
+    found.emplace_back(folder, k);
+    checkpoints.insert(name);
+  }
+  bool has_latest = false;
+  for (const char* tag_file : {"latest", "latest_universal"}) {
+    const std::string p = r.path + "/" + tag_file;
+    if (!fs::exists(fs::symlink_status(p, ec))) continue;
+    has_latest = true;
+    std::string problem;
+    auto tag = ReadTagFile(p, &problem);
+    if (!tag) {
+      r.problems.push_back({p, problem});
+    } else if (!checkpoints.count(*tag)) {
+      r.problems.push_back({p, "names '" + *tag + "', which is not a checkpoint folder in " + r.path});
+    }
+  }
+  if (found.empty() && !has_latest)
+    throw FormatError(r.path + ": not a checkpoint (no model/optimizer states, no zero/ folder, no latest file, no "
+                      "checkpoint folders inside)");
+  if (options.progress) options.progress->folders_total = found.size();
+  for (const auto& [folder, k] : found) run(folder, k);
+  return r;
+}
+
+}  // namespace uckpt::ckpt
