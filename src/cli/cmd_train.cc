@@ -24,7 +24,7 @@ Runner AddTrain(CLI::App& app) {
     std::string config;
     std::optional<int64_t> train_batch_size, micro, ga;
     std::optional<int> zero_stage;
-    std::optional<double> lr, clip;
+    std::optional<double> lr, clip, heartbeat_interval, heartbeat_timeout;
     bool bf16 = false, fp16 = false;
     train::TrainOptions o;
     bool no_load_optimizer_states = false;
@@ -71,6 +71,11 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "Intra-op threads per rank (0: libtorch's default)");
   cmd->add_option("--timeout", a->timeout_s, "Seconds a rendezvous or collective may take before the job fails")
       ->capture_default_str();
+  cmd->add_option("--heartbeat_interval", a->heartbeat_interval,
+                  "Seconds between a rank's heartbeats (default 1; config: heartbeat.interval)");
+  cmd->add_option("--heartbeat_timeout", a->heartbeat_timeout,
+                  "A rank silent this long is dead and every other rank exits naming it (default 20;\n"
+                  "config: heartbeat.timeout; 0 = off, then only --timeout ends a stuck job)");
   cmd->add_flag("!--no_progress", o.progress, "No progress line on a terminal");
 
   return [a] {
@@ -88,17 +93,25 @@ Runner AddTrain(CLI::App& app) {
     if (a->fp16) raw["fp16"]["enabled"] = true;
     o.config = train::ParseConfig(raw, a->config.empty() ? "command line" : a->config);
     o.load_optimizer_states = !a->no_load_optimizer_states;
+    // Not training state: kept out of the saved ds_config.
+    if (a->heartbeat_interval) o.config.heartbeat_interval_s = *a->heartbeat_interval;
+    if (a->heartbeat_timeout) o.config.heartbeat_timeout_s = *a->heartbeat_timeout;
     if (a->threads > 0) at::set_num_threads(a->threads);
 
     auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
     auto env = train::DistEnv::FromEnvironment();
+    const train::HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
+    heartbeat.Validate();
     if (env) o.local_rank = env->local_rank;
-    std::unique_ptr<train::Comm> comm = env && env->world_size > 1
-                                            ? train::ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda")
-                                            : train::MakeSingleProcessComm();
+    std::unique_ptr<train::Comm> comm =
+        env && env->world_size > 1 ? train::ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
+                                   : train::MakeSingleProcessComm();
     try {
-      return train::RunTraining(*comm, o);
+      int code = train::RunTraining(*comm, o);
+      comm->Finish();
+      return code;
     } catch (const std::exception& e) {
+      comm->Abandon(e.what());  // the other ranks exit at once, naming this one
       // Name the rank: with several, every message would otherwise look alike.
       if (comm->world_size() > 1) throw std::runtime_error("rank " + std::to_string(comm->rank()) + ": " + e.what());
       throw;

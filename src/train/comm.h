@@ -38,6 +38,24 @@ class Comm {
   virtual void AllGather(const at::Tensor& in, at::Tensor& out) = 0;
   virtual void Broadcast(at::Tensor& t, int root) = 0;
   virtual void Barrier() = 0;
+
+  // Failing ranks (RankMonitor; no-ops without one). What this rank is doing
+  // now, named if the job fails ("step 7", "saving global_step6").
+  virtual void SetActivity(std::string /*activity*/) {}
+  // This rank is leaving with an error: tell the others, so they exit at once naming it.
+  virtual void Abandon(const std::string& /*why*/) {}
+  // The job ended cleanly on this rank (no more collectives).
+  virtual void Finish() {}
+};
+
+// Heartbeats between ranks (see rank_monitor.h): a rank whose heartbeat is
+// `timeout_s` old is dead and the others exit naming it.
+struct HeartbeatSettings {
+  double interval_s = 1.0;  // how often each rank beats and polls
+  double timeout_s = 20.0;  // 0 turns the monitor off
+  bool enabled() const { return timeout_s > 0; }
+  // Throws std::invalid_argument unless 0 < interval <= timeout / 2 (or off).
+  void Validate() const;
 };
 
 std::unique_ptr<Comm> MakeSingleProcessComm();
@@ -55,7 +73,10 @@ struct DistEnv {
 // Rendezvous through a TCPStore on master_addr:master_port (rank 0 serves it)
 // and a Gloo (CPU) or NCCL (CUDA) process group. `timeout` bounds the
 // rendezvous and every collective, so a dead rank ends the job with CommError
-// instead of a hang.
-std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds timeout, bool cuda);
+// instead of a hang. With `heartbeat` enabled a RankMonitor watches the ranks
+// and ends this process (naming the dead rank) well before that; it is off by
+// default because it exits the whole process (wrong for ranks on threads).
+std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds timeout, bool cuda,
+                                  const HeartbeatSettings& heartbeat = HeartbeatSettings{1.0, 0.0});
 
 }  // namespace uckpt::train

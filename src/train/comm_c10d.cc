@@ -23,6 +23,7 @@
 #include <cstdlib>
 
 #include "train/comm.h"
+#include "train/rank_monitor.h"
 
 namespace uckpt::train {
 namespace {
@@ -78,6 +79,17 @@ class C10dComm : public Comm {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   std::string backend() const override { return backend_; }
+
+  void Watch(std::unique_ptr<RankMonitor> monitor) { monitor_ = std::move(monitor); }
+  void SetActivity(std::string activity) override {
+    if (monitor_) monitor_->SetActivity(std::move(activity));
+  }
+  void Abandon(const std::string& why) override {
+    if (monitor_) monitor_->Abandon(why);
+  }
+  void Finish() override {
+    if (monitor_) monitor_->Finish();
+  }
 
   void AllReduceSum(at::Tensor& t) override {
     OnDevice(device_, {&t}, [&] { AllReduce(t, c10d::ReduceOp::SUM, "all-reduce"); });
@@ -149,11 +161,18 @@ class C10dComm : public Comm {
 
   template <typename F>
   void Run(const char* what, F&& start) {
+    if (monitor_) monitor_->EnterCollective(what);
     try {
       auto work = start();
       work->wait(timeout_);
+      if (monitor_) monitor_->LeaveCollective();
     } catch (const std::exception& e) {
       const std::string msg = Brief(e);
+      // Usually a peer died: the monitor names it and ends the process.
+      if (monitor_) {
+        monitor_->AfterCommError();
+        monitor_->LeaveCollective();
+      }
       throw CommError("rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ": " + what + " over " +
                       backend_ + " failed (another rank probably exited or timed out): " + msg);
     }
@@ -165,12 +184,38 @@ class C10dComm : public Comm {
   std::string backend_;
   std::chrono::milliseconds timeout_;
   at::Device device_;  // where this backend needs its tensors
+  std::unique_ptr<RankMonitor> monitor_;  // destroyed first: it may call into pg_
 };
+
+// The monitor's own store client (a second connection to rank 0's TCPStore),
+// and, where the backend can, a communicator abort before the process exits.
+template <typename PG>
+std::unique_ptr<Comm> Monitored(std::unique_ptr<C10dComm<PG>> comm, c10::intrusive_ptr<PG> pg, const DistEnv& env,
+                                const HeartbeatSettings& hs) {
+  if (!hs.enabled()) return comm;
+  const std::string addr = env.master_addr;
+  const auto port = static_cast<std::uint16_t>(env.master_port);
+  auto connect = [addr, port](std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Store> {
+    c10d::TCPStoreOptions so;
+    so.port = port;
+    so.isServer = false;
+    so.waitWorkers = false;  // numWorkers unset: not part of the rendezvous count
+    so.timeout = timeout;
+    return c10::make_intrusive<c10d::TCPStore>(addr, so);
+  };
+  auto monitor = std::make_unique<RankMonitor>(connect, env.rank, env.world_size, hs,
+                                               addr + ":" + std::to_string(env.master_port));
+  if constexpr (requires(PG& p) { p.abort(); }) monitor->SetAbortHook([pg] { pg->abort(); });
+  comm->Watch(std::move(monitor));
+  return comm;
+}
 
 
 }  // namespace
 
-std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds timeout, bool cuda) {
+std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds timeout, bool cuda,
+                                  const HeartbeatSettings& heartbeat) {
+  heartbeat.Validate();
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
@@ -189,9 +234,10 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout;
     auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, opts);
-    return std::make_unique<C10dComm<c10d::ProcessGroupNCCL>>(
-        store, pg, env.rank, env.world_size, "nccl", timeout,
-        at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank)));
+    return Monitored(std::make_unique<C10dComm<c10d::ProcessGroupNCCL>>(
+                         store, pg, env.rank, env.world_size, "nccl", timeout,
+                         at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))),
+                     pg, env, heartbeat);
 #else
     throw CommError("this uckpt was built without NCCL; CUDA training across processes needs it");
 #endif
@@ -205,16 +251,18 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
   } else {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
   try {
-    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
-    return std::make_unique<C10dComm<c10d::ProcessGroupGloo>>(store, pg, env.rank, env.world_size, "gloo", timeout,
-                                                              at::Device(at::kCPU));
+    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
                     ": connecting the Gloo process group through " + env.master_addr + ":" +
                     std::to_string(env.master_port) + " failed within " + std::to_string(timeout.count() / 1000) +
                     " s (did every rank start?): " + Brief(e));
   }
+  return Monitored(std::make_unique<C10dComm<c10d::ProcessGroupGloo>>(store, pg, env.rank, env.world_size, "gloo",
+                                                                      timeout, at::Device(at::kCPU)),
+                   pg, env, heartbeat);
 #else
   throw CommError("this uckpt was built without Gloo (its libtorch has no Gloo headers); use CUDA with NCCL");
 #endif

@@ -194,6 +194,10 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
                  "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
                  "cpu_offload"});
     }
+    if (auto s = top.Sub("heartbeat")) {
+      s->Double("interval", c.heartbeat_interval_s);
+      s->Double("timeout", c.heartbeat_timeout_s);
+    }
     if (auto s = top.Sub("checkpoint")) {
       s->Bool("load_universal", c.load_universal);
       s->Ignore({"tag_validation", "use_node_local_storage", "parallel_write"});

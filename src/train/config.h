@@ -67,6 +67,9 @@ struct TrainConfig {
   bool bf16 = false;
   ZeroConfig zero;
   bool load_universal = false;
+  // uckpt's own section "heartbeat": {"interval": s, "timeout": s}: failing
+  // ranks end the job (train/rank_monitor.h); timeout 0 turns it off.
+  double heartbeat_interval_s = 1.0, heartbeat_timeout_s = 20.0;
 
   nlohmann::json raw = nlohmann::json::object();  // the JSON as given (saved as ds_config)
   std::vector<std::string> warnings;              // unknown keys, ignored settings

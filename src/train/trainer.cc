@@ -89,6 +89,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options)
 StepMetrics Trainer::TrainStep() {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t step = counters_.global_steps + 1;
+  comm_.SetActivity("step " + std::to_string(step));  // named if a rank fails now
   const int64_t ga = batch_.gradient_accumulation_steps, mb = batch_.micro_batch, T = opt_.seq_len;
   const double lr = schedule_.current_lr();
 
@@ -138,6 +139,7 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     if (rank0) std::cerr << "uckpt train: warning: " << tag_file << " does not exist; starting from step 1\n";
   } else if (o.resume) {
     if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint_dir");
+    comm.SetActivity("loading a checkpoint from " + o.checkpoint_dir);
     trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, universal);
   }
   std::unique_ptr<MetricsLog> log;
@@ -154,7 +156,9 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   const bool tty = rank0 && o.progress && isatty(fileno(stderr));
   auto save = [&] {
     if (o.checkpoint_dir.empty()) return;
-    trainer.SaveCheckpoint(o.checkpoint_dir, "global_step" + std::to_string(trainer.counters().global_steps));
+    const std::string tag = "global_step" + std::to_string(trainer.counters().global_steps);
+    comm.SetActivity("saving checkpoint " + tag);
+    trainer.SaveCheckpoint(o.checkpoint_dir, tag);
   };
   int64_t last_saved = trainer.counters().global_steps;  // nothing new to save yet
   while (trainer.counters().global_steps < o.steps) {
