@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "ckpt/torch_out.h"
+#include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
 
@@ -25,10 +26,6 @@ namespace uckpt::ckpt {
 namespace fs = std::filesystem;
 
 namespace {
-
-[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
-  throw IoError(what + " " + path + ": " + std::strerror(errno));
-}
 
 // Drops the pages around `data` (inside the mapped file `file`) from this
 // process's page tables once they have been copied, so the resident set stays
@@ -48,58 +45,6 @@ void ReleasePages(std::span<const uint8_t> data, std::span<const uint8_t> file) 
   e = (hi - e > kMargin ? e + kMargin : hi);
   e = (e + page - 1) & ~(page - 1);
   ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
-}
-
-// Byte copy of a model-states file (as shutil.copy2: data, mode, times).
-uint64_t CopyFile(const std::string& from, const std::string& to) {
-  int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
-  if (in < 0) ThrowErrno("cannot open", from);
-  struct stat st;
-  if (::fstat(in, &st) != 0) {
-    ::close(in);
-    ThrowErrno("cannot stat", from);
-  }
-  int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, st.st_mode & 0777);
-  if (out < 0) {
-    ::close(in);
-    ThrowErrno("cannot create", to);
-  }
-  uint64_t done = 0;
-  try {
-    std::vector<char> buf;
-    while (done < static_cast<uint64_t>(st.st_size)) {
-      ssize_t n = ::copy_file_range(in, nullptr, out, nullptr, static_cast<size_t>(st.st_size) - done, 0);
-      if (n < 0 && (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
-        // Fall back to read/write.
-        if (buf.empty()) buf.resize(1 << 20);
-        ssize_t r = ::pread(in, buf.data(), buf.size(), static_cast<off_t>(done));
-        if (r < 0) ThrowErrno("cannot read", from);
-        if (r == 0) break;
-        for (ssize_t w = 0; w < r;) {
-          ssize_t k = ::pwrite(out, buf.data() + w, static_cast<size_t>(r - w), static_cast<off_t>(done + w));
-          if (k < 0) ThrowErrno("cannot write", to);
-          w += k;
-        }
-        n = r;
-      } else if (n < 0) {
-        if (errno == EINTR) continue;
-        ThrowErrno("cannot write", to);
-      } else if (n == 0) {
-        break;
-      }
-      done += static_cast<uint64_t>(n);
-    }
-    if (done != static_cast<uint64_t>(st.st_size)) throw IoError("cannot copy " + from + ": file shrank while copying");
-    struct timespec times[2] = {st.st_atim, st.st_mtim};
-    ::futimens(out, times);
-  } catch (...) {
-    ::close(in);
-    ::close(out);
-    throw;
-  }
-  ::close(in);
-  if (::close(out) != 0) ThrowErrno("cannot write", to);
-  return done;
 }
 
 // The dict DeepSpeed writes for stage 1/2 states: {'cat_dim': 0, 'param': tensor}.
@@ -140,15 +85,19 @@ class Converter {
     base_ = out.filename().string();
     if (base_.empty() || base_ == "." || base_ == "..") throw IoError(output_ + ": not a usable output folder name");
     tmp_ = (fs::path(parent_) / ("." + base_ + ".uckpt-tmp-" + RandomSuffix())).string();
-    if (!fs::create_directories(fs::path(tmp_) / "zero", ec))
-      throw IoError("cannot create " + tmp_ + "/zero: " + ec.message());
+    if (fs::exists(tmp_, ec)) throw IoError(tmp_ + " already exists");
     try {
+      env_.CreateDirs(tmp_ + "/zero");
       WriteParams();
       WriteOptimizerState();
       CopyModelFiles();
       Publish();
     } catch (...) {
-      fs::remove_all(tmp_, ec);
+      try {
+        env_.RemoveAll(tmp_);
+      } catch (const std::exception&) {
+        // The first error is the one to report.
+      }
       throw;
     }
     return stats_;
@@ -163,11 +112,7 @@ class Converter {
   void WriteParams() {
     // Parameter folders first (cheap, serial), then the data in parallel,
     // largest first so the long copies do not end up last.
-    for (const auto& p : ckpt_.params) {
-      std::error_code ec;
-      fs::create_directory(fs::path(tmp_) / "zero" / p.name, ec);
-      if (ec) throw IoError("cannot create " + tmp_ + "/zero/" + p.name + ": " + ec.message());
-    }
+    for (const auto& p : ckpt_.params) env_.CreateDirs(tmp_ + "/zero/" + p.name);
     std::vector<size_t> order(ckpt_.params.size());
     std::iota(order.begin(), order.end(), size_t{0});
     std::stable_sort(order.begin(), order.end(),
@@ -242,7 +187,7 @@ class Converter {
 
   void CopyModelFiles() {
     for (const auto& f : ckpt_.model_files) {
-      uint64_t n = CopyFile(f.path, tmp_ + "/" + f.name);
+      uint64_t n = env_.CopyFile(f.path, tmp_ + "/" + f.name);  // as shutil.copy2: data, mode, times
       stats_.bytes_read += n;
       stats_.bytes_written += n;
       stats_.files += 1;
@@ -250,33 +195,33 @@ class Converter {
   }
 
   // Makes the finished folder durable, renames it into place (replacing an
-  // old output only now, with --force) and writes latest_universal.
+  // old output only now, with --force: swapped atomically where the
+  // filesystem can, so a name that latest_universal holds always names a
+  // complete folder) and writes latest_universal.
   void Publish() {
-    if (options_.durable) {
-      int fd = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-      if (fd >= 0) {
-        if (::syncfs(fd) != 0) {
-          int e = errno;
-          ::close(fd);
-          errno = e;
-          ThrowErrno("cannot sync", tmp_);
-        }
-        ::close(fd);
-      }
-    }
+    if (options_.durable) env_.SyncFilesystem(tmp_);  // every file, not an fsync each
     std::error_code ec;
-    std::string old;
     if (fs::exists(output_, ec)) {
-      old = (fs::path(parent_) / ("." + base_ + ".uckpt-old-" + RandomSuffix())).string();
-      if (::rename(output_.c_str(), old.c_str()) != 0) ThrowErrno("cannot move aside", output_);
+      if (env_.Exchange(tmp_, output_)) {
+        env_.RemoveAll(tmp_);  // now the old output
+      } else {
+        const std::string old = (fs::path(parent_) / ("." + base_ + ".uckpt-old-" + RandomSuffix())).string();
+        env_.Rename(output_, old);
+        try {
+          env_.Rename(tmp_, output_);
+        } catch (...) {
+          try {
+            env_.Rename(old, output_);
+          } catch (const std::exception&) {
+          }
+          throw;
+        }
+        env_.RemoveAll(old);
+      }
+    } else {
+      env_.Rename(tmp_, output_);
     }
-    if (::rename(tmp_.c_str(), output_.c_str()) != 0) {
-      int e = errno;
-      if (!old.empty()) ::rename(old.c_str(), output_.c_str());
-      errno = e;
-      ThrowErrno("cannot rename " + tmp_ + " to", output_);
-    }
-    if (!old.empty()) fs::remove_all(old, ec);
+    if (options_.durable) env_.SyncDir(parent_);
     // DeepSpeed writes this beside the output (into it when the output path
     // ends with '/', a bug we do not reproduce).
     AtomicFile latest(parent_ + "/latest_universal", options_.durable);
@@ -286,6 +231,7 @@ class Converter {
   }
 
   const ZeroCheckpoint& ckpt_;
+  Env& env_ = Env::Current();
   std::string output_, parent_, base_, tmp_;
   ConvertOptions options_;
   TorchWriteOptions release_;
