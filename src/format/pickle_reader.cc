@@ -1,5 +1,6 @@
 #include "format/pickle_reader.h"
 
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -7,6 +8,7 @@
 #include <unordered_set>
 
 #include "format/error.h"
+#include "format/strict_globals.h"
 
 namespace uckpt {
 namespace {
@@ -125,8 +127,8 @@ ValuePtr IntFromDecimal(std::string text, size_t max_bytes) {
 class Machine {
  public:
   Machine(std::span<const uint8_t> data, const std::string& where, const PersistentLoader& load,
-          const PickleLimits& limits)
-      : data_(data), where_(where), load_(load), limits_(limits) {}
+          const PickleLimits& limits, PicklePolicy policy)
+      : data_(data), where_(where), load_(load), limits_(limits), strict_(policy == PicklePolicy::kStrict) {}
 
   ~Machine() {
     // Values left out of the result (all of them on failure) may hold cycles
@@ -220,6 +222,8 @@ class Machine {
   }
 
   ValuePtr MakeGlobal(std::string module, std::string name);
+  void CheckStrictGetattr(const ValuePtr& args);
+  void CheckStrictResult();
   ValuePtr Call(const ValuePtr& callable, const ValuePtr& args);
   ValuePtr RebuildTensor(const std::string& fn, const std::vector<ValuePtr>& a);
   void SetItem(Value& target, ValuePtr key, ValuePtr value);
@@ -231,6 +235,7 @@ class Machine {
   const std::string& where_;
   const PersistentLoader& load_;
   const PickleLimits& limits_;
+  const bool strict_;
   size_t pos_ = 0, op_pos_ = 0;
   std::vector<ValuePtr> stack_;
   std::vector<size_t> marks_;
@@ -242,8 +247,15 @@ class Machine {
   std::unordered_set<const Value*> reachable_;  // from the result, filled by CheckShape
 };
 
+constexpr const char* kStrictWhy = "(not a tensor, container or DeepSpeed class; see docs/security.md)";
+
 ValuePtr Machine::MakeGlobal(std::string module, std::string name) {
-  auto [m, n] = RenameGlobal(std::move(module), std::move(name));
+  auto [m, n] = RenameGlobal(module, name);
+  if (strict_ && !(m == "builtins" && n == "getattr") && !StrictAllowsGlobal(m + "." + n)) {
+    std::string as_written = module + "." + name;
+    Fail("strict mode refuses global " + m + "." + n +
+         (as_written != m + "." + n ? " (written " + as_written + ")" : "") + " " + kStrictWhy);
+  }
   if (m == "torch") {
     if (auto d = DTypeFromName(n)) return Value::Dtype(*d);
   }
@@ -371,6 +383,7 @@ ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
   const std::string mod = callable->module(), fn = callable->name();
   const auto& a = args->items;
   auto opaque = [&] { return Value::Object(path, args, false); };
+  if (strict_ && path == "builtins.getattr") CheckStrictGetattr(args);
 
   if (mod == "torch._utils") {
     if (fn == "_rebuild_tensor_v2" || fn == "_rebuild_tensor_v3" || fn == "_rebuild_tensor") return RebuildTensor(fn, a);
@@ -468,6 +481,26 @@ ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
   return opaque();
 }
 
+// Strict mode takes getattr only as getattr(ZeroStageEnum, member).
+void Machine::CheckStrictGetattr(const ValuePtr& args) {
+  const auto& a = args->items;
+  if (a.size() == 2 && a[0]->kind == Kind::kGlobal && a[1]->kind == Kind::kStr &&
+      StrictAllowsGetattr(a[0]->s, a[1]->s))
+    return;
+  std::string what = "builtins.getattr";
+  if (a.size() == 2 && a[0]->kind == Kind::kGlobal && a[1]->kind == Kind::kStr)
+    what += "(" + a[0]->s + ", '" + a[1]->s.substr(0, 64) + "')";
+  Fail("strict mode refuses global " + what + " (getattr is only accepted as getattr(ZeroStageEnum, member))");
+}
+
+// A getattr that was never called (kept as a value, or memoized and fetched
+// into the result) is refused too: only its one checked call is data.
+void Machine::CheckStrictResult() {
+  for (const Value* v : reachable_)
+    if (v->kind == Kind::kGlobal && v->s == "builtins.getattr")
+      Fail("strict mode refuses global builtins.getattr outside a getattr(ZeroStageEnum, member) call");
+}
+
 void Machine::CheckShape() {
   // Iterative depth-first walk: rejects cycles and nesting beyond the limit,
   // so that every later recursive walk of the tree is safe.
@@ -528,6 +561,7 @@ ValuePtr Machine::Run() {
         ValuePtr result = Pop();
         stack_.assign(1, result);
         CheckShape();
+        if (strict_) CheckStrictResult();
         done_ = true;
         return result;
       }
@@ -756,6 +790,7 @@ ValuePtr Machine::Run() {
         auto args = Pop();
         auto cls = Pop();
         if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple) Fail("NEWOBJ needs a class and a tuple");
+        if (strict_ && cls->s == "builtins.getattr") CheckStrictGetattr(Value::Tuple());
         Push(Value::Object(cls->s, args, true));
         break;
       }
@@ -763,6 +798,7 @@ ValuePtr Machine::Run() {
         auto kwargs = Pop(), args = Pop(), cls = Pop();
         if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple || !kwargs->is_dict())
           Fail("NEWOBJ_EX needs a class, a tuple and a dict");
+        if (strict_ && cls->s == "builtins.getattr") CheckStrictGetattr(Value::Tuple());
         auto v = Value::Object(cls->s, args, true);
         if (!kwargs->entries.empty()) v->kwargs = kwargs;
         Push(v);
@@ -833,9 +869,16 @@ ValuePtr Machine::Run() {
 
 }  // namespace
 
+namespace {
+std::atomic<PicklePolicy> g_default_policy{PicklePolicy::kStrict};
+}
+
+PicklePolicy DefaultPicklePolicy() { return g_default_policy.load(std::memory_order_relaxed); }
+void SetDefaultPicklePolicy(PicklePolicy policy) { g_default_policy.store(policy, std::memory_order_relaxed); }
+
 ValuePtr ReadPickle(std::span<const uint8_t> data, const std::string& where,
-                    const PersistentLoader& persistent_load, const PickleLimits& limits) {
-  Machine m(data, where, persistent_load, limits);
+                    const PersistentLoader& persistent_load, const PickleLimits& limits, PicklePolicy policy) {
+  Machine m(data, where, persistent_load, limits, policy);
   return m.Run();
 }
 

@@ -138,7 +138,7 @@ TorchFile LoadTorchFile(std::shared_ptr<const MappedFile> file, const LoadOption
   TorchFile out;
   out.file = file;
   out.archive = prefix.substr(0, prefix.size() - 1);
-  out.root = ReadPickle(zip.Data(*pkl), path + ": " + prefix + "data.pkl", std::ref(loader), options.limits);
+  out.root = ReadPickle(zip.Data(*pkl), path + ": " + prefix + "data.pkl", std::ref(loader), options.limits, options.policy);
   return out;
 }
 

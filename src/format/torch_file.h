@@ -21,6 +21,8 @@ struct TorchFile {
 struct LoadOptions {
   bool verify_crc = false;  // check every record's CRC-32 (a stored 0 is skipped)
   PickleLimits limits;
+  // kStrict: refuse globals outside the allow-list (format/strict_globals.h).
+  PicklePolicy policy = DefaultPicklePolicy();
 };
 
 // Throws FormatError naming the file on anything that is not a valid torch.save

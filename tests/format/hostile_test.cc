@@ -143,7 +143,7 @@ TEST_P(HostileTest, LoadsInertAndRunsNothing) {
 
   ValuePtr root;
   try {
-    root = LoadTorchFile(path).root;
+    root = LoadTorchFile(path, {.policy = PicklePolicy::kLenient}).root;
   } catch (const FormatError& e) {
     EXPECT_TRUE(c.object_class.empty()) << "refused, but should load as an inert object: " << e.what();
     EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
@@ -162,8 +162,29 @@ TEST_P(HostileTest, LoadsInertAndRunsNothing) {
     SaveOptions so;
     so.durable = false;
     SaveTorchFile(dir_.File("again.pt"), root, so);
-    auto diffs = JsonDiff(j, ValueToJson(*LoadTorchFile(dir_.File("again.pt")).root), {.map_storage_keys = true});
+    auto diffs = JsonDiff(j, ValueToJson(*LoadTorchFile(dir_.File("again.pt"), {.policy = PicklePolicy::kLenient}).root), {.map_storage_keys = true});
     EXPECT_TRUE(diffs.empty()) << DiffText(diffs);
+  }
+  EXPECT_FALSE(FileExists(marker_)) << "the payload ran";
+}
+
+// Strict mode (the default for training state) refuses every one of them,
+// naming the global, and runs nothing either.
+TEST_P(HostileTest, StrictRefusesNamingTheGlobal) {
+  const HostileCase& c = GetParam();
+  const std::string path = dir_.File(c.name + ".pt");
+  std::map<std::string, std::vector<uint8_t>> storages;
+  if (c.needs_storage) storages["0"] = std::vector<uint8_t>(8, 0);
+  WriteTorchZip(path, c.name, c.pickle(Command()), storages);
+  // getattr_chain: getattr waits for its call; __import__ is refused first.
+  const std::string global = c.object_class.empty() ? "builtins.__import__" : c.object_class;
+  try {
+    LoadTorchFile(path, {.policy = PicklePolicy::kStrict});
+    ADD_FAILURE() << "strict mode accepted " << c.name;
+  } catch (const FormatError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(path), std::string::npos) << what;
+    EXPECT_NE(what.find("strict mode refuses global " + global), std::string::npos) << what;
   }
   EXPECT_FALSE(FileExists(marker_)) << "the payload ran";
 }
