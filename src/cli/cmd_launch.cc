@@ -27,6 +27,12 @@ int ExitCode(int status) {
   return 1;
 }
 
+// " (killed by signal 9: Killed)" when a signal ended it, else "".
+std::string SignalNote(int status) {
+  if (!WIFSIGNALED(status)) return "";
+  return " (killed by signal " + std::to_string(WTERMSIG(status)) + ": " + strsignal(WTERMSIG(status)) + ")";
+}
+
 // Signals each rank's process group (the rank and whatever it started).
 void SignalAll(const std::vector<pid_t>& pids, int sig) {
   for (pid_t p : pids)
@@ -150,7 +156,8 @@ Runner AddLaunch(CLI::App& app) {
           --running;
           int code = ExitCode(status);
           if (code != 0 && !stopping) {
-            std::cerr << "uckpt launch: rank " << r << " exited with code " << code << "; stopping the other ranks\n";
+            std::cerr << "uckpt launch: rank " << r << " exited with code " << code << SignalNote(status)
+                      << "; stopping the other ranks\n";
             result = code;
             stopping = true;
             SignalAll(pids, SIGTERM);
