@@ -274,7 +274,13 @@ ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& 
     meta[alias] = owner;
   }
   header["__metadata__"] = meta;
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::type_error&) {
+    // safetensors headers are UTF-8 JSON; a damaged name is not.
+    Fail(*tag, "a tensor name is not valid UTF-8");
+  }
   text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
 
   AtomicFile out(out_path);

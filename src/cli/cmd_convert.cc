@@ -11,6 +11,7 @@
 
 #include "ckpt/convert.h"
 #include "cli/commands.h"
+#include "cli/strict_flags.h"
 #include "format/error.h"
 #include "format/value_print.h"
 
@@ -108,6 +109,7 @@ Runner AddConvert(CLI::App& app) {
   cmd->add_option("-j,--threads", args->threads, "Worker threads (default: one per core)")->check(CLI::NonNegativeNumber);
   cmd->add_flag("--force", args->force, "Replace an existing output folder (only once the new one is complete)");
   cmd->add_flag("-q,--quiet", args->quiet, "No progress output");
+  AddStrictFlags(cmd, true);
   cmd->add_flag("--no-sync", args->no_sync, "Do not sync the output to disk before renaming it into place");
   return [args] {
     std::string input = !args->input_flag.empty() ? args->input_flag : args->input;

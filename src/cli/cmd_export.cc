@@ -2,6 +2,7 @@
 
 #include "ckpt/export.h"
 #include "cli/commands.h"
+#include "cli/strict_flags.h"
 #include "format/value_print.h"
 
 namespace uckpt::cli {
@@ -27,6 +28,7 @@ Runner AddExport(CLI::App& app) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16", "float32", "bfloat16", "float16"}))
       ->capture_default_str();
   cmd->add_flag("-q,--quiet", args->quiet, "Print nothing on success");
+  AddStrictFlags(cmd, true);
   return [args] {
     DType d = DType::kFloat32;
     if (args->dtype == "bf16" || args->dtype == "bfloat16") d = DType::kBFloat16;

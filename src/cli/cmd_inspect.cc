@@ -4,6 +4,7 @@
 
 #include "ckpt/inspect.h"
 #include "cli/commands.h"
+#include "cli/strict_flags.h"
 #include "format/torch_file.h"
 #include "format/value_json.h"
 #include "format/value_print.h"
@@ -30,11 +31,13 @@ Runner AddInspect(CLI::App& app) {
                 "SHA-256 of their contiguous little-endian bytes (values too when they have <= 64 elements)");
   cmd->add_option("--max-items", args->max_items, "Items shown per container in the tree view")
       ->capture_default_str();
+  AddStrictFlags(cmd, false);  // lenient, so that hostile files can be looked at
   return [args] {
     if (std::filesystem::is_directory(args->path)) {  // a checkpoint folder
       ckpt::CheckpointInfo info = ckpt::InspectCheckpoint(args->path);
       if (args->json)
-        std::cout << ckpt::CheckpointInfoJson(info).dump(1) << "\n";
+        std::cout << ckpt::CheckpointInfoJson(info).dump(1, ' ', false, nlohmann::json::error_handler_t::replace)
+                  << "\n";
       else
         ckpt::PrintCheckpointInfo(std::cout, info);
       return 0;

@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "cli/commands.h"
+#include "cli/strict_flags.h"
 #include "train/comm.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -47,6 +48,7 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--checkpoint_interval", o.checkpoint_interval, "Save every N steps (and at the end)");
   cmd->add_option("--run_name", o.run_name, "Metrics go to <log_dir>/<run_name>/")->capture_default_str();
   cmd->add_option("--log_dir", o.log_dir, "Folder of the per-run metric folders")->capture_default_str();
+  AddStrictFlags(cmd, true);  // for the checkpoint and --init files it loads
   cmd->add_flag("--resume", o.resume, "Resume from --checkpoint_dir (tag from `latest` unless --checkpoint_tag)");
   cmd->add_option("--checkpoint_tag", o.checkpoint_tag, "Tag folder to resume from, e.g. global_step100");
   cmd->add_flag("--universal_checkpoint", o.universal_checkpoint,

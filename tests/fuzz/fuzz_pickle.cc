@@ -1,5 +1,7 @@
 // libFuzzer target: the pickle VM on raw pickle streams, then the JSON renderer
-// and the writer on whatever the VM returns.
+// and the writer on whatever the VM returns. Each input is read leniently and
+// strictly: strict mode may refuse more, but what it accepts must be exactly
+// what lenient mode builds.
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -60,12 +62,30 @@ class FakeStorages {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  ValuePtr root;
+  ValuePtr root, strict_root;
   try {
     FakeStorages storages;
-    root = ReadPickle({data, size}, "fuzz.pkl", std::ref(storages));
+    strict_root = ReadPickle({data, size}, "fuzz.pkl", std::ref(storages), {}, PicklePolicy::kStrict);
   } catch (const FormatError&) {
+  }
+  try {
+    FakeStorages storages;
+    root = ReadPickle({data, size}, "fuzz.pkl", std::ref(storages), {}, PicklePolicy::kLenient);
+  } catch (const FormatError&) {
+    if (strict_root) __builtin_trap();  // strict accepted what lenient refuses
     return 0;
+  }
+  if (strict_root) {
+    std::string a, b;
+    try {
+      a = ValueToJson(*strict_root).dump();
+    } catch (const std::exception&) {
+    }
+    try {
+      b = ValueToJson(*root).dump();
+    } catch (const std::exception&) {
+    }
+    if (a != b) __builtin_trap();  // the policy changed the value, not only the verdict
   }
   try {
     (void)ValueToJson(*root).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);  // as `inspect --json`
