@@ -13,28 +13,33 @@
 # is 120 s, so only the heartbeat monitor can end the runs in time.
 #
 # usage: failing_ranks_test.sh UCKPT WORK_DIR
+#        RANKS=N (default 3), DEVICE=cuda for one GPU per rank (NCCL)
 set -euo pipefail
 U=$(realpath "$1")
 W=$2
 rm -rf "$W"
 mkdir -p "$W"
 cd "$W"
+N=${RANKS:-3}
+DEVICE=${DEVICE:-cpu}
+RANK_IDS=$(seq 0 $((N - 1)))
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
 cat > ds.json <<'JSON'
-{"train_batch_size": 6, "zero_optimization": {"stage": 2},
+{"train_batch_size": 12, "zero_optimization": {"stage": 2},
  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
 JSON
 F="--config ds.json --n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
-   --threads 1 --log_dir logs --no_progress --timeout 120 --heartbeat_interval 0.2 --heartbeat_timeout 2"
+   --threads 1 --log_dir logs --no_progress --timeout 120 --heartbeat_interval 0.2 --heartbeat_timeout 2
+   --device $DEVICE"
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
 
-# A complete checkpoint to start from: 5 steps on 3 ranks.
-"$U" launch -n 3 --master_port 0 -- "$U" train $F --steps 5 --checkpoint_dir base --run_name base > base.log 2>&1 ||
+# A complete checkpoint to start from: 5 steps on N ranks.
+"$U" launch -n $N --master_port 0 -- "$U" train $F --steps 5 --checkpoint_dir base --run_name base > base.log 2>&1 ||
   { cat base.log; fail "the base run"; }
 [ "$(cat base/latest)" = global_step5 ] || fail "the base run did not save global_step5"
 
@@ -48,18 +53,18 @@ wait_exit() {
   wait "$pid" || CODE=$?
 }
 
-# Resumes `dir` from `latest` on 3 ranks for 2 more steps.
+# Resumes `dir` from `latest` on N ranks for 2 more steps.
 resume_works() {
   local dir=$1 what=$2 tag next
   tag=$(cat "$dir/latest")
   next=$(( ${tag#global_step} + 2 ))
-  "$U" launch -n 3 --master_port 0 -- "$U" train $F --steps $next --checkpoint_dir "$dir" --resume \
+  "$U" launch -n $N --master_port 0 -- "$U" train $F --steps $next --checkpoint_dir "$dir" --resume \
     --run_name "resume_$dir" > "resume_$dir.log" 2>&1 || { cat "resume_$dir.log"; fail "$what: resume from $tag"; }
   [ "$(cat "$dir/latest")" = "global_step$next" ] || fail "$what: the resumed run did not reach step $next"
   echo "  resumed from $tag to global_step$next"
 }
 
-# Starts ranks 0..2 of `dir` one by one (as torchrun would), kills `victim`
+# Starts ranks 0..N-1 of `dir` one by one (as torchrun would), kills `victim`
 # once `min_steps` steps are logged (0: the crash hook kills it), and checks
 # the survivors.
 independent() {
@@ -68,8 +73,8 @@ independent() {
   cp -a base "$dir"
   local port r pids=() i
   port=$(free_port)
-  for r in 0 1 2; do
-    env "$@" RANK=$r LOCAL_RANK=$r WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+  for r in $RANK_IDS; do
+    env "$@" RANK=$r LOCAL_RANK=$r WORLD_SIZE=$N LOCAL_WORLD_SIZE=$N MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
       "$U" train $F --steps 100000 --checkpoint_dir "$dir" --checkpoint_interval 5 --resume --run_name "$dir" \
       > "$dir.r$r.log" 2>&1 &
     pids+=($!)
@@ -86,15 +91,15 @@ independent() {
     kill -0 "${pids[$victim]}" 2> /dev/null && { kill -9 "${pids[@]}"; fail "$what: the crash hook did not fire"; }
   fi
   local worst=0
-  for r in 0 1 2; do
+  for r in $RANK_IDS; do
     [ "$r" = "$victim" ] && continue
     wait_exit "${pids[$r]}"
     [ "$SECS" != timeout ] || { cat "$dir.r$r.log"; fail "$what: rank $r still running after 90 s"; }
     [ "$CODE" != 0 ] || { cat "$dir.r$r.log"; fail "$what: rank $r exited 0"; }
     awk -v s="$SECS" 'BEGIN { exit !(s < 60) }' || fail "$what: rank $r took $SECS s"
-    grep -q "uckpt train: rank $r of 3: rank $victim " "$dir.r$r.log" ||
+    grep -q "uckpt train: rank $r of $N: rank $victim " "$dir.r$r.log" ||
       { cat "$dir.r$r.log"; fail "$what: rank $r's message does not name rank $victim"; }
-    echo "  rank $r exited (code $CODE) $SECS s after rank $victim died: $(grep -m1 "uckpt train: rank $r of 3" "$dir.r$r.log")"
+    echo "  rank $r exited (code $CODE) $SECS s after rank $victim died: $(grep -m1 "uckpt train: rank $r of $N" "$dir.r$r.log")"
     awk -v s="$SECS" -v w="$worst" 'BEGIN { exit !(s > w) }' && worst=$SECS
   done
   wait "${pids[$victim]}" 2> /dev/null || true
@@ -114,7 +119,7 @@ EXPECT_LATEST=global_step5 independent save1 1 0 "rank 1 killed mid-save" UCKPT_
 echo "4. under uckpt launch: rank 1 killed"
 cp -a base launched
 T0=$(now)
-"$U" launch -n 3 --master_port 0 -- "$U" train $F --steps 100000 --checkpoint_dir launched --checkpoint_interval 5 \
+"$U" launch -n $N --master_port 0 -- "$U" train $F --steps 100000 --checkpoint_dir launched --checkpoint_interval 5 \
   --resume --run_name launched > launched.log 2>&1 &
 LPID=$!
 for i in $(seq 600); do [ "$(steps_done launched)" -ge 12 ] && break; sleep 0.1; done
