@@ -9,6 +9,8 @@
 #include <map>
 #include <optional>
 
+#include "ckpt/manifest.h"
+#include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
 #include "format/torch_file.h"
@@ -362,23 +364,107 @@ ValuePtr OptimStatesValue(const Trainer& t) {
 
 }  // namespace
 
+namespace {
+
+// Every rank's verdict on a phase of the save: throws on every rank if any
+// failed (the failing rank with its own error), so no rank goes on to publish
+// a checkpoint that another rank could not write.
+void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
+  comm.AllReduceMax(failed);
+  const int bad = static_cast<int>(failed.item<float>());
+  if (bad < 0) return;
+  if (!error.empty()) throw IoError("checkpoint " + folder + " not saved: " + error);
+  throw IoError("checkpoint " + folder + " not saved: rank " + std::to_string(bad) + " could not write its part");
+}
+
+}  // namespace
+
+// Crash-safe save (docs/reliability.md): every rank writes into one temporary
+// folder beside the tag, each file fsynced; only when every rank succeeded
+// does rank 0 add the manifest, fsync the folder, rename it to the tag and
+// then replace `latest` atomically. A crash or error at any point leaves the
+// previous checkpoint and `latest` as they were.
 void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
-  if (tag.empty() || tag.find('/') != std::string::npos) throw std::invalid_argument("bad checkpoint tag '" + tag + "'");
+  if (tag.empty() || tag.find('/') != std::string::npos || tag == "." || tag == "..")
+    throw std::invalid_argument("bad checkpoint tag '" + tag + "'");
   if (zero_->settings().stage == 0 && zero_->settings().model_dtype != at::kFloat)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
+  Env& env = Env::Current();
+  const bool rank0 = comm_.rank() == 0;
   const std::string folder = dir + "/" + tag;
-  if (comm_.rank() == 0) fs::create_directories(folder);
-  comm_.Barrier();
-  if (zero_->settings().stage > 0)
-    SaveTorchFile(folder + "/" + OptimStatesName(comm_.rank(), opt_.config.bf16), OptimStatesValue(*this));
-  if (comm_.rank() == 0) SaveTorchFile(folder + "/" + ModelStatesName(), ModelStatesValue(*this));
-  comm_.Barrier();  // every rank's file is complete before `latest` names the tag
-  if (comm_.rank() == 0) {
-    AtomicFile latest(dir + "/latest");
-    latest.Write(tag);
-    latest.Commit();
+  const std::string tmp = dir + "/." + tag + ".uckpt-tmp";  // the same name on every rank
+  auto cleanup = [&] {
+    try {
+      env.RemoveAll(tmp);
+    } catch (const std::exception&) {
+      // The first error is the one to report.
+    }
+  };
+  std::string error;
+  // 1. Rank 0 makes a fresh temporary folder (one a killed save left is removed).
+  if (rank0) {
+    try {
+      env.CreateDirs(dir);
+      env.RemoveAll(tmp);
+      env.CreateDirs(tmp);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
-  comm_.Barrier();
+  AgreeOrThrow(comm_, folder, error);
+  // 2. Every rank writes its files into it (each fsynced before its rename).
+  try {
+    if (zero_->settings().stage > 0)
+      SaveTorchFile(tmp + "/" + OptimStatesName(comm_.rank(), opt_.config.bf16), OptimStatesValue(*this));
+    if (rank0) SaveTorchFile(tmp + "/" + ModelStatesName(), ModelStatesValue(*this));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  try {
+    AgreeOrThrow(comm_, folder, error);
+  } catch (...) {
+    if (rank0) cleanup();
+    throw;
+  }
+  // 3. Rank 0 publishes: manifest, folder durable, renamed to the tag (an old
+  // folder of that tag swapped out atomically where the filesystem can), then
+  // `latest`.
+  if (rank0) {
+    try {
+      ckpt::WriteManifest(tmp);
+      env.SyncDir(tmp);
+      if (fs::exists(folder)) {
+        if (env.Exchange(tmp, folder)) {
+          env.RemoveAll(tmp);  // now the old folder
+        } else {
+          const std::string old = dir + "/." + tag + ".uckpt-old";
+          env.RemoveAll(old);
+          env.Rename(folder, old);
+          try {
+            env.Rename(tmp, folder);
+          } catch (...) {
+            try {
+              env.Rename(old, folder);  // put the old one back
+            } catch (const std::exception&) {
+            }
+            throw;
+          }
+          env.RemoveAll(old);
+        }
+      } else {
+        env.Rename(tmp, folder);
+      }
+      env.SyncDir(dir);
+      AtomicFile latest(dir + "/latest");
+      latest.Write(tag);
+      latest.Commit();
+    } catch (const std::exception& e) {
+      error = e.what();
+      cleanup();
+    }
+  }
+  AgreeOrThrow(comm_, folder, error);
 }
 
 // ---- Loading. ----
