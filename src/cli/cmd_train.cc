@@ -64,6 +64,9 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--n_positions", o.model.n_positions)->capture_default_str();
   cmd->add_option("--seq_len", o.seq_len, "Tokens per sequence")->capture_default_str();
   cmd->add_option("--dropout", o.model.dropout, "Dropout (masks seeded per sample and step)")->capture_default_str();
+  cmd->add_flag("--fused_kernels", o.model.fused_kernels,
+                "Fused attention (scaled_dot_product_attention) and tanh GELU kernels: faster, less memory, "
+                "not HF's exact rounding");
   cmd->add_option("--seed", o.seed, "Seed of the synthetic data rule and dropout")->capture_default_str();
   cmd->add_option("--init_seed", o.init_seed, "Seed of GPT-2's initialisation")->capture_default_str();
   cmd->add_option("--init", o.init_file, "Initial weights: a torch state dict or safetensors file");

@@ -670,6 +670,8 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, 
     };
     copy("fp32", st.master);
     if (!with_state) continue;
+    // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
+    if (!fs::exists(pdir + "/exp_avg.pt") && !fs::exists(pdir + "/step.pt")) continue;
     copy("exp_avg", st.exp_avg);
     copy("exp_avg_sq", st.exp_avg_sq);
     const std::string step_path = pdir + "/step.pt";

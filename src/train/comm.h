@@ -39,6 +39,18 @@ class Comm {
   virtual void Broadcast(at::Tensor& t, int root) = 0;
   virtual void Barrier() = 0;
 
+  // A collective started by Start*: Wait() finishes it (throws CommError on failure).
+  class Pending {
+   public:
+    virtual ~Pending() = default;
+    virtual void Wait() = 0;
+  };
+  // Starts an in-place sum over ranks and returns at once where the backend
+  // can (NCCL, Gloo); `t` must stay alive and untouched until Wait(). Every
+  // rank must start the same collectives in the same order, from any thread.
+  // The default runs AllReduceSum now.
+  virtual std::unique_ptr<Pending> StartAllReduceSum(at::Tensor& t);
+
   // Failing ranks (RankMonitor; no-ops without one). What this rank is doing
   // now, named if the job fails ("step 7", "saving global_step6").
   virtual void SetActivity(std::string /*activity*/) {}

@@ -94,6 +94,28 @@ class C10dComm : public Comm {
   void AllReduceSum(at::Tensor& t) override {
     OnDevice(device_, {&t}, [&] { AllReduce(t, c10d::ReduceOp::SUM, "all-reduce"); });
   }
+  std::unique_ptr<Pending> StartAllReduceSum(at::Tensor& t) override {
+    if (t.device() != device_ || (backend_ == "gloo" && t.scalar_type() == at::kBFloat16))
+      return Comm::StartAllReduceSum(t);  // staged or converted: synchronous
+    struct Started : Pending {
+      C10dComm* comm;
+      decltype(std::declval<PG&>().barrier()) work;  // c10d::Work (2.x) or ProcessGroup::Work (1.13)
+      void Wait() override {
+        comm->Run("all-reduce (overlapped)", [&] { return work; });
+      }
+    };
+    auto p = std::make_unique<Started>();
+    p->comm = this;
+    std::vector<at::Tensor> ts{t};
+    try {
+      p->work = pg_->allreduce(ts);
+    } catch (const std::exception& e) {
+      throw CommError("rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
+                      ": starting an all-reduce over " + backend_ + " failed: " + Brief(e));
+    }
+    return p;
+  }
+
   void AllReduceMax(at::Tensor& t) override {
     OnDevice(device_, {&t}, [&] { AllReduce(t, c10d::ReduceOp::MAX, "all-reduce (max)"); });
   }

@@ -190,7 +190,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       bool round_robin = false;
       s->Bool("round_robin_gradients", round_robin);
       if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
-      s->Ignore({"overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+      s->Bool("overlap_comm", c.zero.overlap_comm);
+      s->Ignore({"contiguous_gradients", "reduce_scatter", "allgather_partitions",
                  "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
                  "cpu_offload"});
     }

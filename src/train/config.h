@@ -54,6 +54,7 @@ struct ZeroConfig {
   bool offload_optimizer_cpu = false;
   int64_t reduce_bucket_size = 500000000;
   int64_t allgather_bucket_size = 500000000;
+  bool overlap_comm = false;  // stage 2: reduce gradient buckets while backward runs
 };
 
 struct TrainConfig {

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "train/data.h"
+#include "train/torch_bridge.h"
 
 namespace uckpt::train {
 
@@ -75,6 +76,8 @@ Gpt2::Gpt2(Gpt2Config cfg, std::vector<NamedTensor> params) : cfg_(cfg), params_
       throw std::invalid_argument("GPT-2 parameter " + std::to_string(k) + " should be " + shapes[k].first +
                                   ", got " + params_[k].name);
   }
+  if (cfg_.fused_kernels && cfg_.dropout > 0)
+    throw std::invalid_argument("--fused_kernels needs --dropout 0 (dropout masks are drawn per sample outside the kernels)");
   size_t k = 0;
   auto next = [&] { return params_[k++].tensor; };
   wte_ = next();
@@ -102,7 +105,15 @@ at::Tensor Conv1D(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
 // HF's NewGELUActivation, written out term by term as HF does.
 at::Tensor GeluNew(const at::Tensor& x) {
   const double k = std::sqrt(2.0 / M_PI);
-  return 0.5 * x * (1.0 + at::tanh(k * (x + 0.044715 * at::pow(x, 3.0))));
+  // One statement per op, in Python's left-to-right order: x feeds three ops,
+  // and the order in which their nodes were created is the order autograd
+  // sums x's three gradient contributions in (C++ leaves operand evaluation
+  // order unspecified; GCC builds the right operand first).
+  at::Tensor half_x = 0.5 * x;
+  at::Tensor cube = at::pow(x, 3.0);
+  at::Tensor inner = x + 0.044715 * cube;
+  at::Tensor t = at::tanh(k * inner);
+  return half_x * (1.0 + t);
 }
 
 // torch.finfo(dtype).min, the causal mask's fill value.
@@ -138,6 +149,10 @@ at::Tensor Gpt2::Attention(const Block& blk, const at::Tensor& a, const DropoutK
   at::Tensor q = qkv[0].view({B, T, H, D}).transpose(1, 2);
   at::Tensor k = qkv[1].view({B, T, H, D}).transpose(1, 2);
   at::Tensor v = qkv[2].view({B, T, H, D}).transpose(1, 2);
+  if (cfg_.fused_kernels) {
+    at::Tensor y = CausalSdpa(q, k, v).transpose(1, 2).contiguous().view({B, T, C});
+    return Conv1D(y, blk.attn_proj_w, blk.attn_proj_b);
+  }
   at::Tensor att = at::matmul(q, k.transpose(-1, -2));
   // Divide by a 0-d tensor holding sqrt(D), as HF's eager attention does.
   att = att / at::full({}, std::pow(static_cast<double>(D), 0.5), att.options());
@@ -163,7 +178,9 @@ at::Tensor Gpt2::Logits(const at::Tensor& input_ids, const DropoutKey* dk) const
   for (const Block& blk : blocks_) {
     x = x + Attention(blk, at::layer_norm(x, {C}, blk.ln_1_w, blk.ln_1_b, eps), dk, site);
     at::Tensor a = at::layer_norm(x, {C}, blk.ln_2_w, blk.ln_2_b, eps);
-    at::Tensor f = Conv1D(GeluNew(Conv1D(a, blk.c_fc_w, blk.c_fc_b)), blk.mlp_proj_w, blk.mlp_proj_b);
+    at::Tensor h = Conv1D(a, blk.c_fc_w, blk.c_fc_b);
+    h = cfg_.fused_kernels ? at::gelu(h, "tanh") : GeluNew(h);
+    at::Tensor f = Conv1D(h, blk.mlp_proj_w, blk.mlp_proj_b);
     x = x + Dropout(f, dk, site + 2);
     site += 3;
   }

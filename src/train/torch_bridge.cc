@@ -1,5 +1,10 @@
 #include "train/torch_bridge.h"
 
+#include <torch/version.h>
+#ifdef UCKPT_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -59,6 +64,27 @@ Tensor FromTorch(const at::Tensor& t) {
   std::vector<uint8_t> bytes(c.nbytes());
   if (!bytes.empty()) std::memcpy(bytes.data(), c.data_ptr(), bytes.size());
   return Tensor::FromBytes(FromScalarType(c.scalar_type()), c.sizes().vec(), std::move(bytes));
+}
+
+at::Tensor CausalSdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+#else
+  return std::get<0>(at::_scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                       /*need_attn_weights=*/false, /*is_causal=*/true));
+#endif
+}
+
+std::optional<CudaMemoryPeak> PeakCudaMemory(at::Device device) {
+#ifdef UCKPT_CUDA
+  if (!device.is_cuda()) return std::nullopt;
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+  // Index 0 of each stat array is StatType::AGGREGATE (all pools).
+  return CudaMemoryPeak{stats.allocated_bytes[0].peak, stats.reserved_bytes[0].peak};
+#else
+  (void)device;
+  return std::nullopt;
+#endif
 }
 
 }  // namespace uckpt::train

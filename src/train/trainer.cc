@@ -1,12 +1,15 @@
 #include "train/trainer.h"
 
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 
+#include "train/torch_bridge.h"
 #include "train/weights.h"
 
 namespace uckpt::train {
@@ -22,6 +25,26 @@ std::unique_ptr<TokenSource> MakeTokenSource(const TrainOptions& o) {
                                              o.model.vocab_size);
   return std::make_unique<SyntheticSource>(o.seed, o.model.vocab_size);
 }
+
+// Wall time between laps, the device synchronised first (UCKPT_TIMERS=1 only:
+// synchronising costs throughput).
+class PhaseClock {
+ public:
+  PhaseClock(at::Device device, bool enabled) : device_(device), enabled_(enabled) { Lap(); }
+  double Lap() {
+    if (!enabled_) return 0;
+    if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+    const auto now = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    return s;
+  }
+
+ private:
+  at::Device device_;
+  bool enabled_;
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
 
 at::ScalarType ModelDtype(const TrainConfig& c) {
   if (c.fp16.enabled) return at::kHalf;
@@ -40,6 +63,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options)
     throw std::invalid_argument("--seq_len must be in [2, n_positions = " + std::to_string(opt_.model.n_positions) +
                                 "], got " + std::to_string(opt_.seq_len));
   data_ = MakeTokenSource(opt_);
+  if (const char* t = std::getenv("UCKPT_TIMERS"); t != nullptr && *t != '\0' && *t != '0') timers_.enabled = true;
   if (opt_.device == "cuda") {
     if (!at::hasCUDA()) throw std::invalid_argument("--device cuda: this libtorch has no CUDA (or no GPU is visible)");
     device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(opt_.local_rank));
@@ -70,6 +94,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options)
   zs.fp16 = c.fp16;
   zs.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
   zs.reduce_bucket_size = c.zero.reduce_bucket_size;
+  zs.overlap_comm = c.zero.overlap_comm;
   zero_ = std::make_unique<ZeroOptimizer>(comm_, numels, zs, device_);
   params_ = Gpt2ParametersIn(opt_.model, zero_->model_flat());
 
@@ -94,28 +119,36 @@ StepMetrics Trainer::TrainStep() {
   const double lr = schedule_.current_lr();
 
   // Micro-batches: rank r's slice of the global batch, one after the other.
-  double loss_sum = 0;
+  // The micro losses are summed on the device (in fp64, as before on the
+  // host), so the GPU never waits for the host between forward and backward.
+  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  PhaseClock clock(device_, timers_.enabled);
   for (int64_t m = 0; m < ga; ++m) {
     const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), mb);
     auto rows = GatherRows(*data_, step, counters_.global_samples, first_row, mb, T);
     at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).to(device_, /*non_blocking=*/false, /*copy=*/true);
     DropoutKey dk{opt_.seed, step, first_row};
     at::Tensor loss = model_->Loss(ids, &dk);
-    loss_sum += loss.item<float>();
+    loss_sum.add_(loss.detach().to(at::kDouble));
+    timers_.forward += clock.Lap();
     // DeepSpeed scales each micro loss by 1/GA (and by the fp16 loss scale).
     at::Tensor scaled = ga > 1 ? loss / ga : loss;
     scaled = scaled * zero_->loss_scale();
     scaled.backward();
+    timers_.backward += clock.Lap();
     zero_->ReduceMicroGradients(m == ga - 1);
+    timers_.reduce += clock.Lap();
   }
   ZeroOptimizer::StepResult r = zero_->Step(lr);
+  timers_.step += clock.Lap();
+  ++timers_.steps;
   if (!r.skipped) schedule_.Step();
   counters_.global_steps = step;
   counters_.global_samples += batch_.train_batch_size;
   if (r.skipped) ++counters_.skipped_steps;
 
   // The step's loss: the mean over all W*GA micro-batches (equal token counts).
-  at::Tensor total = at::full({1}, loss_sum, at::kDouble);
+  at::Tensor total = loss_sum;
   comm_.AllReduceSum(total);
   StepMetrics s;
   s.step = step;
@@ -140,7 +173,12 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   } else if (o.resume) {
     if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint_dir");
     comm.SetActivity("loading a checkpoint from " + o.checkpoint_dir);
+    const auto t0 = std::chrono::steady_clock::now();
     trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, universal);
+    if (rank0)
+      std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
+                   static_cast<long long>(trainer.counters().global_steps),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::unique_ptr<MetricsLog> log;
   if (rank0) {
@@ -158,11 +196,20 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     if (o.checkpoint_dir.empty()) return;
     const std::string tag = "global_step" + std::to_string(trainer.counters().global_steps);
     comm.SetActivity("saving checkpoint " + tag);
+    const auto t0 = std::chrono::steady_clock::now();
     trainer.SaveCheckpoint(o.checkpoint_dir, tag);
+    if (rank0)
+      std::fprintf(stderr, "uckpt train: saved %s/%s in %.3f s\n", o.checkpoint_dir.c_str(), tag.c_str(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   };
-  int64_t last_saved = trainer.counters().global_steps;  // nothing new to save yet
+  // After a resume there is nothing new to save yet; a fresh run with --steps 0
+  // saves its initial state as global_step0 (`uckpt export` then writes the init).
+  int64_t last_saved = o.resume ? trainer.counters().global_steps : -1;
+  bool warmed_up = false;
   while (trainer.counters().global_steps < o.steps) {
     StepMetrics m = trainer.TrainStep();
+    if (!warmed_up) trainer.timers() = PhaseTimes{trainer.timers().enabled};  // the first step warms up
+    warmed_up = true;
     if (log) log->Write(m);
     if (tty) {
       std::fprintf(stderr, "\rstep %lld/%lld  loss %.6f  lr %.3g  grad_norm %.4f  %.0f tok/s   ",
@@ -178,6 +225,16 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     }
   }
   if (tty) std::fprintf(stderr, "\n");
+  if (auto peak = PeakCudaMemory(trainer.device()); rank0 && peak)
+    std::fprintf(stderr, "uckpt train: peak GPU memory of rank 0: allocated %.3f GiB, reserved %.3f GiB\n",
+                 static_cast<double>(peak->allocated) / (1 << 30), static_cast<double>(peak->reserved) / (1 << 30));
+  if (const PhaseTimes& t = trainer.timers(); rank0 && t.enabled && t.steps > 0) {
+    const double k = 1000.0 / static_cast<double>(t.steps);
+    std::fprintf(stderr,
+                 "uckpt timers (rank 0, mean of %lld steps after the first, ms): forward %.2f, backward %.2f, "
+                 "reduce %.2f, optimizer step + all-gather %.2f\n",
+                 static_cast<long long>(t.steps), t.forward * k, t.backward * k, t.reduce * k, t.step * k);
+  }
   if (last_saved != trainer.counters().global_steps) save();
   return 0;
 }

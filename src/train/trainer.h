@@ -37,6 +37,7 @@ struct TrainOptions {
   std::string checkpoint_tag;         // default: the `latest` file
   bool universal_checkpoint = false;  // also config.load_universal
   bool load_optimizer_states = true;
+  bool verify_checkpoint = false;   // --verify: compare the manifest's hashes too (sizes always)
   bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint
   bool progress = true;             // a progress line on a TTY
 
@@ -49,6 +50,14 @@ struct Counters {
   int64_t global_steps = 0;
   int64_t global_samples = 0;  // the data position: samples consumed
   int64_t skipped_steps = 0;
+};
+
+// Wall time per phase, summed over steps (UCKPT_TIMERS=1 in the environment;
+// the device is synchronised between phases, which costs some throughput).
+struct PhaseTimes {
+  bool enabled = false;
+  double forward = 0, backward = 0, reduce = 0, step = 0;  // seconds
+  int64_t steps = 0;
 };
 
 class Trainer {
@@ -80,6 +89,7 @@ class Trainer {
   const Gpt2& model() const { return *model_; }
   // name -> parameter (views into the optimizer's model_flat), flat order.
   const std::vector<NamedTensor>& parameters() const { return params_; }
+  PhaseTimes& timers() { return timers_; }
 
  private:
   Comm& comm_;
@@ -92,6 +102,7 @@ class Trainer {
   std::unique_ptr<Gpt2> model_;
   LrSchedule schedule_;
   Counters counters_;
+  PhaseTimes timers_;
 };
 
 // The whole run: resume if asked, train to options.steps, log every step,

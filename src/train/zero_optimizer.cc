@@ -6,6 +6,8 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "train/overlap_reducer.h"
+
 namespace uckpt::train {
 
 ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
@@ -22,6 +24,8 @@ ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettin
   if (s_.model_dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.fp16);
 }
 
+ZeroOptimizer::~ZeroOptimizer() = default;
+
 at::Tensor ZeroOptimizer::PartitionOf(const at::Tensor& flat) const {
   return flat.narrow(0, layout_.begin(partition_rank()), layout_.partition_size);
 }
@@ -31,6 +35,9 @@ void ZeroOptimizer::BindGradients(const std::vector<at::Tensor>& params) {
   auto offsets = ckpt::FlatOffsets(numels_);
   for (size_t k = 0; k < params.size(); ++k)
     params[k].mutable_grad() = grad_flat_.narrow(0, offsets[k], numels_[k]).view(params[k].sizes());
+  if (s_.overlap_comm && s_.stage == 2 && layout_.dp > 1)
+    overlap_ = std::make_unique<OverlappedGradReducer>(comm_, params, numels_, grad_flat_, layout_.begin(partition_rank()),
+                                                       layout_.partition_size, s_.reduce_bucket_size);
 }
 
 void ZeroOptimizer::ReduceMicroGradients(bool boundary) {
@@ -40,7 +47,9 @@ void ZeroOptimizer::ReduceMicroGradients(bool boundary) {
 void ZeroOptimizer::ReduceIntoPartition() {
   // DeepSpeed's average_tensor: divide by dp, then sum over ranks.
   at::Tensor part;
-  if (layout_.dp > 1) {
+  if (overlap_) {
+    part = overlap_->Finish();
+  } else if (layout_.dp > 1) {
     // Bucketed: bucket k holds columns [o, o+b) of every rank's partition, so
     // one reduce-scatter hands each owner its own columns.
     const int64_t dp = layout_.dp, P = layout_.partition_size;

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "ckpt/partition.h"
@@ -33,6 +34,7 @@ struct ZeroSettings {
   Fp16Config fp16;                          // used when model_dtype is kHalf
   bool offload_optimizer_cpu = false;       // master + moments in host memory
   int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
+  bool overlap_comm = false;                // stage 2: reduce buckets during backward (overlap_reducer.h)
 };
 
 // The optimizer state of one rank's partition (DeepSpeed's
@@ -44,12 +46,18 @@ struct PartitionState {
   at::Tensor step;        // 0-d fp32 tensor (torch Adam's step), undefined before the first step
 };
 
+class OverlappedGradReducer;
+
 class ZeroOptimizer {
  public:
   // `numels`: the parameters' sizes in flat order. `device` holds the model.
   ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device = at::kCPU);
+  ~ZeroOptimizer();
 
   const ZeroSettings& settings() const { return s_; }
+  // Replaces lr-independent Adam hyper-parameters (betas, eps, weight decay)
+  // for the following steps: --keep-saved-hparams restores a checkpoint's.
+  void set_optimizer_config(const OptimizerConfig& o) { s_.optimizer = o; }
   // The layout of the flat buffer (dp = 1 for stage 0).
   const ckpt::FlatLayout& layout() const { return layout_; }
   const std::vector<int64_t>& numels() const { return numels_; }
@@ -59,6 +67,8 @@ class ZeroOptimizer {
   at::Tensor grad_flat() const { return grad_flat_; }    // [Npad], model dtype
   PartitionState& state() { return state_; }
   const PartitionState& state() const { return state_; }
+  // Set for stage 2 with overlap_comm at dp > 1, after BindGradients.
+  const OverlappedGradReducer* overlap_reducer() const { return overlap_.get(); }
   LossScaler& loss_scaler() { return scaler_; }
   const LossScaler& loss_scaler() const { return scaler_; }
 
@@ -100,6 +110,7 @@ class ZeroOptimizer {
   bool have_grad_partition_ = false;
   PartitionState state_;
   LossScaler scaler_;
+  std::unique_ptr<OverlappedGradReducer> overlap_;  // stage 2 with overlap_comm, dp > 1
 };
 
 }  // namespace uckpt::train
