@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call of issue 7's GPU work: build (scripts/build-gpu.sh), then the parts
+# named in PARTS, each under its own time limit, logs into $OUT (the device tool's
+# folder that comes back). Parts: check (PyTorch cross-check, 1 GPU), matrix
+# (tests/train/gpu_matrix.sh, the three precisions in parallel), train (bench/train-gpu.sh),
+# ckpt (bench/ckpt-gpu.sh), demo (scripts/demo-gpu.sh both).
+# usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-session-out}; mkdir -p "$OUT"
+TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
+export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
+{ date -u; git log -1 --format='commit %H' 2>/dev/null; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+  nproc; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+t0=$SECONDS
+U=$(scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps) || { echo "build failed"; exit 1; }
+echo "built $U in $((SECONDS - t0)) s"
+part() {  # part NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local s=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "==== $name: rc $rc, $((SECONDS - s)) s"
+  tail -n "${TAIL:-30}" "$OUT/$name.log"
+}
+for p in ${PARTS:-check matrix train ckpt}; do
+  case $p in
+    check) part check ${LIMIT_check:-120} bench/crosscheck-torch.sh "$U" cuda /tmp/crosscheck ;;
+    matrix)
+      s=$SECONDS
+      for prec in fp32 bf16 fp16; do
+        PRECISIONS=$prec timeout ${LIMIT_matrix:-300} tests/train/gpu_matrix.sh "$U" /tmp/matrix-$prec > "$OUT/matrix-$prec.log" 2>&1 &
+      done
+      wait
+      echo "==== matrix: $((SECONDS - s)) s"
+      for prec in fp32 bf16 fp16; do sed -n '/==== gpu_matrix/,$p' "$OUT/matrix-$prec.log"; grep -m3 "failed:" -A3 "$OUT/matrix-$prec.log"; done ;;
+    train) part train ${LIMIT_train:-330} bench/train-gpu.sh "$U" /tmp/train-gpu ;;
+    ckpt) part ckpt ${LIMIT_ckpt:-150} bench/ckpt-gpu.sh "$U" /tmp/ckpt-gpu ;;
+    demo) part demo ${LIMIT_demo:-300} scripts/demo-gpu.sh /tmp/uckpt-gpu both ;;
+  esac
+done

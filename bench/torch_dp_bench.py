@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""PyTorch's own data-parallel training of the same GPT-2, for bench/train-gpu.sh.
+
+Run under torchrun, one process per GPU:
+  ddp_zero: DistributedDataParallel + ZeroRedundancyOptimizer(AdamW), autocast bf16
+            (fp32 parameters and gradients; optimizer state sharded as ZeRO-1)
+  fsdp2:    fully_shard (FSDP2) per block and at the root, MixedPrecisionPolicy
+            bf16 parameters, fp32 gradient reduction (parameters, gradients and
+            optimizer state sharded as ZeRO-3)
+Same model as `uckpt train --fused_kernels` (bench/gpt2_torch.py: scaled_dot_product_attention,
+tanh GELU, tied head, loss in fp32), same synthetic data rule, micro-batch per GPU, AdamW
+(fused where it runs, else foreach), clipping 1.0. Prints one JSON line from rank 0:
+tokens/s over the timed steps, max_memory_allocated/reserved per rank (GiB).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt2_torch as g  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ddp_zero", "fsdp2"], required=True)
+    p.add_argument("--n_layer", type=int, default=12)
+    p.add_argument("--n_head", type=int, default=12)
+    p.add_argument("--n_embd", type=int, default=768)
+    p.add_argument("--vocab_size", type=int, default=50257)
+    p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--adam", choices=["fused", "foreach"], default="fused")
+    a = p.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    torch.manual_seed(0)
+    model = g.GPT2(a.n_layer, a.n_head, a.n_embd, a.vocab_size, a.seq_len, fused=True)
+    g.gpt2_init_(model, a.n_layer)
+    model.to(dev)
+    adam = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+    if a.mode == "ddp_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        net = DDP(model, device_ids=[local], gradient_as_bucket_view=True)
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW,
+                                      **{a.adam: True}, **adam)
+
+        def loss_of(ids):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return model_loss(net, ids)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for blk in model.transformer.h:
+            fully_shard(blk, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        net = model
+        opt = torch.optim.AdamW(model.parameters(), **{a.adam: True}, **adam)
+
+        def loss_of(ids):
+            return model_loss(net, ids)
+
+    def step(k):
+        ids = g.synthetic_batch(42, k, a.micro, a.seq_len, a.vocab_size, first_row=rank * a.micro).to(dev)
+        loss = loss_of(ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())  # one host sync per step, as uckpt's loss log
+
+    for k in range(1, a.warmup + 1):
+        step(k)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for k in range(a.warmup + 1, a.warmup + a.steps + 1):
+        last = step(k)
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    tokens = a.steps * a.micro * world * a.seq_len
+    mem = torch.tensor([torch.cuda.max_memory_allocated(dev) / 2**30, torch.cuda.max_memory_reserved(dev) / 2**30],
+                       device=dev)
+    allmem = [torch.zeros_like(mem) for _ in range(world)]
+    dist.all_gather(allmem, mem)
+    if rank == 0:
+        print(json.dumps({"impl": a.mode, "optimizer": "AdamW " + a.adam, "world": world, "tokens_per_s": tokens / secs,
+                          "step_ms": 1000 * secs / a.steps, "last_loss": last,
+                          "max_allocated_gib": [round(float(m[0]), 3) for m in allmem],
+                          "max_reserved_gib": [round(float(m[1]), 3) for m in allmem],
+                          "torch": torch.__version__}), flush=True)
+    dist.destroy_process_group()
+
+
+def model_loss(net, ids):
+    logits = net(ids)
+    V = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(logits[:, :-1, :].float().reshape(-1, V), ids[:, 1:].reshape(-1))
+
+
+if __name__ == "__main__":
+    main()

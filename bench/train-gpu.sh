@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Training throughput and GPU memory: uckpt against PyTorch's own data parallelism
+# on GPT-2 124M (12 layers, 12 heads, 768 wide, context 1024, vocab 50257), bf16,
+# micro-batch 16 per GPU, AdamW, clipping 1.0, synthetic data, on 2 and 4 GPUs.
+#   uckpt:    ZeRO-2 (--fused_kernels, overlap_comm, reduce_bucket_size 5e7); on the
+#             largest GPU count also the engine's defaults (HF-exact eager kernels,
+#             no overlap) and fused kernels without overlap, to show where time goes
+#   PyTorch:  DDP + ZeroRedundancyOptimizer (autocast bf16) and FSDP2 fully_shard
+#             (bf16 parameters, fp32 reduction): bench/torch_dp_bench.py, same model
+# tokens/s over STEPS timed steps after WARMUP; peak GPU memory per rank as nvidia-smi
+# sees it (context + allocator pool, the same measure for every implementation; PyTorch's
+# max_memory_allocated/reserved are in the JSON too). Prints the ratios
+# uckpt / best PyTorch (target: tokens/s >= 1.0x at memory <= 1.0x).
+#
+# usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4")
+set -uo pipefail
+uckpt=$(realpath "${1:?usage: bench/train-gpu.sh UCKPT [OUT_DIR]}")
+out=$(realpath -m "${2:-train-gpu-out}")
+here=$(cd "$(dirname "$0")" && pwd)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STEPS=${STEPS:-20} WARMUP=${WARMUP:-5}
+gpus=$(nvidia-smi -L | wc -l)
+counts=${GPU_COUNTS:-"2 4"}
+rm -rf "$out" && mkdir -p "$out" && cd "$out"
+model="--n_layer 12 --n_head 12 --n_embd 768 --vocab_size 50257 --n_positions 1024 --seq_len 1024"
+results=$out/results.jsonl
+: > "$results"
+
+sample_start() { nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 100 > "$1" & sampler=$!; }
+sample_stop() {  # prints the peak MiB of GPUs 0..N-1 as a JSON list
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  python3 -c "
+import sys, collections
+peak = collections.defaultdict(int)
+for line in open('$1'):
+    try: i, m = (int(x) for x in line.split(','))
+    except ValueError: continue
+    peak[i] = max(peak[i], m)
+print([peak[i] for i in range($2)])"
+}
+
+uckpt_run() {  # uckpt_run N LABEL OVERLAP FUSED
+  local n=$1 label=$2 overlap=$3 fused=$4 flags=""
+  [ "$fused" = 1 ] && flags="--fused_kernels"
+  cat > "cfg-$label-$n.json" <<JSON
+{"train_batch_size": $((16 * n)), "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0, "steps_per_print": 0,
+ "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+ "bf16": {"enabled": true},
+ "zero_optimization": {"stage": 2, "overlap_comm": $overlap, "reduce_bucket_size": 50000000}}
+JSON
+  sample_start "mem-$label-$n.csv"
+  local t0=$SECONDS
+  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) "$uckpt" launch -n "$n" --master_port 0 -- "$uckpt" train \
+    --config "cfg-$label-$n.json" $model $flags --device cuda --steps $((WARMUP + STEPS)) --log_dir logs \
+    --run_name "$label-$n" --no_progress > "log-$label-$n.txt" 2>&1
+  local rc=$? peak
+  peak=$(sample_stop "mem-$label-$n.csv" "$n")
+  if [ $rc -ne 0 ]; then echo "$label on $n GPUs failed:"; tail -5 "log-$label-$n.txt"; return; fi
+  python3 - "$label" "$n" "$peak" "logs/$label-$n/metrics.csv" $WARMUP $((SECONDS - t0)) "log-$label-$n.txt" >> "$results" <<'PY'
+import csv, json, re, sys
+label, n, peak, path, warm, wall = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+m = re.search(r"peak GPU memory of rank 0: allocated ([0-9.]+) GiB, reserved ([0-9.]+) GiB", open(sys.argv[7]).read())
+rows = [r for r in csv.DictReader(open(path)) if int(r["step"]) > warm]
+tok = 16 * n * 1024
+secs = sum(tok / float(r["tokens_per_s"]) for r in rows)
+print(json.dumps({"impl": label, "world": n, "tokens_per_s": tok * len(rows) / secs, "step_ms": 1000 * secs / len(rows),
+                  "last_loss": float(rows[-1]["loss"]), "peak_mib": peak, "wall_s": wall,
+                  "max_allocated_gib": [float(m.group(1))] if m else [], "max_reserved_gib": [float(m.group(2))] if m else []}))
+PY
+}
+
+torch_run() {  # torch_run N MODE
+  local n=$1 mode=$2 peak line
+  sample_start "mem-$mode-$n.csv"
+  for adam in fused foreach; do
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+      "$here/torch_dp_bench.py" --mode "$mode" --adam $adam --warmup "$WARMUP" --steps "$STEPS" > "log-$mode-$n.txt" 2>&1 &&
+      break
+    echo "$mode on $n GPUs with AdamW $adam failed:"; grep -m3 -i "error" "log-$mode-$n.txt"
+  done
+  peak=$(sample_stop "mem-$mode-$n.csv" "$n")
+  line=$(grep '^{' "log-$mode-$n.txt" | tail -1)
+  [ -n "$line" ] && python3 -c "import json,sys; d=json.loads(sys.argv[1]); d['peak_mib']=json.loads(sys.argv[2]); print(json.dumps(d))" \
+    "$line" "$peak" >> "$results"
+}
+
+for n in $counts; do
+  [ "$n" -le "$gpus" ] || { echo "skipping $n GPUs (have $gpus)"; continue; }
+  uckpt_run "$n" uckpt true 1
+  if [ "$n" = "$(echo $counts | tr ' ' '\n' | tail -1)" ]; then
+    uckpt_run "$n" uckpt-eager-nooverlap false 0
+    uckpt_run "$n" uckpt-fused-nooverlap false 1
+  fi
+  torch_run "$n" ddp_zero
+  torch_run "$n" fsdp2
+done
+# Where uckpt's time goes (device synchronised between phases; slower than the runs above).
+n=$(echo $counts | tr ' ' '\n' | tail -1)
+cp "cfg-uckpt-$n.json" cfg-timers.json
+UCKPT_TIMERS=1 CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) "$uckpt" launch -n "$n" --master_port 0 -- "$uckpt" train \
+  --config cfg-timers.json $model --fused_kernels --device cuda --steps 8 --log_dir logs --run_name timers \
+  --no_progress 2>&1 | grep "timers" | tee timers.txt
+
+python3 - "$results" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"\n{'impl':<24}{'GPUs':>5}{'tokens/s':>12}{'ms/step':>9}{'smi MiB':>9}{'alloc GiB':>10}{'resv GiB':>9}  loss@end")
+for r in rows:
+    a = max(r["max_allocated_gib"]) if r["max_allocated_gib"] else float("nan")
+    v = max(r["max_reserved_gib"]) if r["max_reserved_gib"] else float("nan")
+    print(f"{r['impl']:<24}{r['world']:>5}{r['tokens_per_s']:>12.0f}{r['step_ms']:>9.1f}{max(r['peak_mib']):>9}{a:>10.2f}{v:>9.2f}  {r['last_loss']:.4f}")
+print("(smi: nvidia-smi's peak per GPU, the max over ranks; alloc/resv: the caching allocator's peaks, "
+      "rank 0 for uckpt, the max over ranks for PyTorch)")
+ok = True
+for n in sorted({r["world"] for r in rows}):
+    u = [r for r in rows if r["world"] == n and r["impl"] == "uckpt"]
+    t = [r for r in rows if r["world"] == n and r["impl"] in ("ddp_zero", "fsdp2")]
+    if not u or not t:
+        print(f"{n} GPUs: missing runs"); ok = False; continue
+    u, best = u[0], max(t, key=lambda r: r["tokens_per_s"])
+    sp, mem = u["tokens_per_s"] / best["tokens_per_s"], max(u["peak_mib"]) / max(best["peak_mib"])
+    lowest = min(t, key=lambda r: max(r["peak_mib"]))
+    alloc = (max(u["max_allocated_gib"]) / max(best["max_allocated_gib"])
+             if u["max_allocated_gib"] and best["max_allocated_gib"] else float("nan"))
+    print(f"{n} GPUs: uckpt / best PyTorch ({best['impl']}): tokens/s {sp:.3f}x, peak memory {mem:.3f}x "
+          f"(allocator peak {alloc:.3f}x; vs lowest-memory PyTorch, {lowest['impl']}: "
+          f"{max(u['peak_mib']) / max(lowest['peak_mib']):.3f}x) -> {'MEETS' if sp >= 1.0 and mem <= 1.0 else 'MISSES'} the target")
+    ok &= sp >= 1.0 and mem <= 1.0
+sys.exit(0 if ok else 1)
+PY
+status=$?
+cat "$results"
+exit $status
