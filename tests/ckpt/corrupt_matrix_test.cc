@@ -24,7 +24,9 @@
 // Usage: corrupt_matrix_test SHARED_DIR. Sample sizes: 6 truncations and 12
 // flips per fixture by default; UCKPT_CORRUPT_FULL=1 runs the full
 // matrix (50 truncations, 200 flips); UCKPT_CORRUPT_TRUNCATIONS / _FLIPS set
-// them; UCKPT_CORRUPT_TIMEOUT the per-case seconds (default 60).
+// them; UCKPT_CORRUPT_TIMEOUT the per-case seconds (default 60); UCKPT_CORRUPT_JOBS
+// runs fixtures in that many processes; UCKPT_CORRUPT_ONLY=TEXT only fixtures
+// whose name contains TEXT; UCKPT_CORRUPT_VERBOSE=1 prints every case.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -478,6 +480,9 @@ int main(int argc, char** argv) {
   g_root = pattern;
 
   std::vector<Fixture> fixtures = FindFixtures(argv[1]);
+  const size_t found = fixtures.size();
+  if (const char* only = std::getenv("UCKPT_CORRUPT_ONLY"))  // reproduce: fixtures whose name contains it
+    std::erase_if(fixtures, [&](const Fixture& f) { return f.name.find(only) == std::string::npos; });
   const auto start = std::chrono::steady_clock::now();
   const size_t jobs = std::max<size_t>(1, EnvSize("UCKPT_CORRUPT_JOBS", 1));
   Totals tot;
@@ -528,8 +533,8 @@ int main(int argc, char** argv) {
   std::cout << "folders, no manifest:   " << tot.without_manifest.Text() << "\n";
   std::cout << "folders, with manifest: " << tot.with_manifest.Text() << "\n";
   std::cout << "TOTAL: " << total.Text() << "\n";
-  if (fixtures.size() < 80) {
-    std::cout << "FAIL: only " << fixtures.size() << " fixtures found under " << argv[1] << "\n";
+  if (found < 80) {
+    std::cout << "FAIL: only " << found << " fixtures found under " << argv[1] << "\n";
     return 1;
   }
   return total.failures() == 0 ? 0 : 1;
