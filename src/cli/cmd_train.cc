@@ -56,7 +56,7 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_flag("--no_load_optimizer_states", a->no_load_optimizer_states,
                 "Resume weights, step and schedule only; fresh optimizer moments");
   cmd->add_flag("--keep-saved-hparams,--keep_saved_hparams", o.keep_saved_hparams,
-                "Use the checkpoint's lr instead of this run's config");
+                "Use the checkpoint's lr (for the next step), betas, eps and weight_decay instead of this run's config");
   cmd->add_option("--n_layer", o.model.n_layer)->capture_default_str();
   cmd->add_option("--n_head", o.model.n_head)->capture_default_str();
   cmd->add_option("--n_embd", o.model.n_embd)->capture_default_str();

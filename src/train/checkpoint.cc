@@ -278,7 +278,7 @@ ValuePtr ModelStatesValue(const Trainer& t) {
         ++k;
       }
     }
-    ValuePtr group = ParamGroupValue(o.config.optimizer, t.schedule().current_lr());
+    ValuePtr group = ParamGroupValue(t.optimizer().settings().optimizer, t.schedule().current_lr());
     for (size_t k = 0; k < t.parameters().size(); ++k) ids->items.push_back(Value::Int(static_cast<int64_t>(k)));
     group->set("params", ids);
     optimizer = Dict({{"state", state}, {"param_groups", Value::List({group})}});
@@ -327,7 +327,7 @@ ValuePtr OptimStatesValue(const Trainer& t) {
                                     {"exp_avg", TensorValue(s.exp_avg)},
                                     {"exp_avg_sq", TensorValue(s.exp_avg_sq)}}));
   const double lr = t.schedule().current_lr();
-  ValuePtr base = Dict({{"state", state}, {"param_groups", Value::List({ParamGroupValue(o.config.optimizer, lr)})}});
+  ValuePtr base = Dict({{"state", state}, {"param_groups", Value::List({ParamGroupValue(z.settings().optimizer, lr)})}});
 
   // The lean fp32 partition: a view of the padded one, padding cut off.
   const int64_t pad = layout.padding(rank);
@@ -490,10 +490,24 @@ void RestoreCounters(Trainer& t, const Reader& r, const ValuePtr& root) {
   }
 }
 
-// The saved param group's hyper-parameters, kept only on request.
+// The saved param group's hyper-parameters, kept only on request (as
+// DeepSpeed's torch optimizer load_state_dict keeps them): lr for the next
+// step (a configured scheduler sets the lr again from its own config and the
+// restored position after that step, as DeepSpeed's does), and betas, eps and
+// weight_decay for the rest of the run.
 void ApplySavedHparams(Trainer& t, const Reader& r, const ValuePtr& group) {
   if (!t.options().keep_saved_hparams || !group || !group->is_dict()) return;
   if (auto lr = group->get("lr")) t.schedule().set_current_lr(r.Number(lr, "param_groups[0].lr"));
+  OptimizerConfig o = t.optimizer().settings().optimizer;
+  if (auto betas = group->get("betas")) {
+    if (!betas->is_seq() || betas->items.size() != 2)
+      throw FormatError(r.path() + ": param_groups[0].betas is not a pair");
+    o.beta1 = r.Number(betas->items[0], "param_groups[0].betas[0]");
+    o.beta2 = r.Number(betas->items[1], "param_groups[0].betas[1]");
+  }
+  if (auto eps = group->get("eps")) o.eps = r.Number(eps, "param_groups[0].eps");
+  if (auto wd = group->get("weight_decay")) o.weight_decay = r.Number(wd, "param_groups[0].weight_decay");
+  t.optimizer().set_optimizer_config(o);
 }
 
 void CheckParamShapes(const Trainer& t, const Reader& r, const ValuePtr& root) {

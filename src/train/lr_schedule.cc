@@ -30,7 +30,8 @@ double LrSchedule::LrAt(int64_t it) const {
 
 void LrSchedule::Step() {
   ++last_batch_iteration_;
-  lr_ = LrAt(last_batch_iteration_);
+  // Without a scheduler nothing sets the lr: a kept saved lr stays.
+  if (!sched_.type.empty()) lr_ = LrAt(last_batch_iteration_);
 }
 
 void LrSchedule::Restore(int64_t last_batch_iteration) {

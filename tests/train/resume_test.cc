@@ -7,6 +7,7 @@
 
 #include "ckpt/convert.h"
 #include "fixture.h"
+#include "format/torch_file.h"
 #include "ranks.h"
 #include "train/trainer.h"
 
@@ -291,28 +292,80 @@ TEST(Resume, WeightsOnlyLoadsWeightsOnly) {
   fs::remove_all(dir);
 }
 
-// The new run's lr wins over the saved one unless keep_saved_hparams.
-TEST(Resume, ConfigLrWinsUnlessKeepSavedHparams) {
+// The new run's hyper-parameters win over the saved ones unless
+// keep_saved_hparams: then lr (for the next step; the configured schedule
+// takes over after it), betas, eps and weight decay are the checkpoint's, from
+// the ZeRO files and from a universal checkpoint alike, and the next save
+// records what the run used.
+OptimizerConfig Hparams(double lr, double b1, double b2, double eps, double wd) {
+  OptimizerConfig o;
+  o.lr = lr, o.beta1 = b1, o.beta2 = b2, o.eps = eps, o.weight_decay = wd;
+  return o;
+}
+
+void ExpectHparams(const OptimizerConfig& got, const OptimizerConfig& want, const std::string& what) {
+  EXPECT_EQ(got.beta1, want.beta1) << what;
+  EXPECT_EQ(got.beta2, want.beta2) << what;
+  EXPECT_EQ(got.eps, want.eps) << what;
+  EXPECT_EQ(got.weight_decay, want.weight_decay) << what;
+}
+
+TEST(Resume, ConfigHparamsWinUnlessKeepSavedHparams) {
   const std::string dir = TempDir("hparams");
-  auto options = [](double lr, bool keep) {
+  const OptimizerConfig saved = Hparams(0.01, 0.8, 0.9, 1e-6, 0.1), config = Hparams(0.02, 0.7, 0.95, 1e-7, 0.2);
+  auto options = [](const OptimizerConfig& h, bool scheduled, bool keep) {
     TrainOptions o = TinyOptions(1, false, 1);
-    o.config.scheduler.type.clear();  // constant lr
-    o.config.optimizer.lr = lr;
+    if (scheduled) {
+      o.config.scheduler.warmup_min_lr = 0.001;
+      o.config.scheduler.warmup_max_lr = 0.02;
+      o.config.scheduler.warmup_num_steps = 4;
+    } else {
+      o.config.scheduler.type.clear();  // constant lr
+    }
+    o.config.optimizer.lr = h.lr, o.config.optimizer.beta1 = h.beta1, o.config.optimizer.beta2 = h.beta2;
+    o.config.optimizer.eps = h.eps, o.config.optimizer.weight_decay = h.weight_decay;
     o.keep_saved_hparams = keep;
     return o;
   };
   RunRanks(1, [&](Comm& comm) {
-    Trainer t(comm, options(0.01, false));
+    Trainer t(comm, options(saved, false, false));
     t.TrainStep();
     t.SaveCheckpoint(dir, "global_step1");
   });
-  for (bool keep : {false, true}) {
-    RunRanks(1, [&](Comm& comm) {
-      Trainer t(comm, options(0.02, keep));
-      t.LoadCheckpoint(dir, "", false);
-      EXPECT_DOUBLE_EQ(t.schedule().current_lr(), keep ? 0.01 : 0.02);
-      EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02);
-    });
+  ckpt::ConvertOptions co;
+  co.durable = false;
+  ckpt::ConvertToUniversal(dir + "/global_step1", dir + "/global_step1_universal", co);
+  for (bool universal : {false, true}) {
+    for (bool keep : {false, true}) {
+      const std::string what = std::string(universal ? "universal" : "zero") + (keep ? ", keep" : ", config");
+      RunRanks(1, [&](Comm& comm) {
+        Trainer t(comm, options(config, false, keep));
+        t.LoadCheckpoint(dir, "", universal);
+        ExpectHparams(t.optimizer().settings().optimizer, keep ? saved : config, what);
+        EXPECT_DOUBLE_EQ(t.schedule().current_lr(), keep ? 0.01 : 0.02) << what;
+        EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;
+        EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;  // constant lr: the kept one stays
+        // What a save records is what the run used.
+        const std::string again = dir + "/again";
+        t.SaveCheckpoint(again, "global_step3");
+        TorchFile f = LoadTorchFile(again + "/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt");
+        ValuePtr g = f.root->get("optimizer_state_dict")->get("base_optimizer_state")->get("param_groups")->items.at(0);
+        const OptimizerConfig& want = keep ? saved : config;
+        EXPECT_EQ(g->get("betas")->items.at(0)->f, want.beta1) << what;
+        EXPECT_EQ(g->get("betas")->items.at(1)->f, want.beta2) << what;
+        EXPECT_EQ(g->get("eps")->f, want.eps) << what;
+        EXPECT_EQ(g->get("weight_decay")->f, want.weight_decay) << what;
+        fs::remove_all(again);
+      });
+      // With a scheduler: the kept lr is used once, then the new config's schedule.
+      RunRanks(1, [&](Comm& comm) {
+        Trainer t(comm, options(config, true, keep));
+        t.LoadCheckpoint(dir, "", universal);
+        ExpectHparams(t.optimizer().settings().optimizer, keep ? saved : config, what + ", scheduled");
+        EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.001) << what;  // WarmupLR at iteration 0
+        EXPECT_DOUBLE_EQ(t.TrainStep().lr, 0.001 + 0.019 / 4) << what;   // iteration 1, either way
+      });
+    }
   }
   fs::remove_all(dir);
 }
