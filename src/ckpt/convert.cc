@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "ckpt/manifest.h"
 #include "ckpt/torch_out.h"
 #include "format/env.h"
 #include "format/error.h"
@@ -199,6 +200,12 @@ class Converter {
   // filesystem can, so a name that latest_universal holds always names a
   // complete folder) and writes latest_universal.
   void Publish() {
+    if (options_.write_manifest) {
+      // The folder's last file lists all the others (docs/manifest-format.md);
+      // the sync below makes it durable with them.
+      WriteManifest(tmp_, /*durable=*/false);
+      stats_.files += 1;
+    }
     if (options_.durable) env_.SyncFilesystem(tmp_);  // every file, not an fsync each
     std::error_code ec;
     if (fs::exists(output_, ec)) {

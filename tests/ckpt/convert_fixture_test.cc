@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/convert.h"
+#include "ckpt/manifest.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
 #include "format/torch_file.h"
@@ -37,10 +38,12 @@ nlohmann::json Json(const std::string& path) {
 
 // Every file of `theirs` exists in `ours` with the same value tree (keys,
 // types, non-tensor values, tensor dtype/shape/stride/requires_grad and
-// SHA-256 of the data). Returns the files whose bytes differ.
+// SHA-256 of the data), and ours has one more: its manifest. Returns the
+// files whose bytes differ.
 std::set<std::string> CompareFolders(const std::string& ours, const std::string& theirs) {
   std::set<std::string> differ;
   auto a = ListFiles(ours), b = ListFiles(theirs);
+  EXPECT_EQ(a.erase(kManifestName), 1u) << ours << " has no " << kManifestName;
   EXPECT_EQ(a, b) << ours << " vs " << theirs;
   for (const auto& f : b) {
     if (!a.count(f)) continue;
