@@ -4,23 +4,16 @@
 # own ZeRO checkpoint (bit for bit) and from DeepSpeed's universal checkpoint.
 #
 # usage: tests/train/gpu_check.sh DEPS FIXTURE OUT
-#   DEPS     a prefix with include/{nlohmann,CLI,openssl,zlib.h} and
-#            share/cmake/{CLI11,nlohmann_json} (header-only deps the GPU image lacks)
+#   DEPS     the prefix scripts/gpu-deps.sh makes (deps the GPU image lacks; see scripts/build-gpu.sh)
 #   FIXTURE  a folder with init.pt, ds.json (runs/z2_ws2_baseline's ds_config_as_passed),
 #            losses.json ({step: loss} of z2_ws2_baseline) and ckpt/ (the fixture's)
 #   OUT      scratch folder
 set -eo pipefail
 D=$(realpath "$1"); export F=$(realpath "$2"); OUTDIR=$3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-TP=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
 export LD_LIBRARY_PATH=$TL:$LD_LIBRARY_PATH
-Z=$(ls /usr/lib/x86_64-linux-gnu/libz.so* | head -1); C=$(ls /usr/lib/x86_64-linux-gnu/libcrypto.so* | head -1)
-cmake -S . -B /tmp/uckpt-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TP;$D" -DUCKPT_TESTS=OFF \
-  -DUCKPT_BENCH=OFF -DZLIB_INCLUDE_DIR=$D/include -DZLIB_LIBRARY=$Z -DOPENSSL_INCLUDE_DIR=$D/include \
-  -DOPENSSL_CRYPTO_LIBRARY=$C -DOPENSSL_SSL_LIBRARY=$C > /dev/null
-cmake --build /tmp/uckpt-gpu -j"$(nproc)" --target uckpt
-U=/tmp/uckpt-gpu/src/cli/uckpt
+U=$(scripts/build-gpu.sh /tmp/uckpt-gpu "$D")
 mkdir -p "$OUTDIR" && cd "$OUTDIR"
 rm -rf dsck ck logs && cp -r "$F/ckpt" dsck && chmod -R u+w dsck
 M="--device cuda --config $F/ds.json --n_layer 2 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
