@@ -99,7 +99,7 @@ Runner AddConvert(CLI::App& app) {
   struct Args {
     std::string input, output, input_flag, output_flag;
     int threads = 0;
-    bool force = false, quiet = false, no_sync = false;
+    bool force = false, quiet = false, no_sync = false, verify = false, no_manifest = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("INPUT", args->input, "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100)");
@@ -111,6 +111,11 @@ Runner AddConvert(CLI::App& app) {
   cmd->add_flag("-q,--quiet", args->quiet, "No progress output");
   AddStrictFlags(cmd, true);
   cmd->add_flag("--no-sync", args->no_sync, "Do not sync the output to disk before renaming it into place");
+  cmd->add_flag("--verify", args->verify,
+                "If the input has a manifest (uckpt-manifest.json), compare every file's hash with it, not only its "
+                "size");
+  // Hidden: only bench/manifest.sh uses it, to measure what the manifest costs.
+  cmd->add_flag("--no-manifest", args->no_manifest, "Write no uckpt-manifest.json")->group("");
   return [args] {
     std::string input = !args->input_flag.empty() ? args->input_flag : args->input;
     std::string output = !args->output_flag.empty() ? args->output_flag : args->output;
@@ -123,8 +128,9 @@ Runner AddConvert(CLI::App& app) {
     options.threads = args->threads;
     options.force = args->force;
     options.durable = !args->no_sync;
+    options.write_manifest = !args->no_manifest;
     auto start = Clock::now();
-    ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(input);
+    ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(input, args->verify);
     for (const auto& w : zc.warnings) std::cerr << "convert: warning: " << w << "\n";
     std::mutex mu;
     ProgressReporter reporter(::isatty(2));

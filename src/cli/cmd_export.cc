@@ -18,7 +18,7 @@ Runner AddExport(CLI::App& app) {
       "  uckpt export ckpt model-bf16.safetensors --dtype bf16     (ckpt/latest names the tag)");
   struct Args {
     std::string input, output, dtype = "fp32";
-    bool quiet = false;
+    bool quiet = false, verify = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("DIR", args->input, "Tag folder, universal folder, or their parent with latest/latest_universal")
@@ -29,11 +29,14 @@ Runner AddExport(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("-q,--quiet", args->quiet, "Print nothing on success");
   AddStrictFlags(cmd, true);
+  cmd->add_flag("--verify", args->verify,
+                "If the input has a manifest (uckpt-manifest.json), compare every file's hash with it, not only its "
+                "size");
   return [args] {
     DType d = DType::kFloat32;
     if (args->dtype == "bf16" || args->dtype == "bfloat16") d = DType::kBFloat16;
     if (args->dtype == "fp16" || args->dtype == "float16") d = DType::kFloat16;
-    ckpt::ExportStats st = ckpt::ExportSafetensors(args->input, args->output, d);
+    ckpt::ExportStats st = ckpt::ExportSafetensors(args->input, args->output, d, args->verify);
     if (!args->quiet)
       std::cerr << "export: wrote " << args->output << ": " << st.tensors << " tensors, " << st.aliases
                 << " tied alias(es), " << HumanBytes(st.bytes) << "\n";

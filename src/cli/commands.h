@@ -13,6 +13,7 @@ Runner AddInspect(CLI::App& app);
 Runner AddConvert(CLI::App& app);
 Runner AddExport(CLI::App& app);
 Runner AddPlot(CLI::App& app);
+Runner AddVerify(CLI::App& app);
 #ifdef UCKPT_HAVE_TRAIN
 Runner AddTrain(CLI::App& app);   // needs libtorch
 Runner AddLaunch(CLI::App& app);

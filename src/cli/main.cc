@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   add(uckpt::cli::AddConvert);
   add(uckpt::cli::AddExport);
   add(uckpt::cli::AddPlot);
+  add(uckpt::cli::AddVerify);
 #ifdef UCKPT_HAVE_TRAIN
   add(uckpt::cli::AddTrain);
   add(uckpt::cli::AddLaunch);
@@ -34,7 +35,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return app.exit(e) == 0 ? 0 : 2;  // --help is 0; a wrong command line is a usage error (2)
   }
   try {
     uckpt::InstallWriteHookFromEnvironment();  // UCKPT_CRASH_AFTER_WRITES etc. (docs/reliability.md)

@@ -578,6 +578,9 @@ void LoadStage0Optimizer(Trainer& t, const Reader& r, const ValuePtr& root) {
 void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, bool universal) {
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, universal ? "latest_universal" : "latest") : tag_in;
   const std::string folder = dir + "/" + tag;
+  // Sizes always, hashes with --verify; every rank checks the whole folder
+  // (a universal resume reads from nearly every file anyway).
+  ckpt::CheckFolderAgainstManifest(folder, opt_.verify_checkpoint);
   const std::string model_path = folder + "/" + ModelStatesName();
   Reader mr(model_path);
   TorchFile model_file = LoadTorchFile(model_path);
