@@ -9,7 +9,7 @@
 #   3. rank 1 killed inside a save by the write-point crash hook
 #      (UCKPT_CRASH_AFTER_WRITES / UCKPT_CRASH_RANK), started one by one too;
 #   4. under `uckpt launch`: it exits non-zero and names rank 1 first.
-# Short heartbeats (0.2 s, timeout 2 s) keep it fast; the collective timeout
+# Short heartbeats (0.25 s, timeout 3 s) keep it fast; the collective timeout
 # is 120 s, so only the heartbeat monitor can end the runs in time.
 #
 # usage: failing_ranks_test.sh UCKPT WORK_DIR
@@ -33,7 +33,7 @@ cat > ds.json <<'JSON'
  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
 JSON
 F="--config ds.json --n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
-   --threads 1 --log_dir logs --no_progress --timeout 120 --heartbeat_interval 0.2 --heartbeat_timeout 2
+   --threads 1 --log_dir logs --no_progress --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout 3
    --device $DEVICE"
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
