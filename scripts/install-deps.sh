@@ -8,6 +8,7 @@ packages=(
   clang libclang-rt-14-dev          # libFuzzer and the sanitizer runtimes
   zlib1g-dev libssl-dev             # CRC-32 (zlib), SHA-256 (OpenSSL)
   libcli11-dev nlohmann-json3-dev libfmt-dev libxxhash-dev
+  xxhash                            # xxhsum: independent check of manifest hashes
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-torch   # reference checks: files load in real PyTorch
   librsvg2-bin                      # rsvg-convert: `uckpt plot -o FILE.png`
