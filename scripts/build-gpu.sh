@@ -7,6 +7,10 @@
 # carry the folder (device call: carry ["build-gpu-deps"]). The image's own
 # libz/libcrypto shared libraries are linked.
 #
+# Beware: the PyTorch wheel's libtorch.so exports its own std::filesystem, and
+# uckpt's calls bind to that copy; its remove_all jumped to address 0 on a
+# non-empty folder, so src/format/env.cc removes trees with nftw (docs/gpu.md).
+#
 # usage: scripts/build-gpu.sh [BUILD_DIR] [DEPS_DIR]
 #        (defaults /tmp/uckpt-gpu and build-gpu-deps; prints the uckpt path last)
 set -euo pipefail

@@ -1,6 +1,7 @@
 #include "format/env.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <stdio.h>  // renameat2
 #include <sys/stat.h>
 #include <unistd.h>
@@ -105,7 +106,7 @@ class PosixEnv : public Env {
           n = r;
         } else if (n < 0) {
           if (errno == EINTR) continue;
-          ThrowErrno("cannot copy " + from + " to", to);
+          ThrowErrno("cannot write", to);  // (copy_file_range does not say which side failed)
         } else if (n == 0) {
           break;
         }
@@ -141,9 +142,18 @@ class PosixEnv : public Env {
   }
 
   void RemoveAll(const std::string& path) override {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-    if (ec) throw IoError("cannot remove " + path + ": " + ec.message());
+    // nftw, not std::filesystem::remove_all: the PyTorch wheels' libtorch.so
+    // exports its own std::filesystem, and uckpt's remove_all bound to that
+    // copy jumped to address 0 on a non-empty folder (docs/gpu.md).
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) {
+      if (errno == ENOENT) return;  // absent is fine
+      ThrowErrno("cannot remove", path);
+    }
+    auto remove_one = [](const char* p, const struct stat*, int type, struct FTW*) -> int {
+      return (type == FTW_DP ? ::rmdir(p) : ::unlink(p)) == 0 || errno == ENOENT ? 0 : -1;
+    };
+    if (::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) ThrowErrno("cannot remove", path);
   }
 
   void SyncDir(const std::string& dir) override {
