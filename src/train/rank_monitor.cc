@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
@@ -24,9 +25,6 @@ void HeartbeatSettings::Validate() const {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-const std::string kVerdict = "uckpt_monitor/verdict";
-std::string HeartbeatKey(int r) { return "uckpt_monitor/hb/" + std::to_string(r); }
-std::string DoneKey(int r) { return "uckpt_monitor/done/" + std::to_string(r); }
 
 std::vector<uint8_t> Bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
@@ -56,6 +54,11 @@ struct RankMonitor::State {
   int rank = 0, world = 1;
   HeartbeatSettings hs;
   std::string address;
+  // Keys of this attempt: torchrun's elastic restarts may reuse its store.
+  std::string prefix = "uckpt_monitor/";
+  std::string verdict_key = prefix + "verdict";
+  std::string HeartbeatKey(int r) const { return prefix + "hb/" + std::to_string(r); }
+  std::string DoneKey(int r) const { return prefix + "done/" + std::to_string(r); }
 
   std::timed_mutex client_mu;  // one store round at a time
   c10::intrusive_ptr<c10d::Store> client;
@@ -99,8 +102,8 @@ void RankMonitor::State::Beat() {
       std::unique_lock<std::timed_mutex> cl(client_mu);
       try {
         client->add(HeartbeatKey(rank), 1);
-        if (client->check({kVerdict})) {
-          auto v = client->get(kVerdict);
+        if (client->check({verdict_key})) {
+          auto v = client->get(verdict_key);
           found.assign(v.begin(), v.end());
         }
         std::vector<int> watch;
@@ -122,7 +125,7 @@ void RankMonitor::State::Beat() {
           if (judging && found.empty() && age >= hs.timeout_s && !client->check({DoneKey(r)})) {
             found = "rank " + std::to_string(r) + " stopped responding (no heartbeat for " + Seconds(age) +
                     ", noticed by rank " + std::to_string(rank) + ")";
-            client->set(kVerdict, Bytes(found));  // the others read it on their next round
+            client->set(verdict_key, Bytes(found));  // the others read it on their next round
           }
         }
         ok = true;
@@ -209,6 +212,10 @@ RankMonitor::RankMonitor(Connect connect, int rank, int world_size, HeartbeatSet
   s_->world = world_size;
   s_->hs = settings;
   s_->address = std::move(store_address);
+  if (const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT"); restart != nullptr && *restart != '\0') {
+    s_->prefix = "uckpt_monitor/" + std::string(restart) + "/";
+    s_->verdict_key = s_->prefix + "verdict";
+  }
   s_->exit_fn = exit ? std::move(exit) : Exit([](const std::string& msg) {
     std::string line = msg + "\n";
     ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
@@ -216,7 +223,7 @@ RankMonitor::RankMonitor(Connect connect, int rank, int world_size, HeartbeatSet
     ::_exit(1);
   });
   s_->client = s_->connect(Ms(std::max(10.0, settings.timeout_s)));
-  s_->client->add(HeartbeatKey(rank), 1);
+  s_->client->add(s_->HeartbeatKey(rank), 1);
   s_->last_ok = Clock::now();
   s_->threads = 2;
   std::thread([s = s_] { s->Beat(); }).detach();
@@ -279,8 +286,8 @@ void RankMonitor::Abandon(const std::string& why) {
   std::unique_lock<std::timed_mutex> cl(s_->client_mu, std::defer_lock);
   if (!cl.try_lock_for(Ms(s_->hs.interval_s))) return;
   try {
-    if (!s_->client->check({kVerdict}))
-      s_->client->set(kVerdict, Bytes("rank " + std::to_string(s_->rank) + " failed: " + line));
+    if (!s_->client->check({s_->verdict_key}))
+      s_->client->set(s_->verdict_key, Bytes("rank " + std::to_string(s_->rank) + " failed: " + line));
   } catch (const std::exception&) {
     return;  // the store is gone too; the others notice that
   }
@@ -300,10 +307,10 @@ void RankMonitor::Finish() {
     return true;
   };
   try {
-    with_client([&](c10d::Store& st) { st.set(DoneKey(s_->rank), Bytes("1")); });
+    with_client([&](c10d::Store& st) { st.set(s_->DoneKey(s_->rank), Bytes("1")); });
     if (s_->rank == 0) {
       std::vector<std::string> keys;
-      for (int r = 1; r < s_->world; ++r) keys.push_back(DoneKey(r));
+      for (int r = 1; r < s_->world; ++r) keys.push_back(s_->DoneKey(r));
       const auto deadline = Clock::now() + Ms(s_->hs.timeout_s);
       bool all = false;
       while (Clock::now() < deadline) {
