@@ -3,12 +3,17 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 
 #include "ckpt/convert.h"
+#include "ckpt/manifest.h"
+#include "ckpt/verify.h"
 #include "fixture.h"
+#include "format/error.h"
 #include "format/torch_file.h"
 #include "ranks.h"
+#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 namespace uckpt::train {
@@ -407,6 +412,63 @@ void ExpectBucketsDoNotMatter(int world, bool bitwise) {
 
 TEST(Buckets, SmallBucketsSameBitsAtTwoRanks) { ExpectBucketsDoNotMatter(2, true); }
 TEST(Buckets, SmallBucketsSameLossAtThreeRanks) { ExpectBucketsDoNotMatter(3, false); }
+
+// Engine checkpoints carry a manifest (docs/manifest-format.md) that
+// `uckpt verify` accepts; a resume compares sizes with it always (a truncated
+// file fails) and hashes with verify_checkpoint (a flipped byte fails), naming
+// the file, on every rank alike.
+TEST(Resume, ChecksTheManifest) {
+  const std::string dir = TempDir("manifest");
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, TinyOptions(2, false, 2));
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step1");
+  });
+  const std::string tag = dir + "/global_step1";
+  ASSERT_TRUE(ckpt::HasManifest(tag));
+  EXPECT_EQ(ckpt::ReadManifest(tag).files.size(), 3u);  // model states + 2 optimizer files
+  ckpt::VerifyReport report = ckpt::VerifyCheckpoint(dir);
+  EXPECT_TRUE(report.ok());
+  ASSERT_EQ(report.folders.size(), 1u);
+  EXPECT_TRUE(report.folders[0].manifest);
+
+  // Errors per rank of one resume at 2 ranks.
+  auto resume = [&](bool verify) {
+    std::vector<std::string> errors(2);
+    RunRanks(2, [&](Comm& comm) {
+      TrainOptions o = TinyOptions(2, false, 2);
+      o.verify_checkpoint = verify;
+      Trainer t(comm, o);
+      try {
+        t.LoadCheckpoint(dir, "", false);
+      } catch (const FormatError& e) {
+        errors[comm.rank()] = e.what();
+      }
+    });
+    return errors;
+  };
+  EXPECT_EQ(resume(true), std::vector<std::string>(2));
+
+  const std::string victim = tag + "/" + OptimStatesName(1, false);
+  const auto size = fs::file_size(victim);
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(size / 2));
+    char c = 0;
+    f.get(c);
+    f.seekp(static_cast<std::streamoff>(size / 2));
+    f.put(static_cast<char>(c ^ 1));
+  }
+  EXPECT_EQ(resume(false), std::vector<std::string>(2));  // sizes match: not noticed without --verify
+  for (const std::string& e : resume(true)) EXPECT_NE(e.find(victim + ": content differs"), std::string::npos) << e;
+
+  fs::resize_file(victim, size - 1);
+  for (const std::string& e : resume(false))
+    EXPECT_NE(e.find(victim + ": size " + std::to_string(size - 1) + " bytes, the manifest says " + std::to_string(size)),
+              std::string::npos)
+        << e;
+  fs::remove_all(dir);
+}
 
 }  // namespace
 }  // namespace uckpt::train
