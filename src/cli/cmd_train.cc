@@ -53,6 +53,9 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--checkpoint_tag", o.checkpoint_tag, "Tag folder to resume from, e.g. global_step100");
   cmd->add_flag("--universal_checkpoint", o.universal_checkpoint,
                 "Resume from a universal checkpoint (any world size; tag from `latest_universal`)");
+  cmd->add_flag("--verify", o.verify_checkpoint,
+                "On --resume, compare every file of the checkpoint with its manifest's XXH64 hash (sizes are "
+                "always compared)");
   cmd->add_flag("--no_load_optimizer_states", a->no_load_optimizer_states,
                 "Resume weights, step and schedule only; fresh optimizer moments");
   cmd->add_flag("--keep-saved-hparams,--keep_saved_hparams", o.keep_saved_hparams,
