@@ -97,9 +97,11 @@ def run_ds_converter(src, folder, out):
 
 
 def compare_trees(a, b):
-    """Relative paths that differ (missing on a side, or other bytes)."""
+    """Relative paths that differ (missing on a side, or other bytes); uckpt's
+    manifest (docs/manifest-format.md), which DeepSpeed does not write, aside."""
     def files(root):
-        return {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
+        return {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+                if f != "uckpt-manifest.json"}
     fa, fb = files(a), files(b)
     bad = sorted((fa ^ fb))
     bad += sorted(p for p in fa & fb if not filecmp.cmp(os.path.join(a, p), os.path.join(b, p), shallow=False))
