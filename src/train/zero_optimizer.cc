@@ -38,6 +38,64 @@ void ZeroOptimizer::BindGradients(const std::vector<at::Tensor>& params) {
   if (s_.overlap_comm && s_.stage == 2 && layout_.dp > 1)
     overlap_ = std::make_unique<OverlappedGradReducer>(comm_, params, numels_, grad_flat_, layout_.begin(partition_rank()),
                                                        layout_.partition_size, s_.reduce_bucket_size);
+  // On Gloo a reduce-scatter is an all-reduce anyway (1.13 has no
+  // reduce-scatter), so all-reduce the buffer DeepSpeed all-reduces: its ring
+  // adds an element's dp terms in an order set by the element's position, and
+  // the same layout gives DeepSpeed's sums bit for bit at any dp.
+  deepspeed_order_ = !overlap_ && layout_.dp > 1 && comm_.backend() == "gloo";
+  if (deepspeed_order_ && s_.stage == 2) {
+    for (size_t k = 0; k < params.size(); ++k) {
+      at::Tensor p = params[k];
+      p.register_hook([this, k](const at::Tensor& g) {
+        ready_order_.push_back(static_cast<int>(k));
+        return g;
+      });
+    }
+  }
+}
+
+at::Tensor ZeroOptimizer::AllReduceInDeepSpeedOrder() {
+  // DeepSpeed's stage-2 IPG buckets (stage 1: the same, in parameter order):
+  // whole parameters in order, a bucket reduced when the next parameter would
+  // overflow reduce_bucket_size, each divided by dp and all-reduced; the
+  // owner keeps its slice.
+  std::vector<int> order;
+  if (s_.stage == 2) {
+    order = std::move(ready_order_);
+    ready_order_.clear();
+    // A parameter without a gradient this micro-step: DeepSpeed would not
+    // reduce it either; its (zero) gradient goes last.
+    std::vector<bool> seen(numels_.size(), false);
+    for (int k : order) seen.at(static_cast<size_t>(k)) = true;
+    for (size_t k = 0; k < numels_.size(); ++k)
+      if (!seen[k]) order.push_back(static_cast<int>(k));
+  } else {
+    order.resize(numels_.size());
+    std::iota(order.begin(), order.end(), 0);
+  }
+  const auto offsets = ckpt::FlatOffsets(numels_);
+  const int64_t begin = layout_.begin(partition_rank()), P = layout_.partition_size;
+  at::Tensor part = at::zeros({P}, grad_flat_.options().dtype(at::kFloat));
+  size_t first = 0;
+  while (first < order.size()) {
+    size_t last = first;
+    int64_t n = 0;
+    while (last < order.size() && (last == first || n + numels_[order[last]] <= s_.reduce_bucket_size))
+      n += numels_[order[last++]];
+    std::vector<at::Tensor> pieces;
+    for (size_t i = first; i < last; ++i) pieces.push_back(grad_flat_.narrow(0, offsets[order[i]], numels_[order[i]]));
+    at::Tensor bucket = at::cat(pieces).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    bucket.div_(static_cast<double>(layout_.dp));
+    comm_.AllReduceSum(bucket);
+    int64_t at_bucket = 0;
+    for (size_t i = first; i < last; ++i) {
+      const int64_t lo = std::max(offsets[order[i]], begin), hi = std::min(offsets[order[i]] + numels_[order[i]], begin + P);
+      if (lo < hi) part.narrow(0, lo - begin, hi - lo).copy_(bucket.narrow(0, at_bucket + lo - offsets[order[i]], hi - lo));
+      at_bucket += numels_[order[i]];
+    }
+    first = last;
+  }
+  return part;
 }
 
 void ZeroOptimizer::ReduceMicroGradients(bool boundary) {
@@ -49,6 +107,8 @@ void ZeroOptimizer::ReduceIntoPartition() {
   at::Tensor part;
   if (overlap_) {
     part = overlap_->Finish();
+  } else if (deepspeed_order_) {
+    part = AllReduceInDeepSpeedOrder();
   } else if (layout_.dp > 1) {
     // Bucketed: bucket k holds columns [o, o+b) of every rank's partition, so
     // one reduce-scatter hands each owner its own columns.

@@ -97,6 +97,7 @@ class ZeroOptimizer {
  private:
   at::Tensor PartitionOf(const at::Tensor& flat) const;
   void ReduceIntoPartition();
+  at::Tensor AllReduceInDeepSpeedOrder();
   double GlobalNorm();
   void AdamStep(const at::Tensor& grad, double lr);
 
@@ -111,6 +112,11 @@ class ZeroOptimizer {
   PartitionState state_;
   LossScaler scaler_;
   std::unique_ptr<OverlappedGradReducer> overlap_;  // stage 2 with overlap_comm, dp > 1
+  // Gloo: parameters in the order DeepSpeed's reduction buffer holds them
+  // (stage 2: the order backward produced their gradients, recorded by hooks
+  // each micro-step; stage 1: flat order).
+  bool deepspeed_order_ = false;
+  std::vector<int> ready_order_;
 };
 
 }  // namespace uckpt::train
