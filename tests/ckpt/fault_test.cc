@@ -56,6 +56,8 @@ struct ConvertFault {
   int error;
 };
 
+void PrintTo(const ConvertFault& c, std::ostream* os) { *os << c.name; }
+
 class ConvertUnderFault : public ::testing::TestWithParam<ConvertFault> {};
 
 TEST_P(ConvertUnderFault, OldOutputAndLatestUniversalIntact) {

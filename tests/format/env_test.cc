@@ -109,6 +109,8 @@ struct FaultCase {
   bool short_writes = false;
 };
 
+void PrintTo(const FaultCase& c, std::ostream* os) { *os << c.name; }
+
 class AtomicFileFault : public EnvTest, public ::testing::WithParamInterface<FaultCase> {};
 
 TEST_P(AtomicFileFault, ErrorNamesTheFileAndTheOldFileStays) {
