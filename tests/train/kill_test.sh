@@ -58,28 +58,28 @@ is_b() {
 
 kills=0
 resumes=0
-check_save_kill() {  # $1: description; the run dir is `run`
-  local what=$1
-  is_a run/global_step2 || fail "$what: A (global_step2) changed"
+check_save_kill() {  # $1: the run's folder, $2: description
+  local run=$1 what=$2
+  is_a "$run/global_step2" || fail "$what: A (global_step2) changed"
   local latest
-  latest=$(cat run/latest)
+  latest=$(cat "$run/latest")
   case $latest in
     global_step2) ;;
-    global_step3) is_b run/global_step3 || fail "$what: latest names an incomplete global_step3" ;;
+    global_step3) is_b "$run/global_step3" || fail "$what: latest names an incomplete global_step3" ;;
     *) fail "$what: latest holds '$latest'" ;;
   esac
-  if [ -e run/global_step3 ]; then is_b run/global_step3 || fail "$what: an incomplete global_step3 under its final name"; fi
-  [ -z "${KILL_TEST_VERBOSE:-}" ] || echo "$what: latest $latest; $(ls -A run | tr '\n' ' ')"
+  if [ -e "$run/global_step3" ]; then is_b "$run/global_step3" || fail "$what: an incomplete global_step3 under its final name"; fi
+  [ -z "${KILL_TEST_VERBOSE:-}" ] || echo "$what: latest $latest; $(ls -A "$run" | tr '\n' ' ')"
   # Resume from `latest` and compare the next step's loss with the reference.
   # A resume reads only the folder `latest` names: once one from the same
   # bytes (and the same leftovers beside it, pids aside) matched, another
   # would compute the same numbers, so it is not run again.
   local next=$(( ${latest#global_step} + 1 ))
   local key
-  key=$( (echo "$latest"; sums "run/$latest"; ls -A run | sed 's/[0-9]*$//') | sha256sum | cut -c1-16)
+  key=$( (echo "$latest"; sums "$run/$latest"; ls -A "$run" | sed 's/[0-9]*$//') | sha256sum | cut -c1-16)
   if grep -qx "$key" resumed.keys 2> /dev/null; then return; fi
   rm -rf logs/resume
-  train --steps "$next" --checkpoint_dir run --resume --run_name resume > resume.log 2>&1 ||
+  train --steps "$next" --checkpoint_dir "$run" --resume --run_name resume > resume.log 2>&1 ||
     { cat resume.log; fail "$what: resume from $latest failed"; }
   [ "$(loss_at resume "$next")" = "$(loss_at ref "$next")" ] ||
     fail "$what: step $next loss $(loss_at resume "$next") after resuming, $(loss_at ref "$next") uninterrupted"
@@ -88,23 +88,38 @@ check_save_kill() {  # $1: description; the run dir is `run`
 }
 
 # 1. The engine save: kill rank 0 at each of its write points, then rank 1 at
-#    each of its, then both at once.
+#    each of its, then both at once. The killed runs go KILL_TEST_JOBS (3) at
+#    a time, each in a copy of A (a launch mostly waits on the rendezvous).
+kill_save() {  # $1: rank or "both", $2: k
+  local run=kill_$1_$2
+  rm -rf "$run" "logs/$run"
+  cp -a base "$run"
+  (
+    export UCKPT_CRASH_AFTER_WRITES=$2
+    [ "$1" = both ] || export UCKPT_CRASH_RANK=$1
+    train --steps 3 --checkpoint_dir "$run" --resume --run_name "$run"
+  ) > "$run.log" 2>&1
+  echo $? > "$run.rc"
+}
+runs=()
 for spec in "0 $K0" "1 $K1" "both $K1"; do
   set -- $spec
-  rank=$1
   for k in $(seq 1 "$2"); do
-    rm -rf run logs/killed
-    cp -a base run
-    what="save, rank $rank killed after write point $k"
-    (
-      export UCKPT_CRASH_AFTER_WRITES=$k
-      [ "$rank" = both ] || export UCKPT_CRASH_RANK=$rank
-      train --steps 3 --checkpoint_dir run --resume --run_name killed
-    ) > kill.log 2>&1 && { cat kill.log; fail "$what: the launch succeeded"; }
-    grep -q "killed by signal 9" kill.log || { cat kill.log; fail "$what: no rank was killed"; }
-    kills=$((kills + 1))
-    check_save_kill "$what"
+    while [ "$(jobs -rp | wc -l)" -ge "${KILL_TEST_JOBS:-3}" ]; do wait -n || true; done
+    kill_save "$1" "$k" &
+    runs+=("$1 $k")
   done
+done
+wait
+for r in "${runs[@]}"; do
+  set -- $r
+  run=kill_$1_$2
+  what="save, rank $1 killed after write point $2"
+  [ "$(cat "$run.rc")" != 0 ] || { cat "$run.log"; fail "$what: the launch succeeded"; }
+  grep -q "killed by signal 9" "$run.log" || { cat "$run.log"; fail "$what: no rank was killed"; }
+  kills=$((kills + 1))
+  check_save_kill "$run" "$what"
+  rm -rf "$run"
 done
 echo "engine save: $kills kill points (rank 0: $K0, rank 1: $K1, both: $K1); $resumes resumes from the distinct states left match the uninterrupted losses"
 
