@@ -13,33 +13,10 @@
 # Usage: bench/manifest.sh [--params 1e8] [--dp 4] [--runs 3] [--build build]
 #                          [--uckpt PATH] [--gen PATH] [--dir /tmp/uckpt-bench-manifest] [--keep]
 set -euo pipefail
-PARAMS=1e8 DP=4 RUNS=3 BUILD=build DIR=${TMPDIR:-/tmp}/uckpt-bench-manifest KEEP=0 UCKPT= GEN=
-while [ $# -gt 0 ]; do
-  case $1 in
-    --params) PARAMS=$2; shift 2 ;;
-    --dp) DP=$2; shift 2 ;;
-    --runs) RUNS=$2; shift 2 ;;
-    --build) BUILD=$2; shift 2 ;;
-    --uckpt) UCKPT=$2; shift 2 ;;
-    --gen) GEN=$2; shift 2 ;;
-    --dir) DIR=$2; shift 2 ;;
-    --keep) KEEP=1; shift ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
-  esac
-done
-UCKPT=${UCKPT:-$BUILD/src/cli/uckpt} GEN=${GEN:-$BUILD/bench/convert_gen}
-for b in "$UCKPT" "$GEN"; do [ -x "$b" ] || { echo "missing $b (build first: cmake --build $BUILD)" >&2; exit 2; }; done
-mkdir -p "$DIR"
-[ $KEEP = 1 ] || trap 'rm -rf "$DIR"' EXIT
-IN=$DIR/global_step1
+PARAMS=1e8 DIR=${TMPDIR:-/tmp}/uckpt-bench-manifest
+USAGE=$(sed -n '/^# Usage:/,/^[^#]/p' "$0" | grep '^#' | cut -c3-)
+source "$(dirname "$0")/synthetic-ckpt.sh"
 OUT=$DIR/global_step1_universal
-
-if [ ! -e "$IN/.params-$PARAMS-dp$DP" ]; then
-  rm -rf "$IN"
-  "$GEN" --params "$PARAMS" --dp "$DP" "$IN"
-  touch "$IN/.params-$PARAMS-dp$DP"
-fi
-cat "$IN"/*.pt > /dev/null  # warm the page cache
 
 calc() { awk "BEGIN { printf \"%.2f\", $1 }"; }
 min() { sort -g | head -1; }
