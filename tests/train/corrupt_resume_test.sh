@@ -8,21 +8,10 @@
 #
 # usage: corrupt_resume_test.sh UCKPT WORK_DIR SHARED_DIR
 set -euo pipefail
-U=$(realpath "$1")
-W=$2
 SHARED=$(realpath "$3")
-rm -rf "$W"
-mkdir -p "$W"
-cd "$W"
+source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-cat > ds.json <<'JSON'
-{"train_batch_size": 4, "zero_optimization": {"stage": 2},
- "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
-JSON
-F="--config ds.json --n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
-   --threads 1 --log_dir logs --no_progress"
+tiny_gpt2 4
 train() { timeout 120 "$U" launch -n 2 --master_port 0 -- "$U" train $F "$@"; }
 
 train --steps 2 --checkpoint_dir base --run_name base > base.log 2>&1 || { cat base.log; fail "base run"; }

@@ -15,26 +15,15 @@
 # usage: failing_ranks_test.sh UCKPT WORK_DIR
 #        RANKS=N (default 3), DEVICE=cuda for one GPU per rank (NCCL)
 set -euo pipefail
-U=$(realpath "$1")
-W=$2
-rm -rf "$W"
-mkdir -p "$W"
-cd "$W"
+source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 N=${RANKS:-3}
 DEVICE=${DEVICE:-cpu}
 RANK_IDS=$(seq 0 $((N - 1)))
 
-fail() { echo "FAIL: $*" >&2; exit 1; }
 now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
-cat > ds.json <<'JSON'
-{"train_batch_size": 12, "zero_optimization": {"stage": 2},
- "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
-JSON
-F="--config ds.json --n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
-   --threads 1 --log_dir logs --no_progress --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout 3
-   --device $DEVICE"
+tiny_gpt2 12 --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout 3 --device "$DEVICE"
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
 
