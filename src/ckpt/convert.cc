@@ -207,27 +207,7 @@ class Converter {
       stats_.files += 1;
     }
     if (options_.durable) env_.SyncFilesystem(tmp_);  // every file, not an fsync each
-    std::error_code ec;
-    if (fs::exists(output_, ec)) {
-      if (env_.Exchange(tmp_, output_)) {
-        env_.RemoveAll(tmp_);  // now the old output
-      } else {
-        const std::string old = (fs::path(parent_) / ("." + base_ + ".uckpt-old-" + RandomSuffix())).string();
-        env_.Rename(output_, old);
-        try {
-          env_.Rename(tmp_, output_);
-        } catch (...) {
-          try {
-            env_.Rename(old, output_);
-          } catch (const std::exception&) {
-          }
-          throw;
-        }
-        env_.RemoveAll(old);
-      }
-    } else {
-      env_.Rename(tmp_, output_);
-    }
+    ReplaceFolder(env_, tmp_, output_);
     if (options_.durable) env_.SyncDir(parent_);
     // DeepSpeed writes this beside the output (into it when the output path
     // ends with '/', a bug we do not reproduce).

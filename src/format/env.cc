@@ -198,4 +198,31 @@ ScopedEnv::ScopedEnv(Env& env) : previous_(g_current.exchange(&env)) {}
 
 ScopedEnv::~ScopedEnv() { g_current.store(previous_); }
 
+void ReplaceFolder(Env& env, const std::string& tmp, const std::string& dest) {
+  std::error_code ec;
+  if (!fs::exists(dest, ec)) {
+    env.Rename(tmp, dest);
+    return;
+  }
+  if (env.Exchange(tmp, dest)) {
+    env.RemoveAll(tmp);  // now the old folder
+    return;
+  }
+  const fs::path d(dest);
+  const std::string old = (d.parent_path() / ("." + d.filename().string() + ".uckpt-old")).string();
+  env.RemoveAll(old);  // one a killed replacement left
+  env.Rename(dest, old);
+  try {
+    env.Rename(tmp, dest);
+  } catch (...) {
+    try {
+      env.Rename(old, dest);  // put the old one back
+    } catch (const std::exception&) {
+      // The first error is the one to report.
+    }
+    throw;
+  }
+  env.RemoveAll(old);
+}
+
 }  // namespace uckpt

@@ -56,6 +56,12 @@ class Env {
   virtual void SyncFilesystem(const std::string& path) = 0;
 };
 
+// Renames the finished folder `tmp` to `dest`. An existing `dest` is swapped
+// out atomically where the filesystem can (so `dest` always names a complete
+// folder), else moved aside to a hidden `.<name>.uckpt-old` beside it and put
+// back if the rename fails; the old folder is removed afterwards.
+void ReplaceFolder(Env& env, const std::string& tmp, const std::string& dest);
+
 // Forwards every call to `target`; override what you want to change.
 class EnvWrapper : public Env {
  public:

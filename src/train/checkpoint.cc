@@ -434,27 +434,7 @@ void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
     try {
       ckpt::WriteManifest(tmp);
       env.SyncDir(tmp);
-      if (fs::exists(folder)) {
-        if (env.Exchange(tmp, folder)) {
-          env.RemoveAll(tmp);  // now the old folder
-        } else {
-          const std::string old = dir + "/." + tag + ".uckpt-old";
-          env.RemoveAll(old);
-          env.Rename(folder, old);
-          try {
-            env.Rename(tmp, folder);
-          } catch (...) {
-            try {
-              env.Rename(old, folder);  // put the old one back
-            } catch (const std::exception&) {
-            }
-            throw;
-          }
-          env.RemoveAll(old);
-        }
-      } else {
-        env.Rename(tmp, folder);
-      }
+      ReplaceFolder(env, tmp, folder);  // an old folder of that tag swapped out
       env.SyncDir(dir);
       AtomicFile latest(dir + "/latest");
       latest.Write(tag);
