@@ -6,6 +6,7 @@
 #include "format/error.h"
 #include "train/data.h"
 #include "train/gpt2.h"
+#include "train/next_token_loss.h"
 #include "train/weights.h"
 
 namespace uckpt::train {
@@ -107,6 +108,69 @@ TEST(Gpt2, DropoutMasksDependOnRowsNotOnTheSplit) {
   EXPECT_FALSE(at::allclose(whole, model.Logits(ids), 1e-3, 1e-3));  // dropout did something
   DropoutKey next_step{99, 6, 0};
   EXPECT_FALSE(at::allclose(whole, model.Logits(ids, &next_step), 1e-3, 1e-3));
+}
+
+// HF's loss: logits[:, :-1] in fp32, cross entropy against ids[:, 1:].
+at::Tensor HfLoss(const at::Tensor& logits, const at::Tensor& ids) {
+  const int64_t V = logits.size(2), T = logits.size(1);
+  return at::cross_entropy_loss(logits.narrow(1, 0, T - 1).to(at::kFloat).reshape({-1, V}),
+                                ids.narrow(1, 1, T - 1).reshape({-1}));
+}
+
+TEST(NextTokenLoss, EqualsHfLossAndGradientForEveryChunking) {
+  at::manual_seed(11);
+  const int64_t B = 5, T = 7, V = 11;
+  at::Tensor ids = at::randint(0, V, {B, T}, at::kLong);
+  at::Tensor base = at::randn({B, T, V}) * 3;
+  at::Tensor ref_in = base.clone().requires_grad_(true);
+  at::Tensor ref = HfLoss(ref_in, ids);
+  ref.backward();
+  // 1 value per chunk -> one sequence per chunk; 2 and 3 sequences (the last chunk short); one chunk.
+  for (int64_t chunk : {int64_t{1}, 2 * (T - 1) * V, 3 * (T - 1) * V, int64_t{1} << 26}) {
+    at::Tensor in = base.clone().requires_grad_(true);
+    at::Tensor loss = NextTokenLoss(in, ids, chunk);
+    EXPECT_EQ(loss.dim(), 0);
+    EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-6 * ref.item<double>()) << "chunk " << chunk;
+    (loss * 2).backward();  // the incoming gradient scales the result
+    EXPECT_TRUE(at::allclose(in.grad(), ref_in.grad() * 2, 1e-5, 1e-7)) << "chunk " << chunk << ": max diff "
+        << (in.grad() - ref_in.grad() * 2).abs().max().item<double>();
+    EXPECT_EQ(in.grad().narrow(1, T - 1, 1).abs().max().item<double>(), 0.0);
+  }
+  // bf16 logits: the loss is still computed in fp32, the gradient comes back in bf16.
+  at::Tensor half = base.to(at::kBFloat16).requires_grad_(true);
+  at::Tensor want_in = base.to(at::kBFloat16).requires_grad_(true);
+  at::Tensor want = HfLoss(want_in, ids);
+  want.backward();
+  at::Tensor got = NextTokenLoss(half, ids, 1);
+  got.backward();
+  EXPECT_EQ(got.scalar_type(), at::kFloat);
+  EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-6 * want.item<double>());
+  EXPECT_EQ(half.grad().scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::allclose(half.grad().to(at::kFloat), want_in.grad().to(at::kFloat), 1e-2, 1e-5));
+  EXPECT_THROW(NextTokenLoss(base, ids.narrow(1, 0, T - 1)), std::invalid_argument);
+}
+
+TEST(Gpt2, FusedKernelsComputeTheSameFunction) {
+  Gpt2Config eager_cfg = RefrunModel(), fused_cfg = RefrunModel();
+  fused_cfg.fused_kernels = true;
+  Model a(eager_cfg), b(fused_cfg);
+  Gpt2Init(eager_cfg, a.params, 5);
+  Gpt2Init(fused_cfg, b.params, 5);
+  Gpt2 eager(eager_cfg, a.params), fused(fused_cfg, b.params);
+  at::manual_seed(3);
+  at::Tensor ids = at::randint(0, RefrunModel().vocab_size, {3, 16}, at::kLong);
+  at::Tensor le = eager.Loss(ids), lf = fused.Loss(ids);
+  EXPECT_NEAR(lf.item<double>(), le.item<double>(), 1e-5 * le.item<double>());
+  le.backward();
+  lf.backward();
+  for (size_t k = 0; k < a.params.size(); ++k) {
+    const at::Tensor &ge = a.params[k].tensor.grad(), &gf = b.params[k].tensor.grad();
+    const double rel = (gf - ge).norm().item<double>() / std::max(1e-12, ge.norm().item<double>());
+    EXPECT_LT(rel, 1e-3) << a.params[k].name;  // tanh GELU approximates gelu_new's rounding, not its value
+  }
+  Gpt2Config bad = fused_cfg;
+  bad.dropout = 0.1;
+  EXPECT_THROW(Gpt2(bad, b.params), std::invalid_argument);
 }
 
 TEST(Weights, BadFilesAreClearErrors) {
