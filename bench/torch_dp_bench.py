@@ -9,8 +9,11 @@ Run under torchrun, one process per GPU:
             optimizer state sharded as ZeRO-3)
 Same model as `uckpt train --fused_kernels` (bench/gpt2_torch.py: scaled_dot_product_attention,
 tanh GELU, tied head, loss in fp32), same synthetic data rule, micro-batch per GPU, AdamW
-(fused where it runs, else foreach), clipping 1.0. Prints one JSON line from rank 0:
-tokens/s over the timed steps, max_memory_allocated/reserved per rank (GiB).
+(fused where it runs, else foreach), clipping 1.0. The loss: --loss hf is Hugging Face's
+(logits.float() then cross_entropy); --loss chunked is the same chunked fp32 loss that
+`uckpt train --fused_kernels` uses (src/train/next_token_loss.cc, written again here with
+torch.autograd.Function), so PyTorch gets the same memory saving. Prints one JSON line from
+rank 0: tokens/s over the timed steps, max_memory_allocated/reserved per rank (GiB).
 """
 import argparse
 import json
@@ -37,6 +40,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--adam", choices=["fused", "foreach"], default="fused")
+    p.add_argument("--loss", choices=["hf", "chunked"], default="hf")
     a = p.parse_args()
 
     dist.init_process_group("nccl")
@@ -59,7 +63,8 @@ def main():
 
         def loss_of(ids):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                return model_loss(net, ids)
+                logits = net(ids)
+            return model_loss(logits, ids, a.loss)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -70,7 +75,7 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), **{a.adam: True}, **adam)
 
         def loss_of(ids):
-            return model_loss(net, ids)
+            return model_loss(net(ids), ids, a.loss)
 
     def step(k):
         ids = g.synthetic_batch(42, k, a.micro, a.seq_len, a.vocab_size, first_row=rank * a.micro).to(dev)
@@ -96,7 +101,8 @@ def main():
     allmem = [torch.zeros_like(mem) for _ in range(world)]
     dist.all_gather(allmem, mem)
     if rank == 0:
-        print(json.dumps({"impl": a.mode, "optimizer": "AdamW " + a.adam, "world": world, "tokens_per_s": tokens / secs,
+        impl = a.mode if a.loss == "hf" else a.mode + "+chunked"
+        print(json.dumps({"impl": impl, "optimizer": "AdamW " + a.adam, "world": world, "tokens_per_s": tokens / secs,
                           "step_ms": 1000 * secs / a.steps, "last_loss": last,
                           "max_allocated_gib": [round(float(m[0]), 3) for m in allmem],
                           "max_reserved_gib": [round(float(m[1]), 3) for m in allmem],
@@ -104,10 +110,41 @@ def main():
     dist.destroy_process_group()
 
 
-def model_loss(net, ids):
-    logits = net(ids)
+def model_loss(logits, ids, kind):
+    if kind == "chunked":
+        return ChunkedNextTokenLoss.apply(logits, ids[:, 1:].contiguous())
     V = logits.shape[-1]
     return torch.nn.functional.cross_entropy(logits[:, :-1, :].float().reshape(-1, V), ids[:, 1:].reshape(-1))
+
+
+class ChunkedNextTokenLoss(torch.autograd.Function):
+    """Mean next-token cross entropy in fp32, one sequence at a time: the logits stay bf16,
+    one fp32 log-sum-exp per position is kept, backward writes (softmax - onehot) / N."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        B, T1 = labels.shape
+        lse = torch.empty(B, T1, device=logits.device, dtype=torch.float32)
+        rows = torch.empty_like(lse)
+        for b in range(B):
+            x = logits[b, :T1].float()
+            lse[b] = torch.logsumexp(x, -1)
+            rows[b] = lse[b] - x.gather(1, labels[b].unsqueeze(1)).squeeze(1)
+        ctx.save_for_backward(logits, labels, lse)
+        return rows.mean()
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, labels, lse = ctx.saved_tensors
+        B, T1 = labels.shape
+        scale = g.float() / (B * T1)
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        grad[:, T1:].zero_()
+        for b in range(B):
+            p = logits[b, :T1].float().sub_(lse[b].unsqueeze(1)).exp_()
+            p.scatter_add_(1, labels[b].unsqueeze(1), torch.full((T1, 1), -1.0, device=p.device))
+            grad[b, :T1].copy_(p.mul_(scale))
+        return grad, None
 
 
 if __name__ == "__main__":
