@@ -118,34 +118,42 @@ def model_loss(logits, ids, kind):
 
 
 class ChunkedNextTokenLoss(torch.autograd.Function):
-    """Mean next-token cross entropy in fp32, one sequence at a time: the logits stay bf16,
-    one fp32 log-sum-exp per position is kept, backward writes (softmax - onehot) / N."""
+    """Mean next-token cross entropy in fp32, one sequence at a time, as uckpt's
+    src/train/next_token_loss.cc: forward keeps only the (bf16) logits; backward recomputes each
+    sequence's fp32 log-probabilities and applies nll_loss's and log_softmax's backward."""
 
     @staticmethod
     def forward(ctx, logits, labels):
         B, T1 = labels.shape
-        lse = torch.empty(B, T1, device=logits.device, dtype=torch.float32)
-        rows = torch.empty_like(lse)
+        rows = torch.empty(B, T1, device=logits.device, dtype=torch.float32)
         for b in range(B):
-            x = logits[b, :T1].float()
-            lse[b] = torch.logsumexp(x, -1)
-            rows[b] = lse[b] - x.gather(1, labels[b].unsqueeze(1)).squeeze(1)
-        ctx.save_for_backward(logits, labels, lse)
+            logp = log_softmax_fp32(logits[b, :T1])
+            rows[b] = -logp.gather(1, labels[b].unsqueeze(1)).squeeze(1)
+        ctx.save_for_backward(logits, labels)
         return rows.mean()
 
     @staticmethod
     def backward(ctx, g):
-        logits, labels, lse = ctx.saved_tensors
+        logits, labels = ctx.saved_tensors
         B, T1 = labels.shape
-        scale = g.float() / (B * T1)
+        minus_g_over_n = -(g.float() / (B * T1))
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         grad[:, T1:].zero_()
+        out_dtype = logits.dtype if logits.is_cuda else torch.float32
         for b in range(B):
-            p = logits[b, :T1].float().sub_(lse[b].unsqueeze(1)).exp_()
-            p.scatter_add_(1, labels[b].unsqueeze(1), torch.full((T1, 1), -1.0, device=p.device))
-            grad[b, :T1].copy_(p.mul_(scale))
+            logp = log_softmax_fp32(logits[b, :T1])
+            idx = labels[b].unsqueeze(1)
+            nll = torch.zeros_like(logp).scatter_(1, idx, minus_g_over_n.expand(idx.shape))
+            grad[b, :T1].copy_(torch._log_softmax_backward_data(nll, logp, 1, out_dtype))
         return grad, None
 
+
+def log_softmax_fp32(x):
+    if x.dtype == torch.float32:
+        return torch._log_softmax(x, -1, False)
+    if x.is_cuda:
+        return torch._log_softmax(x, -1, True)  # reads bf16, writes fp32, one kernel
+    return torch._log_softmax(x.float(), -1, False)
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
 #include "train/next_token_loss.h"
 
+#include <ATen/Functions.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -11,9 +12,14 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Sequences [first, first + n) of the logits for positions 0..T-2, in fp32.
-at::Tensor Fp32Rows(const at::Tensor& logits, int64_t first, int64_t n) {
-  return logits.narrow(0, first, n).narrow(1, 0, logits.size(1) - 1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+// log_softmax over the vocabulary, in fp32, of sequences [first, first + n)
+// at positions 0..T-2. On CUDA one kernel reads bf16/fp16 and writes fp32
+// (what autocast does); CPU kernels have no such mode, so convert first.
+at::Tensor Fp32LogSoftmax(const at::Tensor& logits, int64_t first, int64_t n) {
+  at::Tensor x = logits.narrow(0, first, n).narrow(1, 0, logits.size(1) - 1);
+  if (x.scalar_type() == at::kFloat) return at::_log_softmax(x, 2, /*half_to_float=*/false);
+  if (x.is_cuda()) return at::_log_softmax(x, 2, /*half_to_float=*/true);
+  return at::_log_softmax(x.to(at::kFloat), 2, /*half_to_float=*/false);
 }
 
 int64_t SequencesPerChunk(const at::Tensor& logits, int64_t chunk_elements) {
@@ -21,43 +27,42 @@ int64_t SequencesPerChunk(const at::Tensor& logits, int64_t chunk_elements) {
   return std::max<int64_t>(1, chunk_elements / std::max<int64_t>(1, per_sequence));
 }
 
+// Forward keeps nothing but the logits; backward recomputes each chunk's
+// log-probabilities (one fused kernel) rather than storing them.
 struct NextTokenLossFn : public torch::autograd::Function<NextTokenLossFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& labels,
                             int64_t chunk_elements) {
     const int64_t B = logits.size(0), T1 = labels.size(1);
-    const auto f32 = logits.options().dtype(at::kFloat);
-    at::Tensor lse = at::empty({B, T1}, f32), row_loss = at::empty({B, T1}, f32);
+    at::Tensor row_loss = at::empty({B, T1}, logits.options().dtype(at::kFloat));
     const int64_t k = SequencesPerChunk(logits, chunk_elements);
     for (int64_t b = 0; b < B; b += k) {
       const int64_t n = std::min(k, B - b);
-      at::Tensor x = Fp32Rows(logits, b, n);
-      at::Tensor l = at::logsumexp(x, {-1});
-      at::Tensor target = x.gather(2, labels.narrow(0, b, n).unsqueeze(2)).squeeze(2);
-      lse.narrow(0, b, n).copy_(l);
-      row_loss.narrow(0, b, n).copy_(l - target);
+      at::Tensor logp = Fp32LogSoftmax(logits, b, n);
+      row_loss.narrow(0, b, n).copy_(logp.gather(2, labels.narrow(0, b, n).unsqueeze(2)).squeeze(2).neg());
     }
-    ctx->save_for_backward({logits, labels, lse});
+    ctx->save_for_backward({logits, labels});
     ctx->saved_data["chunk_elements"] = chunk_elements;
     return row_loss.mean();
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &logits = saved[0], &labels = saved[1], &lse = saved[2];
+    const at::Tensor &logits = saved[0], &labels = saved[1];
     const int64_t B = logits.size(0), T1 = labels.size(1);
-    // d mean / d logits = (softmax - onehot(label)) / (B * (T-1)), times the incoming gradient.
-    at::Tensor scale = grad_out[0].to(at::kFloat) / static_cast<double>(B * T1);
+    // nll_loss's backward (-g/N at each label) through log_softmax's backward,
+    // as cross_entropy does, a chunk at a time.
+    at::Tensor minus_g_over_n = -(grad_out[0].to(at::kFloat) / static_cast<double>(B * T1));
     at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
     grad.narrow(1, T1, 1).zero_();  // the last position predicts nothing
+    // CUDA writes the input dtype straight from fp32; the CPU kernel only does fp32.
+    const at::ScalarType out_dtype = logits.is_cuda() ? logits.scalar_type() : at::kFloat;
     const int64_t k = SequencesPerChunk(logits, ctx->saved_data["chunk_elements"].toInt());
     for (int64_t b = 0; b < B; b += k) {
       const int64_t n = std::min(k, B - b);
-      at::Tensor p = Fp32Rows(logits, b, n);
-      p.sub_(lse.narrow(0, b, n).unsqueeze(2)).exp_();
+      at::Tensor logp = Fp32LogSoftmax(logits, b, n);
       at::Tensor idx = labels.narrow(0, b, n).unsqueeze(2);
-      p.scatter_add_(2, idx, at::full(idx.sizes(), -1.0, p.options()));
-      p.mul_(scale);
-      grad.narrow(0, b, n).narrow(1, 0, T1).copy_(p);
+      at::Tensor nll_grad = at::zeros_like(logp).scatter_(2, idx, minus_g_over_n.expand(idx.sizes()));
+      grad.narrow(0, b, n).narrow(1, 0, T1).copy_(at::_log_softmax_backward_data(nll_grad, logp, 2, out_dtype));
     }
     return {grad, at::Tensor(), at::Tensor()};
   }

@@ -2,10 +2,12 @@
 // B*(T-1) positions of -log softmax(logits[b, t])[ids[b, t+1]], computed in fp32
 // a chunk of rows at a time. HF's way (logits.float() then cross_entropy)
 // keeps three fp32 copies of the [B, T, V] logits alive around backward
-// (3.3 GB each for GPT-2 124M at 16 x 1024); this keeps the logits in their
-// own dtype, one fp32 row of log-sum-exp per position, and one fp32 chunk.
-// The same function, other rounding (about 1e-7 relative): `--fused_kernels`
-// only; the default path stays HF's, bit for bit.
+// (3.3 GB each for GPT-2 124M at 16 x 1024); this keeps only the logits, in
+// their own dtype, and one fp32 chunk of log-probabilities at a time, which
+// backward recomputes. The gradient is cross_entropy's (log_softmax's and
+// nll_loss's backward, per chunk); the loss is the mean of per-position losses,
+// so its last bit may differ from nll_loss's sum: `--fused_kernels` only; the
+// default path stays HF's, bit for bit.
 #pragma once
 
 #include <ATen/ATen.h>
