@@ -11,7 +11,7 @@ Same model as `uckpt train --fused_kernels` (bench/gpt2_torch.py: scaled_dot_pro
 tanh GELU, tied head, loss in fp32), same synthetic data rule, micro-batch per GPU, AdamW
 (fused where it runs, else foreach), clipping 1.0. The loss: --loss hf is Hugging Face's
 (logits.float() then cross_entropy); --loss chunked is the same chunked fp32 loss that
-`uckpt train --fused_kernels` uses (src/train/next_token_loss.cc, written again here with
+`uckpt train --chunked_loss` uses (src/train/next_token_loss.cc, written again here with
 torch.autograd.Function), so PyTorch gets the same memory saving. Prints one JSON line from
 rank 0: tokens/s over the timed steps, max_memory_allocated/reserved per rank (GiB).
 """
@@ -139,7 +139,7 @@ class ChunkedNextTokenLoss(torch.autograd.Function):
         minus_g_over_n = -(g.float() / (B * T1))
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         grad[:, T1:].zero_()
-        out_dtype = logits.dtype if logits.is_cuda else torch.float32
+        out_dtype = torch.float16 if half_to_float(logits) else torch.float32
         for b in range(B):
             logp = log_softmax_fp32(logits[b, :T1])
             idx = labels[b].unsqueeze(1)
@@ -148,11 +148,15 @@ class ChunkedNextTokenLoss(torch.autograd.Function):
         return grad, None
 
 
+def half_to_float(t):  # log_softmax reads it and writes fp32 in one kernel: CUDA fp16 only
+    return t.is_cuda and t.dtype == torch.float16
+
+
 def log_softmax_fp32(x):
     if x.dtype == torch.float32:
         return torch._log_softmax(x, -1, False)
-    if x.is_cuda:
-        return torch._log_softmax(x, -1, True)  # reads bf16, writes fp32, one kernel
+    if half_to_float(x):
+        return torch._log_softmax(x, -1, True)
     return torch._log_softmax(x.float(), -1, False)
 
 if __name__ == "__main__":

@@ -68,8 +68,11 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--seq_len", o.seq_len, "Tokens per sequence")->capture_default_str();
   cmd->add_option("--dropout", o.model.dropout, "Dropout (masks seeded per sample and step)")->capture_default_str();
   cmd->add_flag("--fused_kernels", o.model.fused_kernels,
-                "Fused attention (scaled_dot_product_attention), tanh GELU kernel and a chunked loss that never "
-                "holds fp32 logits: faster, much less memory, not HF's exact rounding (needs --dropout 0)");
+                "Fused attention (scaled_dot_product_attention) and tanh GELU kernels: faster, less memory, "
+                "not HF's exact rounding (needs --dropout 0)");
+  cmd->add_flag("--chunked_loss", o.model.chunked_loss,
+                "Compute the loss one chunk of sequences at a time, never holding fp32 logits for the whole "
+                "micro-batch: same gradient as HF's loss, far less GPU memory, a few percent slower");
   cmd->add_option("--seed", o.seed, "Seed of the synthetic data rule and dropout")->capture_default_str();
   cmd->add_option("--init_seed", o.init_seed, "Seed of GPT-2's initialisation")->capture_default_str();
   cmd->add_option("--init", o.init_file, "Initial weights: a torch state dict or safetensors file");

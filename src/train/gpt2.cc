@@ -191,7 +191,7 @@ at::Tensor Gpt2::Logits(const at::Tensor& input_ids, const DropoutKey* dk) const
 
 at::Tensor Gpt2::Loss(const at::Tensor& input_ids, const DropoutKey* dk) const {
   at::Tensor logits = Logits(input_ids, dk);
-  if (cfg_.fused_kernels) return NextTokenLoss(logits, input_ids);
+  if (cfg_.chunked_loss) return NextTokenLoss(logits, input_ids);
   const int64_t V = logits.size(-1);
   using namespace at::indexing;
   at::Tensor shifted = logits.index({Slice(), Slice(None, -1), Slice()}).to(at::kFloat).reshape({-1, V});

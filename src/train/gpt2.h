@@ -21,11 +21,14 @@ struct Gpt2Config {
   double dropout = 0.0;  // embd, attn and resid dropout alike
   double layer_norm_epsilon = 1e-5;
   double initializer_range = 0.02;
-  // Fused attention (scaled_dot_product_attention), the one-kernel tanh GELU
-  // and the chunked loss (next_token_loss.h) instead of HF's eager attention,
-  // gelu_new written out and fp32 logits: the same function, other rounding;
-  // much less activation memory. Needs dropout 0.
+  // Fused attention (scaled_dot_product_attention) and the one-kernel tanh
+  // GELU instead of HF's eager attention and gelu_new written out: the same
+  // function, other rounding; much less activation memory. Needs dropout 0.
   bool fused_kernels = false;
+  // The loss a chunk of sequences at a time (next_token_loss.h) instead of
+  // HF's fp32 copies of all logits: the same gradient, far less memory, a few
+  // percent slower on GPUs (docs/gpu.md).
+  bool chunked_loss = false;
 };
 
 struct NamedTensor {

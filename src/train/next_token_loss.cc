@@ -12,13 +12,16 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Whether log_softmax's kernels read `t` and write fp32 in one pass: only
+// CUDA's, and only for fp16 (bf16 and the CPU convert first).
+bool HalfToFloat(const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kHalf; }
+
 // log_softmax over the vocabulary, in fp32, of sequences [first, first + n)
-// at positions 0..T-2. On CUDA one kernel reads bf16/fp16 and writes fp32
-// (what autocast does); CPU kernels have no such mode, so convert first.
+// at positions 0..T-2.
 at::Tensor Fp32LogSoftmax(const at::Tensor& logits, int64_t first, int64_t n) {
   at::Tensor x = logits.narrow(0, first, n).narrow(1, 0, logits.size(1) - 1);
   if (x.scalar_type() == at::kFloat) return at::_log_softmax(x, 2, /*half_to_float=*/false);
-  if (x.is_cuda()) return at::_log_softmax(x, 2, /*half_to_float=*/true);
+  if (HalfToFloat(x)) return at::_log_softmax(x, 2, /*half_to_float=*/true);
   return at::_log_softmax(x.to(at::kFloat), 2, /*half_to_float=*/false);
 }
 
@@ -54,8 +57,7 @@ struct NextTokenLossFn : public torch::autograd::Function<NextTokenLossFn> {
     at::Tensor minus_g_over_n = -(grad_out[0].to(at::kFloat) / static_cast<double>(B * T1));
     at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
     grad.narrow(1, T1, 1).zero_();  // the last position predicts nothing
-    // CUDA writes the input dtype straight from fp32; the CPU kernel only does fp32.
-    const at::ScalarType out_dtype = logits.is_cuda() ? logits.scalar_type() : at::kFloat;
+    const at::ScalarType out_dtype = HalfToFloat(logits) ? at::kHalf : at::kFloat;  // copy_ converts the rest
     const int64_t k = SequencesPerChunk(logits, ctx->saved_data["chunk_elements"].toInt());
     for (int64_t b = 0; b < B; b += k) {
       const int64_t n = std::min(k, B - b);

@@ -6,7 +6,7 @@
 // their own dtype, and one fp32 chunk of log-probabilities at a time, which
 // backward recomputes. The gradient is cross_entropy's (log_softmax's and
 // nll_loss's backward, per chunk); the loss is the mean of per-position losses,
-// so its last bit may differ from nll_loss's sum: `--fused_kernels` only; the
+// so its last bit may differ from nll_loss's sum: `--chunked_loss` only; the
 // default path stays HF's, bit for bit.
 #pragma once
 

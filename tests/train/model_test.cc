@@ -175,6 +175,23 @@ TEST(Gpt2, FusedKernelsComputeTheSameFunction) {
   EXPECT_THROW(Gpt2(bad, b.params), std::invalid_argument);
 }
 
+TEST(Gpt2, ChunkedLossGivesHfGradientsBitForBit) {
+  Gpt2Config hf_cfg = RefrunModel(), chunked_cfg = RefrunModel();
+  chunked_cfg.chunked_loss = true;
+  Model a(hf_cfg), b(chunked_cfg);
+  Gpt2Init(hf_cfg, a.params, 9);
+  Gpt2Init(chunked_cfg, b.params, 9);
+  Gpt2 hf(hf_cfg, a.params), chunked(chunked_cfg, b.params);
+  at::manual_seed(4);
+  at::Tensor ids = at::randint(0, RefrunModel().vocab_size, {3, 16}, at::kLong);
+  at::Tensor lh = hf.Loss(ids), lc = chunked.Loss(ids);
+  EXPECT_NEAR(lc.item<double>(), lh.item<double>(), 1e-6 * lh.item<double>());
+  lh.backward();
+  lc.backward();
+  for (size_t k = 0; k < a.params.size(); ++k)
+    EXPECT_TRUE(at::equal(a.params[k].tensor.grad(), b.params[k].tensor.grad())) << a.params[k].name;
+}
+
 TEST(Weights, BadFilesAreClearErrors) {
   Model m(RefrunModel());
   EXPECT_THROW(LoadStateDictFile(RefrunDir() + "/variant.json"), FormatError);
