@@ -50,6 +50,10 @@ std::optional<DistEnv> DistEnv::FromEnvironment() {
   e.local_rank = EnvInt("LOCAL_RANK", e.rank);
   e.master_port = EnvInt("MASTER_PORT", 29500);
   if (const char* a = std::getenv("MASTER_ADDR"); a != nullptr && *a != '\0') e.master_addr = a;
+  if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); a != nullptr && std::string(a) == "True") {
+    e.agent_store = true;
+    e.store_prefix = "/worker/attempt_" + std::to_string(EnvInt("TORCHELASTIC_RESTART_COUNT", 0));
+  }
   if (e.world_size < 1 || e.rank >= e.world_size)
     throw std::invalid_argument("RANK " + std::to_string(e.rank) + " is not below WORLD_SIZE " +
                                 std::to_string(e.world_size));

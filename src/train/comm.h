@@ -77,12 +77,19 @@ struct DistEnv {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. nullopt when
-  // WORLD_SIZE is unset; throws std::invalid_argument on malformed values.
+  // torchrun 2.x serves the store itself (TORCHELASTIC_USE_AGENT_STORE=True):
+  // every rank is then a client, and keys go under
+  // /worker/attempt_<TORCHELASTIC_RESTART_COUNT>/ as torch.distributed puts them.
+  bool agent_store = false;
+  std::string store_prefix;
+  // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the two
+  // above. nullopt when WORLD_SIZE is unset; throws std::invalid_argument on
+  // malformed values.
   static std::optional<DistEnv> FromEnvironment();
 };
 
-// Rendezvous through a TCPStore on master_addr:master_port (rank 0 serves it)
+// Rendezvous through a TCPStore on master_addr:master_port (rank 0 serves it,
+// or torchrun's agent: DistEnv::agent_store)
 // and a Gloo (CPU) or NCCL (CUDA) process group. `timeout` bounds the
 // rendezvous and every collective, so a dead rank ends the job with CommError
 // instead of a hang. With `heartbeat` enabled a RankMonitor watches the ranks

@@ -7,6 +7,7 @@
 //    _reduce_scatter_base / _allgather_base.
 //  - Gloo knows no bfloat16: all-gathers move its bits as fp16, reductions go
 //    through fp32.
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
@@ -209,24 +210,30 @@ class C10dComm : public Comm {
   std::unique_ptr<RankMonitor> monitor_;  // destroyed first: it may call into pg_
 };
 
+c10::intrusive_ptr<c10d::Store> WithPrefix(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix) {
+  if (prefix.empty()) return store;
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));
+}
+
 // The monitor's own store client (a second connection to rank 0's TCPStore),
 // and, where the backend can, a communicator abort before the process exits.
 template <typename PG>
 std::unique_ptr<Comm> Monitored(std::unique_ptr<C10dComm<PG>> comm, c10::intrusive_ptr<PG> pg, const DistEnv& env,
                                 const HeartbeatSettings& hs) {
   if (!hs.enabled()) return comm;
-  const std::string addr = env.master_addr;
+  const std::string addr = env.master_addr, prefix = env.store_prefix;
   const auto port = static_cast<std::uint16_t>(env.master_port);
-  auto connect = [addr, port](std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Store> {
+  auto connect = [addr, port, prefix](std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Store> {
     c10d::TCPStoreOptions so;
     so.port = port;
     so.isServer = false;
     so.waitWorkers = false;  // numWorkers unset: not part of the rendezvous count
     so.timeout = timeout;
-    return c10::make_intrusive<c10d::TCPStore>(addr, so);
+    return WithPrefix(c10::make_intrusive<c10d::TCPStore>(addr, so), prefix);
   };
   auto monitor = std::make_unique<RankMonitor>(connect, env.rank, env.world_size, hs,
-                                               addr + ":" + std::to_string(env.master_port));
+                                               addr + ":" + std::to_string(env.master_port), RankMonitor::Exit{},
+                                               env.agent_store ? "torchrun's agent" : "rank 0");
   if constexpr (requires(PG& p) { p.abort(); }) monitor->SetAbortHook([pg] { pg->abort(); });
   comm->Watch(std::move(monitor));
   return comm;
@@ -240,13 +247,13 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
   heartbeat.Validate();
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
+  so.isServer = env.rank == 0 && !env.agent_store;
   so.numWorkers = static_cast<std::size_t>(env.world_size);
-  so.waitWorkers = true;
+  so.waitWorkers = !env.agent_store;  // the process group's own exchange waits for every rank
   so.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    store = WithPrefix(c10::make_intrusive<c10d::TCPStore>(env.master_addr, so), env.store_prefix);
   } catch (const std::exception& e) {
     throw CommError("rank " + std::to_string(env.rank) + ": rendezvous at " + env.master_addr + ":" +
                     std::to_string(env.master_port) + " failed: " + Brief(e));

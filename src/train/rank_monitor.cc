@@ -53,8 +53,9 @@ struct RankMonitor::State {
   Exit exit_fn;
   int rank = 0, world = 1;
   HeartbeatSettings hs;
-  std::string address;
-  // Keys of this attempt: torchrun's elastic restarts may reuse its store.
+  std::string address, store_host;
+  // torchrun's restarts that reuse its store get a fresh key space from
+  // ConnectC10d (/worker/attempt_<n>/, DistEnv::store_prefix).
   std::string prefix = "uckpt_monitor/";
   std::string verdict_key = prefix + "verdict";
   std::string HeartbeatKey(int r) const { return prefix + "hb/" + std::to_string(r); }
@@ -162,10 +163,10 @@ void RankMonitor::State::Watch() {
       if (!verdict.empty()) {
         Die(lock, verdict);
       } else if (store_gone) {
-        Die(lock, "rank 0 (the rendezvous host) is gone: its store at " + address + " refuses connections (" +
+        Die(lock, store_host + " (the rendezvous host) is gone: its store at " + address + " refuses connections (" +
                       store_problem + ")");
       } else if (silent > hs.timeout_s) {
-        Die(lock, "rank 0 (the rendezvous host) is gone: its store at " + address + " has not answered for " +
+        Die(lock, store_host + " (the rendezvous host) is gone: its store at " + address + " has not answered for " +
                       Seconds(silent) + (store_problem.empty() ? "" : " (" + store_problem + ")"));
       }
     }
@@ -204,7 +205,7 @@ void RankMonitor::State::Die(std::unique_lock<std::mutex>& lock, const std::stri
 }
 
 RankMonitor::RankMonitor(Connect connect, int rank, int world_size, HeartbeatSettings settings,
-                         std::string store_address, Exit exit)
+                         std::string store_address, Exit exit, std::string store_host)
     : s_(std::make_shared<State>()) {
   settings.Validate();
   s_->connect = std::move(connect);
@@ -212,10 +213,7 @@ RankMonitor::RankMonitor(Connect connect, int rank, int world_size, HeartbeatSet
   s_->world = world_size;
   s_->hs = settings;
   s_->address = std::move(store_address);
-  if (const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT"); restart != nullptr && *restart != '\0') {
-    s_->prefix = "uckpt_monitor/" + std::string(restart) + "/";
-    s_->verdict_key = s_->prefix + "verdict";
-  }
+  s_->store_host = std::move(store_host);
   s_->exit_fn = exit ? std::move(exit) : Exit([](const std::string& msg) {
     std::string line = msg + "\n";
     ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());

@@ -36,8 +36,10 @@ class RankMonitor {
   // pass one that records and returns; the monitor then stops.
   using Exit = std::function<void(const std::string& message)>;
 
+  // `store_host` names who serves the store in messages ("rank 0", or
+  // "torchrun's agent" when torchrun's agent does).
   RankMonitor(Connect connect, int rank, int world_size, HeartbeatSettings settings, std::string store_address,
-              Exit exit = {});
+              Exit exit = {}, std::string store_host = "rank 0");
   ~RankMonitor();  // stops beating (no verdict: to the others this rank looks dead unless it Finish()ed)
   RankMonitor(const RankMonitor&) = delete;
   RankMonitor& operator=(const RankMonitor&) = delete;
