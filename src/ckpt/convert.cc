@@ -1,6 +1,7 @@
 #include "ckpt/convert.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -85,7 +87,11 @@ class Converter {
     parent_ = out.has_parent_path() ? out.parent_path().string() : ".";
     base_ = out.filename().string();
     if (base_.empty() || base_ == "." || base_ == "..") throw IoError(output_ + ": not a usable output folder name");
-    tmp_ = (fs::path(parent_) / ("." + base_ + ".uckpt-tmp-" + RandomSuffix())).string();
+    for (const std::string& stale : StaleConvertTemporaries(output_)) {
+      env_.RemoveAll(stale);
+      if (options_.notice) options_.notice("removed " + stale + ", left by an interrupted conversion");
+    }
+    tmp_ = (fs::path(parent_) / (TempPrefix(base_) + RandomSuffix())).string();
     if (fs::exists(tmp_, ec)) throw IoError(tmp_ + " already exists");
     try {
       env_.CreateDirs(tmp_ + "/zero");
@@ -105,6 +111,7 @@ class Converter {
   }
 
  private:
+  static std::string TempPrefix(const std::string& base) { return "." + base + ".uckpt-tmp-"; }
   static std::string RandomSuffix() {
     std::random_device rd;
     return std::to_string(::getpid()) + "-" + std::to_string(rd() % 1000000);
@@ -237,6 +244,30 @@ void CheckParamName(const std::string& name, const std::string& where) {
 
 ConvertStats ConvertToUniversal(const ZeroCheckpoint& ckpt, const std::string& output, const ConvertOptions& options) {
   return Converter(ckpt, output, options).Run();
+}
+
+std::vector<std::string> StaleConvertTemporaries(const std::string& output) {
+  const fs::path out(output);
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  const std::string prefix = "." + out.filename().string() + ".uckpt-tmp-";
+  std::vector<std::string> stale;
+  std::error_code ec;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(prefix, 0) != 0 || !it->is_directory(ec)) continue;
+    // The suffix is <pid>-<n>; only a pid that is certainly gone counts.
+    const std::string suffix = name.substr(prefix.size());
+    const size_t dash = suffix.find('-');
+    if (dash == 0 || dash == std::string::npos ||
+        suffix.find_first_not_of("0123456789") != dash || suffix.size() - dash - 1 == 0 ||
+        suffix.find_first_not_of("0123456789", dash + 1) != std::string::npos)
+      continue;
+    const long pid = std::strtol(suffix.substr(0, dash).c_str(), nullptr, 10);
+    if (pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) stale.push_back(it->path().string());
+  }
+  std::sort(stale.begin(), stale.end());
+  return stale;
 }
 
 ConvertStats ConvertToUniversal(const std::string& input, const std::string& output, const ConvertOptions& options) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "ckpt/zero_checkpoint.h"
 
@@ -25,6 +26,9 @@ struct ConvertOptions {
   bool write_manifest = true;  // uckpt-manifest.json (ckpt/manifest.h); off only to benchmark its cost
   // Called after each parameter (from worker threads, one call at a time).
   std::function<void(const ConvertProgress&)> progress;
+  // Called with a one-line notice: a stale temporary folder of an earlier
+  // conversion to the same output (its process is gone) was removed.
+  std::function<void(const std::string&)> notice;
 };
 
 struct ConvertStats {
@@ -40,6 +44,11 @@ struct ConvertStats {
 // `output` (an existing one is untouched unless the conversion succeeded with
 // `force`) and the temporary folder is removed.
 ConvertStats ConvertToUniversal(const std::string& input, const std::string& output, const ConvertOptions& options = {});
+
+// The temporary folders `.<name>.uckpt-tmp-<pid>-<n>` beside `output` whose
+// process <pid> is no longer running on this machine: left by a conversion
+// that was killed (SIGKILL, power loss). ConvertToUniversal removes them.
+std::vector<std::string> StaleConvertTemporaries(const std::string& output);
 
 // The same from an already opened checkpoint.
 ConvertStats ConvertToUniversal(const ZeroCheckpoint& ckpt, const std::string& output, const ConvertOptions& options = {});

@@ -129,6 +129,7 @@ Runner AddConvert(CLI::App& app) {
     options.force = args->force;
     options.durable = !args->no_sync;
     options.write_manifest = !args->no_manifest;
+    options.notice = [](const std::string& line) { std::cerr << "convert: " << line << "\n"; };
     auto start = Clock::now();
     ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(input, args->verify);
     for (const auto& w : zc.warnings) std::cerr << "convert: warning: " << w << "\n";

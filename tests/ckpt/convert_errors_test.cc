@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "ckpt/convert.h"
 #include "format/error.h"
@@ -200,6 +203,38 @@ TEST(ConvertErrors, ExistingOutputNeedsForce) {
   EXPECT_FALSE(fs::exists(tmp / "u/keep"));
   EXPECT_TRUE(fs::exists(tmp / "u/zero/wte.weight/fp32.pt"));
   EXPECT_EQ(testing::CountEntriesStartingWith(tmp.path(), ".u.uckpt-"), 0);
+}
+
+// A conversion killed with SIGKILL leaves its temporary folder; the next
+// conversion to the same output removes it (its process is gone) and says so,
+// but leaves one whose process still runs, and other outputs' folders.
+TEST(ConvertErrors, StaleTemporaryOfAKilledConversionIsRemoved) {
+  TempDir tmp;
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a pid that is certainly not running
+  const std::string dead = tmp / (".u.uckpt-tmp-" + std::to_string(child) + "-17");
+  const std::string alive = tmp / (".u.uckpt-tmp-" + std::to_string(::getppid()) + "-3");
+  const std::string other = tmp / (".v.uckpt-tmp-" + std::to_string(child) + "-17");
+  const std::string odd = tmp / ".u.uckpt-tmp-x-1";
+  for (const auto& d : {dead, alive, other, odd}) {
+    fs::create_directories(d + "/zero/wte.weight");
+    std::ofstream(d + "/zero/wte.weight/fp32.pt") << "partial";
+  }
+  EXPECT_EQ(StaleConvertTemporaries(tmp / "u"), std::vector<std::string>{dead});
+  std::vector<std::string> notices;
+  ConvertOptions o;
+  o.durable = false;
+  o.notice = [&](const std::string& line) { notices.push_back(line); };
+  ConvertToUniversal(DsFixture("z1_ws2_fp32") + "/ckpt/global_step5", tmp / "u", o);
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(alive));
+  EXPECT_TRUE(fs::exists(other));
+  EXPECT_TRUE(fs::exists(odd));
+  ASSERT_EQ(notices.size(), 1u);
+  EXPECT_NE(notices[0].find(dead), std::string::npos) << notices[0];
+  EXPECT_TRUE(fs::exists(tmp / "u/zero/wte.weight/fp32.pt"));
 }
 
 // A write that fails half-way (here: the file-size limit, EFBIG, standing in
