@@ -11,8 +11,10 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "format/error.h"
@@ -261,6 +263,21 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
   } catch (const std::exception& e) {
     check.problems.push_back({folder, e.what()});
   }
+  if (options.hashes && options.shards > 1) {
+    // Deal the files, largest first, round-robin; keep this shard's.
+    std::vector<size_t> order(to_hash.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return hash_sizes[a] > hash_sizes[b]; });
+    std::vector<size_t> mine;
+    std::vector<uint64_t> mine_sizes;
+    for (size_t j = 0; j < order.size(); ++j) {
+      if (static_cast<int>(j % static_cast<size_t>(options.shards)) != options.shard) continue;
+      mine.push_back(to_hash[order[j]]);
+      mine_sizes.push_back(hash_sizes[order[j]]);
+    }
+    to_hash = std::move(mine);
+    hash_sizes = std::move(mine_sizes);
+  }
   if (options.hashes) {
     check.hashed = true;
     std::vector<std::string> results(to_hash.size());  // empty: hash matches
@@ -284,9 +301,12 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
   return check;
 }
 
-void CheckFolderAgainstManifest(const std::string& folder, bool hashes) {
+void CheckFolderAgainstManifest(const std::string& folder, bool hashes, int shard, int shards) {
+  if (shards < 1 || shard < 0 || shard >= shards) throw std::invalid_argument("CheckFolderAgainstManifest: bad shard");
   ManifestCheckOptions options;
   options.hashes = hashes;
+  options.shard = shard;
+  options.shards = shards;
   ManifestCheck check = CheckManifest(folder, options);
   if (check.ok()) return;  // also without a manifest (DeepSpeed's own folders)
   std::string msg = folder + " does not match its manifest (" + kManifestName + "):";

@@ -65,6 +65,9 @@ struct ManifestCheck {
 struct ManifestCheckOptions {
   bool hashes = false;  // also compare XXH64 (reads every byte); sizes are always compared
   int threads = 0;      // hashing threads; 0: min(4, cores)
+  // Hash only share `shard` of `shards` (files largest first, dealt round-robin),
+  // so that several processes reading one folder split the hashing.
+  int shard = 0, shards = 1;
   // Advanced by bytes hashed while hashing (another thread may print it).
   std::atomic<uint64_t>* progress = nullptr;
 };
@@ -76,8 +79,9 @@ struct ManifestCheckOptions {
 ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOptions& options = {});
 
 // What every checkpoint reader calls before it opens a folder: if the folder
-// has a manifest, CheckManifest it (sizes; hashes with `hashes`) and throw
-// FormatError naming each bad file; without a manifest, do nothing.
-void CheckFolderAgainstManifest(const std::string& folder, bool hashes);
+// has a manifest, CheckManifest it (sizes; hashes with `hashes`, only share
+// `shard` of `shards`) and throw FormatError naming each bad file; without a
+// manifest, do nothing.
+void CheckFolderAgainstManifest(const std::string& folder, bool hashes, int shard = 0, int shards = 1);
 
 }  // namespace uckpt::ckpt

@@ -3,6 +3,7 @@
 #include "train/checkpoint.h"
 
 #include <c10/core/GradMode.h>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -553,14 +554,37 @@ void LoadStage0Optimizer(Trainer& t, const Reader& r, const ValuePtr& root) {
   ApplySavedHparams(t, r, r.Item(r.Get(opt, "param_groups"), 0, "param_groups"));
 }
 
+// Sizes on every rank (cheap, and every rank reaches the same verdict); with
+// --verify the ranks split the hashing (each file is read once, not once per
+// rank) and then agree, so that all of them stop if any file is bad.
+void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes) {
+  if (!hashes) {
+    ckpt::CheckFolderAgainstManifest(folder, false);
+    return;
+  }
+  std::string error;
+  try {
+    ckpt::CheckFolderAgainstManifest(folder, true, comm.rank(), comm.world_size());
+  } catch (const FormatError& e) {
+    error = e.what();
+  }
+  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
+  comm.AllReduceMax(failed);
+  const int bad = static_cast<int>(failed.item<float>());
+  if (bad < 0) return;
+  // Every rank reports the finder's error (it names the files), cut at 4 KiB.
+  at::Tensor text = at::zeros({4096}, at::kByte);
+  if (comm.rank() == bad) std::memcpy(text.data_ptr(), error.data(), std::min<size_t>(error.size(), 4095));
+  comm.Broadcast(text, bad);
+  throw FormatError(std::string(static_cast<const char*>(text.data_ptr())));
+}
+
 }  // namespace
 
 void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, bool universal) {
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, universal ? "latest_universal" : "latest") : tag_in;
   const std::string folder = dir + "/" + tag;
-  // Sizes always, hashes with --verify; every rank checks the whole folder
-  // (a universal resume reads from nearly every file anyway).
-  ckpt::CheckFolderAgainstManifest(folder, opt_.verify_checkpoint);
+  CheckManifestOnEveryRank(comm_, folder, opt_.verify_checkpoint);
   const std::string model_path = folder + "/" + ModelStatesName();
   Reader mr(model_path);
   TorchFile model_file = LoadTorchFile(model_path);

@@ -106,6 +106,45 @@ TEST(Manifest, FlippedByteFoundOnlyByHash) {
   }
 }
 
+// Ranks split --verify's hashing: every file is hashed by exactly one of the
+// shards, so a flipped file is caught by one shard; sizes stay every shard's.
+TEST(Manifest, ShardsSplitTheHashing) {
+  TempDir tmp;
+  const std::string dir = tmp / "u";
+  MakeFolder(dir);
+  WriteBytes(dir + "/zero/b/fp32.pt", "bbbb");
+  WriteBytes(dir + "/zero/c/fp32.pt", "cc");
+  WriteManifest(dir, false);
+  for (const std::string& rel : {"mp_rank_00_model_states.pt", "zero/optimizer_state.pt", "zero/b/fp32.pt",
+                                 "zero/h.0.attn.weight/fp32.pt"}) {
+    const std::string victim = dir + "/" + rel;
+    std::string bytes;
+    {
+      std::ifstream in(victim, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    std::string flipped = bytes;
+    flipped[0] ^= 1;
+    WriteBytes(victim, flipped);
+    for (int shards : {1, 2, 3, 7}) {
+      int caught = 0;
+      for (int shard = 0; shard < shards; ++shard) {
+        ManifestCheckOptions o{.hashes = true, .shard = shard, .shards = shards};
+        ManifestCheck c = CheckManifest(dir, o);
+        caught += static_cast<int>(c.problems.size());
+        if (!c.problems.empty()) EXPECT_EQ(c.problems[0].file, victim);
+      }
+      EXPECT_EQ(caught, 1) << rel << " with " << shards << " shards";
+    }
+    WriteBytes(victim, bytes);
+  }
+  // A truncated file is every shard's problem (sizes are always compared).
+  WriteBytes(dir + "/zero/c/fp32.pt", "c");
+  for (int shard = 0; shard < 3; ++shard)
+    EXPECT_THROW(CheckFolderAgainstManifest(dir, true, shard, 3), FormatError) << shard;
+  EXPECT_THROW(CheckFolderAgainstManifest(dir, true, 3, 3), std::invalid_argument);
+}
+
 TEST(Manifest, TruncatedMissingAndExtraFiles) {
   TempDir tmp;
   const std::string dir = tmp / "u";
