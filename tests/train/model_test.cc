@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <cmath>
 
@@ -152,44 +153,50 @@ TEST(NextTokenLoss, EqualsHfLossAndGradientForEveryChunking) {
   EXPECT_THROW(NextTokenLoss(base, ids.narrow(1, 0, T - 1)), std::invalid_argument);
 }
 
+// One forward and backward of the fixture-sized GPT-2 under `cfg`, from the
+// seeded init, on a random batch of 3 x 16 tokens.
+struct LossAndGrads {
+  double loss = 0;
+  std::string loss_node;  // the autograd node that made the loss
+  std::vector<NamedTensor> grads;
+};
+LossAndGrads ForwardBackward(const Gpt2Config& cfg, uint64_t init_seed, uint64_t data_seed) {
+  Model m(cfg);
+  Gpt2Init(cfg, m.params, init_seed);
+  Gpt2 model(cfg, m.params);
+  at::manual_seed(data_seed);
+  at::Tensor loss = model.Loss(at::randint(0, cfg.vocab_size, {3, 16}, at::kLong));
+  loss.backward();
+  LossAndGrads r{loss.item<double>(), loss.grad_fn()->name(), {}};
+  for (const auto& [name, p] : m.params) r.grads.push_back({name, p.grad()});
+  return r;
+}
+
 TEST(Gpt2, FusedKernelsComputeTheSameFunction) {
-  Gpt2Config eager_cfg = RefrunModel(), fused_cfg = RefrunModel();
+  Gpt2Config fused_cfg = RefrunModel();
   fused_cfg.fused_kernels = true;
-  Model a(eager_cfg), b(fused_cfg);
-  Gpt2Init(eager_cfg, a.params, 5);
-  Gpt2Init(fused_cfg, b.params, 5);
-  Gpt2 eager(eager_cfg, a.params), fused(fused_cfg, b.params);
-  at::manual_seed(3);
-  at::Tensor ids = at::randint(0, RefrunModel().vocab_size, {3, 16}, at::kLong);
-  at::Tensor le = eager.Loss(ids), lf = fused.Loss(ids);
-  EXPECT_NEAR(lf.item<double>(), le.item<double>(), 1e-5 * le.item<double>());
-  le.backward();
-  lf.backward();
-  for (size_t k = 0; k < a.params.size(); ++k) {
-    const at::Tensor &ge = a.params[k].tensor.grad(), &gf = b.params[k].tensor.grad();
+  const LossAndGrads eager = ForwardBackward(RefrunModel(), 5, 3), fused = ForwardBackward(fused_cfg, 5, 3);
+  EXPECT_NEAR(fused.loss, eager.loss, 1e-5 * eager.loss);
+  for (size_t k = 0; k < eager.grads.size(); ++k) {
+    const at::Tensor &ge = eager.grads[k].tensor, &gf = fused.grads[k].tensor;
     const double rel = (gf - ge).norm().item<double>() / std::max(1e-12, ge.norm().item<double>());
-    EXPECT_LT(rel, 1e-3) << a.params[k].name;  // tanh GELU approximates gelu_new's rounding, not its value
+    EXPECT_LT(rel, 1e-3) << eager.grads[k].name;  // tanh GELU approximates gelu_new's rounding, not its value
   }
   Gpt2Config bad = fused_cfg;
   bad.dropout = 0.1;
-  EXPECT_THROW(Gpt2(bad, b.params), std::invalid_argument);
+  Model m(bad);
+  EXPECT_THROW(Gpt2(bad, m.params), std::invalid_argument);
 }
 
 TEST(Gpt2, ChunkedLossGivesHfGradientsBitForBit) {
-  Gpt2Config hf_cfg = RefrunModel(), chunked_cfg = RefrunModel();
+  Gpt2Config chunked_cfg = RefrunModel();
   chunked_cfg.chunked_loss = true;
-  Model a(hf_cfg), b(chunked_cfg);
-  Gpt2Init(hf_cfg, a.params, 9);
-  Gpt2Init(chunked_cfg, b.params, 9);
-  Gpt2 hf(hf_cfg, a.params), chunked(chunked_cfg, b.params);
-  at::manual_seed(4);
-  at::Tensor ids = at::randint(0, RefrunModel().vocab_size, {3, 16}, at::kLong);
-  at::Tensor lh = hf.Loss(ids), lc = chunked.Loss(ids);
-  EXPECT_NEAR(lc.item<double>(), lh.item<double>(), 1e-6 * lh.item<double>());
-  lh.backward();
-  lc.backward();
-  for (size_t k = 0; k < a.params.size(); ++k)
-    EXPECT_TRUE(at::equal(a.params[k].tensor.grad(), b.params[k].tensor.grad())) << a.params[k].name;
+  const LossAndGrads hf = ForwardBackward(RefrunModel(), 9, 4), chunked = ForwardBackward(chunked_cfg, 9, 4);
+  EXPECT_NEAR(chunked.loss, hf.loss, 1e-6 * hf.loss);
+  EXPECT_NE(chunked.loss_node.find("NextTokenLoss"), std::string::npos) << chunked.loss_node;  // the chunked path ran
+  EXPECT_EQ(hf.loss_node.find("NextTokenLoss"), std::string::npos) << hf.loss_node;
+  for (size_t k = 0; k < hf.grads.size(); ++k)
+    EXPECT_TRUE(at::equal(hf.grads[k].tensor, chunked.grads[k].tensor)) << hf.grads[k].name;
 }
 
 TEST(Weights, BadFilesAreClearErrors) {
