@@ -30,6 +30,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The temporary output folder beside OUT is TempPrefix(OUT's name) + "<pid>-<n>".
+std::string TempPrefix(const std::string& base) { return "." + base + ".uckpt-tmp-"; }
+
 // Drops the pages around `data` (inside the mapped file `file`) from this
 // process's page tables once they have been copied, so the resident set stays
 // bounded however large the input is (the page cache keeps them; a later read
@@ -111,7 +114,6 @@ class Converter {
   }
 
  private:
-  static std::string TempPrefix(const std::string& base) { return "." + base + ".uckpt-tmp-"; }
   static std::string RandomSuffix() {
     std::random_device rd;
     return std::to_string(::getpid()) + "-" + std::to_string(rd() % 1000000);
@@ -249,7 +251,7 @@ ConvertStats ConvertToUniversal(const ZeroCheckpoint& ckpt, const std::string& o
 std::vector<std::string> StaleConvertTemporaries(const std::string& output) {
   const fs::path out(output);
   const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
-  const std::string prefix = "." + out.filename().string() + ".uckpt-tmp-";
+  const std::string prefix = TempPrefix(out.filename().string());
   std::vector<std::string> stale;
   std::error_code ec;
   for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {

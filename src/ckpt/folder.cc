@@ -74,36 +74,37 @@ std::string StripTrailingSlashes(std::string path) {
   return path;
 }
 
-namespace {
-
-bool IsTagFolder(const std::string& path) {
+FolderKind ClassifyTagFolder(const std::string& path) {
   std::error_code ec;
-  if (fs::is_directory(fs::path(path) / "zero", ec)) return true;
+  if (fs::is_directory(fs::path(path) / "zero", ec)) return FolderKind::kUniversal;
   for (const auto& f : ListCheckpointFolder(path))
     if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates)
-      return true;
-  return false;
+      return FolderKind::kZero;
+  return FolderKind::kUnknown;
 }
 
-std::optional<std::string> ReadTag(const std::string& file) {
+std::optional<std::string> ReadTag(const std::string& file, std::string* problem) {
   std::ifstream in(file);
-  if (!in) return std::nullopt;
+  if (!in) {
+    if (problem) *problem = "cannot be read";
+    return std::nullopt;
+  }
   std::stringstream ss;
   ss << in.rdbuf();
   std::string tag = ss.str();
-  // `latest` is read with surrounding whitespace stripped, as DeepSpeed does.
   size_t b = tag.find_first_not_of(" \t\r\n"), e = tag.find_last_not_of(" \t\r\n");
-  if (b == std::string::npos) return std::nullopt;
+  if (b == std::string::npos) {
+    if (problem) *problem = "is empty";
+    return std::nullopt;
+  }
   return tag.substr(b, e - b + 1);
 }
-
-}  // namespace
 
 std::optional<std::string> ResolveTagFolder(const std::string& path_in, bool prefer_universal) {
   std::string path = StripTrailingSlashes(path_in);
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return std::nullopt;
-  if (IsTagFolder(path)) return path;
+  if (ClassifyTagFolder(path) != FolderKind::kUnknown) return path;
   const char* order[2] = {"latest", "latest_universal"};
   if (prefer_universal) std::swap(order[0], order[1]);
   for (const char* name : order) {

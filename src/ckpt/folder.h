@@ -35,6 +35,16 @@ CheckpointFile ClassifyFile(const std::string& folder, const std::string& name);
 // Throws IoError if the folder cannot be read.
 std::vector<CheckpointFile> ListCheckpointFolder(const std::string& folder);
 
+// What kind of checkpoint folder `path` is: universal (has zero/), a ZeRO tag
+// folder (holds model-states or optimizer-states files), or neither.
+enum class FolderKind { kZero, kUniversal, kUnknown };
+FolderKind ClassifyTagFolder(const std::string& path);
+
+// The tag a `latest` / `latest_universal` file names, surrounding whitespace
+// stripped as DeepSpeed does; nullopt (and why in `problem`, if given) when it
+// cannot be read or is empty.
+std::optional<std::string> ReadTag(const std::string& file, std::string* problem = nullptr);
+
 // `path` itself if it is a tag folder (holds *_model_states.pt or *_optim_states.pt
 // or a zero/ folder); else, if it holds `latest_universal` (preferred when
 // `prefer_universal`) or `latest`, the folder that file names. nullopt otherwise.

@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "ckpt/parallel.h"
 #include "format/error.h"
 #include "format/file.h"
 
@@ -51,40 +52,6 @@ std::vector<std::string> ListFiles(const std::string& folder) {
   if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
   std::sort(out.begin(), out.end());
   return out;
-}
-
-int HashThreads(int requested, size_t jobs) {
-  int n = requested > 0 ? requested : std::min(4u, std::max(1u, std::thread::hardware_concurrency()));
-  return static_cast<int>(std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(n), jobs)));
-}
-
-// Runs job(i) for i in [0, n) on `threads` threads, largest first (`sizes`),
-// and rethrows the first exception once all threads have stopped.
-template <typename Job>
-void ParallelBySize(const std::vector<uint64_t>& sizes, int threads, Job job) {
-  std::vector<size_t> order(sizes.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-  std::mutex mu;
-  auto work = [&] {
-    for (size_t k; !failed && (k = next++) < order.size();) {
-      try {
-        job(order[k]);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!error) error = std::current_exception();
-        failed = true;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
 }
 
 bool SafeRelativePath(const std::string& rel) {
@@ -132,9 +99,10 @@ bool HexToHash(const std::string& hex, uint64_t* h) {
   return true;
 }
 
-uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress) {
+uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress, uint64_t* size) {
   auto file = MappedFile::Open(path);
   std::span<const uint8_t> bytes = file->bytes();
+  if (size) *size = bytes.size();
   std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
   if (!state) throw std::bad_alloc();
   XXH64_reset(state.get(), 0);
@@ -158,14 +126,11 @@ Manifest WriteManifest(const std::string& folder, bool durable) {
     sizes[i] = fs::file_size(Join(folder, m.files[i].path), ec);
     if (ec) throw IoError("cannot stat " + Join(folder, m.files[i].path) + ": " + ec.message());
   }
-  ParallelBySize(sizes, HashThreads(0, m.files.size()), [&](size_t i) {
+  ParallelBySize(sizes, WorkerThreads(0, m.files.size()), [&](size_t i) {
     const std::string path = Join(folder, m.files[i].path);
-    m.files[i].xxh64 = HashFile(path);
     // The size of what was hashed, not of the earlier stat: a file still being
     // written would show here as a mismatch later, never as a wrong hash.
-    std::error_code ec;
-    m.files[i].size = fs::file_size(path, ec);
-    if (ec) throw IoError("cannot stat " + path + ": " + ec.message());
+    m.files[i].xxh64 = HashFile(path, nullptr, &m.files[i].size);
   });
 
   json files = json::array();
@@ -236,6 +201,8 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
     return check;
   }
   check.files = m.files.size();
+  if (options.progress_total)
+    for (const auto& e : m.files) *options.progress_total += e.size;
   std::set<std::string> listed;
   std::vector<size_t> to_hash;
   std::vector<uint64_t> hash_sizes;
@@ -281,7 +248,7 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
   if (options.hashes) {
     check.hashed = true;
     std::vector<std::string> results(to_hash.size());  // empty: hash matches
-    ParallelBySize(hash_sizes, HashThreads(options.threads, to_hash.size()), [&](size_t k) {
+    ParallelBySize(hash_sizes, WorkerThreads(options.threads, to_hash.size()), [&](size_t k) {
       const ManifestEntry& e = m.files[to_hash[k]];
       try {
         uint64_t h = HashFile(Join(folder, e.path), options.progress);

@@ -42,7 +42,8 @@ Manifest ReadManifest(const std::string& folder);
 
 // XXH64 (seed 0) of the whole file, read through a read-only map.
 // `progress`, if given, is advanced by the bytes hashed as they are hashed.
-uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress = nullptr);
+// `size`, if given, receives the number of bytes hashed.
+uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress = nullptr, uint64_t* size = nullptr);
 
 // 16 lower-case hex digits, and back (nullopt-like: returns false if malformed).
 std::string HashToHex(uint64_t h);
@@ -70,6 +71,8 @@ struct ManifestCheckOptions {
   int shard = 0, shards = 1;
   // Advanced by bytes hashed while hashing (another thread may print it).
   std::atomic<uint64_t>* progress = nullptr;
+  // Advanced by the listed files' total size once the manifest is read.
+  std::atomic<uint64_t>* progress_total = nullptr;
 };
 
 // Checks `folder` against its manifest: every listed file present with the

@@ -13,10 +13,10 @@ namespace uckpt::ckpt {
 
 namespace fs = std::filesystem;
 
-UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool verify_hashes) {
+UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool verify_hashes, bool check_manifest) {
   UniversalCheckpoint u;
   u.folder = StripTrailingSlashes(folder_in);
-  CheckFolderAgainstManifest(u.folder, verify_hashes);
+  if (check_manifest) CheckFolderAgainstManifest(u.folder, verify_hashes);
   std::error_code ec;
   if (!fs::is_directory(u.folder + "/zero", ec))
     throw FormatError(u.folder + ": no zero/ folder; not a universal checkpoint");

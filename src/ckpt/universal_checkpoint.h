@@ -32,8 +32,10 @@ struct UniversalCheckpoint {
 
 // Opens `folder` (holding zero/ and the model-states copies). Throws
 // FormatError naming the file if it is not a universal checkpoint. A folder
-// with a manifest is first checked against it (sizes; hashes with `verify_hashes`).
-UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder, bool verify_hashes = false);
+// with a manifest is first checked against it (sizes; hashes with `verify_hashes`;
+// not at all with `check_manifest` false, when the caller just did).
+UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder, bool verify_hashes = false,
+                                            bool check_manifest = true);
 
 // zero/<name>/<key>.pt loaded; `*tensor` is the whole parameter (ZeRO-3 files
 // reshaped to `shape` is the caller's business: their tensor is 1-D).

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "ckpt/folder.h"
+#include "ckpt/parallel.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
 #include "ckpt/zero_checkpoint.h"
@@ -48,43 +49,19 @@ ManifestProblem ProblemFromError(const std::string& message, const std::string& 
   return {fallback, message};
 }
 
-FolderKind Classify(const std::string& folder) {
-  std::error_code ec;
-  if (fs::is_directory(folder + "/zero", ec)) return FolderKind::kUniversal;
-  for (const auto& f : ListCheckpointFolder(folder))
-    if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates)
-      return FolderKind::kZero;
-  return FolderKind::kUnknown;
-}
-
 uint64_t SizeOr0(const std::string& path) {
   std::error_code ec;
   uint64_t n = fs::file_size(path, ec);
   return ec ? 0 : n;
 }
 
-// Runs job(i), i in [0, n), on `threads` threads; job must not throw.
-template <typename Job>
-void ParallelFor(size_t n, int threads, Job job) {
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next++) < n;) job(i);
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads && static_cast<size_t>(t) < n; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-}
-
-int Threads(int requested) {
-  return requested > 0 ? requested : static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
-}
-
 // Checks one folder's structure without a manifest's help (or after it).
 class StructureCheck {
  public:
-  StructureCheck(FolderVerdict& v, const VerifyOptions& o, bool read_contents)
-      : v_(v), o_(o), read_contents_(read_contents) {}
+  // Reads contents (CRC-32s) when hashes were asked for and no manifest's
+  // hashes covered them; counts files only when no manifest did.
+  StructureCheck(FolderVerdict& v, const VerifyOptions& o)
+      : v_(v), o_(o), read_contents_(o.hashes && !v.manifest), counting_(!v.manifest) {}
 
   void Run() {
     try {
@@ -141,9 +118,10 @@ class StructureCheck {
       if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates)
         files.push_back(std::move(f));
     const size_t before = v_.problems.size();
-    ParallelFor(files.size(), Threads(o_.threads), [&](size_t i) { Parse(files[i].path); });
+    ParallelBySize(std::vector<uint64_t>(files.size()), WorkerThreads(o_.threads, files.size()),
+                   [&](size_t i) { Parse(files[i].path); });
     if (v_.problems.size() > before) return;  // opening would only repeat the first of them
-    OpenZeroCheckpoint(v_.folder);
+    OpenZeroCheckpoint(v_.folder, false, /*check_manifest=*/false);  // VerifyFolder compared it
   }
 
   // The copied model states parse and give the parameters; each has its
@@ -155,7 +133,7 @@ class StructureCheck {
     for (const auto& f : ListCheckpointFolder(v_.folder))
       if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates)
         if (!Parse(f.path)) return;
-    UniversalCheckpoint u = OpenUniversalCheckpoint(v_.folder);
+    UniversalCheckpoint u = OpenUniversalCheckpoint(v_.folder, false, /*check_manifest=*/false);
     Parse(v_.folder + "/zero/optimizer_state.pt");
     std::vector<std::string> keys = {"fp32"};
     keys.insert(keys.end(), u.state_keys.begin(), u.state_keys.end());
@@ -171,7 +149,7 @@ class StructureCheck {
         for (const auto& k : keys) jobs.push_back({&p, k});
         if (u.has_step) jobs.push_back({&p, "step"});
       }
-    ParallelFor(jobs.size(), Threads(o_.threads), [&](size_t i) {
+    ParallelBySize(std::vector<uint64_t>(jobs.size()), WorkerThreads(o_.threads, jobs.size()), [&](size_t i) {
       const Job& j = jobs[i];
       const std::string path = v_.folder + "/zero/" + j.param->name + "/" + j.key + ".pt";
       std::optional<TorchFile> f = Parse(path);
@@ -197,11 +175,8 @@ class StructureCheck {
 
   FolderVerdict& v_;
   const VerifyOptions& o_;
-  bool read_contents_;
+  const bool read_contents_, counting_;
   std::mutex mu_;
-
- public:
-  bool counting_ = true;  // count parsed files in the verdict (not when a manifest already did)
 };
 
 FolderVerdict VerifyFolder(const std::string& folder, FolderKind kind, const VerifyOptions& o) {
@@ -209,19 +184,12 @@ FolderVerdict VerifyFolder(const std::string& folder, FolderKind kind, const Ver
   v.folder = folder;
   v.kind = kind;
   v.manifest = HasManifest(folder);
-  bool contents_checked = false;
   if (v.manifest) {
-    if (o.progress) {
-      try {
-        for (const auto& e : ReadManifest(folder).files) o.progress->bytes_total += e.size;
-      } catch (const std::exception&) {
-        // CheckManifest reports it.
-      }
-    }
     ManifestCheckOptions mo;
     mo.hashes = o.hashes;
     mo.threads = o.threads;
     mo.progress = o.progress ? &o.progress->bytes_done : nullptr;
+    mo.progress_total = o.progress ? &o.progress->bytes_total : nullptr;
     ManifestCheck c = CheckManifest(folder, mo);
     v.files = c.files;
     v.bytes = c.bytes;
@@ -229,32 +197,12 @@ FolderVerdict VerifyFolder(const std::string& folder, FolderKind kind, const Ver
     // A folder that does not match its manifest is already condemned, file
     // by file; parsing it would mostly repeat the same problems.
     if (!v.problems.empty()) return v;
-    contents_checked = o.hashes;
   }
   // Structure: with a matching manifest whose hashes were compared, the
   // files' CRC-32s need not be read again.
-  StructureCheck s(v, o, o.hashes && !contents_checked);
-  s.counting_ = !v.manifest;
-  s.Run();
+  StructureCheck(v, o).Run();
   std::stable_sort(v.problems.begin(), v.problems.end(), [](const auto& a, const auto& b) { return a.file < b.file; });
   return v;
-}
-
-std::optional<std::string> ReadTagFile(const std::string& path, std::string* problem) {
-  std::ifstream in(path);
-  if (!in) {
-    *problem = "cannot be read";
-    return std::nullopt;
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string tag = ss.str();
-  size_t b = tag.find_first_not_of(" \t\r\n"), e = tag.find_last_not_of(" \t\r\n");
-  if (b == std::string::npos) {
-    *problem = "is empty";
-    return std::nullopt;
-  }
-  return tag.substr(b, e - b + 1);
 }
 
 }  // namespace
@@ -269,7 +217,7 @@ VerifyReport VerifyCheckpoint(const std::string& path_in, const VerifyOptions& o
     r.folders.push_back(VerifyFolder(folder, kind, options));
     if (options.progress) options.progress->folders_done += 1;
   };
-  FolderKind kind = Classify(r.path);
+  FolderKind kind = ClassifyTagFolder(r.path);
   if (kind != FolderKind::kUnknown) {
     if (options.progress) options.progress->folders_total = 1;
     run(r.path, kind);
@@ -288,7 +236,7 @@ VerifyReport VerifyCheckpoint(const std::string& path_in, const VerifyOptions& o
   std::set<std::string> checkpoints;
   for (const auto& name : names) {
     const std::string folder = r.path + "/" + name;
-    FolderKind k = Classify(folder);
+    FolderKind k = ClassifyTagFolder(folder);
     if (k == FolderKind::kUnknown) continue;
     if (name[0] == '.') {
       r.notes.push_back(folder + ": skipped (a temporary folder of an interrupted save or conversion; "
@@ -304,7 +252,7 @@ VerifyReport VerifyCheckpoint(const std::string& path_in, const VerifyOptions& o
     if (!fs::exists(fs::symlink_status(p, ec))) continue;
     has_latest = true;
     std::string problem;
-    auto tag = ReadTagFile(p, &problem);
+    auto tag = ReadTag(p, &problem);
     if (!tag) {
       r.problems.push_back({p, problem});
     } else if (!checkpoints.count(*tag)) {

@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/folder.h"
 #include "ckpt/manifest.h"
 
 namespace uckpt::ckpt {
 
-enum class FolderKind { kZero, kUniversal, kUnknown };
 const char* FolderKindName(FolderKind k);  // "zero", "universal", "unknown"
 
 struct FolderVerdict {

@@ -526,8 +526,8 @@ int ParseZeroStage(const ValuePtr& v, const std::string& where) {
   Fail(where, "cannot read zero_stage (" + KindName(*v) + ")");
 }
 
-ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes) {
-  CheckFolderAgainstManifest(StripTrailingSlashes(folder), verify_hashes);
+ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
+  if (check_manifest) CheckFolderAgainstManifest(StripTrailingSlashes(folder), verify_hashes);
   return Opener(folder).Open();
 }
 

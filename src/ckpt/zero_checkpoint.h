@@ -66,8 +66,9 @@ struct ZeroCheckpoint {
 // rank files, mixed world sizes or steps, shapes that do not add up, corrupt
 // or truncated files, and unsupported layouts; IoError if files cannot be read.
 // A folder with a manifest (ckpt/manifest.h) is first checked against it:
-// sizes always, XXH64 hashes too with `verify_hashes`.
-ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes = false);
+// sizes always, XXH64 hashes too with `verify_hashes`; not at all with
+// `check_manifest` false (the caller just did, as `uckpt verify`).
+ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes = false, bool check_manifest = true);
 
 // ZeroStageEnum as pickled (getattr(ZeroStageEnum, 'gradients'),
 // ZeroStageEnum(2) or an int): 1..3, or 0 when `v` is null (BF16_Optimizer).
