@@ -20,10 +20,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path, int error = errno) {
-  throw IoError(what + " " + path + ": " + std::strerror(error));
-}
-
 class PosixWritableFile : public WritableFile {
  public:
   PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}

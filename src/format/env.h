@@ -66,7 +66,6 @@ void ReplaceFolder(Env& env, const std::string& tmp, const std::string& dest);
 class EnvWrapper : public Env {
  public:
   explicit EnvWrapper(Env& target) : target_(target) {}
-  Env& target() const { return target_; }
 
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return target_.MapFile(path); }
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {

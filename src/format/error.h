@@ -2,6 +2,8 @@
 // it applies, the record or pickle offset that was wrong.
 #pragma once
 
+#include <cerrno>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -19,5 +21,10 @@ class IoError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// Throws IoError "<what> <path>: <strerror(error)>", e.g. "cannot open x.pt: No such file or directory".
+[[noreturn]] inline void ThrowErrno(const std::string& what, const std::string& path, int error = errno) {
+  throw IoError(what + " " + path + ": " + std::strerror(error));
+}
 
 }  // namespace uckpt

@@ -21,13 +21,13 @@ class FaultWritableFile : public WritableFile {
     env_.Before(IoOp::kWrite, path());
     if (env_.short_writes() && data.size() > 1) data = data.first(data.size() / 2);
     size_t n = base_->Write(data);
-    env_.After(IoOp::kWrite);
+    env_.After();
     return n;
   }
   void Sync() override {
     env_.Before(IoOp::kSync, path());
     base_->Sync();
-    env_.After(IoOp::kSync);
+    env_.After();
   }
   void Close() override { base_->Close(); }
   const std::string& path() const override { return base_->path(); }
@@ -89,8 +89,7 @@ void FaultEnv::Before(IoOp op, const std::string& path, const std::string& path2
   }
 }
 
-void FaultEnv::After(IoOp op) {
-  if (op == IoOp::kMap) return;
+void FaultEnv::After() {
   const uint64_t n = ++write_points_;
   if (crash_after_ != 0 && n == crash_after_) {
     ::kill(::getpid(), SIGKILL);
@@ -106,52 +105,52 @@ std::shared_ptr<const MappedFile> FaultEnv::MapFile(const std::string& path) {
 std::unique_ptr<WritableFile> FaultEnv::NewWritableFile(const std::string& path, unsigned mode) {
   Before(IoOp::kCreate, path);
   auto f = std::make_unique<FaultWritableFile>(*this, EnvWrapper::NewWritableFile(path, mode));
-  After(IoOp::kCreate);
+  After();
   return f;
 }
 
 uint64_t FaultEnv::CopyFile(const std::string& from, const std::string& to) {
   Before(IoOp::kCopy, to, from);
   uint64_t n = EnvWrapper::CopyFile(from, to);
-  After(IoOp::kCopy);
+  After();
   return n;
 }
 
 void FaultEnv::CreateDirs(const std::string& path) {
   Before(IoOp::kCreateDir, path);
   EnvWrapper::CreateDirs(path);
-  After(IoOp::kCreateDir);
+  After();
 }
 
 void FaultEnv::Rename(const std::string& from, const std::string& to) {
   Before(IoOp::kRename, from, to);
   EnvWrapper::Rename(from, to);
-  After(IoOp::kRename);
+  After();
 }
 
 bool FaultEnv::Exchange(const std::string& a, const std::string& b) {
   Before(IoOp::kRename, a, b);
   bool done = EnvWrapper::Exchange(a, b);
-  After(IoOp::kRename);
+  After();
   return done;
 }
 
 void FaultEnv::RemoveAll(const std::string& path) {
   Before(IoOp::kRemove, path);
   EnvWrapper::RemoveAll(path);
-  After(IoOp::kRemove);
+  After();
 }
 
 void FaultEnv::SyncDir(const std::string& dir) {
   Before(IoOp::kSyncDir, dir);
   EnvWrapper::SyncDir(dir);
-  After(IoOp::kSyncDir);
+  After();
 }
 
 void FaultEnv::SyncFilesystem(const std::string& path) {
   Before(IoOp::kSyncDir, path);
   EnvWrapper::SyncFilesystem(path);
-  After(IoOp::kSyncDir);
+  After();
 }
 
 // ---- The crash hook. ----

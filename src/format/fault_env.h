@@ -68,7 +68,7 @@ class FaultEnv : public EnvWrapper {
   // Used by the files this Env creates. Before() throws the injected
   // IoError; After() counts a write point (and crashes at the chosen one).
   void Before(IoOp op, const std::string& path, const std::string& path2 = "");
-  void After(IoOp op);
+  void After();
   bool short_writes() const { return short_writes_; }
 
  private:

@@ -14,10 +14,6 @@
 namespace uckpt {
 namespace {
 
-[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
-  throw IoError(what + " " + path + ": " + std::strerror(errno));
-}
-
 constexpr size_t kBufferSize = 1 << 20;
 
 }  // namespace
@@ -119,7 +115,5 @@ void AtomicFile::Commit() {
   committed_ = true;
   if (durable_) env_.SyncDir(std::filesystem::path(path_).parent_path().string());
 }
-
-void SyncDir(const std::string& dir) { Env::Current().SyncDir(dir); }
 
 }  // namespace uckpt

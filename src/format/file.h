@@ -66,7 +66,4 @@ class AtomicFile {
   bool durable_ = true;
 };
 
-// fsyncs a directory (through Env::Current()) so a rename inside it is durable.
-void SyncDir(const std::string& dir);
-
 }  // namespace uckpt
