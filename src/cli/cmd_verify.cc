@@ -118,7 +118,8 @@ Runner AddVerify(CLI::App& app) {
     }
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (args->json) {
-      std::cout << ReportJson(r).dump(2) << "\n";
+      // Paths need not be UTF-8; replace what is not, as inspect does.
+      std::cout << ReportJson(r).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
       return r.ok() ? 0 : 1;
     }
     for (const auto& p : r.problems) std::cout << p.file << ": " << p.what << "\n";

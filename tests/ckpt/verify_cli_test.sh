@@ -83,6 +83,16 @@ mkdir "$T/empty"
 "$UCKPT" verify "$T/empty" >/dev/null 2>"$T/err"
 check "not a checkpoint: exit 2" test $? -eq 2
 check "not a checkpoint: says so" grep -q "not a checkpoint" "$T/err"
+# A folder name that is not UTF-8 still gives a JSON report (replacement characters).
+bad=$(printf '%s/ckpt_\377' "$T")
+mkdir -p "$bad" && cp -r "$FX/z2_ws3_fp32/ckpt/global_step5" "$bad/"
+"$UCKPT" verify --json "$bad" >"$T/json-bad" 2>"$T/err-bad"
+check "--json, non-UTF-8 folder name: exit 0" test $? -eq 0
+check "--json, non-UTF-8 folder name: a JSON report" /usr/bin/python3 -c "
+import json, sys
+r = json.load(open(sys.argv[1], encoding='utf-8'))
+assert r['folders'] and '\ufffd' in r['folders'][0]['folder'], r" "$T/json-bad"
+
 "$UCKPT" verify >/dev/null 2>&1
 check "no DIR: exit 2" test $? -eq 2
 "$UCKPT" verify --help >"$T/help"
