@@ -367,13 +367,19 @@ ValuePtr OptimStatesValue(const Trainer& t) {
 
 namespace {
 
+// The highest rank whose `error` is not empty, or -1 when every rank
+// succeeded: one all-reduce, called by every rank.
+int FailingRank(Comm& comm, const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
+  comm.AllReduceMax(failed);
+  return static_cast<int>(failed.item<float>());
+}
+
 // Every rank's verdict on a phase of the save: throws on every rank if any
 // failed (the failing rank with its own error), so no rank goes on to publish
 // a checkpoint that another rank could not write.
 void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error) {
-  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
-  comm.AllReduceMax(failed);
-  const int bad = static_cast<int>(failed.item<float>());
+  const int bad = FailingRank(comm, error);
   if (bad < 0) return;
   if (!error.empty()) throw IoError("checkpoint " + folder + " not saved: " + error);
   throw IoError("checkpoint " + folder + " not saved: rank " + std::to_string(bad) + " could not write its part");
@@ -433,8 +439,7 @@ void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
   // `latest`.
   if (rank0) {
     try {
-      ckpt::WriteManifest(tmp);
-      env.SyncDir(tmp);
+      ckpt::WriteManifest(tmp);  // durable: its commit fsyncs `tmp` too
       ReplaceFolder(env, tmp, folder);  // an old folder of that tag swapped out
       env.SyncDir(dir);
       AtomicFile latest(dir + "/latest");
@@ -568,9 +573,7 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   } catch (const FormatError& e) {
     error = e.what();
   }
-  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
-  comm.AllReduceMax(failed);
-  const int bad = static_cast<int>(failed.item<float>());
+  const int bad = FailingRank(comm, error);
   if (bad < 0) return;
   // Every rank reports the finder's error (it names the files), cut at 4 KiB.
   at::Tensor text = at::zeros({4096}, at::kByte);
@@ -692,11 +695,12 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, 
     copy("fp32", st.master);
     if (!with_state) continue;
     // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
-    if (!fs::exists(pdir + "/exp_avg.pt") && !fs::exists(pdir + "/step.pt")) continue;
+    const std::string step_path = pdir + "/step.pt";
+    const bool has_step = fs::exists(step_path);
+    if (!has_step && !fs::exists(pdir + "/exp_avg.pt")) continue;
     copy("exp_avg", st.exp_avg);
     copy("exp_avg_sq", st.exp_avg_sq);
-    const std::string step_path = pdir + "/step.pt";
-    if (fs::exists(step_path)) {
+    if (has_step) {
       Reader r(step_path);
       TorchFile tf = LoadTorchFile(step_path);
       double s = tf.root && tf.root->tensor ? ToTorch(*tf.root->tensor).item<double>() : r.Number(tf.root, "step");

@@ -45,7 +45,6 @@ OverlappedGradReducer::OverlappedGradReducer(Comm& comm, const std::vector<at::T
     bucket_of[j] = buckets_.size() - 1;
   }
   for (auto& b : buckets_) b.pending = b.params;
-  ready_.assign(buckets_.size(), false);
   for (size_t k = 0; k < params.size(); ++k) {
     auto acc = torch::autograd::impl::grad_accumulator(params[k]);
     if (!acc) throw std::invalid_argument("OverlappedGradReducer: parameter " + std::to_string(k) + " is not a leaf");
@@ -61,30 +60,29 @@ OverlappedGradReducer::~OverlappedGradReducer() {
 
 void OverlappedGradReducer::OnGradReady(size_t bucket) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (--buckets_[bucket].pending == 0) ready_[bucket] = true;
-  StartReadyBuckets();
+  --buckets_[bucket].pending;
+  started_during_backward_ += static_cast<int64_t>(StartReadyBuckets());
 }
 
-void OverlappedGradReducer::StartReadyBuckets() {
+size_t OverlappedGradReducer::StartReadyBuckets() {
   c10::NoGradGuard no_grad;
   const double dp = comm_.world_size();
-  while (next_ < buckets_.size() && ready_[next_]) {
+  const size_t first = next_;
+  while (next_ < buckets_.size() && buckets_[next_].pending <= 0) {
     Bucket& b = buckets_[next_++];
     // DeepSpeed's average_tensor: divide by dp, then sum over ranks (in fp32).
     b.fp32 = grad_flat_.narrow(0, b.begin, b.numel).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     b.fp32.div_(dp);
     b.work = comm_.StartAllReduceSum(b.fp32);
-    if (!finishing_) ++started_during_backward_;
   }
+  return next_ - first;
 }
 
 at::Tensor OverlappedGradReducer::Finish() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::fill(ready_.begin(), ready_.end(), true);  // a parameter without gradient leaves its bucket short
-    finishing_ = true;
+    for (auto& b : buckets_) b.pending = 0;  // a parameter without gradient leaves its bucket short
     StartReadyBuckets();
-    finishing_ = false;
   }
   c10::NoGradGuard no_grad;
   at::Tensor part = at::zeros({part_size_}, grad_flat_.options().dtype(at::kFloat));
@@ -96,7 +94,6 @@ at::Tensor OverlappedGradReducer::Finish() {
     b.work.reset();
     b.pending = b.params;
   }
-  std::fill(ready_.begin(), ready_.end(), false);
   next_ = 0;
   return part;
 }

@@ -49,12 +49,12 @@ class OverlappedGradReducer {
   struct Bucket {
     int64_t begin = 0, numel = 0;  // range of the flat buffer
     int params = 0;                // hooks to wait for
-    int pending = 0;
+    int pending = 0;               // hooks still to fire; <= 0: ready to start
     at::Tensor fp32;               // the averaged values once started
     std::unique_ptr<Comm::Pending> work;
   };
   void OnGradReady(size_t bucket);
-  void StartReadyBuckets();  // with mu_ held
+  size_t StartReadyBuckets();  // with mu_ held; returns how many it started
 
   Comm& comm_;
   at::Tensor grad_flat_;
@@ -62,8 +62,6 @@ class OverlappedGradReducer {
   std::vector<Bucket> buckets_;
   size_t next_ = 0;  // the next bucket to start
   int64_t started_during_backward_ = 0;
-  bool finishing_ = false;
-  std::vector<bool> ready_;
   std::mutex mu_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;

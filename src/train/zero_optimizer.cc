@@ -15,7 +15,10 @@ ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettin
   if (s_.stage < 0 || s_.stage > 2) throw std::invalid_argument("ZeRO stage must be 0, 1 or 2");
   const int dp = s_.stage == 0 ? 1 : comm_.world_size();
   layout_ = ckpt::MakeFlatLayout(std::accumulate(numels_.begin(), numels_.end(), int64_t{0}), dp);
+  offsets_ = ckpt::FlatOffsets(numels_);
   fragments_ = ckpt::RankFragments(numels_, dp, partition_rank());
+  fragment_of_.assign(numels_.size(), -1);
+  for (size_t i = 0; i < fragments_.size(); ++i) fragment_of_[fragments_[i].param] = static_cast<int>(i);
   auto model_opts = at::TensorOptions().dtype(s_.model_dtype).device(device);
   model_flat_ = at::zeros({layout_.padded_numel}, model_opts);
   grad_flat_ = at::zeros({layout_.padded_numel}, model_opts);
@@ -32,9 +35,8 @@ at::Tensor ZeroOptimizer::PartitionOf(const at::Tensor& flat) const {
 
 void ZeroOptimizer::BindGradients(const std::vector<at::Tensor>& params) {
   if (params.size() != numels_.size()) throw std::invalid_argument("BindGradients: wrong parameter count");
-  auto offsets = ckpt::FlatOffsets(numels_);
   for (size_t k = 0; k < params.size(); ++k)
-    params[k].mutable_grad() = grad_flat_.narrow(0, offsets[k], numels_[k]).view(params[k].sizes());
+    params[k].mutable_grad() = grad_flat_.narrow(0, offsets_[k], numels_[k]).view(params[k].sizes());
   if (s_.overlap_comm && s_.stage == 2 && layout_.dp > 1)
     overlap_ = std::make_unique<OverlappedGradReducer>(comm_, params, numels_, grad_flat_, layout_.begin(partition_rank()),
                                                        layout_.partition_size, s_.reduce_bucket_size);
@@ -73,9 +75,7 @@ at::Tensor ZeroOptimizer::AllReduceInDeepSpeedOrder() {
     order.resize(numels_.size());
     std::iota(order.begin(), order.end(), 0);
   }
-  const auto offsets = ckpt::FlatOffsets(numels_);
-  const int64_t begin = layout_.begin(partition_rank()), P = layout_.partition_size;
-  at::Tensor part = at::zeros({P}, grad_flat_.options().dtype(at::kFloat));
+  at::Tensor part = at::zeros({layout_.partition_size}, grad_flat_.options().dtype(at::kFloat));
   size_t first = 0;
   while (first < order.size()) {
     size_t last = first;
@@ -83,14 +83,16 @@ at::Tensor ZeroOptimizer::AllReduceInDeepSpeedOrder() {
     while (last < order.size() && (last == first || n + numels_[order[last]] <= s_.reduce_bucket_size))
       n += numels_[order[last++]];
     std::vector<at::Tensor> pieces;
-    for (size_t i = first; i < last; ++i) pieces.push_back(grad_flat_.narrow(0, offsets[order[i]], numels_[order[i]]));
-    at::Tensor bucket = at::cat(pieces).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    for (size_t i = first; i < last; ++i) pieces.push_back(grad_flat_.narrow(0, offsets_[order[i]], numels_[order[i]]));
+    at::Tensor bucket = at::cat(pieces).to(at::kFloat);  // cat made a new tensor: converting is enough
     bucket.div_(static_cast<double>(layout_.dp));
     comm_.AllReduceSum(bucket);
     int64_t at_bucket = 0;
     for (size_t i = first; i < last; ++i) {
-      const int64_t lo = std::max(offsets[order[i]], begin), hi = std::min(offsets[order[i]] + numels_[order[i]], begin + P);
-      if (lo < hi) part.narrow(0, lo - begin, hi - lo).copy_(bucket.narrow(0, at_bucket + lo - offsets[order[i]], hi - lo));
+      if (const int j = fragment_of_[order[i]]; j >= 0) {
+        const ckpt::Fragment& f = fragments_[j];
+        part.narrow(0, f.partition_offset, f.numel).copy_(bucket.narrow(0, at_bucket + f.param_offset, f.numel));
+      }
       at_bucket += numels_[order[i]];
     }
     first = last;

@@ -105,7 +105,9 @@ class ZeroOptimizer {
   std::vector<int64_t> numels_;
   ZeroSettings s_;
   ckpt::FlatLayout layout_;
+  std::vector<int64_t> offsets_;           // each parameter's start in the flat buffers
   std::vector<ckpt::Fragment> fragments_;  // of this rank's partition
+  std::vector<int> fragment_of_;  // per parameter: its index in fragments_, or -1 (none on this rank)
   at::Tensor model_flat_, grad_flat_;
   at::Tensor grad_partition_;  // [P] fp32, the averaged gradient being accumulated
   bool have_grad_partition_ = false;
