@@ -3,15 +3,7 @@
 # output, -j, --force, trailing slashes, exit codes, and a full disk (a small
 # tmpfs in a private mount namespace, when this machine allows one).
 # Usage: cli_test.sh UCKPT SHARED_DIR
-set -u
-UCKPT=$1
-FX=$2/fixtures/deepspeed
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-fails=0
-check() {  # check DESCRIPTION COMMAND...
-  if "${@:2}"; then echo "ok   $1"; else echo "FAIL $1"; fails=$((fails + 1)); fi
-}
+source "$(dirname "$(realpath "$0")")/cli_lib.sh"
 
 IN=$FX/z2_ws3_fp32/ckpt/global_step5
 UNI=$FX/z2_ws3_fp32/ckpt/global_step5_universal

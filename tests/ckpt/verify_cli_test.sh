@@ -5,15 +5,7 @@
 # manifest's hashes against xxhsum (Debian package xxhash), an independent
 # XXH64 implementation.
 # Usage: verify_cli_test.sh UCKPT SHARED_DIR
-set -u
-UCKPT=$1
-FX=$2/fixtures/deepspeed
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-fails=0
-check() {  # check DESCRIPTION COMMAND...
-  if "${@:2}"; then echo "ok   $1"; else echo "FAIL $1"; fails=$((fails + 1)); fi
-}
+source "$(dirname "$(realpath "$0")")/cli_lib.sh"
 
 # DeepSpeed's folders (no manifest): structure and CRC-32s.
 "$UCKPT" verify "$FX/z2_ws3_fp32/ckpt" >"$T/out" 2>&1
