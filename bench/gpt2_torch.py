@@ -3,7 +3,7 @@
 Used by bench/gpt2_reference_loop.py (the fp32 loss cross-check) and
 bench/torch_dp_bench.py (DDP + ZeroRedundancyOptimizer and FSDP2 throughput).
 
-`fused=False` is the exact math of src/train/gpt2.cc (HF's eager attention,
+`fused=False` is the exact math of src/models/gpt2.cc (HF's eager attention,
 gelu_new written out term by term), which is also what uckpt trains by
 default. `fused=True` is uckpt's `--fused_kernels`: scaled_dot_product_attention
 (flash / memory-efficient kernels) and the one-kernel tanh GELU; the same

@@ -2,9 +2,9 @@
 # One device call of issue 7's GPU work: build (scripts/build-gpu.sh), then the parts
 # named in PARTS, each under its own time limit, logs into $OUT (the device tool's
 # folder that comes back). Parts: check (PyTorch cross-check, 1 GPU), matrix
-# (tests/train/gpu_matrix.sh, the three precisions in parallel), train (bench/train-gpu.sh),
+# (tests/engine/gpu_matrix.sh, the three precisions in parallel), train (bench/train-gpu.sh),
 # ckpt (bench/ckpt-gpu.sh), demo (scripts/demo-gpu.sh both), failing (failing ranks under
-# NCCL, tests/train/failing_ranks_test.sh on 2 GPUs), fp16 (GPT-2 124M in fp16 with dynamic
+# NCCL, tests/engine/failing_ranks_test.sh on 2 GPUs), fp16 (GPT-2 124M in fp16 with dynamic
 # loss scaling on 4 GPUs, bench/fp16-gpu.sh).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
@@ -34,14 +34,14 @@ for p in ${PARTS:-check matrix train ckpt}; do
     matrix)
       s=$SECONDS
       for prec in fp32 bf16 fp16; do
-        PRECISIONS=$prec timeout ${LIMIT_matrix:-300} tests/train/gpu_matrix.sh "$U" /tmp/matrix-$prec > "$OUT/matrix-$prec.log" 2>&1 &
+        PRECISIONS=$prec timeout ${LIMIT_matrix:-300} tests/engine/gpu_matrix.sh "$U" /tmp/matrix-$prec > "$OUT/matrix-$prec.log" 2>&1 &
       done
       wait
       echo "==== matrix: $((SECONDS - s)) s"
       for prec in fp32 bf16 fp16; do sed -n '/==== gpu_matrix/,$p' "$OUT/matrix-$prec.log"; grep -m3 "failed:" -A3 "$OUT/matrix-$prec.log"; done ;;
     train) part train ${LIMIT_train:-330} bench/train-gpu.sh "$U" /tmp/train-gpu ;;
     ckpt) part ckpt ${LIMIT_ckpt:-150} bench/ckpt-gpu.sh "$U" /tmp/ckpt-gpu ;;
-    failing) RANKS=2 DEVICE=cuda part failing ${LIMIT_failing:-240} tests/train/failing_ranks_test.sh "$U" /tmp/failing ;;
+    failing) RANKS=2 DEVICE=cuda part failing ${LIMIT_failing:-240} tests/engine/failing_ranks_test.sh "$U" /tmp/failing ;;
     fp16) part fp16 ${LIMIT_fp16:-180} bench/fp16-gpu.sh "$U" /tmp/fp16-gpu ;;
     demo) part demo ${LIMIT_demo:-300} scripts/demo-gpu.sh /tmp/uckpt-gpu both ;;
   esac

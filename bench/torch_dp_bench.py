@@ -11,7 +11,7 @@ Same model as `uckpt train --fused_kernels` (bench/gpt2_torch.py: scaled_dot_pro
 tanh GELU, tied head, loss in fp32), same synthetic data rule, micro-batch per GPU, AdamW
 (fused where it runs, else foreach), clipping 1.0. The loss: --loss hf is Hugging Face's
 (logits.float() then cross_entropy); --loss chunked is the same chunked fp32 loss that
-`uckpt train --chunked_loss` uses (src/train/next_token_loss.cc, written again here with
+`uckpt train --chunked_loss` uses (src/models/next_token_loss.cc, written again here with
 torch.autograd.Function), so PyTorch gets the same memory saving. Prints one JSON line from
 rank 0: tokens/s over the timed steps, max_memory_allocated/reserved per rank (GiB).
 """
@@ -119,7 +119,7 @@ def model_loss(logits, ids, kind):
 
 class ChunkedNextTokenLoss(torch.autograd.Function):
     """Mean next-token cross entropy in fp32, one sequence at a time, as uckpt's
-    src/train/next_token_loss.cc: forward keeps only the (bf16) logits; backward recomputes each
+    src/models/next_token_loss.cc: forward keeps only the (bf16) logits; backward recomputes each
     sequence's fp32 log-probabilities and applies nll_loss's and log_softmax's backward."""
 
     @staticmethod

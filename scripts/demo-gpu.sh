@@ -8,7 +8,7 @@
 #
 # Measured on 4 H200s: every row PASS, ~55 s per variant (docs/demo.md).
 # Needs a uckpt built against a CUDA libtorch (PyTorch 2.x, UCKPT_NCCL on; see
-# docs/training.md, tests/train/gpu_check.sh) and 4 visible GPUs. Not run in CI.
+# docs/training.md, tests/engine/gpu_check.sh) and 4 visible GPUs. Not run in CI.
 # Usage: scripts/demo-gpu.sh BUILD_DIR [fp32|bf16|both]   (output: demo-out-gpu-<variant>/)
 #
 # Tolerances: fp32 keeps the CPU demo's (GPU kernels here are deterministic run

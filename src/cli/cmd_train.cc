@@ -4,9 +4,9 @@
 
 #include "cli/commands.h"
 #include "cli/strict_flags.h"
-#include "train/comm.h"
-#include "train/config.h"
-#include "train/trainer.h"
+#include "engine/dist/comm.h"
+#include "engine/config.h"
+#include "engine/trainer.h"
 
 namespace uckpt::cli {
 
@@ -27,7 +27,7 @@ Runner AddTrain(CLI::App& app) {
     std::optional<int> zero_stage;
     std::optional<double> lr, clip, heartbeat_interval, heartbeat_timeout;
     bool bf16 = false, fp16 = false;
-    train::TrainOptions o;
+    engine::TrainOptions o;
     bool no_load_optimizer_states = false;
     int threads = 0;
     double timeout_s = 300;
@@ -90,9 +90,9 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_flag("!--no_progress", o.progress, "No progress line on a terminal");
 
   return [a] {
-    train::TrainOptions o = a->o;
+    engine::TrainOptions o = a->o;
     nlohmann::json raw = nlohmann::json::object();
-    if (!a->config.empty()) raw = train::LoadConfigFile(a->config).raw;
+    if (!a->config.empty()) raw = engine::LoadConfigFile(a->config).raw;
     // Command-line overrides become part of the config (and of the saved ds_config).
     if (a->train_batch_size) raw["train_batch_size"] = *a->train_batch_size;
     if (a->micro) raw["train_micro_batch_size_per_gpu"] = *a->micro;
@@ -102,7 +102,7 @@ Runner AddTrain(CLI::App& app) {
     if (a->clip) raw["gradient_clipping"] = *a->clip;
     if (a->bf16) raw["bf16"]["enabled"] = true;
     if (a->fp16) raw["fp16"]["enabled"] = true;
-    o.config = train::ParseConfig(raw, a->config.empty() ? "command line" : a->config);
+    o.config = engine::ParseConfig(raw, a->config.empty() ? "command line" : a->config);
     o.load_optimizer_states = !a->no_load_optimizer_states;
     // Not training state: kept out of the saved ds_config.
     if (a->heartbeat_interval) o.config.heartbeat_interval_s = *a->heartbeat_interval;
@@ -110,15 +110,15 @@ Runner AddTrain(CLI::App& app) {
     if (a->threads > 0) at::set_num_threads(a->threads);
 
     auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
-    auto env = train::DistEnv::FromEnvironment();
-    const train::HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
+    auto env = engine::DistEnv::FromEnvironment();
+    const engine::HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
     heartbeat.Validate();
     if (env) o.local_rank = env->local_rank;
-    std::unique_ptr<train::Comm> comm =
-        env && env->world_size > 1 ? train::ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
-                                   : train::MakeSingleProcessComm();
+    std::unique_ptr<engine::Comm> comm =
+        env && env->world_size > 1 ? engine::ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
+                                   : engine::MakeSingleProcessComm();
     try {
-      int code = train::RunTraining(*comm, o);
+      int code = engine::RunTraining(*comm, o);
       comm->Finish();
       return code;
     } catch (const std::exception& e) {

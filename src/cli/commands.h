@@ -14,7 +14,7 @@ Runner AddConvert(CLI::App& app);
 Runner AddExport(CLI::App& app);
 Runner AddPlot(CLI::App& app);
 Runner AddVerify(CLI::App& app);
-#ifdef UCKPT_HAVE_TRAIN
+#ifdef UCKPT_HAVE_ENGINE
 Runner AddTrain(CLI::App& app);   // needs libtorch
 Runner AddLaunch(CLI::App& app);
 #endif

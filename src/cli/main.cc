@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   add(uckpt::cli::AddExport);
   add(uckpt::cli::AddPlot);
   add(uckpt::cli::AddVerify);
-#ifdef UCKPT_HAVE_TRAIN
+#ifdef UCKPT_HAVE_ENGINE
   add(uckpt::cli::AddTrain);
   add(uckpt::cli::AddLaunch);
 #endif

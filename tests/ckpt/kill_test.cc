@@ -3,7 +3,7 @@
 // right after write point k, for every k; after each kill the old universal
 // folder and latest_universal (the old exported file) must be intact, and a
 // folder or file under its final name must be complete. (The same through the
-// `uckpt` command, for the engine save too: tests/train/kill_test.sh.)
+// `uckpt` command, for the engine save too: tests/engine/kill_test.sh.)
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>

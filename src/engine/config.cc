@@ -1,0 +1,279 @@
+#include "engine/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+namespace uckpt::engine {
+namespace {
+
+// One JSON object of the config: typed getters, and a list of the keys that
+// were not understood (for the warnings).
+class Section {
+ public:
+  Section(const nlohmann::json& j, std::string where, const std::string& source, std::vector<std::string>* warnings)
+      : j_(j), where_(std::move(where)), source_(source), warnings_(warnings) {
+    if (!j_.is_object()) Fail("", "an object", j_);
+  }
+  ~Section() {
+    for (auto& [k, v] : j_.items())
+      if (!seen_.count(k)) warnings_->push_back(source_ + ": unknown key '" + Path(k) + "' ignored");
+  }
+
+  bool Has(const std::string& k) {
+    seen_.insert(k);
+    return j_.contains(k) && !j_[k].is_null();
+  }
+  // Keys DeepSpeed knows that change nothing here.
+  void Ignore(std::initializer_list<const char*> keys) {
+    for (const char* k : keys) seen_.insert(k);
+  }
+  void Int(const std::string& k, int64_t& out) {
+    if (!Has(k)) return;
+    const auto& v = j_[k];
+    if (v.is_number_integer()) {
+      out = v.get<int64_t>();
+    } else if (v.is_number_float() && std::isfinite(v.get<double>()) && v.get<double>() == std::floor(v.get<double>()) &&
+               std::fabs(v.get<double>()) < 9e18) {
+      out = static_cast<int64_t>(v.get<double>());  // 5e8 written as a float
+    } else {
+      Fail(k, "an integer", v);
+    }
+  }
+  void Int(const std::string& k, std::optional<int64_t>& out) {
+    if (!Has(k)) return;
+    int64_t x = 0;
+    Int(k, x);
+    out = x;
+  }
+  void Int(const std::string& k, int& out) {
+    int64_t x = out;
+    Int(k, x);
+    out = static_cast<int>(x);
+  }
+  void Double(const std::string& k, double& out) {
+    if (!Has(k)) return;
+    if (!j_[k].is_number()) Fail(k, "a number", j_[k]);
+    out = j_[k].get<double>();
+  }
+  void Bool(const std::string& k, bool& out) {
+    if (!Has(k)) return;
+    if (!j_[k].is_boolean()) Fail(k, "true or false", j_[k]);
+    out = j_[k].get<bool>();
+  }
+  void String(const std::string& k, std::string& out) {
+    if (!Has(k)) return;
+    if (!j_[k].is_string()) Fail(k, "a string", j_[k]);
+    out = j_[k].get<std::string>();
+  }
+  std::optional<Section> Sub(const std::string& k) {
+    if (!Has(k)) return std::nullopt;
+    return std::optional<Section>(std::in_place, j_[k], Path(k), source_, warnings_);
+  }
+  const nlohmann::json& json(const std::string& k) { return j_[k]; }
+  [[noreturn]] void Fail(const std::string& k, const std::string& want, const nlohmann::json& got) const {
+    std::string shown = got.dump();
+    if (shown.size() > 60) shown = shown.substr(0, 57) + "...";
+    std::string hint = got.is_string() && got.get<std::string>() == "auto"
+                           ? " (\"auto\" is resolved by the Hugging Face Trainer; give a value)"
+                           : "";
+    throw ConfigError(source_ + ": '" + Path(k) + "' must be " + want + ", got " + std::string(got.type_name()) + " " +
+                      shown + hint);
+  }
+  void Warn(const std::string& msg) { warnings_->push_back(source_ + ": " + msg); }
+  std::string Path(const std::string& k) const { return where_.empty() ? k : (k.empty() ? where_ : where_ + "." + k); }
+
+ private:
+  const nlohmann::json& j_;
+  std::string where_;
+  const std::string& source_;
+  std::vector<std::string>* warnings_;
+  std::set<std::string> seen_;
+};
+
+void ParseOptimizer(Section& s, OptimizerConfig& o) {
+  s.String("type", o.type);
+  bool torch_adam = false, adam_w_mode = true;
+  if (o.type != "Adam" && o.type != "AdamW")
+    throw ConfigError("optimizer.type '" + o.type + "' is not supported (use Adam or AdamW)");
+  if (auto p = s.Sub("params")) {
+    p->Double("lr", o.lr);
+    if (p->Has("betas")) {
+      const auto& b = p->json("betas");
+      if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number())
+        p->Fail("betas", "a list of two numbers", b);
+      o.beta1 = b[0].get<double>();
+      o.beta2 = b[1].get<double>();
+    }
+    p->Double("eps", o.eps);
+    p->Double("weight_decay", o.weight_decay);
+    p->Bool("torch_adam", torch_adam);
+    p->Bool("adam_w_mode", adam_w_mode);
+    bool amsgrad = false;
+    p->Bool("amsgrad", amsgrad);
+    if (amsgrad) throw ConfigError("optimizer.params.amsgrad = true is not supported");
+    p->Ignore({"bias_correction", "fused", "foreach", "capturable", "maximize"});
+  }
+  o.decoupled_weight_decay = o.type == "AdamW" || (!torch_adam && adam_w_mode);
+  if (o.lr < 0 || o.eps < 0 || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1)
+    throw ConfigError("optimizer.params: lr and eps must be >= 0 and betas in [0, 1)");
+}
+
+void ParseScheduler(Section& s, SchedulerConfig& c) {
+  s.String("type", c.type);
+  if (c.type != "WarmupLR" && c.type != "WarmupDecayLR")
+    throw ConfigError("scheduler.type '" + c.type + "' is not supported (use WarmupLR or WarmupDecayLR)");
+  if (auto p = s.Sub("params")) {
+    p->Double("warmup_min_lr", c.warmup_min_lr);
+    p->Double("warmup_max_lr", c.warmup_max_lr);
+    p->Int("warmup_num_steps", c.warmup_num_steps);
+    p->String("warmup_type", c.warmup_type);
+    p->Int("total_num_steps", c.total_num_steps);
+    int64_t last = -1;
+    p->Int("last_batch_iteration", last);
+    if (last != -1) p->Warn("scheduler.params.last_batch_iteration is ignored; a resume restores it");
+  }
+  if (c.warmup_type != "log" && c.warmup_type != "linear")
+    throw ConfigError("scheduler.params.warmup_type must be \"log\" or \"linear\", got \"" + c.warmup_type + "\"");
+  if (c.type == "WarmupDecayLR" && c.total_num_steps <= 0)
+    throw ConfigError("scheduler WarmupDecayLR needs params.total_num_steps > 0");
+  if (c.warmup_num_steps < 0) throw ConfigError("scheduler.params.warmup_num_steps must be >= 0");
+}
+
+}  // namespace
+
+TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
+  TrainConfig c;
+  c.raw = j;
+  try {
+    Section top(j, "", source, &c.warnings);
+    top.Int("train_batch_size", c.train_batch_size);
+    top.Int("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
+    top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
+    top.Double("gradient_clipping", c.gradient_clipping);
+    top.Int("steps_per_print", c.steps_per_print);
+    top.Ignore({"wall_clock_breakdown", "dump_state", "memory_breakdown", "zero_allow_untested_optimizer",
+                "prescale_gradients", "gradient_predivide_factor", "tensorboard", "csv_monitor", "wandb",
+                "flops_profiler", "comms_logger"});
+    if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
+    if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
+    if (auto s = top.Sub("fp16")) {
+      s->Bool("enabled", c.fp16.enabled);
+      s->Double("loss_scale", c.fp16.loss_scale);
+      s->Int("initial_scale_power", c.fp16.initial_scale_power);
+      s->Int("loss_scale_window", c.fp16.loss_scale_window);
+      s->Int("hysteresis", c.fp16.hysteresis);
+      s->Bool("consecutive_hysteresis", c.fp16.consecutive_hysteresis);
+      s->Double("min_loss_scale", c.fp16.min_loss_scale);
+      s->Ignore({"auto_cast", "fp16_master_weights_and_grads"});
+    }
+    for (const char* key : {"bf16", "bfloat16"}) {
+      if (auto s = top.Sub(key)) {
+        s->Bool("enabled", c.bf16);
+        s->Ignore({"immediate_grad_update"});
+      }
+    }
+    if (auto s = top.Sub("zero_optimization")) {
+      s->Int("stage", c.zero.stage);
+      s->Int("reduce_bucket_size", c.zero.reduce_bucket_size);
+      s->Int("allgather_bucket_size", c.zero.allgather_bucket_size);
+      if (auto o = s->Sub("offload_optimizer")) {
+        std::string device = "none";
+        o->String("device", device);
+        if (device != "none" && device != "cpu")
+          throw ConfigError("zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\", got \"" +
+                            device + "\"");
+        c.zero.offload_optimizer_cpu = device == "cpu";
+        o->Ignore({"pin_memory", "buffer_count", "fast_init", "ratio"});
+      }
+      bool round_robin = false;
+      s->Bool("round_robin_gradients", round_robin);
+      if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
+      s->Bool("overlap_comm", c.zero.overlap_comm);
+      s->Ignore({"contiguous_gradients", "reduce_scatter", "allgather_partitions",
+                 "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
+                 "cpu_offload"});
+    }
+    if (auto s = top.Sub("heartbeat")) {
+      s->Double("interval", c.heartbeat_interval_s);
+      s->Double("timeout", c.heartbeat_timeout_s);
+    }
+    if (auto s = top.Sub("checkpoint")) {
+      s->Bool("load_universal", c.load_universal);
+      s->Ignore({"tag_validation", "use_node_local_storage", "parallel_write"});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(source + ": " + e.what());
+  } catch (const ConfigError& e) {
+    std::string m = e.what();
+    if (m.rfind(source + ": ", 0) == 0) throw;
+    throw ConfigError(source + ": " + m);
+  }
+  if (c.zero.stage < 0 || c.zero.stage > 2)
+    throw ConfigError(source + ": zero_optimization.stage " + std::to_string(c.zero.stage) +
+                      " is not supported (0, 1 or 2)");
+  if (c.fp16.enabled && c.bf16) throw ConfigError(source + ": fp16 and bf16 cannot both be enabled");
+  if (c.gradient_clipping < 0) throw ConfigError(source + ": gradient_clipping must be >= 0");
+  return c;
+}
+
+TrainConfig LoadConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(path + ": cannot open the config file");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(path + ": not valid JSON: " + e.what());
+  }
+  return ParseConfig(j, path);
+}
+
+BatchSizes ResolveBatchSizes(std::optional<int64_t> train, std::optional<int64_t> micro, std::optional<int64_t> ga,
+                             int world_size) {
+  const int64_t w = world_size;
+  auto positive = [](const char* name, const std::optional<int64_t>& v) {
+    if (v && *v <= 0) throw ConfigError(std::string(name) + " must be > 0, got " + std::to_string(*v));
+  };
+  positive("train_batch_size", train);
+  positive("train_micro_batch_size_per_gpu", micro);
+  positive("gradient_accumulation_steps", ga);
+  BatchSizes b;
+  if (train && micro && ga) {
+    b = {*train, *micro, *ga};
+  } else if (train && micro) {
+    if (*train % (*micro * w) != 0)
+      throw ConfigError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
+                        "train_micro_batch_size_per_gpu " + std::to_string(*micro) + " * world size " +
+                        std::to_string(w) + " = " + std::to_string(*micro * w));
+    b = {*train, *micro, *train / (*micro * w)};
+  } else if (train && ga) {
+    if (*train % (*ga * w) != 0)
+      throw ConfigError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
+                        "gradient_accumulation_steps " + std::to_string(*ga) + " * world size " + std::to_string(w) +
+                        " = " + std::to_string(*ga * w));
+    b = {*train, *train / (*ga * w), *ga};
+  } else if (micro && ga) {
+    b = {*micro * *ga * w, *micro, *ga};
+  } else if (train) {
+    if (*train % w != 0)
+      throw ConfigError("train_batch_size " + std::to_string(*train) + " is not a multiple of world size " +
+                        std::to_string(w));
+    b = {*train, *train / w, 1};
+  } else if (micro) {
+    b = {*micro * w, *micro, 1};
+  } else {
+    throw ConfigError("give train_batch_size or train_micro_batch_size_per_gpu (any two of train_batch_size, "
+                      "train_micro_batch_size_per_gpu and gradient_accumulation_steps determine the third)");
+  }
+  if (b.train_batch_size != b.micro_batch * b.gradient_accumulation_steps * w)
+    throw ConfigError("train_batch_size " + std::to_string(b.train_batch_size) +
+                      " != train_micro_batch_size_per_gpu " + std::to_string(b.micro_batch) +
+                      " * gradient_accumulation_steps " + std::to_string(b.gradient_accumulation_steps) +
+                      " * world size " + std::to_string(w) + " = " +
+                      std::to_string(b.micro_batch * b.gradient_accumulation_steps * w));
+  return b;
+}
+
+}  // namespace uckpt::engine

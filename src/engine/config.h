@@ -1,0 +1,93 @@
+// DeepSpeed-style JSON training configuration (the subset uckpt implements).
+// Unknown keys are reported as warnings; a known key with the wrong type is an
+// error naming the file and the key. See ConfigKeys() for what is understood.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace uckpt::engine {
+
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct OptimizerConfig {
+  std::string type = "AdamW";  // "Adam" or "AdamW"
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  // AdamW: p *= 1 - lr*wd (decoupled). Adam with torch_adam or adam_w_mode
+  // false: g += wd*p (L2), as torch.optim.Adam. DeepSpeed's default "Adam"
+  // (FusedAdam, adam_w_mode true) decays decoupled.
+  bool decoupled_weight_decay = true;
+};
+
+struct SchedulerConfig {
+  std::string type;  // "" (constant lr), "WarmupLR" or "WarmupDecayLR"
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = 0.001;
+  int64_t warmup_num_steps = 1000;
+  std::string warmup_type = "log";  // "log" or "linear"
+  int64_t total_num_steps = 0;      // WarmupDecayLR only
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;  // 0 = dynamic
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  double min_loss_scale = 1.0;
+};
+
+struct ZeroConfig {
+  int stage = 0;
+  bool offload_optimizer_cpu = false;
+  int64_t reduce_bucket_size = 500000000;
+  int64_t allgather_bucket_size = 500000000;
+  bool overlap_comm = false;  // stage 2: reduce gradient buckets while backward runs
+};
+
+struct TrainConfig {
+  // Any two of the three batch sizes determine the third (ResolveBatchSizes).
+  std::optional<int64_t> train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps;
+  double gradient_clipping = 0.0;  // 0 = off
+  int64_t steps_per_print = 10;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  Fp16Config fp16;
+  bool bf16 = false;
+  ZeroConfig zero;
+  bool load_universal = false;
+  // uckpt's own section "heartbeat": {"interval": s, "timeout": s}: failing
+  // ranks end the job (train/rank_monitor.h); timeout 0 turns it off.
+  double heartbeat_interval_s = 1.0, heartbeat_timeout_s = 20.0;
+
+  nlohmann::json raw = nlohmann::json::object();  // the JSON as given (saved as ds_config)
+  std::vector<std::string> warnings;              // unknown keys, ignored settings
+};
+
+// Parses a configuration. `source` names it in messages (a path or "--config").
+TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source);
+// Reads and parses a JSON file. Throws ConfigError naming the file.
+TrainConfig LoadConfigFile(const std::string& path);
+
+struct BatchSizes {
+  int64_t train_batch_size = 0, micro_batch = 0, gradient_accumulation_steps = 0;
+};
+// DeepSpeed's batch arithmetic: train = micro * GA * world_size. Fills the
+// missing values; a contradiction or a non-divisible split throws ConfigError
+// showing the arithmetic.
+BatchSizes ResolveBatchSizes(std::optional<int64_t> train, std::optional<int64_t> micro, std::optional<int64_t> ga,
+                             int world_size);
+
+}  // namespace uckpt::engine

@@ -1,0 +1,42 @@
+#include "engine/lr_schedule.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace uckpt::engine {
+
+LrSchedule::LrSchedule(const SchedulerConfig& sched, double optimizer_lr)
+    : sched_(sched), optimizer_lr_(optimizer_lr), lr_(optimizer_lr) {}
+
+double LrSchedule::LrAt(int64_t it) const {
+  if (sched_.type.empty()) return optimizer_lr_;
+  // DeepSpeed: warmup_num_steps = max(2, configured).
+  const int64_t warmup = std::max<int64_t>(2, sched_.warmup_num_steps);
+  double gamma;
+  if (it < warmup) {
+    if (sched_.warmup_type == "linear") {
+      gamma = static_cast<double>(it) / static_cast<double>(warmup);
+    } else {
+      gamma = (1.0 / std::log(static_cast<double>(warmup))) * std::log(static_cast<double>(it + 1));
+    }
+  } else if (sched_.type == "WarmupDecayLR") {
+    gamma = std::max(0.0, static_cast<double>(sched_.total_num_steps - it) /
+                              std::max(1.0, static_cast<double>(sched_.total_num_steps - warmup)));
+  } else {
+    gamma = 1.0;
+  }
+  return sched_.warmup_min_lr + (sched_.warmup_max_lr - sched_.warmup_min_lr) * gamma;
+}
+
+void LrSchedule::Step() {
+  ++last_batch_iteration_;
+  // Without a scheduler nothing sets the lr: a kept saved lr stays.
+  if (!sched_.type.empty()) lr_ = LrAt(last_batch_iteration_);
+}
+
+void LrSchedule::Restore(int64_t last_batch_iteration) {
+  last_batch_iteration_ = last_batch_iteration;
+  lr_ = last_batch_iteration >= 0 ? LrAt(last_batch_iteration) : optimizer_lr_;
+}
+
+}  // namespace uckpt::engine

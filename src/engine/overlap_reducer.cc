@@ -1,0 +1,101 @@
+#include "engine/overlap_reducer.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "ckpt/partition.h"
+
+namespace uckpt::engine {
+namespace {
+
+// Runs after AccumulateGrad added a parameter's gradient into its .grad view.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
+OverlappedGradReducer::OverlappedGradReducer(Comm& comm, const std::vector<at::Tensor>& params,
+                                             const std::vector<int64_t>& numels, at::Tensor grad_flat,
+                                             int64_t partition_begin, int64_t partition_size, int64_t bucket_numel)
+    : comm_(comm), grad_flat_(std::move(grad_flat)), part_begin_(partition_begin), part_size_(partition_size) {
+  if (params.size() != numels.size()) throw std::invalid_argument("OverlappedGradReducer: wrong parameter count");
+  const auto offsets = ckpt::FlatOffsets(numels);
+  // Buckets from the last parameter backwards; bucket_of[k] for parameter k.
+  std::vector<size_t> bucket_of(params.size());
+  for (size_t j = params.size(); j-- > 0;) {
+    if (buckets_.empty() || buckets_.back().numel >= bucket_numel) buckets_.push_back(Bucket{});
+    Bucket& b = buckets_.back();
+    b.begin = offsets[j];  // moves down as parameters join
+    b.numel += numels[j];
+    ++b.params;
+    bucket_of[j] = buckets_.size() - 1;
+  }
+  for (auto& b : buckets_) b.pending = b.params;
+  for (size_t k = 0; k < params.size(); ++k) {
+    auto acc = torch::autograd::impl::grad_accumulator(params[k]);
+    if (!acc) throw std::invalid_argument("OverlappedGradReducer: parameter " + std::to_string(k) + " is not a leaf");
+    const size_t b = bucket_of[k];
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>([this, b] { OnGradReady(b); })));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+OverlappedGradReducer::~OverlappedGradReducer() {
+  for (size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(hook_keys_[k]);
+}
+
+void OverlappedGradReducer::OnGradReady(size_t bucket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  --buckets_[bucket].pending;
+  started_during_backward_ += static_cast<int64_t>(StartReadyBuckets());
+}
+
+size_t OverlappedGradReducer::StartReadyBuckets() {
+  c10::NoGradGuard no_grad;
+  const double dp = comm_.world_size();
+  const size_t first = next_;
+  while (next_ < buckets_.size() && buckets_[next_].pending <= 0) {
+    Bucket& b = buckets_[next_++];
+    // DeepSpeed's average_tensor: divide by dp, then sum over ranks (in fp32).
+    b.fp32 = grad_flat_.narrow(0, b.begin, b.numel).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    b.fp32.div_(dp);
+    b.work = comm_.StartAllReduceSum(b.fp32);
+  }
+  return next_ - first;
+}
+
+at::Tensor OverlappedGradReducer::Finish() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& b : buckets_) b.pending = 0;  // a parameter without gradient leaves its bucket short
+    StartReadyBuckets();
+  }
+  c10::NoGradGuard no_grad;
+  at::Tensor part = at::zeros({part_size_}, grad_flat_.options().dtype(at::kFloat));
+  for (Bucket& b : buckets_) {
+    b.work->Wait();
+    const int64_t lo = std::max(b.begin, part_begin_), hi = std::min(b.begin + b.numel, part_begin_ + part_size_);
+    if (lo < hi) part.narrow(0, lo - part_begin_, hi - lo).copy_(b.fp32.narrow(0, lo - b.begin, hi - lo));
+    b.fp32 = at::Tensor();
+    b.work.reset();
+    b.pending = b.params;
+  }
+  next_ = 0;
+  return part;
+}
+
+}  // namespace uckpt::engine

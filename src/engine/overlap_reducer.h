@@ -1,0 +1,70 @@
+// ZeRO stage 2 with overlap_comm: gradients are averaged over the ranks bucket
+// by bucket while backward still runs, instead of after it.
+//
+// Buckets are contiguous ranges of the flat gradient buffer in reverse
+// parameter order (the order backward produces them), whole parameters, about
+// `bucket_numel` elements each. A post-hook on each parameter's gradient
+// accumulator counts the bucket down; a complete bucket is copied to fp32,
+// divided by dp and all-reduced asynchronously. Buckets start strictly in
+// bucket order, so every rank issues the same collectives in the same order.
+// A range may span several ranks' partitions, hence an all-reduce (not a
+// reduce-scatter); each rank then keeps the part of its own partition.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "engine/dist/comm.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace uckpt::engine {
+
+class OverlappedGradReducer {
+ public:
+  // `params`: leaves whose .grad are views into `grad_flat` at the flat
+  // offsets of `numels`. This rank owns grad_flat[partition_begin, +partition_size).
+  OverlappedGradReducer(Comm& comm, const std::vector<at::Tensor>& params, const std::vector<int64_t>& numels,
+                        at::Tensor grad_flat, int64_t partition_begin, int64_t partition_size, int64_t bucket_numel);
+  ~OverlappedGradReducer();
+  OverlappedGradReducer(const OverlappedGradReducer&) = delete;
+  OverlappedGradReducer& operator=(const OverlappedGradReducer&) = delete;
+
+  // After backward: starts any bucket whose hooks did not all fire, waits for
+  // all of them and returns this rank's partition of the averaged gradient
+  // (fp32, [partition_size]). The caller zeroes grad_flat afterwards.
+  at::Tensor Finish();
+
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  // Buckets started by the hooks (during backward) rather than by Finish(), over all steps.
+  int64_t started_during_backward() const { return started_during_backward_; }
+
+ private:
+  struct Bucket {
+    int64_t begin = 0, numel = 0;  // range of the flat buffer
+    int params = 0;                // hooks to wait for
+    int pending = 0;               // hooks still to fire; <= 0: ready to start
+    at::Tensor fp32;               // the averaged values once started
+    std::unique_ptr<Comm::Pending> work;
+  };
+  void OnGradReady(size_t bucket);
+  size_t StartReadyBuckets();  // with mu_ held; returns how many it started
+
+  Comm& comm_;
+  at::Tensor grad_flat_;
+  int64_t part_begin_, part_size_;
+  std::vector<Bucket> buckets_;
+  size_t next_ = 0;  // the next bucket to start
+  int64_t started_during_backward_ = 0;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+};
+
+}  // namespace uckpt::engine

@@ -1,0 +1,112 @@
+// The training engine: GPT-2 + ZeRO-1/2 data parallelism with DeepSpeed's
+// update semantics, checkpoints in DeepSpeed's layout, resume at any size.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/dist/comm.h"
+#include "engine/config.h"
+#include "engine/data/data.h"
+#include "models/gpt2.h"
+#include "engine/lr_schedule.h"
+#include "engine/metrics_log.h"
+#include "engine/zero_optimizer.h"
+
+namespace uckpt::engine {
+
+struct TrainOptions {
+  TrainConfig config;  // DeepSpeed JSON with command-line overrides applied
+  Gpt2Config model;
+  int64_t seq_len = 128;
+  uint64_t seed = 42;        // data rule and dropout masks
+  uint64_t init_seed = 1234;  // GPT-2 initialisation
+  std::string init_file;     // state dict (torch or safetensors) instead of the seeded init
+  std::string data_file;     // flat uint16 token ids
+  std::string text_file;     // byte-level tokens of any file
+  int64_t steps = 0;         // train until this global step
+
+  std::string checkpoint_dir;
+  int64_t checkpoint_interval = 0;  // save every N steps (and at the end); 0 = only at the end
+  std::string run_name = "run";
+  std::string log_dir = "logs";  // metrics go to <log_dir>/<run_name>/
+
+  bool resume = false;
+  std::string checkpoint_tag;         // default: the `latest` file
+  bool universal_checkpoint = false;  // also config.load_universal
+  bool load_optimizer_states = true;
+  bool verify_checkpoint = false;   // --verify: compare the manifest's hashes too (sizes always)
+  bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint
+  bool progress = true;             // a progress line on a TTY
+
+  std::string device = "cpu";  // "cpu", or "cuda" (device LOCAL_RANK; NCCL between ranks)
+  int local_rank = 0;
+};
+
+// Data position and RNG a checkpoint carries beyond DeepSpeed's own keys.
+struct Counters {
+  int64_t global_steps = 0;
+  int64_t global_samples = 0;  // the data position: samples consumed
+  int64_t skipped_steps = 0;
+};
+
+// Wall time per phase, summed over steps (UCKPT_TIMERS=1 in the environment;
+// the device is synchronised between phases, which costs some throughput).
+struct PhaseTimes {
+  bool enabled = false;
+  double forward = 0, backward = 0, reduce = 0, step = 0;  // seconds
+  int64_t steps = 0;
+};
+
+class Trainer {
+ public:
+  Trainer(Comm& comm, TrainOptions options);
+
+  // One optimizer step on global batch global_steps() + 1.
+  StepMetrics TrainStep();
+
+  // DeepSpeed layout: <dir>/<tag>/mp_rank_00_model_states.pt (rank 0),
+  // zero_pp_rank_<r>_mp_rank_00_optim_states.pt (every rank), <dir>/latest.
+  void SaveCheckpoint(const std::string& dir, const std::string& tag);
+  // From the ZeRO files of the same world size, or (universal) from a
+  // universal checkpoint folder at any world size. Empty tag: the `latest`
+  // (or `latest_universal`) file.
+  void LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal);
+
+  const Counters& counters() const { return counters_; }
+  Counters& counters() { return counters_; }
+  const TrainOptions& options() const { return opt_; }
+  const BatchSizes& batch() const { return batch_; }
+  Comm& comm() { return comm_; }
+  const Comm& comm() const { return comm_; }
+  at::Device device() const { return device_; }
+  ZeroOptimizer& optimizer() { return *zero_; }
+  const ZeroOptimizer& optimizer() const { return *zero_; }
+  LrSchedule& schedule() { return schedule_; }
+  const LrSchedule& schedule() const { return schedule_; }
+  const Gpt2& model() const { return *model_; }
+  // name -> parameter (views into the optimizer's model_flat), flat order.
+  const std::vector<NamedTensor>& parameters() const { return params_; }
+  PhaseTimes& timers() { return timers_; }
+
+ private:
+  Comm& comm_;
+  TrainOptions opt_;
+  at::Device device_ = at::kCPU;
+  BatchSizes batch_;
+  std::unique_ptr<TokenSource> data_;
+  std::unique_ptr<ZeroOptimizer> zero_;
+  std::vector<NamedTensor> params_;
+  std::unique_ptr<Gpt2> model_;
+  LrSchedule schedule_;
+  Counters counters_;
+  PhaseTimes timers_;
+};
+
+// The whole run: resume if asked, train to options.steps, log every step,
+// checkpoint every checkpoint_interval steps and at the end. Returns 0.
+int RunTraining(Comm& comm, const TrainOptions& options);
+
+}  // namespace uckpt::engine

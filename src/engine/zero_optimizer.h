@@ -1,0 +1,124 @@
+// ZeRO stage 0/1/2 data parallelism over one flat parameter group, laid out
+// exactly as DeepSpeed's DeepSpeedZeroOptimizer lays it out (ckpt/partition.h):
+// the model's parameters are views into one flat buffer padded to a multiple
+// of 2*dp; rank r owns flat[r*P, (r+1)*P) and keeps the fp32 master copy and
+// the Adam moments of that slice only.
+//
+// Per micro-batch: backward (the parameters' .grad are views into grad_flat),
+// then ReduceMicroGradients(). Stage 2 averages (divide by dp, then sum over
+// ranks) into each owner's fp32 partition every micro-step; stage 1 lets
+// gradients accumulate locally and reduces once at the boundary; stage 0 does
+// the same over an unpartitioned buffer. Step() then computes DeepSpeed's
+// global norm, clips, runs torch's Adam/AdamW on the partition and
+// all-gathers the updated weights into the model.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ckpt/partition.h"
+#include "engine/dist/comm.h"
+#include "engine/config.h"
+#include "engine/loss_scaler.h"
+
+namespace uckpt::engine {
+
+struct ZeroSettings {
+  int stage = 1;
+  double gradient_clipping = 0.0;
+  OptimizerConfig optimizer;
+  at::ScalarType model_dtype = at::kFloat;  // kFloat, kBFloat16 or kHalf
+  Fp16Config fp16;                          // used when model_dtype is kHalf
+  bool offload_optimizer_cpu = false;       // master + moments in host memory
+  int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
+  bool overlap_comm = false;                // stage 2: reduce buckets during backward (overlap_reducer.h)
+};
+
+// The optimizer state of one rank's partition (DeepSpeed's
+// base_optimizer_state + single_partition_of_fp32_groups).
+struct PartitionState {
+  at::Tensor master;      // [P] fp32 master weights (padding zeros included)
+  at::Tensor exp_avg;     // [P] fp32, undefined before the first step
+  at::Tensor exp_avg_sq;  // [P] fp32
+  at::Tensor step;        // 0-d fp32 tensor (torch Adam's step), undefined before the first step
+};
+
+class OverlappedGradReducer;
+
+class ZeroOptimizer {
+ public:
+  // `numels`: the parameters' sizes in flat order. `device` holds the model.
+  ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device = at::kCPU);
+  ~ZeroOptimizer();
+
+  const ZeroSettings& settings() const { return s_; }
+  // Replaces lr-independent Adam hyper-parameters (betas, eps, weight decay)
+  // for the following steps: --keep-saved-hparams restores a checkpoint's.
+  void set_optimizer_config(const OptimizerConfig& o) { s_.optimizer = o; }
+  // The layout of the flat buffer (dp = 1 for stage 0).
+  const ckpt::FlatLayout& layout() const { return layout_; }
+  const std::vector<int64_t>& numels() const { return numels_; }
+  int partition_rank() const { return s_.stage == 0 ? 0 : comm_.rank(); }
+
+  at::Tensor model_flat() const { return model_flat_; }  // [Npad], model dtype
+  at::Tensor grad_flat() const { return grad_flat_; }    // [Npad], model dtype
+  PartitionState& state() { return state_; }
+  const PartitionState& state() const { return state_; }
+  // Set for stage 2 with overlap_comm at dp > 1, after BindGradients.
+  const OverlappedGradReducer* overlap_reducer() const { return overlap_.get(); }
+  LossScaler& loss_scaler() { return scaler_; }
+  const LossScaler& loss_scaler() const { return scaler_; }
+
+  // Binds each parameter's .grad to its slice of grad_flat. `params` are views
+  // into model_flat() in flat order.
+  void BindGradients(const std::vector<at::Tensor>& params);
+  // The loss multiplier for backward (the fp16 loss scale; 1 otherwise).
+  double loss_scale() const { return scaler_.cur_scale; }
+
+  // After each micro-batch's backward; `boundary` on the last one of a step.
+  void ReduceMicroGradients(bool boundary);
+
+  struct StepResult {
+    double grad_norm = 0;  // pre-clipping global norm of the averaged gradient (-1 on inf/nan)
+    bool skipped = false;  // fp16 overflow: nothing was updated
+    double loss_scale = 1;  // the scale the step's gradients carried
+  };
+  // The optimizer step with learning rate `lr`, then the all-gather.
+  StepResult Step(double lr);
+
+  // Master weights from the model (after loading weights into model_flat).
+  void InitMasterFromModel();
+  // Model weights from the masters of every rank (after loading partitions).
+  void GatherModelFromMasters();
+
+ private:
+  at::Tensor PartitionOf(const at::Tensor& flat) const;
+  void ReduceIntoPartition();
+  at::Tensor AllReduceInDeepSpeedOrder();
+  double GlobalNorm();
+  void AdamStep(const at::Tensor& grad, double lr);
+
+  Comm& comm_;
+  std::vector<int64_t> numels_;
+  ZeroSettings s_;
+  ckpt::FlatLayout layout_;
+  std::vector<int64_t> offsets_;           // each parameter's start in the flat buffers
+  std::vector<ckpt::Fragment> fragments_;  // of this rank's partition
+  std::vector<int> fragment_of_;  // per parameter: its index in fragments_, or -1 (none on this rank)
+  at::Tensor model_flat_, grad_flat_;
+  at::Tensor grad_partition_;  // [P] fp32, the averaged gradient being accumulated
+  bool have_grad_partition_ = false;
+  PartitionState state_;
+  LossScaler scaler_;
+  std::unique_ptr<OverlappedGradReducer> overlap_;  // stage 2 with overlap_comm, dp > 1
+  // Gloo: parameters in the order DeepSpeed's reduction buffer holds them
+  // (stage 2: the order backward produced their gradients, recorded by hooks
+  // each micro-step; stage 1: flat order).
+  bool deepspeed_order_ = false;
+  std::vector<int> ready_order_;
+};
+
+}  // namespace uckpt::engine

@@ -1,0 +1,52 @@
+// Helpers for the refrun-gpt2 fixture (shared/fixtures/refrun-gpt2).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <string>
+
+#include "engine/config.h"
+#include "models/gpt2.h"
+#include "engine/trainer.h"
+
+namespace uckpt::engine::testing {
+
+inline std::string RefrunDir() { return std::string(UCKPT_SHARED) + "/fixtures/refrun-gpt2"; }
+
+inline nlohmann::json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  return nlohmann::json::parse(in);
+}
+
+// The fixture's model: V=97, P=16, C=16, L=2, H=2.
+inline Gpt2Config RefrunModel() {
+  Gpt2Config c;
+  c.vocab_size = 97;
+  c.n_positions = 16;
+  c.n_embd = 16;
+  c.n_layer = 2;
+  c.n_head = 2;
+  return c;
+}
+
+// The fixture's DeepSpeed config of run `run` (as passed to DeepSpeed).
+inline nlohmann::json RefrunDsConfig(const std::string& run) {
+  return ReadJson(RefrunDir() + "/runs/" + run + "/config.json")["ds_config_as_passed"];
+}
+
+// A run of the fixture's model, data rule (seed 42, 16 tokens) and init.pt,
+// 12 steps, with DeepSpeed config `ds`.
+inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& run) {
+  TrainOptions o;
+  o.config = ParseConfig(ds, run);
+  o.model = RefrunModel();
+  o.seq_len = 16;
+  o.seed = 42;
+  o.init_file = RefrunDir() + "/init.pt";
+  o.steps = 12;
+  return o;
+}
+
+}  // namespace uckpt::engine::testing

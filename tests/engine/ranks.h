@@ -1,0 +1,69 @@
+// Runs one function per rank on threads of this process, each rank with its
+// own c10d TCPStore client and Gloo process group (a real multi-rank setup,
+// without processes).
+#pragma once
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "engine/dist/comm.h"
+
+namespace uckpt::engine::testing {
+
+inline int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t n = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Calls fn(comm) on `world` ranks; world 1 uses the single-process comm.
+// Rethrows the first exception a rank threw.
+inline void RunRanks(int world, const std::function<void(Comm&)>& fn,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  if (world == 1) {
+    auto c = MakeSingleProcessComm();
+    fn(*c);
+    return;
+  }
+  const int port = FreePort();
+  std::exception_ptr error;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    // The store's server (rank 0) first: clients that connect too early back off for a second.
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    threads.emplace_back([&, r] {
+      try {
+        DistEnv env;
+        env.rank = r;
+        env.world_size = world;
+        env.local_rank = r;
+        env.master_port = port;
+        auto comm = ConnectC10d(env, timeout, /*cuda=*/false);
+        fn(*comm);
+        comm->Barrier();
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace uckpt::engine::testing

@@ -1,0 +1,159 @@
+// The engine's checkpoint save (Trainer::SaveCheckpoint) on 2 ranks under
+// injected I/O faults: whichever rank fails at whichever point, every rank
+// gets an error, `latest` still names the previous checkpoint, that
+// checkpoint's files are unchanged, nothing else is left in the folder, and
+// the run resumes from it.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "ckpt/manifest.h"
+#include "format/error.h"
+#include "format/fault_env.h"
+#include "ranks.h"
+#include "engine/checkpoint.h"
+#include "engine/trainer.h"
+
+namespace uckpt::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::RunRanks;
+
+TrainOptions Tiny() {
+  nlohmann::json ds = {{"train_batch_size", 4},
+                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
+                       {"zero_optimization", {{"stage", 2}}}};
+  TrainOptions o;
+  o.config = ParseConfig(ds, "tiny");
+  o.model.n_layer = 1;
+  o.model.n_head = 2;
+  o.model.n_embd = 6;
+  o.model.vocab_size = 37;
+  o.model.n_positions = 9;
+  o.seq_len = 9;
+  return o;
+}
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::map<std::string, std::string> Snapshot(const std::string& folder) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(folder))
+    if (e.is_regular_file()) out[fs::relative(e.path(), folder).string()] = Read(e.path().string());
+  return out;
+}
+
+std::set<std::string> Entries(const std::string& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+struct SaveFault {
+  const char* name;
+  IoOp op;
+  std::string path_contains;  // relative to the checkpoint folder's parent
+  int error;
+  std::string tag = "global_step2";  // the tag the failing save writes
+};
+
+TEST(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
+  const std::string dir =
+      (fs::temp_directory_path() / ("uckpt_save_fault_" + std::to_string(::getpid()))).string();
+  fs::remove_all(dir);
+  const std::vector<SaveFault> faults = {
+      {"prepare_mkdir", IoOp::kCreateDir, ".global_step2.uckpt-tmp", EACCES},
+      {"rank1_optim_write", IoOp::kWrite, "zero_pp_rank_1", ENOSPC},
+      {"rank0_optim_fsync", IoOp::kSync, "zero_pp_rank_0", EIO},
+      {"rank0_model_create", IoOp::kCreate, "model_states", ENOSPC},
+      {"manifest_write", IoOp::kCreate, ckpt::kManifestName, ENOSPC},
+      {"folder_fsync", IoOp::kSyncDir, ".global_step2.uckpt-tmp", EIO},
+      {"folder_rename", IoOp::kRename, "/global_step2", EXDEV},
+      {"latest_rename", IoOp::kRename, "latest", EIO},
+      // Saving over the tag `latest` names: the old folder must survive.
+      {"same_tag_rename", IoOp::kRename, "/global_step1", EXDEV, "global_step1"},
+  };
+  std::unique_ptr<FaultEnv> env;
+  std::unique_ptr<ScopedEnv> use;
+  std::map<std::string, std::string> saved;
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  RunRanks(2, [&](Comm& comm) {
+    const bool rank0 = comm.rank() == 0;
+    Trainer t(comm, Tiny());
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step1");
+    if (rank0) saved = Snapshot(dir + "/global_step1");
+    t.TrainStep();
+    for (const SaveFault& f : faults) {
+      comm.Barrier();
+      if (rank0) {
+        env = std::make_unique<FaultEnv>();
+        env->Add({f.op, f.path_contains, 1, f.error});
+        use = std::make_unique<ScopedEnv>(*env);
+        errors.clear();
+      }
+      comm.Barrier();
+      try {
+        t.SaveCheckpoint(dir, f.tag);
+      } catch (const IoError& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        errors[comm.rank()] = e.what();
+      }
+      comm.Barrier();
+      if (rank0) {
+        SCOPED_TRACE(f.name);
+        EXPECT_GE(env->injected(), 1u);
+        use.reset();
+        env.reset();
+        EXPECT_EQ(errors.size(), 2u) << "every rank must see the failure";
+        for (const auto& [r, msg] : errors) {
+          EXPECT_NE(msg.find(dir + "/" + f.tag), std::string::npos) << "rank " << r << ": " << msg;
+          EXPECT_NE(msg.find("not saved"), std::string::npos) << "rank " << r << ": " << msg;
+        }
+        EXPECT_EQ(Read(dir + "/latest"), "global_step1");
+        EXPECT_EQ(Snapshot(dir + "/global_step1"), saved);
+        // A fault after the folder's rename (`latest`'s) leaves the new
+        // folder in place: complete (its manifest checks out), but unnamed
+        // by `latest`. Nothing else may be left.
+        std::set<std::string> want = {"global_step1", "latest"};
+        if (fs::exists(dir + "/global_step2")) {
+          EXPECT_EQ(f.name, std::string("latest_rename"));
+          EXPECT_EQ(Entries(dir + "/global_step2").size(), 4u);
+          EXPECT_TRUE(ckpt::CheckManifest(dir + "/global_step2", {.hashes = true}).ok());
+          fs::remove_all(dir + "/global_step2");
+        }
+        EXPECT_EQ(Entries(dir), want) << "a temporary or half-written checkpoint was left";
+      }
+    }
+    comm.Barrier();
+    // No fault: the save goes through, with a manifest of its files.
+    t.SaveCheckpoint(dir, "global_step2");
+  });
+  EXPECT_EQ(Read(dir + "/latest"), "global_step2");
+  EXPECT_EQ(Entries(dir + "/global_step2"),
+            (std::set<std::string>{"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                   "zero_pp_rank_1_mp_rank_00_optim_states.pt", ckpt::kManifestName}));
+  EXPECT_TRUE(ckpt::CheckManifest(dir + "/global_step2", {.hashes = true}).ok());
+  EXPECT_TRUE(saved.count(ckpt::kManifestName));
+  // The checkpoint every failed save left in place still loads.
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, Tiny());
+    t.LoadCheckpoint(dir, "global_step1", false);
+    EXPECT_EQ(t.counters().global_steps, 1);
+  });
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace uckpt::engine

@@ -1,0 +1,23 @@
+# Sourced by the shell tests of tests/engine (after `set -euo pipefail`) with
+# their arguments: U = the uckpt binary ($1); a fresh scratch folder ($2)
+# becomes the working folder; fail(); and `tiny_gpt2 BATCH [FLAGS...]`, which
+# writes ds.json (ZeRO-2, AdamW) and sets F, the flags of the tiny GPT-2
+# those tests train (1 layer x 16, vocab 97, 16 tokens, one thread).
+U=$(realpath "$1")
+W=$2
+rm -rf "$W"
+mkdir -p "$W"
+cd "$W"
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+tiny_gpt2() {
+  local batch=$1
+  shift
+  cat > ds.json <<JSON
+{"train_batch_size": $batch, "zero_optimization": {"stage": 2},
+ "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
+JSON
+  F="--config ds.json --n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
+   --threads 1 --log_dir logs --no_progress $*"
+}

@@ -1,0 +1,93 @@
+#include <gtest/gtest.h>
+
+#include "engine/dist/comm.h"
+#include "engine/zero_optimizer.h"
+
+namespace uckpt::engine {
+namespace {
+
+ZeroSettings Fp16Settings() {
+  ZeroSettings s;
+  s.stage = 2;
+  s.model_dtype = at::kHalf;
+  s.fp16.enabled = true;
+  s.fp16.initial_scale_power = 4;
+  s.fp16.hysteresis = 2;
+  s.fp16.loss_scale_window = 2;
+  s.optimizer.lr = 0.1;
+  return s;
+}
+
+// fp16 dynamic loss scaling as DeepSpeed does it: an overflowing step is
+// skipped (weights and optimizer state untouched); the first overflow only
+// uses up the hysteresis, the next halves the scale; `window` clean steps
+// double it again.
+TEST(ZeroOptimizer, Fp16OverflowSkipsTheStepAndAdjustsTheScale) {
+  auto comm = MakeSingleProcessComm();
+  ZeroOptimizer z(*comm, {3, 5}, Fp16Settings());
+  z.model_flat().fill_(1.0);
+  z.InitMasterFromModel();
+  auto step = [&](float g) {
+    z.grad_flat().fill_(g);
+    z.ReduceMicroGradients(true);
+    return z.Step(0.1);
+  };
+  EXPECT_EQ(z.loss_scale(), 16.0);
+  auto r = step(std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(r.skipped);
+  EXPECT_EQ(z.loss_scale(), 16.0);  // hysteresis 2 -> 1
+  EXPECT_FALSE(z.state().step.defined());
+  EXPECT_TRUE(at::equal(z.state().master, at::ones({8})));
+  r = step(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_TRUE(r.skipped);
+  EXPECT_EQ(z.loss_scale(), 8.0);
+  r = step(8.0f);  // a clean step: gradient 8 at scale 8 is 1
+  EXPECT_FALSE(r.skipped);
+  EXPECT_EQ(r.loss_scale, 8.0);
+  EXPECT_NEAR(r.grad_norm, std::sqrt(8.0), 1e-6);  // unscaled norm of eight ones
+  EXPECT_EQ(z.state().step.item<float>(), 1.0f);
+  EXPECT_LT(z.state().master.max().item<float>(), 1.0f);  // Adam moved every weight down
+  EXPECT_TRUE(at::equal(z.model_flat(), z.state().master.to(at::kHalf)));
+  EXPECT_EQ(z.loss_scale(), 8.0);  // (iter 2 - last overflow 1) % window 2 != 0
+  r = step(8.0f);
+  EXPECT_FALSE(r.skipped);
+  EXPECT_EQ(z.loss_scale(), 16.0);  // (3 - 1) % 2 == 0: doubled
+}
+
+TEST(ZeroOptimizer, StaticLossScaleNeverChanges) {
+  auto comm = MakeSingleProcessComm();
+  ZeroSettings s = Fp16Settings();
+  s.fp16.loss_scale = 128;
+  ZeroOptimizer z(*comm, {4}, s);
+  EXPECT_EQ(z.loss_scale(), 128.0);
+  z.grad_flat().fill_(128.0);
+  z.ReduceMicroGradients(true);
+  auto r = z.Step(0.01);
+  EXPECT_FALSE(r.skipped);
+  EXPECT_NEAR(r.grad_norm, 2.0, 1e-6);
+  EXPECT_EQ(z.loss_scale(), 128.0);
+}
+
+// Stage 2 reduces every micro-step into the partition, stage 1 once: the
+// accumulated gradient is the same.
+TEST(ZeroOptimizer, GradientAccumulationIsTheSumOfMicroSteps) {
+  auto comm = MakeSingleProcessComm();
+  for (int stage : {0, 1, 2}) {
+    ZeroSettings s;
+    s.stage = stage;
+    s.optimizer.lr = 0.5;
+    s.optimizer.weight_decay = 0;
+    ZeroOptimizer z(*comm, {6}, s);
+    for (float g : {1.0f, 2.0f, 3.0f}) {
+      z.grad_flat().add_(g);  // autograd accumulates into .grad like this
+      z.ReduceMicroGradients(g == 3.0f);
+    }
+    auto r = z.Step(0.5);
+    EXPECT_NEAR(r.grad_norm, 6.0 * std::sqrt(6.0), 1e-5) << stage;
+    EXPECT_TRUE(at::allclose(z.state().exp_avg, at::full({6}, 0.6f))) << stage;  // (1 - 0.9) * 6
+    EXPECT_EQ(z.grad_flat().abs().sum().item<float>(), 0.f) << stage;            // ready for the next step
+  }
+}
+
+}  // namespace
+}  // namespace uckpt::engine
