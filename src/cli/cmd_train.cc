@@ -4,7 +4,7 @@
 
 #include "cli/commands.h"
 #include "cli/strict_flags.h"
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 #include "engine/config.h"
 #include "engine/trainer.h"
 
@@ -110,13 +110,13 @@ Runner AddTrain(CLI::App& app) {
     if (a->threads > 0) at::set_num_threads(a->threads);
 
     auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
-    auto env = engine::DistEnv::FromEnvironment();
-    const engine::HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
+    auto env = DistEnv::FromEnvironment();
+    const HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
     heartbeat.Validate();
     if (env) o.local_rank = env->local_rank;
-    std::unique_ptr<engine::Comm> comm =
-        env && env->world_size > 1 ? engine::ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
-                                   : engine::MakeSingleProcessComm();
+    std::unique_ptr<Comm> comm =
+        env && env->world_size > 1 ? ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
+                                   : MakeSingleProcessComm();
     try {
       int code = engine::RunTraining(*comm, o);
       comm->Finish();

@@ -1,5 +1,5 @@
-// Trainer::SaveCheckpoint / LoadCheckpoint: DeepSpeed's files, written from
-// and read into the flat ZeRO buffers.
+// Engine::SaveCheckpoint / LoadCheckpoint: DeepSpeed's files, written from
+// and read into the engine's flat ZeRO buffers, frozen parameters and buffers.
 #include "engine/checkpoint.h"
 
 #include <c10/core/GradMode.h>
@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "ckpt/manifest.h"
 #include "format/env.h"
@@ -16,7 +17,7 @@
 #include "format/file.h"
 #include "format/torch_file.h"
 #include "engine/torch_bridge.h"
-#include "engine/trainer.h"
+#include "engine/engine_impl.h"
 #include "engine/weights.h"
 
 namespace uckpt::engine {
@@ -103,20 +104,6 @@ class Reader {
  private:
   std::string path_;
 };
-
-// Module prefixes of GPT2LMHeadModel in traversal order (state_dict _metadata).
-std::vector<std::string> ModulePrefixes(const Gpt2Config& cfg) {
-  std::vector<std::string> m = {"", "transformer", "transformer.wte", "transformer.wpe", "transformer.h"};
-  for (int64_t i = 0; i < cfg.n_layer; ++i) {
-    std::string h = "transformer.h." + std::to_string(i);
-    for (const char* s : {"", ".ln_1", ".attn", ".attn.c_attn", ".attn.c_proj", ".ln_2", ".mlp", ".mlp.c_fc",
-                          ".mlp.c_proj"})
-      m.push_back(h + s);
-  }
-  m.push_back("transformer.ln_f");
-  m.push_back("lm_head");
-  return m;
-}
 
 ValuePtr ParamGroupValue(const OptimizerConfig& o, double lr) {
   ValuePtr g = Value::Dict();
@@ -233,139 +220,264 @@ std::string OptimStatesName(int dp_rank, bool bf16) {
   return std::string(bf16 ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_optim_states.pt";
 }
 
+// ---- IValue client state <-> pickled values. ----
+
+namespace {
+
+ValuePtr FromIValue(const c10::IValue& v, const std::string& where) {
+  if (v.isNone()) return Value::None();
+  if (v.isBool()) return Value::Bool(v.toBool());
+  if (v.isInt()) return Value::Int(v.toInt());
+  if (v.isDouble()) return Value::Float(v.toDouble());
+  if (v.isString()) return Value::Str(v.toStringRef());
+  if (v.isTensor()) return TensorValue(v.toTensor());
+  if (v.isList()) {
+    ValuePtr l = Value::List();
+    size_t k = 0;
+    for (const c10::IValue& x : v.toListRef()) l->items.push_back(FromIValue(x, where + "[" + std::to_string(k++) + "]"));
+    return l;
+  }
+  if (v.isTuple()) {
+    std::vector<ValuePtr> items;
+    size_t k = 0;
+    for (const c10::IValue& x : v.toTupleRef().elements())
+      items.push_back(FromIValue(x, where + "[" + std::to_string(k++) + "]"));
+    return Value::Tuple(std::move(items));
+  }
+  if (v.isGenericDict()) {
+    ValuePtr d = Value::Dict();
+    for (const auto& kv : v.toGenericDict()) {
+      const c10::IValue& key = kv.key();
+      if (key.isString()) {
+        d->set(key.toStringRef(), FromIValue(kv.value(), where + "['" + key.toStringRef() + "']"));
+      } else if (key.isInt()) {
+        d->set(Value::Int(key.toInt()), FromIValue(kv.value(), where + "[" + std::to_string(key.toInt()) + "]"));
+      } else {
+        throw std::invalid_argument(where + ": dict keys must be strings or ints, not " + key.tagKind());
+      }
+    }
+    return d;
+  }
+  throw std::invalid_argument(where + ": a " + v.tagKind() +
+                              " cannot be saved (use dicts, lists, tuples, numbers, strings, bools, None and tensors)");
+}
+
+c10::IValue ToIValue(const ValuePtr& v) {
+  if (!v) return c10::IValue();
+  switch (v->kind) {
+    case Kind::kNone: return c10::IValue();
+    case Kind::kBool: return c10::IValue(v->b);
+    case Kind::kInt:
+      if (!v->big.empty()) return c10::IValue(static_cast<double>(v->i));  // beyond int64: approximate
+      return c10::IValue(v->i);
+    case Kind::kFloat: return c10::IValue(v->f);
+    case Kind::kStr: return c10::IValue(v->s);
+    case Kind::kTensor:
+    case Kind::kParameter:
+      if (v->tensor) return c10::IValue(ToTorch(*v->tensor));
+      return c10::IValue();
+    case Kind::kList:
+    case Kind::kTuple: {
+      c10::impl::GenericList l(c10::AnyType::get());
+      for (const auto& x : v->items) l.push_back(ToIValue(x));
+      if (v->kind == Kind::kTuple) return c10::ivalue::Tuple::create(std::vector<c10::IValue>(l.begin(), l.end()));
+      return c10::IValue(l);
+    }
+    case Kind::kTorchSize: {
+      std::vector<c10::IValue> dims;
+      for (const auto& x : v->items) dims.emplace_back(x->i);
+      return c10::ivalue::Tuple::create(std::move(dims));
+    }
+    case Kind::kDict:
+    case Kind::kOrderedDict: {
+      c10::impl::GenericDict d(c10::AnyType::get(), c10::AnyType::get());
+      for (const auto& [k, x] : v->entries) d.insert(ToIValue(k), ToIValue(x));
+      return c10::IValue(d);
+    }
+    default: return c10::IValue("<" + (v->s.empty() ? std::string("unsupported value") : v->s) + ">");  // inert, never run
+  }
+}
+
+// The model-states keys DeepSpeed and uckpt write; the rest is client state.
+bool IsEngineKey(const std::string& k) {
+  static const std::set<std::string> keys = {
+      "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+      "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+      "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+      "ds_version", "universal_checkpoint_info", "iteration", "uckpt"};
+  return keys.count(k) > 0;
+}
+
+}  // namespace
+
 // ---- Saving. ----
 
 namespace {
 
-ValuePtr ModelStatesValue(const Trainer& t) {
-  const TrainOptions& o = t.options();
-  const ZeroOptimizer& z = t.optimizer();
-  const int stage = z.settings().stage;
-  const DType dt = FromScalarType(z.model_flat().scalar_type());
-  // One storage for the whole flat buffer; every parameter is a view into it,
+ValuePtr ModuleValue(const Engine::Impl& e) {
+  const DType dt = FromScalarType(e.zero->model_flat().scalar_type());
+  std::map<std::string, ValuePtr> by_name;
+  // One storage per group's flat buffer; every parameter is a view into it,
   // as DeepSpeed's state_dict of flat-buffer views saves it.
-  auto flat = StorageOf(z.model_flat());
-  ValuePtr module = Value::Dict(/*ordered=*/true);
-  ValuePtr shapes = Value::Dict(/*ordered=*/true);
-  int64_t off = 0;
-  for (const auto& [name, p] : t.parameters()) {
-    module->set(name, View(flat, dt, p.sizes().vec(), off));
-    shapes->set(name, Value::Size(p.sizes().vec()));
-    off += p.numel();
-  }
-  module->set("lm_head.weight", View(flat, dt, t.parameters().front().tensor.sizes().vec(), 0));
-  ValuePtr metadata = Value::Dict(/*ordered=*/true);
-  for (const auto& m : ModulePrefixes(o.model)) metadata->set(m, Dict({{"version", Value::Int(1)}}));
-  module->state = Dict({{"_metadata", metadata}});
-
-  const Counters& c = t.counters();
-  ValuePtr d = Value::Dict();
-  d->set("module", module);
-  d->set("buffer_names", Value::List());
-  ValuePtr optimizer = Value::None();
-  if (stage == 0) {
-    // Plain torch AdamW state_dict: one state per parameter (views of the flat state).
-    const PartitionState& s = z.state();
-    ValuePtr state = Value::Dict();
-    ValuePtr ids = Value::List();
-    if (s.step.defined()) {
-      auto avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
-      int64_t k = 0, at = 0;
-      for (const auto& [name, p] : t.parameters()) {
-        state->set(Value::Int(k), Dict({{"step", TensorValue(s.step)},
-                                        {"exp_avg", View(avg, DType::kFloat32, p.sizes().vec(), at)},
-                                        {"exp_avg_sq", View(sq, DType::kFloat32, p.sizes().vec(), at)}}));
-        at += p.numel();
-        ++k;
-      }
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    auto flat = StorageOf(e.zero->model_flat(g));
+    int64_t off = 0;
+    for (const auto& p : e.groups[g]) {
+      by_name[p.name] = View(flat, dt, p.tensor.sizes().vec(), off);
+      off += p.tensor.numel();
     }
-    ValuePtr group = ParamGroupValue(t.optimizer().settings().optimizer, t.schedule().current_lr());
-    for (size_t k = 0; k < t.parameters().size(); ++k) ids->items.push_back(Value::Int(static_cast<int64_t>(k)));
-    group->set("params", ids);
-    optimizer = Dict({{"state", state}, {"param_groups", Value::List({group})}});
   }
-  d->set("optimizer", optimizer);
-  d->set("param_shapes", stage == 0 ? Value::None() : Value::List({shapes}));
-  d->set("frozen_param_shapes", stage == 2 ? Value::Dict(true) : Value::None());
-  d->set("shared_params",
-         stage == 0 ? Value::None() : Dict({{"lm_head.weight", Value::Str("transformer.wte.weight")}}));
-  d->set("frozen_param_fragments", stage == 2 ? Value::Dict(true) : Value::None());
-  const LrSchedule& sched = t.schedule();
-  d->set("lr_scheduler", o.config.scheduler.type.empty()
+  for (const auto* list : {&e.frozen, &e.buffers})
+    for (const auto& p : *list) by_name[p.name] = TensorValue(p.tensor);
+  for (const auto& [alias, owner] : e.aliases) by_name[alias] = by_name.at(owner);
+  ValuePtr module = Value::Dict(/*ordered=*/true);
+  for (const auto& name : e.state_names) module->set(name, by_name.at(name));
+  ValuePtr metadata = Value::Dict(/*ordered=*/true);
+  for (const auto& m : e.module_prefixes) metadata->set(m, Dict({{"version", Value::Int(1)}}));
+  module->state = Dict({{"_metadata", metadata}});
+  return module;
+}
+
+// Stage 0: torch Adam's own state_dict, one state per parameter (views of the
+// flat state), numbered over all groups.
+ValuePtr Stage0OptimizerValue(const Engine::Impl& e) {
+  ValuePtr state = Value::Dict();
+  ValuePtr groups = Value::List();
+  int64_t id = 0;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    const engine::PartitionState& s = e.zero->state(g);
+    std::shared_ptr<Storage> avg, sq;
+    if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
+    ValuePtr ids = Value::List();
+    int64_t at = 0;
+    for (const auto& p : e.groups[g]) {
+      if (s.step.defined())
+        state->set(Value::Int(id), Dict({{"step", TensorValue(s.step)},
+                                         {"exp_avg", View(avg, DType::kFloat32, p.tensor.sizes().vec(), at)},
+                                         {"exp_avg_sq", View(sq, DType::kFloat32, p.tensor.sizes().vec(), at)}}));
+      ids->items.push_back(Value::Int(id++));
+      at += p.tensor.numel();
+    }
+    ValuePtr group = ParamGroupValue(e.zero->optimizer_config(g), e.schedule.current_lr());
+    group->set("params", ids);
+    groups->items.push_back(group);
+  }
+  return Dict({{"state", state}, {"param_groups", groups}});
+}
+
+ValuePtr ModelStatesValue(const Engine::Impl& e, const ClientState& client_state) {
+  const int stage = e.stage();
+  ValuePtr d = Value::Dict();
+  d->set("module", ModuleValue(e));
+  ValuePtr buffer_names = Value::List();
+  for (const auto& b : e.buffers) buffer_names->items.push_back(Value::Str(b.name));
+  d->set("buffer_names", buffer_names);
+  d->set("optimizer", stage == 0 ? Stage0OptimizerValue(e) : Value::None());
+  ValuePtr shapes = Value::List();
+  for (const auto& g : e.groups) {
+    ValuePtr group = Value::Dict(/*ordered=*/true);
+    for (const auto& p : g) group->set(p.name, Value::Size(p.tensor.sizes().vec()));
+    shapes->items.push_back(group);
+  }
+  d->set("param_shapes", stage == 0 ? Value::None() : shapes);
+  // Stage 2 records frozen parameters (shapes, and each whole, flattened).
+  ValuePtr frozen_shapes = Value::Dict(true), frozen_fragments = Value::Dict(true);
+  for (const auto& p : e.frozen) {
+    frozen_shapes->set(p.name, Value::Size(p.tensor.sizes().vec()));
+    frozen_fragments->set(p.name, TensorValue(p.tensor.reshape({-1})));
+  }
+  d->set("frozen_param_shapes", stage == 2 ? frozen_shapes : Value::None());
+  ValuePtr shared = Value::Dict();
+  for (const auto& [alias, owner] : e.aliases) shared->set(alias, Value::Str(owner));
+  d->set("shared_params", stage == 0 ? Value::None() : shared);
+  d->set("frozen_param_fragments", stage == 2 ? frozen_fragments : Value::None());
+  d->set("lr_scheduler", e.config.scheduler.type.empty()
                              ? Value::None()
-                             : Dict({{"last_batch_iteration", Value::Int(sched.last_batch_iteration())}}));
+                             : Dict({{"last_batch_iteration", Value::Int(e.schedule.last_batch_iteration())}}));
   d->set("data_sampler", Value::None());
   d->set("random_ltd", Value::None());
   d->set("sparse_tensor_module_names", Set());
-  d->set("skipped_steps", Value::Int(c.skipped_steps));
-  d->set("global_steps", Value::Int(c.global_steps));
-  d->set("global_samples", Value::Int(c.global_samples));
-  d->set("dp_world_size", Value::Int(t.comm().world_size()));
+  d->set("skipped_steps", Value::Int(e.skipped_steps));
+  d->set("global_steps", Value::Int(e.global_steps));
+  d->set("global_samples", Value::Int(e.global_samples));
+  d->set("dp_world_size", Value::Int(e.comm->world_size()));
   d->set("mp_world_size", Value::Int(1));
-  d->set("ds_config", JsonToValue(o.config.raw));
+  d->set("ds_config", JsonToValue(e.config.raw));
   d->set("ds_version", Value::Str(kDeepSpeedVersion));
-  // Client state: what DeepSpeed's converter needs, the iteration, and ours.
+  // What DeepSpeed's converter needs, the iteration, and ours.
   d->set("universal_checkpoint_info", Dict({{"universal_checkpoint_version", Value::Float(0.2)}}));
-  d->set("iteration", Value::Int(c.global_steps));
-  d->set("uckpt", Dict({{"data_samples", Value::Int(c.global_samples)},
-                        {"data_seed", Value::Int(static_cast<int64_t>(o.seed))},
-                        {"train_batch_size", Value::Int(t.batch().train_batch_size)},
-                        {"lr", Value::Float(sched.current_lr())}}));
+  d->set("iteration", Value::Int(e.global_steps));
+  d->set("uckpt", Dict({{"data_samples", Value::Int(e.global_samples)},
+                        {"train_batch_size", Value::Int(e.batch.train_batch_size)},
+                        {"lr", Value::Float(e.schedule.current_lr())}}));
+  // The client's keys at the top, as DeepSpeed's state.update(client_state).
+  if (!client_state.isNone()) {
+    if (!client_state.isGenericDict())
+      throw std::invalid_argument("SaveCheckpoint: client_state must be a dict with string keys, not a " +
+                                  client_state.tagKind());
+    ValuePtr cs = FromIValue(client_state, "client_state");
+    for (const auto& [k, v] : cs->entries) {
+      if (k->kind != Kind::kStr) throw std::invalid_argument("SaveCheckpoint: client_state keys must be strings");
+      if (IsEngineKey(k->s))
+        throw std::invalid_argument("SaveCheckpoint: client_state key '" + k->s +
+                                    "' is one of the checkpoint's own keys; choose another name");
+      d->set(k->s, v);
+    }
+  }
   return d;
 }
 
-ValuePtr OptimStatesValue(const Trainer& t) {
-  const TrainOptions& o = t.options();
-  const ZeroOptimizer& z = t.optimizer();
-  const int stage = z.settings().stage;
-  const int rank = z.partition_rank();
-  const auto& layout = z.layout();
-  const PartitionState& s = z.state();
-
+ValuePtr OptimStatesValue(const Engine::Impl& e) {
+  const int stage = e.stage();
+  const int rank = e.zero->partition_rank();
+  const double lr = e.schedule.current_lr();
   ValuePtr state = Value::Dict();
-  if (s.step.defined())
-    state->set(Value::Int(0), Dict({{"step", TensorValue(s.step)},
-                                    {"exp_avg", TensorValue(s.exp_avg)},
-                                    {"exp_avg_sq", TensorValue(s.exp_avg_sq)}}));
-  const double lr = t.schedule().current_lr();
-  ValuePtr base = Dict({{"state", state}, {"param_groups", Value::List({ParamGroupValue(z.settings().optimizer, lr)})}});
-
-  // The lean fp32 partition: a view of the padded one, padding cut off.
-  const int64_t pad = layout.padding(rank);
-  auto master = StorageOf(s.master);
-  ValuePtr lean = View(master, DType::kFloat32, {layout.partition_size - pad}, 0, /*requires_grad=*/true);
-
-  ValuePtr mappings = Value::Dict(/*ordered=*/true);
-  for (const auto& f : ckpt::RankFragments(z.numels(), layout.dp, rank))
-    mappings->set(t.parameters()[f.param].name,
-                  NewObject("deepspeed.utils.tensor_fragment.fragment_address",
-                            Dict({{"numel", Value::Int(f.numel)}, {"start", Value::Int(f.partition_offset)}})));
-
+  ValuePtr param_groups = Value::List();
+  ValuePtr fp32_groups = Value::List(), paddings = Value::List(), counts = Value::List(), mappings = Value::List();
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    const engine::PartitionState& s = e.zero->state(g);
+    const auto& layout = e.zero->layout(g);
+    if (s.step.defined())
+      state->set(Value::Int(static_cast<int64_t>(g)), Dict({{"step", TensorValue(s.step)},
+                                                            {"exp_avg", TensorValue(s.exp_avg)},
+                                                            {"exp_avg_sq", TensorValue(s.exp_avg_sq)}}));
+    ValuePtr group = ParamGroupValue(e.zero->optimizer_config(g), lr);
+    group->set("params", Value::List({Value::Int(static_cast<int64_t>(g))}));
+    param_groups->items.push_back(group);
+    // The lean fp32 partition: a view of the padded one, padding cut off.
+    const int64_t pad = layout.padding(rank);
+    fp32_groups->items.push_back(
+        View(StorageOf(s.master), DType::kFloat32, {layout.partition_size - pad}, 0, /*requires_grad=*/true));
+    paddings->items.push_back(Value::Int(pad));
+    counts->items.push_back(Value::Int(layout.dp));
+    ValuePtr m = Value::Dict(/*ordered=*/true);
+    for (const auto& f : ckpt::RankFragments(e.zero->numels(g), layout.dp, rank))
+      m->set(e.groups[g][f.param].name,
+             NewObject("deepspeed.utils.tensor_fragment.fragment_address",
+                       Dict({{"numel", Value::Int(f.numel)}, {"start", Value::Int(f.partition_offset)}})));
+    mappings->items.push_back(m);
+  }
   ValuePtr zero_stage = Value::Object(
       "builtins.getattr",
       Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
                     Value::Str(stage == 1 ? "optimizer_states" : "gradients")}),
       /*newobj=*/false);
   ValuePtr osd = Value::Dict();
-  osd->set("loss_scaler", LossScalerValue(z.loss_scaler()));
-  osd->set("dynamic_loss_scale", Value::Bool(z.loss_scaler().dynamic));
+  osd->set("loss_scaler", LossScalerValue(e.zero->loss_scaler()));
+  osd->set("dynamic_loss_scale", Value::Bool(e.zero->loss_scaler().dynamic));
   osd->set("overflow", Value::Bool(false));
-  osd->set("clip_grad", Value::Float(o.config.gradient_clipping));
-  osd->set("base_optimizer_state", base);
-  osd->set("single_partition_of_fp32_groups", Value::List({lean}));
+  osd->set("clip_grad", Value::Float(e.config.gradient_clipping));
+  osd->set("base_optimizer_state", Dict({{"state", state}, {"param_groups", param_groups}}));
+  osd->set("single_partition_of_fp32_groups", fp32_groups);
   osd->set("zero_stage", zero_stage);
-  osd->set("group_paddings", Value::List({Value::Int(pad)}));
-  osd->set("partition_count", Value::List({Value::Int(layout.dp)}));
+  osd->set("group_paddings", paddings);
+  osd->set("partition_count", counts);
   osd->set("ds_version", Value::Str(kDeepSpeedVersion));
-  osd->set("param_slice_mappings", Value::List({mappings}));
+  osd->set("param_slice_mappings", mappings);
   return Dict({{"optimizer_state_dict", osd},
-               {"ds_config", JsonToValue(o.config.raw)},
+               {"ds_config", JsonToValue(e.config.raw)},
                {"ds_version", Value::Str(kDeepSpeedVersion)}});
 }
-
-}  // namespace
-
-namespace {
 
 // The highest rank whose `error` is not empty, or -1 when every rank
 // succeeded: one all-reduce, called by every rank.
@@ -392,13 +504,15 @@ void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& erro
 // does rank 0 add the manifest, fsync the folder, rename it to the tag and
 // then replace `latest` atomically. A crash or error at any point leaves the
 // previous checkpoint and `latest` as they were.
-void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
+std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                 const ClientState& client_state) {
   if (tag.empty() || tag.find('/') != std::string::npos || tag == "." || tag == "..")
     throw std::invalid_argument("bad checkpoint tag '" + tag + "'");
-  if (zero_->settings().stage == 0 && zero_->settings().model_dtype != at::kFloat)
+  if (e.stage() == 0 && e.zero->settings().model_dtype != at::kFloat)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
+  Comm& comm = *e.comm;
   Env& env = Env::Current();
-  const bool rank0 = comm_.rank() == 0;
+  const bool rank0 = comm.rank() == 0;
   const std::string folder = dir + "/" + tag;
   const std::string tmp = dir + "/." + tag + ".uckpt-tmp";  // the same name on every rank
   auto cleanup = [&] {
@@ -408,6 +522,8 @@ void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
       // The first error is the one to report.
     }
   };
+  // The client state is checked on every rank before anything is written.
+  ValuePtr model_states = ModelStatesValue(e, client_state);
   std::string error;
   // 1. Rank 0 makes a fresh temporary folder (one a killed save left is removed).
   if (rank0) {
@@ -415,21 +531,20 @@ void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
       env.CreateDirs(dir);
       env.RemoveAll(tmp);
       env.CreateDirs(tmp);
-    } catch (const std::exception& e) {
-      error = e.what();
+    } catch (const std::exception& ex) {
+      error = ex.what();
     }
   }
-  AgreeOrThrow(comm_, folder, error);
+  AgreeOrThrow(comm, folder, error);
   // 2. Every rank writes its files into it (each fsynced before its rename).
   try {
-    if (zero_->settings().stage > 0)
-      SaveTorchFile(tmp + "/" + OptimStatesName(comm_.rank(), opt_.config.bf16), OptimStatesValue(*this));
-    if (rank0) SaveTorchFile(tmp + "/" + ModelStatesName(), ModelStatesValue(*this));
-  } catch (const std::exception& e) {
-    error = e.what();
+    if (e.stage() > 0) SaveTorchFile(tmp + "/" + OptimStatesName(comm.rank(), e.config.bf16), OptimStatesValue(e));
+    if (rank0) SaveTorchFile(tmp + "/" + ModelStatesName(), model_states);
+  } catch (const std::exception& ex) {
+    error = ex.what();
   }
   try {
-    AgreeOrThrow(comm_, folder, error);
+    AgreeOrThrow(comm, folder, error);
   } catch (...) {
     if (rank0) cleanup();
     throw;
@@ -440,128 +555,166 @@ void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) {
   if (rank0) {
     try {
       ckpt::WriteManifest(tmp);  // durable: its commit fsyncs `tmp` too
-      ReplaceFolder(env, tmp, folder);  // an old folder of that tag swapped out
+      ReplaceFolder(env, tmp, folder);
       env.SyncDir(dir);
       AtomicFile latest(dir + "/latest");
       latest.Write(tag);
       latest.Commit();
-    } catch (const std::exception& e) {
-      error = e.what();
+    } catch (const std::exception& ex) {
+      error = ex.what();
       cleanup();
     }
   }
-  AgreeOrThrow(comm_, folder, error);
+  AgreeOrThrow(comm, folder, error);
+  return folder;
 }
 
 // ---- Loading. ----
 
 namespace {
 
-// The model-states keys both load paths restore.
-void RestoreCounters(Trainer& t, const Reader& r, const ValuePtr& root) {
-  Counters& c = t.counters();
-  c.global_steps = r.Int(root, "global_steps");
-  c.skipped_steps = r.Get(root, "skipped_steps", false) ? r.Int(root, "skipped_steps") : 0;
-  c.global_samples = r.Get(root, "global_samples", false) ? r.Int(root, "global_samples")
-                                                          : c.global_steps * t.batch().train_batch_size;
+// The model-states keys every load path restores.
+void RestoreCounters(Engine::Impl& e, const Reader& r, const ValuePtr& root, const LoadCheckpointOptions& o) {
+  e.global_steps = r.Int(root, "global_steps");
+  e.skipped_steps = r.Get(root, "skipped_steps", false) ? r.Int(root, "skipped_steps") : 0;
+  e.global_samples = r.Get(root, "global_samples", false) ? r.Int(root, "global_samples")
+                                                          : e.global_steps * e.batch.train_batch_size;
   if (auto u = r.Get(root, "uckpt", false); u && u->is_dict() && u->get("data_samples"))
-    c.global_samples = r.Int(u, "data_samples");
-  if (c.global_steps < 0 || c.global_samples < 0) throw FormatError(r.path() + ": negative step counters");
+    e.global_samples = r.Int(u, "data_samples");
+  if (e.global_steps < 0 || e.global_samples < 0) throw FormatError(r.path() + ": negative step counters");
+  e.micro_steps = e.global_steps * e.batch.gradient_accumulation_steps;
   ValuePtr sched = r.Get(root, "lr_scheduler", false);
-  if (sched && sched->is_dict() && sched->get("last_batch_iteration")) {
-    t.schedule().Restore(r.Int(sched, "last_batch_iteration"));
-  } else if (c.global_steps > 0 && !t.options().config.scheduler.type.empty()) {
+  if (o.load_lr_scheduler_states && sched && sched->is_dict() && sched->get("last_batch_iteration")) {
+    e.schedule.Restore(r.Int(sched, "last_batch_iteration"));
+  } else if (e.global_steps > 0 && !e.config.scheduler.type.empty()) {
     // No saved scheduler: continue the schedule where the step count says.
-    t.schedule().Restore(c.global_steps - 1 - c.skipped_steps);
+    e.schedule.Restore(e.global_steps - 1 - e.skipped_steps);
   }
 }
 
-// The saved param group's hyper-parameters, kept only on request (as
+// The saved param groups' hyper-parameters, kept only on request (as
 // DeepSpeed's torch optimizer load_state_dict keeps them): lr for the next
 // step (a configured scheduler sets the lr again from its own config and the
 // restored position after that step, as DeepSpeed's does), and betas, eps and
 // weight_decay for the rest of the run.
-void ApplySavedHparams(Trainer& t, const Reader& r, const ValuePtr& group) {
-  if (!t.options().keep_saved_hparams || !group || !group->is_dict()) return;
-  if (auto lr = group->get("lr")) t.schedule().set_current_lr(r.Number(lr, "param_groups[0].lr"));
-  OptimizerConfig o = t.optimizer().settings().optimizer;
-  if (auto betas = group->get("betas")) {
-    if (!betas->is_seq() || betas->items.size() != 2)
-      throw FormatError(r.path() + ": param_groups[0].betas is not a pair");
-    o.beta1 = r.Number(betas->items[0], "param_groups[0].betas[0]");
-    o.beta2 = r.Number(betas->items[1], "param_groups[0].betas[1]");
+void ApplySavedHparams(Engine::Impl& e, const Reader& r, const ValuePtr& groups, const LoadCheckpointOptions& o) {
+  if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
+  for (size_t g = 0; g < e.groups.size() && g < groups->items.size(); ++g) {
+    const ValuePtr& group = groups->items[g];
+    if (!group || !group->is_dict()) continue;
+    const std::string where = "param_groups[" + std::to_string(g) + "]";
+    if (auto lr = group->get("lr"); lr && g == 0) e.schedule.set_current_lr(r.Number(lr, where + ".lr"));
+    engine::OptimizerConfig c = e.zero->optimizer_config(g);
+    if (auto betas = group->get("betas")) {
+      if (!betas->is_seq() || betas->items.size() != 2) throw FormatError(r.path() + ": " + where + ".betas is not a pair");
+      c.beta1 = r.Number(betas->items[0], where + ".betas[0]");
+      c.beta2 = r.Number(betas->items[1], where + ".betas[1]");
+    }
+    if (auto eps = group->get("eps")) c.eps = r.Number(eps, where + ".eps");
+    if (auto wd = group->get("weight_decay")) c.weight_decay = r.Number(wd, where + ".weight_decay");
+    e.zero->set_optimizer_config(g, c);
   }
-  if (auto eps = group->get("eps")) o.eps = r.Number(eps, "param_groups[0].eps");
-  if (auto wd = group->get("weight_decay")) o.weight_decay = r.Number(wd, "param_groups[0].weight_decay");
-  t.optimizer().set_optimizer_config(o);
 }
 
-void CheckParamShapes(const Trainer& t, const Reader& r, const ValuePtr& root) {
+std::vector<int64_t> ShapeOf(const ValuePtr& v) {
+  std::vector<int64_t> shape;
+  if (v && (v->kind == Kind::kTorchSize || v->is_seq()))
+    for (const auto& d : v->items) shape.push_back(d->i);
+  return shape;
+}
+
+// param_shapes must name this engine's groups and parameters in order.
+void CheckParamShapes(const Engine::Impl& e, const Reader& r, const ValuePtr& root) {
   ValuePtr shapes = r.Get(root, "param_shapes", false);
   if (!shapes || shapes->kind == Kind::kNone) return;
-  ValuePtr g = r.Item(shapes, 0, "param_shapes");
-  if (!g->is_dict() || shapes->items.size() != 1)
-    throw FormatError(r.path() + ": param_shapes must hold one parameter group (uckpt trains one)");
-  const auto& params = t.parameters();
-  if (g->entries.size() != params.size())
-    throw FormatError(r.path() + ": has " + std::to_string(g->entries.size()) + " parameters, this model has " +
-                      std::to_string(params.size()) + " (different --n_layer/--n_embd/...?)");
-  for (size_t k = 0; k < params.size(); ++k) {
-    const auto& [key, val] = g->entries[k];
-    std::vector<int64_t> shape;
-    if (val && (val->kind == Kind::kTorchSize || val->is_seq()))
-      for (const auto& d : val->items) shape.push_back(d->i);
-    if (key->kind != Kind::kStr || key->s != params[k].name || shape != params[k].tensor.sizes().vec())
-      throw FormatError(r.path() + ": parameter " + std::to_string(k) + " is " +
-                        (key->kind == Kind::kStr ? key->s : "?") + " " + c10::str(at::IntArrayRef(shape)) +
-                        ", this model has " + params[k].name + " " + c10::str(params[k].tensor.sizes()));
+  if (!shapes->is_seq() || shapes->items.size() != e.groups.size())
+    throw FormatError(r.path() + ": param_shapes has " + std::to_string(shapes->is_seq() ? shapes->items.size() : 0) +
+                      " parameter groups, this engine has " + std::to_string(e.groups.size()));
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    const ValuePtr& saved = shapes->items[g];
+    const auto& params = e.groups[g];
+    if (!saved->is_dict() || saved->entries.size() != params.size())
+      throw FormatError(r.path() + ": param_shapes[" + std::to_string(g) + "] has " +
+                        std::to_string(saved->is_dict() ? saved->entries.size() : 0) + " parameters, this model's group has " +
+                        std::to_string(params.size()) + " (a different model or model size?)");
+    for (size_t k = 0; k < params.size(); ++k) {
+      const auto& [key, val] = saved->entries[k];
+      const std::vector<int64_t> shape = ShapeOf(val);
+      if (key->kind != Kind::kStr || key->s != params[k].name || shape != params[k].tensor.sizes().vec())
+        throw FormatError(r.path() + ": parameter " + std::to_string(k) + " of group " + std::to_string(g) + " is " +
+                          (key->kind == Kind::kStr ? key->s : "?") + " " + c10::str(at::IntArrayRef(shape)) +
+                          ", this model has " + params[k].name + " " + c10::str(params[k].tensor.sizes()));
+    }
   }
 }
 
-std::vector<NamedTensor> ModuleStateDict(const Reader& r, const ValuePtr& root) {
+// Copies the tensors of the `module` state dict into `targets` by name.
+// Missing names are an error naming the file; extra names are ignored only
+// when they are HF's attention-mask buffers or aliases of a target.
+void LoadModule(const Reader& r, const ValuePtr& root, const std::vector<NamedParam>& targets) {
   ValuePtr module = r.Get(root, "module");
   if (!module->is_dict()) throw FormatError(r.path() + ": 'module' is not a state dict");
-  std::vector<NamedTensor> sd;
+  std::map<std::string, const Tensor*> by_name;
   for (const auto& [k, v] : module->entries)
-    if (k->kind == Kind::kStr && v && v->tensor) sd.push_back({k->s, ToTorch(*v->tensor)});
-  return sd;
+    if (k->kind == Kind::kStr && v && v->tensor) by_name[k->s] = v->tensor.get();
+  c10::NoGradGuard no_grad;
+  for (const auto& p : targets) {
+    auto it = by_name.find(p.name);
+    if (it == by_name.end()) throw FormatError(r.path() + ": module has no tensor '" + p.name + "'");
+    if (it->second->shape != p.tensor.sizes().vec())
+      throw FormatError(r.path() + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
+                        ", the model needs " + c10::str(p.tensor.sizes()));
+    p.tensor.copy_(ToTorch(*it->second).view(p.tensor.sizes()));
+  }
 }
 
-// Stage 0: torch AdamW's own state_dict (one state per parameter) in 'optimizer'.
-void LoadStage0Optimizer(Trainer& t, const Reader& r, const ValuePtr& root) {
+std::vector<NamedParam> Trainable(const Engine::Impl& e) {
+  std::vector<NamedParam> all;
+  for (const auto& g : e.groups) all.insert(all.end(), g.begin(), g.end());
+  return all;
+}
+
+// Stage 0: torch Adam's own state_dict (one state per parameter) in 'optimizer'.
+void LoadStage0Optimizer(Engine::Impl& e, const Reader& r, const ValuePtr& root, const LoadCheckpointOptions& o) {
   ValuePtr opt = r.Get(root, "optimizer", false);
   if (!opt || !opt->is_dict()) return;
   ValuePtr states = r.Get(opt, "state");
-  PartitionState& st = t.optimizer().state();
-  const auto& params = t.parameters();
-  if (states->entries.empty()) return;
-  if (states->entries.size() != params.size())
-    throw FormatError(r.path() + ": optimizer state has " + std::to_string(states->entries.size()) +
-                      " parameters, the model " + std::to_string(params.size()));
-  st.exp_avg = at::zeros_like(st.master);
-  st.exp_avg_sq = at::zeros_like(st.master);
-  int64_t off = 0;
-  for (size_t k = 0; k < params.size(); ++k) {
-    const ValuePtr& s = states->entries[k].second;
-    const int64_t n = params[k].tensor.numel();
-    for (auto [key, dst] : {std::pair<const char*, at::Tensor*>{"exp_avg", &st.exp_avg}, {"exp_avg_sq", &st.exp_avg_sq}}) {
-      const Tensor& src = r.TensorAt(r.Get(s, key), std::string("optimizer state ") + key);
-      if (src.numel() != n) throw FormatError(r.path() + ": optimizer state of " + params[k].name + " has the wrong size");
-      CopyElements(r, src, 0, n, dst->narrow(0, off, n));
+  std::map<int64_t, ValuePtr> by_id;
+  for (const auto& [k, v] : states->entries)
+    if (k->kind == Kind::kInt) by_id[k->i] = v;
+  int64_t id = 0;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    engine::PartitionState& st = e.zero->state(g);
+    if (by_id.empty()) {
+      id += static_cast<int64_t>(e.groups[g].size());
+      continue;
     }
-    if (k == 0) {
-      ValuePtr step = r.Get(s, "step");
+    st.exp_avg = at::zeros_like(st.master);
+    st.exp_avg_sq = at::zeros_like(st.master);
+    int64_t off = 0;
+    for (const auto& p : e.groups[g]) {
+      auto it = by_id.find(id);
+      if (it == by_id.end())
+        throw FormatError(r.path() + ": optimizer state has no entry " + std::to_string(id) + " (" + p.name + ")");
+      const int64_t n = p.tensor.numel();
+      for (auto [key, dst] : {std::pair<const char*, at::Tensor*>{"exp_avg", &st.exp_avg}, {"exp_avg_sq", &st.exp_avg_sq}}) {
+        const Tensor& src = r.TensorAt(r.Get(it->second, key), std::string("optimizer state ") + key);
+        if (src.numel() != n) throw FormatError(r.path() + ": optimizer state of " + p.name + " has the wrong size");
+        CopyElements(r, src, 0, n, dst->narrow(0, off, n));
+      }
+      ValuePtr step = r.Get(it->second, "step");
       st.step = at::full({}, step->tensor ? ToTorch(*step->tensor).item<double>() : r.Number(step, "step"),
                          st.master.options());
+      off += n;
+      ++id;
     }
-    off += n;
   }
-  ApplySavedHparams(t, r, r.Item(r.Get(opt, "param_groups"), 0, "param_groups"));
+  ApplySavedHparams(e, r, r.Get(opt, "param_groups"), o);
 }
 
 // Sizes on every rank (cheap, and every rank reaches the same verdict); with
-// --verify the ranks split the hashing (each file is read once, not once per
-// rank) and then agree, so that all of them stop if any file is bad.
+// verify_hashes the ranks split the hashing (each file is read once, not once
+// per rank) and then agree, so that all of them stop if any file is bad.
 void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes) {
   if (!hashes) {
     ckpt::CheckFolderAgainstManifest(folder, false);
@@ -570,8 +723,8 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   std::string error;
   try {
     ckpt::CheckFolderAgainstManifest(folder, true, comm.rank(), comm.world_size());
-  } catch (const FormatError& e) {
-    error = e.what();
+  } catch (const FormatError& ex) {
+    error = ex.what();
   }
   const int bad = FailingRank(comm, error);
   if (bad < 0) return;
@@ -582,144 +735,180 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   throw FormatError(std::string(static_cast<const char*>(text.data_ptr())));
 }
 
-}  // namespace
-
-void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag_in, bool universal) {
-  const std::string tag = tag_in.empty() ? ReadTagFile(dir, universal ? "latest_universal" : "latest") : tag_in;
-  const std::string folder = dir + "/" + tag;
-  CheckManifestOnEveryRank(comm_, folder, opt_.verify_checkpoint);
-  const std::string model_path = folder + "/" + ModelStatesName();
-  Reader mr(model_path);
-  TorchFile model_file = LoadTorchFile(model_path);
-  const ValuePtr& root = model_file.root;
-  if (!root || !root->is_dict()) throw FormatError(model_path + ": is not a DeepSpeed model-states dict");
-  CheckParamShapes(*this, mr, root);
-  const int stage = zero_->settings().stage;
-  PartitionState& st = zero_->state();
-  const int rank = zero_->partition_rank();
-  const auto& layout = zero_->layout();
-  c10::NoGradGuard no_grad;
-
-  if (!universal) {
-    const int64_t saved_dp = mr.Int(root, "dp_world_size");
-    if (stage > 0 && saved_dp != comm_.world_size())
-      throw FormatError(folder + ": saved at data-parallel world size " + std::to_string(saved_dp) + ", this run has " +
-                        std::to_string(comm_.world_size()) +
-                        ". ZeRO partitions only load at the same size; convert it with `uckpt convert " + folder +
-                        " " + folder + "_universal` and resume with --universal_checkpoint");
-    RestoreCounters(*this, mr, root);
-    bool from_module = !opt_.load_optimizer_states || stage == 0;
-    if (stage > 0 && opt_.load_optimizer_states) {
-      const std::string path = folder + "/" + OptimStatesName(comm_.rank(), opt_.config.bf16);
-      Reader r(path);
-      TorchFile f = LoadTorchFile(path);
-      ValuePtr osd = r.Get(f.root, "optimizer_state_dict");
-      if (auto pc = r.Get(osd, "partition_count", false)) {
-        ValuePtr n = r.Item(pc, 0, "partition_count");
-        if (n->kind != Kind::kInt || n->i != layout.dp)
-          throw FormatError(path + ": partition_count is not " + std::to_string(layout.dp));
-      }
-      ReadLossScaler(r, r.Get(osd, "loss_scaler", false), zero_->loss_scaler());
-      ValuePtr base = r.Get(osd, "base_optimizer_state");
-      ValuePtr state0 = r.Get(r.Get(base, "state"), "0", false);
-      if (!state0) {
-        ValuePtr states = r.Get(base, "state");
-        for (const auto& [k, v] : states->entries)
-          if (k->kind == Kind::kInt && k->i == 0) state0 = v;
-      }
-      if (state0) {
-        auto load = [&](const char* key, at::Tensor& dst) {
-          const Tensor& src = r.TensorAt(r.Get(state0, key), std::string("state[0].") + key);
-          if (src.numel() != layout.partition_size)
-            throw FormatError(path + ": state[0]." + key + " has " + std::to_string(src.numel()) +
-                              " elements, the partition has " + std::to_string(layout.partition_size));
-          dst = at::zeros({layout.partition_size}, st.master.options());
-          CopyElements(r, src, 0, src.numel(), dst);
-        };
-        load("exp_avg", st.exp_avg);
-        load("exp_avg_sq", st.exp_avg_sq);
-        ValuePtr step = r.Get(state0, "step");
-        st.step = at::full({}, step->tensor ? ToTorch(*step->tensor).item<double>() : r.Number(step, "step"),
-                           st.master.options());
-      }
-      ApplySavedHparams(*this, r, r.Item(r.Get(base, "param_groups"), 0, "param_groups"));
-      const Tensor& fp32 = r.TensorAt(r.Item(r.Get(osd, "single_partition_of_fp32_groups"), 0,
-                                             "single_partition_of_fp32_groups"),
-                                      "single_partition_of_fp32_groups[0]");
-      if (fp32.numel() > layout.partition_size)
-        throw FormatError(path + ": fp32 partition larger than this run's partition");
-      st.master.zero_();
-      CopyElements(r, fp32, 0, fp32.numel(), st.master.narrow(0, 0, fp32.numel()));
-      zero_->GatherModelFromMasters();
+// The ZeRO files of the same world size: each rank's own optimizer file.
+void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
+  const std::string path = folder + "/" + OptimStatesName(e.comm->rank(), e.config.bf16);
+  Reader r(path);
+  TorchFile f = LoadTorchFile(path);
+  ValuePtr osd = r.Get(f.root, "optimizer_state_dict");
+  if (auto pc = r.Get(osd, "partition_count", false)) {
+    for (size_t g = 0; g < e.groups.size(); ++g) {
+      ValuePtr n = r.Item(pc, g, "partition_count");
+      if (n->kind != Kind::kInt || n->i != e.zero->layout(g).dp)
+        throw FormatError(path + ": partition_count[" + std::to_string(g) + "] is not " +
+                          std::to_string(e.zero->layout(g).dp));
     }
-    if (from_module) {
-      CopyStateDict(ModuleStateDict(mr, root), params_, model_path);
-      zero_->InitMasterFromModel();
-      if (stage == 0 && opt_.load_optimizer_states) LoadStage0Optimizer(*this, mr, root);
-    }
-    return;
   }
+  ReadLossScaler(r, r.Get(osd, "loss_scaler", false), e.zero->loss_scaler());
+  ValuePtr base = r.Get(osd, "base_optimizer_state");
+  ValuePtr states = r.Get(base, "state");
+  ValuePtr fp32_groups = r.Get(osd, "single_partition_of_fp32_groups");
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    engine::PartitionState& st = e.zero->state(g);
+    const auto& layout = e.zero->layout(g);
+    const std::string gs = std::to_string(g);
+    ValuePtr state_g;
+    for (const auto& [k, v] : states->entries)
+      if ((k->kind == Kind::kInt && k->i == static_cast<int64_t>(g)) || (k->kind == Kind::kStr && k->s == gs)) state_g = v;
+    if (state_g) {
+      auto load = [&](const char* key, at::Tensor& dst) {
+        const Tensor& src = r.TensorAt(r.Get(state_g, key), "state[" + gs + "]." + key);
+        if (src.numel() != layout.partition_size)
+          throw FormatError(path + ": state[" + gs + "]." + key + " has " + std::to_string(src.numel()) +
+                            " elements, the partition has " + std::to_string(layout.partition_size));
+        dst = at::zeros({layout.partition_size}, st.master.options());
+        CopyElements(r, src, 0, src.numel(), dst);
+      };
+      load("exp_avg", st.exp_avg);
+      load("exp_avg_sq", st.exp_avg_sq);
+      ValuePtr step = r.Get(state_g, "step");
+      st.step = at::full({}, step->tensor ? ToTorch(*step->tensor).item<double>() : r.Number(step, "step"),
+                         st.master.options());
+    }
+    const Tensor& fp32 = r.TensorAt(r.Item(fp32_groups, g, "single_partition_of_fp32_groups"),
+                                    "single_partition_of_fp32_groups[" + gs + "]");
+    if (fp32.numel() > layout.partition_size)
+      throw FormatError(path + ": fp32 partition " + gs + " is larger than this run's partition");
+    st.master.zero_();
+    CopyElements(r, fp32, 0, fp32.numel(), st.master.narrow(0, 0, fp32.numel()));
+  }
+  ApplySavedHparams(e, r, r.Get(base, "param_groups"), o);
+  e.zero->GatherModelFromMasters();
+}
 
-  // Universal: each rank reads, from every parameter's files, only the
-  // elements its own partition holds (memory-mapped).
-  RestoreCounters(*this, mr, root);
+// Universal: each rank reads, from every parameter's files, only the
+// elements its own partition holds (memory-mapped).
+void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
   const std::string zero_dir = folder + "/zero";
   {
     const std::string path = zero_dir + "/optimizer_state.pt";
     Reader r(path);
     TorchFile f = LoadTorchFile(path);
-    ReadLossScaler(r, r.Get(f.root, "loss_scaler", false), zero_->loss_scaler());
-    if (auto groups = r.Get(f.root, "param_groups", false)) ApplySavedHparams(*this, r, r.Item(groups, 0, "param_groups"));
+    ReadLossScaler(r, r.Get(f.root, "loss_scaler", false), e.zero->loss_scaler());
+    ApplySavedHparams(e, r, r.Get(f.root, "param_groups", false), o);
   }
-  const bool with_state = opt_.load_optimizer_states;
-  st.master.zero_();
-  if (with_state) {
-    st.exp_avg = at::zeros_like(st.master);
-    st.exp_avg_sq = at::zeros_like(st.master);
-  }
-  std::optional<double> step;
-  for (const auto& f : ckpt::RankFragments(zero_->numels(), layout.dp, rank)) {
-    const std::string& name = params_[f.param].name;
-    const std::string pdir = zero_dir + "/" + name;
-    auto copy = [&](const char* key, const at::Tensor& dst) {
-      const std::string path = pdir + "/" + key + ".pt";
-      Reader r(path);
-      TorchFile tf = LoadTorchFile(path);
-      ValuePtr v = tf.root && tf.root->is_dict() ? r.Get(tf.root, "param") : tf.root;
-      const Tensor& src = r.TensorAt(v, "'param'");
-      if (src.numel() != zero_->numels()[f.param])
-        throw FormatError(path + ": has " + std::to_string(src.numel()) + " elements, " + name + " has " +
-                          std::to_string(zero_->numels()[f.param]));
-      CopyElements(r, src, f.param_offset, f.numel, dst.narrow(0, f.partition_offset, f.numel));
-    };
-    copy("fp32", st.master);
-    if (!with_state) continue;
-    // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
-    const std::string step_path = pdir + "/step.pt";
-    const bool has_step = fs::exists(step_path);
-    if (!has_step && !fs::exists(pdir + "/exp_avg.pt")) continue;
-    copy("exp_avg", st.exp_avg);
-    copy("exp_avg_sq", st.exp_avg_sq);
-    if (has_step) {
-      Reader r(step_path);
-      TorchFile tf = LoadTorchFile(step_path);
-      double s = tf.root && tf.root->tensor ? ToTorch(*tf.root->tensor).item<double>() : r.Number(tf.root, "step");
-      if (step && *step != s) throw FormatError(step_path + ": step " + std::to_string(s) + " differs from other parameters'");
-      step = s;
+  const bool with_state = o.load_optimizer_states;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    engine::PartitionState& st = e.zero->state(g);
+    const auto& layout = e.zero->layout(g);
+    st.master.zero_();
+    if (with_state) {
+      st.exp_avg = at::zeros_like(st.master);
+      st.exp_avg_sq = at::zeros_like(st.master);
+    }
+    std::optional<double> step;
+    for (const auto& f : ckpt::RankFragments(e.zero->numels(g), layout.dp, e.zero->partition_rank())) {
+      const std::string& name = e.groups[g][f.param].name;
+      const int64_t numel = e.zero->numels(g)[f.param];
+      const std::string pdir = zero_dir + "/" + name;
+      auto copy = [&](const char* key, const at::Tensor& dst) {
+        const std::string path = pdir + "/" + key + ".pt";
+        Reader r(path);
+        TorchFile tf = LoadTorchFile(path);
+        ValuePtr v = tf.root && tf.root->is_dict() ? r.Get(tf.root, "param") : tf.root;
+        const Tensor& src = r.TensorAt(v, "'param'");
+        if (src.numel() != numel)
+          throw FormatError(path + ": has " + std::to_string(src.numel()) + " elements, " + name + " has " +
+                            std::to_string(numel));
+        CopyElements(r, src, f.param_offset, f.numel, dst.narrow(0, f.partition_offset, f.numel));
+      };
+      copy("fp32", st.master);
+      if (!with_state) continue;
+      // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
+      const std::string step_path = pdir + "/step.pt";
+      const bool has_step = fs::exists(step_path);
+      if (!has_step && !fs::exists(pdir + "/exp_avg.pt")) continue;
+      copy("exp_avg", st.exp_avg);
+      copy("exp_avg_sq", st.exp_avg_sq);
+      if (has_step) {
+        Reader r(step_path);
+        TorchFile tf = LoadTorchFile(step_path);
+        double s = tf.root && tf.root->tensor ? ToTorch(*tf.root->tensor).item<double>() : r.Number(tf.root, "step");
+        if (step && *step != s)
+          throw FormatError(step_path + ": step " + std::to_string(s) + " differs from other parameters'");
+        step = s;
+      }
+    }
+    if (with_state) {
+      // Every rank needs the step even if its partition is all padding.
+      at::Tensor s = at::full({1}, step ? *step : -1.0, at::kDouble);
+      e.comm->AllReduceMax(s);
+      if (s.item<double>() >= 0) {
+        st.step = at::full({}, s.item<double>(), st.master.options());
+      } else {
+        st.step = at::Tensor();
+        st.exp_avg = st.exp_avg_sq = at::Tensor();
+      }
     }
   }
-  if (with_state) {
-    // Every rank needs the step even if its partition is all padding.
-    at::Tensor s = at::full({1}, step ? *step : -1.0, at::kDouble);
-    comm_.AllReduceMax(s);
-    if (s.item<double>() >= 0) {
-      st.step = at::full({}, s.item<double>(), st.master.options());
-    } else {
-      st.step = at::Tensor();
-      st.exp_avg = st.exp_avg_sq = at::Tensor();
-    }
+  e.zero->GatherModelFromMasters();
+}
+
+// The client's keys: every top-level key that is not DeepSpeed's or uckpt's.
+ClientState ClientStateOf(const ValuePtr& root) {
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& [k, v] : root->entries)
+    if (k->kind == Kind::kStr && !IsEngineKey(k->s)) d.insert(k->s, ToIValue(v));
+  return c10::IValue(d);
+}
+
+}  // namespace
+
+LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
+                                const LoadCheckpointOptions& o) {
+  const char* tag_file = o.universal ? "latest_universal" : "latest";
+  if (tag_in.empty() && !fs::exists(dir + "/" + tag_file)) return LoadResult{"", c10::IValue()};
+  const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : tag_in;
+  const std::string folder = dir + "/" + tag;
+  CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
+  const std::string model_path = folder + "/" + ModelStatesName();
+  Reader mr(model_path);
+  TorchFile model_file = LoadTorchFile(model_path);
+  const ValuePtr& root = model_file.root;
+  if (!root || !root->is_dict()) throw FormatError(model_path + ": is not a DeepSpeed model-states dict");
+  CheckParamShapes(e, mr, root);
+  c10::NoGradGuard no_grad;
+  const int stage = e.stage();
+  LoadResult result{folder, ClientStateOf(root)};
+  // Frozen parameters and buffers always come from the module state (also
+  // from a universal checkpoint's copy of it, which DeepSpeed leaves out).
+  std::vector<NamedParam> fixed = e.frozen;
+  fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
+  LoadModule(mr, root, fixed);
+  if (o.load_module_only) {
+    LoadModule(mr, root, Trainable(e));
+    e.zero->InitMasterFromModel();
+    return result;
   }
-  zero_->GatherModelFromMasters();
+  RestoreCounters(e, mr, root, o);
+  if (o.universal) {
+    LoadUniversalPartitions(e, folder, o);
+    return result;
+  }
+  const int64_t saved_dp = mr.Int(root, "dp_world_size");
+  if (stage > 0 && o.load_optimizer_states && saved_dp != e.comm->world_size())
+    throw FormatError(folder + ": saved at data-parallel world size " + std::to_string(saved_dp) + ", this run has " +
+                      std::to_string(e.comm->world_size()) +
+                      ". ZeRO partitions only load at the same size; convert it with `uckpt convert " + folder + " " +
+                      folder + "_universal` and load that with universal = true (--universal_checkpoint)");
+  if (stage > 0 && o.load_optimizer_states) {
+    LoadZeroPartitions(e, folder, o);
+    return result;
+  }
+  LoadModule(mr, root, Trainable(e));
+  e.zero->InitMasterFromModel();
+  if (stage == 0 && o.load_optimizer_states) LoadStage0Optimizer(e, mr, root, o);
+  return result;
 }
 
 }  // namespace uckpt::engine

@@ -18,7 +18,7 @@
 #include <mutex>
 #include <vector>
 
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 
 namespace torch::autograd {
 struct Node;

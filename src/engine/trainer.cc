@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "engine/checkpoint.h"
 #include "engine/torch_bridge.h"
 #include "engine/weights.h"
 
@@ -46,106 +47,76 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
-at::ScalarType ModelDtype(const TrainConfig& c) {
-  if (c.fp16.enabled) return at::kHalf;
-  if (c.bf16) return at::kBFloat16;
-  return at::kFloat;
-}
-
 }  // namespace
 
-Trainer::Trainer(Comm& comm, TrainOptions options)
-    : comm_(comm), opt_(std::move(options)), schedule_(opt_.config.scheduler, opt_.config.optimizer.lr) {
-  const TrainConfig& c = opt_.config;
-  batch_ = ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
-                             comm_.world_size());
+Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move(options)) {
   if (opt_.seq_len < 2 || opt_.seq_len > opt_.model.n_positions)
     throw std::invalid_argument("--seq_len must be in [2, n_positions = " + std::to_string(opt_.model.n_positions) +
                                 "], got " + std::to_string(opt_.seq_len));
   data_ = MakeTokenSource(opt_);
   if (const char* t = std::getenv("UCKPT_TIMERS"); t != nullptr && *t != '\0' && *t != '0') timers_.enabled = true;
-  if (opt_.device == "cuda") {
-    if (!at::hasCUDA()) throw std::invalid_argument("--device cuda: this libtorch has no CUDA (or no GPU is visible)");
-    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(opt_.local_rank));
-  } else if (opt_.device != "cpu") {
-    throw std::invalid_argument("--device must be cpu or cuda, got " + opt_.device);
-  }
-  if (c.fp16.enabled && device_.is_cpu()) {
-    // libtorch 1.13 has no CPU fp16 kernels for LayerNorm and friends.
-    try {
-      at::layer_norm(at::zeros({1, 2}, at::kHalf), {2});
-    } catch (const std::exception&) {
-      throw std::invalid_argument("fp16 training needs CUDA or a libtorch with CPU fp16 kernels; on this CPU use bf16");
-    }
-  }
-
-  // The model's parameters are views into the optimizer's flat buffer.
-  std::vector<int64_t> numels;
-  for (const auto& [name, shape] : Gpt2ParameterShapes(opt_.model)) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    numels.push_back(n);
-  }
-  ZeroSettings zs;
-  zs.stage = c.zero.stage;
-  zs.gradient_clipping = c.gradient_clipping;
-  zs.optimizer = c.optimizer;
-  zs.model_dtype = ModelDtype(c);
-  zs.fp16 = c.fp16;
-  zs.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
-  zs.reduce_bucket_size = c.zero.reduce_bucket_size;
-  zs.overlap_comm = c.zero.overlap_comm;
-  zero_ = std::make_unique<ZeroOptimizer>(comm_, numels, zs, device_);
-  params_ = Gpt2ParametersIn(opt_.model, zero_->model_flat());
-
+  model_ = std::make_shared<Gpt2Module>(opt_.model);
   // Initial weights, identical on every rank (seeded, or from a file).
   if (!opt_.init_file.empty()) {
-    CopyStateDict(LoadStateDictFile(opt_.init_file), params_, opt_.init_file);
+    CopyStateDict(LoadStateDictFile(opt_.init_file), model_->ordered_parameters(), opt_.init_file);
   } else {
-    Gpt2Init(opt_.model, params_, opt_.init_seed);
+    Gpt2Init(opt_.model, model_->ordered_parameters(), opt_.init_seed);
   }
-  zero_->InitMasterFromModel();
-  std::vector<at::Tensor> tensors;
-  for (const auto& p : params_) tensors.push_back(p.tensor);
-  zero_->BindGradients(tensors);
-  model_ = std::make_unique<Gpt2>(opt_.model, params_);
+  EngineOptions eo;
+  eo.comm = std::shared_ptr<Comm>(&comm_, [](Comm*) {});  // the caller owns it
+  eo.device = opt_.device;
+  eo.local_rank = opt_.local_rank;
+  engine_ = std::make_unique<Engine>(model_, Config::FromJson(opt_.config.raw, "--config"), std::move(eo));
+}
+
+Counters Trainer::counters() const {
+  return Counters{engine_->global_steps(), engine_->global_samples(), engine_->skipped_steps()};
+}
+
+void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) { engine_->SaveCheckpoint(dir, tag); }
+
+void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal) {
+  LoadCheckpointOptions lo;
+  lo.universal = universal;
+  lo.load_optimizer_states = opt_.load_optimizer_states;
+  lo.verify_hashes = opt_.verify_checkpoint;
+  lo.keep_saved_hparams = opt_.keep_saved_hparams;
+  if (tag.empty()) ReadTagFile(dir, universal ? "latest_universal" : "latest");  // must exist: names the file if not
+  engine_->LoadCheckpoint(dir, tag, lo);
 }
 
 StepMetrics Trainer::TrainStep() {
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t step = counters_.global_steps + 1;
+  const int64_t step = engine_->global_steps() + 1;
   comm_.SetActivity("step " + std::to_string(step));  // named if a rank fails now
-  const int64_t ga = batch_.gradient_accumulation_steps, mb = batch_.micro_batch, T = opt_.seq_len;
-  const double lr = schedule_.current_lr();
+  const BatchSizes& b = batch();
+  const int64_t ga = b.gradient_accumulation_steps, mb = b.micro_batch, T = opt_.seq_len;
+  const double lr = engine_->lr();
+  const at::Device device = engine_->device();
 
   // Micro-batches: rank r's slice of the global batch, one after the other.
   // The micro losses are summed on the device (in fp64, as before on the
   // host), so the GPU never waits for the host between forward and backward.
-  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
-  PhaseClock clock(device_, timers_.enabled);
+  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  PhaseClock clock(device, timers_.enabled);
+  const int64_t samples_before = engine_->global_samples();
   for (int64_t m = 0; m < ga; ++m) {
     const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), mb);
-    auto rows = GatherRows(*data_, step, counters_.global_samples, first_row, mb, T);
-    at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).to(device_, /*non_blocking=*/false, /*copy=*/true);
+    auto rows = GatherRows(*data_, step, samples_before, first_row, mb, T);
+    at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).to(device, /*non_blocking=*/false, /*copy=*/true);
     DropoutKey dk{opt_.seed, step, first_row};
     at::Tensor loss = model_->Loss(ids, &dk);
     loss_sum.add_(loss.detach().to(at::kDouble));
     timers_.forward += clock.Lap();
-    // DeepSpeed scales each micro loss by 1/GA (and by the fp16 loss scale).
-    at::Tensor scaled = ga > 1 ? loss / ga : loss;
-    scaled = scaled * zero_->loss_scale();
-    scaled.backward();
+    engine_->Backward(loss);
     timers_.backward += clock.Lap();
-    zero_->ReduceMicroGradients(m == ga - 1);
-    timers_.reduce += clock.Lap();
+    if (m < ga - 1) engine_->Step();  // not a boundary: nothing but the micro-step count
   }
-  ZeroOptimizer::StepResult r = zero_->Step(lr);
+  timers_.reduce += clock.Lap();
+  engine_->Step();
   timers_.step += clock.Lap();
   ++timers_.steps;
-  if (!r.skipped) schedule_.Step();
-  counters_.global_steps = step;
-  counters_.global_samples += batch_.train_batch_size;
-  if (r.skipped) ++counters_.skipped_steps;
+  const StepInfo& r = engine_->last_step();
 
   // The step's loss: the mean over all W*GA micro-batches (equal token counts).
   at::Tensor total = loss_sum;
@@ -157,7 +128,7 @@ StepMetrics Trainer::TrainStep() {
   s.grad_norm = r.grad_norm;
   s.loss_scale = r.loss_scale;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  s.tokens_per_s = secs > 0 ? static_cast<double>(batch_.train_batch_size * T) / secs : 0;
+  s.tokens_per_s = secs > 0 ? static_cast<double>(b.train_batch_size * T) / secs : 0;
   return s;
 }
 

@@ -7,13 +7,14 @@
 #include <string>
 #include <vector>
 
-#include "engine/dist/comm.h"
 #include "engine/config.h"
 #include "engine/data/data.h"
 #include "models/gpt2.h"
 #include "engine/lr_schedule.h"
 #include "engine/metrics_log.h"
 #include "engine/zero_optimizer.h"
+#include "engine/engine_impl.h"
+#include "uckpt/engine.h"
 
 namespace uckpt::engine {
 
@@ -60,6 +61,7 @@ struct PhaseTimes {
   int64_t steps = 0;
 };
 
+// `uckpt train`: GPT-2 on byte/token data, one client of the public Engine.
 class Trainer {
  public:
   Trainer(Comm& comm, TrainOptions options);
@@ -72,36 +74,31 @@ class Trainer {
   void SaveCheckpoint(const std::string& dir, const std::string& tag);
   // From the ZeRO files of the same world size, or (universal) from a
   // universal checkpoint folder at any world size. Empty tag: the `latest`
-  // (or `latest_universal`) file.
+  // (or `latest_universal`) file, which must exist.
   void LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal);
 
-  const Counters& counters() const { return counters_; }
-  Counters& counters() { return counters_; }
+  Counters counters() const;
   const TrainOptions& options() const { return opt_; }
-  const BatchSizes& batch() const { return batch_; }
+  const BatchSizes& batch() const { return engine_->impl().batch; }
   Comm& comm() { return comm_; }
   const Comm& comm() const { return comm_; }
-  at::Device device() const { return device_; }
-  ZeroOptimizer& optimizer() { return *zero_; }
-  const ZeroOptimizer& optimizer() const { return *zero_; }
-  LrSchedule& schedule() { return schedule_; }
-  const LrSchedule& schedule() const { return schedule_; }
-  const Gpt2& model() const { return *model_; }
+  at::Device device() const { return engine_->device(); }
+  Engine& engine() { return *engine_; }
+  ZeroOptimizer& optimizer() { return *engine_->impl().zero; }
+  const ZeroOptimizer& optimizer() const { return *engine_->impl().zero; }
+  LrSchedule& schedule() { return engine_->impl().schedule; }
+  const LrSchedule& schedule() const { return engine_->impl().schedule; }
+  const Gpt2Module& model() const { return *model_; }
   // name -> parameter (views into the optimizer's model_flat), flat order.
-  const std::vector<NamedTensor>& parameters() const { return params_; }
+  const std::vector<NamedTensor>& parameters() const { return model_->ordered_parameters(); }
   PhaseTimes& timers() { return timers_; }
 
  private:
   Comm& comm_;
   TrainOptions opt_;
-  at::Device device_ = at::kCPU;
-  BatchSizes batch_;
   std::unique_ptr<TokenSource> data_;
-  std::unique_ptr<ZeroOptimizer> zero_;
-  std::vector<NamedTensor> params_;
-  std::unique_ptr<Gpt2> model_;
-  LrSchedule schedule_;
-  Counters counters_;
+  std::shared_ptr<Gpt2Module> model_;
+  std::unique_ptr<Engine> engine_;
   PhaseTimes timers_;
 };
 

@@ -1,6 +1,6 @@
-// ZeRO stage 0/1/2 data parallelism over one flat parameter group, laid out
-// exactly as DeepSpeed's DeepSpeedZeroOptimizer lays it out (ckpt/partition.h):
-// the model's parameters are views into one flat buffer padded to a multiple
+// ZeRO stage 0/1/2 data parallelism over flat parameter groups, laid out
+// exactly as DeepSpeed's DeepSpeedZeroOptimizer lays them out (ckpt/partition.h):
+// each group's parameters are views into one flat buffer padded to a multiple
 // of 2*dp; rank r owns flat[r*P, (r+1)*P) and keeps the fp32 master copy and
 // the Adam moments of that slice only.
 //
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "ckpt/partition.h"
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 #include "engine/config.h"
 #include "engine/loss_scaler.h"
 
@@ -37,8 +37,8 @@ struct ZeroSettings {
   bool overlap_comm = false;                // stage 2: reduce buckets during backward (overlap_reducer.h)
 };
 
-// The optimizer state of one rank's partition (DeepSpeed's
-// base_optimizer_state + single_partition_of_fp32_groups).
+// The optimizer state of one rank's partition of one parameter group
+// (DeepSpeed's base_optimizer_state[g] + single_partition_of_fp32_groups[g]).
 struct PartitionState {
   at::Tensor master;      // [P] fp32 master weights (padding zeros included)
   at::Tensor exp_avg;     // [P] fp32, undefined before the first step
@@ -46,35 +46,48 @@ struct PartitionState {
   at::Tensor step;        // 0-d fp32 tensor (torch Adam's step), undefined before the first step
 };
 
+// One optimizer parameter group: its parameters' sizes in flat order and its
+// own hyper-parameters (lr comes from the schedule at each step).
+struct GroupSpec {
+  std::vector<int64_t> numels;
+  OptimizerConfig optimizer;
+};
+
 class OverlappedGradReducer;
 
 class ZeroOptimizer {
  public:
-  // `numels`: the parameters' sizes in flat order. `device` holds the model.
+  // One flat buffer per group, each laid out and partitioned as DeepSpeed's
+  // stage 1/2 does. `device` holds the model.
+  ZeroOptimizer(Comm& comm, std::vector<GroupSpec> groups, ZeroSettings settings, at::Device device = at::kCPU);
+  // One group with settings.optimizer.
   ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device = at::kCPU);
   ~ZeroOptimizer();
 
   const ZeroSettings& settings() const { return s_; }
+  size_t num_groups() const { return groups_.size(); }
+  const OptimizerConfig& optimizer_config(size_t g = 0) const { return groups_.at(g).optimizer; }
   // Replaces lr-independent Adam hyper-parameters (betas, eps, weight decay)
-  // for the following steps: --keep-saved-hparams restores a checkpoint's.
-  void set_optimizer_config(const OptimizerConfig& o) { s_.optimizer = o; }
-  // The layout of the flat buffer (dp = 1 for stage 0).
-  const ckpt::FlatLayout& layout() const { return layout_; }
-  const std::vector<int64_t>& numels() const { return numels_; }
+  // of group g for the following steps: --keep-saved-hparams restores a checkpoint's.
+  void set_optimizer_config(size_t g, const OptimizerConfig& o) { groups_.at(g).optimizer = o; }
+  // The layout of group g's flat buffer (dp = 1 for stage 0).
+  const ckpt::FlatLayout& layout(size_t g = 0) const { return groups_.at(g).layout; }
+  const std::vector<int64_t>& numels(size_t g = 0) const { return groups_.at(g).numels; }
   int partition_rank() const { return s_.stage == 0 ? 0 : comm_.rank(); }
 
-  at::Tensor model_flat() const { return model_flat_; }  // [Npad], model dtype
-  at::Tensor grad_flat() const { return grad_flat_; }    // [Npad], model dtype
-  PartitionState& state() { return state_; }
-  const PartitionState& state() const { return state_; }
+  at::Tensor model_flat(size_t g = 0) const { return groups_.at(g).model_flat; }  // [Npad], model dtype
+  at::Tensor grad_flat(size_t g = 0) const { return groups_.at(g).grad_flat; }    // [Npad], model dtype
+  PartitionState& state(size_t g = 0) { return groups_.at(g).state; }
+  const PartitionState& state(size_t g = 0) const { return groups_.at(g).state; }
   // Set for stage 2 with overlap_comm at dp > 1, after BindGradients.
-  const OverlappedGradReducer* overlap_reducer() const { return overlap_.get(); }
+  const OverlappedGradReducer* overlap_reducer(size_t g = 0) const { return groups_.at(g).overlap.get(); }
   LossScaler& loss_scaler() { return scaler_; }
   const LossScaler& loss_scaler() const { return scaler_; }
 
-  // Binds each parameter's .grad to its slice of grad_flat. `params` are views
-  // into model_flat() in flat order.
-  void BindGradients(const std::vector<at::Tensor>& params);
+  // Binds each parameter's .grad to its slice of its group's grad_flat.
+  // `params[g]` are views into model_flat(g) in flat order.
+  void BindGradients(const std::vector<std::vector<at::Tensor>>& params);
+  void BindGradients(const std::vector<at::Tensor>& params) { BindGradients(std::vector{params}); }
   // The loss multiplier for backward (the fp16 loss scale; 1 otherwise).
   double loss_scale() const { return scaler_.cur_scale; }
 
@@ -86,7 +99,7 @@ class ZeroOptimizer {
     bool skipped = false;  // fp16 overflow: nothing was updated
     double loss_scale = 1;  // the scale the step's gradients carried
   };
-  // The optimizer step with learning rate `lr`, then the all-gather.
+  // The optimizer step with learning rate `lr` (every group), then the all-gather.
   StepResult Step(double lr);
 
   // Master weights from the model (after loading weights into model_flat).
@@ -95,30 +108,35 @@ class ZeroOptimizer {
   void GatherModelFromMasters();
 
  private:
-  at::Tensor PartitionOf(const at::Tensor& flat) const;
-  void ReduceIntoPartition();
-  at::Tensor AllReduceInDeepSpeedOrder();
+  struct Group {
+    std::vector<int64_t> numels;
+    OptimizerConfig optimizer;
+    ckpt::FlatLayout layout;
+    std::vector<int64_t> offsets;           // each parameter's start in the flat buffers
+    std::vector<ckpt::Fragment> fragments;  // of this rank's partition
+    std::vector<int> fragment_of;  // per parameter: its index in fragments, or -1 (none on this rank)
+    at::Tensor model_flat, grad_flat;
+    at::Tensor grad_partition;  // [P] fp32, the averaged gradient being accumulated
+    bool have_grad_partition = false;
+    PartitionState state;
+    std::unique_ptr<OverlappedGradReducer> overlap;  // stage 2 with overlap_comm, dp > 1
+    // Gloo: parameters in the order DeepSpeed's reduction buffer holds them
+    // (stage 2: the order backward produced their gradients, recorded by hooks
+    // each micro-step; stage 1: flat order).
+    std::vector<int> ready_order;
+  };
+  at::Tensor PartitionOf(const Group& g, const at::Tensor& flat) const;
+  void ReduceIntoPartition(Group& g);
+  at::Tensor AllReduceInDeepSpeedOrder(Group& g);
+  at::Tensor GroupNormSquared(const Group& g);
   double GlobalNorm();
-  void AdamStep(const at::Tensor& grad, double lr);
+  void AdamStep(Group& g, const at::Tensor& grad, double lr);
 
   Comm& comm_;
-  std::vector<int64_t> numels_;
   ZeroSettings s_;
-  ckpt::FlatLayout layout_;
-  std::vector<int64_t> offsets_;           // each parameter's start in the flat buffers
-  std::vector<ckpt::Fragment> fragments_;  // of this rank's partition
-  std::vector<int> fragment_of_;  // per parameter: its index in fragments_, or -1 (none on this rank)
-  at::Tensor model_flat_, grad_flat_;
-  at::Tensor grad_partition_;  // [P] fp32, the averaged gradient being accumulated
-  bool have_grad_partition_ = false;
-  PartitionState state_;
+  std::vector<Group> groups_;
   LossScaler scaler_;
-  std::unique_ptr<OverlappedGradReducer> overlap_;  // stage 2 with overlap_comm, dp > 1
-  // Gloo: parameters in the order DeepSpeed's reduction buffer holds them
-  // (stage 2: the order backward produced their gradients, recorded by hooks
-  // each micro-step; stage 1: flat order).
   bool deepspeed_order_ = false;
-  std::vector<int> ready_order_;
 };
 
 }  // namespace uckpt::engine

@@ -64,6 +64,41 @@ std::vector<NamedTensor> Gpt2ParametersIn(const Gpt2Config& cfg, const at::Tenso
   return out;
 }
 
+namespace {
+
+// The submodule at dotted `path` under `root`, made (empty) where missing.
+torch::nn::Module& SubmoduleAt(torch::nn::Module& root, const std::string& path) {
+  torch::nn::Module* m = &root;
+  size_t start = 0;
+  while (start < path.size()) {
+    size_t dot = path.find('.', start);
+    if (dot == std::string::npos) dot = path.size();
+    const std::string part = path.substr(start, dot - start);
+    std::shared_ptr<torch::nn::Module> child;
+    for (const auto& c : m->named_children())
+      if (c.key() == part) child = c.value();
+    if (!child) child = m->register_module(part, std::make_shared<torch::nn::Module>());
+    m = child.get();
+    start = dot + 1;
+  }
+  return *m;
+}
+
+}  // namespace
+
+Gpt2Module::Gpt2Module(Gpt2Config cfg) {
+  std::vector<NamedTensor> params;
+  for (const auto& [name, shape] : Gpt2ParameterShapes(cfg)) {
+    const size_t dot = name.rfind('.');
+    at::Tensor t = at::zeros(shape);
+    SubmoduleAt(*this, name.substr(0, dot)).register_parameter(name.substr(dot + 1), t);
+    params.push_back({name, t});
+  }
+  // The LM head is the token embedding (HF ties them): one tensor, two names.
+  SubmoduleAt(*this, "lm_head").register_parameter("weight", params.front().tensor);
+  net_ = std::make_unique<Gpt2>(cfg, std::move(params));
+}
+
 Gpt2::Gpt2(Gpt2Config cfg, std::vector<NamedTensor> params) : cfg_(cfg), params_(std::move(params)) {
   if (cfg_.n_head <= 0 || cfg_.n_embd % cfg_.n_head != 0)
     throw std::invalid_argument("n_embd (" + std::to_string(cfg_.n_embd) + ") must be a multiple of n_head (" +

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <string>
@@ -82,6 +83,25 @@ class Gpt2 {
   std::vector<NamedTensor> params_;
   at::Tensor wte_, wpe_, ln_f_w_, ln_f_b_;
   std::vector<Block> blocks_;
+};
+
+// GPT-2 as a torch::nn::Module with Hugging Face's module tree, so that
+// named_parameters() gives HF's names in HF's order (DeepSpeed's flat order)
+// and lm_head.weight is the same tensor as transformer.wte.weight (tied).
+// Its parameters start at zero: Gpt2Init or a state dict fills them.
+class Gpt2Module : public torch::nn::Module {
+ public:
+  explicit Gpt2Module(Gpt2Config cfg);
+  const Gpt2Config& config() const { return net_->config(); }
+  // The parameters in Gpt2ParameterShapes order (the tied head once).
+  const std::vector<NamedTensor>& ordered_parameters() const { return net_->parameters(); }
+  at::Tensor Loss(const at::Tensor& input_ids, const DropoutKey* dropout = nullptr) const {
+    return net_->Loss(input_ids, dropout);
+  }
+  at::Tensor Logits(const at::Tensor& input_ids) const { return net_->Logits(input_ids); }
+
+ private:
+  std::unique_ptr<Gpt2> net_;
 };
 
 // GPT-2's initialisation, as the fixture's gpt2_ref.hf_init_ does it: a CPU

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 
 namespace uckpt::engine::testing {
 

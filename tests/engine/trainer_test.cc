@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "fixture.h"
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 #include "engine/trainer.h"
 #include "engine/weights.h"
 

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 #include "engine/zero_optimizer.h"
 
 namespace uckpt::engine {

@@ -1,8 +1,8 @@
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 
 #include <cstdlib>
 
-namespace uckpt::engine {
+namespace uckpt {
 namespace {
 
 class SingleProcessComm : public Comm {
@@ -40,6 +40,14 @@ std::unique_ptr<Comm::Pending> Comm::StartAllReduceSum(at::Tensor& t) {
   return std::make_unique<Done>();
 }
 
+void HeartbeatSettings::Validate() const {
+  if (!enabled()) return;
+  if (!(interval_s > 0) || !(interval_s * 2 <= timeout_s))
+    throw std::invalid_argument("heartbeat: the interval (" + std::to_string(interval_s) +
+                                " s) must be > 0 and at most half the timeout (" + std::to_string(timeout_s) +
+                                " s; 0 turns the monitor off)");
+}
+
 std::unique_ptr<Comm> MakeSingleProcessComm() { return std::make_unique<SingleProcessComm>(); }
 
 std::optional<DistEnv> DistEnv::FromEnvironment() {
@@ -60,4 +68,4 @@ std::optional<DistEnv> DistEnv::FromEnvironment() {
   return e;
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt

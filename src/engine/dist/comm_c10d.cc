@@ -23,10 +23,10 @@
 
 #include <cstdlib>
 
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 #include "engine/dist/rank_monitor.h"
 
-namespace uckpt::engine {
+namespace uckpt {
 namespace {
 
 constexpr bool kFlatCollectives = TORCH_VERSION_MAJOR >= 2;
@@ -81,7 +81,7 @@ class C10dComm : public Comm {
   int world_size() const override { return world_; }
   std::string backend() const override { return backend_; }
 
-  void Watch(std::unique_ptr<RankMonitor> monitor) { monitor_ = std::move(monitor); }
+  void Watch(std::unique_ptr<engine::RankMonitor> monitor) { monitor_ = std::move(monitor); }
   void SetActivity(std::string activity) override {
     if (monitor_) monitor_->SetActivity(std::move(activity));
   }
@@ -207,7 +207,7 @@ class C10dComm : public Comm {
   std::string backend_;
   std::chrono::milliseconds timeout_;
   at::Device device_;  // where this backend needs its tensors
-  std::unique_ptr<RankMonitor> monitor_;  // destroyed first: it may call into pg_
+  std::unique_ptr<engine::RankMonitor> monitor_;  // destroyed first: it may call into pg_
 };
 
 c10::intrusive_ptr<c10d::Store> WithPrefix(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix) {
@@ -231,8 +231,8 @@ std::unique_ptr<Comm> Monitored(std::unique_ptr<C10dComm<PG>> comm, c10::intrusi
     so.timeout = timeout;
     return WithPrefix(c10::make_intrusive<c10d::TCPStore>(addr, so), prefix);
   };
-  auto monitor = std::make_unique<RankMonitor>(connect, env.rank, env.world_size, hs,
-                                               addr + ":" + std::to_string(env.master_port), RankMonitor::Exit{},
+  auto monitor = std::make_unique<engine::RankMonitor>(connect, env.rank, env.world_size, hs,
+                                               addr + ":" + std::to_string(env.master_port), engine::RankMonitor::Exit{},
                                                env.agent_store ? "torchrun's agent" : "rank 0");
   if constexpr (requires(PG& p) { p.abort(); }) monitor->SetAbortHook([pg] { pg->abort(); });
   comm->Watch(std::move(monitor));
@@ -297,4 +297,4 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
 #endif
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt

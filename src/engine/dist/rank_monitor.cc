@@ -14,14 +14,6 @@
 
 namespace uckpt::engine {
 
-void HeartbeatSettings::Validate() const {
-  if (!enabled()) return;
-  if (!(interval_s > 0) || !(interval_s * 2 <= timeout_s))
-    throw std::invalid_argument("heartbeat: the interval (" + std::to_string(interval_s) +
-                                " s) must be > 0 and at most half the timeout (" + std::to_string(timeout_s) +
-                                " s; 0 turns the monitor off)");
-}
-
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -24,7 +24,7 @@
 #include <memory>
 #include <string>
 
-#include "engine/dist/comm.h"
+#include "uckpt/comm.h"
 
 namespace uckpt::engine {
 

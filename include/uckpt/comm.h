@@ -1,4 +1,4 @@
-// Collectives over the data-parallel ranks. One process (world size 1) needs
+// Collectives over the data-parallel ranks (public: an engine can be given one). One process (world size 1) needs
 // no process group; several use c10d (TCPStore rendezvous, Gloo on CPU, NCCL
 // on CUDA), see comm_c10d.cc, the one file that knows libtorch versions.
 #pragma once
@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace uckpt::engine {
+namespace uckpt {
 
 // A collective failed: usually another rank died or timed out. The message
 // says which rank saw it and what it was doing.
@@ -98,4 +98,4 @@ struct DistEnv {
 std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds timeout, bool cuda,
                                   const HeartbeatSettings& heartbeat = HeartbeatSettings{1.0, 0.0});
 
-}  // namespace uckpt::engine
+}  // namespace uckpt

@@ -1,0 +1,159 @@
+// uckpt's training engine: DeepSpeed's programming model for any libtorch
+// module, with ZeRO data parallelism and checkpoints in DeepSpeed's layout.
+//
+//   auto model = std::make_shared<MyModule>();
+//   uckpt::Engine engine(model, uckpt::Config::FromFile("ds_config.json"));
+//   for (each micro-batch) {
+//     at::Tensor loss = model->forward(batch);
+//     engine.Backward(loss);
+//     engine.Step();  // updates at the gradient-accumulation boundary
+//   }
+//   engine.SaveCheckpoint("ckpt", "", client_state);
+//   auto [path, client_state] = engine.LoadCheckpoint("ckpt");
+//
+// The model's named_parameters() names are the checkpoint's names, as in a
+// PyTorch state_dict. Every call below is collective: all ranks call it in
+// the same order. Errors are exceptions whose messages name the file, key or
+// parameter. See docs/engine.md.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "uckpt/comm.h"
+
+namespace uckpt {
+
+// A DeepSpeed JSON configuration (the subset uckpt implements; unknown keys
+// are warnings, see docs/engine.md).
+struct Config {
+  nlohmann::json json = nlohmann::json::object();
+  std::string source = "config";  // names the configuration in messages
+
+  // Reads a JSON file. Throws std::runtime_error naming the file.
+  static Config FromFile(const std::string& path);
+  static Config FromJson(nlohmann::json j, std::string source = "config");
+};
+
+// One optimizer parameter group, as DeepSpeed's `model_parameters` list of
+// dicts: its parameters (tensors of the module) and the hyper-parameters that
+// differ from the config's optimizer section.
+struct ParamGroup {
+  std::vector<at::Tensor> params;
+  std::optional<double> weight_decay, beta1, beta2, eps;
+};
+
+struct EngineOptions {
+  // The communicator; null: from the environment (RANK, WORLD_SIZE,
+  // LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets them; one process
+  // when WORLD_SIZE is unset). The engine keeps it alive.
+  std::shared_ptr<Comm> comm;
+  // Empty: one group of every parameter that requires grad. Otherwise every
+  // trainable parameter must be in exactly one group.
+  std::vector<ParamGroup> param_groups;
+  // "cpu" or "cuda" (the device LOCAL_RANK). The module is moved there.
+  std::string device = "cpu";
+  // -1: LOCAL_RANK from the environment (0 if unset).
+  int local_rank = -1;
+};
+
+// client_state: any value made of dicts with string keys, lists, tuples,
+// ints, doubles, bools, strings, None and tensors (c10::IValue).
+using ClientState = c10::IValue;
+
+struct LoadCheckpointOptions {
+  bool load_optimizer_states = true;
+  bool load_lr_scheduler_states = true;
+  bool load_module_only = false;  // weights only: counters, optimizer and schedule start fresh
+  bool universal = false;         // a universal checkpoint (any world size); tag from `latest_universal`
+  bool verify_hashes = false;     // compare the manifest's XXH64 hashes too (sizes always)
+  bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint, not the config
+};
+
+struct LoadResult {
+  std::string path;          // the tag folder loaded
+  ClientState client_state;  // a dict of the keys the saver added
+};
+
+struct StepInfo {
+  double grad_norm = 0;   // pre-clipping global norm (-1 on overflow)
+  bool skipped = false;   // fp16 overflow: no update
+  double loss_scale = 1;  // the scale the step's gradients carried
+};
+
+class Engine {
+ public:
+  // Wraps `model`: moves it to the device and the config's dtype (bf16/fp16),
+  // makes its trainable parameters views into ZeRO's flat buffers and binds
+  // their gradients. Throws std::invalid_argument / std::runtime_error on a
+  // bad config or parameter groups (naming the parameter).
+  Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, EngineOptions options = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // loss.backward() with DeepSpeed's scaling (1/GA, and the fp16 loss scale),
+  // then the ZeRO gradient reduction of this micro-step.
+  void Backward(const at::Tensor& loss);
+  // Called after every Backward. At the gradient-accumulation boundary: the
+  // optimizer step, the lr schedule and the counters; otherwise nothing.
+  void Step();
+  bool IsGradientAccumulationBoundary() const;
+
+  // Saves <dir>/<tag>/ in DeepSpeed's layout (tag "" = "global_step<N>") with
+  // client_state's keys at the top of the model-states file, then points
+  // <dir>/latest at it. Crash-safe: until it returns, `latest` names the
+  // previous checkpoint. Returns the tag folder.
+  std::string SaveCheckpoint(const std::string& dir, const std::string& tag = "",
+                             const ClientState& client_state = c10::IValue());
+  // Loads <dir>/<tag> (tag "" = what `latest`, or `latest_universal`, names).
+  // A missing `latest` is not an error: nothing is loaded and path is "".
+  LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "", const LoadCheckpointOptions& options = {});
+
+  void Train(bool on = true);  // module train/eval mode
+  void Eval() { Train(false); }
+
+  double lr() const;
+  int64_t global_steps() const;
+  int64_t global_samples() const;
+  int64_t skipped_steps() const;
+  int64_t micro_steps() const;
+  const StepInfo& last_step() const;  // of the last update
+  double loss_scale() const;
+
+  int rank() const;
+  int world_size() const;
+  int local_rank() const;
+  at::Device device() const;
+  Comm& comm();
+  int zero_stage() const;
+  int64_t train_batch_size() const;
+  int64_t train_micro_batch_size_per_gpu() const;
+  int64_t gradient_accumulation_steps() const;
+  bool fp16_enabled() const;
+  bool bf16_enabled() const;
+  std::shared_ptr<torch::nn::Module> module() const;
+  // Trainable parameters by group, flat order (names as in the checkpoint).
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> param_groups() const;
+  // What the config said that uckpt ignores or does differently.
+  const std::vector<std::string>& warnings() const;
+
+  // The engine's state, for uckpt's own tools and tests (not installed:
+  // src/engine/engine_impl.h).
+  struct Impl;
+  Impl& impl() { return *impl_; }
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace uckpt

@@ -1,0 +1,310 @@
+// uckpt::Engine: wraps a module for ZeRO data parallelism (engine_impl.h has
+// the state; checkpoint.cc saves and loads it).
+#include <c10/core/GradMode.h>
+#include <torch/cuda.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+#include "engine/engine_impl.h"
+
+namespace uckpt {
+
+Config Config::FromFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot read the config file");
+  Config c;
+  try {
+    c.json = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(path + ": not valid JSON: " + e.what());
+  }
+  c.source = path;
+  return c;
+}
+
+Config Config::FromJson(nlohmann::json j, std::string source) {
+  Config c;
+  c.json = std::move(j);
+  c.source = std::move(source);
+  return c;
+}
+
+at::Tensor Engine::Impl::Find(const std::string& name) const {
+  std::string owner = name;
+  for (const auto& [alias, o] : aliases)
+    if (alias == name) owner = o;
+  for (const auto& g : groups)
+    for (const auto& p : g)
+      if (p.name == owner) return p.tensor;
+  for (const auto* list : {&frozen, &buffers})
+    for (const auto& p : *list)
+      if (p.name == owner) return p.tensor;
+  return at::Tensor();
+}
+
+namespace {
+
+using engine::TrainConfig;
+
+std::string Join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+// PyTorch's state_dict order: each module's parameters, then its buffers,
+// then its children's, depth first. Also lists every module's prefix.
+void WalkModule(const torch::nn::Module& m, const std::string& prefix, std::vector<std::string>& names,
+                std::vector<NamedParam>& buffers, std::vector<std::string>& prefixes) {
+  prefixes.push_back(prefix);
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) names.push_back(Join(prefix, p.key()));
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) {
+    names.push_back(Join(prefix, b.key()));
+    buffers.push_back({Join(prefix, b.key()), b.value()});
+  }
+  for (const auto& c : m.named_children()) WalkModule(*c.value(), Join(prefix, c.key()), names, buffers, prefixes);
+}
+
+at::ScalarType ModelDtype(const TrainConfig& c) {
+  if (c.fp16.enabled) return at::kHalf;
+  if (c.bf16) return at::kBFloat16;
+  return at::kFloat;
+}
+
+std::shared_ptr<Comm> CommFromEnvironment(const TrainConfig& c, bool cuda) {
+  auto env = DistEnv::FromEnvironment();
+  if (!env || env->world_size <= 1) return MakeSingleProcessComm();
+  const HeartbeatSettings heartbeat{c.heartbeat_interval_s, c.heartbeat_timeout_s};
+  return ConnectC10d(*env, std::chrono::minutes(30), cuda, heartbeat);
+}
+
+int LocalRankFromEnvironment() {
+  const char* v = std::getenv("LOCAL_RANK");
+  return v && *v ? std::atoi(v) : 0;
+}
+
+engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, const ParamGroup& g) {
+  engine::OptimizerConfig o = base;
+  if (g.weight_decay) o.weight_decay = *g.weight_decay;
+  if (g.beta1) o.beta1 = *g.beta1;
+  if (g.beta2) o.beta2 = *g.beta2;
+  if (g.eps) o.eps = *g.eps;
+  return o;
+}
+
+}  // namespace
+
+// ---- Construction: parameters sorted into groups, frozen, tied, buffers. ----
+
+namespace {
+
+// Trainable parameters into groups (the user's, or one), the rest frozen;
+// a tensor seen again under another name is a tied alias.
+void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
+                    std::vector<engine::GroupSpec>& specs) {
+  std::map<const void*, std::string> owner_of;  // TensorImpl -> first name
+  std::vector<NamedParam> trainable;
+  for (const auto& p : e.model->named_parameters(/*recurse=*/true)) {
+    const void* key = p.value().unsafeGetTensorImpl();
+    if (auto it = owner_of.find(key); it != owner_of.end()) {
+      e.aliases.emplace_back(p.key(), it->second);
+      continue;
+    }
+    owner_of[key] = p.key();
+    (p.value().requires_grad() ? trainable : e.frozen).push_back({p.key(), p.value()});
+  }
+  if (trainable.empty()) throw std::invalid_argument("uckpt::Engine: the module has no parameter that requires grad");
+  if (user_groups.empty()) {
+    e.groups.push_back(trainable);
+    specs.push_back({{}, e.config.optimizer});
+    return;
+  }
+  std::set<const void*> placed;
+  for (size_t g = 0; g < user_groups.size(); ++g) {
+    std::vector<NamedParam> group;
+    for (const at::Tensor& t : user_groups[g].params) {
+      const void* key = t.unsafeGetTensorImpl();
+      auto it = owner_of.find(key);
+      if (it == owner_of.end())
+        throw std::invalid_argument("uckpt::Engine: param_groups[" + std::to_string(g) +
+                                    "] holds a tensor that is not a parameter of the module");
+      if (!t.requires_grad())
+        throw std::invalid_argument("uckpt::Engine: param_groups[" + std::to_string(g) + "] holds " + it->second +
+                                    ", which does not require grad (frozen parameters stay out of the optimizer)");
+      if (!placed.insert(key).second)
+        throw std::invalid_argument("uckpt::Engine: parameter " + it->second + " is in more than one param group");
+      group.push_back({it->second, t});
+    }
+    if (group.empty()) throw std::invalid_argument("uckpt::Engine: param_groups[" + std::to_string(g) + "] is empty");
+    e.groups.push_back(std::move(group));
+    specs.push_back({{}, GroupOptimizer(e.config.optimizer, user_groups[g])});
+  }
+  for (const auto& p : trainable)
+    if (!placed.count(p.tensor.unsafeGetTensorImpl()))
+      throw std::invalid_argument("uckpt::Engine: trainable parameter " + p.name +
+                                  " is in no param group (set requires_grad false to freeze it)");
+}
+
+// Every rank starts from rank 0's weights and buffers, as DeepSpeed's
+// initialize broadcasts them.
+void BroadcastFromRank0(Engine::Impl& e) {
+  if (e.comm->world_size() <= 1) return;
+  c10::NoGradGuard no_grad;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    at::Tensor flat = e.zero->model_flat(g);
+    e.comm->Broadcast(flat, 0);
+  }
+  for (const auto* list : {&e.frozen, &e.buffers})
+    for (const auto& p : *list) {
+      at::Tensor t = p.tensor.contiguous();
+      e.comm->Broadcast(t, 0);
+      if (!t.is_same(p.tensor)) p.tensor.copy_(t);
+    }
+}
+
+}  // namespace
+
+Engine::Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, EngineOptions options)
+    : impl_(std::make_unique<Impl>(engine::ParseConfig(config.json, config.source))) {
+  Impl& e = *impl_;
+  if (!model) throw std::invalid_argument("uckpt::Engine: no module");
+  e.model = std::move(model);
+  const TrainConfig& c = e.config;
+  const bool cuda = options.device == "cuda";
+  if (!cuda && options.device != "cpu")
+    throw std::invalid_argument("uckpt::Engine: device must be cpu or cuda, got " + options.device);
+  e.comm = options.comm ? options.comm : CommFromEnvironment(c, cuda);
+  e.local_rank = options.local_rank >= 0 ? options.local_rank : LocalRankFromEnvironment();
+  e.batch = engine::ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
+                                      c.gradient_accumulation_steps, e.comm->world_size());
+  if (cuda) {
+    if (!at::hasCUDA()) throw std::invalid_argument("uckpt::Engine: device cuda, but this libtorch has no CUDA or no GPU is visible");
+    e.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(e.local_rank));
+  }
+  if (c.fp16.enabled && e.device.is_cpu()) {
+    try {  // libtorch 1.13 has no CPU fp16 kernels for LayerNorm and friends.
+      at::layer_norm(at::zeros({1, 2}, at::kHalf), {2});
+    } catch (const std::exception&) {
+      throw std::invalid_argument("fp16 training needs CUDA or a libtorch with CPU fp16 kernels; on this CPU use bf16");
+    }
+  }
+  if (c.zero.stage < 0 || c.zero.stage > 2)
+    throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) + " is not supported (0, 1 or 2)");
+  e.model->to(e.device);
+  if (ModelDtype(c) != at::kFloat) e.model->to(ModelDtype(c));
+
+  std::vector<engine::GroupSpec> specs;
+  SortParameters(e, options.param_groups, specs);
+  WalkModule(*e.model, "", e.state_names, e.buffers, e.module_prefixes);
+  for (size_t g = 0; g < e.groups.size(); ++g)
+    for (const auto& p : e.groups[g]) specs[g].numels.push_back(p.tensor.numel());
+
+  engine::ZeroSettings zs;
+  zs.stage = c.zero.stage;
+  zs.gradient_clipping = c.gradient_clipping;
+  zs.optimizer = c.optimizer;
+  zs.model_dtype = ModelDtype(c);
+  zs.fp16 = c.fp16;
+  zs.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
+  zs.reduce_bucket_size = c.zero.reduce_bucket_size;
+  zs.overlap_comm = c.zero.overlap_comm;
+  e.zero = std::make_unique<engine::ZeroOptimizer>(*e.comm, specs, zs, e.device);
+
+  // The parameters become views into the flat buffers (their values copied in).
+  std::vector<std::vector<at::Tensor>> bound(e.groups.size());
+  {
+    c10::NoGradGuard no_grad;
+    for (size_t g = 0; g < e.groups.size(); ++g) {
+      at::Tensor flat = e.zero->model_flat(g);
+      int64_t off = 0;
+      for (auto& p : e.groups[g]) {
+        const int64_t n = p.tensor.numel();
+        at::Tensor view = flat.narrow(0, off, n).view(p.tensor.sizes());
+        view.copy_(p.tensor);
+        p.tensor.set_data(view);
+        bound[g].push_back(p.tensor);
+        off += n;
+      }
+    }
+  }
+  BroadcastFromRank0(e);
+  e.zero->InitMasterFromModel();
+  e.zero->BindGradients(bound);
+  e.model->train(true);
+}
+
+Engine::~Engine() = default;
+
+void Engine::Backward(const at::Tensor& loss) {
+  Impl& e = *impl_;
+  if (loss.numel() != 1) throw std::invalid_argument("uckpt::Engine::Backward: the loss must be a scalar");
+  // DeepSpeed scales each micro loss by 1/GA (and by the fp16 loss scale).
+  const int64_t ga = e.batch.gradient_accumulation_steps;
+  at::Tensor scaled = ga > 1 ? loss / ga : loss;
+  scaled = scaled * e.zero->loss_scale();
+  scaled.backward();
+  e.zero->ReduceMicroGradients(e.boundary());
+  e.backward_pending = true;
+}
+
+void Engine::Step() {
+  Impl& e = *impl_;
+  if (!e.backward_pending) throw std::logic_error("uckpt::Engine::Step: call Backward(loss) first");
+  e.backward_pending = false;
+  if (e.boundary()) {
+    const double lr = e.schedule.current_lr();
+    engine::ZeroOptimizer::StepResult r = e.zero->Step(lr);
+    if (!r.skipped) e.schedule.Step();
+    e.last = StepInfo{r.grad_norm, r.skipped, r.loss_scale};
+    ++e.global_steps;
+    e.global_samples += e.batch.train_batch_size;
+    if (r.skipped) ++e.skipped_steps;
+  }
+  ++e.micro_steps;
+}
+
+bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); }
+
+std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state) {
+  return engine::SaveEngineCheckpoint(*impl_, dir, tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
+                                      client_state);
+}
+
+LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
+  return engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
+}
+
+void Engine::Train(bool on) { impl_->model->train(on); }
+double Engine::lr() const { return impl_->schedule.current_lr(); }
+int64_t Engine::global_steps() const { return impl_->global_steps; }
+int64_t Engine::global_samples() const { return impl_->global_samples; }
+int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
+int64_t Engine::micro_steps() const { return impl_->micro_steps; }
+const StepInfo& Engine::last_step() const { return impl_->last; }
+double Engine::loss_scale() const { return impl_->zero->loss_scale(); }
+int Engine::rank() const { return impl_->comm->rank(); }
+int Engine::world_size() const { return impl_->comm->world_size(); }
+int Engine::local_rank() const { return impl_->local_rank; }
+at::Device Engine::device() const { return impl_->device; }
+Comm& Engine::comm() { return *impl_->comm; }
+int Engine::zero_stage() const { return impl_->stage(); }
+int64_t Engine::train_batch_size() const { return impl_->batch.train_batch_size; }
+int64_t Engine::train_micro_batch_size_per_gpu() const { return impl_->batch.micro_batch; }
+int64_t Engine::gradient_accumulation_steps() const { return impl_->batch.gradient_accumulation_steps; }
+bool Engine::fp16_enabled() const { return impl_->config.fp16.enabled; }
+bool Engine::bf16_enabled() const { return impl_->config.bf16; }
+std::shared_ptr<torch::nn::Module> Engine::module() const { return impl_->model; }
+const std::vector<std::string>& Engine::warnings() const { return impl_->config.warnings; }
+
+std::vector<std::vector<std::pair<std::string, at::Tensor>>> Engine::param_groups() const {
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> out;
+  for (const auto& g : impl_->groups) {
+    out.emplace_back();
+    for (const auto& p : g) out.back().emplace_back(p.name, p.tensor);
+  }
+  return out;
+}
+
+}  // namespace uckpt

@@ -1,0 +1,64 @@
+// The engine's state, shared by engine.cc (training) and checkpoint.cc (save
+// and load). Not installed: users see include/uckpt/engine.h only.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/lr_schedule.h"
+#include "engine/zero_optimizer.h"
+#include "uckpt/engine.h"
+
+namespace uckpt {
+
+struct NamedParam {
+  std::string name;
+  at::Tensor tensor;
+};
+
+struct Engine::Impl {
+  std::shared_ptr<Comm> comm;
+  engine::TrainConfig config;
+  std::shared_ptr<torch::nn::Module> model;
+  at::Device device = at::kCPU;
+  int local_rank = 0;
+  engine::BatchSizes batch;
+
+  // Trainable parameters by optimizer group, in flat order: views into the
+  // group's flat buffer once the optimizer exists.
+  std::vector<std::vector<NamedParam>> groups;
+  std::vector<NamedParam> frozen;                           // requires_grad false, own storage
+  std::vector<std::pair<std::string, std::string>> aliases;  // tied: alias name -> owner name
+  std::vector<NamedParam> buffers;                          // persistent buffers
+  // The module's state_dict names in PyTorch's order (params, then buffers,
+  // of each module, then its children), aliases included.
+  std::vector<std::string> state_names;
+  std::vector<std::string> module_prefixes;  // "" and every submodule (state_dict _metadata)
+
+  std::unique_ptr<engine::ZeroOptimizer> zero;
+  engine::LrSchedule schedule;
+  int64_t global_steps = 0, global_samples = 0, skipped_steps = 0, micro_steps = 0;
+  bool backward_pending = false;  // Backward since the last Step
+  StepInfo last;
+
+  explicit Impl(engine::TrainConfig c)
+      : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
+
+  int stage() const { return config.zero.stage; }
+  bool boundary() const { return (micro_steps + 1) % batch.gradient_accumulation_steps == 0; }
+  // The tensor a state_dict name stands for (aliases resolved), or undefined.
+  at::Tensor Find(const std::string& name) const;
+};
+
+namespace engine {
+
+// checkpoint.cc: DeepSpeed's files from and into the engine's state.
+std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                 const ClientState& client_state);
+LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                const LoadCheckpointOptions& options);
+
+}  // namespace engine
+}  // namespace uckpt

@@ -1,0 +1,285 @@
+// The public Engine API on a model defined only here: an embedding, an MLP
+// whose output projection is tied to the embedding, a frozen parameter, a
+// buffer and two parameter groups with different weight decay. At world
+// sizes 1-4: save with a client_state, resume at the same size from the ZeRO
+// files (bit-identical losses) and at every other size through `uckpt
+// convert` (within 1e-6 relative); client_state, frozen parameter and buffer
+// come back; `uckpt verify` passes and `uckpt export` gives the weights.
+#include <gtest/gtest.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "ckpt/convert.h"
+#include "ckpt/export.h"
+#include "ckpt/verify.h"
+#include "engine/data/data.h"
+#include "ranks.h"
+#include "uckpt/engine.h"
+
+namespace uckpt::engine::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kVocab = 11, kDim = 8, kHidden = 16, kSeq = 6;
+
+// Submodules built from plain torch::nn::Module so the tie is explicit.
+struct TestNet : torch::nn::Module {
+  explicit TestNet(uint64_t seed) {
+    // A generator of its own: ranks on threads must not share torch's global one.
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    auto randn = [&](std::vector<int64_t> shape) { return at::randn(shape, gen); };
+    auto emb = register_module("emb", std::make_shared<torch::nn::Module>());
+    auto fc = register_module("fc", std::make_shared<torch::nn::Module>());
+    auto head = register_module("head", std::make_shared<torch::nn::Module>());
+    wte = emb->register_parameter("weight", randn({kVocab, kDim}) * 0.5);
+    fc_w = fc->register_parameter("weight", randn({kHidden, kDim}) * 0.3);
+    fc_b = fc->register_parameter("bias", torch::zeros({kHidden}));
+    proj_w = fc->register_parameter("proj", randn({kDim, kHidden}) * 0.3);
+    head->register_parameter("weight", wte);  // tied: one tensor, two names
+    head_b = head->register_parameter("bias", torch::zeros({kVocab}));
+    scale = register_parameter("scale", at::rand({kDim}, gen) + 0.5, /*requires_grad=*/false);  // frozen
+    shift = register_buffer("shift", randn({kDim}) * 0.1);
+  }
+  at::Tensor Loss(const at::Tensor& ids) {
+    at::Tensor x = at::embedding(wte, ids.narrow(1, 0, kSeq - 1)) * scale + shift;
+    at::Tensor h = at::gelu(at::linear(x, fc_w, fc_b));
+    x = x + at::linear(h, proj_w);
+    at::Tensor logits = at::linear(x, wte, head_b);
+    return at::cross_entropy_loss(logits.reshape({-1, kVocab}), ids.narrow(1, 1, kSeq - 1).reshape({-1}));
+  }
+  at::Tensor wte, fc_w, fc_b, proj_w, head_b, scale, shift;
+};
+
+Config TestConfig(int stage) {
+  return Config::FromJson(nlohmann::json::parse(R"({
+    "train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 3}},
+    "zero_optimization": {"stage": )" + std::to_string(stage) + "}}"),
+                          "test config");
+}
+
+// Row r of global batch `step`: deterministic tokens, whatever the split.
+at::Tensor Rows(int64_t step, int64_t first_row, int64_t n) {
+  at::Tensor ids = at::empty({n, kSeq}, at::kLong);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t t = 0; t < kSeq; ++t)
+      ids[i][t] = static_cast<int64_t>(SplitMix64((step * 1000 + first_row + i) * 100 + t) % kVocab);
+  return ids;
+}
+
+struct Run {
+  std::shared_ptr<TestNet> net;
+  std::unique_ptr<Engine> engine;
+};
+
+// A fresh model (init `seed`) in an engine with two groups: 2-D weights
+// decay, biases do not.
+Run MakeRun(Comm& comm, int stage, uint64_t seed) {
+  Run r;
+  r.net = std::make_shared<TestNet>(seed);
+  EngineOptions o;
+  o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+  ParamGroup decay{{r.net->wte, r.net->fc_w, r.net->proj_w}}, no_decay{{r.net->fc_b, r.net->head_b}};
+  no_decay.weight_decay = 0.0;
+  o.param_groups = {decay, no_decay};
+  r.engine = std::make_unique<Engine>(r.net, TestConfig(stage), o);
+  return r;
+}
+
+// Trains to `steps`; returns the global loss of each step.
+std::vector<double> Train(Run& r, int64_t steps) {
+  Engine& e = *r.engine;
+  std::vector<double> losses;
+  while (e.global_steps() < steps) {
+    const int64_t step = e.global_steps() + 1;
+    double sum = 0;
+    for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
+      const int64_t first = FirstRow(m, e.rank(), e.world_size(), e.train_micro_batch_size_per_gpu());
+      at::Tensor loss = r.net->Loss(Rows(step, first, e.train_micro_batch_size_per_gpu()));
+      sum += loss.item<double>();
+      e.Backward(loss);
+      e.Step();
+    }
+    at::Tensor total = at::full({1}, sum, at::kDouble);
+    e.comm().AllReduceSum(total);
+    losses.push_back(total.item<double>() / static_cast<double>(e.gradient_accumulation_steps() * e.world_size()));
+  }
+  return losses;
+}
+
+ClientState MakeClientState() {
+  c10::impl::GenericDict nested(c10::StringType::get(), c10::AnyType::get());
+  c10::impl::GenericList list(c10::AnyType::get());
+  list.push_back(int64_t{1});
+  list.push_back(2.5);
+  list.push_back(std::string("three"));
+  nested.insert(std::string("list"), list);
+  nested.insert(std::string("tensor"), torch::arange(4, torch::kFloat));
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+  d.insert(std::string("checkpoint_step"), int64_t{3});
+  d.insert(std::string("nested"), nested);
+  return d;
+}
+
+void ExpectClientState(const ClientState& got) {
+  ASSERT_TRUE(got.isGenericDict());
+  auto d = got.toGenericDict();
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_EQ(d.at(std::string("checkpoint_step")).toInt(), 3);
+  auto nested = d.at(std::string("nested")).toGenericDict();
+  auto list = nested.at(std::string("list")).toListRef();
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0].toInt(), 1);
+  EXPECT_EQ(list[1].toDouble(), 2.5);
+  EXPECT_EQ(list[2].toStringRef(), "three");
+  EXPECT_TRUE(nested.at(std::string("tensor")).toTensor().equal(torch::arange(4, torch::kFloat)));
+}
+
+void ExpectNear(const std::vector<double>& got, const std::vector<double>& want, double rel, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t k = 0; k < got.size(); ++k) {
+    if (rel == 0) {
+      EXPECT_EQ(got[k], want[k]) << what << " step " << k;
+    } else {
+      EXPECT_NEAR(got[k], want[k], rel * std::abs(want[k])) << what << " step " << k;
+    }
+  }
+}
+
+// The tensors of a safetensors file (fp32), by name.
+std::map<std::string, at::Tensor> ReadSafetensorsFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  std::string header(n, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(n));
+  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, v] : nlohmann::json::parse(header).items()) {
+    if (name == "__metadata__") continue;
+    EXPECT_EQ(v["dtype"], "F32") << name;
+    const size_t begin = v["data_offsets"][0], end = v["data_offsets"][1];
+    at::Tensor t = at::empty(v["shape"].get<std::vector<int64_t>>(), at::kFloat);
+    EXPECT_EQ(static_cast<size_t>(t.nbytes()), end - begin) << name;
+    std::memcpy(t.data_ptr(), data.data() + begin, end - begin);
+    out[name] = t;
+  }
+  return out;
+}
+
+class EngineApi : public ::testing::TestWithParam<int> {};
+
+TEST_P(EngineApi, SaveResumeAnySizeWithClientStateFrozenAndBuffers) {
+  const int stage = GetParam();
+  const fs::path root = fs::path(::testing::TempDir()) / ("engine_api_" + std::to_string(stage));
+  fs::remove_all(root);
+  std::map<int, std::vector<double>> uninterrupted;
+  for (int w = 1; w <= 4; ++w) {
+    const std::string dir = (root / ("w" + std::to_string(w))).string();
+    RunRanks(w, [&](Comm& comm) {
+      Run r = MakeRun(comm, stage, 7);
+      at::Tensor frozen0 = r.net->scale.clone();
+      c10::NoGradGuard g;
+      r.net->shift.add_(1.0);  // a buffer whose value only the checkpoint knows
+      at::Tensor shift = r.net->shift.clone();
+      std::vector<double> first = Train(r, 3);
+      EXPECT_EQ(r.engine->SaveCheckpoint(dir, "", MakeClientState()), dir + "/global_step3");
+      std::vector<double> rest = Train(r, 6);
+      EXPECT_TRUE(r.net->scale.equal(frozen0)) << "frozen parameter changed by training";
+      first.insert(first.end(), rest.begin(), rest.end());
+      if (comm.rank() == 0) uninterrupted[w] = first;
+
+      // Same size, from the ZeRO files: bit-identical, from another init.
+      Run again = MakeRun(comm, stage, 99);
+      LoadResult lr = again.engine->LoadCheckpoint(dir);
+      EXPECT_EQ(lr.path, dir + "/global_step3");
+      ExpectClientState(lr.client_state);
+      EXPECT_EQ(again.engine->global_steps(), 3);
+      EXPECT_TRUE(again.net->scale.equal(frozen0)) << "frozen parameter not restored";
+      EXPECT_TRUE(again.net->shift.equal(shift)) << "buffer not restored";
+      std::vector<double> resumed = Train(again, 6);
+      if (comm.rank() == 0) ExpectNear(resumed, {first.begin() + 3, first.end()}, 0, "same size w=" + std::to_string(w));
+    });
+    const std::string tag = dir + "/global_step3";
+    ckpt::VerifyReport v = ckpt::VerifyCheckpoint(tag);
+    EXPECT_TRUE(v.ok()) << tag << ": " << (v.problem_count() ? v.folders.at(0).problems.at(0).what : "");
+    ckpt::ConvertToUniversal(tag, dir + "/global_step3_universal");
+    EXPECT_TRUE(ckpt::VerifyCheckpoint(dir + "/global_step3_universal").ok());
+    std::ofstream(dir + "/latest_universal") << "global_step3_universal";
+  }
+  // Every other size through the universal checkpoint.
+  for (int from = 1; from <= 4; ++from) {
+    for (int to = 1; to <= 4; ++to) {
+      if (to == from) continue;
+      const std::string dir = (root / ("w" + std::to_string(from))).string();
+      RunRanks(to, [&](Comm& comm) {
+        Run r = MakeRun(comm, stage, 123);
+        LoadCheckpointOptions o;
+        o.universal = true;
+        LoadResult lr = r.engine->LoadCheckpoint(dir, "", o);
+        ExpectClientState(lr.client_state);
+        std::vector<double> resumed = Train(r, 6);
+        const auto& ref = uninterrupted.at(from);
+        if (comm.rank() == 0)
+          ExpectNear(resumed, {ref.begin() + 3, ref.end()}, 1e-6,
+                     "universal " + std::to_string(from) + " -> " + std::to_string(to));
+      });
+    }
+  }
+  // Export: the trained weights at step 3 by name, the tied head included.
+  const std::string out = (root / "w2.safetensors").string();
+  ckpt::ExportSafetensors((root / "w2" / "global_step3").string(), out);
+  auto exported = ReadSafetensorsFile(out);
+  RunRanks(2, [&](Comm& comm) {
+    Run r = MakeRun(comm, stage, 5);
+    r.engine->LoadCheckpoint((root / "w2").string(), "global_step3");
+    if (comm.rank() != 0) return;
+    for (const auto& p : r.net->named_parameters()) {
+      ASSERT_TRUE(exported.count(p.key())) << p.key();
+      EXPECT_TRUE(exported[p.key()].equal(p.value().to(at::kFloat))) << p.key();
+    }
+    EXPECT_TRUE(exported.count("shift")) << "buffer not exported";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, EngineApi, ::testing::Values(1, 2),
+                         [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+TEST(EngineApiErrors, ParamGroupsNameTheParameter) {
+  RunRanks(1, [](Comm& comm) {
+    auto net = std::make_shared<TestNet>(1);
+    EngineOptions o;
+    o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+    o.param_groups = {ParamGroup{{net->wte}}};  // the biases are in no group
+    try {
+      Engine e(net, TestConfig(2), o);
+      FAIL() << "expected an error";
+    } catch (const std::invalid_argument& ex) {
+      EXPECT_NE(std::string(ex.what()).find("fc.bias"), std::string::npos) << ex.what();
+    }
+    o.param_groups = {ParamGroup{{net->wte, net->fc_w, net->proj_w, net->fc_b, net->head_b, net->scale}}};
+    EXPECT_THROW(Engine(net, TestConfig(2), o), std::invalid_argument);  // frozen in a group
+  });
+}
+
+TEST(EngineApiErrors, StepWithoutBackwardAndBadClientState) {
+  RunRanks(1, [](Comm& comm) {
+    Run r = MakeRun(comm, 1, 3);
+    EXPECT_THROW(r.engine->Step(), std::logic_error);
+    EXPECT_THROW(r.engine->SaveCheckpoint(::testing::TempDir() + "/bad_cs", "t", c10::IValue(int64_t{3})),
+                 std::invalid_argument);
+    c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+    d.insert(std::string("module"), int64_t{1});  // would overwrite the weights
+    EXPECT_THROW(r.engine->SaveCheckpoint(::testing::TempDir() + "/bad_cs", "t", d), std::invalid_argument);
+  });
+}
+
+}  // namespace
+}  // namespace uckpt::engine::testing
