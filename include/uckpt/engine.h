@@ -32,6 +32,10 @@
 
 namespace uckpt {
 
+namespace engine {
+struct TrainConfig;  // a parsed configuration (src/engine/config.h)
+}
+
 // A DeepSpeed JSON configuration (the subset uckpt implements; unknown keys
 // are warnings, see docs/engine.md).
 struct Config {
@@ -96,6 +100,8 @@ class Engine {
   // their gradients. Throws std::invalid_argument / std::runtime_error on a
   // bad config or parameter groups (naming the parameter).
   Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, EngineOptions options = {});
+  // For uckpt's own tools: a configuration already parsed, overrides applied.
+  Engine(std::shared_ptr<torch::nn::Module> model, const engine::TrainConfig& config, EngineOptions options = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -153,6 +159,7 @@ class Engine {
   const Impl& impl() const { return *impl_; }
 
  private:
+  void Init(std::shared_ptr<torch::nn::Module> model, EngineOptions options);
   std::unique_ptr<Impl> impl_;
 };
 

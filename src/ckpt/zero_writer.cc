@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/partition.h"
 #include "ckpt/torch_out.h"
 #include "format/error.h"
@@ -27,60 +28,13 @@ void AppendZeros(uint64_t bytes, Pieces* pieces) {
   }
 }
 
+// The hyper-parameters the test checkpoints claim (torch AdamW, wd 0.01).
+const AdamHparams kWriterHparams{0.001, 0.9, 0.999, 1e-8, 0.01};
+
 ValuePtr FloatScalar(float v) {
   std::vector<uint8_t> b(4);
   std::memcpy(b.data(), &v, 4);
   return Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {}, std::move(b)));
-}
-
-ValuePtr Object(const std::string& cls, ValuePtr state) {
-  ValuePtr o = Value::Object(cls, Value::Tuple(), true);
-  o->state = std::move(state);
-  return o;
-}
-
-ValuePtr LossScaler() {
-  auto d = Value::Dict();
-  d->set("cur_scale", Value::Float(1.0));
-  d->set("dynamic", Value::Bool(false));
-  return Object("deepspeed.runtime.fp16.loss_scaler.LossScaler", d);
-}
-
-ValuePtr ZeroStage(int stage) {
-  static const char* names[] = {"disabled", "optimizer_states", "gradients", "weights"};
-  return Value::Object("builtins.getattr",
-                       Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                                     Value::Str(names[stage])}),
-                       false);
-}
-
-ValuePtr FragmentAddress(int64_t numel, int64_t start) {
-  auto d = Value::Dict();
-  d->set("numel", Value::Int(numel));
-  d->set("start", Value::Int(start));
-  return Object("deepspeed.utils.tensor_fragment.fragment_address", d);
-}
-
-ValuePtr AdamGroup(std::vector<int64_t> params) {
-  auto g = Value::Dict();
-  g->set("lr", Value::Float(0.001));
-  g->set("betas", Value::List({Value::Float(0.9), Value::Float(0.999)}));
-  g->set("eps", Value::Float(1e-8));
-  g->set("weight_decay", Value::Float(0.01));
-  g->set("amsgrad", Value::Bool(false));
-  g->set("foreach", Value::None());
-  g->set("maximize", Value::Bool(false));
-  g->set("capturable", Value::Bool(false));
-  std::vector<ValuePtr> ids;
-  for (int64_t p : params) ids.push_back(Value::Int(p));
-  g->set("params", Value::List(std::move(ids)));
-  return g;
-}
-
-ValuePtr IntList(const std::vector<int64_t>& v) {
-  std::vector<ValuePtr> items;
-  for (int64_t x : v) items.push_back(Value::Int(x));
-  return Value::List(std::move(items));
 }
 
 // A 1-D float32 tensor of `numel` elements over a storage of `storage_numel`
@@ -142,12 +96,11 @@ class Writer {
     }
   }
 
-  ValuePtr ParamShapes() const {
-    auto list = Value::List();
+  std::vector<std::vector<NamedShape>> ParamShapes() const {
+    std::vector<std::vector<NamedShape>> list;
     auto add = [&](size_t g, size_t first, size_t count) {
-      auto d = Value::Dict(true);
-      for (size_t i = first; i < first + count; ++i) d->set(s_.groups[g][i].name, Value::Size(s_.groups[g][i].shape));
-      list->items.push_back(d);
+      list.emplace_back();
+      for (size_t i = first; i < first + count; ++i) list.back().push_back({s_.groups[g][i].name, s_.groups[g][i].shape});
     };
     if (s_.stage == 3) {
       for (const auto& sg : subs_) add(sg.group, sg.first, sg.count);
@@ -159,46 +112,26 @@ class Writer {
 
   void WriteModelStates(const std::string& path) {
     StoragePieces pieces;
-    auto module = Value::Dict(true);
+    ModelStates m;
+    m.stage = s_.stage;
     for (size_t g = 0; g < s_.groups.size(); ++g)
       for (size_t i = 0; i < s_.groups[g].size(); ++i) {
         const ZeroParam& p = s_.groups[g][i];
         if (s_.stage == 3) {
-          module->set(p.name, Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {0}, {})));
+          m.module.emplace_back(p.name, Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {0}, {})));
         } else if (s_.write_module) {
           ValuePtr t = PiecewiseTensor(DType::kFloat32, p.shape, false);
           s_.source(bases_[g] + i, "fp32", 0, numels_[g][i], &pieces[t->tensor->storage.get()]);
-          module->set(p.name, t);
+          m.module.emplace_back(p.name, t);
         }
       }
-    auto root = Value::Dict();
-    root->set("module", module);
-    root->set("buffer_names", Value::List());
-    root->set("optimizer", Value::None());
-    root->set("param_shapes", ParamShapes());
-    root->set("frozen_param_shapes", s_.stage >= 2 ? Value::Dict(true) : Value::None());
-    root->set("shared_params", Value::Dict());
-    root->set("frozen_param_fragments", s_.stage >= 2 ? Value::Dict(true) : Value::None());
-    auto sched = Value::Dict();
-    sched->set("last_batch_iteration", Value::Int(s_.global_steps - 1));
-    root->set("lr_scheduler", sched);
-    root->set("data_sampler", Value::None());
-    root->set("random_ltd", Value::None());
-    auto set = std::make_shared<Value>();
-    set->kind = Kind::kSet;
-    root->set("sparse_tensor_module_names", set);
-    root->set("skipped_steps", Value::Int(0));
-    root->set("global_steps", Value::Int(s_.global_steps));
-    root->set("global_samples", Value::Int(s_.global_steps * 8));
-    root->set("dp_world_size", Value::Int(s_.dp));
-    root->set("mp_world_size", Value::Int(1));
-    root->set("ds_config", Config());
-    root->set("ds_version", Value::Str("0.14.5"));
-    auto info = Value::Dict();
-    info->set("universal_checkpoint_version", Value::Float(0.2));
-    root->set("universal_checkpoint_info", info);
-    root->set("iteration", Value::Int(s_.global_steps));
-    WriteTorchFile(path, root, pieces);
+    m.param_shapes = ParamShapes();
+    m.last_batch_iteration = s_.global_steps - 1;
+    m.global_steps = s_.global_steps;
+    m.global_samples = s_.global_steps * 8;
+    m.dp_world_size = s_.dp;
+    m.ds_config = Config();
+    WriteTorchFile(path, ModelStatesValue(m), pieces);
   }
 
   ValuePtr Config() const {
@@ -232,56 +165,35 @@ class Writer {
 
   void WriteStage12Optim(int r) {
     StoragePieces all;
-    auto state = Value::Dict();
-    auto groups = Value::List();
-    auto fp32 = Value::List();
-    auto maps = Value::List();
-    std::vector<int64_t> paddings;
+    RankOptimStates o;
+    o.stage = s_.stage;
+    o.bf16_optimizer = s_.bf16_optimizer;
+    o.dp = s_.dp;
+    o.clip_grad = 1.0;
+    o.ds_config = Config();
     for (size_t g = 0; g < s_.groups.size(); ++g) {
       FlatLayout l = MakeFlatLayout(Sum(numels_[g]), s_.dp);
-      const int64_t pad = s_.legacy_group_paddings || s_.bf16_optimizer ? l.legacy_padding(r) : l.padding(r);
-      paddings.push_back(pad);
+      OptimGroupState gs;
+      gs.padding = s_.legacy_group_paddings || s_.bf16_optimizer ? l.legacy_padding(r) : l.padding(r);
       int64_t real = 0;
-      auto st = Value::Dict();
-      st->set("step", FloatScalar(s_.step));
-      for (const auto& key : s_.state_keys) {
-        Pieces p = PartitionPieces(g, r, key, &real);
-        st->set(key, FlatTensor(l.partition_size, l.partition_size, std::move(p), &all));
+      if (!s_.state_keys.empty()) {
+        gs.adam.emplace_back("step", FloatScalar(s_.step));
+        for (const auto& key : s_.state_keys)
+          gs.adam.emplace_back(key, FlatTensor(l.partition_size, l.partition_size, PartitionPieces(g, r, key, &real), &all));
       }
-      if (!s_.state_keys.empty()) state->entries.emplace_back(Value::Int(static_cast<int64_t>(g)), st);
-      groups->items.push_back(AdamGroup({static_cast<int64_t>(g)}));
+      gs.hparams = kWriterHparams;
       // Stage 1/2 keep partition[:P - pad] (Python slicing: a negative end
       // counts from the back); BF16_Optimizer keeps the whole partition.
       int64_t lean = l.partition_size;
       if (!s_.bf16_optimizer) {
-        int64_t end = l.partition_size - pad;
+        int64_t end = l.partition_size - gs.padding;
         lean = end >= 0 ? end : std::max<int64_t>(0, l.partition_size + end);
       }
-      fp32->items.push_back(
-          FlatTensor(lean, l.partition_size, PartitionPieces(g, r, "fp32", &real), &all, /*requires_grad=*/true));
-      auto m = Value::Dict(true);
-      for (const Fragment& f : RankFragments(numels_[g], s_.dp, r))
-        m->set(s_.groups[g][f.param].name, FragmentAddress(f.numel, f.partition_offset));
-      maps->items.push_back(m);
+      gs.fp32 = FlatTensor(lean, l.partition_size, PartitionPieces(g, r, "fp32", &real), &all, /*requires_grad=*/true);
+      for (const Fragment& f : RankFragments(numels_[g], s_.dp, r)) gs.mappings.emplace_back(s_.groups[g][f.param].name, f);
+      o.groups.push_back(std::move(gs));
     }
-    auto bos = Value::Dict();
-    bos->set("state", state);
-    bos->set("param_groups", groups);
-    auto osd = Value::Dict();
-    if (!s_.bf16_optimizer) {
-      osd->set("loss_scaler", LossScaler());
-      osd->set("dynamic_loss_scale", Value::Bool(false));
-      osd->set("overflow", Value::Bool(false));
-    }
-    osd->set("clip_grad", Value::Float(1.0));
-    osd->set("base_optimizer_state", bos);
-    osd->set("single_partition_of_fp32_groups", fp32);
-    if (!s_.bf16_optimizer) osd->set("zero_stage", ZeroStage(s_.stage));
-    osd->set("group_paddings", IntList(paddings));
-    osd->set("partition_count", IntList(std::vector<int64_t>(s_.groups.size(), s_.dp)));
-    osd->set("ds_version", Value::Str("0.14.5"));
-    osd->set("param_slice_mappings", maps);
-    WriteOptim(r, osd, all);
+    WriteTorchFile(OptimPath(r), OptimStatesValue(o), all);
   }
 
   void WriteStage3Optim(int r) {
@@ -316,27 +228,23 @@ class Writer {
       flat->items.push_back(FlatTensor(length, length, std::move(p), &all, /*requires_grad=*/true));
     }
     auto groups = Value::List();
-    for (const auto& ids : group_subs) groups->items.push_back(AdamGroup(ids));
+    for (const auto& ids : group_subs) groups->items.push_back(ParamGroupValue(kWriterHparams, ids));
     auto inner = Value::Dict();
     inner->set("state", state);
     inner->set("param_groups", groups);
     auto osd = Value::Dict();
-    osd->set("zero_stage", ZeroStage(3));
-    osd->set("loss_scaler", LossScaler());
+    osd->set("zero_stage", ZeroStageValue(3));
+    osd->set("loss_scaler", LossScalerValue(LossScalerState{}));
     osd->set("dynamic_loss_scale", Value::Bool(false));
     osd->set("overflow", Value::Bool(false));
     osd->set("partition_count", Value::Int(s_.dp));
     osd->set("optimizer_state_dict", inner);
     osd->set("fp32_flat_groups", flat);
-    WriteOptim(r, osd, all);
-  }
-
-  void WriteOptim(int r, const ValuePtr& osd, const StoragePieces& pieces) {
     auto root = Value::Dict();
     root->set("optimizer_state_dict", osd);
     root->set("ds_config", Config());
-    root->set("ds_version", Value::Str("0.14.5"));
-    WriteTorchFile(OptimPath(r), root, pieces);
+    root->set("ds_version", Value::Str(kDeepSpeedVersion));
+    WriteTorchFile(OptimPath(r), root, all);
   }
 
   struct SubGroup {

@@ -6,7 +6,7 @@
 #include "cli/strict_flags.h"
 #include "uckpt/comm.h"
 #include "engine/config.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 
 namespace uckpt::cli {
 
@@ -60,6 +60,11 @@ Runner AddTrain(CLI::App& app) {
                 "Resume weights, step and schedule only; fresh optimizer moments");
   cmd->add_flag("--keep-saved-hparams,--keep_saved_hparams", o.keep_saved_hparams,
                 "Use the checkpoint's lr (for the next step), betas, eps and weight_decay instead of this run's config");
+  cmd->add_option("--model", o.model_name,
+                  "gpt2 (causal LM, Hugging Face's GPT-2) or bert (masked LM: 15% of positions, 80/10/10); the\n"
+                  "size flags below apply to both; bert needs --vocab_size >= 257 (bytes + [MASK])")
+      ->check(CLI::IsMember({"gpt2", "bert"}))
+      ->capture_default_str();
   cmd->add_option("--n_layer", o.model.n_layer)->capture_default_str();
   cmd->add_option("--n_head", o.model.n_head)->capture_default_str();
   cmd->add_option("--n_embd", o.model.n_embd)->capture_default_str();
@@ -73,8 +78,8 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_flag("--chunked_loss", o.model.chunked_loss,
                 "Compute the loss one chunk of sequences at a time, never holding fp32 logits for the whole "
                 "micro-batch: same gradient as HF's loss, far less GPU memory, a few percent slower");
-  cmd->add_option("--seed", o.seed, "Seed of the synthetic data rule and dropout")->capture_default_str();
-  cmd->add_option("--init_seed", o.init_seed, "Seed of GPT-2's initialisation")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the synthetic data rule, dropout and BERT's masks")->capture_default_str();
+  cmd->add_option("--init_seed", o.init_seed, "Seed of the model's initialisation")->capture_default_str();
   cmd->add_option("--init", o.init_file, "Initial weights: a torch state dict or safetensors file");
   cmd->add_option("--data", o.data_file, "Flat uint16 token file (llm.c / nanoGPT .bin)");
   cmd->add_option("--text", o.text_file, "Train on the bytes of any file (vocab >= 256)");

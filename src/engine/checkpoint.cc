@@ -11,7 +11,9 @@
 #include <optional>
 #include <set>
 
+#include "ckpt/folder.h"
 #include "ckpt/manifest.h"
+#include "ckpt/universal_checkpoint.h"
 #include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
@@ -25,25 +27,6 @@ namespace fs = std::filesystem;
 
 // ---- Small value builders and readers. ----
 namespace {
-
-ValuePtr Set() {
-  auto v = std::make_shared<Value>();
-  v->kind = Kind::kSet;
-  return v;
-}
-
-ValuePtr Dict(std::initializer_list<std::pair<const char*, ValuePtr>> items, bool ordered = false) {
-  ValuePtr d = Value::Dict(ordered);
-  for (const auto& [k, v] : items) d->set(k, v);
-  return d;
-}
-
-// A DeepSpeed class instance pickled as NEWOBJ + BUILD(state).
-ValuePtr NewObject(const std::string& cls, ValuePtr state) {
-  ValuePtr o = Value::Object(cls, Value::Tuple(), /*newobj=*/true);
-  o->state = std::move(state);
-  return o;
-}
 
 // A tensor view into `storage`.
 ValuePtr View(const std::shared_ptr<Storage>& storage, DType dtype, std::vector<int64_t> shape, int64_t offset,
@@ -105,61 +88,6 @@ class Reader {
   std::string path_;
 };
 
-ValuePtr ParamGroupValue(const OptimizerConfig& o, double lr) {
-  ValuePtr g = Value::Dict();
-  g->set("lr", Value::Float(lr));
-  g->set("betas", Value::List({Value::Float(o.beta1), Value::Float(o.beta2)}));
-  g->set("eps", Value::Float(o.eps));
-  g->set("weight_decay", Value::Float(o.weight_decay));
-  g->set("amsgrad", Value::Bool(false));
-  g->set("foreach", Value::None());
-  g->set("maximize", Value::Bool(false));
-  g->set("capturable", Value::Bool(false));
-  g->set("params", Value::List({Value::Int(0)}));
-  return g;
-}
-
-ValuePtr LossScalerValue(const LossScaler& s) {
-  if (!s.dynamic)
-    return NewObject("deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                     Dict({{"cur_scale", Value::Float(s.cur_scale)}, {"dynamic", Value::Bool(false)}}));
-  return NewObject("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                   Dict({{"cur_scale", Value::Float(s.cur_scale)},
-                         {"dynamic", Value::Bool(true)},
-                         {"cur_iter", Value::Int(s.cur_iter)},
-                         {"last_overflow_iter", Value::Int(s.last_overflow_iter)},
-                         {"scale_factor", Value::Float(s.scale_factor)},
-                         {"scale_window", Value::Int(s.scale_window)},
-                         {"min_scale", Value::Float(s.min_scale)},
-                         {"delayed_shift", Value::Int(s.delayed_shift)},
-                         {"cur_hysteresis", Value::Int(s.cur_hysteresis)},
-                         {"consecutive_hysteresis", Value::Bool(s.consecutive_hysteresis)},
-                         {"raise_error_at_min_scale", Value::Bool(s.raise_error_at_min_scale)},
-                         {"dtype", Value::Global("torch", "float16")}}));
-}
-
-void ReadLossScaler(const Reader& r, const ValuePtr& v, LossScaler& s) {
-  if (!v || v->kind != Kind::kObject || !v->state || !v->state->is_dict()) return;
-  const ValuePtr& st = v->state;
-  if (auto x = st->get("cur_scale")) s.cur_scale = r.Number(x, "loss_scaler.cur_scale");
-  if (auto x = st->get("dynamic"); x && x->kind == Kind::kBool) s.dynamic = x->b;
-  auto geti = [&](const char* k, int64_t& out) {
-    if (auto x = st->get(k); x && x->kind == Kind::kInt) out = x->i;
-  };
-  auto getb = [&](const char* k, bool& out) {
-    if (auto x = st->get(k); x && x->kind == Kind::kBool) out = x->b;
-  };
-  geti("cur_iter", s.cur_iter);
-  geti("last_overflow_iter", s.last_overflow_iter);
-  geti("scale_window", s.scale_window);
-  geti("delayed_shift", s.delayed_shift);
-  geti("cur_hysteresis", s.cur_hysteresis);
-  getb("consecutive_hysteresis", s.consecutive_hysteresis);
-  getb("raise_error_at_min_scale", s.raise_error_at_min_scale);
-  if (auto x = st->get("scale_factor")) s.scale_factor = r.Number(x, "loss_scaler.scale_factor");
-  if (auto x = st->get("min_scale")) s.min_scale = r.Number(x, "loss_scaler.min_scale");
-}
-
 // Copies `n` elements of a tensor stored in a file, starting at flat element
 // `first`, into `dst` (fp32). Touches only those bytes of a mapped file.
 void CopyElements(const Reader& r, const Tensor& src, int64_t first, int64_t n, at::Tensor dst) {
@@ -180,44 +108,14 @@ void CopyElements(const Reader& r, const Tensor& src, int64_t first, int64_t n, 
 
 }  // namespace
 
-ValuePtr JsonToValue(const nlohmann::json& j) {
-  switch (j.type()) {
-    case nlohmann::json::value_t::object: {
-      ValuePtr d = Value::Dict();
-      for (auto it = j.begin(); it != j.end(); ++it) d->set(it.key(), JsonToValue(it.value()));
-      return d;
-    }
-    case nlohmann::json::value_t::array: {
-      ValuePtr l = Value::List();
-      for (const auto& x : j) l->items.push_back(JsonToValue(x));
-      return l;
-    }
-    case nlohmann::json::value_t::string: return Value::Str(j.get<std::string>());
-    case nlohmann::json::value_t::boolean: return Value::Bool(j.get<bool>());
-    case nlohmann::json::value_t::number_integer: return Value::Int(j.get<int64_t>());
-    case nlohmann::json::value_t::number_unsigned: return Value::Int(static_cast<int64_t>(j.get<uint64_t>()));
-    case nlohmann::json::value_t::number_float: return Value::Float(j.get<double>());
-    default: return Value::None();
-  }
-}
-
 std::string ReadTagFile(const std::string& dir, const std::string& name) {
   const std::string path = dir + "/" + name;
-  std::ifstream in(path);
-  if (!in) throw FormatError(path + ": cannot read the tag file (give the tag explicitly, or check the folder)");
-  std::string tag((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto strip = [](char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; };
-  while (!tag.empty() && strip(tag.back())) tag.pop_back();
-  while (!tag.empty() && strip(tag.front())) tag.erase(tag.begin());
-  if (tag.empty() || tag.find('/') != std::string::npos || tag == "." || tag == "..")
-    throw FormatError(path + ": does not hold a valid tag");
-  return tag;
-}
-
-std::string ModelStatesName() { return "mp_rank_00_model_states.pt"; }
-
-std::string OptimStatesName(int dp_rank, bool bf16) {
-  return std::string(bf16 ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_optim_states.pt";
+  std::string problem;
+  std::optional<std::string> tag = ckpt::ReadTag(path, &problem);
+  if (!tag) throw FormatError(path + ": " + problem + " (give the tag explicitly, or check the folder)");
+  if (tag->find('/') != std::string::npos || *tag == "." || *tag == "..")
+    throw FormatError(path + ": does not hold a valid tag (a folder name inside " + dir + ")");
+  return *tag;
 }
 
 // ---- IValue client state <-> pickled values. ----
@@ -298,29 +196,20 @@ c10::IValue ToIValue(const ValuePtr& v) {
   }
 }
 
-// The model-states keys DeepSpeed and uckpt write; the rest is client state.
-bool IsEngineKey(const std::string& k) {
-  static const std::set<std::string> keys = {
-      "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-      "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-      "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-      "ds_version", "universal_checkpoint_info", "iteration", "uckpt"};
-  return keys.count(k) > 0;
-}
-
 }  // namespace
 
 // ---- Saving. ----
 
 namespace {
 
-ValuePtr ModuleValue(const Engine::Impl& e) {
-  const DType dt = FromScalarType(e.zero->model_flat().scalar_type());
+// The module's state_dict: trainable parameters as views into one storage
+// per group's flat buffer (as DeepSpeed's state_dict of flat-buffer views
+// saves them), frozen parameters and buffers with their own, aliases shared.
+std::vector<std::pair<std::string, ValuePtr>> ModuleEntries(const Engine::Impl& e) {
   std::map<std::string, ValuePtr> by_name;
-  // One storage per group's flat buffer; every parameter is a view into it,
-  // as DeepSpeed's state_dict of flat-buffer views saves it.
   for (size_t g = 0; g < e.groups.size(); ++g) {
     auto flat = StorageOf(e.zero->model_flat(g));
+    const DType dt = FromScalarType(e.zero->model_flat(g).scalar_type());
     int64_t off = 0;
     for (const auto& p : e.groups[g]) {
       by_name[p.name] = View(flat, dt, p.tensor.sizes().vec(), off);
@@ -330,153 +219,120 @@ ValuePtr ModuleValue(const Engine::Impl& e) {
   for (const auto* list : {&e.frozen, &e.buffers})
     for (const auto& p : *list) by_name[p.name] = TensorValue(p.tensor);
   for (const auto& [alias, owner] : e.aliases) by_name[alias] = by_name.at(owner);
-  ValuePtr module = Value::Dict(/*ordered=*/true);
-  for (const auto& name : e.state_names) module->set(name, by_name.at(name));
-  ValuePtr metadata = Value::Dict(/*ordered=*/true);
-  for (const auto& m : e.module_prefixes) metadata->set(m, Dict({{"version", Value::Int(1)}}));
-  module->state = Dict({{"_metadata", metadata}});
+  std::vector<std::pair<std::string, ValuePtr>> module;
+  for (const auto& name : e.state_names) module.emplace_back(name, by_name.at(name));
   return module;
 }
 
-// Stage 0: torch Adam's own state_dict, one state per parameter (views of the
-// flat state), numbered over all groups.
-ValuePtr Stage0OptimizerValue(const Engine::Impl& e) {
-  ValuePtr state = Value::Dict();
-  ValuePtr groups = Value::List();
-  int64_t id = 0;
+ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
+  const OptimizerConfig& o = e.zero->optimizer_config(g);
+  return ckpt::AdamHparams{e.schedule.current_lr(), o.beta1, o.beta2, o.eps, o.weight_decay};
+}
+
+// Adam's state of group g, each tensor a view `count` elements at `offset` of
+// the group's flat moments (the whole partition when count < 0).
+ckpt::AdamState AdamStateOf(const PartitionState& s, const std::shared_ptr<Storage>& avg,
+                            const std::shared_ptr<Storage>& sq, std::vector<int64_t> shape, int64_t offset) {
+  if (!s.step.defined()) return {};
+  return {{"step", TensorValue(s.step)},
+          {"exp_avg", View(avg, DType::kFloat32, shape, offset)},
+          {"exp_avg_sq", View(sq, DType::kFloat32, shape, offset)}};
+}
+
+// Stage 0: torch Adam's own state_dict, one state per parameter, numbered
+// over all groups.
+ValuePtr Stage0Optimizer(const Engine::Impl& e) {
+  std::vector<ckpt::AdamState> states;
+  std::vector<ckpt::AdamHparams> hparams;
+  std::vector<std::vector<int64_t>> ids(e.groups.size());
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const engine::PartitionState& s = e.zero->state(g);
+    const PartitionState& s = e.zero->state(g);
     std::shared_ptr<Storage> avg, sq;
     if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
-    ValuePtr ids = Value::List();
     int64_t at = 0;
     for (const auto& p : e.groups[g]) {
-      if (s.step.defined())
-        state->set(Value::Int(id), Dict({{"step", TensorValue(s.step)},
-                                         {"exp_avg", View(avg, DType::kFloat32, p.tensor.sizes().vec(), at)},
-                                         {"exp_avg_sq", View(sq, DType::kFloat32, p.tensor.sizes().vec(), at)}}));
-      ids->items.push_back(Value::Int(id++));
+      ids[g].push_back(static_cast<int64_t>(states.size()));
+      states.push_back(AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at));
       at += p.tensor.numel();
     }
-    ValuePtr group = ParamGroupValue(e.zero->optimizer_config(g), e.schedule.current_lr());
-    group->set("params", ids);
-    groups->items.push_back(group);
+    hparams.push_back(Hparams(e, g));
   }
-  return Dict({{"state", state}, {"param_groups", groups}});
+  return ckpt::Stage0OptimizerValue(states, hparams, ids);
+}
+
+// The client's keys, checked: a dict of string keys that are not the file's own.
+std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state) {
+  std::vector<std::pair<std::string, ValuePtr>> out;
+  if (client_state.isNone()) return out;
+  if (!client_state.isGenericDict())
+    throw std::invalid_argument("SaveCheckpoint: client_state must be a dict with string keys, not a " +
+                                client_state.tagKind());
+  ValuePtr cs = FromIValue(client_state, "client_state");
+  for (const auto& [k, v] : cs->entries) {
+    if (k->kind != Kind::kStr) throw std::invalid_argument("SaveCheckpoint: client_state keys must be strings");
+    if (ckpt::IsModelStatesKey(k->s))
+      throw std::invalid_argument("SaveCheckpoint: client_state key '" + k->s +
+                                  "' is one of the checkpoint's own keys; choose another name");
+    out.emplace_back(k->s, v);
+  }
+  return out;
 }
 
 ValuePtr ModelStatesValue(const Engine::Impl& e, const ClientState& client_state) {
-  const int stage = e.stage();
-  ValuePtr d = Value::Dict();
-  d->set("module", ModuleValue(e));
-  ValuePtr buffer_names = Value::List();
-  for (const auto& b : e.buffers) buffer_names->items.push_back(Value::Str(b.name));
-  d->set("buffer_names", buffer_names);
-  d->set("optimizer", stage == 0 ? Stage0OptimizerValue(e) : Value::None());
-  ValuePtr shapes = Value::List();
+  ckpt::ModelStates m;
+  m.stage = e.stage();
+  m.module = ModuleEntries(e);
+  m.module_prefixes = e.module_prefixes;
+  for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
   for (const auto& g : e.groups) {
-    ValuePtr group = Value::Dict(/*ordered=*/true);
-    for (const auto& p : g) group->set(p.name, Value::Size(p.tensor.sizes().vec()));
-    shapes->items.push_back(group);
+    m.param_shapes.emplace_back();
+    for (const auto& p : g) m.param_shapes.back().push_back({p.name, p.tensor.sizes().vec()});
   }
-  d->set("param_shapes", stage == 0 ? Value::None() : shapes);
-  // Stage 2 records frozen parameters (shapes, and each whole, flattened).
-  ValuePtr frozen_shapes = Value::Dict(true), frozen_fragments = Value::Dict(true);
   for (const auto& p : e.frozen) {
-    frozen_shapes->set(p.name, Value::Size(p.tensor.sizes().vec()));
-    frozen_fragments->set(p.name, TensorValue(p.tensor.reshape({-1})));
+    m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
+    m.frozen.emplace_back(p.name, TensorValue(p.tensor.reshape({-1})));
   }
-  d->set("frozen_param_shapes", stage == 2 ? frozen_shapes : Value::None());
-  ValuePtr shared = Value::Dict();
-  for (const auto& [alias, owner] : e.aliases) shared->set(alias, Value::Str(owner));
-  d->set("shared_params", stage == 0 ? Value::None() : shared);
-  d->set("frozen_param_fragments", stage == 2 ? frozen_fragments : Value::None());
-  d->set("lr_scheduler", e.config.scheduler.type.empty()
-                             ? Value::None()
-                             : Dict({{"last_batch_iteration", Value::Int(e.schedule.last_batch_iteration())}}));
-  d->set("data_sampler", Value::None());
-  d->set("random_ltd", Value::None());
-  d->set("sparse_tensor_module_names", Set());
-  d->set("skipped_steps", Value::Int(e.skipped_steps));
-  d->set("global_steps", Value::Int(e.global_steps));
-  d->set("global_samples", Value::Int(e.global_samples));
-  d->set("dp_world_size", Value::Int(e.comm->world_size()));
-  d->set("mp_world_size", Value::Int(1));
-  d->set("ds_config", JsonToValue(e.config.raw));
-  d->set("ds_version", Value::Str(kDeepSpeedVersion));
-  // What DeepSpeed's converter needs, the iteration, and ours.
-  d->set("universal_checkpoint_info", Dict({{"universal_checkpoint_version", Value::Float(0.2)}}));
-  d->set("iteration", Value::Int(e.global_steps));
-  d->set("uckpt", Dict({{"data_samples", Value::Int(e.global_samples)},
-                        {"train_batch_size", Value::Int(e.batch.train_batch_size)},
-                        {"lr", Value::Float(e.schedule.current_lr())}}));
-  // The client's keys at the top, as DeepSpeed's state.update(client_state).
-  if (!client_state.isNone()) {
-    if (!client_state.isGenericDict())
-      throw std::invalid_argument("SaveCheckpoint: client_state must be a dict with string keys, not a " +
-                                  client_state.tagKind());
-    ValuePtr cs = FromIValue(client_state, "client_state");
-    for (const auto& [k, v] : cs->entries) {
-      if (k->kind != Kind::kStr) throw std::invalid_argument("SaveCheckpoint: client_state keys must be strings");
-      if (IsEngineKey(k->s))
-        throw std::invalid_argument("SaveCheckpoint: client_state key '" + k->s +
-                                    "' is one of the checkpoint's own keys; choose another name");
-      d->set(k->s, v);
-    }
-  }
-  return d;
+  m.shared_params = e.aliases;
+  if (m.stage == 0) m.stage0_optimizer = Stage0Optimizer(e);
+  if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
+  m.global_steps = e.global_steps;
+  m.global_samples = e.global_samples;
+  m.skipped_steps = e.skipped_steps;
+  m.dp_world_size = e.comm->world_size();
+  m.ds_config = ckpt::JsonToValue(e.config.raw);
+  // uckpt's own: the data position and the lr, then the client's keys.
+  ValuePtr ours = Value::Dict();
+  ours->set("data_samples", Value::Int(e.global_samples));
+  ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
+  ours->set("lr", Value::Float(e.schedule.current_lr()));
+  m.extra.emplace_back("uckpt", ours);
+  for (auto& kv : ClientEntries(client_state)) m.extra.push_back(std::move(kv));
+  return ckpt::ModelStatesValue(m);
 }
 
 ValuePtr OptimStatesValue(const Engine::Impl& e) {
-  const int stage = e.stage();
   const int rank = e.zero->partition_rank();
-  const double lr = e.schedule.current_lr();
-  ValuePtr state = Value::Dict();
-  ValuePtr param_groups = Value::List();
-  ValuePtr fp32_groups = Value::List(), paddings = Value::List(), counts = Value::List(), mappings = Value::List();
+  ckpt::RankOptimStates r;
+  r.stage = e.stage();
+  r.dp = e.zero->layout(0).dp;
+  r.scaler = e.zero->loss_scaler();
+  r.clip_grad = e.config.gradient_clipping;
+  r.ds_config = ckpt::JsonToValue(e.config.raw);
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const engine::PartitionState& s = e.zero->state(g);
+    const PartitionState& s = e.zero->state(g);
     const auto& layout = e.zero->layout(g);
-    if (s.step.defined())
-      state->set(Value::Int(static_cast<int64_t>(g)), Dict({{"step", TensorValue(s.step)},
-                                                            {"exp_avg", TensorValue(s.exp_avg)},
-                                                            {"exp_avg_sq", TensorValue(s.exp_avg_sq)}}));
-    ValuePtr group = ParamGroupValue(e.zero->optimizer_config(g), lr);
-    group->set("params", Value::List({Value::Int(static_cast<int64_t>(g))}));
-    param_groups->items.push_back(group);
+    ckpt::OptimGroupState gs;
+    gs.padding = layout.padding(rank);
     // The lean fp32 partition: a view of the padded one, padding cut off.
-    const int64_t pad = layout.padding(rank);
-    fp32_groups->items.push_back(
-        View(StorageOf(s.master), DType::kFloat32, {layout.partition_size - pad}, 0, /*requires_grad=*/true));
-    paddings->items.push_back(Value::Int(pad));
-    counts->items.push_back(Value::Int(layout.dp));
-    ValuePtr m = Value::Dict(/*ordered=*/true);
+    gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {layout.partition_size - gs.padding}, 0, /*requires_grad=*/true);
+    if (s.step.defined())
+      gs.adam = {{"step", TensorValue(s.step)}, {"exp_avg", TensorValue(s.exp_avg)}, {"exp_avg_sq", TensorValue(s.exp_avg_sq)}};
+    gs.hparams = Hparams(e, g);
     for (const auto& f : ckpt::RankFragments(e.zero->numels(g), layout.dp, rank))
-      m->set(e.groups[g][f.param].name,
-             NewObject("deepspeed.utils.tensor_fragment.fragment_address",
-                       Dict({{"numel", Value::Int(f.numel)}, {"start", Value::Int(f.partition_offset)}})));
-    mappings->items.push_back(m);
+      gs.mappings.emplace_back(e.groups[g][f.param].name, f);
+    r.groups.push_back(std::move(gs));
   }
-  ValuePtr zero_stage = Value::Object(
-      "builtins.getattr",
-      Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                    Value::Str(stage == 1 ? "optimizer_states" : "gradients")}),
-      /*newobj=*/false);
-  ValuePtr osd = Value::Dict();
-  osd->set("loss_scaler", LossScalerValue(e.zero->loss_scaler()));
-  osd->set("dynamic_loss_scale", Value::Bool(e.zero->loss_scaler().dynamic));
-  osd->set("overflow", Value::Bool(false));
-  osd->set("clip_grad", Value::Float(e.config.gradient_clipping));
-  osd->set("base_optimizer_state", Dict({{"state", state}, {"param_groups", param_groups}}));
-  osd->set("single_partition_of_fp32_groups", fp32_groups);
-  osd->set("zero_stage", zero_stage);
-  osd->set("group_paddings", paddings);
-  osd->set("partition_count", counts);
-  osd->set("ds_version", Value::Str(kDeepSpeedVersion));
-  osd->set("param_slice_mappings", mappings);
-  return Dict({{"optimizer_state_dict", osd},
-               {"ds_config", JsonToValue(e.config.raw)},
-               {"ds_version", Value::Str(kDeepSpeedVersion)}});
+  return ckpt::OptimStatesValue(r);
 }
 
 // The highest rank whose `error` is not empty, or -1 when every rank
@@ -538,8 +394,8 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   AgreeOrThrow(comm, folder, error);
   // 2. Every rank writes its files into it (each fsynced before its rename).
   try {
-    if (e.stage() > 0) SaveTorchFile(tmp + "/" + OptimStatesName(comm.rank(), e.config.bf16), OptimStatesValue(e));
-    if (rank0) SaveTorchFile(tmp + "/" + ModelStatesName(), model_states);
+    if (e.stage() > 0) SaveTorchFile(tmp + "/" + ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e));
+    if (rank0) SaveTorchFile(tmp + "/" + ckpt::ModelStatesFileName(), model_states);
   } catch (const std::exception& ex) {
     error = ex.what();
   }
@@ -600,50 +456,37 @@ void RestoreCounters(Engine::Impl& e, const Reader& r, const ValuePtr& root, con
 void ApplySavedHparams(Engine::Impl& e, const Reader& r, const ValuePtr& groups, const LoadCheckpointOptions& o) {
   if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
   for (size_t g = 0; g < e.groups.size() && g < groups->items.size(); ++g) {
-    const ValuePtr& group = groups->items[g];
-    if (!group || !group->is_dict()) continue;
-    const std::string where = "param_groups[" + std::to_string(g) + "]";
-    if (auto lr = group->get("lr"); lr && g == 0) e.schedule.set_current_lr(r.Number(lr, where + ".lr"));
-    engine::OptimizerConfig c = e.zero->optimizer_config(g);
-    if (auto betas = group->get("betas")) {
-      if (!betas->is_seq() || betas->items.size() != 2) throw FormatError(r.path() + ": " + where + ".betas is not a pair");
-      c.beta1 = r.Number(betas->items[0], where + ".betas[0]");
-      c.beta2 = r.Number(betas->items[1], where + ".betas[1]");
-    }
-    if (auto eps = group->get("eps")) c.eps = r.Number(eps, where + ".eps");
-    if (auto wd = group->get("weight_decay")) c.weight_decay = r.Number(wd, where + ".weight_decay");
+    const ckpt::AdamHparams h = ckpt::ReadAdamHparams(groups->items[g], Hparams(e, g),
+                                                      r.path() + ": param_groups[" + std::to_string(g) + "]");
+    if (g == 0) e.schedule.set_current_lr(h.lr);
+    OptimizerConfig c = e.zero->optimizer_config(g);
+    c.beta1 = h.beta1;
+    c.beta2 = h.beta2;
+    c.eps = h.eps;
+    c.weight_decay = h.weight_decay;
     e.zero->set_optimizer_config(g, c);
   }
 }
 
-std::vector<int64_t> ShapeOf(const ValuePtr& v) {
-  std::vector<int64_t> shape;
-  if (v && (v->kind == Kind::kTorchSize || v->is_seq()))
-    for (const auto& d : v->items) shape.push_back(d->i);
-  return shape;
-}
-
 // param_shapes must name this engine's groups and parameters in order.
 void CheckParamShapes(const Engine::Impl& e, const Reader& r, const ValuePtr& root) {
-  ValuePtr shapes = r.Get(root, "param_shapes", false);
-  if (!shapes || shapes->kind == Kind::kNone) return;
-  if (!shapes->is_seq() || shapes->items.size() != e.groups.size())
-    throw FormatError(r.path() + ": param_shapes has " + std::to_string(shapes->is_seq() ? shapes->items.size() : 0) +
+  const auto saved = ckpt::ReadParamShapes(root, r.path());
+  if (saved.empty()) return;
+  if (saved.size() != e.groups.size())
+    throw FormatError(r.path() + ": param_shapes has " + std::to_string(saved.size()) +
                       " parameter groups, this engine has " + std::to_string(e.groups.size()));
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const ValuePtr& saved = shapes->items[g];
     const auto& params = e.groups[g];
-    if (!saved->is_dict() || saved->entries.size() != params.size())
-      throw FormatError(r.path() + ": param_shapes[" + std::to_string(g) + "] has " +
-                        std::to_string(saved->is_dict() ? saved->entries.size() : 0) + " parameters, this model's group has " +
-                        std::to_string(params.size()) + " (a different model or model size?)");
+    if (saved[g].size() != params.size())
+      throw FormatError(r.path() + ": param_shapes[" + std::to_string(g) + "] has " + std::to_string(saved[g].size()) +
+                        " parameters, this model's group has " + std::to_string(params.size()) +
+                        " (a different model or model size?)");
     for (size_t k = 0; k < params.size(); ++k) {
-      const auto& [key, val] = saved->entries[k];
-      const std::vector<int64_t> shape = ShapeOf(val);
-      if (key->kind != Kind::kStr || key->s != params[k].name || shape != params[k].tensor.sizes().vec())
+      const ckpt::NamedShape& ns = saved[g][k];
+      if (ns.name != params[k].name || ns.shape != params[k].tensor.sizes().vec())
         throw FormatError(r.path() + ": parameter " + std::to_string(k) + " of group " + std::to_string(g) + " is " +
-                          (key->kind == Kind::kStr ? key->s : "?") + " " + c10::str(at::IntArrayRef(shape)) +
-                          ", this model has " + params[k].name + " " + c10::str(params[k].tensor.sizes()));
+                          ns.name + " " + c10::str(at::IntArrayRef(ns.shape)) + ", this model has " + params[k].name +
+                          " " + c10::str(params[k].tensor.sizes()));
     }
   }
 }
@@ -737,7 +580,7 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
 
 // The ZeRO files of the same world size: each rank's own optimizer file.
 void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  const std::string path = folder + "/" + OptimStatesName(e.comm->rank(), e.config.bf16);
+  const std::string path = folder + "/" + ckpt::OptimStatesFileName(e.comm->rank(), e.config.bf16);
   Reader r(path);
   TorchFile f = LoadTorchFile(path);
   ValuePtr osd = r.Get(f.root, "optimizer_state_dict");
@@ -749,7 +592,7 @@ void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCh
                           std::to_string(e.zero->layout(g).dp));
     }
   }
-  ReadLossScaler(r, r.Get(osd, "loss_scaler", false), e.zero->loss_scaler());
+  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(r.Get(osd, "loss_scaler", false), e.zero->loss_scaler());
   ValuePtr base = r.Get(osd, "base_optimizer_state");
   ValuePtr states = r.Get(base, "state");
   ValuePtr fp32_groups = r.Get(osd, "single_partition_of_fp32_groups");
@@ -787,69 +630,47 @@ void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCh
 }
 
 // Universal: each rank reads, from every parameter's files, only the
-// elements its own partition holds (memory-mapped).
+// elements its own partition holds (memory-mapped), through the reader
+// `uckpt convert` and `verify` use.
 void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  const std::string zero_dir = folder + "/zero";
+  const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
   {
-    const std::string path = zero_dir + "/optimizer_state.pt";
+    const std::string path = folder + "/zero/optimizer_state.pt";
     Reader r(path);
     TorchFile f = LoadTorchFile(path);
-    ReadLossScaler(r, r.Get(f.root, "loss_scaler", false), e.zero->loss_scaler());
+    static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) =
+        ckpt::ReadLossScaler(r.Get(f.root, "loss_scaler", false), e.zero->loss_scaler());
     ApplySavedHparams(e, r, r.Get(f.root, "param_groups", false), o);
   }
-  const bool with_state = o.load_optimizer_states;
+  // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
+  const bool with_state = o.load_optimizer_states && u.has_step;
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    engine::PartitionState& st = e.zero->state(g);
-    const auto& layout = e.zero->layout(g);
-    st.master.zero_();
-    if (with_state) {
-      st.exp_avg = at::zeros_like(st.master);
-      st.exp_avg_sq = at::zeros_like(st.master);
+    PartitionState& st = e.zero->state(g);
+    const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
+    auto load = [&](const std::string& key) {
+      DType dtype = DType::kFloat32;
+      std::vector<uint8_t> bytes = ckpt::LoadUniversalPartition(u, g, key, dp, rank, &dtype);
+      at::Tensor part = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size() / DTypeSize(dtype))},
+                                      at::TensorOptions().dtype(ToScalarType(dtype)));
+      if (part.numel() != st.master.numel())
+        throw FormatError(folder + ": the partition of " + key + " has " + std::to_string(part.numel()) +
+                          " elements, this run's has " + std::to_string(st.master.numel()));
+      return part.to(st.master.options(), /*non_blocking=*/false, /*copy=*/true);
+    };
+    st.master.copy_(load("fp32"));
+    if (!with_state) {
+      st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
+      continue;
     }
-    std::optional<double> step;
-    for (const auto& f : ckpt::RankFragments(e.zero->numels(g), layout.dp, e.zero->partition_rank())) {
-      const std::string& name = e.groups[g][f.param].name;
-      const int64_t numel = e.zero->numels(g)[f.param];
-      const std::string pdir = zero_dir + "/" + name;
-      auto copy = [&](const char* key, const at::Tensor& dst) {
-        const std::string path = pdir + "/" + key + ".pt";
-        Reader r(path);
-        TorchFile tf = LoadTorchFile(path);
-        ValuePtr v = tf.root && tf.root->is_dict() ? r.Get(tf.root, "param") : tf.root;
-        const Tensor& src = r.TensorAt(v, "'param'");
-        if (src.numel() != numel)
-          throw FormatError(path + ": has " + std::to_string(src.numel()) + " elements, " + name + " has " +
-                            std::to_string(numel));
-        CopyElements(r, src, f.param_offset, f.numel, dst.narrow(0, f.partition_offset, f.numel));
-      };
-      copy("fp32", st.master);
-      if (!with_state) continue;
-      // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
-      const std::string step_path = pdir + "/step.pt";
-      const bool has_step = fs::exists(step_path);
-      if (!has_step && !fs::exists(pdir + "/exp_avg.pt")) continue;
-      copy("exp_avg", st.exp_avg);
-      copy("exp_avg_sq", st.exp_avg_sq);
-      if (has_step) {
-        Reader r(step_path);
-        TorchFile tf = LoadTorchFile(step_path);
-        double s = tf.root && tf.root->tensor ? ToTorch(*tf.root->tensor).item<double>() : r.Number(tf.root, "step");
-        if (step && *step != s)
-          throw FormatError(step_path + ": step " + std::to_string(s) + " differs from other parameters'");
-        step = s;
-      }
-    }
-    if (with_state) {
-      // Every rank needs the step even if its partition is all padding.
-      at::Tensor s = at::full({1}, step ? *step : -1.0, at::kDouble);
-      e.comm->AllReduceMax(s);
-      if (s.item<double>() >= 0) {
-        st.step = at::full({}, s.item<double>(), st.master.options());
-      } else {
-        st.step = at::Tensor();
-        st.exp_avg = st.exp_avg_sq = at::Tensor();
-      }
-    }
+    st.exp_avg = load("exp_avg");
+    st.exp_avg_sq = load("exp_avg_sq");
+    // step.pt: a 0-d tensor (torch >= 1.12's Adam) or a number.
+    const std::string step_path = folder + "/zero/" + u.groups.at(g).at(0).name + "/step.pt";
+    Reader r(step_path);
+    TorchFile tf = LoadTorchFile(step_path);
+    ValuePtr v = tf.root && tf.root->is_dict() ? r.Get(tf.root, "param") : tf.root;
+    const double step = v && v->tensor ? ToTorch(*v->tensor).item<double>() : r.Number(v, "step");
+    st.step = at::full({}, step, st.master.options());
   }
   e.zero->GatherModelFromMasters();
 }
@@ -858,7 +679,7 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
 ClientState ClientStateOf(const ValuePtr& root) {
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
   for (const auto& [k, v] : root->entries)
-    if (k->kind == Kind::kStr && !IsEngineKey(k->s)) d.insert(k->s, ToIValue(v));
+    if (k->kind == Kind::kStr && !ckpt::IsModelStatesKey(k->s)) d.insert(k->s, ToIValue(v));
   return c10::IValue(d);
 }
 
@@ -871,7 +692,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : tag_in;
   const std::string folder = dir + "/" + tag;
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
-  const std::string model_path = folder + "/" + ModelStatesName();
+  const std::string model_path = folder + "/" + ckpt::ModelStatesFileName();
   Reader mr(model_path);
   TorchFile model_file = LoadTorchFile(model_path);
   const ValuePtr& root = model_file.root;

@@ -147,6 +147,16 @@ void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
                                   " is in no param group (set requires_grad false to freeze it)");
 }
 
+// As Python's module.half()/bfloat16(): floating parameters and buffers
+// change dtype, others (int position ids) stay; ties survive (set_data).
+void CastFloatingTensors(torch::nn::Module& m, at::ScalarType dtype) {
+  c10::NoGradGuard no_grad;
+  for (auto t : m.parameters(/*recurse=*/true))
+    if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
+  for (auto t : m.buffers(/*recurse=*/true))
+    if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
+}
+
 // Every rank starts from rank 0's weights and buffers, as DeepSpeed's
 // initialize broadcasts them.
 void BroadcastFromRank0(Engine::Impl& e) {
@@ -168,6 +178,15 @@ void BroadcastFromRank0(Engine::Impl& e) {
 
 Engine::Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, EngineOptions options)
     : impl_(std::make_unique<Impl>(engine::ParseConfig(config.json, config.source))) {
+  Init(std::move(model), std::move(options));
+}
+
+Engine::Engine(std::shared_ptr<torch::nn::Module> model, const engine::TrainConfig& config, EngineOptions options)
+    : impl_(std::make_unique<Impl>(config)) {
+  Init(std::move(model), std::move(options));
+}
+
+void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions options) {
   Impl& e = *impl_;
   if (!model) throw std::invalid_argument("uckpt::Engine: no module");
   e.model = std::move(model);
@@ -193,7 +212,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, E
   if (c.zero.stage < 0 || c.zero.stage > 2)
     throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) + " is not supported (0, 1 or 2)");
   e.model->to(e.device);
-  if (ModelDtype(c) != at::kFloat) e.model->to(ModelDtype(c));
+  CastFloatingTensors(*e.model, ModelDtype(c));
 
   std::vector<engine::GroupSpec> specs;
   SortParameters(e, options.param_groups, specs);

@@ -8,23 +8,13 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "ckpt/deepspeed_state.h"
 #include "engine/config.h"
 
 namespace uckpt::engine {
 
-struct LossScaler {
-  bool dynamic = false;
-  double cur_scale = 1.0;
-  int64_t cur_iter = 0;
-  int64_t last_overflow_iter = -1;
-  double scale_factor = 2.0;
-  int64_t scale_window = 1000;
-  double min_scale = 1.0;
-  int64_t delayed_shift = 1;  // hysteresis
-  int64_t cur_hysteresis = 1;
-  bool consecutive_hysteresis = false;
-  bool raise_error_at_min_scale = true;
-
+// The state (what checkpoints store) is ckpt's; the update rule is here.
+struct LossScaler : ckpt::LossScalerState {
   static LossScaler FromConfig(const Fp16Config& c) {
     LossScaler s;
     if (!c.enabled) return s;

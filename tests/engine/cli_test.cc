@@ -10,7 +10,7 @@
 
 #include "fixture.h"
 #include "ranks.h"
-#include "engine/metrics_log.h"
+#include "cli/metrics_log.h"
 
 namespace uckpt::engine {
 namespace {

@@ -14,7 +14,7 @@
 #include "format/torch_file.h"
 #include "ranks.h"
 #include "engine/torch_bridge.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {

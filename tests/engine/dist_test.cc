@@ -10,7 +10,7 @@
 #include "format/torch_file.h"
 #include "ranks.h"
 #include "engine/torch_bridge.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 #include "engine/weights.h"
 
 namespace uckpt::engine {

@@ -8,7 +8,7 @@
 
 #include "engine/config.h"
 #include "models/gpt2.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 
 namespace uckpt::engine::testing {
 
@@ -33,7 +33,8 @@ inline Gpt2Config RefrunModel() {
 
 // The fixture's DeepSpeed config of run `run` (as passed to DeepSpeed).
 inline nlohmann::json RefrunDsConfig(const std::string& run) {
-  return ReadJson(RefrunDir() + "/runs/" + run + "/config.json")["ds_config_as_passed"];
+  const nlohmann::json config = ReadJson(RefrunDir() + "/runs/" + run + "/config.json");
+  return config.at("ds_config_as_passed");
 }
 
 // A run of the fixture's model, data rule (seed 42, 16 tokens) and init.pt,

@@ -8,7 +8,7 @@
 #include "fixture.h"
 #include "ranks.h"
 #include "engine/overlap_reducer.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {

@@ -14,7 +14,7 @@
 #include "format/torch_file.h"
 #include "ranks.h"
 #include "engine/checkpoint.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {
@@ -346,7 +346,7 @@ TEST(Resume, ConfigHparamsWinUnlessKeepSavedHparams) {
       RunRanks(1, [&](Comm& comm) {
         Trainer t(comm, options(config, false, keep));
         t.LoadCheckpoint(dir, "", universal);
-        ExpectHparams(t.optimizer().settings().optimizer, keep ? saved : config, what);
+        ExpectHparams(t.optimizer().optimizer_config(), keep ? saved : config, what);
         EXPECT_DOUBLE_EQ(t.schedule().current_lr(), keep ? 0.01 : 0.02) << what;
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;  // constant lr: the kept one stays
@@ -366,7 +366,7 @@ TEST(Resume, ConfigHparamsWinUnlessKeepSavedHparams) {
       RunRanks(1, [&](Comm& comm) {
         Trainer t(comm, options(config, true, keep));
         t.LoadCheckpoint(dir, "", universal);
-        ExpectHparams(t.optimizer().settings().optimizer, keep ? saved : config, what + ", scheduled");
+        ExpectHparams(t.optimizer().optimizer_config(), keep ? saved : config, what + ", scheduled");
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.001) << what;  // WarmupLR at iteration 0
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, 0.001 + 0.019 / 4) << what;   // iteration 1, either way
       });
@@ -449,7 +449,7 @@ TEST(Resume, ChecksTheManifest) {
   };
   EXPECT_EQ(resume(true), std::vector<std::string>(2));
 
-  const std::string victim = tag + "/" + OptimStatesName(1, false);
+  const std::string victim = tag + "/" + ckpt::OptimStatesFileName(1, false);
   const auto size = fs::file_size(victim);
   {
     std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);

@@ -16,7 +16,7 @@
 #include "format/fault_env.h"
 #include "ranks.h"
 #include "engine/checkpoint.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {

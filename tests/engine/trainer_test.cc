@@ -5,7 +5,7 @@
 
 #include "fixture.h"
 #include "uckpt/comm.h"
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 #include "engine/weights.h"
 
 namespace uckpt::engine {

@@ -24,7 +24,7 @@ ZeroSettings Fp16Settings() {
 // double it again.
 TEST(ZeroOptimizer, Fp16OverflowSkipsTheStepAndAdjustsTheScale) {
   auto comm = MakeSingleProcessComm();
-  ZeroOptimizer z(*comm, {3, 5}, Fp16Settings());
+  ZeroOptimizer z(*comm, std::vector<int64_t>{3, 5}, Fp16Settings());
   z.model_flat().fill_(1.0);
   z.InitMasterFromModel();
   auto step = [&](float g) {
@@ -58,7 +58,7 @@ TEST(ZeroOptimizer, StaticLossScaleNeverChanges) {
   auto comm = MakeSingleProcessComm();
   ZeroSettings s = Fp16Settings();
   s.fp16.loss_scale = 128;
-  ZeroOptimizer z(*comm, {4}, s);
+  ZeroOptimizer z(*comm, std::vector<int64_t>{4}, s);
   EXPECT_EQ(z.loss_scale(), 128.0);
   z.grad_flat().fill_(128.0);
   z.ReduceMicroGradients(true);
@@ -77,7 +77,7 @@ TEST(ZeroOptimizer, GradientAccumulationIsTheSumOfMicroSteps) {
     s.stage = stage;
     s.optimizer.lr = 0.5;
     s.optimizer.weight_decay = 0;
-    ZeroOptimizer z(*comm, {6}, s);
+    ZeroOptimizer z(*comm, std::vector<int64_t>{6}, s);
     for (float g : {1.0f, 2.0f, 3.0f}) {
       z.grad_flat().add_(g);  // autograd accumulates into .grad like this
       z.ReduceMicroGradients(g == 3.0f);

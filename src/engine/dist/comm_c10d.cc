@@ -158,7 +158,8 @@ class C10dComm : public Comm {
     OnDevice(device_, {&t_any}, [&] { BroadcastOnDevice(t_any, root); });
   }
   void BroadcastOnDevice(at::Tensor& t, int root) {
-    std::vector<at::Tensor> ts{t};
+    // Gloo (1.13) has no bf16: broadcast its bits as fp16 (a copy, no arithmetic).
+    std::vector<at::Tensor> ts{backend_ == "gloo" && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     Run("broadcast", [&] { return pg_->broadcast(ts, o); });

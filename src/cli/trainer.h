@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,7 +12,7 @@
 #include "engine/data/data.h"
 #include "models/gpt2.h"
 #include "engine/lr_schedule.h"
-#include "engine/metrics_log.h"
+#include "cli/metrics_log.h"
 #include "engine/zero_optimizer.h"
 #include "engine/engine_impl.h"
 #include "uckpt/engine.h"
@@ -20,6 +21,7 @@ namespace uckpt::engine {
 
 struct TrainOptions {
   TrainConfig config;  // DeepSpeed JSON with command-line overrides applied
+  std::string model_name = "gpt2";  // "gpt2" or "bert" (masked LM); `model` gives the sizes of either
   Gpt2Config model;
   int64_t seq_len = 128;
   uint64_t seed = 42;        // data rule and dropout masks
@@ -61,7 +63,7 @@ struct PhaseTimes {
   int64_t steps = 0;
 };
 
-// `uckpt train`: GPT-2 on byte/token data, one client of the public Engine.
+// `uckpt train`: GPT-2 or BERT on byte/token data, one client of the public Engine.
 class Trainer {
  public:
   Trainer(Comm& comm, TrainOptions options);
@@ -88,16 +90,27 @@ class Trainer {
   const ZeroOptimizer& optimizer() const { return *engine_->impl().zero; }
   LrSchedule& schedule() { return engine_->impl().schedule; }
   const LrSchedule& schedule() const { return engine_->impl().schedule; }
-  const Gpt2Module& model() const { return *model_; }
   // name -> parameter (views into the optimizer's model_flat), flat order.
-  const std::vector<NamedTensor>& parameters() const { return model_->ordered_parameters(); }
+  const std::vector<NamedTensor>& parameters() const { return params_; }
   PhaseTimes& timers() { return timers_; }
+  int64_t num_parameters() const {
+    int64_t n = 0;
+    for (const auto& p : params_) n += p.tensor.numel();
+    return n;
+  }
 
  private:
+  void MakeGpt2();
+  void MakeBert();
+  void InitWeights(const std::function<void()>& seeded);
+
   Comm& comm_;
   TrainOptions opt_;
   std::unique_ptr<TokenSource> data_;
-  std::shared_ptr<Gpt2Module> model_;
+  std::shared_ptr<torch::nn::Module> module_;
+  // The micro-batch loss of rows [first_row, +mb) of global batch `step`.
+  std::function<at::Tensor(const at::Tensor& ids, int64_t step, int64_t first_sample, int64_t first_row)> loss_;
+  std::vector<NamedTensor> params_;
   std::unique_ptr<Engine> engine_;
   PhaseTimes timers_;
 };

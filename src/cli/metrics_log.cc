@@ -1,4 +1,4 @@
-#include "engine/metrics_log.h"
+#include "cli/metrics_log.h"
 
 #include <unistd.h>
 

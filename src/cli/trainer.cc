@@ -1,4 +1,4 @@
-#include "engine/trainer.h"
+#include "cli/trainer.h"
 
 #include <torch/cuda.h>
 #include <unistd.h>
@@ -10,6 +10,7 @@
 #include <iostream>
 
 #include "engine/checkpoint.h"
+#include "models/bert.h"
 #include "engine/torch_bridge.h"
 #include "engine/weights.h"
 
@@ -18,13 +19,13 @@ namespace {
 
 std::unique_ptr<TokenSource> MakeTokenSource(const TrainOptions& o) {
   if (!o.data_file.empty() && !o.text_file.empty()) throw std::invalid_argument("give --data or --text, not both");
+  // BERT's data is bytes: the ids above 255 are its special tokens.
+  const int64_t vocab = o.model_name == "bert" ? std::min<int64_t>(o.model.vocab_size, 256) : o.model.vocab_size;
   if (!o.data_file.empty())
-    return std::make_unique<TokenFileSource>(o.data_file, TokenFileSource::Encoding::kUInt16, o.seq_len,
-                                             o.model.vocab_size);
+    return std::make_unique<TokenFileSource>(o.data_file, TokenFileSource::Encoding::kUInt16, o.seq_len, vocab);
   if (!o.text_file.empty())
-    return std::make_unique<TokenFileSource>(o.text_file, TokenFileSource::Encoding::kBytes, o.seq_len,
-                                             o.model.vocab_size);
-  return std::make_unique<SyntheticSource>(o.seed, o.model.vocab_size);
+    return std::make_unique<TokenFileSource>(o.text_file, TokenFileSource::Encoding::kBytes, o.seq_len, vocab);
+  return std::make_unique<SyntheticSource>(o.seed, vocab);
 }
 
 // Wall time between laps, the device synchronised first (UCKPT_TIMERS=1 only:
@@ -55,18 +56,58 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
                                 "], got " + std::to_string(opt_.seq_len));
   data_ = MakeTokenSource(opt_);
   if (const char* t = std::getenv("UCKPT_TIMERS"); t != nullptr && *t != '\0' && *t != '0') timers_.enabled = true;
-  model_ = std::make_shared<Gpt2Module>(opt_.model);
-  // Initial weights, identical on every rank (seeded, or from a file).
-  if (!opt_.init_file.empty()) {
-    CopyStateDict(LoadStateDictFile(opt_.init_file), model_->ordered_parameters(), opt_.init_file);
+  if (opt_.model_name == "gpt2") {
+    MakeGpt2();
+  } else if (opt_.model_name == "bert") {
+    MakeBert();
   } else {
-    Gpt2Init(opt_.model, model_->ordered_parameters(), opt_.init_seed);
+    throw std::invalid_argument("--model must be gpt2 or bert, got " + opt_.model_name);
   }
   EngineOptions eo;
   eo.comm = std::shared_ptr<Comm>(&comm_, [](Comm*) {});  // the caller owns it
   eo.device = opt_.device;
   eo.local_rank = opt_.local_rank;
-  engine_ = std::make_unique<Engine>(model_, Config::FromJson(opt_.config.raw, "--config"), std::move(eo));
+  engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
+}
+
+// Initial weights, identical on every rank: seeded, or from --init.
+void Trainer::InitWeights(const std::function<void()>& seeded) {
+  if (!opt_.init_file.empty()) {
+    CopyStateDict(LoadStateDictFile(opt_.init_file), params_, opt_.init_file);
+  } else {
+    seeded();
+  }
+}
+
+void Trainer::MakeGpt2() {
+  auto m = std::make_shared<Gpt2Module>(opt_.model);
+  params_ = m->ordered_parameters();
+  InitWeights([&] { Gpt2Init(opt_.model, params_, opt_.init_seed); });
+  loss_ = [m, seed = opt_.seed](const at::Tensor& ids, int64_t step, int64_t, int64_t first_row) {
+    DropoutKey dk{seed, step, first_row};
+    return m->Loss(ids, &dk);
+  };
+  module_ = m;
+}
+
+void Trainer::MakeBert() {
+  models::BertConfig c;
+  c.n_layer = opt_.model.n_layer;
+  c.n_head = opt_.model.n_head;
+  c.n_embd = opt_.model.n_embd;
+  c.vocab_size = opt_.model.vocab_size;
+  c.n_positions = opt_.model.n_positions;
+  c.seq_len = opt_.seq_len;
+  c.dropout = opt_.model.dropout;
+  models::BertMlm m(c);
+  for (auto& [name, t] : m->unique_named_parameters()) params_.push_back({name, t});
+  InitWeights([&] { models::BertMlmInit(*m, opt_.init_seed); });
+  // Masks follow the global sample index, so they do not depend on the split.
+  loss_ = [impl = m.ptr(), seed = opt_.seed](const at::Tensor& ids, int64_t, int64_t first_sample, int64_t) {
+    models::MaskedBatch b = models::MaskBatch(ids.cpu(), first_sample, seed);
+    return impl->Loss(b.input_ids.to(ids.device()), b.labels.to(ids.device()));
+  };
+  module_ = m.ptr();
 }
 
 Counters Trainer::counters() const {
@@ -104,8 +145,7 @@ StepMetrics Trainer::TrainStep() {
     const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), mb);
     auto rows = GatherRows(*data_, step, samples_before, first_row, mb, T);
     at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).to(device, /*non_blocking=*/false, /*copy=*/true);
-    DropoutKey dk{opt_.seed, step, first_row};
-    at::Tensor loss = model_->Loss(ids, &dk);
+    at::Tensor loss = loss_(ids, step, samples_before + first_row, first_row);
     loss_sum.add_(loss.detach().to(at::kDouble));
     timers_.forward += clock.Lap();
     engine_->Backward(loss);
@@ -155,10 +195,10 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   if (rank0) {
     log = std::make_unique<MetricsLog>(o.log_dir + "/" + o.run_name);
     const auto& b = trainer.batch();
-    std::cerr << "uckpt train: world size " << comm.world_size() << " (" << comm.backend() << "), ZeRO stage "
+    std::cerr << "uckpt train: world size " << comm.world_size() << " (" << comm.backend() << "), " << o.model_name << ", ZeRO stage "
               << o.config.zero.stage << ", batch " << b.train_batch_size << " = micro " << b.micro_batch << " x GA "
               << b.gradient_accumulation_steps << " x " << comm.world_size() << " ranks, "
-              << Gpt2NumParameters(o.model) << " parameters, steps " << trainer.counters().global_steps + 1 << ".."
+              << trainer.num_parameters() << " parameters, steps " << trainer.counters().global_steps + 1 << ".."
               << o.steps << "\n";
     for (const auto& w : o.config.warnings) std::cerr << "uckpt train: warning: " << w << "\n";
   }

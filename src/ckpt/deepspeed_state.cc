@@ -1,0 +1,299 @@
+#include "ckpt/deepspeed_state.h"
+
+#include <set>
+
+#include "format/error.h"
+
+namespace uckpt::ckpt {
+
+std::string ModelStatesFileName() { return "mp_rank_00_model_states.pt"; }
+
+std::string OptimStatesFileName(int dp_rank, bool bf16) {
+  return std::string(bf16 ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_optim_states.pt";
+}
+
+ValuePtr JsonToValue(const nlohmann::json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::object: {
+      ValuePtr d = Value::Dict();
+      for (auto it = j.begin(); it != j.end(); ++it) d->set(it.key(), JsonToValue(it.value()));
+      return d;
+    }
+    case nlohmann::json::value_t::array: {
+      ValuePtr l = Value::List();
+      for (const auto& x : j) l->items.push_back(JsonToValue(x));
+      return l;
+    }
+    case nlohmann::json::value_t::string: return Value::Str(j.get<std::string>());
+    case nlohmann::json::value_t::boolean: return Value::Bool(j.get<bool>());
+    case nlohmann::json::value_t::number_integer: return Value::Int(j.get<int64_t>());
+    case nlohmann::json::value_t::number_unsigned: return Value::Int(static_cast<int64_t>(j.get<uint64_t>()));
+    case nlohmann::json::value_t::number_float: return Value::Float(j.get<double>());
+    default: return Value::None();
+  }
+}
+
+namespace {
+
+ValuePtr Set() {
+  auto v = std::make_shared<Value>();
+  v->kind = Kind::kSet;
+  return v;
+}
+
+ValuePtr Dict(std::initializer_list<std::pair<const char*, ValuePtr>> items, bool ordered = false) {
+  ValuePtr d = Value::Dict(ordered);
+  for (const auto& [k, v] : items) d->set(k, v);
+  return d;
+}
+
+// A DeepSpeed class instance pickled as NEWOBJ + BUILD(state).
+ValuePtr NewObject(const std::string& cls, ValuePtr state) {
+  ValuePtr o = Value::Object(cls, Value::Tuple(), /*newobj=*/true);
+  o->state = std::move(state);
+  return o;
+}
+
+ValuePtr IntList(const std::vector<int64_t>& v) {
+  ValuePtr l = Value::List();
+  for (int64_t x : v) l->items.push_back(Value::Int(x));
+  return l;
+}
+
+}  // namespace
+
+ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids) {
+  ValuePtr g = Value::Dict();
+  g->set("lr", Value::Float(h.lr));
+  g->set("betas", Value::List({Value::Float(h.beta1), Value::Float(h.beta2)}));
+  g->set("eps", Value::Float(h.eps));
+  g->set("weight_decay", Value::Float(h.weight_decay));
+  g->set("amsgrad", Value::Bool(false));
+  g->set("foreach", Value::None());
+  g->set("maximize", Value::Bool(false));
+  g->set("capturable", Value::Bool(false));
+  g->set("params", IntList(ids));
+  return g;
+}
+
+ValuePtr LossScalerValue(const LossScalerState& s) {
+  if (!s.dynamic)
+    return NewObject("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     Dict({{"cur_scale", Value::Float(s.cur_scale)}, {"dynamic", Value::Bool(false)}}));
+  return NewObject("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                   Dict({{"cur_scale", Value::Float(s.cur_scale)},
+                         {"dynamic", Value::Bool(true)},
+                         {"cur_iter", Value::Int(s.cur_iter)},
+                         {"last_overflow_iter", Value::Int(s.last_overflow_iter)},
+                         {"scale_factor", Value::Float(s.scale_factor)},
+                         {"scale_window", Value::Int(s.scale_window)},
+                         {"min_scale", Value::Float(s.min_scale)},
+                         {"delayed_shift", Value::Int(s.delayed_shift)},
+                         {"cur_hysteresis", Value::Int(s.cur_hysteresis)},
+                         {"consecutive_hysteresis", Value::Bool(s.consecutive_hysteresis)},
+                         {"raise_error_at_min_scale", Value::Bool(s.raise_error_at_min_scale)},
+                         {"dtype", Value::Global("torch", "float16")}}));
+}
+
+ValuePtr ZeroStageValue(int stage) {
+  static const char* names[] = {"disabled", "optimizer_states", "gradients", "weights"};
+  return Value::Object("builtins.getattr",
+                       Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                                     Value::Str(names[stage])}),
+                       /*newobj=*/false);
+}
+
+ValuePtr FragmentAddressValue(int64_t numel, int64_t start) {
+  return NewObject("deepspeed.utils.tensor_fragment.fragment_address",
+                   Dict({{"numel", Value::Int(numel)}, {"start", Value::Int(start)}}));
+}
+
+namespace {
+
+ValuePtr StateDict(const AdamState& s) {
+  ValuePtr d = Value::Dict();
+  for (const auto& [k, v] : s) d->set(k, v);
+  return d;
+}
+
+double Number(const ValuePtr& v, const std::string& where) {
+  if (v && v->kind == Kind::kFloat) return v->f;
+  if (v && v->kind == Kind::kInt && v->big.empty()) return static_cast<double>(v->i);
+  throw FormatError(where + " is not a number");
+}
+
+}  // namespace
+
+bool IsModelStatesKey(const std::string& k) {
+  static const std::set<std::string> keys = {
+      "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+      "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+      "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+      "ds_version", "universal_checkpoint_info", "iteration", "uckpt"};
+  return keys.count(k) > 0;
+}
+
+ValuePtr ModelStatesValue(const ModelStates& s) {
+  ValuePtr module = Value::Dict(/*ordered=*/true);
+  for (const auto& [name, t] : s.module) module->set(name, t);
+  if (!s.module_prefixes.empty()) {
+    ValuePtr metadata = Value::Dict(/*ordered=*/true);
+    for (const auto& m : s.module_prefixes) metadata->set(m, Dict({{"version", Value::Int(1)}}));
+    module->state = Dict({{"_metadata", metadata}});
+  }
+  ValuePtr buffer_names = Value::List();
+  for (const auto& b : s.buffer_names) buffer_names->items.push_back(Value::Str(b));
+  ValuePtr shapes = Value::List();
+  for (const auto& g : s.param_shapes) {
+    ValuePtr group = Value::Dict(/*ordered=*/true);
+    for (const auto& p : g) group->set(p.name, Value::Size(p.shape));
+    shapes->items.push_back(group);
+  }
+  // Stage 2 records frozen parameters: their shapes, and each whole, flattened.
+  ValuePtr frozen_shapes = Value::Dict(true), frozen_fragments = Value::Dict(true);
+  for (const auto& p : s.frozen_shapes) frozen_shapes->set(p.name, Value::Size(p.shape));
+  for (const auto& [name, t] : s.frozen) frozen_fragments->set(name, t);
+  ValuePtr shared = Value::Dict();
+  for (const auto& [alias, owner] : s.shared_params) shared->set(alias, Value::Str(owner));
+
+  ValuePtr d = Value::Dict();
+  d->set("module", module);
+  d->set("buffer_names", buffer_names);
+  d->set("optimizer", s.stage == 0 && s.stage0_optimizer ? s.stage0_optimizer : Value::None());
+  d->set("param_shapes", s.stage == 0 ? Value::None() : shapes);
+  d->set("frozen_param_shapes", s.stage >= 2 ? frozen_shapes : Value::None());
+  d->set("shared_params", s.stage == 0 ? Value::None() : shared);
+  d->set("frozen_param_fragments", s.stage >= 2 ? frozen_fragments : Value::None());
+  d->set("lr_scheduler", s.last_batch_iteration
+                             ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
+                             : Value::None());
+  d->set("data_sampler", Value::None());
+  d->set("random_ltd", Value::None());
+  d->set("sparse_tensor_module_names", Set());
+  d->set("skipped_steps", Value::Int(s.skipped_steps));
+  d->set("global_steps", Value::Int(s.global_steps));
+  d->set("global_samples", Value::Int(s.global_samples));
+  d->set("dp_world_size", Value::Int(s.dp_world_size));
+  d->set("mp_world_size", Value::Int(1));
+  d->set("ds_config", s.ds_config ? s.ds_config : Value::Dict());
+  d->set("ds_version", Value::Str(kDeepSpeedVersion));
+  // Client state DeepSpeed's converter needs, and the iteration.
+  d->set("universal_checkpoint_info", Dict({{"universal_checkpoint_version", Value::Float(0.2)}}));
+  d->set("iteration", Value::Int(s.global_steps));
+  for (const auto& [k, v] : s.extra) d->set(k, v);
+  return d;
+}
+
+ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::vector<AdamHparams>& groups,
+                              const std::vector<std::vector<int64_t>>& group_params) {
+  ValuePtr state = Value::Dict();
+  for (size_t i = 0; i < states.size(); ++i)
+    if (!states[i].empty()) state->set(Value::Int(static_cast<int64_t>(i)), StateDict(states[i]));
+  ValuePtr param_groups = Value::List();
+  for (size_t g = 0; g < groups.size(); ++g) param_groups->items.push_back(ParamGroupValue(groups[g], group_params.at(g)));
+  return Dict({{"state", state}, {"param_groups", param_groups}});
+}
+
+ValuePtr OptimStatesValue(const RankOptimStates& s) {
+  if (s.stage != 1 && s.stage != 2) throw std::invalid_argument("OptimStatesValue: stage 1 or 2");
+  ValuePtr state = Value::Dict();
+  ValuePtr param_groups = Value::List(), fp32 = Value::List(), paddings = Value::List(), mappings = Value::List();
+  for (size_t g = 0; g < s.groups.size(); ++g) {
+    const OptimGroupState& gs = s.groups[g];
+    const int64_t id = static_cast<int64_t>(g);
+    if (!gs.adam.empty()) state->set(Value::Int(id), StateDict(gs.adam));
+    param_groups->items.push_back(ParamGroupValue(gs.hparams, {id}));
+    fp32->items.push_back(gs.fp32);
+    paddings->items.push_back(Value::Int(gs.padding));
+    ValuePtr m = Value::Dict(/*ordered=*/true);
+    for (const auto& [name, f] : gs.mappings)
+      m->set(name, FragmentAddressValue(f.numel, f.partition_offset));
+    mappings->items.push_back(m);
+  }
+  ValuePtr osd = Value::Dict();
+  if (!s.bf16_optimizer) {
+    osd->set("loss_scaler", LossScalerValue(s.scaler));
+    osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
+    osd->set("overflow", Value::Bool(false));
+  }
+  osd->set("clip_grad", Value::Float(s.clip_grad));
+  osd->set("base_optimizer_state", Dict({{"state", state}, {"param_groups", param_groups}}));
+  osd->set("single_partition_of_fp32_groups", fp32);
+  if (!s.bf16_optimizer) osd->set("zero_stage", ZeroStageValue(s.stage));
+  osd->set("group_paddings", paddings);
+  osd->set("partition_count", IntList(std::vector<int64_t>(s.groups.size(), s.dp)));
+  osd->set("ds_version", Value::Str(kDeepSpeedVersion));
+  osd->set("param_slice_mappings", mappings);
+  return Dict({{"optimizer_state_dict", osd},
+               {"ds_config", s.ds_config ? s.ds_config : Value::Dict()},
+               {"ds_version", Value::Str(kDeepSpeedVersion)}});
+}
+
+LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base) {
+  LossScalerState s = base;
+  if (!v || v->kind != Kind::kObject || !v->state || !v->state->is_dict()) return s;
+  const ValuePtr& st = v->state;
+  auto num = [&](const char* k, double& out) {
+    if (auto x = st->get(k); x && (x->kind == Kind::kFloat || x->kind == Kind::kInt)) out = Number(x, k);
+  };
+  auto geti = [&](const char* k, int64_t& out) {
+    if (auto x = st->get(k); x && x->kind == Kind::kInt) out = x->i;
+  };
+  auto getb = [&](const char* k, bool& out) {
+    if (auto x = st->get(k); x && x->kind == Kind::kBool) out = x->b;
+  };
+  num("cur_scale", s.cur_scale);
+  getb("dynamic", s.dynamic);
+  geti("cur_iter", s.cur_iter);
+  geti("last_overflow_iter", s.last_overflow_iter);
+  geti("scale_window", s.scale_window);
+  geti("delayed_shift", s.delayed_shift);
+  geti("cur_hysteresis", s.cur_hysteresis);
+  getb("consecutive_hysteresis", s.consecutive_hysteresis);
+  getb("raise_error_at_min_scale", s.raise_error_at_min_scale);
+  num("scale_factor", s.scale_factor);
+  num("min_scale", s.min_scale);
+  return s;
+}
+
+AdamHparams ReadAdamHparams(const ValuePtr& group, const AdamHparams& base, const std::string& where) {
+  AdamHparams h = base;
+  if (!group || !group->is_dict()) return h;
+  if (auto lr = group->get("lr")) h.lr = Number(lr, where + ".lr");
+  if (auto betas = group->get("betas")) {
+    if (!betas->is_seq() || betas->items.size() != 2) throw FormatError(where + ".betas is not a pair");
+    h.beta1 = Number(betas->items[0], where + ".betas[0]");
+    h.beta2 = Number(betas->items[1], where + ".betas[1]");
+  }
+  if (auto eps = group->get("eps")) h.eps = Number(eps, where + ".eps");
+  if (auto wd = group->get("weight_decay")) h.weight_decay = Number(wd, where + ".weight_decay");
+  return h;
+}
+
+std::vector<std::vector<NamedShape>> ReadParamShapes(const ValuePtr& root, const std::string& path) {
+  std::vector<std::vector<NamedShape>> out;
+  ValuePtr shapes = root && root->is_dict() ? root->get("param_shapes") : nullptr;
+  if (!shapes || shapes->kind == Kind::kNone) return out;
+  if (!shapes->is_seq()) throw FormatError(path + ": param_shapes is not a list of groups");
+  for (size_t g = 0; g < shapes->items.size(); ++g) {
+    const ValuePtr& group = shapes->items[g];
+    if (!group || !group->is_dict())
+      throw FormatError(path + ": param_shapes[" + std::to_string(g) + "] is not a dict of shapes");
+    out.emplace_back();
+    for (const auto& [k, v] : group->entries) {
+      if (k->kind != Kind::kStr) throw FormatError(path + ": param_shapes[" + std::to_string(g) + "] has a non-string key");
+      NamedShape ns{k->s, {}};
+      if (!v || (v->kind != Kind::kTorchSize && !v->is_seq()))
+        throw FormatError(path + ": param_shapes[" + std::to_string(g) + "]['" + k->s + "'] is not a shape");
+      for (const auto& d : v->items) {
+        if (!d || d->kind != Kind::kInt || d->i < 0)
+          throw FormatError(path + ": param_shapes[" + std::to_string(g) + "]['" + k->s + "'] is not a shape");
+        ns.shape.push_back(d->i);
+      }
+      out.back().push_back(std::move(ns));
+    }
+  }
+  return out;
+}
+
+}  // namespace uckpt::ckpt
