@@ -233,6 +233,11 @@ class Machine {
   void CheckStrictGetattr(const ValuePtr& args);
   void CheckStrictResult();
   ValuePtr Call(const ValuePtr& callable, const ValuePtr& args);
+  ValuePtr CallTorchUtils(const std::string& fn, const std::vector<ValuePtr>& a);
+  ValuePtr CallRebuildFromType(const std::vector<ValuePtr>& a);
+  ValuePtr CallOrderedDict(const std::vector<ValuePtr>& a);
+  ValuePtr CallBuiltin(const std::string& fn, const std::vector<ValuePtr>& a);
+  ValuePtr CallOther(const std::string& path, const std::vector<ValuePtr>& a);
   ValuePtr RebuildTensor(const std::string& fn, const std::vector<ValuePtr>& a);
   void SetItem(Value& target, ValuePtr key, ValuePtr value);
   void Append(Value& target, ValuePtr item);
@@ -404,6 +409,9 @@ ValuePtr Machine::RebuildTensor(const std::string& fn, const std::vector<ValuePt
   return Value::FromTensor(std::move(t));
 }
 
+// REDUCE / INST / OBJ: a call of a global. Known builders become typed
+// values (each Call* returns null when the arguments do not fit it); any
+// other call becomes an inert object.
 ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
   if (callable->kind != Kind::kGlobal)
     Fail("call of a " + KindName(*callable) + ", which is not a class or function");
@@ -411,103 +419,111 @@ ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
   const std::string& path = callable->s;
   const std::string mod = callable->module(), fn = callable->name();
   const auto& a = args->items;
-  auto opaque = [&] { return Value::Object(path, args, false); };
   if (strict_ && path == "builtins.getattr") CheckStrictGetattr(args);
 
-  if (mod == "torch._utils") {
-    if (fn == "_rebuild_tensor_v2" || fn == "_rebuild_tensor_v3" || fn == "_rebuild_tensor") return RebuildTensor(fn, a);
-    if ((fn == "_rebuild_parameter" && a.size() == 3) || (fn == "_rebuild_parameter_with_state" && a.size() == 4)) {
-      if (a[0]->kind != Kind::kTensor || a[1]->kind != Kind::kBool) Fail("torch._utils." + fn + ": bad arguments");
-      auto p = std::make_shared<Value>();
-      p->kind = Kind::kParameter;
-      p->tensor = a[0]->tensor;
-      p->b = a[1]->b;
-      if (a.size() == 4 && !(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
-      return p;
-    }
-    return opaque();
+  ValuePtr v;
+  if (mod == "torch._utils") v = CallTorchUtils(fn, a);
+  else if (path == "torch._tensor._rebuild_from_type_v2") v = CallRebuildFromType(a);
+  else if (path == "collections.OrderedDict") v = CallOrderedDict(a);
+  else if (mod == "builtins") v = CallBuiltin(fn, a);
+  else v = CallOther(path, a);
+  return v ? v : Value::Object(path, args, false);
+}
+
+ValuePtr Machine::CallTorchUtils(const std::string& fn, const std::vector<ValuePtr>& a) {
+  if (fn == "_rebuild_tensor_v2" || fn == "_rebuild_tensor_v3" || fn == "_rebuild_tensor") return RebuildTensor(fn, a);
+  if ((fn == "_rebuild_parameter" && a.size() == 3) || (fn == "_rebuild_parameter_with_state" && a.size() == 4)) {
+    if (a[0]->kind != Kind::kTensor || a[1]->kind != Kind::kBool) Fail("torch._utils." + fn + ": bad arguments");
+    auto p = std::make_shared<Value>();
+    p->kind = Kind::kParameter;
+    p->tensor = a[0]->tensor;
+    p->b = a[1]->b;
+    if (a.size() == 4 && !(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
+    return p;
   }
-  if (path == "torch._tensor._rebuild_from_type_v2" && a.size() == 4 && a[0]->kind == Kind::kGlobal &&
-      a[1]->kind == Kind::kGlobal && a[2]->kind == Kind::kTuple) {
-    ValuePtr inner = Call(a[0], a[2]);
-    if (a[1]->s == "torch.Tensor" && inner->kind == Kind::kTensor) {
-      if (!(a[3]->is_dict() && a[3]->entries.empty())) inner->tensor->attrs = a[3];
-      return inner;
-    }
-    if (a[1]->s == "torch.nn.parameter.Parameter" && inner->kind == Kind::kTensor) {
-      auto p = std::make_shared<Value>();
-      p->kind = Kind::kParameter;
-      p->tensor = inner->tensor;
-      p->b = inner->tensor->requires_grad;
-      inner->tensor->requires_grad = false;
-      if (!(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
-      return p;
-    }
-    return opaque();
+  return nullptr;
+}
+
+// _rebuild_from_type_v2(rebuild, torch.Tensor or Parameter, args, attrs).
+ValuePtr Machine::CallRebuildFromType(const std::vector<ValuePtr>& a) {
+  if (a.size() != 4 || a[0]->kind != Kind::kGlobal || a[1]->kind != Kind::kGlobal || a[2]->kind != Kind::kTuple)
+    return nullptr;
+  ValuePtr inner = Call(a[0], a[2]);
+  if (a[1]->s == "torch.Tensor" && inner->kind == Kind::kTensor) {
+    if (!(a[3]->is_dict() && a[3]->entries.empty())) inner->tensor->attrs = a[3];
+    return inner;
   }
-  if (path == "collections.OrderedDict") {
-    auto d = Value::Dict(true);
-    if (a.empty()) return d;
-    if (a.size() == 1 && (a[0]->kind == Kind::kList || a[0]->kind == Kind::kTuple)) {
-      for (const auto& pair : a[0]->items) {
-        if (pair->kind != Kind::kTuple || pair->items.size() != 2) return opaque();
-        SetItem(*d, pair->items[0], pair->items[1]);
-      }
-      return d;
-    }
-    return opaque();
+  if (a[1]->s == "torch.nn.parameter.Parameter" && inner->kind == Kind::kTensor) {
+    auto p = std::make_shared<Value>();
+    p->kind = Kind::kParameter;
+    p->tensor = inner->tensor;
+    p->b = inner->tensor->requires_grad;
+    inner->tensor->requires_grad = false;
+    if (!(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
+    return p;
   }
-  if (mod == "builtins") {
-    if ((fn == "set" || fn == "frozenset") && a.size() <= 1) {
-      auto v = std::make_shared<Value>();
-      v->kind = fn == "set" ? Kind::kSet : Kind::kFrozenSet;
-      if (a.size() == 1) {
-        if (a[0]->kind != Kind::kList && a[0]->kind != Kind::kTuple) return opaque();
-        v->items = a[0]->items;
-      }
-      return v;
+  return nullptr;
+}
+
+ValuePtr Machine::CallOrderedDict(const std::vector<ValuePtr>& a) {
+  auto d = Value::Dict(true);
+  if (a.empty()) return d;
+  if (a.size() == 1 && (a[0]->kind == Kind::kList || a[0]->kind == Kind::kTuple)) {
+    for (const auto& pair : a[0]->items) {
+      if (pair->kind != Kind::kTuple || pair->items.size() != 2) return nullptr;
+      SetItem(*d, pair->items[0], pair->items[1]);
     }
-    if (fn == "bytes" && a.empty()) return Value::Bytes("");
-    if (fn == "bytearray" && a.size() <= 1) {
-      auto v = Value::Bytes("");
-      v->kind = Kind::kByteArray;
-      if (a.size() == 1) {
-        if (a[0]->kind != Kind::kBytes) return opaque();
-        v->s = a[0]->s;
-      }
-      return v;
-    }
-    if (fn == "complex" && a.size() == 2 && a[0]->kind == Kind::kFloat && a[1]->kind == Kind::kFloat) {
-      auto v = std::make_shared<Value>();
-      v->kind = Kind::kComplex;
-      v->f = a[0]->f;
-      v->imag = a[1]->f;
-      return v;
-    }
-    return opaque();
+    return d;
   }
+  return nullptr;
+}
+
+ValuePtr Machine::CallBuiltin(const std::string& fn, const std::vector<ValuePtr>& a) {
+  if ((fn == "set" || fn == "frozenset") && a.size() <= 1) {
+    if (a.size() == 1 && a[0]->kind != Kind::kList && a[0]->kind != Kind::kTuple) return nullptr;
+    return MakeSet(fn == "set" ? Kind::kSet : Kind::kFrozenSet, a.empty() ? std::vector<ValuePtr>{} : a[0]->items);
+  }
+  if (fn == "bytes" && a.empty()) return Value::Bytes("");
+  if (fn == "bytearray" && a.size() <= 1) {
+    if (a.size() == 1 && a[0]->kind != Kind::kBytes) return nullptr;
+    auto v = Value::Bytes(a.empty() ? "" : a[0]->s);
+    v->kind = Kind::kByteArray;
+    return v;
+  }
+  if (fn == "complex" && a.size() == 2 && a[0]->kind == Kind::kFloat && a[1]->kind == Kind::kFloat) {
+    auto v = std::make_shared<Value>();
+    v->kind = Kind::kComplex;
+    v->f = a[0]->f;
+    v->imag = a[1]->f;
+    return v;
+  }
+  return nullptr;
+}
+
+// _codecs.encode(text, 'latin1') (how protocol 2 writes bytes), torch.Size, torch.device.
+ValuePtr Machine::CallOther(const std::string& path, const std::vector<ValuePtr>& a) {
   if (path == "_codecs.encode" && a.size() == 2 && a[0]->kind == Kind::kStr && a[1]->kind == Kind::kStr &&
       (a[1]->s == "latin1" || a[1]->s == "latin-1")) {
     std::string raw;
-    if (!Utf8ToLatin1(a[0]->s, raw)) return opaque();
+    if (!Utf8ToLatin1(a[0]->s, raw)) return nullptr;
     return Value::Bytes(std::move(raw));
   }
   if (path == "torch.Size" && a.size() == 1) {
     std::vector<int64_t> dims;
     if (IntTuple(a[0], dims)) return Value::Size(dims);
-    return opaque();
+    return nullptr;
   }
   if (path == "torch.device" && !a.empty() && a.size() <= 2 && a[0]->kind == Kind::kStr) {
     auto v = std::make_shared<Value>();
     v->kind = Kind::kTorchDevice;
     v->s = a[0]->s;
     if (a.size() == 2) {
-      if (!IsInt(a[1])) return opaque();
+      if (!IsInt(a[1])) return nullptr;
       v->s += ":" + std::to_string(a[1]->i);
     }
     return v;
   }
-  return opaque();
+  return nullptr;
 }
 
 // Strict mode takes getattr only as getattr(ZeroStageEnum, member).
