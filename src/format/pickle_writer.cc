@@ -136,12 +136,6 @@ class Pickler {
     }
     Put();
   }
-  void EmptyOrderedDict() {
-    Global("collections", "OrderedDict");
-    Op(pickle::kEmptyTuple);
-    Op(pickle::kReduce);
-    Put();
-  }
 
   void Items(const std::vector<ValuePtr>& items) {  // after a list/object on the stack
     if (items.size() == 1) {
@@ -214,7 +208,7 @@ class Pickler {
     SaveInts(t.shape);
     SaveInts(t.stride);
     Op(t.requires_grad ? pickle::kNewTrue : pickle::kNewFalse);
-    EmptyOrderedDict();
+    EmptyOrderedDict(nullptr);
     const bool v3 = DTypeStorageClass(t.dtype).empty();
     if (v3) Global("torch", std::string(DTypeName(t.dtype)));
     if (t.metadata) Save(t.metadata);
@@ -248,7 +242,7 @@ class Pickler {
 
   void Save(const ValuePtr& vp) {
     const Value& v = *vp;
-    switch (v.kind) {
+    switch (v.kind) {  // not memoized, as Python does not memoize them
       case Kind::kNone: Op(pickle::kNone); return;
       case Kind::kBool: Op(v.b ? pickle::kNewTrue : pickle::kNewFalse); return;
       case Kind::kInt:
@@ -260,170 +254,175 @@ class Pickler {
     }
     if (Memoized(vp.get())) return;
     switch (v.kind) {
-      case Kind::kStr:
-        Str(v.s);
-        Remember(vp.get());
-        return;
-      case Kind::kBytes:
-      case Kind::kByteArray: {
-        if (v.kind == Kind::kByteArray) Global("builtins", "bytearray");
-        if (v.s.empty()) {
-          Global("builtins", "bytes");
-          Op(pickle::kEmptyTuple);
-        } else {
-          Global("_codecs", "encode");
-          std::string latin1;  // bytes as a str of code points 0..255, UTF-8 encoded
-          for (unsigned char c : v.s) {
-            if (c < 0x80) {
-              latin1.push_back(static_cast<char>(c));
-            } else {
-              latin1.push_back(static_cast<char>(0xC0 | (c >> 6)));
-              latin1.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-            }
-          }
-          MemoStr(latin1);
-          MemoStr("latin1");
-          TupleOf(2);
-        }
-        Op(pickle::kReduce);
-        if (v.kind == Kind::kByteArray) {
-          Put();
-          TupleOf(1);
-          Op(pickle::kReduce);
-        }
-        Remember(vp.get());
-        return;
-      }
+      case Kind::kStr: Str(v.s); break;
+      case Kind::kBytes: case Kind::kByteArray: SaveBytes(v); break;
       case Kind::kComplex:
         Global("builtins", "complex");
         Float(v.f);
         Float(v.imag);
         TupleOf(2);
         Op(pickle::kReduce);
-        Remember(vp.get());
-        return;
+        break;
       case Kind::kList:
         Op(pickle::kEmptyList);
         Remember(vp.get());
         Items(v.items);
         return;
-      case Kind::kTuple:
-        if (v.items.empty()) {
-          Op(pickle::kEmptyTuple);
-          return;
-        }
-        if (v.items.size() >= 4) Op(pickle::kMark);
-        for (const auto& it : v.items) Save(it);
-        switch (v.items.size()) {
-          case 1: Op(pickle::kTuple1); break;
-          case 2: Op(pickle::kTuple2); break;
-          case 3: Op(pickle::kTuple3); break;
-          default: Op(pickle::kTuple);
-        }
-        Remember(vp.get());
-        return;
+      case Kind::kTuple: return SaveTuple(vp);
       case Kind::kDict:
         Op(pickle::kEmptyDict);
         Remember(vp.get());
         Entries(v.entries);
         return;
       case Kind::kOrderedDict:
-        Global("collections", "OrderedDict");
-        Op(pickle::kEmptyTuple);
-        Op(pickle::kReduce);
-        Remember(vp.get());
+        EmptyOrderedDict(vp.get());
         Entries(v.entries);
-        if (v.state) {
-          Save(v.state);
-          Op(pickle::kBuild);
-        }
+        if (v.state) Build(v.state);
         return;
-      case Kind::kSet:
-      case Kind::kFrozenSet:
-        Global("builtins", v.kind == Kind::kSet ? "set" : "frozenset");
-        Op(pickle::kEmptyList);
-        Put();
-        Items(v.items);
-        TupleOf(1);
-        Op(pickle::kReduce);
-        Remember(vp.get());
-        return;
-      case Kind::kTorchSize: {
-        Global("torch", "Size");
-        std::vector<int64_t> dims;
-        for (const auto& it : v.items) dims.push_back(it->i);
-        SaveInts(dims);
-        TupleOf(1);
-        Op(pickle::kReduce);
-        Remember(vp.get());
-        return;
-      }
-      case Kind::kTorchDevice: {
-        Global("torch", "device");
-        // torch.device("cuda", 1) as torch writes it; any other text (not
-        // made by torch, but readable) as the single string it was.
-        size_t colon = v.s.find(':');
-        std::string index_text = colon == std::string::npos ? "" : v.s.substr(colon + 1);
-        int64_t index = 0;
-        auto parsed = std::from_chars(index_text.data(), index_text.data() + index_text.size(), index);
-        if (colon == std::string::npos || parsed.ec != std::errc() || std::to_string(index) != index_text) {
-          MemoStr(v.s);
-          TupleOf(1);
-        } else {
-          MemoStr(v.s.substr(0, colon));
-          Int(index);
-          TupleOf(2);
-        }
-        Op(pickle::kReduce);
-        Remember(vp.get());
-        return;
-      }
+      case Kind::kSet: case Kind::kFrozenSet: SaveSet(v); break;
+      case Kind::kTorchSize: SaveSize(v); break;
+      case Kind::kTorchDevice: SaveDevice(v); break;
       case Kind::kTorchDtype: Global("torch", v.s); return;
       case Kind::kGlobal: Global(v.module(), v.name()); return;
       case Kind::kTensor:
         SaveTensor(*v.tensor);
         memo_[vp.get()] = next_memo_ - 1;
         return;
-      case Kind::kParameter: {
-        Global("torch._utils", v.state ? "_rebuild_parameter_with_state" : "_rebuild_parameter");
-        if (v.state) Op(pickle::kMark);  // 4 items need MARK ... TUPLE; 3 use TUPLE3
-        SaveTensor(*v.tensor);
-        Op(v.b ? pickle::kNewTrue : pickle::kNewFalse);
-        EmptyOrderedDict();
-        if (v.state) Save(v.state);
-        TupleOf(v.state ? 4 : 3);
-        Op(pickle::kReduce);
-        Remember(vp.get());
-        return;
-      }
-      case Kind::kStorage:
-        PersistentId(v.storage, std::nullopt);
-        Remember(vp.get());
-        return;
-      case Kind::kObject: {
-        if (v.newobj && v.kwargs) {
-          Global("copyreg", "__newobj_ex__");
-          Global(v.module(), v.name());
-          Save(v.items.at(0));
-          Save(v.kwargs);
-          TupleOf(3);
-          Op(pickle::kReduce);
-        } else {
-          Global(v.module(), v.name());
-          Save(v.items.at(0));
-          Op(v.newobj ? pickle::kNewObj : pickle::kReduce);
-        }
-        Remember(vp.get());
-        if (!v.listitems.empty()) Items(v.listitems);
-        if (!v.entries.empty()) Entries(v.entries);
-        if (v.state) {
-          Save(v.state);
-          Op(pickle::kBuild);
-        }
-        return;
-      }
+      case Kind::kParameter: SaveParameter(v); break;
+      case Kind::kStorage: PersistentId(v.storage, std::nullopt); break;
+      case Kind::kObject: return SaveObject(vp);
       default: throw FormatError("cannot pickle a value of type " + KindName(v));
     }
+    Remember(vp.get());
+  }
+
+  // bytes as protocol 2 writes them: _codecs.encode(<latin-1 text>, 'latin1')
+  // (bytes() when empty); a bytearray wraps that in bytearray(...).
+  void SaveBytes(const Value& v) {
+    if (v.kind == Kind::kByteArray) Global("builtins", "bytearray");
+    if (v.s.empty()) {
+      Global("builtins", "bytes");
+      Op(pickle::kEmptyTuple);
+    } else {
+      Global("_codecs", "encode");
+      std::string latin1;  // bytes as a str of code points 0..255, UTF-8 encoded
+      for (unsigned char c : v.s) {
+        if (c < 0x80) {
+          latin1.push_back(static_cast<char>(c));
+        } else {
+          latin1.push_back(static_cast<char>(0xC0 | (c >> 6)));
+          latin1.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+        }
+      }
+      MemoStr(latin1);
+      MemoStr("latin1");
+      TupleOf(2);
+    }
+    Op(pickle::kReduce);
+    if (v.kind == Kind::kByteArray) {
+      Put();
+      TupleOf(1);
+      Op(pickle::kReduce);
+    }
+  }
+
+  void SaveTuple(const ValuePtr& vp) {
+    const auto& items = vp->items;
+    if (items.empty()) return Op(pickle::kEmptyTuple);  // not memoized, as in Python
+    if (items.size() >= 4) Op(pickle::kMark);
+    for (const auto& it : items) Save(it);
+    switch (items.size()) {
+      case 1: Op(pickle::kTuple1); break;
+      case 2: Op(pickle::kTuple2); break;
+      case 3: Op(pickle::kTuple3); break;
+      default: Op(pickle::kTuple);
+    }
+    Remember(vp.get());
+  }
+
+  // OrderedDict(), memoized as `key` (null: under the next memo index only).
+  void EmptyOrderedDict(const void* key) {
+    Global("collections", "OrderedDict");
+    Op(pickle::kEmptyTuple);
+    Op(pickle::kReduce);
+    if (key) Remember(key);
+    else Put();
+  }
+  void Build(const ValuePtr& state) {
+    Save(state);
+    Op(pickle::kBuild);
+  }
+
+  // set(list) / frozenset(list).
+  void SaveSet(const Value& v) {
+    Global("builtins", v.kind == Kind::kSet ? "set" : "frozenset");
+    Op(pickle::kEmptyList);
+    Put();
+    Items(v.items);
+    TupleOf(1);
+    Op(pickle::kReduce);
+  }
+
+  void SaveSize(const Value& v) {
+    Global("torch", "Size");
+    std::vector<int64_t> dims;
+    for (const auto& it : v.items) dims.push_back(it->i);
+    SaveInts(dims);
+    TupleOf(1);
+    Op(pickle::kReduce);
+  }
+
+  void SaveDevice(const Value& v) {
+    Global("torch", "device");
+    // torch.device("cuda", 1) as torch writes it; any other text (not
+    // made by torch, but readable) as the single string it was.
+    size_t colon = v.s.find(':');
+    std::string index_text = colon == std::string::npos ? "" : v.s.substr(colon + 1);
+    int64_t index = 0;
+    auto parsed = std::from_chars(index_text.data(), index_text.data() + index_text.size(), index);
+    if (colon == std::string::npos || parsed.ec != std::errc() || std::to_string(index) != index_text) {
+      MemoStr(v.s);
+      TupleOf(1);
+    } else {
+      MemoStr(v.s.substr(0, colon));
+      Int(index);
+      TupleOf(2);
+    }
+    Op(pickle::kReduce);
+  }
+
+  void SaveParameter(const Value& v) {
+    Global("torch._utils", v.state ? "_rebuild_parameter_with_state" : "_rebuild_parameter");
+    if (v.state) Op(pickle::kMark);  // 4 items need MARK ... TUPLE; 3 use TUPLE3
+    SaveTensor(*v.tensor);
+    Op(v.b ? pickle::kNewTrue : pickle::kNewFalse);
+    EmptyOrderedDict(nullptr);
+    if (v.state) Save(v.state);
+    TupleOf(v.state ? 4 : 3);
+    Op(pickle::kReduce);
+  }
+
+  // An opaque object written back as it was read: cls(*args) by REDUCE or
+  // cls.__new__ by NEWOBJ (copyreg.__newobj_ex__ with keyword arguments),
+  // then what APPEND(S), SETITEM(S) and BUILD added.
+  void SaveObject(const ValuePtr& vp) {
+    const Value& v = *vp;
+    if (v.newobj && v.kwargs) {
+      Global("copyreg", "__newobj_ex__");
+      Global(v.module(), v.name());
+      Save(v.items.at(0));
+      Save(v.kwargs);
+      TupleOf(3);
+      Op(pickle::kReduce);
+    } else {
+      Global(v.module(), v.name());
+      Save(v.items.at(0));
+      Op(v.newobj ? pickle::kNewObj : pickle::kReduce);
+    }
+    Remember(vp.get());
+    if (!v.listitems.empty()) Items(v.listitems);
+    if (!v.entries.empty()) Entries(v.entries);
+    if (v.state) Build(v.state);
   }
 
   PickledValue out_;
