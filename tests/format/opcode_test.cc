@@ -342,7 +342,9 @@ TEST(OpcodeTable, WriterEmitsOnlyWhatTheTableAllows) {
   // The sample reaches every opcode the table lets the writer use, so that a
   // flag set for an opcode the writer no longer needs shows up here.
   for (const OpInfo& op : kOpcodeTable) {
-    if (op.written) EXPECT_TRUE(seen.count(op.code)) << op.name << " is allowed but the sample never needs it";
+    if (op.written) {
+      EXPECT_TRUE(seen.count(op.code)) << op.name << " is allowed but the sample never needs it";
+    }
   }
   // What it writes must load again.
   ASSERT_NO_THROW(ReadPickle({reinterpret_cast<const uint8_t*>(out.pickle.data()), out.pickle.size()}, "t.pkl",
