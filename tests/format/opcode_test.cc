@@ -337,7 +337,7 @@ TEST(OpcodeTable, WriterEmitsOnlyWhatTheTableAllows) {
   for (const Op& op : Disassemble(out.pickle)) {
     seen.insert(op.info->code);
     EXPECT_TRUE(op.info->written) << "the writer emitted " << op.info->name << " at " << op.offset
-                                  << ", which the table does not allow it";
+                                  << ", which the table does not allow";
   }
   // The sample reaches every opcode the table lets the writer use, so that a
   // flag set for an opcode the writer no longer needs shows up here.
