@@ -470,7 +470,12 @@ ValuePtr Machine::CallOrderedDict(const std::vector<ValuePtr>& a) {
   if (a.empty()) return d;
   if (a.size() == 1 && (a[0]->kind == Kind::kList || a[0]->kind == Kind::kTuple)) {
     for (const auto& pair : a[0]->items) {
-      if (pair->kind != Kind::kTuple || pair->items.size() != 2) return nullptr;
+      if (pair->kind != Kind::kTuple || pair->items.size() != 2) {
+        // d dies here; its key index must not outlive it, or a dict later
+        // allocated at the same address would inherit it.
+        dict_index_.erase(d.get());
+        return nullptr;
+      }
       SetItem(*d, pair->items[0], pair->items[1]);
     }
     return d;
