@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "format/error.h"
+#include "format/pickle_opcodes.h"
 #include "format/strict_globals.h"
 
 namespace uckpt {
@@ -73,6 +74,13 @@ bool Utf8ToLatin1(const std::string& in, std::string& out) {
     }
   }
   return true;
+}
+
+ValuePtr MakeSet(Kind kind, std::vector<ValuePtr> items) {
+  auto v = std::make_shared<Value>();
+  v->kind = kind;
+  v->items = std::move(items);
+  return v;
 }
 
 // Normalizes little-endian two's complement bytes into an int value.
@@ -225,11 +233,37 @@ class Machine {
   void CheckStrictGetattr(const ValuePtr& args);
   void CheckStrictResult();
   ValuePtr Call(const ValuePtr& callable, const ValuePtr& args);
+  ValuePtr CallTorchUtils(const std::string& fn, const std::vector<ValuePtr>& a);
+  ValuePtr CallRebuildFromType(const std::vector<ValuePtr>& a);
+  ValuePtr CallOrderedDict(const std::vector<ValuePtr>& a);
+  ValuePtr CallBuiltin(const std::string& fn, const std::vector<ValuePtr>& a);
+  ValuePtr CallOther(const std::string& path, const std::vector<ValuePtr>& a);
   ValuePtr RebuildTensor(const std::string& fn, const std::vector<ValuePtr>& a);
   void SetItem(Value& target, ValuePtr key, ValuePtr value);
   void Append(Value& target, ValuePtr item);
   void Build(Value& target, ValuePtr state);
   void CheckShape();
+
+  // The VM: Run() dispatches each opcode to its group's handler
+  // (pickle::Group); the handlers switch on the opcode.
+  [[noreturn]] void UnknownOpcode(uint8_t op) const;
+  [[noreturn]] void NoHandler(uint8_t op) const;
+  ValuePtr Stop();
+  void Framing(uint8_t op);
+  void StackOp(uint8_t op);
+  void Constant(uint8_t op);
+  void Integer(uint8_t op);
+  void Float(uint8_t op);
+  void String(uint8_t op);
+  std::string QuotedString(const std::string& line);
+  std::string RawUnicode(const std::string& line);
+  void Container(uint8_t op);
+  void Fill(uint8_t op);
+  void Object(uint8_t op);
+  void NewObject(uint8_t op);
+  void Memo(uint8_t op);
+  uint64_t LineIndex(const char* error);
+  void Persistent(uint8_t op);
 
   std::span<const uint8_t> data_;
   const std::string& where_;
@@ -375,6 +409,9 @@ ValuePtr Machine::RebuildTensor(const std::string& fn, const std::vector<ValuePt
   return Value::FromTensor(std::move(t));
 }
 
+// REDUCE / INST / OBJ: a call of a global. Known builders become typed
+// values (each Call* returns null when the arguments do not fit it); any
+// other call becomes an inert object.
 ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
   if (callable->kind != Kind::kGlobal)
     Fail("call of a " + KindName(*callable) + ", which is not a class or function");
@@ -382,103 +419,116 @@ ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
   const std::string& path = callable->s;
   const std::string mod = callable->module(), fn = callable->name();
   const auto& a = args->items;
-  auto opaque = [&] { return Value::Object(path, args, false); };
   if (strict_ && path == "builtins.getattr") CheckStrictGetattr(args);
 
-  if (mod == "torch._utils") {
-    if (fn == "_rebuild_tensor_v2" || fn == "_rebuild_tensor_v3" || fn == "_rebuild_tensor") return RebuildTensor(fn, a);
-    if ((fn == "_rebuild_parameter" && a.size() == 3) || (fn == "_rebuild_parameter_with_state" && a.size() == 4)) {
-      if (a[0]->kind != Kind::kTensor || a[1]->kind != Kind::kBool) Fail("torch._utils." + fn + ": bad arguments");
-      auto p = std::make_shared<Value>();
-      p->kind = Kind::kParameter;
-      p->tensor = a[0]->tensor;
-      p->b = a[1]->b;
-      if (a.size() == 4 && !(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
-      return p;
-    }
-    return opaque();
+  ValuePtr v;
+  if (mod == "torch._utils") v = CallTorchUtils(fn, a);
+  else if (path == "torch._tensor._rebuild_from_type_v2") v = CallRebuildFromType(a);
+  else if (path == "collections.OrderedDict") v = CallOrderedDict(a);
+  else if (mod == "builtins") v = CallBuiltin(fn, a);
+  else v = CallOther(path, a);
+  return v ? v : Value::Object(path, args, false);
+}
+
+ValuePtr Machine::CallTorchUtils(const std::string& fn, const std::vector<ValuePtr>& a) {
+  if (fn == "_rebuild_tensor_v2" || fn == "_rebuild_tensor_v3" || fn == "_rebuild_tensor") return RebuildTensor(fn, a);
+  if ((fn == "_rebuild_parameter" && a.size() == 3) || (fn == "_rebuild_parameter_with_state" && a.size() == 4)) {
+    if (a[0]->kind != Kind::kTensor || a[1]->kind != Kind::kBool) Fail("torch._utils." + fn + ": bad arguments");
+    auto p = std::make_shared<Value>();
+    p->kind = Kind::kParameter;
+    p->tensor = a[0]->tensor;
+    p->b = a[1]->b;
+    if (a.size() == 4 && !(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
+    return p;
   }
-  if (path == "torch._tensor._rebuild_from_type_v2" && a.size() == 4 && a[0]->kind == Kind::kGlobal &&
-      a[1]->kind == Kind::kGlobal && a[2]->kind == Kind::kTuple) {
-    ValuePtr inner = Call(a[0], a[2]);
-    if (a[1]->s == "torch.Tensor" && inner->kind == Kind::kTensor) {
-      if (!(a[3]->is_dict() && a[3]->entries.empty())) inner->tensor->attrs = a[3];
-      return inner;
-    }
-    if (a[1]->s == "torch.nn.parameter.Parameter" && inner->kind == Kind::kTensor) {
-      auto p = std::make_shared<Value>();
-      p->kind = Kind::kParameter;
-      p->tensor = inner->tensor;
-      p->b = inner->tensor->requires_grad;
-      inner->tensor->requires_grad = false;
-      if (!(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
-      return p;
-    }
-    return opaque();
+  return nullptr;
+}
+
+// _rebuild_from_type_v2(rebuild, torch.Tensor or Parameter, args, attrs).
+ValuePtr Machine::CallRebuildFromType(const std::vector<ValuePtr>& a) {
+  if (a.size() != 4 || a[0]->kind != Kind::kGlobal || a[1]->kind != Kind::kGlobal || a[2]->kind != Kind::kTuple)
+    return nullptr;
+  ValuePtr inner = Call(a[0], a[2]);
+  if (a[1]->s == "torch.Tensor" && inner->kind == Kind::kTensor) {
+    if (!(a[3]->is_dict() && a[3]->entries.empty())) inner->tensor->attrs = a[3];
+    return inner;
   }
-  if (path == "collections.OrderedDict") {
-    auto d = Value::Dict(true);
-    if (a.empty()) return d;
-    if (a.size() == 1 && (a[0]->kind == Kind::kList || a[0]->kind == Kind::kTuple)) {
-      for (const auto& pair : a[0]->items) {
-        if (pair->kind != Kind::kTuple || pair->items.size() != 2) return opaque();
-        SetItem(*d, pair->items[0], pair->items[1]);
+  if (a[1]->s == "torch.nn.parameter.Parameter" && inner->kind == Kind::kTensor) {
+    auto p = std::make_shared<Value>();
+    p->kind = Kind::kParameter;
+    p->tensor = inner->tensor;
+    p->b = inner->tensor->requires_grad;
+    inner->tensor->requires_grad = false;
+    if (!(a[3]->is_dict() && a[3]->entries.empty())) p->state = a[3];
+    return p;
+  }
+  return nullptr;
+}
+
+ValuePtr Machine::CallOrderedDict(const std::vector<ValuePtr>& a) {
+  auto d = Value::Dict(true);
+  if (a.empty()) return d;
+  if (a.size() == 1 && (a[0]->kind == Kind::kList || a[0]->kind == Kind::kTuple)) {
+    for (const auto& pair : a[0]->items) {
+      if (pair->kind != Kind::kTuple || pair->items.size() != 2) {
+        // d dies here; its key index must not outlive it, or a dict later
+        // allocated at the same address would inherit it.
+        dict_index_.erase(d.get());
+        return nullptr;
       }
-      return d;
+      SetItem(*d, pair->items[0], pair->items[1]);
     }
-    return opaque();
+    return d;
   }
-  if (mod == "builtins") {
-    if ((fn == "set" || fn == "frozenset") && a.size() <= 1) {
-      auto v = std::make_shared<Value>();
-      v->kind = fn == "set" ? Kind::kSet : Kind::kFrozenSet;
-      if (a.size() == 1) {
-        if (a[0]->kind != Kind::kList && a[0]->kind != Kind::kTuple) return opaque();
-        v->items = a[0]->items;
-      }
-      return v;
-    }
-    if (fn == "bytes" && a.empty()) return Value::Bytes("");
-    if (fn == "bytearray" && a.size() <= 1) {
-      auto v = Value::Bytes("");
-      v->kind = Kind::kByteArray;
-      if (a.size() == 1) {
-        if (a[0]->kind != Kind::kBytes) return opaque();
-        v->s = a[0]->s;
-      }
-      return v;
-    }
-    if (fn == "complex" && a.size() == 2 && a[0]->kind == Kind::kFloat && a[1]->kind == Kind::kFloat) {
-      auto v = std::make_shared<Value>();
-      v->kind = Kind::kComplex;
-      v->f = a[0]->f;
-      v->imag = a[1]->f;
-      return v;
-    }
-    return opaque();
+  return nullptr;
+}
+
+ValuePtr Machine::CallBuiltin(const std::string& fn, const std::vector<ValuePtr>& a) {
+  if ((fn == "set" || fn == "frozenset") && a.size() <= 1) {
+    if (a.size() == 1 && a[0]->kind != Kind::kList && a[0]->kind != Kind::kTuple) return nullptr;
+    return MakeSet(fn == "set" ? Kind::kSet : Kind::kFrozenSet, a.empty() ? std::vector<ValuePtr>{} : a[0]->items);
   }
+  if (fn == "bytes" && a.empty()) return Value::Bytes("");
+  if (fn == "bytearray" && a.size() <= 1) {
+    if (a.size() == 1 && a[0]->kind != Kind::kBytes) return nullptr;
+    auto v = Value::Bytes(a.empty() ? "" : a[0]->s);
+    v->kind = Kind::kByteArray;
+    return v;
+  }
+  if (fn == "complex" && a.size() == 2 && a[0]->kind == Kind::kFloat && a[1]->kind == Kind::kFloat) {
+    auto v = std::make_shared<Value>();
+    v->kind = Kind::kComplex;
+    v->f = a[0]->f;
+    v->imag = a[1]->f;
+    return v;
+  }
+  return nullptr;
+}
+
+// _codecs.encode(text, 'latin1') (how protocol 2 writes bytes), torch.Size, torch.device.
+ValuePtr Machine::CallOther(const std::string& path, const std::vector<ValuePtr>& a) {
   if (path == "_codecs.encode" && a.size() == 2 && a[0]->kind == Kind::kStr && a[1]->kind == Kind::kStr &&
       (a[1]->s == "latin1" || a[1]->s == "latin-1")) {
     std::string raw;
-    if (!Utf8ToLatin1(a[0]->s, raw)) return opaque();
+    if (!Utf8ToLatin1(a[0]->s, raw)) return nullptr;
     return Value::Bytes(std::move(raw));
   }
   if (path == "torch.Size" && a.size() == 1) {
     std::vector<int64_t> dims;
     if (IntTuple(a[0], dims)) return Value::Size(dims);
-    return opaque();
+    return nullptr;
   }
   if (path == "torch.device" && !a.empty() && a.size() <= 2 && a[0]->kind == Kind::kStr) {
     auto v = std::make_shared<Value>();
     v->kind = Kind::kTorchDevice;
     v->s = a[0]->s;
     if (a.size() == 2) {
-      if (!IsInt(a[1])) return opaque();
+      if (!IsInt(a[1])) return nullptr;
       v->s += ":" + std::to_string(a[1]->i);
     }
     return v;
   }
-  return opaque();
+  return nullptr;
 }
 
 // Strict mode takes getattr only as getattr(ZeroStageEnum, member).
@@ -547,324 +597,393 @@ void Machine::CheckShape() {
   }
 }
 
+// ---- The VM loop and one handler per opcode group ---------------------------
+//
+// Run() looks each byte up in pickle::kOpcodeTable and hands it to its group's
+// handler, which switches on the opcode. Adding an opcode to a group means a
+// table entry and a case in that group's handler; a table entry without one
+// fails loudly (NoHandler) instead of being skipped.
+
 ValuePtr Machine::Run() {
+  using pickle::Group;
   while (true) {
     op_pos_ = pos_;
-    uint8_t op = U8();
-    switch (op) {
-      case 0x80: {  // PROTO
-        if (U8() > 5) Fail("unsupported pickle protocol");
+    const uint8_t op = U8();
+    const pickle::OpInfo* info = pickle::FindOpcode(op);
+    if (!info) UnknownOpcode(op);
+    switch (info->group) {
+      case Group::kFraming:
+        if (op == pickle::kStop) return Stop();
+        Framing(op);
         break;
-      }
-      case 0x95: Take(8); break;  // FRAME: a length hint only
-      case '.': {  // STOP
-        ValuePtr result = Pop();
-        stack_.assign(1, result);
-        CheckShape();
-        if (strict_) CheckStrictResult();
-        done_ = true;
-        return result;
-      }
-      case '(': marks_.push_back(stack_.size()); break;
-      case '0': {  // POP (pops the mark when nothing is above it, like Python)
-        if (stack_.size() > Base()) stack_.pop_back();
-        else if (!marks_.empty()) marks_.pop_back();
-        else Fail("POP on an empty stack");
-        break;
-      }
-      case '1': PopMark(); break;  // POP_MARK
-      case '2': Push(Top()); break;  // DUP
-      case 'N': Push(Value::None()); break;
-      case 0x88: Push(Value::Bool(true)); break;
-      case 0x89: Push(Value::Bool(false)); break;
-      case 'K': Push(Value::Int(U8())); break;
-      case 'M': {
-        const uint8_t* p = Take(2);
-        Push(Value::Int(p[0] | (p[1] << 8)));
-        break;
-      }
-      case 'J': Push(Value::Int(static_cast<int32_t>(U32()))); break;
-      case 0x8a: {  // LONG1
-        size_t n = U8();
-        Push(IntFromBytes(Take(n), n));
-        break;
-      }
-      case 0x8b: {  // LONG4
-        int32_t n = static_cast<int32_t>(U32());
-        if (n < 0) Fail("negative LONG4 length");
-        if (static_cast<size_t>(n) > limits_.max_int_bytes) Fail("integer of " + std::to_string(n) + " bytes exceeds the limit");
-        Push(IntFromBytes(Take(static_cast<size_t>(n)), static_cast<size_t>(n)));
-        break;
-      }
-      case 'I': {  // INT (text)
-        std::string t = Line();
-        if (t == "01" || t == "00") {
-          Push(Value::Bool(t == "01"));
-          break;
-        }
-        auto v = IntFromDecimal(t, limits_.max_int_bytes);
-        if (!v) Fail("bad or over-long INT text");
-        Push(v);
-        break;
-      }
-      case 'L': {  // LONG (text)
-        auto v = IntFromDecimal(Line(), limits_.max_int_bytes);
-        if (!v) Fail("bad or over-long LONG text");
-        Push(v);
-        break;
-      }
-      case 'G': {  // BINFLOAT, big-endian
-        const uint8_t* p = Take(8);
-        uint64_t u = 0;
-        for (int k = 0; k < 8; ++k) u = (u << 8) | p[k];
-        Push(Value::Float(std::bit_cast<double>(u)));
-        break;
-      }
-      case 'F': {  // FLOAT (text)
-        std::string t = Line();
-        char* end = nullptr;
-        double d = std::strtod(t.c_str(), &end);
-        if (t.empty() || end != t.c_str() + t.size()) Fail("bad FLOAT text");
-        Push(Value::Float(d));
-        break;
-      }
-      case 'X': Push(Value::Str(Bytes(U32()))); break;          // BINUNICODE
-      case 0x8c: Push(Value::Str(Bytes(U8()))); break;          // SHORT_BINUNICODE
-      case 0x8d: Push(Value::Str(Bytes(U64()))); break;         // BINUNICODE8
-      case 'T': Push(Value::Str(Bytes(U32()))); break;          // BINSTRING (py2 str)
-      case 'U': Push(Value::Str(Bytes(U8()))); break;           // SHORT_BINSTRING
-      case 'B': Push(Value::Bytes(Bytes(U32()))); break;        // BINBYTES
-      case 'C': Push(Value::Bytes(Bytes(U8()))); break;         // SHORT_BINBYTES
-      case 0x8e: Push(Value::Bytes(Bytes(U64()))); break;       // BINBYTES8
-      case 0x96: {                                              // BYTEARRAY8
-        auto v = Value::Bytes(Bytes(U64()));
-        v->kind = Kind::kByteArray;
-        Push(v);
-        break;
-      }
-      case 'S': {  // STRING: a quoted Python 2 literal
-        std::string t = Line();
-        if (t.size() < 2 || (t.front() != '\'' && t.front() != '"') || t.back() != t.front()) Fail("bad STRING quoting");
-        std::string out;
-        for (size_t k = 1; k + 1 < t.size(); ++k) {
-          char c = t[k];
-          if (c != '\\' || k + 2 >= t.size()) {
-            out.push_back(c);
-            continue;
-          }
-          char e = t[++k];
-          switch (e) {
-            case 'n': out.push_back('\n'); break;
-            case 't': out.push_back('\t'); break;
-            case 'r': out.push_back('\r'); break;
-            case '0': out.push_back('\0'); break;
-            case 'x': {  // two hex digits, as Python requires
-              auto hex = [](char h) {
-                return (h >= '0' && h <= '9') ? h - '0' : (h >= 'a' && h <= 'f') ? h - 'a' + 10
-                                                        : (h >= 'A' && h <= 'F') ? h - 'A' + 10 : -1;
-              };
-              if (k + 2 >= t.size() - 1 || hex(t[k + 1]) < 0 || hex(t[k + 2]) < 0) Fail("bad \\x escape in STRING");
-              out.push_back(static_cast<char>(hex(t[k + 1]) * 16 + hex(t[k + 2])));
-              k += 2;
-              break;
-            }
-            default: out.push_back(e);
-          }
-        }
-        Push(Value::Str(out));
-        break;
-      }
-      case 'V': {  // UNICODE: raw-unicode-escape
-        std::string t = Line(), out;
-        for (size_t k = 0; k < t.size(); ++k) {
-          uint8_t c = static_cast<uint8_t>(t[k]);
-          if (c == '\\' && k + 1 < t.size() && (t[k + 1] == 'u' || t[k + 1] == 'U')) {
-            size_t n = t[k + 1] == 'u' ? 4 : 8;
-            if (k + 2 + n > t.size()) Fail("bad \\u escape");
-            uint32_t cp = 0;
-            for (size_t j = 0; j < n; ++j) {
-              char h = t[k + 2 + j];
-              int d = (h >= '0' && h <= '9') ? h - '0' : (h >= 'a' && h <= 'f') ? h - 'a' + 10 : (h >= 'A' && h <= 'F') ? h - 'A' + 10 : -1;
-              if (d < 0) Fail("bad \\u escape");
-              cp = cp * 16 + static_cast<uint32_t>(d);
-            }
-            if (cp > 0x10FFFF) Fail("code point out of range");
-            AppendUtf8(out, cp);
-            k += 1 + n;
-          } else {
-            AppendUtf8(out, c);
-          }
-        }
-        Push(Value::Str(out));
-        break;
-      }
-      case ')': Push(Value::Tuple()); break;
-      case 0x85: {
-        auto a = Pop();
-        Push(Value::Tuple({a}));
-        break;
-      }
-      case 0x86: {
-        auto b = Pop(), a = Pop();
-        Push(Value::Tuple({a, b}));
-        break;
-      }
-      case 0x87: {
-        auto c = Pop(), b = Pop(), a = Pop();
-        Push(Value::Tuple({a, b, c}));
-        break;
-      }
-      case 't': Push(Value::Tuple(PopMark())); break;
-      case ']': Push(Value::List()); break;
-      case 'l': Push(Value::List(PopMark())); break;
-      case '}': Push(Value::Dict()); break;
-      case 'd': {  // DICT
-        auto items = PopMark();
-        if (items.size() % 2) Fail("DICT with an odd number of items");
-        auto d = Value::Dict();
-        for (size_t k = 0; k < items.size(); k += 2) SetItem(*d, items[k], items[k + 1]);
-        Push(d);
-        break;
-      }
-      case 0x8f: {  // EMPTY_SET
-        auto v = std::make_shared<Value>();
-        v->kind = Kind::kSet;
-        Push(v);
-        break;
-      }
-      case 0x90: {  // ADDITEMS
-        auto items = PopMark();
-        auto& s = Top();
-        if (s->kind != Kind::kSet) Fail("ADDITEMS on a " + KindName(*s));
-        for (auto& it : items) s->items.push_back(std::move(it));
-        break;
-      }
-      case 0x91: {  // FROZENSET
-        auto v = std::make_shared<Value>();
-        v->kind = Kind::kFrozenSet;
-        v->items = PopMark();
-        Push(v);
-        break;
-      }
-      case 'a': {  // APPEND
-        auto item = Pop();
-        Append(*Top(), std::move(item));
-        break;
-      }
-      case 'e': {  // APPENDS
-        auto items = PopMark();
-        auto& target = *Top();
-        for (auto& it : items) Append(target, std::move(it));
-        break;
-      }
-      case 's': {  // SETITEM
-        auto v = Pop(), k = Pop();
-        SetItem(*Top(), std::move(k), std::move(v));
-        break;
-      }
-      case 'u': {  // SETITEMS
-        auto items = PopMark();
-        if (items.size() % 2) Fail("SETITEMS with an odd number of items");
-        auto& target = *Top();
-        for (size_t k = 0; k < items.size(); k += 2) SetItem(target, items[k], items[k + 1]);
-        break;
-      }
-      case 'c': {  // GLOBAL
-        std::string module = Line(), name = Line();
-        Push(MakeGlobal(module, name));
-        break;
-      }
-      case 0x93: {  // STACK_GLOBAL
-        auto name = Pop(), module = Pop();
-        if (module->kind != Kind::kStr || name->kind != Kind::kStr) Fail("STACK_GLOBAL needs two strings");
-        Push(MakeGlobal(module->s, name->s));
-        break;
-      }
-      case 'R': {  // REDUCE
-        auto args = Pop();
-        auto callable = Pop();
-        Push(Call(callable, args));
-        break;
-      }
-      case 0x81: {  // NEWOBJ
-        auto args = Pop();
-        auto cls = Pop();
-        if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple) Fail("NEWOBJ needs a class and a tuple");
-        if (strict_ && cls->s == "builtins.getattr") CheckStrictGetattr(Value::Tuple());
-        Push(Value::Object(cls->s, args, true));
-        break;
-      }
-      case 0x92: {  // NEWOBJ_EX
-        auto kwargs = Pop(), args = Pop(), cls = Pop();
-        if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple || !kwargs->is_dict())
-          Fail("NEWOBJ_EX needs a class, a tuple and a dict");
-        if (strict_ && cls->s == "builtins.getattr") CheckStrictGetattr(Value::Tuple());
-        auto v = Value::Object(cls->s, args, true);
-        if (!kwargs->entries.empty()) v->kwargs = kwargs;
-        Push(v);
-        break;
-      }
-      case 'i': {  // INST: module, name, args to mark
-        std::string module = Line(), name = Line();
-        auto args = Value::Tuple(PopMark());
-        Push(Call(MakeGlobal(module, name), args));
-        break;
-      }
-      case 'o': {  // OBJ: class and args to mark
-        auto items = PopMark();
-        if (items.empty()) Fail("OBJ without a class");
-        auto cls = items.front();
-        items.erase(items.begin());
-        Push(Call(cls, Value::Tuple(std::move(items))));
-        break;
-      }
-      case 'b': {  // BUILD
-        auto state = Pop();
-        Build(*Top(), std::move(state));
-        break;
-      }
-      case 'Q': {  // BINPERSID
-        auto pid = Pop();
-        if (!load_) Fail("persistent id found but no loader given");
-        Push(load_(pid));
-        break;
-      }
-      case 'P': {  // PERSID (text)
-        auto pid = Value::Str(Line());
-        if (!load_) Fail("persistent id found but no loader given");
-        Push(load_(pid));
-        break;
-      }
-      case 'q': Put(U8()); break;
-      case 'r': Put(U32()); break;
-      case 'p': {
-        std::string t = Line();
-        char* end = nullptr;
-        unsigned long long idx = std::strtoull(t.c_str(), &end, 10);
-        if (t.empty() || end != t.c_str() + t.size()) Fail("bad PUT index");
-        Put(idx);
-        break;
-      }
-      case 0x94: Put(memo_.size()); break;  // MEMOIZE
-      case 'h': Push(Get(U8())); break;
-      case 'j': Push(Get(U32())); break;
-      case 'g': {
-        std::string t = Line();
-        char* end = nullptr;
-        unsigned long long idx = std::strtoull(t.c_str(), &end, 10);
-        if (t.empty() || end != t.c_str() + t.size()) Fail("bad GET index");
-        Push(Get(idx));
-        break;
-      }
-      case 0x82: case 0x83: case 0x84: Fail("extension-registry opcodes (EXT1/2/4) are not supported");
-      case 0x97: case 0x98: Fail("out-of-band buffers (protocol 5) are not supported");
-      default: {
-        char hex[8];
-        std::snprintf(hex, sizeof hex, "0x%02x", op);
-        Fail(std::string("unknown opcode ") + hex);
-      }
+      case Group::kStack: StackOp(op); break;
+      case Group::kConstant: Constant(op); break;
+      case Group::kInteger: Integer(op); break;
+      case Group::kFloat: Float(op); break;
+      case Group::kString: String(op); break;
+      case Group::kContainer: Container(op); break;
+      case Group::kObject: Object(op); break;
+      case Group::kMemo: Memo(op); break;
+      case Group::kPersistent: Persistent(op); break;
+      // Both would need Python-side state (the copyreg registry, buffers
+      // handed to the unpickler) that a torch file cannot carry.
+      case Group::kExtension: Fail("extension-registry opcodes (EXT1/2/4) are not supported");
+      case Group::kBuffer: Fail("out-of-band buffers (protocol 5) are not supported");
     }
   }
+}
+
+void Machine::UnknownOpcode(uint8_t op) const {
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "0x%02x", op);
+  Fail(std::string("unknown opcode ") + hex);
+}
+
+void Machine::NoHandler(uint8_t op) const {
+  Fail("opcode " + std::string(pickle::FindOpcode(op)->name) + " has no handler in its group (a uckpt bug)");
+}
+
+// STOP: the top of the stack is the result; check its shape before handing it out.
+ValuePtr Machine::Stop() {
+  ValuePtr result = Pop();
+  stack_.assign(1, result);
+  CheckShape();
+  if (strict_) CheckStrictResult();
+  done_ = true;
+  return result;
+}
+
+void Machine::Framing(uint8_t op) {
+  switch (op) {
+    case pickle::kProto:
+      if (U8() > pickle::kHighestProtocol) Fail("unsupported pickle protocol");
+      return;
+    case pickle::kFrame: Take(8); return;  // a length hint only
+    default: NoHandler(op);
+  }
+}
+
+void Machine::StackOp(uint8_t op) {
+  switch (op) {
+    case pickle::kMark: marks_.push_back(stack_.size()); return;
+    case pickle::kPop:  // pops the mark when nothing is above it, like Python
+      if (stack_.size() > Base()) stack_.pop_back();
+      else if (!marks_.empty()) marks_.pop_back();
+      else Fail("POP on an empty stack");
+      return;
+    case pickle::kPopMark: PopMark(); return;
+    case pickle::kDup: Push(Top()); return;
+    default: NoHandler(op);
+  }
+}
+
+void Machine::Constant(uint8_t op) {
+  switch (op) {
+    case pickle::kNone: Push(Value::None()); return;
+    case pickle::kNewTrue: Push(Value::Bool(true)); return;
+    case pickle::kNewFalse: Push(Value::Bool(false)); return;
+    default: NoHandler(op);
+  }
+}
+
+void Machine::Integer(uint8_t op) {
+  switch (op) {
+    case pickle::kBinInt1: Push(Value::Int(U8())); return;
+    case pickle::kBinInt2: {
+      const uint8_t* p = Take(2);
+      Push(Value::Int(p[0] | (p[1] << 8)));
+      return;
+    }
+    case pickle::kBinInt: Push(Value::Int(static_cast<int32_t>(U32()))); return;
+    case pickle::kLong1: {
+      size_t n = U8();
+      Push(IntFromBytes(Take(n), n));
+      return;
+    }
+    case pickle::kLong4: {
+      int32_t n = static_cast<int32_t>(U32());
+      if (n < 0) Fail("negative LONG4 length");
+      if (static_cast<size_t>(n) > limits_.max_int_bytes) Fail("integer of " + std::to_string(n) + " bytes exceeds the limit");
+      Push(IntFromBytes(Take(static_cast<size_t>(n)), static_cast<size_t>(n)));
+      return;
+    }
+    case pickle::kInt: {  // text; protocol 0 wrote bools as INT 01 / 00
+      std::string t = Line();
+      if (t == "01" || t == "00") return Push(Value::Bool(t == "01"));
+      auto v = IntFromDecimal(t, limits_.max_int_bytes);
+      if (!v) Fail("bad or over-long INT text");
+      return Push(v);
+    }
+    case pickle::kLong: {
+      auto v = IntFromDecimal(Line(), limits_.max_int_bytes);
+      if (!v) Fail("bad or over-long LONG text");
+      return Push(v);
+    }
+    default: NoHandler(op);
+  }
+}
+
+void Machine::Float(uint8_t op) {
+  switch (op) {
+    case pickle::kBinFloat: {  // big-endian
+      const uint8_t* p = Take(8);
+      uint64_t u = 0;
+      for (int k = 0; k < 8; ++k) u = (u << 8) | p[k];
+      return Push(Value::Float(std::bit_cast<double>(u)));
+    }
+    case pickle::kFloat: {  // text
+      std::string t = Line();
+      char* end = nullptr;
+      double d = std::strtod(t.c_str(), &end);
+      if (t.empty() || end != t.c_str() + t.size()) Fail("bad FLOAT text");
+      return Push(Value::Float(d));
+    }
+    default: NoHandler(op);
+  }
+}
+
+void Machine::String(uint8_t op) {
+  switch (op) {
+    case pickle::kBinUnicode: return Push(Value::Str(Bytes(U32())));
+    case pickle::kShortBinUnicode: return Push(Value::Str(Bytes(U8())));
+    case pickle::kBinUnicode8: return Push(Value::Str(Bytes(U64())));
+    // Python 2 str: read as text, as torch.load's default encoding does.
+    case pickle::kBinString: return Push(Value::Str(Bytes(U32())));
+    case pickle::kShortBinString: return Push(Value::Str(Bytes(U8())));
+    case pickle::kBinBytes: return Push(Value::Bytes(Bytes(U32())));
+    case pickle::kShortBinBytes: return Push(Value::Bytes(Bytes(U8())));
+    case pickle::kBinBytes8: return Push(Value::Bytes(Bytes(U64())));
+    case pickle::kByteArray8: {
+      auto v = Value::Bytes(Bytes(U64()));
+      v->kind = Kind::kByteArray;
+      return Push(v);
+    }
+    case pickle::kString: return Push(Value::Str(QuotedString(Line())));
+    case pickle::kUnicode: return Push(Value::Str(RawUnicode(Line())));
+    default: NoHandler(op);
+  }
+}
+
+namespace {
+int HexDigit(char h) {
+  return (h >= '0' && h <= '9') ? h - '0' : (h >= 'a' && h <= 'f') ? h - 'a' + 10 : (h >= 'A' && h <= 'F') ? h - 'A' + 10 : -1;
+}
+}  // namespace
+
+// STRING's argument: a quoted Python 2 literal.
+std::string Machine::QuotedString(const std::string& t) {
+  if (t.size() < 2 || (t.front() != '\'' && t.front() != '"') || t.back() != t.front()) Fail("bad STRING quoting");
+  std::string out;
+  for (size_t k = 1; k + 1 < t.size(); ++k) {
+    char c = t[k];
+    if (c != '\\' || k + 2 >= t.size()) {
+      out.push_back(c);
+      continue;
+    }
+    char e = t[++k];
+    switch (e) {
+      case 'n': out.push_back('\n'); break;
+      case 't': out.push_back('\t'); break;
+      case 'r': out.push_back('\r'); break;
+      case '0': out.push_back('\0'); break;
+      case 'x':  // two hex digits, as Python requires
+        if (k + 2 >= t.size() - 1 || HexDigit(t[k + 1]) < 0 || HexDigit(t[k + 2]) < 0) Fail("bad \\x escape in STRING");
+        out.push_back(static_cast<char>(HexDigit(t[k + 1]) * 16 + HexDigit(t[k + 2])));
+        k += 2;
+        break;
+      default: out.push_back(e);
+    }
+  }
+  return out;
+}
+
+// UNICODE's argument: raw-unicode-escape text (only \u and \U are escapes;
+// every other byte is the code point of its value).
+std::string Machine::RawUnicode(const std::string& t) {
+  std::string out;
+  for (size_t k = 0; k < t.size(); ++k) {
+    uint8_t c = static_cast<uint8_t>(t[k]);
+    if (c == '\\' && k + 1 < t.size() && (t[k + 1] == 'u' || t[k + 1] == 'U')) {
+      size_t n = t[k + 1] == 'u' ? 4 : 8;
+      if (k + 2 + n > t.size()) Fail("bad \\u escape");
+      uint32_t cp = 0;
+      for (size_t j = 0; j < n; ++j) {
+        int d = HexDigit(t[k + 2 + j]);
+        if (d < 0) Fail("bad \\u escape");
+        cp = cp * 16 + static_cast<uint32_t>(d);
+      }
+      if (cp > 0x10FFFF) Fail("code point out of range");
+      AppendUtf8(out, cp);
+      k += 1 + n;
+    } else {
+      AppendUtf8(out, c);
+    }
+  }
+  return out;
+}
+
+// Making tuples, lists, dicts and sets.
+void Machine::Container(uint8_t op) {
+  switch (op) {
+    case pickle::kEmptyTuple: return Push(Value::Tuple());
+    case pickle::kTuple1: {
+      auto a = Pop();
+      return Push(Value::Tuple({a}));
+    }
+    case pickle::kTuple2: {
+      auto b = Pop(), a = Pop();
+      return Push(Value::Tuple({a, b}));
+    }
+    case pickle::kTuple3: {
+      auto c = Pop(), b = Pop(), a = Pop();
+      return Push(Value::Tuple({a, b, c}));
+    }
+    case pickle::kTuple: return Push(Value::Tuple(PopMark()));
+    case pickle::kEmptyList: return Push(Value::List());
+    case pickle::kList: return Push(Value::List(PopMark()));
+    case pickle::kEmptyDict: return Push(Value::Dict());
+    case pickle::kDict: {
+      auto items = PopMark();
+      if (items.size() % 2) Fail("DICT with an odd number of items");
+      auto d = Value::Dict();
+      for (size_t k = 0; k < items.size(); k += 2) SetItem(*d, items[k], items[k + 1]);
+      return Push(d);
+    }
+    case pickle::kEmptySet: return Push(MakeSet(Kind::kSet, {}));
+    case pickle::kFrozenSet: return Push(MakeSet(Kind::kFrozenSet, PopMark()));
+    default: return Fill(op);
+  }
+}
+
+// Adding to the container on top of the stack.
+void Machine::Fill(uint8_t op) {
+  switch (op) {
+    case pickle::kAddItems: {
+      auto items = PopMark();
+      auto& s = Top();
+      if (s->kind != Kind::kSet) Fail("ADDITEMS on a " + KindName(*s));
+      for (auto& it : items) s->items.push_back(std::move(it));
+      return;
+    }
+    case pickle::kAppend: {
+      auto item = Pop();
+      return Append(*Top(), std::move(item));
+    }
+    case pickle::kAppends: {
+      auto items = PopMark();
+      auto& target = *Top();
+      for (auto& it : items) Append(target, std::move(it));
+      return;
+    }
+    case pickle::kSetItem: {
+      auto v = Pop(), k = Pop();
+      return SetItem(*Top(), std::move(k), std::move(v));
+    }
+    case pickle::kSetItems: {
+      auto items = PopMark();
+      if (items.size() % 2) Fail("SETITEMS with an odd number of items");
+      auto& target = *Top();
+      for (size_t k = 0; k < items.size(); k += 2) SetItem(target, items[k], items[k + 1]);
+      return;
+    }
+    default: NoHandler(op);
+  }
+}
+
+// Globals, calls and BUILD. No opcode here runs anything: MakeGlobal names a
+// global (strict mode checks the name), Call models known builders.
+void Machine::Object(uint8_t op) {
+  switch (op) {
+    case pickle::kGlobal: {
+      std::string module = Line(), name = Line();
+      return Push(MakeGlobal(module, name));
+    }
+    case pickle::kStackGlobal: {
+      auto name = Pop(), module = Pop();
+      if (module->kind != Kind::kStr || name->kind != Kind::kStr) Fail("STACK_GLOBAL needs two strings");
+      return Push(MakeGlobal(module->s, name->s));
+    }
+    case pickle::kReduce: {
+      auto args = Pop();
+      auto callable = Pop();
+      return Push(Call(callable, args));
+    }
+    case pickle::kInst: {  // module, name; args up to the mark
+      std::string module = Line(), name = Line();
+      auto args = Value::Tuple(PopMark());
+      return Push(Call(MakeGlobal(module, name), args));
+    }
+    case pickle::kObj: {  // class and args up to the mark
+      auto items = PopMark();
+      if (items.empty()) Fail("OBJ without a class");
+      auto cls = items.front();
+      items.erase(items.begin());
+      return Push(Call(cls, Value::Tuple(std::move(items))));
+    }
+    case pickle::kBuild: {
+      auto state = Pop();
+      return Build(*Top(), std::move(state));
+    }
+    default: return NewObject(op);
+  }
+}
+
+// NEWOBJ / NEWOBJ_EX: cls.__new__(cls, *args[, **kwargs]) becomes an inert
+// object; strict mode still refuses getattr as the class.
+void Machine::NewObject(uint8_t op) {
+  switch (op) {
+    case pickle::kNewObj: {
+      auto args = Pop();
+      auto cls = Pop();
+      if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple) Fail("NEWOBJ needs a class and a tuple");
+      if (strict_ && cls->s == "builtins.getattr") CheckStrictGetattr(Value::Tuple());
+      return Push(Value::Object(cls->s, args, true));
+    }
+    case pickle::kNewObjEx: {
+      auto kwargs = Pop(), args = Pop(), cls = Pop();
+      if (cls->kind != Kind::kGlobal || args->kind != Kind::kTuple || !kwargs->is_dict())
+        Fail("NEWOBJ_EX needs a class, a tuple and a dict");
+      if (strict_ && cls->s == "builtins.getattr") CheckStrictGetattr(Value::Tuple());
+      auto v = Value::Object(cls->s, args, true);
+      if (!kwargs->entries.empty()) v->kwargs = kwargs;
+      return Push(v);
+    }
+    default: NoHandler(op);
+  }
+}
+
+void Machine::Memo(uint8_t op) {
+  switch (op) {
+    case pickle::kBinPut: return Put(U8());
+    case pickle::kLongBinPut: return Put(U32());
+    case pickle::kPut: return Put(LineIndex("bad PUT index"));
+    case pickle::kMemoize: return Put(memo_.size());
+    case pickle::kBinGet: return Push(Get(U8()));
+    case pickle::kLongBinGet: return Push(Get(U32()));
+    case pickle::kGet: return Push(Get(LineIndex("bad GET index")));
+    default: NoHandler(op);
+  }
+}
+
+// The decimal memo index of PUT / GET.
+uint64_t Machine::LineIndex(const char* error) {
+  std::string t = Line();
+  char* end = nullptr;
+  unsigned long long idx = std::strtoull(t.c_str(), &end, 10);
+  if (t.empty() || end != t.c_str() + t.size()) Fail(error);
+  return idx;
+}
+
+// Persistent ids are how torch refers to storages; the loader resolves them.
+void Machine::Persistent(uint8_t op) {
+  ValuePtr pid;
+  switch (op) {
+    case pickle::kBinPersId: pid = Pop(); break;
+    case pickle::kPersId: pid = Value::Str(Line()); break;
+    default: NoHandler(op);
+  }
+  if (!load_) Fail("persistent id found but no loader given");
+  Push(load_(pid));
 }
 
 }  // namespace

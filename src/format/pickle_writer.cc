@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "format/error.h"
+#include "format/pickle_opcodes.h"
 
 namespace uckpt {
 namespace {
@@ -12,15 +13,17 @@ namespace {
 class Pickler {
  public:
   PickledValue Run(const ValuePtr& root) {
-    out_.pickle += "\x80\x02";
+    // Protocol 2: torch.save's default, and the one torch's weights_only loader expects.
+    Op(pickle::kProto);
+    b().push_back(2);
     Save(root);
-    out_.pickle += '.';
+    Op(pickle::kStop);
     return std::move(out_);
   }
 
  private:
   std::string& b() { return out_.pickle; }
-  void Op(char op) { b().push_back(op); }
+  void Op(pickle::Opcode op) { b().push_back(static_cast<char>(op)); }
   void U32(uint32_t v) {
     for (int k = 0; k < 4; ++k) b().push_back(static_cast<char>((v >> (8 * k)) & 0xff));
   }
@@ -28,19 +31,19 @@ class Pickler {
   void Put() {
     uint32_t idx = next_memo_++;
     if (idx < 256) {
-      Op('q');
+      Op(pickle::kBinPut);
       b().push_back(static_cast<char>(idx));
     } else {
-      Op('r');
+      Op(pickle::kLongBinPut);
       U32(idx);
     }
   }
   void Get(uint32_t idx) {
     if (idx < 256) {
-      Op('h');
+      Op(pickle::kBinGet);
       b().push_back(static_cast<char>(idx));
     } else {
-      Op('j');
+      Op(pickle::kLongBinGet);
       U32(idx);
     }
   }
@@ -58,14 +61,14 @@ class Pickler {
 
   void Int(int64_t v) {
     if (v >= 0 && v <= 0xff) {
-      Op('K');
+      Op(pickle::kBinInt1);
       b().push_back(static_cast<char>(v));
     } else if (v >= 0 && v <= 0xffff) {
-      Op('M');
+      Op(pickle::kBinInt2);
       b().push_back(static_cast<char>(v & 0xff));
       b().push_back(static_cast<char>(v >> 8));
     } else if (v >= INT32_MIN && v <= INT32_MAX) {
-      Op('J');
+      Op(pickle::kBinInt);
       U32(static_cast<uint32_t>(static_cast<int32_t>(v)));
     } else {
       std::vector<uint8_t> bytes;
@@ -80,21 +83,21 @@ class Pickler {
   }
   void BigInt(const std::vector<uint8_t>& bytes) {
     if (bytes.size() < 256) {
-      Op('\x8a');
+      Op(pickle::kLong1);
       b().push_back(static_cast<char>(bytes.size()));
     } else {
-      Op('\x8b');
+      Op(pickle::kLong4);
       U32(static_cast<uint32_t>(bytes.size()));
     }
     b().append(bytes.begin(), bytes.end());
   }
   void Float(double d) {
-    Op('G');
+    Op(pickle::kBinFloat);
     uint64_t u = std::bit_cast<uint64_t>(d);
     for (int k = 7; k >= 0; --k) b().push_back(static_cast<char>((u >> (8 * k)) & 0xff));
   }
   void Str(const std::string& s) {
-    Op('X');
+    Op(pickle::kBinUnicode);
     U32(static_cast<uint32_t>(s.size()));
     b() += s;
   }
@@ -114,7 +117,7 @@ class Pickler {
       Get(it->second);
       return;
     }
-    Op('c');
+    Op(pickle::kGlobal);
     b() += key;
     global_memo_[key] = next_memo_;
     Put();
@@ -125,47 +128,41 @@ class Pickler {
   }
   void TupleOf(size_t n) {
     switch (n) {
-      case 0: Op(')'); return;
-      case 1: Op('\x85'); break;
-      case 2: Op('\x86'); break;
-      case 3: Op('\x87'); break;
-      default: Op('t'); break;
+      case 0: Op(pickle::kEmptyTuple); return;
+      case 1: Op(pickle::kTuple1); break;
+      case 2: Op(pickle::kTuple2); break;
+      case 3: Op(pickle::kTuple3); break;
+      default: Op(pickle::kTuple); break;
     }
-    Put();
-  }
-  void EmptyOrderedDict() {
-    Global("collections", "OrderedDict");
-    Op(')');
-    Op('R');
     Put();
   }
 
   void Items(const std::vector<ValuePtr>& items) {  // after a list/object on the stack
     if (items.size() == 1) {
       Save(items[0]);
-      Op('a');
+      Op(pickle::kAppend);
       return;
     }
     for (size_t k = 0; k < items.size(); k += 1000) {
-      Op('(');
+      Op(pickle::kMark);
       for (size_t j = k; j < std::min(items.size(), k + 1000); ++j) Save(items[j]);
-      Op('e');
+      Op(pickle::kAppends);
     }
   }
   void Entries(const std::vector<std::pair<ValuePtr, ValuePtr>>& entries) {
     if (entries.size() == 1) {
       Save(entries[0].first);
       Save(entries[0].second);
-      Op('s');
+      Op(pickle::kSetItem);
       return;
     }
     for (size_t k = 0; k < entries.size(); k += 1000) {
-      Op('(');
+      Op(pickle::kMark);
       for (size_t j = k; j < std::min(entries.size(), k + 1000); ++j) {
         Save(entries[j].first);
         Save(entries[j].second);
       }
-      Op('u');
+      Op(pickle::kSetItems);
     }
   }
 
@@ -194,31 +191,31 @@ class Pickler {
       throw FormatError("cannot save one storage viewed as two types (" + seen->second + " and " + cls + ")");
     storage_class_[s.get()] = cls;
     std::string key = StorageKey(s);
-    Op('(');
+    Op(pickle::kMark);
     MemoStr("storage");
     GlobalPath(cls);
     MemoStr(key);
     MemoStr(s->location.empty() ? "cpu" : s->location);
     Int(numel);
     TupleOf(5);
-    Op('Q');
+    Op(pickle::kBinPersId);
   }
 
   void TensorArgs(const Tensor& t) {
-    Op('(');
+    Op(pickle::kMark);
     PersistentId(t.storage, t.dtype);
     Int(t.storage_offset);
     SaveInts(t.shape);
     SaveInts(t.stride);
-    Op(t.requires_grad ? '\x88' : '\x89');
-    EmptyOrderedDict();
+    Op(t.requires_grad ? pickle::kNewTrue : pickle::kNewFalse);
+    EmptyOrderedDict(nullptr);
     const bool v3 = DTypeStorageClass(t.dtype).empty();
     if (v3) Global("torch", std::string(DTypeName(t.dtype)));
     if (t.metadata) Save(t.metadata);
     TupleOf(6 + (v3 ? 1 : 0) + (t.metadata ? 1 : 0));
   }
   void SaveInts(const std::vector<int64_t>& v) {
-    if (v.size() >= 4) Op('(');
+    if (v.size() >= 4) Op(pickle::kMark);
     for (int64_t x : v) Int(x);
     TupleOf(v.size());
   }
@@ -229,7 +226,7 @@ class Pickler {
     const char* fn = v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2";
     if (t.attrs) {
       Global("torch._tensor", "_rebuild_from_type_v2");
-      Op('(');
+      Op(pickle::kMark);
       Global("torch._utils", fn);
       Global("torch", "Tensor");
       TensorArgs(t);
@@ -239,15 +236,15 @@ class Pickler {
       Global("torch._utils", fn);
       TensorArgs(t);
     }
-    Op('R');
+    Op(pickle::kReduce);
     Put();
   }
 
   void Save(const ValuePtr& vp) {
     const Value& v = *vp;
-    switch (v.kind) {
-      case Kind::kNone: Op('N'); return;
-      case Kind::kBool: Op(v.b ? '\x88' : '\x89'); return;
+    switch (v.kind) {  // not memoized, as Python does not memoize them
+      case Kind::kNone: Op(pickle::kNone); return;
+      case Kind::kBool: Op(v.b ? pickle::kNewTrue : pickle::kNewFalse); return;
       case Kind::kInt:
         if (v.big.empty()) Int(v.i);
         else BigInt(v.big);
@@ -257,170 +254,175 @@ class Pickler {
     }
     if (Memoized(vp.get())) return;
     switch (v.kind) {
-      case Kind::kStr:
-        Str(v.s);
-        Remember(vp.get());
-        return;
-      case Kind::kBytes:
-      case Kind::kByteArray: {
-        if (v.kind == Kind::kByteArray) Global("builtins", "bytearray");
-        if (v.s.empty()) {
-          Global("builtins", "bytes");
-          Op(')');
-        } else {
-          Global("_codecs", "encode");
-          std::string latin1;  // bytes as a str of code points 0..255, UTF-8 encoded
-          for (unsigned char c : v.s) {
-            if (c < 0x80) {
-              latin1.push_back(static_cast<char>(c));
-            } else {
-              latin1.push_back(static_cast<char>(0xC0 | (c >> 6)));
-              latin1.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-            }
-          }
-          MemoStr(latin1);
-          MemoStr("latin1");
-          TupleOf(2);
-        }
-        Op('R');
-        if (v.kind == Kind::kByteArray) {
-          Put();
-          TupleOf(1);
-          Op('R');
-        }
-        Remember(vp.get());
-        return;
-      }
+      case Kind::kStr: Str(v.s); break;
+      case Kind::kBytes: case Kind::kByteArray: SaveBytes(v); break;
       case Kind::kComplex:
         Global("builtins", "complex");
         Float(v.f);
         Float(v.imag);
         TupleOf(2);
-        Op('R');
-        Remember(vp.get());
-        return;
+        Op(pickle::kReduce);
+        break;
       case Kind::kList:
-        Op(']');
+        Op(pickle::kEmptyList);
         Remember(vp.get());
         Items(v.items);
         return;
-      case Kind::kTuple:
-        if (v.items.empty()) {
-          Op(')');
-          return;
-        }
-        if (v.items.size() >= 4) Op('(');
-        for (const auto& it : v.items) Save(it);
-        switch (v.items.size()) {
-          case 1: Op('\x85'); break;
-          case 2: Op('\x86'); break;
-          case 3: Op('\x87'); break;
-          default: Op('t');
-        }
-        Remember(vp.get());
-        return;
+      case Kind::kTuple: return SaveTuple(vp);
       case Kind::kDict:
-        Op('}');
+        Op(pickle::kEmptyDict);
         Remember(vp.get());
         Entries(v.entries);
         return;
       case Kind::kOrderedDict:
-        Global("collections", "OrderedDict");
-        Op(')');
-        Op('R');
-        Remember(vp.get());
+        EmptyOrderedDict(vp.get());
         Entries(v.entries);
-        if (v.state) {
-          Save(v.state);
-          Op('b');
-        }
+        if (v.state) Build(v.state);
         return;
-      case Kind::kSet:
-      case Kind::kFrozenSet:
-        Global("builtins", v.kind == Kind::kSet ? "set" : "frozenset");
-        Op(']');
-        Put();
-        Items(v.items);
-        TupleOf(1);
-        Op('R');
-        Remember(vp.get());
-        return;
-      case Kind::kTorchSize: {
-        Global("torch", "Size");
-        std::vector<int64_t> dims;
-        for (const auto& it : v.items) dims.push_back(it->i);
-        SaveInts(dims);
-        TupleOf(1);
-        Op('R');
-        Remember(vp.get());
-        return;
-      }
-      case Kind::kTorchDevice: {
-        Global("torch", "device");
-        // torch.device("cuda", 1) as torch writes it; any other text (not
-        // made by torch, but readable) as the single string it was.
-        size_t colon = v.s.find(':');
-        std::string index_text = colon == std::string::npos ? "" : v.s.substr(colon + 1);
-        int64_t index = 0;
-        auto parsed = std::from_chars(index_text.data(), index_text.data() + index_text.size(), index);
-        if (colon == std::string::npos || parsed.ec != std::errc() || std::to_string(index) != index_text) {
-          MemoStr(v.s);
-          TupleOf(1);
-        } else {
-          MemoStr(v.s.substr(0, colon));
-          Int(index);
-          TupleOf(2);
-        }
-        Op('R');
-        Remember(vp.get());
-        return;
-      }
+      case Kind::kSet: case Kind::kFrozenSet: SaveSet(v); break;
+      case Kind::kTorchSize: SaveSize(v); break;
+      case Kind::kTorchDevice: SaveDevice(v); break;
       case Kind::kTorchDtype: Global("torch", v.s); return;
       case Kind::kGlobal: Global(v.module(), v.name()); return;
       case Kind::kTensor:
         SaveTensor(*v.tensor);
         memo_[vp.get()] = next_memo_ - 1;
         return;
-      case Kind::kParameter: {
-        Global("torch._utils", v.state ? "_rebuild_parameter_with_state" : "_rebuild_parameter");
-        if (v.state) Op('(');  // 4 items need MARK ... TUPLE; 3 use TUPLE3
-        SaveTensor(*v.tensor);
-        Op(v.b ? '\x88' : '\x89');
-        EmptyOrderedDict();
-        if (v.state) Save(v.state);
-        TupleOf(v.state ? 4 : 3);
-        Op('R');
-        Remember(vp.get());
-        return;
-      }
-      case Kind::kStorage:
-        PersistentId(v.storage, std::nullopt);
-        Remember(vp.get());
-        return;
-      case Kind::kObject: {
-        if (v.newobj && v.kwargs) {
-          Global("copyreg", "__newobj_ex__");
-          Global(v.module(), v.name());
-          Save(v.items.at(0));
-          Save(v.kwargs);
-          TupleOf(3);
-          Op('R');
-        } else {
-          Global(v.module(), v.name());
-          Save(v.items.at(0));
-          Op(v.newobj ? '\x81' : 'R');
-        }
-        Remember(vp.get());
-        if (!v.listitems.empty()) Items(v.listitems);
-        if (!v.entries.empty()) Entries(v.entries);
-        if (v.state) {
-          Save(v.state);
-          Op('b');
-        }
-        return;
-      }
+      case Kind::kParameter: SaveParameter(v); break;
+      case Kind::kStorage: PersistentId(v.storage, std::nullopt); break;
+      case Kind::kObject: return SaveObject(vp);
       default: throw FormatError("cannot pickle a value of type " + KindName(v));
     }
+    Remember(vp.get());
+  }
+
+  // bytes as protocol 2 writes them: _codecs.encode(<latin-1 text>, 'latin1')
+  // (bytes() when empty); a bytearray wraps that in bytearray(...).
+  void SaveBytes(const Value& v) {
+    if (v.kind == Kind::kByteArray) Global("builtins", "bytearray");
+    if (v.s.empty()) {
+      Global("builtins", "bytes");
+      Op(pickle::kEmptyTuple);
+    } else {
+      Global("_codecs", "encode");
+      std::string latin1;  // bytes as a str of code points 0..255, UTF-8 encoded
+      for (unsigned char c : v.s) {
+        if (c < 0x80) {
+          latin1.push_back(static_cast<char>(c));
+        } else {
+          latin1.push_back(static_cast<char>(0xC0 | (c >> 6)));
+          latin1.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+        }
+      }
+      MemoStr(latin1);
+      MemoStr("latin1");
+      TupleOf(2);
+    }
+    Op(pickle::kReduce);
+    if (v.kind == Kind::kByteArray) {
+      Put();
+      TupleOf(1);
+      Op(pickle::kReduce);
+    }
+  }
+
+  void SaveTuple(const ValuePtr& vp) {
+    const auto& items = vp->items;
+    if (items.empty()) return Op(pickle::kEmptyTuple);  // not memoized, as in Python
+    if (items.size() >= 4) Op(pickle::kMark);
+    for (const auto& it : items) Save(it);
+    switch (items.size()) {
+      case 1: Op(pickle::kTuple1); break;
+      case 2: Op(pickle::kTuple2); break;
+      case 3: Op(pickle::kTuple3); break;
+      default: Op(pickle::kTuple);
+    }
+    Remember(vp.get());
+  }
+
+  // OrderedDict(), memoized as `key` (null: under the next memo index only).
+  void EmptyOrderedDict(const void* key) {
+    Global("collections", "OrderedDict");
+    Op(pickle::kEmptyTuple);
+    Op(pickle::kReduce);
+    if (key) Remember(key);
+    else Put();
+  }
+  void Build(const ValuePtr& state) {
+    Save(state);
+    Op(pickle::kBuild);
+  }
+
+  // set(list) / frozenset(list).
+  void SaveSet(const Value& v) {
+    Global("builtins", v.kind == Kind::kSet ? "set" : "frozenset");
+    Op(pickle::kEmptyList);
+    Put();
+    Items(v.items);
+    TupleOf(1);
+    Op(pickle::kReduce);
+  }
+
+  void SaveSize(const Value& v) {
+    Global("torch", "Size");
+    std::vector<int64_t> dims;
+    for (const auto& it : v.items) dims.push_back(it->i);
+    SaveInts(dims);
+    TupleOf(1);
+    Op(pickle::kReduce);
+  }
+
+  void SaveDevice(const Value& v) {
+    Global("torch", "device");
+    // torch.device("cuda", 1) as torch writes it; any other text (not
+    // made by torch, but readable) as the single string it was.
+    size_t colon = v.s.find(':');
+    std::string index_text = colon == std::string::npos ? "" : v.s.substr(colon + 1);
+    int64_t index = 0;
+    auto parsed = std::from_chars(index_text.data(), index_text.data() + index_text.size(), index);
+    if (colon == std::string::npos || parsed.ec != std::errc() || std::to_string(index) != index_text) {
+      MemoStr(v.s);
+      TupleOf(1);
+    } else {
+      MemoStr(v.s.substr(0, colon));
+      Int(index);
+      TupleOf(2);
+    }
+    Op(pickle::kReduce);
+  }
+
+  void SaveParameter(const Value& v) {
+    Global("torch._utils", v.state ? "_rebuild_parameter_with_state" : "_rebuild_parameter");
+    if (v.state) Op(pickle::kMark);  // 4 items need MARK ... TUPLE; 3 use TUPLE3
+    SaveTensor(*v.tensor);
+    Op(v.b ? pickle::kNewTrue : pickle::kNewFalse);
+    EmptyOrderedDict(nullptr);
+    if (v.state) Save(v.state);
+    TupleOf(v.state ? 4 : 3);
+    Op(pickle::kReduce);
+  }
+
+  // An opaque object written back as it was read: cls(*args) by REDUCE or
+  // cls.__new__ by NEWOBJ (copyreg.__newobj_ex__ with keyword arguments),
+  // then what APPEND(S), SETITEM(S) and BUILD added.
+  void SaveObject(const ValuePtr& vp) {
+    const Value& v = *vp;
+    if (v.newobj && v.kwargs) {
+      Global("copyreg", "__newobj_ex__");
+      Global(v.module(), v.name());
+      Save(v.items.at(0));
+      Save(v.kwargs);
+      TupleOf(3);
+      Op(pickle::kReduce);
+    } else {
+      Global(v.module(), v.name());
+      Save(v.items.at(0));
+      Op(v.newobj ? pickle::kNewObj : pickle::kReduce);
+    }
+    Remember(vp.get());
+    if (!v.listitems.empty()) Items(v.listitems);
+    if (!v.entries.empty()) Entries(v.entries);
+    if (v.state) Build(v.state);
   }
 
   PickledValue out_;

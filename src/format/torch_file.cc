@@ -6,13 +6,17 @@
 #include <unordered_map>
 
 #include "format/error.h"
+#include "format/pickle_opcodes.h"
 #include "format/pickle_writer.h"
 #include "format/zip.h"
 
 namespace uckpt {
 namespace {
 
-constexpr uint8_t kLegacyMagic[] = {0x80, 0x02, 0x8A, 0x0A, 0x6C, 0xFC, 0x9C, 0x46, 0xF9, 0x20, 0x6A, 0xA8, 0x50, 0x19};
+// A legacy torch.save file starts with a pickle of its magic number: PROTO 2,
+// then LONG1 of the 10-byte integer 0x1950a86a20f9469cfc6c.
+constexpr uint8_t kLegacyMagic[] = {pickle::kProto, 0x02, pickle::kLong1, 0x0A,
+                                    0x6C, 0xFC, 0x9C, 0x46, 0xF9, 0x20, 0x6A, 0xA8, 0x50, 0x19};
 
 void CheckKind(const MappedFile& f) {
   auto b = f.bytes();

@@ -34,10 +34,10 @@ struct HostileCase {
 };
 
 std::string OsSystemReduce(const std::string& cmd) {
-  return PickleBuilder().Proto(2).Global("os", "system").Str(cmd).Op('\x85').Op('R').Stop().bytes();
+  return PickleBuilder().Proto(2).Global("os", "system").Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
 }
 std::string PosixSystemStackGlobal(const std::string& cmd) {
-  return PickleBuilder().Proto(4).ShortStr("posix").ShortStr("system").Op('\x93').Str(cmd).Op('\x85').Op('R').Stop().bytes();
+  return PickleBuilder().Proto(4).ShortStr("posix").ShortStr("system").Op(pickle::kStackGlobal).Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
 }
 std::string InstOsSystem(const std::string& cmd) {
   // Protocol 0: INST calls without a REDUCE.
@@ -49,59 +49,56 @@ std::string InstSubprocessGetoutput(const std::string& cmd) {
 std::string MemoIndirect(const std::string& cmd) {
   // The callable is memoized and popped, then fetched back by BINGET inside a list.
   return PickleBuilder()
-      .Proto(2).Global("os", "system").Put(0).Op('0')
-      .Op(']').Get(0).Str(cmd).Op('\x85').Op('R').Op('a').Stop().bytes();
+      .Proto(2).Global("os", "system").Put(0).Op(pickle::kPop)
+      .Op(pickle::kEmptyList).Get(0).Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Op(pickle::kAppend).Stop().bytes();
 }
 std::string BuiltinsEval(const std::string& cmd) {
   return PickleBuilder()
-      .Proto(2).Global("__builtin__", "eval").Str("__import__('os').system('" + cmd + "')").Op('\x85').Op('R').Stop()
+      .Proto(2).Global("__builtin__", "eval").Str("__import__('os').system('" + cmd + "')").Op(pickle::kTuple1).Op(pickle::kReduce).Stop()
       .bytes();
 }
 std::string SubprocessPopen(const std::string& cmd) {
   return PickleBuilder()
-      .Proto(2).Global("subprocess", "Popen").Mark().Str("/bin/sh").Str("-c").Str(cmd).Op('l').Op('\x85').Op('R').Stop()
+      .Proto(2).Global("subprocess", "Popen").Mark().Str("/bin/sh").Str("-c").Str(cmd).Op(pickle::kList).Op(pickle::kTuple1).Op(pickle::kReduce).Stop()
       .bytes();
 }
 std::string PopenNewobj(const std::string& cmd) {
   // NEWOBJ: cls.__new__(cls, *args) does not run __init__, so Python does not
   // run the command either; the reader must still keep it inert.
   return PickleBuilder()
-      .Proto(2).Global("subprocess", "Popen").Mark().Str("/bin/sh").Str("-c").Str(cmd).Op('l').Op('\x85').Op('\x81').Stop()
+      .Proto(2).Global("subprocess", "Popen").Mark().Str("/bin/sh").Str("-c").Str(cmd).Op(pickle::kList).Op(pickle::kTuple1).Op(pickle::kNewObj).Stop()
       .bytes();
 }
 std::string ObjOpcode(const std::string& cmd) {
-  return PickleBuilder().Mark().Global("os", "system").Str(cmd).Op('o').Stop().bytes();
+  return PickleBuilder().Mark().Global("os", "system").Str(cmd).Op(pickle::kObj).Stop().bytes();
 }
 std::string EvalInDictWithTensor(const std::string& cmd) {
   return PickleBuilder()
-      .Proto(2).Op('}').Mark()
+      .Proto(2).Op(pickle::kEmptyDict).Mark()
       .Str("weight").Tensor("FloatStorage", "0", 2, 0, {2}, {1})
-      .Str("config").Global("__builtin__", "eval").Str("__import__('os').system('" + cmd + "')").Op('\x85').Op('R')
-      .Op('u').Stop().bytes();
+      .Str("config").Global("__builtin__", "eval").Str("__import__('os').system('" + cmd + "')").Op(pickle::kTuple1).Op(pickle::kReduce)
+      .Op(pickle::kSetItems).Stop().bytes();
 }
 std::string GetattrChain(const std::string& cmd) {
   // getattr(__import__('os'), 'system')(cmd): the outer call's callable is
   // itself a call result.
   return PickleBuilder()
       .Proto(2).Global("__builtin__", "getattr")
-      .Global("__builtin__", "__import__").Str("os").Op('\x85').Op('R')
-      .Str("system").Op('\x86').Op('R')
-      .Str(cmd).Op('\x85').Op('R').Stop().bytes();
+      .Global("__builtin__", "__import__").Str("os").Op(pickle::kTuple1).Op(pickle::kReduce)
+      .Str("system").Op(pickle::kTuple2).Op(pickle::kReduce)
+      .Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
 }
 std::string BuildSetstate(const std::string& cmd) {
   // An object whose BUILD state would feed a __setstate__ / __dict__ update.
   return PickleBuilder()
-      .Proto(2).Global("os", "system").Str(cmd).Op('\x85').Op('R')
-      .Op('}').Str("__setstate__").Global("os", "system").Op('s').Op('b').Stop().bytes();
+      .Proto(2).Global("os", "system").Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce)
+      .Op(pickle::kEmptyDict).Str("__setstate__").Global("os", "system").Op(pickle::kSetItem).Op(pickle::kBuild).Stop().bytes();
 }
 std::string NestedPickleLoads(const std::string& cmd) {
   // pickle.loads(<bytes of a pickle that calls os.system>)
   std::string inner = OsSystemReduce(cmd);
-  std::string p = PickleBuilder().Proto(3).Global("pickle", "loads").bytes();
-  p += 'B';
-  for (int k = 0; k < 4; ++k) p += static_cast<char>((inner.size() >> (8 * k)) & 0xff);
-  p += inner;
-  return PickleBuilder().Raw(p).Op('\x85').Op('R').Stop().bytes();
+  return PickleBuilder()
+      .Proto(3).Global("pickle", "loads").Bytes(inner).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
 }
 
 const HostileCase kCases[] = {
@@ -227,8 +224,8 @@ INSTANTIATE_TEST_SUITE_P(Pickles, HostileControlTest, ::testing::ValuesIn(LiveCa
 std::string DoublingLists(int levels) {
   // x0 = None; x(k+1) = [x(k), x(k)]
   PickleBuilder p;
-  p.Proto(2).Op('N');
-  for (int k = 0; k < levels; ++k) p.Put(0).Op('0').Op(']').Mark().Get(0).Get(0).Op('e');
+  p.Proto(2).Op(pickle::kNone);
+  for (int k = 0; k < levels; ++k) p.Put(0).Op(pickle::kPop).Op(pickle::kEmptyList).Mark().Get(0).Get(0).Op(pickle::kAppends);
   return p.Stop().bytes();
 }
 

@@ -256,13 +256,22 @@ std::vector<std::string> ObjectClasses(const Value& root) {
 
 // ---- Building inputs -------------------------------------------------------
 
-PickleBuilder& PickleBuilder::Proto(int v) {
-  b_ += '\x80';
+PickleBuilder& PickleBuilder::Proto(int v) { return Op(pickle::kProto).U8(static_cast<uint8_t>(v)); }
+PickleBuilder& PickleBuilder::Op(pickle::Opcode op) {
+  b_ += static_cast<char>(op);
+  return *this;
+}
+PickleBuilder& PickleBuilder::U8(uint8_t v) {
   b_ += static_cast<char>(v);
   return *this;
 }
-PickleBuilder& PickleBuilder::Op(char op) {
-  b_ += op;
+PickleBuilder& PickleBuilder::U32(uint32_t v) {
+  for (int k = 0; k < 4; ++k) b_ += static_cast<char>((v >> (8 * k)) & 0xff);
+  return *this;
+}
+PickleBuilder& PickleBuilder::Line(const std::string& text) {
+  b_ += text;
+  b_ += '\n';
   return *this;
 }
 PickleBuilder& PickleBuilder::Raw(const std::string& bytes) {
@@ -270,74 +279,46 @@ PickleBuilder& PickleBuilder::Raw(const std::string& bytes) {
   return *this;
 }
 PickleBuilder& PickleBuilder::Global(const std::string& module, const std::string& name) {
-  b_ += 'c' + module + '\n' + name + '\n';
-  return *this;
+  return Op(pickle::kGlobal).Line(module).Line(name);
 }
 PickleBuilder& PickleBuilder::Inst(const std::string& module, const std::string& name) {
-  b_ += 'i' + module + '\n' + name + '\n';
-  return *this;
+  return Op(pickle::kInst).Line(module).Line(name);
 }
-namespace {
-void Le32(std::string& b, uint32_t v) {
-  for (int k = 0; k < 4; ++k) b += static_cast<char>((v >> (8 * k)) & 0xff);
-}
-}  // namespace
 PickleBuilder& PickleBuilder::Str(const std::string& s) {
-  b_ += 'X';
-  Le32(b_, static_cast<uint32_t>(s.size()));
-  b_ += s;
-  return *this;
+  return Op(pickle::kBinUnicode).U32(static_cast<uint32_t>(s.size())).Raw(s);
 }
 PickleBuilder& PickleBuilder::ShortStr(const std::string& s) {
-  b_ += '\x8c';
-  b_ += static_cast<char>(s.size());
-  b_ += s;
-  return *this;
+  return Op(pickle::kShortBinUnicode).U8(static_cast<uint8_t>(s.size())).Raw(s);
+}
+PickleBuilder& PickleBuilder::Bytes(const std::string& s) {
+  return Op(pickle::kBinBytes).U32(static_cast<uint32_t>(s.size())).Raw(s);
 }
 PickleBuilder& PickleBuilder::Int(int64_t v) {
-  if (v >= 0 && v < 256) {
-    b_ += 'K';
-    b_ += static_cast<char>(v);
-  } else if (v >= 0 && v < 65536) {
-    b_ += 'M';
-    b_ += static_cast<char>(v & 0xff);
-    b_ += static_cast<char>(v >> 8);
-  } else if (v >= INT32_MIN && v <= INT32_MAX) {
-    b_ += 'J';
-    Le32(b_, static_cast<uint32_t>(static_cast<int32_t>(v)));
-  } else {
-    b_ += '\x8a';
-    b_ += '\x08';
-    for (int k = 0; k < 8; ++k) b_ += static_cast<char>((static_cast<uint64_t>(v) >> (8 * k)) & 0xff);
-  }
+  if (v >= 0 && v < 256) return Op(pickle::kBinInt1).U8(static_cast<uint8_t>(v));
+  if (v >= 0 && v < 65536) return Op(pickle::kBinInt2).U8(static_cast<uint8_t>(v & 0xff)).U8(static_cast<uint8_t>(v >> 8));
+  if (v >= INT32_MIN && v <= INT32_MAX) return Op(pickle::kBinInt).U32(static_cast<uint32_t>(static_cast<int32_t>(v)));
+  Op(pickle::kLong1).U8(8);
+  for (int k = 0; k < 8; ++k) U8(static_cast<uint8_t>((static_cast<uint64_t>(v) >> (8 * k)) & 0xff));
   return *this;
 }
-PickleBuilder& PickleBuilder::Put(uint8_t idx) {
-  b_ += 'q';
-  b_ += static_cast<char>(idx);
-  return *this;
-}
-PickleBuilder& PickleBuilder::Get(uint8_t idx) {
-  b_ += 'h';
-  b_ += static_cast<char>(idx);
-  return *this;
-}
+PickleBuilder& PickleBuilder::Put(uint8_t idx) { return Op(pickle::kBinPut).U8(idx); }
+PickleBuilder& PickleBuilder::Get(uint8_t idx) { return Op(pickle::kBinGet).U8(idx); }
 PickleBuilder& PickleBuilder::Tensor(const std::string& storage_class, const std::string& key, int64_t storage_numel,
                                      int64_t offset, const std::vector<int64_t>& shape,
                                      const std::vector<int64_t>& stride) {
   Global("torch._utils", "_rebuild_tensor_v2");
   Mark();
-  Mark().Str("storage").Global("torch", storage_class).Str(key).Str("cpu").Int(storage_numel).Op('t').Op('Q');
+  Mark().Str("storage").Global("torch", storage_class).Str(key).Str("cpu").Int(storage_numel).Op(pickle::kTuple).Op(pickle::kBinPersId);
   Int(offset);
   Mark();
   for (int64_t d : shape) Int(d);
-  Op('t');
+  Op(pickle::kTuple);
   Mark();
   for (int64_t d : stride) Int(d);
-  Op('t');
-  Op('\x89');  // requires_grad = False
-  Global("collections", "OrderedDict").Op(')').Op('R');
-  Op('t').Op('R');
+  Op(pickle::kTuple);
+  Op(pickle::kNewFalse);  // requires_grad = False
+  Global("collections", "OrderedDict").Op(pickle::kEmptyTuple).Op(pickle::kReduce);
+  Op(pickle::kTuple).Op(pickle::kReduce);
   return *this;
 }
 

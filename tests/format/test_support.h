@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "format/pickle_opcodes.h"
 #include "format/value.h"
 
 namespace uckpt::test {
@@ -72,21 +73,26 @@ std::vector<std::string> ObjectClasses(const Value& root);
 
 // ---- Building inputs -------------------------------------------------------
 
-// Assembles a pickle opcode by opcode (protocol 2 unless Proto() says otherwise).
+// Assembles a pickle opcode by opcode, with the constants of
+// format/pickle_opcodes.h. Starts with no PROTO: Proto() writes one.
 class PickleBuilder {
  public:
   PickleBuilder& Proto(int v);
-  PickleBuilder& Op(char op);             // any single-byte opcode
+  PickleBuilder& Op(pickle::Opcode op);  // the opcode byte alone; its argument follows with the calls below
+  PickleBuilder& U8(uint8_t v);          // a 1-byte argument
+  PickleBuilder& U32(uint32_t v);        // a 4-byte little-endian argument
+  PickleBuilder& Line(const std::string& text);  // a text argument and its newline
   PickleBuilder& Raw(const std::string& bytes);
-  PickleBuilder& Global(const std::string& module, const std::string& name);  // GLOBAL 'c'
-  PickleBuilder& Inst(const std::string& module, const std::string& name);    // INST 'i' (after a MARK)
-  PickleBuilder& Str(const std::string& s);    // BINUNICODE
+  PickleBuilder& Global(const std::string& module, const std::string& name);  // GLOBAL
+  PickleBuilder& Inst(const std::string& module, const std::string& name);    // INST (after a MARK)
+  PickleBuilder& Str(const std::string& s);       // BINUNICODE
   PickleBuilder& ShortStr(const std::string& s);  // SHORT_BINUNICODE (protocol 4)
-  PickleBuilder& Int(int64_t v);           // BININT1 / BININT2 / BININT / LONG1
-  PickleBuilder& Mark() { return Op('('); }
-  PickleBuilder& Put(uint8_t idx);   // BINPUT
-  PickleBuilder& Get(uint8_t idx);   // BINGET
-  PickleBuilder& Stop() { return Op('.'); }
+  PickleBuilder& Bytes(const std::string& s);     // BINBYTES (protocol 3)
+  PickleBuilder& Int(int64_t v);                  // BININT1 / BININT2 / BININT / LONG1
+  PickleBuilder& Mark() { return Op(pickle::kMark); }
+  PickleBuilder& Put(uint8_t idx);  // BINPUT
+  PickleBuilder& Get(uint8_t idx);  // BINGET
+  PickleBuilder& Stop() { return Op(pickle::kStop); }
   // A tensor over ('storage', torch.<cls>, key, 'cpu', numel) with
   // _rebuild_tensor_v2; leaves the tensor on the stack.
   PickleBuilder& Tensor(const std::string& storage_class, const std::string& key, int64_t storage_numel,

@@ -446,15 +446,10 @@ TEST(Zip64, BadLocatorIsRefused) {
 
 // ---- Pickle VM limits ------------------------------------------------------
 
-// A string literal with embedded NUL bytes, all of it.
-template <size_t N>
-std::string B(const char (&s)[N]) {
-  return std::string(s, N - 1);
-}
-
 ValuePtr Read(const std::string& p, const PickleLimits& limits = {}) {
   return ReadPickle({reinterpret_cast<const uint8_t*>(p.data()), p.size()}, "t.pkl", {}, limits);
 }
+ValuePtr Read(const PickleBuilder& p, const PickleLimits& limits = {}) { return Read(p.bytes(), limits); }
 
 std::string PickleError(const std::string& p, const PickleLimits& limits = {}) {
   try {
@@ -466,13 +461,18 @@ std::string PickleError(const std::string& p, const PickleLimits& limits = {}) {
   }
   return "<no error>";
 }
+std::string PickleError(const PickleBuilder& p, const PickleLimits& limits = {}) {
+  return PickleError(p.bytes(), limits);
+}
+
+PickleBuilder P2() { return PickleBuilder().Proto(2); }
 
 // n lists nested inside each other: [[[...]]].
 std::string NestedLists(size_t n) {
-  std::string p = "\x80\x02";
-  for (size_t k = 0; k < n; ++k) p += ']';
-  for (size_t k = 1; k < n; ++k) p += 'a';
-  return p + '.';
+  PickleBuilder p = P2();
+  for (size_t k = 0; k < n; ++k) p.Op(pickle::kEmptyList);
+  for (size_t k = 1; k < n; ++k) p.Op(pickle::kAppend);
+  return p.Stop().bytes();
 }
 
 TEST(PickleLimits, Nesting) {
@@ -481,79 +481,87 @@ TEST(PickleLimits, Nesting) {
   EXPECT_NO_THROW(Read(NestedLists(10), l));
   EXPECT_NE(PickleError(NestedLists(11), l).find("nesting deeper than 10"), std::string::npos);
   // The default limit, with dicts and tuples in the chain too.
-  std::string p = "\x80\x02";
-  for (size_t k = 0; k < 1200; ++k) p += B("}X\x01\x00\x00\x00k");
-  p += 'N';
-  for (size_t k = 0; k < 1200; ++k) p += "\x85s";
-  p += '.';
-  EXPECT_NE(PickleError(p).find("nesting deeper than 1000"), std::string::npos);
+  PickleBuilder p = P2();
+  for (size_t k = 0; k < 1200; ++k) p.Op(pickle::kEmptyDict).Str("k");
+  p.Op(pickle::kNone);
+  for (size_t k = 0; k < 1200; ++k) p.Op(pickle::kTuple1).Op(pickle::kSetItem);
+  EXPECT_NE(PickleError(p.Stop()).find("nesting deeper than 1000"), std::string::npos);
 }
 
 TEST(PickleLimits, CycleIsRefused) {
+  using namespace pickle;
   // l = []; l.append(l)
-  EXPECT_NE(PickleError(B("\x80\x02]q\x00h\x00" "a.")).find("cycle"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(kEmptyList).Put(0).Get(0).Op(kAppend).Stop()).find("cycle"), std::string::npos);
   // d = {}; d['k'] = [d]
-  EXPECT_NE(PickleError(B("\x80\x02}q\x00X\x01\x00\x00\x00k]h\x00" "as.")).find("cycle"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(kEmptyDict).Put(0).Str("k").Op(kEmptyList).Get(0).Op(kAppend).Op(kSetItem).Stop())
+                .find("cycle"),
+            std::string::npos);
   // Sharing without a cycle is fine: [x, x].
-  auto v = Read("\x80\x02](]q\x01h\x01" "e.");
+  auto v = Read(P2().Op(kEmptyList).Mark().Op(kEmptyList).Put(1).Get(1).Op(kAppends).Stop());
   ASSERT_EQ(v->items.size(), 2u);
   EXPECT_EQ(v->items[0], v->items[1]);
 }
 
 TEST(PickleLimits, UnknownOpcode) {
-  EXPECT_NE(PickleError("\x80\x02\xff.").find("unknown opcode 0xff"), std::string::npos);
-  EXPECT_NE(PickleError("\x80\x02\x82\x01.").find("extension-registry"), std::string::npos);
-  EXPECT_NE(PickleError("\x80\x09N.").find("unsupported pickle protocol"), std::string::npos);
+  EXPECT_NE(PickleError(P2().U8(0xff).Stop()).find("unknown opcode 0xff"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kExt1).U8(1).Stop()).find("extension-registry"), std::string::npos);
+  EXPECT_NE(PickleError(PickleBuilder().Proto(9).Op(pickle::kNone).Stop()).find("unsupported pickle protocol"),
+            std::string::npos);
 }
 
 TEST(PickleLimits, StackUnderflow) {
-  EXPECT_NE(PickleError("\x80\x02" "a.").find("stack underflow"), std::string::npos);
-  EXPECT_NE(PickleError("\x80\x02.").find("stack underflow"), std::string::npos);
-  EXPECT_NE(PickleError("\x80\x02N(R.").find("stack underflow"), std::string::npos);  // REDUCE across a MARK
-  EXPECT_NE(PickleError("\x80\x02N1.").find("no MARK"), std::string::npos);
+  using namespace pickle;
+  EXPECT_NE(PickleError(P2().Op(kAppend).Stop()).find("stack underflow"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Stop()).find("stack underflow"), std::string::npos);
+  // REDUCE across a MARK
+  EXPECT_NE(PickleError(P2().Op(kNone).Mark().Op(kReduce).Stop()).find("stack underflow"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(kNone).Op(kPopMark).Stop()).find("no MARK"), std::string::npos);
   PickleLimits l;
   l.max_stack = 100;
-  EXPECT_NE(PickleError("\x80\x02" + std::string(101, 'N') + ".", l).find("stack limit"), std::string::npos);
+  PickleBuilder many = P2();
+  for (int k = 0; k < 101; ++k) many.Op(kNone);
+  EXPECT_NE(PickleError(many.Stop(), l).find("stack limit"), std::string::npos);
 }
 
 TEST(PickleLimits, Long4OverLimit) {
   PickleLimits l;
   l.max_int_bytes = 64;
-  auto long4 = [](uint32_t n) {
-    std::string p = "\x80\x02\x8b";
-    for (int k = 0; k < 4; ++k) p += static_cast<char>((n >> (8 * k)) & 0xff);
-    return p + std::string(n, '\x01') + ".";
-  };
+  auto long4 = [](uint32_t n) { return P2().Op(pickle::kLong4).U32(n).Raw(std::string(n, '\x01')).Stop(); };
   EXPECT_NO_THROW(Read(long4(64), l));
   EXPECT_NE(PickleError(long4(65), l).find("integer of 65 bytes exceeds the limit"), std::string::npos);
   // Default limit 16 KiB; a length far beyond the data is refused before reading.
   EXPECT_NE(PickleError(long4(1u << 20)).find("exceeds the limit"), std::string::npos);
-  EXPECT_NE(PickleError("\x80\x02\x8b\xff\xff\xff\xff.").find("negative LONG4 length"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kLong4).U32(0xffffffff).Stop()).find("negative LONG4 length"),
+            std::string::npos);
   // Text LONG obeys the same limit.
-  EXPECT_NE(PickleError("L" + std::string(200, '9') + "L\n.", l).find("bad or over-long LONG"), std::string::npos);
+  auto text = [](pickle::Opcode op, const std::string& digits) { return PickleBuilder().Op(op).Line(digits).Stop(); };
+  EXPECT_NE(PickleError(text(pickle::kLong, std::string(200, '9') + "L"), l).find("bad or over-long LONG"),
+            std::string::npos);
   // Decimal text is capped at Python's 4300 digits whatever the byte limit.
-  EXPECT_NO_THROW(Read("I" + std::string(4300, '7') + "\n."));
-  EXPECT_NE(PickleError("I" + std::string(4301, '7') + "\n.").find("over-long INT"), std::string::npos);
+  EXPECT_NO_THROW(Read(text(pickle::kInt, std::string(4300, '7'))));
+  EXPECT_NE(PickleError(text(pickle::kInt, std::string(4301, '7'))).find("over-long INT"), std::string::npos);
 }
 
 TEST(PickleLimits, MemoGetOfUndefinedKey) {
-  EXPECT_NE(PickleError("\x80\x02h\x05.").find("memo key 5 is not defined"), std::string::npos);
-  EXPECT_NE(PickleError(B("\x80\x02j\x00\x01\x00\x00.")).find("memo key 256 is not defined"), std::string::npos);
-  EXPECT_NE(PickleError("g7\n.").find("memo key 7 is not defined"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Get(5).Stop()).find("memo key 5 is not defined"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kLongBinGet).U32(256).Stop()).find("memo key 256 is not defined"),
+            std::string::npos);
+  EXPECT_NE(PickleError(PickleBuilder().Op(pickle::kGet).Line("7").Stop()).find("memo key 7 is not defined"),
+            std::string::npos);
   PickleLimits l;
   l.max_memo = 2;
-  EXPECT_NE(PickleError(B("\x80\x02Nq\x00q\x01q\x02."), l).find("memo limit"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kNone).Put(0).Put(1).Put(2).Stop(), l).find("memo limit"), std::string::npos);
 }
 
 TEST(PickleLimits, TruncatedInput) {
-  EXPECT_NE(PickleError("\x80\x02N").find("unexpected end of data"), std::string::npos);
-  EXPECT_NE(PickleError(B("\x80\x02X\xff\x00\x00\x00" "ab")).find("runs past the end"), std::string::npos);
-  EXPECT_NE(PickleError("\x80\x02" "cos\nsys").find("unterminated"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kNone)).find("unexpected end of data"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kBinUnicode).U32(255).Raw("ab")).find("runs past the end"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kGlobal).Line("os").Raw("sys")).find("unterminated"), std::string::npos);
   EXPECT_NE(PickleError("").find("unexpected end of data"), std::string::npos);
 }
 
 TEST(PickleLimits, PersistentIdWithoutLoader) {
-  EXPECT_NE(PickleError("\x80\x02NQ.").find("no loader"), std::string::npos);
+  EXPECT_NE(PickleError(P2().Op(pickle::kNone).Op(pickle::kBinPersId).Stop()).find("no loader"), std::string::npos);
 }
 
 }  // namespace
