@@ -27,7 +27,7 @@ HB_TIMEOUT=3
 want() { [[ " ${CASES:-1 2 3 4 5} " == *" $1 "* ]]; }
 # Whatever happens, leave nothing of ours running.
 LPID= RANKS=
-trap 'kill -CONT $LPID $RANKS 2> /dev/null; kill -9 $LPID $RANKS 2> /dev/null; true' EXIT
+trap 'rc=$?; set +e; if [ -n "$LPID$RANKS" ]; then kill -CONT $LPID $RANKS; kill -9 $LPID $RANKS; fi 2> /dev/null; exit $rc' EXIT
 tiny_gpt2 8 --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout $HB_TIMEOUT
 PORT=$(free_port)
 
