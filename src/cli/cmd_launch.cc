@@ -170,6 +170,7 @@ Runner AddLaunch(CLI::App& app) {
     };
     // Since when each rank has been stopped (max: running).
     std::vector<Clock::time_point> stopped_since(pids.size(), Clock::time_point::max());
+    std::vector<int> stop_signal(pids.size(), 0);
     while (running > 0) {
       if (int sig = g_signal.exchange(0); sig != 0) {
         SignalAll(pids, sig);  // forward; the ranks decide how to end
@@ -186,6 +187,7 @@ Runner AddLaunch(CLI::App& app) {
           if (pids[r] != pid) continue;
           if (WIFSTOPPED(status)) {
             stopped_since[r] = Clock::now();
+            stop_signal[r] = WSTOPSIG(status);
             break;
           }
           if (WIFCONTINUED(status)) {
@@ -211,8 +213,8 @@ Runner AddLaunch(CLI::App& app) {
             continue;
           char secs[32];
           std::snprintf(secs, sizeof secs, "%.1f", a->stop_timeout_s);
-          std::cerr << "uckpt launch: rank " << r << " has been stopped (SIGSTOP) for " << secs
-                    << " s; stopping the job\n";
+          std::cerr << "uckpt launch: rank " << r << " has been stopped (signal " << stop_signal[r] << ": "
+                    << strsignal(stop_signal[r]) << ") for " << secs << " s; stopping the job\n";
           begin_stopping(1);
           break;
         }
