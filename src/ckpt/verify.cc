@@ -121,7 +121,56 @@ class StructureCheck {
     ParallelBySize(std::vector<uint64_t>(files.size()), WorkerThreads(o_.threads, files.size()),
                    [&](size_t i) { Parse(files[i].path); });
     if (v_.problems.size() > before) return;  // opening would only repeat the first of them
+    const bool has_optim = std::any_of(files.begin(), files.end(),
+                                       [](const CheckpointFile& f) { return f.kind == FileKind::kOptimStates; });
+    if (!has_optim) return Stage0(files);
     OpenZeroCheckpoint(v_.folder, false, /*check_manifest=*/false);  // VerifyFolder compared it
+  }
+
+  // ZeRO-0 (DeepSpeed's stage 0, and uckpt's): no optimizer-states files; the
+  // model states hold the whole model and the torch optimizer's state_dict.
+  // Every tensor of both must have its bytes, the optimizer state at most one
+  // entry per module tensor, and each moment the size of a module tensor.
+  void Stage0(const std::vector<CheckpointFile>& files) {
+    std::string path;
+    for (const auto& f : files)
+      if (f.kind == FileKind::kModelStates && f.mp == 0) path = f.path;
+    if (path.empty())
+      throw FormatError(v_.folder + ": no zero_pp_rank_*_optim_states.pt and no mp_rank_00_model_states.pt files; "
+                                    "not a ZeRO checkpoint tag folder");
+    TorchFile f = LoadTorchFile(path);
+    const ValuePtr& root = f.root;
+    if (!root || !root->is_dict()) throw FormatError(path + ": is not a DeepSpeed model-states dict");
+    ValuePtr opt = root->get("optimizer");
+    if (!opt || !opt->is_dict())
+      throw FormatError(v_.folder + ": no zero_pp_rank_*_optim_states.pt files, and " + path +
+                        " holds no optimizer state: not a ZeRO-0 checkpoint, and a ZeRO-1/2/3 one without its "
+                        "optimizer files");
+    std::multiset<int64_t> numels;
+    for (const auto& [name, v] : NamedEntries(Need(root, "module", path), path + ": module")) {
+      if (!v || !v->tensor) continue;
+      TensorBytes(*v->tensor, path + ": module." + name);
+      numels.insert(v->tensor->numel());
+    }
+    ValuePtr state = Need(opt, "state", path + ": optimizer");
+    if (!state->is_dict()) Fail(path + ": optimizer.state", "is not a dict");
+    AsList(Need(opt, "param_groups", path + ": optimizer"), path + ": optimizer.param_groups");
+    if (state->entries.size() > numels.size())
+      Fail(path + ": optimizer.state", "has " + std::to_string(state->entries.size()) + " entries, the module " +
+                                           std::to_string(numels.size()) + " tensors");
+    size_t k = 0;
+    for (const auto& [key, st] : state->entries) {
+      const std::string where = path + ": optimizer.state[" + std::to_string(k++) + "]";
+      if (!st || !st->is_dict()) Fail(where, "is not a dict");
+      for (const auto& [skey, sv] : st->entries) {
+        if (!sv || !sv->tensor) continue;
+        const std::string name = skey && skey->kind == Kind::kStr ? skey->s : "?";
+        TensorBytes(*sv->tensor, where + "." + name);
+        if (name != "step" && !numels.count(sv->tensor->numel()))
+          Fail(where + "." + name, "has " + std::to_string(sv->tensor->numel()) +
+                                       " elements, which no tensor of the module has");
+      }
+    }
   }
 
   // The copied model states parse and give the parameters; each has its

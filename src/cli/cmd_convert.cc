@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "ckpt/convert.h"
+#include "ckpt/folder.h"
 #include "cli/commands.h"
 #include "cli/strict_flags.h"
 #include "format/error.h"
@@ -102,7 +103,7 @@ Runner AddConvert(CLI::App& app) {
     bool force = false, quiet = false, no_sync = false, verify = false, no_manifest = false;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("INPUT", args->input, "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100)");
+  cmd->add_option("INPUT", args->input, "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100), or the folder whose `latest` names it");
   cmd->add_option("OUTPUT", args->output, "The universal checkpoint folder to create");
   cmd->add_option("--input_folder,--input-folder", args->input_flag, "Same as INPUT (ds_to_universal.py's spelling)");
   cmd->add_option("--output_folder,--output-folder", args->output_flag, "Same as OUTPUT (ds_to_universal.py's spelling)");
@@ -131,6 +132,12 @@ Runner AddConvert(CLI::App& app) {
     options.write_manifest = !args->no_manifest;
     options.notice = [](const std::string& line) { std::cerr << "convert: " << line << "\n"; };
     auto start = Clock::now();
+    // A checkpoint root (ckpt/) means the tag its `latest` names, checked by
+    // the one tag resolver (a tag must be a plain folder name inside it).
+    if (auto tag = ckpt::ResolveTagFolder(input); tag && *tag != ckpt::StripTrailingSlashes(input)) {
+      if (!args->quiet) std::cerr << "convert: " << input << ": latest names " << *tag << "\n";
+      input = *tag;
+    }
     ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(input, args->verify);
     for (const auto& w : zc.warnings) std::cerr << "convert: warning: " << w << "\n";
     std::mutex mu;

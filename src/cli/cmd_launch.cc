@@ -2,12 +2,14 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <thread>
@@ -33,10 +35,19 @@ std::string SignalNote(int status) {
   return " (killed by signal " + std::to_string(WTERMSIG(status)) + ": " + strsignal(WTERMSIG(status)) + ")";
 }
 
-// Signals each rank's process group (the rank and whatever it started).
+// Signals each rank's process group (the rank and whatever it started). A
+// stopped (SIGSTOP) rank would hold any signal but SIGKILL until continued:
+// SIGCONT follows, so it ends now rather than whenever someone continues it.
 void SignalAll(const std::vector<pid_t>& pids, int sig) {
-  for (pid_t p : pids)
-    if (p > 0) kill(-p, sig);
+  for (pid_t p : pids) {
+    if (p <= 0) continue;
+    kill(-p, sig);
+    if (sig != SIGKILL && sig != SIGCONT) kill(-p, SIGCONT);
+  }
+}
+
+std::chrono::steady_clock::duration Secs(double s) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
 }
 
 }  // namespace
@@ -69,8 +80,9 @@ Runner AddLaunch(CLI::App& app) {
       "launch",
       "Start N local ranks of a command with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,\n"
       "MASTER_ADDR and MASTER_PORT set (as torchrun does). Signals are forwarded; when one rank\n"
-      "fails the others are stopped and its exit code is returned. Multi-node runs are torchrun's\n"
-      "or Slurm's job.\n\n"
+      "fails the others are stopped and its exit code is returned; a rank that stays stopped\n"
+      "(SIGSTOP) longer than --stop_timeout fails too. When the launcher dies, however it dies\n"
+      "(even SIGKILL), the kernel kills its ranks. Multi-node runs are torchrun's or Slurm's job.\n\n"
       "Examples:\n"
       "  uckpt launch -n 2 -- uckpt train --config ds.json --steps 100\n"
       "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100   (the same)");
@@ -79,6 +91,7 @@ Runner AddLaunch(CLI::App& app) {
     int master_port = 29500;
     std::string master_addr = "127.0.0.1";
     double grace_s = 10;
+    double stop_timeout_s = 20;
     std::vector<std::string> command;
   };
   auto a = std::make_shared<Args>();
@@ -89,6 +102,11 @@ Runner AddLaunch(CLI::App& app) {
   cmd->add_option("--master_addr", a->master_addr, "Rendezvous address")->capture_default_str();
   cmd->add_option("--grace", a->grace_s, "Seconds ranks get to exit after SIGTERM before SIGKILL")
       ->capture_default_str();
+  cmd->add_option("--stop_timeout", a->stop_timeout_s,
+                  "A rank stopped (SIGSTOP, SIGTSTP) this many seconds fails the job, as a dead one does; 0: wait "
+                  "(default: the heartbeat timeout's default)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("command", a->command, "The command after `--`")->required();
 
   return [a] {
@@ -107,6 +125,7 @@ Runner AddLaunch(CLI::App& app) {
     if (a->master_port == 0) a->master_port = FreePort();
 
     std::vector<pid_t> pids(static_cast<size_t>(a->n), -1);
+    const pid_t launcher = getpid();
     for (int r = 0; r < a->n; ++r) {
       pid_t pid = fork();
       if (pid < 0) {
@@ -116,6 +135,11 @@ Runner AddLaunch(CLI::App& app) {
       }
       if (pid == 0) {
         setpgid(0, 0);  // its own process group: signals reach the rank's children too
+        // No orphans: when the launcher dies, by any signal (SIGKILL
+        // included), the kernel kills the rank. (The launcher is one thread:
+        // the death signal follows the thread that forked.) It survives
+        // exec. Should the launcher have died before this call, exit now.
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != launcher) _exit(1);
         setenv("RANK", std::to_string(r).c_str(), 1);
         setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
         setenv("WORLD_SIZE", std::to_string(a->n).c_str(), 1);
@@ -134,44 +158,70 @@ Runner AddLaunch(CLI::App& app) {
       pids[static_cast<size_t>(r)] = pid;
     }
 
+    using Clock = std::chrono::steady_clock;
     int result = 0, running = a->n;
     bool stopping = false;
-    auto stop_deadline = std::chrono::steady_clock::time_point::max();
+    auto stop_deadline = Clock::time_point::max();
+    auto begin_stopping = [&](int code) {
+      result = code;
+      stopping = true;
+      SignalAll(pids, SIGTERM);
+      stop_deadline = Clock::now() + Secs(a->grace_s);
+    };
+    // Since when each rank has been stopped (max: running).
+    std::vector<Clock::time_point> stopped_since(pids.size(), Clock::time_point::max());
+    std::vector<int> stop_signal(pids.size(), 0);
     while (running > 0) {
       if (int sig = g_signal.exchange(0); sig != 0) {
         SignalAll(pids, sig);  // forward; the ranks decide how to end
         if (!stopping) {
           stopping = true;
           result = 128 + sig;
-          stop_deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                                  std::chrono::duration<double>(a->grace_s));
+          stop_deadline = Clock::now() + Secs(a->grace_s);
         }
       }
       int status = 0;
-      pid_t pid = waitpid(-1, &status, WNOHANG);
+      pid_t pid = waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
       if (pid > 0) {
         for (size_t r = 0; r < pids.size(); ++r) {
           if (pids[r] != pid) continue;
+          if (WIFSTOPPED(status)) {
+            stopped_since[r] = Clock::now();
+            stop_signal[r] = WSTOPSIG(status);
+            break;
+          }
+          if (WIFCONTINUED(status)) {
+            stopped_since[r] = Clock::time_point::max();
+            break;
+          }
           pids[r] = -1;
+          stopped_since[r] = Clock::time_point::max();
           --running;
           int code = ExitCode(status);
           if (code != 0 && !stopping) {
             std::cerr << "uckpt launch: rank " << r << " exited with code " << code << SignalNote(status)
                       << "; stopping the other ranks\n";
-            result = code;
-            stopping = true;
-            SignalAll(pids, SIGTERM);
-            stop_deadline = std::chrono::steady_clock::now() +
-                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double>(a->grace_s));
+            begin_stopping(code);
           }
         }
         continue;
       }
       if (pid < 0 && errno != EINTR) break;
-      if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+      if (!stopping && a->stop_timeout_s > 0) {
+        for (size_t r = 0; r < pids.size(); ++r) {
+          if (stopped_since[r] == Clock::time_point::max() || Clock::now() - stopped_since[r] < Secs(a->stop_timeout_s))
+            continue;
+          char secs[32];
+          std::snprintf(secs, sizeof secs, "%.1f", a->stop_timeout_s);
+          std::cerr << "uckpt launch: rank " << r << " has been stopped (signal " << stop_signal[r] << ": "
+                    << strsignal(stop_signal[r]) << ") for " << secs << " s; stopping the job\n";
+          begin_stopping(1);
+          break;
+        }
+      }
+      if (stopping && Clock::now() > stop_deadline) {
         SignalAll(pids, SIGKILL);
-        stop_deadline = std::chrono::steady_clock::time_point::max();
+        stop_deadline = Clock::time_point::max();
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
