@@ -1,5 +1,6 @@
 #include "ckpt/deepspeed_state.h"
 
+#include <cstring>
 #include <set>
 
 #include "format/error.h"
@@ -294,6 +295,123 @@ std::vector<std::vector<NamedShape>> ReadParamShapes(const ValuePtr& root, const
     }
   }
   return out;
+}
+
+namespace {
+
+ValuePtr Key(const ValuePtr& dict, const std::string& key, const std::string& where, bool required = true) {
+  ValuePtr v = dict && dict->is_dict() ? dict->get(key) : nullptr;
+  if (!v && required) throw FormatError(where + ": missing key '" + key + "'");
+  return v;
+}
+
+int64_t IntKey(const ValuePtr& dict, const std::string& key, const std::string& where) {
+  ValuePtr v = Key(dict, key, where);
+  if (v->kind != Kind::kInt || !v->big.empty()) throw FormatError(where + ": '" + key + "' is not an int");
+  return v->i;
+}
+
+const Tensor* TensorKey(const ValuePtr& dict, const std::string& key, const std::string& where) {
+  ValuePtr v = Key(dict, key, where);
+  if (!v->tensor || (v->kind != Kind::kTensor && v->kind != Kind::kParameter))
+    throw FormatError(where + ": '" + key + "' is not a tensor");
+  return v->tensor.get();
+}
+
+AdamStateView ReadAdamState(const ValuePtr& state, const std::string& where) {
+  AdamStateView a;
+  a.exp_avg = TensorKey(state, "exp_avg", where);
+  a.exp_avg_sq = TensorKey(state, "exp_avg_sq", where);
+  a.step = ScalarOf(Key(state, "step", where), where + ".step");
+  return a;
+}
+
+// state[id] of a torch optimizer state_dict, keyed by int (or its string).
+std::map<int64_t, ValuePtr> StatesById(const ValuePtr& states, const std::string& where) {
+  std::map<int64_t, ValuePtr> out;
+  if (!states || !states->is_dict()) throw FormatError(where + " is not a dict");
+  for (const auto& [k, v] : states->entries) {
+    if (k->kind == Kind::kInt && k->big.empty()) {
+      out[k->i] = v;
+    } else if (k->kind == Kind::kStr && !k->s.empty() && k->s.find_first_not_of("0123456789") == std::string::npos) {
+      out[std::stoll(k->s)] = v;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+double ScalarOf(const ValuePtr& v, const std::string& where) {
+  if (v && (v->kind == Kind::kFloat || (v->kind == Kind::kInt && v->big.empty()))) return Number(v, where);
+  if (!v || !v->tensor || v->tensor->numel() != 1) throw FormatError(where + " is not a number or a one-element tensor");
+  const Tensor& t = *v->tensor;
+  auto bytes = t.contiguous_view();
+  if (bytes.size() < DTypeSize(t.dtype)) throw FormatError(where + ": the tensor's bytes are not in the file");
+  const uint8_t* p = bytes.data();
+  switch (t.dtype) {
+    case DType::kFloat32: { float f; std::memcpy(&f, p, 4); return f; }
+    case DType::kFloat64: { double d; std::memcpy(&d, p, 8); return d; }
+    case DType::kInt64: { int64_t i; std::memcpy(&i, p, 8); return static_cast<double>(i); }
+    case DType::kInt32: { int32_t i; std::memcpy(&i, p, 4); return i; }
+    default: throw FormatError(where + " has dtype " + std::string(DTypeName(t.dtype)) + "; expected float32, float64 or an int");
+  }
+}
+
+ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
+  if (!root || !root->is_dict()) throw FormatError(path + ": is not a DeepSpeed model-states dict");
+  ModelStatesView m;
+  ValuePtr module = Key(root, "module", path);
+  if (!module->is_dict()) throw FormatError(path + ": 'module' is not a state dict");
+  for (const auto& [k, v] : module->entries)
+    if (k->kind == Kind::kStr && v && v->tensor) m.module[k->s] = v->tensor.get();
+  m.global_steps = IntKey(root, "global_steps", path);
+  if (Key(root, "skipped_steps", path, false)) m.skipped_steps = IntKey(root, "skipped_steps", path);
+  if (ValuePtr g = Key(root, "global_samples", path, false); g && g->kind == Kind::kInt) m.global_samples = g->i;
+  if (ValuePtr u = Key(root, "uckpt", path, false); u && u->is_dict() && u->get("data_samples"))
+    m.global_samples = IntKey(u, "data_samples", path + ": uckpt");
+  if (m.global_steps < 0 || m.skipped_steps < 0 || (m.global_samples && *m.global_samples < 0))
+    throw FormatError(path + ": negative step counters");
+  if (ValuePtr s = Key(root, "lr_scheduler", path, false); s && s->is_dict() && s->get("last_batch_iteration"))
+    m.last_batch_iteration = IntKey(s, "last_batch_iteration", path + ": lr_scheduler");
+  if (ValuePtr d = Key(root, "dp_world_size", path, false); d && d->kind == Kind::kInt) m.dp_world_size = d->i;
+  if (ValuePtr opt = Key(root, "optimizer", path, false); opt && opt->is_dict()) {
+    for (const auto& [id, state] : StatesById(Key(opt, "state", path + ": optimizer"), path + ": optimizer.state"))
+      m.stage0_state[id] = ReadAdamState(state, path + ": optimizer.state[" + std::to_string(id) + "]");
+    m.stage0_param_groups = Key(opt, "param_groups", path + ": optimizer", false);
+  }
+  for (const auto& [k, v] : root->entries)
+    if (k->kind == Kind::kStr && !IsModelStatesKey(k->s)) m.client.emplace_back(k->s, v);
+  return m;
+}
+
+RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path) {
+  RankOptimView r;
+  ValuePtr osd = Key(root, "optimizer_state_dict", path);
+  const std::string where = path + ": optimizer_state_dict";
+  if (ValuePtr pc = Key(osd, "partition_count", where, false); pc && pc->is_seq())
+    for (const auto& n : pc->items) {
+      if (n->kind != Kind::kInt) throw FormatError(where + ": partition_count holds a non-int");
+      r.partition_count.push_back(n->i);
+    }
+  r.loss_scaler = Key(osd, "loss_scaler", where, false);
+  ValuePtr base = Key(osd, "base_optimizer_state", where);
+  ValuePtr fp32 = Key(osd, "single_partition_of_fp32_groups", where);
+  if (!fp32->is_seq()) throw FormatError(where + ": single_partition_of_fp32_groups is not a list");
+  ValuePtr groups = Key(base, "param_groups", where + ".base_optimizer_state");
+  const auto states = StatesById(Key(base, "state", where + ".base_optimizer_state"), where + ".base_optimizer_state.state");
+  for (size_t g = 0; g < fp32->items.size(); ++g) {
+    const std::string gs = std::to_string(g);
+    OptimGroupView v;
+    const ValuePtr& t = fp32->items[g];
+    if (!t || !t->tensor) throw FormatError(where + ": single_partition_of_fp32_groups[" + gs + "] is not a tensor");
+    v.fp32 = t->tensor.get();
+    if (auto it = states.find(static_cast<int64_t>(g)); it != states.end())
+      v.adam = ReadAdamState(it->second, where + ".base_optimizer_state.state[" + gs + "]");
+    if (groups && groups->is_seq() && g < groups->items.size()) v.hparams = groups->items[g];
+    r.groups.push_back(v);
+  }
+  return r;
 }
 
 }  // namespace uckpt::ckpt

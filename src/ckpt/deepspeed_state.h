@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -110,7 +111,45 @@ ValuePtr LossScalerValue(const LossScalerState& s);
 ValuePtr ZeroStageValue(int stage);  // getattr(ZeroStageEnum, name)
 ValuePtr FragmentAddressValue(int64_t numel, int64_t start);
 
-// ---- Readers: each names `path` in its errors (FormatError). ----
+// ---- Readers: each names `path` in its errors (FormatError). Tensors point
+// into the file's (memory-mapped) storage: keep the TorchFile alive. ----
+
+// Adam's state of one partition or parameter, read back.
+struct AdamStateView {
+  const Tensor* exp_avg = nullptr;
+  const Tensor* exp_avg_sq = nullptr;
+  double step = 0;  // a 0-d tensor or a number in the file
+};
+
+// mp_rank_00_model_states.pt (ZeRO 0/1/2), read back.
+struct ModelStatesView {
+  std::map<std::string, const Tensor*> module;  // every tensor of the module state dict
+  int64_t global_steps = 0, skipped_steps = 0;
+  std::optional<int64_t> global_samples;        // uckpt's data position, else DeepSpeed's global_samples
+  std::optional<int64_t> last_batch_iteration;  // the lr scheduler's
+  std::optional<int64_t> dp_world_size;
+  // Stage 0: torch's optimizer state_dict: Adam state by parameter id, param groups.
+  std::map<int64_t, AdamStateView> stage0_state;
+  ValuePtr stage0_param_groups;
+  std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey
+};
+ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
+
+// zero_pp_rank_<r>_mp_rank_00_optim_states.pt (ZeRO 1/2), read back.
+struct OptimGroupView {
+  const Tensor* fp32 = nullptr;          // the fp32 partition (lean: padding cut off)
+  std::optional<AdamStateView> adam;     // none before the first step
+  ValuePtr hparams;                      // the param_groups entry
+};
+struct RankOptimView {
+  std::vector<OptimGroupView> groups;
+  std::vector<int64_t> partition_count;  // per group; empty if absent
+  ValuePtr loss_scaler;                  // for ReadLossScaler
+};
+RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path);
+
+// A 0-d (or 1-element) tensor's value, or a number; throws naming `where`.
+double ScalarOf(const ValuePtr& v, const std::string& where);
 
 // A loss scaler object as pickled; fields missing from it keep `base`'s.
 LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base);

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
 #include "ckpt/values.h"
@@ -107,6 +108,23 @@ std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, size_t
   if (first) out.assign(static_cast<size_t>(l.partition_size) * DTypeSize(dtype), 0);  // all padding
   if (dtype_out) *dtype_out = dtype;
   return out;
+}
+
+UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u) {
+  UniversalOptimizerFile s;
+  const std::string path = u.folder + "/zero/optimizer_state.pt";
+  s.file = LoadTorchFile(path);
+  if (!s.file.root || !s.file.root->is_dict()) throw FormatError(path + ": is not a dict");
+  s.loss_scaler = s.file.root->get("loss_scaler");
+  s.param_groups = s.file.root->get("param_groups");
+  return s;
+}
+
+double ReadUniversalStep(const UniversalCheckpoint& u, const std::string& name) {
+  const std::string path = u.folder + "/zero/" + name + "/step.pt";
+  TorchFile f = LoadTorchFile(path);
+  ValuePtr v = f.root && f.root->is_dict() ? Need(f.root, "param", path) : f.root;
+  return ScalarOf(v, path);
 }
 
 }  // namespace uckpt::ckpt

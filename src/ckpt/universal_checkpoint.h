@@ -45,6 +45,17 @@ struct LoadedState {
 };
 LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& name, const std::string& key);
 
+// zero/optimizer_state.pt: the loss scaler and param groups a resume needs
+// (null when absent). Keeps the file mapped.
+struct UniversalOptimizerFile {
+  TorchFile file;
+  ValuePtr loss_scaler, param_groups;
+};
+UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u);
+
+// zero/<name>/step.pt: Adam's step (a 0-d tensor or a number).
+double ReadUniversalStep(const UniversalCheckpoint& u, const std::string& name);
+
 // Rank `rank`'s flat partition (P elements, padding zero) of state `key`
 // ("fp32", "exp_avg", ...) of param group `group`, re-partitioned for
 // data-parallel size `dp` with DeepSpeed's stage 1/2 flat layout. The bytes

@@ -108,15 +108,7 @@ void CopyElements(const Reader& r, const Tensor& src, int64_t first, int64_t n, 
 
 }  // namespace
 
-std::string ReadTagFile(const std::string& dir, const std::string& name) {
-  const std::string path = dir + "/" + name;
-  std::string problem;
-  std::optional<std::string> tag = ckpt::ReadTag(path, &problem);
-  if (!tag) throw FormatError(path + ": " + problem + " (give the tag explicitly, or check the folder)");
-  if (tag->find('/') != std::string::npos || *tag == "." || *tag == "..")
-    throw FormatError(path + ": does not hold a valid tag (a folder name inside " + dir + ")");
-  return *tag;
-}
+std::string ReadTagFile(const std::string& dir, const std::string& name) { return ckpt::ReadLatestTag(dir, name); }
 
 // ---- IValue client state <-> pickled values. ----
 
@@ -362,8 +354,7 @@ void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& erro
 // previous checkpoint and `latest` as they were.
 std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                  const ClientState& client_state) {
-  if (tag.empty() || tag.find('/') != std::string::npos || tag == "." || tag == "..")
-    throw std::invalid_argument("bad checkpoint tag '" + tag + "'");
+  if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
   if (e.stage() == 0 && e.zero->settings().model_dtype != at::kFloat)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
   Comm& comm = *e.comm;
@@ -429,19 +420,14 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
 
 namespace {
 
-// The model-states keys every load path restores.
-void RestoreCounters(Engine::Impl& e, const Reader& r, const ValuePtr& root, const LoadCheckpointOptions& o) {
-  e.global_steps = r.Int(root, "global_steps");
-  e.skipped_steps = r.Get(root, "skipped_steps", false) ? r.Int(root, "skipped_steps") : 0;
-  e.global_samples = r.Get(root, "global_samples", false) ? r.Int(root, "global_samples")
-                                                          : e.global_steps * e.batch.train_batch_size;
-  if (auto u = r.Get(root, "uckpt", false); u && u->is_dict() && u->get("data_samples"))
-    e.global_samples = r.Int(u, "data_samples");
-  if (e.global_steps < 0 || e.global_samples < 0) throw FormatError(r.path() + ": negative step counters");
+// The counters and the schedule's position.
+void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
+  e.global_steps = m.global_steps;
+  e.skipped_steps = m.skipped_steps;
+  e.global_samples = m.global_samples ? *m.global_samples : e.global_steps * e.batch.train_batch_size;
   e.micro_steps = e.global_steps * e.batch.gradient_accumulation_steps;
-  ValuePtr sched = r.Get(root, "lr_scheduler", false);
-  if (o.load_lr_scheduler_states && sched && sched->is_dict() && sched->get("last_batch_iteration")) {
-    e.schedule.Restore(r.Int(sched, "last_batch_iteration"));
+  if (o.load_lr_scheduler_states && m.last_batch_iteration) {
+    e.schedule.Restore(*m.last_batch_iteration);
   } else if (e.global_steps > 0 && !e.config.scheduler.type.empty()) {
     // No saved scheduler: continue the schedule where the step count says.
     e.schedule.Restore(e.global_steps - 1 - e.skipped_steps);
@@ -491,21 +477,15 @@ void CheckParamShapes(const Engine::Impl& e, const Reader& r, const ValuePtr& ro
   }
 }
 
-// Copies the tensors of the `module` state dict into `targets` by name.
-// Missing names are an error naming the file; extra names are ignored only
-// when they are HF's attention-mask buffers or aliases of a target.
-void LoadModule(const Reader& r, const ValuePtr& root, const std::vector<NamedParam>& targets) {
-  ValuePtr module = r.Get(root, "module");
-  if (!module->is_dict()) throw FormatError(r.path() + ": 'module' is not a state dict");
-  std::map<std::string, const Tensor*> by_name;
-  for (const auto& [k, v] : module->entries)
-    if (k->kind == Kind::kStr && v && v->tensor) by_name[k->s] = v->tensor.get();
+// Copies the module state dict's tensors into `targets` by name; a missing
+// name or another shape is an error naming the file.
+void LoadModule(const std::string& path, const ckpt::ModelStatesView& m, const std::vector<NamedParam>& targets) {
   c10::NoGradGuard no_grad;
   for (const auto& p : targets) {
-    auto it = by_name.find(p.name);
-    if (it == by_name.end()) throw FormatError(r.path() + ": module has no tensor '" + p.name + "'");
+    auto it = m.module.find(p.name);
+    if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + p.name + "'");
     if (it->second->shape != p.tensor.sizes().vec())
-      throw FormatError(r.path() + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
+      throw FormatError(path + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
                         ", the model needs " + c10::str(p.tensor.sizes()));
     p.tensor.copy_(ToTorch(*it->second).view(p.tensor.sizes()));
   }
@@ -517,42 +497,32 @@ std::vector<NamedParam> Trainable(const Engine::Impl& e) {
   return all;
 }
 
-// Stage 0: torch Adam's own state_dict (one state per parameter) in 'optimizer'.
-void LoadStage0Optimizer(Engine::Impl& e, const Reader& r, const ValuePtr& root, const LoadCheckpointOptions& o) {
-  ValuePtr opt = r.Get(root, "optimizer", false);
-  if (!opt || !opt->is_dict()) return;
-  ValuePtr states = r.Get(opt, "state");
-  std::map<int64_t, ValuePtr> by_id;
-  for (const auto& [k, v] : states->entries)
-    if (k->kind == Kind::kInt) by_id[k->i] = v;
+// Stage 0: torch Adam's own state_dict (one state per parameter).
+void LoadStage0Optimizer(Engine::Impl& e, const Reader& r, const ckpt::ModelStatesView& m,
+                         const LoadCheckpointOptions& o) {
+  if (!m.stage0_param_groups) return;
   int64_t id = 0;
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    engine::PartitionState& st = e.zero->state(g);
-    if (by_id.empty()) {
-      id += static_cast<int64_t>(e.groups[g].size());
-      continue;
-    }
+    PartitionState& st = e.zero->state(g);
+    if (m.stage0_state.empty()) break;  // saved before the first step
     st.exp_avg = at::zeros_like(st.master);
     st.exp_avg_sq = at::zeros_like(st.master);
     int64_t off = 0;
     for (const auto& p : e.groups[g]) {
-      auto it = by_id.find(id);
-      if (it == by_id.end())
+      auto it = m.stage0_state.find(id);
+      if (it == m.stage0_state.end())
         throw FormatError(r.path() + ": optimizer state has no entry " + std::to_string(id) + " (" + p.name + ")");
       const int64_t n = p.tensor.numel();
-      for (auto [key, dst] : {std::pair<const char*, at::Tensor*>{"exp_avg", &st.exp_avg}, {"exp_avg_sq", &st.exp_avg_sq}}) {
-        const Tensor& src = r.TensorAt(r.Get(it->second, key), std::string("optimizer state ") + key);
-        if (src.numel() != n) throw FormatError(r.path() + ": optimizer state of " + p.name + " has the wrong size");
-        CopyElements(r, src, 0, n, dst->narrow(0, off, n));
+      for (auto [src, dst] : {std::pair{it->second.exp_avg, &st.exp_avg}, {it->second.exp_avg_sq, &st.exp_avg_sq}}) {
+        if (src->numel() != n) throw FormatError(r.path() + ": optimizer state of " + p.name + " has the wrong size");
+        CopyElements(r, *src, 0, n, dst->narrow(0, off, n));
       }
-      ValuePtr step = r.Get(it->second, "step");
-      st.step = at::full({}, step->tensor ? ToTorch(*step->tensor).item<double>() : r.Number(step, "step"),
-                         st.master.options());
+      st.step = at::full({}, it->second.step, st.master.options());
       off += n;
       ++id;
     }
   }
-  ApplySavedHparams(e, r, r.Get(opt, "param_groups"), o);
+  ApplySavedHparams(e, r, m.stage0_param_groups, o);
 }
 
 // Sizes on every rank (cheap, and every rank reaches the same verdict); with
@@ -583,49 +553,37 @@ void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCh
   const std::string path = folder + "/" + ckpt::OptimStatesFileName(e.comm->rank(), e.config.bf16);
   Reader r(path);
   TorchFile f = LoadTorchFile(path);
-  ValuePtr osd = r.Get(f.root, "optimizer_state_dict");
-  if (auto pc = r.Get(osd, "partition_count", false)) {
-    for (size_t g = 0; g < e.groups.size(); ++g) {
-      ValuePtr n = r.Item(pc, g, "partition_count");
-      if (n->kind != Kind::kInt || n->i != e.zero->layout(g).dp)
-        throw FormatError(path + ": partition_count[" + std::to_string(g) + "] is not " +
-                          std::to_string(e.zero->layout(g).dp));
-    }
-  }
-  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(r.Get(osd, "loss_scaler", false), e.zero->loss_scaler());
-  ValuePtr base = r.Get(osd, "base_optimizer_state");
-  ValuePtr states = r.Get(base, "state");
-  ValuePtr fp32_groups = r.Get(osd, "single_partition_of_fp32_groups");
+  const ckpt::RankOptimView v = ckpt::ReadRankOptimStates(f.root, path);
+  if (v.groups.size() != e.groups.size())
+    throw FormatError(path + ": has " + std::to_string(v.groups.size()) + " parameter groups, this engine has " +
+                      std::to_string(e.groups.size()));
+  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(v.loss_scaler, e.zero->loss_scaler());
+  ValuePtr hparams = Value::List();
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    engine::PartitionState& st = e.zero->state(g);
+    PartitionState& st = e.zero->state(g);
     const auto& layout = e.zero->layout(g);
     const std::string gs = std::to_string(g);
-    ValuePtr state_g;
-    for (const auto& [k, v] : states->entries)
-      if ((k->kind == Kind::kInt && k->i == static_cast<int64_t>(g)) || (k->kind == Kind::kStr && k->s == gs)) state_g = v;
-    if (state_g) {
-      auto load = [&](const char* key, at::Tensor& dst) {
-        const Tensor& src = r.TensorAt(r.Get(state_g, key), "state[" + gs + "]." + key);
-        if (src.numel() != layout.partition_size)
-          throw FormatError(path + ": state[" + gs + "]." + key + " has " + std::to_string(src.numel()) +
+    if (g < v.partition_count.size() && v.partition_count[g] != layout.dp)
+      throw FormatError(path + ": partition_count[" + gs + "] is " + std::to_string(v.partition_count[g]) +
+                        ", this run partitions over " + std::to_string(layout.dp));
+    if (const auto& adam = v.groups[g].adam) {
+      for (auto [src, dst] : {std::pair{adam->exp_avg, &st.exp_avg}, {adam->exp_avg_sq, &st.exp_avg_sq}}) {
+        if (src->numel() != layout.partition_size)
+          throw FormatError(path + ": the Adam state of group " + gs + " has " + std::to_string(src->numel()) +
                             " elements, the partition has " + std::to_string(layout.partition_size));
-        dst = at::zeros({layout.partition_size}, st.master.options());
-        CopyElements(r, src, 0, src.numel(), dst);
-      };
-      load("exp_avg", st.exp_avg);
-      load("exp_avg_sq", st.exp_avg_sq);
-      ValuePtr step = r.Get(state_g, "step");
-      st.step = at::full({}, step->tensor ? ToTorch(*step->tensor).item<double>() : r.Number(step, "step"),
-                         st.master.options());
+        *dst = at::zeros({layout.partition_size}, st.master.options());
+        CopyElements(r, *src, 0, src->numel(), *dst);
+      }
+      st.step = at::full({}, adam->step, st.master.options());
     }
-    const Tensor& fp32 = r.TensorAt(r.Item(fp32_groups, g, "single_partition_of_fp32_groups"),
-                                    "single_partition_of_fp32_groups[" + gs + "]");
+    const Tensor& fp32 = *v.groups[g].fp32;
     if (fp32.numel() > layout.partition_size)
       throw FormatError(path + ": fp32 partition " + gs + " is larger than this run's partition");
     st.master.zero_();
     CopyElements(r, fp32, 0, fp32.numel(), st.master.narrow(0, 0, fp32.numel()));
+    hparams->items.push_back(v.groups[g].hparams);
   }
-  ApplySavedHparams(e, r, r.Get(base, "param_groups"), o);
+  ApplySavedHparams(e, r, hparams, o);
   e.zero->GatherModelFromMasters();
 }
 
@@ -634,14 +592,9 @@ void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCh
 // `uckpt convert` and `verify` use.
 void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
   const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
-  {
-    const std::string path = folder + "/zero/optimizer_state.pt";
-    Reader r(path);
-    TorchFile f = LoadTorchFile(path);
-    static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) =
-        ckpt::ReadLossScaler(r.Get(f.root, "loss_scaler", false), e.zero->loss_scaler());
-    ApplySavedHparams(e, r, r.Get(f.root, "param_groups", false), o);
-  }
+  const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
+  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
+  ApplySavedHparams(e, Reader(folder + "/zero/optimizer_state.pt"), saved.param_groups, o);
   // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
   const bool with_state = o.load_optimizer_states && u.has_step;
   for (size_t g = 0; g < e.groups.size(); ++g) {
@@ -664,22 +617,16 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
     }
     st.exp_avg = load("exp_avg");
     st.exp_avg_sq = load("exp_avg_sq");
-    // step.pt: a 0-d tensor (torch >= 1.12's Adam) or a number.
-    const std::string step_path = folder + "/zero/" + u.groups.at(g).at(0).name + "/step.pt";
-    Reader r(step_path);
-    TorchFile tf = LoadTorchFile(step_path);
-    ValuePtr v = tf.root && tf.root->is_dict() ? r.Get(tf.root, "param") : tf.root;
-    const double step = v && v->tensor ? ToTorch(*v->tensor).item<double>() : r.Number(v, "step");
+    const double step = ckpt::ReadUniversalStep(u, u.groups.at(g).at(0).name);
     st.step = at::full({}, step, st.master.options());
   }
   e.zero->GatherModelFromMasters();
 }
 
-// The client's keys: every top-level key that is not DeepSpeed's or uckpt's.
-ClientState ClientStateOf(const ValuePtr& root) {
+// The client's keys: a dict of every top-level key that is not the file's own.
+ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& [k, v] : root->entries)
-    if (k->kind == Kind::kStr && !ckpt::IsModelStatesKey(k->s)) d.insert(k->s, ToIValue(v));
+  for (const auto& [k, v] : m.client) d.insert(k, ToIValue(v));
   return c10::IValue(d);
 }
 
@@ -689,46 +636,45 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
                                 const LoadCheckpointOptions& o) {
   const char* tag_file = o.universal ? "latest_universal" : "latest";
   if (tag_in.empty() && !fs::exists(dir + "/" + tag_file)) return LoadResult{"", c10::IValue()};
-  const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : tag_in;
+  const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
   const std::string folder = dir + "/" + tag;
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
   const std::string model_path = folder + "/" + ckpt::ModelStatesFileName();
   Reader mr(model_path);
   TorchFile model_file = LoadTorchFile(model_path);
-  const ValuePtr& root = model_file.root;
-  if (!root || !root->is_dict()) throw FormatError(model_path + ": is not a DeepSpeed model-states dict");
-  CheckParamShapes(e, mr, root);
+  const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
+  CheckParamShapes(e, mr, model_file.root);
   c10::NoGradGuard no_grad;
   const int stage = e.stage();
-  LoadResult result{folder, ClientStateOf(root)};
+  LoadResult result{folder, ClientStateOf(m)};
   // Frozen parameters and buffers always come from the module state (also
   // from a universal checkpoint's copy of it, which DeepSpeed leaves out).
   std::vector<NamedParam> fixed = e.frozen;
   fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
-  LoadModule(mr, root, fixed);
+  LoadModule(model_path, m, fixed);
   if (o.load_module_only) {
-    LoadModule(mr, root, Trainable(e));
+    LoadModule(model_path, m, Trainable(e));
     e.zero->InitMasterFromModel();
     return result;
   }
-  RestoreCounters(e, mr, root, o);
+  RestoreCounters(e, m, o);
   if (o.universal) {
     LoadUniversalPartitions(e, folder, o);
     return result;
   }
-  const int64_t saved_dp = mr.Int(root, "dp_world_size");
-  if (stage > 0 && o.load_optimizer_states && saved_dp != e.comm->world_size())
-    throw FormatError(folder + ": saved at data-parallel world size " + std::to_string(saved_dp) + ", this run has " +
-                      std::to_string(e.comm->world_size()) +
+  if (stage > 0 && o.load_optimizer_states && m.dp_world_size.value_or(-1) != e.comm->world_size())
+    throw FormatError(folder + ": saved at data-parallel world size " +
+                      (m.dp_world_size ? std::to_string(*m.dp_world_size) : std::string("(not recorded)")) +
+                      ", this run has " + std::to_string(e.comm->world_size()) +
                       ". ZeRO partitions only load at the same size; convert it with `uckpt convert " + folder + " " +
                       folder + "_universal` and load that with universal = true (--universal_checkpoint)");
   if (stage > 0 && o.load_optimizer_states) {
     LoadZeroPartitions(e, folder, o);
     return result;
   }
-  LoadModule(mr, root, Trainable(e));
+  LoadModule(model_path, m, Trainable(e));
   e.zero->InitMasterFromModel();
-  if (stage == 0 && o.load_optimizer_states) LoadStage0Optimizer(e, mr, root, o);
+  if (stage == 0 && o.load_optimizer_states) LoadStage0Optimizer(e, mr, m, o);
   return result;
 }
 

@@ -284,6 +284,16 @@ TEST(EngineApiErrors, StepWithoutBackwardAndBadClientState) {
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     d.insert(std::string("module"), int64_t{1});  // would overwrite the weights
     EXPECT_THROW(r.engine->SaveCheckpoint(::testing::TempDir() + "/bad_cs", "t", d), std::invalid_argument);
+    // A tag is a plain folder name inside the checkpoint directory, both ways.
+    EXPECT_THROW(r.engine->SaveCheckpoint(::testing::TempDir() + "/bad_tag", "../escape"), std::invalid_argument);
+    for (const char* tag : {"../victim/global_step5", "/etc", ".."}) {
+      try {
+        r.engine->LoadCheckpoint(::testing::TempDir() + "/bad_tag", tag);
+        ADD_FAILURE() << "loaded tag " << tag;
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("checkpoint tag"), std::string::npos) << e.what();
+      }
+    }
   });
 }
 
