@@ -8,6 +8,7 @@
 //
 //   train_bert_mlm --text /usr/share/common-licenses/GPL-3 --steps 40 --checkpoint_dir ckpt
 //   uckpt launch -n 2 -- train_bert_mlm --text ... --steps 80 --checkpoint_dir ckpt
+#include <torch/cuda.h>
 #include <uckpt/engine.h>
 #include <uckpt/models/bert.h>
 

@@ -5,6 +5,7 @@
 //   uckpt launch -n 4 -- train_gpt2 --text ... --steps 80 --checkpoint_dir ckpt    # resumes at step 40
 //   uckpt convert ckpt/global_step80 ckpt/global_step80_universal
 //   uckpt launch -n 2 -- train_gpt2 --text ... --steps 120 --checkpoint_dir ckpt --universal
+#include <torch/cuda.h>
 #include <uckpt/engine.h>
 #include <uckpt/models/gpt2.h>
 
