@@ -1,0 +1,91 @@
+#!/bin/bash
+# `uckpt convert` against copying the same input folder, with and without
+# making the copy durable (issue "Checkpoints at the speed of the disk",
+# part 2). For each world size it writes a synthetic ZeRO-2 checkpoint with
+# bench/convert_gen (fp32 master + Adam moments, --params elements split over
+# the ranks) and times, in alternating rounds:
+#   cp -r IN COPY                      (the copy stays in the page cache)
+#   cp -r IN COPY && sync -f COPY      (the copy is on disk: syncfs)
+#   uckpt convert IN OUT               (default: ends durable, with manifest)
+# Before every timed command the previous output is deleted and all dirty
+# pages are written back (`sync`, not timed), so no command pays for another's
+# writeback. The input is in the page cache for all three (it was just
+# written and then read once); nothing is dropped from the cache.
+# Prints one table: best and median of --runs rounds, and ratios of the best
+# times. Exit status 0 when every convert / (cp -r + sync) ratio is <= 1.0.
+# Usage: bench/convert-vs-cp.sh [--params 1.7e8] [--dp "1 4"] [--runs 5]
+#                               [--build build] [--uckpt PATH] [--gen PATH]
+#                               [--dir /tmp/uckpt-bench-cvcp] [--keep]
+set -euo pipefail
+PARAMS=1.7e8 DPS="1 4" RUNS=5 BUILD=build KEEP=0 UCKPT= GEN=
+DIR=${TMPDIR:-/tmp}/uckpt-bench-cvcp
+USAGE=$(sed -n '/^# Usage:/,/^[^#]/p' "$0" | grep '^#' | cut -c3-)
+while [ $# -gt 0 ]; do
+  case $1 in
+    --params) PARAMS=$2; shift 2 ;;
+    --dp) DPS=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
+    --build) BUILD=$2; shift 2 ;;
+    --uckpt) UCKPT=$2; shift 2 ;;
+    --gen) GEN=$2; shift 2 ;;
+    --dir) DIR=$2; shift 2 ;;
+    --keep) KEEP=1; shift ;;
+    -h|--help) echo "$USAGE"; exit 0 ;;
+    *) echo "unknown argument $1" >&2; echo "$USAGE" >&2; exit 2 ;;
+  esac
+done
+UCKPT=${UCKPT:-$BUILD/src/cli/uckpt} GEN=${GEN:-$BUILD/bench/convert_gen}
+for b in "$UCKPT" "$GEN"; do [ -x "$b" ] || { echo "missing $b (build first: cmake --build $BUILD)" >&2; exit 2; }; done
+mkdir -p "$DIR"
+[ $KEEP = 1 ] || trap 'rm -rf "$DIR"' EXIT
+
+now() { date +%s.%N; }
+calc() { awk "BEGIN { printf \"%.${2:-3}f\", $1 }"; }
+best() { printf "%s\n" "$@" | sort -g | head -1; }
+median() { printf "%s\n" "$@" | sort -g | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
+# Time one command (wall seconds), after deleting its output and writing back
+# every dirty page (neither timed).
+timed() {  # timed OUTPUT COMMAND...
+  rm -rf "$1" "$DIR/latest_universal"; sync
+  local t0 t1
+  t0=$(now); "${@:2}"; t1=$(now)
+  calc "$t1 - $t0"
+}
+
+fs=$(stat -f -c %T "$DIR")
+CP=(cp -r)
+case $fs in btrfs|xfs|bcachefs|zfs) CP=(cp -r --reflink=never) ;; esac
+
+cp_sync() { "${CP[@]}" "$1" "$2" && sync -f "$2"; }
+
+rows=() status=0
+for DP in $DPS; do
+  IN=$DIR/dp$DP/global_step1
+  if [ ! -e "$IN/../.params-$PARAMS" ]; then
+    rm -rf "$DIR/dp$DP"; mkdir -p "$DIR/dp$DP"
+    "$GEN" --params "$PARAMS" --dp "$DP" "$IN" >/dev/null
+    touch "$IN/../.params-$PARAMS"
+  fi
+  cat "$IN"/* > /dev/null  # the input is in the page cache for every command
+  BYTES=$(du -sb "$IN" | cut -f1)
+  cp_t=() cps_t=() cv_t=()
+  for ((i = 0; i < RUNS; i++)); do
+    cp_t+=("$(timed "$DIR/copy" "${CP[@]}" "$IN" "$DIR/copy")")
+    cps_t+=("$(timed "$DIR/copy" cp_sync "$IN" "$DIR/copy")")
+    cv_t+=("$(timed "$DIR/out" "$UCKPT" convert -q "$IN" "$DIR/out")")
+  done
+  rm -rf "$DIR/copy" "$DIR/out" "$DIR/latest_universal"
+  b_cp=$(best "${cp_t[@]}") b_cps=$(best "${cps_t[@]}") b_cv=$(best "${cv_t[@]}")
+  r_cps=$(calc "$b_cv / $b_cps" 2)
+  awk "BEGIN { exit !($r_cps > 1.0) }" && status=1
+  rows+=("$(printf "%-4s %8.2f %8s/%-8s %8s/%-8s %8s/%-8s %7s %7s" "$DP" "$(calc "$BYTES / 1e9")" \
+    "$b_cp" "$(median "${cp_t[@]}")" "$b_cps" "$(median "${cps_t[@]}")" "$b_cv" "$(median "${cv_t[@]}")" \
+    "$(calc "$b_cv / $b_cp" 2)" "$r_cps")")
+done
+
+echo "== uckpt convert vs cp -r: ZeRO-2, $PARAMS parameters, fp32 + Adam, $(nproc) cores, $fs, best/median of $RUNS, input in page cache"
+echo "convert ends durable (syncfs + rename) and writes the manifest; cp -r does not sync; 'sync' = sync -f of the copy"
+printf "%-4s %8s %17s %17s %17s %7s %7s\n" "ws" "input GB" "cp -r s" "cp -r+sync s" "convert s" "/cp" "/cp+sync"
+for r in "${rows[@]}"; do echo "$r"; done
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+exit $status
