@@ -11,8 +11,8 @@
 # pages are written back (`sync`, not timed), so no command pays for another's
 # writeback. The input is in the page cache for all three (it was just
 # written and then read once); nothing is dropped from the cache.
-# Prints one table: best and median of --runs rounds, and ratios of the best
-# times. Exit status 0 when every convert / (cp -r + sync) ratio is <= 1.0.
+# Prints one table: best and median wall time of --runs rounds, median CPU
+# time, and ratios of the best wall times. Exit status 0 when every convert / (cp -r + sync) ratio is <= 1.0.
 # Usage: bench/convert-vs-cp.sh [--params 1.7e8] [--dp "1 4"] [--runs 5]
 #                               [--build build] [--uckpt PATH] [--gen PATH]
 #                               [--dir /tmp/uckpt-bench-cvcp] [--keep]
@@ -43,20 +43,20 @@ now() { date +%s.%N; }
 calc() { awk "BEGIN { printf \"%.${2:-3}f\", $1 }"; }
 best() { printf "%s\n" "$@" | sort -g | head -1; }
 median() { printf "%s\n" "$@" | sort -g | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
-# Time one command (wall seconds), after deleting its output and writing back
-# every dirty page (neither timed).
+# Time one command, after deleting its output and writing back every dirty
+# page (neither timed). Prints "WALL CPU" (CPU: user + system seconds of the
+# command and its children; writeback done by the kernel's threads is not in it).
 timed() {  # timed OUTPUT COMMAND...
   rm -rf "$1" "$DIR/latest_universal"; sync
-  local t0 t1
-  t0=$(now); "${@:2}"; t1=$(now)
-  calc "$t1 - $t0"
+  /usr/bin/time -f "%e %U %S" -o "$DIR/time" "${@:2}"
+  awk '{ printf "%.3f %.2f\n", $1, $2 + $3 }' "$DIR/time"
 }
-
 fs=$(stat -f -c %T "$DIR")
 CP=(cp -r)
 case $fs in btrfs|xfs|bcachefs|zfs) CP=(cp -r --reflink=never) ;; esac
+[ -x /usr/bin/time ] || { echo "needs /usr/bin/time (Debian package time)" >&2; exit 2; }
 
-cp_sync() { "${CP[@]}" "$1" "$2" && sync -f "$2"; }
+CP_SYNC=(bash -c '"${@:3}" "$1" "$2" && sync -f "$2"' _)
 
 rows=() status=0
 for DP in $DPS; do
@@ -68,24 +68,28 @@ for DP in $DPS; do
   fi
   cat "$IN"/* > /dev/null  # the input is in the page cache for every command
   BYTES=$(du -sb "$IN" | cut -f1)
-  cp_t=() cps_t=() cv_t=()
+  cp_t=() cps_t=() cv_t=() cp_c=() cps_c=() cv_c=()
   for ((i = 0; i < RUNS; i++)); do
-    cp_t+=("$(timed "$DIR/copy" "${CP[@]}" "$IN" "$DIR/copy")")
-    cps_t+=("$(timed "$DIR/copy" cp_sync "$IN" "$DIR/copy")")
-    cv_t+=("$(timed "$DIR/out" "$UCKPT" convert -q "$IN" "$DIR/out")")
+    read -r w c < <(timed "$DIR/copy" "${CP[@]}" "$IN" "$DIR/copy"); cp_t+=("$w"); cp_c+=("$c")
+    read -r w c < <(timed "$DIR/copy" "${CP_SYNC[@]}" "$IN" "$DIR/copy" "${CP[@]}"); cps_t+=("$w"); cps_c+=("$c")
+    read -r w c < <(timed "$DIR/out" "$UCKPT" convert -q "$IN" "$DIR/out"); cv_t+=("$w"); cv_c+=("$c")
   done
   rm -rf "$DIR/copy" "$DIR/out" "$DIR/latest_universal"
   b_cp=$(best "${cp_t[@]}") b_cps=$(best "${cps_t[@]}") b_cv=$(best "${cv_t[@]}")
   r_cps=$(calc "$b_cv / $b_cps" 2)
   awk "BEGIN { exit !($r_cps > 1.0) }" && status=1
-  rows+=("$(printf "%-4s %8.2f %8s/%-8s %8s/%-8s %8s/%-8s %7s %7s" "$DP" "$(calc "$BYTES / 1e9")" \
-    "$b_cp" "$(median "${cp_t[@]}")" "$b_cps" "$(median "${cps_t[@]}")" "$b_cv" "$(median "${cv_t[@]}")" \
+  cell() { printf "%.2f/%.2f (%.2f)" "$1" "$2" "$3"; }
+  rows+=("$(printf "%-3s %6.2f  %-19s %-19s %-19s %6s %8s" "$DP" "$(calc "$BYTES / 1e9")" \
+    "$(cell "$b_cp" "$(median "${cp_t[@]}")" "$(median "${cp_c[@]}")")" \
+    "$(cell "$b_cps" "$(median "${cps_t[@]}")" "$(median "${cps_c[@]}")")" \
+    "$(cell "$b_cv" "$(median "${cv_t[@]}")" "$(median "${cv_c[@]}")")" \
     "$(calc "$b_cv / $b_cp" 2)" "$r_cps")")
 done
 
-echo "== uckpt convert vs cp -r: ZeRO-2, $PARAMS parameters, fp32 + Adam, $(nproc) cores, $fs, best/median of $RUNS, input in page cache"
-echo "convert ends durable (syncfs + rename) and writes the manifest; cp -r does not sync; 'sync' = sync -f of the copy"
-printf "%-4s %8s %17s %17s %17s %7s %7s\n" "ws" "input GB" "cp -r s" "cp -r+sync s" "convert s" "/cp" "/cp+sync"
+echo "== uckpt convert vs cp -r: ZeRO-2, $PARAMS parameters, fp32 + Adam, $(nproc) cores, $fs, $RUNS rounds, input in page cache"
+echo "times: best/median wall seconds (median CPU seconds, user + system); ratios of the best wall times"
+echo "convert ends durable (early writeback, syncfs, rename) and writes the manifest; cp -r does not sync; +sync = sync -f COPY"
+printf "%-3s %6s  %-19s %-19s %-19s %6s %8s\n" "ws" "GB" "cp -r" "cp -r + sync" "uckpt convert" "/cp" "/cp+sync"
 for r in "${rows[@]}"; do echo "$r"; done
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 exit $status
