@@ -15,9 +15,11 @@
 # time, and ratios of the best wall times. Exit status 0 when every convert / (cp -r + sync) ratio is <= 1.0.
 # Usage: bench/convert-vs-cp.sh [--params 1.7e8] [--dp "1 4"] [--runs 5]
 #                               [--build build] [--uckpt PATH] [--gen PATH]
-#                               [--dir /tmp/uckpt-bench-cvcp] [--keep]
+#                               [--dir /tmp/uckpt-bench-cvcp] [--keep] [--old-uckpt PATH]
+# --old-uckpt: also time this (older) uckpt's convert in the same rounds, for
+# a before/after comparison under the same load.
 set -euo pipefail
-PARAMS=1.7e8 DPS="1 4" RUNS=5 BUILD=build KEEP=0 UCKPT= GEN=
+PARAMS=1.7e8 DPS="1 4" RUNS=5 BUILD=build KEEP=0 UCKPT= GEN= OLD=
 DIR=${TMPDIR:-/tmp}/uckpt-bench-cvcp
 USAGE=$(sed -n '/^# Usage:/,/^[^#]/p' "$0" | grep '^#' | cut -c3-)
 while [ $# -gt 0 ]; do
@@ -30,6 +32,7 @@ while [ $# -gt 0 ]; do
     --gen) GEN=$2; shift 2 ;;
     --dir) DIR=$2; shift 2 ;;
     --keep) KEEP=1; shift ;;
+    --old-uckpt) OLD=$2; shift 2 ;;
     -h|--help) echo "$USAGE"; exit 0 ;;
     *) echo "unknown argument $1" >&2; echo "$USAGE" >&2; exit 2 ;;
   esac
@@ -68,11 +71,14 @@ for DP in $DPS; do
   fi
   cat "$IN"/* > /dev/null  # the input is in the page cache for every command
   BYTES=$(du -sb "$IN" | cut -f1)
-  cp_t=() cps_t=() cv_t=() cp_c=() cps_c=() cv_c=()
+  cp_t=() cps_t=() cv_t=() cp_c=() cps_c=() cv_c=() old_t=() old_c=()
   for ((i = 0; i < RUNS; i++)); do
     read -r w c < <(timed "$DIR/copy" "${CP[@]}" "$IN" "$DIR/copy"); cp_t+=("$w"); cp_c+=("$c")
     read -r w c < <(timed "$DIR/copy" "${CP_SYNC[@]}" "$IN" "$DIR/copy" "${CP[@]}"); cps_t+=("$w"); cps_c+=("$c")
     read -r w c < <(timed "$DIR/out" "$UCKPT" convert -q "$IN" "$DIR/out"); cv_t+=("$w"); cv_c+=("$c")
+    if [ -n "$OLD" ]; then
+      read -r w c < <(timed "$DIR/out" "$OLD" convert -q "$IN" "$DIR/out"); old_t+=("$w"); old_c+=("$c")
+    fi
   done
   rm -rf "$DIR/copy" "$DIR/out" "$DIR/latest_universal"
   b_cp=$(best "${cp_t[@]}") b_cps=$(best "${cps_t[@]}") b_cv=$(best "${cv_t[@]}")
@@ -84,6 +90,12 @@ for DP in $DPS; do
     "$(cell "$b_cps" "$(median "${cps_t[@]}")" "$(median "${cps_c[@]}")")" \
     "$(cell "$b_cv" "$(median "${cv_t[@]}")" "$(median "${cv_c[@]}")")" \
     "$(calc "$b_cv / $b_cp" 2)" "$r_cps")")
+  if [ -n "$OLD" ]; then
+    b_old=$(best "${old_t[@]}")
+    rows+=("$(printf "%-3s %6s  %-19s %-19s %-19s %6s %8s" "" "" "" "old uckpt convert:" \
+      "$(cell "$b_old" "$(median "${old_t[@]}")" "$(median "${old_c[@]}")")" \
+      "$(calc "$b_old / $b_cp" 2)" "$(calc "$b_old / $b_cps" 2)")")
+  fi
 done
 
 echo "== uckpt convert vs cp -r: ZeRO-2, $PARAMS parameters, fp32 + Adam, $(nproc) cores, $fs, $RUNS rounds, input in page cache"
