@@ -138,29 +138,15 @@ void WriteRange(WritableFile& file, const std::vector<CopyPiece>& pieces, uint64
   if (durable && end > writeback) file.StartWriteback(writeback, end - writeback);
 }
 
-// A whole-file copy in the kernel; the hash is of the source's bytes, read
-// from its mapping stretch by stretch right after each was copied (so from
-// the page cache), whose pages are then dropped from this process again.
+// A whole-file copy: inside the kernel (copy_file_range) when no hash is
+// wanted; else through a 1 MiB buffer, hashing each buffer before it is
+// written (faster than hashing the source's map after a kernel copy, see
+// Env::CopyFile).
 CopyResult CopyWhole(const PlannedFile& f, bool durable) {
-  std::shared_ptr<const MappedFile> src;
   HashState hash = NewHash(f.hash);
-  uint64_t hashed = 0;
-  Env::CopyProgress progress;
-  if (f.hash) {
-    src = MappedFile::Open(f.copy_from);
-    progress = [&](uint64_t copied) {
-      std::span<const uint8_t> bytes = src->bytes();
-      if (copied > bytes.size()) throw IoError("cannot copy " + f.copy_from + ": the file grew while it was copied");
-      XXH64_update(hash.get(), bytes.data() + hashed, copied - hashed);
-      static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-      const uint64_t from = hashed & ~(page - 1), to = copied == bytes.size() ? copied : copied & ~(page - 1);
-      if (to > from) ::madvise(const_cast<uint8_t*>(bytes.data() + from), to - from, MADV_DONTNEED);
-      hashed = copied;
-    };
-  }
-  const uint64_t size = Env::Current().CopyFile(f.copy_from, f.path, progress);
-  if (f.hash && (hashed != size || size != src->bytes().size()))
-    throw IoError("cannot copy " + f.copy_from + ": the file changed size while it was copied");
+  Env::CopySeen seen;
+  if (f.hash) seen = [&](std::span<const uint8_t> bytes) { XXH64_update(hash.get(), bytes.data(), bytes.size()); };
+  const uint64_t size = Env::Current().CopyFile(f.copy_from, f.path, seen);
   if (durable) {
     // A hint (see StartWriteback); the caller's final sync makes it durable.
     int fd = ::open(f.path.c_str(), O_RDONLY | O_CLOEXEC);

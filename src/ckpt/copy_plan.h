@@ -9,8 +9,11 @@
 //   - generated: a function that writes the file front to back through an
 //     OrderedSink (torch files, whose zip records need a CRC computed as the
 //     data passes);
-//   - a whole-file copy of an input file (data by copy_file_range, inside the
-//     kernel, and permission bits and times as `cp -p`).
+//   - a whole-file copy of an input file (permission bits and times as
+//     `cp -p`): inside the kernel (copy_file_range) when no hash is wanted,
+//     else through a 1 MiB buffer that is hashed before it is written, which
+//     measured faster than a kernel copy followed by hashing the source
+//     through a memory map (format/env.h, Env::CopyFile).
 // ExecuteCopyPlan runs the files on N threads, largest first, and returns
 // each file's size and XXH64 (what the manifest lists), computed from the
 // bytes as they are written, so nothing is read back afterwards.

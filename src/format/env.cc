@@ -90,7 +90,7 @@ class PosixEnv : public Env {
     return std::make_unique<PosixWritableFile>(path, fd);
   }
 
-  uint64_t CopyFile(const std::string& from, const std::string& to, const CopyProgress& copied) override {
+  uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen) override {
     int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
     if (in < 0) ThrowErrno("cannot open", from);
     struct stat st;
@@ -108,17 +108,18 @@ class PosixEnv : public Env {
     const uint64_t size = static_cast<uint64_t>(st.st_size);
     uint64_t done = 0;
     try {
-      std::vector<char> buf;
+      std::vector<uint8_t> buf;
+      if (seen) buf.resize(1 << 20);
       while (done < size) {
         // The kernel copies (or reflinks) where it can; read/write otherwise.
-        const uint64_t want = copied ? std::min<uint64_t>(size - done, 8 << 20) : size - done;
-        ssize_t n = buf.empty() ? ::copy_file_range(in, nullptr, out, nullptr, want, 0) : -1;
+        ssize_t n = buf.empty() ? ::copy_file_range(in, nullptr, out, nullptr, size - done, 0) : -1;
         if (n < 0 && (!buf.empty() || errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
           if (buf.empty()) buf.resize(1 << 20);
-          ssize_t r = ::pread(in, buf.data(), std::min<uint64_t>(buf.size(), want), static_cast<off_t>(done));
+          ssize_t r = ::pread(in, buf.data(), std::min<uint64_t>(buf.size(), size - done), static_cast<off_t>(done));
           if (r < 0 && errno == EINTR) continue;
           if (r < 0) ThrowErrno("cannot read", from);
           if (r == 0) break;
+          if (seen) seen({buf.data(), static_cast<size_t>(r)});
           for (ssize_t w = 0; w < r;) {
             ssize_t k = ::pwrite(out, buf.data() + w, static_cast<size_t>(r - w), static_cast<off_t>(done + w));
             if (k < 0 && errno == EINTR) continue;
@@ -133,7 +134,6 @@ class PosixEnv : public Env {
           break;
         }
         done += static_cast<uint64_t>(n);
-        if (copied) copied(done);
       }
       if (done != size) throw IoError("cannot copy " + from + ": file shrank while copying");
       struct timespec times[2] = {st.st_atim, st.st_mtim};

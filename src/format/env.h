@@ -54,11 +54,14 @@ class Env {
   // Creates (or truncates) `path` for writing with permission bits `mode`.
   virtual std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode = 0644) = 0;
   // Copies a file's bytes, permission bits and times (as cp -p); returns the size.
-  // `copied`, if given, is called with the number of bytes copied so far
-  // after each stretch of at most 8 MiB (the copy engine hashes the source
-  // there, while its pages are in cache).
-  using CopyProgress = std::function<void(uint64_t copied)>;
-  virtual uint64_t CopyFile(const std::string& from, const std::string& to, const CopyProgress& copied = nullptr) = 0;
+  // Without `seen`, the data is copied inside the kernel (copy_file_range)
+  // where it can be. With `seen`, it goes through a 1 MiB buffer instead
+  // (read, seen(bytes), write), so that the caller sees, in order, exactly
+  // the bytes written (the copy engine hashes them there). Measured: that
+  // is faster than copy_file_range followed by hashing the source through a
+  // memory map (0.29 s against 0.37 s for 680 MB from the page cache).
+  using CopySeen = std::function<void(std::span<const uint8_t> bytes)>;
+  virtual uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen = nullptr) = 0;
   virtual void CreateDirs(const std::string& path) = 0;  // mkdir -p
   virtual void Rename(const std::string& from, const std::string& to) = 0;
   // Swaps two existing paths atomically (renameat2 RENAME_EXCHANGE); false,
@@ -87,8 +90,8 @@ class EnvWrapper : public Env {
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {
     return target_.NewWritableFile(path, mode);
   }
-  uint64_t CopyFile(const std::string& from, const std::string& to, const CopyProgress& copied = nullptr) override {
-    return target_.CopyFile(from, to, copied);
+  uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen = nullptr) override {
+    return target_.CopyFile(from, to, seen);
   }
   void CreateDirs(const std::string& path) override { target_.CreateDirs(path); }
   void Rename(const std::string& from, const std::string& to) override { target_.Rename(from, to); }

@@ -119,9 +119,9 @@ std::unique_ptr<WritableFile> FaultEnv::NewWritableFile(const std::string& path,
   return f;
 }
 
-uint64_t FaultEnv::CopyFile(const std::string& from, const std::string& to, const CopyProgress& copied) {
+uint64_t FaultEnv::CopyFile(const std::string& from, const std::string& to, const CopySeen& seen) {
   Before(IoOp::kCopy, to, from);
-  uint64_t n = EnvWrapper::CopyFile(from, to, copied);
+  uint64_t n = EnvWrapper::CopyFile(from, to, seen);
   After();
   return n;
 }
