@@ -24,6 +24,13 @@
 namespace uckpt::ckpt {
 namespace {
 
+CopyOptions Threads(int n, uint64_t split_bytes = 64ull << 20) {
+  CopyOptions o;
+  o.threads = n;
+  o.split_bytes = split_bytes;
+  return o;
+}
+
 using testing::ReadFile;
 using testing::TempDir;
 
@@ -96,7 +103,9 @@ void CheckPlan(int threads, bool hash, uint64_t split_bytes, uint32_t seed) {
     EXPECT_EQ(done[i], 1);
     EXPECT_TRUE(ReadFile(plan.files[i].path) == expected[i]) << "contents differ";
     EXPECT_EQ(results[i].size, expected[i].size());
-    if (hash) EXPECT_EQ(results[i].xxh64, Xxh(expected[i]));
+    if (hash) {
+      EXPECT_EQ(results[i].xxh64, Xxh(expected[i]));
+    }
     total += expected[i].size();
   }
   EXPECT_EQ(reported.load(), total);
@@ -147,7 +156,7 @@ TEST(CopyPlan, GeneratedAndWholeFileCopies) {
   copy.path = tmp / "copy_empty.bin";
   copy.copy_from = empty;
   plan.files.push_back(copy);
-  auto results = ExecuteCopyPlan(plan, {.threads = 2});
+  auto results = ExecuteCopyPlan(plan, Threads(2));
   EXPECT_TRUE(ReadFile(tmp / "gen.bin") == want);
   EXPECT_EQ(results[0].size, want.size());
   EXPECT_EQ(results[0].xxh64, Xxh(want));
@@ -220,7 +229,7 @@ TEST(CopyPlan, IoErrorNamesTheFile) {
     env.Add({c.op, std::string("/") + c.victim, 1, ENOSPC});
     ScopedEnv use(env);
     try {
-      ExecuteCopyPlan(plan, {.threads = 3, .split_bytes = 1 << 20});
+      ExecuteCopyPlan(plan, Threads(3, 1 << 20));
       ADD_FAILURE() << "no error for " << c.victim;
     } catch (const IoError& e) {
       const std::string what = e.what();
@@ -240,7 +249,7 @@ TEST(CopyPlan, ShortWrites) {
   FaultEnv env;
   env.set_short_writes(true);
   ScopedEnv use(env);
-  auto results = ExecuteCopyPlan(plan, {.threads = 2});
+  auto results = ExecuteCopyPlan(plan, Threads(2));
   for (size_t i = 0; i < plan.files.size(); ++i) {
     EXPECT_TRUE(ReadFile(plan.files[i].path) == expected[i]) << plan.files[i].path;
     EXPECT_EQ(results[i].xxh64, Xxh(expected[i]));
