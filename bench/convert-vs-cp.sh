@@ -7,10 +7,11 @@
 #   cp -r IN COPY                      (the copy stays in the page cache)
 #   cp -r IN COPY && sync -f COPY      (the copy is on disk: syncfs)
 #   uckpt convert IN OUT               (default: ends durable, with manifest)
-# Before every timed command the previous output is deleted and all dirty
-# pages are written back (`sync`, not timed), so no command pays for another's
-# writeback. The input is in the page cache for all three (it was just
-# written and then read once); nothing is dropped from the cache.
+# Before every timed command the previous output is deleted, all dirty
+# pages are written back (`sync`) and the input is read once more so that it
+# is in the page cache, none of it timed: no command pays for another's
+# writeback, and every command starts with a warm input. Nothing is dropped
+# from the cache.
 # Prints one table: best and median wall time of --runs rounds, median CPU
 # time, and ratios of the best wall times. Exit status 0 when every convert / (cp -r + sync) ratio is <= 1.0.
 # Usage: bench/convert-vs-cp.sh [--params 1.7e8] [--dp "1 4"] [--runs 5]
@@ -51,6 +52,7 @@ median() { printf "%s\n" "$@" | sort -g | awk '{ a[NR] = $1 } END { print (NR % 
 # command and its children; writeback done by the kernel's threads is not in it).
 timed() {  # timed OUTPUT COMMAND...
   rm -rf "$1" "$DIR/latest_universal"; sync
+  cat "$IN"/* > /dev/null  # (again: the kernel may have reclaimed some of it)
   /usr/bin/time -f "%e %U %S" -o "$DIR/time" "${@:2}"
   awk '{ printf "%.3f %.2f\n", $1, $2 + $3 }' "$DIR/time"
 }
