@@ -7,16 +7,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cstdint>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
-#include <mutex>
-#include <numeric>
 #include <random>
-#include <thread>
 
 #include "ckpt/copy_plan.h"
 #include "ckpt/manifest.h"
