@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -23,6 +25,67 @@ namespace {
 constexpr size_t kChunk = 1 << 20;              // largest single write; smaller writes are gathered to this
 constexpr uint64_t kWritebackStep = 16ull << 20;  // start writeback after this many new bytes of a file
 
+// Starts writeback (sync_file_range SYNC_FILE_RANGE_WRITE) on a thread of
+// its own: the call can wait (for the device queue, or for ext4 to read
+// block bitmaps while it allocates the blocks), and the copying threads
+// should not. It opens the file by name for each change of file; the
+// request is only a hint, so a file it cannot open is skipped.
+class WritebackThread {
+ public:
+  explicit WritebackThread(bool on) {
+    if (on) thread_ = std::thread([this] { Run(); });
+  }
+  ~WritebackThread() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+  void Post(const std::string& path, uint64_t offset, uint64_t length) {
+    if (!thread_.joinable() || length == 0) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back({path, offset, length});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Request {
+    std::string path;
+    uint64_t offset, length;
+  };
+  void Run() {
+    std::string open_path;
+    int fd = -1;
+    for (;;) {
+      Request r;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) break;  // stopped, and every request done
+        r = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (r.path != open_path) {
+        if (fd >= 0) ::close(fd);
+        fd = ::open(r.path.c_str(), O_RDONLY | O_CLOEXEC);
+        open_path = r.path;
+      }
+      if (fd >= 0)
+        ::sync_file_range(fd, static_cast<off_t>(r.offset), static_cast<off_t>(r.length), SYNC_FILE_RANGE_WRITE);
+    }
+    if (fd >= 0) ::close(fd);
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Request> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 using HashState = std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)>;
 
 HashState NewHash(bool on) {
@@ -36,8 +99,8 @@ HashState NewHash(bool on) {
 // writeback every kWritebackStep bytes when durable.
 class SequentialWriter final : public OrderedSink {
  public:
-  SequentialWriter(const std::string& path, bool hash, bool durable)
-      : path_(path), file_(Env::Current().NewWritableFile(path)), hash_(NewHash(hash)), durable_(durable) {}
+  SequentialWriter(const std::string& path, bool hash, WritebackThread* writeback)
+      : path_(path), file_(Env::Current().NewWritableFile(path)), hash_(NewHash(hash)), wb_(writeback) {}
 
   void Write(std::span<const uint8_t> data) override {
     if (data.empty()) return;
@@ -61,7 +124,7 @@ class SequentialWriter final : public OrderedSink {
 
   CopyResult Finish() {
     Flush();
-    if (durable_ && written_ > writeback_) file_->StartWriteback(writeback_, written_ - writeback_);
+    if (wb_) wb_->Post(path_, writeback_, written_ - writeback_);
     file_->Close();
     return {offset_, hash_ ? XXH64_digest(hash_.get()) : 0};
   }
@@ -78,8 +141,8 @@ class SequentialWriter final : public OrderedSink {
       data = data.subspan(n);
       written_ += n;
     }
-    if (durable_ && written_ - writeback_ >= kWritebackStep) {
-      file_->StartWriteback(writeback_, written_ - writeback_);
+    if (wb_ && written_ - writeback_ >= kWritebackStep) {
+      wb_->Post(path_, writeback_, written_ - writeback_);
       writeback_ = written_;
     }
   }
@@ -87,7 +150,7 @@ class SequentialWriter final : public OrderedSink {
   std::string path_;
   std::unique_ptr<WritableFile> file_;
   HashState hash_;
-  bool durable_;
+  WritebackThread* wb_;
   std::vector<uint8_t> buf_;
   uint64_t offset_ = 0, written_ = 0, writeback_ = 0;
 };
@@ -115,7 +178,7 @@ std::vector<CopyPiece> SortedPieces(const PlannedFile& f) {
 // Writes the pieces' bytes that fall in [begin, end) of the file with
 // positioned writes of at most kChunk bytes.
 void WriteRange(WritableFile& file, const std::vector<CopyPiece>& pieces, uint64_t begin, uint64_t end,
-                const CopyOptions& options, bool durable) {
+                const CopyOptions& options, WritebackThread* wb, const std::string& path) {
   auto it = std::upper_bound(pieces.begin(), pieces.end(), begin,
                              [](uint64_t v, const CopyPiece& p) { return v < p.offset; });
   if (it != pieces.begin()) --it;
@@ -129,32 +192,25 @@ void WriteRange(WritableFile& file, const std::vector<CopyPiece>& pieces, uint64
         rest = rest.subspan(file.WriteAt(at + (chunk.size() - rest.size()), rest));
       if (options.written) options.written(chunk);
       at += n;
-      if (durable && at - writeback >= kWritebackStep) {
-        file.StartWriteback(writeback, at - writeback);
+      if (wb && at - writeback >= kWritebackStep) {
+        wb->Post(path, writeback, at - writeback);
         writeback = at;
       }
     }
   }
-  if (durable && end > writeback) file.StartWriteback(writeback, end - writeback);
+  if (wb && end > writeback) wb->Post(path, writeback, end - writeback);
 }
 
 // A whole-file copy: inside the kernel (copy_file_range) when no hash is
 // wanted; else through a 1 MiB buffer, hashing each buffer before it is
 // written (faster than hashing the source's map after a kernel copy, see
 // Env::CopyFile).
-CopyResult CopyWhole(const PlannedFile& f, bool durable) {
+CopyResult CopyWhole(const PlannedFile& f, WritebackThread* wb) {
   HashState hash = NewHash(f.hash);
   Env::CopySeen seen;
   if (f.hash) seen = [&](std::span<const uint8_t> bytes) { XXH64_update(hash.get(), bytes.data(), bytes.size()); };
   const uint64_t size = Env::Current().CopyFile(f.copy_from, f.path, seen);
-  if (durable) {
-    // A hint (see StartWriteback); the caller's final sync makes it durable.
-    int fd = ::open(f.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-      ::sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-      ::close(fd);
-    }
-  }
+  if (wb) wb->Post(f.path, 0, size);
   return {size, hash ? XXH64_digest(hash.get()) : 0};
 }
 
@@ -205,6 +261,8 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.bytes > b.bytes; });
   threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), std::max<size_t>(1, jobs.size())));
 
+  WritebackThread writeback(options.durable);
+  WritebackThread* wb = options.durable ? &writeback : nullptr;
   std::mutex done_mu;
   auto finished = [&](size_t i) {
     if (!options.done) return;
@@ -219,7 +277,7 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
         s->file->Allocate(f.size);
       });
       if (!s->file) throw IoError("cannot write " + f.path + ": it could not be created");
-      WriteRange(*s->file, s->pieces, job.begin, job.end, options, options.durable);
+      WriteRange(*s->file, s->pieces, job.begin, job.end, options, wb, f.path);
       if (--s->left == 0) {
         s->file->Close();
         results[job.file] = {f.size, 0};
@@ -228,9 +286,9 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
       return;
     }
     if (!f.copy_from.empty()) {
-      results[job.file] = CopyWhole(f, options.durable);
+      results[job.file] = CopyWhole(f, wb);
     } else {
-      SequentialWriter out(f.path, f.hash, options.durable);
+      SequentialWriter out(f.path, f.hash, wb);
       if (f.generate) {
         f.generate(out);
       } else {

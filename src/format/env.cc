@@ -58,10 +58,6 @@ class PosixWritableFile : public WritableFile {
     if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) ThrowErrno("cannot set the size of", path_);
   }
 
-  void StartWriteback(uint64_t offset, uint64_t length) override {
-    if (length > 0) ::sync_file_range(fd_, static_cast<off_t>(offset), static_cast<off_t>(length), SYNC_FILE_RANGE_WRITE);
-  }
-
   void Sync() override {
     if (::fsync(fd_) != 0) ThrowErrno("cannot fsync", path_);
   }

@@ -29,10 +29,6 @@ class WritableFile {
   // (fallocate; ftruncate where the filesystem cannot), so positioned writes
   // from several threads neither extend the file nor fail half-way for space.
   virtual void Allocate(uint64_t size) = 0;
-  // Asks the kernel to start writing [offset, offset + length) back to disk
-  // and returns at once (sync_file_range SYNC_FILE_RANGE_WRITE). A hint: it
-  // makes nothing durable and reports no error.
-  virtual void StartWriteback(uint64_t offset, uint64_t length) = 0;
   virtual void Sync() = 0;   // fsync
   virtual void Close() = 0;  // the destructor closes too, ignoring errors
   virtual const std::string& path() const = 0;

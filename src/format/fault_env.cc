@@ -33,7 +33,6 @@ class FaultWritableFile : public WritableFile {
   }
   // Allocate makes no data and no name durable or visible: not a write point.
   void Allocate(uint64_t size) override { base_->Allocate(size); }
-  void StartWriteback(uint64_t offset, uint64_t length) override { base_->StartWriteback(offset, length); }
   void Sync() override {
     env_.Before(IoOp::kSync, path());
     base_->Sync();
