@@ -7,17 +7,15 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cstdint>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
-#include <mutex>
-#include <numeric>
 #include <random>
-#include <thread>
 
+#include "ckpt/copy_plan.h"
 #include "ckpt/manifest.h"
 #include "ckpt/torch_out.h"
 #include "format/env.h"
@@ -98,9 +96,7 @@ class Converter {
     if (fs::exists(tmp_, ec)) throw IoError(tmp_ + " already exists");
     try {
       env_.CreateDirs(tmp_ + "/zero");
-      WriteParams();
-      WriteOptimizerState();
-      CopyModelFiles();
+      WriteFiles();
       Publish();
     } catch (...) {
       try {
@@ -119,89 +115,97 @@ class Converter {
     return std::to_string(::getpid()) + "-" + std::to_string(rd() % 1000000);
   }
 
-  void WriteParams() {
-    // Parameter folders first (cheap, serial), then the data in parallel,
-    // largest first so the long copies do not end up last.
+  // Every output file but the manifest and latest_universal, as one copy
+  // plan (ckpt/copy_plan.h) run on the worker threads, largest file first:
+  // per parameter step.pt and one torch file per optimizer state, written
+  // from the memory-mapped rank files; zero/optimizer_state.pt; the
+  // model-states files copied whole. Each file's XXH64 is computed as it is
+  // written, for the manifest.
+  void WriteFiles() {
     for (const auto& p : ckpt_.params) env_.CreateDirs(tmp_ + "/zero/" + p.name);
-    std::vector<size_t> order(ckpt_.params.size());
-    std::iota(order.begin(), order.end(), size_t{0});
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return ckpt_.params[a].bytes() > ckpt_.params[b].bytes(); });
-    progress_.params_total = order.size();
+    progress_.params_total = ckpt_.params.size();
     progress_.bytes_total = ckpt_.total_bytes();
-
-    int threads = options_.threads > 0 ? options_.threads : static_cast<int>(std::thread::hardware_concurrency());
-    threads = std::clamp(threads, 1, std::max(1, static_cast<int>(order.size())));
-    std::atomic<size_t> next{0};
-    std::atomic<bool> failed{false};
-    std::exception_ptr error;
-    std::mutex error_mu;
-    auto work = [&] {
-      while (!failed.load()) {
-        size_t k = next.fetch_add(1);
-        if (k >= order.size()) return;
-        try {
-          WriteParam(ckpt_.params[order[k]]);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(error_mu);
-          if (!error) error = std::current_exception();
-          failed = true;
-          return;
-        }
-      }
+    CopyPlan plan;
+    struct Info {
+      size_t param = SIZE_MAX;  // the parameter the file belongs to
+      uint64_t state_bytes = 0; // parameter state bytes it holds
+      uint64_t copied = 0;      // bytes of a whole-file copy
     };
-    if (threads == 1) {
-      work();
-    } else {
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) pool.emplace_back(work);
-      for (auto& t : pool) t.join();
+    std::vector<Info> info;
+    auto add = [&](std::string path, uint64_t estimate, std::function<void(OrderedSink&)> gen, Info i) {
+      PlannedFile f;
+      f.path = std::move(path);
+      f.size = estimate;
+      f.generate = std::move(gen);
+      f.hash = options_.write_manifest;
+      plan.files.push_back(std::move(f));
+      info.push_back(i);
+    };
+    files_left_.assign(ckpt_.params.size(), 0);
+    const bool stage3 = ckpt_.stage == 3;
+    for (size_t i = 0; i < ckpt_.params.size(); ++i) {
+      const ParamPlan& p = ckpt_.params[i];
+      const std::string dir = tmp_ + "/zero/" + p.name;
+      if (p.step) {
+        add(dir + "/step.pt", 0, [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); },
+            {i, 0, 0});
+        ++files_left_[i];
+      }
+      for (const StatePlan& s : p.states) {
+        uint64_t bytes = 0;
+        for (auto piece : s.pieces) bytes += piece.size();
+        // Stage 1/2: the parameter's shape inside {'cat_dim', 'param'}; stage
+        // 3: a bare 1-D tensor. fp32 masters are saved with requires_grad, as
+        // DeepSpeed's clones of the partitions are.
+        add(dir + "/" + s.key + ".pt", bytes,
+            [this, &p, &s, stage3](OrderedSink& out) {
+              ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == "fp32");
+              StoragePieces pieces{{t->tensor->storage.get(), s.pieces}};
+              WriteTorchFile(out, out.path(), stage3 ? t : CatDimDict(t), pieces, release_);
+            },
+            {i, bytes, 0});
+        ++files_left_[i];
+      }
     }
-    if (error) std::rethrow_exception(error);
-  }
-
-  void WriteParam(const ParamPlan& p) {
-    const std::string dir = tmp_ + "/zero/" + p.name;
-    uint64_t written = 0;
-    size_t files = 0;
-    if (p.step) {
-      written += WriteTorchFile(dir + "/step.pt", p.step, {}, release_);
-      ++files;
-    }
-    for (const StatePlan& s : p.states) {
-      // Stage 1/2: the parameter's shape inside {'cat_dim', 'param'}; stage 3:
-      // a bare 1-D tensor. fp32 masters are saved with requires_grad, as
-      // DeepSpeed's clones of the partitions are.
-      const bool stage3 = ckpt_.stage == 3;
-      ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == "fp32");
-      StoragePieces pieces{{t->tensor->storage.get(), s.pieces}};
-      written += WriteTorchFile(dir + "/" + s.key + ".pt", stage3 ? t : CatDimDict(t), pieces, release_);
-      ++files;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.params += 1;
-    stats_.files += files;
-    stats_.bytes_read += p.bytes();
-    stats_.bytes_written += written;
-    progress_.params_done += 1;
-    progress_.bytes_done += p.bytes();
-    if (options_.progress) options_.progress(progress_);
-  }
-
-  void WriteOptimizerState() {
     // (Stage 3 embeds rank 0's partitions, as DeepSpeed does.)
-    stats_.bytes_written +=
-        WriteTorchFile(tmp_ + "/zero/optimizer_state.pt", UniversalOptimizerState(ckpt_), {}, release_);
-    stats_.files += 1;
+    add(tmp_ + "/zero/optimizer_state.pt", 0,
+        [this](OrderedSink& out) { WriteTorchFile(out, out.path(), UniversalOptimizerState(ckpt_), {}, release_); }, {});
+    for (const auto& m : ckpt_.model_files) {
+      PlannedFile f;  // copied as shutil.copy2 does: data, mode, times
+      f.path = tmp_ + "/" + m.name;
+      f.copy_from = m.path;
+      std::error_code ec;
+      f.size = fs::file_size(m.path, ec);
+      f.hash = options_.write_manifest;
+      plan.files.push_back(std::move(f));
+      info.push_back({});
+      info.back().copied = 1;
+    }
+    for (size_t i = 0; i < ckpt_.params.size(); ++i)
+      if (files_left_[i] == 0) FinishParam(i);  // (a parameter without state files)
+
+    CopyOptions copy;
+    copy.threads = options_.threads;
+    copy.durable = options_.durable;
+    copy.done = [&](size_t k, const CopyResult& r) {  // one call at a time
+      const Info& in = info[k];
+      if (in.copied) stats_.bytes_read += r.size;
+      stats_.files += 1;
+      stats_.bytes_written += r.size;
+      if (in.param == SIZE_MAX) return;
+      progress_.bytes_done += in.state_bytes;
+      if (--files_left_[in.param] == 0) FinishParam(in.param);
+    };
+    std::vector<CopyResult> results = ExecuteCopyPlan(plan, copy);
+    for (size_t k = 0; k < plan.files.size(); ++k)
+      written_.push_back({plan.files[k].path.substr(tmp_.size() + 1), results[k].size, results[k].xxh64});
   }
 
-  void CopyModelFiles() {
-    for (const auto& f : ckpt_.model_files) {
-      uint64_t n = env_.CopyFile(f.path, tmp_ + "/" + f.name);  // as shutil.copy2: data, mode, times
-      stats_.bytes_read += n;
-      stats_.bytes_written += n;
-      stats_.files += 1;
-    }
+  void FinishParam(size_t i) {
+    stats_.params += 1;
+    stats_.bytes_read += ckpt_.params[i].bytes();
+    progress_.params_done += 1;
+    if (options_.progress) options_.progress(progress_);
   }
 
   // Makes the finished folder durable, renames it into place (replacing an
@@ -212,7 +216,7 @@ class Converter {
     if (options_.write_manifest) {
       // The folder's last file lists all the others (docs/manifest-format.md);
       // the sync below makes it durable with them.
-      WriteManifest(tmp_, /*durable=*/false);
+      WriteManifest(tmp_, written_, /*durable=*/false);
       stats_.files += 1;
     }
     if (options_.durable) env_.SyncFilesystem(tmp_);  // every file, not an fsync each
@@ -231,7 +235,8 @@ class Converter {
   std::string output_, parent_, base_, tmp_;
   ConvertOptions options_;
   TorchWriteOptions release_;
-  std::mutex mu_;
+  std::vector<size_t> files_left_;        // per parameter: its files not yet written
+  std::vector<ManifestEntry> written_;    // every file the plan wrote, with its hash
   ConvertStats stats_;
   ConvertProgress progress_;
 };

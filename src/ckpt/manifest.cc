@@ -117,20 +117,36 @@ uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress, uint
   return XXH64_digest(state.get());
 }
 
-Manifest WriteManifest(const std::string& folder, bool durable) {
+Manifest WriteManifest(const std::string& folder, bool durable) { return WriteManifest(folder, {}, durable); }
+
+Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntry>& known, bool durable) {
+  std::map<std::string, const ManifestEntry*> given;
+  for (const auto& e : known) given[e.path] = &e;
   Manifest m;
   for (auto& rel : ListFiles(folder)) m.files.push_back({std::move(rel), 0, 0});
-  std::vector<uint64_t> sizes(m.files.size());
+  std::vector<uint64_t> sizes;
+  std::vector<size_t> to_hash;
   for (size_t i = 0; i < m.files.size(); ++i) {
-    std::error_code ec;
-    sizes[i] = fs::file_size(Join(folder, m.files[i].path), ec);
-    if (ec) throw IoError("cannot stat " + Join(folder, m.files[i].path) + ": " + ec.message());
-  }
-  ParallelBySize(sizes, WorkerThreads(0, m.files.size()), [&](size_t i) {
     const std::string path = Join(folder, m.files[i].path);
+    std::error_code ec;
+    uint64_t size = fs::file_size(path, ec);
+    if (ec) throw IoError("cannot stat " + path + ": " + ec.message());
+    auto it = given.find(m.files[i].path);
+    if (it == given.end()) {
+      to_hash.push_back(i);
+      sizes.push_back(size);
+      continue;
+    }
+    if (size != it->second->size)
+      throw IoError(path + " is " + std::to_string(size) + " bytes on disk, but " + std::to_string(it->second->size) +
+                    " bytes were written");
+    m.files[i] = *it->second;
+  }
+  ParallelBySize(sizes, WorkerThreads(0, to_hash.size()), [&](size_t k) {
+    ManifestEntry& e = m.files[to_hash[k]];
     // The size of what was hashed, not of the earlier stat: a file still being
     // written would show here as a mismatch later, never as a wrong hash.
-    m.files[i].xxh64 = HashFile(path, nullptr, &m.files[i].size);
+    e.xxh64 = HashFile(Join(folder, e.path), nullptr, &e.size);
   });
 
   json files = json::array();

@@ -32,6 +32,12 @@ struct Manifest {
 // file of the folder is complete. Throws IoError / FormatError naming the file.
 Manifest WriteManifest(const std::string& folder, bool durable = true);
 
+// The same, taking the sizes and hashes of the files in `known` (relative
+// paths, as the copy engine computed them while writing, ckpt/copy_plan.h)
+// instead of reading those files again; only other files are hashed. A known
+// file whose size on disk differs is an IoError naming it.
+Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntry>& known, bool durable = true);
+
 // True if `folder/uckpt-manifest.json` exists.
 bool HasManifest(const std::string& folder);
 

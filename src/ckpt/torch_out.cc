@@ -71,9 +71,17 @@ ValuePtr PiecewiseTensor(DType dtype, const std::vector<int64_t>& shape, bool re
 
 uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const StoragePieces& pieces,
                         const TorchWriteOptions& options) {
+  AtomicFile out(path, options.durable);
+  const uint64_t size = WriteTorchFile(out, path, root, pieces, options);
+  out.Commit();
+  return size;
+}
+
+uint64_t WriteTorchFile(ByteSink& out, const std::string& path, const ValuePtr& root, const StoragePieces& pieces,
+                        const TorchWriteOptions& options) {
   PickledValue p = PickleForTorch(root);
   const std::string prefix = ArchiveName(path) + "/";
-  AtomicFile out(path, options.durable);
+  const uint64_t start = out.offset();
   ZipWriter zip(out);
   zip.AddRecord(prefix + "data.pkl", p.pickle);
   for (size_t k = 0; k < p.storages.size(); ++k) {
@@ -93,9 +101,7 @@ uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const Sto
   }
   zip.AddRecord(prefix + "version", std::string("3\n"));
   zip.Finish();
-  const uint64_t size = out.offset();
-  out.Commit();
-  return size;
+  return out.offset() - start;
 }
 
 }  // namespace uckpt::ckpt

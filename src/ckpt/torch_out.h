@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "format/file.h"
 #include "format/value.h"
 
 namespace uckpt::ckpt {
@@ -36,6 +37,12 @@ struct TorchWriteOptions {
 // pieces (which must add up to the storage's size); all others from their
 // bytes. Returns the file size. Throws IoError naming the file on write errors.
 uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const StoragePieces& pieces = {},
+                        const TorchWriteOptions& options = {});
+
+// The same into `out` (front to back), for a file whose name is `path`
+// (its archive name inside the zip comes from it). `options.durable` is not
+// used: the caller owns the file. Returns the bytes written.
+uint64_t WriteTorchFile(ByteSink& out, const std::string& path, const ValuePtr& root, const StoragePieces& pieces = {},
                         const TorchWriteOptions& options = {});
 
 }  // namespace uckpt::ckpt

@@ -18,5 +18,10 @@ Runner AddVerify(CLI::App& app);
 Runner AddTrain(CLI::App& app);   // needs libtorch
 Runner AddLaunch(CLI::App& app);
 #endif
+#ifdef UCKPT_ENGINE_EXEC
+// `name` as a command that replaces this process with uckpt-engine (the
+// executable beside this one, which links libtorch), passing every argument.
+Runner AddEngineCommand(CLI::App& app, const std::string& name, const std::string& description);
+#endif
 
 }  // namespace uckpt::cli

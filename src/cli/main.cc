@@ -31,6 +31,14 @@ int main(int argc, char** argv) {
   add(uckpt::cli::AddTrain);
   add(uckpt::cli::AddLaunch);
 #endif
+#ifdef UCKPT_ENGINE_EXEC
+  add([](CLI::App& a) {
+    return uckpt::cli::AddEngineCommand(a, "train", "Train GPT-2 or BERT with ZeRO-0/1/2 data parallelism (`uckpt train --help`)");
+  });
+  add([](CLI::App& a) {
+    return uckpt::cli::AddEngineCommand(a, "launch", "Start N local ranks of a command (`uckpt launch --help`)");
+  });
+#endif
 
   try {
     app.parse(argc, argv);

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -37,6 +38,26 @@ class PosixWritableFile : public WritableFile {
     }
   }
 
+  size_t WriteAt(uint64_t offset, std::span<const uint8_t> data) override {
+    if (data.empty()) return 0;
+    for (;;) {
+      ssize_t w = ::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset));
+      if (w > 0) return static_cast<size_t>(w);
+      if (w < 0 && errno == EINTR) continue;
+      ThrowErrno("cannot write", path_, w == 0 ? ENOSPC : errno);
+    }
+  }
+
+  void Allocate(uint64_t size) override {
+    if (size == 0) return;
+    int r;
+    while ((r = ::fallocate(fd_, 0, 0, static_cast<off_t>(size))) != 0 && errno == EINTR) {
+    }
+    if (r == 0) return;
+    if (errno != EOPNOTSUPP && errno != ENOSYS) ThrowErrno("cannot allocate space for", path_);
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) ThrowErrno("cannot set the size of", path_);
+  }
+
   void Sync() override {
     if (::fsync(fd_) != 0) ThrowErrno("cannot fsync", path_);
   }
@@ -65,7 +86,7 @@ class PosixEnv : public Env {
     return std::make_unique<PosixWritableFile>(path, fd);
   }
 
-  uint64_t CopyFile(const std::string& from, const std::string& to) override {
+  uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen) override {
     int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
     if (in < 0) ThrowErrno("cannot open", from);
     struct stat st;
@@ -83,16 +104,18 @@ class PosixEnv : public Env {
     const uint64_t size = static_cast<uint64_t>(st.st_size);
     uint64_t done = 0;
     try {
-      std::vector<char> buf;
+      std::vector<uint8_t> buf;
+      if (seen) buf.resize(1 << 20);
       while (done < size) {
         // The kernel copies (or reflinks) where it can; read/write otherwise.
         ssize_t n = buf.empty() ? ::copy_file_range(in, nullptr, out, nullptr, size - done, 0) : -1;
         if (n < 0 && (!buf.empty() || errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP)) {
           if (buf.empty()) buf.resize(1 << 20);
-          ssize_t r = ::pread(in, buf.data(), buf.size(), static_cast<off_t>(done));
+          ssize_t r = ::pread(in, buf.data(), std::min<uint64_t>(buf.size(), size - done), static_cast<off_t>(done));
           if (r < 0 && errno == EINTR) continue;
           if (r < 0) ThrowErrno("cannot read", from);
           if (r == 0) break;
+          if (seen) seen({buf.data(), static_cast<size_t>(r)});
           for (ssize_t w = 0; w < r;) {
             ssize_t k = ::pwrite(out, buf.data() + w, static_cast<size_t>(r - w), static_cast<off_t>(done + w));
             if (k < 0 && errno == EINTR) continue;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -21,6 +22,13 @@ class WritableFile {
   // Writes a prefix of `data` (at least one byte when `data` is not empty)
   // and returns its length. Throws IoError naming the file.
   virtual size_t Write(std::span<const uint8_t> data) = 0;
+  // As Write, at `offset` (pwrite): the file position does not move, and
+  // several threads may write disjoint ranges at once.
+  virtual size_t WriteAt(uint64_t offset, std::span<const uint8_t> data) = 0;
+  // Reserves disk space for `size` bytes and makes the file that long
+  // (fallocate; ftruncate where the filesystem cannot), so positioned writes
+  // from several threads neither extend the file nor fail half-way for space.
+  virtual void Allocate(uint64_t size) = 0;
   virtual void Sync() = 0;   // fsync
   virtual void Close() = 0;  // the destructor closes too, ignoring errors
   virtual const std::string& path() const = 0;
@@ -42,7 +50,14 @@ class Env {
   // Creates (or truncates) `path` for writing with permission bits `mode`.
   virtual std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode = 0644) = 0;
   // Copies a file's bytes, permission bits and times (as cp -p); returns the size.
-  virtual uint64_t CopyFile(const std::string& from, const std::string& to) = 0;
+  // Without `seen`, the data is copied inside the kernel (copy_file_range)
+  // where it can be. With `seen`, it goes through a 1 MiB buffer instead
+  // (read, seen(bytes), write), so that the caller sees, in order, exactly
+  // the bytes written (the copy engine hashes them there). Measured: that
+  // is faster than copy_file_range followed by hashing the source through a
+  // memory map (0.29 s against 0.37 s for 680 MB from the page cache).
+  using CopySeen = std::function<void(std::span<const uint8_t> bytes)>;
+  virtual uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen = nullptr) = 0;
   virtual void CreateDirs(const std::string& path) = 0;  // mkdir -p
   virtual void Rename(const std::string& from, const std::string& to) = 0;
   // Swaps two existing paths atomically (renameat2 RENAME_EXCHANGE); false,
@@ -71,7 +86,9 @@ class EnvWrapper : public Env {
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {
     return target_.NewWritableFile(path, mode);
   }
-  uint64_t CopyFile(const std::string& from, const std::string& to) override { return target_.CopyFile(from, to); }
+  uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen = nullptr) override {
+    return target_.CopyFile(from, to, seen);
+  }
   void CreateDirs(const std::string& path) override { target_.CreateDirs(path); }
   void Rename(const std::string& from, const std::string& to) override { target_.Rename(from, to); }
   bool Exchange(const std::string& a, const std::string& b) override { return target_.Exchange(a, b); }

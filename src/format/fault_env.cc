@@ -24,6 +24,15 @@ class FaultWritableFile : public WritableFile {
     env_.After();
     return n;
   }
+  size_t WriteAt(uint64_t offset, std::span<const uint8_t> data) override {
+    env_.Before(IoOp::kWrite, path());
+    if (env_.short_writes() && data.size() > 1) data = data.first(data.size() / 2);
+    size_t n = base_->WriteAt(offset, data);
+    env_.After();
+    return n;
+  }
+  // Allocate makes no data and no name durable or visible: not a write point.
+  void Allocate(uint64_t size) override { base_->Allocate(size); }
   void Sync() override {
     env_.Before(IoOp::kSync, path());
     base_->Sync();
@@ -109,9 +118,9 @@ std::unique_ptr<WritableFile> FaultEnv::NewWritableFile(const std::string& path,
   return f;
 }
 
-uint64_t FaultEnv::CopyFile(const std::string& from, const std::string& to) {
+uint64_t FaultEnv::CopyFile(const std::string& from, const std::string& to, const CopySeen& seen) {
   Before(IoOp::kCopy, to, from);
-  uint64_t n = EnvWrapper::CopyFile(from, to);
+  uint64_t n = EnvWrapper::CopyFile(from, to, seen);
   After();
   return n;
 }

@@ -57,7 +57,7 @@ class FaultEnv : public EnvWrapper {
 
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override;
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override;
-  uint64_t CopyFile(const std::string& from, const std::string& to) override;
+  uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen = nullptr) override;
   void CreateDirs(const std::string& path) override;
   void Rename(const std::string& from, const std::string& to) override;
   bool Exchange(const std::string& a, const std::string& b) override;

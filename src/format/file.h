@@ -36,10 +36,20 @@ class MappedFile {
   std::vector<uint8_t> memory_;  // FromMemory only
 };
 
+// Where a writer of a file format puts its bytes, front to back (ZipWriter).
+class ByteSink {
+ public:
+  virtual ~ByteSink() = default;
+  virtual void Write(std::span<const uint8_t> data) = 0;
+  void Write(const std::string& s) { Write({reinterpret_cast<const uint8_t*>(s.data()), s.size()}); }
+  // Bytes written so far.
+  virtual uint64_t offset() const = 0;
+};
+
 // Writes `path` through a temporary file beside it (`path`.tmp.<pid>), all
 // through the Env current at construction. Commit() flushes, fsyncs, renames
 // and fsyncs the folder; destroying an uncommitted file removes the temporary.
-class AtomicFile {
+class AtomicFile : public ByteSink {
  public:
   // `durable`: fsync the file and its folder on Commit (off only for scratch
   // output and for benchmarks that compare against plain `cp`).
@@ -48,9 +58,9 @@ class AtomicFile {
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
 
-  void Write(std::span<const uint8_t> data);
-  void Write(const std::string& s) { Write({reinterpret_cast<const uint8_t*>(s.data()), s.size()}); }
-  uint64_t offset() const { return offset_; }
+  void Write(std::span<const uint8_t> data) override;
+  using ByteSink::Write;
+  uint64_t offset() const override { return offset_; }
   void Commit();
   const std::string& path() const { return path_; }
 

@@ -47,7 +47,7 @@ class ZipReader {
 // extra fields when needed, central directory, zip64 end records, end record.
 class ZipWriter {
  public:
-  ZipWriter(AtomicFile& out, uint32_t alignment = 64) : out_(out), alignment_(alignment) {}
+  ZipWriter(ByteSink& out, uint32_t alignment = 64) : out_(out), alignment_(alignment) {}
 
   // Writes one record whose data is the concatenation of `pieces`.
   // `written`, if set, is called with each piece once it has been written
@@ -65,7 +65,7 @@ class ZipWriter {
   const std::vector<ZipEntry>& records() const { return records_; }
 
  private:
-  AtomicFile& out_;
+  ByteSink& out_;
   uint32_t alignment_;
   std::vector<ZipEntry> records_;
   std::vector<uint64_t> header_offsets_;

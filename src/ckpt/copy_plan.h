@@ -1,0 +1,118 @@
+// The copy engine: one way to turn "these bytes go into these files" into
+// files on disk at the speed of the disk. `uckpt convert` uses it for every
+// file it writes; the engine's save and load paths are to adopt it (see the
+// end of this comment).
+//
+// A plan is a list of output files. Each file is one of
+//   - pieces: byte ranges of memory (usually of memory-mapped input files)
+//     placed at given offsets of the output, tiling it exactly;
+//   - generated: a function that writes the file front to back through an
+//     OrderedSink (torch files, whose zip records need a CRC computed as the
+//     data passes);
+//   - a whole-file copy of an input file (permission bits and times as
+//     `cp -p`): inside the kernel (copy_file_range) when no hash is wanted,
+//     else through a 1 MiB buffer that is hashed before it is written, which
+//     measured faster than a kernel copy followed by hashing the source
+//     through a memory map (format/env.h, Env::CopyFile).
+// ExecuteCopyPlan runs the files on N threads, largest first, and returns
+// each file's size and XXH64 (what the manifest lists), computed from the
+// bytes as they are written, so nothing is read back afterwards.
+//
+// Hashing and order. XXH64 is a streaming hash: its state must see a file's
+// bytes in order, and two halves cannot be combined afterwards. So a file
+// whose hash is wanted is written front to back by one thread (for pieces
+// files: sorted by offset), hashing each piece right before it is written,
+// while it is in the CPU's cache. Only a pieces file whose hash is not wanted
+// and that is larger than `split_bytes` is split into byte ranges written by
+// several threads at once with positioned writes (pwrite) into the
+// preallocated file. For convert this costs nothing: it writes hundreds of
+// files (three per parameter), so one file per thread keeps every core busy.
+//
+// Durability. With `durable`, the engine asks the kernel to start writing
+// each file back as soon as a stretch of it is written
+// (sync_file_range(SYNC_FILE_RANGE_WRITE)), so the disk works while the CPUs
+// copy; the caller then makes the whole folder durable with one
+// Env::SyncFilesystem (syncfs) before renaming it into place, which by then
+// has little left to wait for. No file is fsynced on its own. Those requests
+// are made by a thread of their own, because sync_file_range can wait (for
+// the device's queue, or for ext4 reading block bitmaps to allocate the
+// blocks): the copying threads do not (measured 8-10% faster wall time on
+// the 2-core VM).
+//
+// Files are created at their final names: the caller writes into a
+// temporary folder that is renamed into place only when complete
+// (docs/reliability.md), so a file cut short by a crash is never seen under
+// the output's name. Every create, write and copy goes through Env::Current()
+// (format/env.h): fault injection and the crash hook see them, and errors
+// are IoError naming the file.
+//
+// Adopting it in the engine's save and load: a save is a plan of generated
+// torch files (model and optimizer state dicts) plus pieces files where
+// tensors are written as raw ranges, run with hashing for the manifest; a
+// load of a universal checkpoint is the reverse plan (pieces from the
+// mapped files into preallocated tensors) and needs no hashing, so large
+// files there are split over threads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "format/file.h"
+
+namespace uckpt::ckpt {
+
+// Where a piece's bytes go.
+struct CopyPiece {
+  std::span<const uint8_t> data;  // must stay valid until ExecuteCopyPlan returns
+  uint64_t offset = 0;            // in the output file
+};
+
+// The writer a generated file writes through, front to back. Large spans
+// go to the file without being copied; small ones are gathered first.
+class OrderedSink : public ByteSink {
+ public:
+  virtual const std::string& path() const = 0;
+};
+
+struct PlannedFile {
+  std::string path;                               // created (or truncated); its folder must exist
+  std::vector<CopyPiece> pieces;                  // a pieces file: these, tiling [0, size)
+  uint64_t size = 0;                              // a pieces file's size; else an estimate for ordering
+  std::function<void(OrderedSink&)> generate;     // a generated file
+  std::string copy_from;                          // a whole-file copy of this file
+  bool hash = true;                               // compute its XXH64
+};
+
+struct CopyPlan {
+  std::vector<PlannedFile> files;
+};
+
+struct CopyResult {
+  uint64_t size = 0;
+  uint64_t xxh64 = 0;  // valid when the file's `hash` was set
+};
+
+struct CopyOptions {
+  int threads = 0;                    // 0: one per core
+  bool durable = true;                // start writeback early (see above); the caller syncs at the end
+  uint64_t split_bytes = 64ull << 20; // unhashed pieces files above this are split over threads
+  // Called with each range of piece data (at most 1 MiB) once written, from
+  // the writing thread (the converter drops memory-mapped input pages there).
+  std::function<void(std::span<const uint8_t>)> written;
+  // Called once per finished file, from the thread that wrote it, one call at
+  // a time; may throw to stop the plan (as on an error).
+  std::function<void(size_t file, const CopyResult& result)> done;
+};
+
+
+// Writes every file of `plan`; results are in plan order. On an error (or an
+// exception from `done`) the other threads stop after their current file and
+// the first error is rethrown; files already written are left for the caller
+// to remove with its temporary folder. Throws IoError naming the file, and
+// std::invalid_argument for a pieces file whose pieces do not tile it.
+std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions& options = {});
+
+}  // namespace uckpt::ckpt
