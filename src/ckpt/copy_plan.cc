@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "ckpt/parallel.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
@@ -304,26 +305,7 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
     finished(job.file);
   };
 
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-  std::mutex error_mu;
-  auto work = [&] {
-    for (size_t k; !failed && (k = next++) < jobs.size();) {
-      try {
-        run(jobs[k]);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mu);
-        if (!error) error = std::current_exception();
-        failed = true;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+  ParallelFor(jobs.size(), threads, [&](size_t k) { run(jobs[k]); });
   return results;
 }
 
