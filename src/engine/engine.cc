@@ -1,7 +1,6 @@
 // uckpt::Engine: wraps a module for ZeRO data parallelism (engine_impl.h has
 // the state; checkpoint.cc saves and loads it).
 #include <c10/core/GradMode.h>
-#include <torch/cuda.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -31,19 +30,6 @@ Config Config::FromJson(nlohmann::json j, std::string source) {
   c.json = std::move(j);
   c.source = std::move(source);
   return c;
-}
-
-at::Tensor Engine::Impl::Find(const std::string& name) const {
-  std::string owner = name;
-  for (const auto& [alias, o] : aliases)
-    if (alias == name) owner = o;
-  for (const auto& g : groups)
-    for (const auto& p : g)
-      if (p.name == owner) return p.tensor;
-  for (const auto* list : {&frozen, &buffers})
-    for (const auto& p : *list)
-      if (p.name == owner) return p.tensor;
-  return at::Tensor();
 }
 
 namespace {

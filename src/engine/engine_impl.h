@@ -48,8 +48,6 @@ struct Engine::Impl {
 
   int stage() const { return config.zero.stage; }
   bool boundary() const { return (micro_steps + 1) % batch.gradient_accumulation_steps == 0; }
-  // The tensor a state_dict name stands for (aliases resolved), or undefined.
-  at::Tensor Find(const std::string& name) const;
 };
 
 namespace engine {
