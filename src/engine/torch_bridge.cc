@@ -66,15 +66,6 @@ Tensor FromTorch(const at::Tensor& t) {
   return Tensor::FromBytes(FromScalarType(c.scalar_type()), c.sizes().vec(), std::move(bytes));
 }
 
-at::Tensor CausalSdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-#if TORCH_VERSION_MAJOR >= 2
-  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-#else
-  return std::get<0>(at::_scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                                       /*need_attn_weights=*/false, /*is_causal=*/true));
-#endif
-}
-
 std::optional<CudaMemoryPeak> PeakCudaMemory(at::Device device) {
 #ifdef UCKPT_CUDA
   if (!device.is_cuda()) return std::nullopt;

@@ -18,11 +18,6 @@ at::Tensor ToTorch(const Tensor& t);
 // A contiguous copy of `t` over a fresh storage of its own.
 Tensor FromTorch(const at::Tensor& t);
 
-// softmax(q k^T / sqrt(D) + causal mask) v for [B, H, T, D] inputs through
-// libtorch's fused scaled-dot-product attention (flash / memory-efficient
-// kernels on CUDA with PyTorch 2.x; the math kernel on libtorch 1.13).
-at::Tensor CausalSdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
-
 // The CUDA caching allocator's peaks on `device` since the start (bytes);
 // nullopt on the CPU or in a build without CUDA.
 struct CudaMemoryPeak {

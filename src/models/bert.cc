@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <unordered_set>
 
-#include "engine/data/data.h"
+#include "uckpt/random.h"
 
 namespace uckpt::models {
 namespace {
@@ -219,11 +219,11 @@ MaskedBatch MaskBatch(const torch::Tensor& ids, int64_t first_global_sample_inde
   const int64_t* in = src.data_ptr<int64_t>();
   int64_t* out = input.data_ptr<int64_t>();
   int64_t* lab = labels.data_ptr<int64_t>();
-  const uint64_t seed_key = engine::SplitMix64(seed);
+  const uint64_t seed_key = SplitMix64(seed);
   const uint64_t ut = static_cast<uint64_t>(T);
   for (int64_t b = 0; b < B; ++b) {
-    const uint64_t key = engine::SplitMix64(seed_key + static_cast<uint64_t>(first_global_sample_index + b));
-    auto r = [key](uint64_t k) { return engine::SplitMix64(key + k); };
+    const uint64_t key = SplitMix64(seed_key + static_cast<uint64_t>(first_global_sample_index + b));
+    auto r = [key](uint64_t k) { return SplitMix64(key + k); };
     auto apply = [&](int64_t t) {
       const int64_t i = b * T + t;
       const uint64_t k = 3 * static_cast<uint64_t>(t);

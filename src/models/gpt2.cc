@@ -1,17 +1,32 @@
 #include "models/gpt2.h"
 
-#include <c10/core/GradMode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 
-#include "engine/data/data.h"
 #include "models/next_token_loss.h"
-#include "engine/torch_bridge.h"
+#include "uckpt/random.h"
 
 namespace uckpt::engine {
+namespace {
+
+// softmax(q k^T / sqrt(D) + causal mask) v for [B, H, T, D] inputs through
+// libtorch's fused scaled-dot-product attention (flash / memory-efficient
+// kernels on CUDA with PyTorch 2.x; the math kernel on libtorch 1.13).
+at::Tensor CausalSdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+#else
+  return std::get<0>(at::_scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                       /*need_attn_weights=*/false, /*is_causal=*/true));
+#endif
+}
+
+}  // namespace
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> Gpt2ParameterShapes(const Gpt2Config& cfg) {
   const int64_t C = cfg.n_embd;

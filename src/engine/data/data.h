@@ -10,14 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "uckpt/random.h"
+
 namespace uckpt::engine {
 
-inline uint64_t SplitMix64(uint64_t x) {
-  uint64_t z = x + 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using uckpt::SplitMix64;  // include/uckpt/random.h
 
 // The first global-batch row of rank `rank`'s micro step `micro_step`.
 inline int64_t FirstRow(int64_t micro_step, int rank, int world_size, int64_t micro_batch) {
