@@ -53,46 +53,11 @@ ValuePtr TensorValue(const at::Tensor& t, bool requires_grad = false) {
   return View(s, FromScalarType(t.scalar_type()), t.sizes().vec(), 0, requires_grad);
 }
 
-// Readers that name the file in their errors.
-class Reader {
- public:
-  explicit Reader(std::string path) : path_(std::move(path)) {}
-  ValuePtr Get(const ValuePtr& dict, const std::string& key, bool required = true) const {
-    ValuePtr v = dict && dict->is_dict() ? dict->get(key) : nullptr;
-    if (!v && required) throw FormatError(path_ + ": missing key '" + key + "'");
-    return v;
-  }
-  int64_t Int(const ValuePtr& dict, const std::string& key) const {
-    ValuePtr v = Get(dict, key);
-    if (v->kind != Kind::kInt || !v->big.empty()) throw FormatError(path_ + ": '" + key + "' is not an int");
-    return v->i;
-  }
-  double Number(const ValuePtr& v, const std::string& what) const {
-    if (v && v->kind == Kind::kFloat) return v->f;
-    if (v && v->kind == Kind::kInt && v->big.empty()) return static_cast<double>(v->i);
-    throw FormatError(path_ + ": " + what + " is not a number");
-  }
-  const Tensor& TensorAt(const ValuePtr& v, const std::string& what) const {
-    if (!v || !v->tensor || (v->kind != Kind::kTensor && v->kind != Kind::kParameter))
-      throw FormatError(path_ + ": " + what + " is not a tensor");
-    return *v->tensor;
-  }
-  ValuePtr Item(const ValuePtr& seq, size_t k, const std::string& what) const {
-    if (!seq || (!seq->is_seq()) || seq->items.size() <= k)
-      throw FormatError(path_ + ": " + what + " is not a list with an item " + std::to_string(k));
-    return seq->items[k];
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
 // Copies `n` elements of a tensor stored in a file, starting at flat element
 // `first`, into `dst` (fp32). Touches only those bytes of a mapped file.
-void CopyElements(const Reader& r, const Tensor& src, int64_t first, int64_t n, at::Tensor dst) {
+void CopyElements(const std::string& path, const Tensor& src, int64_t first, int64_t n, at::Tensor dst) {
   if (first < 0 || first + n > src.numel())
-    throw FormatError(r.path() + ": tensor has " + std::to_string(src.numel()) + " elements, need [" +
+    throw FormatError(path + ": tensor has " + std::to_string(src.numel()) + " elements, need [" +
                       std::to_string(first) + ", " + std::to_string(first + n) + ")");
   at::ScalarType st = ToScalarType(src.dtype);
   if (src.is_contiguous() && src.storage) {
@@ -439,11 +404,11 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
 // step (a configured scheduler sets the lr again from its own config and the
 // restored position after that step, as DeepSpeed's does), and betas, eps and
 // weight_decay for the rest of the run.
-void ApplySavedHparams(Engine::Impl& e, const Reader& r, const ValuePtr& groups, const LoadCheckpointOptions& o) {
+void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o) {
   if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
   for (size_t g = 0; g < e.groups.size() && g < groups->items.size(); ++g) {
     const ckpt::AdamHparams h = ckpt::ReadAdamHparams(groups->items[g], Hparams(e, g),
-                                                      r.path() + ": param_groups[" + std::to_string(g) + "]");
+                                                      path + ": param_groups[" + std::to_string(g) + "]");
     if (g == 0) e.schedule.set_current_lr(h.lr);
     OptimizerConfig c = e.zero->optimizer_config(g);
     c.beta1 = h.beta1;
@@ -455,22 +420,22 @@ void ApplySavedHparams(Engine::Impl& e, const Reader& r, const ValuePtr& groups,
 }
 
 // param_shapes must name this engine's groups and parameters in order.
-void CheckParamShapes(const Engine::Impl& e, const Reader& r, const ValuePtr& root) {
-  const auto saved = ckpt::ReadParamShapes(root, r.path());
+void CheckParamShapes(const Engine::Impl& e, const std::string& path, const ValuePtr& root) {
+  const auto saved = ckpt::ReadParamShapes(root, path);
   if (saved.empty()) return;
   if (saved.size() != e.groups.size())
-    throw FormatError(r.path() + ": param_shapes has " + std::to_string(saved.size()) +
+    throw FormatError(path + ": param_shapes has " + std::to_string(saved.size()) +
                       " parameter groups, this engine has " + std::to_string(e.groups.size()));
   for (size_t g = 0; g < e.groups.size(); ++g) {
     const auto& params = e.groups[g];
     if (saved[g].size() != params.size())
-      throw FormatError(r.path() + ": param_shapes[" + std::to_string(g) + "] has " + std::to_string(saved[g].size()) +
+      throw FormatError(path + ": param_shapes[" + std::to_string(g) + "] has " + std::to_string(saved[g].size()) +
                         " parameters, this model's group has " + std::to_string(params.size()) +
                         " (a different model or model size?)");
     for (size_t k = 0; k < params.size(); ++k) {
       const ckpt::NamedShape& ns = saved[g][k];
       if (ns.name != params[k].name || ns.shape != params[k].tensor.sizes().vec())
-        throw FormatError(r.path() + ": parameter " + std::to_string(k) + " of group " + std::to_string(g) + " is " +
+        throw FormatError(path + ": parameter " + std::to_string(k) + " of group " + std::to_string(g) + " is " +
                           ns.name + " " + c10::str(at::IntArrayRef(ns.shape)) + ", this model has " + params[k].name +
                           " " + c10::str(params[k].tensor.sizes()));
     }
@@ -498,7 +463,7 @@ std::vector<NamedParam> Trainable(const Engine::Impl& e) {
 }
 
 // Stage 0: torch Adam's own state_dict (one state per parameter).
-void LoadStage0Optimizer(Engine::Impl& e, const Reader& r, const ckpt::ModelStatesView& m,
+void LoadStage0Optimizer(Engine::Impl& e, const std::string& path, const ckpt::ModelStatesView& m,
                          const LoadCheckpointOptions& o) {
   if (!m.stage0_param_groups) return;
   int64_t id = 0;
@@ -511,18 +476,18 @@ void LoadStage0Optimizer(Engine::Impl& e, const Reader& r, const ckpt::ModelStat
     for (const auto& p : e.groups[g]) {
       auto it = m.stage0_state.find(id);
       if (it == m.stage0_state.end())
-        throw FormatError(r.path() + ": optimizer state has no entry " + std::to_string(id) + " (" + p.name + ")");
+        throw FormatError(path + ": optimizer state has no entry " + std::to_string(id) + " (" + p.name + ")");
       const int64_t n = p.tensor.numel();
       for (auto [src, dst] : {std::pair{it->second.exp_avg, &st.exp_avg}, {it->second.exp_avg_sq, &st.exp_avg_sq}}) {
-        if (src->numel() != n) throw FormatError(r.path() + ": optimizer state of " + p.name + " has the wrong size");
-        CopyElements(r, *src, 0, n, dst->narrow(0, off, n));
+        if (src->numel() != n) throw FormatError(path + ": optimizer state of " + p.name + " has the wrong size");
+        CopyElements(path, *src, 0, n, dst->narrow(0, off, n));
       }
       st.step = at::full({}, it->second.step, st.master.options());
       off += n;
       ++id;
     }
   }
-  ApplySavedHparams(e, r, m.stage0_param_groups, o);
+  ApplySavedHparams(e, path, m.stage0_param_groups, o);
 }
 
 // Sizes on every rank (cheap, and every rank reaches the same verdict); with
@@ -551,7 +516,6 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
 // The ZeRO files of the same world size: each rank's own optimizer file.
 void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
   const std::string path = folder + "/" + ckpt::OptimStatesFileName(e.comm->rank(), e.config.bf16);
-  Reader r(path);
   TorchFile f = LoadTorchFile(path);
   const ckpt::RankOptimView v = ckpt::ReadRankOptimStates(f.root, path);
   if (v.groups.size() != e.groups.size())
@@ -572,7 +536,7 @@ void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCh
           throw FormatError(path + ": the Adam state of group " + gs + " has " + std::to_string(src->numel()) +
                             " elements, the partition has " + std::to_string(layout.partition_size));
         *dst = at::zeros({layout.partition_size}, st.master.options());
-        CopyElements(r, *src, 0, src->numel(), *dst);
+        CopyElements(path, *src, 0, src->numel(), *dst);
       }
       st.step = at::full({}, adam->step, st.master.options());
     }
@@ -580,10 +544,10 @@ void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCh
     if (fp32.numel() > layout.partition_size)
       throw FormatError(path + ": fp32 partition " + gs + " is larger than this run's partition");
     st.master.zero_();
-    CopyElements(r, fp32, 0, fp32.numel(), st.master.narrow(0, 0, fp32.numel()));
+    CopyElements(path, fp32, 0, fp32.numel(), st.master.narrow(0, 0, fp32.numel()));
     hparams->items.push_back(v.groups[g].hparams);
   }
-  ApplySavedHparams(e, r, hparams, o);
+  ApplySavedHparams(e, path, hparams, o);
   e.zero->GatherModelFromMasters();
 }
 
@@ -594,7 +558,7 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
   const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
   const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
   static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
-  ApplySavedHparams(e, Reader(folder + "/zero/optimizer_state.pt"), saved.param_groups, o);
+  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
   // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
   const bool with_state = o.load_optimizer_states && u.has_step;
   for (size_t g = 0; g < e.groups.size(); ++g) {
@@ -640,10 +604,9 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   const std::string folder = dir + "/" + tag;
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
   const std::string model_path = folder + "/" + ckpt::ModelStatesFileName();
-  Reader mr(model_path);
   TorchFile model_file = LoadTorchFile(model_path);
   const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
-  CheckParamShapes(e, mr, model_file.root);
+  CheckParamShapes(e, model_path, model_file.root);
   c10::NoGradGuard no_grad;
   const int stage = e.stage();
   LoadResult result{folder, ClientStateOf(m)};
@@ -674,7 +637,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   }
   LoadModule(model_path, m, Trainable(e));
   e.zero->InitMasterFromModel();
-  if (stage == 0 && o.load_optimizer_states) LoadStage0Optimizer(e, mr, m, o);
+  if (stage == 0 && o.load_optimizer_states) LoadStage0Optimizer(e, model_path, m, o);
   return result;
 }
 
