@@ -181,6 +181,12 @@ std::vector<std::pair<std::string, ValuePtr>> ModuleEntries(const Engine::Impl& 
   return module;
 }
 
+const ValuePtr& FindEntry(const std::vector<std::pair<std::string, ValuePtr>>& entries, const std::string& name) {
+  for (const auto& [k, v] : entries)
+    if (k == name) return v;
+  throw std::logic_error("no module entry " + name);
+}
+
 ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
   const OptimizerConfig& o = e.zero->optimizer_config(g);
   return ckpt::AdamHparams{e.schedule.current_lr(), o.beta1, o.beta2, o.eps, o.weight_decay};
@@ -235,7 +241,7 @@ std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& c
   return out;
 }
 
-ValuePtr ModelStatesValue(const Engine::Impl& e, const ClientState& client_state) {
+ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
   ckpt::ModelStates m;
   m.stage = e.stage();
   m.module = ModuleEntries(e);
@@ -247,7 +253,9 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, const ClientState& client_state
   }
   for (const auto& p : e.frozen) {
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
-    m.frozen.emplace_back(p.name, TensorValue(p.tensor.reshape({-1})));
+    // The flattened fragment is a view of the module entry's storage.
+    const ValuePtr& whole = FindEntry(m.module, p.name);
+    m.frozen.emplace_back(p.name, View(whole->tensor->storage, whole->tensor->dtype, {p.tensor.numel()}, 0));
   }
   m.shared_params = e.aliases;
   if (m.stage == 0) m.stage0_optimizer = Stage0Optimizer(e);
@@ -263,7 +271,7 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, const ClientState& client_state
   ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
   ours->set("lr", Value::Float(e.schedule.current_lr()));
   m.extra.emplace_back("uckpt", ours);
-  for (auto& kv : ClientEntries(client_state)) m.extra.push_back(std::move(kv));
+  for (auto& kv : client) m.extra.push_back(std::move(kv));
   return ckpt::ModelStatesValue(m);
 }
 
@@ -334,8 +342,9 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
       // The first error is the one to report.
     }
   };
-  // The client state is checked on every rank before anything is written.
-  ValuePtr model_states = ModelStatesValue(e, client_state);
+  // The client state is checked on every rank before anything is written;
+  // only rank 0 copies the weights out for the model-states file.
+  auto client = ClientEntries(client_state);
   std::string error;
   // 1. Rank 0 makes a fresh temporary folder (one a killed save left is removed).
   if (rank0) {
@@ -351,7 +360,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   // 2. Every rank writes its files into it (each fsynced before its rename).
   try {
     if (e.stage() > 0) SaveTorchFile(tmp + "/" + ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e));
-    if (rank0) SaveTorchFile(tmp + "/" + ckpt::ModelStatesFileName(), model_states);
+    if (rank0) SaveTorchFile(tmp + "/" + ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client)));
   } catch (const std::exception& ex) {
     error = ex.what();
   }
@@ -466,10 +475,11 @@ std::vector<NamedParam> Trainable(const Engine::Impl& e) {
 void LoadStage0Optimizer(Engine::Impl& e, const std::string& path, const ckpt::ModelStatesView& m,
                          const LoadCheckpointOptions& o) {
   if (!m.stage0_param_groups) return;
+  ApplySavedHparams(e, path, m.stage0_param_groups, o);
+  if (m.stage0_state.empty()) return;  // saved before the first step
   int64_t id = 0;
   for (size_t g = 0; g < e.groups.size(); ++g) {
     PartitionState& st = e.zero->state(g);
-    if (m.stage0_state.empty()) break;  // saved before the first step
     st.exp_avg = at::zeros_like(st.master);
     st.exp_avg_sq = at::zeros_like(st.master);
     int64_t off = 0;
@@ -487,7 +497,6 @@ void LoadStage0Optimizer(Engine::Impl& e, const std::string& path, const ckpt::M
       ++id;
     }
   }
-  ApplySavedHparams(e, path, m.stage0_param_groups, o);
 }
 
 // Sizes on every rank (cheap, and every rank reaches the same verdict); with
