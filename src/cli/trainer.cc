@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "engine/checkpoint.h"
+#include "format/error.h"
 #include "models/bert.h"
 #include "engine/torch_bridge.h"
 #include "engine/weights.h"
@@ -122,8 +122,10 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag, boo
   lo.load_optimizer_states = opt_.load_optimizer_states;
   lo.verify_hashes = opt_.verify_checkpoint;
   lo.keep_saved_hparams = opt_.keep_saved_hparams;
-  if (tag.empty()) ReadTagFile(dir, universal ? "latest_universal" : "latest");  // must exist: names the file if not
-  engine_->LoadCheckpoint(dir, tag, lo);
+  // Unlike the API (nothing to load is no error), --resume with a tag file that is missing is one.
+  if (engine_->LoadCheckpoint(dir, tag, lo).path.empty())
+    throw FormatError(dir + "/" + (universal ? "latest_universal" : "latest") +
+                      ": cannot be read (give the tag explicitly, or check the folder)");
 }
 
 StepMetrics Trainer::TrainStep() {
