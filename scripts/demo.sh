@@ -17,9 +17,9 @@ UCKPT=$(realpath "$build/src/cli/uckpt")
 out=${DEMO_OUT:-demo-out}
 source scripts/demo-lib.sh
 
-# Scaled-down sizes (the issue's: GPT-2 default model, 200 steps, batch 256,
+# Scaled-down sizes (the original demo's: GPT-2 default model, 200 steps, batch 256,
 # micro 64, checkpoint at 100; scripts/demo-gpu.sh sets those through these
-# variables). Experiment 2 keeps the issue's batch 32 = 32x1 = 8x4 = 8x2x2.
+# variables). Experiment 2 keeps the original demo's batch 32 = 32x1 = 8x4 = 8x2x2.
 STEPS=${DEMO_STEPS:-100}
 MID=$((STEPS / 2))
 BATCH=${DEMO_BATCH:-32}      # experiments 1 and 3
@@ -31,9 +31,9 @@ WARMUP=${DEMO_WARMUP:-10}
 TOL_SAME=${DEMO_TOL_SAME:-exact}
 TOL_CHANGED=${DEMO_TOL_CHANGED:-universal}
 TOL_GA=${DEMO_TOL_GA:-rel:1e-5}
-DEMO_SCALED=${DEMO_SCALED-"scaled down from the issue's sizes: GPT-2 with ${MODEL[*]}
+DEMO_SCALED=${DEMO_SCALED-"scaled down from the original demo's sizes: GPT-2 with ${MODEL[*]}
    (byte-level, trained on Debian's license texts), $STEPS steps (not 200), global batch $BATCH (not 256),
-   micro $MICRO (not 64), checkpoint at step $MID (not 100); experiment 2 at the issue's sizes (batch 32)"}
+   micro $MICRO (not 64), checkpoint at step $MID (not 100); experiment 2 at the original demo's sizes (batch 32)"}
 
 rm -rf "$out"; mkdir -p "$out/logs" "$out/plots"
 # The data: the license texts every Debian system ships (package base-files),
