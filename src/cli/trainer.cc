@@ -12,7 +12,7 @@
 #include "format/error.h"
 #include "models/bert.h"
 #include "engine/torch_bridge.h"
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {
