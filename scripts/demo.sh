@@ -9,9 +9,14 @@
 # plus a negative control (a resume without the optimizer state must fail the
 # comparison). Prints a table and exits non-zero when a comparison fails.
 # The README's "demo by hand" is this script, command by command.
-# Usage: scripts/demo.sh [BUILD_DIR] ; output in $DEMO_OUT (default demo-out/).
+# Usage: scripts/demo.sh [--stage N] [BUILD_DIR] ; output in $DEMO_OUT (default demo-out/).
+#   --stage 3 (the original demo's configuration): ZeRO-3 with parameters and
+#             optimizer offloaded to CPU; --stage 1 or 2: that stage, no offload.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STAGE=${DEMO_STAGE:-2}
+if [ "${1:-}" = --stage ]; then STAGE=${2:?--stage needs 1, 2 or 3}; shift 2; fi
+case $STAGE in 1|2|3) ;; *) echo "demo: --stage must be 1, 2 or 3, got '$STAGE'" >&2; exit 2 ;; esac
 build=${1:-build}
 UCKPT=$(realpath "$build/src/cli/uckpt")
 out=${DEMO_OUT:-demo-out}
@@ -39,17 +44,22 @@ rm -rf "$out"; mkdir -p "$out/logs" "$out/plots"
 # The data: the license texts every Debian system ships (package base-files),
 # as bytes: the same on every machine, whatever the checkout.
 cat /usr/share/common-licenses/{Apache-2.0,Artistic,BSD,GFDL-1.3,GPL-2,GPL-3,LGPL-2.1,LGPL-3,MPL-1.1,MPL-2.0} >"$out/data.txt"
+zero="{\"stage\": $STAGE}"
+if [ "$STAGE" = 3 ]; then
+  zero='{"stage": 3, "offload_param": {"device": "cpu", "pin_memory": true}, "offload_optimizer": {"device": "cpu", "pin_memory": true}}'
+fi
 cat >"$out/ds_config.json" <<JSON
 {
   "gradient_clipping": 1.0,
   "optimizer": {"type": "AdamW", "params": {"lr": $LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
   "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": $LR, "warmup_num_steps": $WARMUP}},
-  "zero_optimization": {"stage": 2}
+  "zero_optimization": $zero
 }
 JSON
 
 where="CPU (Gloo)"; [[ " ${RUN_FLAGS[*]} " == *" --device cuda"* ]] && where="GPUs (NCCL)"
 echo "== uckpt demo: three experiments on $where, output in $out/"
+echo "   ZeRO stage $STAGE$([ "$STAGE" = 3 ] && echo ", parameters and optimizer offloaded to CPU (the original demo's configuration)")"
 echo "   $DEMO_SCALED"
 echo "   tolerances: same size $TOL_SAME; changed size $TOL_CHANGED; gradient accumulation $TOL_GA"
 echo
