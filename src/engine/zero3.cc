@@ -32,7 +32,7 @@ at::Tensor AllocateStorage(const at::Tensor& t) {
     s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
     s->set_nbytes(nbytes);
   }
-  return at::from_blob(s->data(), {t.numel()}, at::TensorOptions().dtype(t.scalar_type()).device(t.device()));
+  return at::from_blob(s->data_ptr().get(), {t.numel()}, at::TensorOptions().dtype(t.scalar_type()).device(t.device()));
 }
 
 at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device, bool host) {
