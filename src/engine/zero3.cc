@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "ckpt/partition.h"
+#include "engine/cpu_adam.h"
 
 namespace uckpt::engine {
 namespace {
@@ -143,12 +144,16 @@ void Zero3Optimizer::Fetch(const std::vector<size_t>& list) {
   c10::NoGradGuard no_grad;
   const int dp = this->dp();
   int64_t total = 0;
-  std::vector<at::Tensor> mine;
+  for (size_t i : list) total += params_[i].partition_size;
+  // Each partition straight into one buffer on the model's device: from pinned
+  // host memory (offload_param) the copies are asynchronous, with no host-side
+  // concatenation into fresh pages.
+  at::Tensor in = at::empty({total}, params_[list[0]].partition.options().device(device_).pinned_memory(false));
+  int64_t at_ = 0;
   for (size_t i : list) {
-    mine.push_back(params_[i].partition);
-    total += params_[i].partition_size;
+    in.narrow(0, at_, params_[i].partition_size).copy_(params_[i].partition, /*non_blocking=*/true);
+    at_ += params_[i].partition_size;
   }
-  at::Tensor in = at::cat(mine).to(device_);
   at::Tensor all = in;
   if (dp > 1) {
     all = at::empty({total * dp}, in.options());
@@ -265,16 +270,27 @@ void Zero3Optimizer::FlushBucket() {
     mine = at::empty({total}, flat.options());
     comm_.ReduceScatterSum(flat, mine);
   }
+  if (s_.base.offload_optimizer_cpu && !mine.device().is_cpu()) mine = ToHostStaging(mine);
   off = 0;
   for (size_t j : order) {
     const Zero3Param& p = params_[bucket_[j]];
     Zero3SubGroup& sg = subs_[p.sub_group];
-    sg.grad.narrow(0, p.offset, p.partition_size).add_(mine.narrow(0, off, p.partition_size).to(sg.grad.device()));
+    sg.grad.narrow(0, p.offset, p.partition_size).add_(mine.narrow(0, off, p.partition_size));
     off += p.partition_size;
   }
   bucket_.clear();
   bucket_grads_.clear();
   bucket_numel_ = 0;
+}
+
+// The reduced chunk in host memory through one reused pinned buffer (fresh
+// pageable memory for every bucket would cost a page fault per 4 KiB).
+at::Tensor Zero3Optimizer::ToHostStaging(const at::Tensor& t) {
+  if (!host_staging_.defined() || host_staging_.numel() < t.numel())
+    host_staging_ = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
+  at::Tensor out = host_staging_.narrow(0, 0, t.numel());
+  out.copy_(t);  // synchronous: the host adds read it next
+  return out;
 }
 
 // DeepSpeed's stage-3 get_grad_norm_direct per sub-group (each parameter
@@ -286,9 +302,13 @@ at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
     std::vector<at::Tensor> norms;
     for (size_t i : sg.params) {
       const Zero3Param& p = params_[i];
-      norms.push_back(sg.grad.narrow(0, p.offset, p.partition_size).to(device_).to(at::kDouble).norm(2));
+      at::Tensor g = sg.grad.narrow(0, p.offset, p.partition_size);
+      // Under offload the fp64 norm is taken where the gradient lives, not
+      // after copying every partition back to the device.
+      norms.push_back(g.device().is_cpu() && !device_.is_cpu() ? g.to(at::kDouble).norm(2)
+                                                               : g.to(device_).to(at::kDouble).norm(2));
     }
-    at::Tensor total = at::sum(at::pow(at::stack(norms), 2));
+    at::Tensor total = at::sum(at::pow(at::stack(norms), 2)).to(device_);
     if (dp() > 1) {
       at::Tensor t = total.reshape({1});
       comm_.AllReduceSum(t);
@@ -324,6 +344,17 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(double lr) {
   bool finite = true;
   at::Tensor norm = GlobalNorm(&finite);  // fp64, of the scaled gradients
   r.grad_norm = finite ? norm.item<double>() / prev_scale : -1;
+  if (s_.base.offload_optimizer_cpu) {
+    // The same unscale-and-clip factor, applied inside one fused host pass.
+    double combined = prev_scale;
+    if (s_.base.gradient_clipping > 0) {
+      at::Tensor clip = ((norm.cpu() / prev_scale) + 1e-6) / s_.base.gradient_clipping;
+      combined = at::clamp_min(clip, 1.0).item<double>() * prev_scale;
+    }
+    for (Zero3SubGroup& sg : subs_) CpuAdamStep(sg.state, sg.grad, 1.0 / combined, group_optimizers_[sg.group], lr);
+    PartitionsFromMasters();
+    return r;
+  }
   for (Zero3SubGroup& sg : subs_) {
     // unscale_and_clip_grads, with DeepSpeed's fp64 tensors.
     at::Tensor grad = sg.grad;

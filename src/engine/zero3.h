@@ -15,8 +15,8 @@
 // (reduce_scatter_coalesced: per rank, each parameter's chunk, padded; divided
 // by dp; summed) into the owners' fp32 gradient partitions. Step() computes
 // DeepSpeed's stage-3 global norm (fp64 per parameter partition), clips, runs
-// torch's Adam/AdamW on each sub-group's partition (in host memory under
-// offload_optimizer) and re-gathers what is live.
+// torch's Adam/AdamW on each sub-group's partition (under offload_optimizer:
+// the fused host Adam of cpu_adam.h, in host memory) and re-gathers what is live.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -116,6 +116,7 @@ class Zero3Optimizer {
   void Bucket(size_t p);
   void FlushBucket();
   at::Tensor GlobalNorm(bool* finite);
+  at::Tensor ToHostStaging(const at::Tensor& t);
 
   Comm& comm_;
   Zero3Settings s_;
@@ -129,6 +130,7 @@ class Zero3Optimizer {
   std::vector<at::Tensor> bucket_grads_;
   int64_t bucket_numel_ = 0;
   LossScaler scaler_;
+  at::Tensor host_staging_;  // offload_optimizer: pinned, for reduced gradient chunks
 };
 
 }  // namespace uckpt::engine

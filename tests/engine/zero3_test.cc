@@ -8,7 +8,7 @@
 #include <mutex>
 
 #include "cli/trainer.h"
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 #include "fixture.h"
 #include "ranks.h"
 

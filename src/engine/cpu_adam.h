@@ -1,0 +1,24 @@
+// Adam/AdamW on fp32 partitions in host memory (offload_optimizer): one pass
+// over the parameter, its moments and its gradient instead of torch's seven
+// (and no temporaries, whose fresh pages cost as much as the arithmetic).
+//
+// Numerics: torch.optim.Adam/AdamW's single-tensor formula (TorchAdamStep in
+// zero_optimizer.h), each operation rounded to fp32 in the same order, without
+// fused multiply-adds. torch's vectorised CPU kernels use FMAs in add(alpha)
+// and addcmul, so results may differ from TorchAdamStep in the last bit of an
+// element; tests/engine/cpu_adam_test.cc bounds that.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "engine/zero_optimizer.h"
+
+namespace uckpt::engine {
+
+// One step on `st` (master, exp_avg, exp_avg_sq, step; host fp32, contiguous;
+// moments created on the first step) with gradient `grad * grad_scale`
+// (grad_scale: the unscale-and-clip factor). `grad` is zeroed on return, ready
+// for the next accumulation. Uses at::parallel_for over chunks.
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr);
+
+}  // namespace uckpt::engine
