@@ -3,8 +3,12 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
+
+#include "ckpt/parallel.h"
 
 namespace uckpt::engine {
 namespace {
@@ -43,7 +47,38 @@ void CheckHostFloat(const at::Tensor& t, const char* what, int64_t n) {
                                 std::to_string(n) + " elements");
 }
 
+constexpr int64_t kChunk = 1 << 18;  // elements per job: 1 MiB of each array
+
+// Runs fn(begin, end) over [0, n) in chunks on libtorch's intra-op thread
+// count (--threads). Our own threads: at::parallel_for's OpenMP pragma would
+// need this file built with OpenMP, next to libtorch's own runtime.
+template <typename Fn>
+void ParallelChunks(int64_t n, Fn fn) {
+  const size_t jobs = static_cast<size_t>((n + kChunk - 1) / kChunk);
+  const int threads = std::max(1, std::min(at::get_num_threads(), static_cast<int>(jobs)));
+  ckpt::ParallelFor(jobs, threads, [&](size_t k) {
+    const int64_t begin = static_cast<int64_t>(k) * kChunk;
+    fn(begin, std::min(n, begin + kChunk));
+  });
+}
+
 }  // namespace
+
+double SumOfSquares(const at::Tensor& t) {
+  if (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous())
+    throw std::invalid_argument("SumOfSquares: needs a contiguous host fp32 tensor");
+  const float* x = t.data_ptr<float>();
+  const int64_t n = t.numel();
+  std::vector<double> partial(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
+  ParallelChunks(n, [&](int64_t begin, int64_t end) {
+    double s = 0;
+    for (int64_t i = begin; i < end; ++i) s += static_cast<double>(x[i]) * x[i];
+    partial[static_cast<size_t>(begin / kChunk)] = s;
+  });
+  double total = 0;
+  for (double s : partial) total += s;  // in chunk order: the same on every run
+  return total;
+}
 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
   c10::NoGradGuard no_grad;
@@ -79,7 +114,7 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* m = st.exp_avg.data_ptr<float>();
   float* v = st.exp_avg_sq.data_ptr<float>();
   float* g = grad.data_ptr<float>();
-  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+  ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
 }
 
 }  // namespace uckpt::engine

@@ -18,7 +18,11 @@ namespace uckpt::engine {
 // One step on `st` (master, exp_avg, exp_avg_sq, step; host fp32, contiguous;
 // moments created on the first step) with gradient `grad * grad_scale`
 // (grad_scale: the unscale-and-clip factor). `grad` is zeroed on return, ready
-// for the next accumulation. Uses at::parallel_for over chunks.
+// for the next accumulation. Runs on at::get_num_threads() threads.
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr);
+
+// The sum of the squares of a host fp32 tensor, accumulated in fp64 (the
+// squared L2 norm, for the global gradient norm without fp64 copies).
+double SumOfSquares(const at::Tensor& t);
 
 }  // namespace uckpt::engine

@@ -305,8 +305,9 @@ at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
       at::Tensor g = sg.grad.narrow(0, p.offset, p.partition_size);
       // Under offload the fp64 norm is taken where the gradient lives, not
       // after copying every partition back to the device.
-      norms.push_back(g.device().is_cpu() && !device_.is_cpu() ? g.to(at::kDouble).norm(2)
-                                                               : g.to(device_).to(at::kDouble).norm(2));
+      norms.push_back(g.device().is_cpu() && !device_.is_cpu()
+                          ? at::scalar_tensor(std::sqrt(SumOfSquares(g)), at::kDouble)
+                          : g.to(device_).to(at::kDouble).norm(2));
     }
     at::Tensor total = at::sum(at::pow(at::stack(norms), 2)).to(device_);
     if (dp() > 1) {

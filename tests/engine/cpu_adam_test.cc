@@ -71,3 +71,18 @@ TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
 
 }  // namespace
 }  // namespace uckpt::engine
+
+namespace uckpt::engine {
+namespace {
+
+TEST(SumOfSquares, EqualsTheSquaredNormInDouble) {
+  at::manual_seed(3);
+  at::Tensor x = at::randn({1000003});  // several chunks and a ragged end
+  const double want = at::pow(x.to(at::kDouble).norm(2), 2).item<double>();
+  EXPECT_NEAR(SumOfSquares(x), want, want * 1e-12);
+  EXPECT_EQ(SumOfSquares(at::zeros({5})), 0.0);
+  EXPECT_THROW(SumOfSquares(x.to(at::kDouble)), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace uckpt::engine
