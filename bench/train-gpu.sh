@@ -19,7 +19,10 @@
 #
 # ZERO=3: uckpt's stage 3 ("uckpt-z3", and "uckpt-z3-offload" with parameters and
 # optimizer in host memory) against FSDP2, PyTorch's sharding of parameters (target:
-# stage 3 tokens/s >= 1.0x FSDP2's at memory <= 1.0x; offload is reported, not judged).
+# stage 3 tokens/s >= 1.0x FSDP2's at memory <= 1.0x), and, when DEEPSPEED_PATH names a
+# folder from which `import deepspeed` works (DeepSpeed's source with its accelerator/,
+# op_builder/ and csrc/ in place), DeepSpeed's stage 3 with and without the same offload
+# (targets: uckpt >= 1.5x DeepSpeed's tokens/s in both).
 #
 # usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1 ZERO=2)
 set -uo pipefail
@@ -105,6 +108,10 @@ for n in $counts; do
     uckpt_run "$n" uckpt-z3+chunked true 1 1
     uckpt_run "$n" uckpt-z3-offload true 1 0 "$offload"
     for loss in hf chunked; do torch_run "$n" fsdp2 $loss; done
+    if [ -n "${DEEPSPEED_PATH:-}" ]; then
+      PYTHONPATH=$DEEPSPEED_PATH torch_run "$n" deepspeed_z3 hf
+      PYTHONPATH=$DEEPSPEED_PATH torch_run "$n" deepspeed_z3_offload hf
+    fi
     continue
   fi
   uckpt_run "$n" uckpt true 1
@@ -158,6 +165,18 @@ for n in sorted({r["world"] for r in rows}):
               f"peak memory {mem:.3f}x (allocator peak {alloc:.3f}x) -> {'MEETS' if meets else 'MISSES'} the target"
               f"; vs {others} (tokens/s / memory)")
         ok &= meets
+    if not zero3:
+        continue
+    for label, ds in (("uckpt-z3", "deepspeed_z3"), ("uckpt-z3-offload", "deepspeed_z3_offload")):
+        u = [r for r in rows if r["world"] == n and r["impl"] == label]
+        d = [r for r in rows if r["world"] == n and r["impl"] == ds]
+        if not u or not d:
+            print(f"{n} GPUs, {label} / {ds}: not run"); continue
+        sp = u[0]["tokens_per_s"] / d[0]["tokens_per_s"]
+        mem = max(u[0]["peak_mib"]) / max(d[0]["peak_mib"])
+        print(f"{n} GPUs: {label} / {ds}: tokens/s {sp:.3f}x, peak memory {mem:.3f}x -> "
+              f"{'MEETS' if sp >= 1.5 else 'MISSES'} the 1.5x target")
+        ok &= sp >= 1.5
 sys.exit(0 if ok else 1)
 PY
 status=$?
