@@ -75,9 +75,7 @@ void CopyElements(const std::string& path, const Tensor& src, int64_t first, int
 
 std::string ReadTagFile(const std::string& dir, const std::string& name) { return ckpt::ReadLatestTag(dir, name); }
 
-// ---- IValue client state <-> pickled values. ----
-
-namespace {
+// ---- IValue client state <-> pickled values (checkpoint.h). ----
 
 ValuePtr FromIValue(const c10::IValue& v, const std::string& where) {
   if (v.isNone()) return Value::None();
@@ -152,8 +150,6 @@ c10::IValue ToIValue(const ValuePtr& v) {
     default: return c10::IValue("<" + (v->s.empty() ? std::string("unsupported value") : v->s) + ">");  // inert, never run
   }
 }
-
-}  // namespace
 
 // ---- Saving. ----
 

@@ -3,6 +3,8 @@
 // hands it the engine's state and reads it back (see engine_impl.h).
 #pragma once
 
+#include <ATen/core/ivalue.h>
+
 #include <string>
 
 #include "ckpt/deepspeed_state.h"
@@ -13,5 +15,10 @@ namespace uckpt::engine {
 // name inside `dir`. Throws FormatError naming the file if it is missing,
 // empty or names anything else.
 std::string ReadTagFile(const std::string& dir, const std::string& name);
+
+// Client state: a c10::IValue to a pickled value (throws std::invalid_argument
+// naming `where` for what cannot be saved) and back.
+ValuePtr FromIValue(const c10::IValue& v, const std::string& where);
+c10::IValue ToIValue(const ValuePtr& v);
 
 }  // namespace uckpt::engine

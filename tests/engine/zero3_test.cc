@@ -3,11 +3,13 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <mutex>
 
 #include "cli/trainer.h"
+#include "format/torch_file.h"
 #include "engine/weights.h"
 #include "fixture.h"
 #include "ranks.h"
@@ -169,6 +171,57 @@ TEST(Zero3, Bf16TrainsAndUnitsMatchTheRootOnlyRun) {
     EXPECT_TRUE(std::isfinite(m.loss));
     EXPECT_EQ(m.loss, root.steps.at(step).loss) << step;
   }
+}
+
+// DeepSpeed's own ZeRO-3 files, resumed at the same size: its resumed run's losses.
+TEST(Zero3, ResumeDeepSpeedZero3CheckpointAtWorldSize2Bitwise) {
+  Z3Run r = Train(Z3Config("z3_zero_ws2_resume"), 2, RefrunDir() + "/ckpt_zero3");
+  ASSERT_EQ(r.steps.size(), 6u);
+  EXPECT_EQ(r.steps.begin()->first, 7);
+  const double worst = CompareLosses(r, "z3_zero_ws2_resume", true);
+  EXPECT_EQ(FinalWeightDiff(r, "z3_zero_ws2_resume"), 0.0);
+  std::cout << "[ measured ] z3_zero_ws2_resume: max rel loss diff " << worst << "\n";
+}
+
+// DeepSpeed's universal conversion of its ZeRO-3 checkpoint at 4 and 1 ranks.
+TEST(Zero3, ResumeDeepSpeedZero3UniversalAtWorldSizes4And1) {
+  for (int world : {4, 1}) {
+    const std::string run = "z3_univ_ws" + std::to_string(world) + "_resume";
+    Z3Run r = Train(Z3Config(run), world, RefrunDir() + "/ckpt_zero3", /*universal=*/true);
+    ASSERT_EQ(r.steps.size(), 6u) << run;
+    EXPECT_EQ(r.steps.begin()->first, 7);
+    const double worst = CompareLosses(r, run, false);
+    std::cout << "[ measured ] " << run << ": max rel loss diff " << worst << ", final weight diff "
+              << FinalWeightDiff(r, run) << "\n";
+  }
+}
+
+// Our stage-3 checkpoint: DeepSpeed's files and keys (the fixture's as
+// reference), and a same-size resume continues bit for bit.
+TEST(Zero3, SaveInDeepSpeedLayoutAndResumeBitwise) {
+  const std::string dir = ::testing::TempDir() + "/z3_save";
+  std::filesystem::remove_all(dir);
+  Z3Run whole = Train(Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}}), 2, "", false, dir, 6);
+  for (int r = 0; r < 2; ++r)
+    for (const char* kind : {"model", "optim"}) {
+      const std::string name = "zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_" + kind + "_states.pt";
+      TorchFile ours = LoadTorchFile(dir + "/global_step6/" + name);
+      TorchFile theirs = LoadTorchFile(RefrunDir() + "/ckpt_zero3/global_step6/" + name);
+      std::vector<std::string> ours_keys, theirs_keys;
+      for (const auto& [k, v] : ours.root->entries) ours_keys.push_back(k->s);
+      for (const auto& [k, v] : theirs.root->entries) theirs_keys.push_back(k->s);
+      ours_keys.erase(std::remove(ours_keys.begin(), ours_keys.end(), "uckpt"), ours_keys.end());
+      EXPECT_EQ(ours_keys, theirs_keys) << name;
+      if (std::string(kind) == "optim") {
+        auto shape = [](const TorchFile& f) {
+          return f.root->get("optimizer_state_dict")->get("fp32_flat_groups")->items.at(0)->tensor->shape;
+        };
+        EXPECT_EQ(shape(ours), shape(theirs)) << name;
+      }
+    }
+  Z3Run resumed = Train(Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}}), 2, dir);
+  ASSERT_EQ(resumed.steps.size(), 6u);
+  for (const auto& [step, m] : resumed.steps) EXPECT_EQ(m.loss, whole.steps.at(step).loss) << step;
 }
 
 TEST(Zero3, ConfigKnobsParsedWithWarningsWhereNotHonoured) {
