@@ -323,6 +323,16 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 
 }  // namespace
 
+std::string UniversalModelStatesPath(const std::string& folder) {
+  std::string path;
+  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+    if (f.kind == ckpt::FileKind::kModelStates) return f.path;
+  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+    if (f.kind == ckpt::FileKind::kZero3ModelStates && (path.empty() || f.path < path)) path = f.path;
+  if (path.empty()) throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
+  return path;
+}
+
 LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
                                const LoadCheckpointOptions& o) {
   const char* tag_file = o.universal ? "latest_universal" : "latest";
@@ -337,11 +347,7 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
   // universal folder holds the copies of its source's (any stage).
   std::string model_path;
   if (o.universal) {
-    for (const auto& f : ckpt::ListCheckpointFolder(folder))
-      if ((f.kind == ckpt::FileKind::kModelStates || f.kind == ckpt::FileKind::kZero3ModelStates) &&
-          (model_path.empty() || f.path < model_path))
-        model_path = f.path;
-    if (model_path.empty()) throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
+    model_path = UniversalModelStatesPath(folder);
   } else {
     model_path = folder + "/" + ckpt::Zero3ModelStatesFileName(e.comm->rank());
     if (!fs::exists(model_path)) {
