@@ -274,6 +274,19 @@ TEST(Zero3, OwnCheckpointConvertsVerifiesExportsAndSwitchesStage) {
   }
 }
 
+TEST(Zero3, Bf16SaveAndResumeBitwise) {
+  const std::string dir = ::testing::TempDir() + "/z3_bf16";
+  std::filesystem::remove_all(dir);
+  nlohmann::json ds = Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}});
+  ds["bf16"] = {{"enabled", true}};
+  Z3Run whole = Train(ds, 2, "", false, dir, 6);
+  Z3Run resumed = Train(ds, 2, dir);
+  ASSERT_EQ(resumed.steps.size(), 6u);
+  for (const auto& [step, m] : resumed.steps) EXPECT_EQ(m.loss, whole.steps.at(step).loss) << step;
+  for (size_t i = 0; i < whole.final_weights.size(); ++i)
+    EXPECT_TRUE(at::equal(whole.final_weights[i].tensor, resumed.final_weights[i].tensor)) << whole.final_weights[i].name;
+}
+
 TEST(Zero3, ConfigKnobsParsedWithWarningsWhereNotHonoured) {
   nlohmann::json ds = Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 7},
                                                    {"stage3_prefetch_bucket_size", 1000},
