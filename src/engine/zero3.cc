@@ -125,13 +125,13 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
       subs_.push_back(std::move(sg));
     }
   }
-  // Unit parameters start freed; the root and persistent ones stay gathered.
+  // Unit parameters stay gathered until the model first enters a unit (a
+  // model that never calls EnterUnit still runs, without the savings); the
+  // root and persistent ones stay gathered for good.
   for (size_t i = 0; i < params_.size(); ++i) {
     Zero3Param& p = params_[i];
     if (p.unit < 0 || p.persistent) continue;
     units_[static_cast<size_t>(p.unit)].push_back(i);
-    p.live = 0;
-    FreeStorage(p.tensor);
   }
   if (dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.base.fp16);
 }
@@ -192,6 +192,10 @@ at::Tensor Zero3Optimizer::EnterUnit(size_t unit, const at::Tensor& input) {
     throw std::out_of_range("uckpt::Engine::EnterUnit: unit " + std::to_string(unit) + ", but " +
                             std::to_string(units_.size()) + " gather units were declared");
   Gather(unit);
+  if (initial_hold_) {  // from now on units are gathered only while entered
+    initial_hold_ = false;
+    ReleaseAll();
+  }
   if (!at::GradMode::is_enabled() || !input.requires_grad()) return input;
   return EnterUnitFn::apply(input, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
 }
