@@ -257,10 +257,15 @@ void Zero3Optimizer::FlushBucket() {
   int64_t off = 0;
   for (size_t j : order) {
     const Zero3Param& p = params_[bucket_[j]];
-    at::Tensor padded = at::zeros({p.partition_size * dp}, buffer.options());
-    padded.narrow(0, 0, p.numel).copy_(bucket_grads_[j].reshape(-1));
-    buffer.narrow(1, off, p.partition_size).copy_(padded.view({dp, p.partition_size}));
-    off += p.partition_size;
+    // Rank r's chunk is [r*ps, (r+1)*ps) of the flat gradient; the last
+    // chunks are short or empty (their padding stays zero).
+    const at::Tensor flat_grad = bucket_grads_[j].reshape(-1);
+    const int64_t ps = p.partition_size, full = ps > 0 ? p.numel / ps : 0;
+    if (full > 0) buffer.narrow(1, off, ps).narrow(0, 0, full).copy_(flat_grad.narrow(0, 0, full * ps).view({full, ps}));
+    if (full < dp && p.numel > full * ps)
+      buffer[full].narrow(0, off, p.numel - full * ps).copy_(flat_grad.narrow(0, full * ps, p.numel - full * ps));
+    bucket_grads_[j] = at::Tensor();  // each gradient freed once it is in the buffer
+    off += ps;
   }
   at::Tensor flat = buffer.view({-1});
   flat.div_(static_cast<double>(dp));
