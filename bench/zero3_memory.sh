@@ -11,6 +11,11 @@ UCKPT=${1:?usage: zero3_memory.sh UCKPT [WORKDIR]}
 DIR=${2:-/tmp/uckpt_zero3_memory}
 LAYERS=${LAYERS:-6} EMBD=${EMBD:-512} VOCAB=${VOCAB:-8192} STEPS=${STEPS:-3} RANKS=${RANKS:-"1 2 4"}
 BUCKET=${BUCKET:-2000000}  # reduce_bucket_size (elements), the same for every row
+# glibc's dynamic mmap threshold rises to the size of the first large block freed, after
+# which stage 3's gather/free churn (a unit's parameters allocated and freed per use) lands
+# on the heap and fragments it: RSS then stays well above the live memory. A fixed threshold
+# keeps large blocks in mmap (returned at once); set MALLOC_MMAP_THRESHOLD_ yourself to compare.
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1048576}
 rm -rf "$DIR" && mkdir -p "$DIR"
 config() {  # stage, offload
   local off=""

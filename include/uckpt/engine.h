@@ -135,8 +135,9 @@ class Engine {
   // its end. Units may nest or repeat (a gather count per unit). From the
   // first EnterUnit on, a unit's parameters have no storage outside these
   // calls (as FSDP's): read weights between GatherParameters() and
-  // ReleaseParameters(). (A model that never calls EnterUnit keeps them whole.) A Python binding calls
-  // EnterUnit from a forward pre-hook and ExitUnit from a forward hook.
+  // ReleaseParameters(); a model that never calls EnterUnit keeps them whole.
+  // A Python binding calls EnterUnit from a forward pre-hook (on the first
+  // tensor argument) and ExitUnit from a forward hook (on the output).
   at::Tensor EnterUnit(size_t unit, const at::Tensor& input);
   at::Tensor ExitUnit(size_t unit, const at::Tensor& output);
   size_t num_gather_units() const;
