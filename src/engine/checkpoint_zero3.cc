@@ -227,8 +227,11 @@ void LoadFixed(const Engine::Impl& e, const std::string& path, const ckpt::Model
   for (const auto* list : {&e.frozen, &e.buffers})
     for (const auto& p : *list) {
       auto it = m.module.find(p.name);
+      if (it != m.module.end() && it->second->numel() == 0 && p.tensor.numel() > 0)
+        throw FormatError(path + ": frozen parameter '" + p.name +
+                          "' is saved partitioned (DeepSpeed's ZeRO-3); uckpt restores frozen parameters only from "
+                          "a whole copy (uckpt's own stage-3 checkpoints, or stage 0-2 ones)");
       if (it == m.module.end() || it->second->numel() != p.tensor.numel()) {
-        if (it != m.module.end() && it->second->numel() == 0) continue;  // DeepSpeed's partitioned frozen parameter
         throw FormatError(path + ": module has no tensor '" + p.name + "' of " + std::to_string(p.tensor.numel()) +
                           " elements");
       }

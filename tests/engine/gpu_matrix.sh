@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The engine matrix on GPUs (NCCL): precision {fp32, bf16, fp16} x ZeRO stage
-# {1, 2} x optimizer {on the GPU, offloaded to the CPU}, each run as
+# {1, 2, 3} (STAGES) x optimizer {on the GPU, offloaded to the CPU; at stage 3 the
+# parameters too, and every block gathered and freed per use}, each run as
 #   base:   8 steps at W ranks (W = 4, or the most GPUs there are), checkpoint at 4
 #   same:   resume global_step4 at W ranks -> steps 5..8 must equal base's bit for bit
 #           (loss, lr, grad_norm, loss_scale)
@@ -33,10 +34,11 @@ rm -rf "$out" && mkdir -p "$out" && cd "$out"
 model="--n_layer 2 --n_head 4 --n_embd 64 --vocab_size 512 --n_positions 64 --seq_len 64"
 
 config() {  # config FILE PRECISION STAGE OFFLOAD SCALE_POWER
-  local fp16=false bf16=false off=none
+  local fp16=false bf16=false off=none z3=""
   [ "$2" = fp16 ] && fp16=true
   [ "$2" = bf16 ] && bf16=true
   [ "$4" = cpu ] && off=cpu
+  [ "$3" = 3 ] && z3=", \"stage3_param_persistence_threshold\": 0, \"offload_param\": {\"device\": \"$off\"}"
   cat > "$1" <<JSON
 {
   "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 0,
@@ -46,7 +48,7 @@ config() {  # config FILE PRECISION STAGE OFFLOAD SCALE_POWER
   "fp16": {"enabled": $fp16, "loss_scale": 0, "initial_scale_power": $5, "loss_scale_window": 1000,
            "hysteresis": 1, "min_loss_scale": 1},
   "bf16": {"enabled": $bf16},
-  "zero_optimization": {"stage": $3, "offload_optimizer": {"device": "$off"}}
+  "zero_optimization": {"stage": $3, "offload_optimizer": {"device": "$off"}$z3}
 }
 JSON
 }
@@ -110,7 +112,7 @@ PY
 t_start=$SECONDS
 for p in $precisions; do
   tol=1e-5; [ "$p" != fp32 ] && tol=2e-2
-  for stage in 1 2; do
+  for stage in ${STAGES:-1 2 3}; do
     for off in gpu cpu; do
       id=$p-z$stage-$off
       config "cfg-$id.json" "$p" "$stage" "$off" 24
