@@ -10,11 +10,11 @@
 # comparison). Prints a table and exits non-zero when a comparison fails.
 # The README's "demo by hand" is this script, command by command.
 # Usage: scripts/demo.sh [--stage N] [BUILD_DIR] ; output in $DEMO_OUT (default demo-out/).
-#   --stage 3 (the original demo's configuration): ZeRO-3 with parameters and
+#   --stage 3 (the default; the original demo's configuration): ZeRO-3 with parameters and
 #             optimizer offloaded to CPU; --stage 1 or 2: that stage, no offload.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${DEMO_STAGE:-2}
+STAGE=${DEMO_STAGE:-3}
 if [ "${1:-}" = --stage ]; then STAGE=${2:?--stage needs 1, 2 or 3}; shift 2; fi
 case $STAGE in 1|2|3) ;; *) echo "demo: --stage must be 1, 2 or 3, got '$STAGE'" >&2; exit 2 ;; esac
 build=${1:-build}

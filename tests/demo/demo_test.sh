@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The demo's tolerances at tiny size, through the CLI (CTest label `demo`).
-# Usage: demo_test.sh UCKPT WORK_DIR CASE
+# Usage: demo_test.sh UCKPT WORK_DIR CASE [STAGE]
+#   STAGE: 2 (default) or 3 (the original demo's configuration: ZeRO-3 with
+#   parameters and optimizer offloaded to CPU), as `make demo --stage`
 #   baseline<N>           fixture: 8 steps on N ranks, checkpoint at 4, convert it to universal
 #   zero_4to4 universal_4to4      same-size resumes: bit-identical losses
 #   universal_<N>to<M>    changed size: 1st step 1e-6 relative, later 1e-3 absolute
@@ -8,7 +10,7 @@
 #   ga                    1x12 GA1, 1x3 GA4, 2x3 GA2, 3x2 GA2: within 1e-5 relative
 #   plot_svg plot_png plot_bad_input    `uckpt plot`
 set -euo pipefail
-UCKPT=$(realpath "$1"); work=$2; case=$3
+UCKPT=$(realpath "$1"); work=$2; case=$3; stage=${4:-2}
 source "$(dirname "$0")/../../scripts/demo-lib.sh"
 mkdir -p "$work"; cd "$work"
 
@@ -22,11 +24,13 @@ data() {
   for i in $(seq 1 300); do echo "step $i: the quick brown fox $((i * 7919 % 1000)) jumps over the lazy dog"; done >data.txt.$$
   mv -f data.txt.$$ data.txt   # other cases may be reading it
 }
+zero="{\"stage\": $stage}"
+[ "$stage" = 3 ] && zero='{"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}'
 cat >"config-$case.json" <<JSON
 {"train_batch_size": $BATCH, "gradient_clipping": 1.0,
  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3}},
- "zero_optimization": {"stage": 2}}
+ "zero_optimization": $zero}
 JSON
 train() {  # train NP NAME MICRO FLAGS...
   local np=$1 name=$2 mb=$3; shift 3
