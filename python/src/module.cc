@@ -57,7 +57,7 @@ PYBIND11_MODULE(_uckpt, m) {
            [](const PyEngine& e) { return e.engine().IsGradientAccumulationBoundary(); })
       .def(
           "save_checkpoint",
-          [](PyEngine& e, const std::string& dir, py::object tag, py::object client_state, bool save_latest,
+          [](PyEngine& e, py::object dir, py::object tag, py::object client_state, bool save_latest,
              bool exclude_frozen) {
             if (exclude_frozen)
               throw py::value_error("engine.save_checkpoint: exclude_frozen_parameters=True is not supported by uckpt");
@@ -67,7 +67,7 @@ PYBIND11_MODULE(_uckpt, m) {
            "client_state"_a = py::dict(), "save_latest"_a = true, "exclude_frozen_parameters"_a = false)
       .def(
           "load_checkpoint",
-          [](PyEngine& e, const std::string& dir, py::object tag, bool strict, bool opt, bool sched, bool module_only,
+          [](PyEngine& e, py::object dir, py::object tag, bool strict, bool opt, bool sched, bool module_only,
              py::object custom_load_fn) {
             if (!custom_load_fn.is_none())
               throw py::value_error("engine.load_checkpoint: custom_load_fn is not supported by uckpt");

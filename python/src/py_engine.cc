@@ -306,8 +306,9 @@ void PyEngine::Step() {
   engine_->Step();
 }
 
-bool PyEngine::SaveCheckpoint(const std::string& dir, py::object tag, py::object client_state, bool save_latest) {
+bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object client_state, bool save_latest) {
   if (!save_latest) throw py::value_error("engine.save_checkpoint: save_latest=False is not supported (latest is always written)");
+  const std::string dir = FsPath(save_dir, "save_checkpoint: save_dir");
   ClientState cs = client_state.is_none() ? c10::IValue() : ToIValue(client_state, "client_state");
   if (!cs.isNone() && cs.isGenericDict() && cs.toGenericDict().empty()) cs = c10::IValue();
   const std::string t = tag.is_none() ? "" : py::str(tag).cast<std::string>();
@@ -316,8 +317,9 @@ bool PyEngine::SaveCheckpoint(const std::string& dir, py::object tag, py::object
   return true;
 }
 
-py::tuple PyEngine::LoadCheckpoint(const std::string& dir, py::object tag, bool load_optimizer_states,
+py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool load_optimizer_states,
                                    bool load_lr_scheduler_states, bool load_module_only) {
+  const std::string dir = FsPath(load_dir, "load_checkpoint: load_dir");
   LoadCheckpointOptions o;
   o.load_optimizer_states = load_optimizer_states;
   o.load_lr_scheduler_states = load_lr_scheduler_states;

@@ -32,8 +32,8 @@ class PyEngine {
   py::object Backward(py::object loss);
   void Step();
   void ZeroGrad() {}  // gradients are cleared by the engine after each boundary step
-  bool SaveCheckpoint(const std::string& dir, py::object tag, py::object client_state, bool save_latest);
-  py::tuple LoadCheckpoint(const std::string& dir, py::object tag, bool load_optimizer_states,
+  bool SaveCheckpoint(py::object dir, py::object tag, py::object client_state, bool save_latest);
+  py::tuple LoadCheckpoint(py::object dir, py::object tag, bool load_optimizer_states,
                            bool load_lr_scheduler_states, bool load_module_only);
   bool LoadUniversal() const { return settings_.load_universal; }
   void Train(bool mode);

@@ -68,9 +68,15 @@ py::object FromIValue(const c10::IValue& v) {
   throw py::type_error(std::string("client_state holds a value of kind ") + v.tagKind() + " that Python cannot take");
 }
 
+std::string FsPath(py::handle path, const std::string& what) {
+  if (!py::isinstance<py::str>(path) && !py::hasattr(path, "__fspath__"))
+    throw py::type_error(what + " must be a str or a path, got " + py::str(path.get_type()).cast<std::string>());
+  return py::str(py::module_::import("os").attr("fspath")(path)).cast<std::string>();
+}
+
 nlohmann::json ConfigToJson(py::handle config, std::string& source) {
   if (py::isinstance<py::str>(config) || py::hasattr(config, "__fspath__")) {
-    source = py::str(config).cast<std::string>();
+    source = FsPath(config, "config");
     std::ifstream in(source);
     if (!in) throw py::value_error("uckpt.initialize: cannot read the config file " + source);
     try {

@@ -17,6 +17,9 @@ namespace py = pybind11;
 ClientState ToIValue(py::handle v, const std::string& what);
 py::object FromIValue(const c10::IValue& v);
 
+// A str or os.PathLike (pathlib.Path) as a path string; TypeError naming `what` otherwise.
+std::string FsPath(py::handle path, const std::string& what);
+
 // A config as DeepSpeed takes it: a dict, or the path of a JSON file.
 nlohmann::json ConfigToJson(py::handle config, std::string& source);
 py::object JsonToPy(const nlohmann::json& j);
