@@ -15,6 +15,10 @@ CASE:
                   steps 5..8 equal the Python run's within 1e-6 relative.
   launch_torchrun the same script started by `uckpt launch` (with --local_rank) and by
                   torch.distributed.run-style environment only (no --local_rank).
+  surface         one process, no launcher: add_config_arguments + initialize(args=) with
+                  --deepspeed_config, training_data -> a DataLoader of micro-batches, param-group
+                  dicts, DeepSpeedCPUAdam(adamw_mode=False), the engine's attributes, pathlib save
+                  dirs, get_accelerator(), deepspeed.comm, load_module_only.
   unsupported     initialize() refuses ZeRO 3, MoE, pipeline modules, mpu, client lr
                   schedulers, SGD and a config optimizer next to a client one, naming each.
 """
@@ -174,6 +178,73 @@ def case_launch_torchrun(c):
     a = c.train("uckpt_launch", 1, launcher="uckpt")
     b = c.train("env_launch", 1, launcher="env")
     compare("uckpt launch vs an environment-only launcher", losses(a), losses(b), list(range(1, STEPS + 1)), 0.0)
+
+
+SURFACE = r'''
+import argparse, json, os, pathlib, sys, torch
+import uckpt as deepspeed
+from uckpt.accelerator import get_accelerator
+from uckpt.ops.adam import DeepSpeedCPUAdam
+import uckpt.comm as dist
+work = pathlib.Path(sys.argv[1])
+json.dump({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 0.01}}},
+          open(work / "ds.json", "w"))
+parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(work / "ds.json")])
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 1))
+net[1].weight.requires_grad_(False)                       # frozen: stays out of the optimizer
+decay = [p for n, p in net.named_parameters() if n.endswith("weight") and p.requires_grad]
+no_decay = [p for n, p in net.named_parameters() if n.endswith("bias")]
+opt = DeepSpeedCPUAdam([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                       lr=0.01, adamw_mode=False)
+data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+engine, optimizer, loader, sched = deepspeed.initialize(args=args, model=net, optimizer=opt,
+                                                        model_parameters=net.parameters(), training_data=data)
+assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+assert engine.world_size == 1 and engine.global_rank == 0 and engine.local_rank == 0
+assert engine.gradient_accumulation_steps() == 2 and engine.train_micro_batch_size_per_gpu() == 4
+assert not engine.fp16_enabled() and not engine.bfloat16_enabled() and engine.zero_optimization_stage() == 0
+assert engine.module is net and len(list(engine.parameters())) == 6 and engine.get_global_grad_norm() is None
+assert len(optimizer.param_groups) == 2 and sched.state_dict()["last_batch_iteration"] == -1
+assert get_accelerator().device_name() in ("cpu", "cuda") and get_accelerator().communication_backend_name()
+engine.train()
+assert net.training
+x, y = next(iter(loader))
+assert x.shape == (4, 3), x.shape
+for epoch in range(2):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+assert engine.global_steps == 4 and engine.global_samples == 32, (engine.global_steps, engine.global_samples)
+assert engine.get_global_grad_norm() > 0 and engine.get_lr() == [0.01, 0.01], engine.get_lr()
+engine.eval()
+assert not net.training
+frozen = net[1].weight.clone()
+engine.save_checkpoint(work / "ckpt", client_state={"epoch": 2})
+ds_config = torch.load(work / "ckpt" / "global_step4" / "mp_rank_00_model_states.pt")["ds_config"]
+assert ds_config["optimizer"]["type"] == "Adam" and ds_config["optimizer"]["params"]["torch_adam"], ds_config
+before = {k: v.clone() for k, v in net.state_dict().items()}
+with torch.no_grad():
+    for p in net.parameters():
+        p.add_(1.0)
+path, cs = engine.load_checkpoint(work / "ckpt", load_module_only=True)
+assert path.endswith("global_step4") and cs == {"epoch": 2}, (path, cs)
+assert all(torch.equal(before[k], v) for k, v in net.state_dict().items()), "weights not restored"
+assert torch.equal(net[1].weight, frozen)
+assert engine.load_checkpoint(work / "nothing") == (None, None)
+print("ok   the API surface a single-process script uses")
+'''
+
+
+def case_surface(c):
+    with open(os.path.join(c.work, "surface.py"), "w") as f:
+        f.write(SURFACE)
+    env = {k: v for k, v in c.env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    print(c.check_run([sys.executable, os.path.join(c.work, "surface.py"), c.work], "surface", env), end="")
 
 
 UNSUPPORTED = r'''
