@@ -8,7 +8,7 @@ from uckpt._uckpt import Engine as DeepSpeedEngine  # noqa: F401
 from uckpt._uckpt import add_config_arguments  # noqa: F401
 from uckpt._uckpt import initialize as _initialize
 from uckpt._uckpt import init_distributed as _init_distributed
-from uckpt import accelerator, checkpoint, comm, moe, ops, pipe, zero  # noqa: F401
+from uckpt import accelerator, checkpoint, comm, moe, ops, pipe, utils, zero  # noqa: F401
 
 __version__ = "0.4.0"
 __git_hash__ = "uckpt"
