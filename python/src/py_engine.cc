@@ -19,8 +19,14 @@ namespace {
 
 std::string TypeName(py::handle h) { return py::str(h.get_type().attr("__name__")).cast<std::string>(); }
 
-// ZeRO stages the Python package drives. Stage 3 needs per-unit gathers from
-// module hooks; until the engine has them, a config asking for it fails here.
+// ZeRO stages the Python package drives. Stage 3 plugs in here once the engine
+// API has its gather units (EngineOptions::gather_units, Engine::EnterUnit /
+// ExitUnit, GatherParameters): initialize passes the shell modules of the
+// Python model's blocks (e.g. every nn.ModuleList element) as units, and
+// registers on each Python block a forward pre-hook calling EnterUnit on its
+// first tensor input and a forward hook calling ExitUnit on its output;
+// uckpt.zero.GatheredParameters calls GatherParameters / ReleaseParameters.
+// Until then a config asking for stage 3 fails at initialize.
 bool StageSupported(int stage) { return stage >= 0 && stage <= 2; }
 
 // ---- Optimizer: DeepSpeed's client optimizer or model_parameters into the
@@ -99,18 +105,19 @@ std::vector<ParamGroup> GroupsFrom(py::handle groups, const std::string& what, s
 // Adam(W) in DeepSpeed's config terms for the client optimizer's class.
 nlohmann::json ClientOptimizerSection(py::handle opt) {
   const std::string cls = TypeName(opt);
+  py::module_ optim = py::module_::import("torch.optim");
   nlohmann::json params = nlohmann::json::object();
   std::string type;
-  if (cls == "AdamW") {
-    type = "AdamW";
-  } else if (cls == "Adam") {
-    type = "Adam";
-    params["torch_adam"] = true;  // torch.optim.Adam: L2 weight decay
-  } else if (cls == "DeepSpeedCPUAdam" || cls == "FusedAdam") {
+  if (cls == "DeepSpeedCPUAdam" || cls == "FusedAdam") {  // uckpt's or DeepSpeed's: a mode flag says which
     const char* mode = cls == "FusedAdam" ? "adam_w_mode" : "adamw_mode";
     const bool decoupled = py::hasattr(opt, mode) ? opt.attr(mode).cast<bool>() : true;
     type = decoupled ? "AdamW" : "Adam";
     if (!decoupled) params["torch_adam"] = true;
+  } else if (py::isinstance(opt, optim.attr("AdamW"))) {
+    type = "AdamW";
+  } else if (py::isinstance(opt, optim.attr("Adam"))) {
+    type = "Adam";
+    params["torch_adam"] = true;  // torch.optim.Adam: L2 weight decay
   } else {
     throw py::value_error("uckpt.initialize: optimizer " + cls +
                           " is not supported: uckpt's engine runs Adam and AdamW (torch.optim.Adam, torch.optim.AdamW, "
@@ -126,9 +133,9 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, c
     if (config.contains("optimizer"))
       throw py::value_error(
           "uckpt.initialize: both an optimizer object and a config 'optimizer' section were given; pass one");
-    if (py::isinstance(optimizer, py::module_::import("builtins").attr("type")) || PyCallable_Check(optimizer.ptr()) &&
-                                                                                    !py::hasattr(optimizer, "param_groups"))
-      throw py::value_error("uckpt.initialize: optimizer must be an optimizer object (a callable is not supported)");
+    if (!py::hasattr(optimizer, "param_groups"))
+      throw py::value_error("uckpt.initialize: optimizer must be an optimizer object with param_groups, got " +
+                            TypeName(optimizer) + " (a callable that builds one is not supported)");
     plan.section = ClientOptimizerSection(optimizer);
     plan.groups = GroupsFrom(optimizer.attr("param_groups"), "optimizer.param_groups", lr);
     // The first group's hyper-parameters are the section's; the others override them.
@@ -189,11 +196,10 @@ std::shared_ptr<Comm> CommFromTorchDistributed(const std::string& device) {
     throw std::runtime_error("uckpt: cannot use torch.distributed's process group (" + TypeName(pg) +
                              ") from C++: was uckpt built against the torch that Python imports?");
   }
-  const int local_rank = dist.attr("get_rank")().cast<int>();  // only for the device index
-  at::Device d = device == "cuda" ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(
-                                                              std::getenv("LOCAL_RANK") ? std::atoi(std::getenv("LOCAL_RANK"))
-                                                                                        : local_rank))
-                                  : at::Device(at::kCPU);
+  // NCCL's tensors live on this process's GPU: LOCAL_RANK's, as the engine places the module.
+  const char* lr = std::getenv("LOCAL_RANK");
+  const auto index = static_cast<c10::DeviceIndex>(lr && *lr ? std::atoi(lr) : 0);
+  const at::Device d = device == "cuda" ? at::Device(at::kCUDA, index) : at::Device(at::kCPU);
   return CommOnProcessGroup(ptr, d);
 }
 
