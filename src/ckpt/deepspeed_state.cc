@@ -390,6 +390,12 @@ double ScalarOf(const ValuePtr& v, const std::string& where) {
   }
 }
 
+ValuePtr ModuleStateDictOf(const ValuePtr& root) {
+  if (!root || !root->is_dict()) return nullptr;
+  ValuePtr module = root->get("module");
+  return module && module->is_dict() ? module : nullptr;
+}
+
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
   if (!root || !root->is_dict()) throw FormatError(path + ": is not a DeepSpeed model-states dict");
   ModelStatesView m;

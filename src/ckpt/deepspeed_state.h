@@ -138,6 +138,10 @@ struct ModelStatesView {
 };
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
 
+// The module state dict of a model-states file (its `module`); null when
+// `root` is no DeepSpeed model-states dict.
+ValuePtr ModuleStateDictOf(const ValuePtr& root);
+
 // zero_pp_rank_<r>_mp_rank_00_optim_states.pt (ZeRO 1/2), read back.
 struct OptimGroupView {
   const Tensor* fp32 = nullptr;          // the fp32 partition (lean: padding cut off)

@@ -12,7 +12,7 @@
 #include "format/error.h"
 #include "models/bert.h"
 #include "engine/torch_bridge.h"
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {
@@ -67,7 +67,9 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   eo.comm = std::shared_ptr<Comm>(&comm_, [](Comm*) {});  // the caller owns it
   eo.device = opt_.device;
   eo.local_rank = opt_.local_rank;
+  eo.gather_units = gather_units_;
   engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
+  if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());
 }
 
 // Initial weights, identical on every rank: seeded, or from --init.
@@ -88,6 +90,8 @@ void Trainer::MakeGpt2() {
     return m->Loss(ids, &dk);
   };
   module_ = m;
+  gather_units_ = m->gather_units();
+  set_unit_calls_ = [m](uckpt::UnitCalls calls) { m->set_unit_calls(std::move(calls)); };
 }
 
 void Trainer::MakeBert() {
@@ -108,6 +112,8 @@ void Trainer::MakeBert() {
     return impl->Loss(b.input_ids.to(ids.device()), b.labels.to(ids.device()));
   };
   module_ = m.ptr();
+  gather_units_ = m->gather_units();
+  set_unit_calls_ = [impl = m.ptr()](uckpt::UnitCalls calls) { impl->set_unit_calls(std::move(calls)); };
 }
 
 Counters Trainer::counters() const {

@@ -20,7 +20,6 @@
 #include "format/torch_file.h"
 #include "engine/torch_bridge.h"
 #include "engine/engine_impl.h"
-#include "engine/weights.h"
 
 namespace uckpt::engine {
 namespace fs = std::filesystem;
