@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <map>
 #include <set>
 
 namespace uckpt::python {
@@ -40,6 +41,26 @@ std::shared_ptr<torch::nn::Module> BuildModuleShell(py::handle module) {
     throw py::type_error("uckpt.initialize: model must be a torch.nn.Module, got " +
                          py::str(module.get_type()).cast<std::string>());
   return Shell(module, "");
+}
+
+std::vector<GatherUnit> FindGatherUnits(py::handle module, const std::shared_ptr<torch::nn::Module>& shell) {
+  py::object module_list = py::module_::import("torch.nn").attr("ModuleList");
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> shells;
+  for (const auto& item : shell->named_modules("", /*include_self=*/false)) shells[item.key()] = item.value();
+  std::vector<GatherUnit> units;
+  for (auto item : module.attr("named_modules")()) {
+    auto pair = item.cast<py::tuple>();
+    if (!py::isinstance(pair[1], module_list)) continue;
+    const std::string prefix = pair[0].cast<std::string>();
+    for (auto child : pair[1].attr("_modules").cast<py::dict>()) {
+      if (child.second.is_none()) continue;
+      const std::string name = (prefix.empty() ? "" : prefix + ".") + child.first.cast<std::string>();
+      auto it = shells.find(name);
+      if (it == shells.end()) throw std::logic_error("uckpt: no shell module for " + name);
+      units.push_back({py::reinterpret_borrow<py::object>(child.second), it->second});
+    }
+  }
+  return units;
 }
 
 std::string FindUnsupportedModule(py::handle module) {

@@ -17,6 +17,15 @@ namespace py = pybind11;
 
 std::shared_ptr<torch::nn::Module> BuildModuleShell(py::handle module);
 
+// ZeRO stage 3's gather units of a Python model: the elements of its
+// nn.ModuleLists (transformer blocks and the like), in named_modules order,
+// each with its shell module (found by name in `shell`).
+struct GatherUnit {
+  py::object module;
+  std::shared_ptr<torch::nn::Module> shell;
+};
+std::vector<GatherUnit> FindGatherUnits(py::handle module, const std::shared_ptr<torch::nn::Module>& shell);
+
 // The first submodule (the module itself included) whose class DeepSpeed
 // implements with features uckpt does not (pipeline, MoE): its description,
 // or "" if none.

@@ -19,15 +19,9 @@ namespace {
 
 std::string TypeName(py::handle h) { return py::str(h.get_type().attr("__name__")).cast<std::string>(); }
 
-// ZeRO stages the Python package drives. Stage 3 plugs in here once the engine
-// API has its gather units (EngineOptions::gather_units, Engine::EnterUnit /
-// ExitUnit, GatherParameters): initialize passes the shell modules of the
-// Python model's blocks (e.g. every nn.ModuleList element) as units, and
-// registers on each Python block a forward pre-hook calling EnterUnit on its
-// first tensor input and a forward hook calling ExitUnit on its output;
-// uckpt.zero.GatheredParameters calls GatherParameters / ReleaseParameters.
-// Until then a config asking for stage 3 fails at initialize.
-bool StageSupported(int stage) { return stage >= 0 && stage <= 2; }
+// ZeRO stages the Python package drives. Stage 3 gathers each unit's
+// parameters from forward hooks on the Python module (RegisterUnitHooks).
+bool StageSupported(int stage) { return stage >= 0 && stage <= 3; }
 
 // ---- Optimizer: DeepSpeed's client optimizer or model_parameters into the
 // config's optimizer section and the engine's param groups. ----
@@ -167,12 +161,12 @@ void RefuseUnsupported(py::handle model, py::handle mpu, py::handle lr_scheduler
   if (std::string what = FindUnsupportedModule(model); !what.empty()) throw py::value_error("uckpt.initialize: " + what);
   for (const char* key : {"pipeline", "moe", "tensor_parallel", "sequence_parallel_size"})
     if (config.contains(key))
-      throw py::value_error(source + ": '" + key + "' is not supported by uckpt (data parallel ZeRO 0-2 only)");
+      throw py::value_error(source + ": '" + key + "' is not supported by uckpt (data parallel ZeRO only)");
   if (config.contains("zero_optimization") && config["zero_optimization"].is_object()) {
     const auto& z = config["zero_optimization"];
     if (z.contains("stage") && z["stage"].is_number_integer() && !StageSupported(z["stage"].get<int>()))
       throw py::value_error(source + ": zero_optimization.stage " + std::to_string(z["stage"].get<int>()) +
-                            " is not supported by uckpt's Python package yet (stages 0, 1 and 2 are)");
+                            " is not supported (0, 1, 2 or 3)");
   }
 }
 
@@ -211,6 +205,51 @@ py::object MakeDataLoader(py::handle data, const Engine& e, py::handle collate_f
   if (!collate_fn.is_none()) kw["collate_fn"] = collate_fn;
   return data_mod.attr("DataLoader")(data, **kw);
 }
+
+// The first tensor in `values` (a tuple of forward arguments or an output)
+// replaced by f(tensor); TypeError naming `what` when there is none.
+template <typename F>
+py::object WithFirstTensor(py::handle values, const std::string& what, F&& f) {
+  if (THPVariable_Check(values.ptr())) return py::reinterpret_steal<py::object>(THPVariable_Wrap(f(THPVariable_Unpack(values.ptr()))));
+  if (py::isinstance<py::tuple>(values) || py::isinstance<py::list>(values)) {
+    py::list items = py::list(py::reinterpret_borrow<py::object>(values));
+    for (size_t k = 0; k < items.size(); ++k)
+      if (THPVariable_Check(items[k].ptr())) {
+        items[k] = py::reinterpret_steal<py::object>(THPVariable_Wrap(f(THPVariable_Unpack(items[k].ptr()))));
+        return py::isinstance<py::tuple>(values) ? py::object(py::tuple(items)) : py::object(items);
+      }
+  }
+  throw py::type_error("uckpt ZeRO stage 3: " + what + " holds no tensor (a gather unit needs its input and output "
+                       "hidden states as tensors)");
+}
+
+// Stage 3: unit i's parameters are gathered by a forward pre-hook and freed
+// by a forward hook, through the engine's autograd identities (EnterUnit /
+// ExitUnit), which gather and free them again in backward.
+void RegisterUnitHooks(const std::shared_ptr<PyEngine>& engine, const std::vector<GatherUnit>& units) {
+  std::weak_ptr<PyEngine> weak = engine;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const std::string name = "gather unit " + std::to_string(i) + " (" + TypeName(units[i].module) + ")";
+    units[i].module.attr("register_forward_pre_hook")(py::cpp_function([weak, i, name](py::object, py::tuple args) {
+      auto e = weak.lock();
+      if (!e) return py::object(py::none());
+      return WithFirstTensor(args, name + "'s positional arguments", [&](const at::Tensor& x) {
+        py::gil_scoped_release no_gil;
+        return e->engine().EnterUnit(i, x);
+      });
+    }));
+    units[i].module.attr("register_forward_hook")(py::cpp_function([weak, i, name](py::object, py::object, py::object out) {
+      auto e = weak.lock();
+      if (!e) return py::object(py::none());
+      return WithFirstTensor(out, name + "'s output", [&](const at::Tensor& y) {
+        py::gil_scoped_release no_gil;
+        return e->engine().ExitUnit(i, y);
+      });
+    }));
+  }
+}
+
+std::weak_ptr<PyEngine> g_last_engine;  // for uckpt.zero.GatheredParameters
 
 py::object ResolveConfig(py::handle args, py::handle config) {
   if (!config.is_none()) return py::reinterpret_borrow<py::object>(config);
@@ -276,6 +315,11 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   options.comm = CommFromTorchDistributed(options.device);
   options.param_groups = std::move(plan.groups);
   auto shell = BuildModuleShell(model);
+  std::vector<GatherUnit> units;
+  if (json.contains("zero_optimization") && json["zero_optimization"].value("stage", 0) == 3) {
+    units = FindGatherUnits(model, shell);
+    for (const auto& u : units) options.gather_units.push_back(u.shell);
+  }
   std::unique_ptr<Engine> engine;
   {
     py::gil_scoped_release no_gil;
@@ -287,8 +331,20 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   const Engine& e = *engine;
   py::object dataloader = training_data.is_none() ? py::none() : MakeDataLoader(training_data, e, collate_fn);
   auto py_engine = std::make_shared<PyEngine>(model, shell, std::move(engine), settings);
+  RegisterUnitHooks(py_engine, units);
+  g_last_engine = py_engine;
   py::object engine_obj = py::cast(py_engine);
   return py::make_tuple(engine_obj, engine_obj.attr("optimizer"), dataloader, engine_obj.attr("lr_scheduler"));
+}
+
+void GatherParameters(bool gather) {
+  auto e = g_last_engine.lock();
+  if (!e) return;  // no engine: every tensor is whole
+  py::gil_scoped_release no_gil;
+  if (gather)
+    e->engine().GatherParameters();
+  else
+    e->engine().ReleaseParameters();
 }
 
 // ---- The engine's calls. ----

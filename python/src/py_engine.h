@@ -62,6 +62,10 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
 // launcher's environment (one process without it).
 void InitDistributed(const std::string& dist_backend, int timeout_minutes);
 
+// uckpt.zero.GatheredParameters: the last initialized engine's stage-3
+// parameters gathered (true) or released (false); no-ops at stages 0-2.
+void GatherParameters(bool gather);
+
 // deepspeed.add_config_arguments: --deepspeed, --deepspeed_config (and the old --deepscale names).
 py::object AddConfigArguments(py::object parser);
 

@@ -7,10 +7,10 @@ CASE:
   vs_torch        ds_api_train.py at 2 ranks (GA 2, ZeRO 1 and 2, a client torch.optim.AdamW, no
                   schedule) against a plain PyTorch loop over the same global batches: losses
                   within 1e-6 relative (the loop sums gradients in another order).
-  recorded        ds_api_train.py (ZeRO 1 and 2, the config's AdamW and WarmupLR) against the
+  recorded        ds_api_train.py (ZeRO 1, 2 and 3, the config's AdamW and WarmupLR) against the
                   losses real DeepSpeed recorded in the fixture (runs/z*_ws2_baseline): 1e-6 relative.
-  save_load       a run saving at step 4 and a run resuming it (client_state checked by the
-                  script): steps 5..8 equal the uninterrupted run's.
+  save_load       ZeRO 2: a run saving at step 4 and a run resuming it (client_state checked
+                  by the script): steps 5..8 equal the uninterrupted run's.
   cpp_resume      `uckpt train` (the C++ engine) resumes the Python run's checkpoint: its losses of
                   steps 5..8 equal the Python run's within 1e-6 relative.
   launch_torchrun the same script started by `uckpt launch` (with --local_rank) and by
@@ -19,7 +19,10 @@ CASE:
                   --deepspeed_config, training_data -> a DataLoader of micro-batches, param-group
                   dicts, DeepSpeedCPUAdam(adamw_mode=False), the engine's attributes, pathlib save
                   dirs, get_accelerator(), deepspeed.comm, load_module_only.
-  unsupported     initialize() refuses ZeRO 3, MoE, pipeline modules, mpu, client lr
+  zero3           stage 3 with every parameter partitioned: a block's weights have no storage
+                  outside its forward and are whole inside it (the package's hooks) and inside
+                  deepspeed.zero.GatheredParameters; the losses equal DeepSpeed's recorded stage-3 run.
+  unsupported     initialize() refuses ZeRO stage 4, MoE, pipeline modules, mpu, client lr
                   schedulers, SGD and a config optimizer next to a client one, naming each.
 """
 import csv
@@ -127,7 +130,7 @@ def case_vs_torch(c):
 
 
 def case_recorded(c):
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         got = c.train(f"z{stage}", stage)
         rec = json.load(open(os.path.join(c.fixture, "runs", f"z{stage}_ws2_baseline", "losses.json")))["steps"]
         compare(f"ZeRO {stage} vs real DeepSpeed's recorded losses", losses(got), losses(rec),
@@ -140,15 +143,16 @@ def case_recorded(c):
 
 
 def case_save_load(c):
-    ck = os.path.join(c.work, "ckpt")
-    full = c.train("full", 2, "--save-step", str(SAVE), "--ckpt-dir", ck)
-    if open(os.path.join(ck, "latest")).read().strip() != f"global_step{SAVE}":
-        fail("latest does not name the saved tag")
-    resumed = c.train("resumed", 2, "--resume", "--ckpt-dir", ck)
-    compare("resume of a Python-saved checkpoint", losses(resumed), losses(full), list(range(SAVE + 1, STEPS + 1)),
-            0.0)
-    if resumed[str(SAVE + 1)]["global_steps"] != SAVE + 1:
-        fail(f"global_steps after the resumed step {SAVE + 1} is {resumed[str(SAVE + 1)]['global_steps']}")
+    for stage in (2,):  # stage 3: once the engine saves stage-3 checkpoints
+        ck = os.path.join(c.work, f"ckpt{stage}")
+        full = c.train(f"full{stage}", stage, "--save-step", str(SAVE), "--ckpt-dir", ck)
+        if open(os.path.join(ck, "latest")).read().strip() != f"global_step{SAVE}":
+            fail("latest does not name the saved tag")
+        resumed = c.train(f"resumed{stage}", stage, "--resume", "--ckpt-dir", ck)
+        compare(f"ZeRO {stage}: resume of a Python-saved checkpoint", losses(resumed), losses(full),
+                list(range(SAVE + 1, STEPS + 1)), 0.0)
+        if resumed[str(SAVE + 1)]["global_steps"] != SAVE + 1:
+            fail(f"global_steps after the resumed step {SAVE + 1} is {resumed[str(SAVE + 1)]['global_steps']}")
     print("ok   client_state round trip (checked by ds_api_train.py) and global_steps after the load")
 
 
@@ -247,6 +251,49 @@ def case_surface(c):
     print(c.check_run([sys.executable, os.path.join(c.work, "surface.py"), c.work], "surface", env), end="")
 
 
+ZERO3 = r'''
+import json, sys, torch
+import uckpt as deepspeed
+fixture = sys.argv[-1]  # after the --local_rank=N that uckpt launch passes
+sys.path.insert(0, fixture + "/scripts")
+import gpt2_ref
+v = json.load(open(fixture + "/variant.json"))
+model = gpt2_ref.build(gpt2_ref.cfg_from_dict(v["model"]), init_path=fixture + "/init.pt")
+block = model.transformer.h[1].attn.c_attn.weight
+whole = block.detach().clone()
+engine, _, _, _ = deepspeed.initialize(model=model, config={
+    "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+inside = []
+model.transformer.h[1].attn.register_forward_hook(lambda m, a, o: inside.append(m.c_attn.weight.storage().size()))
+assert block.storage().size() == 0, block.storage().size()
+with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+    assert torch.equal(block, whole)
+assert block.storage().size() == 0
+loss = engine(torch.randint(0, 97, (2, 16)))
+engine.backward(loss)
+engine.step()
+assert inside == [whole.numel()], inside
+assert block.storage().size() == 0
+print("ok   stage 3: a block's weights exist only inside its forward and GatheredParameters")
+'''
+
+
+def case_zero3(c):
+    with open(os.path.join(c.work, "zero3.py"), "w") as f:
+        f.write(ZERO3)
+    cmd = [c.uckpt, "launch", "-n", "2", "--master_port", "0", "--", sys.executable, os.path.join(c.work, "zero3.py"),
+           c.fixture]
+    out = c.check_run(cmd, "zero3_hooks")
+    if out.count("ok   stage 3") != 2:
+        fail("zero3.py did not pass on both ranks:\n" + out)
+    print("ok   stage 3: a block's weights exist only inside its forward and GatheredParameters (both ranks)")
+    got = c.train("z3_threshold0", 3, "--persistence-threshold", "0")
+    rec = json.load(open(os.path.join(c.fixture, "runs", "z3_ws2_baseline", "losses.json")))["steps"]
+    compare("ZeRO 3, every parameter partitioned, vs DeepSpeed's recorded stage-3 run", losses(got), losses(rec),
+            list(range(1, STEPS + 1)), 1e-6)
+
+
 UNSUPPORTED = r'''
 import sys, torch, uckpt as deepspeed
 from uckpt.moe.layer import MoE
@@ -262,7 +309,7 @@ class WithMoE(torch.nn.Module):
         self.fc = torch.nn.Linear(4, 4)
         self.experts = MoE(hidden_size=4)
 cases = [
-    ("stage 3", dict(model=net(), config=cfg(zero_optimization={"stage": 3})), "zero_optimization.stage 3"),
+    ("stage 4", dict(model=net(), config=cfg(zero_optimization={"stage": 4})), "zero_optimization.stage 4"),
     ("MoE", dict(model=WithMoE(), config=cfg()), "mixture of experts"),
     ("pipeline", dict(model=PipelineModule(layers=[torch.nn.Linear(4, 4)]), config=cfg()), "pipeline"),
     ("mpu", dict(model=net(), config=cfg(), mpu=object()), "mpu"),

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """One script (ds_api_train.py) under real DeepSpeed 0.14.5 and under
-`import uckpt as deepspeed`: 2 ranks, gradient accumulation 2, ZeRO 1 and 2.
+`import uckpt as deepspeed`: 2 ranks, gradient accumulation 2, ZeRO 1, 2 and 3.
 
   1. the per-step losses of the two agree within 1e-6 relative;
-  2. uckpt resumes DeepSpeed's checkpoint (with its client_state) and the
-     losses after it agree with DeepSpeed's own run; the reverse too.
+  2. ZeRO 1 and 2: uckpt resumes DeepSpeed's checkpoint (with its client_state)
+     and the losses after it agree with DeepSpeed's own run; the reverse too.
+     (Stage 3: losses only, until uckpt's engine saves stage-3 checkpoints.)
 
 DeepSpeed runs from a source tree named by UCKPT_DEEPSPEED_SRC (a `git archive`
 of v0.14.5: deepspeed/, accelerator/, op_builder/, with a
@@ -24,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SKIP = 77
 REL_TOL = 1e-6
 STEPS, SAVE = 8, 4
+SAVES = (0, 1, 2)  # stages whose checkpoints are cross-resumed
 
 
 def deepspeed_source(fixture):
@@ -76,7 +78,7 @@ def compare(what, got, want, steps):
 
 def main():
     uckpt_path, fixture, work = sys.argv[1:4]
-    stages = [int(s) for s in sys.argv[4:]] or [1, 2]
+    stages = [int(s) for s in sys.argv[4:]] or [1, 2, 3]
     ds_src, why = deepspeed_source(fixture)
     if ds_src is None:
         print(f"SKIPPED: real DeepSpeed is not available ({why}); nothing was compared.")
@@ -86,9 +88,14 @@ def main():
     args = (uckpt_path, ds_src, fixture, work)
     for stage in stages:
         ck = {impl: os.path.join(work, f"z{stage}_{impl}_ckpt") for impl in ("deepspeed", "uckpt")}
-        full = {impl: run(impl, *args, f"z{stage}_{impl}", stage, "--save-step", str(SAVE), "--ckpt-dir", ck[impl])
+        # Stage 3: losses only, until the engine saves stage-3 checkpoints.
+        save = ["--save-step", str(SAVE)] if stage in SAVES else []
+        full = {impl: run(impl, *args, f"z{stage}_{impl}", stage, *save, "--ckpt-dir", ck[impl])
                 for impl in ("deepspeed", "uckpt")}
         compare(f"ZeRO {stage}: uckpt vs DeepSpeed", full["uckpt"], full["deepspeed"], list(range(1, STEPS + 1)))
+        if not save:
+            print(f"note ZeRO {stage}: checkpoints not compared (uckpt's engine does not save stage 3 yet)")
+            continue
         after = list(range(SAVE + 1, STEPS + 1))
         resumed = run("uckpt", *args, f"z{stage}_uckpt_resumes_deepspeed", stage, "--resume", "--ckpt-dir",
                       ck["deepspeed"])

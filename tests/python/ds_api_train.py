@@ -35,6 +35,8 @@ def parse_args():
     p.add_argument("--resume", action="store_true")
     p.add_argument("--optimizer", choices=["config", "client"], default="config",
                    help="config: the config's optimizer section; client: a torch.optim.AdamW object")
+    p.add_argument("--persistence-threshold", type=int, default=None,
+                   help="stage 3: zero_optimization.stage3_param_persistence_threshold (0: every parameter partitioned)")
     p.add_argument("--no-scheduler", action="store_true", help="constant lr (no WarmupLR section)")
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)  # as DeepSpeed's launcher passes it
@@ -89,6 +91,8 @@ def main():
     tc = variant["train"]
     model = gpt2_ref.build(gpt2_ref.cfg_from_dict(variant["model"]), init_path=os.path.join(args.fixture, "init.pt"))
     config = ds_config(tc, args.stage, world, args.mb, args.gas, args.optimizer == "config", not args.no_scheduler)
+    if args.persistence_threshold is not None:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
     optimizer = None
     if args.optimizer == "client":
         optimizer = torch.optim.AdamW(model.parameters(), lr=tc["lr"], betas=tuple(tc["betas"]), eps=tc["eps"],
