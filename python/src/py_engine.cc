@@ -185,7 +185,9 @@ std::shared_ptr<Comm> CommFromTorchDistributed(const std::string& device) {
   py::object pg = dist.attr("distributed_c10d").attr("_get_default_group")();
   c10::intrusive_ptr<c10d::ProcessGroup> ptr;
   try {
-    ptr = pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+    // Through the raw pointer: torch's Python holder type for process groups
+    // differs between versions; the object itself is intrusive-refcounted.
+    ptr = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(pg.cast<c10d::ProcessGroup*>());
   } catch (const py::cast_error&) {
     throw std::runtime_error("uckpt: cannot use torch.distributed's process group (" + TypeName(pg) +
                              ") from C++: was uckpt built against the torch that Python imports?");
