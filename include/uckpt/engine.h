@@ -132,10 +132,12 @@ class Engine {
   // EnterUnit's identity, reached when the unit's backward is done, hands the
   // unit's gradients to the reduce-scatter bucket (reduce_bucket_size) and
   // frees the parameters; Backward() reduces what is left (the root unit) at
-  // its end. Units may nest or repeat (a gather count per unit). Outside these
-  // calls a unit's parameters have no storage (as FSDP's): read weights
-  // between GatherParameters() and ReleaseParameters(). A Python binding calls
-  // EnterUnit from a forward pre-hook and ExitUnit from a forward hook.
+  // its end. Units may nest or repeat (a gather count per unit). From the
+  // first EnterUnit on, a unit's parameters have no storage outside these
+  // calls (as FSDP's): read weights between GatherParameters() and
+  // ReleaseParameters(); a model that never calls EnterUnit keeps them whole.
+  // A Python binding calls EnterUnit from a forward pre-hook (on the first
+  // tensor argument) and ExitUnit from a forward hook (on the output).
   at::Tensor EnterUnit(size_t unit, const at::Tensor& input);
   at::Tensor ExitUnit(size_t unit, const at::Tensor& output);
   size_t num_gather_units() const;

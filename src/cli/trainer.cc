@@ -1,5 +1,6 @@
 #include "cli/trainer.h"
 
+#include <sys/resource.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -253,6 +254,11 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
                  "uckpt timers (rank 0, mean of %lld steps after the first, ms): forward %.2f, backward %.2f, "
                  "reduce %.2f, optimizer step + all-gather %.2f\n",
                  static_cast<long long>(t.steps), t.forward * k, t.backward * k, t.reduce * k, t.step * k);
+  }
+  if (trainer.timers().enabled) {  // every rank: bench/zero3_memory.sh compares them
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    std::fprintf(stderr, "uckpt train: rank %d peak RSS %.1f MiB\n", comm.rank(), static_cast<double>(ru.ru_maxrss) / 1024);
   }
   if (last_saved != trainer.counters().global_steps) save();
   return 0;

@@ -266,6 +266,9 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
   if (c.zero.stage < 0 || c.zero.stage > 3)
     throw ConfigError(source + ": zero_optimization.stage " + std::to_string(c.zero.stage) +
                       " is not supported (0, 1, 2 or 3)");
+  if (c.zero.stage == 3 && c.zero.overlap_comm)
+    c.warnings.push_back(source + ": zero_optimization.overlap_comm: at stage 3 uckpt reduce-scatters each bucket "
+                         "when it is full, without overlapping it with backward");
   if (c.zero.offload_param_cpu && c.zero.stage != 3)
     throw ConfigError(source + ": zero_optimization.offload_param needs stage 3 (got stage " +
                       std::to_string(c.zero.stage) + ")");

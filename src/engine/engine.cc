@@ -314,8 +314,20 @@ at::Tensor Engine::ExitUnit(size_t unit, const at::Tensor& output) {
 size_t Engine::num_gather_units() const { return impl_->zero3 ? impl_->zero3->num_units() : 0; }
 UnitCalls Engine::unit_calls() {
   if (!impl_->zero3) return {};
-  return UnitCalls{[this](size_t u, const at::Tensor& x) { return EnterUnit(u, x); },
-                   [this](size_t u, const at::Tensor& y) { return ExitUnit(u, y); }};
+  std::weak_ptr<int> alive = impl_->alive;
+  auto check = [alive] {
+    if (alive.expired())
+      throw std::logic_error("uckpt: a ZeRO-3 unit call after its Engine was destroyed (the module's parameters "
+                             "were partitioned by it; keep the Engine alive while the module runs)");
+  };
+  return UnitCalls{[this, check](size_t u, const at::Tensor& x) {
+                     check();
+                     return EnterUnit(u, x);
+                   },
+                   [this, check](size_t u, const at::Tensor& y) {
+                     check();
+                     return ExitUnit(u, y);
+                   }};
 }
 void Engine::GatherParameters() {
   if (impl_->zero3) impl_->zero3->GatherAll();

@@ -40,6 +40,8 @@ struct Engine::Impl {
 
   std::unique_ptr<engine::ZeroOptimizer> zero;    // stages 0-2
   std::unique_ptr<engine::Zero3Optimizer> zero3;  // stage 3 (zero is null)
+  // Expires with the engine: unit_calls() a model keeps then fail cleanly.
+  std::shared_ptr<int> alive = std::make_shared<int>(0);
   engine::LrSchedule schedule;
   int64_t global_steps = 0, global_samples = 0, skipped_steps = 0, micro_steps = 0;
   bool backward_pending = false;  // Backward since the last Step

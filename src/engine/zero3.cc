@@ -126,13 +126,13 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
       subs_.push_back(std::move(sg));
     }
   }
-  // Unit parameters start freed; the root and persistent ones stay gathered.
+  // Unit parameters stay gathered until the model first enters a unit (a
+  // model that never calls EnterUnit still runs, without the savings); the
+  // root and persistent ones stay gathered for good.
   for (size_t i = 0; i < params_.size(); ++i) {
     Zero3Param& p = params_[i];
     if (p.unit < 0 || p.persistent) continue;
     units_[static_cast<size_t>(p.unit)].push_back(i);
-    p.live = 0;
-    FreeStorage(p.tensor);
   }
   if (dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.base.fp16);
 }
@@ -197,6 +197,10 @@ at::Tensor Zero3Optimizer::EnterUnit(size_t unit, const at::Tensor& input) {
     throw std::out_of_range("uckpt::Engine::EnterUnit: unit " + std::to_string(unit) + ", but " +
                             std::to_string(units_.size()) + " gather units were declared");
   Gather(unit);
+  if (initial_hold_) {  // from now on units are gathered only while entered
+    initial_hold_ = false;
+    ReleaseAll();
+  }
   if (!at::GradMode::is_enabled() || !input.requires_grad()) return input;
   return EnterUnitFn::apply(input, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
 }
@@ -258,10 +262,15 @@ void Zero3Optimizer::FlushBucket() {
   int64_t off = 0;
   for (size_t j : order) {
     const Zero3Param& p = params_[bucket_[j]];
-    at::Tensor padded = at::zeros({p.partition_size * dp}, buffer.options());
-    padded.narrow(0, 0, p.numel).copy_(bucket_grads_[j].reshape(-1));
-    buffer.narrow(1, off, p.partition_size).copy_(padded.view({dp, p.partition_size}));
-    off += p.partition_size;
+    // Rank r's chunk is [r*ps, (r+1)*ps) of the flat gradient; the last
+    // chunks are short or empty (their padding stays zero).
+    const at::Tensor flat_grad = bucket_grads_[j].reshape(-1);
+    const int64_t ps = p.partition_size, full = ps > 0 ? p.numel / ps : 0;
+    if (full > 0) buffer.narrow(1, off, ps).narrow(0, 0, full).copy_(flat_grad.narrow(0, 0, full * ps).view({full, ps}));
+    if (full < dp && p.numel > full * ps)
+      buffer[full].narrow(0, off, p.numel - full * ps).copy_(flat_grad.narrow(0, full * ps, p.numel - full * ps));
+    bucket_grads_[j] = at::Tensor();  // each gradient freed once it is in the buffer
+    off += ps;
   }
   at::Tensor flat = buffer.view({-1});
   flat.div_(static_cast<double>(dp));

@@ -129,6 +129,7 @@ class Zero3Optimizer {
   std::vector<size_t> bucket_;              // parameters whose gradients wait for the reduce-scatter
   std::vector<at::Tensor> bucket_grads_;
   int64_t bucket_numel_ = 0;
+  bool initial_hold_ = true;  // every unit gathered until the first EnterUnit
   LossScaler scaler_;
   at::Tensor host_staging_;  // offload_optimizer: pinned, for reduced gradient chunks
 };
