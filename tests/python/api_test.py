@@ -9,7 +9,7 @@ CASE:
                   within 1e-6 relative (the loop sums gradients in another order).
   recorded        ds_api_train.py (ZeRO 1, 2 and 3, the config's AdamW and WarmupLR) against the
                   losses real DeepSpeed recorded in the fixture (runs/z*_ws2_baseline): 1e-6 relative.
-  save_load       ZeRO 2: a run saving at step 4 and a run resuming it (client_state checked
+  save_load       ZeRO 2 and 3: a run saving at step 4 and a run resuming it (client_state checked
                   by the script): steps 5..8 equal the uninterrupted run's.
   cpp_resume      `uckpt train` (the C++ engine) resumes the Python run's checkpoint: its losses of
                   steps 5..8 equal the Python run's within 1e-6 relative.
@@ -143,7 +143,7 @@ def case_recorded(c):
 
 
 def case_save_load(c):
-    for stage in (2,):  # stage 3: once the engine saves stage-3 checkpoints
+    for stage in (2, 3):
         ck = os.path.join(c.work, f"ckpt{stage}")
         full = c.train(f"full{stage}", stage, "--save-step", str(SAVE), "--ckpt-dir", ck)
         if open(os.path.join(ck, "latest")).read().strip() != f"global_step{SAVE}":
@@ -266,14 +266,13 @@ engine, _, _, _ = deepspeed.initialize(model=model, config={
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
 inside = []
 model.transformer.h[1].attn.register_forward_hook(lambda m, a, o: inside.append(m.c_attn.weight.storage().size()))
-assert block.storage().size() == 0, block.storage().size()
-with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-    assert torch.equal(block, whole)
-assert block.storage().size() == 0
-loss = engine(torch.randint(0, 97, (2, 16)))
+loss = engine(torch.randint(0, 97, (2, 16)))  # units stay whole until the model first enters one
 engine.backward(loss)
 engine.step()
 assert inside == [whole.numel()], inside
+assert block.storage().size() == 0, block.storage().size()
+with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+    assert block.storage().size() == whole.numel() and not torch.equal(block, whole)  # whole, and trained
 assert block.storage().size() == 0
 print("ok   stage 3: a block's weights exist only inside its forward and GatheredParameters")
 '''

@@ -3,9 +3,8 @@
 `import uckpt as deepspeed`: 2 ranks, gradient accumulation 2, ZeRO 1, 2 and 3.
 
   1. the per-step losses of the two agree within 1e-6 relative;
-  2. ZeRO 1 and 2: uckpt resumes DeepSpeed's checkpoint (with its client_state)
-     and the losses after it agree with DeepSpeed's own run; the reverse too.
-     (Stage 3: losses only, until uckpt's engine saves stage-3 checkpoints.)
+  2. uckpt resumes DeepSpeed's checkpoint (with its client_state) and the
+     losses after it agree with DeepSpeed's own run; the reverse too.
 
 DeepSpeed runs from a source tree named by UCKPT_DEEPSPEED_SRC (a `git archive`
 of v0.14.5: deepspeed/, accelerator/, op_builder/, with a
@@ -25,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SKIP = 77
 REL_TOL = 1e-6
 STEPS, SAVE = 8, 4
-SAVES = (0, 1, 2)  # stages whose checkpoints are cross-resumed
+SAVES = (0, 1, 2, 3)  # stages whose checkpoints are cross-resumed
 
 
 def deepspeed_source(fixture):
@@ -88,7 +87,6 @@ def main():
     args = (uckpt_path, ds_src, fixture, work)
     for stage in stages:
         ck = {impl: os.path.join(work, f"z{stage}_{impl}_ckpt") for impl in ("deepspeed", "uckpt")}
-        # Stage 3: losses only, until the engine saves stage-3 checkpoints.
         save = ["--save-step", str(SAVE)] if stage in SAVES else []
         full = {impl: run(impl, *args, f"z{stage}_{impl}", stage, *save, "--ckpt-dir", ck[impl])
                 for impl in ("deepspeed", "uckpt")}
