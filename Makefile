@@ -9,7 +9,7 @@ FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 300
 TEST_FUZZ_SECONDS ?= 45
 
-.PHONY: all deps build demo test test-unit test-asan fuzz fuzz-keep bench clean
+.PHONY: all deps build python demo test test-unit test-asan fuzz fuzz-keep bench clean
 
 all: build
 
@@ -21,6 +21,10 @@ $(BUILD)/Makefile: CMakeLists.txt
 
 build: deps $(BUILD)/Makefile
 	cmake --build $(BUILD) -j $(JOBS)
+
+# The Python package: build/python/uckpt (PYTHONPATH=build/python python3 -c 'import uckpt').
+python: deps $(BUILD)/Makefile
+	cmake --build $(BUILD) --target python -j $(JOBS)
 
 demo: build
 	bash scripts/demo.sh $(BUILD)

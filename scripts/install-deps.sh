@@ -12,6 +12,9 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-torch   # reference checks: files load in real PyTorch
   librsvg2-bin                      # rsvg-convert: `uckpt plot -o FILE.png`
+  pybind11-dev python3-dev          # the Python package (`make python`)
+  # tests/python runs real DeepSpeed 0.14.5 (source from UCKPT_DEEPSPEED_SRC) next to uckpt; its imports:
+  python3-packaging python3-pydantic python3-psutil python3-tqdm python3-cpuinfo
 )
 if [ "${UCKPT_WITH_TORCH:-1}" = 1 ]; then
   packages+=(libtorch-dev libgloo-dev)

@@ -1,5 +1,6 @@
 #include "ckpt/deepspeed_state.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 
@@ -134,9 +135,31 @@ bool IsModelStatesKey(const std::string& k) {
       "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
       "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
       "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-      "ds_version", "universal_checkpoint_info", "iteration", "uckpt"};
+      "ds_version", "uckpt"};
   return keys.count(k) > 0;
 }
+
+namespace {
+// Keys DeepSpeed's own writer leaves to the client (Megatron-style scripts and
+// DeepSpeed's converter put them in client_state); uckpt writes defaults that
+// a client's value replaces, and records which stayed defaults (they are then
+// not the client's on load).
+const char* const kClientConventionKeys[] = {"universal_checkpoint_info", "iteration"};
+constexpr const char* kDefaultedKeys = "defaulted_keys";
+
+bool IsUckptDefault(const ValuePtr& root, const std::string& k) {
+  if (std::find(std::begin(kClientConventionKeys), std::end(kClientConventionKeys), k) ==
+      std::end(kClientConventionKeys))
+    return false;
+  ValuePtr u = root->get("uckpt");
+  if (!u || !u->is_dict()) return false;  // DeepSpeed's file: the client wrote it
+  ValuePtr listed = u->get(kDefaultedKeys);
+  if (!listed || !listed->is_seq()) return true;  // older uckpt files: always uckpt's
+  for (const auto& item : listed->items)
+    if (item && item->kind == Kind::kStr && item->s == k) return true;
+  return false;
+}
+}  // namespace
 
 ValuePtr ModelStatesValue(const ModelStates& s) {
   ValuePtr module = Value::Dict(/*ordered=*/true);
@@ -186,6 +209,15 @@ ValuePtr ModelStatesValue(const ModelStates& s) {
   d->set("universal_checkpoint_info", Dict({{"universal_checkpoint_version", Value::Float(0.2)}}));
   d->set("iteration", Value::Int(s.global_steps));
   for (const auto& [k, v] : s.extra) d->set(k, v);
+  if (ValuePtr u = d->get("uckpt"); u && u->is_dict()) {
+    ValuePtr defaulted = Value::List();
+    for (const char* k : kClientConventionKeys) {
+      bool given = false;
+      for (const auto& e : s.extra) given |= e.first == k;
+      if (!given) defaulted->items.push_back(Value::Str(k));
+    }
+    u->set(kDefaultedKeys, defaulted);
+  }
   return d;
 }
 
@@ -391,7 +423,7 @@ ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
     m.stage0_param_groups = Key(opt, "param_groups", path + ": optimizer", false);
   }
   for (const auto& [k, v] : root->entries)
-    if (k->kind == Kind::kStr && !IsModelStatesKey(k->s)) m.client.emplace_back(k->s, v);
+    if (k->kind == Kind::kStr && !IsModelStatesKey(k->s) && !IsUckptDefault(root, k->s)) m.client.emplace_back(k->s, v);
   return m;
 }
 

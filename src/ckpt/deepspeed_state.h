@@ -75,7 +75,10 @@ struct ModelStates {
 ValuePtr ModelStatesValue(const ModelStates& s);
 
 // Whether `key` is one of the model-states file's own keys (DeepSpeed's or
-// uckpt's); every other top-level key is client state.
+// uckpt's); every other top-level key is client state. `iteration` and
+// `universal_checkpoint_info` are the client's (DeepSpeed leaves them to it):
+// uckpt writes defaults a client's value replaces, and a load returns them
+// only where the saver gave them.
 bool IsModelStatesKey(const std::string& key);
 
 // Adam's per-element state of one flat partition or parameter: step (0-d),
@@ -153,7 +156,7 @@ struct ModelStatesView {
   // Stage 0: torch's optimizer state_dict: Adam state by parameter id, param groups.
   std::map<int64_t, AdamStateView> stage0_state;
   ValuePtr stage0_param_groups;
-  std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey
+  std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey, but uckpt's defaults
 };
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
 

@@ -73,6 +73,29 @@ int FreePort() {
   return port;
 }
 
+// Where DeepSpeed's launcher puts `--local_rank=N`: right after the script
+// (or `-m module`) of a Python command, before the script's own arguments.
+// Other commands (`uckpt train`, shell scripts) and `python -c` get nothing.
+std::vector<std::string> WithLocalRankArgument(std::vector<std::string> argv, int local_rank) {
+  const std::string exe = argv[0].substr(argv[0].find_last_of('/') + 1);
+  if (exe.rfind("python", 0) != 0) return argv;
+  for (size_t i = 1; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (a == "-c" || a == "-") return argv;
+    size_t script = i;
+    if (a == "-m") {
+      script = i + 1;
+    } else if (!a.empty() && a[0] == '-') {
+      if (a == "-W" || a == "-X" || a == "-Q") ++i;  // options with a separate value
+      continue;
+    }
+    if (script >= argv.size()) return argv;
+    argv.insert(argv.begin() + static_cast<std::ptrdiff_t>(script) + 1, "--local_rank=" + std::to_string(local_rank));
+    return argv;
+  }
+  return argv;
+}
+
 }  // namespace
 
 Runner AddLaunch(CLI::App& app) {
@@ -85,6 +108,7 @@ Runner AddLaunch(CLI::App& app) {
       "(even SIGKILL), the kernel kills its ranks. Multi-node runs are torchrun's or Slurm's job.\n\n"
       "Examples:\n"
       "  uckpt launch -n 2 -- uckpt train --config ds.json --steps 100\n"
+      "  uckpt launch -n 2 -- python3 train.py --deepspeed_config ds.json   (gets --local_rank=N, as from deepspeed)\n"
       "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100   (the same)");
   struct Args {
     int n = 1;
@@ -92,6 +116,7 @@ Runner AddLaunch(CLI::App& app) {
     std::string master_addr = "127.0.0.1";
     double grace_s = 10;
     double stop_timeout_s = 20;
+    bool no_local_rank = false;
     std::vector<std::string> command;
   };
   auto a = std::make_shared<Args>();
@@ -107,6 +132,8 @@ Runner AddLaunch(CLI::App& app) {
                   "(default: the heartbeat timeout's default)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--no_local_rank", a->no_local_rank,
+                "Do not pass --local_rank=N to a Python script (passed by default, as DeepSpeed's launcher does)");
   cmd->add_option("command", a->command, "The command after `--`")->required();
 
   return [a] {
@@ -147,8 +174,9 @@ Runner AddLaunch(CLI::App& app) {
         setenv("GROUP_RANK", "0", 1);
         setenv("MASTER_ADDR", a->master_addr.c_str(), 1);
         setenv("MASTER_PORT", std::to_string(a->master_port).c_str(), 1);
+        std::vector<std::string> rank_argv = a->no_local_rank ? argv : WithLocalRankArgument(argv, r);
         std::vector<char*> args;
-        for (auto& s : argv) args.push_back(s.data());
+        for (auto& s : rank_argv) args.push_back(s.data());
         args.push_back(nullptr);
         execvp(args[0], args.data());
         std::cerr << "uckpt launch: cannot run " << argv[0] << ": " << std::strerror(errno) << "\n";

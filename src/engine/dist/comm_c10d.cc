@@ -24,6 +24,7 @@
 #include <cstdlib>
 
 #include "uckpt/comm.h"
+#include "uckpt/process_group.h"
 #include "engine/dist/rank_monitor.h"
 
 namespace uckpt {
@@ -63,13 +64,15 @@ template <typename PG>
 class C10dComm : public Comm {
  public:
   C10dComm(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<PG> pg, int rank, int world,
-           std::string backend, std::chrono::milliseconds timeout, at::Device device)
+           std::string backend, std::chrono::milliseconds timeout, at::Device device, bool owns_pg = true)
       : store_(std::move(store)), pg_(std::move(pg)), rank_(rank), world_(world), backend_(std::move(backend)),
-        timeout_(timeout), device_(device) {}
+        timeout_(timeout), device_(device), owns_pg_(owns_pg) {}
 
   ~C10dComm() override {
-    // PyTorch 2.x wants NCCL groups shut down explicitly (1.13 has no shutdown()).
+    // PyTorch 2.x wants NCCL groups shut down explicitly (1.13 has no shutdown());
+    // a group borrowed from the caller (Python's) is the caller's to end.
     if constexpr (kFlatCollectives) {
+      if (!owns_pg_) return;
       try {
         pg_->shutdown();
       } catch (...) {
@@ -208,6 +211,7 @@ class C10dComm : public Comm {
   std::string backend_;
   std::chrono::milliseconds timeout_;
   at::Device device_;  // where this backend needs its tensors
+  bool owns_pg_;
   std::unique_ptr<engine::RankMonitor> monitor_;  // destroyed first: it may call into pg_
 };
 
@@ -296,6 +300,15 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
 #else
   throw CommError("this uckpt was built without Gloo (its libtorch has no Gloo headers); use CUDA with NCCL");
 #endif
+}
+
+std::unique_ptr<Comm> CommOnProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device,
+                                         std::chrono::milliseconds timeout) {
+  if (!pg) throw std::invalid_argument("CommOnProcessGroup: no process group");
+  const int rank = pg->getRank(), world = pg->getSize();
+  std::string backend = pg->getBackendName();
+  return std::make_unique<C10dComm<c10d::ProcessGroup>>(c10::intrusive_ptr<c10d::Store>(), std::move(pg), rank, world, std::move(backend),
+                                                        timeout, device, /*owns_pg=*/false);
 }
 
 }  // namespace uckpt

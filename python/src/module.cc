@@ -1,0 +1,120 @@
+// uckpt._uckpt: the extension behind `import uckpt` (see python/uckpt/__init__.py).
+#include <torch/python.h>
+
+#include "py_engine.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+using uckpt::python::PyEngine;
+
+namespace {
+
+// What DeepSpeed's initialize returns as the optimizer: the engine's view of
+// the param groups (the update itself happens in engine.step()).
+struct EngineOptimizer {
+  std::shared_ptr<PyEngine> engine;
+  py::list ParamGroups() const {
+    py::list out;
+    for (const auto& group : engine->engine().param_groups()) {
+      py::list params;
+      for (const auto& p : group) params.append(p.second);
+      out.append(py::dict("params"_a = params, "lr"_a = engine->engine().lr()));
+    }
+    return out;
+  }
+};
+
+// The config's lr schedule; the engine steps it at each boundary.
+struct EngineScheduler {
+  std::shared_ptr<PyEngine> engine;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_uckpt, m) {
+  py::module_::import("torch");  // the tensor and process-group types
+  m.doc() = "uckpt's training engine with DeepSpeed's Python API";
+
+  py::class_<EngineOptimizer>(m, "EngineOptimizer")
+      .def_property_readonly("param_groups", &EngineOptimizer::ParamGroups)
+      .def("zero_grad", [](EngineOptimizer&, py::args, py::kwargs) {})
+      .def("__repr__", [](const EngineOptimizer&) { return std::string("<uckpt ZeRO optimizer>"); });
+
+  py::class_<EngineScheduler>(m, "EngineScheduler")
+      .def("get_lr", [](const EngineScheduler& s) { return s.engine->GetLr(); })
+      .def("get_last_lr", [](const EngineScheduler& s) { return s.engine->GetLr(); })
+      .def("state_dict", [](const EngineScheduler& s) { return s.engine->SchedulerState(); })
+      .def("step", [](EngineScheduler&, py::args, py::kwargs) {});  // the engine steps it
+
+  py::class_<PyEngine, std::shared_ptr<PyEngine>>(m, "Engine")
+      .def("__call__", &PyEngine::Call)
+      .def("forward", &PyEngine::Call)
+      .def("backward", [](PyEngine& e, py::object loss, bool, bool, bool, bool) { return e.Backward(loss); }, "loss"_a, "allreduce_gradients"_a = true, "release_loss"_a = false,
+           "retain_graph"_a = false, "scale_wrt_gas"_a = true)
+      .def("step", [](PyEngine& e, py::object) { e.Step(); }, "lr_kwargs"_a = py::none())
+      .def("zero_grad", &PyEngine::ZeroGrad)
+      .def("is_gradient_accumulation_boundary",
+           [](const PyEngine& e) { return e.engine().IsGradientAccumulationBoundary(); })
+      .def(
+          "save_checkpoint",
+          [](PyEngine& e, py::object dir, py::object tag, py::object client_state, bool save_latest,
+             bool exclude_frozen) {
+            if (exclude_frozen)
+              throw py::value_error("engine.save_checkpoint: exclude_frozen_parameters=True is not supported by uckpt");
+            return e.SaveCheckpoint(dir, tag, client_state, save_latest);
+          },
+          "save_dir"_a, "tag"_a = py::none(),
+           "client_state"_a = py::dict(), "save_latest"_a = true, "exclude_frozen_parameters"_a = false)
+      .def(
+          "load_checkpoint",
+          [](PyEngine& e, py::object dir, py::object tag, bool strict, bool opt, bool sched, bool module_only,
+             py::object custom_load_fn) {
+            if (!custom_load_fn.is_none())
+              throw py::value_error("engine.load_checkpoint: custom_load_fn is not supported by uckpt");
+            return e.LoadCheckpoint(dir, tag, opt, sched, module_only);
+          },
+          "load_dir"_a, "tag"_a = py::none(), "load_module_strict"_a = true, "load_optimizer_states"_a = true,
+          "load_lr_scheduler_states"_a = true, "load_module_only"_a = false, "custom_load_fn"_a = py::none())
+      .def("load_universal_checkpoint", &PyEngine::LoadUniversal)
+      .def("train", [](PyEngine& e, bool mode) { e.Train(mode); }, "mode"_a = true)
+      .def("eval", [](PyEngine& e) { e.Train(false); })
+      .def("get_lr", &PyEngine::GetLr)
+      .def("get_global_grad_norm", &PyEngine::GlobalGradNorm)
+      .def("gradient_accumulation_steps", [](const PyEngine& e) { return e.engine().gradient_accumulation_steps(); })
+      .def("train_batch_size", [](const PyEngine& e) { return e.engine().train_batch_size(); })
+      .def("train_micro_batch_size_per_gpu",
+           [](const PyEngine& e) { return e.engine().train_micro_batch_size_per_gpu(); })
+      .def("fp16_enabled", [](const PyEngine& e) { return e.engine().fp16_enabled(); })
+      .def("bfloat16_enabled", [](const PyEngine& e) { return e.engine().bf16_enabled(); })
+      .def("zero_optimization_stage", [](const PyEngine& e) { return e.engine().zero_stage(); })
+      .def("zero_optimization", [](const PyEngine& e) { return e.engine().zero_stage() > 0; })
+      .def_property_readonly("module", &PyEngine::module)
+      .def_property_readonly("local_rank", [](const PyEngine& e) { return e.engine().local_rank(); })
+      .def_property_readonly("global_rank", [](const PyEngine& e) { return e.engine().rank(); })
+      .def_property_readonly("world_size", [](const PyEngine& e) { return e.engine().world_size(); })
+      .def_property_readonly("dp_world_size", [](const PyEngine& e) { return e.engine().world_size(); })
+      .def_property_readonly("global_steps", [](const PyEngine& e) { return e.engine().global_steps(); })
+      .def_property_readonly("global_samples", [](const PyEngine& e) { return e.engine().global_samples(); })
+      .def_property_readonly("micro_steps", [](const PyEngine& e) { return e.engine().micro_steps(); })
+      .def_property_readonly("skipped_steps", [](const PyEngine& e) { return e.engine().skipped_steps(); })
+      .def_property_readonly("device", [](const PyEngine& e) { return py::str(e.engine().device().str()); })
+      .def_property_readonly("optimizer",
+                             [](std::shared_ptr<PyEngine> e) { return EngineOptimizer{std::move(e)}; })
+      .def_property_readonly("lr_scheduler",
+                             [](std::shared_ptr<PyEngine> e) -> py::object {
+                               if (!e->settings().has_scheduler) return py::none();
+                               return py::cast(EngineScheduler{std::move(e)});
+                             })
+      // Anything else (parameters(), state_dict(), a model's own attributes) is the module's.
+      .def("__getattr__", [](const PyEngine& e, const std::string& name) { return e.module().attr(name.c_str()); });
+
+  m.def("initialize", &uckpt::python::Initialize, "args"_a = py::none(), "model"_a = py::none(),
+        "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),
+        "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none());
+  m.def("init_distributed", &uckpt::python::InitDistributed, "dist_backend"_a = "", "timeout_minutes"_a = 30);
+  m.def("gather_parameters", &uckpt::python::GatherParameters, "gather"_a);
+  m.def("add_config_arguments", &uckpt::python::AddConfigArguments, "parser"_a);
+
+  // C++ exceptions the engine throws arrive as Python's ValueError / RuntimeError (pybind11's
+  // defaults: invalid_argument -> ValueError, runtime_error -> RuntimeError).
+}

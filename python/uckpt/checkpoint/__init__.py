@@ -1,0 +1,2 @@
+# The client_state key DeepSpeed's universal-checkpoint tools read.
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"

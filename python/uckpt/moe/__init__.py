@@ -1,0 +1,1 @@
+from uckpt.moe import layer, utils  # noqa: F401

@@ -1,0 +1,1 @@
+from uckpt.ops import adam  # noqa: F401
