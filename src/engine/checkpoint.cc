@@ -362,11 +362,13 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     }
   }
   AgreeOrThrow(comm, folder, error);
-  // 2. The state as values: a copy into reused host buffers when the files
-  // are written in the background, else views of the tensors themselves.
+  // 2. The state as values: a copy into reused (pinned) host buffers when
+  // the files are written in the background or the state is on a GPU, else
+  // views of the tensors themselves.
+  const bool snapshot = async || !e.device.is_cpu();
   std::vector<SnapshotFile> files;
   try {
-    SnapshotScope scope(async ? &e.writer->pool() : nullptr);
+    SnapshotScope scope(snapshot ? &e.writer->pool() : nullptr);
     if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
     if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client))});
   } catch (const std::exception& ex) {
@@ -385,10 +387,10 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     throw;
   }
   // 3. Every rank writes its files; then they are published.
-  e.writer->Start(dir, tag, tmp, std::move(files), async, async ? e.writer->pool().bytes() : 0);
+  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot ? e.writer->pool().bytes() : 0);
   if (!async) e.writer->Publish(comm);
   e.last_save.async = async;
-  e.last_save.snapshot_bytes = async ? e.writer->pool().bytes() : 0;
+  e.last_save.snapshot_bytes = snapshot ? e.writer->pool().bytes() : 0;
   e.last_save.blocked_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return folder;
 }
