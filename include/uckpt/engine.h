@@ -85,10 +85,10 @@ struct LoadCheckpointOptions {
 struct LoadResult {
   std::string path;          // the tag folder loaded
   ClientState client_state;  // a dict of the keys the saver added
-  // Optimizer-state bytes this rank read from the ZeRO rank files when it
-  // resumed a checkpoint of another world size (its own partition only); 0
-  // for other loads.
-  uint64_t resharded_bytes_read = 0;
+  // Optimizer-state bytes this rank read from the ZeRO rank files: those of
+  // its own partition only, at any world size (resharded while loading); 0
+  // for universal, weights-only and stage-0 loads.
+  uint64_t optimizer_bytes_read = 0;
 };
 
 struct SaveCheckpointOptions {

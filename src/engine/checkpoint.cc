@@ -527,44 +527,6 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   throw FormatError(std::string(static_cast<const char*>(text.data_ptr())));
 }
 
-// The ZeRO files of the same world size: each rank's own optimizer file.
-void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  const std::string path = folder + "/" + ckpt::OptimStatesFileName(e.comm->rank(), e.config.bf16);
-  TorchFile f = LoadTorchFile(path);
-  const ckpt::RankOptimView v = ckpt::ReadRankOptimStates(f.root, path);
-  if (v.groups.size() != e.groups.size())
-    throw FormatError(path + ": has " + std::to_string(v.groups.size()) + " parameter groups, this engine has " +
-                      std::to_string(e.groups.size()));
-  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(v.loss_scaler, e.zero->loss_scaler());
-  ValuePtr hparams = Value::List();
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    PartitionState& st = e.zero->state(g);
-    const auto& layout = e.zero->layout(g);
-    const std::string gs = std::to_string(g);
-    if (g < v.partition_count.size() && v.partition_count[g] != layout.dp)
-      throw FormatError(path + ": partition_count[" + gs + "] is " + std::to_string(v.partition_count[g]) +
-                        ", this run partitions over " + std::to_string(layout.dp));
-    if (const auto& adam = v.groups[g].adam) {
-      for (auto [src, dst] : {std::pair{adam->exp_avg, &st.exp_avg}, {adam->exp_avg_sq, &st.exp_avg_sq}}) {
-        if (src->numel() != layout.partition_size)
-          throw FormatError(path + ": the Adam state of group " + gs + " has " + std::to_string(src->numel()) +
-                            " elements, the partition has " + std::to_string(layout.partition_size));
-        *dst = at::zeros({layout.partition_size}, st.master.options());
-        CopyElements(path, *src, 0, src->numel(), *dst);
-      }
-      st.step = at::full({}, adam->step, st.master.options());
-    }
-    const Tensor& fp32 = *v.groups[g].fp32;
-    if (fp32.numel() > layout.partition_size)
-      throw FormatError(path + ": fp32 partition " + gs + " is larger than this run's partition");
-    st.master.zero_();
-    CopyElements(path, fp32, 0, fp32.numel(), st.master.narrow(0, 0, fp32.numel()));
-    hparams->items.push_back(v.groups[g].hparams);
-  }
-  ApplySavedHparams(e, path, hparams, o);
-  e.zero->GatherModelFromMasters();
-}
-
 // Universal: each rank reads, from every parameter's files, only the
 // elements its own partition holds (memory-mapped), through the reader
 // `uckpt convert` and `verify` use.
@@ -639,17 +601,14 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
     LoadUniversalPartitions(e, folder, o);
     return result;
   }
-  if (stage > 0 && o.load_optimizer_states && m.dp_world_size && *m.dp_world_size != e.comm->world_size()) {
-    // Another world size: each rank reads its new partition from the old files.
+  if (stage > 0 && o.load_optimizer_states) {
+    // Each rank reads its partition from the rank files, at any world size
+    // (resharded_load.h): at the saving world size, its own file's ranges.
     ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);
     static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(r.loss_scaler, e.zero->loss_scaler());
     ApplySavedHparams(e, r.where, r.param_groups, o);
     e.zero->GatherModelFromMasters();
-    result.resharded_bytes_read = r.bytes_read;
-    return result;
-  }
-  if (stage > 0 && o.load_optimizer_states) {
-    LoadZeroPartitions(e, folder, o);
+    result.optimizer_bytes_read = r.bytes_read;
     return result;
   }
   LoadModule(model_path, m, Trainable(e));

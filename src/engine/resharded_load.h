@@ -1,8 +1,8 @@
-// Resuming a ZeRO stage 1/2 checkpoint saved at another data-parallel world
-// size, without converting it: each rank reads, from the old rank files,
-// exactly the byte ranges of its own new partition (ckpt/reshard.h plans
-// them, the copy engine reads them), bit for bit what loading the converted
-// universal checkpoint gives.
+// Loading a ZeRO stage 1/2 checkpoint at any data-parallel world size (the
+// saving one included) without converting it: each rank reads, from the rank
+// files, exactly the byte ranges of its own partition (ckpt/reshard.h plans
+// them, the copy engine reads them on several threads), bit for bit what
+// loading the converted universal checkpoint gives.
 #pragma once
 
 #include <cstdint>
