@@ -108,6 +108,10 @@ class SequentialWriter final : public OrderedSink {
     if (data.empty()) return;
     if (hash_) XXH64_update(hash_.get(), data.data(), data.size());
     offset_ += data.size();
+    if (buf_.empty() && data.size() >= kChunk) {  // a whole chunk: no need to gather it
+      WriteAll(data);
+      return;
+    }
     if (buf_.size() + data.size() <= kChunk) {
       buf_.insert(buf_.end(), data.begin(), data.end());
       if (buf_.size() == kChunk) Flush();
