@@ -14,6 +14,12 @@ tanh GELU, tied head, loss in fp32), same synthetic data rule, micro-batch per G
 `uckpt train --chunked_loss` uses (src/models/next_token_loss.cc, written again here with
 torch.autograd.Function), so PyTorch gets the same memory saving. Prints one JSON line from
 rank 0: tokens/s over the timed steps, max_memory_allocated/reserved per rank (GiB).
+
+  deepspeed_z2, deepspeed_z3, deepspeed_z3_offload: DeepSpeed's engine on the same model,
+            bf16, stage 2 / stage 3 / stage 3 with parameters and optimizer offloaded to
+            CPU (its DeepSpeedCPUAdam, built on first use); the others use DeepSpeed's
+            FusedAdam (--adam fused) or torch's AdamW ("torch_adam", --adam foreach).
+            Needs `import deepspeed` to work (PYTHONPATH).
 """
 import argparse
 import json
@@ -30,7 +36,8 @@ import gpt2_torch as g  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp_zero", "fsdp2"], required=True)
+    p.add_argument("--mode", choices=["ddp_zero", "fsdp2", "deepspeed_z2", "deepspeed_z3", "deepspeed_z3_offload"],
+                   required=True)
     p.add_argument("--n_layer", type=int, default=12)
     p.add_argument("--n_head", type=int, default=12)
     p.add_argument("--n_embd", type=int, default=768)
@@ -65,6 +72,8 @@ def main():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = net(ids)
             return model_loss(logits, ids, a.loss)
+    elif a.mode.startswith("deepspeed"):
+        net, opt, loss_of = deepspeed_engine(a, model, adam, world)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -80,6 +89,10 @@ def main():
     def step(k):
         ids = g.synthetic_batch(42, k, a.micro, a.seq_len, a.vocab_size, first_row=rank * a.micro).to(dev)
         loss = loss_of(ids)
+        if a.mode.startswith("deepspeed"):  # clipping, step and zeroing are the engine's
+            net.backward(loss)
+            net.step()
+            return float(loss.detach())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
@@ -108,6 +121,26 @@ def main():
                           "max_reserved_gib": [round(float(m[1]), 3) for m in allmem],
                           "torch": torch.__version__}), flush=True)
     dist.destroy_process_group()
+
+
+def deepspeed_engine(a, model, adam, world):
+    import deepspeed
+    offload = a.mode == "deepspeed_z3_offload"
+    zero = {"stage": 2 if a.mode == "deepspeed_z2" else 3, "overlap_comm": True, "reduce_bucket_size": 50000000}
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    params = {"lr": adam["lr"], "betas": list(adam["betas"]), "eps": adam["eps"], "weight_decay": adam["weight_decay"]}
+    if a.adam == "foreach" and not offload:
+        params["torch_adam"] = True
+    cfg = {"train_batch_size": a.micro * world, "train_micro_batch_size_per_gpu": a.micro, "gradient_clipping": 1.0,
+           "steps_per_print": 1000000, "bf16": {"enabled": True}, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": params}}
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def loss_of(ids):
+        return model_loss(engine(ids), ids, a.loss)
+    return engine, opt, loss_of
 
 
 def model_loss(logits, ids, kind):

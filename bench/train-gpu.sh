@@ -17,14 +17,22 @@
 # max_memory_allocated/reserved are in the JSON too). Prints the ratios
 # uckpt / best PyTorch with the same loss (target: tokens/s >= 1.0x at memory <= 1.0x).
 #
-# usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1)
+# ZERO=3: uckpt's stage 3 ("uckpt-z3", and "uckpt-z3-offload" with parameters and
+# optimizer in host memory) against FSDP2, PyTorch's sharding of parameters (target:
+# stage 3 tokens/s >= 1.0x FSDP2's at memory <= 1.0x), and, when DEEPSPEED_PATH names a
+# folder from which `import deepspeed` works (DeepSpeed's source with its accelerator/,
+# op_builder/ and csrc/ in place), DeepSpeed's stage 3 with and without the same offload
+# (targets: uckpt >= 1.5x DeepSpeed's tokens/s in both).
+#
+# usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1 ZERO=2)
 set -uo pipefail
 uckpt=$(realpath "${1:?usage: bench/train-gpu.sh UCKPT [OUT_DIR]}")
 out=$(realpath -m "${2:-train-gpu-out}")
 here=$(cd "$(dirname "$0")" && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-STEPS=${STEPS:-20} WARMUP=${WARMUP:-5}
+STEPS=${STEPS:-20} WARMUP=${WARMUP:-5} ZERO=${ZERO:-2}
+case $ZERO in 2|3) ;; *) echo "train-gpu: ZERO must be 2 or 3" >&2; exit 2 ;; esac
 gpus=$(nvidia-smi -L | wc -l)
 counts=${GPU_COUNTS:-"2 4"}
 rm -rf "$out" && mkdir -p "$out" && cd "$out"
@@ -45,15 +53,16 @@ for line in open('$1'):
 print([peak[i] for i in range($2)])"
 }
 
-uckpt_run() {  # uckpt_run N LABEL OVERLAP FUSED [CHUNKED]
-  local n=$1 label=$2 overlap=$3 fused=$4 flags=""
+uckpt_run() {  # uckpt_run N LABEL OVERLAP FUSED [CHUNKED] [ZERO_EXTRA_JSON]
+  local n=$1 label=$2 overlap=$3 fused=$4 flags="" stage=2 extra=${6:-}
   [ "$fused" = 1 ] && flags="--fused_kernels"
   [ "${5:-0}" = 1 ] && flags="$flags --chunked_loss"
+  [[ $label == uckpt-z3* ]] && stage=3
   cat > "cfg-$label-$n.json" <<JSON
 {"train_batch_size": $((16 * n)), "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0, "steps_per_print": 0,
  "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
  "bf16": {"enabled": true},
- "zero_optimization": {"stage": 2, "overlap_comm": $overlap, "reduce_bucket_size": 50000000}}
+ "zero_optimization": {"stage": $stage, "overlap_comm": $overlap, "reduce_bucket_size": 50000000$extra}}
 JSON
   sample_start "mem-$label-$n.csv"
   local t0=$SECONDS
@@ -91,8 +100,20 @@ torch_run() {  # torch_run N MODE LOSS
     "$line" "$peak" >> "$results"
 }
 
+offload=', "offload_param": {"device": "cpu", "pin_memory": true}, "offload_optimizer": {"device": "cpu", "pin_memory": true}'
 for n in $counts; do
   [ "$n" -le "$gpus" ] || { echo "skipping $n GPUs (have $gpus)"; continue; }
+  if [ "$ZERO" = 3 ]; then
+    uckpt_run "$n" uckpt-z3 true 1
+    uckpt_run "$n" uckpt-z3+chunked true 1 1
+    uckpt_run "$n" uckpt-z3-offload true 1 0 "$offload"
+    for loss in hf chunked; do torch_run "$n" fsdp2 $loss; done
+    if [ -n "${DEEPSPEED_PATH:-}" ]; then
+      PYTHONPATH=$DEEPSPEED_PATH torch_run "$n" deepspeed_z3 hf
+      PYTHONPATH=$DEEPSPEED_PATH torch_run "$n" deepspeed_z3_offload hf
+    fi
+    continue
+  fi
   uckpt_run "$n" uckpt true 1
   uckpt_run "$n" uckpt+chunked true 1 1
   if [ "${EXTRA:-1}" = 1 ] && [ "$n" = "$(echo $counts | tr ' ' '\n' | tail -1)" ]; then
@@ -106,14 +127,17 @@ for n in $counts; do
 done
 # Where uckpt's time goes (device synchronised between phases; slower than the runs above).
 n=$(echo $counts | tr ' ' '\n' | tail -1)
-cp "cfg-uckpt-$n.json" cfg-timers.json
+cp "cfg-$( [ "$ZERO" = 3 ] && echo uckpt-z3 || echo uckpt)-$n.json" cfg-timers.json
 UCKPT_TIMERS=1 CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) "$uckpt" launch -n "$n" --master_port 0 -- "$uckpt" train \
   --config cfg-timers.json $model --fused_kernels --device cuda --steps 8 --log_dir logs --run_name timers \
   --no_progress 2>&1 | grep "timers" | tee timers.txt
 
-python3 - "$results" <<'PY'
+python3 - "$results" "$ZERO" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+zero3 = sys.argv[2] == "3"
+ours = (("uckpt-z3", ""), ("uckpt-z3+chunked", "+chunked")) if zero3 else (("uckpt", ""), ("uckpt+chunked", "+chunked"))
+theirs = ("fsdp2",) if zero3 else ("ddp_zero", "fsdp2")
 print(f"\n{'impl':<24}{'GPUs':>5}{'tokens/s':>12}{'ms/step':>9}{'smi MiB':>9}{'alloc GiB':>10}{'resv GiB':>9}  loss@end")
 for r in rows:
     a = max(r["max_allocated_gib"]) if r["max_allocated_gib"] else float("nan")
@@ -124,9 +148,9 @@ print("(smi: nvidia-smi's peak per GPU, the max over ranks; alloc/resv: the cach
 ok = True
 base = lambda r: r["impl"].split("+")[0]
 for n in sorted({r["world"] for r in rows}):
-    for label, suffix in (("uckpt", ""), ("uckpt+chunked", "+chunked")):
+    for label, suffix in ours:
         u = [r for r in rows if r["world"] == n and r["impl"] == label]
-        t = [r for r in rows if r["world"] == n and base(r) in ("ddp_zero", "fsdp2") and r["impl"].endswith(suffix)
+        t = [r for r in rows if r["world"] == n and base(r) in theirs and r["impl"].endswith(suffix)
              and ("+" in r["impl"]) == bool(suffix)]
         if not u or not t:
             print(f"{n} GPUs, {label}: missing runs"); ok = False; continue
@@ -141,6 +165,18 @@ for n in sorted({r["world"] for r in rows}):
               f"peak memory {mem:.3f}x (allocator peak {alloc:.3f}x) -> {'MEETS' if meets else 'MISSES'} the target"
               f"; vs {others} (tokens/s / memory)")
         ok &= meets
+    if not zero3:
+        continue
+    for label, ds in (("uckpt-z3", "deepspeed_z3"), ("uckpt-z3-offload", "deepspeed_z3_offload")):
+        u = [r for r in rows if r["world"] == n and r["impl"] == label]
+        d = [r for r in rows if r["world"] == n and r["impl"] == ds]
+        if not u or not d:
+            print(f"{n} GPUs, {label} / {ds}: not run"); continue
+        sp = u[0]["tokens_per_s"] / d[0]["tokens_per_s"]
+        mem = max(u[0]["peak_mib"]) / max(d[0]["peak_mib"])
+        print(f"{n} GPUs: {label} / {ds}: tokens/s {sp:.3f}x, peak memory {mem:.3f}x -> "
+              f"{'MEETS' if sp >= 1.5 else 'MISSES'} the 1.5x target")
+        ok &= sp >= 1.5
 sys.exit(0 if ok else 1)
 PY
 status=$?

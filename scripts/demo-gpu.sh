@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The demo at the issue's real sizes on 4 GPUs (NCCL), in fp32 and in bf16:
+# The demo at the original demo's sizes on 4 GPUs (NCCL), in fp32 and in bf16:
 # GPT-2 (uckpt train's default model: 4 layers, 4 heads, 128 wide, vocab
 # 50257, 128 tokens), 200 steps, global batch 256 = micro 64 x 4 GPUs,
 # checkpoint at 100; experiment 2 at batch 32 (1 GPU 32x1, 1 GPU 8x4, 2 GPUs 8x2);
@@ -35,7 +35,7 @@ run_variant() {
   DEMO_OUT=demo-out-gpu-$precision DEMO_STEPS=200 DEMO_BATCH=256 DEMO_MICRO=64 \
   DEMO_MODEL="--n_layer 4 --n_head 4 --n_embd 128 --vocab_size 50257 --n_positions 128 --seq_len 128" \
   DEMO_LR=${DEMO_LR:-3e-4} DEMO_WARMUP=${DEMO_WARMUP:-20} DEMO_RUN_FLAGS="$flags" DEMO_TOL_CHANGED=$tol_changed DEMO_TOL_GA=$tol_ga \
-  DEMO_SCALED="the issue's sizes on 4 GPUs (NCCL, $precision): GPT-2 4 layers x 128, vocab 50257, 128 tokens,
+  DEMO_SCALED="the original demo's sizes on 4 GPUs (NCCL, $precision): GPT-2 4 layers x 128, vocab 50257, 128 tokens,
    200 steps, batch 256 = micro 64 x 4, checkpoint at 100; experiment 2 at batch 32" \
     bash scripts/demo.sh "$build"
 }

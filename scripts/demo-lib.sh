@@ -1,5 +1,5 @@
 # Shared by scripts/demo.sh, scripts/demo-gpu.sh and tests/demo: runs training
-# jobs and compares loss curves (metrics.csv) against the tolerances.
+# jobs and compares loss curves (metrics.csv) against the demo's tolerances.
 # Source it; set UCKPT (the binary) first.
 
 # compare_losses BASE_CSV RUN_CSV FIRST LAST MODE

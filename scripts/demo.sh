@@ -9,17 +9,22 @@
 # plus a negative control (a resume without the optimizer state must fail the
 # comparison). Prints a table and exits non-zero when a comparison fails.
 # The README's "demo by hand" is this script, command by command.
-# Usage: scripts/demo.sh [BUILD_DIR] ; output in $DEMO_OUT (default demo-out/).
+# Usage: scripts/demo.sh [--stage N] [BUILD_DIR] ; output in $DEMO_OUT (default demo-out/).
+#   --stage 3 (the original demo's configuration): ZeRO-3 with parameters and
+#             optimizer offloaded to CPU; --stage 1 or 2: that stage, no offload.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STAGE=${DEMO_STAGE:-2}
+if [ "${1:-}" = --stage ]; then STAGE=${2:?--stage needs 1, 2 or 3}; shift 2; fi
+case $STAGE in 1|2|3) ;; *) echo "demo: --stage must be 1, 2 or 3, got '$STAGE'" >&2; exit 2 ;; esac
 build=${1:-build}
 UCKPT=$(realpath "$build/src/cli/uckpt")
 out=${DEMO_OUT:-demo-out}
 source scripts/demo-lib.sh
 
-# Scaled-down sizes (the issue's: GPT-2 default model, 200 steps, batch 256,
+# Scaled-down sizes (the original demo's: GPT-2 default model, 200 steps, batch 256,
 # micro 64, checkpoint at 100; scripts/demo-gpu.sh sets those through these
-# variables). Experiment 2 keeps the issue's batch 32 = 32x1 = 8x4 = 8x2x2.
+# variables). Experiment 2 keeps the original demo's batch 32 = 32x1 = 8x4 = 8x2x2.
 STEPS=${DEMO_STEPS:-100}
 MID=$((STEPS / 2))
 BATCH=${DEMO_BATCH:-32}      # experiments 1 and 3
@@ -31,25 +36,30 @@ WARMUP=${DEMO_WARMUP:-10}
 TOL_SAME=${DEMO_TOL_SAME:-exact}
 TOL_CHANGED=${DEMO_TOL_CHANGED:-universal}
 TOL_GA=${DEMO_TOL_GA:-rel:1e-5}
-DEMO_SCALED=${DEMO_SCALED-"scaled down from the issue's sizes: GPT-2 with ${MODEL[*]}
+DEMO_SCALED=${DEMO_SCALED-"scaled down from the original demo's sizes: GPT-2 with ${MODEL[*]}
    (byte-level, trained on Debian's license texts), $STEPS steps (not 200), global batch $BATCH (not 256),
-   micro $MICRO (not 64), checkpoint at step $MID (not 100); experiment 2 at the issue's sizes (batch 32)"}
+   micro $MICRO (not 64), checkpoint at step $MID (not 100); experiment 2 at the original demo's sizes (batch 32)"}
 
 rm -rf "$out"; mkdir -p "$out/logs" "$out/plots"
 # The data: the license texts every Debian system ships (package base-files),
 # as bytes: the same on every machine, whatever the checkout.
 cat /usr/share/common-licenses/{Apache-2.0,Artistic,BSD,GFDL-1.3,GPL-2,GPL-3,LGPL-2.1,LGPL-3,MPL-1.1,MPL-2.0} >"$out/data.txt"
+zero="{\"stage\": $STAGE}"
+if [ "$STAGE" = 3 ]; then
+  zero='{"stage": 3, "offload_param": {"device": "cpu", "pin_memory": true}, "offload_optimizer": {"device": "cpu", "pin_memory": true}}'
+fi
 cat >"$out/ds_config.json" <<JSON
 {
   "gradient_clipping": 1.0,
   "optimizer": {"type": "AdamW", "params": {"lr": $LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
   "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": $LR, "warmup_num_steps": $WARMUP}},
-  "zero_optimization": {"stage": 2}
+  "zero_optimization": $zero
 }
 JSON
 
 where="CPU (Gloo)"; [[ " ${RUN_FLAGS[*]} " == *" --device cuda"* ]] && where="GPUs (NCCL)"
 echo "== uckpt demo: three experiments on $where, output in $out/"
+echo "   ZeRO stage $STAGE$([ "$STAGE" = 3 ] && echo ", parameters and optimizer offloaded to CPU (the original demo's configuration)")"
 echo "   $DEMO_SCALED"
 echo "   tolerances: same size $TOL_SAME; changed size $TOL_CHANGED; gradient accumulation $TOL_GA"
 echo

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "uckpt/comm.h"
+#include "uckpt/units.h"
 
 namespace uckpt {
 
@@ -67,6 +68,12 @@ struct EngineOptions {
   std::string device = "cpu";
   // -1: LOCAL_RANK from the environment (0 if unset).
   int local_rank = -1;
+  // ZeRO stage 3: the submodules whose parameters are gathered only while
+  // they compute (gather units, e.g. every transformer block), in forward
+  // order; unit i is index i in Engine::EnterUnit/ExitUnit. Parameters in no
+  // unit, and parameters tied across units, form the root unit, which stays
+  // gathered. Empty: everything is the root unit. Ignored at stages 0-2.
+  std::vector<std::shared_ptr<torch::nn::Module>> gather_units;
 };
 
 // client_state: any value made of dicts with string keys, lists, tuples,
@@ -131,6 +138,32 @@ class Engine {
   // optimizer step, the lr schedule and the counters; otherwise nothing.
   void Step();
   bool IsGradientAccumulationBoundary() const;
+
+  // ---- ZeRO stage 3 gather units (identities at stages 0-2). ----
+  // Contract: a model runs unit i (EngineOptions::gather_units[i]) as
+  //   x = engine.EnterUnit(i, x);   // gathers unit i's parameters
+  //   y = unit_i(x);                // any code using only unit i's and the root's parameters
+  //   y = engine.ExitUnit(i, y);    // frees them again
+  // `x` is the unit's input that carries the gradient (the hidden state) and
+  // `y` its output; both come back as autograd identities. In backward,
+  // ExitUnit's identity gathers the unit again before the unit's backward and
+  // EnterUnit's identity, reached when the unit's backward is done, hands the
+  // unit's gradients to the reduce-scatter bucket (reduce_bucket_size) and
+  // frees the parameters; Backward() reduces what is left (the root unit) at
+  // its end. Units may nest or repeat (a gather count per unit). From the
+  // first EnterUnit on, a unit's parameters have no storage outside these
+  // calls (as FSDP's): read weights between GatherParameters() and
+  // ReleaseParameters(); a model that never calls EnterUnit keeps them whole.
+  // A Python binding calls EnterUnit from a forward pre-hook (on the first
+  // tensor argument) and ExitUnit from a forward hook (on the output).
+  at::Tensor EnterUnit(size_t unit, const at::Tensor& input);
+  at::Tensor ExitUnit(size_t unit, const at::Tensor& output);
+  size_t num_gather_units() const;
+  UnitCalls unit_calls();  // EnterUnit/ExitUnit bound to this engine
+  // Stage 3: gathers every parameter (to read or evaluate whole weights),
+  // until ReleaseParameters(). Collective. No-ops at stages 0-2.
+  void GatherParameters();
+  void ReleaseParameters();
 
   // Saves <dir>/<tag>/ in DeepSpeed's layout (tag "" = "global_step<N>") with
   // client_state's keys at the top of the model-states file, then points

@@ -13,6 +13,10 @@ std::string OptimStatesFileName(int dp_rank, bool bf16) {
   return std::string(bf16 ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_optim_states.pt";
 }
 
+std::string Zero3ModelStatesFileName(int dp_rank) {
+  return "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_model_states.pt";
+}
+
 ValuePtr JsonToValue(const nlohmann::json& j) {
   switch (j.type()) {
     case nlohmann::json::value_t::object: {
@@ -358,6 +362,12 @@ double ScalarOf(const ValuePtr& v, const std::string& where) {
   }
 }
 
+ValuePtr ModuleStateDictOf(const ValuePtr& root) {
+  if (!root || !root->is_dict()) return nullptr;
+  ValuePtr module = root->get("module");
+  return module && module->is_dict() ? module : nullptr;
+}
+
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
   if (!root || !root->is_dict()) throw FormatError(path + ": is not a DeepSpeed model-states dict");
   ModelStatesView m;
@@ -410,6 +420,58 @@ RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path)
       v.adam = ReadAdamState(it->second, where + ".base_optimizer_state.state[" + gs + "]");
     if (groups && groups->is_seq() && g < groups->items.size()) v.hparams = groups->items[g];
     r.groups.push_back(v);
+  }
+  return r;
+}
+
+// DeepSpeedZeroOptimizer_Stage3.state_dict() as its checkpoint holds it.
+ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s) {
+  ValuePtr state = Value::Dict();
+  ValuePtr flat = Value::List();
+  for (size_t i = 0; i < s.sub_groups.size(); ++i) {
+    const Stage3SubGroupState& sg = s.sub_groups[i];
+    if (!sg.adam.empty()) state->set(Value::Int(static_cast<int64_t>(i)), StateDict(sg.adam));
+    flat->items.push_back(sg.fp32);
+  }
+  ValuePtr groups = Value::List();
+  for (const auto& [h, ids] : s.param_groups) groups->items.push_back(ParamGroupValue(h, ids));
+  ValuePtr inner = Value::Dict();
+  inner->set("state", state);
+  inner->set("param_groups", groups);
+  ValuePtr osd = Value::Dict();
+  osd->set("zero_stage", ZeroStageValue(3));
+  osd->set("loss_scaler", LossScalerValue(s.scaler));
+  osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
+  osd->set("overflow", Value::Bool(false));
+  osd->set("partition_count", Value::Int(s.dp));
+  osd->set("optimizer_state_dict", inner);
+  osd->set("fp32_flat_groups", flat);
+  return Dict({{"optimizer_state_dict", osd},
+               {"ds_config", s.ds_config ? s.ds_config : Value::Dict()},
+               {"ds_version", Value::Str(kDeepSpeedVersion)}});
+}
+
+Stage3RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string& path) {
+  Stage3RankOptimView r;
+  ValuePtr osd = Key(root, "optimizer_state_dict", path);
+  const std::string where = path + ": optimizer_state_dict";
+  if (ValuePtr pc = Key(osd, "partition_count", where, false); pc && pc->kind == Kind::kInt) r.partition_count = pc->i;
+  r.loss_scaler = Key(osd, "loss_scaler", where, false);
+  ValuePtr inner = Key(osd, "optimizer_state_dict", where);
+  ValuePtr flat = Key(osd, "fp32_flat_groups", where);
+  if (!flat->is_seq()) throw FormatError(where + ": fp32_flat_groups is not a list (not a ZeRO stage 3 file?)");
+  r.param_groups = Key(inner, "param_groups", where + ".optimizer_state_dict", false);
+  const auto states = StatesById(Key(inner, "state", where + ".optimizer_state_dict"), where + ".optimizer_state_dict.state");
+  for (size_t i = 0; i < flat->items.size(); ++i) {
+    const std::string is = std::to_string(i);
+    const ValuePtr& t = flat->items[i];
+    if (!t || !t->tensor) throw FormatError(where + ": fp32_flat_groups[" + is + "] is not a tensor");
+    r.fp32.push_back(t->tensor.get());
+    if (auto it = states.find(static_cast<int64_t>(i)); it != states.end()) {
+      r.adam.push_back(ReadAdamState(it->second, where + ".optimizer_state_dict.state[" + is + "]"));
+    } else {
+      r.adam.push_back(std::nullopt);
+    }
   }
   return r;
 }

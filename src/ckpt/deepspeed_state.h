@@ -26,6 +26,7 @@ inline constexpr const char* kDeepSpeedVersion = "0.14.5";
 // File names inside a tag folder.
 std::string ModelStatesFileName();                            // mp_rank_00_model_states.pt
 std::string OptimStatesFileName(int dp_rank, bool bf16);      // [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
+std::string Zero3ModelStatesFileName(int dp_rank);            // zero_pp_rank_<r>_mp_rank_00_model_states.pt (stage 3)
 
 // The value of a JSON document (dicts keep key order, ints stay ints).
 ValuePtr JsonToValue(const nlohmann::json& j);
@@ -105,6 +106,27 @@ struct RankOptimStates {
 };
 ValuePtr OptimStatesValue(const RankOptimStates& s);
 
+// ---- ZeRO stage 3: every rank writes zero_pp_rank_<r>_mp_rank_00_model_states.pt
+// (ModelStatesValue with stage 3: the module's parameters as empty tensors,
+// param_shapes per sub-group) and its optim states below. ----
+
+// One sub-group of a rank's stage-3 optimizer file: its flat fp32 partition
+// (every parameter's ps elements, padding included) and Adam's state of it.
+struct Stage3SubGroupState {
+  ValuePtr fp32;
+  AdamState adam;  // empty before the first step
+};
+struct Stage3RankOptimStates {
+  int dp = 1;
+  std::vector<Stage3SubGroupState> sub_groups;
+  // Optimizer param groups: hyper-parameters and the sub-groups they hold.
+  std::vector<std::pair<AdamHparams, std::vector<int64_t>>> param_groups;
+  LossScalerState scaler;
+  ValuePtr ds_config;
+};
+ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s);
+
+
 // Pieces of the files, for writers of other layouts (zero_writer's stage 3).
 ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids);  // torch AdamW's keys
 ValuePtr LossScalerValue(const LossScalerState& s);
@@ -135,6 +157,10 @@ struct ModelStatesView {
 };
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
 
+// The module state dict of a model-states file (its `module`); null when
+// `root` is no DeepSpeed model-states dict.
+ValuePtr ModuleStateDictOf(const ValuePtr& root);
+
 // zero_pp_rank_<r>_mp_rank_00_optim_states.pt (ZeRO 1/2), read back.
 struct OptimGroupView {
   const Tensor* fp32 = nullptr;          // the fp32 partition (lean: padding cut off)
@@ -157,5 +183,15 @@ LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base);
 AdamHparams ReadAdamHparams(const ValuePtr& group, const AdamHparams& base, const std::string& where);
 // param_shapes as saved: groups of (name, shape). Empty when None or absent.
 std::vector<std::vector<NamedShape>> ReadParamShapes(const ValuePtr& root, const std::string& path);
+
+// A stage-3 optim-states file, read back.
+struct Stage3RankOptimView {
+  std::vector<const Tensor*> fp32;                  // fp32_flat_groups, per sub-group
+  std::vector<std::optional<AdamStateView>> adam;   // per sub-group; none before the first step
+  ValuePtr param_groups;                            // the torch optimizer's param_groups
+  std::optional<int64_t> partition_count;
+  ValuePtr loss_scaler;
+};
+Stage3RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string& path);
 
 }  // namespace uckpt::ckpt

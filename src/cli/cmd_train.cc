@@ -38,7 +38,7 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--train_batch_size", a->train_batch_size, "Global batch (sequences per optimizer step)");
   cmd->add_option("--train_micro_batch_size_per_gpu", a->micro, "Sequences per rank per micro-step");
   cmd->add_option("--gradient_accumulation_steps", a->ga, "Micro-steps per optimizer step");
-  cmd->add_option("--zero_stage", a->zero_stage, "ZeRO stage 0, 1 or 2 (overrides the config)");
+  cmd->add_option("--zero_stage", a->zero_stage, "ZeRO stage 0, 1, 2 or 3 (overrides the config)");
   cmd->add_option("--lr", a->lr, "Optimizer learning rate (overrides the config)");
   cmd->add_option("--gradient_clipping", a->clip, "Global-norm clipping, 0 = off (overrides the config)");
   cmd->add_flag("--bf16", a->bf16, "bf16 model weights (fp32 masters)");

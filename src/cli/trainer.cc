@@ -1,5 +1,6 @@
 #include "cli/trainer.h"
 
+#include <sys/resource.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -12,7 +13,7 @@
 #include "format/error.h"
 #include "models/bert.h"
 #include "engine/torch_bridge.h"
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {
@@ -67,7 +68,9 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   eo.comm = std::shared_ptr<Comm>(&comm_, [](Comm*) {});  // the caller owns it
   eo.device = opt_.device;
   eo.local_rank = opt_.local_rank;
+  eo.gather_units = gather_units_;
   engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
+  if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());
 }
 
 // Initial weights, identical on every rank: seeded, or from --init.
@@ -88,6 +91,8 @@ void Trainer::MakeGpt2() {
     return m->Loss(ids, &dk);
   };
   module_ = m;
+  gather_units_ = m->gather_units();
+  set_unit_calls_ = [m](uckpt::UnitCalls calls) { m->set_unit_calls(std::move(calls)); };
 }
 
 void Trainer::MakeBert() {
@@ -108,6 +113,8 @@ void Trainer::MakeBert() {
     return impl->Loss(b.input_ids.to(ids.device()), b.labels.to(ids.device()));
   };
   module_ = m.ptr();
+  gather_units_ = m->gather_units();
+  set_unit_calls_ = [impl = m.ptr()](uckpt::UnitCalls calls) { impl->set_unit_calls(std::move(calls)); };
 }
 
 Counters Trainer::counters() const {
@@ -251,6 +258,11 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
                  "uckpt timers (rank 0, mean of %lld steps after the first, ms): forward %.2f, backward %.2f, "
                  "reduce %.2f, optimizer step + all-gather %.2f\n",
                  static_cast<long long>(t.steps), t.forward * k, t.backward * k, t.reduce * k, t.step * k);
+  }
+  if (trainer.timers().enabled) {  // every rank: bench/zero3_memory.sh compares them
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    std::fprintf(stderr, "uckpt train: rank %d peak RSS %.1f MiB\n", comm.rank(), static_cast<double>(ru.ru_maxrss) / 1024);
   }
   if (last_saved != trainer.counters().global_steps) save();
   {

@@ -111,6 +111,8 @@ class Trainer {
   // The micro-batch loss of rows [first_row, +mb) of global batch `step`.
   std::function<at::Tensor(const at::Tensor& ids, int64_t step, int64_t first_sample, int64_t first_row)> loss_;
   std::vector<NamedTensor> params_;
+  std::vector<std::shared_ptr<torch::nn::Module>> gather_units_;  // ZeRO-3 units of the model
+  std::function<void(uckpt::UnitCalls)> set_unit_calls_;
   std::unique_ptr<Engine> engine_;
   PhaseTimes timers_;
 };

@@ -23,7 +23,6 @@
 #include "engine/resharded_load.h"
 #include "engine/torch_bridge.h"
 #include "engine/engine_impl.h"
-#include "engine/weights.h"
 
 namespace uckpt::engine {
 namespace fs = std::filesystem;
@@ -93,9 +92,7 @@ void CopyElements(const std::string& path, const Tensor& src, int64_t first, int
 
 std::string ReadTagFile(const std::string& dir, const std::string& name) { return ckpt::ReadLatestTag(dir, name); }
 
-// ---- IValue client state <-> pickled values. ----
-
-namespace {
+// ---- IValue client state <-> pickled values (checkpoint.h). ----
 
 ValuePtr FromIValue(const c10::IValue& v, const std::string& where) {
   if (v.isNone()) return Value::None();
@@ -170,8 +167,6 @@ c10::IValue ToIValue(const ValuePtr& v) {
     default: return c10::IValue("<" + (v->s.empty() ? std::string("unsupported value") : v->s) + ">");  // inert, never run
   }
 }
-
-}  // namespace
 
 // ---- Saving. ----
 
@@ -536,7 +531,8 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
   static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
   ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
   // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
-  const bool with_state = o.load_optimizer_states && u.has_step;
+  // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
+  const bool with_state = o.load_optimizer_states && (u.has_step || u.zero3);
   for (size_t g = 0; g < e.groups.size(); ++g) {
     PartitionState& st = e.zero->state(g);
     const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
@@ -557,7 +553,8 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
     }
     st.exp_avg = load("exp_avg");
     st.exp_avg_sq = load("exp_avg_sq");
-    const double step = ckpt::ReadUniversalStep(u, u.groups.at(g).at(0).name);
+    const double step = u.has_step ? ckpt::ReadUniversalStep(u, u.groups.at(g).at(0).name)
+                                   : static_cast<double>(e.global_steps - e.skipped_steps);
     st.step = at::full({}, step, st.master.options());
   }
   e.zero->GatherModelFromMasters();
@@ -579,10 +576,12 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
   const std::string folder = dir + "/" + tag;
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
-  const std::string model_path = folder + "/" + ckpt::ModelStatesFileName();
+  // A universal folder made from ZeRO-3 holds per-rank model-states copies.
+  const std::string model_path =
+      o.universal ? UniversalModelStatesPath(folder) : folder + "/" + ckpt::ModelStatesFileName();
   TorchFile model_file = LoadTorchFile(model_path);
   const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
-  CheckParamShapes(e, model_path, model_file.root);
+  if (model_path == folder + "/" + ckpt::ModelStatesFileName()) CheckParamShapes(e, model_path, model_file.root);
   c10::NoGradGuard no_grad;
   const int stage = e.stage();
   LoadResult result{folder, ClientStateOf(m)};

@@ -141,6 +141,49 @@ void ParseScheduler(Section& s, SchedulerConfig& c) {
   if (c.warmup_num_steps < 0) throw ConfigError("scheduler.params.warmup_num_steps must be >= 0");
 }
 
+// DeepSpeed's stage-3 knobs: honoured where uckpt's stage 3 has the
+// mechanism, otherwise parsed with a warning saying what uckpt does instead.
+void ParseStage3Knobs(Section& s, TrainConfig& c) {
+  ZeroConfig& z = c.zero;
+  const bool stage3 = z.stage == 3;
+  auto note = [&](const std::string& key, const std::string& what) {
+    c.warnings.push_back("zero_optimization." + key + ": " + what);
+  };
+  for (const char* key : {"stage3_param_persistence_threshold", "param_persistence_threshold"})
+    if (s.Has(key)) s.Int(key, z.param_persistence_threshold);
+  for (const char* key : {"sub_group_size"})
+    if (s.Has(key)) s.Int(key, z.sub_group_size);
+  for (const char* key : {"stage3_prefetch_bucket_size", "prefetch_bucket_size"})
+    if (s.Has(key)) {
+      s.Int(key, z.prefetch_bucket_size);
+      note(key, "parsed; uckpt gathers each unit when it is entered (no prefetch)");
+    }
+  for (const char* key : {"stage3_max_live_parameters", "max_live_parameters"})
+    if (s.Has(key)) {
+      s.Int(key, z.max_live_parameters);
+      note(key, "parsed; uckpt keeps the root unit, persistent parameters and the units being computed gathered");
+    }
+  for (const char* key : {"stage3_max_reuse_distance", "max_reuse_distance"})
+    if (s.Has(key)) {
+      int64_t ignored = 0;
+      s.Int(key, ignored);
+      note(key, "parsed; uckpt frees a unit's parameters as soon as its forward or backward is done");
+    }
+  for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"})
+    if (s.Has(key)) {
+      bool ignored = false;
+      s.Bool(key, ignored);
+      note(key, "parsed; uckpt's checkpoints hold the partitions (use `uckpt export` for whole weights)");
+    }
+  if (!stage3)
+    for (const char* key : {"stage3_param_persistence_threshold", "sub_group_size", "stage3_prefetch_bucket_size",
+                            "stage3_max_live_parameters"})
+      if (s.Has(key)) note(key, "applies to stage 3 only; ignored at stage " + std::to_string(z.stage));
+  if (z.sub_group_size <= 0) throw ConfigError("zero_optimization.sub_group_size must be positive");
+  if (z.param_persistence_threshold < 0)
+    throw ConfigError("zero_optimization.stage3_param_persistence_threshold must be >= 0");
+}
+
 }  // namespace
 
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
@@ -187,6 +230,16 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
         c.zero.offload_optimizer_cpu = device == "cpu";
         o->Ignore({"pin_memory", "buffer_count", "fast_init", "ratio"});
       }
+      if (auto o = s->Sub("offload_param")) {
+        std::string device = "none";
+        o->String("device", device);
+        if (device != "none" && device != "cpu")
+          throw ConfigError("zero_optimization.offload_param.device must be \"cpu\" or \"none\", got \"" + device +
+                            "\"");
+        c.zero.offload_param_cpu = device == "cpu";
+        o->Ignore({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"});
+      }
+      ParseStage3Knobs(*s, c);
       bool round_robin = false;
       s->Bool("round_robin_gradients", round_robin);
       if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
@@ -211,9 +264,15 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (m.rfind(source + ": ", 0) == 0) throw;
     throw ConfigError(source + ": " + m);
   }
-  if (c.zero.stage < 0 || c.zero.stage > 2)
+  if (c.zero.stage < 0 || c.zero.stage > 3)
     throw ConfigError(source + ": zero_optimization.stage " + std::to_string(c.zero.stage) +
-                      " is not supported (0, 1 or 2)");
+                      " is not supported (0, 1, 2 or 3)");
+  if (c.zero.stage == 3 && c.zero.overlap_comm)
+    c.warnings.push_back(source + ": zero_optimization.overlap_comm: at stage 3 uckpt reduce-scatters each bucket "
+                         "when it is full, without overlapping it with backward");
+  if (c.zero.offload_param_cpu && c.zero.stage != 3)
+    throw ConfigError(source + ": zero_optimization.offload_param needs stage 3 (got stage " +
+                      std::to_string(c.zero.stage) + ")");
   if (c.fp16.enabled && c.bf16) throw ConfigError(source + ": fp16 and bf16 cannot both be enabled");
   if (c.gradient_clipping < 0) throw ConfigError(source + ": gradient_clipping must be >= 0");
   return c;

@@ -197,8 +197,9 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
       throw std::invalid_argument("fp16 training needs CUDA or a libtorch with CPU fp16 kernels; on this CPU use bf16");
     }
   }
-  if (c.zero.stage < 0 || c.zero.stage > 2)
-    throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) + " is not supported (0, 1 or 2)");
+  if (c.zero.stage < 0 || c.zero.stage > 3)
+    throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) +
+                                " is not supported (0, 1, 2 or 3)");
   e.model->to(e.device);
   CastFloatingTensors(*e.model, ModelDtype(c));
 
@@ -207,6 +208,11 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   WalkModule(*e.model, "", e.state_names, e.buffers, e.module_prefixes);
   for (size_t g = 0; g < e.groups.size(); ++g)
     for (const auto& p : e.groups[g]) specs[g].numels.push_back(p.tensor.numel());
+  if (c.zero.stage == 3) {
+    engine::InitZero3(e, specs, options);
+    e.model->train(true);
+    return;
+  }
 
   engine::ZeroSettings zs;
   zs.stage = c.zero.stage;
@@ -255,9 +261,13 @@ void Engine::Backward(const at::Tensor& loss) {
   // DeepSpeed scales each micro loss by 1/GA (and by the fp16 loss scale).
   const int64_t ga = e.batch.gradient_accumulation_steps;
   at::Tensor scaled = ga > 1 ? loss / ga : loss;
-  scaled = scaled * e.zero->loss_scale();
+  scaled = scaled * loss_scale();
   scaled.backward();
-  e.zero->ReduceMicroGradients(e.boundary());
+  if (e.zero3) {
+    e.zero3->FinishBackward();
+  } else {
+    e.zero->ReduceMicroGradients(e.boundary());
+  }
   e.backward_pending = true;
 }
 
@@ -270,7 +280,7 @@ void Engine::Step() {
     // its failure stops the run here, naming the file.
     if (e.writer && e.writer->pending()) e.writer->PublishIfDone(*e.comm);
     const double lr = e.schedule.current_lr();
-    engine::ZeroOptimizer::StepResult r = e.zero->Step(lr);
+    engine::ZeroOptimizer::StepResult r = e.zero3 ? e.zero3->Step(lr) : e.zero->Step(lr);
     if (!r.skipped) e.schedule.Step();
     e.last = StepInfo{r.grad_norm, r.skipped, r.loss_scale};
     ++e.global_steps;
@@ -284,6 +294,10 @@ bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); 
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
+  if (impl_->zero3)  // (synchronous: background saves are for stages 0-2)
+    return engine::SaveZero3Checkpoint(*impl_, dir,
+                                       tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
+                                       client_state);
   return engine::SaveEngineCheckpoint(*impl_, dir, tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }
@@ -296,6 +310,7 @@ const SaveStats& Engine::last_save() const { return impl_->last_save; }
 
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
   WaitForCheckpoint();  // a background save first: it may be the one to load
+  if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, dir, tag, options);
   return engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
 }
 
@@ -306,7 +321,38 @@ int64_t Engine::global_samples() const { return impl_->global_samples; }
 int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 const StepInfo& Engine::last_step() const { return impl_->last; }
-double Engine::loss_scale() const { return impl_->zero->loss_scale(); }
+double Engine::loss_scale() const { return impl_->zero3 ? impl_->zero3->loss_scale() : impl_->zero->loss_scale(); }
+
+at::Tensor Engine::EnterUnit(size_t unit, const at::Tensor& input) {
+  return impl_->zero3 ? impl_->zero3->EnterUnit(unit, input) : input;
+}
+at::Tensor Engine::ExitUnit(size_t unit, const at::Tensor& output) {
+  return impl_->zero3 ? impl_->zero3->ExitUnit(unit, output) : output;
+}
+size_t Engine::num_gather_units() const { return impl_->zero3 ? impl_->zero3->num_units() : 0; }
+UnitCalls Engine::unit_calls() {
+  if (!impl_->zero3) return {};
+  std::weak_ptr<int> alive = impl_->alive;
+  auto check = [alive] {
+    if (alive.expired())
+      throw std::logic_error("uckpt: a ZeRO-3 unit call after its Engine was destroyed (the module's parameters "
+                             "were partitioned by it; keep the Engine alive while the module runs)");
+  };
+  return UnitCalls{[this, check](size_t u, const at::Tensor& x) {
+                     check();
+                     return EnterUnit(u, x);
+                   },
+                   [this, check](size_t u, const at::Tensor& y) {
+                     check();
+                     return ExitUnit(u, y);
+                   }};
+}
+void Engine::GatherParameters() {
+  if (impl_->zero3) impl_->zero3->GatherAll();
+}
+void Engine::ReleaseParameters() {
+  if (impl_->zero3) impl_->zero3->ReleaseAll();
+}
 int Engine::rank() const { return impl_->comm->rank(); }
 int Engine::world_size() const { return impl_->comm->world_size(); }
 int Engine::local_rank() const { return impl_->local_rank; }

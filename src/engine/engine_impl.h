@@ -8,6 +8,7 @@
 
 #include "engine/config.h"
 #include "engine/lr_schedule.h"
+#include "engine/zero3.h"
 #include "engine/zero_optimizer.h"
 #include "uckpt/engine.h"
 
@@ -41,7 +42,10 @@ struct Engine::Impl {
   std::vector<std::string> state_names;
   std::vector<std::string> module_prefixes;  // "" and every submodule (state_dict _metadata)
 
-  std::unique_ptr<engine::ZeroOptimizer> zero;
+  std::unique_ptr<engine::ZeroOptimizer> zero;    // stages 0-2
+  std::unique_ptr<engine::Zero3Optimizer> zero3;  // stage 3 (zero is null)
+  // Expires with the engine: unit_calls() a model keeps then fail cleanly.
+  std::shared_ptr<int> alive = std::make_shared<int>(0);
   engine::LrSchedule schedule;
   int64_t global_steps = 0, global_samples = 0, skipped_steps = 0, micro_steps = 0;
   bool backward_pending = false;  // Backward since the last Step
@@ -57,6 +61,16 @@ struct Engine::Impl {
 };
 
 namespace engine {
+
+// zero3_engine.cc: stage 3's part of the engine's construction (the
+// parameters partitioned per parameter, gather units from the options).
+void InitZero3(Engine::Impl& e, const std::vector<GroupSpec>& specs, const EngineOptions& options);
+
+// checkpoint_zero3.cc: stage 3's checkpoints in DeepSpeed's ZeRO-3 layout.
+std::string SaveZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                const ClientState& client_state);
+LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                               const LoadCheckpointOptions& options);
 
 // checkpoint.cc: DeepSpeed's files from and into the engine's state.
 std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,

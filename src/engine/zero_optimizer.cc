@@ -236,10 +236,10 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(double lr) {
   return r;
 }
 
-void ZeroOptimizer::AdamStep(Group& g, const at::Tensor& grad_in, double lr) {
+void ZeroOptimizer::AdamStep(Group& g, const at::Tensor& grad, double lr) { TorchAdamStep(g.state, grad, g.optimizer, lr); }
+
+void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const OptimizerConfig& o, double lr) {
   // torch.optim.Adam/AdamW, single-tensor path (torch 1.13), on the partition.
-  const OptimizerConfig& o = g.optimizer;
-  PartitionState& st = g.state;
   c10::NoGradGuard no_grad;
   at::Tensor& p = st.master;
   if (!st.step.defined()) {

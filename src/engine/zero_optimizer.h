@@ -55,6 +55,10 @@ struct GroupSpec {
 
 class OverlappedGradReducer;
 
+// torch.optim.Adam/AdamW's single-tensor step (torch 1.13) on one partition:
+// `st.master` updated with `grad` (moments created on the first step).
+void TorchAdamStep(PartitionState& st, const at::Tensor& grad, const OptimizerConfig& o, double lr);
+
 class ZeroOptimizer {
  public:
   // One flat buffer per group, each laid out and partitioned as DeepSpeed's

@@ -96,6 +96,7 @@ BertMlmImpl::BertMlmImpl(const BertConfig& cfg) : cfg_(cfg) {
     auto output = Container(*layer, "output");
     l.out = Linear(*output, "dense", cfg_.intermediate_size(), C);
     l.out_ln = LayerNorm(*output, cfg_);
+    l.module = layer;
     layers.push_back(l);
   }
 
@@ -127,7 +128,9 @@ torch::Tensor BertMlmImpl::Encode(const torch::Tensor& input_ids) {
 
   torch::Tensor x = word_embeddings(input_ids) + position_embeddings(position_ids.narrow(1, 0, T));
   x = Dropout(embeddings_ln(x));
-  for (auto& l : layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Layer& l = layers[i];
+    x = units_.Enter(i, x);
     auto heads = [&](const torch::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
     torch::Tensor q = heads(l.query(x)), k = heads(l.key(x)), v = heads(l.value(x));
     torch::Tensor probs = torch::softmax(torch::matmul(q, k.transpose(-1, -2)) / scale, -1);
@@ -135,8 +138,15 @@ torch::Tensor BertMlmImpl::Encode(const torch::Tensor& input_ids) {
     torch::Tensor a = l.attn_ln(Dropout(l.attn_out(ctx)) + x);
     torch::Tensor f = l.out(torch::gelu(l.inter(a)));
     x = l.out_ln(Dropout(f) + a);
+    x = units_.Exit(i, x);
   }
   return x;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> BertMlmImpl::gather_units() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const Layer& l : layers) units.push_back(l.module);
+  return units;
 }
 
 torch::Tensor BertMlmImpl::Head(const torch::Tensor& hidden) {

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "uckpt/units.h"
+
 namespace uckpt::models {
 
 // Token ids. 0-255 are the bytes of the text; the special tokens follow.
@@ -112,6 +114,7 @@ class BertMlmImpl : public torch::nn::Module {
     torch::nn::LayerNorm attn_ln{nullptr};
     torch::nn::Linear inter{nullptr}, out{nullptr};
     torch::nn::LayerNorm out_ln{nullptr};
+    std::shared_ptr<torch::nn::Module> module;  // bert.encoder.layer.<i>
   };
   torch::nn::Embedding word_embeddings{nullptr}, position_embeddings{nullptr};
   torch::nn::LayerNorm embeddings_ln{nullptr};
@@ -122,12 +125,18 @@ class BertMlmImpl : public torch::nn::Module {
   torch::Tensor decoder_bias;    // cls.predictions.bias
   torch::Tensor position_ids;    // buffer
 
+  // ZeRO-3 gather units: the encoder layers, in forward order
+  // (EngineOptions::gather_units), and the engine's calls around them.
+  std::vector<std::shared_ptr<torch::nn::Module>> gather_units() const;
+  void set_unit_calls(uckpt::UnitCalls calls) { units_ = std::move(calls); }
+
  private:
   torch::Tensor Head(const torch::Tensor& hidden);
   torch::Tensor Dropout(const torch::Tensor& x);
   void Cast(const std::optional<torch::Device>& device, torch::Dtype dtype, bool non_blocking);
 
   BertConfig cfg_;
+  uckpt::UnitCalls units_;
 };
 TORCH_MODULE(BertMlm);
 

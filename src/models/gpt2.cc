@@ -114,6 +114,15 @@ Gpt2Module::Gpt2Module(Gpt2Config cfg) {
   net_ = std::make_unique<Gpt2>(cfg, std::move(params));
 }
 
+std::vector<std::shared_ptr<torch::nn::Module>> Gpt2Module::gather_units() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& m : named_modules("", /*include_self=*/false)) {
+    const std::string& name = m.key();
+    if (name.rfind("transformer.h.", 0) == 0 && name.find('.', 14) == std::string::npos) units.push_back(m.value());
+  }
+  return units;
+}
+
 Gpt2::Gpt2(Gpt2Config cfg, std::vector<NamedTensor> params) : cfg_(cfg), params_(std::move(params)) {
   if (cfg_.n_head <= 0 || cfg_.n_embd % cfg_.n_head != 0)
     throw std::invalid_argument("n_embd (" + std::to_string(cfg_.n_embd) + ") must be a multiple of n_head (" +
@@ -226,13 +235,16 @@ at::Tensor Gpt2::Logits(const at::Tensor& input_ids, const DropoutKey* dk) const
   const auto eps = cfg_.layer_norm_epsilon;
   const int64_t C = cfg_.n_embd;
   int64_t site = 1;
-  for (const Block& blk : blocks_) {
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block& blk = blocks_[i];
+    x = units_.Enter(i, x);
     x = x + Attention(blk, at::layer_norm(x, {C}, blk.ln_1_w, blk.ln_1_b, eps), dk, site);
     at::Tensor a = at::layer_norm(x, {C}, blk.ln_2_w, blk.ln_2_b, eps);
     at::Tensor h = Conv1D(a, blk.c_fc_w, blk.c_fc_b);
     h = cfg_.fused_kernels ? at::gelu(h, "tanh") : GeluNew(h);
     at::Tensor f = Conv1D(h, blk.mlp_proj_w, blk.mlp_proj_b);
     x = x + Dropout(f, dk, site + 2);
+    x = units_.Exit(i, x);
     site += 3;
   }
   x = at::layer_norm(x, {C}, ln_f_w_, ln_f_b_, eps);

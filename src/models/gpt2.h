@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "uckpt/units.h"
+
 namespace uckpt::engine {
 
 struct Gpt2Config {
@@ -70,6 +72,8 @@ class Gpt2 {
   // applied only when `dropout` is given and config().dropout > 0.
   at::Tensor Loss(const at::Tensor& input_ids, const DropoutKey* dropout = nullptr) const;
   at::Tensor Logits(const at::Tensor& input_ids, const DropoutKey* dropout = nullptr) const;
+  // ZeRO-3: each transformer block i runs between calls.Enter(i, x) and calls.Exit(i, y).
+  void set_unit_calls(uckpt::UnitCalls calls) { units_ = std::move(calls); }
 
  private:
   struct Block {
@@ -83,6 +87,7 @@ class Gpt2 {
   std::vector<NamedTensor> params_;
   at::Tensor wte_, wpe_, ln_f_w_, ln_f_b_;
   std::vector<Block> blocks_;
+  uckpt::UnitCalls units_;
 };
 
 // GPT-2 as a torch::nn::Module with Hugging Face's module tree, so that
@@ -99,6 +104,10 @@ class Gpt2Module : public torch::nn::Module {
     return net_->Loss(input_ids, dropout);
   }
   at::Tensor Logits(const at::Tensor& input_ids) const { return net_->Logits(input_ids); }
+  // ZeRO-3 gather units: the transformer blocks transformer.h.<i>, in forward
+  // order (EngineOptions::gather_units), and the engine's calls around them.
+  std::vector<std::shared_ptr<torch::nn::Module>> gather_units() const;
+  void set_unit_calls(uckpt::UnitCalls calls) { net_->set_unit_calls(std::move(calls)); }
 
  private:
   std::unique_ptr<Gpt2> net_;

@@ -126,7 +126,8 @@ TEST(Config, UnknownKeysWarnWrongTypesFail) {
   fails(R"({"train_batch_size": 8.5})", "must be an integer");
   fails(R"({"gradient_clipping": true})", "gradient_clipping' must be a number");
   fails(R"({"fp16": {"enabled": "yes"}})", "fp16.enabled");
-  fails(R"({"zero_optimization": {"stage": 3}})", "stage 3");
+  fails(R"({"zero_optimization": {"stage": 4}})", "stage 4");
+  fails(R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})", "offload_param needs stage 3");
   fails(R"({"optimizer": {"type": "SGD"}})", "SGD");
   fails(R"({"optimizer": {"params": {"betas": [0.9]}}})", "betas");
   fails(R"({"scheduler": {"type": "WarmupDecayLR", "params": {}}})", "total_num_steps");

@@ -11,7 +11,7 @@
 #include "ranks.h"
 #include "engine/torch_bridge.h"
 #include "cli/trainer.h"
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {

@@ -8,7 +8,7 @@
 #include "engine/data/data.h"
 #include "models/gpt2.h"
 #include "models/next_token_loss.h"
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {

@@ -6,7 +6,7 @@
 #include "fixture.h"
 #include "uckpt/comm.h"
 #include "cli/trainer.h"
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {

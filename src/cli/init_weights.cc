@@ -1,4 +1,4 @@
-#include "engine/weights.h"
+#include "cli/init_weights.h"
 
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "ckpt/deepspeed_state.h"
 #include "format/error.h"
 #include "format/file.h"
 #include "format/torch_file.h"
@@ -56,9 +57,12 @@ std::vector<NamedTensor> LoadSafetensors(const std::string& path, std::span<cons
   return out;
 }
 
+// A DeepSpeed model-states file's module, a {"state_dict"|"model": ...}
+// wrapper's dict (PyTorch Lightning, common training scripts), or the root.
 ValuePtr FindStateDict(const ValuePtr& root) {
+  if (ValuePtr module = ckpt::ModuleStateDictOf(root)) return module;
   if (!root || !root->is_dict()) return nullptr;
-  for (const char* key : {"module", "state_dict", "model"}) {
+  for (const char* key : {"state_dict", "model"}) {
     auto v = root->get(key);
     if (v && v->is_dict()) return v;
   }

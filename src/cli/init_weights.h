@@ -1,4 +1,4 @@
-// Initial weights from a file: a torch.save state dict (a plain dict of
+// `uckpt train --init FILE`: initial weights from a torch.save state dict (a plain dict of
 // tensors, or DeepSpeed's model-states file with its `module`), or a
 // safetensors file. Read through the format layer, never by running pickles.
 #pragma once

@@ -1,0 +1,381 @@
+// Stage 3's checkpoints in DeepSpeed's ZeRO-3 layout (ckpt/deepspeed_state.h
+// owns the names and keys): every rank writes
+// zero_pp_rank_<r>_mp_rank_00_model_states.pt (the module's parameters as
+// empty tensors, param_shapes per sub-group, counters, client state) and
+// zero_pp_rank_<r>_mp_rank_00_optim_states.pt (its sub-groups' fp32
+// partitions and Adam state). Loads: the same files at the same world size
+// (ours or DeepSpeed's), or a universal checkpoint (made from any stage) at
+// any size. Saving is crash-safe as at stages 0-2 (docs/reliability.md).
+#include <c10/core/GradMode.h>
+
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+#include "ckpt/folder.h"
+#include "ckpt/manifest.h"
+#include "ckpt/universal_checkpoint.h"
+#include "engine/checkpoint.h"
+#include "engine/engine_impl.h"
+#include "engine/torch_bridge.h"
+#include "format/env.h"
+#include "format/error.h"
+#include "format/file.h"
+#include "format/torch_file.h"
+
+namespace uckpt::engine {
+namespace fs = std::filesystem;
+namespace {
+
+ValuePtr HostTensorValue(const at::Tensor& t, bool requires_grad = false) {
+  at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  std::vector<uint8_t> bytes(c.nbytes());
+  if (!bytes.empty()) std::memcpy(bytes.data(), c.data_ptr(), bytes.size());
+  Tensor v;
+  v.dtype = FromScalarType(c.scalar_type());
+  v.shape = c.sizes().vec();
+  v.stride = Tensor::ContiguousStrides(v.shape);
+  v.storage = Storage::Owned(std::move(bytes), v.dtype);
+  v.requires_grad = requires_grad;
+  return Value::FromTensor(std::move(v));
+}
+
+// `n` elements of a (mapped) file tensor from flat element `first` into `dst`.
+void CopyFlat(const std::string& path, const Tensor& src, int64_t first, int64_t n, at::Tensor dst) {
+  if (first < 0 || first + n > src.numel())
+    throw FormatError(path + ": tensor has " + std::to_string(src.numel()) + " elements, need [" +
+                      std::to_string(first) + ", " + std::to_string(first + n) + ")");
+  if (n == 0) return;
+  const at::ScalarType st = ToScalarType(src.dtype);
+  if (src.is_contiguous() && src.storage) {
+    auto bytes = src.contiguous_view();
+    const uint8_t* p = bytes.data() + static_cast<size_t>(first) * DTypeSize(src.dtype);
+    dst.copy_(at::from_blob(const_cast<uint8_t*>(p), {n}, at::TensorOptions().dtype(st)));
+  } else {
+    dst.copy_(ToTorch(src).reshape(-1).narrow(0, first, n));
+  }
+}
+
+ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
+  const OptimizerConfig& o = e.zero3->optimizer_config(g);
+  return ckpt::AdamHparams{e.schedule.current_lr(), o.beta1, o.beta2, o.eps, o.weight_decay};
+}
+
+ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std::string, ValuePtr>>& client) {
+  const Zero3Optimizer& z = *e.zero3;
+  ckpt::ModelStates m;
+  m.stage = 3;
+  // The parameters' entries are empty (each rank's partition is in its optim
+  // file), as DeepSpeed's state_dict of released ZeRO-3 parameters.
+  std::map<std::string, ValuePtr> by_name;
+  for (const auto& p : z.params()) by_name[p.name] = HostTensorValue(at::empty({0}, p.tensor.options().device(at::kCPU)));
+  for (const auto* list : {&e.frozen, &e.buffers})
+    for (const auto& p : *list) by_name[p.name] = HostTensorValue(p.tensor);
+  for (const auto& [alias, owner] : e.aliases) by_name[alias] = by_name.at(owner);
+  for (const auto& name : e.state_names) m.module.emplace_back(name, by_name.at(name));
+  m.module_prefixes = e.module_prefixes;
+  for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
+  for (const auto& sg : z.sub_groups()) {
+    m.param_shapes.emplace_back();
+    for (size_t i : sg.params) m.param_shapes.back().push_back({z.params()[i].name, z.params()[i].tensor.sizes().vec()});
+  }
+  for (const auto& p : e.frozen) {
+    m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
+    m.frozen.emplace_back(p.name, HostTensorValue(p.tensor.reshape(-1)));
+  }
+  m.shared_params = e.aliases;
+  if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
+  m.global_steps = e.global_steps;
+  m.global_samples = e.global_samples;
+  m.skipped_steps = e.skipped_steps;
+  m.dp_world_size = e.comm->world_size();
+  m.ds_config = ckpt::JsonToValue(e.config.raw);
+  ValuePtr ours = Value::Dict();
+  ours->set("data_samples", Value::Int(e.global_samples));
+  ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
+  ours->set("lr", Value::Float(e.schedule.current_lr()));
+  m.extra.emplace_back("uckpt", ours);
+  for (const auto& kv : client) m.extra.push_back(kv);
+  return ckpt::ModelStatesValue(m);
+}
+
+ValuePtr Zero3OptimStates(const Engine::Impl& e) {
+  const Zero3Optimizer& z = *e.zero3;
+  ckpt::Stage3RankOptimStates r;
+  r.dp = z.dp();
+  r.scaler = z.loss_scaler();
+  r.ds_config = ckpt::JsonToValue(e.config.raw);
+  std::vector<std::vector<int64_t>> ids(z.num_groups());
+  for (size_t i = 0; i < z.sub_groups().size(); ++i) {
+    const Zero3SubGroup& sg = z.sub_groups()[i];
+    ckpt::Stage3SubGroupState s;
+    s.fp32 = HostTensorValue(sg.state.master, /*requires_grad=*/true);
+    if (sg.state.step.defined())
+      s.adam = {{"step", HostTensorValue(sg.state.step)},
+                {"exp_avg", HostTensorValue(sg.state.exp_avg)},
+                {"exp_avg_sq", HostTensorValue(sg.state.exp_avg_sq)}};
+    r.sub_groups.push_back(std::move(s));
+    ids[sg.group].push_back(static_cast<int64_t>(i));
+  }
+  for (size_t g = 0; g < ids.size(); ++g) r.param_groups.emplace_back(Hparams(e, g), ids[g]);
+  return ckpt::Stage3OptimStatesValue(r);
+}
+
+std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state) {
+  std::vector<std::pair<std::string, ValuePtr>> out;
+  if (client_state.isNone()) return out;
+  if (!client_state.isGenericDict())
+    throw std::invalid_argument("SaveCheckpoint: client_state must be a dict with string keys, not a " +
+                                client_state.tagKind());
+  ValuePtr cs = FromIValue(client_state, "client_state");
+  for (const auto& [k, v] : cs->entries) {
+    if (k->kind != Kind::kStr) throw std::invalid_argument("SaveCheckpoint: client_state keys must be strings");
+    if (ckpt::IsModelStatesKey(k->s))
+      throw std::invalid_argument("SaveCheckpoint: client_state key '" + k->s +
+                                  "' is one of the checkpoint's own keys; choose another name");
+    out.emplace_back(k->s, v);
+  }
+  return out;
+}
+
+// Throws on every rank when any rank's `error` is set (its own message on that rank).
+void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
+  comm.AllReduceMax(failed);
+  const int bad = static_cast<int>(failed.item<float>());
+  if (bad < 0) return;
+  if (!error.empty()) throw IoError("checkpoint " + folder + " not saved: " + error);
+  throw IoError("checkpoint " + folder + " not saved: rank " + std::to_string(bad) + " could not write its part");
+}
+
+}  // namespace
+
+std::string SaveZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                const ClientState& client_state) {
+  if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
+  Comm& comm = *e.comm;
+  Env& env = Env::Current();
+  const bool rank0 = comm.rank() == 0;
+  const std::string folder = dir + "/" + tag;
+  const std::string tmp = dir + "/." + tag + ".uckpt-tmp";
+  auto client = ClientEntries(client_state);
+  std::string error;
+  if (rank0) {
+    try {
+      env.CreateDirs(dir);
+      env.RemoveAll(tmp);
+      env.CreateDirs(tmp);
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    }
+  }
+  AgreeOrThrow(comm, folder, error);
+  try {
+    SaveTorchFile(tmp + "/" + ckpt::OptimStatesFileName(comm.rank(), /*bf16=*/false), Zero3OptimStates(e));
+    SaveTorchFile(tmp + "/" + ckpt::Zero3ModelStatesFileName(comm.rank()), Zero3ModelStates(e, client));
+  } catch (const std::exception& ex) {
+    error = ex.what();
+  }
+  auto cleanup = [&] {
+    try {
+      env.RemoveAll(tmp);
+    } catch (const std::exception&) {
+    }
+  };
+  try {
+    AgreeOrThrow(comm, folder, error);
+  } catch (...) {
+    if (rank0) cleanup();
+    throw;
+  }
+  if (rank0) {
+    try {
+      ckpt::WriteManifest(tmp);
+      ReplaceFolder(env, tmp, folder);
+      env.SyncDir(dir);
+      AtomicFile latest(dir + "/latest");
+      latest.Write(tag);
+      latest.Commit();
+    } catch (const std::exception& ex) {
+      error = ex.what();
+      cleanup();
+    }
+  }
+  AgreeOrThrow(comm, folder, error);
+  return folder;
+}
+
+// ---- Loading. ----
+
+namespace {
+
+void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
+  e.global_steps = m.global_steps;
+  e.skipped_steps = m.skipped_steps;
+  e.global_samples = m.global_samples ? *m.global_samples : e.global_steps * e.batch.train_batch_size;
+  e.micro_steps = e.global_steps * e.batch.gradient_accumulation_steps;
+  if (o.load_lr_scheduler_states && m.last_batch_iteration) {
+    e.schedule.Restore(*m.last_batch_iteration);
+  } else if (e.global_steps > 0 && !e.config.scheduler.type.empty()) {
+    e.schedule.Restore(e.global_steps - 1 - e.skipped_steps);
+  }
+}
+
+// Frozen parameters and buffers from the module state, where it holds them whole.
+void LoadFixed(const Engine::Impl& e, const std::string& path, const ckpt::ModelStatesView& m) {
+  c10::NoGradGuard no_grad;
+  for (const auto* list : {&e.frozen, &e.buffers})
+    for (const auto& p : *list) {
+      auto it = m.module.find(p.name);
+      if (it == m.module.end() || it->second->numel() != p.tensor.numel()) {
+        if (it != m.module.end() && it->second->numel() == 0) continue;  // DeepSpeed's partitioned frozen parameter
+        throw FormatError(path + ": module has no tensor '" + p.name + "' of " + std::to_string(p.tensor.numel()) +
+                          " elements");
+      }
+      p.tensor.copy_(ToTorch(*it->second).view(p.tensor.sizes()));
+    }
+}
+
+// Each sub-group's fp32 partition and Adam state from this rank's stage-3 optim file.
+void LoadZero3Partitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
+  Zero3Optimizer& z = *e.zero3;
+  const std::string path = folder + "/" + ckpt::OptimStatesFileName(e.comm->rank(), false);
+  TorchFile f = LoadTorchFile(path);
+  const ckpt::Stage3RankOptimView v = ckpt::ReadStage3RankOptimStates(f.root, path);
+  if (v.partition_count && *v.partition_count != z.dp())
+    throw FormatError(path + ": partition_count is " + std::to_string(*v.partition_count) + ", this run has " +
+                      std::to_string(z.dp()) + " ranks");
+  if (v.fp32.size() != z.sub_groups().size())
+    throw FormatError(path + ": has " + std::to_string(v.fp32.size()) + " sub-groups, this run has " +
+                      std::to_string(z.sub_groups().size()) + " (same model, parameter groups and sub_group_size?)");
+  static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(v.loss_scaler, z.loss_scaler());
+  for (size_t i = 0; i < v.fp32.size(); ++i) {
+    PartitionState& st = z.sub_groups()[i].state;
+    const int64_t n = st.master.numel();
+    const std::string is = std::to_string(i);
+    if (v.fp32[i]->numel() != n)
+      throw FormatError(path + ": fp32_flat_groups[" + is + "] has " + std::to_string(v.fp32[i]->numel()) +
+                        " elements, this run's sub-group has " + std::to_string(n));
+    CopyFlat(path, *v.fp32[i], 0, n, st.master);
+    if (!o.load_optimizer_states || !v.adam[i]) {
+      st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
+      continue;
+    }
+    for (auto [src, dst] : {std::pair{v.adam[i]->exp_avg, &st.exp_avg}, {v.adam[i]->exp_avg_sq, &st.exp_avg_sq}}) {
+      if (src->numel() != n) throw FormatError(path + ": the Adam state of sub-group " + is + " has the wrong size");
+      *dst = at::zeros({n}, st.master.options());
+      CopyFlat(path, *src, 0, n, *dst);
+    }
+    st.step = at::full({}, v.adam[i]->step, st.master.options());
+  }
+  z.PartitionsFromMasters();
+}
+
+// A universal checkpoint (made at any stage and size): each rank copies its
+// slice [r*ps, r*ps + real) of every parameter's files.
+void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::ModelStatesView& m,
+                        const LoadCheckpointOptions& o) {
+  Zero3Optimizer& z = *e.zero3;
+  const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
+  const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
+  static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, z.loss_scaler());
+  const bool with_state = o.load_optimizer_states;
+  // Adam's step: from step.pt (stage 1/2 universal), else the applied steps
+  // (ZeRO-3's universal folders keep it only inside optimizer_state.pt).
+  double step = static_cast<double>(m.global_steps - m.skipped_steps);
+  if (u.has_step && !z.params().empty()) step = ckpt::ReadUniversalStep(u, z.params().front().name);
+  const int dp = z.dp(), rank = e.comm->rank();
+  std::vector<bool> have_state(z.sub_groups().size(), with_state);
+  for (size_t s = 0; s < z.sub_groups().size(); ++s) {
+    PartitionState& st = z.sub_groups()[s].state;
+    st.master.zero_();
+    if (with_state) {
+      st.exp_avg = at::zeros_like(st.master);
+      st.exp_avg_sq = at::zeros_like(st.master);
+      st.step = at::full({}, step, st.master.options());
+    }
+  }
+  for (const Zero3Param& p : z.params()) {
+    PartitionState& st = z.sub_groups()[p.sub_group].state;
+    const int64_t real = ckpt::Stage3RealNumel(p.numel, dp, rank);
+    const int64_t first = std::min<int64_t>(p.numel, p.partition_size * rank);
+    std::vector<std::pair<std::string, at::Tensor>> keys = {{"fp32", st.master}};
+    if (with_state) keys.insert(keys.end(), {{"exp_avg", st.exp_avg}, {"exp_avg_sq", st.exp_avg_sq}});
+    for (auto& [key, dst] : keys) {
+      ckpt::LoadedState ls = ckpt::LoadUniversalState(u, p.name, key);
+      const std::string where = folder + "/zero/" + p.name + "/" + key + ".pt";
+      if (ls.tensor->numel() != p.numel)
+        throw FormatError(where + ": has " + std::to_string(ls.tensor->numel()) + " elements, " + p.name + " has " +
+                          std::to_string(p.numel));
+      CopyFlat(where, *ls.tensor, first, real, dst.narrow(0, p.offset, real));
+    }
+  }
+  if (!with_state)
+    for (auto& sg : z.sub_groups()) sg.state.step = sg.state.exp_avg = sg.state.exp_avg_sq = at::Tensor();
+  z.PartitionsFromMasters();
+}
+
+ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& [k, v] : m.client) d.insert(k, ToIValue(v));
+  return c10::IValue(d);
+}
+
+}  // namespace
+
+std::string UniversalModelStatesPath(const std::string& folder) {
+  std::string path;
+  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+    if (f.kind == ckpt::FileKind::kModelStates) return f.path;
+  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+    if (f.kind == ckpt::FileKind::kZero3ModelStates && (path.empty() || f.path < path)) path = f.path;
+  if (path.empty()) throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
+  return path;
+}
+
+LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
+                               const LoadCheckpointOptions& o) {
+  const char* tag_file = o.universal ? "latest_universal" : "latest";
+  if (tag_in.empty() && !fs::exists(dir + "/" + tag_file)) return LoadResult{"", c10::IValue()};
+  const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
+  const std::string folder = dir + "/" + tag;
+  ckpt::CheckFolderAgainstManifest(folder, o.verify_hashes);
+  if (o.load_module_only)
+    throw std::invalid_argument(folder + ": load_module_only is not supported at ZeRO stage 3 yet (load it fully, or "
+                                "export the weights with `uckpt export`)");
+  // The model states: ours and DeepSpeed's stage-3 files are per rank; a
+  // universal folder holds the copies of its source's (any stage).
+  std::string model_path;
+  if (o.universal) {
+    model_path = UniversalModelStatesPath(folder);
+  } else {
+    model_path = folder + "/" + ckpt::Zero3ModelStatesFileName(e.comm->rank());
+    if (!fs::exists(model_path)) {
+      const std::string stage12 = folder + "/" + ckpt::ModelStatesFileName();
+      if (fs::exists(stage12))
+        throw FormatError(folder + ": a ZeRO stage 0-2 checkpoint; to resume it at stage 3 convert it with `uckpt "
+                          "convert " + folder + " " + folder + "_universal` and load that with universal = true");
+      throw FormatError(model_path + ": missing (this rank's ZeRO-3 model states)");
+    }
+  }
+  TorchFile model_file = LoadTorchFile(model_path);
+  const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
+  LoadResult result{folder, ClientStateOf(m)};
+  LoadFixed(e, model_path, m);
+  RestoreCounters(e, m, o);
+  c10::NoGradGuard no_grad;
+  if (o.universal) {
+    LoadZero3Universal(e, folder, m, o);
+    return result;
+  }
+  if (m.dp_world_size.value_or(-1) != e.comm->world_size())
+    throw FormatError(folder + ": saved at data-parallel world size " +
+                      (m.dp_world_size ? std::to_string(*m.dp_world_size) : std::string("(not recorded)")) +
+                      ", this run has " + std::to_string(e.comm->world_size()) +
+                      ". ZeRO partitions only load at the same size; convert it with `uckpt convert " + folder + " " +
+                      folder + "_universal` and load that with universal = true (--universal_checkpoint)");
+  LoadZero3Partitions(e, folder, o);
+  return result;
+}
+
+}  // namespace uckpt::engine

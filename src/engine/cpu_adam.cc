@@ -1,0 +1,120 @@
+#include "engine/cpu_adam.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "ckpt/parallel.h"
+
+namespace uckpt::engine {
+namespace {
+
+struct AdamScalars {
+  float grad_scale, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float bias_correction2_sqrt, eps, neg_step_size;
+  bool decoupled;
+};
+
+// The element loop, kept free of aliasing and branches on data so the
+// compiler vectorises it (no -ffast-math: the order of operations is torch's).
+void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
+               float* __restrict g, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    float grad = g[i] * s.grad_scale;
+    float param = p[i];
+    if (s.decoupled) {
+      param = param * s.decay;
+    } else {
+      grad = grad + param * s.weight_decay;
+    }
+    const float mi = m[i] * s.beta1 + grad * s.one_minus_beta1;
+    const float vi = v[i] * s.beta2 + (s.one_minus_beta2 * grad) * grad;  // addcmul: (value * t1) * t2
+    const float denom = std::sqrt(vi) / s.bias_correction2_sqrt + s.eps;
+    p[i] = param + (s.neg_step_size * mi) / denom;  // addcdiv: (value * t1) / t2
+    m[i] = mi;
+    v[i] = vi;
+    g[i] = 0.0f;
+  }
+}
+
+void CheckHostFloat(const at::Tensor& t, const char* what, int64_t n) {
+  if (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous() || t.numel() != n)
+    throw std::invalid_argument(std::string("CpuAdamStep: ") + what + " must be a contiguous host fp32 tensor of " +
+                                std::to_string(n) + " elements");
+}
+
+constexpr int64_t kChunk = 1 << 18;  // elements per job: 1 MiB of each array
+
+// Runs fn(begin, end) over [0, n) in chunks on libtorch's intra-op thread
+// count (--threads). Our own threads: at::parallel_for's OpenMP pragma would
+// need this file built with OpenMP, next to libtorch's own runtime.
+template <typename Fn>
+void ParallelChunks(int64_t n, Fn fn) {
+  const size_t jobs = static_cast<size_t>((n + kChunk - 1) / kChunk);
+  const int threads = std::max(1, std::min(at::get_num_threads(), static_cast<int>(jobs)));
+  ckpt::ParallelFor(jobs, threads, [&](size_t k) {
+    const int64_t begin = static_cast<int64_t>(k) * kChunk;
+    fn(begin, std::min(n, begin + kChunk));
+  });
+}
+
+}  // namespace
+
+double SumOfSquares(const at::Tensor& t) {
+  if (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous())
+    throw std::invalid_argument("SumOfSquares: needs a contiguous host fp32 tensor");
+  const float* x = t.data_ptr<float>();
+  const int64_t n = t.numel();
+  std::vector<double> partial(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
+  ParallelChunks(n, [&](int64_t begin, int64_t end) {
+    double s = 0;
+    for (int64_t i = begin; i < end; ++i) s += static_cast<double>(x[i]) * x[i];
+    partial[static_cast<size_t>(begin / kChunk)] = s;
+  });
+  double total = 0;
+  for (double s : partial) total += s;  // in chunk order: the same on every run
+  return total;
+}
+
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
+  c10::NoGradGuard no_grad;
+  const int64_t n = st.master.numel();
+  CheckHostFloat(st.master, "the master", n);
+  CheckHostFloat(grad, "the gradient", n);
+  if (!st.step.defined()) {
+    st.step = at::zeros({}, st.master.options());
+    st.exp_avg = at::zeros_like(st.master);
+    st.exp_avg_sq = at::zeros_like(st.master);
+  }
+  CheckHostFloat(st.exp_avg, "exp_avg", n);
+  CheckHostFloat(st.exp_avg_sq, "exp_avg_sq", n);
+  st.step.add_(1);
+  const double step = st.step.item<float>();
+  // The scalars as torch computes them: in double on the host, then used by
+  // the fp32 kernels as floats.
+  const double bias_correction1 = 1 - std::pow(o.beta1, step);
+  const double bias_correction2 = 1 - std::pow(o.beta2, step);
+  AdamScalars s;
+  s.grad_scale = static_cast<float>(grad_scale);
+  s.decoupled = o.decoupled_weight_decay;
+  s.decay = static_cast<float>(1 - lr * o.weight_decay);
+  s.weight_decay = o.decoupled_weight_decay ? 0.0f : static_cast<float>(o.weight_decay);
+  s.beta1 = static_cast<float>(o.beta1);
+  s.one_minus_beta1 = static_cast<float>(1 - o.beta1);
+  s.beta2 = static_cast<float>(o.beta2);
+  s.one_minus_beta2 = static_cast<float>(1 - o.beta2);
+  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  s.eps = static_cast<float>(o.eps);
+  s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  float* p = st.master.data_ptr<float>();
+  float* m = st.exp_avg.data_ptr<float>();
+  float* v = st.exp_avg_sq.data_ptr<float>();
+  float* g = grad.data_ptr<float>();
+  ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+}
+
+}  // namespace uckpt::engine

@@ -1,0 +1,28 @@
+// Adam/AdamW on fp32 partitions in host memory (offload_optimizer): one pass
+// over the parameter, its moments and its gradient instead of torch's seven
+// (and no temporaries, whose fresh pages cost as much as the arithmetic).
+//
+// Numerics: torch.optim.Adam/AdamW's single-tensor formula (TorchAdamStep in
+// zero_optimizer.h), each operation rounded to fp32 in the same order, without
+// fused multiply-adds. torch's vectorised CPU kernels use FMAs in add(alpha)
+// and addcmul, so results may differ from TorchAdamStep in the last bit of an
+// element; tests/engine/cpu_adam_test.cc bounds that.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "engine/zero_optimizer.h"
+
+namespace uckpt::engine {
+
+// One step on `st` (master, exp_avg, exp_avg_sq, step; host fp32, contiguous;
+// moments created on the first step) with gradient `grad * grad_scale`
+// (grad_scale: the unscale-and-clip factor). `grad` is zeroed on return, ready
+// for the next accumulation. Runs on at::get_num_threads() threads.
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr);
+
+// The sum of the squares of a host fp32 tensor, accumulated in fp64 (the
+// squared L2 norm, for the global gradient norm without fp64 copies).
+double SumOfSquares(const at::Tensor& t);
+
+}  // namespace uckpt::engine

@@ -1,0 +1,137 @@
+// ZeRO stage 3, laid out as DeepSpeed's DeepSpeedZeroOptimizer_Stage3 lays
+// it out (ckpt/partition.h): every trainable parameter is split on its own,
+// rank r keeping elements [r*ps, (r+1)*ps) of the flattened parameter
+// (ps = ceil(numel/dp), zeros past the end). Each optimizer group is cut into
+// sub-groups (sub_group_size); a sub-group's fp32 master, Adam moments and
+// averaged gradient are the concatenation of its parameters' partitions.
+//
+// The module's parameters keep their shapes; their storage holds the whole
+// tensor only while gathered. Gather units (Engine::EnterUnit/ExitUnit) are
+// gathered for their forward and again for their backward; the root unit
+// (parameters in no unit, tied across units, or persistent: numel <=
+// stage3_param_persistence_threshold) stays gathered. Gradients go into a
+// bucket when their unit's backward is done; a full bucket (reduce_bucket_size
+// elements) or the end of backward reduce-scatters it as DeepSpeed does
+// (reduce_scatter_coalesced: per rank, each parameter's chunk, padded; divided
+// by dp; summed) into the owners' fp32 gradient partitions. Step() computes
+// DeepSpeed's stage-3 global norm (fp64 per parameter partition), clips, runs
+// torch's Adam/AdamW on each sub-group's partition (under offload_optimizer:
+// the fused host Adam of cpu_adam.h, in host memory) and re-gathers what is live.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/loss_scaler.h"
+#include "engine/zero_optimizer.h"
+#include "uckpt/comm.h"
+
+namespace uckpt::engine {
+
+struct Zero3Settings {
+  ZeroSettings base;  // clipping, optimizer, dtype, fp16, offload_optimizer_cpu, reduce_bucket_size
+  int64_t persistence_threshold = 100000;
+  int64_t sub_group_size = 1000000000;
+  bool offload_param_cpu = false;  // the 16-bit partitions in host memory
+};
+
+// One trainable parameter under stage 3.
+struct Zero3Param {
+  std::string name;
+  at::Tensor tensor;  // the module's parameter (its storage is swapped in and out)
+  size_t group = 0;   // optimizer group
+  int64_t numel = 0, partition_size = 0;
+  int unit = -1;  // gather unit; -1: the root unit (always gathered)
+  bool persistent = false;
+  at::Tensor partition;  // [ps] model dtype: this rank's slice (host memory under offload_param)
+  size_t sub_group = 0;
+  int64_t offset = 0;  // of the partition in its sub-group's flat buffers
+  int live = 0;        // gather count; the storage is allocated while > 0
+};
+
+// One optimizer sub-group of one rank (DeepSpeed's fp32_partitioned_groups_flat[i]).
+struct Zero3SubGroup {
+  size_t group = 0;
+  std::vector<size_t> params;  // indices into Zero3Optimizer::params()
+  PartitionState state;        // master [sum ps] fp32 + Adam moments and step
+  at::Tensor grad;             // [sum ps] fp32: the averaged gradient being accumulated
+};
+
+class Zero3Optimizer {
+ public:
+  // `groups[g]`: group g's parameters (whole, equal on every rank), in the
+  // order DeepSpeed flattens them; `unit_of[g][k]`: their gather unit (-1 root).
+  Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
+                 std::vector<OptimizerConfig> group_optimizers, const std::vector<std::vector<int>>& unit_of,
+                 int num_units, Zero3Settings settings, at::Device device);
+
+  const Zero3Settings& settings() const { return s_; }
+  int dp() const { return comm_.world_size(); }
+  std::vector<Zero3Param>& params() { return params_; }
+  const std::vector<Zero3Param>& params() const { return params_; }
+  std::vector<Zero3SubGroup>& sub_groups() { return subs_; }
+  const std::vector<Zero3SubGroup>& sub_groups() const { return subs_; }
+  size_t num_groups() const { return group_optimizers_.size(); }
+  const OptimizerConfig& optimizer_config(size_t g) const { return group_optimizers_.at(g); }
+  void set_optimizer_config(size_t g, const OptimizerConfig& o) { group_optimizers_.at(g) = o; }
+  LossScaler& loss_scaler() { return scaler_; }
+  const LossScaler& loss_scaler() const { return scaler_; }
+  double loss_scale() const { return scaler_.cur_scale; }
+  int num_units() const { return static_cast<int>(units_.size()); }
+
+  // The unit calls (Engine::EnterUnit/ExitUnit): gather/free plus the
+  // autograd identities that wire the backward side.
+  at::Tensor EnterUnit(size_t unit, const at::Tensor& input);
+  at::Tensor ExitUnit(size_t unit, const at::Tensor& output);
+  void GatherAll();   // +1 on every unit
+  void ReleaseAll();  // -1 on every unit
+  bool IsGathered(const Zero3Param& p) const { return p.live > 0; }
+
+  // After loss.backward(): the gradients not reduced yet (the root unit's),
+  // then the bucket; frees units that backward gathered and left gathered.
+  void FinishBackward();
+
+  using StepResult = ZeroOptimizer::StepResult;
+  StepResult Step(double lr);
+
+  // The 16-bit partitions from the fp32 masters, then every gathered
+  // parameter from the partitions (after loading a checkpoint).
+  void PartitionsFromMasters();
+  // Whole parameter p (model dtype, on the model's device) from every rank's
+  // partition: one all-gather, collective.
+  at::Tensor GatherWhole(size_t p);
+
+  // For the backward identities (zero3.cc).
+  void BackwardGather(size_t unit);
+  void BackwardDone(size_t unit);
+
+ private:
+  void Gather(size_t unit);
+  void Release(size_t unit);
+  void Fetch(const std::vector<size_t>& ps);  // all-gather into the parameters' storage
+  void Bucket(size_t p);
+  void FlushBucket();
+  at::Tensor GlobalNorm(bool* finite);
+  at::Tensor ToHostStaging(const at::Tensor& t);
+
+  Comm& comm_;
+  Zero3Settings s_;
+  at::Device device_;
+  std::vector<OptimizerConfig> group_optimizers_;
+  std::vector<Zero3Param> params_;
+  std::vector<Zero3SubGroup> subs_;
+  std::vector<std::vector<size_t>> units_;  // unit -> its parameters (not root, not persistent)
+  std::vector<int> backward_live_;          // per unit: gathered by backward, not yet freed
+  std::vector<size_t> bucket_;              // parameters whose gradients wait for the reduce-scatter
+  std::vector<at::Tensor> bucket_grads_;
+  int64_t bucket_numel_ = 0;
+  bool initial_hold_ = true;  // every unit gathered until the first EnterUnit
+  LossScaler scaler_;
+  at::Tensor host_staging_;  // offload_optimizer: pinned, for reduced gradient chunks
+};
+
+}  // namespace uckpt::engine
