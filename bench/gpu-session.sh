@@ -5,7 +5,8 @@
 # (tests/engine/gpu_matrix.sh, the three precisions in parallel), train (bench/train-gpu.sh),
 # ckpt (bench/ckpt-gpu.sh), demo (scripts/demo-gpu.sh both), failing (failing ranks under
 # NCCL, tests/engine/failing_ranks_test.sh on 2 GPUs), fp16 (GPT-2 124M in fp16 with dynamic
-# loss scaling on 4 GPUs, bench/fp16-gpu.sh).
+# loss scaling on 4 GPUs, bench/fp16-gpu.sh), ckptio (uckpt sync/async save and load against
+# PyTorch DCP on one GPU, bench/ckpt-io-gpu.sh).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,7 @@ for p in ${PARTS:-check matrix train ckpt}; do
       for prec in fp32 bf16 fp16; do sed -n '/==== gpu_matrix/,$p' "$OUT/matrix-$prec.log"; grep -m3 "failed:" -A3 "$OUT/matrix-$prec.log"; done ;;
     train) part train ${LIMIT_train:-330} bench/train-gpu.sh "$U" /tmp/train-gpu ;;
     ckpt) part ckpt ${LIMIT_ckpt:-150} bench/ckpt-gpu.sh "$U" /tmp/ckpt-gpu ;;
+    ckptio) part ckptio ${LIMIT_ckptio:-400} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu ;;
     failing) RANKS=2 DEVICE=cuda part failing ${LIMIT_failing:-240} tests/engine/failing_ranks_test.sh "$U" /tmp/failing ;;
     fp16) part fp16 ${LIMIT_fp16:-180} bench/fp16-gpu.sh "$U" /tmp/fp16-gpu ;;
     demo) part demo ${LIMIT_demo:-300} scripts/demo-gpu.sh /tmp/uckpt-gpu both ;;

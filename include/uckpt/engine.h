@@ -92,6 +92,24 @@ struct LoadCheckpointOptions {
 struct LoadResult {
   std::string path;          // the tag folder loaded
   ClientState client_state;  // a dict of the keys the saver added
+  // Optimizer-state bytes this rank read from the ZeRO rank files: those of
+  // its own partition only, at any world size (resharded while loading); 0
+  // for universal, weights-only and stage-0 loads.
+  uint64_t optimizer_bytes_read = 0;
+};
+
+struct SaveCheckpointOptions {
+  // Write in the background: SaveCheckpoint returns once the state is copied
+  // to host memory, and the files are written while training goes on (see
+  // WaitForCheckpoint). Unset: the config's "checkpoint": {"async_save": ...}.
+  std::optional<bool> async_save;
+};
+
+// What the last SaveCheckpoint cost the caller.
+struct SaveStats {
+  bool async = false;
+  double blocked_s = 0;         // time SaveCheckpoint blocked (async: waiting for the previous save + snapshot)
+  uint64_t snapshot_bytes = 0;  // host memory the snapshot holds until its files are written
 };
 
 struct StepInfo {
@@ -151,8 +169,18 @@ class Engine {
   // client_state's keys at the top of the model-states file, then points
   // <dir>/latest at it. Crash-safe: until it returns, `latest` names the
   // previous checkpoint. Returns the tag folder.
+  // With async_save the call returns once the state is snapshotted and the
+  // files are written in the background: the checkpoint is published (its
+  // folder renamed into place, then `latest`) at a later Step, SaveCheckpoint,
+  // LoadCheckpoint or WaitForCheckpoint call once every rank's files are
+  // durable; a failed background write throws there, naming the file.
   std::string SaveCheckpoint(const std::string& dir, const std::string& tag = "",
-                             const ClientState& client_state = c10::IValue());
+                             const ClientState& client_state = c10::IValue(), const SaveCheckpointOptions& options = {});
+  // Waits for a background save and publishes it; throws its error (naming
+  // the file). Collective. Call it before the end of training: the destructor
+  // also waits, but can only report an error on stderr.
+  void WaitForCheckpoint();
+  const SaveStats& last_save() const;
   // Loads <dir>/<tag> (tag "" = what `latest`, or `latest_universal`, names).
   // A missing `latest` is not an error: nothing is loaded and path is "".
   LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "", const LoadCheckpointOptions& options = {});

@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -107,6 +108,10 @@ class SequentialWriter final : public OrderedSink {
     if (data.empty()) return;
     if (hash_) XXH64_update(hash_.get(), data.data(), data.size());
     offset_ += data.size();
+    if (buf_.empty() && data.size() >= kChunk) {  // a whole chunk: no need to gather it
+      WriteAll(data);
+      return;
+    }
     if (buf_.size() + data.size() <= kChunk) {
       buf_.insert(buf_.end(), data.begin(), data.end());
       if (buf_.size() == kChunk) Flush();
@@ -307,6 +312,31 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
 
   ParallelFor(jobs.size(), threads, [&](size_t k) { run(jobs[k]); });
   return results;
+}
+
+uint64_t ExecuteReads(std::span<const ReadBatch> batches, const ReadOptions& options) {
+  struct Task {
+    const uint8_t* from;
+    uint8_t* to;
+    uint64_t size;
+  };
+  std::vector<Task> tasks;
+  uint64_t total = 0;
+  const uint64_t chunk = std::max<uint64_t>(options.chunk, 1);
+  for (const ReadBatch& b : batches) {
+    for (const ReadPiece& p : b.pieces) {
+      if (p.to > b.into.size() || p.from.size() > b.into.size() - p.to)
+        throw std::invalid_argument("ExecuteReads: a piece of " + std::to_string(p.from.size()) + " bytes at " +
+                                    std::to_string(p.to) + " does not fit a buffer of " +
+                                    std::to_string(b.into.size()));
+      for (uint64_t at = 0; at < p.from.size(); at += chunk)
+        tasks.push_back({p.from.data() + at, b.into.data() + p.to + at, std::min(chunk, p.from.size() - at)});
+      total += p.from.size();
+    }
+  }
+  ParallelFor(tasks.size(), WorkerThreads(options.threads, tasks.size()),
+              [&](size_t k) { std::memcpy(tasks[k].to, tasks[k].from, tasks[k].size); });
+  return total;
 }
 
 }  // namespace uckpt::ckpt

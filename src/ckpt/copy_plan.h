@@ -115,4 +115,28 @@ struct CopyOptions {
 // std::invalid_argument for a pieces file whose pieces do not tile it.
 std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions& options = {});
 
+// ---- Reads: the reverse plan, byte ranges of (memory-mapped) input files
+// into memory (a resume reading its partition, ckpt/reshard.h). ----
+
+struct ReadPiece {
+  std::span<const uint8_t> from;  // must stay valid until ExecuteReads returns
+  uint64_t to = 0;                // byte offset in the batch's buffer
+};
+
+// Pieces that fill (parts of) one buffer.
+struct ReadBatch {
+  std::span<uint8_t> into;
+  std::vector<ReadPiece> pieces;
+};
+
+struct ReadOptions {
+  int threads = 0;                // 0: min(4, cores)
+  uint64_t chunk = 8ull << 20;    // pieces larger than this are split over threads
+};
+
+// Copies every piece into its buffer, on several threads. Returns the bytes
+// read (the sum of the pieces' sizes). Throws std::invalid_argument for a
+// piece that does not fit its buffer (before anything is copied).
+uint64_t ExecuteReads(std::span<const ReadBatch> batches, const ReadOptions& options = {});
+
 }  // namespace uckpt::ckpt

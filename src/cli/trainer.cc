@@ -218,7 +218,11 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     comm.SetActivity("saving checkpoint " + tag);
     const auto t0 = std::chrono::steady_clock::now();
     trainer.SaveCheckpoint(o.checkpoint_dir, tag);
-    if (rank0)
+    const SaveStats& s = trainer.engine().last_save();
+    if (rank0 && s.async)
+      std::fprintf(stderr, "uckpt train: snapshot of %s/%s in %.3f s (%.1f MiB of host memory), writing in the background\n",
+                   o.checkpoint_dir.c_str(), tag.c_str(), s.blocked_s, static_cast<double>(s.snapshot_bytes) / (1 << 20));
+    else if (rank0)
       std::fprintf(stderr, "uckpt train: saved %s/%s in %.3f s\n", o.checkpoint_dir.c_str(), tag.c_str(),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   };
@@ -261,6 +265,15 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     std::fprintf(stderr, "uckpt train: rank %d peak RSS %.1f MiB\n", comm.rank(), static_cast<double>(ru.ru_maxrss) / 1024);
   }
   if (last_saved != trainer.counters().global_steps) save();
+  {
+    // The last background save must be durable (or its error reported) before the run ends.
+    comm.SetActivity("finishing a background checkpoint save");
+    const auto t0 = std::chrono::steady_clock::now();
+    trainer.engine().WaitForCheckpoint();
+    if (rank0 && trainer.engine().last_save().async)
+      std::fprintf(stderr, "uckpt train: background save published after %.3f s more\n",
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
   return 0;
 }
 

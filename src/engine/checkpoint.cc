@@ -4,6 +4,7 @@
 
 #include <c10/core/GradMode.h>
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,8 @@
 #include "format/error.h"
 #include "format/file.h"
 #include "format/torch_file.h"
+#include "engine/async_save.h"
+#include "engine/resharded_load.h"
 #include "engine/torch_bridge.h"
 #include "engine/engine_impl.h"
 
@@ -40,7 +43,22 @@ ValuePtr View(const std::shared_ptr<Storage>& storage, DType dtype, std::vector<
   return Value::FromTensor(std::move(t));
 }
 
+// Where StorageOf puts tensors while a save builds its values: a pool for
+// snapshots (async saves), or none: a CPU tensor is viewed in place (a
+// synchronous save writes it before the training can change it).
+thread_local SnapshotPool* t_snapshot_pool = nullptr;
+struct SnapshotScope {
+  explicit SnapshotScope(SnapshotPool* pool) : previous(t_snapshot_pool) { t_snapshot_pool = pool; }
+  ~SnapshotScope() { t_snapshot_pool = previous; }
+  SnapshotPool* previous;
+};
 std::shared_ptr<Storage> StorageOf(const at::Tensor& t) {
+  if (t_snapshot_pool) return t_snapshot_pool->Copy(t.detach().contiguous());
+  if (t.device().is_cpu() && t.is_contiguous()) {
+    auto owner = std::make_shared<at::Tensor>(t.detach());
+    return Storage::View({static_cast<const uint8_t*>(owner->data_ptr()), owner->nbytes()},
+                         FromScalarType(t.scalar_type()), owner);
+  }
   at::Tensor c = t.detach().to(at::kCPU).contiguous();
   std::vector<uint8_t> bytes(c.nbytes());
   if (!bytes.empty()) std::memcpy(bytes.data(), c.data_ptr(), bytes.size());
@@ -303,25 +321,17 @@ int FailingRank(Comm& comm, const std::string& error) {
   return static_cast<int>(failed.item<float>());
 }
 
-// Every rank's verdict on a phase of the save: throws on every rank if any
-// failed (the failing rank with its own error), so no rank goes on to publish
-// a checkpoint that another rank could not write.
-void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error) {
-  const int bad = FailingRank(comm, error);
-  if (bad < 0) return;
-  if (!error.empty()) throw IoError("checkpoint " + folder + " not saved: " + error);
-  throw IoError("checkpoint " + folder + " not saved: rank " + std::to_string(bad) + " could not write its part");
-}
-
 }  // namespace
 
 // Crash-safe save (docs/reliability.md): every rank writes into one temporary
-// folder beside the tag, each file fsynced; only when every rank succeeded
-// does rank 0 add the manifest, fsync the folder, rename it to the tag and
-// then replace `latest` atomically. A crash or error at any point leaves the
-// previous checkpoint and `latest` as they were.
+// folder beside the tag; only when every rank's files are durable does rank 0
+// add the manifest, rename the folder to the tag and then replace `latest`
+// (async_save.h). A crash or error at any point leaves the previous
+// checkpoint and `latest` as they were. With `async` the files are written in
+// the background and published at a later call.
 std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                 const ClientState& client_state) {
+                                 const ClientState& client_state, bool async) {
+  const auto start = std::chrono::steady_clock::now();
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
   if (e.stage() == 0 && e.zero->settings().model_dtype != at::kFloat)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
@@ -330,13 +340,8 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   const bool rank0 = comm.rank() == 0;
   const std::string folder = dir + "/" + tag;
   const std::string tmp = dir + "/." + tag + ".uckpt-tmp";  // the same name on every rank
-  auto cleanup = [&] {
-    try {
-      env.RemoveAll(tmp);
-    } catch (const std::exception&) {
-      // The first error is the one to report.
-    }
-  };
+  if (!e.writer) e.writer = std::make_shared<CheckpointWriter>();
+  e.writer->Publish(comm);  // the previous save first
   // The client state is checked on every rank before anything is written;
   // only rank 0 copies the weights out for the model-states file.
   auto client = ClientEntries(client_state);
@@ -352,36 +357,36 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     }
   }
   AgreeOrThrow(comm, folder, error);
-  // 2. Every rank writes its files into it (each fsynced before its rename).
+  // 2. The state as values: a copy into reused (pinned) host buffers when
+  // the files are written in the background or the state is on a GPU, else
+  // views of the tensors themselves.
+  const bool snapshot = async || !e.device.is_cpu();
+  std::vector<SnapshotFile> files;
   try {
-    if (e.stage() > 0) SaveTorchFile(tmp + "/" + ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e));
-    if (rank0) SaveTorchFile(tmp + "/" + ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client)));
+    SnapshotScope scope(snapshot ? &e.writer->pool() : nullptr);
+    if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
+    if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client))});
   } catch (const std::exception& ex) {
     error = ex.what();
   }
   try {
     AgreeOrThrow(comm, folder, error);
   } catch (...) {
-    if (rank0) cleanup();
+    if (rank0) {
+      try {
+        env.RemoveAll(tmp);
+      } catch (const std::exception&) {
+        // The first error is the one to report.
+      }
+    }
     throw;
   }
-  // 3. Rank 0 publishes: manifest, folder durable, renamed to the tag (an old
-  // folder of that tag swapped out atomically where the filesystem can), then
-  // `latest`.
-  if (rank0) {
-    try {
-      ckpt::WriteManifest(tmp);  // durable: its commit fsyncs `tmp` too
-      ReplaceFolder(env, tmp, folder);
-      env.SyncDir(dir);
-      AtomicFile latest(dir + "/latest");
-      latest.Write(tag);
-      latest.Commit();
-    } catch (const std::exception& ex) {
-      error = ex.what();
-      cleanup();
-    }
-  }
-  AgreeOrThrow(comm, folder, error);
+  // 3. Every rank writes its files; then they are published.
+  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot ? e.writer->pool().bytes() : 0);
+  if (!async) e.writer->Publish(comm);
+  e.last_save.async = async;
+  e.last_save.snapshot_bytes = snapshot ? e.writer->pool().bytes() : 0;
+  e.last_save.blocked_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return folder;
 }
 
@@ -517,44 +522,6 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   throw FormatError(std::string(static_cast<const char*>(text.data_ptr())));
 }
 
-// The ZeRO files of the same world size: each rank's own optimizer file.
-void LoadZeroPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  const std::string path = folder + "/" + ckpt::OptimStatesFileName(e.comm->rank(), e.config.bf16);
-  TorchFile f = LoadTorchFile(path);
-  const ckpt::RankOptimView v = ckpt::ReadRankOptimStates(f.root, path);
-  if (v.groups.size() != e.groups.size())
-    throw FormatError(path + ": has " + std::to_string(v.groups.size()) + " parameter groups, this engine has " +
-                      std::to_string(e.groups.size()));
-  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(v.loss_scaler, e.zero->loss_scaler());
-  ValuePtr hparams = Value::List();
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    PartitionState& st = e.zero->state(g);
-    const auto& layout = e.zero->layout(g);
-    const std::string gs = std::to_string(g);
-    if (g < v.partition_count.size() && v.partition_count[g] != layout.dp)
-      throw FormatError(path + ": partition_count[" + gs + "] is " + std::to_string(v.partition_count[g]) +
-                        ", this run partitions over " + std::to_string(layout.dp));
-    if (const auto& adam = v.groups[g].adam) {
-      for (auto [src, dst] : {std::pair{adam->exp_avg, &st.exp_avg}, {adam->exp_avg_sq, &st.exp_avg_sq}}) {
-        if (src->numel() != layout.partition_size)
-          throw FormatError(path + ": the Adam state of group " + gs + " has " + std::to_string(src->numel()) +
-                            " elements, the partition has " + std::to_string(layout.partition_size));
-        *dst = at::zeros({layout.partition_size}, st.master.options());
-        CopyElements(path, *src, 0, src->numel(), *dst);
-      }
-      st.step = at::full({}, adam->step, st.master.options());
-    }
-    const Tensor& fp32 = *v.groups[g].fp32;
-    if (fp32.numel() > layout.partition_size)
-      throw FormatError(path + ": fp32 partition " + gs + " is larger than this run's partition");
-    st.master.zero_();
-    CopyElements(path, fp32, 0, fp32.numel(), st.master.narrow(0, 0, fp32.numel()));
-    hparams->items.push_back(v.groups[g].hparams);
-  }
-  ApplySavedHparams(e, path, hparams, o);
-  e.zero->GatherModelFromMasters();
-}
-
 // Universal: each rank reads, from every parameter's files, only the
 // elements its own partition holds (memory-mapped), through the reader
 // `uckpt convert` and `verify` use.
@@ -633,14 +600,14 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
     LoadUniversalPartitions(e, folder, o);
     return result;
   }
-  if (stage > 0 && o.load_optimizer_states && m.dp_world_size.value_or(-1) != e.comm->world_size())
-    throw FormatError(folder + ": saved at data-parallel world size " +
-                      (m.dp_world_size ? std::to_string(*m.dp_world_size) : std::string("(not recorded)")) +
-                      ", this run has " + std::to_string(e.comm->world_size()) +
-                      ". ZeRO partitions only load at the same size; convert it with `uckpt convert " + folder + " " +
-                      folder + "_universal` and load that with universal = true (--universal_checkpoint)");
   if (stage > 0 && o.load_optimizer_states) {
-    LoadZeroPartitions(e, folder, o);
+    // Each rank reads its partition from the rank files, at any world size
+    // (resharded_load.h): at the saving world size, its own file's ranges.
+    ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);
+    static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(r.loss_scaler, e.zero->loss_scaler());
+    ApplySavedHparams(e, r.where, r.param_groups, o);
+    e.zero->GatherModelFromMasters();
+    result.optimizer_bytes_read = r.bytes_read;
     return result;
   }
   LoadModule(model_path, m, Trainable(e));

@@ -254,6 +254,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     }
     if (auto s = top.Sub("checkpoint")) {
       s->Bool("load_universal", c.load_universal);
+      s->Bool("async_save", c.async_save);
       s->Ignore({"tag_validation", "use_node_local_storage", "parallel_write"});
     }
   } catch (const nlohmann::json::exception& e) {

@@ -75,6 +75,9 @@ struct TrainConfig {
   bool bf16 = false;
   ZeroConfig zero;
   bool load_universal = false;
+  // "checkpoint": {"async_save": true}: SaveCheckpoint returns once the state
+  // is snapshotted; background threads write the files (engine/async_save.h).
+  bool async_save = false;
   // uckpt's own section "heartbeat": {"interval": s, "timeout": s}: failing
   // ranks end the job (train/rank_monitor.h); timeout 0 turns it off.
   double heartbeat_interval_s = 1.0, heartbeat_timeout_s = 20.0;

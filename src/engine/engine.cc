@@ -1,5 +1,6 @@
 // uckpt::Engine: wraps a module for ZeRO data parallelism (engine_impl.h has
 // the state; checkpoint.cc saves and loads it).
+#include <cstdio>
 #include <c10/core/GradMode.h>
 
 #include <cstdlib>
@@ -8,6 +9,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "engine/async_save.h"
 #include "engine/engine_impl.h"
 
 namespace uckpt {
@@ -246,7 +248,12 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   e.model->train(true);
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // A background save is not published here: that is collective, and other
+  // ranks may be gone. Its files are finished; the next save removes them.
+  if (impl_ && impl_->writer && impl_->writer->pending())
+    std::fprintf(stderr, "uckpt: a background checkpoint save was not published (call WaitForCheckpoint before the end)\n");
+}
 
 void Engine::Backward(const at::Tensor& loss) {
   Impl& e = *impl_;
@@ -269,6 +276,9 @@ void Engine::Step() {
   if (!e.backward_pending) throw std::logic_error("uckpt::Engine::Step: call Backward(loss) first");
   e.backward_pending = false;
   if (e.boundary()) {
+    // A background save: published once every rank's files are durable;
+    // its failure stops the run here, naming the file.
+    if (e.writer && e.writer->pending()) e.writer->PublishIfDone(*e.comm);
     const double lr = e.schedule.current_lr();
     engine::ZeroOptimizer::StepResult r = e.zero3 ? e.zero3->Step(lr) : e.zero->Step(lr);
     if (!r.skipped) e.schedule.Step();
@@ -282,16 +292,24 @@ void Engine::Step() {
 
 bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); }
 
-std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state) {
-  if (impl_->zero3)
+std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
+                                   const SaveCheckpointOptions& options) {
+  if (impl_->zero3)  // (synchronous: background saves are for stages 0-2)
     return engine::SaveZero3Checkpoint(*impl_, dir,
                                        tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
                                        client_state);
   return engine::SaveEngineCheckpoint(*impl_, dir, tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
-                                      client_state);
+                                      client_state, options.async_save.value_or(impl_->config.async_save));
 }
 
+void Engine::WaitForCheckpoint() {
+  if (impl_->writer) impl_->writer->Publish(*impl_->comm);
+}
+
+const SaveStats& Engine::last_save() const { return impl_->last_save; }
+
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
+  WaitForCheckpoint();  // a background save first: it may be the one to load
   if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, dir, tag, options);
   return engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
 }

@@ -14,6 +14,10 @@
 
 namespace uckpt {
 
+namespace engine {
+class CheckpointWriter;  // async_save.h
+}
+
 struct NamedParam {
   std::string name;
   at::Tensor tensor;
@@ -46,6 +50,8 @@ struct Engine::Impl {
   int64_t global_steps = 0, global_samples = 0, skipped_steps = 0, micro_steps = 0;
   bool backward_pending = false;  // Backward since the last Step
   StepInfo last;
+  std::shared_ptr<engine::CheckpointWriter> writer;  // this rank's files of the last save (async_save.h)
+  SaveStats last_save;
 
   explicit Impl(engine::TrainConfig c)
       : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
@@ -68,7 +74,7 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
 
 // checkpoint.cc: DeepSpeed's files from and into the engine's state.
 std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                 const ClientState& client_state);
+                                 const ClientState& client_state, bool async);
 LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                 const LoadCheckpointOptions& options);
 

@@ -164,9 +164,14 @@ uint64_t Fnv1a(const std::string& s, uint64_t h = 0xcbf29ce484222325ull) {
 }  // namespace
 
 void SaveTorchFile(const std::string& path, const ValuePtr& root, const SaveOptions& options) {
+  AtomicFile out(path, options.durable);
+  SaveTorchFile(out, path, root, options);
+  out.Commit();
+}
+
+void SaveTorchFile(ByteSink& out, const std::string& path, const ValuePtr& root, const SaveOptions& options) {
   PickledValue p = PickleForTorch(root);
   const std::string prefix = ArchiveName(path) + "/";
-  AtomicFile out(path, options.durable);
   ZipWriter zip(out, options.alignment);
   zip.AddRecord(prefix + "data.pkl", p.pickle);
   zip.AddRecord(prefix + ".format_version", std::string("1"));
@@ -185,7 +190,6 @@ void SaveTorchFile(const std::string& path, const ValuePtr& root, const SaveOpti
                 static_cast<unsigned long long>(crcs));
   zip.AddRecord(prefix + ".data/serialization_id", std::string(id, 40));
   zip.Finish();
-  out.Commit();
 }
 
 }  // namespace uckpt

@@ -40,5 +40,8 @@ struct SaveOptions {
 // complete. Throws FormatError for values torch cannot represent (e.g. one
 // storage viewed with two dtypes), IoError on write failures.
 void SaveTorchFile(const std::string& path, const ValuePtr& root, const SaveOptions& options = {});
+// The same bytes into `out`, front to back, for a file named `path` (its
+// archive name comes from it); the caller owns the file (`durable` unused).
+void SaveTorchFile(ByteSink& out, const std::string& path, const ValuePtr& root, const SaveOptions& options = {});
 
 }  // namespace uckpt

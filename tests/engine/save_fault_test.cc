@@ -2,7 +2,8 @@
 // injected I/O faults: whichever rank fails at whichever point, every rank
 // gets an error, `latest` still names the previous checkpoint, that
 // checkpoint's files are unchanged, nothing else is left in the folder, and
-// the run resumes from it.
+// the run resumes from it. The same for background (async) saves, whose
+// write errors surface at WaitForCheckpoint.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -67,14 +68,17 @@ struct SaveFault {
   std::string tag = "global_step2";  // the tag the failing save writes
 };
 
-TEST(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
-  const std::string dir =
-      (fs::temp_directory_path() / ("uckpt_save_fault_" + std::to_string(::getpid()))).string();
+class SaveUnderFault : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
+  const bool async = GetParam();
+  const std::string dir = (fs::temp_directory_path() / ("uckpt_save_fault_" + std::to_string(::getpid()) +
+                                                        (async ? "_async" : ""))).string();
   fs::remove_all(dir);
   const std::vector<SaveFault> faults = {
       {"prepare_mkdir", IoOp::kCreateDir, ".global_step2.uckpt-tmp", EACCES},
       {"rank1_optim_write", IoOp::kWrite, "zero_pp_rank_1", ENOSPC},
-      {"rank0_optim_fsync", IoOp::kSync, "zero_pp_rank_0", EIO},
+      {"manifest_fsync", IoOp::kSync, ckpt::kManifestName, EIO},
       {"rank0_model_create", IoOp::kCreate, "model_states", ENOSPC},
       {"manifest_write", IoOp::kCreate, ckpt::kManifestName, ENOSPC},
       {"folder_fsync", IoOp::kSyncDir, ".global_step2.uckpt-tmp", EIO},
@@ -91,8 +95,15 @@ TEST(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
   RunRanks(2, [&](Comm& comm) {
     const bool rank0 = comm.rank() == 0;
     Trainer t(comm, Tiny());
+    // Saved and published (sync: before returning; async: at WaitForCheckpoint).
+    auto save = [&](const std::string& tag) {
+      SaveCheckpointOptions so;
+      so.async_save = async;
+      t.engine().SaveCheckpoint(dir, tag, c10::IValue(), so);
+      t.engine().WaitForCheckpoint();
+    };
     t.TrainStep();
-    t.SaveCheckpoint(dir, "global_step1");
+    save("global_step1");
     if (rank0) saved = Snapshot(dir + "/global_step1");
     t.TrainStep();
     for (const SaveFault& f : faults) {
@@ -105,7 +116,7 @@ TEST(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
       }
       comm.Barrier();
       try {
-        t.SaveCheckpoint(dir, f.tag);
+        save(f.tag);
       } catch (const IoError& e) {
         std::lock_guard<std::mutex> lock(mu);
         errors[comm.rank()] = e.what();
@@ -138,7 +149,7 @@ TEST(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
     }
     comm.Barrier();
     // No fault: the save goes through, with a manifest of its files.
-    t.SaveCheckpoint(dir, "global_step2");
+    save("global_step2");
   });
   EXPECT_EQ(Read(dir + "/latest"), "global_step2");
   EXPECT_EQ(Entries(dir + "/global_step2"),
@@ -154,6 +165,9 @@ TEST(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
   });
   fs::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(SyncAndAsync, SaveUnderFault, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "async" : "sync"; });
 
 }  // namespace
 }  // namespace uckpt::engine

@@ -3,6 +3,8 @@
 # becomes the working folder; fail(); and `tiny_gpt2 BATCH [FLAGS...]`, which
 # writes ds.json (ZeRO-2, AdamW) and sets F, the flags of the tiny GPT-2
 # those tests train (1 layer x 16, vocab 97, 16 tokens, one thread).
+# ASYNC_SAVE=1 adds "checkpoint": {"async_save": true} (the same tests then
+# cover background saves).
 U=$(realpath "$1")
 W=$2
 rm -rf "$W"
@@ -16,6 +18,7 @@ tiny_gpt2() {
   shift
   cat > ds.json <<JSON
 {"train_batch_size": $batch, "zero_optimization": {"stage": 2},
+ "checkpoint": {"async_save": $([ -n "${ASYNC_SAVE:-}" ] && echo true || echo false)},
  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
 JSON
   F="--config ds.json --n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16

@@ -1,0 +1,72 @@
+// Resuming a ZeRO checkpoint at another world size without converting it:
+// which byte ranges of the old rank files make up one rank's new partition.
+//
+// The source is an opened ZeroCheckpoint (zero_checkpoint.h), whose plan
+// already says where every parameter's per-element states live (byte ranges
+// of the memory-mapped rank files, concatenating into the whole parameter,
+// from stage 1/2 flat partitions or stage-3 per-parameter partitions alike).
+// The target is a list of fragments: which elements of which parameter go
+// where in the new rank's flat partition. Two target layouts are provided:
+// the stage 1/2 flat buffer of a parameter group, and a stage-3 sub-group
+// (every parameter partitioned on its own). The planner intersects the two
+// and returns (source bytes -> destination offset) pieces, so over all new
+// ranks each source byte of real data is read exactly once; padding is not
+// read (the destination is zero-filled). No I/O here: ExecuteReads
+// (copy_plan.h) runs the pieces.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/copy_plan.h"
+#include "ckpt/zero_checkpoint.h"
+
+namespace uckpt::ckpt {
+
+// A target parameter: its name (looked up in the source) and element count.
+struct TargetParam {
+  std::string name;
+  int64_t numel = 0;
+};
+
+// Elements [param_offset, param_offset + numel) of parameter `param` (index
+// into the target's parameter list) go to element `offset` of the partition.
+struct TargetFragment {
+  size_t param = 0;
+  int64_t param_offset = 0;
+  int64_t numel = 0;
+  int64_t offset = 0;
+};
+
+struct PartitionTarget {
+  std::vector<TargetParam> params;
+  std::vector<TargetFragment> fragments;
+  int64_t length = 0;  // elements of the partition, padding included
+};
+
+// Rank `rank`'s partition of a stage 1/2 flat buffer over `dp` ranks
+// (DeepSpeed's layout, partition.h).
+PartitionTarget FlatPartitionTarget(std::vector<TargetParam> params, int dp, int rank);
+
+// Rank `rank`'s partition of a stage-3 sub-group: each parameter's
+// Stage3PartitionSize slots, one after another, its real elements first.
+PartitionTarget Stage3PartitionTarget(std::vector<TargetParam> params, int dp, int rank);
+
+// The reads that fill state `key` ("fp32", "exp_avg", ...) of `target` from
+// `source`, destination offsets in bytes of a buffer of target.length
+// elements of *dtype (the source state's dtype, which every target parameter
+// must share). Throws FormatError naming the checkpoint folder when a target
+// parameter is missing from the source, has another size, or lacks the state.
+struct StateReads {
+  DType dtype = DType::kFloat32;
+  std::vector<ReadPiece> pieces;
+  uint64_t bytes() const;
+};
+StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& target, const std::string& key);
+
+// Whether every parameter of `source` has state `key`.
+bool HasState(const ZeroCheckpoint& source, const std::string& key);
+
+}  // namespace uckpt::ckpt

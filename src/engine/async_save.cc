@@ -1,0 +1,199 @@
+#include "engine/async_save.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+#include "ckpt/copy_plan.h"
+#include "ckpt/manifest.h"
+#include "format/env.h"
+#include "format/error.h"
+#include "format/file.h"
+#include "format/torch_file.h"
+#include "engine/torch_bridge.h"
+
+namespace uckpt::engine {
+
+namespace {
+
+// The highest rank whose `error` is not empty, or -1: one all-reduce.
+int FailingRank(Comm& comm, const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
+  comm.AllReduceMax(failed);
+  return static_cast<int>(failed.item<float>());
+}
+
+// Files per rank and name bytes per file in the gathered table (a rank
+// writes its optimizer file, rank 0 the model-states file too).
+constexpr int kMaxFiles = 2;
+constexpr int kNameWords = 16;  // 128 bytes
+constexpr int kWords = kMaxFiles * (kNameWords + 2);
+
+void RemoveQuietly(const std::string& path) {
+  try {
+    Env::Current().RemoveAll(path);
+  } catch (const std::exception&) {
+    // The first error is the one to report.
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Storage> SnapshotPool::Copy(const at::Tensor& t) {
+  const size_t n = t.nbytes();
+  at::Tensor* buffer = nullptr;
+  for (auto& b : buffers_)  // a free buffer, the smallest that fits
+    if (b.use_count() == 1 && static_cast<size_t>(b.numel()) >= n && (!buffer || b.numel() < buffer->numel()))
+      buffer = &b;
+  if (!buffer) {
+    auto options = at::TensorOptions().dtype(at::kByte).pinned_memory(t.is_cuda());
+    buffers_.push_back(at::empty({static_cast<int64_t>(std::max<size_t>(n, 1))}, options));
+    buffer = &buffers_.back();
+  }
+  if (n > 0) {
+    at::Tensor dst = buffer->narrow(0, 0, static_cast<int64_t>(n)).view(t.scalar_type()).view(t.sizes());
+    dst.copy_(t);
+  }
+  auto owner = std::make_shared<at::Tensor>(*buffer);
+  return Storage::View({static_cast<const uint8_t*>(owner->data_ptr()), n}, FromScalarType(t.scalar_type()), owner);
+}
+
+uint64_t SnapshotPool::bytes() const {
+  uint64_t n = 0;
+  for (const auto& b : buffers_) n += b.numel();
+  return n;
+}
+
+void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error) {
+  const int bad = FailingRank(comm, error);
+  if (bad < 0) return;
+  if (!error.empty()) throw IoError("checkpoint " + folder + " not saved: " + error);
+  throw IoError("checkpoint " + folder + " not saved: rank " + std::to_string(bad) + " could not write its part");
+}
+
+CheckpointWriter::~CheckpointWriter() { Join(); }
+
+void CheckpointWriter::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files,
+                             bool async, uint64_t snapshot_bytes) {
+  if (pending_) throw std::logic_error("CheckpointWriter::Start: the previous save is not published");
+  dir_ = std::move(dir);
+  tag_ = std::move(tag);
+  tmp_ = std::move(tmp);
+  files_ = std::move(files);
+  if (files_.size() > kMaxFiles) throw std::logic_error("CheckpointWriter: too many files for one rank");
+  for (const auto& f : files_)
+    if (f.name.size() > kNameWords * 8) throw std::logic_error("CheckpointWriter: file name too long: " + f.name);
+  written_.clear();
+  error_.clear();
+  snapshot_bytes_ = snapshot_bytes;
+  pending_ = true;
+  done_ = false;
+  if (async) {
+    thread_ = std::thread([this] { Write(); });
+  } else {
+    Write();
+  }
+}
+
+// This rank's files as one copy plan, hashed as written, then one syncfs.
+void CheckpointWriter::Write() {
+  try {
+    ckpt::CopyPlan plan;
+    for (const SnapshotFile& f : files_) {
+      ckpt::PlannedFile p;
+      p.path = tmp_ + "/" + f.name;
+      p.generate = [&f](ckpt::OrderedSink& out) { SaveTorchFile(out, out.path(), f.value); };
+      plan.files.push_back(std::move(p));
+    }
+    ckpt::CopyOptions options;
+    options.durable = true;
+    const std::vector<ckpt::CopyResult> results = ckpt::ExecuteCopyPlan(plan, options);
+    if (!files_.empty()) Env::Current().SyncFilesystem(tmp_);
+    for (size_t k = 0; k < files_.size(); ++k) written_.push_back({files_[k].name, results[k].size, results[k].xxh64});
+  } catch (const std::exception& ex) {
+    error_ = ex.what();
+  }
+  done_ = true;
+}
+
+bool CheckpointWriter::PublishIfDone(Comm& comm) {
+  if (!pending_) return false;
+  // [any rank failed, any rank still writing]
+  at::Tensor state = at::zeros({2}, at::kFloat);
+  if (done_ && !error_.empty()) state[0] = 1.0f;
+  if (!done_) state[1] = 1.0f;
+  comm.AllReduceMax(state);
+  if (state[0].item<float>() == 0 && state[1].item<float>() != 0) return false;
+  Publish(comm);  // every rank done, or one failed: wait for the rest and report
+  return true;
+}
+
+std::string CheckpointWriter::Publish(Comm& comm) {
+  const std::string folder = dir_ + "/" + tag_;
+  if (!pending_) return folder;
+  Join();
+  const bool rank0 = comm.rank() == 0;
+  // The snapshot is freed and the writer ready for the next save whatever happens.
+  struct Reset {
+    CheckpointWriter& w;
+    ~Reset() {
+      w.pending_ = false;
+      w.files_.clear();
+    }
+  } reset{*this};
+  try {
+    AgreeOrThrow(comm, folder, error_);
+  } catch (...) {
+    if (rank0) RemoveQuietly(tmp_);
+    throw;
+  }
+  // Every rank's file sizes and hashes, to rank 0 for the manifest.
+  at::Tensor mine = at::zeros({kWords}, at::kLong);
+  int64_t* w = mine.data_ptr<int64_t>();
+  for (size_t k = 0; k < written_.size(); ++k) {
+    int64_t* e = w + k * (kNameWords + 2);
+    std::memcpy(e, written_[k].name.data(), written_[k].name.size());
+    e[kNameWords] = static_cast<int64_t>(written_[k].size);
+    std::memcpy(&e[kNameWords + 1], &written_[k].xxh64, 8);
+  }
+  at::Tensor all = at::zeros({comm.world_size() * kWords}, at::kLong);
+  if (comm.world_size() > 1)
+    comm.AllGather(mine, all);
+  else
+    all.copy_(mine);
+  std::string error;
+  if (rank0) {
+    try {
+      std::vector<ckpt::ManifestEntry> known;
+      const int64_t* a = all.data_ptr<int64_t>();
+      for (int64_t k = 0; k < comm.world_size() * kMaxFiles; ++k) {
+        const int64_t* e = a + k * (kNameWords + 2);
+        const char* name = reinterpret_cast<const char*>(e);
+        if (name[0] == 0) continue;
+        ckpt::ManifestEntry m;
+        m.path = std::string(name, strnlen(name, kNameWords * 8));
+        m.size = static_cast<uint64_t>(e[kNameWords]);
+        std::memcpy(&m.xxh64, &e[kNameWords + 1], 8);
+        known.push_back(std::move(m));
+      }
+      Env& env = Env::Current();
+      ckpt::WriteManifest(tmp_, known);  // durable: its commit fsyncs `tmp` too
+      ReplaceFolder(env, tmp_, folder);
+      env.SyncDir(dir_);
+      AtomicFile latest(dir_ + "/latest");
+      latest.Write(tag_);
+      latest.Commit();
+    } catch (const std::exception& ex) {
+      error = ex.what();
+      RemoveQuietly(tmp_);
+    }
+  }
+  AgreeOrThrow(comm, folder, error);
+  return folder;
+}
+
+}  // namespace uckpt::engine

@@ -1,0 +1,102 @@
+// Writing a checkpoint's files and publishing them, synchronously or in the
+// background (`"checkpoint": {"async_save": true}`).
+//
+// SaveEngineCheckpoint (checkpoint.cc) snapshots the engine's state into
+// host-memory values (one copy of every tensor; that is the time the step
+// blocks) and hands this rank's files to a CheckpointWriter. The writer runs
+// them as one copy plan (ckpt/copy_plan.h): torch files generated straight
+// into their final names inside the temporary folder, hashed as they are
+// written (nothing is read back for the manifest), writeback started early,
+// then one syncfs instead of an fsync per file. With async the plan runs on a
+// background thread and the snapshot is kept until it is done.
+//
+// Publishing is collective and happens on the training thread (the
+// background thread never touches the communicator): every rank agrees that
+// its files are durable, rank 0 gathers every file's size and XXH64, writes
+// the manifest, renames the temporary folder to the tag and then replaces
+// `latest`. A crash before that leaves the previous `latest` and only a
+// temporary folder, which the next save removes (docs/reliability.md).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "format/value.h"
+#include "uckpt/comm.h"
+
+namespace uckpt::engine {
+
+// Host buffers for snapshots, reused from save to save (a buffer is free
+// again once the values viewing it are gone, after its save is published):
+// at most one snapshot's worth is held, since a save waits for the previous.
+// Pinned memory when the tensors are on a GPU.
+class SnapshotPool {
+ public:
+  // A storage holding a copy of `t` (contiguous, on the host).
+  std::shared_ptr<Storage> Copy(const at::Tensor& t);
+  uint64_t bytes() const;  // held by all buffers
+ private:
+  std::vector<at::Tensor> buffers_;
+};
+
+// One file of this rank: its name inside the tag folder and its contents.
+struct SnapshotFile {
+  std::string name;
+  ValuePtr value;
+};
+
+class CheckpointWriter {
+ public:
+  CheckpointWriter() = default;
+  ~CheckpointWriter();  // joins a background write (its result is dropped)
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Starts writing `files` into `tmp` (which exists) for the checkpoint
+  // `dir`/`tag`: on a background thread with `async`, else before returning
+  // (errors are kept for Publish either way). `snapshot_bytes`: host memory
+  // the values hold, reported by snapshot_bytes() until published.
+  void Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files, bool async,
+             uint64_t snapshot_bytes);
+  bool pending() const { return pending_; }
+  SnapshotPool& pool() { return pool_; }
+  uint64_t snapshot_bytes() const { return pending_ ? snapshot_bytes_ : 0; }
+
+  // Collective: waits for this rank's write, agrees with the others, and
+  // publishes (manifest, rename, `latest`). Throws IoError on every rank if
+  // any rank failed (the failing rank names its file). Returns the tag folder.
+  std::string Publish(Comm& comm);
+  // Collective and cheap (one all-reduce): publishes if every rank's write has
+  // ended (or one failed, which throws). Returns whether it published.
+  bool PublishIfDone(Comm& comm);
+
+ private:
+  struct Written {
+    std::string name;
+    uint64_t size = 0, xxh64 = 0;
+  };
+  void Write();
+  void Join();
+
+  SnapshotPool pool_;
+  std::string dir_, tag_, tmp_;
+  std::vector<SnapshotFile> files_;
+  std::vector<Written> written_;
+  std::string error_;
+  bool pending_ = false;
+  uint64_t snapshot_bytes_ = 0;
+  std::thread thread_;
+  std::atomic<bool> done_{false};
+};
+
+// Every rank's verdict on a phase of a save: throws on every rank if any
+// failed (the failing rank with its own error), so that no rank publishes a
+// checkpoint another rank could not write.
+void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error);
+
+}  // namespace uckpt::engine

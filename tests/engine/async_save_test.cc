@@ -1,0 +1,167 @@
+// Background checkpoint saves (engine/async_save.h): the files equal a
+// synchronous save's of the same state byte for byte (manifest included),
+// the snapshot is the state at the call (training on does not change it),
+// snapshot buffers are reused, `latest` moves only once published, and a
+// failed background write stops the run at a later step naming the file.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "format/error.h"
+#include "format/fault_env.h"
+#include "ranks.h"
+#include "cli/trainer.h"
+
+namespace uckpt::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::RunRanks;
+
+TrainOptions Tiny(int stage, bool bf16) {
+  nlohmann::json ds = {{"train_batch_size", 4},
+                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
+                       {"zero_optimization", {{"stage", stage}}},
+                       {"bf16", {{"enabled", bf16}}}};
+  TrainOptions o;
+  o.config = ParseConfig(ds, "tiny");
+  o.model.n_layer = 1;
+  o.model.n_head = 2;
+  o.model.n_embd = 6;
+  o.model.vocab_size = 37;
+  o.model.n_positions = 9;
+  o.seq_len = 9;
+  return o;
+}
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::map<std::string, std::string> Files(const std::string& folder) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(folder))
+    if (e.is_regular_file()) out[fs::relative(e.path(), folder).string()] = Read(e.path().string());
+  return out;
+}
+
+std::string TempDir(const std::string& name) {
+  auto d = fs::temp_directory_path() / ("uckpt_async_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d.string();
+}
+
+SaveCheckpointOptions Async(bool on) {
+  SaveCheckpointOptions o;
+  o.async_save = on;
+  return o;
+}
+
+struct Variant {
+  int world, stage;
+  bool bf16;
+};
+class AsyncSave : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(AsyncSave, EqualsSyncSaveByteForByte) {
+  const Variant v = GetParam();
+  const std::string root = TempDir("equal");
+  std::vector<std::array<uint64_t, 2>> snapshot(v.world);  // per rank: first and second save
+  RunRanks(v.world, [&](Comm& comm) {
+    Trainer t(comm, Tiny(v.stage, v.bf16));
+    t.TrainStep();
+    t.TrainStep();
+    t.engine().SaveCheckpoint(root + "/sync", "global_step2", c10::IValue(), Async(false));
+    EXPECT_FALSE(t.engine().last_save().async);
+    t.engine().SaveCheckpoint(root + "/async", "global_step2", c10::IValue(), Async(true));
+    const SaveStats s = t.engine().last_save();
+    EXPECT_TRUE(s.async);
+    EXPECT_GT(s.snapshot_bytes, 0u);
+    snapshot[comm.rank()][0] = s.snapshot_bytes;
+    // Training goes on while the files are written: the snapshot is the state at the call.
+    t.TrainStep();
+    t.TrainStep();
+    t.engine().WaitForCheckpoint();
+    EXPECT_EQ(Read(root + "/async/latest"), "global_step2");
+    // A second background save reuses the snapshot buffers.
+    t.engine().SaveCheckpoint(root + "/async", "global_step4", c10::IValue(), Async(true));
+    snapshot[comm.rank()][1] = t.engine().last_save().snapshot_bytes;
+    t.engine().SaveCheckpoint(root + "/sync", "global_step4", c10::IValue(), Async(false));  // waits for it
+  });
+  for (const auto& [first, second] : snapshot) EXPECT_EQ(second, first) << "snapshot memory grew between saves";
+  for (const char* tag : {"global_step2", "global_step4"}) {
+    const auto a = Files(root + "/sync/" + tag), b = Files(root + "/async/" + tag);
+    EXPECT_EQ(a.size(), static_cast<size_t>((v.stage > 0 ? v.world : 0) + 2)) << tag;  // optimizer files, model states, manifest
+    EXPECT_TRUE(a == b) << tag << ": the background save's files differ from the synchronous save's";
+  }
+  EXPECT_EQ(Read(root + "/async/latest"), "global_step4");
+  fs::remove_all(root);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldStageDtype, AsyncSave,
+                         ::testing::Values(Variant{1, 2, false}, Variant{2, 2, false}, Variant{2, 1, true},
+                                           Variant{1, 0, false}),
+                         [](const auto& info) {
+                           return "ws" + std::to_string(info.param.world) + "_stage" + std::to_string(info.param.stage) +
+                                  (info.param.bf16 ? "_bf16" : "_fp32");
+                         });
+
+// A background write that fails (rank 1's optimizer file, ENOSPC) fails the
+// run at a later step on every rank, rank 1 naming the file; `latest` and
+// the previous checkpoint stay; no folder of the failed tag is left.
+TEST(AsyncSaveFault, FailedBackgroundWriteStopsTheRunNamingTheFile) {
+  const std::string dir = TempDir("fault");
+  std::unique_ptr<FaultEnv> env;
+  std::unique_ptr<ScopedEnv> use;
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  std::map<int, int> steps_until_error;
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, Tiny(2, false));
+    t.TrainStep();
+    t.engine().SaveCheckpoint(dir, "global_step1", c10::IValue(), Async(true));
+    t.engine().WaitForCheckpoint();
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      env = std::make_unique<FaultEnv>();
+      env->Add({IoOp::kWrite, "zero_pp_rank_1", 1, ENOSPC});
+      use = std::make_unique<ScopedEnv>(*env);
+    }
+    comm.Barrier();
+    t.engine().SaveCheckpoint(dir, "global_step2", c10::IValue(), Async(true));
+    int steps = 0;
+    try {
+      for (; steps < 50; ++steps) t.TrainStep();
+    } catch (const IoError& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors[comm.rank()] = e.what();
+      steps_until_error[comm.rank()] = steps;
+    }
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      use.reset();
+      env.reset();
+    }
+  });
+  ASSERT_EQ(errors.size(), 2u) << "every rank must stop";
+  EXPECT_EQ(steps_until_error[0], steps_until_error[1]) << "the ranks stopped at different steps";
+  EXPECT_NE(errors[1].find("zero_pp_rank_1_mp_rank_00_optim_states.pt"), std::string::npos) << errors[1];
+  for (const auto& [r, msg] : errors) EXPECT_NE(msg.find("global_step2 not saved"), std::string::npos) << msg;
+  EXPECT_EQ(Read(dir + "/latest"), "global_step1");
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.insert(e.path().filename().string());
+  EXPECT_EQ(left, (std::set<std::string>{"global_step1", "latest"}));
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace uckpt::engine
