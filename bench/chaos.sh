@@ -24,10 +24,8 @@
 #     the reference run's step, loss, lr, grad norm and loss scale, and its
 #     final checkpoint's .pt files are byte-identical to the reference's.
 #
-# Async saves: not implemented yet. ASYNC HOOK: when `uckpt train` gains an
-# async save, set CHAOS_ASYNC_FLAGS to its flag(s) (e.g. "--async_save") and
-# the training trials run half of the time with it ("during an async save"
-# then means while its writer runs).
+# Async saves: CHAOS_ASYNC_FLAGS=--async_save runs half of the training trials
+# with background saves ("during a save" then means while its writer runs).
 #
 # usage: bench/chaos.sh UCKPT [WORK_DIR]
 #   TRIALS=N (default 30), SEED=S (default: random, printed), RANKS=N (2),

@@ -26,7 +26,7 @@ Runner AddTrain(CLI::App& app) {
     std::optional<int64_t> train_batch_size, micro, ga;
     std::optional<int> zero_stage;
     std::optional<double> lr, clip, heartbeat_interval, heartbeat_timeout;
-    bool bf16 = false, fp16 = false;
+    bool bf16 = false, fp16 = false, async_save = false;
     engine::TrainOptions o;
     bool no_load_optimizer_states = false;
     int threads = 0;
@@ -41,6 +41,8 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--zero_stage", a->zero_stage, "ZeRO stage 0, 1, 2 or 3 (overrides the config)");
   cmd->add_option("--lr", a->lr, "Optimizer learning rate (overrides the config)");
   cmd->add_option("--gradient_clipping", a->clip, "Global-norm clipping, 0 = off (overrides the config)");
+  cmd->add_flag("--async_save", a->async_save,
+                "Write checkpoints in the background; training blocks only for the snapshot (config: checkpoint.async_save)");
   cmd->add_flag("--bf16", a->bf16, "bf16 model weights (fp32 masters)");
   cmd->add_flag("--fp16", a->fp16, "fp16 model weights with dynamic loss scaling");
   cmd->add_option("--steps", o.steps, "Train until this global step")->required();
@@ -107,6 +109,7 @@ Runner AddTrain(CLI::App& app) {
     if (a->clip) raw["gradient_clipping"] = *a->clip;
     if (a->bf16) raw["bf16"]["enabled"] = true;
     if (a->fp16) raw["fp16"]["enabled"] = true;
+    if (a->async_save) raw["checkpoint"]["async_save"] = true;
     o.config = engine::ParseConfig(raw, a->config.empty() ? "command line" : a->config);
     o.load_optimizer_states = !a->no_load_optimizer_states;
     // Not training state: kept out of the saved ds_config.

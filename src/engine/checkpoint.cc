@@ -65,7 +65,9 @@ std::shared_ptr<Storage> StorageOf(const at::Tensor& t) {
   return Storage::Owned(std::move(bytes), FromScalarType(c.scalar_type()));
 }
 
-ValuePtr TensorValue(const at::Tensor& t, bool requires_grad = false) {
+}  // namespace
+
+ValuePtr TensorValue(const at::Tensor& t, bool requires_grad) {
   auto s = StorageOf(t);
   return View(s, FromScalarType(t.scalar_type()), t.sizes().vec(), 0, requires_grad);
 }
@@ -87,8 +89,6 @@ void CopyElements(const std::string& path, const Tensor& src, int64_t first, int
     dst.copy_(ToTorch(src).view(-1).narrow(0, first, n));
   }
 }
-
-}  // namespace
 
 std::string ReadTagFile(const std::string& dir, const std::string& name) { return ckpt::ReadLatestTag(dir, name); }
 
@@ -236,7 +236,8 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
   return ckpt::Stage0OptimizerValue(states, hparams, ids);
 }
 
-// The client's keys, checked: a dict of string keys that are not the file's own.
+}  // namespace
+
 std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state) {
   std::vector<std::pair<std::string, ValuePtr>> out;
   if (client_state.isNone()) return out;
@@ -253,6 +254,8 @@ std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& c
   }
   return out;
 }
+
+namespace {
 
 ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
   ckpt::ModelStates m;
@@ -364,8 +367,12 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   std::vector<SnapshotFile> files;
   try {
     SnapshotScope scope(snapshot ? &e.writer->pool() : nullptr);
-    if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
-    if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client))});
+    if (e.zero3) {
+      files = Zero3RankFiles(e, std::move(client));
+    } else {
+      if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
+      if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client))});
+    }
   } catch (const std::exception& ex) {
     error = ex.what();
   }
@@ -390,11 +397,6 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   return folder;
 }
 
-// ---- Loading. ----
-
-namespace {
-
-// The counters and the schedule's position.
 void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
   e.global_steps = m.global_steps;
   e.skipped_steps = m.skipped_steps;
@@ -407,6 +409,11 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
     e.schedule.Restore(e.global_steps - 1 - e.skipped_steps);
   }
 }
+
+// ---- Loading. ----
+
+namespace {
+
 
 // The saved param groups' hyper-parameters, kept only on request (as
 // DeepSpeed's torch optimizer load_state_dict keeps them): lr for the next

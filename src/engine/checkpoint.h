@@ -6,8 +6,12 @@
 #include <ATen/core/ivalue.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "ckpt/deepspeed_state.h"
+#include "engine/async_save.h"
+#include "engine/engine_impl.h"
 
 namespace uckpt::engine {
 
@@ -24,5 +28,25 @@ std::string UniversalModelStatesPath(const std::string& folder);
 // naming `where` for what cannot be saved) and back.
 ValuePtr FromIValue(const c10::IValue& v, const std::string& where);
 c10::IValue ToIValue(const ValuePtr& v);
+
+// client_state's keys, checked: a dict with string keys that are not the
+// model-states file's own (throws std::invalid_argument).
+std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state);
+
+// A tensor as a value for a file being saved: a copy into the save's snapshot
+// pool during an async (or GPU) save, else a view of a host tensor's bytes.
+ValuePtr TensorValue(const at::Tensor& t, bool requires_grad = false);
+
+// Copies `n` elements of a tensor stored in a file, from flat element `first`,
+// into `dst` (converting the dtype). Touches only those bytes of a mapped
+// file; throws FormatError naming `path` when they are out of range.
+void CopyElements(const std::string& path, const Tensor& src, int64_t first, int64_t n, at::Tensor dst);
+
+// The counters and the lr schedule's position from a model-states file.
+void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o);
+
+// checkpoint_zero3.cc: this rank's files of a ZeRO-3 checkpoint (its model
+// states with the client's keys, and its optimizer states).
+std::vector<SnapshotFile> Zero3RankFiles(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client);
 
 }  // namespace uckpt::engine

@@ -5,7 +5,8 @@
 // zero_pp_rank_<r>_mp_rank_00_optim_states.pt (its sub-groups' fp32
 // partitions and Adam state). Loads: the same files at the same world size
 // (ours or DeepSpeed's), or a universal checkpoint (made from any stage) at
-// any size. Saving is crash-safe as at stages 0-2 (docs/reliability.md).
+// any size. SaveEngineCheckpoint (checkpoint.cc) saves these files as every
+// stage's: crash-safe, synchronously or in the background (docs/reliability.md).
 #include <c10/core/GradMode.h>
 
 #include <cstring>
@@ -27,35 +28,6 @@ namespace uckpt::engine {
 namespace fs = std::filesystem;
 namespace {
 
-ValuePtr HostTensorValue(const at::Tensor& t, bool requires_grad = false) {
-  at::Tensor c = t.detach().to(at::kCPU).contiguous();
-  std::vector<uint8_t> bytes(c.nbytes());
-  if (!bytes.empty()) std::memcpy(bytes.data(), c.data_ptr(), bytes.size());
-  Tensor v;
-  v.dtype = FromScalarType(c.scalar_type());
-  v.shape = c.sizes().vec();
-  v.stride = Tensor::ContiguousStrides(v.shape);
-  v.storage = Storage::Owned(std::move(bytes), v.dtype);
-  v.requires_grad = requires_grad;
-  return Value::FromTensor(std::move(v));
-}
-
-// `n` elements of a (mapped) file tensor from flat element `first` into `dst`.
-void CopyFlat(const std::string& path, const Tensor& src, int64_t first, int64_t n, at::Tensor dst) {
-  if (first < 0 || first + n > src.numel())
-    throw FormatError(path + ": tensor has " + std::to_string(src.numel()) + " elements, need [" +
-                      std::to_string(first) + ", " + std::to_string(first + n) + ")");
-  if (n == 0) return;
-  const at::ScalarType st = ToScalarType(src.dtype);
-  if (src.is_contiguous() && src.storage) {
-    auto bytes = src.contiguous_view();
-    const uint8_t* p = bytes.data() + static_cast<size_t>(first) * DTypeSize(src.dtype);
-    dst.copy_(at::from_blob(const_cast<uint8_t*>(p), {n}, at::TensorOptions().dtype(st)));
-  } else {
-    dst.copy_(ToTorch(src).reshape(-1).narrow(0, first, n));
-  }
-}
-
 ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
   const OptimizerConfig& o = e.zero3->optimizer_config(g);
   return ckpt::AdamHparams{e.schedule.current_lr(), o.beta1, o.beta2, o.eps, o.weight_decay};
@@ -68,9 +40,9 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
   // The parameters' entries are empty (each rank's partition is in its optim
   // file), as DeepSpeed's state_dict of released ZeRO-3 parameters.
   std::map<std::string, ValuePtr> by_name;
-  for (const auto& p : z.params()) by_name[p.name] = HostTensorValue(at::empty({0}, p.tensor.options().device(at::kCPU)));
+  for (const auto& p : z.params()) by_name[p.name] = TensorValue(at::empty({0}, p.tensor.options().device(at::kCPU)));
   for (const auto* list : {&e.frozen, &e.buffers})
-    for (const auto& p : *list) by_name[p.name] = HostTensorValue(p.tensor);
+    for (const auto& p : *list) by_name[p.name] = TensorValue(p.tensor);
   for (const auto& [alias, owner] : e.aliases) by_name[alias] = by_name.at(owner);
   for (const auto& name : e.state_names) m.module.emplace_back(name, by_name.at(name));
   m.module_prefixes = e.module_prefixes;
@@ -81,7 +53,7 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
   }
   for (const auto& p : e.frozen) {
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
-    m.frozen.emplace_back(p.name, HostTensorValue(p.tensor.reshape(-1)));
+    m.frozen.emplace_back(p.name, TensorValue(p.tensor.reshape(-1)));
   }
   m.shared_params = e.aliases;
   if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
@@ -109,11 +81,11 @@ ValuePtr Zero3OptimStates(const Engine::Impl& e) {
   for (size_t i = 0; i < z.sub_groups().size(); ++i) {
     const Zero3SubGroup& sg = z.sub_groups()[i];
     ckpt::Stage3SubGroupState s;
-    s.fp32 = HostTensorValue(sg.state.master, /*requires_grad=*/true);
+    s.fp32 = TensorValue(sg.state.master, /*requires_grad=*/true);
     if (sg.state.step.defined())
-      s.adam = {{"step", HostTensorValue(sg.state.step)},
-                {"exp_avg", HostTensorValue(sg.state.exp_avg)},
-                {"exp_avg_sq", HostTensorValue(sg.state.exp_avg_sq)}};
+      s.adam = {{"step", TensorValue(sg.state.step)},
+                {"exp_avg", TensorValue(sg.state.exp_avg)},
+                {"exp_avg_sq", TensorValue(sg.state.exp_avg_sq)}};
     r.sub_groups.push_back(std::move(s));
     ids[sg.group].push_back(static_cast<int64_t>(i));
   }
@@ -121,105 +93,19 @@ ValuePtr Zero3OptimStates(const Engine::Impl& e) {
   return ckpt::Stage3OptimStatesValue(r);
 }
 
-std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state) {
-  std::vector<std::pair<std::string, ValuePtr>> out;
-  if (client_state.isNone()) return out;
-  if (!client_state.isGenericDict())
-    throw std::invalid_argument("SaveCheckpoint: client_state must be a dict with string keys, not a " +
-                                client_state.tagKind());
-  ValuePtr cs = FromIValue(client_state, "client_state");
-  for (const auto& [k, v] : cs->entries) {
-    if (k->kind != Kind::kStr) throw std::invalid_argument("SaveCheckpoint: client_state keys must be strings");
-    if (ckpt::IsModelStatesKey(k->s))
-      throw std::invalid_argument("SaveCheckpoint: client_state key '" + k->s +
-                                  "' is one of the checkpoint's own keys; choose another name");
-    out.emplace_back(k->s, v);
-  }
-  return out;
-}
-
-// Throws on every rank when any rank's `error` is set (its own message on that rank).
-void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error) {
-  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
-  comm.AllReduceMax(failed);
-  const int bad = static_cast<int>(failed.item<float>());
-  if (bad < 0) return;
-  if (!error.empty()) throw IoError("checkpoint " + folder + " not saved: " + error);
-  throw IoError("checkpoint " + folder + " not saved: rank " + std::to_string(bad) + " could not write its part");
-}
-
 }  // namespace
 
-std::string SaveZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                const ClientState& client_state) {
-  if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
-  Comm& comm = *e.comm;
-  Env& env = Env::Current();
-  const bool rank0 = comm.rank() == 0;
-  const std::string folder = dir + "/" + tag;
-  const std::string tmp = dir + "/." + tag + ".uckpt-tmp";
-  auto client = ClientEntries(client_state);
-  std::string error;
-  if (rank0) {
-    try {
-      env.CreateDirs(dir);
-      env.RemoveAll(tmp);
-      env.CreateDirs(tmp);
-    } catch (const std::exception& ex) {
-      error = ex.what();
-    }
-  }
-  AgreeOrThrow(comm, folder, error);
-  try {
-    SaveTorchFile(tmp + "/" + ckpt::OptimStatesFileName(comm.rank(), /*bf16=*/false), Zero3OptimStates(e));
-    SaveTorchFile(tmp + "/" + ckpt::Zero3ModelStatesFileName(comm.rank()), Zero3ModelStates(e, client));
-  } catch (const std::exception& ex) {
-    error = ex.what();
-  }
-  auto cleanup = [&] {
-    try {
-      env.RemoveAll(tmp);
-    } catch (const std::exception&) {
-    }
-  };
-  try {
-    AgreeOrThrow(comm, folder, error);
-  } catch (...) {
-    if (rank0) cleanup();
-    throw;
-  }
-  if (rank0) {
-    try {
-      ckpt::WriteManifest(tmp);
-      ReplaceFolder(env, tmp, folder);
-      env.SyncDir(dir);
-      AtomicFile latest(dir + "/latest");
-      latest.Write(tag);
-      latest.Commit();
-    } catch (const std::exception& ex) {
-      error = ex.what();
-      cleanup();
-    }
-  }
-  AgreeOrThrow(comm, folder, error);
-  return folder;
+std::vector<SnapshotFile> Zero3RankFiles(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
+  const int rank = e.comm->rank();
+  std::vector<SnapshotFile> files;
+  files.push_back({ckpt::OptimStatesFileName(rank, /*bf16=*/false), Zero3OptimStates(e)});
+  files.push_back({ckpt::Zero3ModelStatesFileName(rank), Zero3ModelStates(e, client)});
+  return files;
 }
 
 // ---- Loading. ----
 
 namespace {
-
-void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
-  e.global_steps = m.global_steps;
-  e.skipped_steps = m.skipped_steps;
-  e.global_samples = m.global_samples ? *m.global_samples : e.global_steps * e.batch.train_batch_size;
-  e.micro_steps = e.global_steps * e.batch.gradient_accumulation_steps;
-  if (o.load_lr_scheduler_states && m.last_batch_iteration) {
-    e.schedule.Restore(*m.last_batch_iteration);
-  } else if (e.global_steps > 0 && !e.config.scheduler.type.empty()) {
-    e.schedule.Restore(e.global_steps - 1 - e.skipped_steps);
-  }
-}
 
 // Frozen parameters and buffers from the module state, where it holds them whole.
 void LoadFixed(const Engine::Impl& e, const std::string& path, const ckpt::ModelStatesView& m) {
@@ -259,7 +145,7 @@ void LoadZero3Partitions(Engine::Impl& e, const std::string& folder, const LoadC
     if (v.fp32[i]->numel() != n)
       throw FormatError(path + ": fp32_flat_groups[" + is + "] has " + std::to_string(v.fp32[i]->numel()) +
                         " elements, this run's sub-group has " + std::to_string(n));
-    CopyFlat(path, *v.fp32[i], 0, n, st.master);
+    CopyElements(path, *v.fp32[i], 0, n, st.master);
     if (!o.load_optimizer_states || !v.adam[i]) {
       st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
       continue;
@@ -267,7 +153,7 @@ void LoadZero3Partitions(Engine::Impl& e, const std::string& folder, const LoadC
     for (auto [src, dst] : {std::pair{v.adam[i]->exp_avg, &st.exp_avg}, {v.adam[i]->exp_avg_sq, &st.exp_avg_sq}}) {
       if (src->numel() != n) throw FormatError(path + ": the Adam state of sub-group " + is + " has the wrong size");
       *dst = at::zeros({n}, st.master.options());
-      CopyFlat(path, *src, 0, n, *dst);
+      CopyElements(path, *src, 0, n, *dst);
     }
     st.step = at::full({}, v.adam[i]->step, st.master.options());
   }
@@ -310,7 +196,7 @@ void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::
       if (ls.tensor->numel() != p.numel)
         throw FormatError(where + ": has " + std::to_string(ls.tensor->numel()) + " elements, " + p.name + " has " +
                           std::to_string(p.numel));
-      CopyFlat(where, *ls.tensor, first, real, dst.narrow(0, p.offset, real));
+      CopyElements(where, *ls.tensor, first, real, dst.narrow(0, p.offset, real));
     }
   }
   if (!with_state)

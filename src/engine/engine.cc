@@ -294,10 +294,6 @@ bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); 
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
-  if (impl_->zero3)  // (synchronous: background saves are for stages 0-2)
-    return engine::SaveZero3Checkpoint(*impl_, dir,
-                                       tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
-                                       client_state);
   return engine::SaveEngineCheckpoint(*impl_, dir, tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }

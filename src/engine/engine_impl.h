@@ -66,9 +66,8 @@ namespace engine {
 // parameters partitioned per parameter, gather units from the options).
 void InitZero3(Engine::Impl& e, const std::vector<GroupSpec>& specs, const EngineOptions& options);
 
-// checkpoint_zero3.cc: stage 3's checkpoints in DeepSpeed's ZeRO-3 layout.
-std::string SaveZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                const ClientState& client_state);
+// checkpoint_zero3.cc: stage 3's checkpoints in DeepSpeed's ZeRO-3 layout
+// (SaveEngineCheckpoint saves them, as every stage's).
 LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                const LoadCheckpointOptions& options);
 
