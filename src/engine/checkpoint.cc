@@ -238,6 +238,24 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
 
 }  // namespace
 
+void SetCountersAndExtras(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                          ckpt::ModelStates& m) {
+  m.shared_params = e.aliases;
+  if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
+  m.global_steps = e.global_steps;
+  m.global_samples = e.global_samples;
+  m.skipped_steps = e.skipped_steps;
+  m.dp_world_size = e.comm->world_size();
+  m.ds_config = ckpt::JsonToValue(e.config.raw);
+  // uckpt's own: the data position and the lr, then the client's keys.
+  ValuePtr ours = Value::Dict();
+  ours->set("data_samples", Value::Int(e.global_samples));
+  ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
+  ours->set("lr", Value::Float(e.schedule.current_lr()));
+  m.extra.emplace_back("uckpt", ours);
+  for (auto& kv : client) m.extra.push_back(std::move(kv));
+}
+
 std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state) {
   std::vector<std::pair<std::string, ValuePtr>> out;
   if (client_state.isNone()) return out;
@@ -273,21 +291,8 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
     const ValuePtr& whole = FindEntry(m.module, p.name);
     m.frozen.emplace_back(p.name, View(whole->tensor->storage, whole->tensor->dtype, {p.tensor.numel()}, 0));
   }
-  m.shared_params = e.aliases;
   if (m.stage == 0) m.stage0_optimizer = Stage0Optimizer(e);
-  if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
-  m.global_steps = e.global_steps;
-  m.global_samples = e.global_samples;
-  m.skipped_steps = e.skipped_steps;
-  m.dp_world_size = e.comm->world_size();
-  m.ds_config = ckpt::JsonToValue(e.config.raw);
-  // uckpt's own: the data position and the lr, then the client's keys.
-  ValuePtr ours = Value::Dict();
-  ours->set("data_samples", Value::Int(e.global_samples));
-  ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
-  ours->set("lr", Value::Float(e.schedule.current_lr()));
-  m.extra.emplace_back("uckpt", ours);
-  for (auto& kv : client) m.extra.push_back(std::move(kv));
+  SetCountersAndExtras(e, std::move(client), m);
   return ckpt::ModelStatesValue(m);
 }
 

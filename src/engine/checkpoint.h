@@ -33,6 +33,11 @@ c10::IValue ToIValue(const ValuePtr& v);
 // model-states file's own (throws std::invalid_argument).
 std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state);
 
+// The model-states fields every stage fills alike: tied names, the schedule's
+// position, counters, the config, uckpt's own entry and then the client's keys.
+void SetCountersAndExtras(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                          ckpt::ModelStates& m);
+
 // A tensor as a value for a file being saved: a copy into the save's snapshot
 // pool during an async (or GPU) save, else a view of a host tensor's bytes.
 ValuePtr TensorValue(const at::Tensor& t, bool requires_grad = false);

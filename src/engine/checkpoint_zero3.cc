@@ -55,19 +55,7 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
     m.frozen.emplace_back(p.name, TensorValue(p.tensor.reshape(-1)));
   }
-  m.shared_params = e.aliases;
-  if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
-  m.global_steps = e.global_steps;
-  m.global_samples = e.global_samples;
-  m.skipped_steps = e.skipped_steps;
-  m.dp_world_size = e.comm->world_size();
-  m.ds_config = ckpt::JsonToValue(e.config.raw);
-  ValuePtr ours = Value::Dict();
-  ours->set("data_samples", Value::Int(e.global_samples));
-  ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
-  ours->set("lr", Value::Float(e.schedule.current_lr()));
-  m.extra.emplace_back("uckpt", ours);
-  for (const auto& kv : client) m.extra.push_back(kv);
+  SetCountersAndExtras(e, client, m);
   return ckpt::ModelStatesValue(m);
 }
 
