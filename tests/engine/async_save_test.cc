@@ -15,6 +15,7 @@
 #include "format/error.h"
 #include "format/fault_env.h"
 #include "ranks.h"
+#include "tiny.h"
 #include "cli/trainer.h"
 
 namespace uckpt::engine {
@@ -24,41 +25,13 @@ namespace fs = std::filesystem;
 using testing::RunRanks;
 
 TrainOptions Tiny(int stage, bool bf16) {
-  nlohmann::json ds = {{"train_batch_size", 4},
-                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
-                       {"zero_optimization", {{"stage", stage}}},
-                       {"bf16", {{"enabled", bf16}}}};
-  TrainOptions o;
-  o.config = ParseConfig(ds, "tiny");
-  o.model.n_layer = 1;
-  o.model.n_head = 2;
-  o.model.n_embd = 6;
-  o.model.vocab_size = 37;
-  o.model.n_positions = 9;
-  o.seq_len = 9;
-  return o;
+  return testing::TinyGpt2({{"train_batch_size", 4},
+                            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
+                            {"zero_optimization", {{"stage", stage}}},
+                            {"bf16", {{"enabled", bf16}}}});
 }
 
-std::string Read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::map<std::string, std::string> Files(const std::string& folder) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(folder))
-    if (e.is_regular_file()) out[fs::relative(e.path(), folder).string()] = Read(e.path().string());
-  return out;
-}
-
-std::string TempDir(const std::string& name) {
-  auto d = fs::temp_directory_path() / ("uckpt_async_" + name + "_" + std::to_string(getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d.string();
-}
+std::string TempDir(const std::string& name) { return testing::FreshTempDir("async_" + name); }
 
 SaveCheckpointOptions Async(bool on) {
   SaveCheckpointOptions o;
@@ -91,7 +64,7 @@ TEST_P(AsyncSave, EqualsSyncSaveByteForByte) {
     t.TrainStep();
     t.TrainStep();
     t.engine().WaitForCheckpoint();
-    EXPECT_EQ(Read(root + "/async/latest"), "global_step2");
+    EXPECT_EQ(testing::ReadBytes(root + "/async/latest"), "global_step2");
     // A second background save reuses the snapshot buffers.
     t.engine().SaveCheckpoint(root + "/async", "global_step4", c10::IValue(), Async(true));
     snapshot[comm.rank()][1] = t.engine().last_save().snapshot_bytes;
@@ -99,13 +72,13 @@ TEST_P(AsyncSave, EqualsSyncSaveByteForByte) {
   });
   for (const auto& [first, second] : snapshot) EXPECT_EQ(second, first) << "snapshot memory grew between saves";
   for (const char* tag : {"global_step2", "global_step4"}) {
-    const auto a = Files(root + "/sync/" + tag), b = Files(root + "/async/" + tag);
+    const auto a = testing::FolderBytes(root + "/sync/" + tag), b = testing::FolderBytes(root + "/async/" + tag);
     // Optimizer files, model states (stage 3: one per rank), manifest.
     const int files = v.stage == 3 ? 2 * v.world + 1 : (v.stage > 0 ? v.world : 0) + 2;
     EXPECT_EQ(a.size(), static_cast<size_t>(files)) << tag;
     EXPECT_TRUE(a == b) << tag << ": the background save's files differ from the synchronous save's";
   }
-  EXPECT_EQ(Read(root + "/async/latest"), "global_step4");
+  EXPECT_EQ(testing::ReadBytes(root + "/async/latest"), "global_step4");
   fs::remove_all(root);
 }
 
@@ -158,7 +131,7 @@ TEST(AsyncSaveFault, FailedBackgroundWriteStopsTheRunNamingTheFile) {
   EXPECT_EQ(steps_until_error[0], steps_until_error[1]) << "the ranks stopped at different steps";
   EXPECT_NE(errors[1].find("zero_pp_rank_1_mp_rank_00_optim_states.pt"), std::string::npos) << errors[1];
   for (const auto& [r, msg] : errors) EXPECT_NE(msg.find("global_step2 not saved"), std::string::npos) << msg;
-  EXPECT_EQ(Read(dir + "/latest"), "global_step1");
+  EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step1");
   std::set<std::string> left;
   for (const auto& e : fs::directory_iterator(dir)) left.insert(e.path().filename().string());
   EXPECT_EQ(left, (std::set<std::string>{"global_step1", "latest"}));

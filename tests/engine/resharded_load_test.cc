@@ -11,6 +11,7 @@
 #include "ckpt/partition.h"
 #include "fixture.h"
 #include "ranks.h"
+#include "tiny.h"
 #include "cli/trainer.h"
 
 namespace uckpt::engine {
@@ -31,25 +32,13 @@ TrainOptions TinyOptions(int stage, bool bf16, int world) {
         {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 3}, {"warmup_type", "linear"}}}}},
       {"zero_optimization", {{"stage", stage}}},
       {"bf16", {{"enabled", bf16}}}};
-  TrainOptions o;
-  o.config = ParseConfig(ds, "tiny");
-  o.model.n_layer = 1;
-  o.model.n_head = 2;
-  o.model.n_embd = 6;
-  o.model.vocab_size = 37;
-  o.model.n_positions = 9;
-  o.seq_len = 9;
+  TrainOptions o = testing::TinyGpt2(ds);
   o.seed = 7;
   o.init_seed = 11;
   return o;
 }
 
-std::string TempDir(const std::string& name) {
-  auto d = fs::temp_directory_path() / ("uckpt_engine_" + name + "_" + std::to_string(getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d.string();
-}
+std::string TempDir(const std::string& name) { return testing::FreshTempDir("engine_" + name); }
 
 // Two engines on the same rank hold the same state, bit for bit.
 void ExpectSameState(Trainer& a, Trainer& b, const std::string& what) {

@@ -16,6 +16,7 @@
 #include "format/error.h"
 #include "format/fault_env.h"
 #include "ranks.h"
+#include "tiny.h"
 #include "engine/checkpoint.h"
 #include "cli/trainer.h"
 
@@ -26,32 +27,9 @@ namespace fs = std::filesystem;
 using testing::RunRanks;
 
 TrainOptions Tiny() {
-  nlohmann::json ds = {{"train_batch_size", 4},
-                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
-                       {"zero_optimization", {{"stage", 2}}}};
-  TrainOptions o;
-  o.config = ParseConfig(ds, "tiny");
-  o.model.n_layer = 1;
-  o.model.n_head = 2;
-  o.model.n_embd = 6;
-  o.model.vocab_size = 37;
-  o.model.n_positions = 9;
-  o.seq_len = 9;
-  return o;
-}
-
-std::string Read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::map<std::string, std::string> Snapshot(const std::string& folder) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(folder))
-    if (e.is_regular_file()) out[fs::relative(e.path(), folder).string()] = Read(e.path().string());
-  return out;
+  return testing::TinyGpt2({{"train_batch_size", 4},
+                            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
+                            {"zero_optimization", {{"stage", 2}}}});
 }
 
 std::set<std::string> Entries(const std::string& dir) {
@@ -104,7 +82,7 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
     };
     t.TrainStep();
     save("global_step1");
-    if (rank0) saved = Snapshot(dir + "/global_step1");
+    if (rank0) saved = testing::FolderBytes(dir + "/global_step1");
     t.TrainStep();
     for (const SaveFault& f : faults) {
       comm.Barrier();
@@ -132,8 +110,8 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
           EXPECT_NE(msg.find(dir + "/" + f.tag), std::string::npos) << "rank " << r << ": " << msg;
           EXPECT_NE(msg.find("not saved"), std::string::npos) << "rank " << r << ": " << msg;
         }
-        EXPECT_EQ(Read(dir + "/latest"), "global_step1");
-        EXPECT_EQ(Snapshot(dir + "/global_step1"), saved);
+        EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step1");
+        EXPECT_EQ(testing::FolderBytes(dir + "/global_step1"), saved);
         // A fault after the folder's rename (`latest`'s) leaves the new
         // folder in place: complete (its manifest checks out), but unnamed
         // by `latest`. Nothing else may be left.
@@ -151,7 +129,7 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
     // No fault: the save goes through, with a manifest of its files.
     save("global_step2");
   });
-  EXPECT_EQ(Read(dir + "/latest"), "global_step2");
+  EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step2");
   EXPECT_EQ(Entries(dir + "/global_step2"),
             (std::set<std::string>{"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                    "zero_pp_rank_1_mp_rank_00_optim_states.pt", ckpt::kManifestName}));

@@ -1,0 +1,57 @@
+// A GPT-2 small enough to train in milliseconds (1 layer, 6 wide, vocab 37,
+// 9 tokens: 798 parameters, padded at world sizes 2 and 4), and files read
+// back whole: for the engine tests that save and compare checkpoints.
+#pragma once
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "cli/trainer.h"
+
+namespace uckpt::engine::testing {
+
+inline TrainOptions TinyGpt2(const nlohmann::json& ds) {
+  TrainOptions o;
+  o.config = ParseConfig(ds, "tiny");
+  o.model.n_layer = 1;
+  o.model.n_head = 2;
+  o.model.n_embd = 6;
+  o.model.vocab_size = 37;
+  o.model.n_positions = 9;
+  o.seq_len = 9;
+  return o;
+}
+
+inline std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Every regular file below `folder`, by relative path.
+inline std::map<std::string, std::string> FolderBytes(const std::string& folder) {
+  namespace fs = std::filesystem;
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(folder))
+    if (e.is_regular_file()) out[fs::relative(e.path(), folder).string()] = ReadBytes(e.path().string());
+  return out;
+}
+
+// A fresh, empty folder for one test (named by it and the process).
+inline std::string FreshTempDir(const std::string& name) {
+  namespace fs = std::filesystem;
+  auto d = fs::temp_directory_path() / ("uckpt_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d.string();
+}
+
+}  // namespace uckpt::engine::testing
