@@ -92,6 +92,10 @@ struct LoadCheckpointOptions {
 struct LoadResult {
   std::string path;          // the tag folder loaded
   ClientState client_state;  // a dict of the keys the saver added
+};
+
+// What the last LoadCheckpoint did (Engine::last_load()).
+struct LoadStats {
   // Optimizer-state bytes this rank read from the ZeRO rank files: those of
   // its own partition only, at any world size (resharded while loading); 0
   // for universal, weights-only and stage-0 loads.
@@ -181,6 +185,7 @@ class Engine {
   // also waits, but can only report an error on stderr.
   void WaitForCheckpoint();
   const SaveStats& last_save() const;
+  const LoadStats& last_load() const;
   // Loads <dir>/<tag> (tag "" = what `latest`, or `latest_universal`, names).
   // A missing `latest` is not an error: nothing is loaded and path is "".
   LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "", const LoadCheckpointOptions& options = {});

@@ -619,7 +619,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
     static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(r.loss_scaler, e.zero->loss_scaler());
     ApplySavedHparams(e, r.where, r.param_groups, o);
     e.zero->GatherModelFromMasters();
-    result.optimizer_bytes_read = r.bytes_read;
+    e.last_load.optimizer_bytes_read = r.bytes_read;
     return result;
   }
   LoadModule(model_path, m, Trainable(e));

@@ -303,9 +303,11 @@ void Engine::WaitForCheckpoint() {
 }
 
 const SaveStats& Engine::last_save() const { return impl_->last_save; }
+const LoadStats& Engine::last_load() const { return impl_->last_load; }
 
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
   WaitForCheckpoint();  // a background save first: it may be the one to load
+  impl_->last_load = {};
   if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, dir, tag, options);
   return engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
 }

@@ -52,6 +52,7 @@ struct Engine::Impl {
   StepInfo last;
   std::shared_ptr<engine::CheckpointWriter> writer;  // this rank's files of the last save (async_save.h)
   SaveStats last_save;
+  LoadStats last_load;
 
   explicit Impl(engine::TrainConfig c)
       : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
