@@ -45,14 +45,19 @@ std::vector<uint8_t> Read(const ZeroCheckpoint& z, const PartitionTarget& target
   return out;
 }
 
+// `z` converted by `uckpt convert` into `tmp`/universal, opened: the reference.
+UniversalCheckpoint ConvertInto(const ZeroCheckpoint& z, const TempDir& tmp) {
+  ConvertOptions co;
+  co.durable = false;
+  ConvertToUniversal(z, tmp / "universal", co);
+  return OpenUniversalCheckpoint(tmp / "universal");
+}
+
 void ExpectFlatReshardMatchesConvert(const std::string& folder) {
   SCOPED_TRACE(folder);
   const ZeroCheckpoint z = OpenZeroCheckpoint(folder);
   TempDir tmp;
-  ConvertOptions co;
-  co.durable = false;
-  ConvertToUniversal(z, tmp / "universal", co);
-  const UniversalCheckpoint u = OpenUniversalCheckpoint(tmp / "universal");
+  const UniversalCheckpoint u = ConvertInto(z, tmp);
   std::vector<std::string> keys{"fp32"};
   keys.insert(keys.end(), z.state_keys.begin(), z.state_keys.end());
   for (int dp = 1; dp <= 4; ++dp) {
@@ -99,10 +104,7 @@ TEST(Reshard, Stage3SourceIntoFlatAndStage3Targets) {
   ExpectFlatReshardMatchesConvert(folder);
   const ZeroCheckpoint z = OpenZeroCheckpoint(folder);
   TempDir tmp;
-  ConvertOptions co;
-  co.durable = false;
-  ConvertToUniversal(z, tmp / "universal", co);
-  const UniversalCheckpoint u = OpenUniversalCheckpoint(tmp / "universal");
+  const UniversalCheckpoint u = ConvertInto(z, tmp);
   for (int dp = 1; dp <= 4; ++dp) {
     uint64_t all_ranks = 0;
     for (int rank = 0; rank < dp; ++rank) {
