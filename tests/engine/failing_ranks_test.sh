@@ -13,7 +13,8 @@
 # is 120 s, so only the heartbeat monitor can end the runs in time.
 #
 # usage: failing_ranks_test.sh UCKPT WORK_DIR
-#        RANKS=N (default 3), DEVICE=cuda for one GPU per rank (NCCL)
+#        RANKS=N (default 3), DEVICE=cuda for one GPU per rank (NCCL),
+#        STAGE=N the ZeRO stage (default 2), ASYNC_SAVE=1 background saves
 set -euo pipefail
 source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 N=${RANKS:-3}
@@ -46,6 +47,7 @@ wait_exit() {
 resume_works() {
   local dir=$1 what=$2 tag next
   tag=$(cat "$dir/latest")
+  "$U" verify -q "$dir/$tag" > "verify_$dir.log" 2>&1 || { cat "verify_$dir.log"; fail "$what: $dir/$tag does not verify"; }
   next=$(( ${tag#global_step} + 2 ))
   "$U" launch -n $N --master_port 0 -- "$U" train $F --steps $next --checkpoint_dir "$dir" --resume \
     --run_name "resume_$dir" > "resume_$dir.log" 2>&1 || { cat "resume_$dir.log"; fail "$what: resume from $tag"; }

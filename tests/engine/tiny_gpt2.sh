@@ -4,7 +4,7 @@
 # writes ds.json (ZeRO-2, AdamW) and sets F, the flags of the tiny GPT-2
 # those tests train (1 layer x 16, vocab 97, 16 tokens, one thread).
 # ASYNC_SAVE=1 adds "checkpoint": {"async_save": true} (the same tests then
-# cover background saves).
+# cover background saves); STAGE=N sets the ZeRO stage (default 2).
 U=$(realpath "$1")
 W=$2
 rm -rf "$W"
@@ -17,7 +17,7 @@ tiny_gpt2() {
   local batch=$1
   shift
   cat > ds.json <<JSON
-{"train_batch_size": $batch, "zero_optimization": {"stage": 2},
+{"train_batch_size": $batch, "zero_optimization": {"stage": ${STAGE:-2}},
  "checkpoint": {"async_save": $([ -n "${ASYNC_SAVE:-}" ] && echo true || echo false)},
  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
 JSON
