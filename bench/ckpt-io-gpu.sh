@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checkpoint I/O on one GPU, GPT-2 124M, bf16, ZeRO-2, one rank: uckpt's
+# Checkpoint I/O on NGPU GPUs (default 1), GPT-2 124M, bf16, ZeRO-2, one rank per GPU: uckpt's
 # synchronous save, async save (time the training loop is blocked, and until
 # the checkpoint is published) and resume, against PyTorch DCP's save (+ sync),
 # async_save (blocked, and until done + sync) and load on the same model and
@@ -10,24 +10,31 @@
 # DCP async_save's blocked time; sync save GB/s >= DCP save's; load >= 5x DCP
 # load's speed.
 #
-# usage: bench/ckpt-io-gpu.sh UCKPT [WORK_DIR] [RUNS]   (WORK_DIR on the disk to measure)
+# On several GPUs uckpt's figures are rank 0's (every rank writes its own
+# partition of the optimizer state in parallel; the save ends when all are
+# durable) and PyTorch's model is sharded with FSDP2 (fully_shard), DCP saving
+# each rank's shards, the usual way to checkpoint a sharded model in PyTorch.
+#
+# usage: bench/ckpt-io-gpu.sh UCKPT [WORK_DIR] [RUNS]   (WORK_DIR on the disk to measure; env NGPU=1)
 # (as a gpu-session part: build with scripts/build-gpu.sh, then run this with the built uckpt)
 set -euo pipefail
 here=$(dirname "$(realpath "$0")")
 uckpt=$(realpath "${1:?usage: bench/ckpt-io-gpu.sh UCKPT [WORK_DIR] [RUNS]}")
 work=$(realpath -m "${2:-/tmp/uckpt-ckpt-io-gpu}")
 runs=${3:-3}
+export NGPU=${NGPU:-1}
+export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NGPU - 1)))
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 rm -rf "$work" && mkdir -p "$work" && cd "$work"
 model="--n_layer 12 --n_head 12 --n_embd 768 --vocab_size 50257 --n_positions 1024 --seq_len 1024 --fused_kernels"
 for async in false true; do
   cat > cfg_$async.json <<JSON
-{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+{"train_batch_size": $((4 * NGPU)), "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
  "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
  "bf16": {"enabled": true}, "zero_optimization": {"stage": 2}, "checkpoint": {"async_save": $async}}
 JSON
 done
-train() { "$uckpt" train --config "cfg_$1.json" $model --device cuda --log_dir logs --no_progress "${@:2}" 2>&1; }
+train() { "$uckpt" launch -n "$NGPU" --master_port 0 -- "$uckpt" train --config "cfg_$1.json" $model --device cuda --log_dir logs --no_progress "${@:2}" 2>&1; }
 pick() { sed -n "s/^uckpt train: $1.* in \([0-9.]*\) s.*/\1/p" | tail -1; }
 save=() blocked=() total=() load=() cps=()
 for ((i = 0; i < runs; i++)); do
@@ -50,15 +57,21 @@ for ((i = 0; i < runs; i++)); do
   cps+=("$(python3 -c "print($t1 - $t0)")")
 done
 bytes=$(du -sb s/global_step2 | cut -f1)
-dcp=$(python3 "$here/dcp_ckpt_bench.py" "$work/dcp" "$runs" | tail -1)
+if [ "$NGPU" = 1 ]; then
+  dcp=$(python3 "$here/dcp_ckpt_bench.py" "$work/dcp" "$runs" | tail -1)
+else
+  dcp=$(python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" "$here/dcp_ckpt_bench.py" "$work/dcp" \
+    "$runs" 2> dcp.err | grep '^{' | tail -1)
+  [ -n "$dcp" ] || { cat dcp.err >&2; exit 1; }
+fi
 python3 - "$bytes" "$dcp" "${save[*]}" "${blocked[*]}" "${total[*]}" "${load[*]}" "${cps[*]}" <<'PY'
-import json, sys
+import json, os, sys
 nb = int(sys.argv[1]); d = json.loads(sys.argv[2])
 u = [min(float(x) for x in a.split()) for a in sys.argv[3:8]]
 save, blocked, total, load, cps = u
 G = 1e9
 ds, dab, dat, dl = (min(d[k]) for k in ("save_s", "async_blocked_s", "async_total_s", "load_s"))
-print(f"== GPT-2 124M, one GPU: uckpt bf16 ZeRO-2 tag folder {nb / G:.2f} GB; DCP (torch {d['torch']}) fp32 + AdamW {d['bytes'] / G:.2f} GB")
+print(f"== GPT-2 124M, {os.environ.get('NGPU', '1')} GPU(s): uckpt bf16 ZeRO-2 tag folder {nb / G:.2f} GB; DCP (torch {d['torch']}) fp32 + AdamW {d['bytes'] / G:.2f} GB")
 print(f"{'':34}{'uckpt s':>9}{'GB/s':>7}{'DCP s':>9}{'GB/s':>7}{'uckpt/DCP time':>16}")
 rows = [("sync save (durable)", save, nb, ds, d["bytes"]), ("async save: blocked", blocked, None, dab, None),
         ("async save: until durable", total, nb, dat, d["bytes"]), ("load", load, nb, dl, d["bytes"])]
