@@ -6,7 +6,11 @@
 # ckpt (bench/ckpt-gpu.sh), demo (scripts/demo-gpu.sh both), failing (failing ranks under
 # NCCL, tests/engine/failing_ranks_test.sh on 2 GPUs), fp16 (GPT-2 124M in fp16 with dynamic
 # loss scaling on 4 GPUs, bench/fp16-gpu.sh), ckptio (uckpt sync/async save and load against
-# PyTorch DCP on one GPU, bench/ckpt-io-gpu.sh).
+# PyTorch DCP on one GPU, bench/ckpt-io-gpu.sh). Several GPUs (NG = the GPUs there are):
+# train2 / train3 (bench/train-gpu.sh at NG GPUs, ZeRO-2 / ZeRO-3), failing3 (failing ranks
+# under NCCL at stage 3), dsuc (the demo repository's scripts on NG GPUs, scripts/dsuc-gpu.sh;
+# .dsuc carried), ckptio2 (bench/ckpt-io-gpu.sh on NG GPUs), convert16 (bench/convert-vs-cp.sh
+# on 16 cores, taskset), matrix23 (the engine matrix, stages 2 and 3, fp32 and bf16).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +25,12 @@ cat "$OUT/env.txt"
 t0=$SECONDS
 U=$(scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps) || { echo "build failed"; exit 1; }
 echo "built $U in $((SECONDS - t0)) s"
+NG=$(nvidia-smi -L | wc -l)
+case " ${PARTS:-} " in *" dsuc "*|*" convert16 "*)
+  cmake -DUCKPT_BENCH=ON /tmp/uckpt-gpu > /dev/null && cmake --build /tmp/uckpt-gpu -j"$(nproc)" --target python convert_gen \
+    > "$OUT/build-extra.log" 2>&1 || tail -20 "$OUT/build-extra.log"
+  echo "built the Python package and convert_gen after $((SECONDS - t0)) s" ;;
+esac
 part() {  # part NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
   local s=$SECONDS
@@ -46,5 +56,21 @@ for p in ${PARTS:-check matrix train ckpt}; do
     failing) RANKS=2 DEVICE=cuda part failing ${LIMIT_failing:-240} tests/engine/failing_ranks_test.sh "$U" /tmp/failing ;;
     fp16) part fp16 ${LIMIT_fp16:-180} bench/fp16-gpu.sh "$U" /tmp/fp16-gpu ;;
     demo) part demo ${LIMIT_demo:-300} scripts/demo-gpu.sh /tmp/uckpt-gpu both ;;
+    train2) EXTRA=0 GPU_COUNTS=$NG part train2 ${LIMIT_train2:-240} bench/train-gpu.sh "$U" /tmp/train2 ;;
+    train3) ZERO=3 GPU_COUNTS=$NG part train3 ${LIMIT_train3:-240} bench/train-gpu.sh "$U" /tmp/train3 ;;
+    failing3) STAGE=3 RANKS=$NG DEVICE=cuda part failing3 ${LIMIT_failing3:-150} tests/engine/failing_ranks_test.sh "$U" /tmp/failing3 ;;
+    dsuc) part dsuc ${LIMIT_dsuc:-300} scripts/dsuc-gpu.sh .dsuc /tmp/uckpt-gpu /tmp/dsuc
+          tar -C /tmp/dsuc -czf "$OUT/dsuc-logs.tgz" logs $(cd /tmp/dsuc && ls *.log) 2>/dev/null ;;
+    ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ;;
+    convert16) part convert16 ${LIMIT_convert16:-300} taskset -c 0-15 bench/convert-vs-cp.sh --uckpt "$U" \
+                 --gen /tmp/uckpt-gpu/bench/convert_gen --runs 3 --dir /tmp/cvcp ;;
+    matrix23)
+      s=$SECONDS
+      for prec in fp32 bf16; do
+        STAGES="2 3" PRECISIONS=$prec timeout ${LIMIT_matrix:-300} tests/engine/gpu_matrix.sh "$U" /tmp/matrix-$prec > "$OUT/matrix-$prec.log" 2>&1 &
+      done
+      wait
+      echo "==== matrix23: $((SECONDS - s)) s"
+      for prec in fp32 bf16; do sed -n '/==== gpu_matrix/,$p' "$OUT/matrix-$prec.log"; done ;;
   esac
 done

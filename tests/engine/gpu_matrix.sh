@@ -6,6 +6,8 @@
 #   same:   resume global_step4 at W ranks -> steps 5..8 must equal base's bit for bit
 #           (loss, lr, grad_norm, loss_scale)
 #   univ:   uckpt convert global_step4, resume at W/2 ranks -> losses within TOL of base
+#   resh:   resume global_step4's ZeRO files at W/2 ranks, not converted -> within TOL
+#   switch: (stages 2 and 3) the same at the other of the two stages -> within TOL
 # plus, per precision, the same 8 steps at 1 and 2 ranks (stage 2; batch 16 = micro 4 x
 # GA 4/2/1) against the W-rank base, and fp16's dynamic loss scale: a skipped step has
 # grad_norm -1, halves the scale (hysteresis 1), keeps the lr; the others keep the scale.
@@ -130,8 +132,18 @@ for p in $precisions; do
         else
           rows+=("$(printf '%-34s FAIL convert: %s' "$id: convert" "$(tail -1 "logs-$id-convert.txt")")")
         fi
+        mkdir -p "$ck-resh" && cp -r "$ck/global_step4" "$ck-resh/" && echo global_step4 > "$ck-resh/latest"
+        train $H "$id-resh" "cfg-$id.json" --steps 8 --checkpoint_dir "$ck-resh" --resume &&
+          check "$id: resume $W->$H (no convert)" close "$id-base" "$id-resh" "$tol"
+        if [ "$stage" = 2 ] || [ "$stage" = 3 ]; then
+          other=$(( 5 - stage ))
+          config "cfg-$id-switch.json" "$p" "$other" "$off" 24
+          rm -rf "$ck-resh" && mkdir -p "$ck-resh" && cp -r "$ck/global_step4" "$ck-resh/" && echo global_step4 > "$ck-resh/latest"
+          train $H "$id-switch" "cfg-$id-switch.json" --steps 8 --checkpoint_dir "$ck-resh" --resume &&
+            check "$id: $W->$H at stage $other (no convert)" close "$id-base" "$id-switch" "$tol"
+        fi
       fi
-      rm -rf "$ck" "$ck-same" "$ck-univ"
+      rm -rf "$ck" "$ck-same" "$ck-univ" "$ck-resh"
     done
   done
   # World sizes: the same global batches at 1, 2 and W ranks (stage 2, optimizer on GPU).
