@@ -71,7 +71,7 @@ JSON
     --run_name "$label-$n" --no_progress > "log-$label-$n.txt" 2>&1
   local rc=$? peak
   peak=$(sample_stop "mem-$label-$n.csv" "$n")
-  if [ $rc -ne 0 ]; then echo "$label on $n GPUs failed:"; tail -5 "log-$label-$n.txt"; return; fi
+  if [ $rc -ne 0 ]; then echo "$label on $n GPUs failed:"; grep -v "^frame #" "log-$label-$n.txt" | tail -8; return; fi
   python3 - "$label" "$n" "$peak" "logs/$label-$n/metrics.csv" $WARMUP $((SECONDS - t0)) "log-$label-$n.txt" >> "$results" <<'PY'
 import csv, json, re, sys
 label, n, peak, path, warm, wall = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])

@@ -1,8 +1,9 @@
 // uckpt::Engine: wraps a module for ZeRO data parallelism (engine_impl.h has
 // the state; checkpoint.cc saves and loads it).
-#include <cstdio>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -189,6 +190,9 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   if (cuda) {
     if (!at::hasCUDA()) throw std::invalid_argument("uckpt::Engine: device cuda, but this libtorch has no CUDA or no GPU is visible");
     e.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(e.local_rank));
+    // This rank's GPU becomes the current device, as DeepSpeed's engine makes
+    // it: tensors the caller creates without an index land there too.
+    c10::impl::getDeviceGuardImpl(at::kCUDA)->setDevice(e.device);
   }
   if (c.fp16.enabled && e.device.is_cpu()) {
     try {  // libtorch 1.13 has no CPU fp16 kernels for LayerNorm and friends.

@@ -1,5 +1,6 @@
 #include "engine/zero3.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -30,6 +31,8 @@ at::Tensor AllocateStorage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (s->nbytes() != nbytes) {
+    // The caching allocator serves the thread's current device: make it the tensor's.
+    const c10::DeviceGuard on(t.device());
     s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
     s->set_nbytes(nbytes);
   }
