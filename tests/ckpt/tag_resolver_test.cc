@@ -80,4 +80,49 @@ TEST(TagResolver, ResolveTagFolderRefusesAnEscape) {
 }
 
 }  // namespace
+
+// ClassifyFile: DeepSpeed's file names, and names that only look like them.
+TEST(FileNames, DeepSpeedKinds) {
+  struct Case {
+    std::string name;
+    FileKind kind;
+    int dp, mp;
+    std::string prefix;
+  };
+  const std::vector<Case> cases = {
+      {"mp_rank_00_model_states.pt", FileKind::kModelStates, -1, 0, ""},
+      {"mp_rank_12_model_states.pt", FileKind::kModelStates, -1, 12, ""},
+      {"zero_pp_rank_3_mp_rank_00_model_states.pt", FileKind::kZero3ModelStates, 3, 0, ""},
+      {"zero_pp_rank_10_mp_rank_01_optim_states.pt", FileKind::kOptimStates, 10, 1, ""},
+      {"bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt", FileKind::kOptimStates, 2, 0, "bf16_"},
+      {"fp16_zero_pp_rank_0_mp_rank_00optim_states.pt", FileKind::kOptimStates, 0, 0, "fp16_"},
+      {"expert_3_mp_rank_00_model_states.pt", FileKind::kMoeExpert, -1, -1, ""},
+      {"layer_2_expert_3_mp_rank_00_model_states.pt", FileKind::kMoeExpert, -1, -1, ""},
+      {"expp_rank_1_mp_rank_00_optim_states.pt", FileKind::kMoeExpert, -1, -1, ""},
+      {"layer_01-model_00-model_states.pt", FileKind::kPipelineLayer, -1, -1, ""},
+      {"layer_.pt", FileKind::kPipelineLayer, -1, -1, ""},
+      // Near misses are other files.
+      {"mp_rank__model_states.pt", FileKind::kOther, -1, -1, ""},
+      {"mp_rank_00_model_states.pt.tmp", FileKind::kOther, -1, -1, ""},
+      {"xmp_rank_00_model_states.pt", FileKind::kOther, -1, -1, ""},
+      {"zero_pp_rank_3_mp_rank_00_model_states.ptx", FileKind::kOther, -1, -1, ""},
+      {"bf32_zero_pp_rank_2_mp_rank_00_optim_states.pt", FileKind::kOther, -1, -1, ""},
+      {"zero_pp_rank_a_mp_rank_00_optim_states.pt", FileKind::kOther, -1, -1, ""},
+      {"zero_pp_rank_1_mp_rank_00__optim_states.pt", FileKind::kOther, -1, -1, ""},
+      {"layer_x_expert_3_mp_rank_00_model_states.pt", FileKind::kPipelineLayer, -1, -1, ""},
+      {"layer_pt", FileKind::kOther, -1, -1, ""},
+      {"latest", FileKind::kOther, -1, -1, ""},
+      {"", FileKind::kOther, -1, -1, ""},
+  };
+  for (const Case& c : cases) {
+    const CheckpointFile f = ClassifyFile("dir", c.name);
+    EXPECT_EQ(f.kind, c.kind) << c.name;
+    EXPECT_EQ(f.dp, c.dp) << c.name;
+    EXPECT_EQ(f.mp, c.mp) << c.name;
+    EXPECT_EQ(f.prefix, c.prefix) << c.name;
+    EXPECT_EQ(f.path, "dir/" + c.name);
+  }
+  EXPECT_EQ(ClassifyFile("d", "zero_pp_rank_99999999999_mp_rank_00_optim_states.pt").dp, 1 << 30);
+}
+
 }  // namespace uckpt::ckpt
