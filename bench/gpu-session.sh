@@ -26,7 +26,7 @@ t0=$SECONDS
 U=$(scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps) || { echo "build failed"; exit 1; }
 echo "built $U in $((SECONDS - t0)) s"
 NG=$(nvidia-smi -L | wc -l)
-case " ${PARTS:-} " in *" dsuc "*|*" convert16 "*)
+case " ${PARTS:-} " in *" dsuc "*|*" convert16 "*|*" dbg "*)
   cmake -DUCKPT_BENCH=ON /tmp/uckpt-gpu > /dev/null && cmake --build /tmp/uckpt-gpu -j"$(nproc)" --target python convert_gen \
     > "$OUT/build-extra.log" 2>&1 || tail -20 "$OUT/build-extra.log"
   echo "built the Python package and convert_gen after $((SECONDS - t0)) s" ;;
@@ -52,7 +52,7 @@ for p in ${PARTS:-check matrix train ckpt}; do
       for prec in fp32 bf16 fp16; do sed -n '/==== gpu_matrix/,$p' "$OUT/matrix-$prec.log"; grep -m3 "failed:" -A3 "$OUT/matrix-$prec.log"; done ;;
     train) part train ${LIMIT_train:-330} bench/train-gpu.sh "$U" /tmp/train-gpu ;;
     ckpt) part ckpt ${LIMIT_ckpt:-150} bench/ckpt-gpu.sh "$U" /tmp/ckpt-gpu ;;
-    ckptio) part ckptio ${LIMIT_ckptio:-400} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu ;;
+    ckptio) part ckptio ${LIMIT_ckptio:-400} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu ${RUNS:-3} ;;
     failing) RANKS=2 DEVICE=cuda part failing ${LIMIT_failing:-240} tests/engine/failing_ranks_test.sh "$U" /tmp/failing ;;
     fp16) part fp16 ${LIMIT_fp16:-180} bench/fp16-gpu.sh "$U" /tmp/fp16-gpu ;;
     demo) part demo ${LIMIT_demo:-300} scripts/demo-gpu.sh /tmp/uckpt-gpu both ;;
@@ -61,7 +61,8 @@ for p in ${PARTS:-check matrix train ckpt}; do
     failing3) STAGE=3 RANKS=$NG DEVICE=cuda part failing3 ${LIMIT_failing3:-150} tests/engine/failing_ranks_test.sh "$U" /tmp/failing3 ;;
     dsuc) part dsuc ${LIMIT_dsuc:-300} scripts/dsuc-gpu.sh .dsuc /tmp/uckpt-gpu /tmp/dsuc
           tar -C /tmp/dsuc -czf "$OUT/dsuc-logs.tgz" logs $(cd /tmp/dsuc && ls *.log) 2>/dev/null ;;
-    ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ;;
+    dbg) part dbg ${LIMIT_dbg:-200} .dsuc/dbg.sh ;;
+    ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ${RUNS:-3} ;;
     convert16) part convert16 ${LIMIT_convert16:-300} taskset -c 0-15 bench/convert-vs-cp.sh --uckpt "$U" \
                  --gen /tmp/uckpt-gpu/bench/convert_gen --runs 3 --dir /tmp/cvcp ;;
     matrix23)

@@ -7,7 +7,15 @@ Reads the event files directly (TFRecord frames holding Event protobufs), so
 tensorboard itself is not needed. train.py restarts a resumed run at the saved
 step's own index (tag global_stepM -> its loop starts at i = M), so a resumed
 run's step i is the baseline's step i + 1 (the same data: every step of these
-scripts trains on the same batch). Exit status 1 when a comparison fails.
+scripts trains on the same batch). Their GPT-2 keeps GPT2Config's dropout (0.1)
+and trains in train mode, and neither DeepSpeed nor uckpt saves the random
+state, so a resumed or re-batched run draws other dropout masks than the
+baseline: the curves track, they are not equal. The tolerances say how close
+"tracks" is: a resume at the same or another size within 1% of the baseline's
+loss, gradient accumulation within 5% (at lr 1e-3 the loss falls from 10.9 to
+about 5.7 in 40 steps, and the masks steer each run differently). uckpt's
+exactness (bit-identical resumes, GA within 1e-5) is shown without dropout by
+`make demo` and scripts/demo-gpu.sh. Exit status 1 when a comparison fails.
 """
 import glob
 import math
@@ -103,18 +111,16 @@ def main():
         if curve:
             print(f"{name}: {len(curve)} steps, loss {curve[min(curve)]:.6f} -> {curve[max(curve)]:.6f}")
     rows, ok = [], True
-    exact = lambda k, b: 0.0  # noqa: E731
     rel = lambda r: (lambda k, b: r * abs(b))  # noqa: E731
-    changed = lambda k, b: 1e-6 * abs(b) if k == 0 else 1e-3  # noqa: E731
+    resumed, ga = rel(0.01), rel(0.05)
     base = runs.get("default", {})
     checks = [
-        (f"1 resume ZeRO {W}->{W} (resume_no_uc)", base, "resume_no_uc", 1, exact),
-        (f"1 resume universal {W}->{W} (resume_uc_{W}gpu)", base, f"resume_uc_{W}gpu", 1, exact),
-        ("2 GA 1 GPU 8x4 vs 32x1 (grad_accu_4_ds)", runs.get("no_grad_accu_ds", {}), "grad_accu_4_ds", 0, rel(1e-5)),
-        ("2 GA 2 GPUs 8x2 vs 32x1 (grad_accu_4_ds_ws2)", runs.get("no_grad_accu_ds", {}), "grad_accu_4_ds_ws2", 0,
-         rel(1e-5)),
-        (f"3 resume universal {W}->{H}, GA x{W // H} (resume_uc)", base, "resume_uc", 1, changed),
-        (f"+ resume ZeRO {W}->{H} without converting (resume_zero_half)", base, "resume_zero_half", 1, changed),
+        (f"1 resume ZeRO {W}->{W} (resume_no_uc)", base, "resume_no_uc", 1, resumed),
+        (f"1 resume universal {W}->{W} (resume_uc_{W}gpu)", base, f"resume_uc_{W}gpu", 1, resumed),
+        ("2 GA 1 GPU 8x4 vs 32x1 (grad_accu_4_ds)", runs.get("no_grad_accu_ds", {}), "grad_accu_4_ds", 0, ga),
+        ("2 GA 2 GPUs 8x2 vs 32x1 (grad_accu_4_ds_ws2)", runs.get("no_grad_accu_ds", {}), "grad_accu_4_ds_ws2", 0, ga),
+        (f"3 resume universal {W}->{H}, GA x{W // H} (resume_uc)", base, "resume_uc", 1, resumed),
+        (f"+ resume ZeRO {W}->{H} without converting (resume_zero_half)", base, "resume_zero_half", 1, resumed),
     ]
     for name, b, run, shift, tol in checks:
         if run not in runs:
@@ -126,7 +132,8 @@ def main():
     print(f"\n{'comparison':<58}{'steps compared':>18}{'max |dloss|':>13}  result")
     for r in rows:
         print(f"{r[0]:<58}{r[1]:>18}{r[2]:>13}  {r[3]}")
-    print("tolerances: same size bit-identical; GA 1e-5 relative; changed size first step 1e-6 relative, then 1e-3")
+    print("tolerances (dropout is on in these scripts, see the top of scripts/dsuc_table.py): resumes 1% relative, "
+          "gradient accumulation 5% relative, at every compared step")
     sys.exit(0 if ok else 1)
 
 

@@ -153,6 +153,15 @@ def case_save_load(c):
                 list(range(SAVE + 1, STEPS + 1)), 0.0)
         if resumed[str(SAVE + 1)]["global_steps"] != SAVE + 1:
             fail(f"global_steps after the resumed step {SAVE + 1} is {resumed[str(SAVE + 1)]['global_steps']}")
+        if stage == 3:  # its universal conversion, loaded with checkpoint.load_universal, offload on
+            tag = f"global_step{SAVE}_universal"
+            c.check_run([c.uckpt, "convert", "-q", os.path.join(ck, f"global_step{SAVE}"), os.path.join(ck, tag)],
+                        "convert3")
+            with open(os.path.join(ck, "latest_universal"), "w") as f:
+                f.write(tag)
+            uni = c.train("resumed3_universal", 3, "--resume", "--universal", "--offload", "--ckpt-dir", ck)
+            compare("ZeRO 3 + offload: resume of the universal conversion", losses(uni), losses(full),
+                    list(range(SAVE + 1, STEPS + 1)), 1e-6)
     print("ok   client_state round trip (checked by ds_api_train.py) and global_steps after the load")
 
 

@@ -38,6 +38,8 @@ def parse_args():
     p.add_argument("--persistence-threshold", type=int, default=None,
                    help="stage 3: zero_optimization.stage3_param_persistence_threshold (0: every parameter partitioned)")
     p.add_argument("--no-scheduler", action="store_true", help="constant lr (no WarmupLR section)")
+    p.add_argument("--universal", action="store_true", help="load a universal checkpoint (checkpoint.load_universal)")
+    p.add_argument("--offload", action="store_true", help="offload_param and offload_optimizer to the CPU (stage 3)")
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)  # as DeepSpeed's launcher passes it
     return p.parse_args()
@@ -91,6 +93,11 @@ def main():
     tc = variant["train"]
     model = gpt2_ref.build(gpt2_ref.cfg_from_dict(variant["model"]), init_path=os.path.join(args.fixture, "init.pt"))
     config = ds_config(tc, args.stage, world, args.mb, args.gas, args.optimizer == "config", not args.no_scheduler)
+    if args.universal:
+        config["checkpoint"] = {"load_universal": True}
+    if args.offload:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if args.persistence_threshold is not None:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
     optimizer = None
