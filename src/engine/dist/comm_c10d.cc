@@ -191,7 +191,14 @@ class C10dComm : public Comm {
     if (monitor_) monitor_->EnterCollective(what);
     try {
       auto work = start();
-      work->wait(timeout_);
+      // NCCL: wait() without a timeout only orders the current stream after the
+      // collective, so the host runs ahead (with one it spins until the GPU is
+      // done, after every collective: stage 3 has dozens per step). The group's
+      // own timeout (its watchdog) and the rank monitor still end a hung job.
+      if (backend_ == "nccl")
+        work->wait();
+      else
+        work->wait(timeout_);
       if (monitor_) monitor_->LeaveCollective();
     } catch (const std::exception& e) {
       const std::string msg = Brief(e);
