@@ -453,7 +453,6 @@ std::string ZeroModelStatesPath(const std::string& folder, int rank) {
 
 namespace {
 
-
 // param_shapes must name this engine's groups and parameters in order.
 void CheckParamShapes(const Engine::Impl& e, const std::string& path, const ValuePtr& root) {
   const auto saved = ckpt::ReadParamShapes(root, path);
@@ -565,9 +564,12 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
   for (size_t g = 0; g < e.groups.size(); ++g) {
     PartitionState& st = e.zero->state(g);
     const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
+    // This run's group (a ZeRO-3-made folder's param_shapes hold sub-groups).
+    std::vector<ckpt::UniversalParam> params;
+    for (const auto& p : e.groups[g]) params.push_back({p.name, p.tensor.sizes().vec(), p.tensor.numel()});
     auto load = [&](const std::string& key) {
       DType dtype = DType::kFloat32;
-      std::vector<uint8_t> bytes = ckpt::LoadUniversalPartition(u, g, key, dp, rank, &dtype);
+      std::vector<uint8_t> bytes = ckpt::LoadUniversalPartition(u, params, key, dp, rank, &dtype);
       at::Tensor part = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size() / DTypeSize(dtype))},
                                       at::TensorOptions().dtype(ToScalarType(dtype)));
       if (part.numel() != st.master.numel())
@@ -582,7 +584,7 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
     }
     st.exp_avg = load("exp_avg");
     st.exp_avg_sq = load("exp_avg_sq");
-    const double step = u.has_step ? ckpt::ReadUniversalStep(u, u.groups.at(g).at(0).name)
+    const double step = u.has_step ? ckpt::ReadUniversalStep(u, e.groups[g].front().name)
                                    : static_cast<double>(e.global_steps - e.skipped_steps);
     st.step = at::full({}, step, st.master.options());
   }
