@@ -591,6 +591,12 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
   e.zero->GatherModelFromMasters();
 }
 
+bool HasOptimFiles(const std::string& folder) {
+  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+    if (f.kind == ckpt::FileKind::kOptimStates) return true;
+  return false;
+}
+
 // The client's keys: a dict of every top-level key that is not the file's own.
 ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
@@ -639,7 +645,10 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
     LoadUniversalPartitions(e, folder, o);
     return result;
   }
-  if ((stage > 0 && o.load_optimizer_states) || zero3_source) {
+  // A stage-0 run resumes a ZeRO 1/2 folder (rank files, no torch optimizer
+  // state in the model states) from the rank files too.
+  const bool stage12_source = stage12_file && !m.stage0_param_groups && HasOptimFiles(folder);
+  if ((stage > 0 && o.load_optimizer_states) || zero3_source || (o.load_optimizer_states && stage12_source)) {
     // Each rank reads its partition from the rank files, at any world size
     // (resharded_load.h): at the saving world size, its own file's ranges.
     ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);

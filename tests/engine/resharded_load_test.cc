@@ -148,7 +148,8 @@ INSTANTIATE_TEST_SUITE_P(StagesDtypes, ReshardedResume,
                          ::testing::Values(Variant{1, 1, false}, Variant{2, 2, false}, Variant{1, 1, true},
                                            Variant{2, 2, true}, Variant{2, 3, false}, Variant{3, 3, false},
                                            Variant{3, 3, true}, Variant{1, 3, true}, Variant{3, 1, false},
-                                           Variant{3, 2, false}, Variant{3, 2, true}, Variant{3, 0, false}),
+                                           Variant{3, 2, false}, Variant{3, 2, true}, Variant{3, 0, false},
+                                           Variant{2, 0, false}),
                          [](const auto& info) {
                            return "stage" + std::to_string(info.param.from) + "_to_stage" +
                                   std::to_string(info.param.to) + (info.param.bf16 ? "_bf16" : "_fp32");
