@@ -94,6 +94,12 @@ TEST(Reshard, DeepSpeedFixturesAtEveryWorldSize) {
     ExpectFlatReshardMatchesConvert(DsFixture(f) + "/ckpt/global_step5");
 }
 
+// DeepSpeed's own re-sharding of its ZeRO-3 checkpoint at 3 ranks (only rank
+// 0's model-states file: DeepSpeed wrote every rank's to that name).
+TEST(Reshard, DeepSpeedZero3ReshardedAtThreeRanksAtEveryWorldSize) {
+  ExpectFlatReshardMatchesConvert(DsFixture("z3_ws2_fp32") + "/resharded_ws3/global_step5");
+}
+
 TEST(Reshard, RefrunGpt2AtEveryWorldSize) {
   ExpectFlatReshardMatchesConvert(Shared() + "/fixtures/refrun-gpt2/ckpt/global_step6");
 }
