@@ -180,11 +180,12 @@ TEST(ReshardedResume, DeepSpeedRefrunCheckpointEqualsItsUniversal) {
 }
 
 // DeepSpeed's own ZeRO-3 checkpoint of the refrun fixture (world size 2),
-// resumed at 1-4 ranks at stage 3 and at stage 2: equal to resuming
-// DeepSpeed's universal checkpoint of it.
+// resumed at 1-4 ranks at stage 3 (optimizer on the device, and offloaded to
+// host memory) and at stage 2: equal to resuming DeepSpeed's universal
+// checkpoint of it.
 TEST(ReshardedResume, DeepSpeedRefrunZero3CheckpointEqualsItsUniversal) {
   const std::string ckpt = testing::RefrunDir() + "/ckpt_zero3";
-  for (int stage : {3, 2})
+  for (auto [stage, offload] : {std::pair{3, false}, std::pair{3, true}, std::pair{2, false}})
     for (int m = 1; m <= 4; ++m) {
       std::vector<uint64_t> read(m);
       RunRanks(m, [&](Comm& comm) {
@@ -192,8 +193,9 @@ TEST(ReshardedResume, DeepSpeedRefrunZero3CheckpointEqualsItsUniversal) {
         ds["train_batch_size"] = 2 * m;
         ds["gradient_accumulation_steps"] = 1;
         ds["zero_optimization"]["stage"] = stage;
+        if (offload) ds["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
         const std::string what =
-            "stage " + std::to_string(stage) + " 2->" + std::to_string(m) + " rank " + std::to_string(comm.rank());
+            "stage " + std::to_string(stage) + (offload ? " offload" : "") + " 2->" + std::to_string(m) + " rank " + std::to_string(comm.rank());
         Trainer converted(comm, testing::RefrunOptions(ds, "z3"));
         converted.LoadCheckpoint(ckpt, "global_step6_universal", true);
         Trainer direct(comm, testing::RefrunOptions(ds, "z3"));
