@@ -68,8 +68,19 @@ void AddRange(const StatePlan& state, uint64_t begin, uint64_t end, uint64_t to,
   }
 }
 
-}  // namespace
+// "[3, 4] (12 elements)", or "12 elements" without a shape.
+std::string ShapeText(const std::vector<int64_t>& shape, int64_t numel) {
+  std::string s;
+  if (!shape.empty()) {
+    s = "[";
+    for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    s += "] (";
+  }
+  s += std::to_string(numel) + " elements";
+  return shape.empty() ? s : s + ")";
+}
 
+}  // namespace
 
 StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& target, const std::string& key) {
   std::unordered_map<std::string, const ParamPlan*> by_name;
@@ -78,14 +89,15 @@ StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& t
   // partition), so that all ranks reach the same verdict.
   StateReads reads;
   std::vector<const StatePlan*> states;
+  const std::string listed = source.model_files.empty() ? source.folder : source.model_files.front().path;
   for (const TargetParam& want : target.params) {
     auto it = by_name.find(want.name);
     if (it == by_name.end())
-      throw FormatError(source.folder + ": has no parameter '" + want.name + "' (a different model?)");
+      throw FormatError(listed + ": has no parameter '" + want.name + "' (a different model?)");
     const ParamPlan& p = *it->second;
-    if (p.numel != want.numel)
-      throw FormatError(source.folder + ": parameter '" + p.name + "' has " + std::to_string(p.numel) +
-                        " elements, this model's has " + std::to_string(want.numel));
+    if (p.numel != want.numel || (!want.shape.empty() && p.shape != want.shape))
+      throw FormatError(listed + ": parameter '" + p.name + "' is " + ShapeText(p.shape, p.numel) +
+                        ", this model's is " + ShapeText(want.shape, want.numel));
     const StatePlan* s = FindState(p, key);
     if (!s) throw FormatError(source.folder + ": parameter '" + p.name + "' has no optimizer state '" + key + "'");
     if (states.empty()) reads.dtype = s->dtype;

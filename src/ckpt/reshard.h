@@ -25,10 +25,12 @@
 
 namespace uckpt::ckpt {
 
-// A target parameter: its name (looked up in the source) and element count.
+// A target parameter: its name (looked up in the source), element count and,
+// when not empty, its shape (checked against the source's param_shapes).
 struct TargetParam {
   std::string name;
   int64_t numel = 0;
+  std::vector<int64_t> shape;
 };
 
 // Elements [param_offset, param_offset + numel) of parameter `param` (index
@@ -57,8 +59,9 @@ PartitionTarget Stage3PartitionTarget(std::vector<TargetParam> params, int dp, i
 // The reads that fill state `key` ("fp32", "exp_avg", ...) of `target` from
 // `source`, destination offsets in bytes of a buffer of target.length
 // elements of *dtype (the source state's dtype, which every target parameter
-// must share). Throws FormatError naming the checkpoint folder when a target
-// parameter is missing from the source, has another size, or lacks the state.
+// must share). Throws FormatError naming the checkpoint folder (and the
+// model-states file that lists the parameters) when a target parameter is
+// missing from the source, has another size or shape, or lacks the state.
 struct StateReads {
   DType dtype = DType::kFloat32;
   std::vector<ReadPiece> pieces;

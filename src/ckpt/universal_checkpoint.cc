@@ -80,7 +80,11 @@ LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& 
 std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, size_t group, const std::string& key, int dp,
                                             int rank, DType* dtype_out) {
   if (group >= u.groups.size()) throw FormatError(u.folder + ": no param group " + std::to_string(group));
-  const auto& params = u.groups[group];
+  return LoadUniversalPartition(u, u.groups[group], key, dp, rank, dtype_out);
+}
+
+std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, const std::vector<UniversalParam>& params,
+                                            const std::string& key, int dp, int rank, DType* dtype_out) {
   std::vector<int64_t> numels;
   for (const auto& p : params) numels.push_back(p.numel);
   int64_t total = 0;

@@ -62,5 +62,9 @@ double ReadUniversalStep(const UniversalCheckpoint& u, const std::string& name);
 // are in the state's dtype (`*dtype`).
 std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, size_t group, const std::string& key, int dp,
                                             int rank, DType* dtype = nullptr);
+// The same for a group given by its parameters: a stage 1/2 run's group from
+// a ZeRO-3-made folder, whose param_shapes groups are stage 3's sub-groups.
+std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, const std::vector<UniversalParam>& params,
+                                            const std::string& key, int dp, int rank, DType* dtype = nullptr);
 
 }  // namespace uckpt::ckpt

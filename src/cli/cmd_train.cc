@@ -19,7 +19,7 @@ Runner AddTrain(CLI::App& app) {
       "Examples:\n"
       "  uckpt train --config ds.json --steps 100 --checkpoint_dir ckpt --checkpoint_interval 50\n"
       "  uckpt launch -n 4 -- uckpt train --config ds.json --steps 200 --checkpoint_dir ckpt \\\n"
-      "      --resume --universal_checkpoint      # resume at 4 ranks from ckpt/latest_universal\n"
+      "      --resume                             # resume ckpt/latest at 4 ranks, saved at any size\n"
       "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100");
   struct Args {
     std::string config;
@@ -51,7 +51,8 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--run_name", o.run_name, "Metrics go to <log_dir>/<run_name>/")->capture_default_str();
   cmd->add_option("--log_dir", o.log_dir, "Folder of the per-run metric folders")->capture_default_str();
   AddStrictFlags(cmd, true);  // for the checkpoint and --init files it loads
-  cmd->add_flag("--resume", o.resume, "Resume from --checkpoint_dir (tag from `latest` unless --checkpoint_tag)");
+  cmd->add_flag("--resume", o.resume, "Resume from --checkpoint_dir (tag from `latest` unless --checkpoint_tag): a ZeRO 1/2/3 checkpoint "
+               "of any world size and stage loads without converting");
   cmd->add_option("--checkpoint_tag", o.checkpoint_tag, "Tag folder to resume from, e.g. global_step100");
   cmd->add_flag("--universal_checkpoint", o.universal_checkpoint,
                 "Resume from a universal checkpoint (any world size; tag from `latest_universal`)");

@@ -74,8 +74,8 @@ class Trainer {
   // DeepSpeed layout: <dir>/<tag>/mp_rank_00_model_states.pt (rank 0),
   // zero_pp_rank_<r>_mp_rank_00_optim_states.pt (every rank), <dir>/latest.
   void SaveCheckpoint(const std::string& dir, const std::string& tag);
-  // From the ZeRO files of the same world size, or (universal) from a
-  // universal checkpoint folder at any world size. Empty tag: the `latest`
+  // From a ZeRO checkpoint of any stage and world size (resharded while it
+  // loads), or (universal) from a universal checkpoint folder. Empty tag: the `latest`
   // (or `latest_universal`) file, which must exist.
   void LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal);
 

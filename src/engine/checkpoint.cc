@@ -417,9 +417,6 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
 
 // ---- Loading. ----
 
-namespace {
-
-
 // The saved param groups' hyper-parameters, kept only on request (as
 // DeepSpeed's torch optimizer load_state_dict keeps them): lr for the next
 // step (a configured scheduler sets the lr again from its own config and the
@@ -427,18 +424,34 @@ namespace {
 // weight_decay for the rest of the run.
 void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o) {
   if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
-  for (size_t g = 0; g < e.groups.size() && g < groups->items.size(); ++g) {
-    const ckpt::AdamHparams h = ckpt::ReadAdamHparams(groups->items[g], Hparams(e, g),
-                                                      path + ": param_groups[" + std::to_string(g) + "]");
+  const size_t n = e.zero3 ? e.zero3->num_groups() : e.groups.size();
+  for (size_t g = 0; g < n && g < groups->items.size(); ++g) {
+    OptimizerConfig c = e.zero3 ? e.zero3->optimizer_config(g) : e.zero->optimizer_config(g);
+    const ckpt::AdamHparams h =
+        ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(), c.beta1, c.beta2, c.eps, c.weight_decay},
+                              path + ": param_groups[" + std::to_string(g) + "]");
     if (g == 0) e.schedule.set_current_lr(h.lr);
-    OptimizerConfig c = e.zero->optimizer_config(g);
     c.beta1 = h.beta1;
     c.beta2 = h.beta2;
     c.eps = h.eps;
     c.weight_decay = h.weight_decay;
-    e.zero->set_optimizer_config(g, c);
+    if (e.zero3) {
+      e.zero3->set_optimizer_config(g, c);
+    } else {
+      e.zero->set_optimizer_config(g, c);
+    }
   }
 }
+
+std::string ZeroModelStatesPath(const std::string& folder, int rank) {
+  for (const std::string& name :
+       {ckpt::ModelStatesFileName(), ckpt::Zero3ModelStatesFileName(rank), ckpt::Zero3ModelStatesFileName(0)})
+    if (fs::exists(folder + "/" + name)) return folder + "/" + name;
+  throw FormatError(folder + ": has no " + ckpt::ModelStatesFileName() + " and no " +
+                    ckpt::Zero3ModelStatesFileName(0) + " (not a ZeRO checkpoint folder?)");
+}
+
+namespace {
 
 // param_shapes must name this engine's groups and parameters in order.
 void CheckParamShapes(const Engine::Impl& e, const std::string& path, const ValuePtr& root) {
@@ -470,6 +483,9 @@ void LoadModule(const std::string& path, const ckpt::ModelStatesView& m, const s
   for (const auto& p : targets) {
     auto it = m.module.find(p.name);
     if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + p.name + "'");
+    if (it->second->numel() == 0 && p.tensor.numel() > 0)
+      throw FormatError(path + ": '" + p.name + "' is saved partitioned (DeepSpeed's ZeRO-3 module state); uckpt "
+                        "restores frozen parameters and buffers only from a whole copy");
     if (it->second->shape != p.tensor.sizes().vec())
       throw FormatError(path + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
                         ", the model needs " + c10::str(p.tensor.sizes()));
@@ -548,9 +564,12 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
   for (size_t g = 0; g < e.groups.size(); ++g) {
     PartitionState& st = e.zero->state(g);
     const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
+    // This run's group (a ZeRO-3-made folder's param_shapes hold sub-groups).
+    std::vector<ckpt::UniversalParam> params;
+    for (const auto& p : e.groups[g]) params.push_back({p.name, p.tensor.sizes().vec(), p.tensor.numel()});
     auto load = [&](const std::string& key) {
       DType dtype = DType::kFloat32;
-      std::vector<uint8_t> bytes = ckpt::LoadUniversalPartition(u, g, key, dp, rank, &dtype);
+      std::vector<uint8_t> bytes = ckpt::LoadUniversalPartition(u, params, key, dp, rank, &dtype);
       at::Tensor part = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size() / DTypeSize(dtype))},
                                       at::TensorOptions().dtype(ToScalarType(dtype)));
       if (part.numel() != st.master.numel())
@@ -565,11 +584,17 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
     }
     st.exp_avg = load("exp_avg");
     st.exp_avg_sq = load("exp_avg_sq");
-    const double step = u.has_step ? ckpt::ReadUniversalStep(u, u.groups.at(g).at(0).name)
+    const double step = u.has_step ? ckpt::ReadUniversalStep(u, e.groups[g].front().name)
                                    : static_cast<double>(e.global_steps - e.skipped_steps);
     st.step = at::full({}, step, st.master.options());
   }
   e.zero->GatherModelFromMasters();
+}
+
+bool HasOptimFiles(const std::string& folder) {
+  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+    if (f.kind == ckpt::FileKind::kOptimStates) return true;
+  return false;
 }
 
 // The client's keys: a dict of every top-level key that is not the file's own.
@@ -588,12 +613,15 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
   const std::string folder = dir + "/" + tag;
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
-  // A universal folder made from ZeRO-3 holds per-rank model-states copies.
+  // A universal folder made from ZeRO-3 holds per-rank model-states copies;
+  // so does a ZeRO-3 folder, whose trainable weights then come from the masters.
   const std::string model_path =
-      o.universal ? UniversalModelStatesPath(folder) : folder + "/" + ckpt::ModelStatesFileName();
+      o.universal ? UniversalModelStatesPath(folder) : ZeroModelStatesPath(folder, e.comm->rank());
+  const bool stage12_file = model_path == folder + "/" + ckpt::ModelStatesFileName();
+  const bool zero3_source = !o.universal && !stage12_file;
   TorchFile model_file = LoadTorchFile(model_path);
   const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
-  if (model_path == folder + "/" + ckpt::ModelStatesFileName()) CheckParamShapes(e, model_path, model_file.root);
+  if (stage12_file) CheckParamShapes(e, model_path, model_file.root);
   c10::NoGradGuard no_grad;
   const int stage = e.stage();
   LoadResult result{folder, ClientStateOf(m)};
@@ -603,7 +631,12 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
   LoadModule(model_path, m, fixed);
   if (o.load_module_only) {
-    LoadModule(model_path, m, Trainable(e));
+    if (zero3_source) {
+      LoadReshardedPartitions(e, folder, /*optimizer_states=*/false);
+      e.zero->GatherModelFromMasters();
+    } else {
+      LoadModule(model_path, m, Trainable(e));
+    }
     e.zero->InitMasterFromModel();
     return result;
   }
@@ -612,7 +645,10 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
     LoadUniversalPartitions(e, folder, o);
     return result;
   }
-  if (stage > 0 && o.load_optimizer_states) {
+  // A stage-0 run resumes a ZeRO 1/2 folder (rank files, no torch optimizer
+  // state in the model states) from the rank files too.
+  const bool stage12_source = stage12_file && !m.stage0_param_groups && HasOptimFiles(folder);
+  if ((stage > 0 && o.load_optimizer_states) || zero3_source || (o.load_optimizer_states && stage12_source)) {
     // Each rank reads its partition from the rank files, at any world size
     // (resharded_load.h): at the saving world size, its own file's ranges.
     ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);

@@ -24,6 +24,15 @@ std::string ReadTagFile(const std::string& dir, const std::string& name);
 // mp_rank_00_model_states.pt, or rank 0's ZeRO-3 copy). Throws FormatError.
 std::string UniversalModelStatesPath(const std::string& folder);
 
+// The model-states file rank `rank` reads from a ZeRO tag folder: the one
+// file of stages 0-2; of a ZeRO-3 folder its own rank's, else (saved by fewer
+// ranks) rank 0's. Throws FormatError when there is none.
+std::string ZeroModelStatesPath(const std::string& folder, int rank);
+
+// The saved param groups' hyper-parameters (lr, betas, eps, weight decay)
+// into the engine's optimizer groups, with keep_saved_hparams only.
+void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o);
+
 // Client state: a c10::IValue to a pickled value (throws std::invalid_argument
 // naming `where` for what cannot be saved) and back.
 ValuePtr FromIValue(const c10::IValue& v, const std::string& where);

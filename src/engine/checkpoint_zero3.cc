@@ -3,9 +3,10 @@
 // zero_pp_rank_<r>_mp_rank_00_model_states.pt (the module's parameters as
 // empty tensors, param_shapes per sub-group, counters, client state) and
 // zero_pp_rank_<r>_mp_rank_00_optim_states.pt (its sub-groups' fp32
-// partitions and Adam state). Loads: the same files at the same world size
-// (ours or DeepSpeed's), or a universal checkpoint (made from any stage) at
-// any size. SaveEngineCheckpoint (checkpoint.cc) saves these files as every
+// partitions and Adam state). Loads: any ZeRO checkpoint (stage 1, 2 or 3,
+// ours or DeepSpeed's) at any world size without converting it
+// (resharded_load.h), or a universal checkpoint (made from any stage) at any
+// size. SaveEngineCheckpoint (checkpoint.cc) saves these files as every
 // stage's: crash-safe, synchronously or in the background (docs/reliability.md).
 #include <c10/core/GradMode.h>
 
@@ -18,6 +19,7 @@
 #include "ckpt/universal_checkpoint.h"
 #include "engine/checkpoint.h"
 #include "engine/engine_impl.h"
+#include "engine/resharded_load.h"
 #include "engine/torch_bridge.h"
 #include "format/env.h"
 #include "format/error.h"
@@ -113,39 +115,16 @@ void LoadFixed(const Engine::Impl& e, const std::string& path, const ckpt::Model
     }
 }
 
-// Each sub-group's fp32 partition and Adam state from this rank's stage-3 optim file.
-void LoadZero3Partitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
+// Any ZeRO checkpoint (stage 1, 2 or 3, at any world size, its sub-groups
+// cut anyhow): each rank reads its sub-groups' partitions straight from the
+// rank files (resharded_load.h), bit for bit what the universal load gives.
+void LoadZero3Resharded(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
   Zero3Optimizer& z = *e.zero3;
-  const std::string path = folder + "/" + ckpt::OptimStatesFileName(e.comm->rank(), false);
-  TorchFile f = LoadTorchFile(path);
-  const ckpt::Stage3RankOptimView v = ckpt::ReadStage3RankOptimStates(f.root, path);
-  if (v.partition_count && *v.partition_count != z.dp())
-    throw FormatError(path + ": partition_count is " + std::to_string(*v.partition_count) + ", this run has " +
-                      std::to_string(z.dp()) + " ranks");
-  if (v.fp32.size() != z.sub_groups().size())
-    throw FormatError(path + ": has " + std::to_string(v.fp32.size()) + " sub-groups, this run has " +
-                      std::to_string(z.sub_groups().size()) + " (same model, parameter groups and sub_group_size?)");
-  static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(v.loss_scaler, z.loss_scaler());
-  for (size_t i = 0; i < v.fp32.size(); ++i) {
-    PartitionState& st = z.sub_groups()[i].state;
-    const int64_t n = st.master.numel();
-    const std::string is = std::to_string(i);
-    if (v.fp32[i]->numel() != n)
-      throw FormatError(path + ": fp32_flat_groups[" + is + "] has " + std::to_string(v.fp32[i]->numel()) +
-                        " elements, this run's sub-group has " + std::to_string(n));
-    CopyElements(path, *v.fp32[i], 0, n, st.master);
-    if (!o.load_optimizer_states || !v.adam[i]) {
-      st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
-      continue;
-    }
-    for (auto [src, dst] : {std::pair{v.adam[i]->exp_avg, &st.exp_avg}, {v.adam[i]->exp_avg_sq, &st.exp_avg_sq}}) {
-      if (src->numel() != n) throw FormatError(path + ": the Adam state of sub-group " + is + " has the wrong size");
-      *dst = at::zeros({n}, st.master.options());
-      CopyElements(path, *src, 0, n, *dst);
-    }
-    st.step = at::full({}, v.adam[i]->step, st.master.options());
-  }
+  ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);
+  static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(r.loss_scaler, z.loss_scaler());
+  ApplySavedHparams(e, r.where, r.param_groups, o);
   z.PartitionsFromMasters();
+  e.last_load.optimizer_bytes_read = r.bytes_read;
 }
 
 // A universal checkpoint (made at any stage and size): each rank copies its
@@ -156,6 +135,7 @@ void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::
   const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
   const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
   static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, z.loss_scaler());
+  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
   const bool with_state = o.load_optimizer_states;
   // Adam's step: from step.pt (stage 1/2 universal), else the applied steps
   // (ZeRO-3's universal folders keep it only inside optimizer_state.pt).
@@ -220,21 +200,11 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
   if (o.load_module_only)
     throw std::invalid_argument(folder + ": load_module_only is not supported at ZeRO stage 3 yet (load it fully, or "
                                 "export the weights with `uckpt export`)");
-  // The model states: ours and DeepSpeed's stage-3 files are per rank; a
-  // universal folder holds the copies of its source's (any stage).
-  std::string model_path;
-  if (o.universal) {
-    model_path = UniversalModelStatesPath(folder);
-  } else {
-    model_path = folder + "/" + ckpt::Zero3ModelStatesFileName(e.comm->rank());
-    if (!fs::exists(model_path)) {
-      const std::string stage12 = folder + "/" + ckpt::ModelStatesFileName();
-      if (fs::exists(stage12))
-        throw FormatError(folder + ": a ZeRO stage 0-2 checkpoint; to resume it at stage 3 convert it with `uckpt "
-                          "convert " + folder + " " + folder + "_universal` and load that with universal = true");
-      throw FormatError(model_path + ": missing (this rank's ZeRO-3 model states)");
-    }
-  }
+  // The model states: a ZeRO-3 folder has one file per rank (this rank's,
+  // else rank 0's when it was saved by fewer ranks), a stage 1/2 folder one
+  // file, a universal folder the copies of its source's (any stage).
+  const std::string model_path =
+      o.universal ? UniversalModelStatesPath(folder) : ZeroModelStatesPath(folder, e.comm->rank());
   TorchFile model_file = LoadTorchFile(model_path);
   const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
   LoadResult result{folder, ClientStateOf(m)};
@@ -245,13 +215,7 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
     LoadZero3Universal(e, folder, m, o);
     return result;
   }
-  if (m.dp_world_size.value_or(-1) != e.comm->world_size())
-    throw FormatError(folder + ": saved at data-parallel world size " +
-                      (m.dp_world_size ? std::to_string(*m.dp_world_size) : std::string("(not recorded)")) +
-                      ", this run has " + std::to_string(e.comm->world_size()) +
-                      ". ZeRO partitions only load at the same size; convert it with `uckpt convert " + folder + " " +
-                      folder + "_universal` and load that with universal = true (--universal_checkpoint)");
-  LoadZero3Partitions(e, folder, o);
+  LoadZero3Resharded(e, folder, o);
   return result;
 }
 

@@ -37,27 +37,85 @@ StateLoad PlanLoad(const ckpt::ZeroCheckpoint& z, const ckpt::PartitionTarget& t
   return s;
 }
 
+// One partition this rank holds: a group's flat partition (stages 1/2) or a
+// sub-group's (stage 3), and the parameter whose saved step is its Adam step.
+struct PartitionSlot {
+  ckpt::PartitionTarget target;
+  PartitionState* state = nullptr;
+  std::string step_param;
+};
+
+std::vector<int64_t> Shape(const at::Tensor& t) { return t.sizes().vec(); }
+
+std::vector<PartitionSlot> FlatSlots(Engine::Impl& e) {
+  std::vector<PartitionSlot> slots;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    std::vector<ckpt::TargetParam> params;
+    for (const auto& p : e.groups[g]) params.push_back({p.name, p.tensor.numel(), Shape(p.tensor)});
+    const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
+    slots.push_back({ckpt::FlatPartitionTarget(std::move(params), dp, rank), &e.zero->state(g), e.groups[g].front().name});
+  }
+  return slots;
+}
+
+// Stage 3: each sub-group's parameters, each partitioned on its own; the
+// planner's layout must be the optimizer's (zero3.h). Every sub-group takes
+// the model's first parameter's step, as the universal load does.
+std::vector<PartitionSlot> Zero3Slots(Engine::Impl& e) {
+  Zero3Optimizer& z = *e.zero3;
+  std::vector<PartitionSlot> slots;
+  for (Zero3SubGroup& sg : z.sub_groups()) {
+    std::vector<ckpt::TargetParam> params;
+    int64_t offset = 0;
+    for (size_t i : sg.params) {
+      const Zero3Param& p = z.params()[i];
+      if (p.offset != offset || p.partition_size != ckpt::Stage3PartitionSize(p.numel, z.dp()))
+        throw std::logic_error("resharded load: " + p.name + "'s partition is not where the planner puts it");
+      offset += p.partition_size;
+      params.push_back({p.name, p.numel, Shape(p.tensor)});
+    }
+    slots.push_back({ckpt::Stage3PartitionTarget(std::move(params), z.dp(), e.comm->rank()), &sg.state,
+                     z.params().front().name});
+  }
+  return slots;
+}
+
+// Adam's step of a partition, as loading the converted checkpoint gives it:
+// a stage 1/2 source's group step (the converter's step.pt), else (stage 3
+// keeps none per parameter) the applied steps.
+double SavedStep(const ckpt::ZeroCheckpoint& z, const Engine::Impl& e, const std::string& param,
+                 const std::string& where) {
+  if (z.stage == 3) return static_cast<double>(e.global_steps - e.skipped_steps);
+  for (const auto& p : z.params)
+    if (p.name == param) {
+      if (!p.step) break;
+      return ckpt::ScalarOf(p.step, where + ": step");
+    }
+  throw FormatError(z.folder + ": the parameter group of " + param + " has no step");
+}
+
+// Whether the source holds Adam's moments (none before the first applied
+// step; fp16 can skip the first steps).
+bool HasMoments(const ckpt::ZeroCheckpoint& z) {
+  if (z.stage == 3) return ckpt::HasState(z, "exp_avg") && ckpt::HasState(z, "exp_avg_sq");
+  return !z.params.empty() && z.params[0].step;
+}
+
 }  // namespace
 
 ReshardedLoad LoadReshardedPartitions(Engine::Impl& e, const std::string& folder, bool optimizer_states) {
   const ckpt::ZeroCheckpoint z = ckpt::OpenZeroCheckpoint(folder, false, /*check_manifest=*/false);
-  if (z.stage == 3)
-    throw FormatError(folder + ": a ZeRO-3 checkpoint cannot be loaded into a stage " + std::to_string(e.stage()) +
-                      " run at another world size; convert it with `uckpt convert` and load that with universal = true");
   ReshardedLoad out;
   out.where = z.optim[0].file->path();
   const ValuePtr saved = ckpt::UniversalOptimizerState(z);
   out.loss_scaler = saved->get("loss_scaler");
   out.param_groups = saved->get("param_groups");
-  // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
-  const bool with_state = optimizer_states && !z.params.empty() && z.params[0].step;
+  const bool with_state = optimizer_states && HasMoments(z);
+  std::vector<PartitionSlot> slots = e.zero3 ? Zero3Slots(e) : FlatSlots(e);
   std::vector<StateLoad> loads;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    std::vector<ckpt::TargetParam> params;
-    for (const auto& p : e.groups[g]) params.push_back({p.name, p.tensor.numel()});
-    const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
-    const ckpt::PartitionTarget target = ckpt::FlatPartitionTarget(std::move(params), dp, rank);
-    PartitionState& st = e.zero->state(g);
+  for (PartitionSlot& slot : slots) {
+    const ckpt::PartitionTarget& target = slot.target;
+    PartitionState& st = *slot.state;
     if (target.length != st.master.numel())
       throw std::logic_error("resharded load: partition sizes differ from the optimizer's");
     loads.push_back(PlanLoad(z, target, "fp32", st.master));
@@ -69,12 +127,7 @@ ReshardedLoad LoadReshardedPartitions(Engine::Impl& e, const std::string& folder
     st.exp_avg_sq = at::empty_like(st.master);
     loads.push_back(PlanLoad(z, target, "exp_avg", st.exp_avg));
     loads.push_back(PlanLoad(z, target, "exp_avg_sq", st.exp_avg_sq));
-    // The group's step, as the converter writes it to step.pt of its first parameter.
-    const ckpt::ParamPlan* first = nullptr;
-    for (const auto& p : z.params)
-      if (p.name == e.groups[g].front().name) first = &p;
-    if (!first || !first->step) throw FormatError(folder + ": param group " + std::to_string(g) + " has no step");
-    st.step = at::full({}, ckpt::ScalarOf(first->step, out.where + ": step"), st.master.options());
+    st.step = at::full({}, SavedStep(z, e, slot.step_param, out.where), st.master.options());
   }
   std::vector<ckpt::ReadBatch> batches;
   for (auto& l : loads)

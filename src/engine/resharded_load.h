@@ -1,8 +1,10 @@
-// Loading a ZeRO stage 1/2 checkpoint at any data-parallel world size (the
-// saving one included) without converting it: each rank reads, from the rank
-// files, exactly the byte ranges of its own partition (ckpt/reshard.h plans
-// them, the copy engine reads them on several threads), bit for bit what
-// loading the converted universal checkpoint gives.
+// Loading a ZeRO checkpoint of any stage (1, 2 or 3; uckpt's or DeepSpeed's)
+// at any data-parallel world size (the saving one included) into a stage 1/2
+// or stage 3 engine without converting it: each rank reads, from the rank
+// files, exactly the byte ranges of its own partitions (ckpt/reshard.h plans
+// them: a group's flat partition at stages 1/2, each sub-group's
+// per-parameter partitions at stage 3; the copy engine reads them on several
+// threads), bit for bit what loading the converted universal checkpoint gives.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +22,10 @@ struct ReshardedLoad {
 };
 
 // Fills the masters (and the moments and step, with `optimizer_states`) of
-// every group from `folder`'s rank files. The caller applies the returned loss
-// scaler and hyper-parameters and gathers the weights from the masters.
+// every group (stage 3: sub-group) from `folder`'s rank files. Adam's step of
+// a stage-3 source is the applied steps: call after RestoreCounters. The
+// caller applies the returned loss scaler and hyper-parameters and makes the
+// weights from the masters.
 ReshardedLoad LoadReshardedPartitions(Engine::Impl& e, const std::string& folder, bool optimizer_states);
 
 }  // namespace uckpt::engine

@@ -94,6 +94,12 @@ TEST(Reshard, DeepSpeedFixturesAtEveryWorldSize) {
     ExpectFlatReshardMatchesConvert(DsFixture(f) + "/ckpt/global_step5");
 }
 
+// DeepSpeed's own re-sharding of its ZeRO-3 checkpoint at 3 ranks (only rank
+// 0's model-states file: DeepSpeed wrote every rank's to that name).
+TEST(Reshard, DeepSpeedZero3ReshardedAtThreeRanksAtEveryWorldSize) {
+  ExpectFlatReshardMatchesConvert(DsFixture("z3_ws2_fp32") + "/resharded_ws3/global_step5");
+}
+
 TEST(Reshard, RefrunGpt2AtEveryWorldSize) {
   ExpectFlatReshardMatchesConvert(Shared() + "/fixtures/refrun-gpt2/ckpt/global_step6");
 }
@@ -105,39 +111,40 @@ TEST(Reshard, Stage3SourceIntoFlatAndStage3Targets) {
   const ZeroCheckpoint z = OpenZeroCheckpoint(folder);
   TempDir tmp;
   const UniversalCheckpoint u = ConvertInto(z, tmp);
-  for (int dp = 1; dp <= 4; ++dp) {
-    uint64_t all_ranks = 0;
-    for (int rank = 0; rank < dp; ++rank) {
-      for (size_t s = 0; s < u.groups.size(); ++s) {
-        const auto params = GroupParams(u, s);
-        const PartitionTarget target = Stage3PartitionTarget(params, dp, rank);
-        uint64_t bytes = 0;
-        DType dtype{};
-        std::vector<uint8_t> got = Read(z, target, "exp_avg", &bytes, &dtype);
-        // Expected: each parameter's slice of its universal tensor, padded to its partition size.
-        std::vector<uint8_t> want(got.size(), 0);
-        const size_t es = DTypeSize(dtype);
-        int64_t at = 0;
-        for (const auto& p : params) {
-          const int64_t ps = Stage3PartitionSize(p.numel, dp), real = Stage3RealNumel(p.numel, dp, rank);
-          if (real > 0) {
-            LoadedState st = LoadUniversalState(u, p.name, "exp_avg");
-            auto b = TensorElements(*st.tensor, rank * ps, real, p.name);
-            std::memcpy(want.data() + at * es, b.data(), b.size());
+  for (const std::string key : {"fp32", "exp_avg", "exp_avg_sq"})
+    for (int dp = 1; dp <= 4; ++dp) {
+      uint64_t all_ranks = 0;
+      for (int rank = 0; rank < dp; ++rank) {
+        for (size_t s = 0; s < u.groups.size(); ++s) {
+          const auto params = GroupParams(u, s);
+          const PartitionTarget target = Stage3PartitionTarget(params, dp, rank);
+          uint64_t bytes = 0;
+          DType dtype{};
+          std::vector<uint8_t> got = Read(z, target, key, &bytes, &dtype);
+          // Expected: each parameter's slice of its universal tensor, padded to its partition size.
+          std::vector<uint8_t> want(got.size(), 0);
+          const size_t es = DTypeSize(dtype);
+          int64_t at = 0;
+          for (const auto& p : params) {
+            const int64_t ps = Stage3PartitionSize(p.numel, dp), real = Stage3RealNumel(p.numel, dp, rank);
+            if (real > 0) {
+              LoadedState st = LoadUniversalState(u, p.name, key);
+              auto b = TensorElements(*st.tensor, rank * ps, real, p.name);
+              std::memcpy(want.data() + at * es, b.data(), b.size());
+            }
+            at += ps;
           }
-          at += ps;
+          EXPECT_EQ(at, target.length);
+          EXPECT_TRUE(got == want) << key << " sub-group " << s << " at " << dp << " rank " << rank;
+          all_ranks += bytes;
         }
-        EXPECT_EQ(at, target.length);
-        EXPECT_TRUE(got == want) << "sub-group " << s << " at " << dp << " rank " << rank;
-        all_ranks += bytes;
       }
+      uint64_t key_bytes = 0;
+      for (const auto& p : z.params)
+        for (const auto& st : p.states)
+          if (st.key == key) key_bytes += st.bytes();
+      EXPECT_EQ(all_ranks, key_bytes) << key << " over " << dp << " ranks: every byte once";
     }
-    uint64_t exp_avg_bytes = 0;
-    for (const auto& p : z.params)
-      for (const auto& st : p.states)
-        if (st.key == "exp_avg") exp_avg_bytes += st.bytes();
-    EXPECT_EQ(all_ranks, exp_avg_bytes) << dp;
-  }
 }
 
 TEST(Reshard, ClearErrorsForAnotherModel) {
@@ -151,6 +158,19 @@ TEST(Reshard, ClearErrorsForAnotherModel) {
   }
   PartitionTarget wrong = FlatPartitionTarget({{z.params[0].name, z.params[0].numel + 1}}, 2, 0);
   EXPECT_THROW(PlanStateReads(z, wrong, "fp32"), FormatError);
+  // As many elements in another shape: named with the file listing the shapes.
+  std::vector<int64_t> shape = z.params[1].shape;
+  ASSERT_EQ(shape.size(), 2u);
+  std::swap(shape[0], shape[1]);
+  PartitionTarget transposed = FlatPartitionTarget({{z.params[1].name, z.params[1].numel, shape}}, 2, 0);
+  try {
+    PlanStateReads(z, transposed, "fp32");
+    FAIL() << "no error for another shape";
+  } catch (const FormatError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("mp_rank_00_model_states.pt"), std::string::npos) << m;
+    EXPECT_NE(m.find(z.params[1].name), std::string::npos) << m;
+  }
   PartitionTarget ok = FlatPartitionTarget({{z.params[0].name, z.params[0].numel}}, 2, 0);
   EXPECT_THROW(PlanStateReads(z, ok, "momentum_buffer"), FormatError);
   EXPECT_FALSE(HasState(z, "momentum_buffer"));
