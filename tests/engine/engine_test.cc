@@ -9,6 +9,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -185,7 +187,8 @@ class EngineApi : public ::testing::TestWithParam<int> {};
 
 TEST_P(EngineApi, SaveResumeAnySizeWithClientStateFrozenAndBuffers) {
   const int stage = GetParam();
-  const fs::path root = fs::path(::testing::TempDir()) / ("engine_api_" + std::to_string(stage));
+  const fs::path root =
+      fs::path(::testing::TempDir()) / ("engine_api_" + std::to_string(stage) + "_" + std::to_string(getpid()));
   fs::remove_all(root);
   std::map<int, std::vector<double>> uninterrupted;
   for (int w = 1; w <= 4; ++w) {
