@@ -1,8 +1,9 @@
 // Loading a ZeRO stage 1/2 checkpoint at any data-parallel world size (the
 // saving one included) without converting it: each rank reads, from the rank
 // files, exactly the byte ranges of its own partition (ckpt/reshard.h plans
-// them, the copy engine reads them on several threads), bit for bit what
-// loading the converted universal checkpoint gives.
+// them, the copy engine reads them on several threads: straight into CPU
+// tensors, through pinned chunks onto a GPU, staged_upload.h), bit for bit
+// what loading the converted universal checkpoint gives.
 #pragma once
 
 #include <cstdint>
