@@ -6,7 +6,8 @@
 # ckpt (bench/ckpt-gpu.sh), demo (scripts/demo-gpu.sh both), failing (failing ranks under
 # NCCL, tests/engine/failing_ranks_test.sh on 2 GPUs), fp16 (GPT-2 124M in fp16 with dynamic
 # loss scaling on 4 GPUs, bench/fp16-gpu.sh), ckptio (uckpt sync/async save and load against
-# PyTorch DCP on one GPU, bench/ckpt-io-gpu.sh).
+# PyTorch DCP on one GPU, bench/ckpt-io-gpu.sh), loadchunks (a load onto one GPU gives the same
+# bits at any staging chunk size, tests/engine/gpu_load_chunks.sh).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,7 @@ for p in ${PARTS:-check matrix train ckpt}; do
     train) part train ${LIMIT_train:-330} bench/train-gpu.sh "$U" /tmp/train-gpu ;;
     ckpt) part ckpt ${LIMIT_ckpt:-150} bench/ckpt-gpu.sh "$U" /tmp/ckpt-gpu ;;
     ckptio) part ckptio ${LIMIT_ckptio:-400} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu ;;
+    loadchunks) part loadchunks ${LIMIT_loadchunks:-180} tests/engine/gpu_load_chunks.sh "$U" /tmp/load-chunks ;;
     failing) RANKS=2 DEVICE=cuda part failing ${LIMIT_failing:-240} tests/engine/failing_ranks_test.sh "$U" /tmp/failing ;;
     fp16) part fp16 ${LIMIT_fp16:-180} bench/fp16-gpu.sh "$U" /tmp/fp16-gpu ;;
     demo) part demo ${LIMIT_demo:-300} scripts/demo-gpu.sh /tmp/uckpt-gpu both ;;
