@@ -1,5 +1,6 @@
 #include "engine/staged_upload.h"
 
+#include <c10/core/GradMode.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -203,6 +204,7 @@ int DefaultLoadThreads() {
 }
 
 uint64_t FillFromReads(std::vector<TensorReads>& in, const StagedOptions& options) {
+  c10::NoGradGuard no_grad;  // destinations may be parameters
   StagedOptions o = options;
   const uint64_t chunk_bytes = o.chunk_bytes ? std::max(o.chunk_bytes, kAlign) : DefaultChunkBytes();
   if (o.reads.threads <= 0) o.reads.threads = DefaultLoadThreads();

@@ -146,6 +146,15 @@ TEST(StagedUpload, FillsNonContiguousDestinations) {
   ExpectEqual({dst}, Expected(p, {12 * 7}, at::kFloat), "transposed");
 }
 
+// Parameters (leaves that require grad) are filled too, outside any no-grad scope.
+TEST(StagedUpload, FillsTensorsThatRequireGrad) {
+  const Plan p = RandomPlan({50}, 2, 7);
+  at::Tensor dst = at::full({50}, NAN).requires_grad_(true);
+  auto targets = Targets(p, {dst}, at::kBFloat16);
+  FillFromReads(targets, Staged(64, false));
+  ExpectEqual({dst.detach()}, Expected(p, {50}, at::kBFloat16), "bf16 -> fp32 parameter");
+}
+
 TEST(StagedUpload, BadPlansAreRejectedBeforeAnythingIsWritten) {
   const Plan p = RandomPlan({10, 10}, 4, 5);
   for (bool stage : {false, true}) {
