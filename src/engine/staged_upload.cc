@@ -51,7 +51,7 @@ std::vector<std::vector<Segment>> PlanChunks(const std::vector<Target>& targets,
   std::vector<std::vector<Segment>> chunks(1);
   uint64_t used = 0;
   for (size_t t : staged) {
-    const uint64_t es = at::elementSize(targets[t].reads->source);
+    const uint64_t es = c10::elementSize(targets[t].reads->source);
     for (uint64_t at = 0; at < targets[t].bytes;) {
       const uint64_t offset = (used + kAlign - 1) / kAlign * kAlign;
       const uint64_t room = offset < chunk ? (chunk - offset) / es * es : 0;
@@ -129,7 +129,7 @@ void Deliver(const std::vector<Segment>& chunk, std::vector<Target>& targets, co
   for (const Segment& s : chunk) {
     Target& t = targets[s.target];
     const at::ScalarType source = t.reads->source;
-    const int64_t es = static_cast<int64_t>(at::elementSize(source));
+    const int64_t es = static_cast<int64_t>(c10::elementSize(source));
     at::Tensor from = host.narrow(0, static_cast<int64_t>(s.offset), static_cast<int64_t>(s.size)).view(source);
     at::Tensor to = t.flat.narrow(0, static_cast<int64_t>(s.begin) / es, static_cast<int64_t>(s.size) / es);
     if (to.device().is_cpu()) {
@@ -216,7 +216,7 @@ uint64_t FillFromReads(std::vector<TensorReads>& in, const StagedOptions& option
   std::vector<ckpt::ReadBatch> direct;
   std::vector<size_t> staged;
   for (TensorReads& r : in) {  // every plan is checked before anything is written
-    Target t{&r, static_cast<uint64_t>(r.dst.numel()) * at::elementSize(r.source), {}, {}};
+    Target t{&r, static_cast<uint64_t>(r.dst.numel()) * c10::elementSize(r.source), {}, {}};
     t.sorted = ckpt::SortReads(r.pieces, t.bytes);
     targets.push_back(std::move(t));
   }
