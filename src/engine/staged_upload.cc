@@ -156,9 +156,11 @@ uint64_t FillStaged(std::vector<Target>& targets, const std::vector<size_t>& sta
   const size_t slots = std::min<size_t>(chunks.size(), static_cast<size_t>(std::max(1, o.chunks)));
   const std::optional<at::Device> gpu = StagedGpu(targets, staged);
   const bool pinned = gpu && gpu->is_cuda();
+  uint64_t buffer_bytes = 0;  // no more than the chunks use (a small load needs less than a chunk)
+  for (const auto& c : chunks) buffer_bytes = std::max(buffer_bytes, c.back().offset + c.back().size);
+  const auto host_options = at::TensorOptions().dtype(at::kByte).pinned_memory(pinned);
   std::vector<at::Tensor> host, device(slots);
-  for (size_t k = 0; k < slots; ++k)
-    host.push_back(at::empty({static_cast<int64_t>(chunk_bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned)));
+  for (size_t k = 0; k < slots; ++k) host.push_back(at::empty({static_cast<int64_t>(buffer_bytes)}, host_options));
   UploadStreams streams(gpu, slots);
   uint64_t bytes = 0;
   for (size_t k = 0; k < chunks.size(); ++k) {
