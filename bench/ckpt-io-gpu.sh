@@ -15,6 +15,10 @@
 # durable) and PyTorch's model is sharded with FSDP2 (fully_shard), DCP saving
 # each rank's shards, the usual way to checkpoint a sharded model in PyTorch.
 #
+# The load fills the GPU through pinned staging chunks (docs/training.md);
+# LOAD_SWEEP="THREADS:CHUNK_BYTES ..." also times it with those
+# UCKPT_LOAD_THREADS / UCKPT_LOAD_CHUNK_BYTES settings (best of RUNS each).
+#
 # usage: bench/ckpt-io-gpu.sh UCKPT [WORK_DIR] [RUNS]   (WORK_DIR on the disk to measure; env NGPU=1)
 # (as a gpu-session part: build with scripts/build-gpu.sh, then run this with the built uckpt)
 set -euo pipefail
@@ -56,6 +60,15 @@ for ((i = 0; i < runs; i++)); do
   t0=$(date +%s.%N); cp -r s/global_step2 cp_copy; sync -f cp_copy; t1=$(date +%s.%N)
   cps+=("$(python3 -c "print($t1 - $t0)")")
 done
+sweep=()
+for setting in ${LOAD_SWEEP:-}; do
+  times=()
+  for ((i = 0; i < runs; i++)); do
+    times+=("$(UCKPT_LOAD_THREADS=${setting%%:*} UCKPT_LOAD_CHUNK_BYTES=${setting##*:} \
+               train false --steps 2 --checkpoint_dir s --resume --run_name w$i | pick loaded)")
+  done
+  sweep+=("$setting=$(printf '%s\n' "${times[@]}" | sort -g | head -1)")
+done
 bytes=$(du -sb s/global_step2 | cut -f1)
 if [ "$NGPU" = 1 ]; then
   dcp=$(python3 "$here/dcp_ckpt_bench.py" "$work/dcp" "$runs" | tail -1)
@@ -64,7 +77,7 @@ else
     "$runs" 2> dcp.err | grep '^{' | tail -1)
   [ -n "$dcp" ] || { cat dcp.err >&2; exit 1; }
 fi
-python3 - "$bytes" "$dcp" "${save[*]}" "${blocked[*]}" "${total[*]}" "${load[*]}" "${cps[*]}" <<'PY'
+python3 - "$bytes" "$dcp" "${save[*]}" "${blocked[*]}" "${total[*]}" "${load[*]}" "${cps[*]}" "${sweep[*]:-}" <<'PY'
 import json, os, sys
 nb = int(sys.argv[1]); d = json.loads(sys.argv[2])
 u = [min(float(x) for x in a.split()) for a in sys.argv[3:8]]
@@ -80,6 +93,11 @@ for name, a, ab, b, bb in rows:
     gb = f"{bb / b / G:7.2f}" if bb else " " * 7
     print(f"{name:34}{a:9.3f}{ga}{b:9.3f}{gb}{a / b:16.2f}")
 print(f"{'cp -r + sync of the tag folder':34}{cps:9.3f}{nb / cps / G:7.2f}")
+for item in sys.argv[8].split():
+    setting, t = item.split("=")
+    threads, chunk = setting.split(":")
+    print(f"{f'load: {threads} threads, {chunk} B':34}{float(t):9.3f}{nb / float(t) / G:7.2f}"
+          f"{'':16}{(nb / float(t)) / (d['bytes'] / dl):7.2f}x DCP's speed")
 print(f"targets: async blocked <= 0.2x DCP's: {blocked / dab:.2f}x; sync save GB/s >= DCP's: "
       f"{(nb / save) / (d['bytes'] / ds):.2f}x; load speed >= 5x DCP's: {(nb / load) / (d['bytes'] / dl):.2f}x; "
       f"sync save / (cp -r + sync): {save / cps:.2f}")

@@ -10,7 +10,8 @@
 # train2 / train3 (bench/train-gpu.sh at NG GPUs, ZeRO-2 / ZeRO-3), failing3 (failing ranks
 # under NCCL at stage 3), dsuc (the demo repository's scripts on NG GPUs, scripts/dsuc-gpu.sh;
 # .dsuc carried), ckptio2 (bench/ckpt-io-gpu.sh on NG GPUs), convert16 (bench/convert-vs-cp.sh
-# on 16 cores, taskset), matrix23 (the engine matrix, stages 2 and 3, fp32 and bf16).
+# on 16 cores, taskset), matrix23 (the engine matrix, stages 2 and 3, fp32 and bf16), loadchunks
+# (a load onto one GPU gives the same bits at any staging chunk size, tests/engine/gpu_load_chunks.sh).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,7 @@ for p in ${PARTS:-check matrix train ckpt}; do
     train) part train ${LIMIT_train:-330} bench/train-gpu.sh "$U" /tmp/train-gpu ;;
     ckpt) part ckpt ${LIMIT_ckpt:-150} bench/ckpt-gpu.sh "$U" /tmp/ckpt-gpu ;;
     ckptio) part ckptio ${LIMIT_ckptio:-400} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu ${RUNS:-3} ;;
+    loadchunks) part loadchunks ${LIMIT_loadchunks:-180} tests/engine/gpu_load_chunks.sh "$U" /tmp/load-chunks ;;
     failing) RANKS=2 DEVICE=cuda part failing ${LIMIT_failing:-240} tests/engine/failing_ranks_test.sh "$U" /tmp/failing ;;
     fp16) part fp16 ${LIMIT_fp16:-180} bench/fp16-gpu.sh "$U" /tmp/fp16-gpu ;;
     demo) part demo ${LIMIT_demo:-300} scripts/demo-gpu.sh /tmp/uckpt-gpu both ;;

@@ -339,4 +339,46 @@ uint64_t ExecuteReads(std::span<const ReadBatch> batches, const ReadOptions& opt
   return total;
 }
 
+std::vector<ReadPiece> SortReads(std::span<const ReadPiece> pieces, uint64_t size) {
+  std::vector<ReadPiece> sorted;
+  sorted.reserve(pieces.size());
+  for (const ReadPiece& p : pieces) {
+    if (p.to > size || p.from.size() > size - p.to)
+      throw std::invalid_argument("read plan: a piece of " + std::to_string(p.from.size()) + " bytes at " +
+                                  std::to_string(p.to) + " does not fit a buffer of " + std::to_string(size));
+    if (!p.from.empty()) sorted.push_back(p);
+  }
+  std::stable_sort(sorted.begin(), sorted.end(), [](const ReadPiece& a, const ReadPiece& b) { return a.to < b.to; });
+  for (size_t k = 1; k < sorted.size(); ++k)
+    if (sorted[k].to < sorted[k - 1].to + sorted[k - 1].from.size())
+      throw std::invalid_argument("read plan: pieces overlap at byte " + std::to_string(sorted[k].to));
+  return sorted;
+}
+
+std::vector<ReadPiece> ClipReads(std::span<const ReadPiece> sorted, ByteRange window) {
+  std::vector<ReadPiece> out;
+  if (window.end <= window.begin) return out;
+  // The first piece that ends after the window begins (pieces do not overlap,
+  // so their ends are sorted too).
+  auto it = std::partition_point(sorted.begin(), sorted.end(),
+                                 [&](const ReadPiece& p) { return p.to + p.from.size() <= window.begin; });
+  for (; it != sorted.end() && it->to < window.end; ++it) {
+    const uint64_t lo = std::max(window.begin, it->to), hi = std::min(window.end, it->to + it->from.size());
+    out.push_back({it->from.subspan(lo - it->to, hi - lo), lo - window.begin});
+  }
+  return out;
+}
+
+std::vector<ByteRange> UncoveredRanges(std::span<const ReadPiece> sorted, uint64_t size) {
+  std::vector<ByteRange> gaps;
+  uint64_t at = 0;
+  for (const ReadPiece& p : sorted) {
+    if (p.to > at) gaps.push_back({at, std::min(p.to, size)});
+    at = std::max(at, p.to + p.from.size());
+    if (at >= size) break;
+  }
+  if (at < size) gaps.push_back({at, size});
+  return gaps;
+}
+
 }  // namespace uckpt::ckpt

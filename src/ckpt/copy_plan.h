@@ -139,4 +139,28 @@ struct ReadOptions {
 // piece that does not fit its buffer (before anything is copied).
 uint64_t ExecuteReads(std::span<const ReadBatch> batches, const ReadOptions& options = {});
 
+// Staging a buffer through smaller windows (a load onto a GPU reads its
+// partition chunk by chunk into pinned host memory, engine/staged_upload.h).
+
+// A range [begin, end) of bytes.
+struct ByteRange {
+  uint64_t begin = 0, end = 0;
+  uint64_t size() const { return end - begin; }
+  bool operator==(const ByteRange&) const = default;
+};
+
+// `pieces` sorted by destination offset (empty ones dropped). Throws
+// std::invalid_argument when a piece does not fit a buffer of `size` bytes
+// or two pieces overlap.
+std::vector<ReadPiece> SortReads(std::span<const ReadPiece> pieces, uint64_t size);
+
+// The parts of `sorted` (SortReads' result) that land in `window` of the
+// buffer, cut at its edges, with destination offsets made relative to
+// window.begin: the pieces that fill a buffer holding only that window.
+std::vector<ReadPiece> ClipReads(std::span<const ReadPiece> sorted, ByteRange window);
+
+// The ranges of [0, size) that no piece covers (padding, which a load must
+// zero), in order; `sorted` as from SortReads.
+std::vector<ByteRange> UncoveredRanges(std::span<const ReadPiece> sorted, uint64_t size);
+
 }  // namespace uckpt::ckpt

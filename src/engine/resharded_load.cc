@@ -1,11 +1,10 @@
 #include "engine/resharded_load.h"
 
-#include <cstring>
-
 #include "ckpt/copy_plan.h"
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/reshard.h"
 #include "ckpt/zero_checkpoint.h"
+#include "engine/staged_upload.h"
 #include "engine/torch_bridge.h"
 #include "format/error.h"
 
@@ -13,28 +12,13 @@ namespace uckpt::engine {
 
 namespace {
 
-// The reads of one state of one group, and where they land: straight into
-// `dst` when it is a contiguous fp32 CPU tensor of the source's dtype, else
-// into a buffer converted afterwards.
-struct StateLoad {
-  ckpt::StateReads reads;
-  at::Tensor dst;
-  at::Tensor buffer;  // host memory in the source dtype, zero-filled
-};
-
-StateLoad PlanLoad(const ckpt::ZeroCheckpoint& z, const ckpt::PartitionTarget& target, const std::string& key,
-                   at::Tensor dst) {
-  StateLoad s;
-  s.reads = ckpt::PlanStateReads(z, target, key);
-  s.dst = dst;
-  const at::ScalarType st = ToScalarType(s.reads.dtype);
-  if (dst.device().is_cpu() && dst.is_contiguous() && dst.scalar_type() == st) {
-    s.buffer = dst;
-  } else {
-    s.buffer = at::empty({target.length}, at::TensorOptions().dtype(st));
-  }
-  s.buffer.zero_();  // padding
-  return s;
+// The reads that fill `dst` with state `key` of `target`'s partition:
+// straight into a CPU tensor of the source's dtype, else through staging
+// chunks (staged_upload.h); padding is zeroed, nothing else.
+TensorReads PlanLoad(const ckpt::ZeroCheckpoint& z, const ckpt::PartitionTarget& target, const std::string& key,
+                     at::Tensor dst) {
+  ckpt::StateReads reads = ckpt::PlanStateReads(z, target, key);
+  return {std::move(dst), ToScalarType(reads.dtype), std::move(reads.pieces)};
 }
 
 // One partition this rank holds: a group's flat partition (stages 1/2) or a
@@ -112,7 +96,7 @@ ReshardedLoad LoadReshardedPartitions(Engine::Impl& e, const std::string& folder
   out.param_groups = saved->get("param_groups");
   const bool with_state = optimizer_states && HasMoments(z);
   std::vector<PartitionSlot> slots = e.zero3 ? Zero3Slots(e) : FlatSlots(e);
-  std::vector<StateLoad> loads;
+  std::vector<TensorReads> loads;
   for (PartitionSlot& slot : slots) {
     const ckpt::PartitionTarget& target = slot.target;
     PartitionState& st = *slot.state;
@@ -129,12 +113,7 @@ ReshardedLoad LoadReshardedPartitions(Engine::Impl& e, const std::string& folder
     loads.push_back(PlanLoad(z, target, "exp_avg_sq", st.exp_avg_sq));
     st.step = at::full({}, SavedStep(z, e, slot.step_param, out.where), st.master.options());
   }
-  std::vector<ckpt::ReadBatch> batches;
-  for (auto& l : loads)
-    batches.push_back({{static_cast<uint8_t*>(l.buffer.data_ptr()), l.buffer.nbytes()}, std::move(l.reads.pieces)});
-  out.bytes_read = ckpt::ExecuteReads(batches);
-  for (auto& l : loads)
-    if (!l.buffer.is_same(l.dst)) l.dst.copy_(l.buffer);
+  out.bytes_read = FillFromReads(loads);
   return out;
 }
 

@@ -4,7 +4,9 @@
 // files, exactly the byte ranges of its own partitions (ckpt/reshard.h plans
 // them: a group's flat partition at stages 1/2, each sub-group's
 // per-parameter partitions at stage 3; the copy engine reads them on several
-// threads), bit for bit what loading the converted universal checkpoint gives.
+// threads: straight into CPU tensors, through pinned chunks onto a GPU,
+// staged_upload.h), bit for bit what loading the converted universal
+// checkpoint gives.
 #pragma once
 
 #include <cstdint>

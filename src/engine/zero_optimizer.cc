@@ -272,6 +272,10 @@ void ZeroOptimizer::InitMasterFromModel() {
 void ZeroOptimizer::GatherModelFromMasters() {
   c10::NoGradGuard no_grad;
   for (Group& g : groups_) {
+    if (g.layout.dp == 1 && g.state.master.device() == g.model_flat.device()) {
+      g.model_flat.copy_(g.state.master);  // one pass, converting as .to() does
+      continue;
+    }
     at::Tensor mine = g.state.master.to(g.model_flat.device()).to(s_.model_dtype);
     if (g.layout.dp > 1) {
       comm_.AllGather(mine, g.model_flat);

@@ -1,7 +1,9 @@
 // The copy engine (ckpt/copy_plan.h): random piece layouts (zero-length
 // pieces, pieces meeting at file and chunk boundaries, any order), split and
 // unsplit files, generated files, whole-file copies; hashes against XXH64 of
-// the files read back; errors that name the file.
+// the files read back; errors that name the file. Reads staged through
+// windows (SortReads, ClipReads, UncoveredRanges) fill a buffer exactly as
+// one direct read into a zeroed buffer does.
 #include "ckpt/copy_plan.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -270,6 +273,102 @@ TEST(CopyPlan, DoneCanStopThePlan) {
   };
   EXPECT_THROW(ExecuteCopyPlan(plan, options), IoError);
   EXPECT_EQ(calls, 3);
+}
+
+// ---- Reads staged through windows. ----
+
+std::span<const uint8_t> Bytes(const std::vector<uint8_t>& v, size_t at, size_t n) { return {v.data() + at, n}; }
+
+TEST(StagedReads, ClipCutsPiecesThatStraddleTheWindow) {
+  const auto src = RandomBytes(100, 11);
+  // Pieces at [10, 30) and [30, 50) of a 64-byte buffer, given out of order.
+  std::vector<ReadPiece> pieces = {{Bytes(src, 50, 20), 30}, {Bytes(src, 0, 20), 10}};
+  const auto sorted = SortReads(pieces, 64);
+  ASSERT_EQ(sorted.size(), 2u);
+  EXPECT_EQ(sorted[0].to, 10u);
+  const auto clipped = ClipReads(sorted, {25, 40});  // the end of one piece, the start of the next
+  ASSERT_EQ(clipped.size(), 2u);
+  EXPECT_EQ(clipped[0].to, 0u);
+  EXPECT_EQ(clipped[0].from.data(), src.data() + 15);
+  EXPECT_EQ(clipped[0].from.size(), 5u);
+  EXPECT_EQ(clipped[1].to, 5u);
+  EXPECT_EQ(clipped[1].from.data(), src.data() + 50);
+  EXPECT_EQ(clipped[1].from.size(), 10u);
+  const auto inside = ClipReads(sorted, {12, 14});  // inside one piece
+  ASSERT_EQ(inside.size(), 1u);
+  EXPECT_EQ(inside[0].from.data(), src.data() + 2);
+  EXPECT_EQ(inside[0].from.size(), 2u);
+  EXPECT_EQ(inside[0].to, 0u);
+}
+
+TEST(StagedReads, EmptyWindowsAndWindowsOverPaddingHaveNoPieces) {
+  const auto src = RandomBytes(100, 12);
+  const auto sorted = SortReads(std::vector<ReadPiece>{{Bytes(src, 0, 20), 10}}, 64);
+  EXPECT_TRUE(ClipReads(sorted, {20, 20}).empty());
+  EXPECT_TRUE(ClipReads(sorted, {30, 20}).empty());
+  EXPECT_TRUE(ClipReads(sorted, {0, 10}).empty());   // ends where the piece begins
+  EXPECT_TRUE(ClipReads(sorted, {30, 64}).empty());  // begins where it ends
+  EXPECT_TRUE(ClipReads({}, {0, 64}).empty());
+  EXPECT_EQ(UncoveredRanges({}, 64), (std::vector<ByteRange>{{0, 64}}));
+  EXPECT_TRUE(UncoveredRanges({}, 0).empty());
+}
+
+TEST(StagedReads, UncoveredRangesAreThePaddingOnly) {
+  const auto src = RandomBytes(100, 13);
+  // [0, 4) gap, [4, 20) piece, [20, 20) empty piece, [20, 30) piece, [30, 40) gap, [40, 64) piece.
+  const std::vector<ReadPiece> pieces = {
+      {Bytes(src, 0, 16), 4}, {Bytes(src, 16, 0), 20}, {Bytes(src, 20, 10), 20}, {Bytes(src, 40, 24), 40}};
+  const auto sorted = SortReads(pieces, 64);
+  EXPECT_EQ(sorted.size(), 3u);  // the empty piece is dropped
+  EXPECT_EQ(UncoveredRanges(sorted, 64), (std::vector<ByteRange>{{0, 4}, {30, 40}}));
+  EXPECT_EQ(UncoveredRanges(sorted, 70), (std::vector<ByteRange>{{0, 4}, {30, 40}, {64, 70}}));
+}
+
+TEST(StagedReads, PiecesThatOverlapOrDoNotFitAreRejected) {
+  const auto src = RandomBytes(100, 14);
+  EXPECT_THROW(SortReads(std::vector<ReadPiece>{{Bytes(src, 0, 20), 50}}, 64), std::invalid_argument);
+  EXPECT_THROW(SortReads(std::vector<ReadPiece>{{Bytes(src, 0, 1), 64}}, 64), std::invalid_argument);
+  EXPECT_THROW(SortReads(std::vector<ReadPiece>{{Bytes(src, 0, 20), 0}, {Bytes(src, 0, 10), 19}}, 64),
+               std::invalid_argument);
+  EXPECT_NO_THROW(SortReads(std::vector<ReadPiece>{{Bytes(src, 0, 20), 0}, {Bytes(src, 0, 10), 20}}, 64));
+}
+
+// Random pieces with gaps, read window by window into a reused buffer full of
+// stale bytes (gaps zeroed, clipped pieces read), give what one read into a
+// zeroed buffer gives, for windows that cut pieces anywhere.
+TEST(StagedReads, WindowByWindowEqualsOneRead) {
+  std::mt19937 rng(15);
+  const auto src = RandomBytes(1 << 16, 16);
+  for (int round = 0; round < 50; ++round) {
+    std::vector<ReadPiece> pieces;
+    uint64_t at = 0;
+    while (true) {
+      at += rng() % 3 == 0 ? rng() % 40 : 0;  // a gap, sometimes
+      const uint64_t n = rng() % 300;
+      if (at + n > src.size()) break;
+      pieces.push_back({Bytes(src, rng() % (src.size() - n + 1), n), at});
+      at += n;
+      if (rng() % 40 == 0) break;
+    }
+    const uint64_t size = at + rng() % 20;
+    std::shuffle(pieces.begin(), pieces.end(), rng);
+    std::vector<uint8_t> direct(size, 0);
+    ExecuteReads(std::vector<ReadBatch>{{{direct.data(), direct.size()}, pieces}});
+
+    const auto sorted = SortReads(pieces, size);
+    const uint64_t window = 1 + rng() % 257;
+    std::vector<uint8_t> staged(size), chunk(window);
+    for (uint64_t begin = 0; begin < size; begin += window) {
+      const ByteRange w{begin, std::min(size, begin + window)};
+      std::fill(chunk.begin(), chunk.end(), 0xAB);  // what the previous window left
+      const auto clipped = ClipReads(sorted, w);
+      for (const ByteRange& gap : UncoveredRanges(clipped, w.size()))
+        std::memset(chunk.data() + gap.begin, 0, gap.size());
+      ExecuteReads(std::vector<ReadBatch>{{{chunk.data(), w.size()}, clipped}}, ReadOptions{2, 64});
+      std::memcpy(staged.data() + begin, chunk.data(), w.size());
+    }
+    ASSERT_EQ(staged, direct) << "round " << round << ", window " << window;
+  }
 }
 
 }  // namespace
