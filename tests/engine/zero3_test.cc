@@ -381,6 +381,7 @@ TEST(Zero3, BertStage3MatchesStage2) {
 
 TEST(Zero3, ConfigKnobsParsedWithWarningsWhereNotHonoured) {
   nlohmann::json ds = Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 7},
+                                                   {"overlap_comm", true},
                                                    {"stage3_prefetch_bucket_size", 1000},
                                                    {"stage3_max_live_parameters", 2000},
                                                    {"stage3_max_reuse_distance", 3000},
@@ -400,11 +401,16 @@ TEST(Zero3, ConfigKnobsParsedWithWarningsWhereNotHonoured) {
       if (w.find(key) != std::string::npos) return true;
     return false;
   };
-  EXPECT_TRUE(warned("stage3_prefetch_bucket_size"));
-  EXPECT_TRUE(warned("stage3_max_live_parameters"));
+  EXPECT_FALSE(warned("stage3_prefetch_bucket_size"));  // honoured (zero3_overlap_test.cc)
+  EXPECT_FALSE(warned("stage3_max_live_parameters"));
   EXPECT_TRUE(warned("stage3_max_reuse_distance"));
   EXPECT_FALSE(warned("sub_group_size"));
   EXPECT_FALSE(warned("stage3_param_persistence_threshold"));
+  EXPECT_FALSE(warned("overlap_comm"));
+  ds["zero_optimization"]["stage3_prefetch_bucket_size"] = -1;
+  EXPECT_THROW(ParseConfig(ds, "ds.json"), ConfigError);
+  ds["zero_optimization"]["stage3_prefetch_bucket_size"] = 0;  // prefetching off
+  EXPECT_EQ(ParseConfig(ds, "ds.json").zero.prefetch_bucket_size, 0);
   // Stage-3 knobs at stage 2: a warning; offload_param at stage 2: an error.
   ds["zero_optimization"]["stage"] = 2;
   ds["zero_optimization"].erase("offload_param");
