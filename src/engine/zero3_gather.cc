@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "engine/zero3.h"
