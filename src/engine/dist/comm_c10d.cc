@@ -202,10 +202,10 @@ class C10dComm : public Comm {
     Run(what, [&] { return pg_->allreduce(ts, o); });
   }
 
-    using WorkPtr = decltype(std::declval<PG&>().barrier());  // c10d::Work (2.x) or ProcessGroup::Work (1.13)
+  using WorkPtr = decltype(std::declval<PG&>().barrier());  // c10d::Work (2.x) or ProcessGroup::Work (1.13)
 
-  // A collective started by Start(): Wait() waits for it as Run() does, then
-  // runs `finish`. `keep` holds its tensors until then.
+  // A collective started by Start(): Wait() waits for it as Run() does (under
+  // NCCL: the current stream waits), then runs `finish`. `keep` holds its tensors until then.
   struct Started : Pending {
     C10dComm* comm = nullptr;
     const char* what = "";
