@@ -136,9 +136,10 @@ bool Zero3Optimizer::UnitGathered(size_t unit) const {
 // stage3_prefetch_bucket_size elements are ahead (at least one unit when it is
 // positive) or the next unit would take the gathered elements past
 // stage3_max_live_parameters. Only unit calls and sizes decide: the same on
-// every rank.
+// every rank. One rank has no collective to overlap: the copies would run on
+// the compute stream anyway, and prefetched buffers would only cost memory.
 void Zero3Optimizer::Prefetch(size_t unit, int direction) {
-  if (s_.prefetch_bucket_size <= 0) return;
+  if (s_.prefetch_bucket_size <= 0 || dp() == 1) return;
   int64_t ahead = 0;
   for (int64_t v = static_cast<int64_t>(unit) + direction; v >= 0 && v < num_units(); v += direction) {
     const size_t u = static_cast<size_t>(v);

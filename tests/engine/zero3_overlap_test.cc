@@ -2,6 +2,7 @@
 // prefetching (stage3_prefetch_bucket_size, stage3_max_live_parameters):
 // the same numbers as without them, bit for bit, and the counters show that
 // they happened (engine/zero3.h, Zero3Stats).
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
@@ -166,6 +167,16 @@ TEST(Zero3Overlap, MaxLiveParametersBoundsGatheredElements) {
   }
 }
 
+// One rank has no all-gather to overlap: nothing is prefetched.
+TEST(Zero3Overlap, OneRankPrefetchesNothing) {
+  nlohmann::json ds = Config({{"overlap_comm", true}, {"stage3_prefetch_bucket_size", 1000000}});
+  ds["gradient_accumulation_steps"] = 4;
+  const Outcome r = Train(ds, 1, 2);
+  EXPECT_GT(r.stats.unit_gathers, 0);
+  EXPECT_EQ(r.stats.prefetched_gathers, 0);
+  EXPECT_EQ(r.stats.peak_gathered_elements, r.unit_numel);
+}
+
 // A model through the public API that skips a declared unit (it runs units
 // 0 and 2 of 3): the prefetch of unit 1 is dropped unused at the end of
 // backward, and the numbers stay those of no prefetch.
@@ -173,10 +184,10 @@ struct SkippingNet : torch::nn::Module {
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   std::vector<at::Tensor> w;
   SkippingNet() {
-    at::manual_seed(11);
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);  // not the global one: ranks are threads
     for (int u = 0; u < 3; ++u) {
       units.push_back(register_module("u" + std::to_string(u), std::make_shared<torch::nn::Module>()));
-      w.push_back(units.back()->register_parameter("w", at::randn({8, 8}) * 0.3));
+      w.push_back(units.back()->register_parameter("w", at::randn({8, 8}, gen) * 0.3));
     }
   }
   at::Tensor Loss(at::Tensor x, const uckpt::UnitCalls& c) {

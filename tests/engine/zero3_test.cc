@@ -1,5 +1,6 @@
 // ZeRO stage 3 against the fixture's real DeepSpeed stage-3 runs
 // (shared/fixtures/refrun-gpt2/ZERO3.md), and stage 3's own properties.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
@@ -295,14 +296,15 @@ struct TwoUnitNet : torch::nn::Module {
   std::shared_ptr<torch::nn::Module> u0, u1;
   at::Tensor w0, w1, tied, head;
   TwoUnitNet() {
-    at::manual_seed(7);
+    // A generator of its own: the rank threads would race on the global one.
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
     u0 = register_module("u0", std::make_shared<torch::nn::Module>());
     u1 = register_module("u1", std::make_shared<torch::nn::Module>());
-    w0 = u0->register_parameter("w", at::randn({8, 8}) * 0.3);
-    w1 = u1->register_parameter("w", at::randn({8, 8}) * 0.3);
-    tied = u0->register_parameter("scale", at::randn({8}));
+    w0 = u0->register_parameter("w", at::randn({8, 8}, gen) * 0.3);
+    w1 = u1->register_parameter("w", at::randn({8, 8}, gen) * 0.3);
+    tied = u0->register_parameter("scale", at::randn({8}, gen));
     u1->register_parameter("scale", tied);
-    head = register_parameter("head", at::randn({8, 3}));
+    head = register_parameter("head", at::randn({8, 3}, gen));
   }
   at::Tensor Loss(const at::Tensor& x_in, const uckpt::UnitCalls& c) {
     at::Tensor x = c.Enter(0, x_in);
