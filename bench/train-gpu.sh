@@ -22,7 +22,9 @@
 # stage 3 tokens/s >= 1.0x FSDP2's at memory <= 1.0x), and, when DEEPSPEED_PATH names a
 # folder from which `import deepspeed` works (DeepSpeed's source with its accelerator/,
 # op_builder/ and csrc/ in place), DeepSpeed's stage 3 with and without the same offload
-# (targets: uckpt >= 1.5x DeepSpeed's tokens/s in both).
+# (targets: uckpt >= 1.5x DeepSpeed's tokens/s in both). With EXTRA=1 (default), on the
+# largest GPU count also "uckpt-z3-sync" (overlap_comm off, stage3_prefetch_bucket_size 0: each
+# unit gathered when entered, each bucket reduced when full), and the ratio uckpt-z3 / it.
 #
 # usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1 ZERO=2)
 set -uo pipefail
@@ -107,6 +109,9 @@ for n in $counts; do
     uckpt_run "$n" uckpt-z3 true 1
     uckpt_run "$n" uckpt-z3+chunked true 1 1
     uckpt_run "$n" uckpt-z3-offload true 1 0 "$offload"
+    if [ "${EXTRA:-1}" = 1 ] && [ "$n" = "$(echo $counts | tr ' ' '\n' | tail -1)" ]; then
+      uckpt_run "$n" uckpt-z3-sync false 1 0 ', "stage3_prefetch_bucket_size": 0'
+    fi
     for loss in hf chunked; do torch_run "$n" fsdp2 $loss; done
     if [ -n "${DEEPSPEED_PATH:-}" ]; then
       PYTHONPATH=$DEEPSPEED_PATH torch_run "$n" deepspeed_z3 hf
@@ -167,6 +172,13 @@ for n in sorted({r["world"] for r in rows}):
         ok &= meets
     if not zero3:
         continue
+    u = [r for r in rows if r["world"] == n and r["impl"] == "uckpt-z3"]
+    b = [r for r in rows if r["world"] == n and r["impl"] == "uckpt-z3-sync"]
+    if u and b:
+        print(f"{n} GPUs: uckpt-z3 (overlap_comm, prefetch) / uckpt-z3-sync: tokens/s "
+              f"{u[0]['tokens_per_s'] / b[0]['tokens_per_s']:.3f}x, peak memory "
+              f"{max(u[0]['peak_mib']) / max(b[0]['peak_mib']):.3f}x, loss@end equal: "
+              f"{u[0]['last_loss'] == b[0]['last_loss']}")
     for label, ds in (("uckpt-z3", "deepspeed_z3"), ("uckpt-z3-offload", "deepspeed_z3_offload")):
         u = [r for r in rows if r["world"] == n and r["impl"] == label]
         d = [r for r in rows if r["world"] == n and r["impl"] == ds]

@@ -50,6 +50,12 @@ class Comm {
   // rank must start the same collectives in the same order, from any thread.
   // The default runs AllReduceSum now.
   virtual std::unique_ptr<Pending> StartAllReduceSum(at::Tensor& t);
+  // ReduceScatterSum and AllGather, started the same way: `in` and `out` must
+  // stay alive and untouched until Wait(), which leaves `out` complete. On
+  // CUDA (NCCL) the collective runs on NCCL's stream; Wait() makes the
+  // current stream wait for it. The defaults run the collective now.
+  virtual std::unique_ptr<Pending> StartReduceScatterSum(at::Tensor& in, at::Tensor& out);
+  virtual std::unique_ptr<Pending> StartAllGather(const at::Tensor& in, at::Tensor& out);
 
   // Failing ranks (RankMonitor; no-ops without one). What this rank is doing
   // now, named if the job fails ("step 7", "saving global_step6").

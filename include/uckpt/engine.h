@@ -73,6 +73,8 @@ struct EngineOptions {
   // order; unit i is index i in Engine::EnterUnit/ExitUnit. Parameters in no
   // unit, and parameters tied across units, form the root unit, which stays
   // gathered. Empty: everything is the root unit. Ignored at stages 0-2.
+  // Prefetching (stage3_prefetch_bucket_size) follows this order: entering
+  // unit i starts the all-gathers of units i+1, ... (in backward i-1, ...).
   std::vector<std::shared_ptr<torch::nn::Module>> gather_units;
 };
 

@@ -70,6 +70,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   eo.local_rank = opt_.local_rank;
   eo.gather_units = gather_units_;
   engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
+  if (engine::Zero3Optimizer* z3 = engine_->impl().zero3.get()) z3->set_timing(timers_.enabled);
   if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());
 }
 
@@ -149,6 +150,8 @@ StepMetrics Trainer::TrainStep() {
   // host), so the GPU never waits for the host between forward and backward.
   at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
   PhaseClock clock(device, timers_.enabled);
+  const engine::Zero3Optimizer* z3 = engine_->impl().zero3.get();
+  const engine::Zero3Stats z3_before = z3 ? z3->stats() : engine::Zero3Stats{};
   const int64_t samples_before = engine_->global_samples();
   for (int64_t m = 0; m < ga; ++m) {
     const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), mb);
@@ -157,14 +160,24 @@ StepMetrics Trainer::TrainStep() {
     at::Tensor loss = loss_(ids, step, samples_before + first_row, first_row);
     loss_sum.add_(loss.detach().to(at::kDouble));
     timers_.forward += clock.Lap();
+    const double tail_before = z3 ? z3->stats().reduce_tail_s : 0;
     engine_->Backward(loss);
-    timers_.backward += clock.Lap();
+    const double tail = z3 ? z3->stats().reduce_tail_s - tail_before : 0;  // stage 3: reduce-scatters waited
+    timers_.backward += clock.Lap() - tail;
+    timers_.reduce += tail;
     if (m < ga - 1) engine_->Step();  // not a boundary: nothing but the micro-step count
   }
   timers_.reduce += clock.Lap();
   engine_->Step();
   timers_.step += clock.Lap();
   ++timers_.steps;
+  if (z3) {
+    const engine::Zero3Stats& now = z3->stats();
+    timers_.unit_gathers += now.unit_gathers - z3_before.unit_gathers;
+    timers_.prefetched_gathers += now.prefetched_gathers - z3_before.prefetched_gathers;
+    timers_.reduce_buckets += now.reduce_buckets - z3_before.reduce_buckets;
+    timers_.overlapped_buckets += now.overlapped_buckets - z3_before.overlapped_buckets;
+  }
   const StepInfo& r = engine_->last_step();
 
   // The step's loss: the mean over all W*GA micro-batches (equal token counts).
@@ -258,6 +271,13 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
                  "uckpt timers (rank 0, mean of %lld steps after the first, ms): forward %.2f, backward %.2f, "
                  "reduce %.2f, optimizer step + all-gather %.2f\n",
                  static_cast<long long>(t.steps), t.forward * k, t.backward * k, t.reduce * k, t.step * k);
+    if (trainer.engine().zero_stage() == 3)
+      std::fprintf(stderr,
+                   "uckpt timers, stage 3: reduce = waiting after backward for the reduce-scatters; per step "
+                   "%.1f of %.1f buckets reduced during backward (overlap_comm), %.1f of %.1f unit all-gathers "
+                   "prefetched\n",
+                   t.overlapped_buckets * k / 1000, t.reduce_buckets * k / 1000, t.prefetched_gathers * k / 1000,
+                   t.unit_gathers * k / 1000);
   }
   if (trainer.timers().enabled) {  // every rank: bench/zero3_memory.sh compares them
     rusage ru{};

@@ -57,10 +57,14 @@ struct Counters {
 
 // Wall time per phase, summed over steps (UCKPT_TIMERS=1 in the environment;
 // the device is synchronised between phases, which costs some throughput).
+// At stage 3 `reduce` is the wait after backward's compute for the last
+// reduce-scatters (with overlap_comm the others ran during backward).
 struct PhaseTimes {
   bool enabled = false;
   double forward = 0, backward = 0, reduce = 0, step = 0;  // seconds
   int64_t steps = 0;
+  // Stage 3, summed over the timed steps (engine::Zero3Stats).
+  int64_t unit_gathers = 0, prefetched_gathers = 0, reduce_buckets = 0, overlapped_buckets = 0;
 };
 
 // `uckpt train`: GPT-2 or BERT on byte/token data, one client of the public Engine.

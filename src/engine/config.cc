@@ -154,15 +154,9 @@ void ParseStage3Knobs(Section& s, TrainConfig& c) {
   for (const char* key : {"sub_group_size"})
     if (s.Has(key)) s.Int(key, z.sub_group_size);
   for (const char* key : {"stage3_prefetch_bucket_size", "prefetch_bucket_size"})
-    if (s.Has(key)) {
-      s.Int(key, z.prefetch_bucket_size);
-      note(key, "parsed; uckpt gathers each unit when it is entered (no prefetch)");
-    }
+    if (s.Has(key)) s.Int(key, z.prefetch_bucket_size);
   for (const char* key : {"stage3_max_live_parameters", "max_live_parameters"})
-    if (s.Has(key)) {
-      s.Int(key, z.max_live_parameters);
-      note(key, "parsed; uckpt keeps the root unit, persistent parameters and the units being computed gathered");
-    }
+    if (s.Has(key)) s.Int(key, z.max_live_parameters);
   for (const char* key : {"stage3_max_reuse_distance", "max_reuse_distance"})
     if (s.Has(key)) {
       int64_t ignored = 0;
@@ -182,6 +176,9 @@ void ParseStage3Knobs(Section& s, TrainConfig& c) {
   if (z.sub_group_size <= 0) throw ConfigError("zero_optimization.sub_group_size must be positive");
   if (z.param_persistence_threshold < 0)
     throw ConfigError("zero_optimization.stage3_param_persistence_threshold must be >= 0");
+  if (z.prefetch_bucket_size < 0)
+    throw ConfigError("zero_optimization.stage3_prefetch_bucket_size must be >= 0 (0 turns prefetching off)");
+  if (z.max_live_parameters < 0) throw ConfigError("zero_optimization.stage3_max_live_parameters must be >= 0");
 }
 
 }  // namespace
@@ -267,9 +264,6 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
   if (c.zero.stage < 0 || c.zero.stage > 3)
     throw ConfigError(source + ": zero_optimization.stage " + std::to_string(c.zero.stage) +
                       " is not supported (0, 1, 2 or 3)");
-  if (c.zero.stage == 3 && c.zero.overlap_comm)
-    c.warnings.push_back(source + ": zero_optimization.overlap_comm: at stage 3 uckpt reduce-scatters each bucket "
-                         "when it is full, without overlapping it with backward");
   if (c.zero.offload_param_cpu && c.zero.stage != 3)
     throw ConfigError(source + ": zero_optimization.offload_param needs stage 3 (got stage " +
                       std::to_string(c.zero.stage) + ")");

@@ -54,13 +54,13 @@ struct ZeroConfig {
   bool offload_optimizer_cpu = false;
   int64_t reduce_bucket_size = 500000000;
   int64_t allgather_bucket_size = 500000000;
-  bool overlap_comm = false;  // stage 2: reduce gradient buckets while backward runs
+  bool overlap_comm = false;  // stages 2 and 3: reduce gradient buckets while backward runs
   // Stage 3 (engine/zero3.h). Parameters of at most this many elements stay
   // gathered (DeepSpeed's stage3_param_persistence_threshold).
   int64_t param_persistence_threshold = 100000;
   int64_t sub_group_size = 1000000000;  // elements per optimizer sub-group (stage 3's flat partitions)
-  int64_t prefetch_bucket_size = 50000000;   // parsed; gathers are not prefetched (a warning when set)
-  int64_t max_live_parameters = 1000000000;  // parsed; live parameters are the root unit and one unit
+  int64_t prefetch_bucket_size = 50000000;   // unit elements all-gathered ahead of use; 0: no prefetch
+  int64_t max_live_parameters = 1000000000;  // prefetch only while gathered unit elements stay within this
   bool offload_param_cpu = false;            // stage 3: partitions of the 16-bit parameters in host memory
 };
 

@@ -1,13 +1,9 @@
 #include "engine/zero3.h"
 
-#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <stdexcept>
 
 #include "ckpt/partition.h"
@@ -15,29 +11,6 @@
 
 namespace uckpt::engine {
 namespace {
-
-// A parameter's storage without its bytes (FSDP's resize_(0)): the tensor
-// keeps its shape; views that autograd saved see the bytes again once
-// AllocateStorage gives them back.
-void FreeStorage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
-}
-
-// Allocates the parameter's bytes and returns a flat tensor over them with
-// its own version counter (writing it does not invalidate saved tensors).
-at::Tensor AllocateStorage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
-  if (s->nbytes() != nbytes) {
-    // The caching allocator serves the thread's current device: make it the tensor's.
-    const c10::DeviceGuard on(t.device());
-    s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
-    s->set_nbytes(nbytes);
-  }
-  return at::from_blob(s->data_ptr().get(), {t.numel()}, at::TensorOptions().dtype(t.scalar_type()).device(t.device()));
-}
 
 at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device, bool host) {
   auto o = at::TensorOptions().dtype(dtype);
@@ -87,6 +60,7 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
   const int dp = comm_.world_size();
   const at::ScalarType dtype = s_.base.model_dtype;
   units_.resize(static_cast<size_t>(num_units));
+  unit_numel_.assign(units_.size(), 0);
   backward_live_.assign(units_.size(), 0);
   c10::NoGradGuard no_grad;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -136,63 +110,11 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
     Zero3Param& p = params_[i];
     if (p.unit < 0 || p.persistent) continue;
     units_[static_cast<size_t>(p.unit)].push_back(i);
+    unit_numel_[static_cast<size_t>(p.unit)] += p.numel;
+    stats_.gathered_elements += p.numel;
   }
+  prefetched_.resize(units_.size());
   if (dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.base.fp16);
-}
-
-// ---- Gathering ----
-
-void Zero3Optimizer::Fetch(const std::vector<size_t>& list) {
-  if (list.empty()) return;
-  c10::NoGradGuard no_grad;
-  const int dp = this->dp();
-  int64_t total = 0;
-  for (size_t i : list) total += params_[i].partition_size;
-  // Each partition straight into one buffer on the model's device: from pinned
-  // host memory (offload_param) the copies are asynchronous, with no host-side
-  // concatenation into fresh pages.
-  at::Tensor in = at::empty({total}, params_[list[0]].partition.options().device(device_).pinned_memory(false));
-  int64_t at_ = 0;
-  for (size_t i : list) {
-    in.narrow(0, at_, params_[i].partition_size).copy_(params_[i].partition, /*non_blocking=*/true);
-    at_ += params_[i].partition_size;
-  }
-  at::Tensor all = in;
-  if (dp > 1) {
-    all = at::empty({total * dp}, in.options());
-    comm_.AllGather(in, all);
-  }
-  at::Tensor by_rank = all.view({dp, total});
-  int64_t off = 0;
-  for (size_t i : list) {
-    const Zero3Param& p = params_[i];
-    at::Tensor dst = AllocateStorage(p.tensor);
-    dst.copy_(by_rank.narrow(1, off, p.partition_size).reshape(-1).narrow(0, 0, p.numel));
-    off += p.partition_size;
-  }
-}
-
-void Zero3Optimizer::Gather(size_t unit) {
-  std::vector<size_t> need;
-  for (size_t i : units_.at(unit))
-    if (params_[i].live++ == 0) need.push_back(i);
-  Fetch(need);
-}
-
-void Zero3Optimizer::Release(size_t unit) {
-  for (size_t i : units_.at(unit)) {
-    Zero3Param& p = params_[i];
-    if (p.live <= 0) throw std::logic_error("ZeRO-3: unit " + std::to_string(unit) + " released more often than gathered");
-    if (--p.live == 0) FreeStorage(p.tensor);
-  }
-}
-
-void Zero3Optimizer::GatherAll() {
-  for (size_t u = 0; u < units_.size(); ++u) Gather(u);
-}
-
-void Zero3Optimizer::ReleaseAll() {
-  for (size_t u = 0; u < units_.size(); ++u) Release(u);
 }
 
 at::Tensor Zero3Optimizer::EnterUnit(size_t unit, const at::Tensor& input) {
@@ -203,7 +125,9 @@ at::Tensor Zero3Optimizer::EnterUnit(size_t unit, const at::Tensor& input) {
   if (initial_hold_) {  // from now on units are gathered only while entered
     initial_hold_ = false;
     ReleaseAll();
+    stats_.peak_gathered_elements = stats_.gathered_elements;
   }
+  Prefetch(unit, +1);
   if (!at::GradMode::is_enabled() || !input.requires_grad()) return input;
   return EnterUnitFn::apply(input, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
 }
@@ -220,6 +144,7 @@ at::Tensor Zero3Optimizer::ExitUnit(size_t unit, const at::Tensor& output) {
 void Zero3Optimizer::BackwardGather(size_t unit) {
   Gather(unit);
   ++backward_live_.at(unit);
+  Prefetch(unit, -1);
 }
 
 void Zero3Optimizer::BackwardDone(size_t unit) {
@@ -229,80 +154,6 @@ void Zero3Optimizer::BackwardDone(size_t unit) {
     --backward_live_[unit];
     Release(unit);
   }
-}
-
-// ---- Gradients ----
-
-void Zero3Optimizer::Bucket(size_t i) {
-  Zero3Param& p = params_[i];
-  if (bucket_numel_ > 0 && bucket_numel_ + p.numel > s_.base.reduce_bucket_size) FlushBucket();
-  bucket_.push_back(i);
-  bucket_grads_.push_back(p.tensor.grad());
-  bucket_numel_ += p.numel;
-  p.tensor.mutable_grad() = at::Tensor();  // the gradient's memory goes with the bucket
-}
-
-void Zero3Optimizer::FinishBackward() {
-  for (size_t u = 0; u < units_.size(); ++u)
-    while (backward_live_[u] > 0) BackwardDone(u);
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].tensor.grad().defined()) Bucket(i);
-  FlushBucket();
-}
-
-void Zero3Optimizer::FlushBucket() {
-  if (bucket_.empty()) return;
-  c10::NoGradGuard no_grad;
-  const int dp = this->dp();
-  // DeepSpeed sorts the bucket by parameter id, then lays out per rank each
-  // parameter's chunk (padded to ps); that layout sets Gloo's summation order.
-  std::vector<size_t> order(bucket_.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bucket_[a] < bucket_[b]; });
-  int64_t total = 0;
-  for (size_t i : bucket_) total += params_[i].partition_size;
-  at::Tensor buffer = at::zeros({dp, total}, bucket_grads_[0].options().dtype(at::kFloat));
-  int64_t off = 0;
-  for (size_t j : order) {
-    const Zero3Param& p = params_[bucket_[j]];
-    // Rank r's chunk is [r*ps, (r+1)*ps) of the flat gradient; the last
-    // chunks are short or empty (their padding stays zero).
-    const at::Tensor flat_grad = bucket_grads_[j].reshape(-1);
-    const int64_t ps = p.partition_size, full = ps > 0 ? p.numel / ps : 0;
-    if (full > 0) buffer.narrow(1, off, ps).narrow(0, 0, full).copy_(flat_grad.narrow(0, 0, full * ps).view({full, ps}));
-    if (full < dp && p.numel > full * ps)
-      buffer[full].narrow(0, off, p.numel - full * ps).copy_(flat_grad.narrow(0, full * ps, p.numel - full * ps));
-    bucket_grads_[j] = at::Tensor();  // each gradient freed once it is in the buffer
-    off += ps;
-  }
-  at::Tensor flat = buffer.view({-1});
-  flat.div_(static_cast<double>(dp));
-  at::Tensor mine = flat.narrow(0, 0, total);
-  if (dp > 1) {
-    mine = at::empty({total}, flat.options());
-    comm_.ReduceScatterSum(flat, mine);
-  }
-  if (s_.base.offload_optimizer_cpu && !mine.device().is_cpu()) mine = ToHostStaging(mine);
-  off = 0;
-  for (size_t j : order) {
-    const Zero3Param& p = params_[bucket_[j]];
-    Zero3SubGroup& sg = subs_[p.sub_group];
-    sg.grad.narrow(0, p.offset, p.partition_size).add_(mine.narrow(0, off, p.partition_size));
-    off += p.partition_size;
-  }
-  bucket_.clear();
-  bucket_grads_.clear();
-  bucket_numel_ = 0;
-}
-
-// The reduced chunk in host memory through one reused pinned buffer (fresh
-// pageable memory for every bucket would cost a page fault per 4 KiB).
-at::Tensor Zero3Optimizer::ToHostStaging(const at::Tensor& t) {
-  if (!host_staging_.defined() || host_staging_.numel() < t.numel())
-    host_staging_ = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
-  at::Tensor out = host_staging_.narrow(0, 0, t.numel());
-  out.copy_(t);  // synchronous: the host adds read it next
-  return out;
 }
 
 // DeepSpeed's stage-3 get_grad_norm_direct per sub-group (each parameter
@@ -388,6 +239,7 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(double lr) {
 }
 
 void Zero3Optimizer::PartitionsFromMasters() {
+  DropPrefetches();  // gathered from the old partitions
   c10::NoGradGuard no_grad;
   for (const Zero3SubGroup& sg : subs_)
     for (size_t i : sg.params) {

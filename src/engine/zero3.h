@@ -17,11 +17,24 @@
 // DeepSpeed's stage-3 global norm (fp64 per parameter partition), clips, runs
 // torch's Adam/AdamW on each sub-group's partition (under offload_optimizer:
 // the fused host Adam of cpu_adam.h, in host memory) and re-gathers what is live.
+//
+// Overlap (zero3_gather.cc, zero3_reduce.cc): entering a unit starts the
+// all-gathers of the units after it (in backward: before it) up to
+// stage3_prefetch_bucket_size elements ahead, while the gathered unit
+// elements stay within stage3_max_live_parameters; the decisions depend only
+// on the unit calls, so every rank issues the same collectives in the same
+// order. Under overlap_comm a full bucket's reduce-scatter runs while backward
+// goes on (at most two in flight); buckets finish in the order they started,
+// so every gradient partition sums the same values in the same order as
+// without overlap.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +50,22 @@ struct Zero3Settings {
   int64_t persistence_threshold = 100000;
   int64_t sub_group_size = 1000000000;
   bool offload_param_cpu = false;  // the 16-bit partitions in host memory
+  int64_t prefetch_bucket_size = 50000000;   // unit elements gathered ahead of use; 0: no prefetch
+  int64_t max_live_parameters = 1000000000;  // cap on gathered unit elements for prefetching
+};
+
+// What stage 3's gathers and reduce-scatters did (Zero3Optimizer::stats()).
+// Gathered elements count unit parameters only (the root unit and persistent
+// parameters stay gathered) and start at the first EnterUnit.
+struct Zero3Stats {
+  int64_t gathered_elements = 0;       // unit elements gathered or being gathered now
+  int64_t peak_gathered_elements = 0;  // the most at once
+  int64_t unit_gathers = 0;            // all-gathers of units (prefetched ones included)
+  int64_t prefetched_gathers = 0;      // of them, started before their unit was entered
+  int64_t unused_prefetches = 0;       // prefetched units dropped before being entered
+  int64_t reduce_buckets = 0;          // reduce-scatters of gradient buckets
+  int64_t overlapped_buckets = 0;      // of them, started during backward and left running (overlap_comm)
+  double reduce_tail_s = 0;            // timing on: FinishBackward (final bucket, waits), device synchronised
 };
 
 // One trainable parameter under stage 3.
@@ -90,6 +119,9 @@ class Zero3Optimizer {
   void GatherAll();   // +1 on every unit
   void ReleaseAll();  // -1 on every unit
   bool IsGathered(const Zero3Param& p) const { return p.live > 0; }
+  const Zero3Stats& stats() const { return stats_; }
+  // Times FinishBackward, synchronising the device (UCKPT_TIMERS).
+  void set_timing(bool on) { timing_ = on; }
 
   // After loss.backward(): the gradients not reduced yet (the root unit's),
   // then the bucket; frees units that backward gathered and left gathered.
@@ -110,11 +142,41 @@ class Zero3Optimizer {
   void BackwardDone(size_t unit);
 
  private:
+  // An all-gather of partitions in flight (zero3_gather.cc).
+  struct Gathering {
+    std::vector<size_t> params;
+    int64_t total = 0;  // elements per rank
+    at::Tensor all;     // [dp * total]
+    std::unique_ptr<Comm::Pending> work;
+  };
+  // A bucket's reduce-scatter in flight (zero3_reduce.cc).
+  struct Reducing {
+    std::vector<size_t> params;  // in the buffer's order
+    at::Tensor buffer, mine;     // [dp * total] the averaged chunks; [total] this rank's sum
+    std::unique_ptr<Comm::Pending> work;
+  };
+
   void Gather(size_t unit);
   void Release(size_t unit);
-  void Fetch(const std::vector<size_t>& ps);  // all-gather into the parameters' storage
+  bool Hold(size_t p);  // +1 on p's gather count; true when p needs gathering
+  void Unhold(size_t p);
+  Gathering StartFetch(const std::vector<size_t>& ps);
+  void FinishFetch(Gathering& g);  // into the parameters' storage
+  void Fetch(const std::vector<size_t>& ps) {
+    Gathering g = StartFetch(ps);
+    FinishFetch(g);
+  }
+  bool UnitGathered(size_t unit) const;
+  void Prefetch(size_t unit, int direction);  // the units after (+1) or before (-1) `unit`
+  void StartPrefetch(size_t unit);
+  void DropPrefetches();  // waits for and frees prefetches not used yet
   void Bucket(size_t p);
   void FlushBucket();
+  Reducing PackBucket();
+  void StartReduce(Reducing& r);
+  void FinishReduce(Reducing& r);
+  void FinishReduces(size_t keep);  // all but the newest `keep`, oldest first
+  void FinishBackwardUntimed();
   at::Tensor GlobalNorm(bool* finite);
   at::Tensor ToHostStaging(const at::Tensor& t);
 
@@ -125,6 +187,12 @@ class Zero3Optimizer {
   std::vector<Zero3Param> params_;
   std::vector<Zero3SubGroup> subs_;
   std::vector<std::vector<size_t>> units_;  // unit -> its parameters (not root, not persistent)
+  std::vector<int64_t> unit_numel_;         // unit -> its parameters' elements
+  std::vector<std::optional<Gathering>> prefetched_;  // unit -> its prefetch in flight
+  std::deque<Reducing> reducing_;           // overlap_comm: reduce-scatters in flight, oldest first
+  Zero3Stats stats_;
+  bool timing_ = false;
+  bool finishing_ = false;  // in FinishBackward (its buckets are not overlapped with backward)
   std::vector<int> backward_live_;          // per unit: gathered by backward, not yet freed
   std::vector<size_t> bucket_;              // parameters whose gradients wait for the reduce-scatter
   std::vector<at::Tensor> bucket_grads_;

@@ -90,6 +90,8 @@ void InitZero3(Engine::Impl& e, const std::vector<GroupSpec>& specs, const Engin
   zs.persistence_threshold = c.zero.param_persistence_threshold;
   zs.sub_group_size = c.zero.sub_group_size;
   zs.offload_param_cpu = c.zero.offload_param_cpu;
+  zs.prefetch_bucket_size = c.zero.prefetch_bucket_size;
+  zs.max_live_parameters = c.zero.max_live_parameters;
   e.zero3 = std::make_unique<Zero3Optimizer>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
                                              static_cast<int>(prefixes.size()), zs, e.device);
 }

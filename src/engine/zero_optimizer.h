@@ -34,7 +34,7 @@ struct ZeroSettings {
   Fp16Config fp16;                          // used when model_dtype is kHalf
   bool offload_optimizer_cpu = false;       // master + moments in host memory
   int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
-  bool overlap_comm = false;                // stage 2: reduce buckets during backward (overlap_reducer.h)
+  bool overlap_comm = false;                // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
 };
 
 // The optimizer state of one rank's partition of one parameter group

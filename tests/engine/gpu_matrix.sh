@@ -8,6 +8,8 @@
 #   univ:   uckpt convert global_step4, resume at W/2 ranks -> losses within TOL of base
 #   resh:   resume global_step4's ZeRO files at W/2 ranks, not converted -> within TOL
 #   switch: (stages 2 and 3) the same at the other of the two stages -> within TOL
+#   overlap: (stage 3, small buckets) overlap_comm on with prefetching off against
+#           overlap_comm off with prefetching on -> steps 1..8 equal bit for bit
 # plus, per precision, the same 8 steps at 1 and 2 ranks (stage 2; batch 16 = micro 4 x
 # GA 4/2/1) against the W-rank base, and fp16's dynamic loss scale: a skipped step has
 # grad_norm -1, halves the scale (hysteresis 1), keeps the lr; the others keep the scale.
@@ -35,12 +37,12 @@ W=$(( gpus >= 4 ? 4 : 2 )); H=$(( W / 2 ))
 rm -rf "$out" && mkdir -p "$out" && cd "$out"
 model="--n_layer 2 --n_head 4 --n_embd 64 --vocab_size 512 --n_positions 64 --seq_len 64"
 
-config() {  # config FILE PRECISION STAGE OFFLOAD SCALE_POWER
+config() {  # config FILE PRECISION STAGE OFFLOAD SCALE_POWER [ZERO_EXTRA_JSON]
   local fp16=false bf16=false off=none z3=""
   [ "$2" = fp16 ] && fp16=true
   [ "$2" = bf16 ] && bf16=true
   [ "$4" = cpu ] && off=cpu
-  [ "$3" = 3 ] && z3=", \"stage3_param_persistence_threshold\": 0, \"offload_param\": {\"device\": \"$off\"}"
+  [ "$3" = 3 ] && z3=", \"stage3_param_persistence_threshold\": 0, \"offload_param\": {\"device\": \"$off\"}${6:-}"
   cat > "$1" <<JSON
 {
   "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 0,
@@ -123,6 +125,13 @@ for p in $precisions; do
       ck=ck-$id
       if train $W "$id-base" "cfg-$id.json" --steps 8 --checkpoint_dir "$ck" --checkpoint_interval 4; then
         [ "$p" = fp16 ] && check "$id: loss scale ($W GPUs)" scale "$id-base"
+        if [ "$stage" = 3 ]; then
+          config "cfg-$id-ovl.json" "$p" 3 "$off" 24 \
+            ', "overlap_comm": true, "reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 0'
+          config "cfg-$id-sync.json" "$p" 3 "$off" 24 ', "reduce_bucket_size": 20000'
+          train $W "$id-ovl" "cfg-$id-ovl.json" --steps 8 && train $W "$id-sync" "cfg-$id-sync.json" --steps 8 &&
+            check "$id: overlap_comm+no prefetch = sync" same "$id-sync" "$id-ovl"
+        fi
         mkdir -p "$ck-same" && cp -r "$ck/global_step4" "$ck-same/" && echo global_step4 > "$ck-same/latest"
         train $W "$id-same" "cfg-$id.json" --steps 8 --checkpoint_dir "$ck-same" --resume &&
           check "$id: resume $W->$W (ZeRO files)" same "$id-base" "$id-same"

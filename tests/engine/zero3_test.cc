@@ -1,5 +1,6 @@
 // ZeRO stage 3 against the fixture's real DeepSpeed stage-3 runs
 // (shared/fixtures/refrun-gpt2/ZERO3.md), and stage 3's own properties.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
@@ -295,14 +296,15 @@ struct TwoUnitNet : torch::nn::Module {
   std::shared_ptr<torch::nn::Module> u0, u1;
   at::Tensor w0, w1, tied, head;
   TwoUnitNet() {
-    at::manual_seed(7);
+    // A generator of its own: the rank threads would race on the global one.
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
     u0 = register_module("u0", std::make_shared<torch::nn::Module>());
     u1 = register_module("u1", std::make_shared<torch::nn::Module>());
-    w0 = u0->register_parameter("w", at::randn({8, 8}) * 0.3);
-    w1 = u1->register_parameter("w", at::randn({8, 8}) * 0.3);
-    tied = u0->register_parameter("scale", at::randn({8}));
+    w0 = u0->register_parameter("w", at::randn({8, 8}, gen) * 0.3);
+    w1 = u1->register_parameter("w", at::randn({8, 8}, gen) * 0.3);
+    tied = u0->register_parameter("scale", at::randn({8}, gen));
     u1->register_parameter("scale", tied);
-    head = register_parameter("head", at::randn({8, 3}));
+    head = register_parameter("head", at::randn({8, 3}, gen));
   }
   at::Tensor Loss(const at::Tensor& x_in, const uckpt::UnitCalls& c) {
     at::Tensor x = c.Enter(0, x_in);
@@ -381,6 +383,7 @@ TEST(Zero3, BertStage3MatchesStage2) {
 
 TEST(Zero3, ConfigKnobsParsedWithWarningsWhereNotHonoured) {
   nlohmann::json ds = Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 7},
+                                                   {"overlap_comm", true},
                                                    {"stage3_prefetch_bucket_size", 1000},
                                                    {"stage3_max_live_parameters", 2000},
                                                    {"stage3_max_reuse_distance", 3000},
@@ -400,11 +403,16 @@ TEST(Zero3, ConfigKnobsParsedWithWarningsWhereNotHonoured) {
       if (w.find(key) != std::string::npos) return true;
     return false;
   };
-  EXPECT_TRUE(warned("stage3_prefetch_bucket_size"));
-  EXPECT_TRUE(warned("stage3_max_live_parameters"));
+  EXPECT_FALSE(warned("stage3_prefetch_bucket_size"));  // honoured (zero3_overlap_test.cc)
+  EXPECT_FALSE(warned("stage3_max_live_parameters"));
   EXPECT_TRUE(warned("stage3_max_reuse_distance"));
   EXPECT_FALSE(warned("sub_group_size"));
   EXPECT_FALSE(warned("stage3_param_persistence_threshold"));
+  EXPECT_FALSE(warned("overlap_comm"));
+  ds["zero_optimization"]["stage3_prefetch_bucket_size"] = -1;
+  EXPECT_THROW(ParseConfig(ds, "ds.json"), ConfigError);
+  ds["zero_optimization"]["stage3_prefetch_bucket_size"] = 0;  // prefetching off
+  EXPECT_EQ(ParseConfig(ds, "ds.json").zero.prefetch_bucket_size, 0);
   // Stage-3 knobs at stage 2: a warning; offload_param at stage 2: an error.
   ds["zero_optimization"]["stage"] = 2;
   ds["zero_optimization"].erase("offload_param");

@@ -22,6 +22,7 @@
 #endif
 
 #include <cstdlib>
+#include <functional>
 
 #include "uckpt/comm.h"
 #include "uckpt/process_group.h"
@@ -101,23 +102,38 @@ class C10dComm : public Comm {
   std::unique_ptr<Pending> StartAllReduceSum(at::Tensor& t) override {
     if (t.device() != device_ || (backend_ == "gloo" && t.scalar_type() == at::kBFloat16))
       return Comm::StartAllReduceSum(t);  // staged or converted: synchronous
-    struct Started : Pending {
-      C10dComm* comm;
-      decltype(std::declval<PG&>().barrier()) work;  // c10d::Work (2.x) or ProcessGroup::Work (1.13)
-      void Wait() override {
-        comm->Run("all-reduce (overlapped)", [&] { return work; });
-      }
-    };
-    auto p = std::make_unique<Started>();
-    p->comm = this;
     std::vector<at::Tensor> ts{t};
-    try {
-      p->work = pg_->allreduce(ts);
-    } catch (const std::exception& e) {
-      throw CommError("rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
-                      ": starting an all-reduce over " + backend_ + " failed: " + Brief(e));
+    return Start("all-reduce (overlapped)", [&] { return pg_->allreduce(ts); }, {t});
+  }
+
+  std::unique_ptr<Pending> StartReduceScatterSum(at::Tensor& in, at::Tensor& out) override {
+    if (in.device() != device_ || out.device() != device_ || (backend_ == "gloo" && in.scalar_type() == at::kBFloat16))
+      return Comm::StartReduceScatterSum(in, out);  // staged or converted: synchronous
+    if constexpr (kFlatCollectives) {
+      return Start("reduce-scatter (overlapped)", [&] { return pg_->_reduce_scatter_base(out, in); }, {in, out});
+    } else {  // an all-reduce, then this rank's chunk once it is done
+      std::vector<at::Tensor> ts{in};
+      const int64_t begin = rank_ * out.numel();
+      return Start("reduce-scatter (overlapped all-reduce)", [&] { return pg_->allreduce(ts); }, {in, out},
+                   [in, out, begin]() mutable { out.copy_(in.view(-1).narrow(0, begin, out.numel()).view_as(out)); });
     }
-    return p;
+  }
+
+  std::unique_ptr<Pending> StartAllGather(const at::Tensor& in_any, at::Tensor& out_any) override {
+    if (in_any.device() != device_ || out_any.device() != device_) return Comm::StartAllGather(in_any, out_any);
+    // Gloo (1.13) has no bf16: gather its bits as fp16 (a copy, no arithmetic).
+    const bool bits = backend_ == "gloo" && in_any.scalar_type() == at::kBFloat16;
+    at::Tensor in = bits ? in_any.view(at::kHalf) : in_any;
+    at::Tensor out = bits ? out_any.view(at::kHalf) : out_any;
+    if constexpr (kFlatCollectives) {
+      return Start("all-gather (overlapped)", [&] { return pg_->_allgather_base(out, in); }, {in, out});
+    } else {
+      std::vector<std::vector<at::Tensor>> outs(1);
+      at::Tensor flat = out.view(-1);
+      for (int r = 0; r < world_; ++r) outs[0].push_back(flat.narrow(0, r * in.numel(), in.numel()).view_as(in));
+      std::vector<at::Tensor> ins{in};
+      return Start("all-gather (overlapped)", [&] { return pg_->allgather(outs, ins); }, {in, out});
+    }
   }
 
   void AllReduceMax(at::Tensor& t) override {
@@ -184,6 +200,42 @@ class C10dComm : public Comm {
     c10d::AllreduceOptions o;
     o.reduceOp = op;
     Run(what, [&] { return pg_->allreduce(ts, o); });
+  }
+
+  using WorkPtr = decltype(std::declval<PG&>().barrier());  // c10d::Work (2.x) or ProcessGroup::Work (1.13)
+
+  // A collective started by Start(): Wait() waits for it as Run() does (under
+  // NCCL: the current stream waits), then runs `finish`. `keep` holds its tensors until then.
+  struct Started : Pending {
+    C10dComm* comm = nullptr;
+    const char* what = "";
+    WorkPtr work;
+    std::vector<at::Tensor> keep;
+    std::function<void()> finish;
+    void Wait() override {
+      if (!work) return;  // waited before
+      comm->Run(what, [&] { return work; });
+      work = WorkPtr();
+      if (finish) finish();
+      keep.clear();
+    }
+  };
+
+  template <typename F>
+  std::unique_ptr<Pending> Start(const char* what, F&& start, std::vector<at::Tensor> keep,
+                                 std::function<void()> finish = {}) {
+    auto p = std::make_unique<Started>();
+    p->comm = this;
+    p->what = what;
+    p->keep = std::move(keep);
+    p->finish = std::move(finish);
+    try {
+      p->work = start();
+    } catch (const std::exception& e) {
+      throw CommError("rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ": starting " + what +
+                      " over " + backend_ + " failed: " + Brief(e));
+    }
+    return p;
   }
 
   template <typename F>

@@ -1,0 +1,143 @@
+// Stage 3's gradient buckets (engine/zero3.h): reduce-scattered into the
+// owners' fp32 gradient partitions, during backward under overlap_comm.
+#include <c10/core/GradMode.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "engine/zero3.h"
+
+namespace uckpt::engine {
+namespace {
+
+// Reduce-scatters left running at once under overlap_comm: each holds a
+// bucket's fp32 buffer (dp * its elements), so this bounds the extra memory.
+constexpr size_t kMaxReducesInFlight = 2;
+
+}  // namespace
+
+void Zero3Optimizer::Bucket(size_t i) {
+  Zero3Param& p = params_[i];
+  if (bucket_numel_ > 0 && bucket_numel_ + p.numel > s_.base.reduce_bucket_size) FlushBucket();
+  bucket_.push_back(i);
+  bucket_grads_.push_back(p.tensor.grad());
+  bucket_numel_ += p.numel;
+  p.tensor.mutable_grad() = at::Tensor();  // the gradient's memory goes with the bucket
+}
+
+void Zero3Optimizer::FinishBackward() {
+  if (!timing_) return FinishBackwardUntimed();
+  // The time from the end of backward's compute until every bucket is reduced.
+  const bool cuda = device_.is_cuda();
+  if (cuda) torch::cuda::synchronize(device_.index());
+  const auto t0 = std::chrono::steady_clock::now();
+  FinishBackwardUntimed();
+  if (cuda) torch::cuda::synchronize(device_.index());
+  stats_.reduce_tail_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Zero3Optimizer::FinishBackwardUntimed() {
+  DropPrefetches();
+  finishing_ = true;
+  for (size_t u = 0; u < units_.size(); ++u)
+    while (backward_live_[u] > 0) BackwardDone(u);
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].tensor.grad().defined()) Bucket(i);
+  FlushBucket();
+  FinishReduces(0);
+  finishing_ = false;
+}
+
+void Zero3Optimizer::FlushBucket() {
+  if (bucket_.empty()) return;
+  Reducing r = PackBucket();
+  StartReduce(r);
+  ++stats_.reduce_buckets;
+  if (!s_.base.overlap_comm) return FinishReduce(r);
+  reducing_.push_back(std::move(r));
+  if (!finishing_) ++stats_.overlapped_buckets;
+  FinishReduces(kMaxReducesInFlight);
+}
+
+// DeepSpeed sorts the bucket by parameter id, then lays out per rank each
+// parameter's chunk (padded to ps); that layout sets Gloo's summation order.
+Zero3Optimizer::Reducing Zero3Optimizer::PackBucket() {
+  c10::NoGradGuard no_grad;
+  const int dp = this->dp();
+  std::vector<size_t> order(bucket_.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bucket_[a] < bucket_[b]; });
+  int64_t total = 0;
+  for (size_t i : bucket_) total += params_[i].partition_size;
+  Reducing r;
+  r.buffer = at::zeros({dp, total}, bucket_grads_[0].options().dtype(at::kFloat));
+  int64_t off = 0;
+  for (size_t j : order) {
+    const Zero3Param& p = params_[bucket_[j]];
+    // Rank r's chunk is [r*ps, (r+1)*ps) of the flat gradient; the last
+    // chunks are short or empty (their padding stays zero).
+    const at::Tensor flat_grad = bucket_grads_[j].reshape(-1);
+    const int64_t ps = p.partition_size, full = ps > 0 ? p.numel / ps : 0;
+    if (full > 0)
+      r.buffer.narrow(1, off, ps).narrow(0, 0, full).copy_(flat_grad.narrow(0, 0, full * ps).view({full, ps}));
+    if (full < dp && p.numel > full * ps)
+      r.buffer[full].narrow(0, off, p.numel - full * ps).copy_(flat_grad.narrow(0, full * ps, p.numel - full * ps));
+    bucket_grads_[j] = at::Tensor();  // each gradient freed once it is in the buffer
+    off += ps;
+    r.params.push_back(bucket_[j]);
+  }
+  r.buffer = r.buffer.view({-1});
+  r.buffer.div_(static_cast<double>(dp));
+  bucket_.clear();
+  bucket_grads_.clear();
+  bucket_numel_ = 0;
+  return r;
+}
+
+void Zero3Optimizer::StartReduce(Reducing& r) {
+  const int64_t total = r.buffer.numel() / dp();
+  if (dp() == 1) {
+    r.mine = r.buffer;
+    return;
+  }
+  r.mine = at::empty({total}, r.buffer.options());
+  r.work = comm_.StartReduceScatterSum(r.buffer, r.mine);
+}
+
+// Waits for the collective, then adds this rank's chunk into the sub-groups'
+// gradient partitions.
+void Zero3Optimizer::FinishReduce(Reducing& r) {
+  c10::NoGradGuard no_grad;
+  if (r.work) r.work->Wait();
+  at::Tensor mine = r.mine;
+  if (s_.base.offload_optimizer_cpu && !mine.device().is_cpu()) mine = ToHostStaging(mine);
+  int64_t off = 0;
+  for (size_t i : r.params) {
+    const Zero3Param& p = params_[i];
+    Zero3SubGroup& sg = subs_[p.sub_group];
+    sg.grad.narrow(0, p.offset, p.partition_size).add_(mine.narrow(0, off, p.partition_size));
+    off += p.partition_size;
+  }
+  r = Reducing();
+}
+
+void Zero3Optimizer::FinishReduces(size_t keep) {
+  while (reducing_.size() > keep) {
+    FinishReduce(reducing_.front());
+    reducing_.pop_front();
+  }
+}
+
+// The reduced chunk in host memory through one reused pinned buffer (fresh
+// pageable memory for every bucket would cost a page fault per 4 KiB).
+at::Tensor Zero3Optimizer::ToHostStaging(const at::Tensor& t) {
+  if (!host_staging_.defined() || host_staging_.numel() < t.numel())
+    host_staging_ = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
+  at::Tensor out = host_staging_.narrow(0, 0, t.numel());
+  out.copy_(t);  // synchronous: the host adds read it next
+  return out;
+}
+
+}  // namespace uckpt::engine
