@@ -3,8 +3,8 @@
 # hop RANKS:STAGE trains STEPS_PER_HOP steps, saves, and the next hop resumes
 # that ZeRO checkpoint directly (`--resume`, no `uckpt convert`). Every hop's
 # losses must continue the uninterrupted run of the first hop's size and stage
-# (fp32: within 1e-6 relative; the global batch stays 8 = micro 2 x GA x
-# ranks, so GA is re-derived at each size). Stage 3 partitions every
+# (fp32: within 1e-6 relative; the global batch stays 16 = micro 2 x GA x
+# ranks, 1 to 8 ranks, so GA is re-derived at each size). Stage 3 partitions every
 # parameter (stage3_param_persistence_threshold 0).
 #
 # usage: resume_chain_test.sh UCKPT WORK_DIR
@@ -22,7 +22,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 config() {  # config STAGE -> cfg-STAGE.json
   cat > "cfg-$1.json" <<JSON
-{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 0,
+{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 0,
  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}},
  "bf16": {"enabled": $([ -n "${BF16:-}" ] && echo true || echo false)},
