@@ -92,6 +92,19 @@ uint64_t PartitionBytes(Trainer& t) {
   return static_cast<uint64_t>(l.real_numel(t.optimizer().partition_rank())) * 4 * 3;
 }
 
+// `converted` loaded the universal conversion, `direct` the ZeRO files: the
+// bytes `direct` read are its partition's, and both hold the same state, also
+// after one more step. Returns those bytes.
+uint64_t ExpectSameAsConverted(Trainer& converted, Trainer& direct, const std::string& what) {
+  const uint64_t bytes = direct.engine().last_load().optimizer_bytes_read;
+  EXPECT_EQ(bytes, PartitionBytes(direct)) << what;
+  ExpectSameState(converted, direct, what);
+  const StepMetrics a = converted.TrainStep(), b = direct.TrainStep();
+  EXPECT_EQ(a.loss, b.loss) << what;
+  ExpectSameState(converted, direct, what + " after a step");
+  return bytes;
+}
+
 // A checkpoint saved at stage `from` and loaded into stage `to` engines.
 struct Variant {
   int from, to;
@@ -124,13 +137,7 @@ TEST_P(ReshardedResume, EveryWorldSizeToEveryWorldSizeEqualsConvertPath) {
         converted.LoadCheckpoint(universal, "", true);
         Trainer direct(comm, TinyOptions(v.to, v.bf16, m));
         direct.engine().LoadCheckpoint(dir, "");
-        const uint64_t bytes = direct.engine().last_load().optimizer_bytes_read;
-        read[comm.rank()] = bytes;
-        EXPECT_EQ(bytes, PartitionBytes(direct)) << what;
-        ExpectSameState(converted, direct, what);
-        const StepMetrics a = converted.TrainStep(), b = direct.TrainStep();
-        EXPECT_EQ(a.loss, b.loss) << what;
-        ExpectSameState(converted, direct, what + " after a step");
+        read[comm.rank()] = ExpectSameAsConverted(converted, direct, what);
       });
       // Over all ranks, each optimizer byte of the old files once: 3 fp32
       // states of 798 elements (stage 0 keeps all of them on every rank).
@@ -200,12 +207,7 @@ TEST(ReshardedResume, DeepSpeedRefrunZero3CheckpointEqualsItsUniversal) {
         converted.LoadCheckpoint(ckpt, "global_step6_universal", true);
         Trainer direct(comm, testing::RefrunOptions(ds, "z3"));
         direct.engine().LoadCheckpoint(ckpt, "global_step6");
-        read[comm.rank()] = direct.engine().last_load().optimizer_bytes_read;
-        EXPECT_EQ(read[comm.rank()], PartitionBytes(direct)) << what;
-        ExpectSameState(converted, direct, what);
-        const StepMetrics a = converted.TrainStep(), b = direct.TrainStep();
-        EXPECT_EQ(a.loss, b.loss) << what;
-        ExpectSameState(converted, direct, what + " after a step");
+        read[comm.rank()] = ExpectSameAsConverted(converted, direct, what);
       });
       uint64_t sum = 0;
       for (uint64_t b : read) sum += b;
