@@ -45,6 +45,12 @@
 
 namespace uckpt::engine {
 
+// Copies a flattened parameter of `numel` elements into (to_column) or out of
+// its column `column` ([dp, ps]) of a rank-major layout, where rank r's chunk
+// is elements [r*ps, (r+1)*ps): the full rows, then the short last one (the
+// column's padding is neither read nor written).
+void CopyRankColumn(const at::Tensor& flat, const at::Tensor& column, int64_t numel, bool to_column);
+
 struct Zero3Settings {
   ZeroSettings base;  // clipping, optimizer, dtype, fp16, offload_optimizer_cpu, reduce_bucket_size
   int64_t persistence_threshold = 100000;

@@ -86,8 +86,7 @@ void Zero3Optimizer::FinishFetch(Gathering& g) {
   int64_t off = 0;
   for (size_t i : g.params) {
     const Zero3Param& p = params_[i];
-    at::Tensor dst = AllocateStorage(p.tensor);
-    dst.copy_(by_rank.narrow(1, off, p.partition_size).reshape(-1).narrow(0, 0, p.numel));
+    CopyRankColumn(AllocateStorage(p.tensor), by_rank.narrow(1, off, p.partition_size), p.numel, false);
     off += p.partition_size;
   }
   g.all = at::Tensor();

@@ -18,6 +18,16 @@ constexpr size_t kMaxReducesInFlight = 2;
 
 }  // namespace
 
+void CopyRankColumn(const at::Tensor& flat, const at::Tensor& column, int64_t numel, bool to_column) {
+  const int64_t ps = column.size(1), full = ps > 0 ? std::min(numel / ps, column.size(0)) : 0;
+  const int64_t rest = numel - full * ps;
+  auto copy = [to_column](const at::Tensor& in_flat, const at::Tensor& in_column) {
+    to_column ? in_column.copy_(in_flat) : in_flat.copy_(in_column);
+  };
+  if (full > 0) copy(flat.narrow(0, 0, full * ps).view({full, ps}), column.narrow(0, 0, full));
+  if (rest > 0) copy(flat.narrow(0, full * ps, rest), column[full].narrow(0, 0, rest));
+}
+
 void Zero3Optimizer::Bucket(size_t i) {
   Zero3Param& p = params_[i];
   if (bucket_numel_ > 0 && bucket_numel_ + p.numel > s_.base.reduce_bucket_size) FlushBucket();
@@ -76,16 +86,10 @@ Zero3Optimizer::Reducing Zero3Optimizer::PackBucket() {
   int64_t off = 0;
   for (size_t j : order) {
     const Zero3Param& p = params_[bucket_[j]];
-    // Rank r's chunk is [r*ps, (r+1)*ps) of the flat gradient; the last
-    // chunks are short or empty (their padding stays zero).
-    const at::Tensor flat_grad = bucket_grads_[j].reshape(-1);
-    const int64_t ps = p.partition_size, full = ps > 0 ? p.numel / ps : 0;
-    if (full > 0)
-      r.buffer.narrow(1, off, ps).narrow(0, 0, full).copy_(flat_grad.narrow(0, 0, full * ps).view({full, ps}));
-    if (full < dp && p.numel > full * ps)
-      r.buffer[full].narrow(0, off, p.numel - full * ps).copy_(flat_grad.narrow(0, full * ps, p.numel - full * ps));
+    // The last ranks' chunks are short or empty (their padding stays zero).
+    CopyRankColumn(bucket_grads_[j].reshape(-1), r.buffer.narrow(1, off, p.partition_size), p.numel, true);
     bucket_grads_[j] = at::Tensor();  // each gradient freed once it is in the buffer
-    off += ps;
+    off += p.partition_size;
     r.params.push_back(bucket_[j]);
   }
   r.buffer = r.buffer.view({-1});
