@@ -443,7 +443,13 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
   }
 }
 
-std::string ZeroModelStatesPath(const std::string& folder, int rank) {
+std::string ModelStatesPath(const std::string& folder, int rank, bool universal) {
+  if (universal) {
+    // Listed by kind (stage 0-2 file first), then rank.
+    for (const auto& f : ckpt::ListCheckpointFolder(folder))
+      if (f.kind == ckpt::FileKind::kModelStates || f.kind == ckpt::FileKind::kZero3ModelStates) return f.path;
+    throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
+  }
   for (const std::string& name :
        {ckpt::ModelStatesFileName(), ckpt::Zero3ModelStatesFileName(rank), ckpt::Zero3ModelStatesFileName(0)})
     if (fs::exists(folder + "/" + name)) return folder + "/" + name;
@@ -615,8 +621,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
   // A universal folder made from ZeRO-3 holds per-rank model-states copies;
   // so does a ZeRO-3 folder, whose trainable weights then come from the masters.
-  const std::string model_path =
-      o.universal ? UniversalModelStatesPath(folder) : ZeroModelStatesPath(folder, e.comm->rank());
+  const std::string model_path = ModelStatesPath(folder, e.comm->rank(), o.universal);
   const bool stage12_file = model_path == folder + "/" + ckpt::ModelStatesFileName();
   const bool zero3_source = !o.universal && !stage12_file;
   TorchFile model_file = LoadTorchFile(model_path);

@@ -20,14 +20,12 @@ namespace uckpt::engine {
 // empty or names anything else.
 std::string ReadTagFile(const std::string& dir, const std::string& name);
 
-// The model-states file a universal folder holds (its source's
-// mp_rank_00_model_states.pt, or rank 0's ZeRO-3 copy). Throws FormatError.
-std::string UniversalModelStatesPath(const std::string& folder);
-
-// The model-states file rank `rank` reads from a ZeRO tag folder: the one
-// file of stages 0-2; of a ZeRO-3 folder its own rank's, else (saved by fewer
-// ranks) rank 0's. Throws FormatError when there is none.
-std::string ZeroModelStatesPath(const std::string& folder, int rank);
+// The model-states file rank `rank` reads from a tag folder. A ZeRO folder:
+// the one file of stages 0-2; of a ZeRO-3 folder its own rank's, else (saved
+// by fewer ranks) rank 0's. A universal folder (`universal`): its source's
+// mp_rank_00_model_states.pt, or the lowest rank's ZeRO-3 copy. Throws
+// FormatError when there is none.
+std::string ModelStatesPath(const std::string& folder, int rank, bool universal);
 
 // The saved param groups' hyper-parameters (lr, betas, eps, weight decay)
 // into the engine's optimizer groups, with keep_saved_hparams only.

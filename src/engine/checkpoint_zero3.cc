@@ -180,16 +180,6 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 
 }  // namespace
 
-std::string UniversalModelStatesPath(const std::string& folder) {
-  std::string path;
-  for (const auto& f : ckpt::ListCheckpointFolder(folder))
-    if (f.kind == ckpt::FileKind::kModelStates) return f.path;
-  for (const auto& f : ckpt::ListCheckpointFolder(folder))
-    if (f.kind == ckpt::FileKind::kZero3ModelStates && (path.empty() || f.path < path)) path = f.path;
-  if (path.empty()) throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
-  return path;
-}
-
 LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
                                const LoadCheckpointOptions& o) {
   const char* tag_file = o.universal ? "latest_universal" : "latest";
@@ -203,8 +193,7 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
   // The model states: a ZeRO-3 folder has one file per rank (this rank's,
   // else rank 0's when it was saved by fewer ranks), a stage 1/2 folder one
   // file, a universal folder the copies of its source's (any stage).
-  const std::string model_path =
-      o.universal ? UniversalModelStatesPath(folder) : ZeroModelStatesPath(folder, e.comm->rank());
+  const std::string model_path = ModelStatesPath(folder, e.comm->rank(), o.universal);
   TorchFile model_file = LoadTorchFile(model_path);
   const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
   LoadResult result{folder, ClientStateOf(m)};
