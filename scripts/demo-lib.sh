@@ -60,6 +60,19 @@ add_row() {
   [[ $verdict == FAIL* ]] && demo_failures=$((demo_failures + 1))
   demo_rows+=("$name|$steps|$delta|$tolerance|$verdict")
 }
+# The demo's six rows, from the runs' metrics.csv under LOGS: add_demo_rows LOGS
+# GA_BATCH GA_MICRO (experiment 2's sizes); uses MID, STEPS and TOL_SAME /
+# TOL_GA / TOL_CHANGED.
+add_demo_rows() {
+  local logs=$1 b=$2 m=$3 first=$((MID + 1))
+  local base=$logs/baseline_4ranks/metrics.csv ga=$logs/ga_1rank_micro${b}_ga1/metrics.csv
+  add_row "1  resume ZeRO, 4 -> 4 ranks" pass "$base" "$logs/resume_zero_4ranks/metrics.csv" $first "$STEPS" "$TOL_SAME"
+  add_row "1  resume universal, 4 -> 4 ranks" pass "$base" "$logs/resume_universal_4ranks/metrics.csv" $first "$STEPS" "$TOL_SAME"
+  add_row "2  1 rank micro $m GA 4 vs micro $b GA 1" pass "$ga" "$logs/ga_1rank_micro${m}_ga4/metrics.csv" 1 "$STEPS" "$TOL_GA"
+  add_row "2  2 ranks micro $m GA 2 vs 1 rank micro $b" pass "$ga" "$logs/ga_2ranks_micro${m}_ga2/metrics.csv" 1 "$STEPS" "$TOL_GA"
+  add_row "3  resume universal, 4 -> 2 ranks (GA 2)" pass "$base" "$logs/resume_universal_2ranks/metrics.csv" $first "$STEPS" "$TOL_CHANGED"
+  add_row "-  control: 4 -> 2 without optimizer state" fail "$base" "$logs/no_optimizer_states_2ranks/metrics.csv" $first "$STEPS" "$TOL_CHANGED"
+}
 print_table() {
   printf '%-44s %-8s %-11s %-28s %s\n' comparison steps 'max|dloss|' tolerance result
   printf '%-44s %-8s %-11s %-28s %s\n' ---------- ----- ---------- --------- ------

@@ -45,7 +45,6 @@ train() {
     { cat "$out/logs/$name.out"; echo "demo-python: $name failed"; exit 1; }
   printf '   %-34s %2d ranks  %3ds\n' "$name" "$np" $((SECONDS - t0))
 }
-csv() { echo "$out/logs/$1/metrics.csv"; }
 
 echo "-- experiment 1: baseline, resume from ZeRO and from universal at the same size"
 train 4 baseline_4ranks --train_batch_size "$BATCH" --train_micro_batch_size_per_gpu "$MICRO" \
@@ -76,13 +75,7 @@ train 2 no_optimizer_states_2ranks --train_batch_size "$BATCH" --train_micro_bat
   --checkpoint_tag "global_step${MID}_universal" --no_load_optimizer_states
 echo
 
-first=$((MID + 1))
-add_row "1  resume ZeRO, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_zero_4ranks)" $first "$STEPS" "$TOL_SAME"
-add_row "1  resume universal, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_universal_4ranks)" $first "$STEPS" "$TOL_SAME"
-add_row "2  1 rank micro $MICRO GA 4 vs micro $BATCH GA 1" pass "$(csv ga_1rank_micro${BATCH}_ga1)" "$(csv ga_1rank_micro${MICRO}_ga4)" 1 "$STEPS" "$TOL_GA"
-add_row "2  2 ranks micro $MICRO GA 2 vs 1 rank micro $BATCH" pass "$(csv ga_1rank_micro${BATCH}_ga1)" "$(csv ga_2ranks_micro${MICRO}_ga2)" 1 "$STEPS" "$TOL_GA"
-add_row "3  resume universal, 4 -> 2 ranks (GA 2)" pass "$(csv baseline_4ranks)" "$(csv resume_universal_2ranks)" $first "$STEPS" "$TOL_CHANGED"
-add_row "-  control: 4 -> 2 without optimizer state" fail "$(csv baseline_4ranks)" "$(csv no_optimizer_states_2ranks)" $first "$STEPS" "$TOL_CHANGED"
+add_demo_rows "$out/logs" "$BATCH" "$MICRO"
 print_table
 if [ "$demo_failures" -gt 0 ]; then
   echo "demo-python: $demo_failures comparison(s) FAILED"

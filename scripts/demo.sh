@@ -74,7 +74,6 @@ train() {
     --timeout 120 "$@" >"$out/logs/$name.out" 2>&1 || { cat "$out/logs/$name.out"; echo "demo: $name failed"; exit 1; }
   printf '   %-34s %2d ranks  %3ds  %s\n' "$name" "$np" $((SECONDS - t0)) "$(grep -m1 'world size' "$out/logs/$name.out" | sed 's/.*ZeRO/ZeRO/')"
 }
-csv() { echo "$out/logs/$1/metrics.csv"; }
 start=$SECONDS
 
 echo "-- experiment 1: baseline, resume from ZeRO and from universal at the same size"
@@ -116,13 +115,7 @@ done
 echo "   plots: $(cd "$out/plots" && echo *)  (in $out/plots/)"
 echo
 
-first=$((MID + 1))
-add_row "1  resume ZeRO, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_zero_4ranks)" $first "$STEPS" "$TOL_SAME"
-add_row "1  resume universal, 4 -> 4 ranks" pass "$(csv baseline_4ranks)" "$(csv resume_universal_4ranks)" $first "$STEPS" "$TOL_SAME"
-add_row "2  1 rank micro 8 GA 4 vs micro 32 GA 1" pass "$(csv ga_1rank_micro32_ga1)" "$(csv ga_1rank_micro8_ga4)" 1 "$STEPS" "$TOL_GA"
-add_row "2  2 ranks micro 8 GA 2 vs 1 rank micro 32" pass "$(csv ga_1rank_micro32_ga1)" "$(csv ga_2ranks_micro8_ga2)" 1 "$STEPS" "$TOL_GA"
-add_row "3  resume universal, 4 -> 2 ranks (GA 2)" pass "$(csv baseline_4ranks)" "$(csv resume_universal_2ranks)" $first "$STEPS" "$TOL_CHANGED"
-add_row "-  control: 4 -> 2 without optimizer state" fail "$(csv baseline_4ranks)" "$(csv no_optimizer_states_2ranks)" $first "$STEPS" "$TOL_CHANGED"
+add_demo_rows "$out/logs" 32 8
 print_table
 echo
 echo "demo: $((SECONDS - start)) s; logs (metrics.csv, TensorBoard events) in $out/logs/, plots in $out/plots/"
