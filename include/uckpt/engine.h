@@ -85,7 +85,7 @@ using ClientState = c10::IValue;
 struct LoadCheckpointOptions {
   bool load_optimizer_states = true;
   bool load_lr_scheduler_states = true;
-  bool load_module_only = false;  // weights only: counters, optimizer and schedule start fresh
+  bool load_module_only = false;  // weights only, at any stage: counters, optimizer state and schedule are not loaded
   bool universal = false;         // a universal checkpoint (any world size); tag from `latest_universal`
   bool verify_hashes = false;     // compare the manifest's XXH64 hashes too (sizes always)
   bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint, not the config

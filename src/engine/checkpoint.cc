@@ -559,14 +559,10 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
 // Universal: each rank reads, from every parameter's files, only the
 // elements its own partition holds (memory-mapped), through the reader
 // `uckpt convert` and `verify` use.
-void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
-  const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
-  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
-  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
-  // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
-  // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
-  const bool with_state = o.load_optimizer_states && (u.has_step || u.zero3);
+// This rank's partitions of the fp32 masters, and with `with_state` of
+// Adam's moments and step, from a universal folder; then the model from the masters.
+void LoadUniversalMasters(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, const std::string& folder,
+                          bool with_state) {
   for (size_t g = 0; g < e.groups.size(); ++g) {
     PartitionState& st = e.zero->state(g);
     const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
@@ -595,6 +591,16 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
     st.step = at::full({}, step, st.master.options());
   }
   e.zero->GatherModelFromMasters();
+}
+
+void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
+  const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
+  const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
+  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
+  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
+  // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
+  // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
+  LoadUniversalMasters(e, u, folder, o.load_optimizer_states && (u.has_step || u.zero3));
 }
 
 bool HasOptimFiles(const std::string& folder) {
@@ -636,9 +642,14 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
   LoadModule(model_path, m, fixed);
   if (o.load_module_only) {
+    // A ZeRO-3 module state holds no trainable weights: they come from the masters.
+    std::optional<ckpt::UniversalCheckpoint> u;
+    if (o.universal) u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
     if (zero3_source) {
       LoadReshardedPartitions(e, folder, /*optimizer_states=*/false);
       e.zero->GatherModelFromMasters();
+    } else if (u && u->zero3) {
+      LoadUniversalMasters(e, *u, folder, /*with_state=*/false);
     } else {
       LoadModule(model_path, m, Trainable(e));
     }

@@ -127,22 +127,13 @@ void LoadZero3Resharded(Engine::Impl& e, const std::string& folder, const LoadCh
   e.last_load.optimizer_bytes_read = r.bytes_read;
 }
 
-// A universal checkpoint (made at any stage and size): each rank copies its
-// slice [r*ps, r*ps + real) of every parameter's files.
-void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::ModelStatesView& m,
-                        const LoadCheckpointOptions& o) {
+// Each rank copies its slice [r*ps, r*ps + real) of every parameter's files
+// in a universal checkpoint (made at any stage and size): the fp32 masters,
+// and Adam's moments and `step` with `with_state` (else no Adam state).
+void LoadUniversalSlices(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, const std::string& folder,
+                         bool with_state, double step) {
   Zero3Optimizer& z = *e.zero3;
-  const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
-  const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
-  static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, z.loss_scaler());
-  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
-  const bool with_state = o.load_optimizer_states;
-  // Adam's step: from step.pt (stage 1/2 universal), else the applied steps
-  // (ZeRO-3's universal folders keep it only inside optimizer_state.pt).
-  double step = static_cast<double>(m.global_steps - m.skipped_steps);
-  if (u.has_step && !z.params().empty()) step = ckpt::ReadUniversalStep(u, z.params().front().name);
   const int dp = z.dp(), rank = e.comm->rank();
-  std::vector<bool> have_state(z.sub_groups().size(), with_state);
   for (size_t s = 0; s < z.sub_groups().size(); ++s) {
     PartitionState& st = z.sub_groups()[s].state;
     st.master.zero_();
@@ -150,6 +141,8 @@ void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::
       st.exp_avg = at::zeros_like(st.master);
       st.exp_avg_sq = at::zeros_like(st.master);
       st.step = at::full({}, step, st.master.options());
+    } else {
+      st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
     }
   }
   for (const Zero3Param& p : z.params()) {
@@ -167,9 +160,44 @@ void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::
       CopyElements(where, *ls.tensor, first, real, dst.narrow(0, p.offset, real));
     }
   }
-  if (!with_state)
-    for (auto& sg : z.sub_groups()) sg.state.step = sg.state.exp_avg = sg.state.exp_avg_sq = at::Tensor();
+}
+
+// A universal checkpoint: the slices, the loss scaler and the saved hyper-parameters.
+void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::ModelStatesView& m,
+                        const LoadCheckpointOptions& o) {
+  Zero3Optimizer& z = *e.zero3;
+  const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
+  const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
+  static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, z.loss_scaler());
+  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
+  // Adam's step: from step.pt (stage 1/2 universal), else the applied steps
+  // (ZeRO-3's universal folders keep it only inside optimizer_state.pt).
+  double step = static_cast<double>(m.global_steps - m.skipped_steps);
+  if (u.has_step && !z.params().empty()) step = ckpt::ReadUniversalStep(u, z.params().front().name);
+  LoadUniversalSlices(e, u, folder, o.load_optimizer_states, step);
   z.PartitionsFromMasters();
+}
+
+// load_module_only: the weights from the checkpoint's fp32 masters (a stage-3
+// module state holds none), read as a resume reads them; Adam's state, the
+// loss scale, the counters and the schedule stay as they are (as at stages
+// 0-2, where the masters are set from the loaded module).
+void LoadZero3Weights(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
+  std::vector<PartitionState> kept;
+  for (const auto& sg : e.zero3->sub_groups()) kept.push_back(sg.state);
+  if (o.universal) {
+    const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
+    LoadUniversalSlices(e, u, folder, /*with_state=*/false, 0);
+  } else {
+    LoadReshardedPartitions(e, folder, /*optimizer_states=*/false);
+  }
+  for (size_t s = 0; s < kept.size(); ++s) {
+    PartitionState& st = e.zero3->sub_groups()[s].state;
+    st.step = kept[s].step;
+    st.exp_avg = kept[s].exp_avg;
+    st.exp_avg_sq = kept[s].exp_avg_sq;
+  }
+  e.zero3->PartitionsFromMasters();
 }
 
 ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
@@ -187,9 +215,6 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
   const std::string folder = dir + "/" + tag;
   ckpt::CheckFolderAgainstManifest(folder, o.verify_hashes);
-  if (o.load_module_only)
-    throw std::invalid_argument(folder + ": load_module_only is not supported at ZeRO stage 3 yet (load it fully, or "
-                                "export the weights with `uckpt export`)");
   // The model states: a ZeRO-3 folder has one file per rank (this rank's,
   // else rank 0's when it was saved by fewer ranks), a stage 1/2 folder one
   // file, a universal folder the copies of its source's (any stage).
@@ -198,8 +223,12 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
   const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
   LoadResult result{folder, ClientStateOf(m)};
   LoadFixed(e, model_path, m);
-  RestoreCounters(e, m, o);
   c10::NoGradGuard no_grad;
+  if (o.load_module_only) {
+    LoadZero3Weights(e, folder, o);
+    return result;
+  }
+  RestoreCounters(e, m, o);
   if (o.universal) {
     LoadZero3Universal(e, folder, m, o);
     return result;

@@ -317,9 +317,29 @@ struct TwoUnitNet : torch::nn::Module {
   }
 };
 
-std::vector<double> TrainTwoUnitNet(int stage) {
-  std::vector<double> losses;
-  RunRanks(2, [&](Comm& comm) {
+struct TwoUnitRun {
+  std::vector<double> losses;                  // rank 0's, per step
+  std::map<std::string, at::Tensor> loaded;    // rank 0's weights right after the load, gathered
+  std::map<std::string, at::Tensor> weights;   // rank 0's final weights, gathered
+  int64_t steps_after_load = -1;
+  ClientState client_state;
+};
+
+std::map<std::string, at::Tensor> GatheredWeights(uckpt::Engine& engine, torch::nn::Module& net) {
+  std::map<std::string, at::Tensor> out;
+  engine.GatherParameters();
+  for (const auto& p : net.named_parameters()) out[p.key()] = p.value().detach().clone();
+  engine.ReleaseParameters();
+  return out;
+}
+
+// Trains TwoUnitNet at `world` ranks for `steps` optimizer steps (GA 2);
+// first loads `load_dir` with `load` when given; saves into `save_dir` at the
+// end when given.
+TwoUnitRun RunTwoUnitNet(int stage, int world, int steps, const std::string& save_dir = "",
+                         const std::string& load_dir = "", const LoadCheckpointOptions& load = {}) {
+  TwoUnitRun out;
+  RunRanks(world, [&](Comm& comm) {
     at::set_num_threads(1);
     auto net = std::make_shared<TwoUnitNet>();
     nlohmann::json ds = {{"train_micro_batch_size_per_gpu", 4},
@@ -331,8 +351,17 @@ std::vector<double> TrainTwoUnitNet(int stage) {
     o.gather_units = {net->u0, net->u1};
     uckpt::Engine engine(net, uckpt::Config::FromJson(ds), o);
     if (stage == 3) EXPECT_EQ(engine.num_gather_units(), 2u);
+    if (!load_dir.empty()) {
+      LoadResult r = engine.LoadCheckpoint(load_dir, "", load);
+      auto loaded = GatheredWeights(engine, *net);
+      if (comm.rank() == 0) {
+        out.loaded = std::move(loaded);
+        out.steps_after_load = engine.global_steps();
+        out.client_state = r.client_state;
+      }
+    }
     const uckpt::UnitCalls calls = engine.unit_calls();
-    for (int step = 0; step < 5; ++step) {
+    for (int step = 0; step < steps; ++step) {
       double total = 0;
       for (int m = 0; m < 2; ++m) {
         at::Tensor x = at::sin(at::arange(32, at::kFloat).view({4, 8}) * (1 + step + 3 * m + 7 * comm.rank()));
@@ -341,17 +370,57 @@ std::vector<double> TrainTwoUnitNet(int stage) {
         engine.Backward(loss);
         engine.Step();
       }
-      if (comm.rank() == 0) losses.push_back(total);
+      if (comm.rank() == 0) out.losses.push_back(total);
     }
+    if (!save_dir.empty()) {
+      c10::impl::GenericDict client(c10::StringType::get(), c10::AnyType::get());
+      client.insert("epoch", int64_t{3});
+      engine.SaveCheckpoint(save_dir, "", client);
+    }
+    auto weights = GatheredWeights(engine, *net);
+    if (comm.rank() == 0) out.weights = std::move(weights);
   });
-  return losses;
+  return out;
 }
 
 TEST(Zero3, AnyModuleThroughThePublicApiMatchesStage2) {
-  const std::vector<double> z2 = TrainTwoUnitNet(2), z3 = TrainTwoUnitNet(3);
+  const std::vector<double> z2 = RunTwoUnitNet(2, 2, 5).losses, z3 = RunTwoUnitNet(3, 2, 5).losses;
   ASSERT_EQ(z3.size(), 5u);
   for (size_t i = 0; i < z2.size(); ++i) EXPECT_NEAR(z3[i], z2[i], 1e-6 * std::fabs(z2[i])) << i;
   EXPECT_NE(z3.front(), z3.back());  // it trains
+}
+
+// load_module_only at stage 3 (as DeepSpeed's): the weights of a checkpoint
+// of stage 2 or 3 saved at 2 ranks, from its ZeRO files or its universal
+// conversion, loaded at 3 ranks; counters, Adam's state and the schedule are
+// not loaded, so training on gives what stage 2 gives from the same load.
+TEST(Zero3, LoadModuleOnlyTakesTheWeightsOfAnyStage) {
+  const std::string root = ::testing::TempDir() + "/z3_module_only";
+  std::filesystem::remove_all(root);
+  for (int source_stage : {2, 3}) {
+    const std::string dir = root + "/stage" + std::to_string(source_stage);
+    const TwoUnitRun saved = RunTwoUnitNet(source_stage, 2, 3, dir);
+    ckpt::ConvertOptions co;
+    co.durable = false;
+    ckpt::ConvertToUniversal(dir + "/global_step3", dir + "/global_step3_universal", co);
+    { std::ofstream(dir + "/latest_universal") << "global_step3_universal"; }
+    for (bool universal : {false, true}) {
+      SCOPED_TRACE("source stage " + std::to_string(source_stage) + (universal ? ", universal" : ", ZeRO files"));
+      LoadCheckpointOptions lo;
+      lo.load_module_only = true;
+      lo.universal = universal;
+      const TwoUnitRun z3 = RunTwoUnitNet(3, 3, 2, "", dir, lo), z2 = RunTwoUnitNet(2, 3, 2, "", dir, lo);
+      ASSERT_EQ(z3.loaded.size(), saved.weights.size());
+      for (const auto& [name, w] : saved.weights) {
+        EXPECT_TRUE(at::equal(z3.loaded.at(name), w)) << name;
+        EXPECT_TRUE(at::equal(z2.loaded.at(name), w)) << name;
+      }
+      EXPECT_EQ(z3.steps_after_load, 0);
+      EXPECT_EQ(z3.client_state.toGenericDict().at("epoch").toInt(), 3);
+      ASSERT_EQ(z3.losses.size(), 2u);
+      for (size_t i = 0; i < 2; ++i) EXPECT_NEAR(z3.losses[i], z2.losses[i], 1e-6 * std::fabs(z2.losses[i])) << i;
+    }
+  }
 }
 
 // BERT declares its encoder layers as units too: stage 3 (every layer
