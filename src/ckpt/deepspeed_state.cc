@@ -4,6 +4,7 @@
 #include <cstring>
 #include <set>
 
+#include "ckpt/values.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
@@ -506,6 +507,21 @@ Stage3RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::s
     }
   }
   return r;
+}
+
+std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel) {
+  const int dp = static_cast<int>(ranks.size());
+  std::vector<ValuePtr> out;
+  for (const TorchFile& m : ranks) {
+    const std::string path = m.file->path();
+    const std::string where = path + ": frozen_param_fragments['" + name + "']";
+    out.push_back(Need(Need(m.root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments"));
+    const Tensor& t = AsTensor(out.back(), where);
+    if (t.numel() != Stage3PartitionSize(numel, dp))
+      throw FormatError(where + ": has " + std::to_string(t.numel()) + " elements, not ceil(" + std::to_string(numel) +
+                        "/" + std::to_string(dp) + ") (one rank's slot of the ZeRO-3 partition)");
+  }
+  return out;
 }
 
 }  // namespace uckpt::ckpt

@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/partition.h"
 #include "ckpt/universal_checkpoint.h"
@@ -120,25 +121,15 @@ class Collector {
     entries_.push_back(std::move(e));
   }
 
-  // ZeRO-3 frozen parameters: rank r's frozen_param_fragments[name] holds
-  // its ceil(numel/dp) slot; the real elements concatenate to the parameter.
+  // ZeRO-3 frozen parameters: the real elements of every rank's slot
+  // (Stage3FrozenFragments), in rank order.
   void AddStage3Frozen(const std::string& name, const std::vector<int64_t>& shape, const std::vector<TorchFile>& ranks,
                        int dp) {
     const int64_t numel = NumelOf(shape);
-    Entry e{name, shape, DType::kFloat32, nullptr};
-    std::vector<ValuePtr> frags;
-    for (const auto& m : ranks) {
-      const std::string path = m.file->path();
-      frags.push_back(Need(Need(m.root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments"));
-      const Tensor& t = AsTensor(frags.back(), path + ": frozen_param_fragments['" + name + "']");
-      if (t.numel() != Stage3PartitionSize(numel, dp))
-        Fail(path + ": frozen_param_fragments['" + name + "']",
-             "has " + std::to_string(t.numel()) + " elements, not ceil(" + std::to_string(numel) + "/" +
-                 std::to_string(dp) + ")");
-      e.src = t.dtype;
-    }
-    if (static_cast<int>(frags.size()) != dp)
+    if (static_cast<int>(ranks.size()) != dp)
       Fail(name, "frozen ZeRO-3 parameter needs the model states of all " + std::to_string(dp) + " ranks");
+    std::vector<ValuePtr> frags = Stage3FrozenFragments(ranks, name, numel);
+    Entry e{name, shape, frags.front()->tensor->dtype, nullptr};
     e.data = [frags, numel, dp](std::shared_ptr<const void>*) {
       Pieces p;
       for (int r = 0; r < dp; ++r) {

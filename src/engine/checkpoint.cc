@@ -484,14 +484,49 @@ void CheckParamShapes(const Engine::Impl& e, const std::string& path, const Valu
 
 // Copies the module state dict's tensors into `targets` by name; a missing
 // name or another shape is an error naming the file.
-void LoadModule(const std::string& path, const ckpt::ModelStatesView& m, const std::vector<NamedParam>& targets) {
+// Every zero_pp_rank_<r>_mp_rank_00_model_states.pt of `folder`, in rank
+// order: `dp` of them (the saving world size), else as many as there are.
+std::vector<TorchFile> Zero3ModelStatesFiles(const std::string& folder, std::optional<int64_t> dp) {
+  std::map<int, std::string> by_rank;
+  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+    if (f.kind == ckpt::FileKind::kZero3ModelStates) by_rank[f.dp] = f.path;
+  const int n = static_cast<int>(dp.value_or(static_cast<int64_t>(by_rank.size())));
+  std::vector<TorchFile> out;
+  for (int r = 0; r < std::max(n, 1); ++r) {
+    auto it = by_rank.find(r);
+    if (it == by_rank.end())
+      throw FormatError(folder + "/" + ckpt::Zero3ModelStatesFileName(r) +
+                        ": missing; frozen parameters saved partitioned by ZeRO-3 need every rank's fragment");
+    out.push_back(LoadTorchFile(it->second));
+  }
+  return out;
+}
+
+// A frozen parameter that ZeRO-3 saved partitioned, whole again.
+at::Tensor WholeFrozen(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel) {
+  const int dp = static_cast<int>(ranks.size());
+  const std::vector<ValuePtr> frags = ckpt::Stage3FrozenFragments(ranks, name, numel);
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < dp; ++r)
+    if (const int64_t real = ckpt::Stage3RealNumel(numel, dp, r); real > 0)
+      parts.push_back(ToTorch(*frags[r]->tensor).reshape(-1).narrow(0, 0, real));
+  return at::cat(parts);
+}
+
+void LoadModule(const std::string& path, const ckpt::ModelStatesView& m, const std::vector<NamedParam>& targets,
+                const std::string& zero3_folder = "") {
   c10::NoGradGuard no_grad;
+  std::optional<std::vector<TorchFile>> ranks;
   for (const auto& p : targets) {
     auto it = m.module.find(p.name);
     if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + p.name + "'");
-    if (it->second->numel() == 0 && p.tensor.numel() > 0)
-      throw FormatError(path + ": '" + p.name + "' is saved partitioned (DeepSpeed's ZeRO-3 module state); uckpt "
-                        "restores frozen parameters and buffers only from a whole copy");
+    if (it->second->numel() == 0 && p.tensor.numel() > 0) {
+      if (zero3_folder.empty())
+        throw FormatError(path + ": '" + p.name + "' is saved partitioned (DeepSpeed's ZeRO-3 module state)");
+      if (!ranks) ranks = Zero3ModelStatesFiles(zero3_folder, m.dp_world_size);
+      p.tensor.copy_(WholeFrozen(*ranks, p.name, p.tensor.numel()).view(p.tensor.sizes()));
+      continue;
+    }
     if (it->second->shape != p.tensor.sizes().vec())
       throw FormatError(path + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
                         ", the model needs " + c10::str(p.tensor.sizes()));
@@ -618,6 +653,13 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 
 }  // namespace
 
+void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const std::string& path,
+                     const ckpt::ModelStatesView& m) {
+  std::vector<NamedParam> fixed = e.frozen;
+  fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
+  LoadModule(path, m, fixed, folder);
+}
+
 LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
                                 const LoadCheckpointOptions& o) {
   const char* tag_file = o.universal ? "latest_universal" : "latest";
@@ -638,9 +680,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   LoadResult result{folder, ClientStateOf(m)};
   // Frozen parameters and buffers always come from the module state (also
   // from a universal checkpoint's copy of it, which DeepSpeed leaves out).
-  std::vector<NamedParam> fixed = e.frozen;
-  fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
-  LoadModule(model_path, m, fixed);
+  LoadFixedParams(e, folder, model_path, m);
   if (o.load_module_only) {
     // A ZeRO-3 module state holds no trainable weights: they come from the masters.
     std::optional<ckpt::UniversalCheckpoint> u;

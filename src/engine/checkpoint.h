@@ -27,6 +27,15 @@ std::string ReadTagFile(const std::string& dir, const std::string& name);
 // FormatError when there is none.
 std::string ModelStatesPath(const std::string& folder, int rank, bool universal);
 
+// Frozen parameters and buffers from the model state `m` (read from
+// `path`, in tag or universal folder `folder`). One that the file holds
+// empty is a frozen parameter DeepSpeed's ZeRO-3 saved partitioned: it is
+// put together from every rank's frozen_param_fragments (the folder's
+// zero_pp_rank_*_model_states.pt). Throws FormatError naming the file for a
+// missing tensor, a wrong shape or missing fragments.
+void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const std::string& path,
+                     const ckpt::ModelStatesView& m);
+
 // The saved param groups' hyper-parameters (lr, betas, eps, weight decay)
 // into the engine's optimizer groups, with keep_saved_hparams only.
 void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o);

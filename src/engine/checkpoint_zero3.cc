@@ -10,6 +10,7 @@
 // stage's: crash-safe, synchronously or in the background (docs/reliability.md).
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
@@ -53,9 +54,15 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
     m.param_shapes.emplace_back();
     for (size_t i : sg.params) m.param_shapes.back().push_back({z.params()[i].name, z.params()[i].tensor.sizes().vec()});
   }
+  // Frozen parameters: whole in `module` (above), and this rank's slot in
+  // frozen_param_fragments as DeepSpeed's ZeRO-3 saves them (its tools read those).
+  const int dp = z.dp(), rank = e.comm->rank();
   for (const auto& p : e.frozen) {
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
-    m.frozen.emplace_back(p.name, TensorValue(p.tensor.reshape(-1)));
+    const int64_t numel = p.tensor.numel(), real = ckpt::Stage3RealNumel(numel, dp, rank);
+    at::Tensor slot = at::zeros({ckpt::Stage3PartitionSize(numel, dp)}, p.tensor.options().device(at::kCPU));
+    if (real > 0) slot.narrow(0, 0, real).copy_(p.tensor.reshape(-1).narrow(0, std::min(numel, slot.numel() * rank), real));
+    m.frozen.emplace_back(p.name, TensorValue(slot));
   }
   SetCountersAndExtras(e, client, m);
   return ckpt::ModelStatesValue(m);
@@ -96,24 +103,6 @@ std::vector<SnapshotFile> Zero3RankFiles(const Engine::Impl& e, std::vector<std:
 // ---- Loading. ----
 
 namespace {
-
-// Frozen parameters and buffers from the module state, where it holds them whole.
-void LoadFixed(const Engine::Impl& e, const std::string& path, const ckpt::ModelStatesView& m) {
-  c10::NoGradGuard no_grad;
-  for (const auto* list : {&e.frozen, &e.buffers})
-    for (const auto& p : *list) {
-      auto it = m.module.find(p.name);
-      if (it != m.module.end() && it->second->numel() == 0 && p.tensor.numel() > 0)
-        throw FormatError(path + ": frozen parameter '" + p.name +
-                          "' is saved partitioned (DeepSpeed's ZeRO-3); uckpt restores frozen parameters only from "
-                          "a whole copy (uckpt's own stage-3 checkpoints, or stage 0-2 ones)");
-      if (it == m.module.end() || it->second->numel() != p.tensor.numel()) {
-        throw FormatError(path + ": module has no tensor '" + p.name + "' of " + std::to_string(p.tensor.numel()) +
-                          " elements");
-      }
-      p.tensor.copy_(ToTorch(*it->second).view(p.tensor.sizes()));
-    }
-}
 
 // Any ZeRO checkpoint (stage 1, 2 or 3, at any world size, its sub-groups
 // cut anyhow): each rank reads its sub-groups' partitions straight from the
@@ -222,7 +211,7 @@ LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const st
   TorchFile model_file = LoadTorchFile(model_path);
   const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
   LoadResult result{folder, ClientStateOf(m)};
-  LoadFixed(e, model_path, m);
+  LoadFixedParams(e, folder, model_path, m);
   c10::NoGradGuard no_grad;
   if (o.load_module_only) {
     LoadZero3Weights(e, folder, o);

@@ -423,6 +423,100 @@ TEST(Zero3, LoadModuleOnlyTakesTheWeightsOfAnyStage) {
   }
 }
 
+// The model of tests/engine/fixtures/ds_z3_frozen (make_ds_z3_frozen.py):
+// real DeepSpeed's ZeRO-3 at 2 ranks, whose frozen emb.weight it saved
+// partitioned (an empty module entry, one slot per rank's model states).
+struct FrozenNet : torch::nn::Module {
+  at::Tensor emb, w1, b1, w2;  // emb.weight (frozen), fc1.weight, fc1.bias, fc2.weight
+  FrozenNet() {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    emb = register_module("emb", std::make_shared<torch::nn::Module>())
+              ->register_parameter("weight", at::randn({13, 6}, gen), /*requires_grad=*/false);
+    auto fc1 = register_module("fc1", std::make_shared<torch::nn::Module>());
+    w1 = fc1->register_parameter("weight", at::randn({5, 6}, gen));
+    b1 = fc1->register_parameter("bias", at::randn({5}, gen));
+    w2 = register_module("fc2", std::make_shared<torch::nn::Module>())->register_parameter("weight", at::randn({3, 5}, gen));
+  }
+  at::Tensor Loss(const at::Tensor& ids) {
+    return at::tanh(at::embedding(emb, ids).matmul(w1.t()) + b1).matmul(w2.t()).pow(2).mean();
+  }
+};
+
+// Loads `dir` into FrozenNet at `stage` and `world` ranks; returns rank 0's
+// weights after the load; trains one step; saves into `save_dir` when given.
+std::map<std::string, at::Tensor> LoadFrozenNet(int stage, int world, const std::string& dir, bool universal,
+                                                const std::string& save_dir = "") {
+  std::map<std::string, at::Tensor> out;
+  RunRanks(world, [&](Comm& comm) {
+    at::set_num_threads(1);
+    auto net = std::make_shared<FrozenNet>();
+    nlohmann::json ds = {{"train_micro_batch_size_per_gpu", 2},
+                         {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.05}, {"weight_decay", 0.01}}}}},
+                         {"zero_optimization", {{"stage", stage}, {"stage3_param_persistence_threshold", 0}}}};
+    uckpt::EngineOptions o;
+    o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+    uckpt::Engine engine(net, uckpt::Config::FromJson(ds), o);
+    LoadCheckpointOptions lo;
+    lo.universal = universal;
+    engine.LoadCheckpoint(dir, "", lo);
+    auto loaded = GatheredWeights(engine, *net);
+    if (comm.rank() == 0) out = std::move(loaded);
+    at::Tensor loss = net->Loss((at::arange(8).view({2, 4}) * 3 + comm.rank()) % 13);
+    engine.Backward(loss);
+    engine.Step();
+    if (!save_dir.empty()) engine.SaveCheckpoint(save_dir);
+  });
+  return out;
+}
+
+TEST(Zero3, FrozenParametersDeepSpeedSavedPartitionedLoadAtAnyStageAndSize) {
+  const std::string fixture = std::string(UCKPT_TEST_FIXTURES) + "/ds_z3_frozen";
+  std::map<std::string, at::Tensor> want;
+  for (const auto& t : LoadStateDictFile(fixture + "/final_state.pt")) want[t.name] = t.tensor;
+  ASSERT_EQ(want.size(), 4u);
+  const std::string work = ::testing::TempDir() + "/z3_frozen";
+  std::filesystem::remove_all(work);
+  std::filesystem::create_directories(work);
+  std::filesystem::copy(fixture, work + "/ds", std::filesystem::copy_options::recursive);
+  ckpt::ConvertOptions co;
+  co.durable = false;
+  ckpt::ConvertToUniversal(work + "/ds/global_step3", work + "/ds/global_step3_universal", co);
+  { std::ofstream(work + "/ds/latest_universal") << "global_step3_universal"; }
+  auto expect_equal = [&](const std::map<std::string, at::Tensor>& got, const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (const auto& [name, w] : want) EXPECT_TRUE(at::equal(got.at(name), w)) << what << ": " << name;
+  };
+  for (int stage : {3, 2})
+    for (int world : {1, 2, 3})
+      for (bool universal : {false, true})
+        expect_equal(LoadFrozenNet(stage, world, work + "/ds", universal),
+                     "stage " + std::to_string(stage) + " at " + std::to_string(world) + (universal ? ", universal" : ""));
+
+  // Ours, saved at 3 ranks: DeepSpeed's slots (26 of the 78 elements each,
+  // the last 0-padded), a whole copy in the module state; export and a load
+  // at 2 ranks put it together.
+  LoadFrozenNet(3, 3, work + "/ds", false, work + "/ours");
+  const std::string tag = work + "/ours/global_step4";
+  for (int r = 0; r < 3; ++r) {
+    TorchFile m = LoadTorchFile(tag + "/zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_model_states.pt");
+    EXPECT_EQ(m.root->get("frozen_param_fragments")->get("emb.weight")->tensor->numel(), 26) << r;
+  }
+  TorchFile m0 = LoadTorchFile(tag + "/zero_pp_rank_0_mp_rank_00_model_states.pt");
+  EXPECT_EQ(m0.root->get("module")->get("emb.weight")->tensor->numel(), 78);
+  ckpt::ExportSafetensors(tag, work + "/ours.safetensors");
+  auto again = LoadFrozenNet(3, 2, work + "/ours", false);
+  EXPECT_TRUE(at::equal(again.at("emb.weight"), want.at("emb.weight")));
+
+  // DeepSpeed's folder without one rank's model states: an error naming the file.
+  std::filesystem::remove(work + "/ds/global_step3/zero_pp_rank_1_mp_rank_00_model_states.pt");
+  try {
+    LoadFrozenNet(3, 1, work + "/ds", false);
+    ADD_FAILURE() << "loaded without rank 1's model states";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("zero_pp_rank_1_mp_rank_00_model_states.pt"), std::string::npos) << e.what();
+  }
+}
+
 // BERT declares its encoder layers as units too: stage 3 (every layer
 // gathered and freed) gives stage 2's losses at 2 ranks.
 std::vector<double> TrainBert(int stage) {
