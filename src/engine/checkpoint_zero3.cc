@@ -40,12 +40,14 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
   const Zero3Optimizer& z = *e.zero3;
   ckpt::ModelStates m;
   m.stage = 3;
-  // The parameters' entries are empty (each rank's partition is in its optim
-  // file), as DeepSpeed's state_dict of released ZeRO-3 parameters.
+  // The parameters' entries are empty, as DeepSpeed's state_dict of released
+  // ZeRO-3 parameters (DeepSpeed's load_state_dict needs that shape): each
+  // rank's partition is in its optim file, its frozen slot below. Buffers are whole.
   std::map<std::string, ValuePtr> by_name;
-  for (const auto& p : z.params()) by_name[p.name] = TensorValue(at::empty({0}, p.tensor.options().device(at::kCPU)));
-  for (const auto* list : {&e.frozen, &e.buffers})
-    for (const auto& p : *list) by_name[p.name] = TensorValue(p.tensor);
+  auto empty = [](const at::Tensor& t) { return TensorValue(at::empty({0}, t.options().device(at::kCPU))); };
+  for (const auto& p : z.params()) by_name[p.name] = empty(p.tensor);
+  for (const auto& p : e.frozen) by_name[p.name] = empty(p.tensor);
+  for (const auto& p : e.buffers) by_name[p.name] = TensorValue(p.tensor);
   for (const auto& [alias, owner] : e.aliases) by_name[alias] = by_name.at(owner);
   for (const auto& name : e.state_names) m.module.emplace_back(name, by_name.at(name));
   m.module_prefixes = e.module_prefixes;
@@ -54,8 +56,8 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
     m.param_shapes.emplace_back();
     for (size_t i : sg.params) m.param_shapes.back().push_back({z.params()[i].name, z.params()[i].tensor.sizes().vec()});
   }
-  // Frozen parameters: whole in `module` (above), and this rank's slot in
-  // frozen_param_fragments as DeepSpeed's ZeRO-3 saves them (its tools read those).
+  // Frozen parameters: this rank's slot in frozen_param_fragments, as
+  // DeepSpeed's ZeRO-3 saves them (LoadFixedParams puts them together).
   const int dp = z.dp(), rank = e.comm->rank();
   for (const auto& p : e.frozen) {
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
