@@ -165,14 +165,14 @@ ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
 // `root` is no DeepSpeed model-states dict.
 ValuePtr ModuleStateDictOf(const ValuePtr& root);
 
-// ZeRO-3 frozen parameters. DeepSpeed saves each one partitioned: an empty
-// `module` entry, and in rank r's frozen_param_fragments[name] slot r of
-// ceil(numel/dp) elements (the last one padded). uckpt writes the same slots
-// and keeps a whole copy in `module` too. Returns every rank's fragment of
-// `name` from `ranks` (each rank's zero_pp_rank_<r>_mp_rank_00_model_states.pt,
-// in rank order), each checked to hold one slot; FormatError naming the file
-// otherwise. The parameter's elements are the first Stage3RealNumel(numel,
-// dp, r) of each fragment, in rank order.
+// ZeRO-3 frozen parameters. DeepSpeed (and uckpt) saves each one
+// partitioned: an empty `module` entry, and in rank r's
+// frozen_param_fragments[name] slot r of ceil(numel/dp) elements (the last
+// one padded). Returns every rank's fragment of `name` from `ranks` (each
+// rank's zero_pp_rank_<r>_mp_rank_00_model_states.pt, in rank order), each
+// checked to hold one slot; FormatError naming the file otherwise. The
+// parameter's elements are the first Stage3RealNumel(numel, dp, r) of each
+// fragment, in rank order.
 std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel);
 
 // zero_pp_rank_<r>_mp_rank_00_optim_states.pt (ZeRO 1/2), read back.
