@@ -682,16 +682,16 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   // from a universal checkpoint's copy of it, which DeepSpeed leaves out).
   LoadFixedParams(e, folder, model_path, m);
   if (o.load_module_only) {
-    // A ZeRO-3 module state holds no trainable weights: they come from the masters.
-    std::optional<ckpt::UniversalCheckpoint> u;
-    if (o.universal) u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
-    if (zero3_source) {
+    // A ZeRO-3 module state (of a ZeRO-3 folder or its universal conversion)
+    // holds no trainable weights: they come from the masters.
+    if (stage12_file) {
+      LoadModule(model_path, m, Trainable(e));
+    } else if (o.universal) {
+      LoadUniversalMasters(e, ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false), folder,
+                           /*with_state=*/false);
+    } else {
       LoadReshardedPartitions(e, folder, /*optimizer_states=*/false);
       e.zero->GatherModelFromMasters();
-    } else if (u && u->zero3) {
-      LoadUniversalMasters(e, *u, folder, /*with_state=*/false);
-    } else {
-      LoadModule(model_path, m, Trainable(e));
     }
     e.zero->InitMasterFromModel();
     return result;
