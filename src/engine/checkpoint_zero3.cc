@@ -61,10 +61,7 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
   const int dp = z.dp(), rank = e.comm->rank();
   for (const auto& p : e.frozen) {
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
-    const int64_t numel = p.tensor.numel(), real = ckpt::Stage3RealNumel(numel, dp, rank);
-    at::Tensor slot = at::zeros({ckpt::Stage3PartitionSize(numel, dp)}, p.tensor.options().device(at::kCPU));
-    if (real > 0) slot.narrow(0, 0, real).copy_(p.tensor.reshape(-1).narrow(0, std::min(numel, slot.numel() * rank), real));
-    m.frozen.emplace_back(p.name, TensorValue(slot));
+    m.frozen.emplace_back(p.name, TensorValue(RankSlot(p.tensor, dp, rank).cpu()));
   }
   SetCountersAndExtras(e, client, m);
   return ckpt::ModelStatesValue(m);

@@ -87,10 +87,8 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
         // The module's tensor gets storage of its own, exactly numel long
         // (freed and re-allocated as a whole), holding the whole value now.
         p.tensor.set_data(p.tensor.detach().contiguous().clone());
-        at::Tensor whole = at::zeros({p.partition_size * dp}, p.tensor.options());
-        whole.narrow(0, 0, p.numel).copy_(p.tensor.reshape(-1));
         p.partition = HostOrDevice({p.partition_size}, dtype, device_, s_.offload_param_cpu);
-        p.partition.copy_(whole.narrow(0, p.partition_size * comm_.rank(), p.partition_size));
+        p.partition.copy_(RankSlot(p.tensor, dp, comm_.rank()));
         p.live = 1;
         sg.params.push_back(params_.size());
         params_.push_back(std::move(p));

@@ -51,6 +51,10 @@ namespace uckpt::engine {
 // column's padding is neither read nor written).
 void CopyRankColumn(const at::Tensor& flat, const at::Tensor& column, int64_t numel, bool to_column);
 
+// Rank `rank`'s slot of `t` flattened: elements [rank*ps, (rank+1)*ps)
+// (ps = ceil(numel/dp)), zeros past the end; a new tensor on t's device.
+at::Tensor RankSlot(const at::Tensor& t, int dp, int rank);
+
 struct Zero3Settings {
   ZeroSettings base;  // clipping, optimizer, dtype, fp16, offload_optimizer_cpu, reduce_bucket_size
   int64_t persistence_threshold = 100000;

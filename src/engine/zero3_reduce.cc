@@ -7,6 +7,7 @@
 #include <chrono>
 #include <numeric>
 
+#include "ckpt/partition.h"
 #include "engine/zero3.h"
 
 namespace uckpt::engine {
@@ -26,6 +27,14 @@ void CopyRankColumn(const at::Tensor& flat, const at::Tensor& column, int64_t nu
   };
   if (full > 0) copy(flat.narrow(0, 0, full * ps).view({full, ps}), column.narrow(0, 0, full));
   if (rest > 0) copy(flat.narrow(0, full * ps, rest), column[full].narrow(0, 0, rest));
+}
+
+at::Tensor RankSlot(const at::Tensor& t, int dp, int rank) {
+  const int64_t numel = t.numel(), ps = ckpt::Stage3PartitionSize(numel, dp);
+  const int64_t first = std::min(numel, ps * rank), real = ckpt::Stage3RealNumel(numel, dp, rank);
+  at::Tensor slot = at::zeros({ps}, t.options());
+  if (real > 0) slot.narrow(0, 0, real).copy_(t.reshape(-1).narrow(0, first, real));
+  return slot;
 }
 
 void Zero3Optimizer::Bucket(size_t i) {
