@@ -11,7 +11,9 @@
 # under NCCL at stage 3), dsuc (the demo repository's scripts on NG GPUs, scripts/dsuc-gpu.sh;
 # .dsuc carried), ckptio2 (bench/ckpt-io-gpu.sh on NG GPUs), convert16 (bench/convert-vs-cp.sh
 # on 16 cores, taskset), matrix23 (the engine matrix, stages 2 and 3, fp32 and bf16), loadchunks
-# (a load onto one GPU gives the same bits at any staging chunk size, tests/engine/gpu_load_chunks.sh).
+# (a load onto one GPU gives the same bits at any staging chunk size, tests/engine/gpu_load_chunks.sh),
+# python (the BERT tutorial's masked LM through the Python API against real DeepSpeed, bench/python-gpu.sh;
+# DeepSpeed's source in DEEPSPEED_PATH, default .ds, carried).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ t0=$SECONDS
 U=$(scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps) || { echo "build failed"; exit 1; }
 echo "built $U in $((SECONDS - t0)) s"
 NG=$(nvidia-smi -L | wc -l)
-case " ${PARTS:-} " in *" dsuc "*|*" convert16 "*|*" dbg "*)
+case " ${PARTS:-} " in *" dsuc "*|*" convert16 "*|*" dbg "*|*" python "*)
   cmake -DUCKPT_BENCH=ON /tmp/uckpt-gpu > /dev/null && cmake --build /tmp/uckpt-gpu -j"$(nproc)" --target python convert_gen \
     > "$OUT/build-extra.log" 2>&1 || tail -20 "$OUT/build-extra.log"
   echo "built the Python package and convert_gen after $((SECONDS - t0)) s" ;;
@@ -63,6 +65,7 @@ for p in ${PARTS:-check matrix train ckpt}; do
     failing3) STAGE=3 RANKS=$NG DEVICE=cuda part failing3 ${LIMIT_failing3:-150} tests/engine/failing_ranks_test.sh "$U" /tmp/failing3 ;;
     dsuc) part dsuc ${LIMIT_dsuc:-300} scripts/dsuc-gpu.sh .dsuc /tmp/uckpt-gpu /tmp/dsuc
           tar -C /tmp/dsuc -czf "$OUT/dsuc-logs.tgz" logs $(cd /tmp/dsuc && ls *.log) 2>/dev/null ;;
+    python) part python ${LIMIT_python:-500} bench/python-gpu.sh /tmp/uckpt-gpu "${DEEPSPEED_PATH:-.ds}" /tmp/python-gpu ;;
     dbg) part dbg ${LIMIT_dbg:-200} .dsuc/dbg.sh ;;
     ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ${RUNS:-3} ;;
     convert16) part convert16 ${LIMIT_convert16:-300} taskset -c 0-15 bench/convert-vs-cp.sh --uckpt "$U" \
