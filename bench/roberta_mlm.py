@@ -81,7 +81,7 @@ def main():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         if step > a.first:
-            losses.append(loss)
+            losses.append(loss.detach())
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     mean_loss = float(torch.stack([x.float() for x in losses]).mean())
