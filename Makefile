@@ -26,7 +26,10 @@ build: deps $(BUILD)/Makefile
 python: deps $(BUILD)/Makefile
 	cmake --build $(BUILD) --target python -j $(JOBS)
 
-demo: build
+# The demo needs the `uckpt` program only: the tests and benchmarks compile under `make test`.
+demo: deps $(BUILD)/Makefile
+	@echo "make demo: compiling the uckpt program (the tests compile under make test)"
+	cmake --build $(BUILD) --target uckpt -j $(JOBS)
 	bash scripts/demo.sh $(BUILD)
 
 # Every test: the normal build, the layers without libtorch under ASan/UBSan, then fuzzing.
