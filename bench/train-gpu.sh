@@ -26,7 +26,13 @@
 # largest GPU count also "uckpt-z3-sync" (overlap_comm off, stage3_prefetch_bucket_size 0: each
 # unit gathered when entered, each bucket reduced when full), and the ratio uckpt-z3 / it.
 #
-# usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1 ZERO=2)
+# ZERO=1 or 2 with OFFLOAD=1: only "uckpt-zN-offload" (optimizer in host memory, uckpt's host Adam)
+# against DeepSpeed's same configuration ("deepspeed_zN_offload", its CPU Adam; needs DEEPSPEED_PATH),
+# target >= 1.5x DeepSpeed's tokens/s.
+# ONLY="label ...": run only the runs with these labels (uckpt's labels, or PyTorch/DeepSpeed's MODE-LOSS,
+# e.g. "uckpt-z3-offload deepspeed_z3_offload-hf"); comparisons whose runs were skipped print "not run".
+#
+# usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1 ZERO=2 OFFLOAD=0 ONLY=)
 set -uo pipefail
 uckpt=$(realpath "${1:?usage: bench/train-gpu.sh UCKPT [OUT_DIR]}")
 out=$(realpath -m "${2:-train-gpu-out}")
@@ -34,7 +40,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 STEPS=${STEPS:-20} WARMUP=${WARMUP:-5} ZERO=${ZERO:-2}
-case $ZERO in 2|3) ;; *) echo "train-gpu: ZERO must be 2 or 3" >&2; exit 2 ;; esac
+case $ZERO in 1|2|3) ;; *) echo "train-gpu: ZERO must be 1, 2 or 3" >&2; exit 2 ;; esac
+OFFLOAD=${OFFLOAD:-0}
+[ "$ZERO" = 1 ] && [ "$OFFLOAD" != 1 ] && { echo "train-gpu: ZERO=1 needs OFFLOAD=1" >&2; exit 2; }
+wanted() { [ -z "${ONLY:-}" ] && return 0; [[ " $ONLY " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 counts=${GPU_COUNTS:-"2 4"}
 rm -rf "$out" && mkdir -p "$out" && cd "$out"
@@ -57,9 +66,11 @@ print([peak[i] for i in range($2)])"
 
 uckpt_run() {  # uckpt_run N LABEL OVERLAP FUSED [CHUNKED] [ZERO_EXTRA_JSON]
   local n=$1 label=$2 overlap=$3 fused=$4 flags="" stage=2 extra=${6:-}
+  wanted "$label" || return 0
   [ "$fused" = 1 ] && flags="--fused_kernels"
   [ "${5:-0}" = 1 ] && flags="$flags --chunked_loss"
   [[ $label == uckpt-z3* ]] && stage=3
+  [[ $label == uckpt-z1* ]] && stage=1
   cat > "cfg-$label-$n.json" <<JSON
 {"train_batch_size": $((16 * n)), "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0, "steps_per_print": 0,
  "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
@@ -89,6 +100,7 @@ PY
 
 torch_run() {  # torch_run N MODE LOSS
   local n=$1 mode=$2 loss=$3 peak line label=$2-$3
+  wanted "$label" || return 0
   sample_start "mem-$label-$n.csv"
   for adam in fused foreach; do
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
@@ -105,6 +117,11 @@ torch_run() {  # torch_run N MODE LOSS
 offload=', "offload_param": {"device": "cpu", "pin_memory": true}, "offload_optimizer": {"device": "cpu", "pin_memory": true}'
 for n in $counts; do
   [ "$n" -le "$gpus" ] || { echo "skipping $n GPUs (have $gpus)"; continue; }
+  if [ "$OFFLOAD" = 1 ] && [ "$ZERO" != 3 ]; then
+    uckpt_run "$n" uckpt-z$ZERO-offload true 1 0 ', "offload_optimizer": {"device": "cpu", "pin_memory": true}'
+    [ -n "${DEEPSPEED_PATH:-}" ] && PYTHONPATH=$DEEPSPEED_PATH torch_run "$n" deepspeed_z${ZERO}_offload hf
+    continue
+  fi
   if [ "$ZERO" = 3 ]; then
     uckpt_run "$n" uckpt-z3 true 1
     uckpt_run "$n" uckpt-z3+chunked true 1 1
@@ -132,10 +149,11 @@ for n in $counts; do
 done
 # Where uckpt's time goes (device synchronised between phases; slower than the runs above).
 n=$(echo $counts | tr ' ' '\n' | tail -1)
-cp "cfg-$( [ "$ZERO" = 3 ] && echo uckpt-z3 || echo uckpt)-$n.json" cfg-timers.json
+if cp "cfg-$( [ "$ZERO" = 3 ] && echo uckpt-z3 || echo uckpt)-$n.json" cfg-timers.json 2>/dev/null; then
 UCKPT_TIMERS=1 CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) "$uckpt" launch -n "$n" --master_port 0 -- "$uckpt" train \
   --config cfg-timers.json $model --fused_kernels --device cuda --steps 8 --log_dir logs --run_name timers \
   --no_progress 2>&1 | grep "timers" | tee timers.txt
+fi
 
 python3 - "$results" "$ZERO" <<'PY'
 import json, sys
@@ -158,7 +176,7 @@ for n in sorted({r["world"] for r in rows}):
         t = [r for r in rows if r["world"] == n and base(r) in theirs and r["impl"].endswith(suffix)
              and ("+" in r["impl"]) == bool(suffix)]
         if not u or not t:
-            print(f"{n} GPUs, {label}: missing runs"); ok = False; continue
+            print(f"{n} GPUs, {label}: not run"); continue
         u, best = u[0], max(t, key=lambda r: r["tokens_per_s"])
         sp, mem = u["tokens_per_s"] / best["tokens_per_s"], max(u["peak_mib"]) / max(best["peak_mib"])
         alloc = (max(u["max_allocated_gib"]) / max(best["max_allocated_gib"])
@@ -170,8 +188,6 @@ for n in sorted({r["world"] for r in rows}):
               f"peak memory {mem:.3f}x (allocator peak {alloc:.3f}x) -> {'MEETS' if meets else 'MISSES'} the target"
               f"; vs {others} (tokens/s / memory)")
         ok &= meets
-    if not zero3:
-        continue
     u = [r for r in rows if r["world"] == n and r["impl"] == "uckpt-z3"]
     b = [r for r in rows if r["world"] == n and r["impl"] == "uckpt-z3-sync"]
     if u and b:
@@ -179,9 +195,10 @@ for n in sorted({r["world"] for r in rows}):
               f"{u[0]['tokens_per_s'] / b[0]['tokens_per_s']:.3f}x, peak memory "
               f"{max(u[0]['peak_mib']) / max(b[0]['peak_mib']):.3f}x, loss@end equal: "
               f"{u[0]['last_loss'] == b[0]['last_loss']}")
-    for label, ds in (("uckpt-z3", "deepspeed_z3"), ("uckpt-z3-offload", "deepspeed_z3_offload")):
+    for label, ds in (("uckpt-z3", "deepspeed_z3"), ("uckpt-z3-offload", "deepspeed_z3_offload"),
+                      ("uckpt-z1-offload", "deepspeed_z1_offload"), ("uckpt-z2-offload", "deepspeed_z2_offload")):
         u = [r for r in rows if r["world"] == n and r["impl"] == label]
-        d = [r for r in rows if r["world"] == n and r["impl"] == ds]
+        d = [r for r in rows if r["world"] == n and base(r) == ds]
         if not u or not d:
             print(f"{n} GPUs, {label} / {ds}: not run"); continue
         sp = u[0]["tokens_per_s"] / d[0]["tokens_per_s"]
