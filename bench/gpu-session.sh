@@ -13,7 +13,9 @@
 # on 16 cores, taskset), matrix23 (the engine matrix, stages 2 and 3, fp32 and bf16), loadchunks
 # (a load onto one GPU gives the same bits at any staging chunk size, tests/engine/gpu_load_chunks.sh),
 # python (the BERT tutorial's masked LM through the Python API against real DeepSpeed, bench/python-gpu.sh;
-# DeepSpeed's source in DEEPSPEED_PATH, default .ds, carried).
+# DeepSpeed's source in DEEPSPEED_PATH, default .ds, carried), offload3 / offload12 (ZeRO-3 with parameters
+# and optimizer offloaded, ZeRO-1 and ZeRO-2 with the optimizer offloaded: uckpt against DeepSpeed's same
+# configuration on 1 and NG GPUs, bench/train-gpu.sh).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +68,12 @@ for p in ${PARTS:-check matrix train ckpt}; do
     dsuc) part dsuc ${LIMIT_dsuc:-300} scripts/dsuc-gpu.sh .dsuc /tmp/uckpt-gpu /tmp/dsuc
           tar -C /tmp/dsuc -czf "$OUT/dsuc-logs.tgz" logs $(cd /tmp/dsuc && ls *.log) 2>/dev/null ;;
     python) part python ${LIMIT_python:-500} bench/python-gpu.sh /tmp/uckpt-gpu "${DEEPSPEED_PATH:-.ds}" /tmp/python-gpu ;;
+    offload3) ZERO=3 GPU_COUNTS=${GPU_COUNTS:-"1 $NG"} ONLY="uckpt-z3-offload deepspeed_z3_offload-hf" EXTRA=0 \
+                DEEPSPEED_PATH=$(realpath "${DEEPSPEED_PATH:-.ds}") part offload3 ${LIMIT_offload3:-400} bench/train-gpu.sh "$U" /tmp/offload3 ;;
+    offload12) for z in 1 2; do
+                 ZERO=$z OFFLOAD=1 GPU_COUNTS=${GPU_COUNTS:-"1 $NG"} EXTRA=0 DEEPSPEED_PATH=$(realpath "${DEEPSPEED_PATH:-.ds}") \
+                   part offload12-z$z ${LIMIT_offload12:-300} bench/train-gpu.sh "$U" /tmp/offload12-z$z
+               done ;;
     dbg) part dbg ${LIMIT_dbg:-200} .dsuc/dbg.sh ;;
     ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ${RUNS:-3} ;;
     convert16) part convert16 ${LIMIT_convert16:-300} taskset -c 0-15 bench/convert-vs-cp.sh --uckpt "$U" \
