@@ -76,6 +76,12 @@ struct EngineOptions {
   // Prefetching (stage3_prefetch_bucket_size) follows this order: entering
   // unit i starts the all-gathers of units i+1, ... (in backward i-1, ...).
   std::vector<std::shared_ptr<torch::nn::Module>> gather_units;
+  // Host threads of this rank: libtorch's intra-op pool (at::set_num_threads,
+  // which the host Adam uses too) and uckpt's own checkpoint threads. 0: the
+  // program's own at::set_num_threads if it called it, else OMP_NUM_THREADS,
+  // else this rank's share of the host, max(1, CPUs this process may run on /
+  // LOCAL_WORLD_SIZE). Rank 0 prints the choice once. See docs/engine.md.
+  int host_threads = 0;
 };
 
 // client_state: any value made of dicts with string keys, lists, tuples,

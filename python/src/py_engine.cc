@@ -7,6 +7,7 @@
 #include <iostream>
 #include <set>
 
+#include "engine/host_threads.h"
 #include "module_shell.h"
 #include "py_values.h"
 #include "uckpt/process_group.h"
@@ -315,6 +316,9 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   EngineOptions options;
   options.device = PickDevice();
   options.comm = CommFromTorchDistributed(options.device);
+  // The program's torch.set_num_threads, else OMP_NUM_THREADS, else this rank's share of the host.
+  engine::ApplyHostThreads(0, "", "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change",
+                           options.comm->rank() == 0);
   options.param_groups = std::move(plan.groups);
   auto shell = BuildModuleShell(model);
   std::vector<GatherUnit> units;

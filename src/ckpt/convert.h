@@ -20,7 +20,7 @@ struct ConvertProgress {
 };
 
 struct ConvertOptions {
-  int threads = 0;        // worker threads over output files (ckpt/copy_plan.h); 0: one per core
+  int threads = 0;        // worker threads over output files (ckpt/copy_plan.h); 0: DefaultThreads() (ckpt/parallel.h)
   bool force = false;     // replace an existing output folder
   bool durable = true;    // sync the output to disk before it is renamed into place
   bool write_manifest = true;  // uckpt-manifest.json (ckpt/manifest.h); off only to benchmark its cost

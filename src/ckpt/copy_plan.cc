@@ -240,7 +240,7 @@ struct SplitFile {
 std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions& options) {
   const size_t n = plan.files.size();
   std::vector<CopyResult> results(n);
-  int threads = options.threads > 0 ? options.threads : static_cast<int>(std::thread::hardware_concurrency());
+  int threads = options.threads > 0 ? options.threads : DefaultThreads();
   threads = std::max(1, threads);
 
   std::vector<Job> jobs;

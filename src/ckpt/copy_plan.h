@@ -96,7 +96,7 @@ struct CopyResult {
 };
 
 struct CopyOptions {
-  int threads = 0;                    // 0: one per core
+  int threads = 0;                    // 0: DefaultThreads() (ckpt/parallel.h)
   bool durable = true;                // start writeback early (see above); the caller syncs at the end
   uint64_t split_bytes = 64ull << 20; // unhashed pieces files above this are split over threads
   // Called with each range of piece data (at most 1 MiB) once written, from
@@ -130,7 +130,7 @@ struct ReadBatch {
 };
 
 struct ReadOptions {
-  int threads = 0;                // 0: min(4, cores)
+  int threads = 0;                // 0: min(4, DefaultThreads())
   uint64_t chunk = 8ull << 20;    // pieces larger than this are split over threads
 };
 

@@ -71,7 +71,7 @@ struct ManifestCheck {
 
 struct ManifestCheckOptions {
   bool hashes = false;  // also compare XXH64 (reads every byte); sizes are always compared
-  int threads = 0;      // hashing threads; 0: min(4, cores)
+  int threads = 0;      // hashing threads; 0: min(4, DefaultThreads()) (ckpt/parallel.h)
   // Hash only share `shard` of `shards` (files largest first, dealt round-robin),
   // so that several processes reading one folder split the hashing.
   int shard = 0, shards = 1;

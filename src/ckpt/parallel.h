@@ -11,10 +11,16 @@
 
 namespace uckpt::ckpt {
 
-// `requested` threads, or min(4, cores) for 0 (more seldom helps one disk);
-// never more than `jobs`, never fewer than 1.
+// The threads uckpt's own pools may use when a caller asks for none: the
+// engine sets this rank's host-thread budget (engine/host_threads.h); until
+// then, or when set to 0, every core of the machine.
+void SetDefaultThreads(int threads);
+int DefaultThreads();
+
+// `requested` threads, or min(4, DefaultThreads()) for 0 (more seldom helps
+// one disk); never more than `jobs`, never fewer than 1.
 inline int WorkerThreads(int requested, size_t jobs) {
-  int n = requested > 0 ? requested : static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+  int n = requested > 0 ? requested : std::min(4, DefaultThreads());
   return static_cast<int>(std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(n), jobs)));
 }
 

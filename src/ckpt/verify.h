@@ -45,7 +45,7 @@ struct VerifyProgress {
 
 struct VerifyOptions {
   bool hashes = true;   // false: sizes and structure only (no file is read whole)
-  int threads = 0;      // hashing threads; 0: min(4, cores)
+  int threads = 0;      // hashing threads; 0: min(4, DefaultThreads()) (ckpt/parallel.h)
   VerifyProgress* progress = nullptr;
 };
 

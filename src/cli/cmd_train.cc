@@ -1,11 +1,10 @@
-#include <ATen/Parallel.h>
-
 #include <iostream>
 
 #include "cli/commands.h"
 #include "cli/strict_flags.h"
 #include "uckpt/comm.h"
 #include "engine/config.h"
+#include "engine/host_threads.h"
 #include "cli/trainer.h"
 
 namespace uckpt::cli {
@@ -29,7 +28,6 @@ Runner AddTrain(CLI::App& app) {
     bool bf16 = false, fp16 = false, async_save = false;
     engine::TrainOptions o;
     bool no_load_optimizer_states = false;
-    int threads = 0;
     double timeout_s = 300;
   };
   auto a = std::make_shared<Args>();
@@ -87,7 +85,10 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--data", o.data_file, "Flat uint16 token file (llm.c / nanoGPT .bin)");
   cmd->add_option("--text", o.text_file, "Train on the bytes of any file (vocab >= 256)");
   cmd->add_option("--device", o.device, "cpu, or cuda (GPU LOCAL_RANK, NCCL between ranks)")->capture_default_str();
-  cmd->add_option("--threads", a->threads, "Intra-op threads per rank (0: libtorch's default)");
+  cmd->add_option("--threads", o.threads,
+                  "Host threads per rank: libtorch's intra-op pool and uckpt's own (0: OMP_NUM_THREADS if set,\n"
+                  "else this rank's share of the host: CPUs it may run on / LOCAL_WORLD_SIZE)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--timeout", a->timeout_s, "Seconds a rendezvous or collective may take before the job fails")
       ->capture_default_str();
   cmd->add_option("--heartbeat_interval", a->heartbeat_interval,
@@ -116,10 +117,11 @@ Runner AddTrain(CLI::App& app) {
     // Not training state: kept out of the saved ds_config.
     if (a->heartbeat_interval) o.config.heartbeat_interval_s = *a->heartbeat_interval;
     if (a->heartbeat_timeout) o.config.heartbeat_timeout_s = *a->heartbeat_timeout;
-    if (a->threads > 0) at::set_num_threads(a->threads);
 
     auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
     auto env = DistEnv::FromEnvironment();
+    // Before the model is built: its initialisation runs on these threads.
+    engine::ApplyHostThreads(o.threads, "--threads", "set OMP_NUM_THREADS or --threads to change", !env || env->rank == 0);
     const HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
     heartbeat.Validate();
     if (env) o.local_rank = env->local_rank;

@@ -69,6 +69,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   eo.device = opt_.device;
   eo.local_rank = opt_.local_rank;
   eo.gather_units = gather_units_;
+  eo.host_threads = opt_.threads;
   engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
   if (engine::Zero3Optimizer* z3 = engine_->impl().zero3.get()) z3->set_timing(timers_.enabled);
   if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());

@@ -46,6 +46,7 @@ struct TrainOptions {
 
   std::string device = "cpu";  // "cpu", or "cuda" (device LOCAL_RANK; NCCL between ranks)
   int local_rank = 0;
+  int threads = 0;  // host threads per rank (EngineOptions::host_threads)
 };
 
 // Data position and RNG a checkpoint carries beyond DeepSpeed's own keys.

@@ -12,6 +12,7 @@
 
 #include "engine/async_save.h"
 #include "engine/engine_impl.h"
+#include "engine/host_threads.h"
 
 namespace uckpt {
 
@@ -185,6 +186,8 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     throw std::invalid_argument("uckpt::Engine: device must be cpu or cuda, got " + options.device);
   e.comm = options.comm ? options.comm : CommFromEnvironment(c, cuda);
   e.local_rank = options.local_rank >= 0 ? options.local_rank : LocalRankFromEnvironment();
+  engine::ApplyHostThreads(options.host_threads, "EngineOptions::host_threads =",
+                           "set OMP_NUM_THREADS or EngineOptions::host_threads to change", e.comm->rank() == 0);
   e.batch = engine::ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
                                       c.gradient_accumulation_steps, e.comm->world_size());
   if (cuda) {

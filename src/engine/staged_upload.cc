@@ -15,6 +15,8 @@
 #include <string>
 #include <thread>
 
+#include "ckpt/parallel.h"
+
 namespace uckpt::engine {
 
 namespace {
@@ -202,7 +204,7 @@ uint64_t DefaultChunkBytes() {
 
 int DefaultLoadThreads() {
   if (auto n = EnvNumber("UCKPT_LOAD_THREADS", 1, 1024, "a number of threads")) return static_cast<int>(*n);
-  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
+  return std::min(8, ckpt::DefaultThreads());
 }
 
 uint64_t FillFromReads(std::vector<TensorReads>& in, const StagedOptions& options) {

@@ -34,8 +34,8 @@ struct StagedOptions {
   uint64_t chunk_bytes = 0;
   int chunks = 3;            // chunks in flight (host memory: chunks x chunk_bytes)
   bool stage_cpu = false;    // stage CPU destinations a direct read could fill too (tests)
-  // Reading threads; 0: $UCKPT_LOAD_THREADS, else min(8, cores): a load
-  // from the page cache is bound by memory copies, not by one disk.
+  // Reading threads; 0: $UCKPT_LOAD_THREADS, else min(8, this rank's host
+  // threads): a load from the page cache is bound by memory copies, not by one disk.
   // reads.chunk 0: each staging chunk is split over the threads.
   ckpt::ReadOptions reads{0, 0};
 };
@@ -46,7 +46,8 @@ struct StagedOptions {
 uint64_t DefaultChunkBytes();
 
 // The reading threads: $UCKPT_LOAD_THREADS when set (1 to 1024, else
-// std::invalid_argument naming the variable), else min(8, cores).
+// std::invalid_argument naming the variable), else min(8, this rank's host
+// threads, engine/host_threads.h).
 int DefaultLoadThreads();
 
 // Fills every target's dst from its pieces; bytes no piece covers become

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Host threads that fit the host, through `import uckpt as deepspeed`
+(docs/python.md): 2 ranks under `uckpt launch` and under an environment-only
+launcher (torchrun's variables, nothing else). After initialize each rank's
+torch.get_num_threads() is its share of the cores (cores / LOCAL_WORLD_SIZE),
+unless OMP_NUM_THREADS or the program's own torch.set_num_threads chose, and
+rank 0 says once what uckpt chose. UCKPT_HOST_CORES=8 stands for an 8-core
+host on small machines.
+
+usage: host_threads_test.py UCKPT PYPATH LAUNCH_PY WORK_DIR
+"""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+PROBE = r'''
+import os, torch
+if os.environ.get("PROBE_SET_THREADS"):  # the program's own choice, before uckpt is imported
+    torch.set_num_threads(int(os.environ["PROBE_SET_THREADS"]))
+import uckpt as deepspeed
+net = torch.nn.Linear(4, 2)
+engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
+    "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
+print(f"rank {engine.global_rank} torch {torch.get_num_threads()}", flush=True)
+torch.distributed.barrier()
+'''
+HINT = "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change"
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def fail(msg, out=""):
+    sys.stderr.write(out + "\nFAIL: " + msg + "\n")
+    sys.exit(1)
+
+
+def run(ctx, name, launcher, **env):
+    uckpt, pypath, launch_py, work = ctx
+    probe = os.path.join(work, "probe.py")
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("OMP_NUM_THREADS", "UCKPT_HOST_CORES", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MKL_NUM_THREADS")}
+    e.update(PYTHONPATH=pypath, **env)
+    if launcher == "uckpt":
+        cmd = [uckpt, "launch", "-n", "2", "--master_port", "0", "--", sys.executable, probe]
+    else:
+        cmd = [sys.executable, launch_py, "2", str(free_port()), probe]
+    p = subprocess.run(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    out = p.stdout
+    with open(os.path.join(work, name + ".log"), "w") as f:
+        f.write(out)
+    if p.returncode != 0:
+        fail(f"{name}: exit {p.returncode}", out)
+    return [re.sub(r"^\[\d+\] ", "", line) for line in out.splitlines()]
+
+
+def expect(ctx, name, launcher, threads, said, **env):
+    lines = run(ctx, name, launcher, **env)
+    for r in (0, 1):
+        if f"rank {r} torch {threads}" not in lines:
+            fail(f"{name}: rank {r} does not use {threads} threads", "\n".join(lines))
+    if sum(line == said for line in lines) != 1:
+        fail(f"{name}: not said once: {said}", "\n".join(lines))
+
+
+def main():
+    uckpt, pypath, launch_py, work = sys.argv[1:]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    with open(os.path.join(work, "probe.py"), "w") as f:
+        f.write(PROBE)
+    ctx = (uckpt, pypath, launch_py, work)
+    for launcher in ("uckpt", "env"):
+        expect(ctx, "share_" + launcher, launcher, 4,
+               f"uckpt: 4 host threads per rank (8 cores / 2 local ranks; {HINT})", UCKPT_HOST_CORES="8")
+        expect(ctx, "omp_" + launcher, launcher, 3, "uckpt: 3 host threads per rank (OMP_NUM_THREADS=3)",
+               UCKPT_HOST_CORES="8", OMP_NUM_THREADS="3")
+        expect(ctx, "program_" + launcher, launcher, 6,
+               "uckpt: 6 host threads per rank (set by the program (torch.set_num_threads / at::set_num_threads); "
+               "above this rank's share of 4: 8 cores / 2 local ranks)", UCKPT_HOST_CORES="8", PROBE_SET_THREADS="6")
+    cores = len(os.sched_getaffinity(0))
+    share = max(1, cores // 2)
+    expect(ctx, "host", "uckpt", share,
+           f"uckpt: {share} host thread{'s' if share > 1 else ''} per rank ({cores} core{'s' if cores > 1 else ''} "
+           f"/ 2 local ranks; {HINT})")
+    print("python host threads: OK")
+
+
+if __name__ == "__main__":
+    main()
