@@ -53,7 +53,27 @@ struct Config {
 // differ from the config's optimizer section.
 struct ParamGroup {
   std::vector<at::Tensor> params;
-  std::optional<double> weight_decay, beta1, beta2, eps;
+  std::optional<double> lr, weight_decay, beta1, beta2, eps;
+};
+
+// A param group's Adam hyper-parameters other than the lr (Engine::SetGroupHparams).
+struct GroupHparams {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+};
+
+struct BackwardOptions {
+  // Divide the loss by the gradient-accumulation steps (DeepSpeed's
+  // scale_wrt_gas); false: the caller has scaled it.
+  bool scale_wrt_gas = true;
+  bool retain_graph = false;  // passed to autograd's backward
+};
+
+struct StepOptions {
+  // At the boundary, the lr scheduler steps to this iteration instead of the
+  // next one (DeepSpeed's step(lr_kwargs={"last_batch_iteration": n})).
+  // Ignored without a configured scheduler, as DeepSpeed's engine ignores
+  // lr_kwargs without one.
+  std::optional<int64_t> lr_schedule_iteration;
 };
 
 struct EngineOptions {
@@ -145,10 +165,10 @@ class Engine {
 
   // loss.backward() with DeepSpeed's scaling (1/GA, and the fp16 loss scale),
   // then the ZeRO gradient reduction of this micro-step.
-  void Backward(const at::Tensor& loss);
+  void Backward(const at::Tensor& loss, const BackwardOptions& options = {});
   // Called after every Backward. At the gradient-accumulation boundary: the
   // optimizer step, the lr schedule and the counters; otherwise nothing.
-  void Step();
+  void Step(const StepOptions& options = {});
   bool IsGradientAccumulationBoundary() const;
 
   // ---- ZeRO stage 3 gather units (identities at stages 0-2). ----
@@ -201,7 +221,33 @@ class Engine {
   void Train(bool on = true);  // module train/eval mode
   void Eval() { Train(false); }
 
-  double lr() const;
+  // ---- Per-group hyper-parameters (DeepSpeed's optimizer.param_groups). ----
+  // Contract: at each optimizer step, group g (param_groups()[g]) updates
+  // with learning_rate(g) and group_hparams(g). learning_rate(g) starts as
+  // the group's ParamGroup::lr, else the config's optimizer lr. A configured
+  // scheduler writes its value into every group after each applied step (as
+  // DeepSpeed's scheduler.step() writes param_groups[g]['lr']); without one
+  // nothing changes it but SetLearningRate. SetLearningRate/SetGroupHparams
+  // between steps take effect at the next optimizer step, as writes to
+  // DeepSpeed's param_groups[g] do; a scheduler step overwrites the lr again.
+  // Checkpoints save each group's learning_rate(g) and hyper-parameters as
+  // param_groups[g] of the optimizer state. Not collective, but every rank
+  // must set the same values. Throws std::out_of_range for a bad group.
+  size_t num_param_groups() const;
+  double learning_rate(size_t group) const;
+  void SetLearningRate(size_t group, double lr);
+  GroupHparams group_hparams(size_t group) const;
+  void SetGroupHparams(size_t group, const GroupHparams& hparams);
+  double lr() const { return learning_rate(0); }  // group 0's
+  // The configured scheduler (config "scheduler"): whether there is one, its
+  // last_batch_iteration (-1 before its first step), its value at an
+  // iteration, and one step of it outside Step() (DeepSpeed's
+  // lr_scheduler.step(last_batch_iteration)): every group's lr is set to its
+  // value. StepLrSchedule throws std::logic_error without a scheduler.
+  bool has_lr_schedule() const;
+  int64_t lr_schedule_iteration() const;
+  double ScheduledLr(int64_t iteration) const;
+  void StepLrSchedule(std::optional<int64_t> iteration = std::nullopt);
   int64_t global_steps() const;
   int64_t global_samples() const;
   int64_t skipped_steps() const;

@@ -5,26 +5,20 @@
 
 namespace py = pybind11;
 using namespace pybind11::literals;
+using uckpt::BackwardOptions;
 using uckpt::python::PyEngine;
 
 namespace {
 
-// What DeepSpeed's initialize returns as the optimizer: the engine's view of
-// the param groups (the update itself happens in engine.step()).
+// What DeepSpeed's initialize returns as the optimizer: its param groups (the
+// same dicts every time; writes take effect at the next optimizer step). The
+// update itself happens in engine.step().
 struct EngineOptimizer {
   std::shared_ptr<PyEngine> engine;
-  py::list ParamGroups() const {
-    py::list out;
-    for (const auto& group : engine->engine().param_groups()) {
-      py::list params;
-      for (const auto& p : group) params.append(p.second);
-      out.append(py::dict("params"_a = params, "lr"_a = engine->engine().lr()));
-    }
-    return out;
-  }
 };
 
-// The config's lr schedule; the engine steps it at each boundary.
+// The config's lr schedule; the engine steps it at each boundary (as
+// DeepSpeed's engine steps its scheduler), and step() steps it once more.
 struct EngineScheduler {
   std::shared_ptr<PyEngine> engine;
 };
@@ -36,22 +30,43 @@ PYBIND11_MODULE(_uckpt, m) {
   m.doc() = "uckpt's training engine with DeepSpeed's Python API";
 
   py::class_<EngineOptimizer>(m, "EngineOptimizer")
-      .def_property_readonly("param_groups", &EngineOptimizer::ParamGroups)
+      .def_property_readonly("param_groups", [](const EngineOptimizer& o) { return o.engine->ParamGroups(); })
       .def("zero_grad", [](EngineOptimizer&, py::args, py::kwargs) {})
+      .def("step",
+           [](EngineOptimizer&, py::args, py::kwargs) {
+             throw std::runtime_error(
+                 "engine.optimizer.step() is not supported by uckpt: the update runs in engine.step() (with the "
+                 "gradient-accumulation boundary, the lr schedule and the step counters); call engine.step()");
+           })
       .def("__repr__", [](const EngineOptimizer&) { return std::string("<uckpt ZeRO optimizer>"); });
 
   py::class_<EngineScheduler>(m, "EngineScheduler")
-      .def("get_lr", [](const EngineScheduler& s) { return s.engine->GetLr(); })
-      .def("get_last_lr", [](const EngineScheduler& s) { return s.engine->GetLr(); })
+      .def("get_lr", [](const EngineScheduler& s) { return s.engine->SchedulerLr(); })
+      .def("get_last_lr", [](const EngineScheduler& s) { return s.engine->SchedulerLastLr(); })
       .def("state_dict", [](const EngineScheduler& s) { return s.engine->SchedulerState(); })
-      .def("step", [](EngineScheduler&, py::args, py::kwargs) {});  // the engine steps it
+      .def("step", [](EngineScheduler& s, py::object it) { s.engine->StepScheduler(it); },
+           "last_batch_iteration"_a = py::none());
 
   py::class_<PyEngine, std::shared_ptr<PyEngine>>(m, "Engine")
       .def("__call__", &PyEngine::Call)
       .def("forward", &PyEngine::Call)
-      .def("backward", [](PyEngine& e, py::object loss, bool, bool, bool, bool) { return e.Backward(loss); }, "loss"_a, "allreduce_gradients"_a = true, "release_loss"_a = false,
-           "retain_graph"_a = false, "scale_wrt_gas"_a = true)
-      .def("step", [](PyEngine& e, py::object) { e.Step(); }, "lr_kwargs"_a = py::none())
+      .def(
+          "backward",
+          [](PyEngine& e, py::object loss, bool allreduce_gradients, bool /*release_loss*/, bool retain_graph,
+             bool scale_wrt_gas) {
+            // DeepSpeed 0.14.5 skips its gradient reduction then (at every stage); uckpt always reduces.
+            // release_loss does nothing in DeepSpeed 0.14.5.
+            if (!allreduce_gradients)
+              throw py::value_error("engine.backward: allreduce_gradients=False is not supported by uckpt "
+                                    "(the gradients are always reduced)");
+            BackwardOptions o;
+            o.retain_graph = retain_graph;
+            o.scale_wrt_gas = scale_wrt_gas;
+            return e.Backward(loss, o);
+          },
+          "loss"_a, "allreduce_gradients"_a = true, "release_loss"_a = false, "retain_graph"_a = false,
+          "scale_wrt_gas"_a = true)
+      .def("step", &PyEngine::Step, "lr_kwargs"_a = py::none())
       .def("zero_grad", &PyEngine::ZeroGrad)
       .def("is_gradient_accumulation_boundary",
            [](const PyEngine& e) { return e.engine().IsGradientAccumulationBoundary(); })
@@ -71,6 +86,9 @@ PYBIND11_MODULE(_uckpt, m) {
              py::object custom_load_fn) {
             if (!custom_load_fn.is_none())
               throw py::value_error("engine.load_checkpoint: custom_load_fn is not supported by uckpt");
+            if (!strict)
+              throw py::value_error("engine.load_checkpoint: load_module_strict=False is not supported by uckpt "
+                                    "(the module's parameters and buffers must match the checkpoint's)");
             return e.LoadCheckpoint(dir, tag, opt, sched, module_only);
           },
           "load_dir"_a, "tag"_a = py::none(), "load_module_strict"_a = true, "load_optimizer_states"_a = true,

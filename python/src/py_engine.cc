@@ -27,21 +27,30 @@ bool StageSupported(int stage) { return stage >= 0 && stage <= 3; }
 // ---- Optimizer: DeepSpeed's client optimizer or model_parameters into the
 // config's optimizer section and the engine's param groups. ----
 
-struct GroupHparams {
+struct GroupOptionals {
   std::optional<double> lr, weight_decay, beta1, beta2, eps;
 };
 
-GroupHparams ReadGroup(py::handle g, const std::string& what) {
-  GroupHparams h;
+// A number (a float, an int or a 0-d tensor, as torch schedulers may write).
+double Number(py::handle v, const std::string& what) {
+  try {
+    return py::float_(py::reinterpret_borrow<py::object>(v)).cast<double>();
+  } catch (const py::error_already_set&) {
+    throw py::type_error(what + " must be a number, got " + TypeName(v));
+  }
+}
+
+GroupOptionals ReadGroup(py::handle g, const std::string& what) {
+  GroupOptionals h;
   auto d = g.cast<py::dict>();
-  if (d.contains("lr")) h.lr = d["lr"].cast<double>();
-  if (d.contains("weight_decay")) h.weight_decay = d["weight_decay"].cast<double>();
-  if (d.contains("eps")) h.eps = d["eps"].cast<double>();
+  if (d.contains("lr")) h.lr = Number(d["lr"], what + "['lr']");
+  if (d.contains("weight_decay")) h.weight_decay = Number(d["weight_decay"], what + "['weight_decay']");
+  if (d.contains("eps")) h.eps = Number(d["eps"], what + "['eps']");
   if (d.contains("betas")) {
     auto b = d["betas"].cast<py::sequence>();
     if (py::len(b) != 2) throw py::value_error(what + ": betas must be two numbers");
-    h.beta1 = b[0].cast<double>();
-    h.beta2 = b[1].cast<double>();
+    h.beta1 = Number(b[0], what + "['betas'][0]");
+    h.beta2 = Number(b[1], what + "['betas'][1]");
   }
   if (d.contains("amsgrad") && d["amsgrad"].cast<bool>())
     throw py::value_error(what + ": amsgrad is not supported by uckpt's Adam");
@@ -62,16 +71,21 @@ std::vector<at::Tensor> TrainableTensors(py::handle params, const std::string& w
 struct OptimizerPlan {
   nlohmann::json section;  // the config's "optimizer", when the client gave one
   std::vector<ParamGroup> groups;
+  std::vector<int> engine_group_of;  // per client param group: its engine group, -1 if nothing trainable
+  std::string warning;               // for rank 0 to print
 };
 
-// Groups from a list of dicts ({"params": [...], hparams}) or of tensors (one group).
-std::vector<ParamGroup> GroupsFrom(py::handle groups, const std::string& what, std::optional<double>& lr) {
+// Groups from a list of dicts ({"params": [...], hparams}) or of tensors (one
+// group); engine_group_of[i]: item i's group in the result (-1: none trainable).
+std::vector<ParamGroup> GroupsFrom(py::handle groups, const std::string& what, std::vector<int>& engine_group_of) {
   py::list items = py::list(py::iter(groups));
   std::vector<ParamGroup> out;
+  engine_group_of.clear();
   if (items.empty()) return out;
   if (!py::isinstance<py::dict>(items[0])) {
     ParamGroup g;
     g.params = TrainableTensors(items, what);
+    engine_group_of.push_back(g.params.empty() ? -1 : 0);
     if (!g.params.empty()) out.push_back(std::move(g));
     return out;
   }
@@ -79,15 +93,11 @@ std::vector<ParamGroup> GroupsFrom(py::handle groups, const std::string& what, s
     const std::string gw = what + "[" + std::to_string(i) + "]";
     auto d = items[i].cast<py::dict>();
     if (!d.contains("params")) throw py::value_error(gw + " has no 'params'");
-    GroupHparams h = ReadGroup(d, gw);
-    if (h.lr) {
-      if (lr && *lr != *h.lr)
-        throw py::value_error(gw + ": lr " + std::to_string(*h.lr) + " differs from another group's " +
-                              std::to_string(*lr) + "; uckpt's schedule sets one lr for every group");
-      lr = h.lr;
-    }
+    GroupOptionals h = ReadGroup(d, gw);
     ParamGroup g;
     g.params = TrainableTensors(d["params"], gw + "['params']");
+    engine_group_of.push_back(g.params.empty() ? -1 : static_cast<int>(out.size()));
+    g.lr = h.lr;
     g.weight_decay = h.weight_decay;
     g.beta1 = h.beta1;
     g.beta2 = h.beta2;
@@ -123,20 +133,21 @@ nlohmann::json ClientOptimizerSection(py::handle opt) {
 
 OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, const nlohmann::json& config) {
   OptimizerPlan plan;
-  std::optional<double> lr;
   if (!optimizer.is_none()) {
-    if (config.contains("optimizer"))
-      throw py::value_error(
-          "uckpt.initialize: both an optimizer object and a config 'optimizer' section were given; pass one");
     if (!py::hasattr(optimizer, "param_groups"))
       throw py::value_error("uckpt.initialize: optimizer must be an optimizer object with param_groups, got " +
                             TypeName(optimizer) + " (a callable that builds one is not supported)");
+    if (py::len(optimizer.attr("param_groups")) == 0)
+      throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " has no param groups");
     plan.section = ClientOptimizerSection(optimizer);
-    plan.groups = GroupsFrom(optimizer.attr("param_groups"), "optimizer.param_groups", lr);
-    // The first group's hyper-parameters are the section's; the others override them.
-    GroupHparams first = ReadGroup(py::list(optimizer.attr("param_groups"))[0], "optimizer.param_groups[0]");
+    if (config.contains("optimizer"))  // DeepSpeed uses the client's and says so in its log
+      plan.warning = "the config's 'optimizer' section is not used: the optimizer passed to initialize (" +
+                     TypeName(optimizer) + ") is, as DeepSpeed does";
+    plan.groups = GroupsFrom(optimizer.attr("param_groups"), "optimizer.param_groups", plan.engine_group_of);
+    // The first group's hyper-parameters are the section's; each group keeps its own.
+    GroupOptionals first = ReadGroup(py::list(optimizer.attr("param_groups"))[0], "optimizer.param_groups[0]");
     auto& p = plan.section["params"];
-    if (lr) p["lr"] = *lr;
+    if (first.lr) p["lr"] = *first.lr;
     if (first.beta1) p["betas"] = {*first.beta1, *first.beta2};
     if (first.eps) p["eps"] = *first.eps;
     if (first.weight_decay) p["weight_decay"] = *first.weight_decay;
@@ -145,7 +156,8 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, c
   if (!config.contains("optimizer"))
     throw py::value_error(
         "uckpt.initialize: no optimizer: pass optimizer= or give the config an 'optimizer' section (Adam or AdamW)");
-  if (!model_parameters.is_none()) plan.groups = GroupsFrom(model_parameters, "model_parameters", lr);
+  std::vector<int> unused;
+  if (!model_parameters.is_none()) plan.groups = GroupsFrom(model_parameters, "model_parameters", unused);
   return plan;
 }
 
@@ -157,8 +169,10 @@ void RefuseUnsupported(py::handle model, py::handle mpu, py::handle lr_scheduler
     throw py::value_error("uckpt.initialize: model parallelism (mpu=) is not supported by uckpt (data parallel only)");
   if (!lr_scheduler.is_none())
     throw py::value_error(
-        "uckpt.initialize: a client lr_scheduler is not supported; use the config's 'scheduler' section (WarmupLR, "
-        "WarmupDecayLR)");
+        "uckpt.initialize: a client lr_scheduler (lr_scheduler=" + TypeName(lr_scheduler) +
+        ") is not supported yet; use the config's 'scheduler' section (WarmupLR, WarmupDecayLR), or create the "
+        "torch scheduler on your optimizer and call its step() yourself after engine.step() (the engine reads "
+        "optimizer.param_groups' lr at every step)");
   if (std::string what = FindUnsupportedModule(model); !what.empty()) throw py::value_error("uckpt.initialize: " + what);
   for (const char* key : {"pipeline", "moe", "tensor_parallel", "sequence_parallel_size"})
     if (config.contains(key))
@@ -332,11 +346,14 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
     engine = std::make_unique<Engine>(shell, Config::FromJson(json, source), std::move(options));
   }
   settings.zero_stage = engine->zero_stage();
-  if (engine->rank() == 0)
+  if (engine->rank() == 0) {
     for (const auto& w : engine->warnings()) std::cerr << "uckpt: " << w << "\n";
+    if (!plan.warning.empty()) std::cerr << "uckpt: " << plan.warning << "\n";
+  }
   const Engine& e = *engine;
   py::object dataloader = training_data.is_none() ? py::none() : MakeDataLoader(training_data, e, collate_fn);
   auto py_engine = std::make_shared<PyEngine>(model, shell, std::move(engine), settings);
+  py_engine->UseParamGroups(optimizer, std::move(plan.engine_group_of));
   RegisterUnitHooks(py_engine, units);
   g_last_engine = py_engine;
   py::object engine_obj = py::cast(py_engine);
@@ -361,17 +378,113 @@ PyEngine::PyEngine(py::object module, std::shared_ptr<torch::nn::Module> shell, 
 
 py::object PyEngine::Call(py::args args, py::kwargs kwargs) { return module_(*args, **kwargs); }
 
-py::object PyEngine::Backward(py::object loss) {
+py::object PyEngine::Backward(py::object loss, const BackwardOptions& options) {
   if (!THPVariable_Check(loss.ptr())) throw py::type_error("engine.backward: loss must be a tensor, got " + TypeName(loss));
   at::Tensor t = THPVariable_Unpack(loss.ptr());
-  py::gil_scoped_release no_gil;  // autograd may run Python functions on its own threads
-  engine_->Backward(t);
+  {
+    py::gil_scoped_release no_gil;  // autograd may run Python functions on its own threads
+    engine_->Backward(t, options);
+  }
+  // DeepSpeed returns the loss it scaled by 1/GA (in fp32).
+  const int64_t ga = engine_->gradient_accumulation_steps();
+  if (ga > 1 && options.scale_wrt_gas)
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t.to(at::kFloat) / static_cast<double>(ga)));
   return loss;
 }
 
-void PyEngine::Step() {
-  py::gil_scoped_release no_gil;
-  engine_->Step();
+void PyEngine::Step(py::object lr_kwargs) {
+  StepOptions options;
+  // DeepSpeed passes lr_kwargs to its lr scheduler's step() and has none to
+  // pass them to without one; WarmupLR/WarmupDecayLR take last_batch_iteration.
+  if (!lr_kwargs.is_none() && engine_->has_lr_schedule()) {
+    for (auto [key, value] : lr_kwargs.cast<py::dict>()) {
+      const std::string k = py::str(key);
+      if (k != "last_batch_iteration")
+        throw py::value_error("engine.step: lr_kwargs key '" + k +
+                              "' is not an argument of the config scheduler's step() (it takes last_batch_iteration)");
+      if (!value.is_none()) options.lr_schedule_iteration = value.cast<int64_t>();
+    }
+  }
+  const bool boundary = engine_->IsGradientAccumulationBoundary();
+  if (boundary) PushGroups();
+  const int64_t skipped = engine_->skipped_steps();
+  {
+    py::gil_scoped_release no_gil;
+    engine_->Step(options);
+  }
+  if (!boundary || engine_->skipped_steps() != skipped) return;
+  // The config scheduler stepped after the applied update: its lr is every group's now.
+  if (engine_->has_lr_schedule()) PullLrs();
+  // DeepSpeed's update is the client optimizer's step(); torch schedulers count those (and warn without one).
+  if (!client_optimizer_.is_none() && py::hasattr(client_optimizer_, "_step_count"))
+    client_optimizer_.attr("_step_count") = py::int_(client_optimizer_.attr("_step_count").cast<int64_t>() + 1);
+}
+
+void PyEngine::UseParamGroups(py::object client_optimizer, std::vector<int> engine_group_of) {
+  const size_t groups = engine_->num_param_groups();
+  if (!client_optimizer.is_none()) {
+    // DeepSpeed drops the client's groups that have no params at all.
+    py::list dicts = py::list(client_optimizer.attr("param_groups"));
+    py::list kept;
+    for (size_t i = 0; i < dicts.size(); ++i) {
+      if (py::len(dicts[i]["params"]) == 0) continue;
+      kept.append(dicts[i]);
+      engine_group_of_.push_back(engine_group_of.at(i));
+    }
+    if (kept.size() != dicts.size())
+      client_optimizer.attr("param_groups").attr("__setitem__")(py::module_::import("builtins").attr("slice")(py::none()), kept);
+    client_optimizer_ = std::move(client_optimizer);
+    return;
+  }
+  const auto params = engine_->param_groups();
+  engine_group_of_.clear();
+  for (size_t g = 0; g < groups; ++g) {
+    py::list ps;
+    for (const auto& p : params[g]) ps.append(p.second);
+    const GroupHparams h = engine_->group_hparams(g);
+    own_groups_.append(py::dict("params"_a = ps, "lr"_a = engine_->learning_rate(g),
+                                "betas"_a = py::make_tuple(h.beta1, h.beta2), "eps"_a = h.eps,
+                                "weight_decay"_a = h.weight_decay));
+    engine_group_of_.push_back(static_cast<int>(g));
+  }
+}
+
+py::object PyEngine::ParamGroups() const {
+  return client_optimizer_.is_none() ? py::object(own_groups_) : client_optimizer_.attr("param_groups");
+}
+
+void PyEngine::PushGroups() {
+  py::list dicts = py::list(ParamGroups());
+  if (dicts.size() != engine_group_of_.size())
+    throw py::value_error("optimizer.param_groups: " + std::to_string(dicts.size()) + " groups, but the engine was " +
+                          "built with " + std::to_string(engine_group_of_.size()) +
+                          " (adding or removing param groups after initialize is not supported by uckpt)");
+  for (size_t i = 0; i < dicts.size(); ++i) {
+    if (engine_group_of_[i] < 0) continue;
+    const auto g = static_cast<size_t>(engine_group_of_[i]);
+    const GroupOptionals h = ReadGroup(dicts[i], "optimizer.param_groups[" + std::to_string(i) + "]");
+    if (h.lr && *h.lr != engine_->learning_rate(g)) engine_->SetLearningRate(g, *h.lr);
+    const GroupHparams now = engine_->group_hparams(g);
+    GroupHparams want = now;
+    if (h.beta1) {
+      want.beta1 = *h.beta1;
+      want.beta2 = *h.beta2;
+    }
+    if (h.eps) want.eps = *h.eps;
+    if (h.weight_decay) want.weight_decay = *h.weight_decay;
+    if (want.beta1 != now.beta1 || want.beta2 != now.beta2 || want.eps != now.eps ||
+        want.weight_decay != now.weight_decay)
+      engine_->SetGroupHparams(g, want);
+  }
+}
+
+void PyEngine::PullLrs() {
+  py::list dicts = py::list(ParamGroups());
+  for (size_t i = 0; i < dicts.size() && i < engine_group_of_.size(); ++i) {
+    // A group with nothing trainable takes the schedule's value too, as DeepSpeed's scheduler writes every group.
+    const size_t g = engine_group_of_[i] < 0 ? 0 : static_cast<size_t>(engine_group_of_[i]);
+    dicts[i]["lr"] = py::float_(engine_->learning_rate(g));
+  }
 }
 
 bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object client_state, bool save_latest) {
@@ -380,6 +493,7 @@ bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object cl
   ClientState cs = client_state.is_none() ? c10::IValue() : ToIValue(client_state, "client_state");
   if (!cs.isNone() && cs.isGenericDict() && cs.toGenericDict().empty()) cs = c10::IValue();
   const std::string t = tag.is_none() ? "" : py::str(tag).cast<std::string>();
+  PushGroups();  // DeepSpeed saves the dicts' values
   py::gil_scoped_release no_gil;
   engine_->SaveCheckpoint(dir, t, cs);
   return true;
@@ -400,6 +514,7 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
     r = engine_->LoadCheckpoint(dir, t, o);
   }
   if (r.path.empty()) return py::make_tuple(py::none(), py::none());  // DeepSpeed's answer when nothing was found
+  if (!load_module_only) PullLrs();  // the restored schedule's lr
   py::object cs = r.client_state.isNone() ? py::dict() : FromIValue(r.client_state);
   return py::make_tuple(py::str(r.path), cs);
 }
@@ -410,10 +525,31 @@ void PyEngine::Train(bool mode) {
 }
 
 py::list PyEngine::GetLr() const {
+  // DeepSpeed's engine.get_lr(): each param group's 'lr'.
   py::list out;
-  const size_t groups = engine_->param_groups().size();
-  for (size_t g = 0; g < groups; ++g) out.append(engine_->lr());
+  for (auto d : ParamGroups()) out.append(d["lr"]);
   return out;
+}
+
+py::list PyEngine::SchedulerLr() const {
+  // WarmupLR.get_lr(): [0.0] before its first step, else its value for every group.
+  const int64_t it = engine_->lr_schedule_iteration();
+  if (it < 0) return py::cast(std::vector<double>{0.0});
+  return py::cast(std::vector<double>(py::len(ParamGroups()), engine_->ScheduledLr(it)));
+}
+
+py::list PyEngine::SchedulerLastLr() const {
+  // WarmupLR's _last_lr: the value its last step wrote into every group.
+  if (engine_->lr_schedule_iteration() < 0)
+    throw std::runtime_error("lr_scheduler.get_last_lr(): need to call step() first (the scheduler has not stepped)");
+  return SchedulerLr();
+}
+
+void PyEngine::StepScheduler(py::object last_batch_iteration) {
+  std::optional<int64_t> it;
+  if (!last_batch_iteration.is_none()) it = last_batch_iteration.cast<int64_t>();
+  engine_->StepLrSchedule(it);
+  PullLrs();
 }
 
 py::object PyEngine::GlobalGradNorm() const {
@@ -423,7 +559,7 @@ py::object PyEngine::GlobalGradNorm() const {
 
 py::dict PyEngine::SchedulerState() const {
   // DeepSpeed's schedulers count updates from -1 (before the first step).
-  return py::dict("last_batch_iteration"_a = engine_->global_steps() - engine_->skipped_steps() - 1);
+  return py::dict("last_batch_iteration"_a = engine_->lr_schedule_iteration());
 }
 
 }  // namespace uckpt::python

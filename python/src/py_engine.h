@@ -29,8 +29,8 @@ class PyEngine {
            EngineSettings settings);
 
   py::object Call(py::args args, py::kwargs kwargs);  // the module's forward
-  py::object Backward(py::object loss);
-  void Step();
+  py::object Backward(py::object loss, const BackwardOptions& options);
+  void Step(py::object lr_kwargs);
   void ZeroGrad() {}  // gradients are cleared by the engine after each boundary step
   bool SaveCheckpoint(py::object dir, py::object tag, py::object client_state, bool save_latest);
   py::tuple LoadCheckpoint(py::object dir, py::object tag, bool load_optimizer_states,
@@ -39,6 +39,20 @@ class PyEngine {
   void Train(bool mode);
   py::list GetLr() const;
   py::object GlobalGradNorm() const;
+
+  // ---- The optimizer's param groups (DeepSpeed's optimizer.param_groups). ----
+  // The dicts are the source of truth, as DeepSpeed's wrapper forwards its
+  // wrapped torch optimizer's: a client optimizer's own param_groups list
+  // (so a torch scheduler stepping it is read here), else a list the engine
+  // made. Each dict's lr (and betas, eps, weight_decay) go to the C++ engine
+  // at each optimizer step and before a save; the config scheduler's values
+  // and a load's come back into them.
+  void UseParamGroups(py::object client_optimizer, std::vector<int> engine_group_of);
+  py::object ParamGroups() const;
+  // EngineScheduler: the config scheduler's get_lr(), get_last_lr(), step(), state_dict().
+  py::list SchedulerLr() const;
+  py::list SchedulerLastLr() const;
+  void StepScheduler(py::object last_batch_iteration);
   py::dict SchedulerState() const;
 
   py::object module() const { return module_; }
@@ -49,8 +63,14 @@ class PyEngine {
  private:
   py::object module_;
   std::shared_ptr<torch::nn::Module> shell_;
+  void PushGroups();  // the dicts' hyper-parameters into the engine
+  void PullLrs();     // the engine's lrs into the dicts
+
   std::unique_ptr<Engine> engine_;
   EngineSettings settings_;
+  py::object client_optimizer_ = py::none();  // its param_groups are the dicts
+  py::list own_groups_;                       // the dicts without a client optimizer
+  std::vector<int> engine_group_of_;          // dict i's engine group (-1: nothing trainable)
 };
 
 // deepspeed.initialize(...) -> (engine, optimizer, dataloader, lr_scheduler).

@@ -202,7 +202,7 @@ const ValuePtr& FindEntry(const std::vector<std::pair<std::string, ValuePtr>>& e
 
 ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
   const OptimizerConfig& o = e.zero->optimizer_config(g);
-  return ckpt::AdamHparams{e.schedule.current_lr(), o.beta1, o.beta2, o.eps, o.weight_decay};
+  return ckpt::AdamHparams{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 
 // Adam's state of group g, each tensor a view `count` elements at `offset` of
@@ -428,9 +428,9 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
   for (size_t g = 0; g < n && g < groups->items.size(); ++g) {
     OptimizerConfig c = e.zero3 ? e.zero3->optimizer_config(g) : e.zero->optimizer_config(g);
     const ckpt::AdamHparams h =
-        ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(), c.beta1, c.beta2, c.eps, c.weight_decay},
+        ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(g), c.beta1, c.beta2, c.eps, c.weight_decay},
                               path + ": param_groups[" + std::to_string(g) + "]");
-    if (g == 0) e.schedule.set_current_lr(h.lr);
+    e.schedule.set_current_lr(g, h.lr);
     c.beta1 = h.beta1;
     c.beta2 = h.beta2;
     c.eps = h.eps;

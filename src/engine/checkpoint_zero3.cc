@@ -33,7 +33,7 @@ namespace {
 
 ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
   const OptimizerConfig& o = e.zero3->optimizer_config(g);
-  return ckpt::AdamHparams{e.schedule.current_lr(), o.beta1, o.beta2, o.eps, o.weight_decay};
+  return ckpt::AdamHparams{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 
 ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std::string, ValuePtr>>& client) {

@@ -77,6 +77,7 @@ int LocalRankFromEnvironment() {
 
 engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, const ParamGroup& g) {
   engine::OptimizerConfig o = base;
+  if (g.lr) o.lr = *g.lr;
   if (g.weight_decay) o.weight_decay = *g.weight_decay;
   if (g.beta1) o.beta1 = *g.beta1;
   if (g.beta2) o.beta2 = *g.beta2;
@@ -213,8 +214,12 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   std::vector<engine::GroupSpec> specs;
   SortParameters(e, options.param_groups, specs);
   WalkModule(*e.model, "", e.state_names, e.buffers, e.module_prefixes);
-  for (size_t g = 0; g < e.groups.size(); ++g)
+  std::vector<double> group_lrs;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
     for (const auto& p : e.groups[g]) specs[g].numels.push_back(p.tensor.numel());
+    group_lrs.push_back(specs[g].optimizer.lr);
+  }
+  e.schedule.set_group_lrs(std::move(group_lrs));
   if (c.zero.stage == 3) {
     engine::InitZero3(e, specs, options);
     e.model->train(true);
@@ -262,14 +267,14 @@ Engine::~Engine() {
     std::fprintf(stderr, "uckpt: a background checkpoint save was not published (call WaitForCheckpoint before the end)\n");
 }
 
-void Engine::Backward(const at::Tensor& loss) {
+void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   Impl& e = *impl_;
   if (loss.numel() != 1) throw std::invalid_argument("uckpt::Engine::Backward: the loss must be a scalar");
-  // DeepSpeed scales each micro loss by 1/GA (and by the fp16 loss scale).
+  // DeepSpeed scales each micro loss by 1/GA unless told not to (and by the fp16 loss scale).
   const int64_t ga = e.batch.gradient_accumulation_steps;
-  at::Tensor scaled = ga > 1 ? loss / ga : loss;
+  at::Tensor scaled = ga > 1 && options.scale_wrt_gas ? loss / ga : loss;
   scaled = scaled * loss_scale();
-  scaled.backward();
+  scaled.backward({}, options.retain_graph);
   if (e.zero3) {
     e.zero3->FinishBackward();
   } else {
@@ -278,7 +283,7 @@ void Engine::Backward(const at::Tensor& loss) {
   e.backward_pending = true;
 }
 
-void Engine::Step() {
+void Engine::Step(const StepOptions& options) {
   Impl& e = *impl_;
   if (!e.backward_pending) throw std::logic_error("uckpt::Engine::Step: call Backward(loss) first");
   e.backward_pending = false;
@@ -286,9 +291,9 @@ void Engine::Step() {
     // A background save: published once every rank's files are durable;
     // its failure stops the run here, naming the file.
     if (e.writer && e.writer->pending()) e.writer->PublishIfDone(*e.comm);
-    const double lr = e.schedule.current_lr();
-    engine::ZeroOptimizer::StepResult r = e.zero3 ? e.zero3->Step(lr) : e.zero->Step(lr);
-    if (!r.skipped) e.schedule.Step();
+    const std::vector<double>& lrs = e.schedule.current_lrs();
+    engine::ZeroOptimizer::StepResult r = e.zero3 ? e.zero3->Step(lrs) : e.zero->Step(lrs);
+    if (!r.skipped) e.schedule.Step(options.lr_schedule_iteration);
     e.last = StepInfo{r.grad_norm, r.skipped, r.loss_scale};
     ++e.global_steps;
     e.global_samples += e.batch.train_batch_size;
@@ -320,7 +325,40 @@ LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag
 }
 
 void Engine::Train(bool on) { impl_->model->train(on); }
-double Engine::lr() const { return impl_->schedule.current_lr(); }
+size_t Engine::num_param_groups() const { return impl_->schedule.num_groups(); }
+double Engine::learning_rate(size_t group) const { return impl_->schedule.current_lr(group); }
+void Engine::SetLearningRate(size_t group, double lr) {
+  if (!(lr >= 0)) throw std::invalid_argument("uckpt::Engine: param group " + std::to_string(group) + ": lr must be >= 0");
+  impl_->schedule.set_current_lr(group, lr);
+}
+GroupHparams Engine::group_hparams(size_t group) const {
+  const engine::OptimizerConfig& o = impl_->zero3 ? impl_->zero3->optimizer_config(group) : impl_->zero->optimizer_config(group);
+  return {o.beta1, o.beta2, o.eps, o.weight_decay};
+}
+void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
+  const std::string where = "uckpt::Engine: param group " + std::to_string(group) + ": ";
+  if (!(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1))
+    throw std::invalid_argument(where + "betas must be in [0, 1)");
+  if (!(h.eps >= 0)) throw std::invalid_argument(where + "eps must be >= 0");
+  Impl& e = *impl_;
+  engine::OptimizerConfig o = e.zero3 ? e.zero3->optimizer_config(group) : e.zero->optimizer_config(group);
+  o.beta1 = h.beta1;
+  o.beta2 = h.beta2;
+  o.eps = h.eps;
+  o.weight_decay = h.weight_decay;
+  if (e.zero3) {
+    e.zero3->set_optimizer_config(group, o);
+  } else {
+    e.zero->set_optimizer_config(group, o);
+  }
+}
+bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }
+int64_t Engine::lr_schedule_iteration() const { return impl_->schedule.last_batch_iteration(); }
+double Engine::ScheduledLr(int64_t iteration) const { return impl_->schedule.LrAt(iteration); }
+void Engine::StepLrSchedule(std::optional<int64_t> iteration) {
+  if (!has_lr_schedule()) throw std::logic_error("uckpt::Engine::StepLrSchedule: the config has no 'scheduler'");
+  impl_->schedule.Step(iteration);
+}
 int64_t Engine::global_steps() const { return impl_->global_steps; }
 int64_t Engine::global_samples() const { return impl_->global_samples; }
 int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }

@@ -6,7 +6,14 @@
 namespace uckpt::engine {
 
 LrSchedule::LrSchedule(const SchedulerConfig& sched, double optimizer_lr)
-    : sched_(sched), optimizer_lr_(optimizer_lr), lr_(optimizer_lr) {}
+    : sched_(sched), optimizer_lr_(optimizer_lr), initial_lrs_{optimizer_lr}, lrs_{optimizer_lr} {}
+
+void LrSchedule::set_group_lrs(std::vector<double> lrs) {
+  initial_lrs_ = lrs;
+  lrs_ = std::move(lrs);
+}
+
+void LrSchedule::set_current_lr(double lr) { lrs_.assign(lrs_.size(), lr); }
 
 double LrSchedule::LrAt(int64_t it) const {
   if (sched_.type.empty()) return optimizer_lr_;
@@ -28,15 +35,19 @@ double LrSchedule::LrAt(int64_t it) const {
   return sched_.warmup_min_lr + (sched_.warmup_max_lr - sched_.warmup_min_lr) * gamma;
 }
 
-void LrSchedule::Step() {
-  ++last_batch_iteration_;
-  // Without a scheduler nothing sets the lr: a kept saved lr stays.
-  if (!sched_.type.empty()) lr_ = LrAt(last_batch_iteration_);
+void LrSchedule::Step(std::optional<int64_t> iteration) {
+  last_batch_iteration_ = iteration ? *iteration : last_batch_iteration_ + 1;
+  // Without a scheduler nothing sets the lr: a kept saved or hand-set lr stays.
+  if (configured()) set_current_lr(LrAt(last_batch_iteration_));
 }
 
 void LrSchedule::Restore(int64_t last_batch_iteration) {
   last_batch_iteration_ = last_batch_iteration;
-  lr_ = last_batch_iteration >= 0 ? LrAt(last_batch_iteration) : optimizer_lr_;
+  if (configured() && last_batch_iteration >= 0) {
+    set_current_lr(LrAt(last_batch_iteration));
+  } else {
+    lrs_ = initial_lrs_;
+  }
 }
 
 }  // namespace uckpt::engine

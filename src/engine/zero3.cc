@@ -183,8 +183,9 @@ at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
   return norm;
 }
 
-Zero3Optimizer::StepResult Zero3Optimizer::Step(double lr) {
+Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group_lrs) {
   c10::NoGradGuard no_grad;
+  if (group_lrs.size() != num_groups()) throw std::logic_error("Zero3Optimizer::Step: one lr per group");
   StepResult r;
   const double prev_scale = scaler_.cur_scale;
   r.loss_scale = prev_scale;
@@ -213,7 +214,7 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(double lr) {
       at::Tensor clip = ((norm.cpu() / prev_scale) + 1e-6) / s_.base.gradient_clipping;
       combined = at::clamp_min(clip, 1.0).item<double>() * prev_scale;
     }
-    for (Zero3SubGroup& sg : subs_) CpuAdamStep(sg.state, sg.grad, 1.0 / combined, group_optimizers_[sg.group], lr);
+    for (Zero3SubGroup& sg : subs_) CpuAdamStep(sg.state, sg.grad, 1.0 / combined, group_optimizers_[sg.group], group_lrs[sg.group]);
     PartitionsFromMasters();
     return r;
   }
@@ -229,7 +230,7 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(double lr) {
     } else {
       grad.mul_(1.0 / prev_scale);
     }
-    TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], lr);
+    TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group]);
     sg.grad.zero_();
   }
   PartitionsFromMasters();

@@ -138,7 +138,7 @@ class Zero3Optimizer {
   void FinishBackward();
 
   using StepResult = ZeroOptimizer::StepResult;
-  StepResult Step(double lr);
+  StepResult Step(const std::vector<double>& group_lrs);  // group_lrs[g]: group g's lr
 
   // The 16-bit partitions from the fp32 masters, then every gathered
   // parameter from the partitions (after loading a checkpoint).

@@ -191,7 +191,8 @@ double ZeroOptimizer::GlobalNorm() {
   return at::norm(at::stack(group_norms), 2).item<float>();
 }
 
-ZeroOptimizer::StepResult ZeroOptimizer::Step(double lr) {
+ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_lrs) {
+  if (group_lrs.size() != groups_.size()) throw std::logic_error("ZeroOptimizer::Step: one lr per group");
   for (const Group& g : groups_)
     if (!g.have_grad_partition) throw std::logic_error("ZeroOptimizer::Step without reduced gradients");
   StepResult r;
@@ -228,7 +229,7 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(double lr) {
     } else {
       grad.mul_(1.0 / prev_scale);
     }
-    AdamStep(g, grad, lr);
+    AdamStep(g, grad, group_lrs[static_cast<size_t>(&g - groups_.data())]);
     g.have_grad_partition = false;
     g.grad_partition = at::Tensor();
   }

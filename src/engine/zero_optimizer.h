@@ -103,8 +103,9 @@ class ZeroOptimizer {
     bool skipped = false;  // fp16 overflow: nothing was updated
     double loss_scale = 1;  // the scale the step's gradients carried
   };
-  // The optimizer step with learning rate `lr` (every group), then the all-gather.
-  StepResult Step(double lr);
+  // The optimizer step with learning rate group_lrs[g] in group g, then the all-gather.
+  StepResult Step(const std::vector<double>& group_lrs);
+  StepResult Step(double lr) { return Step(std::vector<double>(groups_.size(), lr)); }  // every group
 
   // Master weights from the model (after loading weights into model_flat).
   void InitMasterFromModel();
