@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <set>
@@ -71,7 +72,9 @@ std::shared_ptr<Comm> CommFromEnvironment(const TrainConfig& c, bool cuda) {
 
 int LocalRankFromEnvironment() {
   const char* v = std::getenv("LOCAL_RANK");
-  return v && *v ? std::atoi(v) : 0;
+  if (v && *v) return std::atoi(v);
+  auto env = DistEnv::FromEnvironment();  // an MPI or Slurm launcher's
+  return env ? env->local_rank : 0;
 }
 
 engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, const ParamGroup& g) {
@@ -183,6 +186,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   const bool cuda = options.device == "cuda";
   if (!cuda && options.device != "cpu")
     throw std::invalid_argument("uckpt::Engine: device must be cpu or cuda, got " + options.device);
+  e.owns_comm = !options.comm;
   e.comm = options.comm ? options.comm : CommFromEnvironment(c, cuda);
   e.local_rank = options.local_rank >= 0 ? options.local_rank : LocalRankFromEnvironment();
   e.batch = engine::ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
@@ -257,6 +261,8 @@ Engine::~Engine() {
   // ranks may be gone. Its files are finished; the next save removes them.
   if (impl_ && impl_->writer && impl_->writer->pending())
     std::fprintf(stderr, "uckpt: a background checkpoint save was not published (call WaitForCheckpoint before the end)\n");
+  // Not while an exception unwinds: the other ranks may be gone.
+  if (impl_ && impl_->owns_comm && std::uncaught_exceptions() == 0) impl_->comm->Finish();
 }
 
 void Engine::Backward(const at::Tensor& loss) {
