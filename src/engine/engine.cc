@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "engine/async_save.h"
+#include "engine/dist/agree.h"
 #include "engine/engine_impl.h"
 
 namespace uckpt {
@@ -304,7 +305,8 @@ bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); 
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
-  return engine::SaveEngineCheckpoint(*impl_, dir, tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
+  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint");
+  return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }
 
@@ -318,8 +320,9 @@ const LoadStats& Engine::last_load() const { return impl_->last_load; }
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
-  if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, dir, tag, options);
-  return engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
+  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
+  if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, at.dir, at.tag, options);
+  return engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
 }
 
 void Engine::Train(bool on) { impl_->model->train(on); }
