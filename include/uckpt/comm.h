@@ -78,7 +78,9 @@ struct HeartbeatSettings {
 
 std::unique_ptr<Comm> MakeSingleProcessComm();
 
-// What torchrun (or `uckpt launch`) puts in the environment.
+// Where this process's rank and world come from: what torchrun (or `uckpt
+// launch`) puts in the environment, or, found as deepspeed.init_distributed
+// discovers it, the world an MPI or Slurm launcher started (dist_env.cc).
 struct DistEnv {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr = "127.0.0.1";
@@ -88,10 +90,21 @@ struct DistEnv {
   // /worker/attempt_<TORCHELASTIC_RESTART_COUNT>/ as torch.distributed puts them.
   bool agent_store = false;
   std::string store_prefix;
-  // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the two
-  // above. nullopt when WORLD_SIZE is unset; throws std::invalid_argument on
-  // malformed values.
-  static std::optional<DistEnv> FromEnvironment();
+  // The launcher whose variables gave this world: "torchrun" (RANK, WORLD_SIZE,
+  // ...), "Open MPI", "MVAPICH2", "MPICH/Intel MPI" or "Slurm".
+  std::string launcher = "torchrun";
+  bool discovered() const { return launcher != "torchrun"; }
+
+  // With WORLD_SIZE set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+  // and the two above. Otherwise, with `discover`, an MPI or Slurm launcher's
+  // world (OMPI_COMM_WORLD_*, MV2_COMM_WORLD_*, PMI_RANK/PMI_SIZE, srun's
+  // SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID) on `discovery_port`, as
+  // deepspeed.init_distributed sets MASTER_PORT; MASTER_ADDR from the
+  // environment, or 127.0.0.1 when every rank is on this host. nullopt when
+  // nothing names a world (one process). Throws std::invalid_argument naming
+  // what to set when a launcher's signs are there but its world cannot be
+  // found (never a world of one then), or a value is malformed.
+  static std::optional<DistEnv> FromEnvironment(bool discover = true, int discovery_port = 29500);
 };
 
 // Rendezvous through a TCPStore on master_addr:master_port (rank 0 serves it,

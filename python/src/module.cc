@@ -129,7 +129,10 @@ PYBIND11_MODULE(_uckpt, m) {
   m.def("initialize", &uckpt::python::Initialize, "args"_a = py::none(), "model"_a = py::none(),
         "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),
         "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none());
-  m.def("init_distributed", &uckpt::python::InitDistributed, "dist_backend"_a = "", "timeout_minutes"_a = 30);
+  m.def("init_distributed", &uckpt::python::InitDistributed, "dist_backend"_a = py::none(),
+        "auto_mpi_discovery"_a = true, "distributed_port"_a = 29500, "verbose"_a = true, "timeout"_a = py::none(),
+        "init_method"_a = py::none(), "dist_init_required"_a = py::none(), "config"_a = py::none(), "rank"_a = -1,
+        "world_size"_a = -1);
   m.def("gather_parameters", &uckpt::python::GatherParameters, "gather"_a);
   m.def("add_config_arguments", &uckpt::python::AddConfigArguments, "parser"_a);
 

@@ -195,7 +195,8 @@ std::string PickDevice() {
 // rendezvous, one port, the same ranks.
 std::shared_ptr<Comm> CommFromTorchDistributed(const std::string& device) {
   py::module_ dist = py::module_::import("torch.distributed");
-  if (!dist.attr("is_initialized")().cast<bool>()) InitDistributed("", 30);
+  if (!dist.attr("is_initialized")().cast<bool>())
+    InitDistributed(py::none(), true, 29500, true, py::none(), py::none(), py::none(), py::none(), -1, -1);
   if (dist.attr("get_world_size")().cast<int>() == 1) return MakeSingleProcessComm();
   py::object pg = dist.attr("distributed_c10d").attr("_get_default_group")();
   c10::intrusive_ptr<c10d::ProcessGroup> ptr;
@@ -280,23 +281,100 @@ py::object ResolveConfig(py::handle args, py::handle config) {
 
 // ---- initialize / init_distributed / add_config_arguments ----
 
-void InitDistributed(const std::string& dist_backend, int timeout_minutes) {
+namespace {
+
+// DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes, else 30.
+py::object DefaultTimeout() {
+  const char* v = std::getenv("DEEPSPEED_TIMEOUT");
+  const int minutes = v && *v ? std::atoi(v) : 30;
+  return py::module_::import("datetime").attr("timedelta")("minutes"_a = minutes);
+}
+
+// configure(deepspeed_config=config) reads its comms_config (the comms
+// logger); uckpt logs no collectives.
+void CheckCommsConfig(py::handle config) {
+  if (config.is_none()) return;
+  if (!py::hasattr(config, "comms_config"))
+    throw py::type_error("uckpt.init_distributed: config must be a DeepSpeedConfig (DeepSpeed 0.14.5 reads its "
+                         "comms_config), got " + TypeName(config));
+  py::object comms = config.attr("comms_config");
+  if (py::hasattr(comms, "enabled") && comms.attr("enabled").cast<bool>())
+    std::cerr << "uckpt: warning: init_distributed: the comms logger (comms_config) is not supported; collectives "
+                 "are not logged\n";
+}
+
+// What deepspeed.init_distributed's MPI discovery exports: the world as
+// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+void ExportWorld(py::object environ, const DistEnv& env, bool overwrite) {
+  const std::pair<const char*, std::string> vars[] = {
+      {"RANK", std::to_string(env.rank)},        {"WORLD_SIZE", std::to_string(env.world_size)},
+      {"LOCAL_RANK", std::to_string(env.local_rank)}, {"MASTER_ADDR", env.master_addr},
+      {"MASTER_PORT", std::to_string(env.master_port)}};
+  for (const auto& [k, v] : vars)
+    if (overwrite || !environ.contains(k)) environ[py::str(k)] = v;
+}
+
+// deepspeed.init_distributed's discovery, when the launcher's variables are
+// not all there: an MPI or Slurm launcher's world (DistEnv), or a world of one.
+void DiscoverWorld(int distributed_port, bool verbose) {
+  py::object environ = py::module_::import("os").attr("environ");
+  bool all = true;
+  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"}) all &= environ.contains(v);
+  if (all) return;
+  std::optional<DistEnv> env;
+  try {
+    env = DistEnv::FromEnvironment(true, distributed_port);
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(std::string("uckpt.init_distributed: ") + e.what());
+  }
+  if (env && !env->discovered()) return;  // torchrun-style variables: torch reads them
+  if (!env) {
+    // No launcher: a world of one, as mpi4py reports outside mpirun.
+    DistEnv one;
+    one.master_port = distributed_port;
+    ExportWorld(environ, one, /*overwrite=*/false);
+    return;
+  }
+  ExportWorld(environ, *env, /*overwrite=*/true);
+  if (verbose)
+    std::cerr << "uckpt: init_distributed: discovered " << env->launcher << " settings of world_rank=" << env->rank
+              << ", local_rank=" << env->local_rank << ", world_size=" << env->world_size
+              << ", master_addr=" << env->master_addr << ", master_port=" << env->master_port << "\n";
+}
+
+}  // namespace
+
+void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distributed_port, bool verbose,
+                     py::object timeout, py::object init_method, py::object dist_init_required, py::object config,
+                     int rank, int world_size) {
   py::module_ dist = py::module_::import("torch.distributed");
-  if (dist.attr("is_initialized")().cast<bool>()) return;
-  const std::string backend = !dist_backend.empty() ? dist_backend : (PickDevice() == "cuda" ? "nccl" : "gloo");
-  py::object timeout = py::module_::import("datetime").attr("timedelta")("minutes"_a = timeout_minutes);
-  const char* world = std::getenv("WORLD_SIZE");
-  if (!world || std::string(world).empty() || std::string(world) == "1") {
-    // One process, no launcher: a group of one on an in-memory store (no port).
+  CheckCommsConfig(config);
+  const bool initialized = dist.attr("is_initialized")().cast<bool>();
+  const bool required = dist_init_required.is_none() ? !initialized : dist_init_required.cast<bool>();
+  if (!required && !initialized)
+    throw py::value_error("uckpt.init_distributed: dist_init_required=False but torch.distributed is not initialized; "
+                          "pass dist_init_required=True or initialize it before calling uckpt.initialize()");
+  py::module_::import("uckpt.comm").attr("_end_cleanly_at_exit")();
+  if (initialized) return;  // the script's own group (or an earlier call's)
+  if (timeout.is_none()) timeout = DefaultTimeout();
+  if (!py::isinstance(timeout, py::module_::import("datetime").attr("timedelta")))
+    throw py::type_error("uckpt.init_distributed: timeout must be a datetime.timedelta, got " + TypeName(timeout));
+  if (auto_mpi_discovery) DiscoverWorld(distributed_port, verbose);
+  const std::string backend = !dist_backend.is_none() ? dist_backend.cast<std::string>()
+                                                       : (PickDevice() == "cuda" ? "nccl" : "gloo");
+  py::object environ = py::module_::import("os").attr("environ");
+  const int world = world_size != -1 ? world_size
+                    : environ.contains("WORLD_SIZE") ? py::int_(environ["WORLD_SIZE"]).cast<int>()
+                                                       : -1;
+  if (init_method.is_none() && world == 1 && rank <= 0) {
+    // One process: a group of one on an in-memory store (no port to collide on).
     dist.attr("init_process_group")(backend, "store"_a = dist.attr("HashStore")(), "rank"_a = 0, "world_size"_a = 1,
                                     "timeout"_a = timeout);
     return;
   }
-  for (const char* v : {"RANK", "MASTER_ADDR", "MASTER_PORT"})
-    if (!std::getenv(v))
-      throw std::runtime_error(std::string("uckpt.init_distributed: WORLD_SIZE is set but ") + v +
-                               " is not; start the script with `uckpt launch`, torchrun or deepspeed's launcher");
-  dist.attr("init_process_group")(backend, "init_method"_a = "env://", "timeout"_a = timeout);
+  // DeepSpeed's TorchBackend: init_method, rank and world_size as given (env:// by default).
+  dist.attr("init_process_group")(backend, "timeout"_a = timeout, "init_method"_a = init_method, "rank"_a = rank,
+                                  "world_size"_a = world_size);
 }
 
 py::object AddConfigArguments(py::object parser) {

@@ -78,9 +78,12 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
                      py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
                      py::object config);
 
-// deepspeed.init_distributed: torch.distributed's default group from the
-// launcher's environment (one process without it).
-void InitDistributed(const std::string& dist_backend, int timeout_minutes);
+// deepspeed.init_distributed: torch.distributed's default group, from the
+// arguments, the launcher's environment, or an MPI or Slurm launcher's world
+// (DistEnv::FromEnvironment); a group of one with no launcher.
+void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distributed_port, bool verbose,
+                     py::object timeout, py::object init_method, py::object dist_init_required, py::object config,
+                     int rank, int world_size);
 
 // uckpt.zero.GatheredParameters: the last initialized engine's stage-3
 // parameters gathered (true) or released (false); no-ops at stages 0-2.

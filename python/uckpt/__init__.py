@@ -3,6 +3,7 @@
 Everything here forwards to the C++ extension ``uckpt._uckpt`` (see docs/python.md).
 """
 import datetime
+import os
 
 from uckpt._uckpt import Engine as DeepSpeedEngine  # noqa: F401
 from uckpt._uckpt import add_config_arguments  # noqa: F401
@@ -15,16 +16,27 @@ __git_hash__ = "uckpt"
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None,
+               lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None,
                config=None, mesh_param=None, config_params=None):
     """deepspeed.initialize: returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    if model is None:
+        raise ValueError("uckpt.initialize: model is required")
+    # As DeepSpeed: the process group first (discovering an MPI or Slurm launcher's world).
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     return _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                        training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn,
                        config=config if config is not None else config_params)
 
 
+# DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes (read at import), else 30.
+_default_pg_timeout = datetime.timedelta(minutes=int(os.getenv("DEEPSPEED_TIMEOUT", default=30)))
+
+
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True,
-                     timeout=datetime.timedelta(minutes=30), init_method=None, dist_init_required=None, config=None,
+                     timeout=_default_pg_timeout, init_method=None, dist_init_required=None, config=None,
                      rank=-1, world_size=-1):
-    """deepspeed.init_distributed: torch.distributed from the launcher's environment."""
-    _init_distributed(dist_backend or "", max(1, int(timeout.total_seconds() // 60)))
+    """deepspeed.init_distributed: torch.distributed's default group, from the arguments, the launcher's
+    environment or an MPI/Slurm launcher's (see docs/python.md); the group ends in order at exit."""
+    _init_distributed(dist_backend=dist_backend, auto_mpi_discovery=auto_mpi_discovery,
+                      distributed_port=distributed_port, verbose=verbose, timeout=timeout, init_method=init_method,
+                      dist_init_required=dist_init_required, config=config, rank=rank, world_size=world_size)

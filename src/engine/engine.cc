@@ -5,12 +5,14 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <set>
 #include <stdexcept>
 
 #include "engine/async_save.h"
+#include "engine/dist/agree.h"
 #include "engine/engine_impl.h"
 #include "engine/host_threads.h"
 
@@ -72,7 +74,9 @@ std::shared_ptr<Comm> CommFromEnvironment(const TrainConfig& c, bool cuda) {
 
 int LocalRankFromEnvironment() {
   const char* v = std::getenv("LOCAL_RANK");
-  return v && *v ? std::atoi(v) : 0;
+  if (v && *v) return std::atoi(v);
+  auto env = DistEnv::FromEnvironment();  // an MPI or Slurm launcher's
+  return env ? env->local_rank : 0;
 }
 
 engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, const ParamGroup& g) {
@@ -185,6 +189,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   const bool cuda = options.device == "cuda";
   if (!cuda && options.device != "cpu")
     throw std::invalid_argument("uckpt::Engine: device must be cpu or cuda, got " + options.device);
+  e.owns_comm = !options.comm;
   e.comm = options.comm ? options.comm : CommFromEnvironment(c, cuda);
   e.local_rank = options.local_rank >= 0 ? options.local_rank : LocalRankFromEnvironment();
   engine::ApplyHostThreads(options.host_threads, "EngineOptions::host_threads =",
@@ -265,6 +270,8 @@ Engine::~Engine() {
   // ranks may be gone. Its files are finished; the next save removes them.
   if (impl_ && impl_->writer && impl_->writer->pending())
     std::fprintf(stderr, "uckpt: a background checkpoint save was not published (call WaitForCheckpoint before the end)\n");
+  // Not while an exception unwinds: the other ranks may be gone.
+  if (impl_ && impl_->owns_comm && std::uncaught_exceptions() == 0) impl_->comm->Finish();
 }
 
 void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
@@ -306,7 +313,8 @@ bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); 
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
-  return engine::SaveEngineCheckpoint(*impl_, dir, tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : tag,
+  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint");
+  return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }
 
@@ -320,8 +328,9 @@ const LoadStats& Engine::last_load() const { return impl_->last_load; }
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
-  if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, dir, tag, options);
-  return engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
+  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
+  if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, at.dir, at.tag, options);
+  return engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
 }
 
 void Engine::Train(bool on) { impl_->model->train(on); }

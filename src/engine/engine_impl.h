@@ -25,6 +25,7 @@ struct NamedParam {
 
 struct Engine::Impl {
   std::shared_ptr<Comm> comm;
+  bool owns_comm = false;  // made from the environment: the engine ends it (Finish) on a clean destruction
   engine::TrainConfig config;
   std::shared_ptr<torch::nn::Module> model;
   at::Device device = at::kCPU;

@@ -1,5 +1,8 @@
 """deepspeed.comm: torch.distributed's default group, the one the engine uses."""
+import atexit
 import os
+import sys
+import time
 
 from torch.distributed import (ReduceOp, all_gather, all_reduce, barrier, broadcast, get_rank,  # noqa: F401
                                get_world_size, is_initialized)
@@ -11,4 +14,66 @@ def init_distributed(dist_backend=None, **kwargs):
 
 
 def get_local_rank():
-    return int(os.environ.get("LOCAL_RANK", 0))
+    """As DeepSpeed: LOCAL_RANK, else Open MPI's local rank, else 0."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
+
+
+# ---- A clean end: the default group torn down in order at interpreter exit. ----
+
+_EXIT_WAIT_S = 60  # how long a rank waits for the others at exit (a clean run's ranks end together)
+_registered = False
+_crashed = False
+
+
+def _end_cleanly_at_exit():
+    """Registers (once) the ordered teardown of torch.distributed's default group at exit.
+
+    Without it the store's owner (rank 0) may leave first, and torch 2.x's NCCL heartbeat thread on the
+    other ranks prints a c10d stack trace about the vanished TCPStore. Skipped after an uncaught exception:
+    the other ranks may be gone.
+    """
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    previous = sys.excepthook
+
+    def note_crash(*exc_info):
+        global _crashed
+        _crashed = True
+        previous(*exc_info)
+
+    sys.excepthook = note_crash
+    atexit.register(_leave_in_order)
+
+
+def _wait_for_count(store, key, n):
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while store.add(key, 0) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _leave_in_order():
+    import torch
+    import torch.distributed as dist
+    if _crashed or not dist.is_available() or not dist.is_initialized():
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        dist.destroy_process_group()
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if dist.get_backend() == "nccl":
+            torch.cuda.synchronize()  # this rank's collectives are done
+        # Every rank arrives; the others destroy their group (its heartbeat polls the store) and say so;
+        # rank 0, whose process serves the store, leaves last.
+        store.add("uckpt/exit/arrived", 1)
+        _wait_for_count(store, "uckpt/exit/arrived", world)
+        dist.destroy_process_group()
+        if rank != 0:
+            store.add("uckpt/exit/left", 1)
+        else:
+            _wait_for_count(store, "uckpt/exit/left", world - 1)
+    except Exception as e:  # the store's owner already left: nothing to order any more
+        print(f"uckpt: rank {rank}: ending the process group at exit: {e}", file=sys.stderr)

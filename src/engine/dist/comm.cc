@@ -1,7 +1,5 @@
 #include "uckpt/comm.h"
 
-#include <cstdlib>
-
 namespace uckpt {
 namespace {
 
@@ -19,16 +17,6 @@ class SingleProcessComm : public Comm {
   void Broadcast(at::Tensor&, int) override {}
   void Barrier() override {}
 };
-
-int EnvInt(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 0 || x > 1 << 30)
-    throw std::invalid_argument(std::string("environment variable ") + name + "='" + v + "' is not a valid number");
-  return static_cast<int>(x);
-}
 
 }  // namespace
 
@@ -62,23 +50,5 @@ void HeartbeatSettings::Validate() const {
 }
 
 std::unique_ptr<Comm> MakeSingleProcessComm() { return std::make_unique<SingleProcessComm>(); }
-
-std::optional<DistEnv> DistEnv::FromEnvironment() {
-  if (std::getenv("WORLD_SIZE") == nullptr) return std::nullopt;
-  DistEnv e;
-  e.world_size = EnvInt("WORLD_SIZE", 1);
-  e.rank = EnvInt("RANK", 0);
-  e.local_rank = EnvInt("LOCAL_RANK", e.rank);
-  e.master_port = EnvInt("MASTER_PORT", 29500);
-  if (const char* a = std::getenv("MASTER_ADDR"); a != nullptr && *a != '\0') e.master_addr = a;
-  if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); a != nullptr && std::string(a) == "True") {
-    e.agent_store = true;
-    e.store_prefix = "/worker/attempt_" + std::to_string(EnvInt("TORCHELASTIC_RESTART_COUNT", 0));
-  }
-  if (e.world_size < 1 || e.rank >= e.world_size)
-    throw std::invalid_argument("RANK " + std::to_string(e.rank) + " is not below WORLD_SIZE " +
-                                std::to_string(e.world_size));
-  return e;
-}
 
 }  // namespace uckpt

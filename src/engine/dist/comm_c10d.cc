@@ -18,10 +18,14 @@
 #define UCKPT_HAVE_GLOO 1
 #endif
 #ifdef USE_C10D_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <functional>
 
 #include "uckpt/comm.h"
@@ -70,15 +74,8 @@ class C10dComm : public Comm {
         timeout_(timeout), device_(device), owns_pg_(owns_pg) {}
 
   ~C10dComm() override {
-    // PyTorch 2.x wants NCCL groups shut down explicitly (1.13 has no shutdown());
-    // a group borrowed from the caller (Python's) is the caller's to end.
-    if constexpr (kFlatCollectives) {
-      if (!owns_pg_) return;
-      try {
-        pg_->shutdown();
-      } catch (...) {
-      }
-    }
+    // A group borrowed from the caller (Python's) is the caller's to end.
+    if (owns_pg_ && !shut_down_) ShutDownGroup();
   }
 
   int rank() const override { return rank_; }
@@ -94,6 +91,7 @@ class C10dComm : public Comm {
   }
   void Finish() override {
     if (monitor_) monitor_->Finish();
+    if (owns_pg_ && store_ && !shut_down_) LeaveInOrder();
   }
 
   void AllReduceSum(at::Tensor& t) override {
@@ -238,6 +236,46 @@ class C10dComm : public Comm {
     return p;
   }
 
+  // PyTorch 2.x wants groups shut down explicitly (1.13 has no shutdown()).
+  void ShutDownGroup() {
+    shut_down_ = true;
+    if constexpr (kFlatCollectives) {
+      try {
+        pg_->shutdown();
+      } catch (...) {
+      }
+    }
+  }
+
+  // A clean end: every rank arrives, the others shut their group down (NCCL's
+  // heartbeat thread of torch 2.x polls the store until then) and say so, and
+  // the store's owner, rank 0, leaves last. Bounded: a rank that never comes
+  // costs the others a wait, never a hang or an error.
+  void LeaveInOrder() {
+    const auto bound = std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(60));
+    auto wait_for_count = [&](const std::string& key, int64_t n) {
+      const auto deadline = std::chrono::steady_clock::now() + bound;
+      while (store_->add(key, 0) < n && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    };
+    try {
+#ifdef USE_C10D_NCCL
+      if (device_.is_cuda()) c10::cuda::device_synchronize();  // this rank's collectives are done
+#endif
+      store_->add("uckpt/exit/arrived", 1);
+      wait_for_count("uckpt/exit/arrived", world_);
+      ShutDownGroup();
+      if (rank_ != 0) {
+        store_->add("uckpt/exit/left", 1);
+      } else {
+        wait_for_count("uckpt/exit/left", world_ - 1);
+      }
+    } catch (const std::exception&) {
+      // The store is gone (its owner left): nothing to order any more.
+    }
+    shut_down_ = true;
+  }
+
   template <typename F>
   void Run(const char* what, F&& start) {
     if (monitor_) monitor_->EnterCollective(what);
@@ -271,6 +309,7 @@ class C10dComm : public Comm {
   std::chrono::milliseconds timeout_;
   at::Device device_;  // where this backend needs its tensors
   bool owns_pg_;
+  bool shut_down_ = false;
   std::unique_ptr<engine::RankMonitor> monitor_;  // destroyed first: it may call into pg_
 };
 
