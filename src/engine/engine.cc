@@ -266,6 +266,7 @@ void Engine::Backward(const at::Tensor& loss) {
   const int64_t ga = e.batch.gradient_accumulation_steps;
   at::Tensor scaled = ga > 1 ? loss / ga : loss;
   scaled = scaled * loss_scale();
+  if (!e.zero3) e.zero->ReattachGradients();
   scaled.backward();
   if (e.zero3) {
     e.zero3->FinishBackward();
