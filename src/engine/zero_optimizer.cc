@@ -232,6 +232,9 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(double lr) {
   }
   const double scaled_norm = GlobalNorm();
   r.grad_norm = static_cast<float>(static_cast<float>(scaled_norm) / prev_scale);
+  // Stage 0 in fp32: DeepSpeed's optimizer steps the module's parameters
+  // themselves, so a write to one (p.data) is where the step starts.
+  if (s_.stage == 0 && s_.model_dtype == at::kFloat) InitMasterFromModel();
 
   for (Group& g : groups_) {
     // unscale_and_clip_grads, with DeepSpeed's tensor arithmetic in fp32.
