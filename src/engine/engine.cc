@@ -102,7 +102,8 @@ void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
       continue;
     }
     owner_of[key] = p.key();
-    (p.value().requires_grad() ? trainable : e.frozen).push_back({p.key(), p.value()});
+    in_order.push_back({p.key(), p.value()});
+    (p.value().requires_grad() ? trainable : e.frozen).push_back(in_order.back());
   }
   if (trainable.empty()) throw std::invalid_argument("uckpt::Engine: the module has no parameter that requires grad");
   if (user_groups.empty()) {
@@ -130,18 +131,35 @@ void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
     e.groups.push_back(std::move(group));
     specs.push_back({{}, GroupOptimizer(e.config.optimizer, user_groups[g])});
   }
-  for (const auto& p : trainable)
-    if (!placed.count(p.tensor.unsafeGetTensorImpl()))
+  // A trainable parameter in no group: DeepSpeed's optimizer never updates it
+  // (autograd still gives it a local .grad), so at stages 0-2 it is kept as a
+  // frozen one. ZeRO-3 would partition it with no optimizer state to restore
+  // it from, which uckpt refuses.
+  std::set<const void*> left_out;
+  for (const auto& p : trainable) {
+    if (placed.count(p.tensor.unsafeGetTensorImpl())) continue;
+    if (e.config.zero.stage == 3)
       throw std::invalid_argument("uckpt::Engine: trainable parameter " + p.name +
-                                  " is in no param group (set requires_grad false to freeze it)");
+                                  " is in no param group; at ZeRO stage 3 uckpt refuses that (DeepSpeed partitions it "
+                                  "and never updates or saves its values): add it to a group or set requires_grad "
+                                  "false to freeze it");
+    left_out.insert(p.tensor.unsafeGetTensorImpl());
+  }
+  if (left_out.empty()) return;
+  e.frozen.clear();  // again, in the module's order
+  for (const auto& p : in_order)
+    if (!p.tensor.requires_grad() || left_out.count(p.tensor.unsafeGetTensorImpl())) e.frozen.push_back(p);
 }
 
 // As Python's module.half()/bfloat16(): floating parameters and buffers
-// change dtype, others (int position ids) stay; ties survive (set_data).
+// change dtype, others (int position ids) stay; ties survive (set_data). At
+// fp32 DeepSpeed casts nothing: buffers keep their dtype (parameters become
+// fp32, the flat buffers' dtype).
 void CastFloatingTensors(torch::nn::Module& m, at::ScalarType dtype) {
   c10::NoGradGuard no_grad;
   for (auto t : m.parameters(/*recurse=*/true))
     if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
+  if (dtype == at::kFloat) return;
   for (auto t : m.buffers(/*recurse=*/true))
     if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
 }
