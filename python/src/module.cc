@@ -112,7 +112,7 @@ PYBIND11_MODULE(_uckpt, m) {
         "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),
         "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none());
   m.def("init_distributed", &uckpt::python::InitDistributed, "dist_backend"_a = "", "timeout_minutes"_a = 30);
-  m.def("gather_parameters", &uckpt::python::GatherParameters, "gather"_a);
+  m.def("gather_parameters", &uckpt::python::GatherParameters, "params"_a, "gather"_a, "modifier_rank"_a = -1);
   m.def("add_config_arguments", &uckpt::python::AddConfigArguments, "parser"_a);
 
   // C++ exceptions the engine throws arrive as Python's ValueError / RuntimeError (pybind11's

@@ -94,7 +94,7 @@ namespace {
 void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
                     std::vector<engine::GroupSpec>& specs) {
   std::map<const void*, std::string> owner_of;  // TensorImpl -> first name
-  std::vector<NamedParam> trainable;
+  std::vector<NamedParam> trainable, in_order;
   for (const auto& p : e.model->named_parameters(/*recurse=*/true)) {
     const void* key = p.value().unsafeGetTensorImpl();
     if (auto it = owner_of.find(key); it != owner_of.end()) {
@@ -374,6 +374,61 @@ void Engine::GatherParameters() {
 void Engine::ReleaseParameters() {
   if (impl_->zero3) impl_->zero3->ReleaseAll();
 }
+namespace {
+
+// GatheredParameters' tensors that are the engine's: stage 3's partitioned
+// parameters (indices, sorted: the same order on every rank) and its whole
+// frozen ones (in the engine's order).
+void SortGathered(Engine::Impl& e, const std::vector<at::Tensor>& ts, std::vector<size_t>& partitioned,
+                  std::vector<NamedParam>& frozen) {
+  std::set<const void*> given;
+  for (const auto& t : ts) given.insert(t.unsafeGetTensorImpl());
+  const auto& ps = e.zero3->params();
+  for (size_t i = 0; i < ps.size(); ++i)
+    if (given.count(ps[i].tensor.unsafeGetTensorImpl())) partitioned.push_back(i);
+  for (const auto& p : e.frozen)
+    if (given.count(p.tensor.unsafeGetTensorImpl())) frozen.push_back(p);
+}
+
+}  // namespace
+
+void Engine::GatherParameters(const std::vector<at::Tensor>& params) {
+  Impl& e = *impl_;
+  if (!e.zero3) return;
+  std::vector<size_t> partitioned;
+  std::vector<NamedParam> frozen;
+  SortGathered(e, params, partitioned, frozen);
+  e.zero3->GatherSome(partitioned);
+  // uckpt keeps frozen parameters whole; DeepSpeed's are partitioned, so a
+  // write to one is discarded unless a modifier rank keeps it: remember it.
+  c10::NoGradGuard no_grad;
+  for (const auto& p : frozen) e.gathered_frozen[p.tensor.unsafeGetTensorImpl()].push_back(p.tensor.clone());
+}
+
+void Engine::ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {
+  Impl& e = *impl_;
+  if (!e.zero3) return;
+  std::vector<size_t> partitioned;
+  std::vector<NamedParam> frozen;
+  SortGathered(e, params, partitioned, frozen);
+  e.zero3->ReleaseSome(partitioned, modifier_rank);
+  c10::NoGradGuard no_grad;
+  for (const auto& p : frozen) {
+    auto it = e.gathered_frozen.find(p.tensor.unsafeGetTensorImpl());
+    if (it == e.gathered_frozen.end() || it->second.empty()) continue;
+    at::Tensor before = std::move(it->second.back());
+    it->second.pop_back();
+    if (it->second.empty()) e.gathered_frozen.erase(it);
+    if (modifier_rank < 0) {
+      p.tensor.copy_(before);
+    } else if (e.comm->world_size() > 1) {
+      at::Tensor t = p.tensor.contiguous();
+      e.comm->Broadcast(t, modifier_rank);
+      if (!t.is_same(p.tensor)) p.tensor.copy_(t);
+    }
+  }
+}
+
 int Engine::rank() const { return impl_->comm->rank(); }
 int Engine::world_size() const { return impl_->comm->world_size(); }
 int Engine::local_rank() const { return impl_->local_rank; }
