@@ -97,7 +97,9 @@ PYBIND11_MODULE(_uckpt, m) {
       .def_property_readonly("global_samples", [](const PyEngine& e) { return e.engine().global_samples(); })
       .def_property_readonly("micro_steps", [](const PyEngine& e) { return e.engine().micro_steps(); })
       .def_property_readonly("skipped_steps", [](const PyEngine& e) { return e.engine().skipped_steps(); })
-      .def_property_readonly("device", [](const PyEngine& e) { return py::str(e.engine().device().str()); })
+      .def_property_readonly("device", [](const PyEngine& e) {  // a torch.device, as DeepSpeed's
+        return py::module_::import("torch").attr("device")(e.engine().device().str());
+      })
       .def_property_readonly("optimizer",
                              [](std::shared_ptr<PyEngine> e) { return EngineOptimizer{std::move(e)}; })
       .def_property_readonly("lr_scheduler",
