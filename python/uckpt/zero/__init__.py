@@ -23,8 +23,10 @@ def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True
         params = [params]
     params = list(params)
     rank = -1 if modifier_rank is None else int(modifier_rank)
-    if modifier_rank is not None and rank < 0:
-        raise ValueError(f"uckpt.zero.GatheredParameters: modifier_rank {modifier_rank} is not a rank")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if modifier_rank is not None and not 0 <= rank < world:
+        raise ValueError(f"uckpt.zero.GatheredParameters: modifier_rank {modifier_rank} is not a rank "
+                         f"(world size {world})")
     partitioned = _uckpt.gather_parameters(params, True)
     if fwd_module is not None and partitioned:
         _uckpt.gather_parameters(params, False)
