@@ -196,6 +196,15 @@ class Engine {
   // until ReleaseParameters(). Collective. No-ops at stages 0-2.
   void GatherParameters();
   void ReleaseParameters();
+  // Stage 3, as DeepSpeed's zero.GatheredParameters(params, modifier_rank):
+  // the module's parameters among `params` (others are ignored) whole until
+  // ReleaseParameters(params, modifier_rank) with the same list. Releasing
+  // with modifier_rank >= 0 makes that rank's values every rank's (their
+  // partitions, so the next forward sees them; the fp32 masters are not
+  // written, as DeepSpeed's: the next step starts from those); -1 discards
+  // writes made meanwhile. Collective. No-ops at stages 0-2.
+  void GatherParameters(const std::vector<at::Tensor>& params);
+  void ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank);
 
   // Saves <dir>/<tag>/ in DeepSpeed's layout (tag "" = "global_step<N>") with
   // client_state's keys at the top of the model-states file, then points

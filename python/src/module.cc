@@ -115,7 +115,9 @@ PYBIND11_MODULE(_uckpt, m) {
       .def_property_readonly("global_samples", [](const PyEngine& e) { return e.engine().global_samples(); })
       .def_property_readonly("micro_steps", [](const PyEngine& e) { return e.engine().micro_steps(); })
       .def_property_readonly("skipped_steps", [](const PyEngine& e) { return e.engine().skipped_steps(); })
-      .def_property_readonly("device", [](const PyEngine& e) { return py::str(e.engine().device().str()); })
+      .def_property_readonly("device", [](const PyEngine& e) {  // a torch.device, as DeepSpeed's
+        return py::module_::import("torch").attr("device")(e.engine().device().str());
+      })
       .def_property_readonly("optimizer",
                              [](std::shared_ptr<PyEngine> e) { return EngineOptimizer{std::move(e)}; })
       .def_property_readonly("lr_scheduler",
@@ -133,7 +135,7 @@ PYBIND11_MODULE(_uckpt, m) {
         "auto_mpi_discovery"_a = true, "distributed_port"_a = 29500, "verbose"_a = true, "timeout"_a = py::none(),
         "init_method"_a = py::none(), "dist_init_required"_a = py::none(), "config"_a = py::none(), "rank"_a = -1,
         "world_size"_a = -1);
-  m.def("gather_parameters", &uckpt::python::GatherParameters, "gather"_a);
+  m.def("gather_parameters", &uckpt::python::GatherParameters, "params"_a, "gather"_a, "modifier_rank"_a = -1);
   m.def("add_config_arguments", &uckpt::python::AddConfigArguments, "parser"_a);
 
   // C++ exceptions the engine throws arrive as Python's ValueError / RuntimeError (pybind11's

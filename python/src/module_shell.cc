@@ -63,6 +63,21 @@ std::vector<GatherUnit> FindGatherUnits(py::handle module, const std::shared_ptr
   return units;
 }
 
+namespace {
+
+// DeepSpeed's own class (uckpt's stand-in, or DeepSpeed's if a script
+// imports both) by its module path: a user's class of the same name is not.
+bool IsDeepSpeedClass(py::handle obj, const std::set<std::string>& names, const std::vector<std::string>& packages) {
+  py::handle type = obj.get_type();
+  if (!names.count(py::str(type.attr("__name__")).cast<std::string>())) return false;
+  const std::string where = py::str(type.attr("__module__")).cast<std::string>();
+  for (const auto& p : packages)
+    if (where == p || where.rfind(p + ".", 0) == 0) return true;
+  return false;
+}
+
+}  // namespace
+
 std::string FindUnsupportedModule(py::handle module) {
   static const std::set<std::string> kPipeline = {"PipelineModule"};
   static const std::set<std::string> kMoE = {"MoE", "MOELayer", "TopKGate", "Experts"};
@@ -70,8 +85,10 @@ std::string FindUnsupportedModule(py::handle module) {
     auto pair = item.cast<py::tuple>();
     const std::string cls = py::str(pair[1].get_type().attr("__name__")).cast<std::string>();
     const std::string where = pair[0].cast<std::string>().empty() ? "the model" : "submodule " + pair[0].cast<std::string>();
-    if (kPipeline.count(cls)) return where + " is a " + cls + ": pipeline parallelism is not supported by uckpt";
-    if (kMoE.count(cls)) return where + " is a " + cls + ": mixture of experts (MoE) is not supported by uckpt";
+    if (IsDeepSpeedClass(pair[1], kPipeline, {"uckpt.pipe", "deepspeed.pipe", "deepspeed.runtime.pipe"}))
+      return where + " is a " + cls + ": pipeline parallelism is not supported by uckpt";
+    if (IsDeepSpeedClass(pair[1], kMoE, {"uckpt.moe", "deepspeed.moe"}))
+      return where + " is a " + cls + ": mixture of experts (MoE) is not supported by uckpt";
   }
   return "";
 }

@@ -26,9 +26,10 @@ struct GatherUnit {
 };
 std::vector<GatherUnit> FindGatherUnits(py::handle module, const std::shared_ptr<torch::nn::Module>& shell);
 
-// The first submodule (the module itself included) whose class DeepSpeed
-// implements with features uckpt does not (pipeline, MoE): its description,
-// or "" if none.
+// The first submodule (the module itself included) that is one of DeepSpeed's
+// own classes (by module path: uckpt.moe, deepspeed.moe, ...) for features
+// uckpt does not implement (pipeline, MoE): its description, or "" if none.
+// A user's class of the same name is not one.
 std::string FindUnsupportedModule(py::handle module);
 
 }  // namespace uckpt::python

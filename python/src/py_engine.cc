@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <map>
 #include <set>
 
 #include "engine/host_threads.h"
@@ -267,7 +268,42 @@ void RegisterUnitHooks(const std::shared_ptr<PyEngine>& engine, const std::vecto
   }
 }
 
-std::weak_ptr<PyEngine> g_last_engine;  // for uckpt.zero.GatheredParameters
+// Non-persistent buffers are not in the shell (nor in state_dict): moved and
+// cast here as DeepSpeed's module.to(device) and module.half()/bfloat16() do
+// (floating ones only; at fp32 nothing is cast).
+void MoveNonPersistentBuffers(py::handle model, const Engine& e) {
+  py::module_ torch = py::module_::import("torch");
+  py::object device = torch.attr("device")(e.device().str());
+  py::object dtype = py::none();
+  if (e.fp16_enabled()) dtype = torch.attr("float16");
+  if (e.bf16_enabled()) dtype = torch.attr("bfloat16");
+  for (auto m : model.attr("modules")()) {
+    if (!py::hasattr(m, "_non_persistent_buffers_set")) continue;
+    py::dict buffers = m.attr("_buffers");
+    for (auto name : m.attr("_non_persistent_buffers_set")) {
+      if (!buffers.contains(name) || !THPVariable_Check(buffers[name].ptr())) continue;
+      py::object t = buffers[name].attr("to")(device);
+      if (!dtype.is_none() && t.attr("is_floating_point")().cast<bool>()) t = t.attr("to")(dtype);
+      buffers[name] = t;
+    }
+  }
+}
+
+// For uckpt.zero.GatheredParameters: the engine of each parameter (by its
+// TensorImpl), engines numbered in creation order (the same on every rank).
+struct EngineRef {
+  uint64_t order = 0;
+  std::weak_ptr<PyEngine> engine;
+};
+std::map<const void*, EngineRef> g_engine_of;
+uint64_t g_engines_created = 0;
+
+void RegisterParameters(const std::shared_ptr<PyEngine>& engine, const torch::nn::Module& shell) {
+  for (auto it = g_engine_of.begin(); it != g_engine_of.end();)
+    it = it->second.engine.expired() ? g_engine_of.erase(it) : std::next(it);
+  const uint64_t order = g_engines_created++;
+  for (const auto& t : shell.parameters(/*recurse=*/true)) g_engine_of[t.unsafeGetTensorImpl()] = {order, engine};
+}
 
 py::object ResolveConfig(py::handle args, py::handle config) {
   if (!config.is_none()) return py::reinterpret_borrow<py::object>(config);
@@ -424,6 +460,7 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
     engine = std::make_unique<Engine>(shell, Config::FromJson(json, source), std::move(options));
   }
   settings.zero_stage = engine->zero_stage();
+  MoveNonPersistentBuffers(model, *engine);
   if (engine->rank() == 0) {
     for (const auto& w : engine->warnings()) std::cerr << "uckpt: " << w << "\n";
     if (!plan.warning.empty()) std::cerr << "uckpt: " << plan.warning << "\n";
@@ -433,19 +470,38 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   auto py_engine = std::make_shared<PyEngine>(model, shell, std::move(engine), settings);
   py_engine->UseParamGroups(optimizer, std::move(plan.engine_group_of));
   RegisterUnitHooks(py_engine, units);
-  g_last_engine = py_engine;
+  RegisterParameters(py_engine, *shell);
   py::object engine_obj = py::cast(py_engine);
   return py::make_tuple(engine_obj, engine_obj.attr("optimizer"), dataloader, engine_obj.attr("lr_scheduler"));
 }
 
-void GatherParameters(bool gather) {
-  auto e = g_last_engine.lock();
-  if (!e) return;  // no engine: every tensor is whole
-  py::gil_scoped_release no_gil;
-  if (gather)
-    e->engine().GatherParameters();
-  else
-    e->engine().ReleaseParameters();
+int GatherParameters(py::object params, bool gather, int modifier_rank) {
+  // Each engine's own tensors, engines in creation order: every rank calls the same collectives.
+  std::map<uint64_t, std::pair<std::shared_ptr<PyEngine>, std::vector<at::Tensor>>> by_engine;
+  for (auto item : params) {
+    if (!THPVariable_Check(item.ptr()))
+      throw py::type_error("uckpt.zero.GatheredParameters: params holds a " + TypeName(item) + ", not a tensor");
+    at::Tensor t = THPVariable_Unpack(item.ptr());
+    auto it = g_engine_of.find(t.unsafeGetTensorImpl());
+    if (it == g_engine_of.end()) continue;  // not a parameter of an engine: whole, nothing to do
+    auto e = it->second.engine.lock();
+    if (!e) continue;
+    auto& entry = by_engine[it->second.order];
+    entry.first = e;
+    entry.second.push_back(t);
+  }
+  int partitioned = 0;
+  for (auto& [order, entry] : by_engine) {
+    auto& [e, tensors] = entry;
+    if (e->settings().zero_stage != 3) continue;  // stages 0-2: parameters are whole, DeepSpeed's context does nothing
+    partitioned += static_cast<int>(tensors.size());
+    py::gil_scoped_release no_gil;
+    if (gather)
+      e->engine().GatherParameters(tensors);
+    else
+      e->engine().ReleaseParameters(tensors, modifier_rank);
+  }
+  return partitioned;
 }
 
 // ---- The engine's calls. ----

@@ -85,9 +85,12 @@ void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distr
                      py::object timeout, py::object init_method, py::object dist_init_required, py::object config,
                      int rank, int world_size);
 
-// uckpt.zero.GatheredParameters: the last initialized engine's stage-3
-// parameters gathered (true) or released (false); no-ops at stages 0-2.
-void GatherParameters(bool gather);
+// uckpt.zero.GatheredParameters: the stage-3 parameters among `params` (an
+// iterable of tensors), each by the engine holding it, gathered (true) or
+// released with modifier_rank (-1: writes discarded); tensors of no engine,
+// or of an engine at stages 0-2, are left alone. Returns how many were
+// stage 3's.
+int GatherParameters(py::object params, bool gather, int modifier_rank);
 
 // deepspeed.add_config_arguments: --deepspeed, --deepspeed_config (and the old --deepscale names).
 py::object AddConfigArguments(py::object parser);

@@ -100,7 +100,7 @@ namespace {
 void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
                     std::vector<engine::GroupSpec>& specs) {
   std::map<const void*, std::string> owner_of;  // TensorImpl -> first name
-  std::vector<NamedParam> trainable;
+  std::vector<NamedParam> trainable, in_order;
   for (const auto& p : e.model->named_parameters(/*recurse=*/true)) {
     const void* key = p.value().unsafeGetTensorImpl();
     if (auto it = owner_of.find(key); it != owner_of.end()) {
@@ -108,7 +108,8 @@ void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
       continue;
     }
     owner_of[key] = p.key();
-    (p.value().requires_grad() ? trainable : e.frozen).push_back({p.key(), p.value()});
+    in_order.push_back({p.key(), p.value()});
+    (p.value().requires_grad() ? trainable : e.frozen).push_back(in_order.back());
   }
   if (trainable.empty()) throw std::invalid_argument("uckpt::Engine: the module has no parameter that requires grad");
   if (user_groups.empty()) {
@@ -136,18 +137,35 @@ void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
     e.groups.push_back(std::move(group));
     specs.push_back({{}, GroupOptimizer(e.config.optimizer, user_groups[g])});
   }
-  for (const auto& p : trainable)
-    if (!placed.count(p.tensor.unsafeGetTensorImpl()))
+  // A trainable parameter in no group: DeepSpeed's optimizer never updates it
+  // (autograd still gives it a local .grad), so at stages 0-2 it is kept as a
+  // frozen one. ZeRO-3 would partition it with no optimizer state to restore
+  // it from, which uckpt refuses.
+  std::set<const void*> left_out;
+  for (const auto& p : trainable) {
+    if (placed.count(p.tensor.unsafeGetTensorImpl())) continue;
+    if (e.config.zero.stage == 3)
       throw std::invalid_argument("uckpt::Engine: trainable parameter " + p.name +
-                                  " is in no param group (set requires_grad false to freeze it)");
+                                  " is in no param group; at ZeRO stage 3 uckpt refuses that (DeepSpeed partitions it "
+                                  "and never updates or saves its values): add it to a group or set requires_grad "
+                                  "false to freeze it");
+    left_out.insert(p.tensor.unsafeGetTensorImpl());
+  }
+  if (left_out.empty()) return;
+  e.frozen.clear();  // again, in the module's order
+  for (const auto& p : in_order)
+    if (!p.tensor.requires_grad() || left_out.count(p.tensor.unsafeGetTensorImpl())) e.frozen.push_back(p);
 }
 
 // As Python's module.half()/bfloat16(): floating parameters and buffers
-// change dtype, others (int position ids) stay; ties survive (set_data).
+// change dtype, others (int position ids) stay; ties survive (set_data). At
+// fp32 DeepSpeed casts nothing: buffers keep their dtype (parameters become
+// fp32, the flat buffers' dtype).
 void CastFloatingTensors(torch::nn::Module& m, at::ScalarType dtype) {
   c10::NoGradGuard no_grad;
   for (auto t : m.parameters(/*recurse=*/true))
     if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
+  if (dtype == at::kFloat) return;
   for (auto t : m.buffers(/*recurse=*/true))
     if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
 }
@@ -281,6 +299,7 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   const int64_t ga = e.batch.gradient_accumulation_steps;
   at::Tensor scaled = ga > 1 && options.scale_wrt_gas ? loss / ga : loss;
   scaled = scaled * loss_scale();
+  if (!e.zero3) e.zero->ReattachGradients();
   scaled.backward({}, options.retain_graph);
   if (e.zero3) {
     e.zero3->FinishBackward();
@@ -405,6 +424,61 @@ void Engine::GatherParameters() {
 void Engine::ReleaseParameters() {
   if (impl_->zero3) impl_->zero3->ReleaseAll();
 }
+namespace {
+
+// GatheredParameters' tensors that are the engine's: stage 3's partitioned
+// parameters (indices, sorted: the same order on every rank) and its whole
+// frozen ones (in the engine's order).
+void SortGathered(Engine::Impl& e, const std::vector<at::Tensor>& ts, std::vector<size_t>& partitioned,
+                  std::vector<NamedParam>& frozen) {
+  std::set<const void*> given;
+  for (const auto& t : ts) given.insert(t.unsafeGetTensorImpl());
+  const auto& ps = e.zero3->params();
+  for (size_t i = 0; i < ps.size(); ++i)
+    if (given.count(ps[i].tensor.unsafeGetTensorImpl())) partitioned.push_back(i);
+  for (const auto& p : e.frozen)
+    if (given.count(p.tensor.unsafeGetTensorImpl())) frozen.push_back(p);
+}
+
+}  // namespace
+
+void Engine::GatherParameters(const std::vector<at::Tensor>& params) {
+  Impl& e = *impl_;
+  if (!e.zero3) return;
+  std::vector<size_t> partitioned;
+  std::vector<NamedParam> frozen;
+  SortGathered(e, params, partitioned, frozen);
+  e.zero3->GatherSome(partitioned);
+  // uckpt keeps frozen parameters whole; DeepSpeed's are partitioned, so a
+  // write to one is discarded unless a modifier rank keeps it: remember it.
+  c10::NoGradGuard no_grad;
+  for (const auto& p : frozen) e.gathered_frozen[p.tensor.unsafeGetTensorImpl()].push_back(p.tensor.clone());
+}
+
+void Engine::ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {
+  Impl& e = *impl_;
+  if (!e.zero3) return;
+  std::vector<size_t> partitioned;
+  std::vector<NamedParam> frozen;
+  SortGathered(e, params, partitioned, frozen);
+  e.zero3->ReleaseSome(partitioned, modifier_rank);
+  c10::NoGradGuard no_grad;
+  for (const auto& p : frozen) {
+    auto it = e.gathered_frozen.find(p.tensor.unsafeGetTensorImpl());
+    if (it == e.gathered_frozen.end() || it->second.empty()) continue;
+    at::Tensor before = std::move(it->second.back());
+    it->second.pop_back();
+    if (it->second.empty()) e.gathered_frozen.erase(it);
+    if (modifier_rank < 0) {
+      p.tensor.copy_(before);
+    } else if (e.comm->world_size() > 1) {
+      at::Tensor t = p.tensor.contiguous();
+      e.comm->Broadcast(t, modifier_rank);
+      if (!t.is_same(p.tensor)) p.tensor.copy_(t);
+    }
+  }
+}
+
 int Engine::rank() const { return impl_->comm->rank(); }
 int Engine::world_size() const { return impl_->comm->world_size(); }
 int Engine::local_rank() const { return impl_->local_rank; }

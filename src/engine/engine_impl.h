@@ -2,6 +2,7 @@
 // and load). Not installed: users see include/uckpt/engine.h only.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,7 +36,8 @@ struct Engine::Impl {
   // Trainable parameters by optimizer group, in flat order: views into the
   // group's flat buffer once the optimizer exists.
   std::vector<std::vector<NamedParam>> groups;
-  std::vector<NamedParam> frozen;                           // requires_grad false, own storage
+  std::vector<NamedParam> frozen;                           // requires_grad false (or in no group), own storage
+  std::map<const void*, std::vector<at::Tensor>> gathered_frozen;  // stage 3: frozen values before GatheredParameters
   std::vector<std::pair<std::string, std::string>> aliases;  // tied: alias name -> owner name
   std::vector<NamedParam> buffers;                          // persistent buffers
   // The module's state_dict names in PyTorch's order (params, then buffers,

@@ -128,6 +128,13 @@ class Zero3Optimizer {
   at::Tensor ExitUnit(size_t unit, const at::Tensor& output);
   void GatherAll();   // +1 on every unit
   void ReleaseAll();  // -1 on every unit
+  // Engine::GatherParameters(params): +1 on each of `ps` (indices into
+  // params(), the same on every rank), gathering those not whole.
+  void GatherSome(const std::vector<size_t>& ps);
+  // -1 on each; modifier_rank >= 0 first broadcasts its whole values and
+  // re-partitions them; -1: those staying whole are gathered again from the
+  // partitions (writes discarded).
+  void ReleaseSome(const std::vector<size_t>& ps, int modifier_rank);
   bool IsGathered(const Zero3Param& p) const { return p.live > 0; }
   const Zero3Stats& stats() const { return stats_; }
   // Times FinishBackward, synchronising the device (UCKPT_TIMERS).

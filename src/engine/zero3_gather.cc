@@ -125,6 +125,37 @@ void Zero3Optimizer::ReleaseAll() {
   for (size_t u = 0; u < units_.size(); ++u) Release(u);
 }
 
+void Zero3Optimizer::GatherSome(const std::vector<size_t>& ps) {
+  DropPrefetches();  // their holds would make Hold() skip parameters whose bytes are still in flight
+  std::vector<size_t> need;
+  for (size_t i : ps)
+    if (Hold(i)) need.push_back(i);
+  Fetch(need);
+}
+
+void Zero3Optimizer::ReleaseSome(const std::vector<size_t>& ps, int modifier_rank) {
+  for (size_t i : ps)
+    if (params_.at(i).live <= 0) throw std::logic_error("ZeRO-3: " + params_[i].name + " released but not gathered");
+  if (modifier_rank >= 0) {
+    if (modifier_rank >= dp())
+      throw std::invalid_argument("GatheredParameters: modifier_rank " + std::to_string(modifier_rank) +
+                                  " is not a rank (world size " + std::to_string(dp()) + ")");
+    c10::NoGradGuard no_grad;
+    for (size_t i : ps) {
+      Zero3Param& p = params_[i];
+      at::Tensor whole = AllocateStorage(p.tensor);  // already allocated: the flat view of its bytes
+      if (dp() > 1) comm_.Broadcast(whole, modifier_rank);
+      p.partition.copy_(RankSlot(whole, dp(), comm_.rank()));
+    }
+  }
+  std::vector<size_t> still_whole;
+  for (size_t i : ps) {
+    Unhold(i);
+    if (params_[i].live > 0 && modifier_rank < 0) still_whole.push_back(i);
+  }
+  Fetch(still_whole);
+}
+
 bool Zero3Optimizer::UnitGathered(size_t unit) const {
   for (size_t i : units_[unit])
     if (params_[i].live > 0) return true;

@@ -55,8 +55,12 @@ void ZeroOptimizer::BindGradients(const std::vector<std::vector<at::Tensor>>& pa
     Group& g = groups_[gi];
     const auto& ps = params[gi];
     if (ps.size() != g.numels.size()) throw std::invalid_argument("BindGradients: wrong parameter count");
-    for (size_t k = 0; k < ps.size(); ++k)
-      ps[k].mutable_grad() = g.grad_flat.narrow(0, g.offsets[k], g.numels[k]).view(ps[k].sizes());
+    g.params = ps;
+    g.grad_views.clear();
+    for (size_t k = 0; k < ps.size(); ++k) {
+      g.grad_views.push_back(g.grad_flat.narrow(0, g.offsets[k], g.numels[k]).view(ps[k].sizes()));
+      ps[k].mutable_grad() = g.grad_views.back();
+    }
     if (overlap)
       g.overlap = std::make_unique<OverlappedGradReducer>(comm_, ps, g.numels, g.grad_flat,
                                                           g.layout.begin(partition_rank()), g.layout.partition_size,
@@ -71,6 +75,19 @@ void ZeroOptimizer::BindGradients(const std::vector<std::vector<at::Tensor>>& pa
       }
     }
   }
+}
+
+void ZeroOptimizer::ReattachGradients() {
+  const bool grads_live_in_dot_grad = s_.stage <= 1;  // DeepSpeed's, until the boundary (measured)
+  for (Group& g : groups_)
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      at::Tensor& grad = g.params[k].mutable_grad();
+      if (grad.defined() && grad.unsafeGetTensorImpl() == g.grad_views[k].unsafeGetTensorImpl()) continue;
+      c10::NoGradGuard no_grad;
+      if (grads_live_in_dot_grad) g.grad_views[k].zero_();
+      if (grad.defined()) g.grad_views[k].add_(grad);
+      grad = g.grad_views[k];
+    }
 }
 
 at::Tensor ZeroOptimizer::AllReduceInDeepSpeedOrder(Group& g) {
@@ -216,6 +233,9 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
   }
   const double scaled_norm = GlobalNorm();
   r.grad_norm = static_cast<float>(static_cast<float>(scaled_norm) / prev_scale);
+  // Stage 0 in fp32: DeepSpeed's optimizer steps the module's parameters
+  // themselves, so a write to one (p.data) is where the step starts.
+  if (s_.stage == 0 && s_.model_dtype == at::kFloat) InitMasterFromModel();
 
   for (Group& g : groups_) {
     // unscale_and_clip_grads, with DeepSpeed's tensor arithmetic in fp32.

@@ -92,6 +92,13 @@ class ZeroOptimizer {
   // `params[g]` are views into model_flat(g) in flat order.
   void BindGradients(const std::vector<std::vector<at::Tensor>>& params);
   void BindGradients(const std::vector<at::Tensor>& params) { BindGradients(std::vector{params}); }
+  // Before each backward: a parameter whose .grad is no longer its view (the
+  // caller set it to None, as module.zero_grad() does, or to another tensor)
+  // gets the view back. Its gradient since the last reduction is dropped at
+  // stages 0-1, where DeepSpeed keeps it in .grad until the boundary; another
+  // tensor's values are added, as backward would add to it. One pointer check
+  // per parameter otherwise.
+  void ReattachGradients();
   // The loss multiplier for backward (the fp16 loss scale; 1 otherwise).
   double loss_scale() const { return scaler_.cur_scale; }
 
@@ -129,6 +136,7 @@ class ZeroOptimizer {
     // (stage 2: the order backward produced their gradients, recorded by hooks
     // each micro-step; stage 1: flat order).
     std::vector<int> ready_order;
+    std::vector<at::Tensor> params, grad_views;  // bound by BindGradients
   };
   at::Tensor PartitionOf(const Group& g, const at::Tensor& flat) const;
   void ReduceIntoPartition(Group& g);

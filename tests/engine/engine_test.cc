@@ -267,8 +267,15 @@ TEST(EngineApiErrors, ParamGroupsNameTheParameter) {
     EngineOptions o;
     o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
     o.param_groups = {ParamGroup{{net->wte}}};  // the biases are in no group
+    {  // stages 0-2: never updated, as DeepSpeed leaves them
+      auto other = std::make_shared<TestNet>(1);
+      o.param_groups = {ParamGroup{{other->wte}}};
+      Engine e(other, TestConfig(2), o);
+      EXPECT_EQ(e.param_groups().at(0).size(), 1u);
+      o.param_groups = {ParamGroup{{net->wte}}};
+    }
     try {
-      Engine e(net, TestConfig(2), o);
+      Engine e(net, TestConfig(3), o);  // stage 3 refuses them
       FAIL() << "expected an error";
     } catch (const std::invalid_argument& ex) {
       EXPECT_NE(std::string(ex.what()).find("trainable parameter fc.weight is in no param group"), std::string::npos) << ex.what();

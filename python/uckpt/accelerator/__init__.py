@@ -30,8 +30,8 @@ class _Accelerator:
     def device_count(self):
         return torch.cuda.device_count() if self._cuda else 1
 
-    def is_available(self):
-        return True
+    def is_available(self):  # as DeepSpeed's: the CPU always, CUDA as torch sees it
+        return torch.cuda.is_available() if self._cuda else True
 
     def synchronize(self, device_index=None):
         if self._cuda:
@@ -47,11 +47,14 @@ class _Accelerator:
     def manual_seed_all(self, seed):
         torch.manual_seed(seed)
 
-    def is_bf16_supported(self):
-        return True
+    def is_bf16_supported(self):  # DeepSpeed's CPU accelerator: True; CUDA: torch's answer
+        return torch.cuda.is_bf16_supported() if self._cuda else True
 
-    def is_fp16_supported(self):
-        return self._cuda
+    def is_fp16_supported(self):  # DeepSpeed's: compute capability 7 or more (6 with DS_ALLOW_DEPRECATED_FP16=1)
+        if not self._cuda:
+            return False
+        major, _ = torch.cuda.get_device_capability()
+        return major >= 7 or (major == 6 and os.environ.get("DS_ALLOW_DEPRECATED_FP16", "0") == "1")
 
     def communication_backend_name(self):
         return "nccl" if self._cuda else "gloo"
