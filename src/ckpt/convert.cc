@@ -216,7 +216,10 @@ class Converter {
     if (options_.write_manifest) {
       // The folder's last file lists all the others (docs/manifest-format.md);
       // the sync below makes it durable with them.
-      WriteManifest(tmp_, written_, /*durable=*/false);
+      // With the state fingerprint of what was converted, which `uckpt verify
+      // --state` and a resume recompute from the universal files.
+      const StateFingerprint state = FingerprintZeroCheckpoint(ckpt_, 0, 1, options_.threads);
+      WriteManifest(tmp_, written_, /*durable=*/false, &state);
       stats_.files += 1;
     }
     if (options_.durable) env_.SyncFilesystem(tmp_);  // every file, not an fsync each

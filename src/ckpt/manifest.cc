@@ -119,7 +119,8 @@ uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress, uint
 
 Manifest WriteManifest(const std::string& folder, bool durable) { return WriteManifest(folder, {}, durable); }
 
-Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntry>& known, bool durable) {
+Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntry>& known, bool durable,
+                       const StateFingerprint* state) {
   std::map<std::string, const ManifestEntry*> given;
   for (const auto& e : known) given[e.path] = &e;
   Manifest m;
@@ -153,6 +154,10 @@ Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntr
   for (const auto& e : m.files)
     files.push_back({{"path", e.path}, {"size", e.size}, {"xxh64", HashToHex(e.xxh64)}});
   json doc = {{"format", kManifestFormat}, {"version", kManifestVersion}, {"hash", "xxh64"}, {"files", files}};
+  if (state) {
+    doc["state_fingerprint"] = FingerprintToJson(*state);
+    m.state = *state;
+  }
   std::string text;
   try {
     text = doc.dump(1) + "\n";
@@ -202,6 +207,7 @@ Manifest ReadManifest(const std::string& folder) {
     m.files.push_back(std::move(e));
   }
   std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.path < b.path; });
+  if (doc.contains("state_fingerprint")) m.state = FingerprintFromJson(doc["state_fingerprint"], path);
   return m;
 }
 

@@ -6,8 +6,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "ckpt/fingerprint.h"
 
 namespace uckpt::ckpt {
 
@@ -24,6 +27,9 @@ struct ManifestEntry {
 // Entries sorted by path.
 struct Manifest {
   std::vector<ManifestEntry> files;
+  // The state fingerprint recorded at save or conversion (ckpt/fingerprint.h);
+  // absent in manifests written before it existed, and in none else.
+  std::optional<StateFingerprint> state;
 };
 
 // Hashes every regular file under `folder` (recursively; not the manifest
@@ -35,15 +41,18 @@ Manifest WriteManifest(const std::string& folder, bool durable = true);
 // The same, taking the sizes and hashes of the files in `known` (relative
 // paths, as the copy engine computed them while writing, ckpt/copy_plan.h)
 // instead of reading those files again; only other files are hashed. A known
-// file whose size on disk differs is an IoError naming it.
-Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntry>& known, bool durable = true);
+// file whose size on disk differs is an IoError naming it. `state`, if given,
+// is recorded as the manifest's "state_fingerprint".
+Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntry>& known, bool durable = true,
+                       const StateFingerprint* state = nullptr);
 
 // True if `folder/uckpt-manifest.json` exists.
 bool HasManifest(const std::string& folder);
 
 // Parses `folder/uckpt-manifest.json`. Throws FormatError naming the manifest
 // if it is not a valid manifest (bad JSON, unknown format or newer version,
-// a path that leaves the folder, a duplicate path, a malformed hash).
+// a path that leaves the folder, a duplicate path, a malformed hash or
+// state fingerprint).
 Manifest ReadManifest(const std::string& folder);
 
 // XXH64 (seed 0) of the whole file, read through a read-only map.

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "ckpt/fingerprint.h"
 #include "ckpt/verify.h"
 #include "cli/commands.h"
 #include "format/value_print.h"
@@ -48,14 +49,70 @@ class ProgressLine {
   std::thread thread_;
 };
 
-nlohmann::json ReportJson(const ckpt::VerifyReport& r) {
+// `--state`: a folder's state fingerprint computed from its files, and
+// whether the manifest's record agrees.
+struct FolderState {
+  bool computed = false;
+  ckpt::StateFingerprint state;
+  std::string record;  // "matches the manifest's record", "no record in the manifest", ...
+};
+
+FolderState ComputeState(ckpt::FolderVerdict& f, int threads, std::vector<std::string>& notes) {
+  FolderState s;
+  if (!f.problems.empty() || (f.kind != ckpt::FolderKind::kZero && f.kind != ckpt::FolderKind::kUniversal)) return s;
+  try {
+    s.state = ckpt::FingerprintFolder(f.folder, threads);
+  } catch (const std::exception& e) {
+    notes.push_back(f.folder + ": state fingerprint not computed: " + e.what());
+    return s;
+  }
+  s.computed = true;
+  s.record = "no record in the folder (not saved by uckpt, or before records existed)";
+  if (!f.manifest) return s;
+  std::optional<ckpt::StateFingerprint> recorded;
+  try {
+    recorded = ckpt::ReadManifest(f.folder).state;
+  } catch (const std::exception& e) {
+    f.problems.push_back({f.folder + "/" + ckpt::kManifestName, e.what()});
+    return s;
+  }
+  if (!recorded) return s;
+  if (auto diff = ckpt::FirstFingerprintDifference(*recorded, s.state)) {
+    s.record = "differs from the manifest's record";
+    // The files as they are ("after the load") against what the saver recorded.
+    f.problems.push_back({f.folder + "/" + ckpt::kManifestName,
+                          "the state fingerprint of the files differs from the one recorded: " + *diff});
+  } else {
+    s.record = "matches the manifest's record";
+  }
+  return s;
+}
+
+std::string CountersText(const ckpt::FingerprintCounters& c) {
+  std::string s;
+  auto add = [&](const char* k, const std::string& v) { s += std::string(s.empty() ? "" : ", ") + k + " " + v; };
+  auto num = [](double v) {
+    char b[64];
+    std::snprintf(b, sizeof b, "%.17g", v);
+    return std::string(b);
+  };
+  if (c.global_steps) add("global_steps", std::to_string(*c.global_steps));
+  if (c.skipped_steps) add("skipped_steps", std::to_string(*c.skipped_steps));
+  if (c.global_samples) add("global_samples", std::to_string(*c.global_samples));
+  if (c.optimizer_step) add("optimizer_step", num(*c.optimizer_step));
+  if (c.loss_scale) add("loss_scale", num(*c.loss_scale));
+  return s;
+}
+
+nlohmann::json ReportJson(const ckpt::VerifyReport& r, const std::vector<FolderState>& states) {
   auto problems = [](const std::vector<ckpt::ManifestProblem>& ps) {
     nlohmann::json a = nlohmann::json::array();
     for (const auto& p : ps) a.push_back({{"file", p.file}, {"problem", p.what}});
     return a;
   };
   nlohmann::json folders = nlohmann::json::array();
-  for (const auto& f : r.folders)
+  for (size_t i = 0; i < r.folders.size(); ++i) {
+    const auto& f = r.folders[i];
     folders.push_back({{"folder", f.folder},
                        {"kind", ckpt::FolderKindName(f.kind)},
                        {"manifest", f.manifest},
@@ -63,6 +120,11 @@ nlohmann::json ReportJson(const ckpt::VerifyReport& r) {
                        {"bytes", f.bytes},
                        {"ok", f.problems.empty()},
                        {"problems", problems(f.problems)}});
+    if (i < states.size() && states[i].computed) {
+      folders.back()["state_fingerprint"] = ckpt::FingerprintToJson(states[i].state);
+      folders.back()["state_fingerprint_record"] = states[i].record;
+    }
+  }
   return {{"path", r.path},  {"ok", r.ok()},       {"contents_checked", r.hashes}, {"problem_count", r.problem_count()},
           {"folders", folders}, {"problems", problems(r.problems)}, {"notes", r.notes}};
 }
@@ -89,11 +151,13 @@ Runner AddVerify(CLI::App& app) {
       "  uckpt verify ckpt                         every checkpoint under ckpt/, and latest\n"
       "  uckpt verify --sizes-only ckpt            quick: sizes and structure, file contents not read\n"
       "  uckpt verify --json ckpt > report.json    machine-readable report\n"
+      "  uckpt verify --state ckpt/global_step100  also the state fingerprint: the same for a ZeRO folder\n"
+      "                                            and its universal conversion (-v: per parameter)\n"
       "Loading checks too: resume, convert and export compare sizes with the manifest always, hashes\n"
       "with --verify.");
   struct Args {
     std::string dir;
-    bool sizes_only = false, json = false, quiet = false;
+    bool sizes_only = false, json = false, quiet = false, state = false, verbose = false;
     int threads = 0;
   };
   auto args = std::make_shared<Args>();
@@ -101,6 +165,10 @@ Runner AddVerify(CLI::App& app) {
   cmd->add_flag("--sizes-only,--sizes_only", args->sizes_only,
                 "Compare sizes and structure only; do not read whole files (much faster, misses flipped bytes)");
   cmd->add_flag("--json", args->json, "Print the report as JSON on stdout");
+  cmd->add_flag("--state", args->state,
+                "Also compute each folder's state fingerprint from its files (fp32 masters, optimizer states, "
+                "counters; docs/manifest-format.md) and compare it with the manifest's record");
+  cmd->add_flag("-v,--verbose", args->verbose, "With --state: print every parameter's fingerprints");
   cmd->add_flag("-q,--quiet", args->quiet, "Print only problems (no summary, no progress)");
   cmd->add_option("-j,--threads", args->threads, "Hashing threads (default: up to 4)")->check(CLI::NonNegativeNumber);
   return [args] {
@@ -116,16 +184,32 @@ Runner AddVerify(CLI::App& app) {
       if (!args->quiet && !args->json && ::isatty(2)) line = std::make_unique<ProgressLine>(progress);
       r = ckpt::VerifyCheckpoint(args->dir, options);
     }
+    std::vector<FolderState> states;
+    if (args->state)
+      for (auto& f : r.folders) states.push_back(ComputeState(f, args->threads, r.notes));
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (args->json) {
       // Paths need not be UTF-8; replace what is not, as inspect does.
-      std::cout << ReportJson(r).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+      std::cout << ReportJson(r, states).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
       return r.ok() ? 0 : 1;
     }
     for (const auto& p : r.problems) std::cout << p.file << ": " << p.what << "\n";
     for (const auto& f : r.folders)
       for (const auto& p : f.problems) std::cout << p.file << ": " << p.what << "\n";
     if (args->quiet) return r.ok() ? 0 : 1;
+    for (size_t i = 0; i < states.size(); ++i) {
+      if (!states[i].computed) continue;
+      const ckpt::StateFingerprint& s = states[i].state;
+      std::cout << r.folders[i].folder << ": state fingerprint " << ckpt::HashToHex(s.total()) << " ("
+                << s.params.size() << " parameters, " << s.tensors() << " tensors; " << CountersText(s.counters)
+                << "); " << states[i].record << "\n";
+      if (!args->verbose) continue;
+      for (const auto& p : s.params) {
+        std::cout << "  " << p.name << " (" << p.numel << ")";
+        for (const auto& [k, v] : p.states) std::cout << " " << k << "=" << ckpt::HashToHex(v);
+        std::cout << "\n";
+      }
+    }
     for (const auto& n : r.notes) std::cerr << "verify: note: " << n << "\n";
     size_t files = 0, with_manifest = 0;
     uint64_t bytes = 0;

@@ -1,0 +1,383 @@
+#include "ckpt/fingerprint.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "ckpt/deepspeed_state.h"
+#include "ckpt/folder.h"
+#include "ckpt/manifest.h"
+#include "ckpt/parallel.h"
+#include "ckpt/universal_checkpoint.h"
+#include "ckpt/values.h"
+#include "ckpt/zero_checkpoint.h"
+#include "format/error.h"
+
+namespace uckpt::ckpt {
+
+using nlohmann::json;
+
+uint64_t FingerprintSeed(std::string_view param, std::string_view key) {
+  std::string s;
+  s.reserve(param.size() + key.size() + 1);
+  s.append(param).append("/").append(key);
+  return XXH64(s.data(), s.size(), 0);
+}
+
+uint64_t FingerprintBits(uint64_t seed, int64_t start, std::span<const uint32_t> bits) {
+  uint64_t sum = 0;
+  uint64_t x = seed + static_cast<uint64_t>(start) * kFingerprintGolden;
+  for (uint32_t b : bits) {
+    sum += FingerprintMix(x ^ (static_cast<uint64_t>(b) << 32));
+    x += kFingerprintGolden;
+  }
+  return sum;
+}
+
+uint64_t FingerprintElements(uint64_t seed, int64_t start, DType dtype, std::span<const uint8_t> bytes) {
+  const size_t es = DTypeSize(dtype);
+  if (!DTypeIsFloating(dtype)) throw FormatError("state fingerprint: a tensor of " + std::string(DTypeName(dtype)) +
+                                                 " is not a floating-point state");
+  const size_t n = bytes.size() / es;
+  // In blocks of fp32 bits, converted from the stored dtype.
+  constexpr size_t kBlock = 4096;
+  uint32_t buf[kBlock];
+  uint64_t sum = 0;
+  for (size_t at = 0; at < n; at += kBlock) {
+    const size_t m = std::min(kBlock, n - at);
+    const uint8_t* p = bytes.data() + at * es;
+    if (dtype == DType::kFloat32) {
+      std::memcpy(buf, p, m * 4);
+    } else {
+      for (size_t j = 0; j < m; ++j) {
+        float f;
+        if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) {
+          uint16_t h;
+          std::memcpy(&h, p + j * 2, 2);
+          f = dtype == DType::kBFloat16 ? BFloat16ToFloat(h) : HalfToFloat(h);
+        } else {
+          f = static_cast<float>(ElementToDouble(dtype, p + j * es));
+        }
+        std::memcpy(&buf[j], &f, 4);
+      }
+    }
+    sum += FingerprintBits(seed, start + static_cast<int64_t>(at), {buf, m});
+  }
+  return sum;
+}
+
+const uint64_t* ParamFingerprint::find(const std::string& key) const {
+  for (const auto& [k, v] : states)
+    if (k == key) return &v;
+  return nullptr;
+}
+
+uint64_t StateFingerprint::total() const {
+  uint64_t t = 0;
+  for (uint64_t s : sums()) t += s;
+  return t;
+}
+
+size_t StateFingerprint::tensors() const {
+  size_t n = 0;
+  for (const auto& p : params) n += p.states.size();
+  return n;
+}
+
+std::vector<uint64_t> StateFingerprint::sums() const {
+  std::vector<uint64_t> v;
+  for (const auto& p : params)
+    for (const auto& s : p.states) v.push_back(s.second);
+  return v;
+}
+
+void StateFingerprint::set_sums(const std::vector<uint64_t>& v) {
+  if (v.size() != tensors()) throw std::logic_error("StateFingerprint::set_sums: wrong count");
+  size_t k = 0;
+  for (auto& p : params)
+    for (auto& s : p.states) s.second = v[k++];
+}
+
+// ---- JSON ----
+
+json FingerprintToJson(const StateFingerprint& f) {
+  json params = json::array();
+  for (const auto& p : f.params) {
+    json states = json::object();
+    for (const auto& [k, v] : p.states) states[k] = HashToHex(v);
+    params.push_back({{"name", p.name}, {"numel", p.numel}, {"states", states}});
+  }
+  json counters = json::object();
+  const FingerprintCounters& c = f.counters;
+  if (c.global_steps) counters["global_steps"] = *c.global_steps;
+  if (c.skipped_steps) counters["skipped_steps"] = *c.skipped_steps;
+  if (c.global_samples) counters["global_samples"] = *c.global_samples;
+  if (c.optimizer_step) counters["optimizer_step"] = *c.optimizer_step;
+  if (c.loss_scale) counters["loss_scale"] = *c.loss_scale;
+  return {{"version", kFingerprintVersion}, {"total", HashToHex(f.total())}, {"counters", counters},
+          {"params", params}};
+}
+
+StateFingerprint FingerprintFromJson(const json& j, const std::string& where) {
+  auto bad = [&](const std::string& what) { return FormatError(where + ": state_fingerprint " + what); };
+  if (!j.is_object()) throw bad("is not an object");
+  if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int64_t>() != kFingerprintVersion)
+    throw bad("has no \"version\" " + std::to_string(kFingerprintVersion) + " (written by a newer uckpt?)");
+  if (!j.contains("params") || !j["params"].is_array()) throw bad("has no \"params\" array");
+  StateFingerprint f;
+  for (const auto& p : j["params"]) {
+    if (!p.is_object() || !p.contains("name") || !p["name"].is_string() || !p.contains("numel") ||
+        !p["numel"].is_number_integer() || !p.contains("states") || !p["states"].is_object())
+      throw bad("entry " + p.dump() + " lacks a string \"name\", an integer \"numel\" or a \"states\" object");
+    ParamFingerprint pf;
+    pf.name = p["name"].get<std::string>();
+    pf.numel = p["numel"].get<int64_t>();
+    for (const auto& [k, v] : p["states"].items()) {
+      uint64_t h = 0;
+      if (!v.is_string() || !HexToHash(v.get<std::string>(), &h))
+        throw bad("of " + pf.name + " has a \"" + k + "\" that is not 16 lower-case hex digits");
+      pf.states.emplace_back(k, h);
+    }
+    // "fp32" first, then sorted: the canonical order.
+    std::stable_sort(pf.states.begin(), pf.states.end(), [](const auto& a, const auto& b) {
+      return (a.first == "fp32") != (b.first == "fp32") ? a.first == "fp32" : a.first < b.first;
+    });
+    f.params.push_back(std::move(pf));
+  }
+  if (j.contains("counters")) {
+    const json& c = j["counters"];
+    if (!c.is_object()) throw bad("\"counters\" is not an object");
+    auto geti = [&](const char* k, std::optional<int64_t>& out) {
+      if (!c.contains(k)) return;
+      if (!c[k].is_number_integer()) throw bad("counter \"" + std::string(k) + "\" is not an integer");
+      out = c[k].get<int64_t>();
+    };
+    auto getd = [&](const char* k, std::optional<double>& out) {
+      if (!c.contains(k)) return;
+      if (!c[k].is_number()) throw bad("counter \"" + std::string(k) + "\" is not a number");
+      out = c[k].get<double>();
+    };
+    geti("global_steps", f.counters.global_steps);
+    geti("skipped_steps", f.counters.skipped_steps);
+    geti("global_samples", f.counters.global_samples);
+    getd("optimizer_step", f.counters.optimizer_step);
+    getd("loss_scale", f.counters.loss_scale);
+  }
+  if (j.contains("total")) {
+    uint64_t t = 0;
+    if (!j["total"].is_string() || !HexToHash(j["total"].get<std::string>(), &t)) throw bad("\"total\" is not hex");
+    if (t != f.total()) throw bad("\"total\" " + HashToHex(t) + " is not the sum of its parameters' (" +
+                                  HashToHex(f.total()) + ")");
+  }
+  return f;
+}
+
+// ---- From files ----
+
+namespace {
+
+std::vector<std::string> CanonicalKeys(std::vector<std::string> keys) {
+  std::sort(keys.begin(), keys.end());
+  keys.insert(keys.begin(), "fp32");
+  return keys;
+}
+
+std::optional<double> LossScaleOf(const ValuePtr& v) {
+  if (!v || v->kind != Kind::kObject || !v->state || !v->state->is_dict()) return std::nullopt;
+  ValuePtr s = v->state->get("cur_scale");
+  if (!s) return std::nullopt;
+  return ScalarOf(s, "loss_scaler.cur_scale");
+}
+
+void SetModelCounters(const TorchFile& model, FingerprintCounters& c) {
+  const ModelStatesView m = ReadModelStates(model.root, model.file->path());
+  c.global_steps = m.global_steps;
+  c.skipped_steps = m.skipped_steps;
+  c.global_samples = m.global_samples;
+}
+
+// Sums of `params` (shard's share) by `hash(i, key)`, on threads, largest first.
+template <typename Hash>
+void HashShare(StateFingerprint& f, const std::vector<uint64_t>& sizes, int shard, int shards, int threads, Hash hash) {
+  std::vector<size_t> mine;
+  std::vector<uint64_t> mine_sizes;
+  for (size_t i = 0; i < f.params.size(); ++i)
+    if (static_cast<int>(i % static_cast<size_t>(shards)) == shard) {
+      mine.push_back(i);
+      mine_sizes.push_back(sizes[i]);
+    }
+  ParallelBySize(mine_sizes, WorkerThreads(threads, mine.size()), [&](size_t k) {
+    ParamFingerprint& p = f.params[mine[k]];
+    for (auto& [key, sum] : p.states) sum = hash(mine[k], key);
+  });
+}
+
+void CheckShard(int shard, int shards) {
+  if (shards < 1 || shard < 0 || shard >= shards) throw std::invalid_argument("state fingerprint: bad shard");
+}
+
+}  // namespace
+
+StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, int shards, int threads) {
+  CheckShard(shard, shards);
+  StateFingerprint f;
+  const std::vector<std::string> keys = CanonicalKeys(z.state_keys);
+  std::vector<uint64_t> sizes;
+  for (const ParamPlan& p : z.params) {
+    ParamFingerprint pf{p.name, p.numel, {}};
+    for (const auto& k : keys) pf.states.emplace_back(k, 0);
+    f.params.push_back(std::move(pf));
+    sizes.push_back(p.bytes());
+  }
+  HashShare(f, sizes, shard, shards, threads, [&](size_t i, const std::string& key) {
+    const ParamPlan& p = z.params[i];
+    for (const StatePlan& s : p.states) {
+      if (s.key != key) continue;
+      uint64_t sum = 0;
+      int64_t at = 0;
+      for (auto piece : s.pieces) {
+        sum += FingerprintElements(FingerprintSeed(p.name, key), at, s.dtype, piece);
+        at += static_cast<int64_t>(piece.size() / DTypeSize(s.dtype));
+      }
+      return sum;
+    }
+    throw FormatError(z.folder + ": parameter " + p.name + " has no state '" + key + "'");
+  });
+  SetModelCounters(z.model, f.counters);
+  const std::string path = z.optim[0].file->path();
+  ValuePtr osd = Need(z.optim[0].root, "optimizer_state_dict", path);
+  f.counters.loss_scale = LossScaleOf(osd->get("loss_scaler"));
+  if (!z.state_keys.empty() && !z.params.empty()) {
+    if (z.stage == 3) {
+      const Stage3RankOptimView v = ReadStage3RankOptimStates(z.optim[0].root, path);
+      const size_t s = z.params[0].group;
+      if (s < v.adam.size() && v.adam[s]) f.counters.optimizer_step = v.adam[s]->step;
+    } else if (z.params[0].step) {
+      f.counters.optimizer_step = ScalarOf(z.params[0].step, path + ": step");
+    }
+  }
+  return f;
+}
+
+StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, int shard, int shards, int threads) {
+  CheckShard(shard, shards);
+  StateFingerprint f;
+  const std::vector<std::string> keys = CanonicalKeys(u.state_keys);
+  std::vector<uint64_t> sizes;
+  for (const auto& g : u.groups)
+    for (const UniversalParam& p : g) {
+      ParamFingerprint pf{p.name, p.numel, {}};
+      for (const auto& k : keys) pf.states.emplace_back(k, 0);
+      f.params.push_back(std::move(pf));
+      sizes.push_back(static_cast<uint64_t>(p.numel));
+    }
+  HashShare(f, sizes, shard, shards, threads, [&](size_t i, const std::string& key) {
+    const ParamFingerprint& p = f.params[i];
+    LoadedState ls = LoadUniversalState(u, p.name, key);
+    const std::string where = u.folder + "/zero/" + p.name + "/" + key + ".pt";
+    if (ls.tensor->numel() != p.numel)
+      throw FormatError(where + ": has " + std::to_string(ls.tensor->numel()) + " elements, " + p.name + " has " +
+                        std::to_string(p.numel));
+    return FingerprintElements(FingerprintSeed(p.name, key), 0, ls.tensor->dtype, TensorBytes(*ls.tensor, where));
+  });
+  SetModelCounters(u.model, f.counters);
+  const UniversalOptimizerFile saved = ReadUniversalOptimizerState(u);
+  f.counters.loss_scale = LossScaleOf(saved.loss_scaler);
+  if (!u.state_keys.empty() && !f.params.empty()) {
+    if (u.has_step) {
+      f.counters.optimizer_step = ReadUniversalStep(u, f.params[0].name);
+    } else if (u.zero3) {
+      // ZeRO-3's optimizer_state.pt: the whole stage-3 optimizer state; Adam's
+      // step per sub-group (the first parameter is in sub-group 0).
+      const std::string where = u.folder + "/zero/optimizer_state.pt";
+      ValuePtr inner = saved.file.root ? saved.file.root->get("optimizer_state_dict") : nullptr;
+      ValuePtr state = inner && inner->is_dict() ? inner->get("state") : nullptr;
+      ValuePtr s0 = state && state->is_dict() ? GetIntKey(state, 0) : nullptr;
+      if (ValuePtr step = s0 && s0->is_dict() ? s0->get("step") : nullptr)
+        f.counters.optimizer_step = ScalarOf(step, where + ": step");
+    }
+  }
+  return f;
+}
+
+StateFingerprint FingerprintFolder(const std::string& folder, int threads) {
+  switch (ClassifyTagFolder(folder)) {
+    case FolderKind::kZero:
+      return FingerprintZeroCheckpoint(OpenZeroCheckpoint(folder, false, /*check_manifest=*/false), 0, 1, threads);
+    case FolderKind::kUniversal:
+      return FingerprintUniversalCheckpoint(OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false), 0, 1,
+                                            threads);
+    default:
+      throw FormatError(folder + ": not a ZeRO tag folder or a universal checkpoint folder");
+  }
+}
+
+// ---- Comparison ----
+
+namespace {
+
+std::string Num(double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.17g", v);
+  return b;
+}
+
+template <typename T>
+std::optional<std::string> CounterDiff(const char* name, const std::optional<T>& want, const std::optional<T>& got) {
+  if (!want || !got || *want == *got) return std::nullopt;
+  return std::string("counter ") + name + " is " + Num(static_cast<double>(*got)) + " after the load, the checkpoint has " +
+         Num(static_cast<double>(*want));
+}
+
+}  // namespace
+
+std::optional<std::string> FirstFingerprintDifference(const StateFingerprint& expected, const StateFingerprint& actual,
+                                                      const FingerprintScope& scope) {
+  std::map<std::string, const ParamFingerprint*> held;
+  for (const auto& p : actual.params) held[p.name] = &p;
+  auto in_scope = [&](const std::string& key) { return key == "fp32" ? scope.masters : scope.optimizer; };
+  for (const auto& want : expected.params) {
+    auto it = held.find(want.name);
+    if (it == held.end()) return "parameter " + want.name + " is in the checkpoint but not in this model";
+    const ParamFingerprint& got = *it->second;
+    if (got.numel != want.numel)
+      return "parameter " + want.name + " has " + std::to_string(got.numel) + " elements after the load, the checkpoint " +
+             std::to_string(want.numel);
+    for (const auto& [key, value] : want.states) {
+      if (!in_scope(key)) continue;
+      const uint64_t* h = got.find(key);
+      if (!h) return "parameter " + want.name + " has no '" + key + "' after the load, the checkpoint has one";
+      if (*h != value)
+        return "parameter " + want.name + " '" + key + "' differs: fingerprint " + HashToHex(*h) +
+               " after the load, the checkpoint's is " + HashToHex(value);
+    }
+    for (const auto& [key, value] : got.states)
+      if (in_scope(key) && !want.find(key))
+        return "parameter " + want.name + " has '" + key + "' after the load, the checkpoint has none";
+  }
+  if (scope.masters || scope.optimizer) {
+    std::map<std::string, bool> recorded;
+    for (const auto& p : expected.params) recorded[p.name] = true;
+    for (const auto& p : actual.params)
+      if (!recorded.count(p.name)) return "parameter " + p.name + " of this model is not in the checkpoint";
+  }
+  const FingerprintCounters &w = expected.counters, &g = actual.counters;
+  std::optional<std::string> d;
+  if (scope.counters && ((d = CounterDiff("global_steps", w.global_steps, g.global_steps)) ||
+                         (d = CounterDiff("skipped_steps", w.skipped_steps, g.skipped_steps)) ||
+                         (d = CounterDiff("global_samples", w.global_samples, g.global_samples))))
+    return d;
+  if (scope.optimizer) {
+    if (w.optimizer_step.has_value() != g.optimizer_step.has_value() && (w.optimizer_step || g.optimizer_step))
+      return std::string("Adam's step is ") + (g.optimizer_step ? Num(*g.optimizer_step) : "absent") +
+             " after the load, the checkpoint's is " + (w.optimizer_step ? Num(*w.optimizer_step) : "absent");
+    if ((d = CounterDiff("optimizer_step", w.optimizer_step, g.optimizer_step)) ||
+        (d = CounterDiff("loss_scale", w.loss_scale, g.loss_scale)))
+      return d;
+  }
+  return std::nullopt;
+}
+
+}  // namespace uckpt::ckpt
