@@ -1,5 +1,6 @@
 #include <ATen/Parallel.h>
 
+#include <cstdlib>
 #include <iostream>
 
 #include "cli/commands.h"
@@ -119,7 +120,9 @@ Runner AddTrain(CLI::App& app) {
     if (a->threads > 0) at::set_num_threads(a->threads);
 
     auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
-    auto env = DistEnv::FromEnvironment();
+    // Under mpirun or srun: MASTER_PORT where set, else DeepSpeed's 29500.
+    const char* port = std::getenv("MASTER_PORT");
+    auto env = DistEnv::FromEnvironment(true, port && *port ? std::atoi(port) : 29500);
     const HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
     heartbeat.Validate();
     if (env) o.local_rank = env->local_rank;
