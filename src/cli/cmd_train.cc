@@ -1,3 +1,6 @@
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
 #include <iostream>
 
 #include "cli/commands.h"
@@ -119,7 +122,9 @@ Runner AddTrain(CLI::App& app) {
     if (a->heartbeat_timeout) o.config.heartbeat_timeout_s = *a->heartbeat_timeout;
 
     auto timeout = std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000));
-    auto env = DistEnv::FromEnvironment();
+    // Under mpirun or srun: MASTER_PORT where set, else DeepSpeed's 29500.
+    const char* port = std::getenv("MASTER_PORT");
+    auto env = DistEnv::FromEnvironment(true, port && *port ? std::atoi(port) : 29500);
     // Before the model is built: its initialisation runs on these threads.
     engine::ApplyHostThreads(o.threads, "--threads", "set OMP_NUM_THREADS or --threads to change", !env || env->rank == 0);
     const HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};

@@ -65,8 +65,14 @@ at::ScalarType ModelDtype(const TrainConfig& c) {
   return at::kFloat;
 }
 
+// Under mpirun or srun: MASTER_PORT where set, else DeepSpeed's 29500 (C++ has no distributed_port).
+int DiscoveryPort() {
+  const char* p = std::getenv("MASTER_PORT");
+  return p && *p ? std::atoi(p) : 29500;
+}
+
 std::shared_ptr<Comm> CommFromEnvironment(const TrainConfig& c, bool cuda) {
-  auto env = DistEnv::FromEnvironment();
+  auto env = DistEnv::FromEnvironment(true, DiscoveryPort());
   if (!env || env->world_size <= 1) return MakeSingleProcessComm();
   const HeartbeatSettings heartbeat{c.heartbeat_interval_s, c.heartbeat_timeout_s};
   return ConnectC10d(*env, std::chrono::minutes(30), cuda, heartbeat);
