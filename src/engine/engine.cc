@@ -430,6 +430,7 @@ void Engine::GatherParameters() {
 void Engine::ReleaseParameters() {
   if (impl_->zero3) impl_->zero3->ReleaseAll();
 }
+
 namespace {
 
 // GatheredParameters' tensors that are the engine's: stage 3's partitioned
