@@ -548,7 +548,7 @@ void PyEngine::Step(py::object lr_kwargs) {
   }
   if (!boundary || engine_->skipped_steps() != skipped) return;
   // The config scheduler stepped after the applied update: its lr is every group's now.
-  if (engine_->has_lr_schedule()) PullLrs();
+  if (engine_->has_lr_schedule()) PullGroups(false);
   // DeepSpeed's update is the client optimizer's step(); torch schedulers count those (and warn without one).
   if (!client_optimizer_.is_none() && py::hasattr(client_optimizer_, "_step_count"))
     client_optimizer_.attr("_step_count") = py::int_(client_optimizer_.attr("_step_count").cast<int64_t>() + 1);
@@ -612,12 +612,18 @@ void PyEngine::PushGroups() {
   }
 }
 
-void PyEngine::PullLrs() {
+void PyEngine::PullGroups(bool hparams) {
   py::list dicts = py::list(ParamGroups());
   for (size_t i = 0; i < dicts.size() && i < engine_group_of_.size(); ++i) {
     // A group with nothing trainable takes the schedule's value too, as DeepSpeed's scheduler writes every group.
     const size_t g = engine_group_of_[i] < 0 ? 0 : static_cast<size_t>(engine_group_of_[i]);
     dicts[i]["lr"] = py::float_(engine_->learning_rate(g));
+    if (!hparams || engine_group_of_[i] < 0) continue;
+    const GroupHparams h = engine_->group_hparams(g);
+    py::dict d = dicts[i];
+    if (d.contains("betas")) d["betas"] = py::make_tuple(h.beta1, h.beta2);
+    if (d.contains("eps")) d["eps"] = py::float_(h.eps);
+    if (d.contains("weight_decay")) d["weight_decay"] = py::float_(h.weight_decay);
   }
 }
 
@@ -641,6 +647,9 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   o.load_lr_scheduler_states = load_lr_scheduler_states;
   o.load_module_only = load_module_only;
   o.universal = settings_.load_universal;
+  // DeepSpeed's optimizer load_state_dict restores the saved param groups' lr, betas, eps and weight decay.
+  o.keep_saved_hparams = load_optimizer_states && !load_module_only;
+  PushGroups();  // what the dicts hold now is what a load leaves unrestored
   const std::string t = tag.is_none() ? "" : py::str(tag).cast<std::string>();
   LoadResult r;
   {
@@ -648,7 +657,7 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
     r = engine_->LoadCheckpoint(dir, t, o);
   }
   if (r.path.empty()) return py::make_tuple(py::none(), py::none());  // DeepSpeed's answer when nothing was found
-  if (!load_module_only) PullLrs();  // the restored schedule's lr
+  if (!load_module_only) PullGroups(load_optimizer_states);  // the restored lrs (and hyper-parameters)
   py::object cs = r.client_state.isNone() ? py::dict() : FromIValue(r.client_state);
   return py::make_tuple(py::str(r.path), cs);
 }
@@ -683,7 +692,7 @@ void PyEngine::StepScheduler(py::object last_batch_iteration) {
   std::optional<int64_t> it;
   if (!last_batch_iteration.is_none()) it = last_batch_iteration.cast<int64_t>();
   engine_->StepLrSchedule(it);
-  PullLrs();
+  PullGroups(false);
 }
 
 py::object PyEngine::GlobalGradNorm() const {

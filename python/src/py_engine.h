@@ -64,7 +64,7 @@ class PyEngine {
   py::object module_;
   std::shared_ptr<torch::nn::Module> shell_;
   void PushGroups();  // the dicts' hyper-parameters into the engine
-  void PullLrs();     // the engine's lrs into the dicts
+  void PullGroups(bool hparams);  // the engine's lrs (and betas, eps, weight decay) into the dicts
 
   std::unique_ptr<Engine> engine_;
   EngineSettings settings_;

@@ -285,6 +285,60 @@ TEST(EngineApiErrors, ParamGroupsNameTheParameter) {
   });
 }
 
+// Each group updates with its own lr (ParamGroup::lr, then SetLearningRate);
+// the config scheduler writes one value into every group after a step; the
+// checkpoint keeps each group's lr.
+TEST(EngineApi, PerGroupLearningRates) {
+  RunRanks(1, [](Comm& comm) {
+    for (int stage : {1, 3}) {
+      const std::string what = "stage " + std::to_string(stage);
+      auto net = std::make_shared<TestNet>(4);
+      EngineOptions o;
+      o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+      ParamGroup decay{{net->wte, net->fc_w, net->proj_w}}, no_decay{{net->fc_b, net->head_b}};
+      decay.lr = 0.02;
+      no_decay.lr = 0.005;
+      o.param_groups = {decay, no_decay};
+      Engine e(net, TestConfig(stage), o);
+      ASSERT_EQ(e.num_param_groups(), 2u) << what;
+      EXPECT_EQ(e.learning_rate(0), 0.02) << what;
+      EXPECT_EQ(e.learning_rate(1), 0.005) << what;
+      auto step = [&] {
+        for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
+          e.Backward(net->Loss(Rows(e.global_steps() + 1, 2 * m, 2)));
+          e.Step();
+        }
+      };
+      step();
+      // WarmupLR at iteration 0: warmup_min_lr (0) in every group.
+      EXPECT_EQ(e.learning_rate(0), 0.0) << what;
+      EXPECT_EQ(e.learning_rate(1), 0.0) << what;
+      EXPECT_EQ(e.lr_schedule_iteration(), 0) << what;
+      e.SetLearningRate(1, 0.01);  // group 0 keeps lr 0: its weights must not move
+      const at::Tensor fc_w = net->fc_w.detach().clone(), fc_b = net->fc_b.detach().clone();
+      step();
+      EXPECT_TRUE(at::equal(net->fc_w, fc_w)) << what << ": a group at lr 0 changed";
+      EXPECT_FALSE(at::equal(net->fc_b, fc_b)) << what << ": a group at lr 0.01 did not change";
+      e.SetLearningRate(0, 0.03);
+      e.SetLearningRate(1, 0.04);
+      const std::string dir = ::testing::TempDir() + "/per_group_lr_" + std::to_string(stage);
+      fs::remove_all(dir);
+      e.SaveCheckpoint(dir, "t");
+      auto net2 = std::make_shared<TestNet>(5);
+      EngineOptions o2 = o;
+      o2.param_groups = {ParamGroup{{net2->wte, net2->fc_w, net2->proj_w}}, ParamGroup{{net2->fc_b, net2->head_b}}};
+      Engine f(net2, TestConfig(stage), o2);
+      LoadCheckpointOptions keep;
+      keep.keep_saved_hparams = true;
+      keep.load_lr_scheduler_states = false;
+      f.LoadCheckpoint(dir, "t", keep);
+      EXPECT_EQ(f.learning_rate(0), 0.03) << what;
+      EXPECT_EQ(f.learning_rate(1), 0.04) << what;
+      EXPECT_THROW(e.SetLearningRate(2, 0.1), std::out_of_range) << what;
+    }
+  });
+}
+
 TEST(EngineApiErrors, StepWithoutBackwardAndBadClientState) {
   RunRanks(1, [](Comm& comm) {
     TestRun r = MakeRun(comm, 1, 3);

@@ -11,6 +11,8 @@ Scenarios (each at the ZeRO stages given; the torch loop has no stages):
   manual_cfg  the config's AdamW over model_parameters dicts of different lr, the
               lr set by hand through the returned optimizer's param_groups
   steplr      a client AdamW stepped by torch.optim.lr_scheduler.StepLR after each update
+  steplr_resume  the same, saved after update 3 (StepLR's state in client_state) and resumed
+              by a fresh model, optimizer, engine and StepLR: the saved lrs come back
   warmup      the config's AdamW + WarmupLR (linear) over two groups of different lr;
               a hand-set lr of group 1 before update 3; step(lr_kwargs=
               {"last_batch_iteration": 1}) at update 5
@@ -26,6 +28,7 @@ import os
 import sys
 
 GA, MB, STEPS = 2, 4, 6
+WORK = "."  # checkpoints go next to --out
 BASE_LRS = (1e-2, 3e-3)
 
 
@@ -35,7 +38,8 @@ def parse_args():
     p.add_argument("--out", required=True)
     p.add_argument("--fixture", default="")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 3])
-    p.add_argument("--scenarios", nargs="+", default=["manual", "manual_cfg", "steplr", "warmup", "no_gas"])
+    p.add_argument("--scenarios", nargs="+",
+                   default=["manual", "manual_cfg", "steplr", "steplr_resume", "warmup", "no_gas"])
     p.add_argument("--local_rank", type=int, default=-1)
     return p.parse_args()
 
@@ -106,18 +110,25 @@ WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr"
                                           "warmup_type": "linear"}}
 
 
-def run(deepspeed, impl, scenario, stage):
+def make_model(seed):
     import torch
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     groups = [{"params": list(model[0].parameters()), "lr": BASE_LRS[0], "weight_decay": 0.1},
               {"params": list(model[2].parameters()), "lr": BASE_LRS[1], "weight_decay": 0.0}]
+    return model, groups
+
+
+def run(deepspeed, impl, scenario, stage):
+    import tempfile
+    import torch
+    model, groups = make_model(0)
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(MB, 8, generator=gen), torch.randn(MB, 4, generator=gen)) for _ in range(STEPS * GA)]
     config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GA,
               "zero_optimization": {"stage": stage}}
     adamw = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}}
-    client = scenario in ("manual", "steplr", "no_gas")
+    client = scenario in ("manual", "steplr", "steplr_resume", "no_gas")
     if scenario == "manual":
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.5}}  # not used: the client's is
     if not client:
@@ -139,7 +150,7 @@ def run(deepspeed, impl, scenario, stage):
             kw["model_parameters"] = groups
         engine, opt, _, sched = deepspeed.initialize(**kw)
     torch_sched = torch.optim.lr_scheduler.StepLR(opt if impl == "torch" else kw["optimizer"], step_size=2,
-                                                  gamma=0.5) if scenario == "steplr" else None
+                                                  gamma=0.5) if scenario.startswith("steplr") else None
 
     rec = {"loss": [], "lr": [], "sched": []}
     total, update = 0.0, 0
@@ -165,6 +176,15 @@ def run(deepspeed, impl, scenario, stage):
             update += 1
             if torch_sched:
                 torch_sched.step()
+            if scenario == "steplr_resume" and impl != "torch" and update == 3:
+                ckpt = tempfile.mkdtemp(prefix=f"ckpt_{stage}_", dir=WORK)
+                engine.save_checkpoint(ckpt, client_state={"sched": torch_sched.state_dict()})
+                model, groups = make_model(7)  # other weights and the initial lrs: the load must restore them
+                kw.update(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1))
+                engine, opt, _, sched = deepspeed.initialize(**kw)
+                torch_sched = torch.optim.lr_scheduler.StepLR(kw["optimizer"], step_size=2, gamma=0.5)
+                _, client_state = engine.load_checkpoint(ckpt)
+                torch_sched.load_state_dict(client_state["sched"])
             rec["loss"].append(total / GA)
             rec["lr"].append([float(v) for v in engine.get_lr()])
             if sched is not None:
@@ -175,6 +195,8 @@ def run(deepspeed, impl, scenario, stage):
 
 def main():
     args = parse_args()
+    global WORK
+    WORK = os.path.dirname(os.path.abspath(args.out))
     deepspeed = None
     if args.impl != "torch":
         deepspeed = import_deepspeed(args.impl, args.fixture)
