@@ -12,6 +12,7 @@
 
 #include "engine/async_save.h"
 #include "engine/engine_impl.h"
+#include "engine/fingerprint.h"
 
 namespace uckpt {
 
@@ -312,8 +313,10 @@ const LoadStats& Engine::last_load() const { return impl_->last_load; }
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
-  if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, dir, tag, options);
-  return engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
+  LoadResult r = impl_->zero3 ? engine::LoadZero3Checkpoint(*impl_, dir, tag, options)
+                              : engine::LoadEngineCheckpoint(*impl_, dir, tag, options);
+  engine::CheckStateFingerprint(*impl_, r.path, options);  // the resume proof, after whichever loader ran
+  return r;
 }
 
 void Engine::Train(bool on) { impl_->model->train(on); }
