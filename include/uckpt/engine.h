@@ -128,6 +128,13 @@ struct LoadStats {
   // its own partition only, at any world size (resharded while loading); 0
   // for universal, weights-only and stage-0 loads.
   uint64_t optimizer_bytes_read = 0;
+  // The resume proof (docs/manifest-format.md, "State fingerprint"): how the
+  // loaded state was checked: "recorded" (against the manifest's record),
+  // "computed from the files" (a checkpoint without one, DeepSpeed's), or
+  // "unchecked: why"; empty when nothing was loaded.
+  std::string fingerprint;
+  double fingerprint_s = 0;        // the whole check, wall time
+  double fingerprint_files_s = 0;  // of it, computing the expected value from the files
 };
 
 struct SaveCheckpointOptions {
@@ -142,6 +149,7 @@ struct SaveStats {
   bool async = false;
   double blocked_s = 0;         // time SaveCheckpoint blocked (async: waiting for the previous save + snapshot)
   uint64_t snapshot_bytes = 0;  // host memory the snapshot holds until its files are written
+  double fingerprint_s = 0;     // hashing the state for the manifest's state fingerprint (part of blocked_s)
 };
 
 struct StepInfo {

@@ -213,6 +213,11 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
       std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
                    static_cast<long long>(trainer.counters().global_steps),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (const LoadStats& l = trainer.engine().last_load(); rank0 && !l.fingerprint.empty())
+      std::fprintf(stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it from the files)\n",
+                   l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str()
+                                                            : ("checked (" + l.fingerprint + ")").c_str(),
+                   l.fingerprint_s, l.fingerprint_files_s);
   }
   std::unique_ptr<MetricsLog> log;
   if (rank0) {
@@ -239,6 +244,7 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     else if (rank0)
       std::fprintf(stderr, "uckpt train: saved %s/%s in %.3f s\n", o.checkpoint_dir.c_str(), tag.c_str(),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (rank0) std::fprintf(stderr, "uckpt train: state fingerprint of the save in %.3f s\n", s.fingerprint_s);
   };
   // After a resume there is nothing new to save yet; a fresh run with --steps 0
   // saves its initial state as global_step0 (`uckpt export` then writes the init).

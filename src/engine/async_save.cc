@@ -78,12 +78,13 @@ void CheckpointWriter::Join() {
 }
 
 void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files,
-                             bool async, uint64_t snapshot_bytes) {
+                             bool async, uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state) {
   if (pending_) throw std::logic_error("CheckpointWriter::Start: the previous save is not published");
   dir_ = std::move(dir);
   tag_ = std::move(tag);
   tmp_ = std::move(tmp);
   files_ = std::move(files);
+  state_ = std::move(state);
   if (files_.size() > kMaxFiles) throw std::logic_error("CheckpointWriter: too many files for one rank");
   for (const auto& f : files_)
     if (f.name.size() > kNameWords * 8) throw std::logic_error("CheckpointWriter: file name too long: " + f.name);
@@ -181,7 +182,8 @@ std::string CheckpointWriter::Publish(Comm& comm) {
         known.push_back(std::move(m));
       }
       Env& env = Env::Current();
-      ckpt::WriteManifest(tmp_, known);  // durable: its commit fsyncs `tmp` too
+      // durable: its commit fsyncs `tmp` too
+      ckpt::WriteManifest(tmp_, known, /*durable=*/true, state_ ? &*state_ : nullptr);
       ReplaceFolder(env, tmp_, folder);
       env.SyncDir(dir_);
       AtomicFile latest(dir_ + "/latest");

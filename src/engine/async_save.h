@@ -22,10 +22,12 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "ckpt/fingerprint.h"
 #include "format/value.h"
 #include "uckpt/comm.h"
 
@@ -61,8 +63,9 @@ class CheckpointWriter {
   // `dir`/`tag`: on a background thread with `async`, else before returning
   // (errors are kept for Publish either way). `snapshot_bytes`: host memory
   // the values hold, reported by snapshot_bytes() until published.
+  // `state`: the state fingerprint rank 0 records in the manifest.
   void Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files, bool async,
-             uint64_t snapshot_bytes);
+             uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state = std::nullopt);
   bool pending() const { return pending_; }
   SnapshotPool& pool() { return pool_; }
   uint64_t snapshot_bytes() const { return pending_ ? snapshot_bytes_ : 0; }
@@ -87,6 +90,7 @@ class CheckpointWriter {
   std::string dir_, tag_, tmp_;
   std::vector<SnapshotFile> files_;
   std::vector<Written> written_;
+  std::optional<ckpt::StateFingerprint> state_;
   std::string error_;
   bool pending_ = false;
   uint64_t snapshot_bytes_ = 0;

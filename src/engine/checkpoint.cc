@@ -20,6 +20,7 @@
 #include "format/file.h"
 #include "format/torch_file.h"
 #include "engine/async_save.h"
+#include "engine/fingerprint.h"
 #include "engine/resharded_load.h"
 #include "engine/torch_bridge.h"
 #include "engine/engine_impl.h"
@@ -393,8 +394,12 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     }
     throw;
   }
-  // 3. Every rank writes its files; then they are published.
-  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot ? e.writer->pool().bytes() : 0);
+  // 3. The state fingerprint for the manifest (collective), then every rank
+  // writes its files; then they are published.
+  const auto hashing = std::chrono::steady_clock::now();
+  ckpt::StateFingerprint state = EngineStateFingerprint(e);
+  e.last_save.fingerprint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - hashing).count();
+  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot ? e.writer->pool().bytes() : 0, std::move(state));
   if (!async) e.writer->Publish(comm);
   e.last_save.async = async;
   e.last_save.snapshot_bytes = snapshot ? e.writer->pool().bytes() : 0;

@@ -14,6 +14,7 @@
 #include "engine/async_save.h"
 #include "engine/dist/agree.h"
 #include "engine/engine_impl.h"
+#include "engine/fingerprint.h"
 #include "engine/host_threads.h"
 
 namespace uckpt {
@@ -354,8 +355,10 @@ LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
-  if (impl_->zero3) return engine::LoadZero3Checkpoint(*impl_, at.dir, at.tag, options);
-  return engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
+  LoadResult r = impl_->zero3 ? engine::LoadZero3Checkpoint(*impl_, at.dir, at.tag, options)
+                              : engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
+  engine::CheckStateFingerprint(*impl_, r.path, options);  // the resume proof, after whichever loader ran
+  return r;
 }
 
 void Engine::Train(bool on) { impl_->model->train(on); }

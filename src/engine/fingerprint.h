@@ -1,0 +1,42 @@
+// The resume proof on the engine's side (ckpt/fingerprint.h defines the
+// state fingerprint): what the engine holds, hashed where it lies (each rank
+// its own partitions, one reduction), recorded at every save and checked
+// after every load.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/fingerprint.h"
+#include "engine/engine_impl.h"
+
+namespace uckpt::engine {
+
+// The fingerprint sum of a 1-D fp32 tensor whose element 0 is the tensor's
+// element `start`: ckpt::FingerprintBits over a CPU tensor's memory, the same
+// arithmetic in int64 tensor ops (which wrap as uint64 does) on a GPU.
+uint64_t FingerprintTensor(const at::Tensor& t, uint64_t seed, int64_t start);
+// The tensor-op version on any device (what a GPU runs; tests compare it
+// with the host function on the CPU).
+uint64_t FingerprintTensorOps(const at::Tensor& t, uint64_t seed, int64_t start);
+
+// Collective: adds every rank's `sums` (wrapping, as uint64), in place.
+void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums);
+
+// Collective: the fingerprint of the trainable parameters' fp32 masters and
+// Adam state and of the counters this engine holds now.
+ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e);
+
+// Collective, after a load of `folder` (empty: nothing was loaded): the
+// fingerprint the checkpoint recorded in its manifest, or (a checkpoint
+// without one: DeepSpeed's) computed from its files, each rank hashing its
+// share of the parameters; compared with what the engine now holds, within
+// what `o` loaded. Throws FormatError on every rank, naming the first
+// parameter and state (or counter) that differs. Records what it did in
+// e.last_load.
+void CheckStateFingerprint(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o);
+
+}  // namespace uckpt::engine
