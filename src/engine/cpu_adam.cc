@@ -96,8 +96,9 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   const double step = st.step.item<float>();
   // The scalars as torch computes them: in double on the host, then used by
   // the fp32 kernels as floats.
-  const double bias_correction1 = 1 - std::pow(o.beta1, step);
-  const double bias_correction2 = 1 - std::pow(o.beta2, step);
+  // bias_correction false (DeepSpeed's Adam): step size lr, denominator sqrt(v) + eps.
+  const double bias_correction1 = o.bias_correction ? 1 - std::pow(o.beta1, step) : 1.0;
+  const double bias_correction2 = o.bias_correction ? 1 - std::pow(o.beta2, step) : 1.0;
   AdamScalars s;
   s.grad_scale = static_cast<float>(grad_scale);
   s.decoupled = o.decoupled_weight_decay;

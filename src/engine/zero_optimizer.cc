@@ -257,8 +257,9 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
   st.exp_avg.mul_(o.beta1).add_(grad, 1 - o.beta1);
   st.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
   const double step = st.step.item<float>();
-  const double bias_correction1 = 1 - std::pow(o.beta1, step);
-  const double bias_correction2 = 1 - std::pow(o.beta2, step);
+  // bias_correction false (DeepSpeed's Adam): step size lr, denominator sqrt(v) + eps.
+  const double bias_correction1 = o.bias_correction ? 1 - std::pow(o.beta1, step) : 1.0;
+  const double bias_correction2 = o.bias_correction ? 1 - std::pow(o.beta2, step) : 1.0;
   const double step_size = lr / bias_correction1;
   const double bias_correction2_sqrt = std::sqrt(bias_correction2);
   at::Tensor denom = (st.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
