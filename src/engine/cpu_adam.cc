@@ -81,6 +81,11 @@ double SumOfSquares(const at::Tensor& t) {
 }
 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
+  CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr);
+}
+
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+                 int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done) {
   c10::NoGradGuard no_grad;
   const int64_t n = st.master.numel();
   CheckHostFloat(st.master, "the master", n);
@@ -115,7 +120,15 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* m = st.exp_avg.data_ptr<float>();
   float* v = st.exp_avg_sq.data_ptr<float>();
   float* g = grad.data_ptr<float>();
-  ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+  if (range <= 0 || !range_done) {
+    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+    return;
+  }
+  for (int64_t first = 0; first < n; first += range) {
+    const int64_t len = std::min(range, n - first);
+    ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, first + begin, first + end); });
+    range_done(first, first + len);
+  }
 }
 
 }  // namespace uckpt::engine
