@@ -17,7 +17,9 @@ rank 0: tokens/s over the timed steps, max_memory_allocated/reserved per rank (G
 
   deepspeed_z2, deepspeed_z3, deepspeed_z3_offload: DeepSpeed's engine on the same model,
             bf16, stage 2 / stage 3 / stage 3 with parameters and optimizer offloaded to
-            CPU (its DeepSpeedCPUAdam, built on first use); the others use DeepSpeed's
+            CPU (its DeepSpeedCPUAdam, built on first use); deepspeed_z1_offload and
+            deepspeed_z2_offload: stage 1 / 2 with the optimizer offloaded to CPU
+            (DeepSpeedCPUAdam); the others use DeepSpeed's
             FusedAdam (--adam fused) or torch's AdamW ("torch_adam", --adam foreach).
             Needs `import deepspeed` to work (PYTHONPATH).
 """
@@ -36,7 +38,8 @@ import gpt2_torch as g  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp_zero", "fsdp2", "deepspeed_z2", "deepspeed_z3", "deepspeed_z3_offload"],
+    p.add_argument("--mode", choices=["ddp_zero", "fsdp2", "deepspeed_z2", "deepspeed_z3", "deepspeed_z3_offload",
+                                     "deepspeed_z1_offload", "deepspeed_z2_offload"],
                    required=True)
     p.add_argument("--n_layer", type=int, default=12)
     p.add_argument("--n_head", type=int, default=12)
@@ -125,10 +128,12 @@ def main():
 
 def deepspeed_engine(a, model, adam, world):
     import deepspeed
-    offload = a.mode == "deepspeed_z3_offload"
-    zero = {"stage": 2 if a.mode == "deepspeed_z2" else 3, "overlap_comm": True, "reduce_bucket_size": 50000000}
+    offload = a.mode.endswith("_offload")
+    stage = int(a.mode[len("deepspeed_z")])
+    zero = {"stage": stage, "overlap_comm": stage >= 2, "reduce_bucket_size": 50000000}
     if offload:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     params = {"lr": adam["lr"], "betas": list(adam["betas"]), "eps": adam["eps"], "weight_decay": adam["weight_decay"]}
     if a.adam == "foreach" and not offload:

@@ -26,15 +26,22 @@
 # largest GPU count also "uckpt-z3-sync" (overlap_comm off, stage3_prefetch_bucket_size 0: each
 # unit gathered when entered, each bucket reduced when full), and the ratio uckpt-z3 / it.
 #
-# usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1 ZERO=2)
+# OFFLOAD=1 with ZERO=1 or 2: only the optimizer offloaded to CPU (offload_optimizer, uckpt's
+# fused host Adam) at that stage, "uckpt-z1-offload" / "uckpt-z2-offload", against DeepSpeed's same
+# configuration (DeepSpeedCPUAdam) when DEEPSPEED_PATH is set (target: uckpt >= 1.5x its tokens/s).
+#
+# usage: bench/train-gpu.sh UCKPT [OUT_DIR]    (env: STEPS=20 WARMUP=5 GPU_COUNTS="2 4" EXTRA=1 ZERO=2 OFFLOAD=0)
 set -uo pipefail
 uckpt=$(realpath "${1:?usage: bench/train-gpu.sh UCKPT [OUT_DIR]}")
 out=$(realpath -m "${2:-train-gpu-out}")
 here=$(cd "$(dirname "$0")" && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-STEPS=${STEPS:-20} WARMUP=${WARMUP:-5} ZERO=${ZERO:-2}
-case $ZERO in 2|3) ;; *) echo "train-gpu: ZERO must be 2 or 3" >&2; exit 2 ;; esac
+STEPS=${STEPS:-20} WARMUP=${WARMUP:-5} ZERO=${ZERO:-2} OFFLOAD=${OFFLOAD:-0}
+case $ZERO in 2|3) ;; 1) [ "$OFFLOAD" = 1 ] || { echo "train-gpu: ZERO=1 needs OFFLOAD=1" >&2; exit 2; } ;;
+  *) echo "train-gpu: ZERO must be 1, 2 or 3" >&2; exit 2 ;; esac
+case $OFFLOAD in 0) ;; 1) [ "$ZERO" != 3 ] || { echo "train-gpu: OFFLOAD=1 is for ZERO=1 or 2" >&2; exit 2; } ;;
+  *) echo "train-gpu: OFFLOAD must be 0 or 1" >&2; exit 2 ;; esac
 gpus=$(nvidia-smi -L | wc -l)
 counts=${GPU_COUNTS:-"2 4"}
 rm -rf "$out" && mkdir -p "$out" && cd "$out"
@@ -60,6 +67,7 @@ uckpt_run() {  # uckpt_run N LABEL OVERLAP FUSED [CHUNKED] [ZERO_EXTRA_JSON]
   [ "$fused" = 1 ] && flags="--fused_kernels"
   [ "${5:-0}" = 1 ] && flags="$flags --chunked_loss"
   [[ $label == uckpt-z3* ]] && stage=3
+  [[ $label == uckpt-z1* ]] && stage=1
   cat > "cfg-$label-$n.json" <<JSON
 {"train_batch_size": $((16 * n)), "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0, "steps_per_print": 0,
  "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
@@ -103,6 +111,35 @@ torch_run() {  # torch_run N MODE LOSS
 }
 
 offload=', "offload_param": {"device": "cpu", "pin_memory": true}, "offload_optimizer": {"device": "cpu", "pin_memory": true}'
+if [ "$OFFLOAD" = 1 ]; then  # ZeRO-1/2 with offload_optimizer against DeepSpeed's same configuration
+  for n in $counts; do
+    [ "$n" -le "$gpus" ] || { echo "skipping $n GPUs (have $gpus)"; continue; }
+    uckpt_run "$n" "uckpt-z$ZERO-offload" "$( [ "$ZERO" = 2 ] && echo true || echo false )" 1 0 \
+      ', "offload_optimizer": {"device": "cpu", "pin_memory": true}'
+    [ -n "${DEEPSPEED_PATH:-}" ] && PYTHONPATH=$DEEPSPEED_PATH torch_run "$n" "deepspeed_z${ZERO}_offload" hf
+  done
+  python3 - "$results" "$ZERO" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+ours, theirs, ok = f"uckpt-z{sys.argv[2]}-offload", f"deepspeed_z{sys.argv[2]}_offload", True
+for r in rows:
+    print(f"{r['impl']:<24}{r['world']:>5}{r['tokens_per_s']:>12.0f}{r['step_ms']:>9.1f}{max(r['peak_mib']):>9}  {r['last_loss']:.4f}")
+for n in sorted({r["world"] for r in rows}):
+    u = [r for r in rows if r["world"] == n and r["impl"] == ours]
+    d = [r for r in rows if r["world"] == n and r["impl"] == theirs]
+    if not u or not d:
+        print(f"{n} GPUs, {ours} / {theirs}: not run"); ok = False; continue
+    sp = u[0]["tokens_per_s"] / d[0]["tokens_per_s"]
+    print(f"{n} GPUs: {ours} / {theirs}: tokens/s {sp:.3f}x, peak memory "
+          f"{max(u[0]['peak_mib']) / max(d[0]['peak_mib']):.3f}x -> {'MEETS' if sp >= 1.5 else 'MISSES'} the 1.5x target")
+    ok &= sp >= 1.5
+sys.exit(0 if ok else 1)
+PY
+  status=$?
+  cat "$results"
+  exit $status
+fi
+
 for n in $counts; do
   [ "$n" -le "$gpus" ] || { echo "skipping $n GPUs (have $gpus)"; continue; }
   if [ "$ZERO" = 3 ]; then
