@@ -118,12 +118,16 @@ nlohmann::json ClientOptimizerSection(py::handle opt) {
     const char* mode = cls == "FusedAdam" ? "adam_w_mode" : "adamw_mode";
     const bool decoupled = py::hasattr(opt, mode) ? opt.attr(mode).cast<bool>() : true;
     type = decoupled ? "AdamW" : "Adam";
-    if (!decoupled) params["torch_adam"] = true;
+    if (!decoupled) {  // torch.optim.Adam: torch_adam with adam_w_mode false (torch_adam alone is AdamW)
+      params["torch_adam"] = true;
+      params["adam_w_mode"] = false;
+    }
   } else if (py::isinstance(opt, optim.attr("AdamW"))) {
     type = "AdamW";
   } else if (py::isinstance(opt, optim.attr("Adam"))) {
     type = "Adam";
-    params["torch_adam"] = true;  // torch.optim.Adam: L2 weight decay
+    params["torch_adam"] = true;  // torch.optim.Adam: L2 weight decay (DeepSpeed needs adam_w_mode false too)
+    params["adam_w_mode"] = false;
   } else {
     throw py::value_error("uckpt.initialize: optimizer " + cls +
                           " is not supported: uckpt's engine runs Adam and AdamW (torch.optim.Adam, torch.optim.AdamW, "

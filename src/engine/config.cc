@@ -1,5 +1,6 @@
 #include "engine/config.h"
 
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <set>
@@ -82,9 +83,49 @@ class Section {
                       shown + hint);
   }
   void Warn(const std::string& msg) { warnings_->push_back(source_ + ": " + msg); }
+  // A DeepSpeed key uckpt does not implement: accepted at DeepSpeed's
+  // default (`off`), refused naming the key at any other value.
+  void RefuseUnless(const std::string& k, const nlohmann::json& off) {
+    if (Has(k) && j_[k] != off)
+      throw ConfigError("'" + Path(k) + "' = " + j_[k].dump() + " is not supported by uckpt (only " + off.dump() +
+                        ", DeepSpeed's default)");
+  }
+  // A DeepSpeed feature section: absent or "enabled": false is accepted,
+  // enabled is refused naming it. `bare`: whether a section without
+  // "enabled" is on (DeepSpeed's default for that section).
+  void RefuseEnabled(const std::string& k, bool bare = false) {
+    if (Enabled(k, bare)) throw ConfigError("'" + Path(k) + "' is enabled; uckpt does not support it");
+  }
+  // A key that only makes DeepSpeed log or profile (training is the same):
+  // one warning when it is switched on.
+  void Monitor(const std::string& k, const std::string& what) {
+    if (Enabled(k, false)) Warn("'" + Path(k) + "' is on but ignored: uckpt does not write " + what +
+                         " (training is unchanged)");
+  }
+  // DeepSpeed's pydantic sections (zero_optimization, offload_*) refuse keys
+  // they do not define: so does uckpt, naming the first.
+  void RefuseUnknownKeys() {
+    for (auto& [k, v] : j_.items())
+      if (!seen_.count(k))
+        throw ConfigError("'" + Path(k) + "' is not a key of '" + where_ + "' (DeepSpeed 0.14.5 refuses it too)");
+  }
   std::string Path(const std::string& k) const { return where_.empty() ? k : (k.empty() ? where_ : where_ + "." + k); }
 
  private:
+  // A section {"enabled": true, ...} or a plain true.
+  bool Enabled(const std::string& k, bool bare) {
+    if (!Has(k)) return false;
+    const auto& v = j_[k];
+    if (v.is_boolean()) return v.get<bool>();
+    if (v.is_object()) {
+      if (!v.contains("enabled") || v["enabled"].is_null()) return bare && !v.empty();
+      if (!v["enabled"].is_boolean()) Fail(k + ".enabled", "true or false", v["enabled"]);
+      return v["enabled"].get<bool>();
+    }
+    Fail(k, "an object or true/false", v);
+  }
+
+
   const nlohmann::json& j_;
   std::string where_;
   const std::string& source_;
@@ -92,12 +133,26 @@ class Section {
   std::set<std::string> seen_;
 };
 
+// Adam's keyword arguments, as DeepSpeed 0.14.5's _configure_basic_optimizer
+// passes them on: the type is matched lower-cased; adam_w_mode (default true)
+// or type AdamW decays decoupled; torch_adam picks torch.optim.Adam/AdamW
+// (whose keywords differ from FusedAdam's and DeepSpeedCPUAdam's, and whose
+// AdamW defaults weight_decay to 0.01), else DeepSpeed's own Adam.
 void ParseOptimizer(Section& s, OptimizerConfig& o) {
   s.String("type", o.type);
-  bool torch_adam = false, adam_w_mode = true;
-  if (o.type != "Adam" && o.type != "AdamW")
+  std::string lower = o.type;
+  for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (lower != "adam" && lower != "adamw")
     throw ConfigError("optimizer.type '" + o.type + "' is not supported (use Adam or AdamW)");
+  o.type = lower == "adam" ? "Adam" : "AdamW";
+  bool legacy_fusion = false;
+  s.Bool("legacy_fusion", legacy_fusion);
+  if (legacy_fusion) throw ConfigError("optimizer.legacy_fusion = true is not supported");
+  bool torch_adam = false, adam_w_mode = true;
+  bool weight_decay_given = false;
   if (auto p = s.Sub("params")) {
+    p->Bool("torch_adam", torch_adam);
+    p->Bool("adam_w_mode", adam_w_mode);
     p->Double("lr", o.lr);
     if (p->Has("betas")) {
       const auto& b = p->json("betas");
@@ -107,15 +162,46 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
       o.beta2 = b[1].get<double>();
     }
     p->Double("eps", o.eps);
+    weight_decay_given = p->Has("weight_decay");
     p->Double("weight_decay", o.weight_decay);
-    p->Bool("torch_adam", torch_adam);
-    p->Bool("adam_w_mode", adam_w_mode);
+    if (p->Has("max_grad_norm"))
+      throw ConfigError("optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed refuses it too); "
+                        "use gradient_clipping");
     bool amsgrad = false;
     p->Bool("amsgrad", amsgrad);
     if (amsgrad) throw ConfigError("optimizer.params.amsgrad = true is not supported");
-    p->Ignore({"bias_correction", "fused", "foreach", "capturable", "maximize"});
+    // Keywords of one implementation only: the other raises a TypeError in DeepSpeed.
+    const char* impl = torch_adam ? "torch.optim.Adam/AdamW (torch_adam true)"
+                                  : "DeepSpeed's FusedAdam/DeepSpeedCPUAdam (torch_adam false)";
+    auto not_taken = [&](const char* key) {
+      if (p->Has(key))
+        throw ConfigError(std::string("optimizer.params.") + key + " is not a keyword of " + impl +
+                          "; DeepSpeed 0.14.5 refuses it too");
+    };
+    if (torch_adam) {
+      not_taken("bias_correction");
+      not_taken("set_grad_none");
+      not_taken("fp32_optimizer_states");
+      // torch's implementation choices: the formula is the same.
+      for (const char* key : {"foreach", "fused"})
+        if (p->Has(key) && !p->json(key).is_boolean()) p->Fail(key, "true, false or null", p->json(key));
+      for (const char* key : {"maximize", "capturable", "differentiable"}) {
+        bool on = false;
+        p->Bool(key, on);
+        if (on) throw ConfigError(std::string("optimizer.params.") + key + " = true is not supported");
+      }
+    } else {
+      for (const char* key : {"foreach", "fused", "maximize", "capturable", "differentiable"}) not_taken(key);
+      p->Bool("bias_correction", o.bias_correction);
+      bool set_grad_none = true;  // FusedAdam's zero_grad: uckpt's engine owns the gradients
+      p->Bool("set_grad_none", set_grad_none);
+      bool fp32_states = true;
+      p->Bool("fp32_optimizer_states", fp32_states);
+      if (!fp32_states) throw ConfigError("optimizer.params.fp32_optimizer_states = false is not supported");
+    }
   }
-  o.decoupled_weight_decay = o.type == "AdamW" || (!torch_adam && adam_w_mode);
+  o.decoupled_weight_decay = o.type == "AdamW" || adam_w_mode;
+  if (torch_adam && o.decoupled_weight_decay && !weight_decay_given) o.weight_decay = 0.01;  // torch.optim.AdamW's
   if (o.lr < 0 || o.eps < 0 || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1)
     throw ConfigError("optimizer.params: lr and eps must be >= 0 and betas in [0, 1)");
 }
@@ -181,6 +267,61 @@ void ParseStage3Knobs(Section& s, TrainConfig& c) {
   if (z.max_live_parameters < 0) throw ConfigError("zero_optimization.stage3_max_live_parameters must be >= 0");
 }
 
+// zero_optimization's deprecated booleans, which DeepSpeed 0.14.5 still
+// maps onto their sections: cpu_offload -> offload_optimizer {device: cpu},
+// cpu_offload_param -> offload_param {device: cpu}; given together with the
+// section they replace, DeepSpeed refuses.
+void ParseLegacyOffload(Section& s, ZeroConfig& z) {
+  const std::pair<const char*, const char*> aliases[] = {{"cpu_offload", "offload_optimizer"},
+                                                         {"cpu_offload_param", "offload_param"}};
+  for (const auto& [old_key, section] : aliases) {
+    if (!s.Has(old_key)) continue;
+    if (s.Has(section))
+      throw ConfigError(std::string("zero_optimization.") + old_key + " (deprecated) and zero_optimization." +
+                        section + " cannot be given together");
+    bool on = false;
+    s.Bool(old_key, on);
+    (std::string(section) == "offload_optimizer" ? z.offload_optimizer_cpu : z.offload_param_cpu) = on;
+  }
+  bool pin = false;
+  s.Bool("cpu_offload_use_pin_memory", pin);  // uckpt pins its offload buffers anyway
+}
+
+// The top-level keys of DeepSpeed 0.14.5's config that uckpt does not
+// implement: those that change training are refused at any value but
+// DeepSpeed's default; those that only log or profile warn once.
+void ParseTopLevelAudit(Section& top) {
+  // zero_allow_untested_optimizer: uckpt's only optimizer is Adam (tested);
+  // zero_force_ds_cpu_optimizer: uckpt's offload always runs its own host Adam;
+  // aio: NVMe offload settings (uckpt refuses device "nvme").
+  top.Ignore({"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio"});
+  top.RefuseUnless("prescale_gradients", false);
+  top.RefuseUnless("gradient_predivide_factor", 1.0);
+  top.RefuseUnless("sparse_gradients", false);
+  top.RefuseUnless("disable_allgather", false);
+  top.RefuseUnless("communication_data_type", nullptr);
+  top.RefuseUnless("seq_parallel_comm_data_type", "fp32");
+  top.RefuseUnless("graph_harvesting", false);
+  top.RefuseUnless("use_data_before_expert_parallelism", false);
+  if (auto d = top.Sub("data_types")) d->RefuseUnless("grad_accum_dtype", nullptr);
+  for (const char* key : {"amp", "elasticity", "eigenvalue", "progressive_layer_drop", "curriculum_learning",
+                          "data_efficiency", "hybrid_engine", "nebula", "autotuning"})
+    top.RefuseEnabled(key);
+  for (const char* key : {"compression_training", "sparse_attention", "weight_quantization"})
+    top.RefuseEnabled(key, /*bare=*/true);
+  top.Monitor("tensorboard", "TensorBoard logs");
+  top.Monitor("wandb", "Weights & Biases logs");
+  top.Monitor("csv_monitor", "CSV monitor logs");
+  top.Monitor("comet", "Comet logs");
+  top.Monitor("flops_profiler", "a FLOPs profile");
+  top.Monitor("comms_logger", "a communication log");
+  top.Monitor("wall_clock_breakdown", "a wall-clock breakdown");
+  top.Monitor("memory_breakdown", "a memory breakdown");
+  top.Monitor("dump_state", "a state dump");
+  // deepspeed.utils.timers' throughput timer: logging only.
+  top.Ignore({"timers"});
+}
+
 }  // namespace
 
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
@@ -193,9 +334,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
     top.Double("gradient_clipping", c.gradient_clipping);
     top.Int("steps_per_print", c.steps_per_print);
-    top.Ignore({"wall_clock_breakdown", "dump_state", "memory_breakdown", "zero_allow_untested_optimizer",
-                "prescale_gradients", "gradient_predivide_factor", "tensorboard", "csv_monitor", "wandb",
-                "flops_profiler", "comms_logger"});
+    ParseTopLevelAudit(top);
     if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
     if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
     if (auto s = top.Sub("fp16")) {
@@ -206,12 +345,13 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->Int("hysteresis", c.fp16.hysteresis);
       s->Bool("consecutive_hysteresis", c.fp16.consecutive_hysteresis);
       s->Double("min_loss_scale", c.fp16.min_loss_scale);
-      s->Ignore({"auto_cast", "fp16_master_weights_and_grads"});
+      s->RefuseUnless("auto_cast", false);
+      s->RefuseUnless("fp16_master_weights_and_grads", false);
     }
     for (const char* key : {"bf16", "bfloat16"}) {
       if (auto s = top.Sub(key)) {
         s->Bool("enabled", c.bf16);
-        s->Ignore({"immediate_grad_update"});
+        s->RefuseUnless("immediate_grad_update", false);
       }
     }
     if (auto s = top.Sub("zero_optimization")) {
@@ -225,7 +365,10 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
           throw ConfigError("zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\", got \"" +
                             device + "\"");
         c.zero.offload_optimizer_cpu = device == "cpu";
-        o->Ignore({"pin_memory", "buffer_count", "fast_init", "ratio"});
+        // How DeepSpeed stages the host copies: uckpt pins and reuses its own buffers.
+        o->Ignore({"pin_memory", "buffer_count", "fast_init", "nvme_path", "pipeline_read", "pipeline_write"});
+        o->RefuseUnless("ratio", 1.0);
+        o->RefuseUnknownKeys();
       }
       if (auto o = s->Sub("offload_param")) {
         std::string device = "none";
@@ -234,16 +377,30 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
           throw ConfigError("zero_optimization.offload_param.device must be \"cpu\" or \"none\", got \"" + device +
                             "\"");
         c.zero.offload_param_cpu = device == "cpu";
-        o->Ignore({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"});
+        o->Ignore({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
+        o->RefuseUnknownKeys();
       }
+      ParseLegacyOffload(*s, c.zero);
       ParseStage3Knobs(*s, c);
       bool round_robin = false;
       s->Bool("round_robin_gradients", round_robin);
       if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
       s->Bool("overlap_comm", c.zero.overlap_comm);
-      s->Ignore({"contiguous_gradients", "reduce_scatter", "allgather_partitions",
-                 "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
-                 "cpu_offload"});
+      // How DeepSpeed lays out and schedules its buffers: uckpt's own layout gives the same values.
+      s->Ignore({"contiguous_gradients", "reduce_scatter", "allgather_partitions", "use_multi_rank_bucket_allreduce",
+                 "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
+                 "override_module_apply", "pipeline_loading_checkpoint", "model_persistence_threshold",
+                 "stage3_model_persistence_threshold", "use_all_reduce_for_fetch_params",
+                 "stage3_use_all_reduce_for_fetch_params", "gather_16bit_weights_on_model_save"});
+      s->RefuseUnless("load_from_fp32_weights", true);
+      s->RefuseUnless("legacy_stage1", false);
+      s->RefuseUnless("zero_hpz_partition_size", 1);
+      s->RefuseUnless("zero_quantized_weights", false);
+      s->RefuseUnless("zero_quantized_nontrainable_weights", false);
+      s->RefuseUnless("zero_quantized_gradients", false);
+      s->RefuseUnless("mics_shard_size", -1);
+      s->RefuseUnless("mics_hierarchical_params_gather", false);
+      s->RefuseUnknownKeys();
     }
     if (auto s = top.Sub("heartbeat")) {
       s->Double("interval", c.heartbeat_interval_s);

@@ -19,7 +19,7 @@ class ConfigError : public std::runtime_error {
 };
 
 struct OptimizerConfig {
-  std::string type = "AdamW";  // "Adam" or "AdamW"
+  std::string type = "AdamW";  // "Adam" or "AdamW" (any case in the JSON)
   double lr = 1e-3;
   double beta1 = 0.9, beta2 = 0.999;
   double eps = 1e-8;
@@ -28,6 +28,9 @@ struct OptimizerConfig {
   // false: g += wd*p (L2), as torch.optim.Adam. DeepSpeed's default "Adam"
   // (FusedAdam, adam_w_mode true) decays decoupled.
   bool decoupled_weight_decay = true;
+  // false: DeepSpeed's Adam with bias_correction false (step size lr,
+  // denominator sqrt(v) + eps).
+  bool bias_correction = true;
 };
 
 struct SchedulerConfig {

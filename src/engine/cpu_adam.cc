@@ -81,6 +81,11 @@ double SumOfSquares(const at::Tensor& t) {
 }
 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
+  CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr);
+}
+
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+                 int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done) {
   c10::NoGradGuard no_grad;
   const int64_t n = st.master.numel();
   CheckHostFloat(st.master, "the master", n);
@@ -96,8 +101,9 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   const double step = st.step.item<float>();
   // The scalars as torch computes them: in double on the host, then used by
   // the fp32 kernels as floats.
-  const double bias_correction1 = 1 - std::pow(o.beta1, step);
-  const double bias_correction2 = 1 - std::pow(o.beta2, step);
+  // bias_correction false (DeepSpeed's Adam): step size lr, denominator sqrt(v) + eps.
+  const double bias_correction1 = o.bias_correction ? 1 - std::pow(o.beta1, step) : 1.0;
+  const double bias_correction2 = o.bias_correction ? 1 - std::pow(o.beta2, step) : 1.0;
   AdamScalars s;
   s.grad_scale = static_cast<float>(grad_scale);
   s.decoupled = o.decoupled_weight_decay;
@@ -114,7 +120,15 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* m = st.exp_avg.data_ptr<float>();
   float* v = st.exp_avg_sq.data_ptr<float>();
   float* g = grad.data_ptr<float>();
-  ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+  if (range <= 0 || !range_done) {
+    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+    return;
+  }
+  for (int64_t first = 0; first < n; first += range) {
+    const int64_t len = std::min(range, n - first);
+    ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, first + begin, first + end); });
+    range_done(first, first + len);
+  }
 }
 
 }  // namespace uckpt::engine

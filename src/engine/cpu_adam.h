@@ -11,6 +11,8 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+
 #include "engine/zero_optimizer.h"
 
 namespace uckpt::engine {
@@ -20,6 +22,12 @@ namespace uckpt::engine {
 // (grad_scale: the unscale-and-clip factor). `grad` is zeroed on return, ready
 // for the next accumulation. Runs on at::get_num_threads() threads.
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr);
+
+// The same step, run over consecutive ranges of `range` elements in order;
+// `range_done(begin, end)` is called after each, while the later ranges are
+// still to be updated (for copying the updated weights out meanwhile).
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+                 int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done);
 
 // The sum of the squares of a host fp32 tensor, accumulated in fp64 (the
 // squared L2 norm, for the global gradient norm without fp64 copies).

@@ -1,14 +1,64 @@
 #include "engine/zero_optimizer.h"
 
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
 
+#include "engine/cpu_adam.h"
 #include "engine/overlap_reducer.h"
 
 namespace uckpt::engine {
+namespace {
+
+// Elements per overlapped host<->device copy (16 MiB of fp32): large enough
+// for the copy engine's full speed, small enough that the first chunk's
+// host work starts early.
+constexpr int64_t kCopyChunk = int64_t{1} << 22;
+
+// Side streams of `device` for the offload copies, one per staging slot,
+// starting after the work queued on the current stream (which produced or
+// last read the device buffers). Waiting for a slot's stream is waiting for
+// that slot's last copy.
+class CopyStreams {
+ public:
+  CopyStreams(at::Device device, size_t slots) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    impl.getStream(device).synchronize();
+    for (size_t k = 0; k < slots; ++k) streams_.push_back(impl.getStreamFromGlobalPool(device));
+  }
+  ~CopyStreams() {
+    for (const c10::Stream& s : streams_) {
+      try {
+        s.synchronize();
+      } catch (...) {
+        // An error is already on its way out.
+      }
+    }
+  }
+  const c10::Stream& operator[](size_t k) const { return streams_[k % streams_.size()]; }
+  void Wait(size_t k) const { (*this)[k].synchronize(); }
+  void WaitAll() const {
+    for (const c10::Stream& s : streams_) s.synchronize();
+  }
+
+ private:
+  std::vector<c10::Stream> streams_;
+};
+
+// Two reused pinned host buffers of `n` elements of `dtype` in `slots`.
+void EnsureStaging(std::vector<at::Tensor>& slots, int64_t n, at::ScalarType dtype) {
+  if (slots.size() == 2 && slots[0].numel() >= n && slots[0].scalar_type() == dtype) return;
+  slots.clear();
+  for (int k = 0; k < 2; ++k)
+    slots.push_back(at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true)));
+}
+
+}  // namespace
 
 ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
     : ZeroOptimizer(comm, std::vector<GroupSpec>{GroupSpec{std::move(numels), settings.optimizer}}, settings, device) {}
@@ -32,7 +82,9 @@ ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<GroupSpec> specs, ZeroSetti
     for (size_t i = 0; i < g.fragments.size(); ++i) g.fragment_of[g.fragments[i].param] = static_cast<int>(i);
     g.model_flat = at::zeros({g.layout.padded_numel}, model_opts);
     g.grad_flat = at::zeros({g.layout.padded_numel}, model_opts);
-    g.state.master = at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device));
+    // Pinned under offload to a GPU: the updated weights go up straight from it.
+    g.state.master = at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device).pinned_memory(
+                                                              s_.offload_optimizer_cpu && !device.is_cpu()));
   }
   if (s_.model_dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.fp16);
 }
@@ -170,6 +222,11 @@ void ZeroOptimizer::ReduceIntoPartition(Group& g) {
   } else {
     part = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   }
+  if (s_.offload_optimizer_cpu && !part.device().is_cpu()) {
+    AddToHostGradient(g, part);
+    g.grad_flat.zero_();
+    return;
+  }
   part = part.to(g.state.master.device());
   if (g.have_grad_partition) {
     g.grad_partition.add_(part);
@@ -238,23 +295,107 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
   if (s_.stage == 0 && s_.model_dtype == at::kFloat) InitMasterFromModel();
 
   for (Group& g : groups_) {
+    const double lr = group_lrs[static_cast<size_t>(&g - groups_.data())];
     // unscale_and_clip_grads, with DeepSpeed's tensor arithmetic in fp32.
     at::Tensor grad = g.grad_partition;
+    at::Tensor factor;  // 0-d fp32 when clipping
     if (s_.gradient_clipping > 0) {
       at::Tensor norm = at::full({}, scaled_norm, grad.options());
       at::Tensor clip = ((norm / prev_scale) + 1e-6) / s_.gradient_clipping;
       clip = at::clamp_min(clip, 1.0);
       at::Tensor combined = clip * prev_scale;
-      grad.mul_(at::reciprocal(combined) * 1.0);
+      factor = at::reciprocal(combined) * 1.0;
+    }
+    g.have_grad_partition = false;
+    if (s_.offload_optimizer_cpu) {
+      // The same fp32 product (mul_ by a double multiplies by it as a
+      // float), taken inside the fused host pass.
+      OffloadedAdamStep(g, factor.defined() ? factor.item<float>() : static_cast<float>(1.0 / prev_scale), lr);
+      continue;
+    }
+    if (factor.defined()) {
+      grad.mul_(factor);
     } else {
       grad.mul_(1.0 / prev_scale);
     }
-    AdamStep(g, grad, group_lrs[static_cast<size_t>(&g - groups_.data())]);
-    g.have_grad_partition = false;
+    AdamStep(g, grad, lr);
     g.grad_partition = at::Tensor();
   }
-  GatherModelFromMasters();
+  if (!s_.offload_optimizer_cpu) GatherModelFromMasters();
   return r;
+}
+
+void ZeroOptimizer::AddToHostGradient(Group& g, const at::Tensor& part) {
+  c10::NoGradGuard no_grad;
+  const int64_t P = part.numel();
+  if (!g.grad_partition.defined() || !g.grad_partition.is_pinned())
+    g.grad_partition = at::empty({P}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(true));
+  if (!g.have_grad_partition || P == 0) {
+    g.grad_partition.copy_(part);  // one copy straight into pinned memory
+    g.have_grad_partition = true;
+    return;
+  }
+  // Accumulating: chunk k+1 comes down into one staging slot while chunk k,
+  // in the other, is added on the host.
+  const int64_t C = std::min(kCopyChunk, P);
+  EnsureStaging(g.host_staging, C, at::kFloat);
+  CopyStreams streams(part.device(), 2);
+  auto add = [&](int64_t k) {
+    const int64_t begin = k * C, len = std::min(C, P - begin);
+    streams.Wait(static_cast<size_t>(k));
+    g.grad_partition.narrow(0, begin, len).add_(g.host_staging[k % 2].narrow(0, 0, len));
+  };
+  const int64_t chunks = (P + C - 1) / C;
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t begin = k * C, len = std::min(C, P - begin);
+    {
+      c10::StreamGuard guard(streams[static_cast<size_t>(k)]);
+      g.host_staging[k % 2].narrow(0, 0, len).copy_(part.narrow(0, begin, len), /*non_blocking=*/true);
+    }
+    if (k > 0) add(k - 1);
+  }
+  if (chunks > 0) add(chunks - 1);
+}
+
+void ZeroOptimizer::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
+  c10::NoGradGuard no_grad;
+  const at::Device device = g.model_flat.device();
+  if (device.is_cpu()) {
+    CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr);
+    g.grad_partition = at::Tensor();
+    GatherModel(g, g.state.master);
+    return;
+  }
+  // Each updated range goes up on a side stream while the next is updated:
+  // fp32 straight from the pinned master, else converted on the host (the
+  // rounding .to() does on the device) into a pinned staging slot.
+  const at::Tensor& master = g.state.master;
+  const int64_t P = master.numel(), C = std::min(kCopyChunk, std::max<int64_t>(P, 1));
+  if (!g.device_partition.defined() || g.device_partition.numel() != P)
+    g.device_partition = at::empty({P}, g.model_flat.options());
+  const bool convert = s_.model_dtype != at::kFloat || !master.is_pinned();
+  std::vector<at::Tensor> weight_staging;
+  if (convert) {
+    // The slots of the gradient staging when they fit (fp32 holds any model dtype's chunk).
+    EnsureStaging(g.host_staging, C, at::kFloat);
+    for (const at::Tensor& t : g.host_staging) weight_staging.push_back(t.view(s_.model_dtype).narrow(0, 0, C));
+  }
+  CopyStreams streams(device, 2);
+  size_t k = 0;
+  CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr, C, [&](int64_t begin, int64_t end) {
+    const size_t slot = k++;
+    at::Tensor src = master.narrow(0, begin, end - begin);
+    if (convert) {
+      streams.Wait(slot);  // this slot's previous upload is done before it is overwritten
+      at::Tensor staged = weight_staging[slot % 2].narrow(0, 0, end - begin);
+      staged.copy_(src);
+      src = staged;
+    }
+    c10::StreamGuard guard(streams[slot]);
+    g.device_partition.narrow(0, begin, end - begin).copy_(src, /*non_blocking=*/true);
+  });
+  streams.WaitAll();
+  GatherModel(g, g.device_partition);
 }
 
 void ZeroOptimizer::AdamStep(Group& g, const at::Tensor& grad, double lr) { TorchAdamStep(g.state, grad, g.optimizer, lr); }
@@ -278,8 +419,9 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
   st.exp_avg.mul_(o.beta1).add_(grad, 1 - o.beta1);
   st.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
   const double step = st.step.item<float>();
-  const double bias_correction1 = 1 - std::pow(o.beta1, step);
-  const double bias_correction2 = 1 - std::pow(o.beta2, step);
+  // bias_correction false (DeepSpeed's Adam): step size lr, denominator sqrt(v) + eps.
+  const double bias_correction1 = o.bias_correction ? 1 - std::pow(o.beta1, step) : 1.0;
+  const double bias_correction2 = o.bias_correction ? 1 - std::pow(o.beta2, step) : 1.0;
   const double step_size = lr / bias_correction1;
   const double bias_correction2_sqrt = std::sqrt(bias_correction2);
   at::Tensor denom = (st.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
@@ -291,18 +433,20 @@ void ZeroOptimizer::InitMasterFromModel() {
 }
 
 void ZeroOptimizer::GatherModelFromMasters() {
+  for (Group& g : groups_) GatherModel(g, g.state.master);
+}
+
+void ZeroOptimizer::GatherModel(Group& g, const at::Tensor& partition) {
   c10::NoGradGuard no_grad;
-  for (Group& g : groups_) {
-    if (g.layout.dp == 1 && g.state.master.device() == g.model_flat.device()) {
-      g.model_flat.copy_(g.state.master);  // one pass, converting as .to() does
-      continue;
-    }
-    at::Tensor mine = g.state.master.to(g.model_flat.device()).to(s_.model_dtype);
-    if (g.layout.dp > 1) {
-      comm_.AllGather(mine, g.model_flat);
-    } else {
-      g.model_flat.copy_(mine);
-    }
+  if (g.layout.dp == 1 && partition.device() == g.model_flat.device()) {
+    g.model_flat.copy_(partition);  // one pass, converting as .to() does
+    return;
+  }
+  at::Tensor mine = partition.to(g.model_flat.device()).to(s_.model_dtype);
+  if (g.layout.dp > 1) {
+    comm_.AllGather(mine, g.model_flat);
+  } else {
+    g.model_flat.copy_(mine);
   }
 }
 

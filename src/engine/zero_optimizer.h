@@ -10,7 +10,12 @@
 // gradients accumulate locally and reduces once at the boundary; stage 0 does
 // the same over an unpartitioned buffer. Step() then computes DeepSpeed's
 // global norm, clips, runs torch's Adam/AdamW on the partition and
-// all-gathers the updated weights into the model.
+// all-gathers the updated weights into the model. Under offload_optimizer
+// the update is the fused host Adam of cpu_adam.h (torch's formula), and on
+// a GPU the copies go through pinned, reused buffers overlapped with the
+// host work: gradients come down chunk by chunk while earlier chunks are
+// accumulated, and each updated range of weights goes up on a side stream
+// while the next range is updated.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -137,6 +142,11 @@ class ZeroOptimizer {
     // each micro-step; stage 1: flat order).
     std::vector<int> ready_order;
     std::vector<at::Tensor> params, grad_views;  // bound by BindGradients
+    // offload_optimizer with the model on a GPU: reused buffers for the host
+    // update's copies (pinned staging for both directions, and this rank's
+    // updated partition in the model dtype on the device).
+    std::vector<at::Tensor> host_staging;
+    at::Tensor device_partition;
   };
   at::Tensor PartitionOf(const Group& g, const at::Tensor& flat) const;
   void ReduceIntoPartition(Group& g);
@@ -144,6 +154,9 @@ class ZeroOptimizer {
   at::Tensor GroupNormSquared(const Group& g);
   double GlobalNorm();
   void AdamStep(Group& g, const at::Tensor& grad, double lr);
+  void AddToHostGradient(Group& g, const at::Tensor& part);
+  void OffloadedAdamStep(Group& g, float grad_scale, double lr);
+  void GatherModel(Group& g, const at::Tensor& mine);
 
   Comm& comm_;
   ZeroSettings s_;

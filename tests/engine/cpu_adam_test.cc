@@ -57,6 +57,45 @@ INSTANTIATE_TEST_SUITE_P(Kinds, CpuAdam,
                                   (info.param.weight_decay != 0 ? "_decay" : "_nodecay");
                          });
 
+// "bias_correction": false (DeepSpeed's FusedAdam and DeepSpeedCPUAdam):
+// step size lr and denominator sqrt(v) + eps from the first step on, in
+// both host paths (TorchAdamStep also serves the device and stage 3).
+TEST(CpuAdam, WithoutBiasCorrectionStepsByLr) {
+  at::manual_seed(11);
+  const int64_t n = 1000;
+  OptimizerConfig o;
+  o.beta1 = 0.8;
+  o.beta2 = 0.9;
+  o.eps = 1e-3;
+  o.weight_decay = 0.1;
+  o.bias_correction = false;
+  for (bool decoupled : {true, false}) {
+    o.decoupled_weight_decay = decoupled;
+    PartitionState torch_state, fused_state;
+    torch_state.master = at::randn({n});
+    fused_state.master = torch_state.master.clone();
+    at::Tensor p = torch_state.master.to(at::kDouble), m = at::zeros_like(p), v = at::zeros_like(p);
+    const double lr = 0.05;
+    for (int step = 1; step <= 3; ++step) {
+      at::Tensor grad = at::randn({n});
+      TorchAdamStep(torch_state, grad, o, lr);
+      at::Tensor g = grad.clone();
+      CpuAdamStep(fused_state, g, 1.0, o, lr);
+      at::Tensor gd = grad.to(at::kDouble);
+      if (decoupled) {
+        p = p * (1 - lr * o.weight_decay);
+      } else {
+        gd = gd + o.weight_decay * p;
+      }
+      m = o.beta1 * m + (1 - o.beta1) * gd;
+      v = o.beta2 * v + (1 - o.beta2) * gd * gd;
+      p = p - lr * m / (v.sqrt() + o.eps);
+    }
+    EXPECT_LT(ScaledDiff(torch_state.master.to(at::kDouble), p), 1e-6) << decoupled;
+    EXPECT_LT(ScaledDiff(fused_state.master.to(at::kDouble), p), 1e-6) << decoupled;
+  }
+}
+
 TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
   PartitionState st;
   st.master = at::zeros({8});

@@ -133,13 +133,138 @@ TEST(Config, UnknownKeysWarnWrongTypesFail) {
   fails(R"({"scheduler": {"type": "WarmupDecayLR", "params": {}}})", "total_num_steps");
   fails(R"({"train_micro_batch_size_per_gpu": "auto"})", "Hugging Face");
   fails(R"([1, 2])", "object");
-  auto torch_adam = ParseConfig(nlohmann::json::parse(R"({"optimizer": {"type": "Adam", "params":
-      {"torch_adam": true}}})"), "x");
-  EXPECT_FALSE(torch_adam.optimizer.decoupled_weight_decay);
   auto big = ParseConfig(nlohmann::json::parse(R"({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8,
       "offload_optimizer": {"device": "cpu"}}})"), "x");
   EXPECT_EQ(big.zero.reduce_bucket_size, 500000000);
   EXPECT_TRUE(big.zero.offload_optimizer_cpu);
+}
+
+// DeepSpeed 0.14.5's _configure_basic_optimizer, read for each combination:
+// the type is lower-cased; effective adam_w_mode = (type == adamw) or
+// adam_w_mode (default true); torch_adam picks torch.optim.AdamW or .Adam
+// by it (AdamW's weight_decay defaults to 0.01), else FusedAdam or
+// DeepSpeedCPUAdam with that adam_w_mode (weight_decay default 0).
+TEST(Config, AdamModeFollowsDeepSpeedForEveryCombination) {
+  struct Row {
+    const char* type;
+    const char* torch_adam;   // "" = not given
+    const char* adam_w_mode;  // "" = not given
+    bool decoupled;
+    double default_weight_decay;
+  };
+  const Row rows[] = {
+      {"Adam", "", "", true, 0.0},           {"Adam", "", "true", true, 0.0},
+      {"Adam", "", "false", false, 0.0},     {"Adam", "false", "", true, 0.0},
+      {"Adam", "false", "false", false, 0.0}, {"Adam", "true", "", true, 0.01},
+      {"Adam", "true", "true", true, 0.01},  {"Adam", "true", "false", false, 0.0},
+      {"adam", "true", "", true, 0.01},      {"adam", "", "false", false, 0.0},
+      {"ADAM", "true", "false", false, 0.0}, {"AdamW", "", "", true, 0.0},
+      {"AdamW", "", "false", true, 0.0},     {"adamw", "true", "false", true, 0.01},
+      {"ADAMW", "false", "false", true, 0.0}, {"AdamW", "true", "", true, 0.01},
+  };
+  for (const Row& r : rows) {
+    nlohmann::json params = nlohmann::json::object();
+    if (*r.torch_adam) params["torch_adam"] = std::string(r.torch_adam) == "true";
+    if (*r.adam_w_mode) params["adam_w_mode"] = std::string(r.adam_w_mode) == "true";
+    const std::string what = std::string(r.type) + " torch_adam=" + r.torch_adam + " adam_w_mode=" + r.adam_w_mode;
+    TrainConfig c = ParseConfig({{"optimizer", {{"type", r.type}, {"params", params}}}}, "x");
+    EXPECT_EQ(c.optimizer.decoupled_weight_decay, r.decoupled) << what;
+    EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, r.default_weight_decay) << what;
+    EXPECT_TRUE(c.warnings.empty()) << what;
+    params["weight_decay"] = 0.3;  // a given weight decay is kept in every mode
+    c = ParseConfig({{"optimizer", {{"type", r.type}, {"params", params}}}}, "x");
+    EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.3) << what;
+    EXPECT_EQ(c.optimizer.decoupled_weight_decay, r.decoupled) << what;
+  }
+}
+
+// Adam's keywords: honoured, or refused naming the key (as DeepSpeed's
+// optimizer constructors refuse the other implementation's keywords).
+TEST(Config, AdamKeywordsHonouredOrRefused) {
+  auto adam = [](const char* params) {
+    return ParseConfig(nlohmann::json::parse(std::string(R"({"optimizer": {"type": "Adam", "params": )") + params +
+                                             "}}"),
+                       "cfg.json");
+  };
+  EXPECT_TRUE(adam("{}").optimizer.bias_correction);
+  EXPECT_FALSE(adam(R"({"bias_correction": false})").optimizer.bias_correction);
+  EXPECT_TRUE(adam(R"({"torch_adam": true, "foreach": true, "fused": false})").warnings.empty());
+  EXPECT_TRUE(adam(R"({"set_grad_none": false})").warnings.empty());
+  auto refused = [&](const char* params, const char* needle) {
+    try {
+      adam(params);
+      ADD_FAILURE() << params;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"bias_correction": false, "torch_adam": true})", "optimizer.params.bias_correction");
+  refused(R"({"maximize": true, "torch_adam": true})", "optimizer.params.maximize");
+  refused(R"({"capturable": true, "torch_adam": true})", "optimizer.params.capturable");
+  refused(R"({"differentiable": true, "torch_adam": true})", "optimizer.params.differentiable");
+  for (const char* key : {"maximize", "fused", "foreach", "capturable", "differentiable"})
+    refused(("{\"" + std::string(key) + "\": false}").c_str(), (std::string("optimizer.params.") + key).c_str());
+  refused(R"({"amsgrad": true})", "amsgrad");
+  refused(R"({"max_grad_norm": 1.0})", "max_grad_norm");
+  refused(R"({"fp32_optimizer_states": false})", "fp32_optimizer_states");
+}
+
+// The config-key audit: every DeepSpeed 0.14.5 key is honoured, refused
+// naming it, or (logging and profiling only) warned about once.
+TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
+  auto parse = [](const std::string& text) { return ParseConfig(nlohmann::json::parse(text), "cfg.json"); };
+  auto refused = [&](const std::string& text, const std::string& needle) {
+    try {
+      parse(text);
+      ADD_FAILURE() << text;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  // Honoured: the legacy cpu_offload booleans are their sections.
+  EXPECT_TRUE(parse(R"({"zero_optimization": {"stage": 1, "cpu_offload": true}})").zero.offload_optimizer_cpu);
+  EXPECT_FALSE(parse(R"({"zero_optimization": {"stage": 1, "cpu_offload": false}})").zero.offload_optimizer_cpu);
+  EXPECT_TRUE(parse(R"({"zero_optimization": {"stage": 3, "cpu_offload_param": true}})").zero.offload_param_cpu);
+  refused(R"({"zero_optimization": {"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}})",
+          "zero_optimization.cpu_offload");
+  // Refused at any value but DeepSpeed's default; accepted at the default.
+  for (const char* key : {"prescale_gradients", "sparse_gradients", "disable_allgather", "graph_harvesting"}) {
+    refused(std::string("{\"") + key + "\": true}", key);
+    EXPECT_TRUE(parse(std::string("{\"") + key + "\": false}").warnings.empty()) << key;
+  }
+  refused(R"({"gradient_predivide_factor": 2.0})", "gradient_predivide_factor");
+  EXPECT_TRUE(parse(R"({"gradient_predivide_factor": 1.0})").warnings.empty());
+  refused(R"({"communication_data_type": "fp16"})", "communication_data_type");
+  refused(R"({"fp16": {"enabled": true, "auto_cast": true}})", "fp16.auto_cast");
+  EXPECT_TRUE(parse(R"({"fp16": {"enabled": true, "auto_cast": false}})").fp16.enabled);
+  refused(R"({"fp16": {"enabled": true, "fp16_master_weights_and_grads": true}})", "fp16_master_weights_and_grads");
+  refused(R"({"bf16": {"enabled": true, "immediate_grad_update": true}})", "bf16.immediate_grad_update");
+  refused(R"({"data_types": {"grad_accum_dtype": "fp32"}})", "data_types.grad_accum_dtype");
+  refused(R"({"amp": {"enabled": true}})", "amp");
+  EXPECT_TRUE(parse(R"({"amp": {"enabled": false}, "elasticity": {"enabled": false}})").warnings.empty());
+  refused(R"({"sparse_attention": {"mode": "fixed"}})", "sparse_attention");
+  refused(R"({"zero_optimization": {"stage": 2, "zero_quantized_gradients": true}})",
+          "zero_optimization.zero_quantized_gradients");
+  refused(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",
+          "zero_optimization.offload_optimizer.ratio");
+  refused(R"({"zero_optimization": {"stage": 1, "load_from_fp32_weights": false}})", "load_from_fp32_weights");
+  // DeepSpeed's zero_optimization refuses keys it does not define; so does uckpt.
+  refused(R"({"zero_optimization": {"stage": 2, "overlap_com": true}})", "zero_optimization.overlap_com");
+  refused(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pinned": true}}})",
+          "zero_optimization.offload_optimizer.pinned");
+  // Logging and profiling: one warning per key when on, none when off.
+  TrainConfig monitors = parse(R"({"tensorboard": {"enabled": true, "output_path": "tb"}, "wandb": {"enabled": true},
+      "csv_monitor": {"enabled": true}, "comet": {"enabled": true}, "flops_profiler": {"enabled": true},
+      "comms_logger": {"enabled": true}, "wall_clock_breakdown": true, "memory_breakdown": true})");
+  ASSERT_EQ(monitors.warnings.size(), 8u);
+  for (const char* key : {"tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger",
+                          "wall_clock_breakdown", "memory_breakdown"}) {
+    int n = 0;
+    for (const auto& w : monitors.warnings) n += w.find("'" + std::string(key) + "'") != std::string::npos;
+    EXPECT_EQ(n, 1) << key;
+  }
+  EXPECT_TRUE(parse(R"({"tensorboard": {"enabled": false}, "wandb": {"project": "x"}, "wall_clock_breakdown": false,
+      "flops_profiler": {"enabled": false}, "comms_logger": {"enabled": false}})").warnings.empty());
 }
 
 TEST(Config, BatchArithmetic) {

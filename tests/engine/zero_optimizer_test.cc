@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "uckpt/comm.h"
+#include "engine/cpu_adam.h"
 #include "engine/zero_optimizer.h"
 
 namespace uckpt::engine {
@@ -86,6 +87,45 @@ TEST(ZeroOptimizer, GradientAccumulationIsTheSumOfMicroSteps) {
     EXPECT_NEAR(r.grad_norm, 6.0 * std::sqrt(6.0), 1e-5) << stage;
     EXPECT_TRUE(at::allclose(z.state().exp_avg, at::full({6}, 0.6f))) << stage;  // (1 - 0.9) * 6
     EXPECT_EQ(z.grad_flat().abs().sum().item<float>(), 0.f) << stage;            // ready for the next step
+  }
+}
+
+// Stages 1 and 2 under offload_optimizer step with the fused host Adam
+// (cpu_adam.h) on the host partition: the masters are exactly what
+// CpuAdamStep gives for the clipped gradient, step after step, with
+// gradient accumulation and clipping.
+TEST(ZeroOptimizer, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
+  auto comm = MakeSingleProcessComm();
+  for (int stage : {1, 2}) {
+    ZeroSettings s;
+    s.stage = stage;
+    s.offload_optimizer_cpu = true;
+    s.gradient_clipping = 0.5;
+    s.optimizer.weight_decay = 0.01;
+    s.optimizer.beta2 = 0.95;
+    ZeroOptimizer z(*comm, std::vector<int64_t>{70001, 30000}, s);
+    at::manual_seed(5);
+    z.model_flat().copy_(at::randn({z.model_flat().numel()}));
+    z.InitMasterFromModel();
+    PartitionState want;
+    want.master = z.state().master.clone();
+    for (int step = 1; step <= 4; ++step) {
+      at::Tensor sum = at::zeros_like(z.grad_flat());
+      for (int micro = 0; micro < 2; ++micro) {
+        at::Tensor g = at::randn({z.grad_flat().numel()}) * 0.1;
+        z.grad_flat().add_(g);
+        sum.add_(g);
+        z.ReduceMicroGradients(micro == 1);
+      }
+      auto r = z.Step(1e-3 * step);
+      // DeepSpeed's clip factor, in fp32 as the engine computes it.
+      at::Tensor combined = at::clamp_min((at::full({}, r.grad_norm, at::kFloat) + 1e-6) / 0.5, 1.0);
+      const float factor = (at::reciprocal(combined) * 1.0).item<float>();
+      CpuAdamStep(want, sum, factor, s.optimizer, 1e-3 * step);
+      ASSERT_TRUE(at::equal(z.state().master, want.master)) << "stage " << stage << " step " << step;
+      EXPECT_TRUE(at::equal(z.model_flat(), want.master)) << "stage " << stage << " step " << step;
+    }
+    EXPECT_TRUE(at::equal(z.state().exp_avg_sq, want.exp_avg_sq)) << stage;
   }
 }
 
