@@ -409,7 +409,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (auto s = top.Sub("checkpoint")) {
       s->Bool("load_universal", c.load_universal);
       s->Bool("async_save", c.async_save);
-      s->Ignore({"tag_validation", "use_node_local_storage", "parallel_write"});
+      s->Ignore({"tag_validation", "parallel_write"});
+      s->RefuseUnless("use_node_local_storage", false);  // DeepSpeed would then save per node
     }
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(source + ": " + e.what());

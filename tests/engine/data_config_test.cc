@@ -248,6 +248,7 @@ TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
   refused(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",
           "zero_optimization.offload_optimizer.ratio");
   refused(R"({"zero_optimization": {"stage": 1, "load_from_fp32_weights": false}})", "load_from_fp32_weights");
+  refused(R"({"checkpoint": {"use_node_local_storage": true}})", "checkpoint.use_node_local_storage");
   // DeepSpeed's zero_optimization refuses keys it does not define; so does uckpt.
   refused(R"({"zero_optimization": {"stage": 2, "overlap_com": true}})", "zero_optimization.overlap_com");
   refused(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pinned": true}}})",
