@@ -100,7 +100,8 @@ struct EngineOptions {
   // which the host Adam uses too) and uckpt's own checkpoint threads. 0: the
   // program's own at::set_num_threads if it called it, else OMP_NUM_THREADS,
   // else this rank's share of the host, max(1, CPUs this process may run on /
-  // LOCAL_WORLD_SIZE). Rank 0 prints the choice once. See docs/engine.md.
+  // LOCAL_WORLD_SIZE), at most libtorch's default. Rank 0 prints the choice
+  // once. See docs/engine.md.
   int host_threads = 0;
 };
 

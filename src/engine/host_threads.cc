@@ -55,7 +55,6 @@ int EnvCount(const char* name, bool first_level = false) {
 
 // CPUs in this process's affinity mask; every online CPU where it cannot be read.
 int AffinityCores() {
-  if (int n = EnvCount("UCKPT_HOST_CORES")) return n;
   for (int size = 1024; size <= (1 << 16); size *= 4) {
     cpu_set_t* set = CPU_ALLOC(size);
     if (!set) break;
@@ -83,9 +82,13 @@ std::string HostThreadChoice::Message() const {
 }
 
 HostThreadChoice ChooseHostThreads(const HostThreadInputs& in) {
-  const int share = std::max(1, std::max(1, in.cores) / std::max(1, in.local_ranks));
+  const int split = std::max(1, std::max(1, in.cores) / std::max(1, in.local_ranks));
+  const bool bounded = in.libtorch_default > 0 && in.libtorch_default < split;
+  const int share = bounded ? in.libtorch_default : split;
   auto above_share = [&](int n) {
-    return n > share ? "; above this rank's share of " + std::to_string(share) + ": " + Share(in) : std::string();
+    return n > share ? "; above this rank's share of " + std::to_string(share) + ": " + Share(in) +
+                           (bounded ? ", at most libtorch's default" : "")
+                     : std::string();
   };
   if (in.requested > 0)
     return {in.requested, in.requested_by + " " + std::to_string(in.requested) + above_share(in.requested)};
@@ -94,14 +97,16 @@ HostThreadChoice ChooseHostThreads(const HostThreadInputs& in) {
                                     above_share(in.program_threads)};
   if (in.omp_num_threads > 0)
     return {in.omp_num_threads, "OMP_NUM_THREADS=" + std::to_string(in.omp_num_threads) + above_share(in.omp_num_threads)};
-  return {share, Share(in) + "; " + in.how_to_change};
+  const std::string bound = bounded ? ", at most libtorch's default of " + std::to_string(share) : "";
+  return {share, Share(in) + bound + "; " + in.how_to_change};
 }
 
 HostThreadInputs HostThreadInputsFromProcess(int requested, const std::string& requested_by,
                                              const std::string& how_to_change) {
   if (requested < 0) throw std::invalid_argument(requested_by + ": " + std::to_string(requested) + " threads");
   HostThreadInputs in;
-  in.cores = AffinityCores();
+  const int test_cores = EnvCount("UCKPT_HOST_CORES");
+  in.cores = test_cores ? test_cores : AffinityCores();
   in.local_ranks = LocalRanks();
   in.requested = requested;
   in.requested_by = requested_by;
@@ -110,7 +115,9 @@ HostThreadInputs HostThreadInputsFromProcess(int requested, const std::string& r
   // libtorch starts at its default (OMP_NUM_THREADS when set); any other
   // count that uckpt did not set by its own choice came from the program.
   const int now = at::get_num_threads();
-  if (now != at::intraop_default_num_threads() && now != g_ours.load()) in.program_threads = now;
+  const int libtorch_default = at::intraop_default_num_threads();
+  if (now != libtorch_default && now != g_ours.load()) in.program_threads = now;
+  in.libtorch_default = test_cores ? test_cores : libtorch_default;
   return in;
 }
 

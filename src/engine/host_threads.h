@@ -12,8 +12,11 @@
 //   4. this rank's share of the host: max(1, cores / local ranks), cores being
 //      the CPUs this process may run on (sched_getaffinity), local ranks
 //      LOCAL_WORLD_SIZE (torchrun, `uckpt launch`), else LOCAL_SIZE
-//      (DeepSpeed's launcher), else OMPI_COMM_WORLD_LOCAL_SIZE (mpirun), else 1.
-// UCKPT_HOST_CORES, when set, stands for the cores (tests on small machines).
+//      (DeepSpeed's launcher), else OMPI_COMM_WORLD_LOCAL_SIZE (mpirun), else 1;
+//      never above libtorch's own default: uckpt shares the host, it does not
+//      raise what libtorch would use.
+// UCKPT_HOST_CORES=N, when set, stands for the cores and for libtorch's
+// default (tests of an N-core host on small machines).
 #pragma once
 
 #include <string>
@@ -28,6 +31,7 @@ struct HostThreadInputs {
   std::string requested_by;  // names it in the message, e.g. "--threads"
   int program_threads = 0;   // set by the program through libtorch
   int omp_num_threads = 0;   // OMP_NUM_THREADS
+  int libtorch_default = 0;  // libtorch's own default count; 0: no bound
   std::string how_to_change = "set OMP_NUM_THREADS to change";  // the message's hint for the default
 };
 

@@ -33,6 +33,20 @@ TEST(HostThreads, ShareOfTheHost) {
   EXPECT_EQ(ChooseHostThreads(Host(8, 1)).threads, 8);
 }
 
+TEST(HostThreads, NeverAboveLibtorchsDefault) {
+  HostThreadInputs in = Host(32, 1);
+  in.libtorch_default = 16;  // e.g. physical cores
+  EXPECT_EQ(ChooseHostThreads(in).Message(),
+            "uckpt: 16 host threads per rank (32 cores / 1 local rank, at most libtorch's default of 16; set "
+            "OMP_NUM_THREADS or --threads to change)");
+  in.local_ranks = 4;
+  EXPECT_EQ(ChooseHostThreads(in).threads, 8);
+  in.requested = 20;
+  in.requested_by = "--threads";
+  EXPECT_EQ(ChooseHostThreads(in).Message(),
+            "uckpt: 20 host threads per rank (--threads 20; above this rank's share of 8: 32 cores / 4 local ranks)");
+}
+
 TEST(HostThreads, NeverFewerThanOne) {
   HostThreadChoice c = ChooseHostThreads(Host(2, 4));
   EXPECT_EQ(c.threads, 1);

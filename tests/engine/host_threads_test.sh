@@ -51,10 +51,15 @@ for launcher in uckpt env; do
   probe "omp_$launcher" $launcher UCKPT_HOST_CORES=8 OMP_NUM_THREADS=3
   expect "omp_$launcher" 3
 done
-# This machine's own cores, and a launch restricted to one CPU.
+# This machine's own cores (at most cores / 2: less where libtorch's default is
+# smaller), and a launch restricted to one CPU.
 cores=$(nproc)
 probe host uckpt
-expect host $((cores / 2 > 1 ? cores / 2 : 1))
+for r in 0 1; do
+  n=$(sed -n "s/^rank $r torch \([0-9]*\) .*/\1/p" host.log)
+  [ -n "$n" ] && [ "$n" -ge 1 ] && [ "$n" -le $((cores / 2 > 1 ? cores / 2 : 1)) ] ||
+    { cat host.log; fail "host: rank $r uses '$n' threads on $cores cores"; }
+done
 probe one_cpu uckpt taskset -c "$(taskset -cp $$ | sed 's/.*: *//; s/[,-].*//')"
 expect one_cpu 1
 said one_cpu "uckpt: 1 host thread per rank (1 core / 2 local ranks; set OMP_NUM_THREADS or EngineOptions::host_threads to change)"
