@@ -337,56 +337,57 @@ std::string Num(double v) {
 }
 
 template <typename T>
-std::optional<std::string> CounterDiff(const char* name, const std::optional<T>& want, const std::optional<T>& got) {
+std::optional<std::string> CounterDiff(const char* name, const std::optional<T>& want, const std::optional<T>& got,
+                                       const std::string& actual_is) {
   if (!want || !got || *want == *got) return std::nullopt;
-  return std::string("counter ") + name + " is " + Num(static_cast<double>(*got)) + " after the load, the checkpoint has " +
-         Num(static_cast<double>(*want));
+  return std::string("counter ") + name + " is " + Num(static_cast<double>(*got)) + " " + actual_is +
+         ", the checkpoint's record is " + Num(static_cast<double>(*want));
 }
 
 }  // namespace
 
 std::optional<std::string> FirstFingerprintDifference(const StateFingerprint& expected, const StateFingerprint& actual,
-                                                      const FingerprintScope& scope) {
+                                                      const FingerprintScope& scope, const std::string& actual_is) {
   std::map<std::string, const ParamFingerprint*> held;
   for (const auto& p : actual.params) held[p.name] = &p;
   auto in_scope = [&](const std::string& key) { return key == "fp32" ? scope.masters : scope.optimizer; };
   for (const auto& want : expected.params) {
     auto it = held.find(want.name);
-    if (it == held.end()) return "parameter " + want.name + " is in the checkpoint but not in this model";
+    if (it == held.end()) return "parameter " + want.name + " is in the checkpoint, not " + actual_is;
     const ParamFingerprint& got = *it->second;
     if (got.numel != want.numel)
-      return "parameter " + want.name + " has " + std::to_string(got.numel) + " elements after the load, the checkpoint " +
+      return "parameter " + want.name + " has " + std::to_string(got.numel) + " elements " + actual_is + ", the checkpoint " +
              std::to_string(want.numel);
     for (const auto& [key, value] : want.states) {
       if (!in_scope(key)) continue;
       const uint64_t* h = got.find(key);
-      if (!h) return "parameter " + want.name + " has no '" + key + "' after the load, the checkpoint has one";
+      if (!h) return "parameter " + want.name + " has no '" + key + "' " + actual_is + ", the checkpoint has one";
       if (*h != value)
         return "parameter " + want.name + " '" + key + "' differs: fingerprint " + HashToHex(*h) +
-               " after the load, the checkpoint's is " + HashToHex(value);
+               " " + actual_is + ", the checkpoint's is " + HashToHex(value);
     }
     for (const auto& [key, value] : got.states)
       if (in_scope(key) && !want.find(key))
-        return "parameter " + want.name + " has '" + key + "' after the load, the checkpoint has none";
+        return "parameter " + want.name + " has '" + key + "' " + actual_is + ", the checkpoint has none";
   }
   if (scope.masters || scope.optimizer) {
     std::map<std::string, bool> recorded;
     for (const auto& p : expected.params) recorded[p.name] = true;
     for (const auto& p : actual.params)
-      if (!recorded.count(p.name)) return "parameter " + p.name + " of this model is not in the checkpoint";
+      if (!recorded.count(p.name)) return "parameter " + p.name + " " + actual_is + " is not in the checkpoint";
   }
   const FingerprintCounters &w = expected.counters, &g = actual.counters;
   std::optional<std::string> d;
-  if (scope.counters && ((d = CounterDiff("global_steps", w.global_steps, g.global_steps)) ||
-                         (d = CounterDiff("skipped_steps", w.skipped_steps, g.skipped_steps)) ||
-                         (d = CounterDiff("global_samples", w.global_samples, g.global_samples))))
+  if (scope.counters && ((d = CounterDiff("global_steps", w.global_steps, g.global_steps, actual_is)) ||
+                         (d = CounterDiff("skipped_steps", w.skipped_steps, g.skipped_steps, actual_is)) ||
+                         (d = CounterDiff("global_samples", w.global_samples, g.global_samples, actual_is))))
     return d;
   if (scope.optimizer) {
     if (w.optimizer_step.has_value() != g.optimizer_step.has_value() && (w.optimizer_step || g.optimizer_step))
       return std::string("Adam's step is ") + (g.optimizer_step ? Num(*g.optimizer_step) : "absent") +
-             " after the load, the checkpoint's is " + (w.optimizer_step ? Num(*w.optimizer_step) : "absent");
-    if ((d = CounterDiff("optimizer_step", w.optimizer_step, g.optimizer_step)) ||
-        (d = CounterDiff("loss_scale", w.loss_scale, g.loss_scale)))
+             " " + actual_is + ", the checkpoint's is " + (w.optimizer_step ? Num(*w.optimizer_step) : "absent");
+    if ((d = CounterDiff("optimizer_step", w.optimizer_step, g.optimizer_step, actual_is)) ||
+        (d = CounterDiff("loss_scale", w.loss_scale, g.loss_scale, actual_is)))
       return d;
   }
   return std::nullopt;

@@ -105,8 +105,10 @@ struct FingerprintScope {
 // The first difference between what was recorded (`expected`) and what is
 // held (`actual`) within `scope`, in `expected`'s parameter order, as a
 // sentence naming the parameter and key (or counter); nullopt if they agree.
-// A counter absent from either side is not compared.
+// A counter absent from either side is not compared. `actual_is` says where
+// `actual` comes from ("after the load", "in the files").
 std::optional<std::string> FirstFingerprintDifference(const StateFingerprint& expected, const StateFingerprint& actual,
-                                                      const FingerprintScope& scope = {});
+                                                      const FingerprintScope& scope = {},
+                                                      const std::string& actual_is = "after the load");
 
 }  // namespace uckpt::ckpt

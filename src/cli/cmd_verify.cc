@@ -77,7 +77,7 @@ FolderState ComputeState(ckpt::FolderVerdict& f, int threads, std::vector<std::s
     return s;
   }
   if (!recorded) return s;
-  if (auto diff = ckpt::FirstFingerprintDifference(*recorded, s.state)) {
+  if (auto diff = ckpt::FirstFingerprintDifference(*recorded, s.state, {}, "in the files")) {
     s.record = "differs from the manifest's record";
     // The files as they are ("after the load") against what the saver recorded.
     f.problems.push_back({f.folder + "/" + ckpt::kManifestName,

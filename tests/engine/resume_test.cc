@@ -459,7 +459,10 @@ TEST(Resume, ChecksTheManifest) {
     f.seekp(static_cast<std::streamoff>(size / 2));
     f.put(static_cast<char>(c ^ 1));
   }
-  EXPECT_EQ(resume(false), std::vector<std::string>(2));  // sizes match: not noticed without --verify
+  // Sizes match: without --verify the file hashes are not compared, but the
+  // state fingerprint finds the changed byte (it lies in a tensor's data).
+  for (const std::string& e : resume(false))
+    EXPECT_NE(e.find("the state after the load is not the saved one"), std::string::npos) << e;
   for (const std::string& e : resume(true)) EXPECT_NE(e.find(victim + ": content differs"), std::string::npos) << e;
 
   fs::resize_file(victim, size - 1);
