@@ -31,7 +31,19 @@ PYBIND11_MODULE(_uckpt, m) {
 
   py::class_<EngineOptimizer>(m, "EngineOptimizer")
       .def_property_readonly("param_groups", [](const EngineOptimizer& o) { return o.engine->ParamGroups(); })
-      .def("zero_grad", [](EngineOptimizer&, py::args, py::kwargs) {})
+      // DeepSpeed's ZeRO optimizers' zero_grad: each trainable parameter's .grad set to None, or zeroed.
+      .def("zero_grad",
+           [](const EngineOptimizer& o, bool set_to_none) {
+             for (py::handle group : o.engine->ParamGroups())
+               for (py::handle p : group["params"]) {
+                 if (set_to_none) {
+                   p.attr("grad") = py::none();
+                 } else if (!p.attr("grad").is_none()) {
+                   p.attr("grad").attr("zero_")();  // in place: the engine's gradient views stay attached
+                 }
+               }
+           },
+           "set_to_none"_a = true)
       .def("step",
            [](EngineOptimizer&, py::args, py::kwargs) {
              throw std::runtime_error(

@@ -666,6 +666,10 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   return py::make_tuple(py::str(r.path), cs);
 }
 
+void PyEngine::ZeroGrad() {
+  for (py::handle p : module_.attr("parameters")()) p.attr("grad") = py::none();
+}
+
 void PyEngine::Train(bool mode) {
   module_.attr("train")(mode);
   engine_->Train(mode);

@@ -31,7 +31,10 @@ class PyEngine {
   py::object Call(py::args args, py::kwargs kwargs);  // the module's forward
   py::object Backward(py::object loss, const BackwardOptions& options);
   void Step(py::object lr_kwargs);
-  void ZeroGrad() {}  // gradients are cleared by the engine after each boundary step
+  // DeepSpeed's engine.zero_grad(): every module parameter's .grad set to None
+  // (the engine re-attaches its gradient views at the next backward, keeping or
+  // dropping what was accumulated as DeepSpeed's stage does).
+  void ZeroGrad();
   bool SaveCheckpoint(py::object dir, py::object tag, py::object client_state, bool save_latest);
   py::tuple LoadCheckpoint(py::object dir, py::object tag, bool load_optimizer_states,
                            bool load_lr_scheduler_states, bool load_module_only);

@@ -112,35 +112,44 @@ def train(deepspeed, torch, stage, clear, steps=3):
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
-            clear(model, opt, boundary)
+            clear(model, opt, boundary, engine)
             out.append(float(loss))
     return out
 
 
 def worker_grads(deepspeed, torch):
-    def keep(model, opt, boundary):
+    def keep(model, opt, boundary, engine):
         pass
 
-    def module_zero_grad(model, opt, boundary):
+    def module_zero_grad(model, opt, boundary, engine):
         if boundary:
             model.zero_grad(set_to_none=True)
 
-    def grad_none(model, opt, boundary):
+    def grad_none(model, opt, boundary, engine):
         if boundary:
             for p in model.parameters():
                 p.grad = None
 
-    def grad_zeros(model, opt, boundary):  # another tensor, of zeros: the same as no gradient
+    def grad_zeros(model, opt, boundary, engine):  # another tensor, of zeros: the same as no gradient
         if boundary:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
 
-    def opt_zero_grad(model, opt, boundary):
+    def opt_zero_grad(model, opt, boundary, engine):
         if boundary:
             opt.zero_grad(set_to_none=True)
 
-    def every_micro(model, opt, boundary):
+    def every_micro(model, opt, boundary, engine):
         model.zero_grad(set_to_none=True)
+
+    def engine_every_micro(model, opt, boundary, engine):
+        engine.zero_grad()
+
+    def opt_every_micro(model, opt, boundary, engine):
+        opt.zero_grad()
+
+    def opt_zero_every_micro(model, opt, boundary, engine):
+        opt.zero_grad(set_to_none=False)
 
     for stage in (0, 1, 2, 3):
         want = train(deepspeed, torch, stage, keep)
@@ -156,6 +165,12 @@ def worker_grads(deepspeed, torch):
             fail(f"stage {stage}, zero_grad between micro-steps: losses {got} vs {want}")
         print(f"ok   stage {stage}: zero_grad between micro-steps "
               f"{'keeps' if stage >= 2 else 'drops'} the accumulated gradient, as DeepSpeed")
+        # engine.zero_grad() and optimizer.zero_grad() are DeepSpeed's .grad = None (or zero_()):
+        # between micro-steps they do what the module's zero_grad does.
+        for other in (engine_every_micro, opt_every_micro, opt_zero_every_micro):
+            if train(deepspeed, torch, stage, other) != got:
+                fail(f"stage {stage}, {other.__name__}: losses differ from module.zero_grad between micro-steps")
+            print(f"ok   stage {stage}: {other.__name__} as module.zero_grad between micro-steps")
 
 
 def held(t):
