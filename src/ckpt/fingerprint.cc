@@ -1,5 +1,7 @@
 #include "ckpt/fingerprint.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -232,6 +234,36 @@ void CheckShard(int shard, int shards) {
 
 }  // namespace
 
+namespace {
+
+// The hash of one piece of a memory-mapped rank file, 1 MiB at a time; the
+// pages read are dropped again, so fingerprinting a checkpoint larger than
+// memory keeps the resident set small (as the converter does).
+uint64_t FingerprintMappedPiece(uint64_t seed, int64_t start, DType dtype, std::span<const uint8_t> piece,
+                                const ZeroCheckpoint& z) {
+  bool mapped = false;
+  for (const auto& f : z.optim) {
+    auto m = f.file->bytes();
+    if (piece.data() >= m.data() && piece.data() + piece.size() <= m.data() + m.size()) mapped = true;
+  }
+  const size_t elem = DTypeSize(dtype);
+  const size_t chunk = (size_t{1} << 20) / elem * elem;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  uint64_t sum = 0;
+  for (size_t off = 0; off < piece.size(); off += chunk) {
+    const size_t n = std::min(chunk, piece.size() - off);
+    sum += FingerprintElements(seed, start + static_cast<int64_t>(off / elem), dtype, piece.subspan(off, n));
+    if (!mapped) continue;
+    // Only whole pages inside this chunk: its neighbours may still be read by other threads.
+    const uintptr_t b = (reinterpret_cast<uintptr_t>(piece.data() + off) + page - 1) & ~(page - 1);
+    const uintptr_t e = reinterpret_cast<uintptr_t>(piece.data() + off + n) & ~(page - 1);
+    if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+  }
+  return sum;
+}
+
+}  // namespace
+
 StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, int shards, int threads) {
   CheckShard(shard, shards);
   StateFingerprint f;
@@ -250,7 +282,7 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
       uint64_t sum = 0;
       int64_t at = 0;
       for (auto piece : s.pieces) {
-        sum += FingerprintElements(FingerprintSeed(p.name, key), at, s.dtype, piece);
+        sum += FingerprintMappedPiece(FingerprintSeed(p.name, key), at, s.dtype, piece, z);
         at += static_cast<int64_t>(piece.size() / DTypeSize(s.dtype));
       }
       return sum;
