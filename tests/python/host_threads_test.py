@@ -24,7 +24,7 @@ import uckpt as deepspeed
 net = torch.nn.Linear(4, 2)
 engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
     "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
-print(f"rank {engine.global_rank} torch {torch.get_num_threads()}", flush=True)
+os.write(1, f"rank {engine.global_rank} torch {torch.get_num_threads()}\n".encode())  # one write: ranks share the pipe
 torch.distributed.barrier()
 '''
 HINT = "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change"
@@ -62,8 +62,9 @@ def run(ctx, name, launcher, **env):
 
 def expect(ctx, name, launcher, threads, said, **env):
     lines = run(ctx, name, launcher, **env)
+    reports = re.findall(r"rank (\d+) torch (\d+)", "\n".join(lines))  # robust to interleaved output
     for r in (0, 1):
-        if f"rank {r} torch {threads}" not in lines:
+        if (str(r), str(threads)) not in reports:
             fail(f"{name}: rank {r} does not use {threads} threads", "\n".join(lines))
     if sum(line == said for line in lines) != 1:
         fail(f"{name}: not said once: {said}", "\n".join(lines))
@@ -88,7 +89,7 @@ def main():
     cores = len(os.sched_getaffinity(0))
     lines = run(ctx, "host", "uckpt")
     for r in (0, 1):
-        got = [int(line.split()[-1]) for line in lines if line.startswith(f"rank {r} torch ")]
+        got = [int(t) for rank, t in re.findall(r"rank (\d+) torch (\d+)", "\n".join(lines)) if rank == str(r)]
         if len(got) != 1 or not 1 <= got[0] <= max(1, cores // 2):
             fail(f"host: rank {r} uses {got} threads, its share of {cores} cores is {max(1, cores // 2)}", "\n".join(lines))
     said = [line for line in lines if line.startswith("uckpt: ") and f"({cores} core" in line and "/ 2 local ranks" in line]
