@@ -431,7 +431,7 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
   if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
   const size_t n = e.zero3 ? e.zero3->num_groups() : e.groups.size();
   for (size_t g = 0; g < n && g < groups->items.size(); ++g) {
-    OptimizerConfig c = e.zero3 ? e.zero3->optimizer_config(g) : e.zero->optimizer_config(g);
+    OptimizerConfig c = e.optimizer_config(g);
     const ckpt::AdamHparams h =
         ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(g), c.beta1, c.beta2, c.eps, c.weight_decay},
                               path + ": param_groups[" + std::to_string(g) + "]");
@@ -440,11 +440,7 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
     c.beta2 = h.beta2;
     c.eps = h.eps;
     c.weight_decay = h.weight_decay;
-    if (e.zero3) {
-      e.zero3->set_optimizer_config(g, c);
-    } else {
-      e.zero->set_optimizer_config(g, c);
-    }
+    e.set_optimizer_config(g, c);
   }
 }
 

@@ -369,7 +369,7 @@ void Engine::SetLearningRate(size_t group, double lr) {
   impl_->schedule.set_current_lr(group, lr);
 }
 GroupHparams Engine::group_hparams(size_t group) const {
-  const engine::OptimizerConfig& o = impl_->zero3 ? impl_->zero3->optimizer_config(group) : impl_->zero->optimizer_config(group);
+  const engine::OptimizerConfig& o = impl_->optimizer_config(group);
   return {o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
@@ -377,17 +377,12 @@ void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
   if (!(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1))
     throw std::invalid_argument(where + "betas must be in [0, 1)");
   if (!(h.eps >= 0)) throw std::invalid_argument(where + "eps must be >= 0");
-  Impl& e = *impl_;
-  engine::OptimizerConfig o = e.zero3 ? e.zero3->optimizer_config(group) : e.zero->optimizer_config(group);
+  engine::OptimizerConfig o = impl_->optimizer_config(group);
   o.beta1 = h.beta1;
   o.beta2 = h.beta2;
   o.eps = h.eps;
   o.weight_decay = h.weight_decay;
-  if (e.zero3) {
-    e.zero3->set_optimizer_config(group, o);
-  } else {
-    e.zero->set_optimizer_config(group, o);
-  }
+  impl_->set_optimizer_config(group, o);
 }
 bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }
 int64_t Engine::lr_schedule_iteration() const { return impl_->schedule.last_batch_iteration(); }

@@ -61,6 +61,17 @@ struct Engine::Impl {
       : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
 
   int stage() const { return config.zero.stage; }
+  // Group g's Adam hyper-parameters, wherever the stage keeps them.
+  const engine::OptimizerConfig& optimizer_config(size_t g) const {
+    return zero3 ? zero3->optimizer_config(g) : zero->optimizer_config(g);
+  }
+  void set_optimizer_config(size_t g, const engine::OptimizerConfig& o) {
+    if (zero3) {
+      zero3->set_optimizer_config(g, o);
+    } else {
+      zero->set_optimizer_config(g, o);
+    }
+  }
   bool boundary() const { return (micro_steps + 1) % batch.gradient_accumulation_steps == 0; }
 };
 
