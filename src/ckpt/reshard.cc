@@ -4,6 +4,7 @@
 #include <unordered_map>
 
 #include "ckpt/partition.h"
+#include "ckpt/values.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
@@ -82,14 +83,17 @@ std::string ShapeText(const std::vector<int64_t>& shape, int64_t numel) {
 
 }  // namespace
 
-StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& target, const std::string& key) {
+namespace {
+
+// The one planner: `params` are the source's, `folder` and `listed` named in errors.
+StateReads PlanReads(std::span<const ParamPlan> params, const std::string& folder, const std::string& listed,
+                     const PartitionTarget& target, const std::string& key) {
   std::unordered_map<std::string, const ParamPlan*> by_name;
-  for (const auto& p : source.params) by_name.emplace(p.name, &p);
+  for (const auto& p : params) by_name.emplace(p.name, &p);
   // Every target parameter is checked (not only those in this rank's
   // partition), so that all ranks reach the same verdict.
   StateReads reads;
   std::vector<const StatePlan*> states;
-  const std::string listed = source.model_files.empty() ? source.folder : source.model_files.front().path;
   for (const TargetParam& want : target.params) {
     auto it = by_name.find(want.name);
     if (it == by_name.end())
@@ -99,13 +103,13 @@ StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& t
       throw FormatError(listed + ": parameter '" + p.name + "' is " + ShapeText(p.shape, p.numel) +
                         ", this model's is " + ShapeText(want.shape, want.numel));
     const StatePlan* s = FindState(p, key);
-    if (!s) throw FormatError(source.folder + ": parameter '" + p.name + "' has no optimizer state '" + key + "'");
+    if (!s) throw FormatError(folder + ": parameter '" + p.name + "' has no optimizer state '" + key + "'");
     if (states.empty()) reads.dtype = s->dtype;
     if (s->dtype != reads.dtype)
-      throw FormatError(source.folder + ": state '" + key + "' of '" + p.name +
+      throw FormatError(folder + ": state '" + key + "' of '" + p.name +
                         "' has another dtype than the group's other parameters");
     if (s->bytes() != static_cast<uint64_t>(p.numel) * DTypeSize(s->dtype))
-      throw FormatError(source.folder + ": state '" + key + "' of '" + p.name + "' has " + std::to_string(s->bytes()) +
+      throw FormatError(folder + ": state '" + key + "' of '" + p.name + "' has " + std::to_string(s->bytes()) +
                         " bytes, not " + std::to_string(p.numel) + " elements");
     states.push_back(s);
   }
@@ -115,11 +119,52 @@ StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& t
   return reads;
 }
 
-bool HasState(const ZeroCheckpoint& source, const std::string& key) {
-  if (source.params.empty()) return false;
-  for (const auto& p : source.params)
+bool AllHave(std::span<const ParamPlan> params, const std::string& key) {
+  if (params.empty()) return false;
+  for (const auto& p : params)
     if (!FindState(p, key)) return false;
   return true;
 }
+
+std::string ListedIn(const ZeroCheckpoint& z) { return z.model_files.empty() ? z.folder : z.model_files.front().path; }
+
+// A tensor of the model-states file as one state of a parameter.
+StatePlan WholeState(const std::string& key, const Tensor& t, const std::string& where) {
+  return {key, t.dtype, {TensorBytes(t, where)}};
+}
+
+}  // namespace
+
+ReadSource ZeroReadSource(const ZeroCheckpoint& z) { return {z.folder, ListedIn(z), z.params}; }
+
+ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, const std::vector<std::string>& names) {
+  ReadSource s{path, path, {}};
+  for (size_t id = 0; id < names.size(); ++id) {
+    const std::string& name = names[id];
+    auto it = m.module.find(name);
+    if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + name + "'");
+    const Tensor& w = *it->second;
+    ParamPlan p{name, w.shape, w.numel(), 0, {WholeState("fp32", w, path + ": '" + name + "'")}, nullptr};
+    if (auto st = m.stage0_state.find(static_cast<int64_t>(id)); st != m.stage0_state.end()) {
+      const std::string where = path + ": optimizer state of " + name;
+      p.states.push_back(WholeState("exp_avg", *st->second.exp_avg, where));
+      p.states.push_back(WholeState("exp_avg_sq", *st->second.exp_avg_sq, where));
+      p.step = Value::Float(st->second.step);
+    }
+    s.params.push_back(std::move(p));
+  }
+  return s;
+}
+
+StateReads PlanStateReads(const ReadSource& source, const PartitionTarget& target, const std::string& key) {
+  return PlanReads(source.params, source.folder, source.listed, target, key);
+}
+
+StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& target, const std::string& key) {
+  return PlanReads(source.params, source.folder, ListedIn(source), target, key);
+}
+
+bool HasState(const ReadSource& source, const std::string& key) { return AllHave(source.params, key); }
+bool HasState(const ZeroCheckpoint& source, const std::string& key) { return AllHave(source.params, key); }
 
 }  // namespace uckpt::ckpt

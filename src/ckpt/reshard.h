@@ -1,10 +1,14 @@
-// Resuming a ZeRO checkpoint at another world size without converting it:
-// which byte ranges of the old rank files make up one rank's new partition.
+// Loading a checkpoint at any world size without converting it: which byte
+// ranges of the checkpoint's files make up one rank's partition.
 //
-// The source is an opened ZeroCheckpoint (zero_checkpoint.h), whose plan
-// already says where every parameter's per-element states live (byte ranges
-// of the memory-mapped rank files, concatenating into the whole parameter,
-// from stage 1/2 flat partitions or stage-3 per-parameter partitions alike).
+// The source is a ReadSource: where every parameter's per-element states
+// live (byte ranges of memory-mapped files, concatenating into the whole
+// parameter). Three kinds of checkpoint give one: a ZeRO folder's rank files
+// (ZeroReadSource over an opened ZeroCheckpoint, zero_checkpoint.h: stage
+// 1/2 flat partitions or stage-3 per-parameter partitions alike), a universal
+// folder's per-parameter files (MapUniversalStates, universal_checkpoint.h)
+// and a model-states file's module and torch Adam state (ModuleReadSource:
+// stage 0's, or a stage 1/2 folder's weights).
 // The target is a list of fragments: which elements of which parameter go
 // where in the new rank's flat partition. Two target layouts are provided:
 // the stage 1/2 flat buffer of a parameter group, and a stage-3 sub-group
@@ -21,6 +25,7 @@
 #include <vector>
 
 #include "ckpt/copy_plan.h"
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/zero_checkpoint.h"
 
 namespace uckpt::ckpt {
@@ -56,6 +61,23 @@ PartitionTarget FlatPartitionTarget(std::vector<TargetParam> params, int dp, int
 // Stage3PartitionSize slots, one after another, its real elements first.
 PartitionTarget Stage3PartitionTarget(std::vector<TargetParam> params, int dp, int rank);
 
+// Every parameter's states, and what to name in messages.
+struct ReadSource {
+  std::string folder;  // the checkpoint folder
+  std::string listed;  // the file that lists the parameters
+  std::vector<ParamPlan> params;
+};
+
+// A ZeRO folder's parameters; the plans point into `z`'s maps: keep it alive.
+ReadSource ZeroReadSource(const ZeroCheckpoint& z);
+
+// A model-states file's (`path`) trainable parameters `names`, in torch's
+// parameter order (stage 0's optimizer state is numbered so): "fp32" is the
+// module's tensor (the 16-bit weights of an fp16/bf16 run), "exp_avg" and
+// "exp_avg_sq" stage 0's Adam state and `step` its step, when saved. Throws
+// FormatError naming `path` for a missing or non-contiguous tensor.
+ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, const std::vector<std::string>& names);
+
 // The reads that fill state `key` ("fp32", "exp_avg", ...) of `target` from
 // `source`, destination offsets in bytes of a buffer of target.length
 // elements of *dtype (the source state's dtype, which every target parameter
@@ -67,9 +89,11 @@ struct StateReads {
   std::vector<ReadPiece> pieces;
   uint64_t bytes() const;
 };
+StateReads PlanStateReads(const ReadSource& source, const PartitionTarget& target, const std::string& key);
 StateReads PlanStateReads(const ZeroCheckpoint& source, const PartitionTarget& target, const std::string& key);
 
 // Whether every parameter of `source` has state `key`.
+bool HasState(const ReadSource& source, const std::string& key);
 bool HasState(const ZeroCheckpoint& source, const std::string& key);
 
 }  // namespace uckpt::ckpt

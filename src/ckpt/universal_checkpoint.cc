@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
@@ -75,6 +76,34 @@ LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& 
   if (v && v->is_dict()) v = Need(v, "param", path);
   s.tensor = &AsTensor(v, path);
   return s;
+}
+
+UniversalStates MapUniversalStates(const UniversalCheckpoint& u, const std::vector<std::string>& names,
+                                   const std::vector<std::string>& keys) {
+  std::map<std::string, const UniversalParam*> listed;
+  for (const auto& g : u.groups)
+    for (const auto& p : g) listed.emplace(p.name, &p);
+  UniversalStates out;
+  out.source.folder = u.folder;
+  out.source.listed = u.model.file ? u.model.file->path() : u.folder;
+  for (const std::string& name : names) {
+    ParamPlan plan{name, {}, 0, 0, {}, nullptr};
+    for (const std::string& key : keys) {
+      LoadedState s = LoadUniversalState(u, name, key);
+      const std::string where = s.file.file->path();
+      auto it = listed.find(name);
+      if (key == keys.front()) {
+        plan.shape = it != listed.end() ? it->second->shape : s.tensor->shape;
+        plan.numel = NumelOf(plan.shape);
+      }
+      if (s.tensor->numel() != plan.numel)
+        Fail(where, "has " + std::to_string(s.tensor->numel()) + " elements but param_shapes says " + ShapeText(plan.shape));
+      plan.states.push_back({key, s.tensor->dtype, {TensorBytes(*s.tensor, where)}});
+      out.files.push_back(std::move(s.file));
+    }
+    out.source.params.push_back(std::move(plan));
+  }
+  return out;
 }
 
 std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, size_t group, const std::string& key, int dp,

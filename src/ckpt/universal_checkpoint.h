@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ckpt/partition.h"
+#include "ckpt/reshard.h"
 #include "format/torch_file.h"
 
 namespace uckpt::ckpt {
@@ -44,6 +45,19 @@ struct LoadedState {
   const Tensor* tensor = nullptr;
 };
 LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& name, const std::string& key);
+
+// The per-parameter files of `names` (zero/<name>/fp32.pt and <key>.pt of
+// each of `keys`), mapped: what PlanStateReads (reshard.h) plans a load from
+// this folder with. Each state is its file's whole tensor; a parameter's
+// shape is param_shapes' (a ZeRO-3-made folder's files are 1-D). Throws
+// naming the file for a missing or unreadable file, a tensor that is not
+// contiguous or has another element count than param_shapes says.
+struct UniversalStates {
+  ReadSource source;
+  std::vector<TorchFile> files;  // the maps source's plans point into
+};
+UniversalStates MapUniversalStates(const UniversalCheckpoint& u, const std::vector<std::string>& names,
+                                   const std::vector<std::string>& keys);
 
 // zero/optimizer_state.pt: the loss scaler and param groups a resume needs
 // (null when absent). Keeps the file mapped.

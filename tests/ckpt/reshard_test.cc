@@ -1,7 +1,8 @@
 // Resharding plans (ckpt/reshard.h) on real DeepSpeed checkpoints: the
 // partition a new rank reads straight from the old rank files equals, byte
-// for byte, the one it reads from the converted universal checkpoint, at
-// every world size 1-4; each rank reads exactly its partition's real bytes
+// for byte, the one it reads from the converted universal checkpoint (cut by
+// LoadUniversalPartition, and planned by the same planner from the universal
+// folder's files), at every world size 1-4; each rank reads exactly its partition's real bytes
 // and over all ranks every byte of optimizer state is read once.
 #include <gtest/gtest.h>
 
@@ -35,9 +36,9 @@ int64_t Total(const std::vector<TargetParam>& params) {
 }
 
 // Runs the reads of `key` into a zeroed buffer of target.length elements.
-std::vector<uint8_t> Read(const ZeroCheckpoint& z, const PartitionTarget& target, const std::string& key,
+std::vector<uint8_t> Read(const ReadSource& source, const PartitionTarget& target, const std::string& key,
                           uint64_t* bytes, DType* dtype) {
-  StateReads reads = PlanStateReads(z, target, key);
+  StateReads reads = PlanStateReads(source, target, key);
   std::vector<uint8_t> out(static_cast<size_t>(target.length) * DTypeSize(reads.dtype), 0);
   std::vector<ReadBatch> batch{{{out.data(), out.size()}, reads.pieces}};
   *bytes = ExecuteReads(batch, ReadOptions{2, 4096});  // small chunks: split over both threads
@@ -60,6 +61,12 @@ void ExpectFlatReshardMatchesConvert(const std::string& folder) {
   const UniversalCheckpoint u = ConvertInto(z, tmp);
   std::vector<std::string> keys{"fp32"};
   keys.insert(keys.end(), z.state_keys.begin(), z.state_keys.end());
+  // The same planner over the universal folder's files gives the same partitions.
+  std::vector<std::string> names;
+  for (const auto& g : u.groups)
+    for (const auto& p : g) names.push_back(p.name);
+  const UniversalStates universal = MapUniversalStates(u, names, keys);
+  const ReadSource zero = ZeroReadSource(z);
   for (int dp = 1; dp <= 4; ++dp) {
     uint64_t all_ranks = 0;
     for (int rank = 0; rank < dp; ++rank) {
@@ -73,11 +80,15 @@ void ExpectFlatReshardMatchesConvert(const std::string& folder) {
                                    std::to_string(rank);
           uint64_t bytes = 0;
           DType dtype{};
-          std::vector<uint8_t> got = Read(z, target, key, &bytes, &dtype);
+          std::vector<uint8_t> got = Read(zero, target, key, &bytes, &dtype);
           DType want_dtype{};
           std::vector<uint8_t> want = LoadUniversalPartition(u, g, key, dp, rank, &want_dtype);
           EXPECT_EQ(dtype, want_dtype) << what;
           EXPECT_TRUE(got == want) << what << ": differs from the converted checkpoint's partition";
+          uint64_t universal_bytes = 0;
+          EXPECT_TRUE(Read(universal.source, target, key, &universal_bytes, &want_dtype) == want)
+              << what << ": planned from the universal folder";
+          EXPECT_EQ(universal_bytes, bytes) << what;
           this_rank += bytes;
           want_rank += static_cast<uint64_t>(layout.real_numel(rank)) * DTypeSize(dtype);
         }
@@ -111,6 +122,10 @@ TEST(Reshard, Stage3SourceIntoFlatAndStage3Targets) {
   const ZeroCheckpoint z = OpenZeroCheckpoint(folder);
   TempDir tmp;
   const UniversalCheckpoint u = ConvertInto(z, tmp);
+  std::vector<std::string> names;
+  for (const auto& g : u.groups)
+    for (const auto& p : g) names.push_back(p.name);
+  const UniversalStates universal = MapUniversalStates(u, names, {"fp32", "exp_avg", "exp_avg_sq"});
   for (const std::string key : {"fp32", "exp_avg", "exp_avg_sq"})
     for (int dp = 1; dp <= 4; ++dp) {
       uint64_t all_ranks = 0;
@@ -120,7 +135,12 @@ TEST(Reshard, Stage3SourceIntoFlatAndStage3Targets) {
           const PartitionTarget target = Stage3PartitionTarget(params, dp, rank);
           uint64_t bytes = 0;
           DType dtype{};
-          std::vector<uint8_t> got = Read(z, target, key, &bytes, &dtype);
+          std::vector<uint8_t> got = Read(ZeroReadSource(z), target, key, &bytes, &dtype);
+          uint64_t universal_bytes = 0;
+          DType universal_dtype{};
+          EXPECT_TRUE(Read(universal.source, target, key, &universal_bytes, &universal_dtype) == got)
+              << key << " sub-group " << s << " at " << dp << " rank " << rank << ": planned from the universal folder";
+          EXPECT_EQ(universal_bytes, bytes);
           // Expected: each parameter's slice of its universal tensor, padded to its partition size.
           std::vector<uint8_t> want(got.size(), 0);
           const size_t es = DTypeSize(dtype);
