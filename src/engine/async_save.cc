@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ckpt/copy_plan.h"
@@ -15,13 +16,6 @@
 namespace uckpt::engine {
 
 namespace {
-
-// The highest rank whose `error` is not empty, or -1: one all-reduce.
-int FailingRank(Comm& comm, const std::string& error) {
-  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
-  comm.AllReduceMax(failed);
-  return static_cast<int>(failed.item<float>());
-}
 
 // Files per rank and name bytes per file in the gathered table (a rank
 // writes its optimizer file, rank 0 the model-states file too).
@@ -62,6 +56,21 @@ uint64_t SnapshotPool::bytes() const {
   uint64_t n = 0;
   for (const auto& b : buffers_) n += b.numel();
   return n;
+}
+
+int FailingRank(Comm& comm, const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
+  comm.AllReduceMax(failed);
+  return static_cast<int>(failed.item<float>());
+}
+
+std::string AgreedError(Comm& comm, const std::string& error) {
+  const int bad = FailingRank(comm, error);
+  if (bad < 0) return "";
+  at::Tensor text = at::zeros({kAgreedErrorBytes}, at::kByte);
+  if (comm.rank() == bad) std::memcpy(text.data_ptr(), error.data(), std::min<size_t>(error.size(), kAgreedErrorBytes - 1));
+  comm.Broadcast(text, bad);
+  return std::string(static_cast<const char*>(text.data_ptr()));
 }
 
 void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error) {

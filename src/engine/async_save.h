@@ -98,6 +98,17 @@ class CheckpointWriter {
   std::atomic<bool> done_{false};
 };
 
+// Cross-rank agreement on errors: every rank calls these with its own error
+// ("" when it succeeded), so that all ranks stop together and none goes on
+// alone into a collective the others never reach.
+// The highest failing rank, or -1 when every rank succeeded: one all-reduce.
+int FailingRank(Comm& comm, const std::string& error);
+// "" when every rank succeeded, else on every rank the highest failing
+// rank's error (cut at kAgreedErrorBytes - 1 bytes): one all-reduce, and a
+// broadcast when one failed.
+constexpr int64_t kAgreedErrorBytes = 4096;
+std::string AgreedError(Comm& comm, const std::string& error);
+
 // Every rank's verdict on a phase of a save: throws on every rank if any
 // failed (the failing rank with its own error), so that no rank publishes a
 // checkpoint another rank could not write.

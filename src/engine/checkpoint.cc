@@ -73,24 +73,6 @@ ValuePtr TensorValue(const at::Tensor& t, bool requires_grad) {
   return View(s, FromScalarType(t.scalar_type()), t.sizes().vec(), 0, requires_grad);
 }
 
-// Copies `n` elements of a tensor stored in a file, starting at flat element
-// `first`, into `dst` (fp32). Touches only those bytes of a mapped file.
-void CopyElements(const std::string& path, const Tensor& src, int64_t first, int64_t n, at::Tensor dst) {
-  if (first < 0 || first + n > src.numel())
-    throw FormatError(path + ": tensor has " + std::to_string(src.numel()) + " elements, need [" +
-                      std::to_string(first) + ", " + std::to_string(first + n) + ")");
-  at::ScalarType st = ToScalarType(src.dtype);
-  if (src.is_contiguous() && src.storage) {
-    auto bytes = src.contiguous_view();
-    const size_t es = DTypeSize(src.dtype);
-    const uint8_t* p = bytes.data() + static_cast<size_t>(first) * es;
-    at::Tensor view = at::from_blob(const_cast<uint8_t*>(p), {n}, at::TensorOptions().dtype(st));
-    dst.copy_(view);
-  } else {
-    dst.copy_(ToTorch(src).view(-1).narrow(0, first, n));
-  }
-}
-
 std::string ReadTagFile(const std::string& dir, const std::string& name) { return ckpt::ReadLatestTag(dir, name); }
 
 // ---- IValue client state <-> pickled values (checkpoint.h). ----
@@ -171,76 +153,20 @@ c10::IValue ToIValue(const ValuePtr& v) {
 
 // ---- Saving. ----
 
-namespace {
-
-// The module's state_dict: trainable parameters as views into one storage
-// per group's flat buffer (as DeepSpeed's state_dict of flat-buffer views
-// saves them), frozen parameters and buffers with their own, aliases shared.
-std::vector<std::pair<std::string, ValuePtr>> ModuleEntries(const Engine::Impl& e) {
-  std::map<std::string, ValuePtr> by_name;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    auto flat = StorageOf(e.zero->model_flat(g));
-    const DType dt = FromScalarType(e.zero->model_flat(g).scalar_type());
-    int64_t off = 0;
-    for (const auto& p : e.groups[g]) {
-      by_name[p.name] = View(flat, dt, p.tensor.sizes().vec(), off);
-      off += p.tensor.numel();
-    }
-  }
-  for (const auto* list : {&e.frozen, &e.buffers})
-    for (const auto& p : *list) by_name[p.name] = TensorValue(p.tensor);
-  for (const auto& [alias, owner] : e.aliases) by_name[alias] = by_name.at(owner);
-  std::vector<std::pair<std::string, ValuePtr>> module;
-  for (const auto& name : e.state_names) module.emplace_back(name, by_name.at(name));
-  return module;
-}
-
-const ValuePtr& FindEntry(const std::vector<std::pair<std::string, ValuePtr>>& entries, const std::string& name) {
-  for (const auto& [k, v] : entries)
-    if (k == name) return v;
-  throw std::logic_error("no module entry " + name);
-}
-
-ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
-  const OptimizerConfig& o = e.zero->optimizer_config(g);
+ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g) {
+  const OptimizerConfig& o = e.runtime->optimizer_config(g);
   return ckpt::AdamHparams{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 
-// Adam's state of group g, each tensor a view `count` elements at `offset` of
-// the group's flat moments (the whole partition when count < 0).
-ckpt::AdamState AdamStateOf(const PartitionState& s, const std::shared_ptr<Storage>& avg,
-                            const std::shared_ptr<Storage>& sq, std::vector<int64_t> shape, int64_t offset) {
-  if (!s.step.defined()) return {};
-  return {{"step", TensorValue(s.step)},
-          {"exp_avg", View(avg, DType::kFloat32, shape, offset)},
-          {"exp_avg_sq", View(sq, DType::kFloat32, shape, offset)}};
-}
-
-// Stage 0: torch Adam's own state_dict, one state per parameter, numbered
-// over all groups.
-ValuePtr Stage0Optimizer(const Engine::Impl& e) {
-  std::vector<ckpt::AdamState> states;
-  std::vector<ckpt::AdamHparams> hparams;
-  std::vector<std::vector<int64_t>> ids(e.groups.size());
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    const PartitionState& s = e.zero->state(g);
-    std::shared_ptr<Storage> avg, sq;
-    if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
-    int64_t at = 0;
-    for (const auto& p : e.groups[g]) {
-      ids[g].push_back(static_cast<int64_t>(states.size()));
-      states.push_back(AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at));
-      at += p.tensor.numel();
-    }
-    hparams.push_back(Hparams(e, g));
-  }
-  return ckpt::Stage0OptimizerValue(states, hparams, ids);
-}
-
-}  // namespace
-
-void SetCountersAndExtras(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client,
-                          ckpt::ModelStates& m) {
+ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, ValuePtr> params,
+                                std::vector<std::pair<std::string, ValuePtr>> client) {
+  ckpt::ModelStates m;
+  m.stage = e.stage();
+  for (const auto& b : e.buffers) params.emplace(b.name, TensorValue(b.tensor));
+  for (const auto& [alias, owner] : e.aliases) params[alias] = params.at(owner);
+  for (const auto& name : e.state_names) m.module.emplace_back(name, params.at(name));
+  m.module_prefixes = e.module_prefixes;
+  for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
   m.shared_params = e.aliases;
   if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
   m.global_steps = e.global_steps;
@@ -255,6 +181,7 @@ void SetCountersAndExtras(const Engine::Impl& e, std::vector<std::pair<std::stri
   ours->set("lr", Value::Float(e.schedule.current_lr()));
   m.extra.emplace_back("uckpt", ours);
   for (auto& kv : client) m.extra.push_back(std::move(kv));
+  return m;
 }
 
 std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state) {
@@ -276,58 +203,94 @@ std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& c
 
 namespace {
 
+// Adam's state of one parameter: views `shape` at `offset` of the group's
+// flat moments.
+ckpt::AdamState AdamStateOf(const PartitionState& s, const std::shared_ptr<Storage>& avg,
+                            const std::shared_ptr<Storage>& sq, std::vector<int64_t> shape, int64_t offset) {
+  if (!s.step.defined()) return {};
+  return {{"step", TensorValue(s.step)},
+          {"exp_avg", View(avg, DType::kFloat32, shape, offset)},
+          {"exp_avg_sq", View(sq, DType::kFloat32, shape, offset)}};
+}
+
+// Stage 0: torch Adam's own state_dict, one state per parameter, numbered
+// over all groups.
+ValuePtr Stage0Optimizer(const Engine::Impl& e) {
+  std::vector<ckpt::AdamState> states;
+  std::vector<ckpt::AdamHparams> hparams;
+  std::vector<std::vector<int64_t>> ids(e.groups.size());
+  const ZeroOptimizer& z = *e.runtime->flat();
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    const PartitionState& s = z.state(g);
+    std::shared_ptr<Storage> avg, sq;
+    if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
+    int64_t at = 0;
+    for (const auto& p : e.groups[g]) {
+      ids[g].push_back(static_cast<int64_t>(states.size()));
+      states.push_back(AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at));
+      at += p.tensor.numel();
+    }
+    hparams.push_back(SavedHparams(e, g));
+  }
+  return ckpt::Stage0OptimizerValue(states, hparams, ids);
+}
+
+// Stages 0-2's model states: the trainable parameters as views into one
+// storage per group's flat buffer (as DeepSpeed's state_dict of flat-buffer
+// views saves them), frozen parameters whole, each also as its flattened
+// fragment (a view of the module entry's storage).
 ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
-  ckpt::ModelStates m;
-  m.stage = e.stage();
-  m.module = ModuleEntries(e);
-  m.module_prefixes = e.module_prefixes;
-  for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
+  const ZeroOptimizer& z = *e.runtime->flat();
+  std::map<std::string, ValuePtr> params;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    const at::Tensor weights = z.model_flat(g);
+    auto flat = StorageOf(weights);
+    int64_t off = 0;
+    for (const auto& p : e.groups[g]) {
+      params[p.name] = View(flat, FromScalarType(weights.scalar_type()), p.tensor.sizes().vec(), off);
+      off += p.tensor.numel();
+    }
+  }
+  for (const auto& p : e.frozen) params[p.name] = TensorValue(p.tensor);
+  std::vector<std::pair<std::string, const Tensor*>> frozen;
+  for (const auto& p : e.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
+  ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
   for (const auto& g : e.groups) {
     m.param_shapes.emplace_back();
     for (const auto& p : g) m.param_shapes.back().push_back({p.name, p.tensor.sizes().vec()});
   }
-  for (const auto& p : e.frozen) {
-    m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
-    // The flattened fragment is a view of the module entry's storage.
-    const ValuePtr& whole = FindEntry(m.module, p.name);
-    m.frozen.emplace_back(p.name, View(whole->tensor->storage, whole->tensor->dtype, {p.tensor.numel()}, 0));
+  for (const auto& [name, whole] : frozen) {
+    m.frozen_shapes.push_back({name, whole->shape});
+    m.frozen.emplace_back(name, View(whole->storage, whole->dtype, {whole->numel()}, 0));
   }
   if (m.stage == 0) m.stage0_optimizer = Stage0Optimizer(e);
-  SetCountersAndExtras(e, std::move(client), m);
   return ckpt::ModelStatesValue(m);
 }
 
 ValuePtr OptimStatesValue(const Engine::Impl& e) {
-  const int rank = e.zero->partition_rank();
+  const ZeroOptimizer& z = *e.runtime->flat();
+  const int rank = z.partition_rank();
   ckpt::RankOptimStates r;
   r.stage = e.stage();
-  r.dp = e.zero->layout(0).dp;
-  r.scaler = e.zero->loss_scaler();
+  r.dp = z.partition_dp();
+  r.scaler = z.loss_scaler();
   r.clip_grad = e.config.gradient_clipping;
   r.ds_config = ckpt::JsonToValue(e.config.raw);
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const PartitionState& s = e.zero->state(g);
-    const auto& layout = e.zero->layout(g);
+    const PartitionState& s = z.state(g);
+    const auto& layout = z.layout(g);
     ckpt::OptimGroupState gs;
     gs.padding = layout.padding(rank);
     // The lean fp32 partition: a view of the padded one, padding cut off.
     gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {layout.partition_size - gs.padding}, 0, /*requires_grad=*/true);
     if (s.step.defined())
       gs.adam = {{"step", TensorValue(s.step)}, {"exp_avg", TensorValue(s.exp_avg)}, {"exp_avg_sq", TensorValue(s.exp_avg_sq)}};
-    gs.hparams = Hparams(e, g);
-    for (const auto& f : ckpt::RankFragments(e.zero->numels(g), layout.dp, rank))
+    gs.hparams = SavedHparams(e, g);
+    for (const auto& f : ckpt::RankFragments(z.numels(g), layout.dp, rank))
       gs.mappings.emplace_back(e.groups[g][f.param].name, f);
     r.groups.push_back(std::move(gs));
   }
   return ckpt::OptimStatesValue(r);
-}
-
-// The highest rank whose `error` is not empty, or -1 when every rank
-// succeeded: one all-reduce, called by every rank.
-int FailingRank(Comm& comm, const std::string& error) {
-  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
-  comm.AllReduceMax(failed);
-  return static_cast<int>(failed.item<float>());
 }
 
 }  // namespace
@@ -407,6 +370,11 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   return folder;
 }
 
+// ---- Loading: one path for every stage and every source. ----
+
+namespace {
+
+// The counters and the lr schedule's position.
 void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
   e.global_steps = m.global_steps;
   e.skipped_steps = m.skipped_steps;
@@ -420,8 +388,6 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
   }
 }
 
-// ---- Loading. ----
-
 // The saved param groups' hyper-parameters, kept only on request (as
 // DeepSpeed's torch optimizer load_state_dict keeps them): lr for the next
 // step (a configured scheduler sets the lr again from its own config and the
@@ -429,9 +395,9 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
 // weight_decay for the rest of the run.
 void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o) {
   if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
-  const size_t n = e.zero3 ? e.zero3->num_groups() : e.groups.size();
+  const size_t n = e.runtime->num_groups();
   for (size_t g = 0; g < n && g < groups->items.size(); ++g) {
-    OptimizerConfig c = e.optimizer_config(g);
+    OptimizerConfig c = e.runtime->optimizer_config(g);
     const ckpt::AdamHparams h =
         ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(g), c.beta1, c.beta2, c.eps, c.weight_decay},
                               path + ": param_groups[" + std::to_string(g) + "]");
@@ -440,25 +406,70 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
     c.beta2 = h.beta2;
     c.eps = h.eps;
     c.weight_decay = h.weight_decay;
-    e.set_optimizer_config(g, c);
+    e.runtime->set_optimizer_config(g, c);
   }
 }
 
-std::string ModelStatesPath(const std::string& folder, int rank, bool universal) {
+// The tag folder a load reads: `tag`, else the one the tag file (`latest`,
+// `latest_universal`) names; empty when there is neither (nothing saved yet).
+std::string TagFolder(const std::string& dir, const std::string& tag, bool universal) {
+  const char* tag_file = universal ? "latest_universal" : "latest";
+  if (tag.empty() && !fs::exists(dir + "/" + tag_file)) return "";
+  return dir + "/" + (tag.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag, "checkpoint tag"));
+}
+
+// Sizes on every rank (cheap, and every rank reaches the same verdict); with
+// verify_hashes the ranks split the hashing (each file is read once, not once
+// per rank) and then agree, so that all of them stop if any file is bad.
+void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes) {
+  if (!hashes) {
+    ckpt::CheckFolderAgainstManifest(folder, false);
+    return;
+  }
+  std::string error;
+  try {
+    ckpt::CheckFolderAgainstManifest(folder, true, comm.rank(), comm.world_size());
+  } catch (const FormatError& ex) {
+    error = ex.what();
+  }
+  // Every rank reports the finder's error (it names the files).
+  if (std::string agreed = AgreedError(comm, error); !agreed.empty()) throw FormatError(agreed);
+}
+
+// The model-states file a rank reads, read.
+struct ModelStatesFile {
+  std::string path;
+  TorchFile file;
+  ckpt::ModelStatesView view;
+  bool stage12 = false;  // mp_rank_00_model_states.pt: its module holds the whole weights
+};
+
+// A ZeRO folder: the one file of stages 0-2; of a ZeRO-3 folder its own
+// rank's, else (saved by fewer ranks) rank 0's. A universal folder: its
+// source's mp_rank_00_model_states.pt, or the lowest rank's ZeRO-3 copy.
+ModelStatesFile ReadModelStatesFile(const std::string& folder, int rank, bool universal) {
+  ModelStatesFile f;
   if (universal) {
     // Listed by kind (stage 0-2 file first), then rank.
-    for (const auto& f : ckpt::ListCheckpointFolder(folder))
-      if (f.kind == ckpt::FileKind::kModelStates || f.kind == ckpt::FileKind::kZero3ModelStates) return f.path;
-    throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
+    for (const auto& c : ckpt::ListCheckpointFolder(folder))
+      if (c.kind == ckpt::FileKind::kModelStates || c.kind == ckpt::FileKind::kZero3ModelStates) {
+        f.path = c.path;
+        break;
+      }
+    if (f.path.empty()) throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
+  } else {
+    for (const std::string& name :
+         {ckpt::ModelStatesFileName(), ckpt::Zero3ModelStatesFileName(rank), ckpt::Zero3ModelStatesFileName(0)})
+      if (f.path.empty() && fs::exists(folder + "/" + name)) f.path = folder + "/" + name;
+    if (f.path.empty())
+      throw FormatError(folder + ": has no " + ckpt::ModelStatesFileName() + " and no " +
+                        ckpt::Zero3ModelStatesFileName(0) + " (not a ZeRO checkpoint folder?)");
   }
-  for (const std::string& name :
-       {ckpt::ModelStatesFileName(), ckpt::Zero3ModelStatesFileName(rank), ckpt::Zero3ModelStatesFileName(0)})
-    if (fs::exists(folder + "/" + name)) return folder + "/" + name;
-  throw FormatError(folder + ": has no " + ckpt::ModelStatesFileName() + " and no " +
-                    ckpt::Zero3ModelStatesFileName(0) + " (not a ZeRO checkpoint folder?)");
+  f.stage12 = f.path == folder + "/" + ckpt::ModelStatesFileName();
+  f.file = LoadTorchFile(f.path);
+  f.view = ckpt::ReadModelStates(f.file.root, f.path);
+  return f;
 }
-
-namespace {
 
 // param_shapes must name this engine's groups and parameters in order.
 void CheckParamShapes(const Engine::Impl& e, const std::string& path, const ValuePtr& root) {
@@ -483,8 +494,6 @@ void CheckParamShapes(const Engine::Impl& e, const std::string& path, const Valu
   }
 }
 
-// Copies the module state dict's tensors into `targets` by name; a missing
-// name or another shape is an error naming the file.
 // Every zero_pp_rank_<r>_mp_rank_00_model_states.pt of `folder`, in rank
 // order: `dp` of them (the saving world size), else as many as there are.
 std::vector<TorchFile> Zero3ModelStatesFiles(const std::string& folder, std::optional<int64_t> dp) {
@@ -514,135 +523,79 @@ at::Tensor WholeFrozen(const std::vector<TorchFile>& ranks, const std::string& n
   return at::cat(parts);
 }
 
-void LoadModule(const std::string& path, const ckpt::ModelStatesView& m, const std::vector<NamedParam>& targets,
-                const std::string& zero3_folder = "") {
-  c10::NoGradGuard no_grad;
+// Frozen parameters and buffers from the model states (also from a universal
+// checkpoint's copy of them, which DeepSpeed leaves out). One that the file
+// holds empty is a frozen parameter DeepSpeed's ZeRO-3 saved partitioned: it
+// is put together from every rank's frozen_param_fragments. A missing name
+// or another shape is an error naming the file.
+void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const ModelStatesFile& model) {
+  std::vector<NamedParam> fixed = e.frozen;
+  fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
   std::optional<std::vector<TorchFile>> ranks;
-  for (const auto& p : targets) {
-    auto it = m.module.find(p.name);
-    if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + p.name + "'");
+  for (const auto& p : fixed) {
+    auto it = model.view.module.find(p.name);
+    if (it == model.view.module.end()) throw FormatError(model.path + ": module has no tensor '" + p.name + "'");
     if (it->second->numel() == 0 && p.tensor.numel() > 0) {
-      if (zero3_folder.empty())
-        throw FormatError(path + ": '" + p.name + "' is saved partitioned (DeepSpeed's ZeRO-3 module state)");
-      if (!ranks) ranks = Zero3ModelStatesFiles(zero3_folder, m.dp_world_size);
+      if (!ranks) ranks = Zero3ModelStatesFiles(folder, model.view.dp_world_size);
       p.tensor.copy_(WholeFrozen(*ranks, p.name, p.tensor.numel()).view(p.tensor.sizes()));
       continue;
     }
     if (it->second->shape != p.tensor.sizes().vec())
-      throw FormatError(path + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
+      throw FormatError(model.path + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
                         ", the model needs " + c10::str(p.tensor.sizes()));
     p.tensor.copy_(ToTorch(*it->second).view(p.tensor.sizes()));
   }
-}
-
-std::vector<NamedParam> Trainable(const Engine::Impl& e) {
-  std::vector<NamedParam> all;
-  for (const auto& g : e.groups) all.insert(all.end(), g.begin(), g.end());
-  return all;
-}
-
-// Stage 0: torch Adam's own state_dict (one state per parameter).
-void LoadStage0Optimizer(Engine::Impl& e, const std::string& path, const ckpt::ModelStatesView& m,
-                         const LoadCheckpointOptions& o) {
-  if (!m.stage0_param_groups) return;
-  ApplySavedHparams(e, path, m.stage0_param_groups, o);
-  if (m.stage0_state.empty()) return;  // saved before the first step
-  int64_t id = 0;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    PartitionState& st = e.zero->state(g);
-    st.exp_avg = at::zeros_like(st.master);
-    st.exp_avg_sq = at::zeros_like(st.master);
-    int64_t off = 0;
-    for (const auto& p : e.groups[g]) {
-      auto it = m.stage0_state.find(id);
-      if (it == m.stage0_state.end())
-        throw FormatError(path + ": optimizer state has no entry " + std::to_string(id) + " (" + p.name + ")");
-      const int64_t n = p.tensor.numel();
-      for (auto [src, dst] : {std::pair{it->second.exp_avg, &st.exp_avg}, {it->second.exp_avg_sq, &st.exp_avg_sq}}) {
-        if (src->numel() != n) throw FormatError(path + ": optimizer state of " + p.name + " has the wrong size");
-        CopyElements(path, *src, 0, n, dst->narrow(0, off, n));
-      }
-      st.step = at::full({}, it->second.step, st.master.options());
-      off += n;
-      ++id;
-    }
-  }
-}
-
-// Sizes on every rank (cheap, and every rank reaches the same verdict); with
-// verify_hashes the ranks split the hashing (each file is read once, not once
-// per rank) and then agree, so that all of them stop if any file is bad.
-void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes) {
-  if (!hashes) {
-    ckpt::CheckFolderAgainstManifest(folder, false);
-    return;
-  }
-  std::string error;
-  try {
-    ckpt::CheckFolderAgainstManifest(folder, true, comm.rank(), comm.world_size());
-  } catch (const FormatError& ex) {
-    error = ex.what();
-  }
-  const int bad = FailingRank(comm, error);
-  if (bad < 0) return;
-  // Every rank reports the finder's error (it names the files), cut at 4 KiB.
-  at::Tensor text = at::zeros({4096}, at::kByte);
-  if (comm.rank() == bad) std::memcpy(text.data_ptr(), error.data(), std::min<size_t>(error.size(), 4095));
-  comm.Broadcast(text, bad);
-  throw FormatError(std::string(static_cast<const char*>(text.data_ptr())));
-}
-
-// Universal: each rank reads, from every parameter's files, only the
-// elements its own partition holds (memory-mapped), through the reader
-// `uckpt convert` and `verify` use.
-// This rank's partitions of the fp32 masters, and with `with_state` of
-// Adam's moments and step, from a universal folder; then the model from the masters.
-void LoadUniversalMasters(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, const std::string& folder,
-                          bool with_state) {
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    PartitionState& st = e.zero->state(g);
-    const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
-    // This run's group (a ZeRO-3-made folder's param_shapes hold sub-groups).
-    std::vector<ckpt::UniversalParam> params;
-    for (const auto& p : e.groups[g]) params.push_back({p.name, p.tensor.sizes().vec(), p.tensor.numel()});
-    auto load = [&](const std::string& key) {
-      DType dtype = DType::kFloat32;
-      std::vector<uint8_t> bytes = ckpt::LoadUniversalPartition(u, params, key, dp, rank, &dtype);
-      at::Tensor part = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size() / DTypeSize(dtype))},
-                                      at::TensorOptions().dtype(ToScalarType(dtype)));
-      if (part.numel() != st.master.numel())
-        throw FormatError(folder + ": the partition of " + key + " has " + std::to_string(part.numel()) +
-                          " elements, this run's has " + std::to_string(st.master.numel()));
-      return part.to(st.master.options(), /*non_blocking=*/false, /*copy=*/true);
-    };
-    st.master.copy_(load("fp32"));
-    if (!with_state) {
-      st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
-      continue;
-    }
-    st.exp_avg = load("exp_avg");
-    st.exp_avg_sq = load("exp_avg_sq");
-    const double step = u.has_step ? ckpt::ReadUniversalStep(u, e.groups[g].front().name)
-                                   : static_cast<double>(e.global_steps - e.skipped_steps);
-    st.step = at::full({}, step, st.master.options());
-  }
-  e.zero->GatherModelFromMasters();
-}
-
-void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
-  const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
-  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
-  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
-  // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
-  // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
-  LoadUniversalMasters(e, u, folder, o.load_optimizer_states && (u.has_step || u.zero3));
 }
 
 bool HasOptimFiles(const std::string& folder) {
   for (const auto& f : ckpt::ListCheckpointFolder(folder))
     if (f.kind == ckpt::FileKind::kOptimStates) return true;
   return false;
+}
+
+// Whether the trainable weights come from a stage 0-2 folder's module state
+// (16-bit in fp16/bf16 runs, as DeepSpeed's module load) rather than the
+// fp32 masters of its rank files: where the weights are whole (stages 0-2)
+// for weights-only and no-optimizer loads, and for stage 0's own checkpoints
+// (stage 0 resumes a ZeRO 1/2 folder from its rank files). A ZeRO-3 folder's
+// module holds no trainable weights; stage 3 reads its partitions' masters.
+bool WeightsFromModule(const Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
+                       const LoadCheckpointOptions& o) {
+  if (!model.stage12 || e.runtime->partitions_parameters()) return false;
+  if (o.load_module_only || !o.load_optimizer_states) return true;
+  return e.stage() == 0 && (model.view.stage0_param_groups || !HasOptimFiles(folder));
+}
+
+// The planner's source, chosen by what the folder is.
+LoadSource OpenSource(const Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
+                      const std::vector<PartitionSlot>& slots, const LoadCheckpointOptions& o, bool moments) {
+  if (o.universal) return OpenUniversalFolder(folder, slots, moments);
+  if (WeightsFromModule(e, folder, model, o)) return ModelStatesSource(model.view, model.path, slots, moments);
+  return OpenRankFiles(folder);
+}
+
+// Every partition this rank owns from the source (resharded_load.h), then
+// the weights from them; with the optimizer state, the loss scaler and the
+// saved hyper-parameters. Weights-only loads leave Adam's state, the loss
+// scale and the hyper-parameters as they were.
+void LoadPartitions(Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
+                    const LoadCheckpointOptions& o) {
+  std::vector<PartitionSlot> slots = e.runtime->Slots();
+  const bool moments = o.load_optimizer_states && !o.load_module_only;
+  const LoadSource source = OpenSource(e, folder, model, slots, o, moments);
+  const uint64_t bytes = FillSlots(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps));
+  e.runtime->WeightsFromMasters();
+  if (o.load_module_only) {
+    // Whole weights (stages 0-2) give the masters their 16-bit values, as
+    // DeepSpeed refreshes its fp32 copies from the loaded module; stage 3's
+    // masters stay the checkpoint's fp32.
+    if (!e.runtime->partitions_parameters()) e.runtime->MastersFromWeights();
+    return;
+  }
+  static_cast<ckpt::LossScalerState&>(e.runtime->loss_scaler()) =
+      ckpt::ReadLossScaler(source.loss_scaler, e.runtime->loss_scaler());
+  ApplySavedHparams(e, source.optimizer_file, source.param_groups, o);
+  if (source.kind == SourceKind::kRankFiles) e.last_load.optimizer_bytes_read = bytes;
 }
 
 // The client's keys: a dict of every top-level key that is not the file's own.
@@ -654,71 +607,19 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 
 }  // namespace
 
-void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const std::string& path,
-                     const ckpt::ModelStatesView& m) {
-  std::vector<NamedParam> fixed = e.frozen;
-  fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
-  LoadModule(path, m, fixed, folder);
-}
-
-LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
+LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                 const LoadCheckpointOptions& o) {
-  const char* tag_file = o.universal ? "latest_universal" : "latest";
-  if (tag_in.empty() && !fs::exists(dir + "/" + tag_file)) return LoadResult{"", c10::IValue()};
-  const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
-  const std::string folder = dir + "/" + tag;
+  const std::string folder = TagFolder(dir, tag, o.universal);
+  if (folder.empty()) return LoadResult{"", c10::IValue()};
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
-  // A universal folder made from ZeRO-3 holds per-rank model-states copies;
-  // so does a ZeRO-3 folder, whose trainable weights then come from the masters.
-  const std::string model_path = ModelStatesPath(folder, e.comm->rank(), o.universal);
-  const bool stage12_file = model_path == folder + "/" + ckpt::ModelStatesFileName();
-  const bool zero3_source = !o.universal && !stage12_file;
-  TorchFile model_file = LoadTorchFile(model_path);
-  const ckpt::ModelStatesView m = ckpt::ReadModelStates(model_file.root, model_path);
-  if (stage12_file) CheckParamShapes(e, model_path, model_file.root);
+  const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
+  if (model.stage12 && !e.runtime->partitions_parameters()) CheckParamShapes(e, model.path, model.file.root);
   c10::NoGradGuard no_grad;
-  const int stage = e.stage();
-  LoadResult result{folder, ClientStateOf(m)};
-  // Frozen parameters and buffers always come from the module state (also
-  // from a universal checkpoint's copy of it, which DeepSpeed leaves out).
-  LoadFixedParams(e, folder, model_path, m);
-  if (o.load_module_only) {
-    // A ZeRO-3 module state (of a ZeRO-3 folder or its universal conversion)
-    // holds no trainable weights: they come from the masters.
-    if (stage12_file) {
-      LoadModule(model_path, m, Trainable(e));
-    } else if (o.universal) {
-      LoadUniversalMasters(e, ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false), folder,
-                           /*with_state=*/false);
-    } else {
-      LoadReshardedPartitions(e, folder, /*optimizer_states=*/false);
-      e.zero->GatherModelFromMasters();
-    }
-    e.zero->InitMasterFromModel();
-    return result;
-  }
-  RestoreCounters(e, m, o);
-  if (o.universal) {
-    LoadUniversalPartitions(e, folder, o);
-    return result;
-  }
-  // A stage-0 run resumes a ZeRO 1/2 folder (rank files, no torch optimizer
-  // state in the model states) from the rank files too.
-  const bool stage12_source = stage12_file && !m.stage0_param_groups && HasOptimFiles(folder);
-  if ((stage > 0 && o.load_optimizer_states) || zero3_source || (o.load_optimizer_states && stage12_source)) {
-    // Each rank reads its partition from the rank files, at any world size
-    // (resharded_load.h): at the saving world size, its own file's ranges.
-    ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);
-    static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(r.loss_scaler, e.zero->loss_scaler());
-    ApplySavedHparams(e, r.where, r.param_groups, o);
-    e.zero->GatherModelFromMasters();
-    e.last_load.optimizer_bytes_read = r.bytes_read;
-    return result;
-  }
-  LoadModule(model_path, m, Trainable(e));
-  e.zero->InitMasterFromModel();
-  if (stage == 0 && o.load_optimizer_states) LoadStage0Optimizer(e, model_path, m, o);
-  return result;
+  LoadFixedParams(e, folder, model);
+  if (!o.load_module_only) RestoreCounters(e, model.view, o);
+  LoadPartitions(e, folder, model, o);
+  CheckStateFingerprint(e, folder, o);  // the resume proof
+  return LoadResult{folder, ClientStateOf(model.view)};
 }
 
 }  // namespace uckpt::engine

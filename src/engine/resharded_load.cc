@@ -1,8 +1,11 @@
 #include "engine/resharded_load.h"
 
+#include <algorithm>
+#include <set>
+#include <stdexcept>
+
 #include "ckpt/copy_plan.h"
-#include "ckpt/deepspeed_state.h"
-#include "ckpt/reshard.h"
+#include "ckpt/universal_checkpoint.h"
 #include "ckpt/zero_checkpoint.h"
 #include "engine/staged_upload.h"
 #include "engine/torch_bridge.h"
@@ -12,109 +15,121 @@ namespace uckpt::engine {
 
 namespace {
 
+// The parameters `slots` hold, each once, in slot order.
+std::vector<std::string> SlotParams(const std::vector<PartitionSlot>& slots) {
+  std::vector<std::string> names;
+  std::set<std::string> seen;
+  for (const PartitionSlot& slot : slots)
+    for (const ckpt::TargetParam& p : slot.target.params)
+      if (seen.insert(p.name).second) names.push_back(p.name);
+  return names;
+}
+
 // The reads that fill `dst` with state `key` of `target`'s partition:
 // straight into a CPU tensor of the source's dtype, else through staging
 // chunks (staged_upload.h); padding is zeroed, nothing else.
-TensorReads PlanLoad(const ckpt::ZeroCheckpoint& z, const ckpt::PartitionTarget& target, const std::string& key,
+TensorReads PlanLoad(const ckpt::ReadSource& source, const ckpt::PartitionTarget& target, const std::string& key,
                      at::Tensor dst) {
-  ckpt::StateReads reads = ckpt::PlanStateReads(z, target, key);
+  ckpt::StateReads reads = ckpt::PlanStateReads(source, target, key);
   return {std::move(dst), ToScalarType(reads.dtype), std::move(reads.pieces)};
 }
 
-// One partition this rank holds: a group's flat partition (stages 1/2) or a
-// sub-group's (stage 3), and the parameter whose saved step is its Adam step.
-struct PartitionSlot {
-  ckpt::PartitionTarget target;
-  PartitionState* state = nullptr;
-  std::string step_param;
-};
-
-std::vector<int64_t> Shape(const at::Tensor& t) { return t.sizes().vec(); }
-
-std::vector<PartitionSlot> FlatSlots(Engine::Impl& e) {
-  std::vector<PartitionSlot> slots;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    std::vector<ckpt::TargetParam> params;
-    for (const auto& p : e.groups[g]) params.push_back({p.name, p.tensor.numel(), Shape(p.tensor)});
-    const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
-    slots.push_back({ckpt::FlatPartitionTarget(std::move(params), dp, rank), &e.zero->state(g), e.groups[g].front().name});
-  }
-  return slots;
-}
-
-// Stage 3: each sub-group's parameters, each partitioned on its own; the
-// planner's layout must be the optimizer's (zero3.h). Every sub-group takes
-// the model's first parameter's step, as the universal load does.
-std::vector<PartitionSlot> Zero3Slots(Engine::Impl& e) {
-  Zero3Optimizer& z = *e.zero3;
-  std::vector<PartitionSlot> slots;
-  for (Zero3SubGroup& sg : z.sub_groups()) {
-    std::vector<ckpt::TargetParam> params;
-    int64_t offset = 0;
-    for (size_t i : sg.params) {
-      const Zero3Param& p = z.params()[i];
-      if (p.offset != offset || p.partition_size != ckpt::Stage3PartitionSize(p.numel, z.dp()))
-        throw std::logic_error("resharded load: " + p.name + "'s partition is not where the planner puts it");
-      offset += p.partition_size;
-      params.push_back({p.name, p.numel, Shape(p.tensor)});
-    }
-    slots.push_back({ckpt::Stage3PartitionTarget(std::move(params), z.dp(), e.comm->rank()), &sg.state,
-                     z.params().front().name});
-  }
-  return slots;
-}
-
-// Adam's step of a partition, as loading the converted checkpoint gives it:
-// a stage 1/2 source's group step (the converter's step.pt), else (stage 3
-// keeps none per parameter) the applied steps.
-double SavedStep(const ckpt::ZeroCheckpoint& z, const Engine::Impl& e, const std::string& param,
-                 const std::string& where) {
-  if (z.stage == 3) return static_cast<double>(e.global_steps - e.skipped_steps);
-  for (const auto& p : z.params)
+// Adam's step of a slot, as loading the converted checkpoint gives it: its
+// step parameter's saved step, else (a source that keeps none) the applied steps.
+double SavedStep(const LoadSource& source, const std::string& param, double applied_steps) {
+  if (source.steps_applied) return applied_steps;
+  for (const ckpt::ParamPlan& p : source.states.params)
     if (p.name == param) {
       if (!p.step) break;
-      return ckpt::ScalarOf(p.step, where + ": step");
+      return ckpt::ScalarOf(p.step, source.optimizer_file + ": step of " + param);
     }
-  throw FormatError(z.folder + ": the parameter group of " + param + " has no step");
-}
-
-// Whether the source holds Adam's moments (none before the first applied
-// step; fp16 can skip the first steps).
-bool HasMoments(const ckpt::ZeroCheckpoint& z) {
-  if (z.stage == 3) return ckpt::HasState(z, "exp_avg") && ckpt::HasState(z, "exp_avg_sq");
-  return !z.params.empty() && z.params[0].step;
+  throw FormatError(source.states.folder + ": the parameter group of " + param + " has no step");
 }
 
 }  // namespace
 
-ReshardedLoad LoadReshardedPartitions(Engine::Impl& e, const std::string& folder, bool optimizer_states) {
-  const ckpt::ZeroCheckpoint z = ckpt::OpenZeroCheckpoint(folder, false, /*check_manifest=*/false);
-  ReshardedLoad out;
-  out.where = z.optim[0].file->path();
-  const ValuePtr saved = ckpt::UniversalOptimizerState(z);
-  out.loss_scaler = saved->get("loss_scaler");
-  out.param_groups = saved->get("param_groups");
-  const bool with_state = optimizer_states && HasMoments(z);
-  std::vector<PartitionSlot> slots = e.zero3 ? Zero3Slots(e) : FlatSlots(e);
+LoadSource OpenRankFiles(const std::string& folder) {
+  auto z = std::make_shared<ckpt::ZeroCheckpoint>(ckpt::OpenZeroCheckpoint(folder, false, /*check_manifest=*/false));
+  LoadSource s;
+  s.kind = SourceKind::kRankFiles;
+  s.states = ckpt::ZeroReadSource(*z);
+  // Stage 3 keeps Adam's state per parameter and no step; stages 1/2 a step per group.
+  s.steps_applied = z->stage == 3;
+  s.has_moments = z->stage == 3 ? ckpt::HasState(*z, "exp_avg") && ckpt::HasState(*z, "exp_avg_sq")
+                                : !z->params.empty() && z->params[0].step;
+  const ValuePtr saved = ckpt::UniversalOptimizerState(*z);  // rank 0's, as a universal folder holds it
+  s.loss_scaler = saved->get("loss_scaler");
+  s.param_groups = saved->get("param_groups");
+  s.optimizer_file = z->optim[0].file->path();
+  s.maps = z;
+  return s;
+}
+
+LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<PartitionSlot>& slots, bool moments) {
+  struct Maps {
+    ckpt::UniversalCheckpoint u;
+    ckpt::UniversalOptimizerFile optimizer;
+    std::vector<TorchFile> files;
+  };
+  auto maps = std::make_shared<Maps>();
+  maps->u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
+  const ckpt::UniversalCheckpoint& u = maps->u;
+  maps->optimizer = ckpt::ReadUniversalOptimizerState(u);
+  LoadSource s;
+  s.kind = SourceKind::kUniversal;
+  // Saved before any applied step (fp16 can skip the first steps): no moments.
+  const auto& keys = u.state_keys;
+  s.has_moments = moments && std::count(keys.begin(), keys.end(), "exp_avg") && std::count(keys.begin(), keys.end(), "exp_avg_sq");
+  std::vector<std::string> states{"fp32"};
+  if (s.has_moments) states.insert(states.end(), {"exp_avg", "exp_avg_sq"});
+  ckpt::UniversalStates mapped = ckpt::MapUniversalStates(u, SlotParams(slots), states);
+  s.states = std::move(mapped.source);
+  maps->files = std::move(mapped.files);
+  // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
+  s.steps_applied = !u.has_step;
+  if (s.has_moments && u.has_step)
+    for (ckpt::ParamPlan& p : s.states.params)
+      for (const PartitionSlot& slot : slots)
+        if (slot.step_param == p.name && !p.step) p.step = Value::Float(ckpt::ReadUniversalStep(u, p.name));
+  s.loss_scaler = maps->optimizer.loss_scaler;
+  s.param_groups = maps->optimizer.param_groups;
+  s.optimizer_file = u.folder + "/zero/optimizer_state.pt";
+  s.maps = maps;
+  return s;
+}
+
+LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& path,
+                             const std::vector<PartitionSlot>& slots, bool moments) {
+  LoadSource s;
+  s.kind = SourceKind::kModelStates;
+  // Stage 0's Adam state is numbered over the parameters in the groups' order.
+  s.states = ckpt::ModuleReadSource(m, path, SlotParams(slots));
+  s.has_moments = ckpt::HasState(s.states, "exp_avg") && ckpt::HasState(s.states, "exp_avg_sq");
+  if (moments) s.param_groups = m.stage0_param_groups;
+  s.optimizer_file = path;
+  return s;
+}
+
+uint64_t FillSlots(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments, double applied_steps) {
   std::vector<TensorReads> loads;
   for (PartitionSlot& slot : slots) {
     const ckpt::PartitionTarget& target = slot.target;
     PartitionState& st = *slot.state;
     if (target.length != st.master.numel())
-      throw std::logic_error("resharded load: partition sizes differ from the optimizer's");
-    loads.push_back(PlanLoad(z, target, "fp32", st.master));
-    if (!with_state) {
+      throw std::logic_error("load: partition sizes differ from the optimizer's");
+    loads.push_back(PlanLoad(source.states, target, "fp32", st.master));
+    if (!moments) continue;
+    if (!source.has_moments) {
       st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
       continue;
     }
     st.exp_avg = at::empty_like(st.master);
     st.exp_avg_sq = at::empty_like(st.master);
-    loads.push_back(PlanLoad(z, target, "exp_avg", st.exp_avg));
-    loads.push_back(PlanLoad(z, target, "exp_avg_sq", st.exp_avg_sq));
-    st.step = at::full({}, SavedStep(z, e, slot.step_param, out.where), st.master.options());
+    loads.push_back(PlanLoad(source.states, target, "exp_avg", st.exp_avg));
+    loads.push_back(PlanLoad(source.states, target, "exp_avg_sq", st.exp_avg_sq));
+    st.step = at::full({}, SavedStep(source, slot.step_param, applied_steps), st.master.options());
   }
-  out.bytes_read = FillFromReads(loads);
-  return out;
+  return FillFromReads(loads);
 }
 
 }  // namespace uckpt::engine

@@ -1,33 +1,63 @@
-// Loading a ZeRO checkpoint of any stage (1, 2 or 3; uckpt's or DeepSpeed's)
-// at any data-parallel world size (the saving one included) into a stage 1/2
-// or stage 3 engine without converting it: each rank reads, from the rank
-// files, exactly the byte ranges of its own partitions (ckpt/reshard.h plans
-// them: a group's flat partition at stages 1/2, each sub-group's
-// per-parameter partitions at stage 3; the copy engine reads them on several
-// threads: straight into CPU tensors, through pinned chunks onto a GPU,
-// staged_upload.h), bit for bit what loading the converted universal
-// checkpoint gives.
+// How every load fills this rank's partitions, whatever the checkpoint and
+// the stage: the partition slots the runtime owns (sharded_runtime.h: a
+// group's flat partition at stages 0-2, a sub-group's at stage 3), a source
+// opened by what the folder is (a ZeRO folder's rank files of stage 1, 2 or
+// 3, uckpt's or DeepSpeed's, at any world size; a universal folder; a
+// model-states file's module and stage-0 Adam state), the reads of each slot
+// planned from it (ckpt/reshard.h) and run by the staged reader
+// (staged_upload.h: straight into CPU tensors, through pinned chunks onto a
+// GPU), bit for bit what loading the converted universal checkpoint gives.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "ckpt/deepspeed_state.h"
+#include "ckpt/reshard.h"
 #include "engine/engine_impl.h"
 #include "format/value.h"
 
 namespace uckpt::engine {
 
-struct ReshardedLoad {
-  ValuePtr loss_scaler, param_groups;  // rank 0's, as the universal zero/optimizer_state.pt holds them
-  std::string where;                   // the file they come from, for messages
-  uint64_t bytes_read = 0;             // optimizer-state bytes this rank read
+// Which files a load reads the partitions from.
+enum class SourceKind {
+  kRankFiles,    // a ZeRO folder's *_optim_states.pt (stage 1, 2 or 3)
+  kUniversal,    // a universal folder's zero/<param>/<state>.pt
+  kModelStates,  // mp_rank_00_model_states.pt: the module's weights, stage 0's Adam state
 };
 
-// Fills the masters (and the moments and step, with `optimizer_states`) of
-// every group (stage 3: sub-group) from `folder`'s rank files. Adam's step of
-// a stage-3 source is the applied steps: call after RestoreCounters. The
-// caller applies the returned loss scaler and hyper-parameters and makes the
-// weights from the masters.
-ReshardedLoad LoadReshardedPartitions(Engine::Impl& e, const std::string& folder, bool optimizer_states);
+// A source opened: where each parameter's states lie (with its saved Adam
+// step where it keeps one), and what comes with the optimizer state.
+struct LoadSource {
+  SourceKind kind = SourceKind::kRankFiles;
+  ckpt::ReadSource states;
+  bool has_moments = false;     // Adam's moments are there (none before the first applied step)
+  bool steps_applied = false;   // no saved step: Adam's step is the applied steps (ZeRO-3's files)
+  ValuePtr loss_scaler, param_groups;  // null when the source has none
+  std::string optimizer_file;          // the file they come from, for messages
+  std::shared_ptr<const void> maps;    // what `states` points into
+};
+
+// The ZeRO folder `folder`'s rank files.
+LoadSource OpenRankFiles(const std::string& folder);
+
+// The universal folder `folder`'s files of the parameters `slots` hold: the
+// fp32 masters, and Adam's state with `moments` (when the folder has it).
+LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<PartitionSlot>& slots, bool moments);
+
+// The model states `m` read from `path` (which the caller keeps): the
+// module's weights of the parameters `slots` hold, stage 0's Adam state and
+// param groups with `moments`.
+LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& path,
+                             const std::vector<PartitionSlot>& slots, bool moments);
+
+// Fills every slot's fp32 master from `source`; with `moments` also Adam's
+// moments and step (none when the source has none; `applied_steps` is the
+// step of a source that keeps none), else leaves them as they are. Returns
+// the bytes read. Throws FormatError naming the file for a parameter the
+// source lacks or holds in another shape.
+uint64_t FillSlots(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments, double applied_steps);
 
 }  // namespace uckpt::engine

@@ -2,6 +2,7 @@
 // flat buffer needs padding at some world sizes.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -10,7 +11,9 @@
 #include "ckpt/manifest.h"
 #include "ckpt/verify.h"
 #include "fixture.h"
+#include "format/env.h"
 #include "format/error.h"
+#include "format/file.h"
 #include "format/torch_file.h"
 #include "ranks.h"
 #include "engine/checkpoint.h"
@@ -471,6 +474,58 @@ TEST(Resume, ChecksTheManifest) {
               std::string::npos)
         << e;
   fs::remove_all(dir);
+}
+
+// A file that the first reader finds damaged (as one node's disk might
+// give it): its first map fails, every later one succeeds.
+class FirstReadFails : public EnvWrapper {
+ public:
+  explicit FirstReadFails(std::string victim) : EnvWrapper(Env::Posix()), victim_(std::move(victim)) {}
+  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
+    if (path == victim_ && maps_++ == 0) throw IoError(path + ": injected read error");
+    return EnvWrapper::MapFile(path);
+  }
+
+ private:
+  std::string victim_;
+  std::atomic<int> maps_{0};
+};
+
+// Under verify_checkpoint the manifest is checked the same way at every
+// stage: the ranks share the hashing, and when one of them finds a file bad
+// every rank stops with its message (none goes on loading alone and waits).
+TEST(Resume, ManifestCheckAgreedOnEveryRankAtEveryStage) {
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const std::string dir = TempDir("manifest_agree" + std::to_string(stage));
+    RunRanks(2, [&](Comm& comm) {
+      Trainer t(comm, TinyOptions(stage, false, 2));
+      t.TrainStep();
+      t.SaveCheckpoint(dir, "global_step1");
+    });
+    const std::string victim = dir + "/global_step1/" + ckpt::OptimStatesFileName(1, false);
+    FirstReadFails env(victim);
+    ScopedEnv use(env);
+    std::vector<std::string> errors(2);
+    std::mutex mu;
+    RunRanks(
+        2,
+        [&](Comm& comm) {
+          TrainOptions o = TinyOptions(stage, false, 2);
+          o.verify_checkpoint = true;
+          Trainer t(comm, o);
+          try {
+            t.LoadCheckpoint(dir, "", false);
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> lock(mu);
+            errors[comm.rank()] = e.what();
+          }
+        },
+        std::chrono::seconds(20));
+    EXPECT_NE(errors[0].find(victim + ": " + victim + ": injected read error"), std::string::npos) << errors[0];
+    EXPECT_EQ(errors[1], errors[0]);
+    fs::remove_all(dir);
+  }
 }
 
 }  // namespace
