@@ -305,7 +305,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
                                  const ClientState& client_state, bool async) {
   const auto start = std::chrono::steady_clock::now();
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
-  if (e.stage() == 0 && e.zero->settings().model_dtype != at::kFloat)
+  if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
   Comm& comm = *e.comm;
   Env& env = Env::Current();
@@ -336,7 +336,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   std::vector<SnapshotFile> files;
   try {
     SnapshotScope scope(snapshot ? &e.writer->pool() : nullptr);
-    if (e.zero3) {
+    if (e.stage() == 3) {  // DeepSpeed's ZeRO-3 files
       files = Zero3RankFiles(e, std::move(client));
     } else {
       if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
