@@ -85,11 +85,11 @@ void Trainer::InitWeights(const std::function<void()>& seeded) {
 }
 
 void Trainer::MakeGpt2() {
-  auto m = std::make_shared<Gpt2Module>(opt_.model);
+  auto m = std::make_shared<models::Gpt2Module>(opt_.model);
   params_ = m->ordered_parameters();
-  InitWeights([&] { Gpt2Init(opt_.model, params_, opt_.init_seed); });
+  InitWeights([&] { models::Gpt2Init(opt_.model, params_, opt_.init_seed); });
   loss_ = [m, seed = opt_.seed](const at::Tensor& ids, int64_t step, int64_t, int64_t first_row) {
-    DropoutKey dk{seed, step, first_row};
+    models::DropoutKey dk{seed, step, first_row};
     return m->Loss(ids, &dk);
   };
   module_ = m;

@@ -22,7 +22,7 @@ namespace uckpt::engine {
 struct TrainOptions {
   TrainConfig config;  // DeepSpeed JSON with command-line overrides applied
   std::string model_name = "gpt2";  // "gpt2" or "bert" (masked LM); `model` gives the sizes of either
-  Gpt2Config model;
+  models::Gpt2Config model;
   int64_t seq_len = 128;
   uint64_t seed = 42;        // data rule and dropout masks
   uint64_t init_seed = 1234;  // GPT-2 initialisation
@@ -96,7 +96,7 @@ class Trainer {
   LrSchedule& schedule() { return engine_->impl().schedule; }
   const LrSchedule& schedule() const { return engine_->impl().schedule; }
   // name -> parameter (views into the optimizer's model_flat), flat order.
-  const std::vector<NamedTensor>& parameters() const { return params_; }
+  const std::vector<models::NamedTensor>& parameters() const { return params_; }
   PhaseTimes& timers() { return timers_; }
   int64_t num_parameters() const {
     int64_t n = 0;
@@ -115,7 +115,7 @@ class Trainer {
   std::shared_ptr<torch::nn::Module> module_;
   // The micro-batch loss of rows [first_row, +mb) of global batch `step`.
   std::function<at::Tensor(const at::Tensor& ids, int64_t step, int64_t first_sample, int64_t first_row)> loss_;
-  std::vector<NamedTensor> params_;
+  std::vector<models::NamedTensor> params_;
   std::vector<std::shared_ptr<torch::nn::Module>> gather_units_;  // ZeRO-3 units of the model
   std::function<void(uckpt::UnitCalls)> set_unit_calls_;
   std::unique_ptr<Engine> engine_;

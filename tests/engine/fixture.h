@@ -21,8 +21,8 @@ inline nlohmann::json ReadJson(const std::string& path) {
 }
 
 // The fixture's model: V=97, P=16, C=16, L=2, H=2.
-inline Gpt2Config RefrunModel() {
-  Gpt2Config c;
+inline models::Gpt2Config RefrunModel() {
+  models::Gpt2Config c;
   c.vocab_size = 97;
   c.n_positions = 16;
   c.n_embd = 16;

@@ -23,8 +23,8 @@ namespace fs = std::filesystem;
 using testing::RunRanks;
 
 // 798 parameters: padded to 800 at world sizes 2 and 4, not at 1 and 3.
-Gpt2Config TinyModel() {
-  Gpt2Config c;
+models::Gpt2Config TinyModel() {
+  models::Gpt2Config c;
   c.n_layer = 1;
   c.n_head = 2;
   c.n_embd = 6;

@@ -21,7 +21,7 @@ using testing::RunRanks;
 
 struct Outcome {
   std::vector<double> losses;          // rank 0's, per step
-  std::vector<NamedTensor> weights;    // rank 0's, gathered after the last step
+  std::vector<models::NamedTensor> weights;    // rank 0's, gathered after the last step
   Zero3Stats stats;                    // rank 0's
   int64_t unit_numel = 0;              // elements of block 0's parameters
 };
