@@ -7,6 +7,7 @@
 #include <string>
 
 #include "engine/config.h"
+#include "engine/engine_impl.h"
 #include "models/gpt2.h"
 #include "cli/trainer.h"
 
@@ -49,5 +50,9 @@ inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& r
   o.steps = 12;
   return o;
 }
+
+// The stage 0-2 optimizer behind a Trainer's engine: tests reach into the
+// engine's state (engine_impl.h), `uckpt train` does not.
+inline const ZeroOptimizer& ZeroOf(Trainer& t) { return *t.engine().impl().zero; }
 
 }  // namespace uckpt::engine::testing
