@@ -52,7 +52,7 @@ int main(int argc, char** argv) try {
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 
   // 1. The model: Hugging Face's GPT-2 (names, math, tied head), byte vocabulary.
-  uckpt::engine::Gpt2Config cfg;
+  uckpt::models::Gpt2Config cfg;
   cfg.n_layer = 2;
   cfg.n_head = 4;
   cfg.n_embd = 64;
@@ -60,8 +60,8 @@ int main(int argc, char** argv) try {
   cfg.n_positions = 64;
   const int64_t seq_len = 64;
   if (static_cast<int64_t>(bytes.size()) < seq_len) throw std::runtime_error(args.text + ": shorter than one sequence");
-  auto model = std::make_shared<uckpt::engine::Gpt2Module>(cfg);
-  uckpt::engine::Gpt2Init(cfg, model->ordered_parameters(), /*seed=*/1234);
+  auto model = std::make_shared<uckpt::models::Gpt2Module>(cfg);
+  uckpt::models::Gpt2Init(cfg, model->ordered_parameters(), /*seed=*/1234);
 
   // 2. The engine, from a DeepSpeed config: ZeRO-2, AdamW with warm-up, bf16 on a GPU.
   const bool gpu = torch::cuda::is_available();

@@ -159,12 +159,30 @@ struct StepInfo {
   double loss_scale = 1;  // the scale the step's gradients carried
 };
 
+// What ZeRO stage 3's gathers and reduce-scatters did on this rank since the
+// engine was made (Engine::stage3_stats()); all zero at stages 0-2.
+struct Stage3Stats {
+  int64_t gathered_elements = 0;       // elements of gather units' parameters whole (or being gathered) now
+  int64_t peak_gathered_elements = 0;  // the most at once
+  int64_t unit_gathers = 0;            // all-gathers of gather units, prefetched ones included
+  int64_t prefetched_gathers = 0;      // of them, started before their unit was entered (stage3_prefetch_bucket_size)
+  int64_t unused_prefetches = 0;       // prefetched units dropped before being entered
+  int64_t reduce_buckets = 0;          // reduce-scatters of gradient buckets (reduce_bucket_size)
+  int64_t overlapped_buckets = 0;      // of them, started during backward and left running (overlap_comm)
+  // Timing on (Engine::SetTiming): seconds Backward spent at its end on the
+  // last reduce-scatters and waiting for the others; 0 while timing is off.
+  double reduce_wait_s = 0;
+};
+
 class Engine {
  public:
-  // Wraps `model`: moves it to the device and the config's dtype (bf16/fp16),
-  // makes its trainable parameters views into ZeRO's flat buffers and binds
-  // their gradients. Throws std::invalid_argument / std::runtime_error on a
-  // bad config or parameter groups (naming the parameter).
+  // Wraps `model`: moves it to the device and the config's dtype (bf16/fp16)
+  // and takes over its trainable parameters: at stages 0-2 they become views
+  // into ZeRO's flat buffers, their gradients views into the flat gradient
+  // buffers; at stage 3 each rank keeps its partition of every parameter, and
+  // a gather unit's parameters have storage only while gathered (EnterUnit).
+  // Throws std::invalid_argument / std::runtime_error on a bad config or
+  // parameter groups (naming the parameter).
   Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, EngineOptions options = {});
   // For uckpt's own tools: a configuration already parsed, overrides applied.
   Engine(std::shared_ptr<torch::nn::Module> model, const engine::TrainConfig& config, EngineOptions options = {});
@@ -273,6 +291,16 @@ class Engine {
   const StepInfo& last_step() const;  // of the last update
   double loss_scale() const;
 
+  // ---- Statistics, for tools and benchmarks (uckpt train's UCKPT_TIMERS). ----
+  // Stage 3's gather and reduce-scatter counters of this rank, summed since
+  // construction; all zero at stages 0-2. Not collective.
+  Stage3Stats stage3_stats() const;
+  // Whether the engine times what only it can see: stage 3's wait for its
+  // reduce-scatters at the end of Backward (Stage3Stats::reduce_wait_s). The
+  // device is synchronised around it, which costs throughput. Off by
+  // default; a no-op at stages 0-2. Not collective.
+  void SetTiming(bool on);
+
   int rank() const;
   int world_size() const;
   int local_rank() const;
@@ -290,8 +318,8 @@ class Engine {
   // What the config said that uckpt ignores or does differently.
   const std::vector<std::string>& warnings() const;
 
-  // The engine's state, for uckpt's own tools and tests (not installed:
-  // src/engine/engine_impl.h).
+  // The engine's state (src/engine/engine_impl.h, not installed), for the
+  // engine's tests; programs, `uckpt train` included, use the calls above.
   struct Impl;
   Impl& impl() { return *impl_; }
   const Impl& impl() const { return *impl_; }

@@ -4,55 +4,21 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
-#include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <iostream>
-#include <thread>
 
 #include "cli/commands.h"
+#include "cli/launch_supervisor.h"
 
 namespace uckpt::cli {
 namespace {
 
 std::atomic<int> g_signal{0};
 void OnSignal(int sig) { g_signal = sig; }
-
-// The exit status a shell would report for `status`.
-int ExitCode(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
-// " (killed by signal 9: Killed)" when a signal ended it, else "".
-std::string SignalNote(int status) {
-  if (!WIFSIGNALED(status)) return "";
-  return " (killed by signal " + std::to_string(WTERMSIG(status)) + ": " + strsignal(WTERMSIG(status)) + ")";
-}
-
-// Signals each rank's process group (the rank and whatever it started). A
-// stopped (SIGSTOP) rank would hold any signal but SIGKILL until continued:
-// SIGCONT follows, so it ends now rather than whenever someone continues it.
-void SignalAll(const std::vector<pid_t>& pids, int sig) {
-  for (pid_t p : pids) {
-    if (p <= 0) continue;
-    kill(-p, sig);
-    if (sig != SIGKILL && sig != SIGCONT) kill(-p, SIGCONT);
-  }
-}
-
-std::chrono::steady_clock::duration Secs(double s) {
-  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
-}
-
-}  // namespace
-
-namespace {
 
 // A TCP port that is free now: the kernel picks it for a socket bound to
 // port 0. (Another process could take it before rank 0 binds it; far less
@@ -96,6 +62,58 @@ std::vector<std::string> WithLocalRankArgument(std::vector<std::string> argv, in
   return argv;
 }
 
+// What every rank of one launch gets.
+struct RankCommand {
+  std::vector<std::string> argv;  // argv[0]: a path or a name on PATH
+  int world_size = 1;
+  std::string master_addr;
+  int master_port = 0;
+  bool local_rank_argument = true;  // --local_rank=N to a Python script
+};
+
+// Forks rank r in its own process group and execs the command with
+// torchrun's variables. Returns its pid, or -1 (saying why) when fork fails.
+pid_t StartRank(const RankCommand& c, int r) {
+  const pid_t launcher = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    std::cerr << "uckpt launch: fork failed: " << std::strerror(errno) << "\n";
+    return -1;
+  }
+  if (pid > 0) {
+    setpgid(pid, pid);  // also here, so no signal can race the child's own call
+    return pid;
+  }
+  setpgid(0, 0);  // its own process group: signals reach the rank's children too
+  // No orphans: when the launcher dies, by any signal (SIGKILL included), the
+  // kernel kills the rank. (The launcher is one thread: the death signal
+  // follows the thread that forked.) It survives exec. Should the launcher
+  // have died before this call, exit now.
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != launcher) _exit(1);
+  setenv("RANK", std::to_string(r).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(c.world_size).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(c.world_size).c_str(), 1);
+  setenv("GROUP_RANK", "0", 1);
+  setenv("MASTER_ADDR", c.master_addr.c_str(), 1);
+  setenv("MASTER_PORT", std::to_string(c.master_port).c_str(), 1);
+  std::vector<std::string> rank_argv = c.local_rank_argument ? WithLocalRankArgument(c.argv, r) : c.argv;
+  std::vector<char*> args;
+  for (auto& s : rank_argv) args.push_back(s.data());
+  args.push_back(nullptr);
+  execvp(args[0], args.data());
+  std::cerr << "uckpt launch: cannot run " << c.argv[0] << ": " << std::strerror(errno) << "\n";
+  _exit(127);
+}
+
+// `uckpt` means this very binary, wherever it lives.
+std::string ResolveSelf(const std::string& exe) {
+  if (exe != "uckpt") return exe;
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  return n > 0 ? std::string(self, static_cast<size_t>(n)) : exe;
+}
+
 }  // namespace
 
 Runner AddLaunch(CLI::App& app) {
@@ -137,123 +155,20 @@ Runner AddLaunch(CLI::App& app) {
   cmd->add_option("command", a->command, "The command after `--`")->required();
 
   return [a] {
-    std::vector<std::string> argv = a->command;
-    // `uckpt` means this very binary, wherever it lives.
-    if (argv[0] == "uckpt") {
-      char self[4096];
-      ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-      if (n > 0) argv[0] = std::string(self, static_cast<size_t>(n));
-    }
     struct sigaction sa{};
     sa.sa_handler = OnSignal;
     sigemptyset(&sa.sa_mask);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
 
-    if (a->master_port == 0) a->master_port = FreePort();
-
-    std::vector<pid_t> pids(static_cast<size_t>(a->n), -1);
-    const pid_t launcher = getpid();
-    for (int r = 0; r < a->n; ++r) {
-      pid_t pid = fork();
-      if (pid < 0) {
-        std::cerr << "uckpt launch: fork failed: " << std::strerror(errno) << "\n";
-        SignalAll(pids, SIGTERM);
-        return 1;
-      }
-      if (pid == 0) {
-        setpgid(0, 0);  // its own process group: signals reach the rank's children too
-        // No orphans: when the launcher dies, by any signal (SIGKILL
-        // included), the kernel kills the rank. (The launcher is one thread:
-        // the death signal follows the thread that forked.) It survives
-        // exec. Should the launcher have died before this call, exit now.
-        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != launcher) _exit(1);
-        setenv("RANK", std::to_string(r).c_str(), 1);
-        setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-        setenv("WORLD_SIZE", std::to_string(a->n).c_str(), 1);
-        setenv("LOCAL_WORLD_SIZE", std::to_string(a->n).c_str(), 1);
-        setenv("GROUP_RANK", "0", 1);
-        setenv("MASTER_ADDR", a->master_addr.c_str(), 1);
-        setenv("MASTER_PORT", std::to_string(a->master_port).c_str(), 1);
-        std::vector<std::string> rank_argv = a->no_local_rank ? argv : WithLocalRankArgument(argv, r);
-        std::vector<char*> args;
-        for (auto& s : rank_argv) args.push_back(s.data());
-        args.push_back(nullptr);
-        execvp(args[0], args.data());
-        std::cerr << "uckpt launch: cannot run " << argv[0] << ": " << std::strerror(errno) << "\n";
-        _exit(127);
-      }
-      setpgid(pid, pid);  // also here, so no signal can race the child's own call
-      pids[static_cast<size_t>(r)] = pid;
-    }
-
-    using Clock = std::chrono::steady_clock;
-    int result = 0, running = a->n;
-    bool stopping = false;
-    auto stop_deadline = Clock::time_point::max();
-    auto begin_stopping = [&](int code) {
-      result = code;
-      stopping = true;
-      SignalAll(pids, SIGTERM);
-      stop_deadline = Clock::now() + Secs(a->grace_s);
-    };
-    // Since when each rank has been stopped (max: running).
-    std::vector<Clock::time_point> stopped_since(pids.size(), Clock::time_point::max());
-    std::vector<int> stop_signal(pids.size(), 0);
-    while (running > 0) {
-      if (int sig = g_signal.exchange(0); sig != 0) {
-        SignalAll(pids, sig);  // forward; the ranks decide how to end
-        if (!stopping) {
-          stopping = true;
-          result = 128 + sig;
-          stop_deadline = Clock::now() + Secs(a->grace_s);
-        }
-      }
-      int status = 0;
-      pid_t pid = waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
-      if (pid > 0) {
-        for (size_t r = 0; r < pids.size(); ++r) {
-          if (pids[r] != pid) continue;
-          if (WIFSTOPPED(status)) {
-            stopped_since[r] = Clock::now();
-            stop_signal[r] = WSTOPSIG(status);
-            break;
-          }
-          if (WIFCONTINUED(status)) {
-            stopped_since[r] = Clock::time_point::max();
-            break;
-          }
-          pids[r] = -1;
-          stopped_since[r] = Clock::time_point::max();
-          --running;
-          int code = ExitCode(status);
-          if (code != 0 && !stopping) {
-            std::cerr << "uckpt launch: rank " << r << " exited with code " << code << SignalNote(status)
-                      << "; stopping the other ranks\n";
-            begin_stopping(code);
-          }
-        }
-        continue;
-      }
-      if (pid < 0 && errno != EINTR) break;
-      if (!stopping && a->stop_timeout_s > 0) {
-        for (size_t r = 0; r < pids.size(); ++r) {
-          if (stopped_since[r] == Clock::time_point::max() || Clock::now() - stopped_since[r] < Secs(a->stop_timeout_s))
-            continue;
-          char secs[32];
-          std::snprintf(secs, sizeof secs, "%.1f", a->stop_timeout_s);
-          std::cerr << "uckpt launch: rank " << r << " has been stopped (signal " << stop_signal[r] << ": "
-                    << strsignal(stop_signal[r]) << ") for " << secs << " s; stopping the job\n";
-          begin_stopping(1);
-          break;
-        }
-      }
-      if (stopping && Clock::now() > stop_deadline) {
-        SignalAll(pids, SIGKILL);
-        stop_deadline = Clock::time_point::max();
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return result;
+    RankCommand c;
+    c.argv = a->command;
+    c.argv[0] = ResolveSelf(c.argv[0]);
+    c.world_size = a->n;
+    c.master_addr = a->master_addr;
+    c.master_port = a->master_port == 0 ? FreePort() : a->master_port;
+    c.local_rank_argument = !a->no_local_rank;
+    LaunchSupervisor supervisor(a->n, {a->grace_s, a->stop_timeout_s});
+    return supervisor.Run([&c](int r) { return StartRank(c, r); }, g_signal);
   };
 }
 

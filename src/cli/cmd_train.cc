@@ -15,7 +15,7 @@ namespace uckpt::cli {
 Runner AddTrain(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "train",
-      "Train GPT-2 (--model gpt2) or a BERT masked LM (--model bert) with ZeRO-0/1/2 data parallelism;\ncheckpoints in DeepSpeed's layout.\n\n"
+      "Train GPT-2 (--model gpt2) or a BERT masked LM (--model bert) with ZeRO-0/1/2/3 data parallelism;\ncheckpoints in DeepSpeed's layout.\n\n"
       "One process trains alone; several are started by `uckpt launch` or torchrun, which set\n"
       "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (Gloo on CPU).\n\n"
       "Examples:\n"

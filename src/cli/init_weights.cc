@@ -13,6 +13,9 @@
 #include "engine/torch_bridge.h"
 
 namespace uckpt::engine {
+
+using models::NamedTensor;
+
 namespace {
 
 bool IsSafetensors(std::span<const uint8_t> b) {

@@ -12,13 +12,13 @@ namespace uckpt::engine {
 
 // The file's tensors in file order, copied into libtorch tensors. Throws
 // FormatError naming the file if it holds no state dict.
-std::vector<NamedTensor> LoadStateDictFile(const std::string& path);
+std::vector<models::NamedTensor> LoadStateDictFile(const std::string& path);
 
 // Copies `state` into `params` by name (shapes must match; dtypes are cast).
 // Tied aliases (`lm_head.weight`) and HF's attention-mask buffers are
 // accepted and skipped; a missing parameter or an unknown key is an error
 // that names `source`.
-void CopyStateDict(const std::vector<NamedTensor>& state, const std::vector<NamedTensor>& params,
+void CopyStateDict(const std::vector<models::NamedTensor>& state, const std::vector<models::NamedTensor>& params,
                    const std::string& source);
 
 }  // namespace uckpt::engine

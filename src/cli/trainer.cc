@@ -71,7 +71,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   eo.gather_units = gather_units_;
   eo.host_threads = opt_.threads;
   engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
-  if (engine::Zero3Optimizer* z3 = engine_->impl().runtime->stage3()) z3->set_timing(timers_.enabled);
+  engine_->SetTiming(timers_.enabled);
   if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());
 }
 
@@ -85,11 +85,11 @@ void Trainer::InitWeights(const std::function<void()>& seeded) {
 }
 
 void Trainer::MakeGpt2() {
-  auto m = std::make_shared<Gpt2Module>(opt_.model);
+  auto m = std::make_shared<models::Gpt2Module>(opt_.model);
   params_ = m->ordered_parameters();
-  InitWeights([&] { Gpt2Init(opt_.model, params_, opt_.init_seed); });
+  InitWeights([&] { models::Gpt2Init(opt_.model, params_, opt_.init_seed); });
   loss_ = [m, seed = opt_.seed](const at::Tensor& ids, int64_t step, int64_t, int64_t first_row) {
-    DropoutKey dk{seed, step, first_row};
+    models::DropoutKey dk{seed, step, first_row};
     return m->Loss(ids, &dk);
   };
   module_ = m;
@@ -137,53 +137,61 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag, boo
                       ": cannot be read (give the tag explicitly, or check the folder)");
 }
 
+at::Tensor Trainer::MicroBatchIds(int64_t step, int64_t samples_before, int64_t first_row) const {
+  const int64_t mb = engine_->train_micro_batch_size_per_gpu(), T = opt_.seq_len;
+  auto rows = GatherRows(*data_, step, samples_before, first_row, mb, T);
+  return at::from_blob(rows.data(), {mb, T}, at::kLong).to(engine_->device(), /*non_blocking=*/false, /*copy=*/true);
+}
+
+namespace {
+
+// Stage 3's gathers and reduce-scatters between two readings of the engine's counters.
+void AddStage3Counts(PhaseTimes& t, const Stage3Stats& before, const Stage3Stats& after) {
+  t.unit_gathers += after.unit_gathers - before.unit_gathers;
+  t.prefetched_gathers += after.prefetched_gathers - before.prefetched_gathers;
+  t.reduce_buckets += after.reduce_buckets - before.reduce_buckets;
+  t.overlapped_buckets += after.overlapped_buckets - before.overlapped_buckets;
+}
+
+}  // namespace
+
 StepMetrics Trainer::TrainStep() {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t step = engine_->global_steps() + 1;
   comm_.SetActivity("step " + std::to_string(step));  // named if a rank fails now
-  const BatchSizes& b = batch();
-  const int64_t ga = b.gradient_accumulation_steps, mb = b.micro_batch, T = opt_.seq_len;
+  const int64_t ga = engine_->gradient_accumulation_steps();
   const double lr = engine_->lr();
-  const at::Device device = engine_->device();
 
   // Micro-batches: rank r's slice of the global batch, one after the other.
   // The micro losses are summed on the device (in fp64, as before on the
   // host), so the GPU never waits for the host between forward and backward.
-  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
-  PhaseClock clock(device, timers_.enabled);
-  const engine::Zero3Optimizer* z3 = engine_->impl().runtime->stage3();
-  const engine::Zero3Stats z3_before = z3 ? z3->stats() : engine::Zero3Stats{};
+  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(engine_->device()));
+  PhaseClock clock(engine_->device(), timers_.enabled);
+  const Stage3Stats stage3_before = engine_->stage3_stats();
   const int64_t samples_before = engine_->global_samples();
   for (int64_t m = 0; m < ga; ++m) {
-    const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), mb);
-    auto rows = GatherRows(*data_, step, samples_before, first_row, mb, T);
-    at::Tensor ids = at::from_blob(rows.data(), {mb, T}, at::kLong).to(device, /*non_blocking=*/false, /*copy=*/true);
-    at::Tensor loss = loss_(ids, step, samples_before + first_row, first_row);
+    const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), engine_->train_micro_batch_size_per_gpu());
+    at::Tensor loss = loss_(MicroBatchIds(step, samples_before, first_row), step, samples_before + first_row, first_row);
     loss_sum.add_(loss.detach().to(at::kDouble));
     timers_.forward += clock.Lap();
-    const double tail_before = z3 ? z3->stats().reduce_tail_s : 0;
+    const double wait_before = engine_->stage3_stats().reduce_wait_s;
     engine_->Backward(loss);
-    const double tail = z3 ? z3->stats().reduce_tail_s - tail_before : 0;  // stage 3: reduce-scatters waited
-    timers_.backward += clock.Lap() - tail;
-    timers_.reduce += tail;
+    const double wait = engine_->stage3_stats().reduce_wait_s - wait_before;  // stage 3: reduce-scatters waited
+    timers_.backward += clock.Lap() - wait;
+    timers_.reduce += wait;
     if (m < ga - 1) engine_->Step();  // not a boundary: nothing but the micro-step count
   }
   timers_.reduce += clock.Lap();
   engine_->Step();
   timers_.step += clock.Lap();
   ++timers_.steps;
-  if (z3) {
-    const engine::Zero3Stats& now = z3->stats();
-    timers_.unit_gathers += now.unit_gathers - z3_before.unit_gathers;
-    timers_.prefetched_gathers += now.prefetched_gathers - z3_before.prefetched_gathers;
-    timers_.reduce_buckets += now.reduce_buckets - z3_before.reduce_buckets;
-    timers_.overlapped_buckets += now.overlapped_buckets - z3_before.overlapped_buckets;
-  }
-  const StepInfo& r = engine_->last_step();
+  AddStage3Counts(timers_, stage3_before, engine_->stage3_stats());
+  if (++steps_run_ == 1) timers_ = PhaseTimes{timers_.enabled};  // the first step warms up
 
   // The step's loss: the mean over all W*GA micro-batches (equal token counts).
   at::Tensor total = loss_sum;
   comm_.AllReduceSum(total);
+  const StepInfo& r = engine_->last_step();
   StepMetrics s;
   s.step = step;
   s.loss = total.item<double>() / static_cast<double>(ga * comm_.world_size());
@@ -191,116 +199,155 @@ StepMetrics Trainer::TrainStep() {
   s.grad_norm = r.grad_norm;
   s.loss_scale = r.loss_scale;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  s.tokens_per_s = secs > 0 ? static_cast<double>(b.train_batch_size * T) / secs : 0;
+  s.tokens_per_s = secs > 0 ? static_cast<double>(engine_->train_batch_size() * opt_.seq_len) / secs : 0;
   return s;
 }
 
-int RunTraining(Comm& comm, const TrainOptions& options) {
-  Trainer trainer(comm, options);
-  const bool rank0 = comm.rank() == 0;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// --resume: loads the checkpoint the options name. Nothing to resume (no tag
+// file and no tag given) is a warning, as in DeepSpeed's load_checkpoint.
+void ResumeIfAsked(Trainer& trainer) {
   const TrainOptions& o = trainer.options();
+  if (!o.resume) return;
+  const bool rank0 = trainer.comm().rank() == 0;
   const bool universal = o.universal_checkpoint || o.config.load_universal;
   const std::string tag_file = o.checkpoint_dir + (universal ? "/latest_universal" : "/latest");
-  if (o.resume && o.checkpoint_tag.empty() && !o.checkpoint_dir.empty() && !std::filesystem::exists(tag_file)) {
-    // As DeepSpeed's load_checkpoint: nothing to resume is a warning, not an error.
+  if (o.checkpoint_tag.empty() && !o.checkpoint_dir.empty() && !std::filesystem::exists(tag_file)) {
     if (rank0) std::cerr << "uckpt train: warning: " << tag_file << " does not exist; starting from step 1\n";
-  } else if (o.resume) {
-    if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint_dir");
-    comm.SetActivity("loading a checkpoint from " + o.checkpoint_dir);
-    const auto t0 = std::chrono::steady_clock::now();
-    trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, universal);
-    if (rank0)
-      std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
-                   static_cast<long long>(trainer.counters().global_steps),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    if (const LoadStats& l = trainer.engine().last_load(); rank0 && !l.fingerprint.empty())
-      std::fprintf(stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it from the files)\n",
-                   l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str()
-                                                            : ("checked (" + l.fingerprint + ")").c_str(),
-                   l.fingerprint_s, l.fingerprint_files_s);
+    return;
   }
-  std::unique_ptr<MetricsLog> log;
-  if (rank0) {
-    log = std::make_unique<MetricsLog>(o.log_dir + "/" + o.run_name);
-    const auto& b = trainer.batch();
-    std::cerr << "uckpt train: world size " << comm.world_size() << " (" << comm.backend() << "), " << o.model_name << ", ZeRO stage "
-              << o.config.zero.stage << ", batch " << b.train_batch_size << " = micro " << b.micro_batch << " x GA "
-              << b.gradient_accumulation_steps << " x " << comm.world_size() << " ranks, "
-              << trainer.num_parameters() << " parameters, steps " << trainer.counters().global_steps + 1 << ".."
-              << o.steps << "\n";
-    for (const auto& w : o.config.warnings) std::cerr << "uckpt train: warning: " << w << "\n";
+  if (o.checkpoint_dir.empty()) throw std::invalid_argument("--resume needs --checkpoint_dir");
+  trainer.comm().SetActivity("loading a checkpoint from " + o.checkpoint_dir);
+  const auto t0 = Clock::now();
+  trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, universal);
+  if (!rank0) return;
+  std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
+               static_cast<long long>(trainer.counters().global_steps), SecondsSince(t0));
+  if (const LoadStats& l = trainer.engine().last_load(); !l.fingerprint.empty())
+    std::fprintf(stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it from the files)\n",
+                 l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str()
+                                                          : ("checked (" + l.fingerprint + ")").c_str(),
+                 l.fingerprint_s, l.fingerprint_files_s);
+}
+
+// Rank 0: world, model, batch split, the steps to run, the config's warnings.
+void PrintRunHeader(const Trainer& trainer) {
+  const TrainOptions& o = trainer.options();
+  const Engine& e = trainer.engine();
+  const Comm& comm = trainer.comm();
+  std::cerr << "uckpt train: world size " << comm.world_size() << " (" << comm.backend() << "), " << o.model_name
+            << ", ZeRO stage " << o.config.zero.stage << ", batch " << e.train_batch_size() << " = micro "
+            << e.train_micro_batch_size_per_gpu() << " x GA " << e.gradient_accumulation_steps() << " x "
+            << comm.world_size() << " ranks, " << trainer.num_parameters() << " parameters, steps "
+            << trainer.counters().global_steps + 1 << ".." << o.steps << "\n";
+  for (const auto& w : o.config.warnings) std::cerr << "uckpt train: warning: " << w << "\n";
+}
+
+// Rank 0: a progress line on a terminal, else a line every steps_per_print steps.
+void PrintStep(const TrainOptions& o, bool tty, const StepMetrics& m) {
+  if (tty) {
+    std::fprintf(stderr, "\rstep %lld/%lld  loss %.6f  lr %.3g  grad_norm %.4f  %.0f tok/s   ",
+                 static_cast<long long>(m.step), static_cast<long long>(o.steps), m.loss, m.lr, m.grad_norm,
+                 m.tokens_per_s);
+  } else if (o.config.steps_per_print > 0 && m.step % o.config.steps_per_print == 0) {
+    std::fprintf(stderr, "step %lld loss %.9g lr %.6g grad_norm %.6g\n", static_cast<long long>(m.step), m.loss, m.lr,
+                 m.grad_norm);
   }
+}
+
+// Saves global_step<N> into --checkpoint_dir (none: nothing) and says what it cost.
+void SaveStep(Trainer& trainer) {
+  const TrainOptions& o = trainer.options();
+  if (o.checkpoint_dir.empty()) return;
+  const bool rank0 = trainer.comm().rank() == 0;
+  const std::string tag = "global_step" + std::to_string(trainer.counters().global_steps);
+  trainer.comm().SetActivity("saving checkpoint " + tag);
+  const auto t0 = Clock::now();
+  trainer.SaveCheckpoint(o.checkpoint_dir, tag);
+  const SaveStats& s = trainer.engine().last_save();
+  if (!rank0) return;
+  if (s.async)
+    std::fprintf(stderr, "uckpt train: snapshot of %s/%s in %.3f s (%.1f MiB of host memory), writing in the background\n",
+                 o.checkpoint_dir.c_str(), tag.c_str(), s.blocked_s, static_cast<double>(s.snapshot_bytes) / (1 << 20));
+  else
+    std::fprintf(stderr, "uckpt train: saved %s/%s in %.3f s\n", o.checkpoint_dir.c_str(), tag.c_str(), SecondsSince(t0));
+  std::fprintf(stderr, "uckpt train: state fingerprint of the save in %.3f s\n", s.fingerprint_s);
+}
+
+// UCKPT_TIMERS=1, rank 0: the mean time of each phase, and stage 3's overlap.
+void PrintPhaseTimes(const Trainer& trainer) {
+  const PhaseTimes& t = trainer.timers();
+  if (!t.enabled || t.steps == 0) return;
+  const double k = 1000.0 / static_cast<double>(t.steps);
+  std::fprintf(stderr,
+               "uckpt timers (rank 0, mean of %lld steps after the first, ms): forward %.2f, backward %.2f, "
+               "reduce %.2f, optimizer step + all-gather %.2f\n",
+               static_cast<long long>(t.steps), t.forward * k, t.backward * k, t.reduce * k, t.step * k);
+  if (trainer.engine().zero_stage() == 3)
+    std::fprintf(stderr,
+                 "uckpt timers, stage 3: reduce = waiting after backward for the reduce-scatters; per step "
+                 "%.1f of %.1f buckets reduced during backward (overlap_comm), %.1f of %.1f unit all-gathers "
+                 "prefetched\n",
+                 t.overlapped_buckets * k / 1000, t.reduce_buckets * k / 1000, t.prefetched_gathers * k / 1000,
+                 t.unit_gathers * k / 1000);
+}
+
+// After the loop: rank 0's peak GPU memory and phase times; with timers,
+// every rank's peak RSS (bench/zero3_memory.sh compares them).
+void PrintRunSummary(const Trainer& trainer) {
+  const bool rank0 = trainer.comm().rank() == 0;
+  if (auto peak = PeakCudaMemory(trainer.device()); rank0 && peak)
+    std::fprintf(stderr, "uckpt train: peak GPU memory of rank 0: allocated %.3f GiB, reserved %.3f GiB\n",
+                 static_cast<double>(peak->allocated) / (1 << 30), static_cast<double>(peak->reserved) / (1 << 30));
+  if (rank0) PrintPhaseTimes(trainer);
+  if (trainer.timers().enabled) {
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    std::fprintf(stderr, "uckpt train: rank %d peak RSS %.1f MiB\n", trainer.comm().rank(),
+                 static_cast<double>(ru.ru_maxrss) / 1024);
+  }
+}
+
+// The last background save must be durable (or its error reported) before the run ends.
+void FinishBackgroundSave(Trainer& trainer) {
+  trainer.comm().SetActivity("finishing a background checkpoint save");
+  const auto t0 = Clock::now();
+  trainer.engine().WaitForCheckpoint();
+  if (trainer.comm().rank() == 0 && trainer.engine().last_save().async)
+    std::fprintf(stderr, "uckpt train: background save published after %.3f s more\n", SecondsSince(t0));
+}
+
+}  // namespace
+
+int RunTraining(Comm& comm, const TrainOptions& options) {
+  Trainer trainer(comm, options);
+  const TrainOptions& o = trainer.options();
+  const bool rank0 = comm.rank() == 0;
+  ResumeIfAsked(trainer);
+  std::unique_ptr<MetricsLog> log = rank0 ? std::make_unique<MetricsLog>(o.log_dir + "/" + o.run_name) : nullptr;
+  if (rank0) PrintRunHeader(trainer);
   const bool tty = rank0 && o.progress && isatty(fileno(stderr));
-  auto save = [&] {
-    if (o.checkpoint_dir.empty()) return;
-    const std::string tag = "global_step" + std::to_string(trainer.counters().global_steps);
-    comm.SetActivity("saving checkpoint " + tag);
-    const auto t0 = std::chrono::steady_clock::now();
-    trainer.SaveCheckpoint(o.checkpoint_dir, tag);
-    const SaveStats& s = trainer.engine().last_save();
-    if (rank0 && s.async)
-      std::fprintf(stderr, "uckpt train: snapshot of %s/%s in %.3f s (%.1f MiB of host memory), writing in the background\n",
-                   o.checkpoint_dir.c_str(), tag.c_str(), s.blocked_s, static_cast<double>(s.snapshot_bytes) / (1 << 20));
-    else if (rank0)
-      std::fprintf(stderr, "uckpt train: saved %s/%s in %.3f s\n", o.checkpoint_dir.c_str(), tag.c_str(),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    if (rank0) std::fprintf(stderr, "uckpt train: state fingerprint of the save in %.3f s\n", s.fingerprint_s);
-  };
+
   // After a resume there is nothing new to save yet; a fresh run with --steps 0
   // saves its initial state as global_step0 (`uckpt export` then writes the init).
   int64_t last_saved = o.resume ? trainer.counters().global_steps : -1;
-  bool warmed_up = false;
   while (trainer.counters().global_steps < o.steps) {
-    StepMetrics m = trainer.TrainStep();
-    if (!warmed_up) trainer.timers() = PhaseTimes{trainer.timers().enabled};  // the first step warms up
-    warmed_up = true;
+    const StepMetrics m = trainer.TrainStep();
     if (log) log->Write(m);
-    if (tty) {
-      std::fprintf(stderr, "\rstep %lld/%lld  loss %.6f  lr %.3g  grad_norm %.4f  %.0f tok/s   ",
-                   static_cast<long long>(m.step), static_cast<long long>(o.steps), m.loss, m.lr, m.grad_norm,
-                   m.tokens_per_s);
-    } else if (rank0 && o.config.steps_per_print > 0 && m.step % o.config.steps_per_print == 0) {
-      std::fprintf(stderr, "step %lld loss %.9g lr %.6g grad_norm %.6g\n", static_cast<long long>(m.step), m.loss, m.lr,
-                   m.grad_norm);
-    }
+    if (rank0) PrintStep(o, tty, m);
     if (o.checkpoint_interval > 0 && m.step % o.checkpoint_interval == 0) {
-      save();
+      SaveStep(trainer);
       last_saved = m.step;
     }
   }
   if (tty) std::fprintf(stderr, "\n");
-  if (auto peak = PeakCudaMemory(trainer.device()); rank0 && peak)
-    std::fprintf(stderr, "uckpt train: peak GPU memory of rank 0: allocated %.3f GiB, reserved %.3f GiB\n",
-                 static_cast<double>(peak->allocated) / (1 << 30), static_cast<double>(peak->reserved) / (1 << 30));
-  if (const PhaseTimes& t = trainer.timers(); rank0 && t.enabled && t.steps > 0) {
-    const double k = 1000.0 / static_cast<double>(t.steps);
-    std::fprintf(stderr,
-                 "uckpt timers (rank 0, mean of %lld steps after the first, ms): forward %.2f, backward %.2f, "
-                 "reduce %.2f, optimizer step + all-gather %.2f\n",
-                 static_cast<long long>(t.steps), t.forward * k, t.backward * k, t.reduce * k, t.step * k);
-    if (trainer.engine().zero_stage() == 3)
-      std::fprintf(stderr,
-                   "uckpt timers, stage 3: reduce = waiting after backward for the reduce-scatters; per step "
-                   "%.1f of %.1f buckets reduced during backward (overlap_comm), %.1f of %.1f unit all-gathers "
-                   "prefetched\n",
-                   t.overlapped_buckets * k / 1000, t.reduce_buckets * k / 1000, t.prefetched_gathers * k / 1000,
-                   t.unit_gathers * k / 1000);
-  }
-  if (trainer.timers().enabled) {  // every rank: bench/zero3_memory.sh compares them
-    rusage ru{};
-    getrusage(RUSAGE_SELF, &ru);
-    std::fprintf(stderr, "uckpt train: rank %d peak RSS %.1f MiB\n", comm.rank(), static_cast<double>(ru.ru_maxrss) / 1024);
-  }
-  if (last_saved != trainer.counters().global_steps) save();
-  {
-    // The last background save must be durable (or its error reported) before the run ends.
-    comm.SetActivity("finishing a background checkpoint save");
-    const auto t0 = std::chrono::steady_clock::now();
-    trainer.engine().WaitForCheckpoint();
-    if (rank0 && trainer.engine().last_save().async)
-      std::fprintf(stderr, "uckpt train: background save published after %.3f s more\n",
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  PrintRunSummary(trainer);
+  if (last_saved != trainer.counters().global_steps) SaveStep(trainer);
+  FinishBackgroundSave(trainer);
   return 0;
 }
 

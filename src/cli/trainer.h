@@ -1,5 +1,6 @@
-// The training engine: GPT-2 + ZeRO-1/2 data parallelism with DeepSpeed's
-// update semantics, checkpoints in DeepSpeed's layout, resume at any size.
+// `uckpt train`: GPT-2 or a BERT masked LM on token or byte data, trained
+// through the public uckpt::Engine (include/uckpt/engine.h) like any other
+// program; RunTraining is the whole command (resume, loop, logs, saves).
 #pragma once
 
 #include <cstdint>
@@ -8,13 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "cli/metrics_log.h"
 #include "engine/config.h"
 #include "engine/data/data.h"
 #include "models/gpt2.h"
-#include "engine/lr_schedule.h"
-#include "cli/metrics_log.h"
-#include "engine/zero_optimizer.h"
-#include "engine/engine_impl.h"
 #include "uckpt/engine.h"
 
 namespace uckpt::engine {
@@ -22,7 +20,7 @@ namespace uckpt::engine {
 struct TrainOptions {
   TrainConfig config;  // DeepSpeed JSON with command-line overrides applied
   std::string model_name = "gpt2";  // "gpt2" or "bert" (masked LM); `model` gives the sizes of either
-  Gpt2Config model;
+  models::Gpt2Config model;
   int64_t seq_len = 128;
   uint64_t seed = 42;        // data rule and dropout masks
   uint64_t init_seed = 1234;  // GPT-2 initialisation
@@ -49,7 +47,7 @@ struct TrainOptions {
   int threads = 0;  // host threads per rank (EngineOptions::host_threads)
 };
 
-// Data position and RNG a checkpoint carries beyond DeepSpeed's own keys.
+// The engine's step counters (saved in every checkpoint).
 struct Counters {
   int64_t global_steps = 0;
   int64_t global_samples = 0;  // the data position: samples consumed
@@ -64,7 +62,7 @@ struct PhaseTimes {
   bool enabled = false;
   double forward = 0, backward = 0, reduce = 0, step = 0;  // seconds
   int64_t steps = 0;
-  // Stage 3, summed over the timed steps (engine::Zero3Stats).
+  // Stage 3, summed over the timed steps (Engine::stage3_stats()).
   int64_t unit_gathers = 0, prefetched_gathers = 0, reduce_buckets = 0, overlapped_buckets = 0;
 };
 
@@ -73,7 +71,8 @@ class Trainer {
  public:
   Trainer(Comm& comm, TrainOptions options);
 
-  // One optimizer step on global batch global_steps() + 1.
+  // One optimizer step on global batch global_steps() + 1. The first step of
+  // a Trainer warms up: timers() count from the second on.
   StepMetrics TrainStep();
 
   // DeepSpeed layout: <dir>/<tag>/mp_rank_00_model_states.pt (rank 0),
@@ -86,18 +85,15 @@ class Trainer {
 
   Counters counters() const;
   const TrainOptions& options() const { return opt_; }
-  const BatchSizes& batch() const { return engine_->impl().batch; }
   Comm& comm() { return comm_; }
   const Comm& comm() const { return comm_; }
   at::Device device() const { return engine_->device(); }
   Engine& engine() { return *engine_; }
-  ZeroOptimizer& optimizer() { return *engine_->impl().runtime->flat(); }
-  const ZeroOptimizer& optimizer() const { return *engine_->impl().runtime->flat(); }
-  LrSchedule& schedule() { return engine_->impl().schedule; }
-  const LrSchedule& schedule() const { return engine_->impl().schedule; }
-  // name -> parameter (views into the optimizer's model_flat), flat order.
-  const std::vector<NamedTensor>& parameters() const { return params_; }
-  PhaseTimes& timers() { return timers_; }
+  const Engine& engine() const { return *engine_; }
+  // name -> the model's parameter, flat order (at stage 3 a gather unit's
+  // have storage only while gathered: Engine::GatherParameters).
+  const std::vector<models::NamedTensor>& parameters() const { return params_; }
+  const PhaseTimes& timers() const { return timers_; }
   int64_t num_parameters() const {
     int64_t n = 0;
     for (const auto& p : params_) n += p.tensor.numel();
@@ -108,6 +104,8 @@ class Trainer {
   void MakeGpt2();
   void MakeBert();
   void InitWeights(const std::function<void()>& seeded);
+  // The micro-batch at row first_row of global batch `step`, on the device.
+  at::Tensor MicroBatchIds(int64_t step, int64_t samples_before, int64_t first_row) const;
 
   Comm& comm_;
   TrainOptions opt_;
@@ -115,11 +113,12 @@ class Trainer {
   std::shared_ptr<torch::nn::Module> module_;
   // The micro-batch loss of rows [first_row, +mb) of global batch `step`.
   std::function<at::Tensor(const at::Tensor& ids, int64_t step, int64_t first_sample, int64_t first_row)> loss_;
-  std::vector<NamedTensor> params_;
+  std::vector<models::NamedTensor> params_;
   std::vector<std::shared_ptr<torch::nn::Module>> gather_units_;  // ZeRO-3 units of the model
   std::function<void(uckpt::UnitCalls)> set_unit_calls_;
   std::unique_ptr<Engine> engine_;
   PhaseTimes timers_;
+  int64_t steps_run_ = 0;  // TrainStep calls
 };
 
 // The whole run: resume if asked, train to options.steps, log every step,

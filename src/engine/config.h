@@ -82,7 +82,7 @@ struct TrainConfig {
   // is snapshotted; background threads write the files (engine/async_save.h).
   bool async_save = false;
   // uckpt's own section "heartbeat": {"interval": s, "timeout": s}: failing
-  // ranks end the job (train/rank_monitor.h); timeout 0 turns it off.
+  // ranks end the job (engine/dist/rank_monitor.h); timeout 0 turns it off.
   double heartbeat_interval_s = 1.0, heartbeat_timeout_s = 20.0;
 
   nlohmann::json raw = nlohmann::json::object();  // the JSON as given (saved as ds_config)

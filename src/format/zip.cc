@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -89,112 +90,162 @@ uint32_t Crc32(std::span<const uint8_t> data, uint32_t crc) {
   return static_cast<uint32_t>(crc32_z(crc, data.data(), data.size()));
 }
 
-ZipReader::ZipReader(std::shared_ptr<const MappedFile> file) : file_(std::move(file)) {
-  const std::string& path = file_->path();
-  auto bytes = file_->bytes();
-  const uint8_t* base = bytes.data();
-  const uint64_t size = bytes.size();
-  auto fail = [&](const std::string& what) -> void { throw FormatError(path + ": " + what); };
+namespace {
 
-  if (size < 22) fail("too short to be a zip archive (" + std::to_string(size) + " bytes)");
-  // The end record is the last 22 bytes plus a comment of at most 64 KiB.
-  uint64_t eocd = UINT64_MAX;
-  uint64_t lowest = size > 22 + 0xFFFF ? size - 22 - 0xFFFF : 0;
-  for (uint64_t pos = size - 22 + 1; pos-- > lowest;) {
-    if (Le32(base + pos) == kEndSig && pos + 22 + Le16(base + pos + 20) == size) {
-      eocd = pos;
-      break;
-    }
-  }
-  if (eocd == UINT64_MAX) fail("no zip end-of-central-directory record (truncated or not a zip file)");
-  const uint8_t* e = base + eocd;
-  uint64_t count = Le16(e + 10);
-  uint64_t cd_size = Le32(e + 12);
-  uint64_t cd_offset = Le32(e + 16);
-  uint64_t cd_limit = eocd;  // the central directory must end before this
-  if (eocd >= 20 && Le32(base + eocd - 20) == kZip64LocatorSig) {
-    uint64_t z64 = Le64(base + eocd - 20 + 8);
-    if (z64 > eocd - 20 || eocd - 20 - z64 < 56 || Le32(base + z64) != kZip64EndSig)
-      fail("bad zip64 end-of-central-directory record (locator points to offset " + std::to_string(z64) + ")");
-    count = Le64(base + z64 + 32);
-    cd_size = Le64(base + z64 + 40);
-    cd_offset = Le64(base + z64 + 48);
-    cd_limit = z64;
-  }
-  if (cd_offset > cd_limit || cd_size > cd_limit - cd_offset)
-    fail("central directory (offset " + std::to_string(cd_offset) + ", size " + std::to_string(cd_size) +
-         ") lies outside the file");
-  if (count > cd_size / 46) fail("central directory claims " + std::to_string(count) + " records in " +
-                                 std::to_string(cd_size) + " bytes");
+[[noreturn]] void Fail(const MappedFile& file, const std::string& what) { throw FormatError(file.path() + ": " + what); }
 
-  struct Span {
-    uint64_t begin, end;
-    size_t index;
-  };
-  std::vector<Span> spans;
-  entries_.reserve(count);
-  uint64_t pos = cd_offset;
-  const uint64_t cd_end = cd_offset + cd_size;
-  for (uint64_t k = 0; k < count; ++k) {
-    std::string where = "central directory record " + std::to_string(k);
-    if (cd_end - pos < 46) fail(where + " is truncated");
-    const uint8_t* c = base + pos;
-    if (Le32(c) != kCentralSig) fail(where + " has a bad signature");
-    uint16_t flags = Le16(c + 8), method = Le16(c + 10);
-    uint64_t csize = Le32(c + 20), usize = Le32(c + 24), offset = Le32(c + 42);
-    uint16_t name_len = Le16(c + 28), extra_len = Le16(c + 30), comment_len = Le16(c + 32);
-    if (cd_end - pos < 46ull + name_len + extra_len + comment_len) fail(where + " is truncated");
-    ZipEntry entry;
-    entry.name.assign(reinterpret_cast<const char*>(c + 46), name_len);
-    entry.crc32 = Le32(c + 16);
-    where = "record '" + entry.name + "'";
-    // zip64 extra field: only the fields that overflowed, in a fixed order.
-    const uint8_t* x = c + 46 + name_len;
-    const uint8_t* x_end = x + extra_len;
-    while (x_end - x >= 4) {
-      uint16_t id = Le16(x), len = Le16(x + 2);
-      if (x_end - x - 4 < len) fail(where + " has a truncated extra field");
-      if (id == 0x0001) {
-        const uint8_t* z = x + 4;
-        const uint8_t* z_end = z + len;
-        auto take = [&](uint64_t& field) {
-          if (field != k32Max) return;
-          if (z_end - z < 8) fail(where + " has a short zip64 extra field");
-          field = Le64(z);
-          z += 8;
-        };
-        take(usize);
-        take(csize);
-        take(offset);
+// Where the central directory lies and how many records it claims.
+struct DirectoryLocation {
+  uint64_t count = 0, size = 0, offset = 0;
+  uint64_t limit = 0;  // the directory must end before this offset (the end records follow it)
+};
+
+// The end-of-central-directory record: the last 22 bytes plus a comment of at
+// most 64 KiB, whose length must reach exactly the end of the file.
+uint64_t FindEndRecord(const MappedFile& file) {
+  const uint8_t* base = file.bytes().data();
+  const uint64_t size = file.bytes().size();
+  if (size < 22) Fail(file, "too short to be a zip archive (" + std::to_string(size) + " bytes)");
+  const uint64_t lowest = size > 22 + 0xFFFF ? size - 22 - 0xFFFF : 0;
+  for (uint64_t pos = size - 22 + 1; pos-- > lowest;)
+    if (Le32(base + pos) == kEndSig && pos + 22 + Le16(base + pos + 20) == size) return pos;
+  Fail(file, "no zip end-of-central-directory record (truncated or not a zip file)");
+}
+
+// The end record's 16- and 32-bit fields.
+DirectoryLocation DecodeEndRecord(const MappedFile& file, uint64_t eocd) {
+  const uint8_t* e = file.bytes().data() + eocd;
+  return DirectoryLocation{Le16(e + 10), Le32(e + 12), Le32(e + 16), eocd};
+}
+
+// Zip64: a locator right before the end record points at the zip64 end
+// record, whose 64-bit fields replace the end record's. Nothing without a locator.
+std::optional<DirectoryLocation> DecodeZip64EndRecord(const MappedFile& file, uint64_t eocd) {
+  const uint8_t* base = file.bytes().data();
+  if (eocd < 20 || Le32(base + eocd - 20) != kZip64LocatorSig) return std::nullopt;
+  const uint64_t z64 = Le64(base + eocd - 20 + 8);
+  if (z64 > eocd - 20 || eocd - 20 - z64 < 56 || Le32(base + z64) != kZip64EndSig)
+    Fail(file, "bad zip64 end-of-central-directory record (locator points to offset " + std::to_string(z64) + ")");
+  return DirectoryLocation{Le64(base + z64 + 32), Le64(base + z64 + 40), Le64(base + z64 + 48), z64};
+}
+
+// The central directory from the end records, checked to lie inside the file.
+DirectoryLocation LocateCentralDirectory(const MappedFile& file) {
+  const uint64_t eocd = FindEndRecord(file);
+  const DirectoryLocation cd = DecodeZip64EndRecord(file, eocd).value_or(DecodeEndRecord(file, eocd));
+  if (cd.offset > cd.limit || cd.size > cd.limit - cd.offset)
+    Fail(file, "central directory (offset " + std::to_string(cd.offset) + ", size " + std::to_string(cd.size) +
+                   ") lies outside the file");
+  if (cd.count > cd.size / 46)
+    Fail(file, "central directory claims " + std::to_string(cd.count) + " records in " + std::to_string(cd.size) +
+                   " bytes");
+  return cd;
+}
+
+// A record's sizes and local-header offset; the zip64 extra field holds only
+// the fields that overflowed (were 0xFFFFFFFF), in this order.
+struct RecordSizes {
+  uint64_t usize, csize, offset;
+};
+void DecodeZip64Extra(const MappedFile& file, const std::string& where, const uint8_t* x, const uint8_t* x_end,
+                      RecordSizes& sizes) {
+  while (x_end - x >= 4) {
+    const uint16_t id = Le16(x), len = Le16(x + 2);
+    if (x_end - x - 4 < len) Fail(file, where + " has a truncated extra field");
+    if (id == 0x0001) {
+      const uint8_t* z = x + 4;
+      const uint8_t* z_end = z + len;
+      for (uint64_t* field : {&sizes.usize, &sizes.csize, &sizes.offset}) {
+        if (*field != k32Max) continue;
+        if (z_end - z < 8) Fail(file, where + " has a short zip64 extra field");
+        *field = Le64(z);
+        z += 8;
       }
-      x += 4 + len;
     }
-    if (flags & 0x1) fail(where + " is encrypted; torch files are never encrypted");
-    if (method != 0)
-      fail(where + " is compressed (method " + std::to_string(method) +
-           "); torch.save writes stored records only, so this archive was re-zipped by another tool");
-    if (csize != usize) fail(where + " has different stored and original sizes");
-    // Local header: its name and extra lengths decide where the data starts.
-    if (offset > size || size - offset < 30) fail(where + ": local header offset " + std::to_string(offset) + " is outside the file");
-    const uint8_t* l = base + offset;
-    if (Le32(l) != kLocalSig) fail(where + ": bad local header signature at offset " + std::to_string(offset));
-    uint64_t data = offset + 30 + Le16(l + 26) + Le16(l + 28);
-    if (Le16(l + 26) != name_len || std::memcmp(l + 30, c + 46, name_len) != 0)
-      fail(where + ": local header name differs from the central directory");
-    if (data > cd_offset || usize > cd_offset - data)
-      fail(where + ": data (offset " + std::to_string(data) + ", " + std::to_string(usize) +
-           " bytes) runs past the start of the central directory");
-    entry.data_offset = data;
-    entry.size = usize;
-    if (!index_.emplace(entry.name, entries_.size()).second) fail("record '" + entry.name + "' appears twice");
-    spans.push_back({offset, data + usize, entries_.size()});
-    entries_.push_back(std::move(entry));
-    pos += 46ull + name_len + extra_len + comment_len;
+    x += 4 + len;
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+}
+
+// Where a record's data starts, from its local header (whose name and extra
+// lengths decide it), checked to end before the central directory.
+uint64_t DataOffset(const MappedFile& file, const std::string& where, const DirectoryLocation& cd,
+                    const RecordSizes& s, const uint8_t* name, uint16_t name_len) {
+  const uint64_t size = file.bytes().size();
+  if (s.offset > size || size - s.offset < 30)
+    Fail(file, where + ": local header offset " + std::to_string(s.offset) + " is outside the file");
+  const uint8_t* l = file.bytes().data() + s.offset;
+  if (Le32(l) != kLocalSig) Fail(file, where + ": bad local header signature at offset " + std::to_string(s.offset));
+  const uint64_t data = s.offset + 30 + Le16(l + 26) + Le16(l + 28);
+  if (Le16(l + 26) != name_len || std::memcmp(l + 30, name, name_len) != 0)
+    Fail(file, where + ": local header name differs from the central directory");
+  if (data > cd.offset || s.usize > cd.offset - data)
+    Fail(file, where + ": data (offset " + std::to_string(data) + ", " + std::to_string(s.usize) +
+                   " bytes) runs past the start of the central directory");
+  return data;
+}
+
+// One central-directory record, checked against its local header.
+struct DirectoryRecord {
+  ZipEntry entry;
+  uint64_t local_offset = 0;  // its local header: where its bytes begin
+  uint64_t next = 0;          // the next record's offset
+};
+DirectoryRecord DecodeDirectoryRecord(const MappedFile& file, const DirectoryLocation& cd, uint64_t pos, uint64_t k) {
+  const uint64_t cd_end = cd.offset + cd.size;
+  std::string where = "central directory record " + std::to_string(k);
+  if (cd_end - pos < 46) Fail(file, where + " is truncated");
+  const uint8_t* c = file.bytes().data() + pos;
+  if (Le32(c) != kCentralSig) Fail(file, where + " has a bad signature");
+  const uint16_t flags = Le16(c + 8), method = Le16(c + 10);
+  RecordSizes s{Le32(c + 24), Le32(c + 20), Le32(c + 42)};
+  const uint16_t name_len = Le16(c + 28), extra_len = Le16(c + 30), comment_len = Le16(c + 32);
+  if (cd_end - pos < 46ull + name_len + extra_len + comment_len) Fail(file, where + " is truncated");
+  DirectoryRecord r;
+  r.entry.name.assign(reinterpret_cast<const char*>(c + 46), name_len);
+  r.entry.crc32 = Le32(c + 16);
+  where = "record '" + r.entry.name + "'";
+  DecodeZip64Extra(file, where, c + 46 + name_len, c + 46 + name_len + extra_len, s);
+  if (flags & 0x1) Fail(file, where + " is encrypted; torch files are never encrypted");
+  if (method != 0)
+    Fail(file, where + " is compressed (method " + std::to_string(method) +
+                   "); torch.save writes stored records only, so this archive was re-zipped by another tool");
+  if (s.csize != s.usize) Fail(file, where + " has different stored and original sizes");
+  const uint64_t data = DataOffset(file, where, cd, s, c + 46, name_len);
+  r.entry.data_offset = data;
+  r.entry.size = s.usize;
+  r.local_offset = s.offset;
+  r.next = pos + 46ull + name_len + extra_len + comment_len;
+  return r;
+}
+
+// The bytes of a record, from its local header to its data's end.
+struct RecordSpan {
+  uint64_t begin, end;
+  size_t index;
+};
+void CheckNoOverlap(const MappedFile& file, std::vector<RecordSpan> spans, const std::vector<ZipEntry>& entries) {
+  std::sort(spans.begin(), spans.end(), [](const RecordSpan& a, const RecordSpan& b) { return a.begin < b.begin; });
   for (size_t k = 1; k < spans.size(); ++k)
     if (spans[k].begin < spans[k - 1].end)
-      fail("records '" + entries_[spans[k - 1].index].name + "' and '" + entries_[spans[k].index].name + "' overlap");
+      Fail(file, "records '" + entries[spans[k - 1].index].name + "' and '" + entries[spans[k].index].name +
+                     "' overlap");
+}
+
+}  // namespace
+
+ZipReader::ZipReader(std::shared_ptr<const MappedFile> file) : file_(std::move(file)) {
+  const DirectoryLocation cd = LocateCentralDirectory(*file_);
+  std::vector<RecordSpan> spans;
+  entries_.reserve(cd.count);
+  uint64_t pos = cd.offset;
+  for (uint64_t k = 0; k < cd.count; ++k) {
+    DirectoryRecord r = DecodeDirectoryRecord(*file_, cd, pos, k);
+    if (!index_.emplace(r.entry.name, entries_.size()).second) Fail(*file_, "record '" + r.entry.name + "' appears twice");
+    spans.push_back({r.local_offset, r.entry.data_offset + r.entry.size, entries_.size()});
+    entries_.push_back(std::move(r.entry));
+    pos = r.next;
+  }
+  CheckNoOverlap(*file_, std::move(spans), entries_);
 }
 
 const ZipEntry* ZipReader::Find(const std::string& name) const {

@@ -11,7 +11,7 @@
 #include "models/next_token_loss.h"
 #include "uckpt/random.h"
 
-namespace uckpt::engine {
+namespace uckpt::models {
 namespace {
 
 // softmax(q k^T / sqrt(D) + causal mask) v for [B, H, T, D] inputs through
@@ -286,4 +286,4 @@ void Gpt2Init(const Gpt2Config& cfg, const std::vector<NamedTensor>& params, uin
   }
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::models

@@ -13,7 +13,7 @@
 
 #include "uckpt/units.h"
 
-namespace uckpt::engine {
+namespace uckpt::models {
 
 struct Gpt2Config {
   int64_t n_layer = 4;
@@ -120,4 +120,4 @@ class Gpt2Module : public torch::nn::Module {
 // (and the fixture's init.pt for seed 1234).
 void Gpt2Init(const Gpt2Config& cfg, const std::vector<NamedTensor>& params, uint64_t seed);
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::models

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-namespace uckpt::engine {
+namespace uckpt::models {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -80,4 +80,4 @@ at::Tensor NextTokenLoss(const at::Tensor& logits, const at::Tensor& input_ids, 
   return NextTokenLossFn::apply(logits, labels, chunk_elements);
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::models

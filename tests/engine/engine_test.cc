@@ -47,15 +47,18 @@ struct TestNet : torch::nn::Module {
     head_b = head->register_parameter("bias", torch::zeros({kVocab}));
     scale = register_parameter("scale", at::rand({kDim}, gen) + 0.5, /*requires_grad=*/false);  // frozen
     shift = register_buffer("shift", randn({kDim}) * 0.1);
+    fc_unit = fc;
   }
-  at::Tensor Loss(const at::Tensor& ids) {
-    at::Tensor x = at::embedding(wte, ids.narrow(1, 0, kSeq - 1)) * scale + shift;
+  // `units`: the engine's calls around fc, gather unit 0 at stage 3.
+  at::Tensor Loss(const at::Tensor& ids, const UnitCalls& units = {}) {
+    at::Tensor x = units.Enter(0, at::embedding(wte, ids.narrow(1, 0, kSeq - 1)) * scale + shift);
     at::Tensor h = at::gelu(at::linear(x, fc_w, fc_b));
-    x = x + at::linear(h, proj_w);
+    x = units.Exit(0, x + at::linear(h, proj_w));
     at::Tensor logits = at::linear(x, wte, head_b);
     return at::cross_entropy_loss(logits.reshape({-1, kVocab}), ids.narrow(1, 1, kSeq - 1).reshape({-1}));
   }
   at::Tensor wte, fc_w, fc_b, proj_w, head_b, scale, shift;
+  std::shared_ptr<torch::nn::Module> fc_unit;
 };
 
 Config TestConfig(int stage) {
@@ -335,6 +338,61 @@ TEST(EngineApi, PerGroupLearningRates) {
       EXPECT_EQ(f.learning_rate(0), 0.03) << what;
       EXPECT_EQ(f.learning_rate(1), 0.04) << what;
       EXPECT_THROW(e.SetLearningRate(2, 0.1), std::out_of_range) << what;
+    }
+  });
+}
+
+// Stage 3's counters and timing through the public API (what `uckpt train`
+// prints under UCKPT_TIMERS): fc, a gather unit, is gathered in forward and
+// again in backward, one unit at a time, and freed after; gradients are
+// reduce-scattered in buckets; Backward's reduce wait is timed only while
+// SetTiming is on. Stages 0-2 have no such counters.
+TEST(EngineApi, Stage3StatsAndTiming) {
+  RunRanks(2, [](Comm& comm) {
+    for (int stage : {1, 3}) {
+      const std::string what = "stage " + std::to_string(stage);
+      auto net = std::make_shared<TestNet>(4);
+      EngineOptions o;
+      o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+      o.gather_units = {net->fc_unit};
+      Config config = TestConfig(stage);
+      config.json["zero_optimization"]["stage3_param_persistence_threshold"] = 0;  // gather even tiny units
+      Engine e(net, config, o);
+      const UnitCalls units = e.unit_calls();
+      auto step = [&] {
+        for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
+          const int64_t first = FirstRow(m, e.rank(), e.world_size(), e.train_micro_batch_size_per_gpu());
+          e.Backward(net->Loss(Rows(e.global_steps() + 1, first, e.train_micro_batch_size_per_gpu()), units));
+          e.Step();
+        }
+      };
+      step();  // the first forward finds fc whole, as the model came
+      const Stage3Stats first = e.stage3_stats();
+      step();
+      const Stage3Stats s = e.stage3_stats();
+      const int64_t micro_steps = e.gradient_accumulation_steps();
+      if (stage == 3) {
+        EXPECT_EQ(s.unit_gathers - first.unit_gathers, 2 * micro_steps) << what << ": forward and backward gather fc";
+        EXPECT_EQ(s.peak_gathered_elements, net->fc_w.numel() + net->fc_b.numel() + net->proj_w.numel()) << what;
+        EXPECT_EQ(s.gathered_elements, 0) << what << ": fc is freed after its backward";
+        EXPECT_GE(s.reduce_buckets, micro_steps) << what;
+      } else {
+        EXPECT_EQ(s.unit_gathers, 0) << what;
+        EXPECT_EQ(s.peak_gathered_elements, 0) << what;
+        EXPECT_EQ(s.reduce_buckets, 0) << what;
+      }
+      EXPECT_EQ(s.reduce_wait_s, 0) << what << ": timing is off by default";
+      e.SetTiming(true);
+      step();
+      const double timed = e.stage3_stats().reduce_wait_s;
+      if (stage == 3) {
+        EXPECT_GT(timed, 0) << what;
+      } else {
+        EXPECT_EQ(timed, 0) << what;
+      }
+      e.SetTiming(false);
+      step();
+      EXPECT_EQ(e.stage3_stats().reduce_wait_s, timed) << what << ": timing off again";
     }
   });
 }

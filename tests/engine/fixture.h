@@ -7,6 +7,7 @@
 #include <string>
 
 #include "engine/config.h"
+#include "engine/engine_impl.h"
 #include "models/gpt2.h"
 #include "cli/trainer.h"
 
@@ -21,8 +22,8 @@ inline nlohmann::json ReadJson(const std::string& path) {
 }
 
 // The fixture's model: V=97, P=16, C=16, L=2, H=2.
-inline Gpt2Config RefrunModel() {
-  Gpt2Config c;
+inline models::Gpt2Config RefrunModel() {
+  models::Gpt2Config c;
   c.vocab_size = 97;
   c.n_positions = 16;
   c.n_embd = 16;
@@ -49,5 +50,9 @@ inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& r
   o.steps = 12;
   return o;
 }
+
+// The stage 0-2 optimizer behind a Trainer's engine: tests reach into the
+// engine's state (engine_impl.h), `uckpt train` does not.
+inline const ZeroOptimizer& ZeroOf(Trainer& t) { return *t.engine().impl().runtime->flat(); }
 
 }  // namespace uckpt::engine::testing

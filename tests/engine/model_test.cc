@@ -10,12 +10,14 @@
 #include "models/next_token_loss.h"
 #include "cli/init_weights.h"
 
-namespace uckpt::engine {
+namespace uckpt::models {
 namespace {
 
-using testing::ReadJson;
-using testing::RefrunDir;
-using testing::RefrunModel;
+using engine::CopyStateDict;
+using engine::LoadStateDictFile;
+using engine::testing::ReadJson;
+using engine::testing::RefrunDir;
+using engine::testing::RefrunModel;
 
 struct Model {
   at::Tensor flat;
@@ -214,4 +216,4 @@ TEST(Weights, BadFilesAreClearErrors) {
 }
 
 }  // namespace
-}  // namespace uckpt::engine
+}  // namespace uckpt::models

@@ -50,7 +50,7 @@ void ExpectSameRun(Trainer& a, Trainer& b, const std::string& what) {
   EXPECT_EQ(a.engine().lr(), b.engine().lr()) << what;
   EXPECT_EQ(a.counters().global_steps, b.counters().global_steps) << what;
   EXPECT_EQ(a.counters().global_samples, b.counters().global_samples) << what;
-  EXPECT_EQ(a.schedule().last_batch_iteration(), b.schedule().last_batch_iteration()) << what;
+  EXPECT_EQ(a.engine().lr_schedule_iteration(), b.engine().lr_schedule_iteration()) << what;
 }
 
 void ExpectSamePartition(const PartitionState& x, const PartitionState& y, const std::string& what) {
@@ -77,8 +77,8 @@ void ExpectSameState(Trainer& a, Trainer& b, const std::string& what) {
       EXPECT_TRUE(at::equal(x->params()[p].partition, y.params()[p].partition)) << what << ": " << x->params()[p].name;
     return;
   }
-  ExpectSamePartition(a.optimizer().state(), b.optimizer().state(), what);
-  EXPECT_TRUE(at::equal(a.optimizer().model_flat(), b.optimizer().model_flat())) << what << ": weights";
+  ExpectSamePartition(testing::ZeroOf(a).state(), testing::ZeroOf(b).state(), what);
+  EXPECT_TRUE(at::equal(testing::ZeroOf(a).model_flat(), testing::ZeroOf(b).model_flat())) << what << ": weights";
 }
 
 // This rank's real (non-padding) optimizer bytes: fp32 + exp_avg + exp_avg_sq.
@@ -88,8 +88,8 @@ uint64_t PartitionBytes(Trainer& t) {
     for (const auto& p : z->params()) real += ckpt::Stage3RealNumel(p.numel, z->dp(), t.engine().impl().comm->rank());
     return static_cast<uint64_t>(real) * 4 * 3;
   }
-  const auto& l = t.optimizer().layout();
-  return static_cast<uint64_t>(l.real_numel(t.optimizer().partition_rank())) * 4 * 3;
+  const auto& l = testing::ZeroOf(t).layout();
+  return static_cast<uint64_t>(l.real_numel(testing::ZeroOf(t).partition_rank())) * 4 * 3;
 }
 
 // `converted` loaded the universal conversion, `direct` the ZeRO files: the
@@ -282,7 +282,7 @@ TEST(ReshardedResume, WithoutOptimizerStatesLoadsTheMastersOnly) {
       Trainer converted(comm, TinyOptions(to, false, 3));
       converted.engine().LoadCheckpoint(dir, "global_step1_universal", lo);
       ExpectSameState(converted, direct, what);
-      const PartitionState& st = Zero3Of(direct) ? Zero3Of(direct)->sub_groups()[0].state : direct.optimizer().state();
+      const PartitionState& st = Zero3Of(direct) ? Zero3Of(direct)->sub_groups()[0].state : testing::ZeroOf(direct).state();
       EXPECT_FALSE(st.exp_avg.defined()) << what;
       EXPECT_EQ(direct.engine().last_load().optimizer_bytes_read, PartitionBytes(direct) / 3) << what;
     });

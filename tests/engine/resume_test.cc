@@ -26,8 +26,8 @@ namespace fs = std::filesystem;
 using testing::RunRanks;
 
 // 798 parameters: padded to 800 at world sizes 2 and 4, not at 1 and 3.
-Gpt2Config TinyModel() {
-  Gpt2Config c;
+models::Gpt2Config TinyModel() {
+  models::Gpt2Config c;
   c.n_layer = 1;
   c.n_head = 2;
   c.n_embd = 6;
@@ -82,21 +82,21 @@ at::Tensor Gather(Comm& comm, const ZeroOptimizer& z, const at::Tensor& part) {
 
 FullState GatherState(Trainer& t) {
   FullState s;
-  const auto& z = t.optimizer();
+  const auto& z = testing::ZeroOf(t);
   s.master = Gather(t.comm(), z, z.state().master);
   s.exp_avg = Gather(t.comm(), z, z.state().exp_avg);
   s.exp_avg_sq = Gather(t.comm(), z, z.state().exp_avg_sq);
   s.model = z.model_flat().narrow(0, 0, z.layout().numel).clone();
   s.step = z.state().step.defined() ? z.state().step.item<float>() : 0.f;
   s.counters = t.counters();
-  s.last_batch_iteration = t.schedule().last_batch_iteration();
+  s.last_batch_iteration = t.engine().lr_schedule_iteration();
   return s;
 }
 
 // This rank's partition holds exactly its slice of the full state (zeros in
 // the padding), bit for bit.
 void ExpectPartitionOf(Trainer& t, const FullState& want, const std::string& what) {
-  const auto& z = t.optimizer();
+  const auto& z = testing::ZeroOf(t);
   const auto& l = z.layout();
   const int r = z.partition_rank();
   auto slice = [&](const at::Tensor& full) {
@@ -116,7 +116,7 @@ void ExpectPartitionOf(Trainer& t, const FullState& want, const std::string& wha
       << what;
   EXPECT_EQ(t.counters().global_steps, want.counters.global_steps) << what;
   EXPECT_EQ(t.counters().global_samples, want.counters.global_samples) << what;
-  EXPECT_EQ(t.schedule().last_batch_iteration(), want.last_batch_iteration) << what;
+  EXPECT_EQ(t.engine().lr_schedule_iteration(), want.last_batch_iteration) << what;
 }
 
 int64_t GaFor(int world, bool accumulate) {
@@ -195,7 +195,7 @@ void ExpectResumeIsSeamless(int world, int stage, double dropout) {
       double l = t.TrainStep().loss;
       if (comm.rank() == 0) straight.push_back(l);
     }
-    if (comm.rank() == 0) straight_w = t.optimizer().model_flat().clone();
+    if (comm.rank() == 0) straight_w = testing::ZeroOf(t).model_flat().clone();
   });
   RunRanks(world, [&](Comm& comm) {
     Trainer t(comm, options());
@@ -213,7 +213,7 @@ void ExpectResumeIsSeamless(int world, int stage, double dropout) {
       StepMetrics m = t.TrainStep();
       if (comm.rank() == 0) resumed.push_back(m.loss);
     }
-    if (comm.rank() == 0) resumed_w = t.optimizer().model_flat().clone();
+    if (comm.rank() == 0) resumed_w = testing::ZeroOf(t).model_flat().clone();
   });
   ASSERT_EQ(straight.size(), resumed.size());
   for (size_t k = 0; k < straight.size(); ++k) EXPECT_EQ(straight[k], resumed[k]) << "step " << k + 1;
@@ -245,7 +245,7 @@ TEST(Splits, SameGlobalBatchSameLossAndUpdate) {
         double x = t.TrainStep().loss;
         if (comm.rank() == 0) l.push_back(x);
       }
-      if (comm.rank() == 0) w = t.optimizer().model_flat().narrow(0, 0, t.optimizer().layout().numel).clone();
+      if (comm.rank() == 0) w = testing::ZeroOf(t).model_flat().narrow(0, 0, testing::ZeroOf(t).layout().numel).clone();
     });
     losses.push_back(l);
     weights.push_back(w);
@@ -289,12 +289,12 @@ TEST(Resume, WeightsOnlyLoadsWeightsOnly) {
       FullState got = GatherState(t);
       EXPECT_TRUE(at::equal(got.master, saved.master)) << universal;
       EXPECT_TRUE(at::equal(got.model, saved.model)) << universal;
-      EXPECT_FALSE(t.optimizer().state().step.defined()) << universal;
-      EXPECT_FALSE(t.optimizer().state().exp_avg.defined()) << universal;
+      EXPECT_FALSE(testing::ZeroOf(t).state().step.defined()) << universal;
+      EXPECT_FALSE(testing::ZeroOf(t).state().exp_avg.defined()) << universal;
       EXPECT_EQ(t.counters().global_steps, 2) << universal;
-      EXPECT_EQ(t.schedule().last_batch_iteration(), 1) << universal;
+      EXPECT_EQ(t.engine().lr_schedule_iteration(), 1) << universal;
       t.TrainStep();
-      EXPECT_EQ(t.optimizer().state().step.item<float>(), 1.0f);  // Adam starts over
+      EXPECT_EQ(testing::ZeroOf(t).state().step.item<float>(), 1.0f);  // Adam starts over
     });
   }
   fs::remove_all(dir);
@@ -349,8 +349,8 @@ TEST(Resume, ConfigHparamsWinUnlessKeepSavedHparams) {
       RunRanks(1, [&](Comm& comm) {
         Trainer t(comm, options(config, false, keep));
         t.LoadCheckpoint(dir, "", universal);
-        ExpectHparams(t.optimizer().optimizer_config(), keep ? saved : config, what);
-        EXPECT_DOUBLE_EQ(t.schedule().current_lr(), keep ? 0.01 : 0.02) << what;
+        ExpectHparams(testing::ZeroOf(t).optimizer_config(), keep ? saved : config, what);
+        EXPECT_DOUBLE_EQ(t.engine().lr(), keep ? 0.01 : 0.02) << what;
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;  // constant lr: the kept one stays
         // What a save records is what the run used.
@@ -369,7 +369,7 @@ TEST(Resume, ConfigHparamsWinUnlessKeepSavedHparams) {
       RunRanks(1, [&](Comm& comm) {
         Trainer t(comm, options(config, true, keep));
         t.LoadCheckpoint(dir, "", universal);
-        ExpectHparams(t.optimizer().optimizer_config(), keep ? saved : config, what + ", scheduled");
+        ExpectHparams(testing::ZeroOf(t).optimizer_config(), keep ? saved : config, what + ", scheduled");
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.001) << what;  // WarmupLR at iteration 0
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, 0.001 + 0.019 / 4) << what;   // iteration 1, either way
       });
@@ -398,7 +398,7 @@ void ExpectBucketsDoNotMatter(int world, bool bitwise) {
       double l = 0;
       for (int k = 0; k < 3; ++k) l = t.TrainStep().loss;
       if (comm.rank() == 0) {
-        weights.push_back(t.optimizer().model_flat().clone());
+        weights.push_back(testing::ZeroOf(t).model_flat().clone());
         losses.push_back(l);
       }
     });

@@ -1,7 +1,7 @@
 // ZeRO stage 3 with overlap_comm (reduce-scatters during backward) and
 // prefetching (stage3_prefetch_bucket_size, stage3_max_live_parameters):
 // the same numbers as without them, bit for bit, and the counters show that
-// they happened (engine/zero3.h, Zero3Stats).
+// they happened (Engine::stage3_stats()).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -21,8 +21,8 @@ using testing::RunRanks;
 
 struct Outcome {
   std::vector<double> losses;          // rank 0's, per step
-  std::vector<NamedTensor> weights;    // rank 0's, gathered after the last step
-  Zero3Stats stats;                    // rank 0's
+  std::vector<models::NamedTensor> weights;    // rank 0's, gathered after the last step
+  Stage3Stats stats;                   // rank 0's
   int64_t unit_numel = 0;              // elements of block 0's parameters
 };
 
@@ -55,7 +55,7 @@ Outcome Train(const nlohmann::json& ds, int world, int steps = 12, int n_layer =
       StepMetrics m = t.TrainStep();
       if (comm.rank() == 0) out.losses.push_back(m.loss);
     }
-    const Zero3Stats stats = t.engine().impl().runtime->stage3()->stats();
+    const Stage3Stats stats = t.engine().stage3_stats();
     t.engine().GatherParameters();
     if (comm.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -200,9 +200,9 @@ struct SkippingNet : torch::nn::Module {
   }
 };
 
-std::pair<std::vector<double>, Zero3Stats> TrainSkipping(int64_t prefetch) {
+std::pair<std::vector<double>, Stage3Stats> TrainSkipping(int64_t prefetch) {
   std::vector<double> losses;
-  Zero3Stats stats;
+  Stage3Stats stats;
   RunRanks(2, [&](Comm& comm) {
     at::set_num_threads(1);
     auto net = std::make_shared<SkippingNet>();
@@ -228,7 +228,7 @@ std::pair<std::vector<double>, Zero3Stats> TrainSkipping(int64_t prefetch) {
         engine.Backward(loss);
         engine.Step();
       }
-    if (comm.rank() == 0) stats = engine.impl().runtime->stage3()->stats();
+    if (comm.rank() == 0) stats = engine.stage3_stats();
   });
   return {losses, stats};
 }

@@ -37,7 +37,7 @@ nlohmann::json Z3Config(const std::string& run, const nlohmann::json& zero_extra
 
 struct Z3Run {
   std::map<int64_t, StepMetrics> steps;
-  std::vector<NamedTensor> final_weights;  // rank 0's, gathered
+  std::vector<models::NamedTensor> final_weights;  // rank 0's, gathered
 };
 
 // Trains `ds` at `world` ranks to step 12 (from `load_dir` when given); one
