@@ -8,9 +8,17 @@
 
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
+#include "ckpt/parallel.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/zero_checkpoint.h"
 #include "format/error.h"
+
+#ifdef UCKPT_FINGERPRINT_KERNEL
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "engine/fingerprint_kernel.h"
+#endif
 
 namespace uckpt::engine {
 
@@ -48,48 +56,94 @@ at::Tensor FingerprintSum(const at::Tensor& t_in, uint64_t seed, int64_t start) 
   return total;
 }
 
-uint64_t HostSum(const at::Tensor& t, uint64_t seed, int64_t start) {
-  const at::Tensor c = t.reshape(-1).contiguous();
-  const uint32_t* bits = static_cast<const uint32_t*>(c.data_ptr());
+// One piece to hash: `t` (1-D fp32, contiguous) holds elements [start,
+// start + numel) of the tensor whose seed is `seed`; its sum goes to sums[out].
+struct Job {
+  at::Tensor t;
+  uint64_t seed = 0;
+  int64_t start = 0;
+  size_t out = 0;
+};
+
+// Host memory: every job in chunks of 1 Mi elements on the intra-op
+// threads (many small tensors and a few large ones alike), then added up.
+void AddHostSums(const std::vector<Job>& jobs, std::vector<uint64_t>& sums) {
   constexpr int64_t kChunk = int64_t{1} << 20;
-  const int64_t n = c.numel(), chunks = (n + kChunk - 1) / kChunk;
-  std::vector<uint64_t> parts(static_cast<size_t>(chunks), 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+  struct Chunk {
+    const Job* job;
+    int64_t at, n;
+  };
+  std::vector<Chunk> chunks;
+  for (const Job& j : jobs)
+    for (int64_t at = 0; at < j.t.numel(); at += kChunk) chunks.push_back({&j, at, std::min(kChunk, j.t.numel() - at)});
+  std::vector<uint64_t> parts(chunks.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
-      const int64_t at = k * kChunk, m = std::min(kChunk, n - at);
-      parts[static_cast<size_t>(k)] = ckpt::FingerprintBits(seed, start + at, {bits + at, static_cast<size_t>(m)});
+      const Chunk& c = chunks[static_cast<size_t>(k)];
+      const uint32_t* bits = static_cast<const uint32_t*>(c.job->t.data_ptr()) + c.at;
+      parts[static_cast<size_t>(k)] =
+          ckpt::FingerprintBits(c.job->seed, c.job->start + c.at, {bits, static_cast<size_t>(c.n)});
     }
   });
-  uint64_t sum = 0;
-  for (uint64_t p : parts) sum += p;
-  return sum;
+  for (size_t k = 0; k < chunks.size(); ++k) sums[chunks[k].job->out] += parts[k];
 }
 
-// Sums of every (parameter, key), as this rank holds them: host values, or
-// device tensors summed at the end (one copy to the host).
+#ifdef UCKPT_FINGERPRINT_KERNEL
+// One device: every job's chunks in one kernel launch, one copy back.
+at::Tensor DeviceSums(const std::vector<Job>& jobs, int64_t n) {
+  const at::Device device = jobs.front().t.device();
+  std::vector<FingerprintChunk> chunks;
+  for (const Job& j : jobs) {
+    if (j.t.device() != device) throw std::logic_error("state fingerprint: tensors on two devices");
+    const uint32_t* bits = static_cast<const uint32_t*>(j.t.data_ptr());
+    for (int64_t at = 0; at < j.t.numel(); at += kFingerprintChunkElements)
+      chunks.push_back({bits + at, j.seed, static_cast<uint64_t>(j.start + at),
+                        static_cast<uint32_t>(std::min<int64_t>(kFingerprintChunkElements, j.t.numel() - at)),
+                        static_cast<uint32_t>(j.out)});
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const int64_t bytes = static_cast<int64_t>(chunks.size() * sizeof(FingerprintChunk));
+  const at::Tensor table = at::from_blob(chunks.data(), {bytes}, at::kByte).to(device);
+  at::Tensor sums = at::zeros({n}, at::TensorOptions(device).dtype(at::kLong));
+  if (const char* error = LaunchFingerprintKernel(static_cast<const FingerprintChunk*>(table.data_ptr()),
+                                                  static_cast<int64_t>(chunks.size()),
+                                                  reinterpret_cast<uint64_t*>(sums.data_ptr<int64_t>()),
+                                                  c10::cuda::getCurrentCUDAStream(device.index()).stream()))
+    throw std::runtime_error(std::string("state fingerprint: the CUDA kernel failed: ") + error);
+  return sums.cpu();  // waits for the kernel; `table` lives until then
+}
+#else
+// Without the kernel: the tensor-op sums, one copy back.
+at::Tensor DeviceSums(const std::vector<Job>& jobs, int64_t n) {
+  at::Tensor sums = at::zeros({n}, jobs.front().t.options().dtype(at::kLong));
+  for (const Job& j : jobs) sums[static_cast<int64_t>(j.out)].add_(FingerprintSum(j.t, j.seed, j.start));
+  return sums.cpu();
+}
+#endif
+
+// Sums of every (parameter, key), as this rank holds them: host tensors on
+// the host's threads, device tensors on the device, summed at the end.
 class Accumulator {
  public:
+  explicit Accumulator(size_t n) : n_(n) {}
   void Add(size_t k, const at::Tensor& t, uint64_t seed, int64_t start) {
     if (t.numel() == 0) return;
-    if (t.device().is_cpu()) {
-      host_[k] += HostSum(t, seed, start);
-      return;
-    }
-    if (!device_.defined()) device_ = at::zeros({static_cast<int64_t>(host_.size())}, t.options().dtype(at::kLong));
-    device_[static_cast<int64_t>(k)].add_(FingerprintSum(t, seed, start));
+    if (t.scalar_type() != at::kFloat) throw std::logic_error("state fingerprint: an fp32 tensor is needed");
+    (t.device().is_cpu() ? host_ : device_).push_back({t.reshape(-1).contiguous(), seed, start, k});
   }
-  explicit Accumulator(size_t n) : host_(n, 0) {}
   std::vector<uint64_t> Take() {
-    if (device_.defined()) {
-      at::Tensor d = device_.cpu();
-      for (size_t k = 0; k < host_.size(); ++k) host_[k] += static_cast<uint64_t>(d.data_ptr<int64_t>()[k]);
+    std::vector<uint64_t> sums(n_, 0);
+    AddHostSums(host_, sums);
+    if (!device_.empty()) {
+      const at::Tensor d = DeviceSums(device_, static_cast<int64_t>(n_));
+      for (size_t k = 0; k < n_; ++k) sums[k] += static_cast<uint64_t>(d.data_ptr<int64_t>()[k]);
     }
-    return host_;
+    return sums;
   }
 
  private:
-  std::vector<uint64_t> host_;
-  at::Tensor device_;
+  size_t n_;
+  std::vector<Job> host_, device_;
 };
 
 // The tensors of one partition: "fp32" and, once Adam has stepped, its moments.
@@ -143,7 +197,9 @@ uint64_t FingerprintTensorOps(const at::Tensor& t, uint64_t seed, int64_t start)
 }
 
 uint64_t FingerprintTensor(const at::Tensor& t, uint64_t seed, int64_t start) {
-  return t.device().is_cpu() ? HostSum(t, seed, start) : FingerprintTensorOps(t, seed, start);
+  Accumulator acc(1);
+  acc.Add(0, t, seed, start);
+  return acc.Take()[0];
 }
 
 void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
@@ -213,7 +269,8 @@ bool HasOptimFiles(const std::string& folder) {
 }
 
 // The fingerprint a checkpoint without a record holds, from its files: each
-// rank hashes parameters p with p % world == rank, then one reduction. Not
+// rank hashes its share of the pieces on its host threads, then one
+// reduction. Not
 // through the loaders' resharding: the converter's plan of the files, or the
 // universal files whole. nullopt for a folder it cannot say (stage 0's).
 std::optional<ckpt::StateFingerprint> FromFiles(Comm& comm, const std::string& folder, bool universal) {
@@ -222,9 +279,11 @@ std::optional<ckpt::StateFingerprint> FromFiles(Comm& comm, const std::string& f
   try {
     const int rank = comm.rank(), world = comm.world_size();
     if (universal) {
-      f = ckpt::FingerprintUniversalCheckpoint(ckpt::OpenUniversalCheckpoint(folder, false, false), rank, world);
+      f = ckpt::FingerprintUniversalCheckpoint(ckpt::OpenUniversalCheckpoint(folder, false, false), rank, world,
+                                               ckpt::DefaultThreads());
     } else if (HasOptimFiles(folder)) {
-      f = ckpt::FingerprintZeroCheckpoint(ckpt::OpenZeroCheckpoint(folder, false, false), rank, world);
+      f = ckpt::FingerprintZeroCheckpoint(ckpt::OpenZeroCheckpoint(folder, false, false), rank, world,
+                                          ckpt::DefaultThreads());
     }
   } catch (const std::exception& ex) {
     error = ex.what();
