@@ -239,8 +239,12 @@ void CheckShard(int shard, int shards) {
 
 namespace {
 
-// The hash of one piece of a memory-mapped rank file, 1 MiB at a time; the
-// pages read are dropped again, so fingerprinting a checkpoint larger than
+// A job's bytes from files (FingerprintZeroCheckpoint) at most.
+constexpr size_t kJobBytes = size_t{4} << 20;
+
+// The hash of one piece of a memory-mapped rank file, 4 MiB at a time (a
+// job's piece in one go: one madvise, one TLB flush per job); the pages read
+// are dropped again, so fingerprinting a checkpoint larger than
 // memory keeps the resident set small (as the converter does).
 uint64_t FingerprintMappedPiece(uint64_t seed, int64_t start, DType dtype, std::span<const uint8_t> piece,
                                 const ZeroCheckpoint& z) {
@@ -250,7 +254,7 @@ uint64_t FingerprintMappedPiece(uint64_t seed, int64_t start, DType dtype, std::
     if (piece.data() >= m.data() && piece.data() + piece.size() <= m.data() + m.size()) mapped = true;
   }
   const size_t elem = DTypeSize(dtype);
-  const size_t chunk = (size_t{1} << 20) / elem * elem;
+  const size_t chunk = kJobBytes / elem * elem;
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   uint64_t sum = 0;
   for (size_t off = 0; off < piece.size(); off += chunk) {
@@ -278,7 +282,6 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
   }
   // Jobs of at most 4 MiB of one state's piece: the largest parameter's
   // tensors spread over every thread (and rank) as the small ones do.
-  constexpr size_t kJobBytes = size_t{4} << 20;
   struct Job {
     uint64_t seed;
     int64_t start;
@@ -295,15 +298,16 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
       if (s == p.states.end()) throw FormatError(z.folder + ": parameter " + p.name + " has no state '" + keys[k] + "'");
       const uint64_t seed = FingerprintSeed(p.name, keys[k]);
       const size_t elem = DTypeSize(s->dtype), step = kJobBytes / elem * elem;
-      int64_t start = 0;
-      for (auto piece : s->pieces)
+      int64_t start = 0;  // of the piece, in the parameter's elements
+      for (auto piece : s->pieces) {
         for (size_t off = 0; off < piece.size(); off += step) {
           const size_t n = std::min(step, piece.size() - off);
           jobs.push_back({seed, start + static_cast<int64_t>(off / elem), s->dtype, piece.subspan(off, n)});
           at.emplace_back(i, k);
           sizes.push_back(n);
         }
-      for (auto piece : s->pieces) start += static_cast<int64_t>(piece.size() / elem);
+        start += static_cast<int64_t>(piece.size() / elem);
+      }
     }
   }
   RunShare(f, at, sizes, shard, shards, threads, [&](size_t j) {
