@@ -88,38 +88,43 @@ void AddHostSums(const std::vector<Job>& jobs, std::vector<uint64_t>& sums) {
   for (size_t k = 0; k < chunks.size(); ++k) sums[chunks[k].job->out] += parts[k];
 }
 
-#ifdef UCKPT_FINGERPRINT_KERNEL
-// One device: every job's chunks in one kernel launch, one copy back.
-at::Tensor DeviceSums(const std::vector<Job>& jobs, int64_t n) {
-  const at::Device device = jobs.front().t.device();
-  std::vector<FingerprintChunk> chunks;
-  for (const Job& j : jobs) {
-    if (j.t.device() != device) throw std::logic_error("state fingerprint: tensors on two devices");
-    const uint32_t* bits = static_cast<const uint32_t*>(j.t.data_ptr());
-    for (int64_t at = 0; at < j.t.numel(); at += kFingerprintChunkElements)
-      chunks.push_back({bits + at, j.seed, static_cast<uint64_t>(j.start + at),
-                        static_cast<uint32_t>(std::min<int64_t>(kFingerprintChunkElements, j.t.numel() - at)),
-                        static_cast<uint32_t>(j.out)});
-  }
-  const c10::cuda::CUDAGuard guard(device);
-  const int64_t bytes = static_cast<int64_t>(chunks.size() * sizeof(FingerprintChunk));
-  const at::Tensor table = at::from_blob(chunks.data(), {bytes}, at::kByte).to(device);
-  at::Tensor sums = at::zeros({n}, at::TensorOptions(device).dtype(at::kLong));
-  if (const char* error = LaunchFingerprintKernel(static_cast<const FingerprintChunk*>(table.data_ptr()),
-                                                  static_cast<int64_t>(chunks.size()),
-                                                  reinterpret_cast<uint64_t*>(sums.data_ptr<int64_t>()),
-                                                  c10::cuda::getCurrentCUDAStream(device.index()).stream()))
-    throw std::runtime_error(std::string("state fingerprint: the CUDA kernel failed: ") + error);
-  return sums.cpu();  // waits for the kernel; `table` lives until then
-}
-#else
-// Without the kernel: the tensor-op sums, one copy back.
-at::Tensor DeviceSums(const std::vector<Job>& jobs, int64_t n) {
+// The tensor-op sums of jobs on one device, one copy back.
+at::Tensor TensorOpSums(const std::vector<Job>& jobs, int64_t n) {
   at::Tensor sums = at::zeros({n}, jobs.front().t.options().dtype(at::kLong));
   for (const Job& j : jobs) sums[static_cast<int64_t>(j.out)].add_(FingerprintSum(j.t, j.seed, j.start));
   return sums.cpu();
 }
+
+// Jobs on one device: on a CUDA device where the kernel was built, every
+// job's chunks in one launch and one copy back; else tensor ops.
+at::Tensor DeviceSums(const std::vector<Job>& jobs, int64_t n) {
+  const at::Device device = jobs.front().t.device();
+  for (const Job& j : jobs)
+    if (j.t.device() != device) throw std::logic_error("state fingerprint: tensors on two devices");
+#ifdef UCKPT_FINGERPRINT_KERNEL
+  if (device.is_cuda()) {
+    std::vector<FingerprintChunk> chunks;
+    for (const Job& j : jobs) {
+      const uint32_t* bits = static_cast<const uint32_t*>(j.t.data_ptr());
+      for (int64_t at = 0; at < j.t.numel(); at += kFingerprintChunkElements)
+        chunks.push_back({bits + at, j.seed, static_cast<uint64_t>(j.start + at),
+                          static_cast<uint32_t>(std::min<int64_t>(kFingerprintChunkElements, j.t.numel() - at)),
+                          static_cast<uint32_t>(j.out)});
+    }
+    const c10::cuda::CUDAGuard guard(device);
+    const int64_t bytes = static_cast<int64_t>(chunks.size() * sizeof(FingerprintChunk));
+    const at::Tensor table = at::from_blob(chunks.data(), {bytes}, at::kByte).to(device);
+    at::Tensor sums = at::zeros({n}, at::TensorOptions(device).dtype(at::kLong));
+    if (const char* error = LaunchFingerprintKernel(static_cast<const FingerprintChunk*>(table.data_ptr()),
+                                                    static_cast<int64_t>(chunks.size()),
+                                                    reinterpret_cast<uint64_t*>(sums.data_ptr<int64_t>()),
+                                                    c10::cuda::getCurrentCUDAStream(device.index()).stream()))
+      throw std::runtime_error(std::string("state fingerprint: the CUDA kernel failed: ") + error);
+    return sums.cpu();  // waits for the kernel; `table` lives until then
+  }
 #endif
+  return TensorOpSums(jobs, n);
+}
 
 // Sums of every (parameter, key), as this rank holds them: host tensors on
 // the host's threads, device tensors on the device, summed at the end.
@@ -222,31 +227,19 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
 ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) {
   ckpt::StateFingerprint f;
   std::vector<Piece> pieces;
-  const int rank = e.comm->rank();
-  if (const Zero3Optimizer* z3 = e.runtime->stage3()) {
-    const Zero3Optimizer& z = *z3;
-    for (const Zero3Param& p : z.params()) {
-      const PartitionState& st = z.sub_groups()[p.sub_group].state;
-      const int64_t real = ckpt::Stage3RealNumel(p.numel, z.dp(), rank);
-      pieces.push_back({f.params.size(), &st, p.offset, std::min(p.numel, p.partition_size * rank), real});
-      f.params.push_back(Entry(p.name, p.numel, st));
-    }
-    if (!z.params().empty()) f.counters.optimizer_step = StepOf(z.sub_groups()[z.params()[0].sub_group].state);
-    f.counters.loss_scale = z.loss_scale();
-  } else {
-    const ZeroOptimizer& z = *e.runtime->flat();
-    for (size_t g = 0; g < e.groups.size(); ++g) {
-      const PartitionState& st = z.state(g);
-      const size_t base = f.params.size();
-      for (const auto& p : e.groups[g]) f.params.push_back(Entry(p.name, p.tensor.numel(), st));
-      // Stage 0 keeps the whole group on every rank: rank 0 hashes it.
-      if (e.stage() == 0 && rank != 0) continue;
-      for (const ckpt::Fragment& fr : ckpt::RankFragments(z.numels(g), z.layout(g).dp, z.partition_rank()))
-        pieces.push_back({base + fr.param, &st, fr.partition_offset, fr.param_offset, fr.numel});
-    }
-    if (!e.groups.empty()) f.counters.optimizer_step = StepOf(z.state(0));
-    f.counters.loss_scale = z.loss_scale();
+  // The runtime's partition slots, in parameter order at every stage. Where
+  // every rank holds the whole state (stage 0), rank 0 alone hashes it.
+  const bool hashes = e.runtime->partition_dp() > 1 || e.comm->rank() == 0;
+  const std::vector<PartitionSlot> slots = e.runtime->Slots();
+  for (const PartitionSlot& slot : slots) {
+    const size_t base = f.params.size();
+    for (const ckpt::TargetParam& p : slot.target.params) f.params.push_back(Entry(p.name, p.numel, *slot.state));
+    if (!hashes) continue;
+    for (const ckpt::TargetFragment& fr : slot.target.fragments)
+      pieces.push_back({base + fr.param, slot.state, fr.offset, fr.param_offset, fr.numel});
   }
+  if (!slots.empty()) f.counters.optimizer_step = StepOf(*slots.front().state);
+  f.counters.loss_scale = e.runtime->loss_scale();
   f.counters.global_steps = e.global_steps;
   f.counters.skipped_steps = e.skipped_steps;
   f.counters.global_samples = e.global_samples;
