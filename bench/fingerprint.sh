@@ -55,6 +55,9 @@ for ((i = 0; i < runs; i++)); do
   rm -rf s/bare
 done
 bytes=$(du -sb s/global_step2 | cut -f1)
+# The record (hashed where the state lay: on the GPU with --device cuda)
+# against the files (hashed on the host): one value.
+"$uckpt" verify --state s/global_step2 2>&1 | grep "state fingerprint" || { echo "verify --state failed" >&2; exit 1; }
 python3 - "$bytes" "$device" "$n" "${save[*]}" "${save_fp[*]}" "${load[*]}" "${load_fp[*]}" "${bare[*]}" "${bare_fp[*]}" "${bare_files[*]}" <<'PY'
 import sys
 nb, device, n = int(sys.argv[1]), sys.argv[2], sys.argv[3]

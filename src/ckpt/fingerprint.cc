@@ -38,8 +38,7 @@ __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), optimize("O3"
 uint64_t SumTerms(uint64_t seed, uint64_t start, const uint32_t* bits, size_t n) {
   uint64_t sum = 0;
   for (size_t j = 0; j < n; ++j) {
-    const uint64_t x = seed + (start + j) * kFingerprintGolden;
-    sum += FingerprintMix(x ^ (static_cast<uint64_t>(bits[j]) << 32));
+    sum += FingerprintTerm(seed, start + j, bits[j]);
   }
   return sum;
 }
@@ -55,6 +54,8 @@ uint64_t FingerprintElements(uint64_t seed, int64_t start, DType dtype, std::spa
   if (!DTypeIsFloating(dtype)) throw FormatError("state fingerprint: a tensor of " + std::string(DTypeName(dtype)) +
                                                  " is not a floating-point state");
   const size_t n = bytes.size() / es;
+  if (dtype == DType::kFloat32 && reinterpret_cast<uintptr_t>(bytes.data()) % alignof(uint32_t) == 0)
+    return FingerprintBits(seed, start, {reinterpret_cast<const uint32_t*>(bytes.data()), n});
   // In blocks of fp32 bits, converted from the stored dtype.
   constexpr size_t kBlock = 4096;
   uint32_t buf[kBlock];
@@ -212,20 +213,22 @@ void SetModelCounters(const TorchFile& model, FingerprintCounters& c) {
   c.global_samples = m.global_samples;
 }
 
-// Sums of `params` (shard's share) by `hash(i, key)`, on threads, largest first.
+// The jobs k with k % shards == shard (a rank's share: all shares add up to
+// the whole) on `threads` threads, largest first; job k's sum is added to
+// state at[k].second of parameter at[k].first.
 template <typename Hash>
-void HashShare(StateFingerprint& f, const std::vector<uint64_t>& sizes, int shard, int shards, int threads, Hash hash) {
+void RunShare(StateFingerprint& f, const std::vector<std::pair<size_t, size_t>>& at, const std::vector<uint64_t>& sizes,
+              int shard, int shards, int threads, Hash hash) {
   std::vector<size_t> mine;
   std::vector<uint64_t> mine_sizes;
-  for (size_t i = 0; i < f.params.size(); ++i)
-    if (static_cast<int>(i % static_cast<size_t>(shards)) == shard) {
-      mine.push_back(i);
-      mine_sizes.push_back(sizes[i]);
+  for (size_t k = 0; k < at.size(); ++k)
+    if (static_cast<int>(k % static_cast<size_t>(shards)) == shard) {
+      mine.push_back(k);
+      mine_sizes.push_back(sizes[k]);
     }
-  ParallelBySize(mine_sizes, WorkerThreads(threads, mine.size()), [&](size_t k) {
-    ParamFingerprint& p = f.params[mine[k]];
-    for (auto& [key, sum] : p.states) sum = hash(mine[k], key);
-  });
+  std::vector<uint64_t> sums(mine.size(), 0);
+  ParallelBySize(mine_sizes, WorkerThreads(threads, mine.size()), [&](size_t m) { sums[m] = hash(mine[m]); });
+  for (size_t m = 0; m < mine.size(); ++m) f.params[at[mine[m]].first].states[at[mine[m]].second].second += sums[m];
 }
 
 void CheckShard(int shard, int shards) {
@@ -236,8 +239,12 @@ void CheckShard(int shard, int shards) {
 
 namespace {
 
-// The hash of one piece of a memory-mapped rank file, 1 MiB at a time; the
-// pages read are dropped again, so fingerprinting a checkpoint larger than
+// A job's bytes from files (FingerprintZeroCheckpoint) at most.
+constexpr size_t kJobBytes = size_t{4} << 20;
+
+// The hash of one piece of a memory-mapped rank file, 4 MiB at a time (a
+// job's piece in one go: one madvise, one TLB flush per job); the pages read
+// are dropped again, so fingerprinting a checkpoint larger than
 // memory keeps the resident set small (as the converter does).
 uint64_t FingerprintMappedPiece(uint64_t seed, int64_t start, DType dtype, std::span<const uint8_t> piece,
                                 const ZeroCheckpoint& z) {
@@ -247,7 +254,7 @@ uint64_t FingerprintMappedPiece(uint64_t seed, int64_t start, DType dtype, std::
     if (piece.data() >= m.data() && piece.data() + piece.size() <= m.data() + m.size()) mapped = true;
   }
   const size_t elem = DTypeSize(dtype);
-  const size_t chunk = (size_t{1} << 20) / elem * elem;
+  const size_t chunk = kJobBytes / elem * elem;
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   uint64_t sum = 0;
   for (size_t off = 0; off < piece.size(); off += chunk) {
@@ -268,26 +275,43 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
   CheckShard(shard, shards);
   StateFingerprint f;
   const std::vector<std::string> keys = CanonicalKeys(z.state_keys);
-  std::vector<uint64_t> sizes;
   for (const ParamPlan& p : z.params) {
     ParamFingerprint pf{p.name, p.numel, {}};
     for (const auto& k : keys) pf.states.emplace_back(k, 0);
     f.params.push_back(std::move(pf));
-    sizes.push_back(p.bytes());
   }
-  HashShare(f, sizes, shard, shards, threads, [&](size_t i, const std::string& key) {
+  // Jobs of at most 4 MiB of one state's piece: the largest parameter's
+  // tensors spread over every thread (and rank) as the small ones do.
+  struct Job {
+    uint64_t seed;
+    int64_t start;
+    DType dtype;
+    std::span<const uint8_t> bytes;
+  };
+  std::vector<Job> jobs;
+  std::vector<std::pair<size_t, size_t>> at;
+  std::vector<uint64_t> sizes;
+  for (size_t i = 0; i < z.params.size(); ++i) {
     const ParamPlan& p = z.params[i];
-    for (const StatePlan& s : p.states) {
-      if (s.key != key) continue;
-      uint64_t sum = 0;
-      int64_t at = 0;
-      for (auto piece : s.pieces) {
-        sum += FingerprintMappedPiece(FingerprintSeed(p.name, key), at, s.dtype, piece, z);
-        at += static_cast<int64_t>(piece.size() / DTypeSize(s.dtype));
+    for (size_t k = 0; k < keys.size(); ++k) {
+      auto s = std::find_if(p.states.begin(), p.states.end(), [&](const StatePlan& s) { return s.key == keys[k]; });
+      if (s == p.states.end()) throw FormatError(z.folder + ": parameter " + p.name + " has no state '" + keys[k] + "'");
+      const uint64_t seed = FingerprintSeed(p.name, keys[k]);
+      const size_t elem = DTypeSize(s->dtype), step = kJobBytes / elem * elem;
+      int64_t start = 0;  // of the piece, in the parameter's elements
+      for (auto piece : s->pieces) {
+        for (size_t off = 0; off < piece.size(); off += step) {
+          const size_t n = std::min(step, piece.size() - off);
+          jobs.push_back({seed, start + static_cast<int64_t>(off / elem), s->dtype, piece.subspan(off, n)});
+          at.emplace_back(i, k);
+          sizes.push_back(n);
+        }
+        start += static_cast<int64_t>(piece.size() / elem);
       }
-      return sum;
     }
-    throw FormatError(z.folder + ": parameter " + p.name + " has no state '" + key + "'");
+  }
+  RunShare(f, at, sizes, shard, shards, threads, [&](size_t j) {
+    return FingerprintMappedPiece(jobs[j].seed, jobs[j].start, jobs[j].dtype, jobs[j].bytes, z);
   });
   SetModelCounters(z.model, f.counters);
   const std::string path = z.optim[0].file->path();
@@ -309,16 +333,22 @@ StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, in
   CheckShard(shard, shards);
   StateFingerprint f;
   const std::vector<std::string> keys = CanonicalKeys(u.state_keys);
+  // One job per file (parameter and state).
+  std::vector<std::pair<size_t, size_t>> at;
   std::vector<uint64_t> sizes;
   for (const auto& g : u.groups)
     for (const UniversalParam& p : g) {
       ParamFingerprint pf{p.name, p.numel, {}};
-      for (const auto& k : keys) pf.states.emplace_back(k, 0);
+      for (size_t k = 0; k < keys.size(); ++k) {
+        pf.states.emplace_back(keys[k], 0);
+        at.emplace_back(f.params.size(), k);
+        sizes.push_back(static_cast<uint64_t>(p.numel));
+      }
       f.params.push_back(std::move(pf));
-      sizes.push_back(static_cast<uint64_t>(p.numel));
     }
-  HashShare(f, sizes, shard, shards, threads, [&](size_t i, const std::string& key) {
-    const ParamFingerprint& p = f.params[i];
+  RunShare(f, at, sizes, shard, shards, threads, [&](size_t j) {
+    const ParamFingerprint& p = f.params[at[j].first];
+    const std::string& key = keys[at[j].second];
     LoadedState ls = LoadUniversalState(u, p.name, key);
     const std::string where = u.folder + "/zero/" + p.name + "/" + key + ".pt";
     if (ls.tensor->numel() != p.numel)

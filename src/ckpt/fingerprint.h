@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "ckpt/fingerprint_term.h"
 #include "format/dtype.h"
 
 namespace uckpt::ckpt {
@@ -31,16 +32,6 @@ struct ZeroCheckpoint;       // zero_checkpoint.h
 struct UniversalCheckpoint;  // universal_checkpoint.h
 
 inline constexpr int kFingerprintVersion = 1;
-inline constexpr uint64_t kFingerprintGolden = 0x9E3779B97F4A7C15ull;
-inline constexpr uint64_t kFingerprintMul1 = 0xBF58476D1CE4E5B9ull;
-inline constexpr uint64_t kFingerprintMul2 = 0x94D049BB133111EBull;
-
-// splitmix64's finaliser (logical shifts).
-inline uint64_t FingerprintMix(uint64_t z) {
-  z = (z ^ (z >> 30)) * kFingerprintMul1;
-  z = (z ^ (z >> 27)) * kFingerprintMul2;
-  return z ^ (z >> 31);
-}
 
 // XXH64 (seed 0) of `param` + "/" + `key`.
 uint64_t FingerprintSeed(std::string_view param, std::string_view key);
@@ -82,11 +73,12 @@ nlohmann::json FingerprintToJson(const StateFingerprint& f);
 // Throws FormatError naming `where` on a malformed record.
 StateFingerprint FingerprintFromJson(const nlohmann::json& j, const std::string& where);
 
-// From an opened ZeRO 1/2/3 checkpoint's plan: the sums of the parameters p
-// with p % shards == shard (the others' are 0; names and keys are complete),
-// on `threads` threads (0: up to 4). Counters from the files.
+// From an opened ZeRO 1/2/3 checkpoint's plan: share `shard` of `shards` of
+// the work (pieces of at most 4 MiB of a state, every shards-th one; the
+// shares' sums add up to the whole; names and keys are complete), on
+// `threads` threads (0: up to 4). Counters from the files.
 StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard = 0, int shards = 1, int threads = 0);
-// The same from a universal folder's per-parameter files.
+// The same from a universal folder's per-parameter files (a job per file).
 StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, int shard = 0, int shards = 1,
                                                 int threads = 0);
 

@@ -8,9 +8,17 @@
 
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
+#include "ckpt/parallel.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/zero_checkpoint.h"
 #include "format/error.h"
+
+#ifdef UCKPT_FINGERPRINT_KERNEL
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "engine/fingerprint_kernel.h"
+#endif
 
 namespace uckpt::engine {
 
@@ -48,48 +56,99 @@ at::Tensor FingerprintSum(const at::Tensor& t_in, uint64_t seed, int64_t start) 
   return total;
 }
 
-uint64_t HostSum(const at::Tensor& t, uint64_t seed, int64_t start) {
-  const at::Tensor c = t.reshape(-1).contiguous();
-  const uint32_t* bits = static_cast<const uint32_t*>(c.data_ptr());
+// One piece to hash: `t` (1-D fp32, contiguous) holds elements [start,
+// start + numel) of the tensor whose seed is `seed`; its sum goes to sums[out].
+struct Job {
+  at::Tensor t;
+  uint64_t seed = 0;
+  int64_t start = 0;
+  size_t out = 0;
+};
+
+// Host memory: every job in chunks of 1 Mi elements on the intra-op
+// threads (many small tensors and a few large ones alike), then added up.
+void AddHostSums(const std::vector<Job>& jobs, std::vector<uint64_t>& sums) {
   constexpr int64_t kChunk = int64_t{1} << 20;
-  const int64_t n = c.numel(), chunks = (n + kChunk - 1) / kChunk;
-  std::vector<uint64_t> parts(static_cast<size_t>(chunks), 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+  struct Chunk {
+    const Job* job;
+    int64_t at, n;
+  };
+  std::vector<Chunk> chunks;
+  for (const Job& j : jobs)
+    for (int64_t at = 0; at < j.t.numel(); at += kChunk) chunks.push_back({&j, at, std::min(kChunk, j.t.numel() - at)});
+  std::vector<uint64_t> parts(chunks.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
-      const int64_t at = k * kChunk, m = std::min(kChunk, n - at);
-      parts[static_cast<size_t>(k)] = ckpt::FingerprintBits(seed, start + at, {bits + at, static_cast<size_t>(m)});
+      const Chunk& c = chunks[static_cast<size_t>(k)];
+      const uint32_t* bits = static_cast<const uint32_t*>(c.job->t.data_ptr()) + c.at;
+      parts[static_cast<size_t>(k)] =
+          ckpt::FingerprintBits(c.job->seed, c.job->start + c.at, {bits, static_cast<size_t>(c.n)});
     }
   });
-  uint64_t sum = 0;
-  for (uint64_t p : parts) sum += p;
-  return sum;
+  for (size_t k = 0; k < chunks.size(); ++k) sums[chunks[k].job->out] += parts[k];
 }
 
-// Sums of every (parameter, key), as this rank holds them: host values, or
-// device tensors summed at the end (one copy to the host).
+// The tensor-op sums of jobs on one device, one copy back.
+at::Tensor TensorOpSums(const std::vector<Job>& jobs, int64_t n) {
+  at::Tensor sums = at::zeros({n}, jobs.front().t.options().dtype(at::kLong));
+  for (const Job& j : jobs) sums[static_cast<int64_t>(j.out)].add_(FingerprintSum(j.t, j.seed, j.start));
+  return sums.cpu();
+}
+
+// Jobs on one device: on a CUDA device where the kernel was built, every
+// job's chunks in one launch and one copy back; else tensor ops.
+at::Tensor DeviceSums(const std::vector<Job>& jobs, int64_t n) {
+  const at::Device device = jobs.front().t.device();
+  for (const Job& j : jobs)
+    if (j.t.device() != device) throw std::logic_error("state fingerprint: tensors on two devices");
+#ifdef UCKPT_FINGERPRINT_KERNEL
+  if (device.is_cuda()) {
+    std::vector<FingerprintChunk> chunks;
+    for (const Job& j : jobs) {
+      const uint32_t* bits = static_cast<const uint32_t*>(j.t.data_ptr());
+      for (int64_t at = 0; at < j.t.numel(); at += kFingerprintChunkElements)
+        chunks.push_back({bits + at, j.seed, static_cast<uint64_t>(j.start + at),
+                          static_cast<uint32_t>(std::min<int64_t>(kFingerprintChunkElements, j.t.numel() - at)),
+                          static_cast<uint32_t>(j.out)});
+    }
+    const c10::cuda::CUDAGuard guard(device);
+    const int64_t bytes = static_cast<int64_t>(chunks.size() * sizeof(FingerprintChunk));
+    const at::Tensor table = at::from_blob(chunks.data(), {bytes}, at::kByte).to(device);
+    at::Tensor sums = at::zeros({n}, at::TensorOptions(device).dtype(at::kLong));
+    if (const char* error = LaunchFingerprintKernel(static_cast<const FingerprintChunk*>(table.data_ptr()),
+                                                    static_cast<int64_t>(chunks.size()),
+                                                    reinterpret_cast<uint64_t*>(sums.data_ptr<int64_t>()),
+                                                    c10::cuda::getCurrentCUDAStream(device.index()).stream()))
+      throw std::runtime_error(std::string("state fingerprint: the CUDA kernel failed: ") + error);
+    return sums.cpu();  // waits for the kernel; `table` lives until then
+  }
+#endif
+  return TensorOpSums(jobs, n);
+}
+
+// Sums of every (parameter, key), as this rank holds them: host tensors on
+// the host's threads, device tensors on the device, summed at the end.
 class Accumulator {
  public:
+  explicit Accumulator(size_t n) : n_(n) {}
   void Add(size_t k, const at::Tensor& t, uint64_t seed, int64_t start) {
     if (t.numel() == 0) return;
-    if (t.device().is_cpu()) {
-      host_[k] += HostSum(t, seed, start);
-      return;
-    }
-    if (!device_.defined()) device_ = at::zeros({static_cast<int64_t>(host_.size())}, t.options().dtype(at::kLong));
-    device_[static_cast<int64_t>(k)].add_(FingerprintSum(t, seed, start));
+    if (t.scalar_type() != at::kFloat) throw std::logic_error("state fingerprint: an fp32 tensor is needed");
+    (t.device().is_cpu() ? host_ : device_).push_back({t.reshape(-1).contiguous(), seed, start, k});
   }
-  explicit Accumulator(size_t n) : host_(n, 0) {}
   std::vector<uint64_t> Take() {
-    if (device_.defined()) {
-      at::Tensor d = device_.cpu();
-      for (size_t k = 0; k < host_.size(); ++k) host_[k] += static_cast<uint64_t>(d.data_ptr<int64_t>()[k]);
+    std::vector<uint64_t> sums(n_, 0);
+    AddHostSums(host_, sums);
+    if (!device_.empty()) {
+      const at::Tensor d = DeviceSums(device_, static_cast<int64_t>(n_));
+      for (size_t k = 0; k < n_; ++k) sums[k] += static_cast<uint64_t>(d.data_ptr<int64_t>()[k]);
     }
-    return host_;
+    return sums;
   }
 
  private:
-  std::vector<uint64_t> host_;
-  at::Tensor device_;
+  size_t n_;
+  std::vector<Job> host_, device_;
 };
 
 // The tensors of one partition: "fp32" and, once Adam has stepped, its moments.
@@ -143,7 +202,9 @@ uint64_t FingerprintTensorOps(const at::Tensor& t, uint64_t seed, int64_t start)
 }
 
 uint64_t FingerprintTensor(const at::Tensor& t, uint64_t seed, int64_t start) {
-  return t.device().is_cpu() ? HostSum(t, seed, start) : FingerprintTensorOps(t, seed, start);
+  Accumulator acc(1);
+  acc.Add(0, t, seed, start);
+  return acc.Take()[0];
 }
 
 void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
@@ -166,31 +227,19 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
 ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) {
   ckpt::StateFingerprint f;
   std::vector<Piece> pieces;
-  const int rank = e.comm->rank();
-  if (const Zero3Optimizer* z3 = e.runtime->stage3()) {
-    const Zero3Optimizer& z = *z3;
-    for (const Zero3Param& p : z.params()) {
-      const PartitionState& st = z.sub_groups()[p.sub_group].state;
-      const int64_t real = ckpt::Stage3RealNumel(p.numel, z.dp(), rank);
-      pieces.push_back({f.params.size(), &st, p.offset, std::min(p.numel, p.partition_size * rank), real});
-      f.params.push_back(Entry(p.name, p.numel, st));
-    }
-    if (!z.params().empty()) f.counters.optimizer_step = StepOf(z.sub_groups()[z.params()[0].sub_group].state);
-    f.counters.loss_scale = z.loss_scale();
-  } else {
-    const ZeroOptimizer& z = *e.runtime->flat();
-    for (size_t g = 0; g < e.groups.size(); ++g) {
-      const PartitionState& st = z.state(g);
-      const size_t base = f.params.size();
-      for (const auto& p : e.groups[g]) f.params.push_back(Entry(p.name, p.tensor.numel(), st));
-      // Stage 0 keeps the whole group on every rank: rank 0 hashes it.
-      if (e.stage() == 0 && rank != 0) continue;
-      for (const ckpt::Fragment& fr : ckpt::RankFragments(z.numels(g), z.layout(g).dp, z.partition_rank()))
-        pieces.push_back({base + fr.param, &st, fr.partition_offset, fr.param_offset, fr.numel});
-    }
-    if (!e.groups.empty()) f.counters.optimizer_step = StepOf(z.state(0));
-    f.counters.loss_scale = z.loss_scale();
+  // The runtime's partition slots, in parameter order at every stage. Where
+  // every rank holds the whole state (stage 0), rank 0 alone hashes it.
+  const bool hashes = e.runtime->partition_dp() > 1 || e.comm->rank() == 0;
+  const std::vector<PartitionSlot> slots = e.runtime->Slots();
+  for (const PartitionSlot& slot : slots) {
+    const size_t base = f.params.size();
+    for (const ckpt::TargetParam& p : slot.target.params) f.params.push_back(Entry(p.name, p.numel, *slot.state));
+    if (!hashes) continue;
+    for (const ckpt::TargetFragment& fr : slot.target.fragments)
+      pieces.push_back({base + fr.param, slot.state, fr.offset, fr.param_offset, fr.numel});
   }
+  if (!slots.empty()) f.counters.optimizer_step = StepOf(*slots.front().state);
+  f.counters.loss_scale = e.runtime->loss_scale();
   f.counters.global_steps = e.global_steps;
   f.counters.skipped_steps = e.skipped_steps;
   f.counters.global_samples = e.global_samples;
@@ -213,7 +262,8 @@ bool HasOptimFiles(const std::string& folder) {
 }
 
 // The fingerprint a checkpoint without a record holds, from its files: each
-// rank hashes parameters p with p % world == rank, then one reduction. Not
+// rank hashes its share of the pieces on its host threads, then one
+// reduction. Not
 // through the loaders' resharding: the converter's plan of the files, or the
 // universal files whole. nullopt for a folder it cannot say (stage 0's).
 std::optional<ckpt::StateFingerprint> FromFiles(Comm& comm, const std::string& folder, bool universal) {
@@ -222,9 +272,11 @@ std::optional<ckpt::StateFingerprint> FromFiles(Comm& comm, const std::string& f
   try {
     const int rank = comm.rank(), world = comm.world_size();
     if (universal) {
-      f = ckpt::FingerprintUniversalCheckpoint(ckpt::OpenUniversalCheckpoint(folder, false, false), rank, world);
+      f = ckpt::FingerprintUniversalCheckpoint(ckpt::OpenUniversalCheckpoint(folder, false, false), rank, world,
+                                               ckpt::DefaultThreads());
     } else if (HasOptimFiles(folder)) {
-      f = ckpt::FingerprintZeroCheckpoint(ckpt::OpenZeroCheckpoint(folder, false, false), rank, world);
+      f = ckpt::FingerprintZeroCheckpoint(ckpt::OpenZeroCheckpoint(folder, false, false), rank, world,
+                                          ckpt::DefaultThreads());
     }
   } catch (const std::exception& ex) {
     error = ex.what();

@@ -16,8 +16,9 @@
 namespace uckpt::engine {
 
 // The fingerprint sum of a 1-D fp32 tensor whose element 0 is the tensor's
-// element `start`: ckpt::FingerprintBits over a CPU tensor's memory, the same
-// arithmetic in int64 tensor ops (which wrap as uint64 does) on a GPU.
+// element `start`: ckpt::FingerprintBits over a CPU tensor's memory on the
+// intra-op threads; on a CUDA device one kernel (fingerprint_kernel.h) where
+// it was built, else the same arithmetic in int64 tensor ops.
 uint64_t FingerprintTensor(const at::Tensor& t, uint64_t seed, int64_t start);
 // The tensor-op version on any device (what a GPU runs; tests compare it
 // with the host function on the CPU).

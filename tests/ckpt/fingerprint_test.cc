@@ -13,6 +13,7 @@
 #include "ckpt/convert.h"
 #include "ckpt/manifest.h"
 #include "ckpt/zero_checkpoint.h"
+#include "ckpt/zero_writer.h"
 #include "format/dtype.h"
 #include "format/error.h"
 #include "test_util.h"
@@ -178,6 +179,38 @@ TEST(Fingerprint, OldManifestsWithoutARecordStillRead) {
   WriteManifest(tmp / "f", false);
   EXPECT_FALSE(ReadManifest(tmp / "f").state);
   EXPECT_TRUE(CheckManifest(tmp / "f").ok());
+}
+
+// A parameter far larger than one job (4 MiB of a state): its pieces are
+// spread over the shares (ranks) and threads, and every way of splitting
+// gives the documented sum of its values.
+TEST(Fingerprint, ALargeParameterIsSplitOverShares) {
+  TempDir tmp;
+  ZeroWriteSpec spec;
+  spec.stage = 2;
+  spec.dp = 2;
+  spec.groups = {{{"wte", {1500, 2000}}, {"b", {7}}}};  // 3 M elements: 12 MiB per state
+  spec.source = PatternSource();
+  const std::string folder = tmp / "z";
+  WriteZeroCheckpoint(folder, spec);
+  const ZeroCheckpoint z = OpenZeroCheckpoint(folder);
+
+  const StateFingerprint whole = FingerprintZeroCheckpoint(z, 0, 1, 1);
+  for (const std::string key : {"fp32", "exp_avg_sq"}) {
+    std::vector<float> xs(3000000);
+    for (size_t e = 0; e < xs.size(); ++e) xs[e] = PatternValue(0, key, static_cast<int64_t>(e));
+    EXPECT_EQ(*whole.params[0].find(key), Reference("wte", key, 0, xs)) << key;
+  }
+  for (int threads : {1, 3}) {
+    std::vector<uint64_t> sum(whole.tensors(), 0);
+    for (int r = 0; r < 2; ++r) {
+      const StateFingerprint part = FingerprintZeroCheckpoint(z, r, 2, threads);
+      EXPECT_NE(*part.params[0].find("fp32"), 0u) << "share " << r << " has none of wte's fp32 to hash";
+      const std::vector<uint64_t> sums = part.sums();
+      for (size_t k = 0; k < sum.size(); ++k) sum[k] += sums[k];
+    }
+    EXPECT_EQ(sum, whole.sums()) << threads << " threads";
+  }
 }
 
 }  // namespace

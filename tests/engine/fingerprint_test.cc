@@ -58,6 +58,21 @@ TEST(StateFingerprint, TensorOpsEqualTheHostFunction) {
     }
 }
 
+// On a CUDA device (the kernel where it was built): the host function's
+// value for chunks that straddle the kernel's blocks and views at an offset.
+TEST(StateFingerprint, OnACudaDeviceEqualsTheHostFunction) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(5);
+  const at::Tensor t = at::randn({(int64_t{1} << 18) + 77});
+  const uint64_t seed = ckpt::FingerprintSeed("wte", "exp_avg");
+  for (int64_t off : {int64_t{0}, int64_t{3}, int64_t{65537}}) {
+    const at::Tensor v = t.narrow(0, off, t.numel() - off);
+    EXPECT_EQ(FingerprintTensor(v.cuda(), seed, off + 9), FingerprintTensor(v, seed, off + 9)) << off;
+    EXPECT_EQ(FingerprintTensor(t.cuda().narrow(0, off, t.numel() - off), seed, off),
+              FingerprintTensor(v, seed, off)) << off;
+  }
+}
+
 // Saves a stage-2 checkpoint at 2 ranks after 2 steps; returns its folder.
 std::string SaveStage2(const std::string& dir) {
   RunRanks(2, [&](Comm& comm) {
