@@ -58,6 +58,16 @@ void EnsureStaging(std::vector<at::Tensor>& slots, int64_t n, at::ScalarType dty
     slots.push_back(at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true)));
 }
 
+// DeepSpeed's per-fragment gradient norm: each fragment of `partition` in
+// fp64, its 2-norm; stacked (empty when this rank holds no fragment).
+at::Tensor FragmentNorms(const std::vector<ckpt::Fragment>& fragments, const at::Tensor& partition) {
+  if (fragments.empty()) return at::empty({0}, partition.options().dtype(at::kDouble));
+  const at::Tensor wide = partition.to(at::kDouble);
+  std::vector<at::Tensor> norms;
+  for (const auto& f : fragments) norms.push_back(at::norm(wide.narrow(0, f.partition_offset, f.numel), 2));
+  return at::stack(norms);
+}
+
 }  // namespace
 
 ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
@@ -223,6 +233,8 @@ void ZeroOptimizer::ReduceIntoPartition(Group& g) {
     part = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   }
   if (s_.offload_optimizer_cpu && !part.device().is_cpu()) {
+    // As DeepSpeed's offload: the norms on the device, not over the host copy.
+    g.device_norms = g.have_grad_partition ? at::Tensor() : FragmentNorms(g.fragments, part);
     AddToHostGradient(g, part);
     g.grad_flat.zero_();
     return;
@@ -240,11 +252,9 @@ void ZeroOptimizer::ReduceIntoPartition(Group& g) {
 at::Tensor ZeroOptimizer::GroupNormSquared(const Group& g) {
   // DeepSpeed's get_grad_norm_direct: the fp64 norm of each parameter's
   // fragment, squared and summed, as fp32, summed over ranks.
-  std::vector<at::Tensor> norms;
-  for (const auto& f : g.fragments)
-    norms.push_back(at::norm(g.grad_partition.narrow(0, f.partition_offset, f.numel).to(at::kDouble), 2));
-  at::Tensor total = norms.empty() ? at::zeros({}, g.grad_partition.options().dtype(at::kFloat))
-                                   : at::stack(norms).square().sum().to(at::kFloat);
+  const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
+  at::Tensor total = norms.numel() == 0 ? at::zeros({}, norms.options().dtype(at::kFloat))
+                                        : norms.square().sum().to(at::kFloat);
   if (s_.stage != 0 && comm_.world_size() > 1) {
     at::Tensor t = total.reshape({1});
     comm_.AllReduceSum(t);
@@ -274,10 +284,15 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
   r.loss_scale = prev_scale;
   bool overflow = false;
   if (s_.model_dtype == at::kHalf) {
-    // On the gradients' device: NCCL reduces device tensors only.
-    at::Tensor bad = at::zeros({1}, groups_[0].grad_partition.options().dtype(at::kFloat));
-    for (const Group& g : groups_)
-      bad = at::maximum(bad, g.grad_partition.isfinite().logical_not().any().to(at::kFloat).reshape({1}));
+    // On the gradients' device: NCCL reduces device tensors only. Offloaded
+    // from a GPU, over the device norms: a fragment's fp64 norm is finite iff
+    // its fp32 elements are (their squares cannot overflow fp64).
+    at::Tensor bad;
+    for (const Group& g : groups_) {
+      const at::Tensor& checked = g.device_norms.defined() ? g.device_norms : g.grad_partition;
+      at::Tensor b = checked.isfinite().logical_not().any().to(at::kFloat).reshape({1});
+      bad = bad.defined() ? at::maximum(bad, b.to(bad.device())) : b;
+    }
     comm_.AllReduceMax(bad);
     overflow = bad.item<float>() > 0;
   }

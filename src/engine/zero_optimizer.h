@@ -135,6 +135,10 @@ class ZeroOptimizer {
     at::Tensor model_flat, grad_flat;
     at::Tensor grad_partition;  // [P] fp32, the averaged gradient being accumulated
     bool have_grad_partition = false;
+    // offload_optimizer from a GPU: each fragment's fp64 gradient norm, taken
+    // on the device before the copy down (undefined when the host gradient
+    // sums several reductions: then measured on the host).
+    at::Tensor device_norms;
     PartitionState state;
     std::unique_ptr<OverlappedGradReducer> overlap;  // stage 2 with overlap_comm, dp > 1
     // Gloo: parameters in the order DeepSpeed's reduction buffer holds them
