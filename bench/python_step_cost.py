@@ -93,6 +93,7 @@ def main():
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--offload", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (fp16: the scaler's early skips)")
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--vocab", type=int, default=50265)
@@ -137,7 +138,7 @@ def main():
             fwd, bwd, step = engine, engine.backward, engine.step
         gen = torch.Generator().manual_seed(1)
         make = (lambda: batch(gen, a.micro, a.width, a.vocab)) if a.model == "small" else (lambda: roberta_batch(gen, a.micro))
-        batches = [tuple(t.to(dev) for t in make()) for _ in range(a.steps + 3)]
+        batches = [tuple(t.to(dev) for t in make()) for _ in range(a.steps + a.warmup)]
         phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         for i, b in enumerate(batches):  # phases, synchronised
             sync()
@@ -151,13 +152,13 @@ def main():
             step()
             sync()
             t3 = time.perf_counter()
-            if i >= 3:
+            if i >= a.warmup:
                 phases["forward"] += t1 - t0
                 phases["backward"] += t2 - t1
                 phases["step"] += t3 - t2
         sync()
         t0 = time.perf_counter()
-        for b in batches[3:]:  # whole steps, unsynchronised
+        for b in batches[a.warmup:]:  # whole steps, unsynchronised
             loss = fwd(*b)
             bwd(loss)
             step()
@@ -173,7 +174,7 @@ def main():
             from torch.profiler import ProfilerActivity, profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
             with profile(activities=acts) as prof:
-                for b in batches[3:8]:
+                for b in batches[a.warmup:a.warmup + 5]:
                     loss = fwd(*b)
                     bwd(loss)
                     step()
