@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -19,10 +20,27 @@ struct AdamScalars {
   bool decoupled;
 };
 
+// fp32 -> bf16 as torch rounds it (to nearest even; NaN to c10's quiet NaN),
+// branch-free so the loop below stays vectorised.
+inline uint16_t ToBFloat16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + UINT32_C(0x7FFF) + ((u >> 16) & 1)) >> 16;
+  return f != f ? UINT16_C(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// Where a range's updated weights also go, converted: nothing, bf16 or fp16.
+struct NoCopy {};
+inline void Store(NoCopy*, int64_t, float) {}
+inline void Store(uint16_t* out, int64_t i, float x) { out[i] = ToBFloat16Bits(x); }
+inline void Store(at::Half* out, int64_t i, float x) { out[i] = at::Half(x); }  // IEEE, to nearest even
+
 // The element loop, kept free of aliasing and branches on data so the
 // compiler vectorises it (no -ffast-math: the order of operations is torch's).
+// `out` (indexed from `out_begin`) receives the new weights in the model dtype.
+template <typename Out>
 void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
-               float* __restrict g, int64_t begin, int64_t end) {
+               float* __restrict g, Out* __restrict out, int64_t out_begin, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float grad = g[i] * s.grad_scale;
     float param = p[i];
@@ -34,7 +52,9 @@ void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, f
     const float mi = m[i] * s.beta1 + grad * s.one_minus_beta1;
     const float vi = v[i] * s.beta2 + (s.one_minus_beta2 * grad) * grad;  // addcmul: (value * t1) * t2
     const float denom = std::sqrt(vi) / s.bias_correction2_sqrt + s.eps;
-    p[i] = param + (s.neg_step_size * mi) / denom;  // addcdiv: (value * t1) / t2
+    const float updated = param + (s.neg_step_size * mi) / denom;  // addcdiv: (value * t1) / t2
+    p[i] = updated;
+    Store(out, i - out_begin, updated);
     m[i] = mi;
     v[i] = vi;
     g[i] = 0.0f;
@@ -81,11 +101,17 @@ double SumOfSquares(const at::Tensor& t) {
 }
 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
-  CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr);
+  CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr, nullptr);
 }
 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done) {
+  CpuAdamStep(st, grad, grad_scale, o, lr, range, nullptr, range_done);
+}
+
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+                 int64_t range, const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
+                 const std::function<void(int64_t begin, int64_t end)>& range_done) {
   c10::NoGradGuard no_grad;
   const int64_t n = st.master.numel();
   CheckHostFloat(st.master, "the master", n);
@@ -120,13 +146,27 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* m = st.exp_avg.data_ptr<float>();
   float* v = st.exp_avg_sq.data_ptr<float>();
   float* g = grad.data_ptr<float>();
+  NoCopy* none = nullptr;
   if (range <= 0 || !range_done) {
-    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, none, 0, begin, end); });
     return;
   }
   for (int64_t first = 0; first < n; first += range) {
     const int64_t len = std::min(range, n - first);
-    ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, first + begin, first + end); });
+    const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
+    auto run = [&](auto* dst) {
+      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, dst, first, first + begin, first + end); });
+    };
+    if (!out.defined()) {
+      run(none);
+    } else if (out.device().is_cpu() && out.is_contiguous() && out.numel() == len && out.scalar_type() == at::kBFloat16) {
+      run(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    } else if (out.device().is_cpu() && out.is_contiguous() && out.numel() == len && out.scalar_type() == at::kHalf) {
+      run(out.data_ptr<at::Half>());
+    } else {
+      throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
+                                  std::to_string(len) + " elements");
+    }
     range_done(first, first + len);
   }
 }

@@ -397,11 +397,20 @@ void ZeroOptimizer::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
   }
   CopyStreams streams(device, 2);
   size_t k = 0;
-  CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr, C, [&](int64_t begin, int64_t end) {
+  // bf16/fp16: the update pass itself writes each range's weights into its slot.
+  const bool fused = convert && s_.model_dtype != at::kFloat;
+  auto staging_for = [&](int64_t begin, int64_t end) -> at::Tensor {
+    if (!fused) return at::Tensor();
+    streams.Wait(k);  // this slot's previous upload is done before it is overwritten
+    return weight_staging[k % 2].narrow(0, 0, end - begin);
+  };
+  CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr, C, staging_for, [&](int64_t begin, int64_t end) {
     const size_t slot = k++;
     at::Tensor src = master.narrow(0, begin, end - begin);
-    if (convert) {
-      streams.Wait(slot);  // this slot's previous upload is done before it is overwritten
+    if (fused) {
+      src = weight_staging[slot % 2].narrow(0, 0, end - begin);
+    } else if (convert) {
+      streams.Wait(slot);
       at::Tensor staged = weight_staging[slot % 2].narrow(0, 0, end - begin);
       staged.copy_(src);
       src = staged;
