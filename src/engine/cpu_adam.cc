@@ -20,27 +20,58 @@ struct AdamScalars {
   bool decoupled;
 };
 
-// fp32 -> bf16 as torch rounds it (to nearest even; NaN to c10's quiet NaN),
-// branch-free so the loop below stays vectorised.
-inline uint16_t ToBFloat16Bits(float f) {
+inline uint32_t Bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// fp32 -> bf16 as torch rounds it (to nearest even; NaN to c10's quiet NaN),
+// branch-free so the update loop stays vectorised.
+inline uint16_t ToBFloat16Bits(float f) {
+  const uint32_t u = Bits(f);
   const uint32_t rounded = (u + UINT32_C(0x7FFF) + ((u >> 16) & 1)) >> 16;
   return f != f ? UINT16_C(0x7FC0) : static_cast<uint16_t>(rounded);
 }
 
-// Where a range's updated weights also go, converted: nothing, bf16 or fp16.
-struct NoCopy {};
-inline void Store(NoCopy*, int64_t, float) {}
-inline void Store(uint16_t* out, int64_t i, float x) { out[i] = ToBFloat16Bits(x); }
-inline void Store(at::Half* out, int64_t i, float x) { out[i] = at::Half(x); }  // IEEE, to nearest even
+// fp32 -> fp16 as c10::Half rounds it on the host (IEEE, to nearest even;
+// too large: infinity; NaN: 0x7E00), branch-free for the same reason. The
+// float multiplications round the mantissa to fp16's width and saturate.
+inline uint16_t ToHalfBits(float f) {
+  const uint32_t w = Bits(f), twice = w + w, sign = w & UINT32_C(0x80000000);
+  float base = (std::fabs(f) * FromBits(UINT32_C(0x77800000))) * FromBits(UINT32_C(0x08800000));  // * 2^112 * 2^-110
+  uint32_t bias = twice & UINT32_C(0xFF000000);
+  bias = bias < UINT32_C(0x71000000) ? UINT32_C(0x71000000) : bias;  // results below fp16's normal range
+  base = FromBits((bias >> 1) + UINT32_C(0x07800000)) + base;
+  const uint32_t b = Bits(base);
+  const uint32_t nonsign = ((b >> 13) & UINT32_C(0x7C00)) + (b & UINT32_C(0x0FFF));
+  return static_cast<uint16_t>((sign >> 16) | (twice > UINT32_C(0xFF000000) ? UINT32_C(0x7E00) : nonsign));
+}
+
+// Where a range's updated weights also go: nowhere, or converted to bf16 or fp16.
+struct NoCopy {
+  void operator()(int64_t, float) const {}
+};
+struct BFloat16Copy {
+  uint16_t* out;
+  void operator()(int64_t i, float x) const { out[i] = ToBFloat16Bits(x); }
+};
+struct HalfCopy {
+  uint16_t* out;
+  void operator()(int64_t i, float x) const { out[i] = ToHalfBits(x); }
+};
 
 // The element loop, kept free of aliasing and branches on data so the
 // compiler vectorises it (no -ffast-math: the order of operations is torch's).
-// `out` (indexed from `out_begin`) receives the new weights in the model dtype.
-template <typename Out>
+// `copy` (indexed from `out_begin`) receives the new weights in the model dtype.
+template <typename Copy>
 void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
-               float* __restrict g, Out* __restrict out, int64_t out_begin, int64_t begin, int64_t end) {
+               float* __restrict g, Copy copy, int64_t out_begin, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float grad = g[i] * s.grad_scale;
     float param = p[i];
@@ -54,7 +85,7 @@ void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, f
     const float denom = std::sqrt(vi) / s.bias_correction2_sqrt + s.eps;
     const float updated = param + (s.neg_step_size * mi) / denom;  // addcdiv: (value * t1) / t2
     p[i] = updated;
-    Store(out, i - out_begin, updated);
+    copy(i - out_begin, updated);
     m[i] = mi;
     v[i] = vi;
     g[i] = 0.0f;
@@ -146,23 +177,23 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* m = st.exp_avg.data_ptr<float>();
   float* v = st.exp_avg_sq.data_ptr<float>();
   float* g = grad.data_ptr<float>();
-  NoCopy* none = nullptr;
   if (range <= 0 || !range_done) {
-    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, none, 0, begin, end); });
+    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, NoCopy{}, 0, begin, end); });
     return;
   }
   for (int64_t first = 0; first < n; first += range) {
     const int64_t len = std::min(range, n - first);
     const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
-    auto run = [&](auto* dst) {
-      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, dst, first, first + begin, first + end); });
+    auto run = [&](auto copy) {
+      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, copy, first, first + begin, first + end); });
     };
+    const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
     if (!out.defined()) {
-      run(none);
-    } else if (out.device().is_cpu() && out.is_contiguous() && out.numel() == len && out.scalar_type() == at::kBFloat16) {
-      run(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-    } else if (out.device().is_cpu() && out.is_contiguous() && out.numel() == len && out.scalar_type() == at::kHalf) {
-      run(out.data_ptr<at::Half>());
+      run(NoCopy{});
+    } else if (fits && out.scalar_type() == at::kBFloat16) {
+      run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())});
+    } else if (fits && out.scalar_type() == at::kHalf) {
+      run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>())});
     } else {
       throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
                                   std::to_string(len) + " elements");
