@@ -11,8 +11,11 @@ synchronisation after each phase on CUDA, so phases do not overlap) and of a
 whole step without the synchronisations. --profile prints torch.profiler's
 table of the engine's calls (what the C++ engine dispatches shows as aten ops).
 
+--model roberta uses bench/roberta_mlm.py's model and batches instead (transformers needed).
+
 usage: PYTHONPATH=build/python /usr/bin/python3 bench/python_step_cost.py [--device cpu|cuda]
-       [--dtype bf16|fp16|fp32] [--stage 1] [--offload 1] [--steps 20] [--profile]
+       [--dtype bf16|fp16|fp32] [--stage 1] [--offload 1] [--steps 20] [--warmup 3]
+       [--model small|roberta] [--impl torch,uckpt] [--profile]
 """
 import argparse
 import json
