@@ -14,8 +14,9 @@
 // the update is the fused host Adam of cpu_adam.h (torch's formula), and on
 // a GPU the copies go through pinned, reused buffers overlapped with the
 // host work: gradients come down chunk by chunk while earlier chunks are
-// accumulated, and each updated range of weights goes up on a side stream
-// while the next range is updated.
+// accumulated (their norms taken on the device first when they come down
+// once), and each updated range of weights, written in the model dtype by
+// the update pass, goes up on a side stream while the next range is updated.
 #pragma once
 
 #include <ATen/ATen.h>
