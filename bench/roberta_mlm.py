@@ -30,6 +30,9 @@ def main():
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--first", type=int, default=50)
     p.add_argument("--last", type=int, default=100)
+    p.add_argument("--phases", action="store_true",
+                   help="also time each phase (batch, forward, backward, step) with a device synchronisation "
+                        "after each, in separate steps after LAST; medians, and the forward's over new and seen widths")
     p.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher passes it
     a = p.parse_args()
     if a.impl == "uckpt":
@@ -71,9 +74,11 @@ def main():
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     dev = torch.device("cuda", local)
     gen = torch.Generator().manual_seed(1000 + rank)
-    losses, t0 = [], None
+    losses, t0, widths, new_widths = [], None, set(), 0
     for step in range(1, a.last + 1):
         tokens, mask, targets = batch(gen, a.micro, cfg)
+        new_widths += step > a.first and tokens.shape[1] not in widths  # a shape cuDNN has no plan for yet
+        widths.add(tokens.shape[1])
         loss = engine(tokens.to(dev), mask.to(dev), targets.to(dev))
         engine.backward(loss)
         engine.step()
@@ -84,6 +89,7 @@ def main():
             losses.append(loss.detach())
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    phases = time_phases(engine, gen, a, cfg, dev, widths) if a.phases else None
     mean_loss = float(torch.stack([x.float() for x in losses]).mean())
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=dev)
     peaks = [torch.zeros_like(peak) for _ in range(torch.distributed.get_world_size())]
@@ -92,8 +98,42 @@ def main():
         print(json.dumps({"impl": a.impl, "dtype": a.dtype, "stage": a.stage, "offload": a.offload,
                           "world": torch.distributed.get_world_size(), "threads": torch.get_num_threads(),
                           "s_per_step": round(elapsed / (a.last - a.first), 5), "mean_loss": round(mean_loss, 5),
-                          "max_allocated_gib": [round(float(x), 3) for x in peaks], "torch": torch.__version__}),
+                          "new_widths": new_widths,
+                          "max_allocated_gib": [round(float(x), 3) for x in peaks], "torch": torch.__version__,
+                          **({"phases": phases} if phases else {})}),
               flush=True)
+
+
+def time_phases(engine, gen, a, cfg, dev, seen):
+    """Steps LAST+1..2*LAST-FIRST again, each phase timed alone (synchronised): median seconds of
+    each, and the forward's median over batches of a width seen before and of a new one (cuDNN
+    builds its attention plans per shape)."""
+    import statistics
+    rows = []
+    for step in range(a.last - a.first):
+        t = [time.perf_counter()]
+        tokens, mask, targets = batch(gen, a.micro, cfg)
+        tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        loss = engine(tokens, mask, targets)
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        engine.step()
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        rows.append((tokens.shape[1] in seen, [t[i + 1] - t[i] for i in range(4)]))
+        seen.add(tokens.shape[1])
+    med = lambda xs: round(statistics.median(xs), 5) if xs else None
+    out = {name: med([r[1][i] for r in rows]) for i, name in enumerate(["batch", "forward", "backward", "step"])}
+    out["forward_seen_width"] = med([r[1][1] for r in rows if r[0]])
+    out["forward_new_width"] = med([r[1][1] for r in rows if not r[0]])
+    out["new_widths"] = sum(1 for r in rows if not r[0])
+    out["mean_total"] = round(sum(sum(r[1]) for r in rows) / len(rows), 5)
+    return out
 
 
 def batch(gen, micro, cfg):

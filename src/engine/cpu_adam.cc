@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -19,10 +20,66 @@ struct AdamScalars {
   bool decoupled;
 };
 
+inline uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// fp32 -> bf16 as torch rounds it (to nearest even; NaN to c10's quiet NaN),
+// branch-free so its loop vectorises.
+inline uint16_t ToBFloat16Bits(float f) {
+  const uint32_t u = Bits(f);
+  const uint32_t rounded = (u + UINT32_C(0x7FFF) + ((u >> 16) & 1)) >> 16;
+  return f != f ? UINT16_C(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// fp32 -> fp16 as c10::Half rounds it on the host (IEEE, to nearest even;
+// too large: infinity; NaN: 0x7E00), branch-free for the same reason (the
+// selects written as max and masks, which GCC vectorises). The float
+// multiplications round the mantissa to fp16's width and saturate.
+inline uint16_t ToHalfBits(float f) {
+  const uint32_t w = Bits(f), sign = w & UINT32_C(0x80000000);
+  float base = (std::fabs(f) * FromBits(UINT32_C(0x77800000))) * FromBits(UINT32_C(0x08800000));  // * 2^112 * 2^-110
+  // The exponent, no lower than where fp16's normal range ends (-14).
+  const int32_t bias = std::max<int32_t>(static_cast<int32_t>(w & UINT32_C(0x7F800000)), INT32_C(0x38800000));
+  base = FromBits(static_cast<uint32_t>(bias) + UINT32_C(0x07800000)) + base;
+  const uint32_t b = Bits(base);
+  const uint32_t nonsign = ((b >> 13) & UINT32_C(0x7C00)) + (b & UINT32_C(0x0FFF));
+  const uint32_t nan = -static_cast<uint32_t>(static_cast<int32_t>(w & UINT32_C(0x7FFFFFFF)) > INT32_C(0x7F800000));
+  return static_cast<uint16_t>((sign >> 16) | (nonsign ^ ((nonsign ^ UINT32_C(0x7E00)) & nan)));
+}
+
+// Where a range's updated weights also go: nowhere, or converted to bf16 or
+// fp16 (`out` holds the range from `out_begin` on). A second loop over the
+// chunk the update just wrote (still in cache): the conversions vectorise
+// alone, not inside the update's loop.
+struct NoCopy {
+  void operator()(const float*, int64_t, int64_t) const {}
+};
+template <uint16_t (*Convert)(float)>
+struct ConvertingCopy {
+  uint16_t* out;
+  int64_t out_begin;
+  void operator()(const float* __restrict p, int64_t begin, int64_t end) const {
+    uint16_t* __restrict o = out + (begin - out_begin);
+    for (int64_t i = 0; i < end - begin; ++i) o[i] = Convert(p[begin + i]);
+  }
+};
+using BFloat16Copy = ConvertingCopy<ToBFloat16Bits>;
+using HalfCopy = ConvertingCopy<ToHalfBits>;
+
 // The element loop, kept free of aliasing and branches on data so the
 // compiler vectorises it (no -ffast-math: the order of operations is torch's).
+// Then `copy` receives the new weights in the model dtype.
+template <typename Copy>
 void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
-               float* __restrict g, int64_t begin, int64_t end) {
+               float* __restrict g, const Copy& copy, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float grad = g[i] * s.grad_scale;
     float param = p[i];
@@ -39,6 +96,7 @@ void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, f
     v[i] = vi;
     g[i] = 0.0f;
   }
+  copy(p, begin, end);
 }
 
 void CheckHostFloat(const at::Tensor& t, const char* what, int64_t n) {
@@ -81,11 +139,17 @@ double SumOfSquares(const at::Tensor& t) {
 }
 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
-  CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr);
+  CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr, nullptr);
 }
 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done) {
+  CpuAdamStep(st, grad, grad_scale, o, lr, range, nullptr, range_done);
+}
+
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+                 int64_t range, const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
+                 const std::function<void(int64_t begin, int64_t end)>& range_done) {
   c10::NoGradGuard no_grad;
   const int64_t n = st.master.numel();
   CheckHostFloat(st.master, "the master", n);
@@ -121,12 +185,26 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* v = st.exp_avg_sq.data_ptr<float>();
   float* g = grad.data_ptr<float>();
   if (range <= 0 || !range_done) {
-    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, begin, end); });
+    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, NoCopy{}, begin, end); });
     return;
   }
   for (int64_t first = 0; first < n; first += range) {
     const int64_t len = std::min(range, n - first);
-    ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, first + begin, first + end); });
+    const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
+    auto run = [&](const auto& copy) {
+      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, copy, first + begin, first + end); });
+    };
+    const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
+    if (!out.defined()) {
+      run(NoCopy{});
+    } else if (fits && out.scalar_type() == at::kBFloat16) {
+      run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), first});
+    } else if (fits && out.scalar_type() == at::kHalf) {
+      run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), first});
+    } else {
+      throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
+                                  std::to_string(len) + " elements");
+    }
     range_done(first, first + len);
   }
 }

@@ -29,6 +29,14 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
 void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done);
 
+// The same again, and before each range `range_out(begin, end)` may return a
+// contiguous host bf16 or fp16 tensor of end - begin elements (or an undefined
+// one): the range's updated weights are also written there, rounded as .to()
+// rounds, in the same pass (the upload's staging without a second pass).
+void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+                 int64_t range, const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
+                 const std::function<void(int64_t begin, int64_t end)>& range_done);
+
 // The sum of the squares of a host fp32 tensor, accumulated in fp64 (the
 // squared L2 norm, for the global gradient norm without fp64 copies).
 double SumOfSquares(const at::Tensor& t);

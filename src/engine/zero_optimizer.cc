@@ -58,6 +58,28 @@ void EnsureStaging(std::vector<at::Tensor>& slots, int64_t n, at::ScalarType dty
     slots.push_back(at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true)));
 }
 
+// Elements of a partition converted to fp64 at once for FragmentNorms (256
+// MiB; a larger fragment alone): few conversions, bounded temporary memory.
+constexpr int64_t kNormSpan = int64_t{1} << 25;
+
+// DeepSpeed's per-fragment gradient norm: each fragment of `partition` in
+// fp64, its 2-norm; stacked (empty when this rank holds no fragment).
+// Fragments are in flat order, so consecutive ones form spans.
+at::Tensor FragmentNorms(const std::vector<ckpt::Fragment>& fragments, const at::Tensor& partition) {
+  if (fragments.empty()) return at::empty({0}, partition.options().dtype(at::kDouble));
+  std::vector<at::Tensor> norms;
+  for (size_t i = 0; i < fragments.size();) {
+    const int64_t begin = fragments[i].partition_offset;
+    size_t j = i + 1;
+    while (j < fragments.size() && fragments[j].partition_offset + fragments[j].numel - begin <= kNormSpan) ++j;
+    const int64_t end = fragments[j - 1].partition_offset + fragments[j - 1].numel;
+    const at::Tensor wide = partition.narrow(0, begin, end - begin).to(at::kDouble);
+    for (; i < j; ++i)
+      norms.push_back(at::norm(wide.narrow(0, fragments[i].partition_offset - begin, fragments[i].numel), 2));
+  }
+  return at::stack(norms);
+}
+
 }  // namespace
 
 ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
@@ -240,6 +262,8 @@ void ZeroOptimizer::ReduceIntoPartition(Group& g) {
     part = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   }
   if (s_.offload_optimizer_cpu && !part.device().is_cpu()) {
+    // As DeepSpeed's offload: the norms on the device, not over the host copy.
+    g.device_norms = g.have_grad_partition ? at::Tensor() : FragmentNorms(g.fragments, part);
     AddToHostGradient(g, part);
     g.grad_flat.zero_();
     return;
@@ -257,11 +281,9 @@ void ZeroOptimizer::ReduceIntoPartition(Group& g) {
 at::Tensor ZeroOptimizer::GroupNormSquared(const Group& g) {
   // DeepSpeed's get_grad_norm_direct: the fp64 norm of each parameter's
   // fragment, squared and summed, as fp32, summed over ranks.
-  std::vector<at::Tensor> norms;
-  for (const auto& f : g.fragments)
-    norms.push_back(at::norm(g.grad_partition.narrow(0, f.partition_offset, f.numel).to(at::kDouble), 2));
-  at::Tensor total = norms.empty() ? at::zeros({}, g.grad_partition.options().dtype(at::kFloat))
-                                   : at::stack(norms).square().sum().to(at::kFloat);
+  const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
+  at::Tensor total = norms.numel() == 0 ? at::zeros({}, norms.options().dtype(at::kFloat))
+                                        : norms.square().sum().to(at::kFloat);
   if (s_.stage != 0 && comm_.world_size() > 1) {
     at::Tensor t = total.reshape({1});
     comm_.AllReduceSum(t);
@@ -291,10 +313,15 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
   r.loss_scale = prev_scale;
   bool overflow = false;
   if (s_.model_dtype == at::kHalf) {
-    // On the gradients' device: NCCL reduces device tensors only.
-    at::Tensor bad = at::zeros({1}, groups_[0].grad_partition.options().dtype(at::kFloat));
-    for (const Group& g : groups_)
-      bad = at::maximum(bad, g.grad_partition.isfinite().logical_not().any().to(at::kFloat).reshape({1}));
+    // On the gradients' device: NCCL reduces device tensors only. Offloaded
+    // from a GPU, over the device norms: a fragment's fp64 norm is finite iff
+    // its fp32 elements are (their squares cannot overflow fp64).
+    at::Tensor bad;
+    for (const Group& g : groups_) {
+      const at::Tensor& checked = g.device_norms.defined() ? g.device_norms : g.grad_partition;
+      at::Tensor b = checked.isfinite().logical_not().any().to(at::kFloat).reshape({1});
+      bad = bad.defined() ? at::maximum(bad, b.to(bad.device())) : b;
+    }
     comm_.AllReduceMax(bad);
     overflow = bad.item<float>() > 0;
   }
@@ -399,11 +426,20 @@ void ZeroOptimizer::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
   }
   CopyStreams streams(device, 2);
   size_t k = 0;
-  CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr, C, [&](int64_t begin, int64_t end) {
+  // bf16/fp16: the update pass itself writes each range's weights into its slot.
+  const bool fused = convert && s_.model_dtype != at::kFloat;
+  auto staging_for = [&](int64_t begin, int64_t end) -> at::Tensor {
+    if (!fused) return at::Tensor();
+    streams.Wait(k);  // this slot's previous upload is done before it is overwritten
+    return weight_staging[k % 2].narrow(0, 0, end - begin);
+  };
+  CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr, C, staging_for, [&](int64_t begin, int64_t end) {
     const size_t slot = k++;
     at::Tensor src = master.narrow(0, begin, end - begin);
-    if (convert) {
-      streams.Wait(slot);  // this slot's previous upload is done before it is overwritten
+    if (fused) {
+      src = weight_staging[slot % 2].narrow(0, 0, end - begin);
+    } else if (convert) {
+      streams.Wait(slot);
       at::Tensor staged = weight_staging[slot % 2].narrow(0, 0, end - begin);
       staged.copy_(src);
       src = staged;

@@ -14,8 +14,9 @@
 // the update is the fused host Adam of cpu_adam.h (torch's formula), and on
 // a GPU the copies go through pinned, reused buffers overlapped with the
 // host work: gradients come down chunk by chunk while earlier chunks are
-// accumulated, and each updated range of weights goes up on a side stream
-// while the next range is updated.
+// accumulated (their norms taken on the device first when they come down
+// once), and each updated range of weights, written in the model dtype by
+// the update pass, goes up on a side stream while the next range is updated.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -131,6 +132,10 @@ class ZeroOptimizer : public ShardedRuntime {
     at::Tensor model_flat, grad_flat;
     at::Tensor grad_partition;  // [P] fp32, the averaged gradient being accumulated
     bool have_grad_partition = false;
+    // offload_optimizer from a GPU: each fragment's fp64 gradient norm, taken
+    // on the device before the copy down (undefined when the host gradient
+    // sums several reductions: then measured on the host).
+    at::Tensor device_norms;
     PartitionState state;
     std::unique_ptr<OverlappedGradReducer> overlap;  // stage 2 with overlap_comm, dp > 1
     // Gloo: parameters in the order DeepSpeed's reduction buffer holds them

@@ -3,6 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
 namespace uckpt::engine {
 namespace {
 
@@ -94,6 +99,51 @@ TEST(CpuAdam, WithoutBiasCorrectionStepsByLr) {
     EXPECT_LT(ScaledDiff(torch_state.master.to(at::kDouble), p), 1e-6) << decoupled;
     EXPECT_LT(ScaledDiff(fused_state.master.to(at::kDouble), p), 1e-6) << decoupled;
   }
+}
+
+// Ranges with a copy (the offloaded step's upload staging): the same update as
+// without, and each range's copy is its new weights as .to() rounds them.
+TEST(CpuAdam, RangesCopyTheUpdatedWeightsAsToRoundsThem) {
+  at::manual_seed(5);
+  const int64_t n = 300001, range = 70000;  // ranges of several chunks, a ragged last one
+  OptimizerConfig o;
+  o.weight_decay = 0.01;
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    for (double lr : {0.0, 1e-3}) {
+      PartitionState plain, ranged;
+      plain.master = at::randn({n}) * 100;
+      // Values that round to nearest even, overflow fp16, are fp16 subnormals, inf and NaN.
+      auto m = plain.master.accessor<float, 1>();
+      const float specials[] = {1.00390625f, 1.01171875f, -1.00048828125f, 70000.f, 1e-6f, -3e-7f,
+                                std::numeric_limits<float>::infinity(), 3.4e38f, std::nanf("")};
+      for (size_t i = 0; i < sizeof specials / sizeof specials[0]; ++i) m[static_cast<int64_t>(i) * 1001] = specials[i];
+      ranged.master = plain.master.clone();
+      at::Tensor grad = at::randn({n}) * 1e-2, g1 = grad.clone(), g2 = grad.clone();
+      CpuAdamStep(plain, g1, 0.5, o, lr);
+      at::Tensor copies = at::empty({n}, dtype);
+      std::vector<std::pair<int64_t, int64_t>> done;
+      CpuAdamStep(
+          ranged, g2, 0.5, o, lr, range, [&](int64_t b, int64_t e) { return copies.narrow(0, b, e - b).clone(); },
+          [&](int64_t b, int64_t e) { done.emplace_back(b, e); });
+      EXPECT_EQ(done.size(), static_cast<size_t>((n + range - 1) / range));
+      EXPECT_TRUE(at::equal(ranged.master.nan_to_num(0), plain.master.nan_to_num(0))) << dtype << " lr " << lr;
+      EXPECT_TRUE(at::equal(ranged.exp_avg_sq, plain.exp_avg_sq));
+      // The copies went into fresh tensors above; now into views of one tensor, to compare bits.
+      CpuAdamStep(ranged, g2.zero_(), 0.5, o, lr, range, [&](int64_t b, int64_t e) { return copies.narrow(0, b, e - b); },
+                  [](int64_t, int64_t) {});
+      CpuAdamStep(plain, g1.zero_(), 0.5, o, lr);
+      const at::Tensor want = plain.master.to(dtype);
+      const at::Tensor same = (copies.view(at::kShort) == want.view(at::kShort)) | (copies.isnan() & want.isnan());
+      EXPECT_TRUE(same.all().item<bool>()) << dtype << " lr " << lr << ": " << (~same).sum().item<int64_t>()
+                                           << " elements differ from .to()";
+    }
+  }
+  PartitionState st;
+  st.master = at::zeros({8});
+  at::Tensor g = at::zeros({8});
+  EXPECT_THROW(CpuAdamStep(st, g, 1.0, o, 1e-3, 4, [](int64_t, int64_t) { return at::zeros({4}); },
+                           [](int64_t, int64_t) {}),
+               std::invalid_argument);  // fp32 is not a copy's dtype
 }
 
 TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
