@@ -135,7 +135,9 @@ struct LoadStats {
   // "unchecked: why"; empty when nothing was loaded.
   std::string fingerprint;
   double fingerprint_s = 0;        // the whole check, wall time
-  double fingerprint_files_s = 0;  // of it, computing the expected value from the files
+  // Of it, a checkpoint without a record: waiting for the expected value, hashed
+  // from the files on background threads during the load, and its reduction.
+  double fingerprint_files_s = 0;
 };
 
 struct SaveCheckpointOptions {

@@ -612,13 +612,14 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   const std::string folder = TagFolder(dir, tag, o.universal);
   if (folder.empty()) return LoadResult{"", c10::IValue()};
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
+  FingerprintCheck proof = StartStateFingerprintCheck(e, folder, o);  // the resume proof
   const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
   if (model.stage12 && !e.runtime->partitions_parameters()) CheckParamShapes(e, model.path, model.file.root);
   c10::NoGradGuard no_grad;
   LoadFixedParams(e, folder, model);
   if (!o.load_module_only) RestoreCounters(e, model.view, o);
   LoadPartitions(e, folder, model, o);
-  CheckStateFingerprint(e, folder, o);  // the resume proof
+  FinishStateFingerprintCheck(e, proof, o);
   return LoadResult{folder, ClientStateOf(model.view)};
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <future>
 
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
@@ -261,35 +262,38 @@ bool HasOptimFiles(const std::string& folder) {
   return false;
 }
 
-// The fingerprint a checkpoint without a record holds, from its files: each
-// rank hashes its share of the pieces on its host threads, then one
-// reduction. Not
+// This rank's share of the fingerprint a checkpoint without a record holds,
+// from its files: its share of the pieces hashed on its host threads. Not
 // through the loaders' resharding: the converter's plan of the files, or the
-// universal files whole. nullopt for a folder it cannot say (stage 0's).
-std::optional<ckpt::StateFingerprint> FromFiles(Comm& comm, const std::string& folder, bool universal) {
-  std::optional<ckpt::StateFingerprint> f;
-  std::string error;
+// universal files whole. No value for a folder it cannot say (stage 0's).
+FingerprintCheck::FilesShare ShareFromFiles(const std::string& folder, bool universal, int rank, int world) {
+  FingerprintCheck::FilesShare share;
   try {
-    const int rank = comm.rank(), world = comm.world_size();
     if (universal) {
-      f = ckpt::FingerprintUniversalCheckpoint(ckpt::OpenUniversalCheckpoint(folder, false, false), rank, world,
-                                               ckpt::DefaultThreads());
+      share.value = ckpt::FingerprintUniversalCheckpoint(ckpt::OpenUniversalCheckpoint(folder, false, false), rank,
+                                                         world, ckpt::DefaultThreads());
     } else if (HasOptimFiles(folder)) {
-      f = ckpt::FingerprintZeroCheckpoint(ckpt::OpenZeroCheckpoint(folder, false, false), rank, world,
-                                          ckpt::DefaultThreads());
+      share.value = ckpt::FingerprintZeroCheckpoint(ckpt::OpenZeroCheckpoint(folder, false, false), rank, world,
+                                                    ckpt::DefaultThreads());
     }
   } catch (const std::exception& ex) {
-    error = ex.what();
+    share.error = ex.what();
   }
-  if (const int bad = FailedRank(comm, error); bad >= 0)
+  return share;
+}
+
+// Collective: every rank's share added up; throws on every rank if one failed.
+std::optional<ckpt::StateFingerprint> FromShares(Comm& comm, const std::string& folder,
+                                                 FingerprintCheck::FilesShare share) {
+  if (const int bad = FailedRank(comm, share.error); bad >= 0)
     throw FormatError(folder + ": its state fingerprint could not be computed from its files: " +
-                      (error.empty() ? "rank " + std::to_string(bad) + " failed" : error));
-  if (f) {
-    std::vector<uint64_t> sums = f->sums();
+                      (share.error.empty() ? "rank " + std::to_string(bad) + " failed" : share.error));
+  if (share.value) {
+    std::vector<uint64_t> sums = share.value->sums();
     AllReduceWrapping(comm, sums);
-    f->set_sums(sums);
+    share.value->set_sums(sums);
   }
-  return f;
+  return share.value;
 }
 
 double Since(std::chrono::steady_clock::time_point t) {
@@ -298,14 +302,26 @@ double Since(std::chrono::steady_clock::time_point t) {
 
 }  // namespace
 
-void CheckStateFingerprint(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  if (folder.empty()) return;  // nothing loaded
+FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& folder,
+                                            const LoadCheckpointOptions& o) {
   const auto start = std::chrono::steady_clock::now();
-  std::optional<ckpt::StateFingerprint> expected;
-  if (ckpt::HasManifest(folder)) expected = ckpt::ReadManifest(folder).state;
-  const bool recorded = expected.has_value();
-  if (!recorded) {
-    expected = FromFiles(*e.comm, folder, o.universal);
+  FingerprintCheck check;
+  check.folder = folder;
+  if (folder.empty()) return check;
+  if (ckpt::HasManifest(folder)) check.recorded = ckpt::ReadManifest(folder).state;
+  if (!check.recorded)
+    check.files = std::async(std::launch::async, ShareFromFiles, folder, o.universal, e.comm->rank(),
+                             e.comm->world_size());
+  check.start_s = Since(start);
+  return check;
+}
+
+void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const LoadCheckpointOptions& o) {
+  if (check.folder.empty()) return;  // nothing loaded
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<ckpt::StateFingerprint> expected = check.recorded;
+  if (check.files.valid()) {
+    expected = FromShares(*e.comm, check.folder, check.files.get());
     e.last_load.fingerprint_files_s = Since(start);
   }
   if (!expected) {
@@ -321,9 +337,10 @@ void CheckStateFingerprint(Engine::Impl& e, const std::string& folder, const Loa
   scope.counters = !o.load_module_only;
   scope.masters = !partial || e.runtime->partitions_parameters() || (!e.config.fp16.enabled && !e.config.bf16);
   const ckpt::StateFingerprint held = EngineStateFingerprint(e);
-  e.last_load.fingerprint_s = Since(start);
+  e.last_load.fingerprint_s = check.start_s + Since(start);
+  const bool recorded = check.recorded.has_value();
   if (auto diff = ckpt::FirstFingerprintDifference(*expected, held, scope))
-    throw FormatError(folder + ": the state after the load is not the saved one (the state fingerprint " +
+    throw FormatError(check.folder + ": the state after the load is not the saved one (the state fingerprint " +
                       std::string(recorded ? "recorded in " + std::string(ckpt::kManifestName)
                                            : "computed from the checkpoint's files") +
                       "): " + *diff + "; refusing to train on it");

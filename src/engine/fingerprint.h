@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <future>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,13 +33,31 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums);
 // Adam state and of the counters this engine holds now.
 ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e);
 
-// Collective, after a load of `folder` (empty: nothing was loaded): the
-// fingerprint the checkpoint recorded in its manifest, or (a checkpoint
-// without one: DeepSpeed's) computed from its files, each rank hashing its
-// share of the parameters; compared with what the engine now holds, within
-// what `o` loaded. Throws FormatError on every rank, naming the first
-// parameter and state (or counter) that differs. Records what it did in
-// e.last_load.
-void CheckStateFingerprint(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o);
+// The check of one load (StartStateFingerprintCheck .. FinishStateFingerprintCheck).
+struct FingerprintCheck {
+  std::string folder;
+  std::optional<ckpt::StateFingerprint> recorded;  // the manifest's
+  // A folder without a record (DeepSpeed's): this rank's share of the value
+  // its files hold, hashed on background threads while the load reads them.
+  struct FilesShare {
+    std::optional<ckpt::StateFingerprint> value;
+    std::string error;
+  };
+  std::future<FilesShare> files;
+  double start_s = 0;  // the time Start took on the load's thread
+};
+
+// Before a load of `folder` (empty: nothing will be loaded) reads anything:
+// the fingerprint its manifest recorded, or, a checkpoint without one, starts
+// hashing this rank's share of its files apart from the loader (the
+// converter's plan of the files, not the loader's resharding). No collective.
+FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o);
+
+// Collective, after the load: the expected fingerprint (the record, or the
+// files' shares reduced over the ranks) compared with what the engine now
+// holds, within what `o` loaded. Throws FormatError on every rank, naming the
+// first parameter and state (or counter) that differs. Records what it did
+// in e.last_load.
+void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const LoadCheckpointOptions& o);
 
 }  // namespace uckpt::engine
