@@ -1,7 +1,6 @@
 #include "engine/zero3.h"
 
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <stdexcept>
@@ -18,36 +17,6 @@ at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device 
   return at::zeros(sizes, o.device(at::kCPU).pinned_memory(true));  // pinned: copies to the GPU overlap
 }
 
-// Identity whose backward runs once the unit's backward is done.
-struct EnterUnitFn : public torch::autograd::Function<EnterUnitFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t z3, int64_t unit) {
-    ctx->saved_data["z3"] = z3;
-    ctx->saved_data["unit"] = unit;
-    return x;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* z = reinterpret_cast<Zero3Optimizer*>(ctx->saved_data["z3"].toInt());
-    z->BackwardDone(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
-};
-
-// Identity whose backward runs before the unit's backward.
-struct ExitUnitFn : public torch::autograd::Function<ExitUnitFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, int64_t z3, int64_t unit) {
-    ctx->saved_data["z3"] = z3;
-    ctx->saved_data["unit"] = unit;
-    return y;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* z = reinterpret_cast<Zero3Optimizer*>(ctx->saved_data["z3"].toInt());
-    z->BackwardGather(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
-};
-
 }  // namespace
 
 Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
@@ -59,9 +28,6 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
     throw std::invalid_argument("Zero3Optimizer: parameter groups, optimizers and units do not match");
   const int dp = comm_.world_size();
   const at::ScalarType dtype = s_.base.model_dtype;
-  units_.resize(static_cast<size_t>(num_units));
-  unit_numel_.assign(units_.size(), 0);
-  backward_live_.assign(units_.size(), 0);
   c10::NoGradGuard no_grad;
   for (size_t g = 0; g < groups.size(); ++g) {
     std::vector<int64_t> numels;
@@ -101,57 +67,10 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
       subs_.push_back(std::move(sg));
     }
   }
-  // Unit parameters stay gathered until the model first enters a unit (a
-  // model that never calls EnterUnit still runs, without the savings); the
+  // Unit parameters stay gathered until the model first enters a unit; the
   // root and persistent ones stay gathered for good.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Zero3Param& p = params_[i];
-    if (p.unit < 0 || p.persistent) continue;
-    units_[static_cast<size_t>(p.unit)].push_back(i);
-    unit_numel_[static_cast<size_t>(p.unit)] += p.numel;
-    stats_.gathered_elements += p.numel;
-  }
-  prefetched_.resize(units_.size());
+  units_.Build(params_, num_units);
   if (dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.base.fp16);
-}
-
-at::Tensor Zero3Optimizer::EnterUnit(size_t unit, const at::Tensor& input) {
-  if (unit >= units_.size())
-    throw std::out_of_range("uckpt::Engine::EnterUnit: unit " + std::to_string(unit) + ", but " +
-                            std::to_string(units_.size()) + " gather units were declared");
-  Gather(unit);
-  if (initial_hold_) {  // from now on units are gathered only while entered
-    initial_hold_ = false;
-    ReleaseAll();
-    stats_.peak_gathered_elements = stats_.gathered_elements;
-  }
-  Prefetch(unit, +1);
-  if (!at::GradMode::is_enabled() || !input.requires_grad()) return input;
-  return EnterUnitFn::apply(input, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
-}
-
-at::Tensor Zero3Optimizer::ExitUnit(size_t unit, const at::Tensor& output) {
-  if (unit >= units_.size())
-    throw std::out_of_range("uckpt::Engine::ExitUnit: unit " + std::to_string(unit) + ", but " +
-                            std::to_string(units_.size()) + " gather units were declared");
-  Release(unit);
-  if (!at::GradMode::is_enabled() || !output.requires_grad()) return output;
-  return ExitUnitFn::apply(output, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
-}
-
-void Zero3Optimizer::BackwardGather(size_t unit) {
-  Gather(unit);
-  ++backward_live_.at(unit);
-  Prefetch(unit, -1);
-}
-
-void Zero3Optimizer::BackwardDone(size_t unit) {
-  for (size_t i : units_.at(unit))
-    if (params_[i].tensor.grad().defined()) Bucket(i);
-  if (backward_live_.at(unit) > 0) {
-    --backward_live_[unit];
-    Release(unit);
-  }
 }
 
 // DeepSpeed's stage-3 get_grad_norm_direct per sub-group (each parameter
@@ -238,17 +157,14 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
 }
 
 void Zero3Optimizer::PartitionsFromMasters() {
-  DropPrefetches();  // gathered from the old partitions
+  units_.DropPrefetches();  // gathered from the old partitions
   c10::NoGradGuard no_grad;
   for (const Zero3SubGroup& sg : subs_)
     for (size_t i : sg.params) {
       Zero3Param& p = params_[i];
       p.partition.copy_(sg.state.master.narrow(0, p.offset, p.partition_size));
     }
-  std::vector<size_t> live;
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].live > 0) live.push_back(i);
-  Fetch(live);
+  storage_.RefetchWhole();
 }
 
 at::Tensor Zero3Optimizer::GatherWhole(size_t i) {
