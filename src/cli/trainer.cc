@@ -71,7 +71,7 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   eo.gather_units = gather_units_;
   eo.host_threads = opt_.threads;
   engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
-  if (engine::Zero3Optimizer* z3 = engine_->impl().zero3.get()) z3->set_timing(timers_.enabled);
+  if (engine::Zero3Optimizer* z3 = engine_->impl().runtime->stage3()) z3->set_timing(timers_.enabled);
   if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());
 }
 
@@ -151,7 +151,7 @@ StepMetrics Trainer::TrainStep() {
   // host), so the GPU never waits for the host between forward and backward.
   at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
   PhaseClock clock(device, timers_.enabled);
-  const engine::Zero3Optimizer* z3 = engine_->impl().zero3.get();
+  const engine::Zero3Optimizer* z3 = engine_->impl().runtime->stage3();
   const engine::Zero3Stats z3_before = z3 ? z3->stats() : engine::Zero3Stats{};
   const int64_t samples_before = engine_->global_samples();
   for (int64_t m = 0; m < ga; ++m) {

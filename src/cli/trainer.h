@@ -91,8 +91,8 @@ class Trainer {
   const Comm& comm() const { return comm_; }
   at::Device device() const { return engine_->device(); }
   Engine& engine() { return *engine_; }
-  ZeroOptimizer& optimizer() { return *engine_->impl().zero; }
-  const ZeroOptimizer& optimizer() const { return *engine_->impl().zero; }
+  ZeroOptimizer& optimizer() { return *engine_->impl().runtime->flat(); }
+  const ZeroOptimizer& optimizer() const { return *engine_->impl().runtime->flat(); }
   LrSchedule& schedule() { return engine_->impl().schedule; }
   const LrSchedule& schedule() const { return engine_->impl().schedule; }
   // name -> parameter (views into the optimizer's model_flat), flat order.

@@ -179,8 +179,9 @@ namespace {
 std::vector<std::pair<std::string, ValuePtr>> ModuleEntries(const Engine::Impl& e) {
   std::map<std::string, ValuePtr> by_name;
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    auto flat = StorageOf(e.zero->model_flat(g));
-    const DType dt = FromScalarType(e.zero->model_flat(g).scalar_type());
+    const at::Tensor weights = e.runtime->flat()->model_flat(g);
+    auto flat = StorageOf(weights);
+    const DType dt = FromScalarType(weights.scalar_type());
     int64_t off = 0;
     for (const auto& p : e.groups[g]) {
       by_name[p.name] = View(flat, dt, p.tensor.sizes().vec(), off);
@@ -202,7 +203,7 @@ const ValuePtr& FindEntry(const std::vector<std::pair<std::string, ValuePtr>>& e
 }
 
 ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
-  const OptimizerConfig& o = e.zero->optimizer_config(g);
+  const OptimizerConfig& o = e.runtime->optimizer_config(g);
   return ckpt::AdamHparams{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 
@@ -222,8 +223,9 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
   std::vector<ckpt::AdamState> states;
   std::vector<ckpt::AdamHparams> hparams;
   std::vector<std::vector<int64_t>> ids(e.groups.size());
+  const std::vector<PartitionSlot> slots = e.runtime->Slots();
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const PartitionState& s = e.zero->state(g);
+    const PartitionState& s = *slots.at(g).state;
     std::shared_ptr<Storage> avg, sq;
     if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
     int64_t at = 0;
@@ -298,16 +300,17 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
 }
 
 ValuePtr OptimStatesValue(const Engine::Impl& e) {
-  const int rank = e.zero->partition_rank();
+  const ZeroOptimizer& z = *e.runtime->flat();
+  const int rank = z.partition_rank();
   ckpt::RankOptimStates r;
   r.stage = e.stage();
-  r.dp = e.zero->layout(0).dp;
-  r.scaler = e.zero->loss_scaler();
+  r.dp = z.partition_dp();
+  r.scaler = z.loss_scaler();
   r.clip_grad = e.config.gradient_clipping;
   r.ds_config = ckpt::JsonToValue(e.config.raw);
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const PartitionState& s = e.zero->state(g);
-    const auto& layout = e.zero->layout(g);
+    const PartitionState& s = z.state(g);
+    const auto& layout = z.layout(g);
     ckpt::OptimGroupState gs;
     gs.padding = layout.padding(rank);
     // The lean fp32 partition: a view of the padded one, padding cut off.
@@ -315,7 +318,7 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
     if (s.step.defined())
       gs.adam = {{"step", TensorValue(s.step)}, {"exp_avg", TensorValue(s.exp_avg)}, {"exp_avg_sq", TensorValue(s.exp_avg_sq)}};
     gs.hparams = Hparams(e, g);
-    for (const auto& f : ckpt::RankFragments(e.zero->numels(g), layout.dp, rank))
+    for (const auto& f : ckpt::RankFragments(z.numels(g), layout.dp, rank))
       gs.mappings.emplace_back(e.groups[g][f.param].name, f);
     r.groups.push_back(std::move(gs));
   }
@@ -342,7 +345,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
                                  const ClientState& client_state, bool async) {
   const auto start = std::chrono::steady_clock::now();
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
-  if (e.stage() == 0 && e.zero->settings().model_dtype != at::kFloat)
+  if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
   Comm& comm = *e.comm;
   Env& env = Env::Current();
@@ -373,7 +376,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   std::vector<SnapshotFile> files;
   try {
     SnapshotScope scope(snapshot ? &e.writer->pool() : nullptr);
-    if (e.zero3) {
+    if (e.stage() == 3) {  // DeepSpeed's ZeRO-3 files
       files = Zero3RankFiles(e, std::move(client));
     } else {
       if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
@@ -429,9 +432,9 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
 // weight_decay for the rest of the run.
 void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o) {
   if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
-  const size_t n = e.zero3 ? e.zero3->num_groups() : e.groups.size();
+  const size_t n = e.runtime->num_groups();
   for (size_t g = 0; g < n && g < groups->items.size(); ++g) {
-    OptimizerConfig c = e.optimizer_config(g);
+    OptimizerConfig c = e.runtime->optimizer_config(g);
     const ckpt::AdamHparams h =
         ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(g), c.beta1, c.beta2, c.eps, c.weight_decay},
                               path + ": param_groups[" + std::to_string(g) + "]");
@@ -440,7 +443,7 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
     c.beta2 = h.beta2;
     c.eps = h.eps;
     c.weight_decay = h.weight_decay;
-    e.set_optimizer_config(g, c);
+    e.runtime->set_optimizer_config(g, c);
   }
 }
 
@@ -549,7 +552,7 @@ void LoadStage0Optimizer(Engine::Impl& e, const std::string& path, const ckpt::M
   if (m.stage0_state.empty()) return;  // saved before the first step
   int64_t id = 0;
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    PartitionState& st = e.zero->state(g);
+    PartitionState& st = e.runtime->flat()->state(g);
     st.exp_avg = at::zeros_like(st.master);
     st.exp_avg_sq = at::zeros_like(st.master);
     int64_t off = 0;
@@ -600,8 +603,8 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
 void LoadUniversalMasters(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, const std::string& folder,
                           bool with_state) {
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    PartitionState& st = e.zero->state(g);
-    const int dp = e.zero->layout(g).dp, rank = e.zero->partition_rank();
+    PartitionState& st = e.runtime->flat()->state(g);
+    const int dp = e.runtime->partition_dp(), rank = e.runtime->partition_rank();
     // This run's group (a ZeRO-3-made folder's param_shapes hold sub-groups).
     std::vector<ckpt::UniversalParam> params;
     for (const auto& p : e.groups[g]) params.push_back({p.name, p.tensor.sizes().vec(), p.tensor.numel()});
@@ -626,13 +629,14 @@ void LoadUniversalMasters(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, c
                                    : static_cast<double>(e.global_steps - e.skipped_steps);
     st.step = at::full({}, step, st.master.options());
   }
-  e.zero->GatherModelFromMasters();
+  e.runtime->WeightsFromMasters();
 }
 
 void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
   const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
   const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
-  static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
+  static_cast<ckpt::LossScalerState&>(e.runtime->loss_scaler()) =
+      ckpt::ReadLossScaler(saved.loss_scaler, e.runtime->loss_scaler());
   ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
   // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
   // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
@@ -692,9 +696,9 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
                            /*with_state=*/false);
     } else {
       LoadReshardedPartitions(e, folder, /*optimizer_states=*/false);
-      e.zero->GatherModelFromMasters();
+      e.runtime->WeightsFromMasters();
     }
-    e.zero->InitMasterFromModel();
+    e.runtime->MastersFromWeights();
     return result;
   }
   RestoreCounters(e, m, o);
@@ -709,14 +713,15 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
     // Each rank reads its partition from the rank files, at any world size
     // (resharded_load.h): at the saving world size, its own file's ranges.
     ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);
-    static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(r.loss_scaler, e.zero->loss_scaler());
+    static_cast<ckpt::LossScalerState&>(e.runtime->loss_scaler()) =
+        ckpt::ReadLossScaler(r.loss_scaler, e.runtime->loss_scaler());
     ApplySavedHparams(e, r.where, r.param_groups, o);
-    e.zero->GatherModelFromMasters();
+    e.runtime->WeightsFromMasters();
     e.last_load.optimizer_bytes_read = r.bytes_read;
     return result;
   }
   LoadModule(model_path, m, Trainable(e));
-  e.zero->InitMasterFromModel();
+  e.runtime->MastersFromWeights();
   if (stage == 0 && o.load_optimizer_states) LoadStage0Optimizer(e, model_path, m, o);
   return result;
 }

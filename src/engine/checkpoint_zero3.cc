@@ -32,12 +32,12 @@ namespace fs = std::filesystem;
 namespace {
 
 ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
-  const OptimizerConfig& o = e.zero3->optimizer_config(g);
+  const OptimizerConfig& o = e.runtime->optimizer_config(g);
   return ckpt::AdamHparams{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 
 ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std::string, ValuePtr>>& client) {
-  const Zero3Optimizer& z = *e.zero3;
+  const Zero3Optimizer& z = *e.runtime->stage3();
   ckpt::ModelStates m;
   m.stage = 3;
   // The parameters' entries are empty, as DeepSpeed's state_dict of released
@@ -68,7 +68,7 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
 }
 
 ValuePtr Zero3OptimStates(const Engine::Impl& e) {
-  const Zero3Optimizer& z = *e.zero3;
+  const Zero3Optimizer& z = *e.runtime->stage3();
   ckpt::Stage3RankOptimStates r;
   r.dp = z.dp();
   r.scaler = z.loss_scaler();
@@ -107,11 +107,11 @@ namespace {
 // cut anyhow): each rank reads its sub-groups' partitions straight from the
 // rank files (resharded_load.h), bit for bit what the universal load gives.
 void LoadZero3Resharded(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
-  Zero3Optimizer& z = *e.zero3;
+  Zero3Optimizer& z = *e.runtime->stage3();
   ReshardedLoad r = LoadReshardedPartitions(e, folder, o.load_optimizer_states);
   static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(r.loss_scaler, z.loss_scaler());
   ApplySavedHparams(e, r.where, r.param_groups, o);
-  z.PartitionsFromMasters();
+  z.WeightsFromMasters();
   e.last_load.optimizer_bytes_read = r.bytes_read;
 }
 
@@ -120,7 +120,7 @@ void LoadZero3Resharded(Engine::Impl& e, const std::string& folder, const LoadCh
 // and Adam's moments and `step` with `with_state` (else no Adam state).
 void LoadUniversalSlices(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, const std::string& folder,
                          bool with_state, double step) {
-  Zero3Optimizer& z = *e.zero3;
+  Zero3Optimizer& z = *e.runtime->stage3();
   const int dp = z.dp(), rank = e.comm->rank();
   for (size_t s = 0; s < z.sub_groups().size(); ++s) {
     PartitionState& st = z.sub_groups()[s].state;
@@ -153,7 +153,7 @@ void LoadUniversalSlices(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, co
 // A universal checkpoint: the slices, the loss scaler and the saved hyper-parameters.
 void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::ModelStatesView& m,
                         const LoadCheckpointOptions& o) {
-  Zero3Optimizer& z = *e.zero3;
+  Zero3Optimizer& z = *e.runtime->stage3();
   const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
   const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
   static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, z.loss_scaler());
@@ -163,7 +163,7 @@ void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::
   double step = static_cast<double>(m.global_steps - m.skipped_steps);
   if (u.has_step && !z.params().empty()) step = ckpt::ReadUniversalStep(u, z.params().front().name);
   LoadUniversalSlices(e, u, folder, o.load_optimizer_states, step);
-  z.PartitionsFromMasters();
+  z.WeightsFromMasters();
 }
 
 // load_module_only: the weights from the checkpoint's fp32 masters (a stage-3
@@ -172,7 +172,7 @@ void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::
 // 0-2, where the masters are set from the loaded module).
 void LoadZero3Weights(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o) {
   std::vector<PartitionState> kept;
-  for (const auto& sg : e.zero3->sub_groups()) kept.push_back(sg.state);
+  for (const auto& sg : e.runtime->stage3()->sub_groups()) kept.push_back(sg.state);
   if (o.universal) {
     const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
     LoadUniversalSlices(e, u, folder, /*with_state=*/false, 0);
@@ -180,12 +180,12 @@ void LoadZero3Weights(Engine::Impl& e, const std::string& folder, const LoadChec
     LoadReshardedPartitions(e, folder, /*optimizer_states=*/false);
   }
   for (size_t s = 0; s < kept.size(); ++s) {
-    PartitionState& st = e.zero3->sub_groups()[s].state;
+    PartitionState& st = e.runtime->stage3()->sub_groups()[s].state;
     st.step = kept[s].step;
     st.exp_avg = kept[s].exp_avg;
     st.exp_avg_sq = kept[s].exp_avg_sq;
   }
-  e.zero3->PartitionsFromMasters();
+  e.runtime->WeightsFromMasters();
 }
 
 ClientState ClientStateOf(const ckpt::ModelStatesView& m) {

@@ -60,12 +60,6 @@ void WalkModule(const torch::nn::Module& m, const std::string& prefix, std::vect
   for (const auto& c : m.named_children()) WalkModule(*c.value(), Join(prefix, c.key()), names, buffers, prefixes);
 }
 
-at::ScalarType ModelDtype(const TrainConfig& c) {
-  if (c.fp16.enabled) return at::kHalf;
-  if (c.bf16) return at::kBFloat16;
-  return at::kFloat;
-}
-
 // Under mpirun or srun: MASTER_PORT where set, else DeepSpeed's 29500 (C++ has no distributed_port).
 int DiscoveryPort() {
   const char* p = std::getenv("MASTER_PORT");
@@ -121,7 +115,7 @@ void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
   if (trainable.empty()) throw std::invalid_argument("uckpt::Engine: the module has no parameter that requires grad");
   if (user_groups.empty()) {
     e.groups.push_back(trainable);
-    specs.push_back({{}, e.config.optimizer});
+    specs.push_back({{}, e.config.optimizer, {}, {}});
     return;
   }
   std::set<const void*> placed;
@@ -142,7 +136,7 @@ void SortParameters(Engine::Impl& e, const std::vector<ParamGroup>& user_groups,
     }
     if (group.empty()) throw std::invalid_argument("uckpt::Engine: param_groups[" + std::to_string(g) + "] is empty");
     e.groups.push_back(std::move(group));
-    specs.push_back({{}, GroupOptimizer(e.config.optimizer, user_groups[g])});
+    specs.push_back({{}, GroupOptimizer(e.config.optimizer, user_groups[g]), {}, {}});
   }
   // A trainable parameter in no group: DeepSpeed's optimizer never updates it
   // (autograd still gives it a local .grad), so at stages 0-2 it is kept as a
@@ -175,23 +169,6 @@ void CastFloatingTensors(torch::nn::Module& m, at::ScalarType dtype) {
   if (dtype == at::kFloat) return;
   for (auto t : m.buffers(/*recurse=*/true))
     if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
-}
-
-// Every rank starts from rank 0's weights and buffers, as DeepSpeed's
-// initialize broadcasts them.
-void BroadcastFromRank0(Engine::Impl& e) {
-  if (e.comm->world_size() <= 1) return;
-  c10::NoGradGuard no_grad;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    at::Tensor flat = e.zero->model_flat(g);
-    e.comm->Broadcast(flat, 0);
-  }
-  for (const auto* list : {&e.frozen, &e.buffers})
-    for (const auto& p : *list) {
-      at::Tensor t = p.tensor.contiguous();
-      e.comm->Broadcast(t, 0);
-      if (!t.is_same(p.tensor)) p.tensor.copy_(t);
-    }
 }
 
 }  // namespace
@@ -239,54 +216,22 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) +
                                 " is not supported (0, 1, 2 or 3)");
   e.model->to(e.device);
-  CastFloatingTensors(*e.model, ModelDtype(c));
+  CastFloatingTensors(*e.model, engine::ModelDtype(c));
 
   std::vector<engine::GroupSpec> specs;
   SortParameters(e, options.param_groups, specs);
   WalkModule(*e.model, "", e.state_names, e.buffers, e.module_prefixes);
   std::vector<double> group_lrs;
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    for (const auto& p : e.groups[g]) specs[g].numels.push_back(p.tensor.numel());
+    for (const auto& p : e.groups[g]) {
+      specs[g].numels.push_back(p.tensor.numel());
+      specs[g].names.push_back(p.name);
+      specs[g].shapes.push_back(p.tensor.sizes().vec());
+    }
     group_lrs.push_back(specs[g].optimizer.lr);
   }
   e.schedule.set_group_lrs(std::move(group_lrs));
-  if (c.zero.stage == 3) {
-    engine::InitZero3(e, specs, options);
-    e.model->train(true);
-    return;
-  }
-
-  engine::ZeroSettings zs;
-  zs.stage = c.zero.stage;
-  zs.gradient_clipping = c.gradient_clipping;
-  zs.optimizer = c.optimizer;
-  zs.model_dtype = ModelDtype(c);
-  zs.fp16 = c.fp16;
-  zs.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
-  zs.reduce_bucket_size = c.zero.reduce_bucket_size;
-  zs.overlap_comm = c.zero.overlap_comm;
-  e.zero = std::make_unique<engine::ZeroOptimizer>(*e.comm, specs, zs, e.device);
-
-  // The parameters become views into the flat buffers (their values copied in).
-  std::vector<std::vector<at::Tensor>> bound(e.groups.size());
-  {
-    c10::NoGradGuard no_grad;
-    for (size_t g = 0; g < e.groups.size(); ++g) {
-      at::Tensor flat = e.zero->model_flat(g);
-      int64_t off = 0;
-      for (auto& p : e.groups[g]) {
-        const int64_t n = p.tensor.numel();
-        at::Tensor view = flat.narrow(0, off, n).view(p.tensor.sizes());
-        view.copy_(p.tensor);
-        p.tensor.set_data(view);
-        bound[g].push_back(p.tensor);
-        off += n;
-      }
-    }
-  }
-  BroadcastFromRank0(e);
-  e.zero->InitMasterFromModel();
-  e.zero->BindGradients(bound);
+  e.runtime = engine::MakeShardedRuntime(e, std::move(specs), options);
   e.model->train(true);
 }
 
@@ -306,13 +251,9 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   const int64_t ga = e.batch.gradient_accumulation_steps;
   at::Tensor scaled = ga > 1 && options.scale_wrt_gas ? loss / ga : loss;
   scaled = scaled * loss_scale();
-  if (!e.zero3) e.zero->ReattachGradients();
+  e.runtime->PrepareBackward();
   scaled.backward({}, options.retain_graph);
-  if (e.zero3) {
-    e.zero3->FinishBackward();
-  } else {
-    e.zero->ReduceMicroGradients(e.boundary());
-  }
+  e.runtime->FinishBackward(e.boundary());
   e.backward_pending = true;
 }
 
@@ -325,7 +266,7 @@ void Engine::Step(const StepOptions& options) {
     // its failure stops the run here, naming the file.
     if (e.writer && e.writer->pending()) e.writer->PublishIfDone(*e.comm);
     const std::vector<double>& lrs = e.schedule.current_lrs();
-    engine::ZeroOptimizer::StepResult r = e.zero3 ? e.zero3->Step(lrs) : e.zero->Step(lrs);
+    const engine::StepResult r = e.runtime->Step(lrs);
     if (!r.skipped) e.schedule.Step(options.lr_schedule_iteration);
     e.last = StepInfo{r.grad_norm, r.skipped, r.loss_scale};
     ++e.global_steps;
@@ -355,8 +296,9 @@ LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
-  LoadResult r = impl_->zero3 ? engine::LoadZero3Checkpoint(*impl_, at.dir, at.tag, options)
-                              : engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
+  // The file layouts differ by stage: loadpath's one loader replaces these two.
+  LoadResult r = impl_->stage() == 3 ? engine::LoadZero3Checkpoint(*impl_, at.dir, at.tag, options)
+                                     : engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
   engine::CheckStateFingerprint(*impl_, r.path, options);  // the resume proof, after whichever loader ran
   return r;
 }
@@ -369,7 +311,7 @@ void Engine::SetLearningRate(size_t group, double lr) {
   impl_->schedule.set_current_lr(group, lr);
 }
 GroupHparams Engine::group_hparams(size_t group) const {
-  const engine::OptimizerConfig& o = impl_->optimizer_config(group);
+  const engine::OptimizerConfig& o = impl_->runtime->optimizer_config(group);
   return {o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
@@ -377,12 +319,12 @@ void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
   if (!(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1))
     throw std::invalid_argument(where + "betas must be in [0, 1)");
   if (!(h.eps >= 0)) throw std::invalid_argument(where + "eps must be >= 0");
-  engine::OptimizerConfig o = impl_->optimizer_config(group);
+  engine::OptimizerConfig o = impl_->runtime->optimizer_config(group);
   o.beta1 = h.beta1;
   o.beta2 = h.beta2;
   o.eps = h.eps;
   o.weight_decay = h.weight_decay;
-  impl_->set_optimizer_config(group, o);
+  impl_->runtime->set_optimizer_config(group, o);
 }
 bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }
 int64_t Engine::lr_schedule_iteration() const { return impl_->schedule.last_batch_iteration(); }
@@ -396,17 +338,13 @@ int64_t Engine::global_samples() const { return impl_->global_samples; }
 int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
 int64_t Engine::micro_steps() const { return impl_->micro_steps; }
 const StepInfo& Engine::last_step() const { return impl_->last; }
-double Engine::loss_scale() const { return impl_->zero3 ? impl_->zero3->loss_scale() : impl_->zero->loss_scale(); }
+double Engine::loss_scale() const { return impl_->runtime->loss_scale(); }
 
-at::Tensor Engine::EnterUnit(size_t unit, const at::Tensor& input) {
-  return impl_->zero3 ? impl_->zero3->EnterUnit(unit, input) : input;
-}
-at::Tensor Engine::ExitUnit(size_t unit, const at::Tensor& output) {
-  return impl_->zero3 ? impl_->zero3->ExitUnit(unit, output) : output;
-}
-size_t Engine::num_gather_units() const { return impl_->zero3 ? impl_->zero3->num_units() : 0; }
+at::Tensor Engine::EnterUnit(size_t unit, const at::Tensor& input) { return impl_->runtime->EnterUnit(unit, input); }
+at::Tensor Engine::ExitUnit(size_t unit, const at::Tensor& output) { return impl_->runtime->ExitUnit(unit, output); }
+size_t Engine::num_gather_units() const { return impl_->runtime->num_gather_units(); }
 UnitCalls Engine::unit_calls() {
-  if (!impl_->zero3) return {};
+  if (!impl_->runtime->partitions_parameters()) return {};
   std::weak_ptr<int> alive = impl_->alive;
   auto check = [alive] {
     if (alive.expired())
@@ -422,38 +360,29 @@ UnitCalls Engine::unit_calls() {
                      return ExitUnit(u, y);
                    }};
 }
-void Engine::GatherParameters() {
-  if (impl_->zero3) impl_->zero3->GatherAll();
-}
-void Engine::ReleaseParameters() {
-  if (impl_->zero3) impl_->zero3->ReleaseAll();
-}
+void Engine::GatherParameters() { impl_->runtime->GatherAll(); }
+void Engine::ReleaseParameters() { impl_->runtime->ReleaseAll(); }
 
 namespace {
 
-// GatheredParameters' tensors that are the engine's: stage 3's partitioned
-// parameters (indices, sorted: the same order on every rank) and its whole
-// frozen ones (in the engine's order).
-void SortGathered(Engine::Impl& e, const std::vector<at::Tensor>& ts, std::vector<size_t>& partitioned,
-                  std::vector<NamedParam>& frozen) {
+// GatheredParameters' tensors that are the engine's whole frozen parameters
+// (in the engine's order).
+std::vector<NamedParam> FrozenAmong(const Engine::Impl& e, const std::vector<at::Tensor>& ts) {
   std::set<const void*> given;
   for (const auto& t : ts) given.insert(t.unsafeGetTensorImpl());
-  const auto& ps = e.zero3->params();
-  for (size_t i = 0; i < ps.size(); ++i)
-    if (given.count(ps[i].tensor.unsafeGetTensorImpl())) partitioned.push_back(i);
+  std::vector<NamedParam> frozen;
   for (const auto& p : e.frozen)
     if (given.count(p.tensor.unsafeGetTensorImpl())) frozen.push_back(p);
+  return frozen;
 }
 
 }  // namespace
 
 void Engine::GatherParameters(const std::vector<at::Tensor>& params) {
   Impl& e = *impl_;
-  if (!e.zero3) return;
-  std::vector<size_t> partitioned;
-  std::vector<NamedParam> frozen;
-  SortGathered(e, params, partitioned, frozen);
-  e.zero3->GatherSome(partitioned);
+  if (!e.runtime->partitions_parameters()) return;
+  e.runtime->GatherParameters(params);
+  const std::vector<NamedParam> frozen = FrozenAmong(e, params);
   // uckpt keeps frozen parameters whole; DeepSpeed's are partitioned, so a
   // write to one is discarded unless a modifier rank keeps it: remember it.
   c10::NoGradGuard no_grad;
@@ -462,11 +391,9 @@ void Engine::GatherParameters(const std::vector<at::Tensor>& params) {
 
 void Engine::ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {
   Impl& e = *impl_;
-  if (!e.zero3) return;
-  std::vector<size_t> partitioned;
-  std::vector<NamedParam> frozen;
-  SortGathered(e, params, partitioned, frozen);
-  e.zero3->ReleaseSome(partitioned, modifier_rank);
+  if (!e.runtime->partitions_parameters()) return;
+  e.runtime->ReleaseParameters(params, modifier_rank);
+  const std::vector<NamedParam> frozen = FrozenAmong(e, params);
   c10::NoGradGuard no_grad;
   for (const auto& p : frozen) {
     auto it = e.gathered_frozen.find(p.tensor.unsafeGetTensorImpl());

@@ -9,6 +9,7 @@
 
 #include "engine/config.h"
 #include "engine/lr_schedule.h"
+#include "engine/sharded_runtime.h"
 #include "engine/zero3.h"
 #include "engine/zero_optimizer.h"
 #include "uckpt/engine.h"
@@ -45,8 +46,7 @@ struct Engine::Impl {
   std::vector<std::string> state_names;
   std::vector<std::string> module_prefixes;  // "" and every submodule (state_dict _metadata)
 
-  std::unique_ptr<engine::ZeroOptimizer> zero;    // stages 0-2
-  std::unique_ptr<engine::Zero3Optimizer> zero3;  // stage 3 (zero is null)
+  std::unique_ptr<engine::ShardedRuntime> runtime;  // this rank's partitions and the step (sharded_runtime.h)
   // Expires with the engine: unit_calls() a model keeps then fail cleanly.
   std::shared_ptr<int> alive = std::make_shared<int>(0);
   engine::LrSchedule schedule;
@@ -61,25 +61,20 @@ struct Engine::Impl {
       : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
 
   int stage() const { return config.zero.stage; }
-  // Group g's Adam hyper-parameters, wherever the stage keeps them.
-  const engine::OptimizerConfig& optimizer_config(size_t g) const {
-    return zero3 ? zero3->optimizer_config(g) : zero->optimizer_config(g);
-  }
-  void set_optimizer_config(size_t g, const engine::OptimizerConfig& o) {
-    if (zero3) {
-      zero3->set_optimizer_config(g, o);
-    } else {
-      zero->set_optimizer_config(g, o);
-    }
-  }
   bool boundary() const { return (micro_steps + 1) % batch.gradient_accumulation_steps == 0; }
 };
 
 namespace engine {
 
-// zero3_engine.cc: stage 3's part of the engine's construction (the
-// parameters partitioned per parameter, gather units from the options).
-void InitZero3(Engine::Impl& e, const std::vector<GroupSpec>& specs, const EngineOptions& options);
+// sharded_runtime.cc: the runtime of the configured stage over e.groups
+// (specs[g]: group g's sizes, names and hyper-parameters), every rank
+// starting from rank 0's weights, frozen parameters and buffers.
+std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<GroupSpec> specs,
+                                                   const EngineOptions& options);
+// zero3_engine.cc: stage 3's (the parameters partitioned one by one, gather
+// units from the options).
+std::unique_ptr<Zero3Optimizer> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
+                                                 const ZeroSettings& base, const EngineOptions& options);
 
 // checkpoint_zero3.cc: stage 3's checkpoints in DeepSpeed's ZeRO-3 layout
 // (SaveEngineCheckpoint saves them, as every stage's).

@@ -167,8 +167,8 @@ ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) {
   ckpt::StateFingerprint f;
   std::vector<Piece> pieces;
   const int rank = e.comm->rank();
-  if (e.zero3) {
-    const Zero3Optimizer& z = *e.zero3;
+  if (const Zero3Optimizer* z3 = e.runtime->stage3()) {
+    const Zero3Optimizer& z = *z3;
     for (const Zero3Param& p : z.params()) {
       const PartitionState& st = z.sub_groups()[p.sub_group].state;
       const int64_t real = ckpt::Stage3RealNumel(p.numel, z.dp(), rank);
@@ -178,7 +178,7 @@ ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) {
     if (!z.params().empty()) f.counters.optimizer_step = StepOf(z.sub_groups()[z.params()[0].sub_group].state);
     f.counters.loss_scale = z.loss_scale();
   } else {
-    const ZeroOptimizer& z = *e.zero;
+    const ZeroOptimizer& z = *e.runtime->flat();
     for (size_t g = 0; g < e.groups.size(); ++g) {
       const PartitionState& st = z.state(g);
       const size_t base = f.params.size();
@@ -267,7 +267,7 @@ void CheckStateFingerprint(Engine::Impl& e, const std::string& folder, const Loa
   const bool partial = o.load_module_only || !o.load_optimizer_states;
   scope.optimizer = !partial;
   scope.counters = !o.load_module_only;
-  scope.masters = !partial || e.zero3 || (!e.config.fp16.enabled && !e.config.bf16);
+  scope.masters = !partial || e.runtime->partitions_parameters() || (!e.config.fp16.enabled && !e.config.bf16);
   const ckpt::StateFingerprint held = EngineStateFingerprint(e);
   e.last_load.fingerprint_s = Since(start);
   if (auto diff = ckpt::FirstFingerprintDifference(*expected, held, scope))

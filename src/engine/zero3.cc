@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 
 #include <cmath>
+#include <set>
 #include <stdexcept>
 
 #include "ckpt/partition.h"
@@ -134,7 +135,7 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
       combined = at::clamp_min(clip, 1.0).item<double>() * prev_scale;
     }
     for (Zero3SubGroup& sg : subs_) CpuAdamStep(sg.state, sg.grad, 1.0 / combined, group_optimizers_[sg.group], group_lrs[sg.group]);
-    PartitionsFromMasters();
+    WeightsFromMasters();
     return r;
   }
   for (Zero3SubGroup& sg : subs_) {
@@ -152,11 +153,11 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
     TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group]);
     sg.grad.zero_();
   }
-  PartitionsFromMasters();
+  WeightsFromMasters();
   return r;
 }
 
-void Zero3Optimizer::PartitionsFromMasters() {
+void Zero3Optimizer::WeightsFromMasters() {
   units_.DropPrefetches();  // gathered from the old partitions
   c10::NoGradGuard no_grad;
   for (const Zero3SubGroup& sg : subs_)
@@ -165,6 +166,52 @@ void Zero3Optimizer::PartitionsFromMasters() {
       p.partition.copy_(sg.state.master.narrow(0, p.offset, p.partition_size));
     }
   storage_.RefetchWhole();
+}
+
+void Zero3Optimizer::MastersFromWeights() {
+  c10::NoGradGuard no_grad;
+  for (Zero3SubGroup& sg : subs_)
+    for (size_t i : sg.params) {
+      const Zero3Param& p = params_[i];
+      sg.state.master.narrow(0, p.offset, p.partition_size).copy_(p.partition);
+    }
+}
+
+// The planner's layout (ckpt/reshard.h) must be this one. Every sub-group
+// takes the model's first parameter's step, as the universal load does.
+std::vector<PartitionSlot> Zero3Optimizer::Slots() {
+  std::vector<PartitionSlot> slots;
+  for (Zero3SubGroup& sg : subs_) {
+    std::vector<ckpt::TargetParam> params;
+    int64_t offset = 0;
+    for (size_t i : sg.params) {
+      const Zero3Param& p = params_[i];
+      if (p.offset != offset || p.partition_size != ckpt::Stage3PartitionSize(p.numel, dp()))
+        throw std::logic_error("Zero3Optimizer: " + p.name + "'s partition is not where the planner puts it");
+      offset += p.partition_size;
+      params.push_back({p.name, p.numel, p.tensor.sizes().vec()});
+    }
+    slots.push_back({sg.group, ckpt::Stage3PartitionTarget(std::move(params), dp(), comm_.rank()), &sg.state,
+                     params_.front().name});
+  }
+  return slots;
+}
+
+void Zero3Optimizer::GatherParameters(const std::vector<at::Tensor>& params) { GatherSome(IndicesOf(params)); }
+
+void Zero3Optimizer::ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {
+  ReleaseSome(IndicesOf(params), modifier_rank);
+}
+
+// The indices of those of `ts` that are this runtime's parameters, sorted:
+// the same order on every rank.
+std::vector<size_t> Zero3Optimizer::IndicesOf(const std::vector<at::Tensor>& ts) const {
+  std::set<const void*> given;
+  for (const auto& t : ts) given.insert(t.unsafeGetTensorImpl());
+  std::vector<size_t> out;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (given.count(params_[i].tensor.unsafeGetTensorImpl())) out.push_back(i);
+  return out;
 }
 
 at::Tensor Zero3Optimizer::GatherWhole(size_t i) {

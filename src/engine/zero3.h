@@ -40,6 +40,7 @@
 
 #include "engine/config.h"
 #include "engine/loss_scaler.h"
+#include "engine/sharded_runtime.h"
 #include "engine/zero3_reduce.h"
 #include "engine/zero3_unit.h"
 #include "engine/zero_optimizer.h"
@@ -102,7 +103,7 @@ struct Zero3SubGroup {
   at::Tensor grad;             // [sum ps] fp32: the averaged gradient being accumulated
 };
 
-class Zero3Optimizer {
+class Zero3Optimizer : public ShardedRuntime {
  public:
   // `groups[g]`: group g's parameters (whole, equal on every rank), in the
   // order DeepSpeed flattens them; `unit_of[g][k]`: their gather unit (-1 root).
@@ -110,26 +111,36 @@ class Zero3Optimizer {
                  std::vector<OptimizerConfig> group_optimizers, const std::vector<std::vector<int>>& unit_of,
                  int num_units, Zero3Settings settings, at::Device device);
 
+  // One slot per sub-group: its parameters' partitions one after another.
+  std::vector<PartitionSlot> Slots() override;
+  int partition_dp() const override { return dp(); }
+  int partition_rank() const override { return comm_.rank(); }
+
   const Zero3Settings& settings() const { return s_; }
   int dp() const { return comm_.world_size(); }
   std::vector<Zero3Param>& params() { return params_; }
   const std::vector<Zero3Param>& params() const { return params_; }
   std::vector<Zero3SubGroup>& sub_groups() { return subs_; }
   const std::vector<Zero3SubGroup>& sub_groups() const { return subs_; }
-  size_t num_groups() const { return group_optimizers_.size(); }
-  const OptimizerConfig& optimizer_config(size_t g) const { return group_optimizers_.at(g); }
-  void set_optimizer_config(size_t g, const OptimizerConfig& o) { group_optimizers_.at(g) = o; }
-  LossScaler& loss_scaler() { return scaler_; }
-  const LossScaler& loss_scaler() const { return scaler_; }
-  double loss_scale() const { return scaler_.cur_scale; }
+  size_t num_groups() const override { return group_optimizers_.size(); }
+  const OptimizerConfig& optimizer_config(size_t g) const override { return group_optimizers_.at(g); }
+  void set_optimizer_config(size_t g, const OptimizerConfig& o) override { group_optimizers_.at(g) = o; }
+  LossScaler& loss_scaler() override { return scaler_; }
+  const LossScaler& loss_scaler() const override { return scaler_; }
   int num_units() const { return static_cast<int>(units_.size()); }
+  bool partitions_parameters() const override { return true; }
+  size_t num_gather_units() const override { return units_.size(); }
+  Zero3Optimizer* stage3() override { return this; }
 
   // The unit calls (Engine::EnterUnit/ExitUnit): gather/free plus the
   // autograd identities that wire the backward side.
-  at::Tensor EnterUnit(size_t unit, const at::Tensor& input);
-  at::Tensor ExitUnit(size_t unit, const at::Tensor& output);
-  void GatherAll();   // +1 on every unit
-  void ReleaseAll();  // -1 on every unit
+  at::Tensor EnterUnit(size_t unit, const at::Tensor& input) override;
+  at::Tensor ExitUnit(size_t unit, const at::Tensor& output) override;
+  void GatherAll() override;   // +1 on every unit
+  void ReleaseAll() override;  // -1 on every unit
+  // GatherSome/ReleaseSome over those of `params` that are this runtime's.
+  void GatherParameters(const std::vector<at::Tensor>& params) override;
+  void ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) override;
   // Engine::GatherParameters(params): +1 on each of `ps` (indices into
   // params(), the same on every rank), gathering those not whole.
   void GatherSome(const std::vector<size_t>& ps);
@@ -144,16 +155,20 @@ class Zero3Optimizer {
   // Times FinishBackward, synchronising the device (UCKPT_TIMERS).
   void set_timing(bool on) { timing_ = on; }
 
+  void PrepareBackward() override {}
   // After loss.backward(): the gradients not reduced yet (the root unit's),
   // then the bucket; frees units that backward gathered and left gathered.
   void FinishBackward();
+  void FinishBackward(bool boundary) override { FinishBackward(); }
 
-  using StepResult = ZeroOptimizer::StepResult;
-  StepResult Step(const std::vector<double>& group_lrs);  // group_lrs[g]: group g's lr
+  using StepResult = engine::StepResult;
+  StepResult Step(const std::vector<double>& group_lrs) override;  // group_lrs[g]: group g's lr
 
   // The 16-bit partitions from the fp32 masters, then every gathered
   // parameter from the partitions (after loading a checkpoint).
-  void PartitionsFromMasters();
+  void WeightsFromMasters() override;
+  // The fp32 masters from the 16-bit partitions.
+  void MastersFromWeights() override;
   // Whole parameter p (model dtype, on the model's device) from every rank's
   // partition: one all-gather, collective.
   at::Tensor GatherWhole(size_t p);
@@ -167,6 +182,7 @@ class Zero3Optimizer {
   Zero3Optimizer& operator=(const Zero3Optimizer&) = delete;
   void FinishBackwardUntimed();
   at::Tensor GlobalNorm(bool* finite);
+  std::vector<size_t> IndicesOf(const std::vector<at::Tensor>& ts) const;
 
   Comm& comm_;
   Zero3Settings s_;

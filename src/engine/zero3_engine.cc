@@ -1,7 +1,5 @@
-// Stage 3's part of uckpt::Engine's construction: parameters broadcast from
-// rank 0, sorted into gather units, partitioned (engine/zero3.h).
-#include <c10/core/GradMode.h>
-
+// Stage 3's part of the sharded runtime's construction (sharded_runtime.cc):
+// parameters sorted into gather units, partitioned (engine/zero3.h).
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -40,24 +38,9 @@ int UnitOfName(const std::vector<std::string>& prefixes, const std::string& name
 
 }  // namespace
 
-void InitZero3(Engine::Impl& e, const std::vector<GroupSpec>& specs, const EngineOptions& options) {
+std::unique_ptr<Zero3Optimizer> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
+                                                 const ZeroSettings& base, const EngineOptions& options) {
   const TrainConfig& c = e.config;
-  // Every rank starts from rank 0's whole weights, as DeepSpeed's initialize.
-  if (e.comm->world_size() > 1) {
-    c10::NoGradGuard no_grad;
-    for (const auto* list : {&e.frozen, &e.buffers})
-      for (const auto& p : *list) {
-        at::Tensor t = p.tensor.contiguous();
-        e.comm->Broadcast(t, 0);
-        if (!t.is_same(p.tensor)) p.tensor.copy_(t);
-      }
-    for (const auto& g : e.groups)
-      for (const auto& p : g) {
-        at::Tensor t = p.tensor.detach().contiguous();
-        e.comm->Broadcast(t, 0);
-        if (!t.is_same(p.tensor)) p.tensor.detach().copy_(t);
-      }
-  }
   // A parameter's unit: the unit holding all its names (tied aliases
   // included); names in several units or outside any make it the root's.
   const std::vector<std::string> prefixes = UnitPrefixes(e, options);
@@ -79,21 +62,14 @@ void InitZero3(Engine::Impl& e, const std::vector<GroupSpec>& specs, const Engin
     }
   }
   Zero3Settings zs;
-  zs.base.stage = 3;
-  zs.base.gradient_clipping = c.gradient_clipping;
-  zs.base.optimizer = c.optimizer;
-  zs.base.model_dtype = e.groups[0][0].tensor.scalar_type();
-  zs.base.fp16 = c.fp16;
-  zs.base.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
-  zs.base.reduce_bucket_size = c.zero.reduce_bucket_size;
-  zs.base.overlap_comm = c.zero.overlap_comm;
+  zs.base = base;
   zs.persistence_threshold = c.zero.param_persistence_threshold;
   zs.sub_group_size = c.zero.sub_group_size;
   zs.offload_param_cpu = c.zero.offload_param_cpu;
   zs.prefetch_bucket_size = c.zero.prefetch_bucket_size;
   zs.max_live_parameters = c.zero.max_live_parameters;
-  e.zero3 = std::make_unique<Zero3Optimizer>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
-                                             static_cast<int>(prefixes.size()), zs, e.device);
+  return std::make_unique<Zero3Optimizer>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
+                                          static_cast<int>(prefixes.size()), zs, e.device);
 }
 
 }  // namespace uckpt::engine

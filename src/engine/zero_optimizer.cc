@@ -61,7 +61,8 @@ void EnsureStaging(std::vector<at::Tensor>& slots, int64_t n, at::ScalarType dty
 }  // namespace
 
 ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
-    : ZeroOptimizer(comm, std::vector<GroupSpec>{GroupSpec{std::move(numels), settings.optimizer}}, settings, device) {}
+    : ZeroOptimizer(comm, std::vector<GroupSpec>{GroupSpec{std::move(numels), settings.optimizer, {}, {}}}, settings,
+                    device) {}
 
 ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings settings, at::Device device)
     : comm_(comm), s_(std::move(settings)) {
@@ -75,6 +76,10 @@ ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<GroupSpec> specs, ZeroSetti
     Group& g = groups_[gi];
     g.numels = std::move(specs[gi].numels);
     g.optimizer = specs[gi].optimizer;
+    g.names = std::move(specs[gi].names);
+    g.shapes = std::move(specs[gi].shapes);
+    g.names.resize(g.numels.size());
+    for (size_t k = g.shapes.size(); k < g.numels.size(); ++k) g.shapes.push_back({g.numels[k]});
     g.layout = ckpt::MakeFlatLayout(std::accumulate(g.numels.begin(), g.numels.end(), int64_t{0}), dp);
     g.offsets = ckpt::FlatOffsets(g.numels);
     g.fragments = ckpt::RankFragments(g.numels, dp, partition_rank());
@@ -90,6 +95,18 @@ ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<GroupSpec> specs, ZeroSetti
 }
 
 ZeroOptimizer::~ZeroOptimizer() = default;
+
+std::vector<PartitionSlot> ZeroOptimizer::Slots() {
+  std::vector<PartitionSlot> slots;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = groups_[gi];
+    std::vector<ckpt::TargetParam> params;
+    for (size_t k = 0; k < g.numels.size(); ++k) params.push_back({g.names[k], g.numels[k], g.shapes[k]});
+    slots.push_back({gi, ckpt::FlatPartitionTarget(std::move(params), g.layout.dp, partition_rank()), &g.state,
+                     g.names.front()});
+  }
+  return slots;
+}
 
 at::Tensor ZeroOptimizer::PartitionOf(const Group& g, const at::Tensor& flat) const {
   return flat.narrow(0, g.layout.begin(partition_rank()), g.layout.partition_size);
@@ -129,7 +146,7 @@ void ZeroOptimizer::BindGradients(const std::vector<std::vector<at::Tensor>>& pa
   }
 }
 
-void ZeroOptimizer::ReattachGradients() {
+void ZeroOptimizer::PrepareBackward() {
   const bool grads_live_in_dot_grad = s_.stage <= 1;  // DeepSpeed's, until the boundary (measured)
   for (Group& g : groups_)
     for (size_t k = 0; k < g.params.size(); ++k) {
@@ -187,7 +204,7 @@ at::Tensor ZeroOptimizer::AllReduceInDeepSpeedOrder(Group& g) {
   return part;
 }
 
-void ZeroOptimizer::ReduceMicroGradients(bool boundary) {
+void ZeroOptimizer::FinishBackward(bool boundary) {
   if (s_.stage == 2 || boundary)
     for (Group& g : groups_) ReduceIntoPartition(g);
 }
@@ -292,7 +309,7 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
   r.grad_norm = static_cast<float>(static_cast<float>(scaled_norm) / prev_scale);
   // Stage 0 in fp32: DeepSpeed's optimizer steps the module's parameters
   // themselves, so a write to one (p.data) is where the step starts.
-  if (s_.stage == 0 && s_.model_dtype == at::kFloat) InitMasterFromModel();
+  if (s_.stage == 0 && s_.model_dtype == at::kFloat) MastersFromWeights();
 
   for (Group& g : groups_) {
     const double lr = group_lrs[static_cast<size_t>(&g - groups_.data())];
@@ -321,7 +338,7 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
     AdamStep(g, grad, lr);
     g.grad_partition = at::Tensor();
   }
-  if (!s_.offload_optimizer_cpu) GatherModelFromMasters();
+  if (!s_.offload_optimizer_cpu) WeightsFromMasters();
   return r;
 }
 
@@ -428,11 +445,11 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
   p.addcdiv_(st.exp_avg, denom, -step_size);
 }
 
-void ZeroOptimizer::InitMasterFromModel() {
+void ZeroOptimizer::MastersFromWeights() {
   for (Group& g : groups_) g.state.master.copy_(PartitionOf(g, g.model_flat));
 }
 
-void ZeroOptimizer::GatherModelFromMasters() {
+void ZeroOptimizer::WeightsFromMasters() {
   for (Group& g : groups_) GatherModel(g, g.state.master);
 }
 

@@ -22,12 +22,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ckpt/partition.h"
-#include "uckpt/comm.h"
 #include "engine/config.h"
 #include "engine/loss_scaler.h"
+#include "engine/sharded_runtime.h"
+#include "uckpt/comm.h"
 
 namespace uckpt::engine {
 
@@ -42,20 +44,14 @@ struct ZeroSettings {
   bool overlap_comm = false;                // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
 };
 
-// The optimizer state of one rank's partition of one parameter group
-// (DeepSpeed's base_optimizer_state[g] + single_partition_of_fp32_groups[g]).
-struct PartitionState {
-  at::Tensor master;      // [P] fp32 master weights (padding zeros included)
-  at::Tensor exp_avg;     // [P] fp32, undefined before the first step
-  at::Tensor exp_avg_sq;  // [P] fp32
-  at::Tensor step;        // 0-d fp32 tensor (torch Adam's step), undefined before the first step
-};
-
 // One optimizer parameter group: its parameters' sizes in flat order and its
-// own hyper-parameters (lr comes from the schedule at each step).
+// own hyper-parameters (lr comes from the schedule at each step); their names
+// and shapes when known (the partition slots name them; else "" and [numel]).
 struct GroupSpec {
   std::vector<int64_t> numels;
   OptimizerConfig optimizer;
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
 };
 
 class OverlappedGradReducer;
@@ -64,25 +60,27 @@ class OverlappedGradReducer;
 // `st.master` updated with `grad` (moments created on the first step).
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad, const OptimizerConfig& o, double lr);
 
-class ZeroOptimizer {
+class ZeroOptimizer : public ShardedRuntime {
  public:
   // One flat buffer per group, each laid out and partitioned as DeepSpeed's
   // stage 1/2 does. `device` holds the model.
   ZeroOptimizer(Comm& comm, std::vector<GroupSpec> groups, ZeroSettings settings, at::Device device = at::kCPU);
   // One group with settings.optimizer.
   ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device = at::kCPU);
-  ~ZeroOptimizer();
+  ~ZeroOptimizer() override;
+
+  // One slot per group: its flat partition.
+  std::vector<PartitionSlot> Slots() override;
+  int partition_dp() const override { return groups_.at(0).layout.dp; }
+  int partition_rank() const override { return s_.stage == 0 ? 0 : comm_.rank(); }
 
   const ZeroSettings& settings() const { return s_; }
-  size_t num_groups() const { return groups_.size(); }
-  const OptimizerConfig& optimizer_config(size_t g = 0) const { return groups_.at(g).optimizer; }
-  // Replaces lr-independent Adam hyper-parameters (betas, eps, weight decay)
-  // of group g for the following steps: --keep-saved-hparams restores a checkpoint's.
-  void set_optimizer_config(size_t g, const OptimizerConfig& o) { groups_.at(g).optimizer = o; }
+  size_t num_groups() const override { return groups_.size(); }
+  const OptimizerConfig& optimizer_config(size_t g = 0) const override { return groups_.at(g).optimizer; }
+  void set_optimizer_config(size_t g, const OptimizerConfig& o) override { groups_.at(g).optimizer = o; }
   // The layout of group g's flat buffer (dp = 1 for stage 0).
   const ckpt::FlatLayout& layout(size_t g = 0) const { return groups_.at(g).layout; }
   const std::vector<int64_t>& numels(size_t g = 0) const { return groups_.at(g).numels; }
-  int partition_rank() const { return s_.stage == 0 ? 0 : comm_.rank(); }
 
   at::Tensor model_flat(size_t g = 0) const { return groups_.at(g).model_flat; }  // [Npad], model dtype
   at::Tensor grad_flat(size_t g = 0) const { return groups_.at(g).grad_flat; }    // [Npad], model dtype
@@ -90,43 +88,41 @@ class ZeroOptimizer {
   const PartitionState& state(size_t g = 0) const { return groups_.at(g).state; }
   // Set for stage 2 with overlap_comm at dp > 1, after BindGradients.
   const OverlappedGradReducer* overlap_reducer(size_t g = 0) const { return groups_.at(g).overlap.get(); }
-  LossScaler& loss_scaler() { return scaler_; }
-  const LossScaler& loss_scaler() const { return scaler_; }
+  LossScaler& loss_scaler() override { return scaler_; }
+  const LossScaler& loss_scaler() const override { return scaler_; }
 
   // Binds each parameter's .grad to its slice of its group's grad_flat.
   // `params[g]` are views into model_flat(g) in flat order.
   void BindGradients(const std::vector<std::vector<at::Tensor>>& params);
   void BindGradients(const std::vector<at::Tensor>& params) { BindGradients(std::vector{params}); }
-  // Before each backward: a parameter whose .grad is no longer its view (the
+  // Before each backward (PrepareBackward): a parameter whose .grad is no longer its view (the
   // caller set it to None, as module.zero_grad() does, or to another tensor)
   // gets the view back. Its gradient since the last reduction is dropped at
   // stages 0-1, where DeepSpeed keeps it in .grad until the boundary; another
   // tensor's values are added, as backward would add to it. One pointer check
   // per parameter otherwise.
-  void ReattachGradients();
-  // The loss multiplier for backward (the fp16 loss scale; 1 otherwise).
-  double loss_scale() const { return scaler_.cur_scale; }
+  void PrepareBackward() override;
 
   // After each micro-batch's backward; `boundary` on the last one of a step.
-  void ReduceMicroGradients(bool boundary);
+  void FinishBackward(bool boundary) override;
 
-  struct StepResult {
-    double grad_norm = 0;  // pre-clipping global norm of the averaged gradient (-1 on inf/nan)
-    bool skipped = false;  // fp16 overflow: nothing was updated
-    double loss_scale = 1;  // the scale the step's gradients carried
-  };
+  using StepResult = engine::StepResult;
   // The optimizer step with learning rate group_lrs[g] in group g, then the all-gather.
-  StepResult Step(const std::vector<double>& group_lrs);
+  StepResult Step(const std::vector<double>& group_lrs) override;
   StepResult Step(double lr) { return Step(std::vector<double>(groups_.size(), lr)); }  // every group
 
   // Master weights from the model (after loading weights into model_flat).
-  void InitMasterFromModel();
+  void MastersFromWeights() override;
   // Model weights from the masters of every rank (after loading partitions).
-  void GatherModelFromMasters();
+  void WeightsFromMasters() override;
+
+  ZeroOptimizer* flat() override { return this; }
 
  private:
   struct Group {
     std::vector<int64_t> numels;
+    std::vector<std::string> names;
+    std::vector<std::vector<int64_t>> shapes;
     OptimizerConfig optimizer;
     ckpt::FlatLayout layout;
     std::vector<int64_t> offsets;           // each parameter's start in the flat buffers

@@ -63,7 +63,7 @@ void ExpectSamePartition(const PartitionState& x, const PartitionState& y, const
   }
 }
 
-const Zero3Optimizer* Zero3Of(Trainer& t) { return t.engine().impl().zero3.get(); }
+const Zero3Optimizer* Zero3Of(Trainer& t) { return t.engine().impl().runtime->stage3(); }
 
 // Two engines on the same rank hold the same state, bit for bit.
 void ExpectSameState(Trainer& a, Trainer& b, const std::string& what) {

@@ -55,7 +55,7 @@ Outcome Train(const nlohmann::json& ds, int world, int steps = 12, int n_layer =
       StepMetrics m = t.TrainStep();
       if (comm.rank() == 0) out.losses.push_back(m.loss);
     }
-    const Zero3Stats stats = t.engine().impl().zero3->stats();
+    const Zero3Stats stats = t.engine().impl().runtime->stage3()->stats();
     t.engine().GatherParameters();
     if (comm.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -228,7 +228,7 @@ std::pair<std::vector<double>, Zero3Stats> TrainSkipping(int64_t prefetch) {
         engine.Backward(loss);
         engine.Step();
       }
-    if (comm.rank() == 0) stats = engine.impl().zero3->stats();
+    if (comm.rank() == 0) stats = engine.impl().runtime->stage3()->stats();
   });
   return {losses, stats};
 }

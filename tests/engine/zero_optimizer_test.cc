@@ -27,10 +27,10 @@ TEST(ZeroOptimizer, Fp16OverflowSkipsTheStepAndAdjustsTheScale) {
   auto comm = MakeSingleProcessComm();
   ZeroOptimizer z(*comm, std::vector<int64_t>{3, 5}, Fp16Settings());
   z.model_flat().fill_(1.0);
-  z.InitMasterFromModel();
+  z.MastersFromWeights();
   auto step = [&](float g) {
     z.grad_flat().fill_(g);
-    z.ReduceMicroGradients(true);
+    z.FinishBackward(true);
     return z.Step(0.1);
   };
   EXPECT_EQ(z.loss_scale(), 16.0);
@@ -62,7 +62,7 @@ TEST(ZeroOptimizer, StaticLossScaleNeverChanges) {
   ZeroOptimizer z(*comm, std::vector<int64_t>{4}, s);
   EXPECT_EQ(z.loss_scale(), 128.0);
   z.grad_flat().fill_(128.0);
-  z.ReduceMicroGradients(true);
+  z.FinishBackward(true);
   auto r = z.Step(0.01);
   EXPECT_FALSE(r.skipped);
   EXPECT_NEAR(r.grad_norm, 2.0, 1e-6);
@@ -81,7 +81,7 @@ TEST(ZeroOptimizer, GradientAccumulationIsTheSumOfMicroSteps) {
     ZeroOptimizer z(*comm, std::vector<int64_t>{6}, s);
     for (float g : {1.0f, 2.0f, 3.0f}) {
       z.grad_flat().add_(g);  // autograd accumulates into .grad like this
-      z.ReduceMicroGradients(g == 3.0f);
+      z.FinishBackward(g == 3.0f);
     }
     auto r = z.Step(0.5);
     EXPECT_NEAR(r.grad_norm, 6.0 * std::sqrt(6.0), 1e-5) << stage;
@@ -106,7 +106,7 @@ TEST(ZeroOptimizer, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
     ZeroOptimizer z(*comm, std::vector<int64_t>{70001, 30000}, s);
     at::manual_seed(5);
     z.model_flat().copy_(at::randn({z.model_flat().numel()}));
-    z.InitMasterFromModel();
+    z.MastersFromWeights();
     PartitionState want;
     want.master = z.state().master.clone();
     for (int step = 1; step <= 4; ++step) {
@@ -115,7 +115,7 @@ TEST(ZeroOptimizer, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
         at::Tensor g = at::randn({z.grad_flat().numel()}) * 0.1;
         z.grad_flat().add_(g);
         sum.add_(g);
-        z.ReduceMicroGradients(micro == 1);
+        z.FinishBackward(micro == 1);
       }
       auto r = z.Step(1e-3 * step);
       // DeepSpeed's clip factor, in fp32 as the engine computes it.

@@ -1,0 +1,80 @@
+// The sharded runtime's construction: one place for every stage.
+#include "engine/sharded_runtime.h"
+
+#include <c10/core/GradMode.h>
+
+#include "engine/engine_impl.h"
+
+namespace uckpt::engine {
+
+at::ScalarType ModelDtype(const TrainConfig& c) {
+  if (c.fp16.enabled) return at::kHalf;
+  if (c.bf16) return at::kBFloat16;
+  return at::kFloat;
+}
+
+namespace {
+
+ZeroSettings SettingsOf(const TrainConfig& c) {
+  ZeroSettings s;
+  s.stage = c.zero.stage;
+  s.gradient_clipping = c.gradient_clipping;
+  s.optimizer = c.optimizer;
+  s.model_dtype = ModelDtype(c);
+  s.fp16 = c.fp16;
+  s.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
+  s.reduce_bucket_size = c.zero.reduce_bucket_size;
+  s.overlap_comm = c.zero.overlap_comm;
+  return s;
+}
+
+// Rank 0's values of `t` on every rank, as DeepSpeed's initialize broadcasts them.
+void BroadcastFromRank0(Comm& comm, const at::Tensor& t) {
+  at::Tensor c = t.detach().contiguous();
+  comm.Broadcast(c, 0);
+  if (!c.is_alias_of(t)) t.detach().copy_(c);
+}
+
+// Stages 0-2: the parameters become views into their group's flat buffer
+// (their values copied in), then the masters come from them.
+std::unique_ptr<ZeroOptimizer> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupSpec> specs) {
+  auto z = std::make_unique<ZeroOptimizer>(*e.comm, std::move(specs), SettingsOf(e.config), e.device);
+  std::vector<std::vector<at::Tensor>> bound(e.groups.size());
+  {
+    c10::NoGradGuard no_grad;
+    for (size_t g = 0; g < e.groups.size(); ++g) {
+      at::Tensor flat = z->model_flat(g);
+      int64_t off = 0;
+      for (auto& p : e.groups[g]) {
+        const int64_t n = p.tensor.numel();
+        at::Tensor view = flat.narrow(0, off, n).view(p.tensor.sizes());
+        view.copy_(p.tensor);
+        p.tensor.set_data(view);
+        bound[g].push_back(p.tensor);
+        off += n;
+      }
+      if (e.comm->world_size() > 1) BroadcastFromRank0(*e.comm, flat);
+    }
+  }
+  z->MastersFromWeights();
+  z->BindGradients(bound);
+  return z;
+}
+
+}  // namespace
+
+std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<GroupSpec> specs,
+                                                   const EngineOptions& options) {
+  if (e.comm->world_size() > 1) {
+    c10::NoGradGuard no_grad;
+    for (const auto* list : {&e.frozen, &e.buffers})
+      for (const auto& p : *list) BroadcastFromRank0(*e.comm, p.tensor);
+    if (e.stage() == 3)  // stages 0-2 broadcast their flat buffers once the parameters are views into them
+      for (const auto& g : e.groups)
+        for (const auto& p : g) BroadcastFromRank0(*e.comm, p.tensor);
+  }
+  if (e.stage() == 3) return MakeZero3Runtime(e, specs, SettingsOf(e.config), options);
+  return MakeFlatRuntime(e, std::move(specs));
+}
+
+}  // namespace uckpt::engine
