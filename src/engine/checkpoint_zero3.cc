@@ -37,7 +37,6 @@ ckpt::AdamHparams Hparams(const Engine::Impl& e, size_t g) {
 }
 
 ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std::string, ValuePtr>>& client) {
-  const Zero3Optimizer& z = *e.runtime->stage3();
   ckpt::ModelStates m;
   m.stage = 3;
   // The parameters' entries are empty, as DeepSpeed's state_dict of released
@@ -45,20 +44,21 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
   // rank's partition is in its optim file, its frozen slot below. Buffers are whole.
   std::map<std::string, ValuePtr> by_name;
   auto empty = [](const at::Tensor& t) { return TensorValue(at::empty({0}, t.options().device(at::kCPU))); };
-  for (const auto& p : z.params()) by_name[p.name] = empty(p.tensor);
+  for (const auto& g : e.groups)
+    for (const auto& p : g) by_name[p.name] = empty(p.tensor);
   for (const auto& p : e.frozen) by_name[p.name] = empty(p.tensor);
   for (const auto& p : e.buffers) by_name[p.name] = TensorValue(p.tensor);
   for (const auto& [alias, owner] : e.aliases) by_name[alias] = by_name.at(owner);
   for (const auto& name : e.state_names) m.module.emplace_back(name, by_name.at(name));
   m.module_prefixes = e.module_prefixes;
   for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
-  for (const auto& sg : z.sub_groups()) {
+  for (const PartitionSlot& slot : e.runtime->Slots()) {  // one per sub-group
     m.param_shapes.emplace_back();
-    for (size_t i : sg.params) m.param_shapes.back().push_back({z.params()[i].name, z.params()[i].tensor.sizes().vec()});
+    for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
   }
   // Frozen parameters: this rank's slot in frozen_param_fragments, as
   // DeepSpeed's ZeRO-3 saves them (LoadFixedParams puts them together).
-  const int dp = z.dp(), rank = e.comm->rank();
+  const int dp = e.runtime->partition_dp(), rank = e.runtime->partition_rank();
   for (const auto& p : e.frozen) {
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
     m.frozen.emplace_back(p.name, TensorValue(RankSlot(p.tensor, dp, rank).cpu()));
@@ -68,22 +68,20 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, const std::vector<std::pair<std
 }
 
 ValuePtr Zero3OptimStates(const Engine::Impl& e) {
-  const Zero3Optimizer& z = *e.runtime->stage3();
+  const ShardedRuntime& z = *e.runtime;
   ckpt::Stage3RankOptimStates r;
-  r.dp = z.dp();
+  r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.ds_config = ckpt::JsonToValue(e.config.raw);
   std::vector<std::vector<int64_t>> ids(z.num_groups());
-  for (size_t i = 0; i < z.sub_groups().size(); ++i) {
-    const Zero3SubGroup& sg = z.sub_groups()[i];
+  for (const PartitionSlot& slot : e.runtime->Slots()) {  // one per sub-group
+    const PartitionState& st = *slot.state;
     ckpt::Stage3SubGroupState s;
-    s.fp32 = TensorValue(sg.state.master, /*requires_grad=*/true);
-    if (sg.state.step.defined())
-      s.adam = {{"step", TensorValue(sg.state.step)},
-                {"exp_avg", TensorValue(sg.state.exp_avg)},
-                {"exp_avg_sq", TensorValue(sg.state.exp_avg_sq)}};
+    s.fp32 = TensorValue(st.master, /*requires_grad=*/true);
+    if (st.step.defined())
+      s.adam = {{"step", TensorValue(st.step)}, {"exp_avg", TensorValue(st.exp_avg)}, {"exp_avg_sq", TensorValue(st.exp_avg_sq)}};
+    ids[slot.group].push_back(static_cast<int64_t>(r.sub_groups.size()));
     r.sub_groups.push_back(std::move(s));
-    ids[sg.group].push_back(static_cast<int64_t>(i));
   }
   for (size_t g = 0; g < ids.size(); ++g) r.param_groups.emplace_back(Hparams(e, g), ids[g]);
   return ckpt::Stage3OptimStatesValue(r);

@@ -166,31 +166,18 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
 ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) {
   ckpt::StateFingerprint f;
   std::vector<Piece> pieces;
-  const int rank = e.comm->rank();
-  if (const Zero3Optimizer* z3 = e.runtime->stage3()) {
-    const Zero3Optimizer& z = *z3;
-    for (const Zero3Param& p : z.params()) {
-      const PartitionState& st = z.sub_groups()[p.sub_group].state;
-      const int64_t real = ckpt::Stage3RealNumel(p.numel, z.dp(), rank);
-      pieces.push_back({f.params.size(), &st, p.offset, std::min(p.numel, p.partition_size * rank), real});
-      f.params.push_back(Entry(p.name, p.numel, st));
-    }
-    if (!z.params().empty()) f.counters.optimizer_step = StepOf(z.sub_groups()[z.params()[0].sub_group].state);
-    f.counters.loss_scale = z.loss_scale();
-  } else {
-    const ZeroOptimizer& z = *e.runtime->flat();
-    for (size_t g = 0; g < e.groups.size(); ++g) {
-      const PartitionState& st = z.state(g);
-      const size_t base = f.params.size();
-      for (const auto& p : e.groups[g]) f.params.push_back(Entry(p.name, p.tensor.numel(), st));
-      // Stage 0 keeps the whole group on every rank: rank 0 hashes it.
-      if (e.stage() == 0 && rank != 0) continue;
-      for (const ckpt::Fragment& fr : ckpt::RankFragments(z.numels(g), z.layout(g).dp, z.partition_rank()))
-        pieces.push_back({base + fr.param, &st, fr.partition_offset, fr.param_offset, fr.numel});
-    }
-    if (!e.groups.empty()) f.counters.optimizer_step = StepOf(z.state(0));
-    f.counters.loss_scale = z.loss_scale();
+  // Stage 0 keeps every partition whole on every rank: rank 0 hashes them.
+  const bool hashes = e.runtime->partition_dp() > 1 || e.comm->rank() == 0;
+  const std::vector<PartitionSlot> slots = e.runtime->Slots();
+  for (const PartitionSlot& slot : slots) {
+    const size_t base = f.params.size();
+    for (const auto& p : slot.target.params) f.params.push_back(Entry(p.name, p.numel, *slot.state));
+    if (!hashes) continue;
+    for (const ckpt::TargetFragment& fr : slot.target.fragments)
+      pieces.push_back({base + fr.param, slot.state, fr.offset, fr.param_offset, fr.numel});
   }
+  if (!slots.empty()) f.counters.optimizer_step = StepOf(*slots.front().state);
+  f.counters.loss_scale = e.runtime->loss_scale();
   f.counters.global_steps = e.global_steps;
   f.counters.skipped_steps = e.skipped_steps;
   f.counters.global_samples = e.global_samples;

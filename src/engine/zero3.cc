@@ -8,6 +8,7 @@
 
 #include "ckpt/partition.h"
 #include "engine/cpu_adam.h"
+#include "engine/grad_numerics.h"
 
 namespace uckpt::engine {
 namespace {
@@ -74,9 +75,8 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
   if (dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.base.fp16);
 }
 
-// DeepSpeed's stage-3 get_grad_norm_direct per sub-group (each parameter
-// partition's fp64 norm, squared and summed, summed over ranks in fp64, ** 0.5),
-// then the L2 norm over the sub-groups.
+// DeepSpeed's stage-3 global norm (grad_numerics.h): each parameter
+// partition's fp64 norm, summed in fp64 per sub-group over the ranks.
 at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
   std::vector<at::Tensor> group_norms;
   for (const Zero3SubGroup& sg : subs_) {
@@ -90,17 +90,9 @@ at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
                           ? at::scalar_tensor(std::sqrt(SumOfSquares(g)), at::kDouble)
                           : g.to(device_).to(at::kDouble).norm(2));
     }
-    at::Tensor total = at::sum(at::pow(at::stack(norms), 2)).to(device_);
-    if (dp() > 1) {
-      at::Tensor t = total.reshape({1});
-      comm_.AllReduceSum(t);
-      total = t.reshape({});
-    }
-    group_norms.push_back(at::pow(total, 1.0 / 2.0));
+    group_norms.push_back(GroupGradNorm(comm_, norms, at::kDouble, device_, dp() > 1));
   }
-  at::Tensor norm = at::linalg_vector_norm(at::stack(group_norms), 2);
-  *finite = std::isfinite(norm.item<double>());
-  return norm;
+  return GlobalGradNorm(group_norms, finite);
 }
 
 Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group_lrs) {
@@ -111,11 +103,9 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
   r.loss_scale = prev_scale;
   bool overflow = false;
   if (s_.base.model_dtype == at::kHalf) {
-    at::Tensor bad = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
-    for (const Zero3SubGroup& sg : subs_)
-      bad = at::maximum(bad, sg.grad.isfinite().logical_not().any().to(at::kFloat).reshape({1}).to(device_));
-    comm_.AllReduceMax(bad);
-    overflow = bad.item<float>() > 0;
+    std::vector<at::Tensor> grads;
+    for (const Zero3SubGroup& sg : subs_) grads.push_back(sg.grad);
+    overflow = AnyRankOverflowed(comm_, grads, device_);
   }
   scaler_.Update(overflow);
   if (overflow) {
@@ -127,29 +117,17 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
   bool finite = true;
   at::Tensor norm = GlobalNorm(&finite);  // fp64, of the scaled gradients
   r.grad_norm = finite ? norm.item<double>() / prev_scale : -1;
+  const UnscaleAndClip unscale(norm, prev_scale, s_.base.gradient_clipping);
   if (s_.base.offload_optimizer_cpu) {
-    // The same unscale-and-clip factor, applied inside one fused host pass.
-    double combined = prev_scale;
-    if (s_.base.gradient_clipping > 0) {
-      at::Tensor clip = ((norm.cpu() / prev_scale) + 1e-6) / s_.base.gradient_clipping;
-      combined = at::clamp_min(clip, 1.0).item<double>() * prev_scale;
-    }
-    for (Zero3SubGroup& sg : subs_) CpuAdamStep(sg.state, sg.grad, 1.0 / combined, group_optimizers_[sg.group], group_lrs[sg.group]);
+    // The same factor, applied inside one fused host pass.
+    for (Zero3SubGroup& sg : subs_)
+      CpuAdamStep(sg.state, sg.grad, unscale.host_factor(), group_optimizers_[sg.group], group_lrs[sg.group]);
     WeightsFromMasters();
     return r;
   }
   for (Zero3SubGroup& sg : subs_) {
-    // unscale_and_clip_grads, with DeepSpeed's fp64 tensors.
     at::Tensor grad = sg.grad;
-    if (s_.base.gradient_clipping > 0) {
-      at::Tensor n = norm.to(grad.device());
-      at::Tensor clip = ((n / prev_scale) + 1e-6) / s_.base.gradient_clipping;
-      clip = at::clamp_min(clip, 1.0);
-      at::Tensor combined = clip * prev_scale;
-      grad.mul_(at::reciprocal(combined) * 1.0);
-    } else {
-      grad.mul_(1.0 / prev_scale);
-    }
+    unscale.Apply(grad);
     TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group]);
     sg.grad.zero_();
   }
