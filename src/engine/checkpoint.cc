@@ -268,26 +268,28 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
 }
 
 ValuePtr OptimStatesValue(const Engine::Impl& e) {
-  const ZeroOptimizer& z = *e.runtime->flat();
-  const int rank = z.partition_rank();
+  const ShardedRuntime& z = *e.runtime;
   ckpt::RankOptimStates r;
   r.stage = e.stage();
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.clip_grad = e.config.gradient_clipping;
   r.ds_config = ckpt::JsonToValue(e.config.raw);
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    const PartitionState& s = z.state(g);
-    const auto& layout = z.layout(g);
+  for (const PartitionSlot& slot : e.runtime->Slots()) {
+    const PartitionState& s = *slot.state;
     ckpt::OptimGroupState gs;
-    gs.padding = layout.padding(rank);
+    int64_t real = 0;  // the partition's elements before its padding
+    for (const ckpt::TargetFragment& f : slot.target.fragments) {
+      gs.mappings.emplace_back(slot.target.params[f.param].name,
+                               ckpt::Fragment{f.param, z.partition_rank(), f.param_offset, f.offset, f.numel});
+      real += f.numel;
+    }
+    gs.padding = slot.target.length - real;
     // The lean fp32 partition: a view of the padded one, padding cut off.
-    gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {layout.partition_size - gs.padding}, 0, /*requires_grad=*/true);
+    gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {real}, 0, /*requires_grad=*/true);
     if (s.step.defined())
       gs.adam = {{"step", TensorValue(s.step)}, {"exp_avg", TensorValue(s.exp_avg)}, {"exp_avg_sq", TensorValue(s.exp_avg_sq)}};
-    gs.hparams = SavedHparams(e, g);
-    for (const auto& f : ckpt::RankFragments(z.numels(g), layout.dp, rank))
-      gs.mappings.emplace_back(e.groups[g][f.param].name, f);
+    gs.hparams = SavedHparams(e, slot.group);
     r.groups.push_back(std::move(gs));
   }
   return ckpt::OptimStatesValue(r);

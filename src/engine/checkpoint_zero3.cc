@@ -17,22 +17,22 @@ namespace uckpt::engine {
 namespace {
 
 ValuePtr Zero3ModelStates(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
-  const Zero3Optimizer& z = *e.runtime->stage3();
   // The parameters' entries are empty, as DeepSpeed's state_dict of released
   // ZeRO-3 parameters (DeepSpeed's load_state_dict needs that shape): each
   // rank's partition is in its optim file, its frozen slot below.
   std::map<std::string, ValuePtr> params;
   auto empty = [](const at::Tensor& t) { return TensorValue(at::empty({0}, t.options().device(at::kCPU))); };
-  for (const auto& p : z.params()) params[p.name] = empty(p.tensor);
+  for (const auto& g : e.groups)
+    for (const auto& p : g) params[p.name] = empty(p.tensor);
   for (const auto& p : e.frozen) params[p.name] = empty(p.tensor);
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
-  for (const auto& sg : z.sub_groups()) {
+  for (const PartitionSlot& slot : e.runtime->Slots()) {  // one per sub-group
     m.param_shapes.emplace_back();
-    for (size_t i : sg.params) m.param_shapes.back().push_back({z.params()[i].name, z.params()[i].tensor.sizes().vec()});
+    for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
   }
   // Frozen parameters: this rank's slot in frozen_param_fragments, as
   // DeepSpeed's ZeRO-3 saves them (the load puts them together).
-  const int dp = z.dp(), rank = e.comm->rank();
+  const int dp = e.runtime->partition_dp(), rank = e.runtime->partition_rank();
   for (const auto& p : e.frozen) {
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
     m.frozen.emplace_back(p.name, TensorValue(RankSlot(p.tensor, dp, rank).cpu()));
@@ -41,22 +41,20 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, std::vector<std::pair<std::stri
 }
 
 ValuePtr Zero3OptimStates(const Engine::Impl& e) {
-  const Zero3Optimizer& z = *e.runtime->stage3();
+  const ShardedRuntime& z = *e.runtime;
   ckpt::Stage3RankOptimStates r;
-  r.dp = z.dp();
+  r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.ds_config = ckpt::JsonToValue(e.config.raw);
   std::vector<std::vector<int64_t>> ids(z.num_groups());
-  for (size_t i = 0; i < z.sub_groups().size(); ++i) {
-    const Zero3SubGroup& sg = z.sub_groups()[i];
+  for (const PartitionSlot& slot : e.runtime->Slots()) {  // one per sub-group
+    const PartitionState& st = *slot.state;
     ckpt::Stage3SubGroupState s;
-    s.fp32 = TensorValue(sg.state.master, /*requires_grad=*/true);
-    if (sg.state.step.defined())
-      s.adam = {{"step", TensorValue(sg.state.step)},
-                {"exp_avg", TensorValue(sg.state.exp_avg)},
-                {"exp_avg_sq", TensorValue(sg.state.exp_avg_sq)}};
+    s.fp32 = TensorValue(st.master, /*requires_grad=*/true);
+    if (st.step.defined())
+      s.adam = {{"step", TensorValue(st.step)}, {"exp_avg", TensorValue(st.exp_avg)}, {"exp_avg_sq", TensorValue(st.exp_avg_sq)}};
+    ids[slot.group].push_back(static_cast<int64_t>(r.sub_groups.size()));
     r.sub_groups.push_back(std::move(s));
-    ids[sg.group].push_back(static_cast<int64_t>(i));
   }
   for (size_t g = 0; g < ids.size(); ++g) r.param_groups.emplace_back(SavedHparams(e, g), ids[g]);
   return ckpt::Stage3OptimStatesValue(r);

@@ -1,7 +1,6 @@
 #include "engine/zero3.h"
 
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <set>
@@ -9,6 +8,7 @@
 
 #include "ckpt/partition.h"
 #include "engine/cpu_adam.h"
+#include "engine/grad_numerics.h"
 
 namespace uckpt::engine {
 namespace {
@@ -18,36 +18,6 @@ at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device 
   if (!host || device.is_cpu()) return at::zeros(sizes, o.device(device));
   return at::zeros(sizes, o.device(at::kCPU).pinned_memory(true));  // pinned: copies to the GPU overlap
 }
-
-// Identity whose backward runs once the unit's backward is done.
-struct EnterUnitFn : public torch::autograd::Function<EnterUnitFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t z3, int64_t unit) {
-    ctx->saved_data["z3"] = z3;
-    ctx->saved_data["unit"] = unit;
-    return x;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* z = reinterpret_cast<Zero3Optimizer*>(ctx->saved_data["z3"].toInt());
-    z->BackwardDone(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
-};
-
-// Identity whose backward runs before the unit's backward.
-struct ExitUnitFn : public torch::autograd::Function<ExitUnitFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, int64_t z3, int64_t unit) {
-    ctx->saved_data["z3"] = z3;
-    ctx->saved_data["unit"] = unit;
-    return y;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* z = reinterpret_cast<Zero3Optimizer*>(ctx->saved_data["z3"].toInt());
-    z->BackwardGather(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
-};
 
 }  // namespace
 
@@ -60,9 +30,6 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
     throw std::invalid_argument("Zero3Optimizer: parameter groups, optimizers and units do not match");
   const int dp = comm_.world_size();
   const at::ScalarType dtype = s_.base.model_dtype;
-  units_.resize(static_cast<size_t>(num_units));
-  unit_numel_.assign(units_.size(), 0);
-  backward_live_.assign(units_.size(), 0);
   c10::NoGradGuard no_grad;
   for (size_t g = 0; g < groups.size(); ++g) {
     std::vector<int64_t> numels;
@@ -102,62 +69,14 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
       subs_.push_back(std::move(sg));
     }
   }
-  // Unit parameters stay gathered until the model first enters a unit (a
-  // model that never calls EnterUnit still runs, without the savings); the
+  // Unit parameters stay gathered until the model first enters a unit; the
   // root and persistent ones stay gathered for good.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Zero3Param& p = params_[i];
-    if (p.unit < 0 || p.persistent) continue;
-    units_[static_cast<size_t>(p.unit)].push_back(i);
-    unit_numel_[static_cast<size_t>(p.unit)] += p.numel;
-    stats_.gathered_elements += p.numel;
-  }
-  prefetched_.resize(units_.size());
+  units_.Build(params_, num_units);
   if (dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.base.fp16);
 }
 
-at::Tensor Zero3Optimizer::EnterUnit(size_t unit, const at::Tensor& input) {
-  if (unit >= units_.size())
-    throw std::out_of_range("uckpt::Engine::EnterUnit: unit " + std::to_string(unit) + ", but " +
-                            std::to_string(units_.size()) + " gather units were declared");
-  Gather(unit);
-  if (initial_hold_) {  // from now on units are gathered only while entered
-    initial_hold_ = false;
-    ReleaseAll();
-    stats_.peak_gathered_elements = stats_.gathered_elements;
-  }
-  Prefetch(unit, +1);
-  if (!at::GradMode::is_enabled() || !input.requires_grad()) return input;
-  return EnterUnitFn::apply(input, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
-}
-
-at::Tensor Zero3Optimizer::ExitUnit(size_t unit, const at::Tensor& output) {
-  if (unit >= units_.size())
-    throw std::out_of_range("uckpt::Engine::ExitUnit: unit " + std::to_string(unit) + ", but " +
-                            std::to_string(units_.size()) + " gather units were declared");
-  Release(unit);
-  if (!at::GradMode::is_enabled() || !output.requires_grad()) return output;
-  return ExitUnitFn::apply(output, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
-}
-
-void Zero3Optimizer::BackwardGather(size_t unit) {
-  Gather(unit);
-  ++backward_live_.at(unit);
-  Prefetch(unit, -1);
-}
-
-void Zero3Optimizer::BackwardDone(size_t unit) {
-  for (size_t i : units_.at(unit))
-    if (params_[i].tensor.grad().defined()) Bucket(i);
-  if (backward_live_.at(unit) > 0) {
-    --backward_live_[unit];
-    Release(unit);
-  }
-}
-
-// DeepSpeed's stage-3 get_grad_norm_direct per sub-group (each parameter
-// partition's fp64 norm, squared and summed, summed over ranks in fp64, ** 0.5),
-// then the L2 norm over the sub-groups.
+// DeepSpeed's stage-3 global norm (grad_numerics.h): each parameter
+// partition's fp64 norm, summed in fp64 per sub-group over the ranks.
 at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
   std::vector<at::Tensor> group_norms;
   for (const Zero3SubGroup& sg : subs_) {
@@ -171,17 +90,9 @@ at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
                           ? at::scalar_tensor(std::sqrt(SumOfSquares(g)), at::kDouble)
                           : g.to(device_).to(at::kDouble).norm(2));
     }
-    at::Tensor total = at::sum(at::pow(at::stack(norms), 2)).to(device_);
-    if (dp() > 1) {
-      at::Tensor t = total.reshape({1});
-      comm_.AllReduceSum(t);
-      total = t.reshape({});
-    }
-    group_norms.push_back(at::pow(total, 1.0 / 2.0));
+    group_norms.push_back(GroupGradNorm(comm_, norms, at::kDouble, device_, dp() > 1));
   }
-  at::Tensor norm = at::linalg_vector_norm(at::stack(group_norms), 2);
-  *finite = std::isfinite(norm.item<double>());
-  return norm;
+  return GlobalGradNorm(group_norms, finite);
 }
 
 Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group_lrs) {
@@ -192,11 +103,9 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
   r.loss_scale = prev_scale;
   bool overflow = false;
   if (s_.base.model_dtype == at::kHalf) {
-    at::Tensor bad = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
-    for (const Zero3SubGroup& sg : subs_)
-      bad = at::maximum(bad, sg.grad.isfinite().logical_not().any().to(at::kFloat).reshape({1}).to(device_));
-    comm_.AllReduceMax(bad);
-    overflow = bad.item<float>() > 0;
+    std::vector<at::Tensor> grads;
+    for (const Zero3SubGroup& sg : subs_) grads.push_back(sg.grad);
+    overflow = AnyRankOverflowed(comm_, grads, device_);
   }
   scaler_.Update(overflow);
   if (overflow) {
@@ -208,29 +117,17 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
   bool finite = true;
   at::Tensor norm = GlobalNorm(&finite);  // fp64, of the scaled gradients
   r.grad_norm = finite ? norm.item<double>() / prev_scale : -1;
+  const UnscaleAndClip unscale(norm, prev_scale, s_.base.gradient_clipping);
   if (s_.base.offload_optimizer_cpu) {
-    // The same unscale-and-clip factor, applied inside one fused host pass.
-    double combined = prev_scale;
-    if (s_.base.gradient_clipping > 0) {
-      at::Tensor clip = ((norm.cpu() / prev_scale) + 1e-6) / s_.base.gradient_clipping;
-      combined = at::clamp_min(clip, 1.0).item<double>() * prev_scale;
-    }
-    for (Zero3SubGroup& sg : subs_) CpuAdamStep(sg.state, sg.grad, 1.0 / combined, group_optimizers_[sg.group], group_lrs[sg.group]);
+    // The same factor, applied inside one fused host pass.
+    for (Zero3SubGroup& sg : subs_)
+      CpuAdamStep(sg.state, sg.grad, unscale.host_factor(), group_optimizers_[sg.group], group_lrs[sg.group]);
     WeightsFromMasters();
     return r;
   }
   for (Zero3SubGroup& sg : subs_) {
-    // unscale_and_clip_grads, with DeepSpeed's fp64 tensors.
     at::Tensor grad = sg.grad;
-    if (s_.base.gradient_clipping > 0) {
-      at::Tensor n = norm.to(grad.device());
-      at::Tensor clip = ((n / prev_scale) + 1e-6) / s_.base.gradient_clipping;
-      clip = at::clamp_min(clip, 1.0);
-      at::Tensor combined = clip * prev_scale;
-      grad.mul_(at::reciprocal(combined) * 1.0);
-    } else {
-      grad.mul_(1.0 / prev_scale);
-    }
+    unscale.Apply(grad);
     TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group]);
     sg.grad.zero_();
   }
@@ -239,17 +136,14 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
 }
 
 void Zero3Optimizer::WeightsFromMasters() {
-  DropPrefetches();  // gathered from the old partitions
+  units_.DropPrefetches();  // gathered from the old partitions
   c10::NoGradGuard no_grad;
   for (const Zero3SubGroup& sg : subs_)
     for (size_t i : sg.params) {
       Zero3Param& p = params_[i];
       p.partition.copy_(sg.state.master.narrow(0, p.offset, p.partition_size));
     }
-  std::vector<size_t> live;
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].live > 0) live.push_back(i);
-  Fetch(live);
+  storage_.RefetchWhole();
 }
 
 void Zero3Optimizer::MastersFromWeights() {

@@ -18,29 +18,31 @@
 // torch's Adam/AdamW on each sub-group's partition (under offload_optimizer:
 // the fused host Adam of cpu_adam.h, in host memory) and re-gathers what is live.
 //
-// Overlap (zero3_gather.cc, zero3_reduce.cc): entering a unit starts the
-// all-gathers of the units after it (in backward: before it) up to
-// stage3_prefetch_bucket_size elements ahead, while the gathered unit
-// elements stay within stage3_max_live_parameters; the decisions depend only
-// on the unit calls, so every rank issues the same collectives in the same
-// order. Under overlap_comm a full bucket's reduce-scatter runs while backward
-// goes on (at most two in flight); buckets finish in the order they started,
-// so every gradient partition sums the same values in the same order as
-// without overlap.
+// The pieces: gather units with their lifecycle, the parameters' storage and
+// the prefetch schedule (zero3_unit.h); the gradient buckets and their
+// reduce-scatters (zero3_reduce.h); the unit calls and autograd hooks that
+// drive them (zero3_hooks.cc); the step (this class, zero3.cc).
+// Overlap: entering a unit starts the all-gathers of the units after it (in
+// backward: before it) up to stage3_prefetch_bucket_size elements ahead,
+// while the gathered unit elements stay within stage3_max_live_parameters;
+// the decisions depend only on the unit calls, so every rank issues the same
+// collectives in the same order. Under overlap_comm a full bucket's
+// reduce-scatter runs while backward goes on (at most two in flight); buckets
+// finish in the order they started, so every gradient partition sums the
+// same values in the same order as without overlap.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <deque>
-#include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "engine/config.h"
 #include "engine/loss_scaler.h"
 #include "engine/sharded_runtime.h"
+#include "engine/zero3_reduce.h"
+#include "engine/zero3_unit.h"
 #include "engine/zero_optimizer.h"
 #include "uckpt/comm.h"
 
@@ -90,7 +92,7 @@ struct Zero3Param {
   at::Tensor partition;  // [ps] model dtype: this rank's slice (host memory under offload_param)
   size_t sub_group = 0;
   int64_t offset = 0;  // of the partition in its sub-group's flat buffers
-  int live = 0;        // gather count; the storage is allocated while > 0
+  int live = 0;        // gather count; the storage is allocated while > 0 (ParamStorage)
 };
 
 // One optimizer sub-group of one rank (DeepSpeed's fp32_partitioned_groups_flat[i]).
@@ -147,7 +149,9 @@ class Zero3Optimizer : public ShardedRuntime {
   // partitions (writes discarded).
   void ReleaseSome(const std::vector<size_t>& ps, int modifier_rank);
   bool IsGathered(const Zero3Param& p) const { return p.live > 0; }
-  const Zero3Stats& stats() const { return stats_; }
+  Zero3Stats stats() const;
+  // The gather units: their states, for tests and diagnostics.
+  const UnitSchedule& units() const { return units_; }
   // Times FinishBackward, synchronising the device (UCKPT_TIMERS).
   void set_timing(bool on) { timing_ = on; }
 
@@ -169,49 +173,16 @@ class Zero3Optimizer : public ShardedRuntime {
   // partition: one all-gather, collective.
   at::Tensor GatherWhole(size_t p);
 
-  // For the backward identities (zero3.cc).
+  // For the backward identities (zero3_hooks.cc).
   void BackwardGather(size_t unit);
   void BackwardDone(size_t unit);
 
  private:
-  // An all-gather of partitions in flight (zero3_gather.cc).
-  struct Gathering {
-    std::vector<size_t> params;
-    int64_t total = 0;  // elements per rank
-    at::Tensor all;     // [dp * total]
-    std::unique_ptr<Comm::Pending> work;
-  };
-  // A bucket's reduce-scatter in flight (zero3_reduce.cc).
-  struct Reducing {
-    std::vector<size_t> params;  // in the buffer's order
-    at::Tensor buffer, mine;     // [dp * total] the averaged chunks; [total] this rank's sum
-    std::unique_ptr<Comm::Pending> work;
-  };
-
-  void Gather(size_t unit);
-  void Release(size_t unit);
-  bool Hold(size_t p);  // +1 on p's gather count; true when p needs gathering
-  void Unhold(size_t p);
-  Gathering StartFetch(const std::vector<size_t>& ps);
-  void FinishFetch(Gathering& g);  // into the parameters' storage
-  void Fetch(const std::vector<size_t>& ps) {
-    Gathering g = StartFetch(ps);
-    FinishFetch(g);
-  }
-  bool UnitGathered(size_t unit) const;
-  void Prefetch(size_t unit, int direction);  // the units after (+1) or before (-1) `unit`
-  void StartPrefetch(size_t unit);
-  void DropPrefetches();  // waits for and frees prefetches not used yet
-  void Bucket(size_t p);
-  void FlushBucket();
-  Reducing PackBucket();
-  void StartReduce(Reducing& r);
-  void FinishReduce(Reducing& r);
-  void FinishReduces(size_t keep);  // all but the newest `keep`, oldest first
+  Zero3Optimizer(const Zero3Optimizer&) = delete;  // its pieces refer to its members
+  Zero3Optimizer& operator=(const Zero3Optimizer&) = delete;
   void FinishBackwardUntimed();
   at::Tensor GlobalNorm(bool* finite);
   std::vector<size_t> IndicesOf(const std::vector<at::Tensor>& ts) const;
-  at::Tensor ToHostStaging(const at::Tensor& t);
 
   Comm& comm_;
   Zero3Settings s_;
@@ -219,20 +190,13 @@ class Zero3Optimizer : public ShardedRuntime {
   std::vector<OptimizerConfig> group_optimizers_;
   std::vector<Zero3Param> params_;
   std::vector<Zero3SubGroup> subs_;
-  std::vector<std::vector<size_t>> units_;  // unit -> its parameters (not root, not persistent)
-  std::vector<int64_t> unit_numel_;         // unit -> its parameters' elements
-  std::vector<std::optional<Gathering>> prefetched_;  // unit -> its prefetch in flight
-  std::deque<Reducing> reducing_;           // overlap_comm: reduce-scatters in flight, oldest first
-  Zero3Stats stats_;
+  // The pieces (zero3_unit.h, zero3_reduce.h), over params_ and subs_.
+  ParamStorage storage_{comm_, params_, device_};
+  UnitSchedule units_{storage_, s_.prefetch_bucket_size, s_.max_live_parameters, comm_.world_size()};
+  GradientReducer reducer_{comm_, params_, subs_, s_};
   bool timing_ = false;
-  bool finishing_ = false;  // in FinishBackward (its buckets are not overlapped with backward)
-  std::vector<int> backward_live_;          // per unit: gathered by backward, not yet freed
-  std::vector<size_t> bucket_;              // parameters whose gradients wait for the reduce-scatter
-  std::vector<at::Tensor> bucket_grads_;
-  int64_t bucket_numel_ = 0;
-  bool initial_hold_ = true;  // every unit gathered until the first EnterUnit
+  double reduce_tail_s_ = 0;
   LossScaler scaler_;
-  at::Tensor host_staging_;  // offload_optimizer: pinned, for reduced gradient chunks
 };
 
 }  // namespace uckpt::engine

@@ -1,5 +1,5 @@
-// Stage 3's gathers (engine/zero3.h): units gathered on entry and freed on
-// exit, and the all-gathers of the next units started ahead of their use.
+// Stage 3's parameter storage (engine/zero3_unit.h): a parameter's bytes
+// allocated and filled by an all-gather while it is held, freed when not.
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "engine/zero3.h"
+#include "engine/zero3_unit.h"
 
 namespace uckpt::engine {
 namespace {
@@ -37,29 +38,33 @@ at::Tensor AllocateStorage(const at::Tensor& t) {
 
 }  // namespace
 
-bool Zero3Optimizer::Hold(size_t i) {
+void ParamStorage::TrackWhole(size_t i) { gathered_elements_ += params_[i].numel; }
+
+bool ParamStorage::Hold(size_t i) {
   Zero3Param& p = params_[i];
   if (p.live++ > 0) return false;
   if (p.unit >= 0 && !p.persistent) {
-    stats_.gathered_elements += p.numel;
-    stats_.peak_gathered_elements = std::max(stats_.peak_gathered_elements, stats_.gathered_elements);
+    gathered_elements_ += p.numel;
+    peak_gathered_elements_ = std::max(peak_gathered_elements_, gathered_elements_);
   }
   return true;
 }
 
-void Zero3Optimizer::Unhold(size_t i) {
+void ParamStorage::Unhold(size_t i) {
   Zero3Param& p = params_[i];
   if (--p.live > 0) return;
   FreeStorage(p.tensor);
-  if (p.unit >= 0 && !p.persistent) stats_.gathered_elements -= p.numel;
+  if (p.unit >= 0 && !p.persistent) gathered_elements_ -= p.numel;
 }
+
+bool ParamStorage::IsWhole(size_t i) const { return params_[i].live > 0; }
 
 // Each partition is copied into one buffer on the model's device (from pinned
 // host memory under offload_param: asynchronous copies, no host-side
 // concatenation into fresh pages) and the all-gather started. The buffers live
-// in the Gathering until FinishFetch, after the collective's Wait.
-Zero3Optimizer::Gathering Zero3Optimizer::StartFetch(const std::vector<size_t>& list) {
-  Gathering g;
+// in the Pending until Finish, after the collective's Wait.
+ParamStorage::Pending ParamStorage::Start(const std::vector<size_t>& list) {
+  Pending g;
   g.params = list;
   if (list.empty()) return g;
   c10::NoGradGuard no_grad;
@@ -78,7 +83,7 @@ Zero3Optimizer::Gathering Zero3Optimizer::StartFetch(const std::vector<size_t>& 
   return g;
 }
 
-void Zero3Optimizer::FinishFetch(Gathering& g) {
+void ParamStorage::Finish(Pending& g) {
   if (g.params.empty()) return;
   c10::NoGradGuard no_grad;
   if (g.work) g.work->Wait();
@@ -93,47 +98,26 @@ void Zero3Optimizer::FinishFetch(Gathering& g) {
   g.work.reset();
 }
 
-void Zero3Optimizer::Gather(size_t unit) {
-  if (std::optional<Gathering>& pf = prefetched_.at(unit)) {  // its hold becomes this gather's
-    FinishFetch(*pf);
-    pf.reset();
-    return;
-  }
-  std::vector<size_t> need;
-  for (size_t i : units_.at(unit))
-    if (Hold(i)) need.push_back(i);
-  if (!need.empty()) ++stats_.unit_gathers;
-  Fetch(need);
+void ParamStorage::Cancel(Pending& g) {
+  if (g.work) g.work->Wait();
+  g = Pending();
 }
 
-void Zero3Optimizer::Release(size_t unit) {
-  if (prefetched_.at(unit))
-    throw std::logic_error("ZeRO-3: unit " + std::to_string(unit) + " exited before it was entered");
-  for (size_t i : units_.at(unit)) {
-    if (params_[i].live <= 0)
-      throw std::logic_error("ZeRO-3: unit " + std::to_string(unit) + " released more often than gathered");
-    Unhold(i);
-  }
+void ParamStorage::RefetchWhole() {
+  std::vector<size_t> whole;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].live > 0) whole.push_back(i);
+  Fetch(whole);
 }
 
-void Zero3Optimizer::GatherAll() {
-  for (size_t u = 0; u < units_.size(); ++u) Gather(u);
-}
-
-void Zero3Optimizer::ReleaseAll() {
-  DropPrefetches();
-  for (size_t u = 0; u < units_.size(); ++u) Release(u);
-}
-
-void Zero3Optimizer::GatherSome(const std::vector<size_t>& ps) {
-  DropPrefetches();  // their holds would make Hold() skip parameters whose bytes are still in flight
+void ParamStorage::GatherSome(const std::vector<size_t>& ps) {
   std::vector<size_t> need;
   for (size_t i : ps)
     if (Hold(i)) need.push_back(i);
   Fetch(need);
 }
 
-void Zero3Optimizer::ReleaseSome(const std::vector<size_t>& ps, int modifier_rank) {
+void ParamStorage::ReleaseSome(const std::vector<size_t>& ps, int modifier_rank) {
   for (size_t i : ps)
     if (params_.at(i).live <= 0) throw std::logic_error("ZeRO-3: " + params_[i].name + " released but not gathered");
   if (modifier_rank >= 0) {
@@ -154,55 +138,6 @@ void Zero3Optimizer::ReleaseSome(const std::vector<size_t>& ps, int modifier_ran
     if (params_[i].live > 0 && modifier_rank < 0) still_whole.push_back(i);
   }
   Fetch(still_whole);
-}
-
-bool Zero3Optimizer::UnitGathered(size_t unit) const {
-  for (size_t i : units_[unit])
-    if (params_[i].live > 0) return true;
-  return false;
-}
-
-// Walks from `unit` in `direction`, prefetching units not gathered yet until
-// stage3_prefetch_bucket_size elements are ahead (at least one unit when it is
-// positive) or the next unit would take the gathered elements past
-// stage3_max_live_parameters. Only unit calls and sizes decide: the same on
-// every rank. One rank has no collective to overlap: the copies would run on
-// the compute stream anyway, and prefetched buffers would only cost memory.
-void Zero3Optimizer::Prefetch(size_t unit, int direction) {
-  if (s_.prefetch_bucket_size <= 0 || dp() == 1) return;
-  int64_t ahead = 0;
-  for (int64_t v = static_cast<int64_t>(unit) + direction; v >= 0 && v < num_units(); v += direction) {
-    const size_t u = static_cast<size_t>(v);
-    if (prefetched_[u]) {
-      ahead += unit_numel_[u];
-      continue;
-    }
-    if (units_[u].empty() || UnitGathered(u)) continue;
-    if (ahead >= s_.prefetch_bucket_size) return;
-    if (stats_.gathered_elements + unit_numel_[u] > s_.max_live_parameters) return;
-    StartPrefetch(u);
-    ahead += unit_numel_[u];
-  }
-}
-
-void Zero3Optimizer::StartPrefetch(size_t unit) {
-  for (size_t i : units_[unit]) Hold(i);
-  prefetched_[unit] = StartFetch(units_[unit]);
-  ++stats_.unit_gathers;
-  ++stats_.prefetched_gathers;
-}
-
-// The collectives finish before their buffers are dropped (Wait); the
-// parameters' storage was never allocated for them.
-void Zero3Optimizer::DropPrefetches() {
-  for (size_t u = 0; u < prefetched_.size(); ++u) {
-    std::optional<Gathering>& pf = prefetched_[u];
-    if (!pf) continue;
-    if (pf->work) pf->work->Wait();
-    pf.reset();
-    for (size_t i : units_[u]) Unhold(i);
-    ++stats_.unused_prefetches;
-  }
 }
 
 }  // namespace uckpt::engine

@@ -1,10 +1,10 @@
-// Stage 3's gradient buckets (engine/zero3.h): reduce-scattered into the
-// owners' fp32 gradient partitions, during backward under overlap_comm.
+// Stage 3's gradient buckets (engine/zero3_reduce.h): reduce-scattered into
+// the owners' fp32 gradient partitions, during backward under overlap_comm.
+#include "engine/zero3_reduce.h"
+
 #include <c10/core/GradMode.h>
-#include <torch/cuda.h>
 
 #include <algorithm>
-#include <chrono>
 #include <numeric>
 
 #include "ckpt/partition.h"
@@ -37,52 +37,44 @@ at::Tensor RankSlot(const at::Tensor& t, int dp, int rank) {
   return slot;
 }
 
-void Zero3Optimizer::Bucket(size_t i) {
+void GradientReducer::Add(const std::vector<size_t>& ps) {
+  for (size_t i : ps)
+    if (params_[i].tensor.grad().defined()) Bucket(i);
+}
+
+void GradientReducer::Bucket(size_t i) {
   Zero3Param& p = params_[i];
-  if (bucket_numel_ > 0 && bucket_numel_ + p.numel > s_.base.reduce_bucket_size) FlushBucket();
+  if (bucket_numel_ > 0 && bucket_numel_ + p.numel > s_.base.reduce_bucket_size) Flush();
   bucket_.push_back(i);
   bucket_grads_.push_back(p.tensor.grad());
   bucket_numel_ += p.numel;
   p.tensor.mutable_grad() = at::Tensor();  // the gradient's memory goes with the bucket
 }
 
-void Zero3Optimizer::FinishBackward() {
-  if (!timing_) return FinishBackwardUntimed();
-  // The time from the end of backward's compute until every bucket is reduced.
-  const bool cuda = device_.is_cuda();
-  if (cuda) torch::cuda::synchronize(device_.index());
-  const auto t0 = std::chrono::steady_clock::now();
-  FinishBackwardUntimed();
-  if (cuda) torch::cuda::synchronize(device_.index());
-  stats_.reduce_tail_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+void GradientReducer::BeginTail() { tail_ = true; }
 
-void Zero3Optimizer::FinishBackwardUntimed() {
-  DropPrefetches();
-  finishing_ = true;
-  for (size_t u = 0; u < units_.size(); ++u)
-    while (backward_live_[u] > 0) BackwardDone(u);
+void GradientReducer::FinishTail() {
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].tensor.grad().defined()) Bucket(i);
-  FlushBucket();
+  Flush();
   FinishReduces(0);
-  finishing_ = false;
+  tail_ = false;
 }
 
-void Zero3Optimizer::FlushBucket() {
+void GradientReducer::Flush() {
   if (bucket_.empty()) return;
-  Reducing r = PackBucket();
+  Reducing r = Pack();
   StartReduce(r);
-  ++stats_.reduce_buckets;
+  ++reduce_buckets_;
   if (!s_.base.overlap_comm) return FinishReduce(r);
   reducing_.push_back(std::move(r));
-  if (!finishing_) ++stats_.overlapped_buckets;
+  if (!tail_) ++overlapped_buckets_;
   FinishReduces(kMaxReducesInFlight);
 }
 
 // DeepSpeed sorts the bucket by parameter id, then lays out per rank each
 // parameter's chunk (padded to ps); that layout sets Gloo's summation order.
-Zero3Optimizer::Reducing Zero3Optimizer::PackBucket() {
+GradientReducer::Reducing GradientReducer::Pack() {
   c10::NoGradGuard no_grad;
   const int dp = this->dp();
   std::vector<size_t> order(bucket_.size());
@@ -109,7 +101,7 @@ Zero3Optimizer::Reducing Zero3Optimizer::PackBucket() {
   return r;
 }
 
-void Zero3Optimizer::StartReduce(Reducing& r) {
+void GradientReducer::StartReduce(Reducing& r) {
   const int64_t total = r.buffer.numel() / dp();
   if (dp() == 1) {
     r.mine = r.buffer;
@@ -121,7 +113,7 @@ void Zero3Optimizer::StartReduce(Reducing& r) {
 
 // Waits for the collective, then adds this rank's chunk into the sub-groups'
 // gradient partitions.
-void Zero3Optimizer::FinishReduce(Reducing& r) {
+void GradientReducer::FinishReduce(Reducing& r) {
   c10::NoGradGuard no_grad;
   if (r.work) r.work->Wait();
   at::Tensor mine = r.mine;
@@ -136,7 +128,7 @@ void Zero3Optimizer::FinishReduce(Reducing& r) {
   r = Reducing();
 }
 
-void Zero3Optimizer::FinishReduces(size_t keep) {
+void GradientReducer::FinishReduces(size_t keep) {
   while (reducing_.size() > keep) {
     FinishReduce(reducing_.front());
     reducing_.pop_front();
@@ -145,7 +137,7 @@ void Zero3Optimizer::FinishReduces(size_t keep) {
 
 // The reduced chunk in host memory through one reused pinned buffer (fresh
 // pageable memory for every bucket would cost a page fault per 4 KiB).
-at::Tensor Zero3Optimizer::ToHostStaging(const at::Tensor& t) {
+at::Tensor GradientReducer::ToHostStaging(const at::Tensor& t) {
   if (!host_staging_.defined() || host_staging_.numel() < t.numel())
     host_staging_ = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
   at::Tensor out = host_staging_.narrow(0, 0, t.numel());

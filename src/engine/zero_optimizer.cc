@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "engine/cpu_adam.h"
+#include "engine/grad_numerics.h"
 #include "engine/overlap_reducer.h"
 
 namespace uckpt::engine {
@@ -278,30 +279,19 @@ void ZeroOptimizer::ReduceIntoPartition(Group& g) {
   g.grad_flat.zero_();
 }
 
-at::Tensor ZeroOptimizer::GroupNormSquared(const Group& g) {
-  // DeepSpeed's get_grad_norm_direct: the fp64 norm of each parameter's
-  // fragment, squared and summed, as fp32, summed over ranks.
-  const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
-  at::Tensor total = norms.numel() == 0 ? at::zeros({}, norms.options().dtype(at::kFloat))
-                                        : norms.square().sum().to(at::kFloat);
-  if (s_.stage != 0 && comm_.world_size() > 1) {
-    at::Tensor t = total.reshape({1});
-    comm_.AllReduceSum(t);
-    total = t.reshape({});
-  }
-  return total;
-}
-
-double ZeroOptimizer::GlobalNorm() {
-  // Each group's norm (** 0.5 of its sum of squares), then scaled_global_norm:
-  // the L2 norm over the groups' norms.
+// DeepSpeed's stage 1/2 global norm (grad_numerics.h): each parameter
+// fragment's fp64 norm (offloaded from a GPU: taken on the device before the
+// copy down), summed as fp32 per group over the ranks; -1 when inf or nan.
+at::Tensor ZeroOptimizer::GlobalNorm() {
   std::vector<at::Tensor> group_norms;
   for (const Group& g : groups_) {
-    at::Tensor norm = GroupNormSquared(g).pow(1.0 / 2.0);
-    if (!std::isfinite(norm.item<float>())) return -1.0;
-    group_norms.push_back(norm);
+    const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
+    group_norms.push_back(GroupGradNorm(comm_, norms, at::kFloat, norms.device(),
+                                        s_.stage != 0 && comm_.world_size() > 1));
   }
-  return at::norm(at::stack(group_norms), 2).item<float>();
+  bool finite = true;
+  at::Tensor norm = GlobalGradNorm(group_norms, &finite);
+  return finite ? norm : at::full({}, -1.0, norm.options());
 }
 
 ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_lrs) {
@@ -313,17 +303,11 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
   r.loss_scale = prev_scale;
   bool overflow = false;
   if (s_.model_dtype == at::kHalf) {
-    // On the gradients' device: NCCL reduces device tensors only. Offloaded
-    // from a GPU, over the device norms: a fragment's fp64 norm is finite iff
-    // its fp32 elements are (their squares cannot overflow fp64).
-    at::Tensor bad;
-    for (const Group& g : groups_) {
-      const at::Tensor& checked = g.device_norms.defined() ? g.device_norms : g.grad_partition;
-      at::Tensor b = checked.isfinite().logical_not().any().to(at::kFloat).reshape({1});
-      bad = bad.defined() ? at::maximum(bad, b.to(bad.device())) : b;
-    }
-    comm_.AllReduceMax(bad);
-    overflow = bad.item<float>() > 0;
+    // Offloaded from a GPU, over the device norms: a fragment's fp64 norm is
+    // finite iff its fp32 elements are (their squares cannot overflow fp64).
+    std::vector<at::Tensor> checked;
+    for (const Group& g : groups_) checked.push_back(g.device_norms.defined() ? g.device_norms : g.grad_partition);
+    overflow = AnyRankOverflowed(comm_, checked, checked[0].device());
   }
   scaler_.Update(overflow);
   if (overflow) {
@@ -332,36 +316,23 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
     r.grad_norm = -1;
     return r;
   }
-  const double scaled_norm = GlobalNorm();
-  r.grad_norm = static_cast<float>(static_cast<float>(scaled_norm) / prev_scale);
+  const at::Tensor scaled_norm = GlobalNorm();  // fp32
+  r.grad_norm = static_cast<float>(scaled_norm.item<float>() / prev_scale);
+  const UnscaleAndClip unscale(scaled_norm, prev_scale, s_.gradient_clipping);
   // Stage 0 in fp32: DeepSpeed's optimizer steps the module's parameters
   // themselves, so a write to one (p.data) is where the step starts.
   if (s_.stage == 0 && s_.model_dtype == at::kFloat) MastersFromWeights();
 
   for (Group& g : groups_) {
     const double lr = group_lrs[static_cast<size_t>(&g - groups_.data())];
-    // unscale_and_clip_grads, with DeepSpeed's tensor arithmetic in fp32.
     at::Tensor grad = g.grad_partition;
-    at::Tensor factor;  // 0-d fp32 when clipping
-    if (s_.gradient_clipping > 0) {
-      at::Tensor norm = at::full({}, scaled_norm, grad.options());
-      at::Tensor clip = ((norm / prev_scale) + 1e-6) / s_.gradient_clipping;
-      clip = at::clamp_min(clip, 1.0);
-      at::Tensor combined = clip * prev_scale;
-      factor = at::reciprocal(combined) * 1.0;
-    }
     g.have_grad_partition = false;
     if (s_.offload_optimizer_cpu) {
-      // The same fp32 product (mul_ by a double multiplies by it as a
-      // float), taken inside the fused host pass.
-      OffloadedAdamStep(g, factor.defined() ? factor.item<float>() : static_cast<float>(1.0 / prev_scale), lr);
+      // The same fp32 product, taken inside the fused host pass.
+      OffloadedAdamStep(g, static_cast<float>(unscale.host_factor()), lr);
       continue;
     }
-    if (factor.defined()) {
-      grad.mul_(factor);
-    } else {
-      grad.mul_(1.0 / prev_scale);
-    }
+    unscale.Apply(grad);
     AdamStep(g, grad, lr);
     g.grad_partition = at::Tensor();
   }

@@ -152,8 +152,7 @@ class ZeroOptimizer : public ShardedRuntime {
   at::Tensor PartitionOf(const Group& g, const at::Tensor& flat) const;
   void ReduceIntoPartition(Group& g);
   at::Tensor AllReduceInDeepSpeedOrder(Group& g);
-  at::Tensor GroupNormSquared(const Group& g);
-  double GlobalNorm();
+  at::Tensor GlobalNorm();
   void AdamStep(Group& g, const at::Tensor& grad, double lr);
   void AddToHostGradient(Group& g, const at::Tensor& part);
   void OffloadedAdamStep(Group& g, float grad_scale, double lr);

@@ -1,0 +1,113 @@
+// The sharded runtime's interface (engine/sharded_runtime.h) as both stages
+// implement it, and the step's shared gradient numerics (engine/grad_numerics.h).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "engine/grad_numerics.h"
+#include "engine/zero3.h"
+#include "engine/zero_optimizer.h"
+#include "uckpt/comm.h"
+
+namespace uckpt::engine {
+namespace {
+
+TEST(ShardedRuntime, FlatSlotsAreTheGroupsPartitions) {
+  auto comm = MakeSingleProcessComm();
+  ZeroSettings s;
+  s.stage = 2;
+  std::vector<GroupSpec> specs = {{{3, 5}, s.optimizer, {"a.w", "a.b"}, {{3}, {5}}}, {{4}, s.optimizer, {"b"}, {{2, 2}}}};
+  ZeroOptimizer z(*comm, specs, s);
+  ShardedRuntime& r = z;
+  const std::vector<PartitionSlot> slots = r.Slots();
+  ASSERT_EQ(slots.size(), 2u);
+  for (size_t g = 0; g < 2; ++g) {
+    EXPECT_EQ(slots[g].group, g);
+    EXPECT_EQ(slots[g].state, &z.state(g));
+    EXPECT_EQ(slots[g].target.length, z.state(g).master.numel());
+  }
+  EXPECT_EQ(slots[0].target.params[1].name, "a.b");
+  EXPECT_EQ(slots[0].target.params[1].numel, 5);
+  EXPECT_EQ(slots[1].target.params[0].shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(slots[1].step_param, "b");
+  EXPECT_EQ(r.flat(), &z);
+  EXPECT_EQ(r.stage3(), nullptr);
+  EXPECT_FALSE(r.partitions_parameters());
+  at::Tensor x = at::ones({2});
+  EXPECT_TRUE(r.EnterUnit(0, x).is_same(x));  // nothing to gather
+}
+
+TEST(ShardedRuntime, Stage3SlotsAreTheSubGroupsAndMastersComeFromThePartitions) {
+  auto comm = MakeSingleProcessComm();
+  Zero3Settings s;
+  s.sub_group_size = 4;  // one sub-group per parameter
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups = {
+      {{"x", at::arange(6, at::kFloat).view({2, 3})}, {"y", at::arange(5, at::kFloat)}}};
+  Zero3Optimizer z(*comm, groups, {s.base.optimizer}, {{-1, -1}}, 0, s, at::kCPU);
+  ShardedRuntime& r = z;
+  const std::vector<PartitionSlot> slots = r.Slots();
+  ASSERT_EQ(slots.size(), z.sub_groups().size());
+  ASSERT_EQ(slots.size(), 2u);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    EXPECT_EQ(slots[i].state, &z.sub_groups()[i].state);
+    EXPECT_EQ(slots[i].step_param, "x");  // the model's first parameter's, as the universal load takes it
+  }
+  EXPECT_EQ(slots[0].target.params[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(r.stage3(), &z);
+  EXPECT_TRUE(r.partitions_parameters());
+  for (auto& sg : z.sub_groups()) sg.state.master.zero_();
+  r.MastersFromWeights();
+  EXPECT_TRUE(at::equal(z.sub_groups()[1].state.master, at::arange(5, at::kFloat)));
+}
+
+TEST(GradNumerics, OverflowIsAnInfOrNanInAnyGradient) {
+  auto comm = MakeSingleProcessComm();
+  const at::Tensor fine = at::ones({3});
+  at::Tensor inf = at::ones({2}), nan = at::ones({2});
+  inf[1] = std::numeric_limits<float>::infinity();
+  nan[0] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_FALSE(AnyRankOverflowed(*comm, {fine, fine}, at::kCPU));
+  EXPECT_TRUE(AnyRankOverflowed(*comm, {fine, inf}, at::kCPU));
+  EXPECT_TRUE(AnyRankOverflowed(*comm, {nan, fine}, at::kCPU));
+}
+
+TEST(GradNumerics, GlobalNormIsTheNormOfTheGroupsNorms) {
+  auto comm = MakeSingleProcessComm();
+  const auto fp64 = [](double v) { return at::scalar_tensor(v, at::kDouble); };
+  const at::Tensor a = GroupGradNorm(*comm, {fp64(3), fp64(4)}, at::kFloat, at::kCPU, false);
+  EXPECT_EQ(a.scalar_type(), at::kFloat);
+  EXPECT_EQ(a.item<float>(), 5.0f);
+  const at::Tensor b = GroupGradNorm(*comm, {fp64(12)}, at::kFloat, at::kCPU, true);
+  bool finite = false;
+  EXPECT_EQ(GlobalGradNorm({a, b}, &finite).item<float>(), 13.0f);
+  EXPECT_TRUE(finite);
+  GlobalGradNorm({a, at::scalar_tensor(std::numeric_limits<float>::infinity())}, &finite);
+  EXPECT_FALSE(finite);
+  EXPECT_EQ(GroupGradNorm(*comm, {}, at::kDouble, at::kCPU, false).item<double>(), 0.0);
+}
+
+// DeepSpeed's unscale_and_clip_grads: 1 / (scale * max(1, (norm/scale + 1e-6) / clip)).
+TEST(GradNumerics, UnscaleAndClipIsDeepSpeedsFactorInTheNormsDtype) {
+  const double scale = 3, clip = 0.5, norm = 7.25;
+  const double expected = 1.0 / (std::max(1.0, (norm / scale + 1e-6) / clip) * scale);
+  const UnscaleAndClip fp64(at::scalar_tensor(norm, at::kDouble), scale, clip);
+  EXPECT_EQ(fp64.host_factor(), expected);
+  const UnscaleAndClip fp32(at::scalar_tensor(norm, at::kFloat), scale, clip);
+  EXPECT_EQ(fp32.host_factor(), static_cast<double>(static_cast<float>(fp32.host_factor())));
+  EXPECT_NEAR(fp32.host_factor(), expected, 1e-7);
+  // Without clipping: 1 / scale, rounded to fp32 only for an fp32 norm.
+  EXPECT_EQ(UnscaleAndClip(at::scalar_tensor(norm, at::kDouble), scale, 0).host_factor(), 1.0 / scale);
+  EXPECT_EQ(UnscaleAndClip(at::scalar_tensor(norm, at::kFloat), scale, 0).host_factor(),
+            static_cast<double>(static_cast<float>(1.0 / scale)));
+  // Applied on a device tensor, the factor is the host one.
+  for (const UnscaleAndClip* u : {&fp64, &fp32}) {
+    at::Tensor g = at::linspace(-2, 2, 9);
+    const at::Tensor want = g * static_cast<float>(u->host_factor());
+    u->Apply(g);
+    EXPECT_TRUE(at::equal(g, want));
+  }
+}
+
+}  // namespace
+}  // namespace uckpt::engine
