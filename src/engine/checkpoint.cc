@@ -633,7 +633,7 @@ void LoadUniversalPartitions(Engine::Impl& e, const std::string& folder, const L
   const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
   const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
   static_cast<ckpt::LossScalerState&>(e.zero->loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, e.zero->loss_scaler());
-  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
+  ApplySavedHparams(e, ckpt::UniversalOptimizerStateFile(folder), saved.param_groups, o);
   // Saved before any applied step (fp16 can skip the first steps): no moments, no step yet.
   // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
   LoadUniversalMasters(e, u, folder, o.load_optimizer_states && (u.has_step || u.zero3));
@@ -663,7 +663,7 @@ void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const std
 
 LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
                                 const LoadCheckpointOptions& o) {
-  const char* tag_file = o.universal ? "latest_universal" : "latest";
+  const char* tag_file = ckpt::TagFileName(o.universal);
   if (tag_in.empty() && !fs::exists(dir + "/" + tag_file)) return LoadResult{"", c10::IValue()};
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
   const std::string folder = dir + "/" + tag;

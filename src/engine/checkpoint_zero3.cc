@@ -141,7 +141,7 @@ void LoadUniversalSlices(Engine::Impl& e, const ckpt::UniversalCheckpoint& u, co
     if (with_state) keys.insert(keys.end(), {{"exp_avg", st.exp_avg}, {"exp_avg_sq", st.exp_avg_sq}});
     for (auto& [key, dst] : keys) {
       ckpt::LoadedState ls = ckpt::LoadUniversalState(u, p.name, key);
-      const std::string where = folder + "/zero/" + p.name + "/" + key + ".pt";
+      const std::string where = ckpt::UniversalStateFile(folder, p.name, key);
       if (ls.tensor->numel() != p.numel)
         throw FormatError(where + ": has " + std::to_string(ls.tensor->numel()) + " elements, " + p.name + " has " +
                           std::to_string(p.numel));
@@ -157,7 +157,7 @@ void LoadZero3Universal(Engine::Impl& e, const std::string& folder, const ckpt::
   const ckpt::UniversalCheckpoint u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
   const ckpt::UniversalOptimizerFile saved = ckpt::ReadUniversalOptimizerState(u);
   static_cast<ckpt::LossScalerState&>(z.loss_scaler()) = ckpt::ReadLossScaler(saved.loss_scaler, z.loss_scaler());
-  ApplySavedHparams(e, folder + "/zero/optimizer_state.pt", saved.param_groups, o);
+  ApplySavedHparams(e, ckpt::UniversalOptimizerStateFile(folder), saved.param_groups, o);
   // Adam's step: from step.pt (stage 1/2 universal), else the applied steps
   // (ZeRO-3's universal folders keep it only inside optimizer_state.pt).
   double step = static_cast<double>(m.global_steps - m.skipped_steps);
@@ -198,7 +198,7 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 
 LoadResult LoadZero3Checkpoint(Engine::Impl& e, const std::string& dir, const std::string& tag_in,
                                const LoadCheckpointOptions& o) {
-  const char* tag_file = o.universal ? "latest_universal" : "latest";
+  const char* tag_file = ckpt::TagFileName(o.universal);
   if (tag_in.empty() && !fs::exists(dir + "/" + tag_file)) return LoadResult{"", c10::IValue()};
   const std::string tag = tag_in.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag_in, "checkpoint tag");
   const std::string folder = dir + "/" + tag;
