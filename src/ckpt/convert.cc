@@ -16,6 +16,7 @@
 #include <random>
 
 #include "ckpt/copy_plan.h"
+#include "ckpt/deepspeed_names.h"
 #include "ckpt/manifest.h"
 #include "ckpt/torch_out.h"
 #include "format/env.h"
@@ -95,7 +96,7 @@ class Converter {
     tmp_ = (fs::path(parent_) / (TempPrefix(base_) + RandomSuffix())).string();
     if (fs::exists(tmp_, ec)) throw IoError(tmp_ + " already exists");
     try {
-      env_.CreateDirs(tmp_ + "/zero");
+      env_.CreateDirs(UniversalZeroDir(tmp_));
       WriteFiles();
       Publish();
     } catch (...) {
@@ -122,7 +123,7 @@ class Converter {
   // model-states files copied whole. Each file's XXH64 is computed as it is
   // written, for the manifest.
   void WriteFiles() {
-    for (const auto& p : ckpt_.params) env_.CreateDirs(tmp_ + "/zero/" + p.name);
+    for (const auto& p : ckpt_.params) env_.CreateDirs(UniversalParamDir(tmp_, p.name));
     progress_.params_total = ckpt_.params.size();
     progress_.bytes_total = ckpt_.total_bytes();
     CopyPlan plan;
@@ -145,9 +146,8 @@ class Converter {
     const bool stage3 = ckpt_.stage == 3;
     for (size_t i = 0; i < ckpt_.params.size(); ++i) {
       const ParamPlan& p = ckpt_.params[i];
-      const std::string dir = tmp_ + "/zero/" + p.name;
       if (p.step) {
-        add(dir + "/step.pt", 0, [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); },
+        add(UniversalStateFile(tmp_, p.name, "step"), 0, [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); },
             {i, 0, 0});
         ++files_left_[i];
       }
@@ -157,7 +157,7 @@ class Converter {
         // Stage 1/2: the parameter's shape inside {'cat_dim', 'param'}; stage
         // 3: a bare 1-D tensor. fp32 masters are saved with requires_grad, as
         // DeepSpeed's clones of the partitions are.
-        add(dir + "/" + s.key + ".pt", bytes,
+        add(UniversalStateFile(tmp_, p.name, s.key), bytes,
             [this, &p, &s, stage3](OrderedSink& out) {
               ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == "fp32");
               StoragePieces pieces{{t->tensor->storage.get(), s.pieces}};
@@ -168,7 +168,7 @@ class Converter {
       }
     }
     // (Stage 3 embeds rank 0's partitions, as DeepSpeed does.)
-    add(tmp_ + "/zero/optimizer_state.pt", 0,
+    add(UniversalOptimizerStateFile(tmp_), 0,
         [this](OrderedSink& out) { WriteTorchFile(out, out.path(), UniversalOptimizerState(ckpt_), {}, release_); }, {});
     for (const auto& m : ckpt_.model_files) {
       PlannedFile f;  // copied as shutil.copy2 does: data, mode, times
@@ -227,7 +227,7 @@ class Converter {
     if (options_.durable) env_.SyncDir(parent_);
     // DeepSpeed writes this beside the output (into it when the output path
     // ends with '/', a bug we do not reproduce).
-    AtomicFile latest(parent_ + "/latest_universal", options_.durable);
+    AtomicFile latest(parent_ + "/" + kLatestUniversalFile, options_.durable);
     latest.Write(base_);
     latest.Commit();
     stats_.files += 1;

@@ -1,7 +1,8 @@
 // The copy engine: one way to turn "these bytes go into these files" into
-// files on disk at the speed of the disk. `uckpt convert` uses it for every
-// file it writes; the engine's save and load paths are to adopt it (see the
-// end of this comment).
+// files on disk at the speed of the disk, and back. `uckpt convert` writes
+// every file through it, the engine's save writes each rank's files as one
+// plan (engine/async_save.cc), and a load fills its partitions through its
+// read plans (below; engine/staged_upload.h).
 //
 // A plan is a list of output files. Each file is one of
 //   - pieces: byte ranges of memory (usually of memory-mapped input files)
@@ -45,13 +46,6 @@
 // the output's name. Every create, write and copy goes through Env::Current()
 // (format/env.h): fault injection and the crash hook see them, and errors
 // are IoError naming the file.
-//
-// Adopting it in the engine's save and load: a save is a plan of generated
-// torch files (model and optimizer state dicts) plus pieces files where
-// tensors are written as raw ranges, run with hashing for the manifest; a
-// load of a universal checkpoint is the reverse plan (pieces from the
-// mapped files into preallocated tensors) and needs no hashing, so large
-// files there are split over threads.
 #pragma once
 
 #include <cstdint>

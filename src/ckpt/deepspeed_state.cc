@@ -9,16 +9,6 @@
 
 namespace uckpt::ckpt {
 
-std::string ModelStatesFileName() { return "mp_rank_00_model_states.pt"; }
-
-std::string OptimStatesFileName(int dp_rank, bool bf16) {
-  return std::string(bf16 ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_optim_states.pt";
-}
-
-std::string Zero3ModelStatesFileName(int dp_rank) {
-  return "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_model_states.pt";
-}
-
 ValuePtr JsonToValue(const nlohmann::json& j) {
   switch (j.type()) {
     case nlohmann::json::value_t::object: {
@@ -67,56 +57,6 @@ ValuePtr IntList(const std::vector<int64_t>& v) {
   return l;
 }
 
-}  // namespace
-
-ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids) {
-  ValuePtr g = Value::Dict();
-  g->set("lr", Value::Float(h.lr));
-  g->set("betas", Value::List({Value::Float(h.beta1), Value::Float(h.beta2)}));
-  g->set("eps", Value::Float(h.eps));
-  g->set("weight_decay", Value::Float(h.weight_decay));
-  g->set("amsgrad", Value::Bool(false));
-  g->set("foreach", Value::None());
-  g->set("maximize", Value::Bool(false));
-  g->set("capturable", Value::Bool(false));
-  g->set("params", IntList(ids));
-  return g;
-}
-
-ValuePtr LossScalerValue(const LossScalerState& s) {
-  if (!s.dynamic)
-    return NewObject("deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                     Dict({{"cur_scale", Value::Float(s.cur_scale)}, {"dynamic", Value::Bool(false)}}));
-  return NewObject("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                   Dict({{"cur_scale", Value::Float(s.cur_scale)},
-                         {"dynamic", Value::Bool(true)},
-                         {"cur_iter", Value::Int(s.cur_iter)},
-                         {"last_overflow_iter", Value::Int(s.last_overflow_iter)},
-                         {"scale_factor", Value::Float(s.scale_factor)},
-                         {"scale_window", Value::Int(s.scale_window)},
-                         {"min_scale", Value::Float(s.min_scale)},
-                         {"delayed_shift", Value::Int(s.delayed_shift)},
-                         {"cur_hysteresis", Value::Int(s.cur_hysteresis)},
-                         {"consecutive_hysteresis", Value::Bool(s.consecutive_hysteresis)},
-                         {"raise_error_at_min_scale", Value::Bool(s.raise_error_at_min_scale)},
-                         {"dtype", Value::Global("torch", "float16")}}));
-}
-
-ValuePtr ZeroStageValue(int stage) {
-  static const char* names[] = {"disabled", "optimizer_states", "gradients", "weights"};
-  return Value::Object("builtins.getattr",
-                       Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                                     Value::Str(names[stage])}),
-                       /*newobj=*/false);
-}
-
-ValuePtr FragmentAddressValue(int64_t numel, int64_t start) {
-  return NewObject("deepspeed.utils.tensor_fragment.fragment_address",
-                   Dict({{"numel", Value::Int(numel)}, {"start", Value::Int(start)}}));
-}
-
-namespace {
-
 ValuePtr StateDict(const AdamState& s) {
   ValuePtr d = Value::Dict();
   for (const auto& [k, v] : s) d->set(k, v);
@@ -128,213 +68,6 @@ double Number(const ValuePtr& v, const std::string& where) {
   if (v && v->kind == Kind::kInt && v->big.empty()) return static_cast<double>(v->i);
   throw FormatError(where + " is not a number");
 }
-
-}  // namespace
-
-bool IsModelStatesKey(const std::string& k) {
-  static const std::set<std::string> keys = {
-      "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-      "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-      "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-      "ds_version", "uckpt"};
-  return keys.count(k) > 0;
-}
-
-namespace {
-// Keys DeepSpeed's own writer leaves to the client (Megatron-style scripts and
-// DeepSpeed's converter put them in client_state); uckpt writes defaults that
-// a client's value replaces, and records which stayed defaults (they are then
-// not the client's on load).
-const char* const kClientConventionKeys[] = {"universal_checkpoint_info", "iteration"};
-constexpr const char* kDefaultedKeys = "defaulted_keys";
-
-bool IsUckptDefault(const ValuePtr& root, const std::string& k) {
-  if (std::find(std::begin(kClientConventionKeys), std::end(kClientConventionKeys), k) ==
-      std::end(kClientConventionKeys))
-    return false;
-  ValuePtr u = root->get("uckpt");
-  if (!u || !u->is_dict()) return false;  // DeepSpeed's file: the client wrote it
-  ValuePtr listed = u->get(kDefaultedKeys);
-  if (!listed || !listed->is_seq()) return true;  // older uckpt files: always uckpt's
-  for (const auto& item : listed->items)
-    if (item && item->kind == Kind::kStr && item->s == k) return true;
-  return false;
-}
-}  // namespace
-
-ValuePtr ModelStatesValue(const ModelStates& s) {
-  ValuePtr module = Value::Dict(/*ordered=*/true);
-  for (const auto& [name, t] : s.module) module->set(name, t);
-  if (!s.module_prefixes.empty()) {
-    ValuePtr metadata = Value::Dict(/*ordered=*/true);
-    for (const auto& m : s.module_prefixes) metadata->set(m, Dict({{"version", Value::Int(1)}}));
-    module->state = Dict({{"_metadata", metadata}});
-  }
-  ValuePtr buffer_names = Value::List();
-  for (const auto& b : s.buffer_names) buffer_names->items.push_back(Value::Str(b));
-  ValuePtr shapes = Value::List();
-  for (const auto& g : s.param_shapes) {
-    ValuePtr group = Value::Dict(/*ordered=*/true);
-    for (const auto& p : g) group->set(p.name, Value::Size(p.shape));
-    shapes->items.push_back(group);
-  }
-  // Stage 2 records frozen parameters: their shapes, and each whole, flattened.
-  ValuePtr frozen_shapes = Value::Dict(true), frozen_fragments = Value::Dict(true);
-  for (const auto& p : s.frozen_shapes) frozen_shapes->set(p.name, Value::Size(p.shape));
-  for (const auto& [name, t] : s.frozen) frozen_fragments->set(name, t);
-  ValuePtr shared = Value::Dict();
-  for (const auto& [alias, owner] : s.shared_params) shared->set(alias, Value::Str(owner));
-
-  ValuePtr d = Value::Dict();
-  d->set("module", module);
-  d->set("buffer_names", buffer_names);
-  d->set("optimizer", s.stage == 0 && s.stage0_optimizer ? s.stage0_optimizer : Value::None());
-  d->set("param_shapes", s.stage == 0 ? Value::None() : shapes);
-  d->set("frozen_param_shapes", s.stage >= 2 ? frozen_shapes : Value::None());
-  d->set("shared_params", s.stage == 0 ? Value::None() : shared);
-  d->set("frozen_param_fragments", s.stage >= 2 ? frozen_fragments : Value::None());
-  d->set("lr_scheduler", s.last_batch_iteration
-                             ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
-                             : Value::None());
-  d->set("data_sampler", Value::None());
-  d->set("random_ltd", Value::None());
-  d->set("sparse_tensor_module_names", Set());
-  d->set("skipped_steps", Value::Int(s.skipped_steps));
-  d->set("global_steps", Value::Int(s.global_steps));
-  d->set("global_samples", Value::Int(s.global_samples));
-  d->set("dp_world_size", Value::Int(s.dp_world_size));
-  d->set("mp_world_size", Value::Int(1));
-  d->set("ds_config", s.ds_config ? s.ds_config : Value::Dict());
-  d->set("ds_version", Value::Str(kDeepSpeedVersion));
-  // Client state DeepSpeed's converter needs, and the iteration.
-  d->set("universal_checkpoint_info", Dict({{"universal_checkpoint_version", Value::Float(0.2)}}));
-  d->set("iteration", Value::Int(s.global_steps));
-  for (const auto& [k, v] : s.extra) d->set(k, v);
-  if (ValuePtr u = d->get("uckpt"); u && u->is_dict()) {
-    ValuePtr defaulted = Value::List();
-    for (const char* k : kClientConventionKeys) {
-      bool given = false;
-      for (const auto& e : s.extra) given |= e.first == k;
-      if (!given) defaulted->items.push_back(Value::Str(k));
-    }
-    u->set(kDefaultedKeys, defaulted);
-  }
-  return d;
-}
-
-ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::vector<AdamHparams>& groups,
-                              const std::vector<std::vector<int64_t>>& group_params) {
-  ValuePtr state = Value::Dict();
-  for (size_t i = 0; i < states.size(); ++i)
-    if (!states[i].empty()) state->set(Value::Int(static_cast<int64_t>(i)), StateDict(states[i]));
-  ValuePtr param_groups = Value::List();
-  for (size_t g = 0; g < groups.size(); ++g) param_groups->items.push_back(ParamGroupValue(groups[g], group_params.at(g)));
-  return Dict({{"state", state}, {"param_groups", param_groups}});
-}
-
-ValuePtr OptimStatesValue(const RankOptimStates& s) {
-  if (s.stage != 1 && s.stage != 2) throw std::invalid_argument("OptimStatesValue: stage 1 or 2");
-  ValuePtr state = Value::Dict();
-  ValuePtr param_groups = Value::List(), fp32 = Value::List(), paddings = Value::List(), mappings = Value::List();
-  for (size_t g = 0; g < s.groups.size(); ++g) {
-    const OptimGroupState& gs = s.groups[g];
-    const int64_t id = static_cast<int64_t>(g);
-    if (!gs.adam.empty()) state->set(Value::Int(id), StateDict(gs.adam));
-    param_groups->items.push_back(ParamGroupValue(gs.hparams, {id}));
-    fp32->items.push_back(gs.fp32);
-    paddings->items.push_back(Value::Int(gs.padding));
-    ValuePtr m = Value::Dict(/*ordered=*/true);
-    for (const auto& [name, f] : gs.mappings)
-      m->set(name, FragmentAddressValue(f.numel, f.partition_offset));
-    mappings->items.push_back(m);
-  }
-  ValuePtr osd = Value::Dict();
-  if (!s.bf16_optimizer) {
-    osd->set("loss_scaler", LossScalerValue(s.scaler));
-    osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
-    osd->set("overflow", Value::Bool(false));
-  }
-  osd->set("clip_grad", Value::Float(s.clip_grad));
-  osd->set("base_optimizer_state", Dict({{"state", state}, {"param_groups", param_groups}}));
-  osd->set("single_partition_of_fp32_groups", fp32);
-  if (!s.bf16_optimizer) osd->set("zero_stage", ZeroStageValue(s.stage));
-  osd->set("group_paddings", paddings);
-  osd->set("partition_count", IntList(std::vector<int64_t>(s.groups.size(), s.dp)));
-  osd->set("ds_version", Value::Str(kDeepSpeedVersion));
-  osd->set("param_slice_mappings", mappings);
-  return Dict({{"optimizer_state_dict", osd},
-               {"ds_config", s.ds_config ? s.ds_config : Value::Dict()},
-               {"ds_version", Value::Str(kDeepSpeedVersion)}});
-}
-
-LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base) {
-  LossScalerState s = base;
-  if (!v || v->kind != Kind::kObject || !v->state || !v->state->is_dict()) return s;
-  const ValuePtr& st = v->state;
-  auto num = [&](const char* k, double& out) {
-    if (auto x = st->get(k); x && (x->kind == Kind::kFloat || x->kind == Kind::kInt)) out = Number(x, k);
-  };
-  auto geti = [&](const char* k, int64_t& out) {
-    if (auto x = st->get(k); x && x->kind == Kind::kInt) out = x->i;
-  };
-  auto getb = [&](const char* k, bool& out) {
-    if (auto x = st->get(k); x && x->kind == Kind::kBool) out = x->b;
-  };
-  num("cur_scale", s.cur_scale);
-  getb("dynamic", s.dynamic);
-  geti("cur_iter", s.cur_iter);
-  geti("last_overflow_iter", s.last_overflow_iter);
-  geti("scale_window", s.scale_window);
-  geti("delayed_shift", s.delayed_shift);
-  geti("cur_hysteresis", s.cur_hysteresis);
-  getb("consecutive_hysteresis", s.consecutive_hysteresis);
-  getb("raise_error_at_min_scale", s.raise_error_at_min_scale);
-  num("scale_factor", s.scale_factor);
-  num("min_scale", s.min_scale);
-  return s;
-}
-
-AdamHparams ReadAdamHparams(const ValuePtr& group, const AdamHparams& base, const std::string& where) {
-  AdamHparams h = base;
-  if (!group || !group->is_dict()) return h;
-  if (auto lr = group->get("lr")) h.lr = Number(lr, where + ".lr");
-  if (auto betas = group->get("betas")) {
-    if (!betas->is_seq() || betas->items.size() != 2) throw FormatError(where + ".betas is not a pair");
-    h.beta1 = Number(betas->items[0], where + ".betas[0]");
-    h.beta2 = Number(betas->items[1], where + ".betas[1]");
-  }
-  if (auto eps = group->get("eps")) h.eps = Number(eps, where + ".eps");
-  if (auto wd = group->get("weight_decay")) h.weight_decay = Number(wd, where + ".weight_decay");
-  return h;
-}
-
-std::vector<std::vector<NamedShape>> ReadParamShapes(const ValuePtr& root, const std::string& path) {
-  std::vector<std::vector<NamedShape>> out;
-  ValuePtr shapes = root && root->is_dict() ? root->get("param_shapes") : nullptr;
-  if (!shapes || shapes->kind == Kind::kNone) return out;
-  if (!shapes->is_seq()) throw FormatError(path + ": param_shapes is not a list of groups");
-  for (size_t g = 0; g < shapes->items.size(); ++g) {
-    const ValuePtr& group = shapes->items[g];
-    if (!group || !group->is_dict())
-      throw FormatError(path + ": param_shapes[" + std::to_string(g) + "] is not a dict of shapes");
-    out.emplace_back();
-    for (const auto& [k, v] : group->entries) {
-      if (k->kind != Kind::kStr) throw FormatError(path + ": param_shapes[" + std::to_string(g) + "] has a non-string key");
-      NamedShape ns{k->s, {}};
-      if (!v || (v->kind != Kind::kTorchSize && !v->is_seq()))
-        throw FormatError(path + ": param_shapes[" + std::to_string(g) + "]['" + k->s + "'] is not a shape");
-      for (const auto& d : v->items) {
-        if (!d || d->kind != Kind::kInt || d->i < 0)
-          throw FormatError(path + ": param_shapes[" + std::to_string(g) + "]['" + k->s + "'] is not a shape");
-        ns.shape.push_back(d->i);
-      }
-      out.back().push_back(std::move(ns));
-    }
-  }
-  return out;
-}
-
-namespace {
 
 ValuePtr Key(const ValuePtr& dict, const std::string& key, const std::string& where, bool required = true) {
   ValuePtr v = dict && dict->is_dict() ? dict->get(key) : nullptr;
@@ -395,10 +128,241 @@ double ScalarOf(const ValuePtr& v, const std::string& where) {
   }
 }
 
-ValuePtr ModuleStateDictOf(const ValuePtr& root) {
-  if (!root || !root->is_dict()) return nullptr;
-  ValuePtr module = root->get("module");
-  return module && module->is_dict() ? module : nullptr;
+// ---- Fields ----
+
+int64_t NamedShape::numel() const { return NumelOf(shape); }
+
+ValuePtr ParamShapesValue(const ParamShapes& groups) {
+  ValuePtr list = Value::List();
+  for (const auto& g : groups) {
+    ValuePtr group = Value::Dict(/*ordered=*/true);
+    for (const auto& p : g) group->set(p.name, Value::Size(p.shape));
+    list->items.push_back(group);
+  }
+  return list;
+}
+
+namespace {
+ParamShapes ParseParamShapes(const ValuePtr& shapes, const std::string& path) {
+  const std::string where = path + ": param_shapes";
+  ParamShapes out;
+  const auto& groups = AsList(shapes, where);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string gw = where + "[" + std::to_string(g) + "]";
+    out.emplace_back();
+    for (const auto& [name, shape] : NamedEntries(groups[g], gw))
+      out.back().push_back({name, AsShape(shape, gw + "['" + name + "']")});
+  }
+  return out;
+}
+}  // namespace
+
+ParamShapes ReadParamShapes(const ValuePtr& root, const std::string& path) {
+  ValuePtr shapes = root && root->is_dict() ? root->get("param_shapes") : nullptr;
+  if (IsNone(shapes)) return {};
+  return ParseParamShapes(shapes, path);
+}
+
+ParamShapes ReadRequiredParamShapes(const ValuePtr& root, const std::string& path) {
+  ValuePtr shapes = Need(root, "param_shapes", path);
+  if (IsNone(shapes)) Fail(path + ": param_shapes", "is None (not a ZeRO checkpoint?)");
+  return ParseParamShapes(shapes, path);
+}
+
+ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids) {
+  ValuePtr g = Value::Dict();
+  g->set("lr", Value::Float(h.lr));
+  g->set("betas", Value::List({Value::Float(h.beta1), Value::Float(h.beta2)}));
+  g->set("eps", Value::Float(h.eps));
+  g->set("weight_decay", Value::Float(h.weight_decay));
+  g->set("amsgrad", Value::Bool(false));
+  g->set("foreach", Value::None());
+  g->set("maximize", Value::Bool(false));
+  g->set("capturable", Value::Bool(false));
+  g->set("params", IntList(ids));
+  return g;
+}
+
+AdamHparams ReadAdamHparams(const ValuePtr& group, const AdamHparams& base, const std::string& where) {
+  AdamHparams h = base;
+  if (!group || !group->is_dict()) return h;
+  if (auto lr = group->get("lr")) h.lr = Number(lr, where + ".lr");
+  if (auto betas = group->get("betas")) {
+    if (!betas->is_seq() || betas->items.size() != 2) throw FormatError(where + ".betas is not a pair");
+    h.beta1 = Number(betas->items[0], where + ".betas[0]");
+    h.beta2 = Number(betas->items[1], where + ".betas[1]");
+  }
+  if (auto eps = group->get("eps")) h.eps = Number(eps, where + ".eps");
+  if (auto wd = group->get("weight_decay")) h.weight_decay = Number(wd, where + ".weight_decay");
+  return h;
+}
+
+ValuePtr LossScalerValue(const LossScalerState& s) {
+  if (!s.dynamic)
+    return NewObject("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     Dict({{"cur_scale", Value::Float(s.cur_scale)}, {"dynamic", Value::Bool(false)}}));
+  return NewObject("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                   Dict({{"cur_scale", Value::Float(s.cur_scale)},
+                         {"dynamic", Value::Bool(true)},
+                         {"cur_iter", Value::Int(s.cur_iter)},
+                         {"last_overflow_iter", Value::Int(s.last_overflow_iter)},
+                         {"scale_factor", Value::Float(s.scale_factor)},
+                         {"scale_window", Value::Int(s.scale_window)},
+                         {"min_scale", Value::Float(s.min_scale)},
+                         {"delayed_shift", Value::Int(s.delayed_shift)},
+                         {"cur_hysteresis", Value::Int(s.cur_hysteresis)},
+                         {"consecutive_hysteresis", Value::Bool(s.consecutive_hysteresis)},
+                         {"raise_error_at_min_scale", Value::Bool(s.raise_error_at_min_scale)},
+                         {"dtype", Value::Global("torch", "float16")}}));
+}
+
+LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base) {
+  LossScalerState s = base;
+  if (!v || v->kind != Kind::kObject || !v->state || !v->state->is_dict()) return s;
+  const ValuePtr& st = v->state;
+  auto num = [&](const char* k, double& out) {
+    if (auto x = st->get(k); x && (x->kind == Kind::kFloat || x->kind == Kind::kInt)) out = Number(x, k);
+  };
+  auto geti = [&](const char* k, int64_t& out) {
+    if (auto x = st->get(k); x && x->kind == Kind::kInt) out = x->i;
+  };
+  auto getb = [&](const char* k, bool& out) {
+    if (auto x = st->get(k); x && x->kind == Kind::kBool) out = x->b;
+  };
+  num("cur_scale", s.cur_scale);
+  getb("dynamic", s.dynamic);
+  geti("cur_iter", s.cur_iter);
+  geti("last_overflow_iter", s.last_overflow_iter);
+  geti("scale_window", s.scale_window);
+  geti("delayed_shift", s.delayed_shift);
+  geti("cur_hysteresis", s.cur_hysteresis);
+  getb("consecutive_hysteresis", s.consecutive_hysteresis);
+  getb("raise_error_at_min_scale", s.raise_error_at_min_scale);
+  num("scale_factor", s.scale_factor);
+  num("min_scale", s.min_scale);
+  return s;
+}
+
+ValuePtr ZeroStageValue(int stage) {
+  static const char* names[] = {"disabled", "optimizer_states", "gradients", "weights"};
+  return Value::Object("builtins.getattr",
+                       Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                                     Value::Str(names[stage])}),
+                       /*newobj=*/false);
+}
+
+int ParseZeroStage(const ValuePtr& v, const std::string& where) {
+  if (!v) return 0;
+  if (v->kind == Kind::kInt) return static_cast<int>(v->i);
+  if (v->kind == Kind::kObject && !v->items.empty() && v->items[0] && v->items[0]->is_seq()) {
+    const auto& args = v->items[0]->items;
+    if (v->name() == "getattr" && args.size() == 2 && args[1] && args[1]->kind == Kind::kStr) {
+      static const std::map<std::string, int> names = {
+          {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}};
+      auto it = names.find(args[1]->s);
+      if (it != names.end()) return it->second;
+    }
+    if (v->name() == "ZeroStageEnum" && args.size() == 1 && args[0] && args[0]->kind == Kind::kInt)
+      return static_cast<int>(args[0]->i);
+  }
+  Fail(where, "cannot read zero_stage (" + KindName(*v) + ")");
+}
+
+ValuePtr FragmentAddressValue(int64_t numel, int64_t start) {
+  return NewObject("deepspeed.utils.tensor_fragment.fragment_address",
+                   Dict({{"numel", Value::Int(numel)}, {"start", Value::Int(start)}}));
+}
+
+FragmentAddress ReadFragmentAddress(const ValuePtr& v, const std::string& where) {
+  ValuePtr fields = v && v->kind == Kind::kObject ? v->state : v;  // NEWOBJ + BUILD {'numel', 'start'}
+  return {AsInt(Need(fields, "numel", where), where + ".numel"), AsInt(Need(fields, "start", where), where + ".start")};
+}
+
+// ---- Model states ----
+
+bool IsModelStatesKey(const std::string& k) {
+  static const std::set<std::string> keys = {
+      "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+      "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+      "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+      "ds_version", "uckpt"};
+  return keys.count(k) > 0;
+}
+
+namespace {
+// Keys DeepSpeed's own writer leaves to the client (Megatron-style scripts and
+// DeepSpeed's converter put them in client_state); uckpt writes defaults that
+// a client's value replaces, and records which stayed defaults (they are then
+// not the client's on load).
+const char* const kClientConventionKeys[] = {"universal_checkpoint_info", "iteration"};
+constexpr const char* kDefaultedKeys = "defaulted_keys";
+
+bool IsUckptDefault(const ValuePtr& root, const std::string& k) {
+  if (std::find(std::begin(kClientConventionKeys), std::end(kClientConventionKeys), k) ==
+      std::end(kClientConventionKeys))
+    return false;
+  ValuePtr u = root->get("uckpt");
+  if (!u || !u->is_dict()) return false;  // DeepSpeed's file: the client wrote it
+  ValuePtr listed = u->get(kDefaultedKeys);
+  if (!listed || !listed->is_seq()) return true;  // older uckpt files: always uckpt's
+  for (const auto& item : listed->items)
+    if (item && item->kind == Kind::kStr && item->s == k) return true;
+  return false;
+}
+}  // namespace
+
+ValuePtr ModelStatesValue(const ModelStates& s) {
+  ValuePtr module = Value::Dict(/*ordered=*/true);
+  for (const auto& [name, t] : s.module) module->set(name, t);
+  if (!s.module_prefixes.empty()) {
+    ValuePtr metadata = Value::Dict(/*ordered=*/true);
+    for (const auto& m : s.module_prefixes) metadata->set(m, Dict({{"version", Value::Int(1)}}));
+    module->state = Dict({{"_metadata", metadata}});
+  }
+  ValuePtr buffer_names = Value::List();
+  for (const auto& b : s.buffer_names) buffer_names->items.push_back(Value::Str(b));
+  // Stage 2 records frozen parameters: their shapes, and each whole, flattened.
+  ValuePtr frozen_shapes = Value::Dict(true), frozen_fragments = Value::Dict(true);
+  for (const auto& p : s.frozen_shapes) frozen_shapes->set(p.name, Value::Size(p.shape));
+  for (const auto& [name, t] : s.frozen) frozen_fragments->set(name, t);
+  ValuePtr shared = Value::Dict();
+  for (const auto& [alias, owner] : s.shared_params) shared->set(alias, Value::Str(owner));
+
+  ValuePtr d = Value::Dict();
+  d->set("module", module);
+  d->set("buffer_names", buffer_names);
+  d->set("optimizer", s.stage == 0 && s.stage0_optimizer ? s.stage0_optimizer : Value::None());
+  d->set("param_shapes", s.stage == 0 ? Value::None() : ParamShapesValue(s.param_shapes));
+  d->set("frozen_param_shapes", s.stage >= 2 ? frozen_shapes : Value::None());
+  d->set("shared_params", s.stage == 0 ? Value::None() : shared);
+  d->set("frozen_param_fragments", s.stage >= 2 ? frozen_fragments : Value::None());
+  d->set("lr_scheduler", s.last_batch_iteration
+                             ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
+                             : Value::None());
+  d->set("data_sampler", Value::None());
+  d->set("random_ltd", Value::None());
+  d->set("sparse_tensor_module_names", Set());
+  d->set("skipped_steps", Value::Int(s.skipped_steps));
+  d->set("global_steps", Value::Int(s.global_steps));
+  d->set("global_samples", Value::Int(s.global_samples));
+  d->set("dp_world_size", Value::Int(s.dp_world_size));
+  d->set("mp_world_size", Value::Int(1));
+  d->set("ds_config", s.ds_config ? s.ds_config : Value::Dict());
+  d->set("ds_version", Value::Str(kDeepSpeedVersion));
+  // Client state DeepSpeed's converter needs, and the iteration.
+  d->set("universal_checkpoint_info", Dict({{"universal_checkpoint_version", Value::Float(0.2)}}));
+  d->set("iteration", Value::Int(s.global_steps));
+  for (const auto& [k, v] : s.extra) d->set(k, v);
+  if (ValuePtr u = d->get("uckpt"); u && u->is_dict()) {
+    ValuePtr defaulted = Value::List();
+    for (const char* k : kClientConventionKeys) {
+      bool given = false;
+      for (const auto& e : s.extra) given |= e.first == k;
+      if (!given) defaulted->items.push_back(Value::Str(k));
+    }
+    u->set(kDefaultedKeys, defaulted);
+  }
+  return d;
 }
 
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
@@ -428,31 +392,126 @@ ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
   return m;
 }
 
+ValuePtr ModuleStateDictOf(const ValuePtr& root) {
+  if (!root || !root->is_dict()) return nullptr;
+  ValuePtr module = root->get("module");
+  return module && module->is_dict() ? module : nullptr;
+}
+
+ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::vector<AdamHparams>& groups,
+                              const std::vector<std::vector<int64_t>>& group_params) {
+  ValuePtr state = Value::Dict();
+  for (size_t i = 0; i < states.size(); ++i)
+    if (!states[i].empty()) state->set(Value::Int(static_cast<int64_t>(i)), StateDict(states[i]));
+  ValuePtr param_groups = Value::List();
+  for (size_t g = 0; g < groups.size(); ++g) param_groups->items.push_back(ParamGroupValue(groups[g], group_params.at(g)));
+  return Dict({{"state", state}, {"param_groups", param_groups}});
+}
+
+std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel) {
+  const int dp = static_cast<int>(ranks.size());
+  std::vector<ValuePtr> out;
+  for (const TorchFile& m : ranks) {
+    const std::string path = m.file->path();
+    const std::string where = path + ": frozen_param_fragments['" + name + "']";
+    out.push_back(Need(Need(m.root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments"));
+    const Tensor& t = AsTensor(out.back(), where);
+    if (t.numel() != Stage3PartitionSize(numel, dp))
+      throw FormatError(where + ": has " + std::to_string(t.numel()) + " elements, not ceil(" + std::to_string(numel) +
+                        "/" + std::to_string(dp) + ") (one rank's slot of the ZeRO-3 partition)");
+  }
+  return out;
+}
+
+// ---- Optimizer states ----
+
+OptimStatesHeader ReadOptimStatesHeader(const ValuePtr& root, const std::string& path) {
+  const std::string w = path + ": optimizer_state_dict";
+  ValuePtr osd = Need(root, "optimizer_state_dict", path);
+  OptimStatesHeader h;
+  h.zero_stage = ParseZeroStage(osd->get("zero_stage"), w + ".zero_stage");
+  const std::string where = w + ".partition_count";
+  ValuePtr pc = Need(osd, "partition_count", w);
+  int64_t dp = -1;
+  if (pc->kind == Kind::kInt) {
+    dp = pc->i;
+  } else {
+    for (const auto& v : AsList(pc, where)) {
+      int64_t x = AsInt(v, where);
+      if (dp >= 0 && x != dp)
+        Fail(where, "param groups are partitioned over different sizes (" + std::to_string(dp) + " and " +
+                        std::to_string(x) + "); MoE expert groups are not supported");
+      dp = x;
+    }
+  }
+  if (dp < 1 || dp > (1 << 20)) Fail(where, "invalid data-parallel size " + std::to_string(dp));
+  h.dp = static_cast<int>(dp);
+  return h;
+}
+
+ValuePtr OptimStatesValue(const RankOptimStates& s) {
+  if (s.stage != 1 && s.stage != 2) throw std::invalid_argument("OptimStatesValue: stage 1 or 2");
+  ValuePtr state = Value::Dict();
+  ValuePtr param_groups = Value::List(), fp32 = Value::List(), paddings = Value::List(), mappings = Value::List();
+  for (size_t g = 0; g < s.groups.size(); ++g) {
+    const OptimGroupState& gs = s.groups[g];
+    const int64_t id = static_cast<int64_t>(g);
+    if (!gs.adam.empty()) state->set(Value::Int(id), StateDict(gs.adam));
+    param_groups->items.push_back(ParamGroupValue(gs.hparams, {id}));
+    fp32->items.push_back(gs.fp32);
+    paddings->items.push_back(Value::Int(gs.padding));
+    ValuePtr m = Value::Dict(/*ordered=*/true);
+    for (const auto& [name, f] : gs.mappings)
+      m->set(name, FragmentAddressValue(f.numel, f.partition_offset));
+    mappings->items.push_back(m);
+  }
+  ValuePtr osd = Value::Dict();
+  if (!s.bf16_optimizer) {
+    osd->set("loss_scaler", LossScalerValue(s.scaler));
+    osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
+    osd->set("overflow", Value::Bool(false));
+  }
+  osd->set("clip_grad", Value::Float(s.clip_grad));
+  osd->set("base_optimizer_state", Dict({{"state", state}, {"param_groups", param_groups}}));
+  osd->set("single_partition_of_fp32_groups", fp32);
+  if (!s.bf16_optimizer) osd->set("zero_stage", ZeroStageValue(s.stage));
+  osd->set("group_paddings", paddings);
+  osd->set("partition_count", IntList(std::vector<int64_t>(s.groups.size(), s.dp)));
+  osd->set("ds_version", Value::Str(kDeepSpeedVersion));
+  osd->set("param_slice_mappings", mappings);
+  return Dict({{"optimizer_state_dict", osd},
+               {"ds_config", s.ds_config ? s.ds_config : Value::Dict()},
+               {"ds_version", Value::Str(kDeepSpeedVersion)}});
+}
+
 RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path) {
   RankOptimView r;
-  ValuePtr osd = Key(root, "optimizer_state_dict", path);
-  const std::string where = path + ": optimizer_state_dict";
-  if (ValuePtr pc = Key(osd, "partition_count", where, false); pc && pc->is_seq())
-    for (const auto& n : pc->items) {
-      if (n->kind != Kind::kInt) throw FormatError(where + ": partition_count holds a non-int");
-      r.partition_count.push_back(n->i);
-    }
-  r.loss_scaler = Key(osd, "loss_scaler", where, false);
-  ValuePtr base = Key(osd, "base_optimizer_state", where);
-  ValuePtr fp32 = Key(osd, "single_partition_of_fp32_groups", where);
-  if (!fp32->is_seq()) throw FormatError(where + ": single_partition_of_fp32_groups is not a list");
-  ValuePtr groups = Key(base, "param_groups", where + ".base_optimizer_state");
-  const auto states = StatesById(Key(base, "state", where + ".base_optimizer_state"), where + ".base_optimizer_state.state");
-  for (size_t g = 0; g < fp32->items.size(); ++g) {
-    const std::string gs = std::to_string(g);
-    OptimGroupView v;
-    const ValuePtr& t = fp32->items[g];
-    if (!t || !t->tensor) throw FormatError(where + ": single_partition_of_fp32_groups[" + gs + "] is not a tensor");
-    v.fp32 = t->tensor.get();
-    if (auto it = states.find(static_cast<int64_t>(g)); it != states.end())
-      v.adam = ReadAdamState(it->second, where + ".base_optimizer_state.state[" + gs + "]");
-    if (groups && groups->is_seq() && g < groups->items.size()) v.hparams = groups->items[g];
-    r.groups.push_back(v);
+  r.where = path + ": optimizer_state_dict";
+  const std::string& w = r.where;
+  ValuePtr osd = Need(root, "optimizer_state_dict", path);
+  ValuePtr bos = Need(osd, "base_optimizer_state", w);
+  if (bos->is_seq())
+    Fail(w + ".base_optimizer_state", "is a list: elastic checkpoints (elastic_checkpoint=true) are not supported");
+  ValuePtr state = Need(bos, "state", w + ".base_optimizer_state");
+  r.param_groups = bos->get("param_groups");
+  r.loss_scaler = osd->get("loss_scaler");
+  r.partitions_where = w + ".single_partition_of_fp32_groups";
+  const auto& fp32 = AsList(Need(osd, "single_partition_of_fp32_groups", w), r.partitions_where);
+  const auto& maps = AsList(Need(osd, "param_slice_mappings", w), w + ".param_slice_mappings");
+  if (fp32.size() != maps.size())
+    Fail(w, "has " + std::to_string(fp32.size()) + " fp32 partitions but " + std::to_string(maps.size()) +
+                " slice mappings");
+  for (size_t g = 0; g < fp32.size(); ++g) {
+    const std::string gs = "[" + std::to_string(g) + "]";
+    PartitionView p;
+    p.fp32_where = r.partitions_where + gs;
+    p.fp32 = &AsTensor(fp32[g], p.fp32_where);
+    p.state_where = w + ".base_optimizer_state.state" + gs;
+    p.state = GetIntKey(state, static_cast<int64_t>(g));
+    p.mappings_where = w + ".param_slice_mappings" + gs;
+    for (const auto& [name, v] : NamedEntries(maps[g], p.mappings_where))
+      p.mappings.emplace_back(name, ReadFragmentAddress(v, p.mappings_where + "['" + name + "']"));
+    r.partitions.push_back(std::move(p));
   }
   return r;
 }
@@ -484,44 +543,69 @@ ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s) {
                {"ds_version", Value::Str(kDeepSpeedVersion)}});
 }
 
-Stage3RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string& path) {
-  Stage3RankOptimView r;
-  ValuePtr osd = Key(root, "optimizer_state_dict", path);
-  const std::string where = path + ": optimizer_state_dict";
-  if (ValuePtr pc = Key(osd, "partition_count", where, false); pc && pc->kind == Kind::kInt) r.partition_count = pc->i;
-  r.loss_scaler = Key(osd, "loss_scaler", where, false);
-  ValuePtr inner = Key(osd, "optimizer_state_dict", where);
-  ValuePtr flat = Key(osd, "fp32_flat_groups", where);
-  if (!flat->is_seq()) throw FormatError(where + ": fp32_flat_groups is not a list (not a ZeRO stage 3 file?)");
-  r.param_groups = Key(inner, "param_groups", where + ".optimizer_state_dict", false);
-  const auto states = StatesById(Key(inner, "state", where + ".optimizer_state_dict"), where + ".optimizer_state_dict.state");
-  for (size_t i = 0; i < flat->items.size(); ++i) {
-    const std::string is = std::to_string(i);
-    const ValuePtr& t = flat->items[i];
-    if (!t || !t->tensor) throw FormatError(where + ": fp32_flat_groups[" + is + "] is not a tensor");
-    r.fp32.push_back(t->tensor.get());
-    if (auto it = states.find(static_cast<int64_t>(i)); it != states.end()) {
-      r.adam.push_back(ReadAdamState(it->second, where + ".optimizer_state_dict.state[" + is + "]"));
-    } else {
-      r.adam.push_back(std::nullopt);
-    }
+RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string& path) {
+  RankOptimView r;
+  r.where = path + ": optimizer_state_dict";
+  const std::string& w = r.where;
+  ValuePtr osd = Need(root, "optimizer_state_dict", path);
+  r.partitions_where = w + ".fp32_flat_groups";
+  const auto& fp32 = AsList(Need(osd, "fp32_flat_groups", w), r.partitions_where);
+  ValuePtr inner = Need(osd, "optimizer_state_dict", w);
+  ValuePtr state = Need(inner, "state", w + ".optimizer_state_dict");
+  r.param_groups = inner->get("param_groups");
+  r.loss_scaler = osd->get("loss_scaler");
+  for (size_t s = 0; s < fp32.size(); ++s) {
+    const std::string ss = "[" + std::to_string(s) + "]";
+    PartitionView p;
+    p.fp32_where = r.partitions_where + ss;
+    p.fp32 = &AsTensor(fp32[s], p.fp32_where);
+    p.state_where = w + ".optimizer_state_dict.state" + ss;
+    p.state = GetIntKey(state, static_cast<int64_t>(s));
+    r.partitions.push_back(std::move(p));
   }
   return r;
 }
 
-std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel) {
-  const int dp = static_cast<int>(ranks.size());
-  std::vector<ValuePtr> out;
-  for (const TorchFile& m : ranks) {
-    const std::string path = m.file->path();
-    const std::string where = path + ": frozen_param_fragments['" + name + "']";
-    out.push_back(Need(Need(m.root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments"));
-    const Tensor& t = AsTensor(out.back(), where);
-    if (t.numel() != Stage3PartitionSize(numel, dp))
-      throw FormatError(where + ": has " + std::to_string(t.numel()) + " elements, not ceil(" + std::to_string(numel) +
-                        "/" + std::to_string(dp) + ") (one rank's slot of the ZeRO-3 partition)");
+// ---- zero/optimizer_state.pt ----
+
+ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& path, int stage, size_t groups, int dp) {
+  ValuePtr osd = Need(rank0, "optimizer_state_dict", path);
+  auto out = Value::Dict();
+  if (stage == 3) {
+    for (const auto& [k, v] : osd->entries) out->entries.emplace_back(k, v);
+    ValuePtr inner = Need(osd, "optimizer_state_dict", path + ": optimizer_state_dict");
+    out->set("param_groups", Need(inner, "param_groups", path + ": optimizer_state_dict.optimizer_state_dict"));
+    return out;
   }
+  for (const auto& [k, v] : osd->entries) {
+    const std::string key = k && k->kind == Kind::kStr ? k->s : std::string();
+    if (key == "base_optimizer_state" || key == "param_slice_mappings" || key == "single_partition_of_fp32_groups")
+      continue;
+    if (key == "group_paddings") {
+      std::vector<ValuePtr> zeros;
+      for (size_t g = 0; g < groups; ++g) zeros.push_back(Value::Int(0));
+      out->entries.emplace_back(k, Value::List(std::move(zeros)));
+    } else if (key == "partition_count" && v && v->is_seq()) {
+      std::vector<ValuePtr> counts;
+      for (size_t g = 0; g < groups; ++g) counts.push_back(Value::Int(dp));
+      out->entries.emplace_back(k, Value::List(std::move(counts)));
+    } else {
+      out->entries.emplace_back(k, v);
+    }
+  }
+  ValuePtr bos = Need(osd, "base_optimizer_state", path + ": optimizer_state_dict");
+  out->set("param_groups", Need(bos, "param_groups", path + ": optimizer_state_dict.base_optimizer_state"));
   return out;
+}
+
+UniversalOptimizerStateView ReadUniversalOptimizerStateValue(const ValuePtr& root, const std::string& path) {
+  if (!root || !root->is_dict()) throw FormatError(path + ": is not a dict");
+  UniversalOptimizerStateView v{root->get("loss_scaler"), root->get("param_groups"), root->get("zero_stage"), nullptr};
+  ValuePtr inner = root->get("optimizer_state_dict");
+  ValuePtr state = inner && inner->is_dict() ? inner->get("state") : nullptr;
+  ValuePtr first = GetIntKey(state, 0);
+  if (first && first->is_dict()) v.zero3_step = first->get("step");
+  return v;
 }
 
 }  // namespace uckpt::ckpt

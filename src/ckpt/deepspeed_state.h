@@ -1,9 +1,14 @@
-// DeepSpeed's checkpoint files as plain state: what a training engine (or a
-// test writer) hands over to save a ZeRO 0/1/2 checkpoint, and the readers it
-// uses to load one. The only code that knows the files' names, keys and
-// classes (shared/spec/deepspeed-zero-checkpoint.md §3-6); no libtorch.
-// Tensors travel as format values (ValuePtr of kind kTensor), so a caller can
-// share one storage between views (a flat buffer) or stream data (zero_writer).
+// What DeepSpeed's checkpoint files hold: their keys and pickled classes
+// (shared/spec/deepspeed-zero-checkpoint.md §3-6), as plain state. Each file
+// and each field has its encoder (a ...Value function, what the engine's save
+// and zero_writer write) beside its decoder (a Read... function, what every
+// load, convert, verify, inspect and fingerprint reads through). The files'
+// names are ckpt/deepspeed_names.h's. No libtorch: tensors travel as format
+// values (ValuePtr of kind kTensor), so a caller can share one storage
+// between views (a flat buffer) or stream data (zero_writer).
+//
+// Decoders throw FormatError naming the file and the key. Tensors they return
+// point into the file's (memory-mapped) storage: keep the TorchFile alive.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -15,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "ckpt/deepspeed_names.h"
 #include "ckpt/partition.h"
 #include "format/torch_file.h"
 #include "format/value.h"
@@ -24,23 +30,36 @@ namespace uckpt::ckpt {
 // The DeepSpeed version our files claim to come from (the fixtures').
 inline constexpr const char* kDeepSpeedVersion = "0.14.5";
 
-// File names inside a tag folder.
-std::string ModelStatesFileName();                            // mp_rank_00_model_states.pt
-std::string OptimStatesFileName(int dp_rank, bool bf16);      // [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
-std::string Zero3ModelStatesFileName(int dp_rank);            // zero_pp_rank_<r>_mp_rank_00_model_states.pt (stage 3)
-
-// The value of a JSON document (dicts keep key order, ints stay ints).
+// The value of a JSON document (dicts keep key order, ints stay ints): ds_config.
 ValuePtr JsonToValue(const nlohmann::json& j);
 
+// A 0-d (or 1-element) tensor's value, or a number; throws naming `where`.
+double ScalarOf(const ValuePtr& v, const std::string& where);
+
+// ---- Fields ----
+
+// param_shapes: per optimizer group (stage 3: sub-group), each trainable
+// parameter's name and shape, in flat-buffer order.
 struct NamedShape {
   std::string name;
   std::vector<int64_t> shape;
+  int64_t numel() const;
+  bool operator==(const NamedShape&) const = default;
 };
+using ParamShapes = std::vector<std::vector<NamedShape>>;
+ValuePtr ParamShapesValue(const ParamShapes& groups);  // a list of OrderedDicts of torch.Size
+// The model-states file `root`'s param_shapes; empty when None (stage 0) or absent.
+ParamShapes ReadParamShapes(const ValuePtr& root, const std::string& path);
+// The same for a file that must have them (ZeRO 1-3, universal): FormatError when None or absent.
+ParamShapes ReadRequiredParamShapes(const ValuePtr& root, const std::string& path);
 
 // One torch Adam/AdamW param group's hyper-parameters (lr is the current one).
 struct AdamHparams {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
 };
+ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids);  // torch AdamW's keys
+// param_groups[g]'s hyper-parameters; absent ones keep `base`'s.
+AdamHparams ReadAdamHparams(const ValuePtr& group, const AdamHparams& base, const std::string& where);
 
 // deepspeed.runtime.fp16.loss_scaler.{LossScaler,DynamicLossScaler} fields.
 struct LossScalerState {
@@ -53,14 +72,43 @@ struct LossScalerState {
   int64_t delayed_shift = 1, cur_hysteresis = 1;
   bool consecutive_hysteresis = false, raise_error_at_min_scale = true;
 };
+ValuePtr LossScalerValue(const LossScalerState& s);
+// A loss scaler object as pickled; fields missing from it keep `base`'s.
+LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base);
 
-// mp_rank_00_model_states.pt of a ZeRO 0/1/2 run.
+// zero_stage: getattr(ZeroStageEnum, name).
+ValuePtr ZeroStageValue(int stage);
+// ZeroStageEnum as pickled (getattr(ZeroStageEnum, 'gradients'),
+// ZeroStageEnum(2) or an int): 1..3, or 0 when `v` is null (BF16_Optimizer).
+int ParseZeroStage(const ValuePtr& v, const std::string& where);
+
+// param_slice_mappings' entries: deepspeed.utils.tensor_fragment.fragment_address.
+struct FragmentAddress {
+  int64_t numel = 0, start = 0;  // start: the offset in the rank's partition
+};
+ValuePtr FragmentAddressValue(int64_t numel, int64_t start);
+FragmentAddress ReadFragmentAddress(const ValuePtr& v, const std::string& where);
+
+// Adam's per-element state of one flat partition or parameter: step (0-d),
+// exp_avg, exp_avg_sq; empty before the first step.
+using AdamState = std::vector<std::pair<std::string, ValuePtr>>;
+// Adam's state of one partition or parameter, read back.
+struct AdamStateView {
+  const Tensor* exp_avg = nullptr;
+  const Tensor* exp_avg_sq = nullptr;
+  double step = 0;  // a 0-d tensor or a number in the file
+};
+
+// ---- mp_rank_00_model_states.pt (ZeRO 0/1/2), and ZeRO 3's
+// zero_pp_rank_<r>_mp_rank_00_model_states.pt (stage 3: the module's
+// parameters as empty tensors, param_shapes per sub-group) ----
+
 struct ModelStates {
   int stage = 1;
   std::vector<std::pair<std::string, ValuePtr>> module;  // state_dict order, tied aliases included
   std::vector<std::string> module_prefixes;              // state_dict _metadata ("" and every submodule)
   std::vector<std::string> buffer_names;
-  std::vector<std::vector<NamedShape>> param_shapes;     // trainable, per group (stage >= 1)
+  ParamShapes param_shapes;                              // trainable, per group (stage >= 1)
   std::vector<std::pair<std::string, ValuePtr>> frozen;  // frozen parameters, flattened (stage 2 records them)
   std::vector<NamedShape> frozen_shapes;
   std::vector<std::pair<std::string, std::string>> shared_params;  // alias -> owner
@@ -75,6 +123,19 @@ struct ModelStates {
 };
 ValuePtr ModelStatesValue(const ModelStates& s);
 
+struct ModelStatesView {
+  std::map<std::string, const Tensor*> module;  // every tensor of the module state dict
+  int64_t global_steps = 0, skipped_steps = 0;
+  std::optional<int64_t> global_samples;        // uckpt's data position, else DeepSpeed's global_samples
+  std::optional<int64_t> last_batch_iteration;  // the lr scheduler's
+  std::optional<int64_t> dp_world_size;
+  // Stage 0: torch's optimizer state_dict: Adam state by parameter id, param groups.
+  std::map<int64_t, AdamStateView> stage0_state;
+  ValuePtr stage0_param_groups;
+  std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey, but uckpt's defaults
+};
+ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
+
 // Whether `key` is one of the model-states file's own keys (DeepSpeed's or
 // uckpt's); every other top-level key is client state. `iteration` and
 // `universal_checkpoint_info` are the client's (DeepSpeed leaves them to it):
@@ -82,16 +143,37 @@ ValuePtr ModelStatesValue(const ModelStates& s);
 // only where the saver gave them.
 bool IsModelStatesKey(const std::string& key);
 
-// Adam's per-element state of one flat partition or parameter: step (0-d),
-// exp_avg, exp_avg_sq; empty before the first step.
-using AdamState = std::vector<std::pair<std::string, ValuePtr>>;
+// The module state dict of a model-states file (its `module`); null when
+// `root` is no DeepSpeed model-states dict.
+ValuePtr ModuleStateDictOf(const ValuePtr& root);
 
-// Stage 0: torch Adam's state_dict: `states[i]` of parameter i (numbered over
-// all groups), `group_params[g]` the ids of group g.
+// Stage 0's `optimizer`: torch Adam's state_dict: `states[i]` of parameter i
+// (numbered over all groups), `group_params[g]` the ids of group g.
 ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::vector<AdamHparams>& groups,
                               const std::vector<std::vector<int64_t>>& group_params);
 
-// One group of a rank's zero_pp_rank_<r>_mp_rank_00_optim_states.pt.
+// ZeRO-3 frozen parameters. DeepSpeed (and uckpt) saves each one
+// partitioned: an empty `module` entry, and in rank r's
+// frozen_param_fragments[name] slot r of ceil(numel/dp) elements (the last
+// one padded). Returns every rank's fragment of `name` from `ranks` (each
+// rank's zero_pp_rank_<r>_mp_rank_00_model_states.pt, in rank order), each
+// checked to hold one slot; FormatError naming the file otherwise. The
+// parameter's elements are the first Stage3RealNumel(numel, dp, r) of each
+// fragment, in rank order.
+std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel);
+
+// ---- [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt: one rank's
+// optimizer state (stage 1/2: DeepSpeedZeroOptimizer or BF16_Optimizer;
+// stage 3: DeepSpeedZeroOptimizer_Stage3) ----
+
+// What every optimizer file says of its run.
+struct OptimStatesHeader {
+  int zero_stage = 0;  // ParseZeroStage: 0 for BF16_Optimizer's files
+  int dp = 0;          // partition_count: stage 3's int, or stage 1/2's one per group (all equal)
+};
+OptimStatesHeader ReadOptimStatesHeader(const ValuePtr& root, const std::string& path);
+
+// Stage 1/2, one group.
 struct OptimGroupState {
   ValuePtr fp32;     // the lean fp32 partition (padding cut off)
   AdamState adam;    // of the padded partition
@@ -110,12 +192,8 @@ struct RankOptimStates {
 };
 ValuePtr OptimStatesValue(const RankOptimStates& s);
 
-// ---- ZeRO stage 3: every rank writes zero_pp_rank_<r>_mp_rank_00_model_states.pt
-// (ModelStatesValue with stage 3: the module's parameters as empty tensors,
-// param_shapes per sub-group) and its optim states below. ----
-
-// One sub-group of a rank's stage-3 optimizer file: its flat fp32 partition
-// (every parameter's ps elements, padding included) and Adam's state of it.
+// Stage 3, one sub-group: its flat fp32 partition (every parameter's ps
+// elements, padding included) and Adam's state of it.
 struct Stage3SubGroupState {
   ValuePtr fp32;
   AdamState adam;  // empty before the first step
@@ -130,82 +208,37 @@ struct Stage3RankOptimStates {
 };
 ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s);
 
-
-// Pieces of the files, for writers of other layouts (zero_writer's stage 3).
-ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids);  // torch AdamW's keys
-ValuePtr LossScalerValue(const LossScalerState& s);
-ValuePtr ZeroStageValue(int stage);  // getattr(ZeroStageEnum, name)
-ValuePtr FragmentAddressValue(int64_t numel, int64_t start);
-
-// ---- Readers: each names `path` in its errors (FormatError). Tensors point
-// into the file's (memory-mapped) storage: keep the TorchFile alive. ----
-
-// Adam's state of one partition or parameter, read back.
-struct AdamStateView {
-  const Tensor* exp_avg = nullptr;
-  const Tensor* exp_avg_sq = nullptr;
-  double step = 0;  // a 0-d tensor or a number in the file
-};
-
-// mp_rank_00_model_states.pt (ZeRO 0/1/2), read back.
-struct ModelStatesView {
-  std::map<std::string, const Tensor*> module;  // every tensor of the module state dict
-  int64_t global_steps = 0, skipped_steps = 0;
-  std::optional<int64_t> global_samples;        // uckpt's data position, else DeepSpeed's global_samples
-  std::optional<int64_t> last_batch_iteration;  // the lr scheduler's
-  std::optional<int64_t> dp_world_size;
-  // Stage 0: torch's optimizer state_dict: Adam state by parameter id, param groups.
-  std::map<int64_t, AdamStateView> stage0_state;
-  ValuePtr stage0_param_groups;
-  std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey, but uckpt's defaults
-};
-ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
-
-// The module state dict of a model-states file (its `module`); null when
-// `root` is no DeepSpeed model-states dict.
-ValuePtr ModuleStateDictOf(const ValuePtr& root);
-
-// ZeRO-3 frozen parameters. DeepSpeed (and uckpt) saves each one
-// partitioned: an empty `module` entry, and in rank r's
-// frozen_param_fragments[name] slot r of ceil(numel/dp) elements (the last
-// one padded). Returns every rank's fragment of `name` from `ranks` (each
-// rank's zero_pp_rank_<r>_mp_rank_00_model_states.pt, in rank order), each
-// checked to hold one slot; FormatError naming the file otherwise. The
-// parameter's elements are the first Stage3RealNumel(numel, dp, r) of each
-// fragment, in rank order.
-std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel);
-
-// zero_pp_rank_<r>_mp_rank_00_optim_states.pt (ZeRO 1/2), read back.
-struct OptimGroupView {
-  const Tensor* fp32 = nullptr;          // the fp32 partition (lean: padding cut off)
-  std::optional<AdamStateView> adam;     // none before the first step
-  ValuePtr hparams;                      // the param_groups entry
+// Either stage's file, read back: each part checked for its kind, not for
+// agreement with the model states (ckpt/zero_checkpoint.h plans that).
+struct PartitionView {
+  const Tensor* fp32 = nullptr;  // the fp32 master partition (stage 1/2: lean, padding cut off)
+  ValuePtr state;                // the optimizer's state of it (Adam: step, exp_avg, exp_avg_sq); null when none
+  std::vector<std::pair<std::string, FragmentAddress>> mappings;  // stage 1/2: param_slice_mappings
+  std::string fp32_where, state_where, mappings_where;  // their places, for messages
 };
 struct RankOptimView {
-  std::vector<OptimGroupView> groups;
-  std::vector<int64_t> partition_count;  // per group; empty if absent
-  ValuePtr loss_scaler;                  // for ReadLossScaler
+  std::string where;             // "<file>: optimizer_state_dict"
+  std::string partitions_where;  // the place of the list of fp32 partitions, for messages
+  std::vector<PartitionView> partitions;  // per group (stage 3: sub-group)
+  ValuePtr param_groups;         // the torch optimizer's param_groups
+  ValuePtr loss_scaler;          // for ReadLossScaler; null in BF16_Optimizer's files
 };
-RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path);
+RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path);        // stage 1/2
+RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string& path);  // stage 3
 
-// A 0-d (or 1-element) tensor's value, or a number; throws naming `where`.
-double ScalarOf(const ValuePtr& v, const std::string& where);
+// ---- A universal folder's zero/optimizer_state.pt ----
 
-// A loss scaler object as pickled; fields missing from it keep `base`'s.
-LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base);
-// param_groups[g]'s hyper-parameters; absent ones keep `base`'s.
-AdamHparams ReadAdamHparams(const ValuePtr& group, const AdamHparams& base, const std::string& where);
-// param_shapes as saved: groups of (name, shape). Empty when None or absent.
-std::vector<std::vector<NamedShape>> ReadParamShapes(const ValuePtr& root, const std::string& path);
-
-// A stage-3 optim-states file, read back.
-struct Stage3RankOptimView {
-  std::vector<const Tensor*> fp32;                  // fp32_flat_groups, per sub-group
-  std::vector<std::optional<AdamStateView>> adam;   // per sub-group; none before the first step
-  ValuePtr param_groups;                            // the torch optimizer's param_groups
-  std::optional<int64_t> partition_count;
-  ValuePtr loss_scaler;
+// What DeepSpeed's converter writes there (universal spec §3.3), from rank 0's
+// optimizer file `rank0` (at `path`): stage 1/2 — its optimizer_state_dict
+// without the sharded entries, group_paddings all 0, partition_count [dp]*groups,
+// plus param_groups; stage 3 — its whole optimizer_state_dict plus param_groups.
+ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& path, int stage, size_t groups, int dp);
+// Its parts, null when absent.
+struct UniversalOptimizerStateView {
+  ValuePtr loss_scaler, param_groups;  // what a resume needs
+  ValuePtr zero_stage;                 // as pickled (ParseZeroStage)
+  ValuePtr zero3_step;                 // ZeRO-3's: Adam's step of sub-group 0 (no step.pt files there)
 };
-Stage3RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string& path);
+UniversalOptimizerStateView ReadUniversalOptimizerStateValue(const ValuePtr& root, const std::string& path);
 
 }  // namespace uckpt::ckpt

@@ -244,7 +244,7 @@ ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& 
   auto tag = ResolveTagFolder(checkpoint);
   if (!tag) throw FormatError(checkpoint + ": not a checkpoint folder");
   std::error_code ec;
-  Collector c = fs::is_directory(*tag + "/zero", ec) ? CollectUniversal(*tag, verify_hashes)
+  Collector c = fs::is_directory(UniversalZeroDir(*tag), ec) ? CollectUniversal(*tag, verify_hashes)
                                                           : CollectZero(*tag, verify_hashes);
 
   auto out_dtype = [&](DType src) { return DTypeIsFloating(src) ? dtype : src; };

@@ -318,13 +318,7 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
   ValuePtr osd = Need(z.optim[0].root, "optimizer_state_dict", path);
   f.counters.loss_scale = LossScaleOf(osd->get("loss_scaler"));
   if (!z.state_keys.empty() && !z.params.empty()) {
-    if (z.stage == 3) {
-      const Stage3RankOptimView v = ReadStage3RankOptimStates(z.optim[0].root, path);
-      const size_t s = z.params[0].group;
-      if (s < v.adam.size() && v.adam[s]) f.counters.optimizer_step = v.adam[s]->step;
-    } else if (z.params[0].step) {
-      f.counters.optimizer_step = ScalarOf(z.params[0].step, path + ": step");
-    }
+    if (ValuePtr step = z.steps.at(z.params[0].group)) f.counters.optimizer_step = ScalarOf(step, path + ": step");
   }
   return f;
 }
@@ -350,7 +344,7 @@ StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, in
     const ParamFingerprint& p = f.params[at[j].first];
     const std::string& key = keys[at[j].second];
     LoadedState ls = LoadUniversalState(u, p.name, key);
-    const std::string where = u.folder + "/zero/" + p.name + "/" + key + ".pt";
+    const std::string where = UniversalStateFile(u.folder, p.name, key);
     if (ls.tensor->numel() != p.numel)
       throw FormatError(where + ": has " + std::to_string(ls.tensor->numel()) + " elements, " + p.name + " has " +
                         std::to_string(p.numel));
@@ -365,12 +359,8 @@ StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, in
     } else if (u.zero3) {
       // ZeRO-3's optimizer_state.pt: the whole stage-3 optimizer state; Adam's
       // step per sub-group (the first parameter is in sub-group 0).
-      const std::string where = u.folder + "/zero/optimizer_state.pt";
-      ValuePtr inner = saved.file.root ? saved.file.root->get("optimizer_state_dict") : nullptr;
-      ValuePtr state = inner && inner->is_dict() ? inner->get("state") : nullptr;
-      ValuePtr s0 = state && state->is_dict() ? GetIntKey(state, 0) : nullptr;
-      if (ValuePtr step = s0 && s0->is_dict() ? s0->get("step") : nullptr)
-        f.counters.optimizer_step = ScalarOf(step, where + ": step");
+      if (saved.zero3_step)
+        f.counters.optimizer_step = ScalarOf(saved.zero3_step, UniversalOptimizerStateFile(u.folder) + ": step");
     }
   }
   return f;

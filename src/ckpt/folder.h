@@ -1,35 +1,15 @@
-// The files of a DeepSpeed checkpoint tag folder, classified by name
-// (shared/spec/deepspeed-zero-checkpoint.md §2), and the tag-folder lookup
-// through `latest` / `latest_universal`.
+// The files of a DeepSpeed checkpoint tag folder, listed and classified by
+// name (ckpt/deepspeed_names.h), and the tag-folder lookup through `latest` /
+// `latest_universal`.
 #pragma once
 
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "ckpt/deepspeed_names.h"
+
 namespace uckpt::ckpt {
-
-enum class FileKind {
-  kModelStates,       // mp_rank_XX_model_states.pt
-  kZero3ModelStates,  // zero_pp_rank_D_mp_rank_XX_model_states.pt
-  kOptimStates,       // [bf16_|fp16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt
-  kPipelineLayer,     // layer_NN-model_states.pt, layer_NN-model_TT-model_states.pt (any layer_*.pt)
-  kMoeExpert,         // [layer_L_]expert_E_mp_rank_XX_model_states.pt, expp_rank_*
-  kOther,
-};
-
-struct CheckpointFile {
-  std::string name;  // file name inside the folder
-  std::string path;  // folder + "/" + name
-  FileKind kind = FileKind::kOther;
-  int dp = -1;             // data-parallel rank (zero_pp_rank_D), -1 if none
-  int mp = -1;             // mp_rank_XX, -1 if none
-  std::string prefix;      // optimizer files: "", "bf16_" or "fp16_"
-};
-
-// Classifies one file name. Numbers are parsed as integers, so
-// zero_pp_rank_10 sorts after zero_pp_rank_9.
-CheckpointFile ClassifyFile(const std::string& folder, const std::string& name);
 
 // The regular files of `folder`, classified, sorted by (kind, dp, mp, name).
 // Throws IoError if the folder cannot be read.

@@ -1,6 +1,7 @@
 #include "ckpt/inspect.h"
 
 #include <filesystem>
+#include <optional>
 
 #include "ckpt/folder.h"
 #include "ckpt/universal_checkpoint.h"
@@ -70,16 +71,8 @@ void InspectZero(const std::string& folder, CheckpointInfo* info) {
   info->optimizer_states = z.state_keys;
   info->optimizer = ConfigOptimizer(z.model);
   if (info->optimizer.empty()) info->optimizer = GuessOptimizer(z.state_keys);
-  if (!z.params.empty()) {
-    if (z.params[0].step) {
-      info->optimizer_step = ValueText(z.params[0].step);
-    } else if (z.stage == 3) {
-      ValuePtr osd = z.optim[0].root->get("optimizer_state_dict");
-      ValuePtr inner = osd ? osd->get("optimizer_state_dict") : nullptr;
-      ValuePtr st = GetIntKey(inner ? inner->get("state") : nullptr, 0);
-      if (st && st->is_dict()) info->optimizer_step = ValueText(st->get("step"));
-    }
-  }
+  if (!z.params.empty())
+    if (ValuePtr step = z.steps.at(z.params[0].group)) info->optimizer_step = ValueText(step);
   size_t groups = 0;
   for (const auto& p : z.params) {
     groups = std::max(groups, p.group + 1);
@@ -102,14 +95,12 @@ void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
   if (info->optimizer.empty()) info->optimizer = GuessOptimizer(u.state_keys);
   info->global_steps = u.global_steps;
   info->param_groups = u.groups.size();
-  const std::string opt_path = u.folder + "/zero/optimizer_state.pt";
+  const std::string opt_path = UniversalOptimizerStateFile(u.folder);
   std::error_code ec;
-  ValuePtr opt_root;
-  TorchFile opt;
+  std::optional<UniversalOptimizerFile> opt;
   if (fs::exists(opt_path, ec)) {
-    opt = LoadTorchFile(opt_path);
-    opt_root = opt.root;
-    int stage = ParseZeroStage(opt.root->get("zero_stage"), opt_path + ": zero_stage");
+    opt = ReadUniversalOptimizerState(u);
+    int stage = ParseZeroStage(opt->zero_stage, opt_path + ": zero_stage");
     info->zero_stage = stage == 0 ? 1 : stage;
     info->bf16_optimizer = stage == 0;
   } else {
@@ -122,7 +113,7 @@ void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
     for (const auto& p : g) {
       info->params += 1;
       info->numel += p.numel;
-      const std::string dir = u.folder + "/zero/" + p.name;
+      const std::string dir = UniversalParamDir(u.folder, p.name);
       if (!fs::is_directory(dir, ec)) {
         info->warnings.push_back(dir + ": missing parameter folder");
         continue;
@@ -134,15 +125,12 @@ void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
         DType master = LoadUniversalState(u, p.name, "fp32").tensor->dtype;
         state_element_bytes += DTypeSize(master);
         info->master_dtype = std::string(DTypeName(master));
-        if (u.has_step) info->optimizer_step = ValueText(LoadTorchFile(dir + "/step.pt").root);
+        if (u.has_step) info->optimizer_step = ValueText(LoadTorchFile(UniversalStateFile(u.folder, p.name, "step")).root);
       }
     }
   info->state_bytes = static_cast<uint64_t>(info->numel) * state_element_bytes;
-  if (info->optimizer_step.empty() && opt_root) {  // ZeRO-3: the step travels in optimizer_state.pt
-    ValuePtr inner = opt_root->get("optimizer_state_dict");
-    ValuePtr st = GetIntKey(inner && inner->is_dict() ? inner->get("state") : nullptr, 0);
-    if (st && st->is_dict()) info->optimizer_step = ValueText(st->get("step"));
-  }
+  if (info->optimizer_step.empty() && opt && opt->zero3_step)  // ZeRO-3: the step travels in optimizer_state.pt
+    info->optimizer_step = ValueText(opt->zero3_step);
 }
 
 }  // namespace
@@ -157,7 +145,7 @@ CheckpointInfo InspectCheckpoint(const std::string& path) {
   }
   CheckpointInfo info;
   info.path = *tag;
-  if (fs::is_directory(*tag + "/zero", ec))
+  if (fs::is_directory(UniversalZeroDir(*tag), ec))
     InspectUniversal(*tag, &info);
   else
     InspectZero(*tag, &info);

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
@@ -20,7 +21,7 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
   u.folder = StripTrailingSlashes(folder_in);
   if (check_manifest) CheckFolderAgainstManifest(u.folder, verify_hashes);
   std::error_code ec;
-  if (!fs::is_directory(u.folder + "/zero", ec))
+  if (!fs::is_directory(UniversalZeroDir(u.folder), ec))
     throw FormatError(u.folder + ": no zero/ folder; not a universal checkpoint");
   std::string model_path;
   for (const auto& f : ListCheckpointFolder(u.folder)) {
@@ -31,15 +32,9 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
   }
   if (model_path.empty()) throw FormatError(u.folder + ": no copied *_model_states.pt file");
   u.model = LoadTorchFile(model_path);
-  ValuePtr ps = Need(u.model.root, "param_shapes", model_path);
-  for (size_t g = 0; g < AsList(ps, model_path + ": param_shapes").size(); ++g) {
-    const std::string gw = model_path + ": param_shapes[" + std::to_string(g) + "]";
+  for (const auto& shapes : ReadRequiredParamShapes(u.model.root, model_path)) {
     std::vector<UniversalParam> group;
-    for (const auto& [name, shape] : NamedEntries(ps->items[g], gw)) {
-      UniversalParam p{name, AsShape(shape, gw + "['" + name + "']"), 0};
-      p.numel = NumelOf(p.shape);
-      group.push_back(std::move(p));
-    }
+    for (const NamedShape& p : shapes) group.push_back({p.name, p.shape, p.numel()});
     u.groups.push_back(std::move(group));
   }
   if (ValuePtr v = u.model.root->get("dp_world_size"); v && v->kind == Kind::kInt) u.source_dp = static_cast<int>(v->i);
@@ -51,26 +46,25 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
       break;
     }
   if (!first) return u;
-  const std::string dir = u.folder + "/zero/" + first->name;
+  const std::string dir = UniversalParamDir(u.folder, first->name);
   if (!fs::is_directory(dir, ec)) throw FormatError(dir + ": missing parameter folder");
   for (const auto& e : fs::directory_iterator(dir)) {
-    std::string f = e.path().filename().string();
-    if (f.size() < 4 || f.substr(f.size() - 3) != ".pt") continue;
-    std::string key = f.substr(0, f.size() - 3);
-    if (key == "step")
+    const std::optional<std::string> key = UniversalStateKey(e.path().filename().string());
+    if (!key) continue;
+    if (*key == "step")
       u.has_step = true;
-    else if (key != "fp32")
-      u.state_keys.push_back(key);
+    else if (*key != "fp32")
+      u.state_keys.push_back(*key);
   }
   std::sort(u.state_keys.begin(), u.state_keys.end());
-  TorchFile fp32 = LoadTorchFile(dir + "/fp32.pt");
+  TorchFile fp32 = LoadTorchFile(UniversalStateFile(u.folder, first->name, "fp32"));
   u.zero3 = fp32.root && fp32.root->kind == Kind::kTensor;
   return u;
 }
 
 LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& name, const std::string& key) {
   LoadedState s;
-  const std::string path = u.folder + "/zero/" + name + "/" + key + ".pt";
+  const std::string path = UniversalStateFile(u.folder, name, key);
   s.file = LoadTorchFile(path);
   ValuePtr v = s.file.root;
   if (v && v->is_dict()) v = Need(v, "param", path);
@@ -145,16 +139,18 @@ std::vector<uint8_t> LoadUniversalPartition(const UniversalCheckpoint& u, const 
 
 UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u) {
   UniversalOptimizerFile s;
-  const std::string path = u.folder + "/zero/optimizer_state.pt";
+  const std::string path = UniversalOptimizerStateFile(u.folder);
   s.file = LoadTorchFile(path);
-  if (!s.file.root || !s.file.root->is_dict()) throw FormatError(path + ": is not a dict");
-  s.loss_scaler = s.file.root->get("loss_scaler");
-  s.param_groups = s.file.root->get("param_groups");
+  const UniversalOptimizerStateView v = ReadUniversalOptimizerStateValue(s.file.root, path);
+  s.loss_scaler = v.loss_scaler;
+  s.param_groups = v.param_groups;
+  s.zero_stage = v.zero_stage;
+  s.zero3_step = v.zero3_step;
   return s;
 }
 
 double ReadUniversalStep(const UniversalCheckpoint& u, const std::string& name) {
-  const std::string path = u.folder + "/zero/" + name + "/step.pt";
+  const std::string path = UniversalStateFile(u.folder, name, "step");
   TorchFile f = LoadTorchFile(path);
   ValuePtr v = f.root && f.root->is_dict() ? Need(f.root, "param", path) : f.root;
   return ScalarOf(v, path);

@@ -59,11 +59,12 @@ struct UniversalStates {
 UniversalStates MapUniversalStates(const UniversalCheckpoint& u, const std::vector<std::string>& names,
                                    const std::vector<std::string>& keys);
 
-// zero/optimizer_state.pt: the loss scaler and param groups a resume needs
-// (null when absent). Keeps the file mapped.
+// zero/optimizer_state.pt (ckpt/deepspeed_state.h's UniversalOptimizerStateView):
+// the loss scaler and param groups a resume needs, the zero_stage as pickled,
+// ZeRO-3's step (null when absent). Keeps the file mapped.
 struct UniversalOptimizerFile {
   TorchFile file;
-  ValuePtr loss_scaler, param_groups;
+  ValuePtr loss_scaler, param_groups, zero_stage, zero3_step;
 };
 UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u);
 

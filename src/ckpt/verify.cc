@@ -183,7 +183,7 @@ class StructureCheck {
       if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates)
         if (!Parse(f.path)) return;
     UniversalCheckpoint u = OpenUniversalCheckpoint(v_.folder, false, /*check_manifest=*/false);
-    Parse(v_.folder + "/zero/optimizer_state.pt");
+    Parse(UniversalOptimizerStateFile(v_.folder));
     std::vector<std::string> keys = {"fp32"};
     keys.insert(keys.end(), u.state_keys.begin(), u.state_keys.end());
     struct Job {
@@ -200,7 +200,7 @@ class StructureCheck {
       }
     ParallelBySize(std::vector<uint64_t>(jobs.size()), WorkerThreads(o_.threads, jobs.size()), [&](size_t i) {
       const Job& j = jobs[i];
-      const std::string path = v_.folder + "/zero/" + j.param->name + "/" + j.key + ".pt";
+      const std::string path = UniversalStateFile(v_.folder, j.param->name, j.key);
       std::optional<TorchFile> f = Parse(path);
       if (!f || j.key == "step") return;
       try {
@@ -217,7 +217,7 @@ class StructureCheck {
       }
     });
     std::error_code ec;
-    for (const auto& e : fs::directory_iterator(v_.folder + "/zero", ec))
+    for (const auto& e : fs::directory_iterator(UniversalZeroDir(v_.folder), ec))
       if (e.is_directory(ec) && !names.count(e.path().filename().string()))
         Add({e.path().string(), "is a folder of a parameter that param_shapes does not list"});
   }
@@ -296,7 +296,7 @@ VerifyReport VerifyCheckpoint(const std::string& path_in, const VerifyOptions& o
     checkpoints.insert(name);
   }
   bool has_latest = false;
-  for (const char* tag_file : {"latest", "latest_universal"}) {
+  for (const char* tag_file : {kLatestFile, kLatestUniversalFile}) {
     const std::string p = r.path + "/" + tag_file;
     if (!fs::exists(fs::symlink_status(p, ec))) continue;
     has_latest = true;

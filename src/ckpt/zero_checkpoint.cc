@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/manifest.h"
 #include "ckpt/values.h"
 #include "format/error.h"
@@ -30,18 +32,6 @@ uint64_t ZeroCheckpoint::total_bytes() const {
 
 namespace {
 
-std::string OptimName(const std::string& prefix, int dp) {
-  return prefix + "zero_pp_rank_" + std::to_string(dp) + "_mp_rank_00_optim_states.pt";
-}
-
-std::string Zero3ModelName(int dp) { return "zero_pp_rank_" + std::to_string(dp) + "_mp_rank_00_model_states.pt"; }
-
-// fragment_address(numel, start) as pickled: NEWOBJ + BUILD {'numel', 'start'}.
-std::pair<int64_t, int64_t> ParseFragmentAddress(const ValuePtr& v, const std::string& where) {
-  ValuePtr fields = v && v->kind == Kind::kObject ? v->state : v;
-  return {AsInt(Need(fields, "numel", where), where + ".numel"), AsInt(Need(fields, "start", where), where + ".start")};
-}
-
 bool SameValue(const ValuePtr& a, const ValuePtr& b) {
   if (!a || !b) return a == b;
   if (a->kind != b->kind) return false;
@@ -67,28 +57,10 @@ std::string StepText(const ValuePtr& v) {
   return KindName(*v);
 }
 
-struct Group {
-  std::vector<std::string> names;
-  std::vector<std::vector<int64_t>> shapes;
+std::vector<int64_t> Numels(const std::vector<NamedShape>& group) {
   std::vector<int64_t> numels;
-};
-
-std::vector<Group> ReadParamShapes(const TorchFile& model) {
-  const std::string where = model.file->path() + ": param_shapes";
-  ValuePtr ps = Need(model.root, "param_shapes", model.file->path());
-  if (IsNone(ps)) Fail(where, "is None (not a ZeRO checkpoint?)");
-  std::vector<Group> groups;
-  for (size_t g = 0; g < AsList(ps, where).size(); ++g) {
-    std::string gw = where + "[" + std::to_string(g) + "]";
-    Group group;
-    for (const auto& [name, shape] : NamedEntries(ps->items[g], gw)) {
-      group.names.push_back(name);
-      group.shapes.push_back(AsShape(shape, gw + "['" + name + "']"));
-      group.numels.push_back(NumelOf(group.shapes.back()));
-    }
-    groups.push_back(std::move(group));
-  }
-  return groups;
+  for (const auto& p : group) numels.push_back(p.numel());
+  return numels;
 }
 
 // Refuses what this converter does not handle, naming the first such file.
@@ -144,55 +116,36 @@ class Opener {
     // 0..dp-1 must then be present, and no other.
     c_.optim.push_back(LoadTorchFile(optim[0].path));
     const TorchFile& first = c_.optim[0];
-    ValuePtr osd = Need(first.root, "optimizer_state_dict", first.file->path());
-    c_.stage = ParseZeroStage(osd->get("zero_stage"), first.file->path() + ": optimizer_state_dict.zero_stage");
+    const OptimStatesHeader header = ReadOptimStatesHeader(first.root, first.file->path());
+    c_.stage = header.zero_stage;
     if (c_.stage == 0) {
       c_.bf16_optimizer = true;
       c_.stage = 1;  // as DeepSpeed's converter treats it
     }
     if (c_.stage < 1 || c_.stage > 3) Fail(first.file->path(), "unknown zero_stage " + std::to_string(c_.stage));
-    c_.dp = PartitionCount(first, osd);
+    c_.dp = header.dp;
     for (const auto& f : optim)
       if (f.dp >= c_.dp)
         throw FormatError(f.path + ": extra rank file: " + optim[0].name + " records a data-parallel size of " +
                           std::to_string(c_.dp) + ", so ranks are 0.." + std::to_string(c_.dp - 1));
     for (int r = 0; r < c_.dp; ++r)
       if (r >= static_cast<int>(optim.size()) || optim[r].dp != r)
-        throw FormatError(c_.folder + "/" + OptimName(c_.optim_prefix, r) + ": missing rank file (data-parallel size " +
+        throw FormatError(c_.folder + "/" + OptimStatesFileNameWithPrefix(r, c_.optim_prefix) +
+                          ": missing rank file (data-parallel size " +
                           std::to_string(c_.dp) + " recorded in " + optim[0].name + ")");
     c_.optim_files = optim;
-  }
-
-  // partition_count: an int (stage 3) or a list with one int per group (all equal).
-  int PartitionCount(const TorchFile& f, const ValuePtr& osd) {
-    const std::string where = f.file->path() + ": optimizer_state_dict.partition_count";
-    ValuePtr pc = Need(osd, "partition_count", f.file->path() + ": optimizer_state_dict");
-    int64_t dp = -1;
-    if (pc->kind == Kind::kInt) {
-      dp = pc->i;
-    } else {
-      for (const auto& v : AsList(pc, where)) {
-        int64_t x = AsInt(v, where);
-        if (dp >= 0 && x != dp)
-          Fail(where, "param groups are partitioned over different sizes (" + std::to_string(dp) + " and " +
-                          std::to_string(x) + "); MoE expert groups are not supported");
-        dp = x;
-      }
-    }
-    if (dp < 1 || dp > (1 << 20)) Fail(where, "invalid data-parallel size " + std::to_string(dp));
-    return static_cast<int>(dp);
   }
 
   void LoadOptimFiles() {
     for (int r = 1; r < c_.dp; ++r) c_.optim.push_back(LoadTorchFile(c_.optim_files[r].path));
     for (int r = 0; r < c_.dp; ++r) {
       const TorchFile& f = c_.optim[r];
-      ValuePtr osd = Need(f.root, "optimizer_state_dict", f.file->path());
-      int stage = ParseZeroStage(osd->get("zero_stage"), f.file->path() + ": optimizer_state_dict.zero_stage");
+      const OptimStatesHeader header = ReadOptimStatesHeader(f.root, f.file->path());
+      const int stage = header.zero_stage;
       if ((stage == 0) != c_.bf16_optimizer || (stage != 0 && stage != c_.stage))
         Fail(f.file->path(), "zero_stage " + std::to_string(stage) + " differs from " + c_.optim_files[0].name +
                                  " (stage " + std::to_string(c_.bf16_optimizer ? 0 : c_.stage) + ")");
-      int dp = PartitionCount(f, osd);
+      const int dp = header.dp;
       if (dp != c_.dp)
         Fail(f.file->path(), "mixed world sizes: partition_count says " + std::to_string(dp) + " but " +
                                  c_.optim_files[0].name + " says " + std::to_string(c_.dp));
@@ -219,11 +172,11 @@ class Opener {
       } else {
         for (int r = 0; r < c_.dp; ++r)
           if (r >= static_cast<int>(c_.model_files.size()) || c_.model_files[r].dp != r)
-            throw FormatError(c_.folder + "/" + Zero3ModelName(r) + ": missing rank file (data-parallel size " +
+            throw FormatError(c_.folder + "/" + Zero3ModelStatesFileName(r) + ": missing rank file (data-parallel size " +
                               std::to_string(c_.dp) + ")");
       }
     } else if (c_.model_files.empty()) {
-      throw FormatError(c_.folder + "/mp_rank_00_model_states.pt: missing model-states file");
+      throw FormatError(c_.folder + "/" + ModelStatesFileName() + ": missing model-states file");
     }
     c_.model = LoadTorchFile(c_.model_files[0].path);
     if (c_.stage != 3) RefusePatterns(c_.model);
@@ -246,10 +199,8 @@ class Opener {
       }
       if (i > 0) {
         // Every ZeRO-3 rank records the same parameter set.
-        auto a = ReadParamShapes(c_.model), b = ReadParamShapes(m);
-        bool same = a.size() == b.size();
-        for (size_t g = 0; same && g < a.size(); ++g) same = a[g].names == b[g].names && a[g].shapes == b[g].shapes;
-        if (!same) Fail(path, "param_shapes differ from those of " + c_.model_files[0].name);
+        if (ReadRequiredParamShapes(m.root, path) != Shapes())
+          Fail(path, "param_shapes differ from those of " + c_.model_files[0].name);
       }
     }
   }
@@ -278,7 +229,7 @@ class Opener {
 
   // Per-element states of one (rank, group) state dict. `length` is the
   // element count every per-element state must have.
-  void ReadGroupState(int rank, size_t g, const ValuePtr& st, int64_t length, const std::string& where,
+  void ReadGroupState(const ValuePtr& st, int64_t length, const std::string& where,
                       std::vector<std::pair<std::string, const Tensor*>>* tensors, ValuePtr* step) {
     tensors->clear();
     *step = nullptr;
@@ -321,12 +272,18 @@ class Opener {
     }
   }
 
+  // param_shapes of the first model-states file, parsed once.
+  const ParamShapes& Shapes() {
+    if (!shapes_) shapes_ = ReadRequiredParamShapes(c_.model.root, c_.model.file->path());
+    return *shapes_;
+  }
+
   void PlanStage12() {
-    auto groups = ReadParamShapes(c_.model);
+    const ParamShapes& groups = Shapes();
     const size_t G = groups.size();
     for (const auto& g : groups) {
       int64_t n = 0;
-      for (int64_t x : g.numels) n += x;
+      for (const auto& p : g) n += p.numel();
       c_.layouts.push_back(MakeFlatLayout(n, c_.dp));
     }
     // Per rank and group: the fp32 partition, the per-element states and the step.
@@ -336,59 +293,50 @@ class Opener {
       ValuePtr step;
     };
     std::vector<std::vector<RankGroup>> rg(c_.dp, std::vector<RankGroup>(G));
-    bool any_state = false, first = true;
+    bool first = true;
     for (int r = 0; r < c_.dp; ++r) {
-      const std::string path = c_.optim[r].file->path();
-      const std::string w = path + ": optimizer_state_dict";
-      ValuePtr osd = Need(c_.optim[r].root, "optimizer_state_dict", path);
-      ValuePtr bos = Need(osd, "base_optimizer_state", w);
-      if (bos->is_seq())
-        Fail(w + ".base_optimizer_state", "is a list: elastic checkpoints (elastic_checkpoint=true) are not supported");
-      ValuePtr state = Need(bos, "state", w + ".base_optimizer_state");
-      const auto& fp32 = AsList(Need(osd, "single_partition_of_fp32_groups", w), w + ".single_partition_of_fp32_groups");
-      const auto& maps = AsList(Need(osd, "param_slice_mappings", w), w + ".param_slice_mappings");
-      if (fp32.size() != G || maps.size() != G)
-        Fail(w, "has " + std::to_string(fp32.size()) + " fp32 partitions and " + std::to_string(maps.size()) +
-                    " slice mappings but the model states list " + std::to_string(G) + " param groups");
+      const RankOptimView v = ReadRankOptimStates(c_.optim[r].root, c_.optim[r].file->path());
+      if (v.partitions.size() != G)
+        Fail(v.where, "has " + std::to_string(v.partitions.size()) + " fp32 partitions and slice mappings but the "
+                      "model states list " + std::to_string(G) + " param groups");
       for (size_t g = 0; g < G; ++g) {
+        const PartitionView& part = v.partitions[g];
         const FlatLayout& l = c_.layouts[g];
-        const std::string gw = w + ".single_partition_of_fp32_groups[" + std::to_string(g) + "]";
-        const Tensor& t = AsTensor(fp32[g], gw);
+        const Tensor& t = *part.fp32;
         const int64_t len = t.shape.size() == 1 ? t.shape[0] : -1;
         // Stage 1/2 strip this rank's padding (older DeepSpeed only on the last
         // rank, possibly "negative" there); BF16_Optimizer keeps it.
         const int64_t min_len = c_.bf16_optimizer ? l.partition_size : l.real_numel(r);
         if (len < min_len || len > l.partition_size)
-          Fail(gw, "has shape " + ShapeText(t.shape) + " but the flat layout (" + std::to_string(l.numel) +
-                       " elements over " + std::to_string(c_.dp) + " ranks, partition " + std::to_string(l.partition_size) +
-                       ") needs " + std::to_string(min_len) + " real elements (shapes do not add up)");
+          Fail(part.fp32_where, "has shape " + ShapeText(t.shape) + " but the flat layout (" + std::to_string(l.numel) +
+                                    " elements over " + std::to_string(c_.dp) + " ranks, partition " +
+                                    std::to_string(l.partition_size) + ") needs " + std::to_string(min_len) +
+                                    " real elements (shapes do not add up)");
         rg[r][g].fp32 = &t;
-        const std::string sw = w + ".base_optimizer_state.state[" + std::to_string(g) + "]";
-        ReadGroupState(r, g, GetIntKey(state, static_cast<int64_t>(g)), l.partition_size, sw, &rg[r][g].states,
-                       &rg[r][g].step);
-        if (!rg[r][g].states.empty()) any_state = true;
-        CheckStateKeys(rg[r][g].states, sw, first);
+        ReadGroupState(part.state, l.partition_size, part.state_where, &rg[r][g].states, &rg[r][g].step);
+        CheckStateKeys(rg[r][g].states, part.state_where, first);
         first = false;
-        CheckMappings(groups[g], r, g, maps[g], w + ".param_slice_mappings[" + std::to_string(g) + "]");
+        CheckMappings(groups[g], r, part);
       }
     }
-    (void)any_state;
     // The step must agree over ranks (mixed steps mean files of different saves).
-    for (size_t g = 0; g < G; ++g)
+    for (size_t g = 0; g < G; ++g) {
       for (int r = 1; r < c_.dp; ++r)
         if (!SameValue(rg[r][g].step, rg[0][g].step))
           Fail(c_.optim[r].file->path(), "mixed steps: param group " + std::to_string(g) + " has step " +
                                              StepText(rg[r][g].step) + " but rank 0 has " + StepText(rg[0][g].step));
+      c_.steps.push_back(rg[0][g].step);
+    }
     // The plan: every parameter's fragments over the ranks, in rank order.
     for (size_t g = 0; g < G; ++g) {
-      const Group& group = groups[g];
-      for (size_t i = 0; i < group.names.size(); ++i) {
+      const std::vector<int64_t> numels = Numels(groups[g]);
+      for (size_t i = 0; i < groups[g].size(); ++i) {
         ParamPlan p;
-        p.name = group.names[i];
-        p.shape = group.shapes[i];
-        p.numel = group.numels[i];
+        p.name = groups[g][i].name;
+        p.shape = groups[g][i].shape;
+        p.numel = numels[i];
         p.group = g;
-        auto frags = ParamFragments(group.numels, c_.dp, i);
+        auto frags = ParamFragments(numels, c_.dp, i);
         StatePlan fp32{"fp32", rg[0][g].fp32->dtype, {}};
         std::vector<StatePlan> states;
         for (const auto& [k, t] : rg[0][g].states) states.push_back(StatePlan{k, t->dtype, {}});
@@ -414,30 +362,30 @@ class Opener {
   // param_slice_mappings of (rank, group) must be exactly the fragments the
   // flat layout gives; anything else (round_robin_gradients, corruption) would
   // scramble parameters.
-  void CheckMappings(const Group& group, int r, size_t g, const ValuePtr& maps, const std::string& where) {
-    auto frags = RankFragments(group.numels, c_.dp, r);
-    auto entries = NamedEntries(maps, where);
-    if (entries.size() != frags.size())
-      Fail(where, "lists " + std::to_string(entries.size()) + " parameters but the flat layout of param_shapes puts " +
+  void CheckMappings(const std::vector<NamedShape>& group, int r, const PartitionView& part) {
+    const std::string& where = part.mappings_where;
+    auto frags = RankFragments(Numels(group), c_.dp, r);
+    if (part.mappings.size() != frags.size())
+      Fail(where, "lists " + std::to_string(part.mappings.size()) + " parameters but the flat layout of param_shapes puts " +
                       std::to_string(frags.size()) + " in this rank's partition (round_robin_gradients is not supported)");
     for (size_t k = 0; k < frags.size(); ++k) {
       const Fragment& f = frags[k];
-      const std::string& name = group.names[f.param];
-      auto [numel, start] = ParseFragmentAddress(entries[k].second, where + "['" + entries[k].first + "']");
-      if (entries[k].first != name || numel != f.numel || start != f.partition_offset)
-        Fail(where, "entry '" + entries[k].first + "' (start " + std::to_string(start) + ", numel " +
-                        std::to_string(numel) + ") does not match the flat layout, which has '" + name + "' (start " +
-                        std::to_string(f.partition_offset) + ", numel " + std::to_string(f.numel) +
+      const std::string& name = group[f.param].name;
+      const auto& [entry, address] = part.mappings[k];
+      if (entry != name || address.numel != f.numel || address.start != f.partition_offset)
+        Fail(where, "entry '" + entry + "' (start " + std::to_string(address.start) + ", numel " +
+                        std::to_string(address.numel) + ") does not match the flat layout, which has '" + name +
+                        "' (start " + std::to_string(f.partition_offset) + ", numel " + std::to_string(f.numel) +
                         ") (round_robin_gradients is not supported)");
     }
   }
 
   void PlanStage3() {
-    auto subgroups = ReadParamShapes(c_.model);
+    const ParamShapes& subgroups = Shapes();
     const size_t S = subgroups.size();
     std::vector<int64_t> lengths(S, 0);
     for (size_t s = 0; s < S; ++s)
-      for (int64_t n : subgroups[s].numels) lengths[s] += Stage3PartitionSize(n, c_.dp);
+      for (const auto& p : subgroups[s]) lengths[s] += Stage3PartitionSize(p.numel(), c_.dp);
     struct RankSub {
       const Tensor* fp32 = nullptr;
       std::vector<std::pair<std::string, const Tensor*>> states;
@@ -446,43 +394,39 @@ class Opener {
     std::vector<std::vector<RankSub>> rs(c_.dp, std::vector<RankSub>(S));
     bool first = true;
     for (int r = 0; r < c_.dp; ++r) {
-      const std::string path = c_.optim[r].file->path();
-      const std::string w = path + ": optimizer_state_dict";
-      ValuePtr osd = Need(c_.optim[r].root, "optimizer_state_dict", path);
-      const auto& fp32 = AsList(Need(osd, "fp32_flat_groups", w), w + ".fp32_flat_groups");
-      ValuePtr state = Need(Need(osd, "optimizer_state_dict", w), "state", w + ".optimizer_state_dict");
-      if (fp32.size() != S)
-        Fail(w + ".fp32_flat_groups", "has " + std::to_string(fp32.size()) + " sub-groups but the model states list " +
-                                          std::to_string(S));
+      const RankOptimView v = ReadStage3RankOptimStates(c_.optim[r].root, c_.optim[r].file->path());
+      if (v.partitions.size() != S)
+        Fail(v.partitions_where, "has " + std::to_string(v.partitions.size()) +
+                                     " sub-groups but the model states list " + std::to_string(S));
       for (size_t s = 0; s < S; ++s) {
-        const std::string gw = w + ".fp32_flat_groups[" + std::to_string(s) + "]";
-        const Tensor& t = AsTensor(fp32[s], gw);
+        const PartitionView& part = v.partitions[s];
+        const Tensor& t = *part.fp32;
         if (t.shape.size() != 1 || t.shape[0] != lengths[s]) {
           if (t.numel() == 0 && lengths[s] > 0)
-            Fail(gw, "is empty: NVMe-offloaded optimizer partitions (offloaded_tensors/) are not supported");
-          Fail(gw, "has shape " + ShapeText(t.shape) + " but its parameters need " + std::to_string(lengths[s]) +
-                       " elements per rank (shapes do not add up)");
+            Fail(part.fp32_where, "is empty: NVMe-offloaded optimizer partitions (offloaded_tensors/) are not supported");
+          Fail(part.fp32_where, "has shape " + ShapeText(t.shape) + " but its parameters need " +
+                                    std::to_string(lengths[s]) + " elements per rank (shapes do not add up)");
         }
         rs[r][s].fp32 = &t;
-        const std::string sw = w + ".optimizer_state_dict.state[" + std::to_string(s) + "]";
-        ReadGroupState(r, s, GetIntKey(state, static_cast<int64_t>(s)), lengths[s], sw, &rs[r][s].states,
-                       &rs[r][s].step);
-        CheckStateKeys(rs[r][s].states, sw, first);
+        ReadGroupState(part.state, lengths[s], part.state_where, &rs[r][s].states, &rs[r][s].step);
+        CheckStateKeys(rs[r][s].states, part.state_where, first);
         first = false;
       }
     }
-    for (size_t s = 0; s < S; ++s)
+    for (size_t s = 0; s < S; ++s) {
       for (int r = 1; r < c_.dp; ++r)
         if (!SameValue(rs[r][s].step, rs[0][s].step))
           Fail(c_.optim[r].file->path(), "mixed steps: sub-group " + std::to_string(s) + " has step " +
                                              StepText(rs[r][s].step) + " but rank 0 has " + StepText(rs[0][s].step));
+      c_.steps.push_back(rs[0][s].step);
+    }
     for (size_t s = 0; s < S; ++s) {
       int64_t slot = 0;
-      for (size_t i = 0; i < subgroups[s].names.size(); ++i) {
+      for (const NamedShape& shape : subgroups[s]) {
         ParamPlan p;
-        p.name = subgroups[s].names[i];
-        p.shape = subgroups[s].shapes[i];
-        p.numel = subgroups[s].numels[i];
+        p.name = shape.name;
+        p.shape = shape.shape;
+        p.numel = shape.numel();
         p.group = s;
         const int64_t ps = Stage3PartitionSize(p.numel, c_.dp);
         StatePlan fp32{"fp32", rs[0][s].fp32->dtype, {}};
@@ -504,27 +448,11 @@ class Opener {
     }
   }
 
+  std::optional<ParamShapes> shapes_;
   ZeroCheckpoint c_;
 };
 
 }  // namespace
-
-int ParseZeroStage(const ValuePtr& v, const std::string& where) {
-  if (!v) return 0;
-  if (v->kind == Kind::kInt) return static_cast<int>(v->i);
-  if (v->kind == Kind::kObject && !v->items.empty() && v->items[0] && v->items[0]->is_seq()) {
-    const auto& args = v->items[0]->items;
-    if (v->name() == "getattr" && args.size() == 2 && args[1] && args[1]->kind == Kind::kStr) {
-      static const std::map<std::string, int> names = {
-          {"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}};
-      auto it = names.find(args[1]->s);
-      if (it != names.end()) return it->second;
-    }
-    if (v->name() == "ZeroStageEnum" && args.size() == 1 && args[0] && args[0]->kind == Kind::kInt)
-      return static_cast<int>(args[0]->i);
-  }
-  Fail(where, "cannot read zero_stage (" + KindName(*v) + ")");
-}
 
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
   if (check_manifest) CheckFolderAgainstManifest(StripTrailingSlashes(folder), verify_hashes);
@@ -532,35 +460,8 @@ ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes,
 }
 
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
-  const std::string path = ckpt.optim[0].file->path();
-  ValuePtr osd = Need(ckpt.optim[0].root, "optimizer_state_dict", path);
-  auto out = Value::Dict();
-  if (ckpt.stage == 3) {
-    for (const auto& [k, v] : osd->entries) out->entries.emplace_back(k, v);
-    ValuePtr inner = Need(osd, "optimizer_state_dict", path + ": optimizer_state_dict");
-    out->set("param_groups", Need(inner, "param_groups", path + ": optimizer_state_dict.optimizer_state_dict"));
-    return out;
-  }
-  const size_t G = ckpt.layouts.size();
-  for (const auto& [k, v] : osd->entries) {
-    const std::string key = k && k->kind == Kind::kStr ? k->s : std::string();
-    if (key == "base_optimizer_state" || key == "param_slice_mappings" || key == "single_partition_of_fp32_groups")
-      continue;
-    if (key == "group_paddings") {
-      std::vector<ValuePtr> zeros;
-      for (size_t g = 0; g < G; ++g) zeros.push_back(Value::Int(0));
-      out->entries.emplace_back(k, Value::List(std::move(zeros)));
-    } else if (key == "partition_count" && v && v->is_seq()) {
-      std::vector<ValuePtr> counts;
-      for (size_t g = 0; g < G; ++g) counts.push_back(Value::Int(ckpt.dp));
-      out->entries.emplace_back(k, Value::List(std::move(counts)));
-    } else {
-      out->entries.emplace_back(k, v);
-    }
-  }
-  ValuePtr bos = Need(osd, "base_optimizer_state", path + ": optimizer_state_dict");
-  out->set("param_groups", Need(bos, "param_groups", path + ": optimizer_state_dict.base_optimizer_state"));
-  return out;
+  return UniversalOptimizerStateValue(ckpt.optim[0].root, ckpt.optim[0].file->path(), ckpt.stage, ckpt.layouts.size(),
+                                      ckpt.dp);
 }
 
 }  // namespace uckpt::ckpt

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/partition.h"
 #include "format/torch_file.h"
@@ -38,7 +39,7 @@ struct ParamPlan {
   int64_t numel = 0;
   size_t group = 0;             // optimizer param group (stage 3: sub-group)
   std::vector<StatePlan> states;  // "fp32" first, then the optimizer's keys in file order
-  ValuePtr step;                // stage 1/2: the group's `step` (tensor or int); null if none
+  ValuePtr step;                // stage 1/2: the group's `step` (tensor or int), written as step.pt; null if none
   uint64_t bytes() const;
 };
 
@@ -55,6 +56,8 @@ struct ZeroCheckpoint {
   std::vector<FlatLayout> layouts;          // stage 1/2: per param group
   std::vector<ParamPlan> params;            // trainable parameters, param_shapes order
   std::vector<std::string> state_keys;      // per-element optimizer states, e.g. exp_avg, exp_avg_sq
+  std::vector<ValuePtr> steps;              // per group (stage 3: sub-group): the optimizer's step as
+                                            // saved (rank 0's, a tensor or an int); null before the first
   int64_t global_steps = -1;                // from the model states, -1 if absent
   std::vector<std::string> warnings;        // accepted oddities worth telling the user
 
@@ -69,10 +72,6 @@ struct ZeroCheckpoint {
 // sizes always, XXH64 hashes too with `verify_hashes`; not at all with
 // `check_manifest` false (the caller just did, as `uckpt verify`).
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes = false, bool check_manifest = true);
-
-// ZeroStageEnum as pickled (getattr(ZeroStageEnum, 'gradients'),
-// ZeroStageEnum(2) or an int): 1..3, or 0 when `v` is null (BF16_Optimizer).
-int ParseZeroStage(const ValuePtr& v, const std::string& where);
 
 // The `zero/optimizer_state.pt` value DeepSpeed's converter writes
 // (universal spec §3.3): stage 1/2 — rank 0's optimizer_state_dict without the

@@ -71,18 +71,18 @@ class Writer {
     if (s_.stage == 3) {
       PlanSubGroups();
       for (int r = 0; r < s_.dp; ++r) {
-        WriteModelStates(folder_ + "/zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_model_states.pt");
+        WriteModelStates(folder_ + "/" + Zero3ModelStatesFileName(r));
         WriteStage3Optim(r);
       }
     } else {
-      WriteModelStates(folder_ + "/mp_rank_00_model_states.pt");
+      WriteModelStates(folder_ + "/" + ModelStatesFileName());
       for (int r = 0; r < s_.dp; ++r) WriteStage12Optim(r);
     }
   }
 
  private:
   std::string OptimPath(int r) const {
-    return folder_ + "/" + s_.optim_prefix + "zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_optim_states.pt";
+    return folder_ + "/" + OptimStatesFileNameWithPrefix(r, s_.optim_prefix);
   }
 
   // Stage 3: the sub-groups of every param group, as (group, first, count).
@@ -198,8 +198,9 @@ class Writer {
 
   void WriteStage3Optim(int r) {
     StoragePieces all;
-    auto state = Value::Dict();
-    auto flat = Value::List();
+    Stage3RankOptimStates o;
+    o.dp = s_.dp;
+    o.ds_config = Config();
     std::vector<std::vector<int64_t>> group_subs(s_.groups.size());
     for (size_t s = 0; s < subs_.size(); ++s) {
       const SubGroup& sg = subs_[s];
@@ -216,35 +217,21 @@ class Writer {
         }
         return pieces;
       };
+      Stage3SubGroupState sub;
       int64_t length = 0;
-      auto st = Value::Dict();
-      st->set("step", FloatScalar(s_.step));
-      for (const auto& key : s_.state_keys) {
-        Pieces p = pieces_for(key, &length);
-        st->set(key, FlatTensor(length, length, std::move(p), &all));
+      if (!s_.state_keys.empty()) {
+        sub.adam.emplace_back("step", FloatScalar(s_.step));
+        for (const auto& key : s_.state_keys) {
+          Pieces p = pieces_for(key, &length);
+          sub.adam.emplace_back(key, FlatTensor(length, length, std::move(p), &all));
+        }
       }
-      if (!s_.state_keys.empty()) state->entries.emplace_back(Value::Int(static_cast<int64_t>(s)), st);
       Pieces p = pieces_for("fp32", &length);
-      flat->items.push_back(FlatTensor(length, length, std::move(p), &all, /*requires_grad=*/true));
+      sub.fp32 = FlatTensor(length, length, std::move(p), &all, /*requires_grad=*/true);
+      o.sub_groups.push_back(std::move(sub));
     }
-    auto groups = Value::List();
-    for (const auto& ids : group_subs) groups->items.push_back(ParamGroupValue(kWriterHparams, ids));
-    auto inner = Value::Dict();
-    inner->set("state", state);
-    inner->set("param_groups", groups);
-    auto osd = Value::Dict();
-    osd->set("zero_stage", ZeroStageValue(3));
-    osd->set("loss_scaler", LossScalerValue(LossScalerState{}));
-    osd->set("dynamic_loss_scale", Value::Bool(false));
-    osd->set("overflow", Value::Bool(false));
-    osd->set("partition_count", Value::Int(s_.dp));
-    osd->set("optimizer_state_dict", inner);
-    osd->set("fp32_flat_groups", flat);
-    auto root = Value::Dict();
-    root->set("optimizer_state_dict", osd);
-    root->set("ds_config", Config());
-    root->set("ds_version", Value::Str(kDeepSpeedVersion));
-    WriteTorchFile(OptimPath(r), root, all);
+    for (auto& ids : group_subs) o.param_groups.emplace_back(kWriterHparams, std::move(ids));
+    WriteTorchFile(OptimPath(r), Stage3OptimStatesValue(o), all);
   }
 
   struct SubGroup {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "ckpt/deepspeed_names.h"
 #include "format/error.h"
 #include "models/bert.h"
 #include "engine/torch_bridge.h"
@@ -133,7 +134,7 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag, boo
   lo.keep_saved_hparams = opt_.keep_saved_hparams;
   // Unlike the API (nothing to load is no error), --resume with a tag file that is missing is one.
   if (engine_->LoadCheckpoint(dir, tag, lo).path.empty())
-    throw FormatError(dir + "/" + (universal ? "latest_universal" : "latest") +
+    throw FormatError(dir + "/" + ckpt::TagFileName(universal) +
                       ": cannot be read (give the tag explicitly, or check the folder)");
 }
 
@@ -215,7 +216,7 @@ void ResumeIfAsked(Trainer& trainer) {
   if (!o.resume) return;
   const bool rank0 = trainer.comm().rank() == 0;
   const bool universal = o.universal_checkpoint || o.config.load_universal;
-  const std::string tag_file = o.checkpoint_dir + (universal ? "/latest_universal" : "/latest");
+  const std::string tag_file = o.checkpoint_dir + "/" + ckpt::TagFileName(universal);
   if (o.checkpoint_tag.empty() && !o.checkpoint_dir.empty() && !std::filesystem::exists(tag_file)) {
     if (rank0) std::cerr << "uckpt train: warning: " << tag_file << " does not exist; starting from step 1\n";
     return;

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "ckpt/copy_plan.h"
+#include "ckpt/deepspeed_names.h"
 #include "ckpt/manifest.h"
 #include "format/env.h"
 #include "format/error.h"
@@ -195,7 +196,7 @@ std::string CheckpointWriter::Publish(Comm& comm) {
       ckpt::WriteManifest(tmp_, known, /*durable=*/true, state_ ? &*state_ : nullptr);
       ReplaceFolder(env, tmp_, folder);
       env.SyncDir(dir_);
-      AtomicFile latest(dir_ + "/latest");
+      AtomicFile latest(dir_ + "/" + ckpt::kLatestFile);
       latest.Write(tag_);
       latest.Commit();
     } catch (const std::exception& ex) {

@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 
+#include "ckpt/deepspeed_names.h"
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
 #include "ckpt/universal_checkpoint.h"
@@ -415,7 +416,7 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
 // The tag folder a load reads: `tag`, else the one the tag file (`latest`,
 // `latest_universal`) names; empty when there is neither (nothing saved yet).
 std::string TagFolder(const std::string& dir, const std::string& tag, bool universal) {
-  const char* tag_file = universal ? "latest_universal" : "latest";
+  const char* tag_file = ckpt::TagFileName(universal);
   if (tag.empty() && !fs::exists(dir + "/" + tag_file)) return "";
   return dir + "/" + (tag.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag, "checkpoint tag"));
 }

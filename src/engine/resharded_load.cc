@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "ckpt/copy_plan.h"
+#include "ckpt/deepspeed_names.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/zero_checkpoint.h"
 #include "engine/staged_upload.h"
@@ -93,7 +94,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
         if (slot.step_param == p.name && !p.step) p.step = Value::Float(ckpt::ReadUniversalStep(u, p.name));
   s.loss_scaler = maps->optimizer.loss_scaler;
   s.param_groups = maps->optimizer.param_groups;
-  s.optimizer_file = u.folder + "/zero/optimizer_state.pt";
+  s.optimizer_file = ckpt::UniversalOptimizerStateFile(u.folder);
   s.maps = maps;
   return s;
 }

@@ -1,0 +1,211 @@
+// DeepSpeed's file names (ckpt/deepspeed_names.h) and each field's encoder
+// against its decoder (ckpt/deepspeed_state.h): what is written through the
+// torch-file writer reads back through the reader the loads use.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ckpt/deepspeed_names.h"
+#include "ckpt/deepspeed_state.h"
+#include "ckpt/torch_out.h"
+#include "format/error.h"
+#include "format/torch_file.h"
+#include "test_util.h"
+
+namespace uckpt::ckpt {
+namespace {
+
+using testing::TempDir;
+
+TEST(DeepSpeedNames, TagFolderFilesAsDeepSpeedNamesThem) {
+  EXPECT_EQ(ModelStatesFileName(), "mp_rank_00_model_states.pt");
+  EXPECT_EQ(Zero3ModelStatesFileName(12), "zero_pp_rank_12_mp_rank_00_model_states.pt");
+  EXPECT_EQ(OptimStatesFileName(1, false), "zero_pp_rank_1_mp_rank_00_optim_states.pt");
+  EXPECT_EQ(OptimStatesFileName(0, true), "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt");
+  EXPECT_EQ(OptimStatesFileNameWithPrefix(3, "fp16_"), "fp16_zero_pp_rank_3_mp_rank_00_optim_states.pt");
+}
+
+// The parser reads back every name the makers make.
+TEST(DeepSpeedNames, ClassifyFileParsesTheMadeNames) {
+  CheckpointFile m = ClassifyFile("d", ModelStatesFileName());
+  EXPECT_EQ(m.kind, FileKind::kModelStates);
+  EXPECT_EQ(m.mp, 0);
+  EXPECT_EQ(m.path, "d/mp_rank_00_model_states.pt");
+  CheckpointFile z = ClassifyFile("d", Zero3ModelStatesFileName(10));
+  EXPECT_EQ(z.kind, FileKind::kZero3ModelStates);
+  EXPECT_EQ(z.dp, 10);
+  for (const std::string prefix : {"", "bf16_", "fp16_"}) {
+    CheckpointFile o = ClassifyFile("d", OptimStatesFileNameWithPrefix(7, prefix));
+    EXPECT_EQ(o.kind, FileKind::kOptimStates) << prefix;
+    EXPECT_EQ(o.dp, 7);
+    EXPECT_EQ(o.mp, 0);
+    EXPECT_EQ(o.prefix, prefix);
+  }
+}
+
+TEST(DeepSpeedNames, TagFilesAndUniversalLayout) {
+  EXPECT_STREQ(TagFileName(false), "latest");
+  EXPECT_STREQ(TagFileName(true), "latest_universal");
+  EXPECT_EQ(UniversalZeroDir("ck/u"), "ck/u/zero");
+  EXPECT_EQ(UniversalParamDir("ck/u", "h.0.w"), "ck/u/zero/h.0.w");
+  EXPECT_EQ(UniversalStateFile("ck/u", "h.0.w", "exp_avg"), "ck/u/zero/h.0.w/exp_avg.pt");
+  EXPECT_EQ(UniversalStateFile("ck/u", "h.0.w", "fp32"), "ck/u/zero/h.0.w/fp32.pt");
+  EXPECT_EQ(UniversalOptimizerStateFile("ck/u"), "ck/u/zero/optimizer_state.pt");
+  EXPECT_EQ(UniversalStateKey("exp_avg_sq.pt"), "exp_avg_sq");
+  EXPECT_EQ(UniversalStateKey("step.pt"), "step");
+  EXPECT_EQ(UniversalStateKey(".pt"), std::nullopt);
+  EXPECT_EQ(UniversalStateKey("notes.txt"), std::nullopt);
+}
+
+// `v` written as a torch file and read back, as every reader sees it.
+class Codec : public ::testing::Test {
+ protected:
+  ValuePtr Reload(const ValuePtr& v) {
+    const std::string path = tmp_ / ("f" + std::to_string(n_++) + ".pt");
+    WriteTorchFile(path, v);
+    files_.push_back(LoadTorchFile(path));
+    return files_.back().root;
+  }
+  std::string Path() const { return tmp_ / ("f" + std::to_string(n_ - 1) + ".pt"); }
+
+  TempDir tmp_;
+  int n_ = 0;
+  std::vector<TorchFile> files_;
+};
+
+ValuePtr Floats(const std::vector<float>& v, bool requires_grad = false) {
+  std::vector<uint8_t> bytes(v.size() * 4);
+  if (!v.empty()) std::memcpy(bytes.data(), v.data(), bytes.size());
+  ValuePtr t = Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {static_cast<int64_t>(v.size())}, std::move(bytes)));
+  t->tensor->requires_grad = requires_grad;
+  return t;
+}
+
+ValuePtr Root(const std::string& key, ValuePtr v) {
+  ValuePtr d = Value::Dict();
+  d->set(key, std::move(v));
+  return d;
+}
+
+TEST_F(Codec, ParamShapes) {
+  const ParamShapes shapes = {{{"wte.weight", {40, 8}}, {"h.0.bias", {8}}}, {{"ln.w", {}}}};
+  ValuePtr root = Reload(Root("param_shapes", ParamShapesValue(shapes)));
+  EXPECT_EQ(ReadParamShapes(root, Path()), shapes);
+  EXPECT_EQ(ReadRequiredParamShapes(root, Path()), shapes);
+  EXPECT_EQ(shapes[0][0].numel(), 320);
+  // Stage 0 writes None: nothing for the lenient reader, an error naming the key for the strict one.
+  ValuePtr none = Reload(Root("param_shapes", Value::None()));
+  EXPECT_TRUE(ReadParamShapes(none, Path()).empty());
+  try {
+    ReadRequiredParamShapes(none, Path());
+    FAIL() << "None param_shapes accepted";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find(Path() + ": param_shapes"), std::string::npos) << e.what();
+  }
+  ValuePtr bad = ParamShapesValue({{{"a", {2}}}});
+  bad->items[0]->set("a", Value::Str("2"));
+  EXPECT_THROW(ReadParamShapes(Reload(Root("param_shapes", bad)), Path()), FormatError);
+}
+
+TEST_F(Codec, ZeroStageFragmentAddressHparamsLossScaler) {
+  for (int stage = 0; stage <= 3; ++stage)
+    EXPECT_EQ(ParseZeroStage(Reload(Root("s", ZeroStageValue(stage)))->get("s"), "s"), stage);
+  EXPECT_EQ(ParseZeroStage(nullptr, "s"), 0);  // BF16_Optimizer's files have none
+
+  FragmentAddress a = ReadFragmentAddress(Reload(Root("f", FragmentAddressValue(17, 5)))->get("f"), "f");
+  EXPECT_EQ(a.numel, 17);
+  EXPECT_EQ(a.start, 5);
+
+  const AdamHparams h{0.25, 0.5, 0.75, 1e-6, 0.125};
+  AdamHparams back = ReadAdamHparams(Reload(Root("g", ParamGroupValue(h, {0, 1})))->get("g"), AdamHparams{}, "g");
+  EXPECT_EQ(back.lr, h.lr);
+  EXPECT_EQ(back.beta1, h.beta1);
+  EXPECT_EQ(back.beta2, h.beta2);
+  EXPECT_EQ(back.eps, h.eps);
+  EXPECT_EQ(back.weight_decay, h.weight_decay);
+
+  LossScalerState s;
+  s.dynamic = true;
+  s.cur_scale = 1024;
+  s.cur_iter = 9;
+  s.last_overflow_iter = 3;
+  s.scale_window = 50;
+  s.cur_hysteresis = 2;
+  LossScalerState r = ReadLossScaler(Reload(Root("l", LossScalerValue(s)))->get("l"), LossScalerState{});
+  EXPECT_TRUE(r.dynamic);
+  EXPECT_EQ(r.cur_scale, 1024);
+  EXPECT_EQ(r.cur_iter, 9);
+  EXPECT_EQ(r.last_overflow_iter, 3);
+  EXPECT_EQ(r.scale_window, 50);
+  EXPECT_EQ(r.cur_hysteresis, 2);
+}
+
+TEST_F(Codec, Stage12OptimStates) {
+  RankOptimStates o;
+  o.stage = 2;
+  o.dp = 2;
+  OptimGroupState g;
+  g.fp32 = Floats({1, 2, 3}, true);
+  g.adam = {{"step", Value::Int(4)}, {"exp_avg", Floats({0, 0, 0, 0})}, {"exp_avg_sq", Floats({1, 1, 1, 1})}};
+  g.padding = 1;
+  g.mappings = {{"a", Fragment{0, 1, 2, 0, 3}}};
+  o.groups.push_back(g);
+  o.scaler.cur_scale = 8;
+  ValuePtr root = Reload(OptimStatesValue(o));
+  OptimStatesHeader h = ReadOptimStatesHeader(root, Path());
+  EXPECT_EQ(h.zero_stage, 2);
+  EXPECT_EQ(h.dp, 2);
+  RankOptimView v = ReadRankOptimStates(root, Path());
+  ASSERT_EQ(v.partitions.size(), 1u);
+  EXPECT_EQ(v.partitions[0].fp32->numel(), 3);
+  ASSERT_EQ(v.partitions[0].mappings.size(), 1u);
+  EXPECT_EQ(v.partitions[0].mappings[0].first, "a");
+  EXPECT_EQ(v.partitions[0].mappings[0].second.numel, 3);
+  EXPECT_EQ(v.partitions[0].mappings[0].second.start, 0);
+  ASSERT_TRUE(v.partitions[0].state);
+  EXPECT_EQ(ScalarOf(v.partitions[0].state->get("step"), "step"), 4);
+  EXPECT_EQ(ReadLossScaler(v.loss_scaler, LossScalerState{}).cur_scale, 8);
+  EXPECT_EQ(ReadAdamHparams(v.param_groups->items.at(0), AdamHparams{}, "g").lr, AdamHparams{}.lr);
+
+  o.bf16_optimizer = true;  // BF16_Optimizer: no zero_stage, no loss scaler
+  o.stage = 1;
+  ValuePtr bf16 = Reload(OptimStatesValue(o));
+  EXPECT_EQ(ReadOptimStatesHeader(bf16, Path()).zero_stage, 0);
+  EXPECT_FALSE(ReadRankOptimStates(bf16, Path()).loss_scaler);
+}
+
+TEST_F(Codec, Stage3OptimStatesAndUniversalOptimizerState) {
+  Stage3RankOptimStates o;
+  o.dp = 4;
+  o.sub_groups.push_back({Floats({1, 2}, true), {{"step", Value::Float(6)}, {"exp_avg", Floats({0, 0})}}});
+  o.sub_groups.push_back({Floats({3}, true), {}});
+  o.param_groups.push_back({AdamHparams{}, {0, 1}});
+  o.scaler.cur_scale = 2;
+  ValuePtr root = Reload(Stage3OptimStatesValue(o));
+  const std::string path = Path();
+  OptimStatesHeader h = ReadOptimStatesHeader(root, path);
+  EXPECT_EQ(h.zero_stage, 3);
+  EXPECT_EQ(h.dp, 4);
+  RankOptimView v = ReadStage3RankOptimStates(root, path);
+  ASSERT_EQ(v.partitions.size(), 2u);
+  EXPECT_EQ(v.partitions[0].fp32->numel(), 2);
+  EXPECT_EQ(v.partitions[1].fp32->numel(), 1);
+  ASSERT_TRUE(v.partitions[0].state);
+  EXPECT_FALSE(v.partitions[1].state);  // no state before the first step
+  EXPECT_EQ(ReadLossScaler(v.loss_scaler, LossScalerState{}).cur_scale, 2);
+
+  // zero/optimizer_state.pt made from it: the whole state plus param_groups.
+  ValuePtr u = Reload(UniversalOptimizerStateValue(root, path, 3, 2, 4));
+  UniversalOptimizerStateView uv = ReadUniversalOptimizerStateValue(u, Path());
+  EXPECT_EQ(ReadLossScaler(uv.loss_scaler, LossScalerState{}).cur_scale, 2);
+  ASSERT_TRUE(uv.param_groups && uv.param_groups->is_seq());
+  EXPECT_EQ(uv.param_groups->items.size(), 1u);
+  EXPECT_EQ(ParseZeroStage(uv.zero_stage, "zero_stage"), 3);
+  ASSERT_TRUE(uv.zero3_step);
+  EXPECT_EQ(ScalarOf(uv.zero3_step, "step"), 6);
+}
+
+}  // namespace
+}  // namespace uckpt::ckpt
