@@ -10,7 +10,7 @@ bool AnyRankOverflowed(Comm& comm, const std::vector<at::Tensor>& grads, at::Dev
   return bad.item<float>() > 0;
 }
 
-at::Tensor GroupGradNorm(Comm& comm, const at::Tensor& piece_norms, at::ScalarType dtype, at::Device device,
+at::Tensor GroupGradNormStacked(Comm& comm, const at::Tensor& piece_norms, at::ScalarType dtype, at::Device device,
                          bool all_reduce) {
   at::Tensor total = piece_norms.numel() == 0 ? at::zeros({}, at::TensorOptions().dtype(dtype).device(device))
                                               : piece_norms.square().sum().to(device, dtype);
@@ -26,7 +26,7 @@ at::Tensor GroupGradNorm(Comm& comm, const std::vector<at::Tensor>& piece_norms,
                          at::Device device, bool all_reduce) {
   const at::Tensor stacked = piece_norms.empty() ? at::empty({0}, at::TensorOptions().dtype(at::kDouble).device(device))
                                                  : at::stack(piece_norms);
-  return GroupGradNorm(comm, stacked, dtype, device, all_reduce);
+  return GroupGradNormStacked(comm, stacked, dtype, device, all_reduce);
 }
 
 at::Tensor GlobalGradNorm(const std::vector<at::Tensor>& group_norms, bool* finite) {

@@ -22,7 +22,7 @@ bool AnyRankOverflowed(Comm& comm, const std::vector<at::Tensor>& grads, at::Dev
 at::Tensor GroupGradNorm(Comm& comm, const std::vector<at::Tensor>& piece_norms, at::ScalarType dtype,
                          at::Device device, bool all_reduce);
 // The same over the pieces' norms stacked in one 1-D fp64 tensor.
-at::Tensor GroupGradNorm(Comm& comm, const at::Tensor& piece_norms, at::ScalarType dtype, at::Device device,
+at::Tensor GroupGradNormStacked(Comm& comm, const at::Tensor& piece_norms, at::ScalarType dtype, at::Device device,
                          bool all_reduce);
 
 // The global norm: the L2 norm over the groups' norms (0-d, their dtype);

@@ -286,7 +286,7 @@ at::Tensor ZeroOptimizer::GlobalNorm() {
   std::vector<at::Tensor> group_norms;
   for (const Group& g : groups_) {
     const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
-    group_norms.push_back(GroupGradNorm(comm_, norms, at::kFloat, norms.device(),
+    group_norms.push_back(GroupGradNormStacked(comm_, norms, at::kFloat, norms.device(),
                                         s_.stage != 0 && comm_.world_size() > 1));
   }
   bool finite = true;
