@@ -58,25 +58,11 @@ def batch(gen, micro, width, vocab):
 
 def roberta():
     """bench/roberta_mlm.py's MaskedLM (the BERT tutorial's shapes)."""
-    from transformers import RobertaConfig, RobertaModel
-    from transformers.models.roberta.modeling_roberta import RobertaLMHead
-    cfg = RobertaConfig(num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                        max_position_embeddings=258)
-
-    class RobertaMLM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.roberta = RobertaModel(cfg, add_pooling_layer=False)
-            self.lm_head = RobertaLMHead(cfg)
-            self.lm_head.decoder.weight = self.roberta.embeddings.word_embeddings.weight  # tied
-
-        def forward(self, tokens, attention_mask, targets):
-            h = self.roberta(tokens, attention_mask=attention_mask).last_hidden_state
-            masked = targets != cfg.pad_token_id
-            logits = self.lm_head(h[masked])
-            return torch.nn.functional.cross_entropy(logits.float(), targets[masked])
-
-    return RobertaMLM()
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from roberta_mlm import masked_lm
+    return masked_lm()
 
 
 def roberta_batch(gen, micro):

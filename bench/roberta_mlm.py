@@ -21,6 +21,30 @@ import time
 import torch
 
 
+def masked_lm():
+    """The tutorial's model: RoBERTa with its LM head (decoder tied to the word
+    embeddings) applied to the masked positions only; returns the loss."""
+    from transformers import RobertaConfig, RobertaModel
+    from transformers.models.roberta.modeling_roberta import RobertaLMHead
+    cfg = RobertaConfig(num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                        max_position_embeddings=258)
+
+    class MaskedLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.roberta = RobertaModel(cfg, add_pooling_layer=False)
+            self.lm_head = RobertaLMHead(cfg)
+            self.lm_head.decoder.weight = self.roberta.embeddings.word_embeddings.weight  # tied
+
+        def forward(self, tokens, attention_mask, targets):
+            h = self.roberta(tokens, attention_mask=attention_mask).last_hidden_state
+            masked = targets != cfg.pad_token_id
+            logits = self.lm_head(h[masked])
+            return torch.nn.functional.cross_entropy(logits.float(), targets[masked])
+
+    return MaskedLM()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=["uckpt", "deepspeed"], required=True)
@@ -39,31 +63,14 @@ def main():
         import uckpt as deepspeed
     else:
         import deepspeed
-    from transformers import RobertaConfig, RobertaModel
-    from transformers.models.roberta.modeling_roberta import RobertaLMHead
 
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     torch.manual_seed(0)
-    cfg = RobertaConfig(num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                        max_position_embeddings=258)
-
-    class MaskedLM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.roberta = RobertaModel(cfg, add_pooling_layer=False)
-            self.lm_head = RobertaLMHead(cfg)
-            self.lm_head.decoder.weight = self.roberta.embeddings.word_embeddings.weight  # tied
-
-        def forward(self, tokens, attention_mask, targets):
-            h = self.roberta(tokens, attention_mask=attention_mask).last_hidden_state
-            masked = targets != cfg.pad_token_id
-            logits = self.lm_head(h[masked])
-            return torch.nn.functional.cross_entropy(logits.float(), targets[masked])
-
-    model = MaskedLM()
+    model = masked_lm()
+    cfg = model.roberta.config
     zero = {"stage": a.stage}
     if a.offload:
         zero["offload_optimizer"] = {"device": "cpu"}

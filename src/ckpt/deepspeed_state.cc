@@ -484,6 +484,20 @@ ValuePtr OptimStatesValue(const RankOptimStates& s) {
                {"ds_version", Value::Str(kDeepSpeedVersion)}});
 }
 
+namespace {
+// Partition i: entry i of the fp32 list and the optimizer's state of id i.
+PartitionView ReadPartition(const std::vector<ValuePtr>& fp32, const std::string& fp32_list, const ValuePtr& states,
+                            const std::string& states_where, size_t i) {
+  const std::string at = "[" + std::to_string(i) + "]";
+  PartitionView p;
+  p.fp32_where = fp32_list + at;
+  p.fp32 = &AsTensor(fp32[i], p.fp32_where);
+  p.state_where = states_where + at;
+  p.state = GetIntKey(states, static_cast<int64_t>(i));
+  return p;
+}
+}  // namespace
+
 RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path) {
   RankOptimView r;
   r.where = path + ": optimizer_state_dict";
@@ -502,13 +516,8 @@ RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path)
     Fail(w, "has " + std::to_string(fp32.size()) + " fp32 partitions but " + std::to_string(maps.size()) +
                 " slice mappings");
   for (size_t g = 0; g < fp32.size(); ++g) {
-    const std::string gs = "[" + std::to_string(g) + "]";
-    PartitionView p;
-    p.fp32_where = r.partitions_where + gs;
-    p.fp32 = &AsTensor(fp32[g], p.fp32_where);
-    p.state_where = w + ".base_optimizer_state.state" + gs;
-    p.state = GetIntKey(state, static_cast<int64_t>(g));
-    p.mappings_where = w + ".param_slice_mappings" + gs;
+    PartitionView p = ReadPartition(fp32, r.partitions_where, state, w + ".base_optimizer_state.state", g);
+    p.mappings_where = w + ".param_slice_mappings[" + std::to_string(g) + "]";
     for (const auto& [name, v] : NamedEntries(maps[g], p.mappings_where))
       p.mappings.emplace_back(name, ReadFragmentAddress(v, p.mappings_where + "['" + name + "']"));
     r.partitions.push_back(std::move(p));
@@ -554,15 +563,8 @@ RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string&
   ValuePtr state = Need(inner, "state", w + ".optimizer_state_dict");
   r.param_groups = inner->get("param_groups");
   r.loss_scaler = osd->get("loss_scaler");
-  for (size_t s = 0; s < fp32.size(); ++s) {
-    const std::string ss = "[" + std::to_string(s) + "]";
-    PartitionView p;
-    p.fp32_where = r.partitions_where + ss;
-    p.fp32 = &AsTensor(fp32[s], p.fp32_where);
-    p.state_where = w + ".optimizer_state_dict.state" + ss;
-    p.state = GetIntKey(state, static_cast<int64_t>(s));
-    r.partitions.push_back(std::move(p));
-  }
+  for (size_t s = 0; s < fp32.size(); ++s)
+    r.partitions.push_back(ReadPartition(fp32, r.partitions_where, state, w + ".optimizer_state_dict.state", s));
   return r;
 }
 
