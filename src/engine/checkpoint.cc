@@ -220,7 +220,7 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
   std::vector<ckpt::AdamState> states;
   std::vector<ckpt::AdamHparams> hparams;
   std::vector<std::vector<int64_t>> ids(e.groups.size());
-  const ZeroOptimizer& z = *e.runtime->flat();
+  const FlatRuntime& z = *e.runtime->flat();
   for (size_t g = 0; g < e.groups.size(); ++g) {
     const PartitionState& s = z.state(g);
     std::shared_ptr<Storage> avg, sq;
@@ -241,7 +241,7 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
 // views saves them), frozen parameters whole, each also as its flattened
 // fragment (a view of the module entry's storage).
 ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
-  const ZeroOptimizer& z = *e.runtime->flat();
+  const FlatRuntime& z = *e.runtime->flat();
   std::map<std::string, ValuePtr> params;
   for (size_t g = 0; g < e.groups.size(); ++g) {
     const at::Tensor weights = z.model_flat(g);

@@ -73,7 +73,7 @@ std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<
                                                    const EngineOptions& options);
 // zero3_engine.cc: stage 3's (the parameters partitioned one by one, gather
 // units from the options).
-std::unique_ptr<Zero3Optimizer> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
+std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
                                                  const ZeroSettings& base, const EngineOptions& options);
 
 // checkpoint.cc: DeepSpeed's files from and into the engine's state. Every

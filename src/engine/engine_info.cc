@@ -6,7 +6,7 @@ namespace uckpt {
 
 Stage3Stats Engine::stage3_stats() const {
   Stage3Stats out;
-  const engine::Zero3Optimizer* z3 = impl_->runtime->stage3();
+  const engine::Zero3Runtime* z3 = impl_->runtime->stage3();
   if (z3 == nullptr) return out;
   const engine::Zero3Stats& s = z3->stats();
   out.gathered_elements = s.gathered_elements;
@@ -21,7 +21,7 @@ Stage3Stats Engine::stage3_stats() const {
 }
 
 void Engine::SetTiming(bool on) {
-  if (engine::Zero3Optimizer* z3 = impl_->runtime->stage3()) z3->set_timing(on);
+  if (engine::Zero3Runtime* z3 = impl_->runtime->stage3()) z3->set_timing(on);
 }
 
 }  // namespace uckpt

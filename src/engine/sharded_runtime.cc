@@ -37,8 +37,8 @@ void BroadcastFromRank0(Comm& comm, const at::Tensor& t) {
 
 // Stages 0-2: the parameters become views into their group's flat buffer
 // (their values copied in), then the masters come from them.
-std::unique_ptr<ZeroOptimizer> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupSpec> specs) {
-  auto z = std::make_unique<ZeroOptimizer>(*e.comm, std::move(specs), SettingsOf(e.config), e.device);
+std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupSpec> specs) {
+  auto z = std::make_unique<FlatRuntime>(*e.comm, std::move(specs), SettingsOf(e.config), e.device);
   std::vector<std::vector<at::Tensor>> bound(e.groups.size());
   {
     c10::NoGradGuard no_grad;

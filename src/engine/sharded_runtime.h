@@ -50,8 +50,8 @@ struct StepResult {
   double loss_scale = 1;  // the scale the step's gradients carried
 };
 
-class ZeroOptimizer;
-class Zero3Optimizer;
+class FlatRuntime;
+class Zero3Runtime;
 
 class ShardedRuntime {
  public:
@@ -104,10 +104,10 @@ class ShardedRuntime {
   // ---- What only one kind has (nullptr otherwise): stages 0-2's flat group
   // buffers (the 16-bit weights the checkpoint's module entries view), stage
   // 3's parameters, sub-groups and gather statistics.
-  virtual ZeroOptimizer* flat() { return nullptr; }
-  const ZeroOptimizer* flat() const { return const_cast<ShardedRuntime*>(this)->flat(); }
-  virtual Zero3Optimizer* stage3() { return nullptr; }
-  const Zero3Optimizer* stage3() const { return const_cast<ShardedRuntime*>(this)->stage3(); }
+  virtual FlatRuntime* flat() { return nullptr; }
+  const FlatRuntime* flat() const { return const_cast<ShardedRuntime*>(this)->flat(); }
+  virtual Zero3Runtime* stage3() { return nullptr; }
+  const Zero3Runtime* stage3() const { return const_cast<ShardedRuntime*>(this)->stage3(); }
 };
 
 // The model's dtype under `c`: fp16, bf16 or fp32.

@@ -21,13 +21,13 @@ at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device 
 
 }  // namespace
 
-Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
+Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
                                std::vector<OptimizerConfig> group_optimizers,
                                const std::vector<std::vector<int>>& unit_of, int num_units, Zero3Settings settings,
                                at::Device device)
     : comm_(comm), s_(std::move(settings)), device_(device), group_optimizers_(std::move(group_optimizers)) {
   if (groups.empty() || groups.size() != group_optimizers_.size() || unit_of.size() != groups.size())
-    throw std::invalid_argument("Zero3Optimizer: parameter groups, optimizers and units do not match");
+    throw std::invalid_argument("Zero3Runtime: parameter groups, optimizers and units do not match");
   const int dp = comm_.world_size();
   const at::ScalarType dtype = s_.base.model_dtype;
   c10::NoGradGuard no_grad;
@@ -47,7 +47,7 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
         p.numel = p.tensor.numel();
         p.partition_size = ckpt::Stage3PartitionSize(p.numel, dp);
         p.unit = unit_of[g][k];
-        if (p.unit >= num_units) throw std::invalid_argument("Zero3Optimizer: unit index out of range for " + p.name);
+        if (p.unit >= num_units) throw std::invalid_argument("Zero3Runtime: unit index out of range for " + p.name);
         p.persistent = p.numel <= s_.persistence_threshold;
         p.sub_group = subs_.size();
         p.offset = total;
@@ -77,7 +77,7 @@ Zero3Optimizer::Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std
 
 // DeepSpeed's stage-3 global norm (grad_numerics.h): each parameter
 // partition's fp64 norm, summed in fp64 per sub-group over the ranks.
-at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
+at::Tensor Zero3Runtime::GlobalNorm(bool* finite) {
   std::vector<at::Tensor> group_norms;
   for (const Zero3SubGroup& sg : subs_) {
     std::vector<at::Tensor> norms;
@@ -95,9 +95,9 @@ at::Tensor Zero3Optimizer::GlobalNorm(bool* finite) {
   return GlobalGradNorm(group_norms, finite);
 }
 
-Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group_lrs) {
+Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs) {
   c10::NoGradGuard no_grad;
-  if (group_lrs.size() != num_groups()) throw std::logic_error("Zero3Optimizer::Step: one lr per group");
+  if (group_lrs.size() != num_groups()) throw std::logic_error("Zero3Runtime::Step: one lr per group");
   StepResult r;
   const double prev_scale = scaler_.cur_scale;
   r.loss_scale = prev_scale;
@@ -135,7 +135,7 @@ Zero3Optimizer::StepResult Zero3Optimizer::Step(const std::vector<double>& group
   return r;
 }
 
-void Zero3Optimizer::WeightsFromMasters() {
+void Zero3Runtime::WeightsFromMasters() {
   units_.DropPrefetches();  // gathered from the old partitions
   c10::NoGradGuard no_grad;
   for (const Zero3SubGroup& sg : subs_)
@@ -146,7 +146,7 @@ void Zero3Optimizer::WeightsFromMasters() {
   storage_.RefetchWhole();
 }
 
-void Zero3Optimizer::MastersFromWeights() {
+void Zero3Runtime::MastersFromWeights() {
   c10::NoGradGuard no_grad;
   for (Zero3SubGroup& sg : subs_)
     for (size_t i : sg.params) {
@@ -157,7 +157,7 @@ void Zero3Optimizer::MastersFromWeights() {
 
 // The planner's layout (ckpt/reshard.h) must be this one. Every sub-group
 // takes the model's first parameter's step, as the universal load does.
-std::vector<PartitionSlot> Zero3Optimizer::Slots() {
+std::vector<PartitionSlot> Zero3Runtime::Slots() {
   std::vector<PartitionSlot> slots;
   for (Zero3SubGroup& sg : subs_) {
     std::vector<ckpt::TargetParam> params;
@@ -165,7 +165,7 @@ std::vector<PartitionSlot> Zero3Optimizer::Slots() {
     for (size_t i : sg.params) {
       const Zero3Param& p = params_[i];
       if (p.offset != offset || p.partition_size != ckpt::Stage3PartitionSize(p.numel, dp()))
-        throw std::logic_error("Zero3Optimizer: " + p.name + "'s partition is not where the planner puts it");
+        throw std::logic_error("Zero3Runtime: " + p.name + "'s partition is not where the planner puts it");
       offset += p.partition_size;
       params.push_back({p.name, p.numel, p.tensor.sizes().vec()});
     }
@@ -175,15 +175,15 @@ std::vector<PartitionSlot> Zero3Optimizer::Slots() {
   return slots;
 }
 
-void Zero3Optimizer::GatherParameters(const std::vector<at::Tensor>& params) { GatherSome(IndicesOf(params)); }
+void Zero3Runtime::GatherParameters(const std::vector<at::Tensor>& params) { GatherSome(IndicesOf(params)); }
 
-void Zero3Optimizer::ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {
+void Zero3Runtime::ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {
   ReleaseSome(IndicesOf(params), modifier_rank);
 }
 
 // The indices of those of `ts` that are this runtime's parameters, sorted:
 // the same order on every rank.
-std::vector<size_t> Zero3Optimizer::IndicesOf(const std::vector<at::Tensor>& ts) const {
+std::vector<size_t> Zero3Runtime::IndicesOf(const std::vector<at::Tensor>& ts) const {
   std::set<const void*> given;
   for (const auto& t : ts) given.insert(t.unsafeGetTensorImpl());
   std::vector<size_t> out;
@@ -192,7 +192,7 @@ std::vector<size_t> Zero3Optimizer::IndicesOf(const std::vector<at::Tensor>& ts)
   return out;
 }
 
-at::Tensor Zero3Optimizer::GatherWhole(size_t i) {
+at::Tensor Zero3Runtime::GatherWhole(size_t i) {
   c10::NoGradGuard no_grad;
   const Zero3Param& p = params_.at(i);
   at::Tensor in = p.partition.to(device_);

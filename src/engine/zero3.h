@@ -67,7 +67,7 @@ struct Zero3Settings {
   int64_t max_live_parameters = 1000000000;  // cap on gathered unit elements for prefetching
 };
 
-// What stage 3's gathers and reduce-scatters did (Zero3Optimizer::stats()).
+// What stage 3's gathers and reduce-scatters did (Zero3Runtime::stats()).
 // Gathered elements count unit parameters only (the root unit and persistent
 // parameters stay gathered) and start at the first EnterUnit.
 struct Zero3Stats {
@@ -98,16 +98,16 @@ struct Zero3Param {
 // One optimizer sub-group of one rank (DeepSpeed's fp32_partitioned_groups_flat[i]).
 struct Zero3SubGroup {
   size_t group = 0;
-  std::vector<size_t> params;  // indices into Zero3Optimizer::params()
+  std::vector<size_t> params;  // indices into Zero3Runtime::params()
   PartitionState state;        // master [sum ps] fp32 + Adam moments and step
   at::Tensor grad;             // [sum ps] fp32: the averaged gradient being accumulated
 };
 
-class Zero3Optimizer : public ShardedRuntime {
+class Zero3Runtime : public ShardedRuntime {
  public:
   // `groups[g]`: group g's parameters (whole, equal on every rank), in the
   // order DeepSpeed flattens them; `unit_of[g][k]`: their gather unit (-1 root).
-  Zero3Optimizer(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
+  Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
                  std::vector<OptimizerConfig> group_optimizers, const std::vector<std::vector<int>>& unit_of,
                  int num_units, Zero3Settings settings, at::Device device);
 
@@ -130,7 +130,7 @@ class Zero3Optimizer : public ShardedRuntime {
   int num_units() const { return static_cast<int>(units_.size()); }
   bool partitions_parameters() const override { return true; }
   size_t num_gather_units() const override { return units_.size(); }
-  Zero3Optimizer* stage3() override { return this; }
+  Zero3Runtime* stage3() override { return this; }
 
   // The unit calls (Engine::EnterUnit/ExitUnit): gather/free plus the
   // autograd identities that wire the backward side.
@@ -178,8 +178,8 @@ class Zero3Optimizer : public ShardedRuntime {
   void BackwardDone(size_t unit);
 
  private:
-  Zero3Optimizer(const Zero3Optimizer&) = delete;  // its pieces refer to its members
-  Zero3Optimizer& operator=(const Zero3Optimizer&) = delete;
+  Zero3Runtime(const Zero3Runtime&) = delete;  // its pieces refer to its members
+  Zero3Runtime& operator=(const Zero3Runtime&) = delete;
   void FinishBackwardUntimed();
   at::Tensor GlobalNorm(bool* finite);
   std::vector<size_t> IndicesOf(const std::vector<at::Tensor>& ts) const;

@@ -38,7 +38,7 @@ int UnitOfName(const std::vector<std::string>& prefixes, const std::string& name
 
 }  // namespace
 
-std::unique_ptr<Zero3Optimizer> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
+std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
                                                  const ZeroSettings& base, const EngineOptions& options) {
   const TrainConfig& c = e.config;
   // A parameter's unit: the unit holding all its names (tied aliases
@@ -68,7 +68,7 @@ std::unique_ptr<Zero3Optimizer> MakeZero3Runtime(Engine::Impl& e, const std::vec
   zs.offload_param_cpu = c.zero.offload_param_cpu;
   zs.prefetch_bucket_size = c.zero.prefetch_bucket_size;
   zs.max_live_parameters = c.zero.max_live_parameters;
-  return std::make_unique<Zero3Optimizer>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
+  return std::make_unique<Zero3Runtime>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
                                           static_cast<int>(prefixes.size()), zs, e.device);
 }
 

@@ -23,7 +23,7 @@ struct EnterUnitFn : public torch::autograd::Function<EnterUnitFn> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* z = reinterpret_cast<Zero3Optimizer*>(ctx->saved_data["z3"].toInt());
+    auto* z = reinterpret_cast<Zero3Runtime*>(ctx->saved_data["z3"].toInt());
     z->BackwardDone(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
     return {grads[0], at::Tensor(), at::Tensor()};
   }
@@ -38,7 +38,7 @@ struct ExitUnitFn : public torch::autograd::Function<ExitUnitFn> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* z = reinterpret_cast<Zero3Optimizer*>(ctx->saved_data["z3"].toInt());
+    auto* z = reinterpret_cast<Zero3Runtime*>(ctx->saved_data["z3"].toInt());
     z->BackwardGather(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
     return {grads[0], at::Tensor(), at::Tensor()};
   }
@@ -52,42 +52,42 @@ void CheckUnit(const char* call, size_t unit, size_t declared) {
 
 }  // namespace
 
-at::Tensor Zero3Optimizer::EnterUnit(size_t unit, const at::Tensor& input) {
+at::Tensor Zero3Runtime::EnterUnit(size_t unit, const at::Tensor& input) {
   CheckUnit("EnterUnit", unit, units_.size());
   units_.Enter(unit);
   if (!at::GradMode::is_enabled() || !input.requires_grad()) return input;
   return EnterUnitFn::apply(input, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
 }
 
-at::Tensor Zero3Optimizer::ExitUnit(size_t unit, const at::Tensor& output) {
+at::Tensor Zero3Runtime::ExitUnit(size_t unit, const at::Tensor& output) {
   CheckUnit("ExitUnit", unit, units_.size());
   units_.Exit(unit);
   if (!at::GradMode::is_enabled() || !output.requires_grad()) return output;
   return ExitUnitFn::apply(output, reinterpret_cast<int64_t>(this), static_cast<int64_t>(unit));
 }
 
-void Zero3Optimizer::BackwardGather(size_t unit) { units_.BackwardGather(unit); }
+void Zero3Runtime::BackwardGather(size_t unit) { units_.BackwardGather(unit); }
 
 // The unit's gradients go to the reducer before its parameters are freed.
-void Zero3Optimizer::BackwardDone(size_t unit) {
+void Zero3Runtime::BackwardDone(size_t unit) {
   reducer_.Add(units_.unit(unit).params());
   units_.BackwardDone(unit);
 }
 
-void Zero3Optimizer::GatherAll() { units_.GatherAll(); }
+void Zero3Runtime::GatherAll() { units_.GatherAll(); }
 
-void Zero3Optimizer::ReleaseAll() { units_.ReleaseAll(); }
+void Zero3Runtime::ReleaseAll() { units_.ReleaseAll(); }
 
-void Zero3Optimizer::GatherSome(const std::vector<size_t>& ps) {
+void Zero3Runtime::GatherSome(const std::vector<size_t>& ps) {
   units_.DropPrefetches();  // their holds would make the storage skip parameters whose bytes are still in flight
   storage_.GatherSome(ps);
 }
 
-void Zero3Optimizer::ReleaseSome(const std::vector<size_t>& ps, int modifier_rank) {
+void Zero3Runtime::ReleaseSome(const std::vector<size_t>& ps, int modifier_rank) {
   storage_.ReleaseSome(ps, modifier_rank);
 }
 
-void Zero3Optimizer::FinishBackward() {
+void Zero3Runtime::FinishBackward() {
   if (!timing_) return FinishBackwardUntimed();
   // The time from the end of backward's compute until every bucket is reduced.
   const bool cuda = device_.is_cuda();
@@ -101,7 +101,7 @@ void Zero3Optimizer::FinishBackward() {
 // Units that backward gathered and autograd did not finish (their inputs
 // needed no gradient) are done now; then the gradients not reduced yet (the
 // root unit's) and the last bucket.
-void Zero3Optimizer::FinishBackwardUntimed() {
+void Zero3Runtime::FinishBackwardUntimed() {
   units_.DropPrefetches();
   reducer_.BeginTail();
   for (size_t u = 0; u < units_.size(); ++u)
@@ -110,7 +110,7 @@ void Zero3Optimizer::FinishBackwardUntimed() {
   reducer_.FinishTail();
 }
 
-Zero3Stats Zero3Optimizer::stats() const {
+Zero3Stats Zero3Runtime::stats() const {
   Zero3Stats s;
   s.gathered_elements = storage_.gathered_elements();
   s.peak_gathered_elements = storage_.peak_gathered_elements();

@@ -7,7 +7,7 @@
 // - UnitSchedule: the units in their order and what is gathered ahead of use
 //   (zero3_unit.cc). Its decisions depend only on the unit calls and sizes, so
 //   every rank issues the same collectives in the same order.
-// The runtime (Zero3Optimizer) owns them beside the gradient reducer
+// The runtime (Zero3Runtime) owns them beside the gradient reducer
 // (zero3_reduce.h) and the update.
 #pragma once
 

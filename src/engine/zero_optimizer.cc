@@ -83,14 +83,14 @@ at::Tensor FragmentNorms(const std::vector<ckpt::Fragment>& fragments, const at:
 
 }  // namespace
 
-ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
-    : ZeroOptimizer(comm, std::vector<GroupSpec>{GroupSpec{std::move(numels), settings.optimizer, {}, {}}}, settings,
+FlatRuntime::FlatRuntime(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
+    : FlatRuntime(comm, std::vector<GroupSpec>{GroupSpec{std::move(numels), settings.optimizer, {}, {}}}, settings,
                     device) {}
 
-ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings settings, at::Device device)
+FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings settings, at::Device device)
     : comm_(comm), s_(std::move(settings)) {
   if (s_.stage < 0 || s_.stage > 2) throw std::invalid_argument("ZeRO stage must be 0, 1 or 2");
-  if (specs.empty()) throw std::invalid_argument("ZeroOptimizer: no parameter group");
+  if (specs.empty()) throw std::invalid_argument("FlatRuntime: no parameter group");
   const int dp = s_.stage == 0 ? 1 : comm_.world_size();
   auto model_opts = at::TensorOptions().dtype(s_.model_dtype).device(device);
   at::Device opt_device = s_.offload_optimizer_cpu ? at::Device(at::kCPU) : device;
@@ -117,9 +117,9 @@ ZeroOptimizer::ZeroOptimizer(Comm& comm, std::vector<GroupSpec> specs, ZeroSetti
   if (s_.model_dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.fp16);
 }
 
-ZeroOptimizer::~ZeroOptimizer() = default;
+FlatRuntime::~FlatRuntime() = default;
 
-std::vector<PartitionSlot> ZeroOptimizer::Slots() {
+std::vector<PartitionSlot> FlatRuntime::Slots() {
   std::vector<PartitionSlot> slots;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = groups_[gi];
@@ -131,11 +131,11 @@ std::vector<PartitionSlot> ZeroOptimizer::Slots() {
   return slots;
 }
 
-at::Tensor ZeroOptimizer::PartitionOf(const Group& g, const at::Tensor& flat) const {
+at::Tensor FlatRuntime::PartitionOf(const Group& g, const at::Tensor& flat) const {
   return flat.narrow(0, g.layout.begin(partition_rank()), g.layout.partition_size);
 }
 
-void ZeroOptimizer::BindGradients(const std::vector<std::vector<at::Tensor>>& params) {
+void FlatRuntime::BindGradients(const std::vector<std::vector<at::Tensor>>& params) {
   if (params.size() != groups_.size()) throw std::invalid_argument("BindGradients: wrong group count");
   // On Gloo a reduce-scatter is an all-reduce anyway (1.13 has no
   // reduce-scatter), so all-reduce the buffer DeepSpeed all-reduces: its ring
@@ -169,7 +169,7 @@ void ZeroOptimizer::BindGradients(const std::vector<std::vector<at::Tensor>>& pa
   }
 }
 
-void ZeroOptimizer::PrepareBackward() {
+void FlatRuntime::PrepareBackward() {
   const bool grads_live_in_dot_grad = s_.stage <= 1;  // DeepSpeed's, until the boundary (measured)
   for (Group& g : groups_)
     for (size_t k = 0; k < g.params.size(); ++k) {
@@ -182,7 +182,7 @@ void ZeroOptimizer::PrepareBackward() {
     }
 }
 
-at::Tensor ZeroOptimizer::AllReduceInDeepSpeedOrder(Group& g) {
+at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {
   // DeepSpeed's stage-2 IPG buckets (stage 1: the same, in parameter order):
   // whole parameters in order, a bucket reduced when the next parameter would
   // overflow reduce_bucket_size, each divided by dp and all-reduced; the
@@ -227,12 +227,12 @@ at::Tensor ZeroOptimizer::AllReduceInDeepSpeedOrder(Group& g) {
   return part;
 }
 
-void ZeroOptimizer::FinishBackward(bool boundary) {
+void FlatRuntime::FinishBackward(bool boundary) {
   if (s_.stage == 2 || boundary)
     for (Group& g : groups_) ReduceIntoPartition(g);
 }
 
-void ZeroOptimizer::ReduceIntoPartition(Group& g) {
+void FlatRuntime::ReduceIntoPartition(Group& g) {
   // DeepSpeed's average_tensor: divide by dp, then sum over ranks.
   at::Tensor part;
   if (g.overlap) {
@@ -282,7 +282,7 @@ void ZeroOptimizer::ReduceIntoPartition(Group& g) {
 // DeepSpeed's stage 1/2 global norm (grad_numerics.h): each parameter
 // fragment's fp64 norm (offloaded from a GPU: taken on the device before the
 // copy down), summed as fp32 per group over the ranks; -1 when inf or nan.
-at::Tensor ZeroOptimizer::GlobalNorm() {
+at::Tensor FlatRuntime::GlobalNorm() {
   std::vector<at::Tensor> group_norms;
   for (const Group& g : groups_) {
     const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
@@ -294,10 +294,10 @@ at::Tensor ZeroOptimizer::GlobalNorm() {
   return finite ? norm : at::full({}, -1.0, norm.options());
 }
 
-ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_lrs) {
-  if (group_lrs.size() != groups_.size()) throw std::logic_error("ZeroOptimizer::Step: one lr per group");
+FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) {
+  if (group_lrs.size() != groups_.size()) throw std::logic_error("FlatRuntime::Step: one lr per group");
   for (const Group& g : groups_)
-    if (!g.have_grad_partition) throw std::logic_error("ZeroOptimizer::Step without reduced gradients");
+    if (!g.have_grad_partition) throw std::logic_error("FlatRuntime::Step without reduced gradients");
   StepResult r;
   const double prev_scale = scaler_.cur_scale;
   r.loss_scale = prev_scale;
@@ -340,7 +340,7 @@ ZeroOptimizer::StepResult ZeroOptimizer::Step(const std::vector<double>& group_l
   return r;
 }
 
-void ZeroOptimizer::AddToHostGradient(Group& g, const at::Tensor& part) {
+void FlatRuntime::AddToHostGradient(Group& g, const at::Tensor& part) {
   c10::NoGradGuard no_grad;
   const int64_t P = part.numel();
   if (!g.grad_partition.defined() || !g.grad_partition.is_pinned())
@@ -372,7 +372,7 @@ void ZeroOptimizer::AddToHostGradient(Group& g, const at::Tensor& part) {
   if (chunks > 0) add(chunks - 1);
 }
 
-void ZeroOptimizer::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
+void FlatRuntime::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
   c10::NoGradGuard no_grad;
   const at::Device device = g.model_flat.device();
   if (device.is_cpu()) {
@@ -422,7 +422,7 @@ void ZeroOptimizer::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
   GatherModel(g, g.device_partition);
 }
 
-void ZeroOptimizer::AdamStep(Group& g, const at::Tensor& grad, double lr) { TorchAdamStep(g.state, grad, g.optimizer, lr); }
+void FlatRuntime::AdamStep(Group& g, const at::Tensor& grad, double lr) { TorchAdamStep(g.state, grad, g.optimizer, lr); }
 
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const OptimizerConfig& o, double lr) {
   // torch.optim.Adam/AdamW, single-tensor path (torch 1.13), on the partition.
@@ -452,15 +452,15 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
   p.addcdiv_(st.exp_avg, denom, -step_size);
 }
 
-void ZeroOptimizer::MastersFromWeights() {
+void FlatRuntime::MastersFromWeights() {
   for (Group& g : groups_) g.state.master.copy_(PartitionOf(g, g.model_flat));
 }
 
-void ZeroOptimizer::WeightsFromMasters() {
+void FlatRuntime::WeightsFromMasters() {
   for (Group& g : groups_) GatherModel(g, g.state.master);
 }
 
-void ZeroOptimizer::GatherModel(Group& g, const at::Tensor& partition) {
+void FlatRuntime::GatherModel(Group& g, const at::Tensor& partition) {
   c10::NoGradGuard no_grad;
   if (g.layout.dp == 1 && partition.device() == g.model_flat.device()) {
     g.model_flat.copy_(partition);  // one pass, converting as .to() does

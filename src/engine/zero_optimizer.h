@@ -61,14 +61,14 @@ class OverlappedGradReducer;
 // `st.master` updated with `grad` (moments created on the first step).
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad, const OptimizerConfig& o, double lr);
 
-class ZeroOptimizer : public ShardedRuntime {
+class FlatRuntime : public ShardedRuntime {
  public:
   // One flat buffer per group, each laid out and partitioned as DeepSpeed's
   // stage 1/2 does. `device` holds the model.
-  ZeroOptimizer(Comm& comm, std::vector<GroupSpec> groups, ZeroSettings settings, at::Device device = at::kCPU);
+  FlatRuntime(Comm& comm, std::vector<GroupSpec> groups, ZeroSettings settings, at::Device device = at::kCPU);
   // One group with settings.optimizer.
-  ZeroOptimizer(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device = at::kCPU);
-  ~ZeroOptimizer() override;
+  FlatRuntime(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device = at::kCPU);
+  ~FlatRuntime() override;
 
   // One slot per group: its flat partition.
   std::vector<PartitionSlot> Slots() override;
@@ -117,7 +117,7 @@ class ZeroOptimizer : public ShardedRuntime {
   // Model weights from the masters of every rank (after loading partitions).
   void WeightsFromMasters() override;
 
-  ZeroOptimizer* flat() override { return this; }
+  FlatRuntime* flat() override { return this; }
 
  private:
   struct Group {

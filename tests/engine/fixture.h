@@ -53,6 +53,6 @@ inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& r
 
 // The stage 0-2 optimizer behind a Trainer's engine: tests reach into the
 // engine's state (engine_impl.h), `uckpt train` does not.
-inline const ZeroOptimizer& ZeroOf(Trainer& t) { return *t.engine().impl().runtime->flat(); }
+inline const FlatRuntime& ZeroOf(Trainer& t) { return *t.engine().impl().runtime->flat(); }
 
 }  // namespace uckpt::engine::testing

@@ -63,13 +63,13 @@ void ExpectSamePartition(const PartitionState& x, const PartitionState& y, const
   }
 }
 
-const Zero3Optimizer* Zero3Of(Trainer& t) { return t.engine().impl().runtime->stage3(); }
+const Zero3Runtime* Zero3Of(Trainer& t) { return t.engine().impl().runtime->stage3(); }
 
 // Two engines on the same rank hold the same state, bit for bit.
 void ExpectSameState(Trainer& a, Trainer& b, const std::string& what) {
   ExpectSameRun(a, b, what);
-  if (const Zero3Optimizer* x = Zero3Of(a)) {
-    const Zero3Optimizer& y = *Zero3Of(b);
+  if (const Zero3Runtime* x = Zero3Of(a)) {
+    const Zero3Runtime& y = *Zero3Of(b);
     ASSERT_EQ(x->sub_groups().size(), y.sub_groups().size()) << what;
     for (size_t i = 0; i < x->sub_groups().size(); ++i)
       ExpectSamePartition(x->sub_groups()[i].state, y.sub_groups()[i].state, what + " sub-group " + std::to_string(i));
@@ -83,7 +83,7 @@ void ExpectSameState(Trainer& a, Trainer& b, const std::string& what) {
 
 // This rank's real (non-padding) optimizer bytes: fp32 + exp_avg + exp_avg_sq.
 uint64_t PartitionBytes(Trainer& t) {
-  if (const Zero3Optimizer* z = Zero3Of(t)) {
+  if (const Zero3Runtime* z = Zero3Of(t)) {
     int64_t real = 0;
     for (const auto& p : z->params()) real += ckpt::Stage3RealNumel(p.numel, z->dp(), t.engine().impl().comm->rank());
     return static_cast<uint64_t>(real) * 4 * 3;

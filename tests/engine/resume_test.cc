@@ -71,7 +71,7 @@ struct FullState {
   int64_t last_batch_iteration = 0;
 };
 
-at::Tensor Gather(Comm& comm, const ZeroOptimizer& z, const at::Tensor& part) {
+at::Tensor Gather(Comm& comm, const FlatRuntime& z, const at::Tensor& part) {
   const auto& l = z.layout();
   if (!part.defined()) return part;  // no optimizer state yet
   if (l.dp == 1) return part.narrow(0, 0, l.numel).clone();

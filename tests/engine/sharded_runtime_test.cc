@@ -18,7 +18,7 @@ TEST(ShardedRuntime, FlatSlotsAreTheGroupsPartitions) {
   ZeroSettings s;
   s.stage = 2;
   std::vector<GroupSpec> specs = {{{3, 5}, s.optimizer, {"a.w", "a.b"}, {{3}, {5}}}, {{4}, s.optimizer, {"b"}, {{2, 2}}}};
-  ZeroOptimizer z(*comm, specs, s);
+  FlatRuntime z(*comm, specs, s);
   ShardedRuntime& r = z;
   const std::vector<PartitionSlot> slots = r.Slots();
   ASSERT_EQ(slots.size(), 2u);
@@ -44,7 +44,7 @@ TEST(ShardedRuntime, Stage3SlotsAreTheSubGroupsAndMastersComeFromThePartitions) 
   s.sub_group_size = 4;  // one sub-group per parameter
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups = {
       {{"x", at::arange(6, at::kFloat).view({2, 3})}, {"y", at::arange(5, at::kFloat)}}};
-  Zero3Optimizer z(*comm, groups, {s.base.optimizer}, {{-1, -1}}, 0, s, at::kCPU);
+  Zero3Runtime z(*comm, groups, {s.base.optimizer}, {{-1, -1}}, 0, s, at::kCPU);
   ShardedRuntime& r = z;
   const std::vector<PartitionSlot> slots = r.Slots();
   ASSERT_EQ(slots.size(), z.sub_groups().size());

@@ -21,7 +21,7 @@ using Pass = GatherUnit::Pass;
 
 // Two gather units of one 4-element parameter each, every parameter
 // gathered and freed with its unit (threshold 0), prefetching one unit ahead.
-std::unique_ptr<Zero3Optimizer> TwoUnits(Comm& comm) {
+std::unique_ptr<Zero3Runtime> TwoUnits(Comm& comm) {
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups(1);
   for (const char* name : {"a.w", "b.w"})
     groups[0].emplace_back(name, (at::arange(4, at::kFloat) * 0.25 + 1).requires_grad_(true));
@@ -29,12 +29,12 @@ std::unique_ptr<Zero3Optimizer> TwoUnits(Comm& comm) {
   s.base.stage = 3;
   s.persistence_threshold = 0;
   s.prefetch_bucket_size = 1;
-  return std::make_unique<Zero3Optimizer>(comm, groups, std::vector<OptimizerConfig>(1),
+  return std::make_unique<Zero3Runtime>(comm, groups, std::vector<OptimizerConfig>(1),
                                           std::vector<std::vector<int>>{{0, 1}}, 2, s, at::Device(at::kCPU));
 }
 
 // What a unit is at one point: "state/pass/holds".
-std::string Snap(const Zero3Optimizer& z, size_t u) {
+std::string Snap(const Zero3Runtime& z, size_t u) {
   const GatherUnit& unit = z.units().unit(u);
   return std::string(GatherUnit::Name(unit.state())) + "/" + GatherUnit::Name(unit.pass()) + "/" +
          std::to_string(unit.holds());

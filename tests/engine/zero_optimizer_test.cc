@@ -23,9 +23,9 @@ ZeroSettings Fp16Settings() {
 // skipped (weights and optimizer state untouched); the first overflow only
 // uses up the hysteresis, the next halves the scale; `window` clean steps
 // double it again.
-TEST(ZeroOptimizer, Fp16OverflowSkipsTheStepAndAdjustsTheScale) {
+TEST(FlatRuntime, Fp16OverflowSkipsTheStepAndAdjustsTheScale) {
   auto comm = MakeSingleProcessComm();
-  ZeroOptimizer z(*comm, std::vector<int64_t>{3, 5}, Fp16Settings());
+  FlatRuntime z(*comm, std::vector<int64_t>{3, 5}, Fp16Settings());
   z.model_flat().fill_(1.0);
   z.MastersFromWeights();
   auto step = [&](float g) {
@@ -55,11 +55,11 @@ TEST(ZeroOptimizer, Fp16OverflowSkipsTheStepAndAdjustsTheScale) {
   EXPECT_EQ(z.loss_scale(), 16.0);  // (3 - 1) % 2 == 0: doubled
 }
 
-TEST(ZeroOptimizer, StaticLossScaleNeverChanges) {
+TEST(FlatRuntime, StaticLossScaleNeverChanges) {
   auto comm = MakeSingleProcessComm();
   ZeroSettings s = Fp16Settings();
   s.fp16.loss_scale = 128;
-  ZeroOptimizer z(*comm, std::vector<int64_t>{4}, s);
+  FlatRuntime z(*comm, std::vector<int64_t>{4}, s);
   EXPECT_EQ(z.loss_scale(), 128.0);
   z.grad_flat().fill_(128.0);
   z.FinishBackward(true);
@@ -71,14 +71,14 @@ TEST(ZeroOptimizer, StaticLossScaleNeverChanges) {
 
 // Stage 2 reduces every micro-step into the partition, stage 1 once: the
 // accumulated gradient is the same.
-TEST(ZeroOptimizer, GradientAccumulationIsTheSumOfMicroSteps) {
+TEST(FlatRuntime, GradientAccumulationIsTheSumOfMicroSteps) {
   auto comm = MakeSingleProcessComm();
   for (int stage : {0, 1, 2}) {
     ZeroSettings s;
     s.stage = stage;
     s.optimizer.lr = 0.5;
     s.optimizer.weight_decay = 0;
-    ZeroOptimizer z(*comm, std::vector<int64_t>{6}, s);
+    FlatRuntime z(*comm, std::vector<int64_t>{6}, s);
     for (float g : {1.0f, 2.0f, 3.0f}) {
       z.grad_flat().add_(g);  // autograd accumulates into .grad like this
       z.FinishBackward(g == 3.0f);
@@ -94,7 +94,7 @@ TEST(ZeroOptimizer, GradientAccumulationIsTheSumOfMicroSteps) {
 // (cpu_adam.h) on the host partition: the masters are exactly what
 // CpuAdamStep gives for the clipped gradient, step after step, with
 // gradient accumulation and clipping.
-TEST(ZeroOptimizer, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
+TEST(FlatRuntime, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
   auto comm = MakeSingleProcessComm();
   for (int stage : {1, 2}) {
     ZeroSettings s;
@@ -103,7 +103,7 @@ TEST(ZeroOptimizer, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
     s.gradient_clipping = 0.5;
     s.optimizer.weight_decay = 0.01;
     s.optimizer.beta2 = 0.95;
-    ZeroOptimizer z(*comm, std::vector<int64_t>{70001, 30000}, s);
+    FlatRuntime z(*comm, std::vector<int64_t>{70001, 30000}, s);
     at::manual_seed(5);
     z.model_flat().copy_(at::randn({z.model_flat().numel()}));
     z.MastersFromWeights();
