@@ -14,8 +14,11 @@
 namespace uckpt::engine {
 namespace {
 
-// Identity whose backward runs once the unit's backward is done.
-struct EnterUnitFn : public torch::autograd::Function<EnterUnitFn> {
+// Identity in forward; its backward calls `OnBackward` for the unit. Placed
+// at a unit's entry it runs once the unit's backward is done (BackwardDone);
+// at its exit, before the unit's backward (BackwardGather).
+template <void (Zero3Runtime::*OnBackward)(size_t)>
+struct UnitBoundaryFn : public torch::autograd::Function<UnitBoundaryFn<OnBackward>> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t z3, int64_t unit) {
     ctx->saved_data["z3"] = z3;
     ctx->saved_data["unit"] = unit;
@@ -24,25 +27,12 @@ struct EnterUnitFn : public torch::autograd::Function<EnterUnitFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto* z = reinterpret_cast<Zero3Runtime*>(ctx->saved_data["z3"].toInt());
-    z->BackwardDone(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
+    (z->*OnBackward)(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
     return {grads[0], at::Tensor(), at::Tensor()};
   }
 };
-
-// Identity whose backward runs before the unit's backward.
-struct ExitUnitFn : public torch::autograd::Function<ExitUnitFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, int64_t z3, int64_t unit) {
-    ctx->saved_data["z3"] = z3;
-    ctx->saved_data["unit"] = unit;
-    return y;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* z = reinterpret_cast<Zero3Runtime*>(ctx->saved_data["z3"].toInt());
-    z->BackwardGather(static_cast<size_t>(ctx->saved_data["unit"].toInt()));
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
-};
+using EnterUnitFn = UnitBoundaryFn<&Zero3Runtime::BackwardDone>;
+using ExitUnitFn = UnitBoundaryFn<&Zero3Runtime::BackwardGather>;
 
 void CheckUnit(const char* call, size_t unit, size_t declared) {
   if (unit >= declared)
