@@ -2,7 +2,7 @@
 # The Python path against real DeepSpeed 0.14.5: DeepSpeed's BERT tutorial's masked LM
 # (bench/roberta_mlm.py: transformers' RoBERTa, ZeRO stage 1, optimizer offloaded to CPU, Adam)
 # through `import deepspeed` and through `import uckpt as deepspeed`, in bf16 and fp16, on 1 GPU
-# and on every GPU count in GPU_COUNTS, seconds per step over steps 50-100.
+# and on every GPU count in GPU_COUNTS, seconds per step over steps 50-LAST (default 100).
 # Both run under the same launcher (`uckpt launch`, which sets the environment as torchrun does and
 # leaves OMP_NUM_THREADS alone, as DeepSpeed's launcher does), with each library's default
 # thread settings. Prints one table row per (GPUs, dtype) and the ratio DeepSpeed's s/step over
@@ -11,7 +11,7 @@
 # step times, without the steps whose batch width is new to cuDNN (it builds its attention plans per
 # shape: 50-70 ms a forward on an H200, in both libraries, 15 of the 50 timed steps here).
 # usage: bench/python-gpu.sh BUILD_DIR DEEPSPEED_SRC [OUT_DIR]   (env: GPU_COUNTS="1 2" DTYPES="bf16 fp16"
-#        STAGE=1 OFFLOAD=1)
+#        STAGE=1 OFFLOAD=1 LAST=100)
 set -uo pipefail
 build=$(realpath "${1:?usage: bench/python-gpu.sh BUILD_DIR DEEPSPEED_SRC [OUT_DIR]}")
 ds=$(realpath "${2:?usage: bench/python-gpu.sh BUILD_DIR DEEPSPEED_SRC [OUT_DIR]}")
@@ -29,7 +29,7 @@ run() {  # run IMPL N DTYPE
   local t0=$SECONDS
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) PYTHONPATH=$path "$build/src/cli/uckpt" launch -n "$n" \
     --master_port 0 -- python3 "$here/roberta_mlm.py" --impl "$impl" --dtype "$dtype" --stage "$STAGE" \
-    --offload "$OFFLOAD" --phases > "$log" 2>&1
+    --offload "$OFFLOAD" --last "${LAST:-100}" --phases > "$log" 2>&1
   local rc=$?
   echo "== $impl $n GPU(s) $dtype: exit $rc, $((SECONDS - t0)) s; $(grep '^{' "$log" | tail -1)"
   [ $rc = 0 ] || tail -15 "$log"

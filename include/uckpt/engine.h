@@ -135,8 +135,8 @@ struct LoadStats {
   // "unchecked: why"; empty when nothing was loaded.
   std::string fingerprint;
   double fingerprint_s = 0;        // the whole check, wall time
-  // Of it, a checkpoint without a record: waiting for the expected value, hashed
-  // from the files on background threads during the load, and its reduction.
+  // Of it, a checkpoint without a record: the expected value (the bytes the load
+  // read, hashed where they landed by the files' own layout) and its reduction.
   double fingerprint_files_s = 0;
 };
 

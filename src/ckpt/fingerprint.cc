@@ -12,6 +12,7 @@
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
 #include "ckpt/parallel.h"
+#include "ckpt/reshard.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
 #include "ckpt/zero_checkpoint.h"
@@ -271,8 +272,7 @@ uint64_t FingerprintMappedPiece(uint64_t seed, int64_t start, DType dtype, std::
 
 }  // namespace
 
-StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, int shards, int threads) {
-  CheckShard(shard, shards);
+StateFingerprint FingerprintLayout(const ZeroCheckpoint& z) {
   StateFingerprint f;
   const std::vector<std::string> keys = CanonicalKeys(z.state_keys);
   for (const ParamPlan& p : z.params) {
@@ -280,6 +280,20 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
     for (const auto& k : keys) pf.states.emplace_back(k, 0);
     f.params.push_back(std::move(pf));
   }
+  SetModelCounters(z.model, f.counters);
+  const std::string path = z.optim[0].file->path();
+  ValuePtr osd = Need(z.optim[0].root, "optimizer_state_dict", path);
+  f.counters.loss_scale = LossScaleOf(osd->get("loss_scaler"));
+  if (!z.state_keys.empty() && !z.params.empty()) {
+    if (ValuePtr step = z.steps.at(z.params[0].group)) f.counters.optimizer_step = ScalarOf(step, path + ": step");
+  }
+  return f;
+}
+
+StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, int shards, int threads) {
+  CheckShard(shard, shards);
+  StateFingerprint f = FingerprintLayout(z);
+  const std::vector<std::string> keys = CanonicalKeys(z.state_keys);
   // Jobs of at most 4 MiB of one state's piece: the largest parameter's
   // tensors spread over every thread (and rank) as the small ones do.
   struct Job {
@@ -313,43 +327,18 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
   RunShare(f, at, sizes, shard, shards, threads, [&](size_t j) {
     return FingerprintMappedPiece(jobs[j].seed, jobs[j].start, jobs[j].dtype, jobs[j].bytes, z);
   });
-  SetModelCounters(z.model, f.counters);
-  const std::string path = z.optim[0].file->path();
-  ValuePtr osd = Need(z.optim[0].root, "optimizer_state_dict", path);
-  f.counters.loss_scale = LossScaleOf(osd->get("loss_scaler"));
-  if (!z.state_keys.empty() && !z.params.empty()) {
-    if (ValuePtr step = z.steps.at(z.params[0].group)) f.counters.optimizer_step = ScalarOf(step, path + ": step");
-  }
   return f;
 }
 
-StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, int shard, int shards, int threads) {
-  CheckShard(shard, shards);
+StateFingerprint FingerprintLayout(const UniversalCheckpoint& u) {
   StateFingerprint f;
   const std::vector<std::string> keys = CanonicalKeys(u.state_keys);
-  // One job per file (parameter and state).
-  std::vector<std::pair<size_t, size_t>> at;
-  std::vector<uint64_t> sizes;
   for (const auto& g : u.groups)
     for (const UniversalParam& p : g) {
       ParamFingerprint pf{p.name, p.numel, {}};
-      for (size_t k = 0; k < keys.size(); ++k) {
-        pf.states.emplace_back(keys[k], 0);
-        at.emplace_back(f.params.size(), k);
-        sizes.push_back(static_cast<uint64_t>(p.numel));
-      }
+      for (const auto& k : keys) pf.states.emplace_back(k, 0);
       f.params.push_back(std::move(pf));
     }
-  RunShare(f, at, sizes, shard, shards, threads, [&](size_t j) {
-    const ParamFingerprint& p = f.params[at[j].first];
-    const std::string& key = keys[at[j].second];
-    LoadedState ls = LoadUniversalState(u, p.name, key);
-    const std::string where = UniversalStateFile(u.folder, p.name, key);
-    if (ls.tensor->numel() != p.numel)
-      throw FormatError(where + ": has " + std::to_string(ls.tensor->numel()) + " elements, " + p.name + " has " +
-                        std::to_string(p.numel));
-    return FingerprintElements(FingerprintSeed(p.name, key), 0, ls.tensor->dtype, TensorBytes(*ls.tensor, where));
-  });
   SetModelCounters(u.model, f.counters);
   const UniversalOptimizerFile saved = ReadUniversalOptimizerState(u);
   f.counters.loss_scale = LossScaleOf(saved.loss_scaler);
@@ -364,6 +353,70 @@ StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, in
     }
   }
   return f;
+}
+
+StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, int shard, int shards, int threads) {
+  CheckShard(shard, shards);
+  StateFingerprint f = FingerprintLayout(u);
+  // One job per file (parameter and state).
+  std::vector<std::pair<size_t, size_t>> at;
+  std::vector<uint64_t> sizes;
+  for (size_t i = 0; i < f.params.size(); ++i)
+    for (size_t k = 0; k < f.params[i].states.size(); ++k) {
+      at.emplace_back(i, k);
+      sizes.push_back(static_cast<uint64_t>(f.params[i].numel));
+    }
+  RunShare(f, at, sizes, shard, shards, threads, [&](size_t j) {
+    const ParamFingerprint& p = f.params[at[j].first];
+    const std::string& key = p.states[at[j].second].first;
+    LoadedState ls = LoadUniversalState(u, p.name, key);
+    const std::string where = UniversalStateFile(u.folder, p.name, key);
+    if (ls.tensor->numel() != p.numel)
+      throw FormatError(where + ": has " + std::to_string(ls.tensor->numel()) + " elements, " + p.name + " has " +
+                        std::to_string(p.numel));
+    return FingerprintElements(FingerprintSeed(p.name, key), 0, ls.tensor->dtype, TensorBytes(*ls.tensor, where));
+  });
+  return f;
+}
+
+SourceFingerprintIndex::SourceFingerprintIndex(const ReadSource& source) {
+  for (const ParamPlan& p : source.params)
+    for (const StatePlan& s : p.states) {
+      const size_t state = states_.size();
+      states_.push_back({p.name, s.key, FingerprintSeed(p.name, s.key), s.dtype});
+      const size_t es = DTypeSize(s.dtype);
+      int64_t start = 0;
+      for (auto piece : s.pieces) {
+        if (!piece.empty()) ranges_.push_back({piece.data(), piece.data() + piece.size(), state, start});
+        start += static_cast<int64_t>(piece.size() / es);
+      }
+    }
+  std::sort(ranges_.begin(), ranges_.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < ranges_.size(); ++i)
+    if (ranges_[i].begin < ranges_[i - 1].end) {
+      const State &a = states_[ranges_[i - 1].state], &b = states_[ranges_[i].state];
+      throw FormatError(source.folder + ": state '" + a.key + "' of " + a.param + " and state '" + b.key + "' of " +
+                        b.param + " share bytes");
+    }
+}
+
+std::vector<SourceFingerprintIndex::Part> SourceFingerprintIndex::Locate(std::span<const uint8_t> bytes) const {
+  std::vector<Part> parts;
+  const uint8_t* at = bytes.data();
+  const uint8_t* const end = bytes.data() + bytes.size();
+  while (at < end) {
+    // The last range beginning at or before `at`.
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), at, [](const uint8_t* p, const Range& r) { return p < r.begin; });
+    if (it == ranges_.begin() || (--it)->end <= at)
+      throw std::logic_error("state fingerprint: a load read bytes that are no parameter's state");
+    const size_t es = DTypeSize(states_[it->state].dtype);
+    const size_t into = static_cast<size_t>(at - it->begin);
+    const size_t n = static_cast<size_t>(std::min(end, it->end) - at);
+    if (into % es || n % es) throw std::logic_error("state fingerprint: a load's read splits an element");
+    parts.push_back({it->state, it->start + static_cast<int64_t>(into / es), static_cast<size_t>(at - bytes.data()), n});
+    at += n;
+  }
+  return parts;
 }
 
 StateFingerprint FingerprintFolder(const std::string& folder, int threads) {

@@ -30,6 +30,7 @@ namespace uckpt::ckpt {
 
 struct ZeroCheckpoint;       // zero_checkpoint.h
 struct UniversalCheckpoint;  // universal_checkpoint.h
+struct ReadSource;           // reshard.h
 
 inline constexpr int kFingerprintVersion = 1;
 
@@ -73,6 +74,11 @@ nlohmann::json FingerprintToJson(const StateFingerprint& f);
 // Throws FormatError naming `where` on a malformed record.
 StateFingerprint FingerprintFromJson(const nlohmann::json& j, const std::string& where);
 
+// What a checkpoint's fingerprint covers, from its files' headers alone:
+// every parameter's name, size and tensors (sums zero) and the counters.
+StateFingerprint FingerprintLayout(const ZeroCheckpoint& z);
+StateFingerprint FingerprintLayout(const UniversalCheckpoint& u);
+
 // From an opened ZeRO 1/2/3 checkpoint's plan: share `shard` of `shards` of
 // the work (pieces of at most 4 MiB of a state, every shards-th one; the
 // shares' sums add up to the whole; names and keys are complete), on
@@ -81,6 +87,44 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard = 
 // The same from a universal folder's per-parameter files (a job per file).
 StateFingerprint FingerprintUniversalCheckpoint(const UniversalCheckpoint& u, int shard = 0, int shards = 1,
                                                 int threads = 0);
+
+// Where bytes of a load's source belong in the fingerprint, by the files'
+// own layout (the source's pieces of each parameter's states), not by the
+// partitions a load planned: hashing the bytes a load read with it gives
+// the files' share of what that load read, without reading them again. No I/O.
+class SourceFingerprintIndex {
+ public:
+  // Throws FormatError when two states of `source` share bytes.
+  explicit SourceFingerprintIndex(const ReadSource& source);
+
+  struct State {
+    std::string param, key;
+    uint64_t seed = 0;
+    DType dtype = DType::kFloat32;
+  };
+  // `bytes` bytes from `offset` of a located span are elements [start, ...)
+  // of states()[state].
+  struct Part {
+    size_t state = 0;
+    int64_t start = 0;
+    size_t offset = 0, bytes = 0;
+  };
+  // `bytes` (inside the source's files) split where states end, in order.
+  // Throws std::logic_error for a byte outside every state, or a split
+  // inside an element.
+  std::vector<Part> Locate(std::span<const uint8_t> bytes) const;
+  const std::vector<State>& states() const { return states_; }
+
+ private:
+  struct Range {
+    const uint8_t* begin;
+    const uint8_t* end;
+    size_t state;
+    int64_t start;
+  };
+  std::vector<Range> ranges_;  // by begin
+  std::vector<State> states_;
+};
 
 // The fingerprint of a tag or universal folder computed from its files
 // (FolderKind decides which). Throws FormatError when it is neither, or a

@@ -229,7 +229,7 @@ void ResumeIfAsked(Trainer& trainer) {
   std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
                static_cast<long long>(trainer.counters().global_steps), SecondsSince(t0));
   if (const LoadStats& l = trainer.engine().last_load(); !l.fingerprint.empty())
-    std::fprintf(stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it waiting for the files' value)\n",
+    std::fprintf(stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it for the files' value)\n",
                  l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str()
                                                           : ("checked (" + l.fingerprint + ")").c_str(),
                  l.fingerprint_s, l.fingerprint_files_s);

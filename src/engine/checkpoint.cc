@@ -577,16 +577,20 @@ LoadSource OpenSource(const Engine::Impl& e, const std::string& folder, const Mo
   return OpenRankFiles(folder);
 }
 
-// Every partition this rank owns from the source (resharded_load.h), then
+// Every partition this rank owns from the source (resharded_load.h), hashed
+// for the resume proof where the folder has no record, then
 // the weights from them; with the optimizer state, the loss scaler and the
 // saved hyper-parameters. Weights-only loads leave Adam's state, the loss
 // scale and the hyper-parameters as they were.
 void LoadPartitions(Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
-                    const LoadCheckpointOptions& o) {
+                    const LoadCheckpointOptions& o, FingerprintCheck& proof) {
   std::vector<PartitionSlot> slots = e.runtime->Slots();
   const bool moments = o.load_optimizer_states && !o.load_module_only;
   const LoadSource source = OpenSource(e, folder, model, slots, o, moments);
-  const uint64_t bytes = FillSlots(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps));
+  std::vector<TensorReads> reads =
+      PlanSlotLoads(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps));
+  const uint64_t bytes = FillFromReads(reads);
+  HashLoadedState(e, proof, source.states, reads);
   e.runtime->WeightsFromMasters();
   if (o.load_module_only) {
     // Whole weights (stages 0-2) give the masters their 16-bit values, as
@@ -621,7 +625,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   c10::NoGradGuard no_grad;
   LoadFixedParams(e, folder, model);
   if (!o.load_module_only) RestoreCounters(e, model.view, o);
-  LoadPartitions(e, folder, model, o);
+  LoadPartitions(e, folder, model, o, proof);
   FinishStateFingerprintCheck(e, proof, o);
   return LoadResult{folder, ClientStateOf(model.view)};
 }

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <map>
 
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
@@ -262,38 +263,50 @@ bool HasOptimFiles(const std::string& folder) {
   return false;
 }
 
-// This rank's share of the fingerprint a checkpoint without a record holds,
-// from its files: its share of the pieces hashed on its host threads. Not
-// through the loaders' resharding: the converter's plan of the files, or the
-// universal files whole. No value for a folder it cannot say (stage 0's).
-FingerprintCheck::FilesShare ShareFromFiles(const std::string& folder, bool universal, int rank, int world) {
-  FingerprintCheck::FilesShare share;
+// What a checkpoint without a record covers, from its files' headers. No
+// value for a folder it cannot say (stage 0's).
+FingerprintCheck::FilesLayout LayoutOfFiles(const std::string& folder, bool universal) {
+  FingerprintCheck::FilesLayout layout;
   try {
     if (universal) {
-      share.value = ckpt::FingerprintUniversalCheckpoint(ckpt::OpenUniversalCheckpoint(folder, false, false), rank,
-                                                         world, ckpt::DefaultThreads());
+      layout.value = ckpt::FingerprintLayout(ckpt::OpenUniversalCheckpoint(folder, false, false));
     } else if (HasOptimFiles(folder)) {
-      share.value = ckpt::FingerprintZeroCheckpoint(ckpt::OpenZeroCheckpoint(folder, false, false), rank, world,
-                                                    ckpt::DefaultThreads());
+      layout.value = ckpt::FingerprintLayout(ckpt::OpenZeroCheckpoint(folder, false, false));
     }
   } catch (const std::exception& ex) {
-    share.error = ex.what();
+    layout.error = ex.what();
   }
-  return share;
+  return layout;
 }
 
-// Collective: every rank's share added up; throws on every rank if one failed.
-std::optional<ckpt::StateFingerprint> FromShares(Comm& comm, const std::string& folder,
-                                                 FingerprintCheck::FilesShare share) {
-  if (const int bad = FailedRank(comm, share.error); bad >= 0)
-    throw FormatError(folder + ": its state fingerprint could not be computed from its files: " +
-                      (share.error.empty() ? "rank " + std::to_string(bad) + " failed" : share.error));
-  if (share.value) {
-    std::vector<uint64_t> sums = share.value->sums();
-    AllReduceWrapping(comm, sums);
-    share.value->set_sums(sums);
+// Collective: the files' layout with every rank's loaded share added in;
+// throws on every rank if one failed.
+std::optional<ckpt::StateFingerprint> FromShares(Comm& comm, FingerprintCheck& check) {
+  FingerprintCheck::FilesLayout layout = check.layout.get();
+  std::string error = !layout.error.empty() ? layout.error : check.loaded_error;
+  std::vector<uint64_t> sums;
+  if (layout.value && error.empty()) {
+    sums.assign(layout.value->tensors(), 0);
+    std::map<std::pair<std::string, std::string>, size_t> at;
+    for (const ckpt::ParamFingerprint& p : layout.value->params)
+      for (const auto& kv : p.states) at.emplace(std::pair{p.name, kv.first}, at.size());
+    for (size_t i = 0; i < check.loaded_states.size() && error.empty(); ++i) {
+      const auto& st = check.loaded_states[i];
+      auto it = at.find({st.param, st.key});
+      if (it == at.end()) {
+        error = "the load read state '" + st.key + "' of " + st.param + ", which the files' layout does not list";
+      } else {
+        sums[it->second] += check.loaded_sums[i];
+      }
+    }
   }
-  return share.value;
+  if (const int bad = FailedRank(comm, error); bad >= 0)
+    throw FormatError(check.folder + ": its state fingerprint could not be computed from its files: " +
+                      (error.empty() ? "rank " + std::to_string(bad) + " failed" : error));
+  if (!layout.value) return std::nullopt;
+  AllReduceWrapping(comm, sums);
+  layout.value->set_sums(sums);
+  return layout.value;
 }
 
 double Since(std::chrono::steady_clock::time_point t) {
@@ -309,20 +322,45 @@ FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& 
   check.folder = folder;
   if (folder.empty()) return check;
   if (ckpt::HasManifest(folder)) check.recorded = ckpt::ReadManifest(folder).state;
-  if (!check.recorded)
-    check.files = std::async(std::launch::async, ShareFromFiles, folder, o.universal, e.comm->rank(),
-                             e.comm->world_size());
+  if (!check.recorded) check.layout = std::async(std::launch::async, LayoutOfFiles, folder, o.universal);
   check.start_s = Since(start);
   return check;
+}
+
+void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const ckpt::ReadSource& source,
+                     const std::vector<TensorReads>& loads) {
+  if (!check.layout.valid()) return;  // a record, or nothing loaded
+  // Where every rank read the whole state (stage 0), rank 0's read counts.
+  if (e.runtime->partition_dp() <= 1 && e.comm->rank() != 0) return;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    const ckpt::SourceFingerprintIndex index(source);
+    Accumulator acc(index.states().size());
+    for (const TensorReads& t : loads) {
+      const int64_t es = static_cast<int64_t>(c10::elementSize(t.source));
+      const at::Tensor flat = t.dst.reshape(-1);
+      for (const ckpt::ReadPiece& piece : t.pieces)
+        for (const auto& part : index.Locate(piece.from)) {
+          const auto& st = index.states()[part.state];
+          const int64_t at = static_cast<int64_t>(piece.to + part.offset) / es;
+          acc.Add(part.state, flat.narrow(0, at, static_cast<int64_t>(part.bytes) / es), st.seed, part.start);
+        }
+    }
+    check.loaded_sums = acc.Take();
+    check.loaded_states = index.states();
+  } catch (const std::exception& ex) {
+    check.loaded_error = ex.what();
+  }
+  check.hash_s = Since(start);
 }
 
 void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const LoadCheckpointOptions& o) {
   if (check.folder.empty()) return;  // nothing loaded
   const auto start = std::chrono::steady_clock::now();
   std::optional<ckpt::StateFingerprint> expected = check.recorded;
-  if (check.files.valid()) {
-    expected = FromShares(*e.comm, check.folder, check.files.get());
-    e.last_load.fingerprint_files_s = Since(start);
+  if (check.layout.valid()) {
+    expected = FromShares(*e.comm, check);
+    e.last_load.fingerprint_files_s = check.hash_s + Since(start);
   }
   if (!expected) {
     e.last_load.fingerprint = "unchecked: a stage-0 checkpoint without a recorded fingerprint";
@@ -337,7 +375,7 @@ void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const
   scope.counters = !o.load_module_only;
   scope.masters = !partial || e.runtime->partitions_parameters() || (!e.config.fp16.enabled && !e.config.bf16);
   const ckpt::StateFingerprint held = EngineStateFingerprint(e);
-  e.last_load.fingerprint_s = check.start_s + Since(start);
+  e.last_load.fingerprint_s = check.start_s + check.hash_s + Since(start);
   const bool recorded = check.recorded.has_value();
   if (auto diff = ckpt::FirstFingerprintDifference(*expected, held, scope))
     throw FormatError(check.folder + ": the state after the load is not the saved one (the state fingerprint " +

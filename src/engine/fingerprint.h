@@ -14,6 +14,7 @@
 
 #include "ckpt/fingerprint.h"
 #include "engine/engine_impl.h"
+#include "engine/staged_upload.h"
 
 namespace uckpt::engine {
 
@@ -37,24 +38,39 @@ ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e);
 struct FingerprintCheck {
   std::string folder;
   std::optional<ckpt::StateFingerprint> recorded;  // the manifest's
-  // A folder without a record (DeepSpeed's): this rank's share of the value
-  // its files hold, hashed on background threads while the load reads them.
-  struct FilesShare {
+  // A folder without a record (DeepSpeed's): what its files hold, from their
+  // headers on a background thread while the load reads (no value: a folder
+  // it cannot say, stage 0's) ...
+  struct FilesLayout {
     std::optional<ckpt::StateFingerprint> value;
     std::string error;
   };
-  std::future<FilesShare> files;
-  double start_s = 0;  // the time Start took on the load's thread
+  std::future<FilesLayout> layout;
+  // ... and this rank's share of its sums: the bytes the load read, hashed
+  // where they landed (HashLoadedState).
+  std::vector<ckpt::SourceFingerprintIndex::State> loaded_states;
+  std::vector<uint64_t> loaded_sums;
+  std::string loaded_error;
+  double start_s = 0;   // the time Start took on the load's thread
+  double hash_s = 0;    // and HashLoadedState
 };
 
 // Before a load of `folder` (empty: nothing will be loaded) reads anything:
 // the fingerprint its manifest recorded, or, a checkpoint without one, starts
-// hashing this rank's share of its files apart from the loader (the
-// converter's plan of the files, not the loader's resharding). No collective.
+// reading what its files cover. No collective.
 FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o);
 
+// Right after the load filled this rank's partitions (`loads`, from
+// `source`), for a checkpoint without a record: the bytes read hashed where
+// they landed, each piece placed by the files' own layout of `source`
+// (ckpt::SourceFingerprintIndex), not by the partitions the load planned: a
+// piece put in the wrong place, twice, or not at all shows as a difference,
+// and nothing is read from the files a second time. No collective.
+void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const ckpt::ReadSource& source,
+                     const std::vector<TensorReads>& loads);
+
 // Collective, after the load: the expected fingerprint (the record, or the
-// files' shares reduced over the ranks) compared with what the engine now
+// files' layout with the loaded shares reduced over the ranks) compared with what the engine now
 // holds, within what `o` loaded. Throws FormatError on every rank, naming the
 // first parameter and state (or counter) that differs. Records what it did
 // in e.last_load.

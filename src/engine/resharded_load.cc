@@ -111,7 +111,8 @@ LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& 
   return s;
 }
 
-uint64_t FillSlots(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments, double applied_steps) {
+std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments,
+                                       double applied_steps) {
   std::vector<TensorReads> loads;
   for (PartitionSlot& slot : slots) {
     const ckpt::PartitionTarget& target = slot.target;
@@ -130,7 +131,7 @@ uint64_t FillSlots(const LoadSource& source, std::vector<PartitionSlot>& slots, 
     loads.push_back(PlanLoad(source.states, target, "exp_avg_sq", st.exp_avg_sq));
     st.step = at::full({}, SavedStep(source, slot.step_param, applied_steps), st.master.options());
   }
-  return FillFromReads(loads);
+  return loads;
 }
 
 }  // namespace uckpt::engine

@@ -17,6 +17,7 @@
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/reshard.h"
 #include "engine/engine_impl.h"
+#include "engine/staged_upload.h"
 #include "format/value.h"
 
 namespace uckpt::engine {
@@ -53,11 +54,13 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
 LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& path,
                              const std::vector<PartitionSlot>& slots, bool moments);
 
-// Fills every slot's fp32 master from `source`; with `moments` also Adam's
-// moments and step (none when the source has none; `applied_steps` is the
-// step of a source that keeps none), else leaves them as they are. Returns
-// the bytes read. Throws FormatError naming the file for a parameter the
-// source lacks or holds in another shape.
-uint64_t FillSlots(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments, double applied_steps);
+// The reads that fill every slot's fp32 master from `source`; with
+// `moments` also Adam's moments, whose tensors it allocates, and sets Adam's
+// step (none when the source has none; `applied_steps` is the step of a
+// source that keeps none), else leaves them as they are. FillFromReads
+// (staged_upload.h) runs them. Throws FormatError naming the file for a
+// parameter the source lacks or holds in another shape.
+std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments,
+                                       double applied_steps);
 
 }  // namespace uckpt::engine

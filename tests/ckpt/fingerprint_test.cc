@@ -9,9 +9,11 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include "ckpt/convert.h"
 #include "ckpt/manifest.h"
+#include "ckpt/reshard.h"
 #include "ckpt/zero_checkpoint.h"
 #include "ckpt/zero_writer.h"
 #include "format/dtype.h"
@@ -166,6 +168,81 @@ TEST_P(FixtureFingerprint, DeepSpeedReshardedStateHasTheSameTensors) {
   const StateFingerprint zero = FingerprintFolder(DsFixture(GetParam()) + "/ckpt/global_step5");
   const StateFingerprint again = FingerprintFolder(resharded);
   EXPECT_EQ(again.sums(), zero.sums());
+}
+
+// A load's reads hashed where they land, each piece placed by the files' own
+// layout (SourceFingerprintIndex): over the ranks of any world size the
+// shares add up to the folder's fingerprint, and they agree with the same
+// memory hashed by where the load meant each element to go (what the engine
+// then holds) unless a piece went to the wrong place, came from the wrong
+// bytes or was left out.
+TEST(Fingerprint, ReadsHashedByTheFilesLayoutAgreeOnlyWithACorrectLoad) {
+  TempDir tmp;
+  ZeroWriteSpec spec;
+  spec.stage = 2;
+  spec.dp = 2;
+  spec.groups = {{{"wte", {30, 20}}, {"b", {7}}, {"c", {5, 3}}}};
+  spec.source = PatternSource();
+  WriteZeroCheckpoint(tmp / "z", spec);
+  const ZeroCheckpoint z = OpenZeroCheckpoint(tmp / "z");
+  const StateFingerprint whole = FingerprintZeroCheckpoint(z);
+  const ReadSource source = ZeroReadSource(z);
+  const SourceFingerprintIndex index(source);
+  std::vector<TargetParam> params;
+  for (const ParamPlan& p : z.params) params.push_back({p.name, p.numel, p.shape});
+  auto sum_at = [&](const std::string& param, const std::string& key) -> size_t {
+    size_t k = 0;
+    for (const ParamFingerprint& p : whole.params)
+      for (const auto& kv : p.states) {
+        if (p.name == param && kv.first == key) return k;
+        ++k;
+      }
+    ADD_FAILURE() << param << "/" << key;
+    return 0;
+  };
+  // The files' shares and the held state's, over `dp` ranks; `bug` edits rank 0's fp32 reads.
+  using Pieces = std::vector<ReadPiece>;
+  auto load = [&](int dp, const std::function<void(Pieces&)>& bug) {
+    std::pair<std::vector<uint64_t>, std::vector<uint64_t>> sums{std::vector<uint64_t>(whole.tensors(), 0),
+                                                                 std::vector<uint64_t>(whole.tensors(), 0)};
+    for (int r = 0; r < dp; ++r) {
+      const PartitionTarget target = FlatPartitionTarget(params, dp, r);
+      for (const std::string key : {"fp32", "exp_avg", "exp_avg_sq"}) {
+        StateReads reads = PlanStateReads(source, target, key);
+        if (r == 0 && key == "fp32") bug(reads.pieces);
+        std::vector<uint8_t> buffer(static_cast<size_t>(target.length) * 4, 0);
+        const ReadBatch batch{buffer, reads.pieces};
+        ExecuteReads({&batch, 1});
+        for (const ReadPiece& piece : reads.pieces)
+          for (const auto& part : index.Locate(piece.from)) {
+            const auto& st = index.states()[part.state];
+            sums.first[sum_at(st.param, st.key)] += FingerprintElements(
+                st.seed, part.start, st.dtype, {buffer.data() + piece.to + part.offset, part.bytes});
+          }
+        for (const TargetFragment& f : target.fragments) {
+          const std::string& name = target.params[f.param].name;
+          sums.second[sum_at(name, key)] += FingerprintElements(
+              FingerprintSeed(name, key), f.param_offset, DType::kFloat32,
+              {buffer.data() + f.offset * 4, static_cast<size_t>(f.numel) * 4});
+        }
+      }
+    }
+    return sums;
+  };
+  for (int dp : {1, 2, 3, 5}) {
+    const auto [files, held] = load(dp, [](Pieces&) {});
+    EXPECT_EQ(files, whole.sums()) << dp << " ranks";
+    EXPECT_EQ(held, whole.sums()) << dp << " ranks";
+  }
+  const std::vector<std::pair<const char*, std::function<void(Pieces&)>>> bugs = {
+      {"one element later", [](Pieces& p) { p[0].from = p[0].from.subspan(0, p[0].from.size() - 4); p[0].to += 4; }},
+      {"from the wrong bytes", [](Pieces& p) { p[0].from = {p[0].from.data() + 4, p[0].from.size() - 4}; }},
+      {"left out", [](Pieces& p) { p.erase(p.begin()); }},
+  };
+  for (const auto& [what, bug] : bugs) {
+    const auto [files, held] = load(3, bug);
+    EXPECT_NE(files, held) << what;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(DeepSpeed, FixtureFingerprint,
