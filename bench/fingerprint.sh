@@ -47,7 +47,8 @@ for ((i = 0; i < runs; i++)); do
   load+=("$(echo "$out" | sed -n 's/^uckpt train: loaded .* in \([0-9.]*\) s$/\1/p')")
   load_fp+=("$(echo "$out" | sed -n 's/^uckpt train: state fingerprint checked.* in \([0-9.]*\) s .*/\1/p')")
   # Without a manifest (as DeepSpeed's folders): expected value from the files.
-  cp -r s/global_step2 s/bare && rm s/bare/uckpt-manifest.json
+  # (synced, as the save synced its folder: no write-back of the copy during the timed load)
+  cp -r s/global_step2 s/bare && rm s/bare/uckpt-manifest.json && sync
   out=$(train --steps 2 --resume --checkpoint_tag bare --run_name b$i)
   bare+=("$(echo "$out" | sed -n 's/^uckpt train: loaded .* in \([0-9.]*\) s$/\1/p')")
   bare_fp+=("$(echo "$out" | sed -n 's/^uckpt train: state fingerprint checked.* in \([0-9.]*\) s .*/\1/p')")
@@ -63,12 +64,13 @@ import sys
 nb, device, n = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 save, save_fp, load, load_fp, bare, bare_fp, bare_files = (min(float(x) for x in a.split()) for a in sys.argv[4:11])
 print(f"== state fingerprint cost, {device}, {n} rank(s), ZeRO-2 tag folder {nb / 1e9:.3f} GB (best of runs)")
+print("runs, s: save " + sys.argv[4] + "; load " + sys.argv[6] + "; load without a record " + sys.argv[8])
 print(f"save: {save:.3f} s, of it hashing the state {save_fp:.3f} s = {100 * save_fp / save:.1f}% (target <= 5% on the GPU)")
 print(f"load: {load:.3f} s, of it the check {load_fp:.3f} s = {100 * load_fp / load:.1f}% (target <= 10%)")
 print(f"load without a record (DeepSpeed's): {bare:.3f} s, of it the check {bare_fp:.3f} s = {100 * bare_fp / bare:.1f}%"
       f" ({bare_files:.3f} s of it for the files' value: their layout, the bytes read hashed where they landed)")
 # Against the same load with a record less its own check: the whole cost of
-# checking a folder without one (its layout read beside the loader, the bytes read hashed).
+# checking a folder without one (what its files cover, the bytes read hashed).
 base = load - load_fp
 print(f"load without a record against the same load with one, less its check: {bare:.3f} s vs {base:.3f} s"
       f" = +{100 * (bare - base) / base:.1f}% (target <= 10%)")

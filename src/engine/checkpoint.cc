@@ -590,7 +590,7 @@ void LoadPartitions(Engine::Impl& e, const std::string& folder, const ModelState
   std::vector<TensorReads> reads =
       PlanSlotLoads(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps));
   const uint64_t bytes = FillFromReads(reads);
-  HashLoadedState(e, proof, source.states, reads);
+  HashLoadedState(e, proof, source, reads);
   e.runtime->WeightsFromMasters();
   if (o.load_module_only) {
     // Whole weights (stages 0-2) give the masters their 16-bit values, as

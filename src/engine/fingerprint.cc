@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <future>
 #include <map>
 
 #include "ckpt/folder.h"
@@ -263,32 +262,26 @@ bool HasOptimFiles(const std::string& folder) {
   return false;
 }
 
-// What a checkpoint without a record covers, from its files' headers. No
+// What a checkpoint without a record covers: from the files the load
+// opened, else (the load read the module's weights) from the folder's. No
 // value for a folder it cannot say (stage 0's).
-FingerprintCheck::FilesLayout LayoutOfFiles(const std::string& folder, bool universal) {
-  FingerprintCheck::FilesLayout layout;
-  try {
-    if (universal) {
-      layout.value = ckpt::FingerprintLayout(ckpt::OpenUniversalCheckpoint(folder, false, false));
-    } else if (HasOptimFiles(folder)) {
-      layout.value = ckpt::FingerprintLayout(ckpt::OpenZeroCheckpoint(folder, false, false));
-    }
-  } catch (const std::exception& ex) {
-    layout.error = ex.what();
-  }
-  return layout;
+std::optional<ckpt::StateFingerprint> FilesLayout(const LoadSource& source, const std::string& folder, bool universal) {
+  if (source.files_layout) return source.files_layout();
+  if (universal) return ckpt::FingerprintLayout(ckpt::OpenUniversalCheckpoint(folder, false, false));
+  if (HasOptimFiles(folder)) return ckpt::FingerprintLayout(ckpt::OpenZeroCheckpoint(folder, false, false));
+  return std::nullopt;
 }
 
 // Collective: the files' layout with every rank's loaded share added in;
 // throws on every rank if one failed.
 std::optional<ckpt::StateFingerprint> FromShares(Comm& comm, FingerprintCheck& check) {
-  FingerprintCheck::FilesLayout layout = check.layout.get();
-  std::string error = !layout.error.empty() ? layout.error : check.loaded_error;
+  std::optional<ckpt::StateFingerprint>& layout = check.files;
+  std::string error = check.error;
   std::vector<uint64_t> sums;
-  if (layout.value && error.empty()) {
-    sums.assign(layout.value->tensors(), 0);
+  if (layout && error.empty()) {
+    sums.assign(layout->tensors(), 0);
     std::map<std::pair<std::string, std::string>, size_t> at;
-    for (const ckpt::ParamFingerprint& p : layout.value->params)
+    for (const ckpt::ParamFingerprint& p : layout->params)
       for (const auto& kv : p.states) at.emplace(std::pair{p.name, kv.first}, at.size());
     for (size_t i = 0; i < check.loaded_states.size() && error.empty(); ++i) {
       const auto& st = check.loaded_states[i];
@@ -303,10 +296,10 @@ std::optional<ckpt::StateFingerprint> FromShares(Comm& comm, FingerprintCheck& c
   if (const int bad = FailedRank(comm, error); bad >= 0)
     throw FormatError(check.folder + ": its state fingerprint could not be computed from its files: " +
                       (error.empty() ? "rank " + std::to_string(bad) + " failed" : error));
-  if (!layout.value) return std::nullopt;
+  if (!layout) return std::nullopt;
   AllReduceWrapping(comm, sums);
-  layout.value->set_sums(sums);
-  return layout.value;
+  layout->set_sums(sums);
+  return layout;
 }
 
 double Since(std::chrono::steady_clock::time_point t) {
@@ -322,34 +315,37 @@ FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& 
   check.folder = folder;
   if (folder.empty()) return check;
   if (ckpt::HasManifest(folder)) check.recorded = ckpt::ReadManifest(folder).state;
-  if (!check.recorded) check.layout = std::async(std::launch::async, LayoutOfFiles, folder, o.universal);
+  check.universal = o.universal;
   check.start_s = Since(start);
   return check;
 }
 
-void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const ckpt::ReadSource& source,
+void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const LoadSource& source,
                      const std::vector<TensorReads>& loads) {
-  if (!check.layout.valid()) return;  // a record, or nothing loaded
-  // Where every rank read the whole state (stage 0), rank 0's read counts.
-  if (e.runtime->partition_dp() <= 1 && e.comm->rank() != 0) return;
+  if (check.folder.empty() || check.recorded) return;
   const auto start = std::chrono::steady_clock::now();
+  check.hashed = true;
   try {
-    const ckpt::SourceFingerprintIndex index(source);
-    Accumulator acc(index.states().size());
-    for (const TensorReads& t : loads) {
-      const int64_t es = static_cast<int64_t>(c10::elementSize(t.source));
-      const at::Tensor flat = t.dst.reshape(-1);
-      for (const ckpt::ReadPiece& piece : t.pieces)
-        for (const auto& part : index.Locate(piece.from)) {
-          const auto& st = index.states()[part.state];
-          const int64_t at = static_cast<int64_t>(piece.to + part.offset) / es;
-          acc.Add(part.state, flat.narrow(0, at, static_cast<int64_t>(part.bytes) / es), st.seed, part.start);
-        }
+    check.files = FilesLayout(source, check.folder, check.universal);
+    // Where every rank read the whole state (stage 0), rank 0's read counts.
+    if (check.files && (e.runtime->partition_dp() > 1 || e.comm->rank() == 0)) {
+      const ckpt::SourceFingerprintIndex index(source.states);
+      Accumulator acc(index.states().size());
+      for (const TensorReads& t : loads) {
+        const int64_t es = static_cast<int64_t>(c10::elementSize(t.source));
+        const at::Tensor flat = t.dst.reshape(-1);
+        for (const ckpt::ReadPiece& piece : t.pieces)
+          for (const auto& part : index.Locate(piece.from)) {
+            const auto& st = index.states()[part.state];
+            const int64_t at = static_cast<int64_t>(piece.to + part.offset) / es;
+            acc.Add(part.state, flat.narrow(0, at, static_cast<int64_t>(part.bytes) / es), st.seed, part.start);
+          }
+      }
+      check.loaded_sums = acc.Take();
+      check.loaded_states = index.states();
     }
-    check.loaded_sums = acc.Take();
-    check.loaded_states = index.states();
   } catch (const std::exception& ex) {
-    check.loaded_error = ex.what();
+    check.error = ex.what();
   }
   check.hash_s = Since(start);
 }
@@ -358,7 +354,7 @@ void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const
   if (check.folder.empty()) return;  // nothing loaded
   const auto start = std::chrono::steady_clock::now();
   std::optional<ckpt::StateFingerprint> expected = check.recorded;
-  if (check.layout.valid()) {
+  if (check.hashed) {
     expected = FromShares(*e.comm, check);
     e.last_load.fingerprint_files_s = check.hash_s + Since(start);
   }

@@ -7,13 +7,13 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <future>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "ckpt/fingerprint.h"
 #include "engine/engine_impl.h"
+#include "engine/resharded_load.h"
 #include "engine/staged_upload.h"
 
 namespace uckpt::engine {
@@ -37,36 +37,32 @@ ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e);
 // The check of one load (StartStateFingerprintCheck .. FinishStateFingerprintCheck).
 struct FingerprintCheck {
   std::string folder;
+  bool universal = false;
   std::optional<ckpt::StateFingerprint> recorded;  // the manifest's
-  // A folder without a record (DeepSpeed's): what its files hold, from their
-  // headers on a background thread while the load reads (no value: a folder
-  // it cannot say, stage 0's) ...
-  struct FilesLayout {
-    std::optional<ckpt::StateFingerprint> value;
-    std::string error;
-  };
-  std::future<FilesLayout> layout;
-  // ... and this rank's share of its sums: the bytes the load read, hashed
-  // where they landed (HashLoadedState).
+  // A folder without a record (DeepSpeed's), after HashLoadedState: what its
+  // files hold (their parameters, tensors and counters; no value: a folder
+  // it cannot say, stage 0's) and this rank's share of the sums.
+  std::optional<ckpt::StateFingerprint> files;
   std::vector<ckpt::SourceFingerprintIndex::State> loaded_states;
   std::vector<uint64_t> loaded_sums;
-  std::string loaded_error;
-  double start_s = 0;   // the time Start took on the load's thread
-  double hash_s = 0;    // and HashLoadedState
+  std::string error;
+  bool hashed = false;
+  double start_s = 0;  // the time Start took on the load's thread
+  double hash_s = 0;   // and HashLoadedState
 };
 
 // Before a load of `folder` (empty: nothing will be loaded) reads anything:
-// the fingerprint its manifest recorded, or, a checkpoint without one, starts
-// reading what its files cover. No collective.
+// the fingerprint its manifest recorded, if any. No collective.
 FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o);
 
 // Right after the load filled this rank's partitions (`loads`, from
-// `source`), for a checkpoint without a record: the bytes read hashed where
+// `source`), for a checkpoint without a record: what the source's files
+// cover (from the files the load opened), and the bytes read hashed where
 // they landed, each piece placed by the files' own layout of `source`
 // (ckpt::SourceFingerprintIndex), not by the partitions the load planned: a
 // piece put in the wrong place, twice, or not at all shows as a difference,
 // and nothing is read from the files a second time. No collective.
-void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const ckpt::ReadSource& source,
+void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const LoadSource& source,
                      const std::vector<TensorReads>& loads);
 
 // Collective, after the load: the expected fingerprint (the record, or the

@@ -62,6 +62,7 @@ LoadSource OpenRankFiles(const std::string& folder) {
   s.loss_scaler = saved->get("loss_scaler");
   s.param_groups = saved->get("param_groups");
   s.optimizer_file = z->optim[0].file->path();
+  s.files_layout = [z] { return ckpt::FingerprintLayout(*z); };
   s.maps = z;
   return s;
 }
@@ -95,6 +96,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
   s.loss_scaler = maps->optimizer.loss_scaler;
   s.param_groups = maps->optimizer.param_groups;
   s.optimizer_file = ckpt::UniversalOptimizerStateFile(u.folder);
+  s.files_layout = [maps] { return ckpt::FingerprintLayout(maps->u); };
   s.maps = maps;
   return s;
 }

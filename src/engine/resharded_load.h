@@ -10,11 +10,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "ckpt/deepspeed_state.h"
+#include "ckpt/fingerprint.h"
 #include "ckpt/reshard.h"
 #include "engine/engine_impl.h"
 #include "engine/staged_upload.h"
@@ -38,6 +40,9 @@ struct LoadSource {
   bool steps_applied = false;   // no saved step: Adam's step is the applied steps (ZeRO-3's files)
   ValuePtr loss_scaler, param_groups;  // null when the source has none
   std::string optimizer_file;          // the file they come from, for messages
+  // What the files cover for the resume proof (ckpt::FingerprintLayout);
+  // empty for a model-states source.
+  std::function<ckpt::StateFingerprint()> files_layout;
   std::shared_ptr<const void> maps;    // what `states` points into
 };
 
