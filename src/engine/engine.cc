@@ -296,7 +296,8 @@ void Engine::SetTrainBatchSize(int64_t train_batch_size) {
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
-  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint");
+  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint",
+                                                 impl_->config.checkpoint_tag_validation == "FAIL");
   return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }
