@@ -1,9 +1,44 @@
-"""deepspeed.zero: stage 3's construction and gathering contexts."""
+"""deepspeed.runtime.zero.partition_parameters: stage 3's parameter status, construction and gathering contexts."""
 import contextlib
+from enum import Enum
 
 import torch
 
 from uckpt import _uckpt
+
+
+class ZeroParamStatus(Enum):
+    AVAILABLE = 1  # whole on this rank
+    NOT_AVAILABLE = 2  # only this rank's partition is held
+    INFLIGHT = 3  # being gathered (uckpt's gathers complete before a call returns: never seen)
+
+
+def _holds_storage(p):
+    storage = p.untyped_storage() if hasattr(p, "untyped_storage") else p.storage()
+    return storage.size() > 0 or p.numel() == 0
+
+
+class _Stage3Parameter(torch.nn.Parameter):
+    """A stage-3 engine's parameter (its class is switched to this one by initialize): ds_status says, as
+    DeepSpeed's does, whether the parameter is whole on this rank now (outside a gather unit's forward and
+    GatheredParameters, uckpt holds only its partition once the unit has run)."""
+
+    @property
+    def ds_status(self):
+        return ZeroParamStatus.AVAILABLE if _holds_storage(self) else ZeroParamStatus.NOT_AVAILABLE
+
+
+def mark_stage3_parameters(module):
+    """Gives a stage-3 engine's parameters DeepSpeed's ds_id, ds_shape, ds_numel and ds_status, which scripts
+    read to find what to gather (`p.ds_status == ZeroParamStatus.NOT_AVAILABLE`). Parameters of a subclass of
+    torch.nn.Parameter are left as they are."""
+    for i, p in enumerate(module.parameters()):
+        if type(p) is not torch.nn.Parameter:
+            continue
+        p.__class__ = _Stage3Parameter
+        p.ds_id = i
+        p.ds_shape = p.shape
+        p.ds_numel = p.numel()
 
 
 @contextlib.contextmanager
