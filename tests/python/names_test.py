@@ -266,13 +266,24 @@ def worker_surface(deepspeed, torch):
         deepspeed.utils.log_dist("zero", ranks=[0])
         deepspeed.utils.log_dist("all", ranks=[-1])
         deepspeed.utils.log_dist("one", ranks=[1])
+        deepspeed.runtime.utils.see_memory_usage("quiet")
+        deepspeed.runtime.utils.see_memory_usage("forced", force=True)
         deepspeed.utils.logger.removeHandler(handler)
-        got = [line.split("] ", 1)[1] for line in buf.getvalue().splitlines()]
-        if got != ["zero", "all"]:
-            fail(f"log_dist logged {got}, DeepSpeed's rule gives ['zero', 'all']")
-        print("ok   log_dist: DeepSpeed's rank rule")
+        lines = buf.getvalue().splitlines()
+        got = [line.split("] ", 1)[1] for line in lines if line.startswith("[Rank")]
+        if got != ["zero", "all"] or "quiet" in lines or "forced" not in lines:
+            fail(f"log_dist logged {got} (DeepSpeed's rule gives ['zero', 'all']); see_memory_usage: {lines}")
+        print("ok   log_dist: DeepSpeed's rank rule; see_memory_usage logs when forced")
 
         expect_error(NotImplementedError, "inference", lambda: deepspeed.init_inference(toy(torch)), "init_inference")
+        # Imported at the top of scripts (BingBert's sparse attention, the random-LTD examples): refused when used.
+        from uckpt.ops.sparse_attention import FixedSparsityConfig, SparseAttentionUtils
+        from uckpt.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
+        expect_error(NotImplementedError, "sparse attention", lambda: FixedSparsityConfig(num_heads=4),
+                     "FixedSparsityConfig")
+        expect_error(NotImplementedError, "sparse attention", lambda: SparseAttentionUtils.pad_to_block_size,
+                     "SparseAttentionUtils")
+        expect_error(NotImplementedError, "random-LTD", lambda: convert_to_random_ltd(None, None), "random-LTD")
         model = toy(torch)
         engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg(1))
         loss = engine(torch.randn(2, 4))
@@ -284,8 +295,8 @@ def worker_surface(deepspeed, torch):
             _, o, _, _ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=bf16_cfg)
             if hasattr(o, "overflow") != has:
                 fail(f"optimizer.overflow present={not has} for {bf16_cfg} (DeepSpeed's optimizer: {has})")
-        print("ok   init_inference, optimizer.backward/state_dict refused by name; optimizer.overflow where "
-              "DeepSpeed's optimizer has it")
+        print("ok   init_inference, sparse attention, random-LTD, optimizer.backward/state_dict refused by name; "
+              "optimizer.overflow where DeepSpeed's optimizer has it")
 
         # zero_to_fp32 of a bf16 run: trainable parameters from the fp32 masters, the frozen one as saved (bf16).
         model = toy(torch, frozen=True)
