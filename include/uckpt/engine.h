@@ -199,6 +199,16 @@ class Engine {
   // optimizer step, the lr schedule and the counters; otherwise nothing.
   void Step(const StepOptions& options = {});
   bool IsGradientAccumulationBoundary() const;
+  // DeepSpeed's set_gradient_accumulation_boundary: from now on the boundary
+  // is `is_boundary` (for the next Backward's reduction and Step's update),
+  // not the micro-step count; nullopt returns to the count.
+  void SetGradientAccumulationBoundary(std::optional<bool> is_boundary);
+  // Whether the last Step updated the weights (a boundary without overflow).
+  bool last_step_applied() const;
+  // DeepSpeed's set_train_batch_size: the accumulation steps become
+  // train_batch_size / (micro batch * world size), the micro batch stays;
+  // std::invalid_argument unless it divides.
+  void SetTrainBatchSize(int64_t train_batch_size);
 
   // ---- ZeRO stage 3 gather units (identities at stages 0-2). ----
   // Contract: a model runs unit i (EngineOptions::gather_units[i]) as

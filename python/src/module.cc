@@ -2,6 +2,7 @@
 #include <torch/python.h>
 
 #include "py_engine.h"
+#include "script_api.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -50,6 +51,24 @@ PYBIND11_MODULE(_uckpt, m) {
                  "engine.optimizer.step() is not supported by uckpt: the update runs in engine.step() (with the "
                  "gradient-accumulation boundary, the lr schedule and the step counters); call engine.step()");
            })
+      .def("backward",
+           [](EngineOptimizer&, py::args, py::kwargs) {
+             throw std::runtime_error(
+                 "engine.optimizer.backward() is not supported by uckpt: call engine.backward(loss) (which also "
+                 "reduces the gradients across ranks, as DeepSpeed's engine.backward does)");
+           })
+      .def("state_dict",
+           [](EngineOptimizer&) -> py::object {
+             throw std::runtime_error(
+                 "engine.optimizer.state_dict() is not supported by uckpt: engine.save_checkpoint() writes the "
+                 "optimizer state (each rank's *_optim_states.pt holds what DeepSpeed's state_dict() returns)");
+           })
+      .def("load_state_dict",
+           [](EngineOptimizer&, py::args, py::kwargs) {
+             throw std::runtime_error(
+                 "engine.optimizer.load_state_dict() is not supported by uckpt: use engine.load_checkpoint()");
+           })
+      .def_property_readonly("overflow", [](const EngineOptimizer& o) { return uckpt::python::OptimizerOverflow(*o.engine); })
       .def("__repr__", [](const EngineOptimizer&) { return std::string("<uckpt ZeRO optimizer>"); });
 
   py::class_<EngineScheduler>(m, "EngineScheduler")
@@ -149,6 +168,7 @@ PYBIND11_MODULE(_uckpt, m) {
         "world_size"_a = -1);
   m.def("gather_parameters", &uckpt::python::GatherParameters, "params"_a, "gather"_a, "modifier_rank"_a = -1);
   m.def("add_config_arguments", &uckpt::python::AddConfigArguments, "parser"_a);
+  uckpt::python::BindScriptApi(m);
 
   // C++ exceptions the engine throws arrive as Python's ValueError / RuntimeError (pybind11's
   // defaults: invalid_argument -> ValueError, runtime_error -> RuntimeError).

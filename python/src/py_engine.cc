@@ -11,6 +11,7 @@
 #include "engine/host_threads.h"
 #include "module_shell.h"
 #include "py_values.h"
+#include "script_api.h"
 #include "uckpt/process_group.h"
 
 namespace uckpt::python {
@@ -220,11 +221,12 @@ std::shared_ptr<Comm> CommFromTorchDistributed(const std::string& device) {
   return CommOnProcessGroup(ptr, d);
 }
 
-py::object MakeDataLoader(py::handle data, const Engine& e, py::handle collate_fn) {
+py::object MakeDataLoader(py::handle data, const Engine& e, py::handle collate_fn, bool drop_last) {
   py::module_ data_mod = py::module_::import("torch.utils.data");
   py::object sampler = py::module_::import("torch.utils.data.distributed")
                            .attr("DistributedSampler")(data, "num_replicas"_a = e.world_size(), "rank"_a = e.rank());
-  py::dict kw("batch_size"_a = e.train_micro_batch_size_per_gpu(), "sampler"_a = sampler);
+  // The config's dataloader_drop_last, as DeepSpeed's loader passes it on.
+  py::dict kw("batch_size"_a = e.train_micro_batch_size_per_gpu(), "sampler"_a = sampler, "drop_last"_a = drop_last);
   if (!collate_fn.is_none()) kw["collate_fn"] = collate_fn;
   return data_mod.attr("DataLoader")(data, **kw);
 }
@@ -444,10 +446,13 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   if (json.contains("checkpoint") && json["checkpoint"].is_object() && json["checkpoint"].contains("load_universal"))
     settings.load_universal = json["checkpoint"]["load_universal"].get<bool>();
   settings.has_scheduler = json.contains("scheduler");
+  settings.config = json;
+  if (!optimizer.is_none()) settings.client_optimizer = TypeName(optimizer);
 
   EngineOptions options;
   options.device = PickDevice();
   options.comm = CommFromTorchDistributed(options.device);
+  CheckZeroOptimizer(optimizer, json, options.comm->rank() == 0);
   // The program's torch.set_num_threads, else OMP_NUM_THREADS, else this rank's share of the host.
   engine::ApplyHostThreads(0, "", "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change",
                            options.comm->rank() == 0);
@@ -470,7 +475,7 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
     if (!plan.warning.empty()) std::cerr << "uckpt: " << plan.warning << "\n";
   }
   const Engine& e = *engine;
-  py::object dataloader = training_data.is_none() ? py::none() : MakeDataLoader(training_data, e, collate_fn);
+  py::object dataloader = training_data.is_none() ? py::none() : MakeDataLoader(training_data, e, collate_fn, json.value("dataloader_drop_last", false));
   auto py_engine = std::make_shared<PyEngine>(model, shell, std::move(engine), settings);
   py_engine->UseParamGroups(optimizer, std::move(plan.engine_group_of));
   RegisterUnitHooks(py_engine, units);

@@ -21,6 +21,10 @@ struct EngineSettings {
   bool load_universal = false;  // config checkpoint.load_universal
   bool has_scheduler = false;   // a config "scheduler" section
   int zero_stage = 0;
+  // For the engine's smaller attributes (script_api.h): the config as the
+  // engine took it, and the class name of initialize's optimizer= ("" if none).
+  nlohmann::json config;
+  std::string client_optimizer;
 };
 
 class PyEngine {

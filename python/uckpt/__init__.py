@@ -5,11 +5,15 @@ Everything here forwards to the C++ extension ``uckpt._uckpt`` (see docs/python.
 import datetime
 import os
 
-from uckpt._uckpt import Engine as DeepSpeedEngine  # noqa: F401
 from uckpt._uckpt import add_config_arguments  # noqa: F401
 from uckpt._uckpt import initialize as _initialize
 from uckpt._uckpt import init_distributed as _init_distributed
-from uckpt import accelerator, checkpoint, comm, moe, ops, pipe, utils, zero  # noqa: F401
+from uckpt import accelerator, checkpoint, comm, moe, ops, pipe, runtime, utils, zero  # noqa: F401
+from uckpt.accelerator import get_accelerator  # noqa: F401
+from uckpt.runtime.activation_checkpointing import checkpointing  # noqa: F401
+from uckpt.runtime.engine import DeepSpeedEngine  # noqa: F401
+from uckpt.runtime.zero.partition_parameters import mark_stage3_parameters as _mark_stage3_parameters
+from uckpt.utils import log_dist, logger  # noqa: F401
 
 __version__ = "0.4.0"
 __git_hash__ = "uckpt"
@@ -23,9 +27,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("uckpt.initialize: model is required")
     # As DeepSpeed: the process group first (discovering an MPI or Slurm launcher's world).
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    return _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                       training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn,
-                       config=config if config is not None else config_params)
+    result = _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                         training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn,
+                         config=config if config is not None else config_params)
+    if result[0].zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
+        _mark_stage3_parameters(model)
+    return result
+
+
+def init_inference(model, config=None, **kwargs):
+    """deepspeed.init_inference: refused (uckpt trains; it has no inference engine)."""
+    raise NotImplementedError("uckpt.init_inference: DeepSpeed's inference engine is not supported by uckpt")
 
 
 # DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes (read at import), else 30.

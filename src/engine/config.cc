@@ -1,5 +1,6 @@
 #include "engine/config.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <fstream>
@@ -206,9 +207,18 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
     throw ConfigError("optimizer.params: lr and eps must be >= 0 and betas in [0, 1)");
 }
 
+}  // namespace
+
+const std::vector<std::string>& SchedulerTypes() {
+  static const std::vector<std::string> types{"WarmupLR", "WarmupDecayLR"};
+  return types;
+}
+
+namespace {
+
 void ParseScheduler(Section& s, SchedulerConfig& c) {
   s.String("type", c.type);
-  if (c.type != "WarmupLR" && c.type != "WarmupDecayLR")
+  if (std::find(SchedulerTypes().begin(), SchedulerTypes().end(), c.type) == SchedulerTypes().end())
     throw ConfigError("scheduler.type '" + c.type + "' is not supported (use WarmupLR or WarmupDecayLR)");
   if (auto p = s.Sub("params")) {
     p->Double("warmup_min_lr", c.warmup_min_lr);
@@ -291,10 +301,9 @@ void ParseLegacyOffload(Section& s, ZeroConfig& z) {
 // implement: those that change training are refused at any value but
 // DeepSpeed's default; those that only log or profile warn once.
 void ParseTopLevelAudit(Section& top) {
-  // zero_allow_untested_optimizer: uckpt's only optimizer is Adam (tested);
   // zero_force_ds_cpu_optimizer: uckpt's offload always runs its own host Adam;
-  // aio: NVMe offload settings (uckpt refuses device "nvme").
-  top.Ignore({"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio"});
+  // aio: the settings of NVMe offload, which uckpt refuses (DeepSpeed reads them for NVMe only).
+  top.Ignore({"zero_force_ds_cpu_optimizer", "aio"});
   top.RefuseUnless("prescale_gradients", false);
   top.RefuseUnless("gradient_predivide_factor", 1.0);
   top.RefuseUnless("sparse_gradients", false);
@@ -319,7 +328,11 @@ void ParseTopLevelAudit(Section& top) {
   top.Monitor("memory_breakdown", "a memory breakdown");
   top.Monitor("dump_state", "a state dump");
   // deepspeed.utils.timers' throughput timer: logging only.
-  top.Ignore({"timers"});
+  if (auto t = top.Sub("timers")) t->Monitor("throughput", "throughput timings");
+  // Read by deepspeed.checkpointing.configure(deepspeed_config=...) only, not by the engine.
+  if (auto a = top.Sub("activation_checkpointing"))
+    a->Ignore({"partition_activations", "contiguous_memory_optimization", "number_checkpoints", "cpu_checkpointing",
+               "synchronize_checkpoint_boundary", "profile"});
 }
 
 }  // namespace
@@ -334,6 +347,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
     top.Double("gradient_clipping", c.gradient_clipping);
     top.Int("steps_per_print", c.steps_per_print);
+    top.Bool("dataloader_drop_last", c.dataloader_drop_last);
+    top.Bool("zero_allow_untested_optimizer", c.zero_allow_untested_optimizer);
     ParseTopLevelAudit(top);
     if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
     if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
@@ -409,7 +424,13 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (auto s = top.Sub("checkpoint")) {
       s->Bool("load_universal", c.load_universal);
       s->Bool("async_save", c.async_save);
-      s->Ignore({"tag_validation", "parallel_write"});
+      s->String("tag_validation", c.checkpoint_tag_validation);
+      for (auto& ch : c.checkpoint_tag_validation) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+      if (c.checkpoint_tag_validation != "WARN" && c.checkpoint_tag_validation != "IGNORE" &&
+          c.checkpoint_tag_validation != "FAIL")
+        throw ConfigError("checkpoint.tag_validation must be \"Warn\", \"Ignore\" or \"Fail\", got \"" +
+                          c.checkpoint_tag_validation + "\"");
+      s->Ignore({"parallel_write"});
       s->RefuseUnless("use_node_local_storage", false);  // DeepSpeed would then save per node
     }
   } catch (const nlohmann::json::exception& e) {

@@ -78,6 +78,11 @@ struct TrainConfig {
   bool bf16 = false;
   ZeroConfig zero;
   bool load_universal = false;
+  // "checkpoint": {"tag_validation": ...}, upper-cased: WARN (DeepSpeed's
+  // default) and IGNORE save with rank 0's tag, FAIL refuses differing tags.
+  std::string checkpoint_tag_validation = "WARN";
+  bool dataloader_drop_last = false;           // for the dataloader initialize() builds
+  bool zero_allow_untested_optimizer = false;  // for initialize()'s check of a client optimizer at ZeRO 1-3
   // "checkpoint": {"async_save": true}: SaveCheckpoint returns once the state
   // is snapshotted; background threads write the files (engine/async_save.h).
   bool async_save = false;
@@ -88,6 +93,9 @@ struct TrainConfig {
   nlohmann::json raw = nlohmann::json::object();  // the JSON as given (saved as ds_config)
   std::vector<std::string> warnings;              // unknown keys, ignored settings
 };
+
+// The config "scheduler" types the engine runs (engine/lr_schedule.h).
+const std::vector<std::string>& SchedulerTypes();
 
 // Parses a configuration. `source` names it in messages (a path or "--config").
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source);

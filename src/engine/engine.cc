@@ -261,6 +261,7 @@ void Engine::Step(const StepOptions& options) {
   Impl& e = *impl_;
   if (!e.backward_pending) throw std::logic_error("uckpt::Engine::Step: call Backward(loss) first");
   e.backward_pending = false;
+  e.step_applied = false;
   if (e.boundary()) {
     // A background save: published once every rank's files are durable;
     // its failure stops the run here, naming the file.
@@ -272,15 +273,31 @@ void Engine::Step(const StepOptions& options) {
     ++e.global_steps;
     e.global_samples += e.batch.train_batch_size;
     if (r.skipped) ++e.skipped_steps;
+    e.step_applied = !r.skipped;
   }
   ++e.micro_steps;
 }
 
 bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); }
+void Engine::SetGradientAccumulationBoundary(std::optional<bool> is_boundary) { impl_->boundary_override = is_boundary; }
+bool Engine::last_step_applied() const { return impl_->step_applied; }
+
+void Engine::SetTrainBatchSize(int64_t train_batch_size) {
+  engine::BatchSizes& b = impl_->batch;
+  const int64_t per_step = b.micro_batch * impl_->comm->world_size();
+  if (train_batch_size <= 0 || train_batch_size % per_step != 0)
+    throw std::invalid_argument("set_train_batch_size: " + std::to_string(train_batch_size) +
+                                " is not a multiple of train_micro_batch_size_per_gpu " +
+                                std::to_string(b.micro_batch) + " * world size " +
+                                std::to_string(impl_->comm->world_size()));
+  b.train_batch_size = train_batch_size;
+  b.gradient_accumulation_steps = train_batch_size / per_step;
+}
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
-  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint");
+  const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint",
+                                                 impl_->config.checkpoint_tag_validation == "FAIL");
   return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }

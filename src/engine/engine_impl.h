@@ -52,6 +52,8 @@ struct Engine::Impl {
   engine::LrSchedule schedule;
   int64_t global_steps = 0, global_samples = 0, skipped_steps = 0, micro_steps = 0;
   bool backward_pending = false;  // Backward since the last Step
+  std::optional<bool> boundary_override;  // SetGradientAccumulationBoundary
+  bool step_applied = false;              // the last Step updated the weights
   StepInfo last;
   std::shared_ptr<engine::CheckpointWriter> writer;  // this rank's files of the last save (async_save.h)
   SaveStats last_save;
@@ -61,7 +63,9 @@ struct Engine::Impl {
       : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
 
   int stage() const { return config.zero.stage; }
-  bool boundary() const { return (micro_steps + 1) % batch.gradient_accumulation_steps == 0; }
+  bool boundary() const {
+    return boundary_override ? *boundary_override : (micro_steps + 1) % batch.gradient_accumulation_steps == 0;
+  }
 };
 
 namespace engine {

@@ -1,1 +1,1 @@
-from uckpt.ops import adam  # noqa: F401
+from uckpt.ops import adam, sparse_attention  # noqa: F401

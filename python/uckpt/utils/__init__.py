@@ -1,19 +1,3 @@
-"""deepspeed.utils: the logger and log_dist that scripts import."""
-import logging
-
-import torch.distributed
-
-logger = logging.getLogger("uckpt")
-if not logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
-def log_dist(message, ranks=None, level=logging.INFO):
-    """Logs on the given ranks (all when ranks is None or contains -1)."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if ranks is None or -1 in ranks or rank in ranks:
-        logger.log(level, f"[Rank {rank}] {message}")
+"""deepspeed.utils: the logger, log_dist and RepeatingLoader that scripts import."""
+from uckpt.utils.logging import log_dist, logger  # noqa: F401
+from uckpt.runtime.dataloader import RepeatingLoader  # noqa: F401

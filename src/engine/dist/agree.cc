@@ -16,7 +16,7 @@ std::string Quoted(const std::string& s) { return "'" + s + "'"; }
 }  // namespace
 
 CheckpointPlace AgreeOnCheckpointPlace(Comm& comm, const std::string& dir, const std::string& tag,
-                                       const std::string& what) {
+                                       const std::string& what, bool tags_must_match) {
   if (comm.world_size() <= 1) return {dir, tag};
   at::Tensor msg = at::zeros({kMessageBytes}, at::kByte);
   auto* bytes = msg.data_ptr<uint8_t>();
@@ -35,6 +35,14 @@ CheckpointPlace AgreeOnCheckpointPlace(Comm& comm, const std::string& dir, const
   CheckpointPlace agreed;
   agreed.dir = reinterpret_cast<const char*>(bytes + 1);
   agreed.tag = reinterpret_cast<const char*>(bytes + 2 + agreed.dir.size());
+  if (tags_must_match) {  // every rank learns whether any differs, and all stop together
+    at::Tensor differs = at::full({1}, agreed.tag != tag ? 1.0f : 0.0f);
+    comm.AllReduceMax(differs);
+    if (differs.item<float>() > 0)
+      throw std::invalid_argument(what + ": the checkpoint tag is not the same on every rank (rank " +
+                                  std::to_string(comm.rank()) + ": " + Quoted(tag) + ", rank 0: " +
+                                  Quoted(agreed.tag) + "), and the config's checkpoint.tag_validation is \"Fail\"");
+  }
   if (agreed.dir != dir || agreed.tag != tag) {
     std::cerr << "uckpt: warning: " << what << ": rank " << comm.rank() << " was given folder " << Quoted(dir)
               << (tag.empty() ? std::string() : " tag " + Quoted(tag)) << ", rank 0 folder " << Quoted(agreed.dir)

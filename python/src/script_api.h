@@ -1,0 +1,39 @@
+// What DeepSpeed scripts call besides training itself: the engine's smaller
+// attributes (optimizer_name(), steps_per_print(), set_train_batch_size(), ...),
+// initialize()'s checks of a client optimizer, and the module functions the
+// pure-Python modules build on (the fp32 export, the scheduler types).
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <nlohmann/json.hpp>
+
+namespace uckpt::python {
+
+namespace py = pybind11;
+
+// DeepSpeed 0.14.5's checks of the optimizer at initialize, before the engine
+// is built: with ZeRO-Offload a client optimizer must be a DeepSpeedCPUAdam
+// unless zero_force_ds_cpu_optimizer is false; at ZeRO stages 1-3 the
+// optimizer must be one DeepSpeed tested with ZeRO unless
+// zero_allow_untested_optimizer is true (then rank 0 warns). ValueError with
+// DeepSpeed's advice otherwise.
+void CheckZeroOptimizer(py::handle optimizer, const nlohmann::json& config, bool rank0);
+
+// DeepSpeed's engine.optimizer_name(): the client optimizer's class name, else
+// the config's optimizer type (lower-cased for DeepSpeed's own optimizers),
+// else None.
+py::object OptimizerName(const std::string& client_optimizer_class, const nlohmann::json& config);
+
+class PyEngine;
+// DeepSpeed's optimizer.overflow: whether the last update was skipped for an
+// fp16 overflow. AttributeError where DeepSpeed's optimizer has none: the
+// torch optimizer itself (stage 0 without fp16) and the bf16 wrapper (bf16
+// at stages 0-1 without offload).
+py::object OptimizerOverflow(const PyEngine& engine);
+
+// Adds the attributes to the module's Engine class and the module functions
+// export_fp32 and scheduler_types.
+void BindScriptApi(py::module_& m);
+
+}  // namespace uckpt::python

@@ -1,0 +1,3 @@
+"""deepspeed.runtime.zero (also deepspeed.zero)."""
+from uckpt.runtime.zero import partition_parameters  # noqa: F401
+from uckpt.runtime.zero.partition_parameters import GatheredParameters, Init, ZeroParamStatus  # noqa: F401
