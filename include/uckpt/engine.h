@@ -121,6 +121,9 @@ struct LoadCheckpointOptions {
 struct LoadResult {
   std::string path;          // the tag folder loaded
   ClientState client_state;  // a dict of the keys the saver added
+  // The model-states file's 'lr_scheduler' value as saved (None when absent),
+  // for a client scheduler's load_state_dict (SaveCheckpointOptions::lr_scheduler_state).
+  ClientState lr_scheduler_state;
 };
 
 // What the last LoadCheckpoint did (Engine::last_load()).
@@ -145,6 +148,11 @@ struct SaveCheckpointOptions {
   // to host memory, and the files are written while training goes on (see
   // WaitForCheckpoint). Unset: the config's "checkpoint": {"async_save": ...}.
   std::optional<bool> async_save;
+  // A client scheduler's state_dict() (DeepSpeed's lr_scheduler.state_dict()),
+  // saved under the model-states file's 'lr_scheduler' key in place of the
+  // config scheduler's position; the same kinds of values as client_state.
+  // None: the config scheduler's, if there is one.
+  ClientState lr_scheduler_state;
 };
 
 // What the last SaveCheckpoint cost the caller.
@@ -294,7 +302,7 @@ class Engine {
   // value. StepLrSchedule throws std::logic_error without a scheduler.
   bool has_lr_schedule() const;
   int64_t lr_schedule_iteration() const;
-  double ScheduledLr(int64_t iteration) const;
+  double ScheduledLr(int64_t iteration, size_t group = 0) const;  // group: WarmupCosineLR scales each group's own lr
   void StepLrSchedule(std::optional<int64_t> iteration = std::nullopt);
   int64_t global_steps() const;
   int64_t global_samples() const;

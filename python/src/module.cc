@@ -75,8 +75,7 @@ PYBIND11_MODULE(_uckpt, m) {
       .def("get_lr", [](const EngineScheduler& s) { return s.engine->SchedulerLr(); })
       .def("get_last_lr", [](const EngineScheduler& s) { return s.engine->SchedulerLastLr(); })
       .def("state_dict", [](const EngineScheduler& s) { return s.engine->SchedulerState(); })
-      .def("step", [](EngineScheduler& s, py::object it) { s.engine->StepScheduler(it); },
-           "last_batch_iteration"_a = py::none());
+      .def("step", [](EngineScheduler& s, py::args a, py::kwargs k) { s.engine->StepScheduler(a, k); });
 
   py::class_<PyEngine, std::shared_ptr<PyEngine>>(m, "Engine")
       .def("__call__", &PyEngine::Call)
@@ -150,9 +149,13 @@ PYBIND11_MODULE(_uckpt, m) {
         return py::module_::import("torch").attr("device")(e.engine().device().str());
       })
       .def_property_readonly("optimizer",
-                             [](std::shared_ptr<PyEngine> e) { return EngineOptimizer{std::move(e)}; })
+                             [](std::shared_ptr<PyEngine> e) -> py::object {
+                               if (!e->settings().has_optimizer) return py::none();  // DeepSpeed's, without one
+                               return py::cast(EngineOptimizer{std::move(e)});
+                             })
       .def_property_readonly("lr_scheduler",
                              [](std::shared_ptr<PyEngine> e) -> py::object {
+                               if (!e->client_scheduler().is_none()) return e->client_scheduler();
                                if (!e->settings().has_scheduler) return py::none();
                                return py::cast(EngineScheduler{std::move(e)});
                              })

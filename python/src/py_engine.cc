@@ -1,6 +1,7 @@
 // initialize() and the engine's calls (see py_engine.h).
 #include "py_engine.h"
 
+#include <pybind11/eval.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdlib>
@@ -75,6 +76,7 @@ struct OptimizerPlan {
   std::vector<ParamGroup> groups;
   std::vector<int> engine_group_of;  // per client param group: its engine group, -1 if nothing trainable
   std::string warning;               // for rank 0 to print
+  bool has_optimizer = true;         // false: neither a client optimizer nor a config section
 };
 
 // Groups from a list of dicts ({"params": [...], hparams}) or of tensors (one
@@ -159,9 +161,8 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, c
     if (first.weight_decay) p["weight_decay"] = *first.weight_decay;
     return plan;
   }
-  if (!config.contains("optimizer"))
-    throw py::value_error(
-        "uckpt.initialize: no optimizer: pass optimizer= or give the config an 'optimizer' section (Adam or AdamW)");
+  // Neither: DeepSpeed's engine without an optimizer (forward, save/load of the module).
+  plan.has_optimizer = config.contains("optimizer");
   std::vector<int> unused;
   if (!model_parameters.is_none()) plan.groups = GroupsFrom(model_parameters, "model_parameters", unused);
   return plan;
@@ -169,16 +170,9 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, c
 
 // ---- Checks of what uckpt does not do. ----
 
-void RefuseUnsupported(py::handle model, py::handle mpu, py::handle lr_scheduler, const nlohmann::json& config,
-                       const std::string& source) {
+void RefuseUnsupported(py::handle model, py::handle mpu, const nlohmann::json& config, const std::string& source) {
   if (!mpu.is_none())
     throw py::value_error("uckpt.initialize: model parallelism (mpu=) is not supported by uckpt (data parallel only)");
-  if (!lr_scheduler.is_none())
-    throw py::value_error(
-        "uckpt.initialize: a client lr_scheduler (lr_scheduler=" + TypeName(lr_scheduler) +
-        ") is not supported yet; use the config's 'scheduler' section (WarmupLR, WarmupDecayLR), or create the "
-        "torch scheduler on your optimizer and call its step() yourself after engine.step() (the engine reads "
-        "optimizer.param_groups' lr at every step)");
   if (std::string what = FindUnsupportedModule(model); !what.empty()) throw py::value_error("uckpt.initialize: " + what);
   for (const char* key : {"pipeline", "moe", "tensor_parallel", "sequence_parallel_size"})
     if (config.contains(key))
@@ -311,6 +305,15 @@ void RegisterParameters(const std::shared_ptr<PyEngine>& engine, const torch::nn
   for (const auto& t : shell.parameters(/*recurse=*/true)) g_engine_of[t.unsafeGetTensorImpl()] = {order, engine};
 }
 
+// uckpt's engine keeps at least one trainable parameter, also without an optimizer.
+void RefuseFrozenWithoutOptimizer(py::handle model) {
+  for (auto p : model.attr("parameters")())
+    if (p.attr("requires_grad").cast<bool>()) return;
+  throw py::value_error("uckpt.initialize: without an optimizer uckpt still needs a module with a parameter that "
+                        "requires grad (uckpt's engine does not wrap a fully frozen module; run it as a plain "
+                        "torch module)");
+}
+
 py::object ResolveConfig(py::handle args, py::handle config) {
   if (!config.is_none()) return py::reinterpret_borrow<py::object>(config);
   for (const char* name : {"deepspeed_config", "deepscale_config"})
@@ -438,9 +441,27 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   if (model.is_none()) throw py::value_error("uckpt.initialize: model is required");
   std::string source;
   nlohmann::json json = ConfigToJson(ResolveConfig(args, config), source);
-  RefuseUnsupported(model, mpu, lr_scheduler, json, source);
+  RefuseUnsupported(model, mpu, json, source);
+  // As DeepSpeed: model_parameters as a list (a generator is read once), and a
+  // client optimizer that is not an optimizer object is a callable building one from them.
+  if (!model_parameters.is_none()) model_parameters = py::list(model_parameters);
+  if (!optimizer.is_none() && !py::hasattr(optimizer, "param_groups") && PyCallable_Check(optimizer.ptr()))
+    optimizer = optimizer(model_parameters.is_none() ? py::object(py::list(model.attr("parameters")())) : model_parameters);
   OptimizerPlan plan = PlanOptimizer(optimizer, model_parameters, json);
   if (!plan.section.is_null()) json["optimizer"] = plan.section;
+  std::vector<std::string> notes;
+  // The scheduler: the client's (an object, or a callable of the optimizer)
+  // over the config's, and none without an optimizer (DeepSpeed configures it
+  // only with one).
+  const bool client_scheduler = plan.has_optimizer && PyObject_IsTrue(lr_scheduler.ptr()) == 1;
+  if (json.contains("scheduler") && (client_scheduler || !plan.has_optimizer)) {
+    notes.push_back(std::string("the config's 'scheduler' section is not used: ") +
+                    (client_scheduler ? "the lr_scheduler passed to initialize is, as DeepSpeed does"
+                                      : "there is no optimizer, and DeepSpeed builds no scheduler without one"));
+    json.erase("scheduler");
+  }
+  if (!plan.has_optimizer && !lr_scheduler.is_none())
+    notes.push_back("lr_scheduler is not used: there is no optimizer (DeepSpeed ignores it then too)");
 
   EngineSettings settings;
   if (json.contains("checkpoint") && json["checkpoint"].is_object() && json["checkpoint"].contains("load_universal"))
@@ -448,6 +469,16 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   settings.has_scheduler = json.contains("scheduler");
   settings.config = json;
   if (!optimizer.is_none()) settings.client_optimizer = TypeName(optimizer);
+  settings.has_optimizer = plan.has_optimizer;
+  if (settings.has_scheduler && json["scheduler"].is_object() && json["scheduler"].contains("type") &&
+      json["scheduler"]["type"].is_string()) {
+    const auto& sc = json["scheduler"];
+    settings.scheduler_type = sc["type"].get<std::string>();
+    settings.scheduler_sets_betas = settings.scheduler_type == "OneCycle" &&
+                                    !(sc.contains("params") && sc["params"].is_object() &&
+                                      sc["params"].contains("cycle_momentum") && sc["params"]["cycle_momentum"] == false);
+  }
+  if (!plan.has_optimizer) RefuseFrozenWithoutOptimizer(model);
 
   EngineOptions options;
   options.device = PickDevice();
@@ -473,11 +504,13 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   if (engine->rank() == 0) {
     for (const auto& w : engine->warnings()) std::cerr << "uckpt: " << w << "\n";
     if (!plan.warning.empty()) std::cerr << "uckpt: " << plan.warning << "\n";
+    for (const auto& n : notes) std::cerr << "uckpt: " << n << "\n";
   }
   const Engine& e = *engine;
   py::object dataloader = training_data.is_none() ? py::none() : MakeDataLoader(training_data, e, collate_fn, json.value("dataloader_drop_last", false));
   auto py_engine = std::make_shared<PyEngine>(model, shell, std::move(engine), settings);
   py_engine->UseParamGroups(optimizer, std::move(plan.engine_group_of));
+  if (client_scheduler) py_engine->UseClientScheduler(lr_scheduler);
   RegisterUnitHooks(py_engine, units);
   RegisterParameters(py_engine, *shell);
   py::object engine_obj = py::cast(py_engine);
@@ -522,6 +555,7 @@ PyEngine::PyEngine(py::object module, std::shared_ptr<torch::nn::Module> shell, 
 py::object PyEngine::Call(py::args args, py::kwargs kwargs) { return module_(*args, **kwargs); }
 
 py::object PyEngine::Backward(py::object loss, const BackwardOptions& options) {
+  RequireOptimizer("backward");
   if (!THPVariable_Check(loss.ptr())) throw py::type_error("engine.backward: loss must be a tensor, got " + TypeName(loss));
   at::Tensor t = THPVariable_Unpack(loss.ptr());
   {
@@ -535,16 +569,31 @@ py::object PyEngine::Backward(py::object loss, const BackwardOptions& options) {
   return loss;
 }
 
+void PyEngine::RequireOptimizer(const char* call) const {
+  if (settings_.has_optimizer) return;
+  // DeepSpeed asserts the same (an AssertionError).
+  PyErr_SetString(PyExc_AssertionError, (std::string("engine.") + call + ": must provide optimizer during init in order "
+                                         "to use " + call + " (initialize got no optimizer and the config has no "
+                                         "'optimizer' section)").c_str());
+  throw py::error_already_set();
+}
+
 void PyEngine::Step(py::object lr_kwargs) {
+  RequireOptimizer("step");
   StepOptions options;
   // DeepSpeed passes lr_kwargs to its lr scheduler's step() and has none to
-  // pass them to without one; WarmupLR/WarmupDecayLR take last_batch_iteration.
+  // pass them to without one. The config's schedulers take their iteration
+  // (last_batch_iteration, or batch_iteration for OneCycle and LRRangeTest); a
+  // client scheduler gets them as they are.
   if (!lr_kwargs.is_none() && engine_->has_lr_schedule()) {
+    const std::string name = settings_.scheduler_type == "OneCycle" || settings_.scheduler_type == "LRRangeTest"
+                                 ? "batch_iteration"
+                                 : "last_batch_iteration";
     for (auto [key, value] : lr_kwargs.cast<py::dict>()) {
       const std::string k = py::str(key);
-      if (k != "last_batch_iteration")
-        throw py::value_error("engine.step: lr_kwargs key '" + k +
-                              "' is not an argument of the config scheduler's step() (it takes last_batch_iteration)");
+      if (k != name)
+        throw py::value_error("engine.step: lr_kwargs key '" + k + "' is not an argument of the config scheduler " +
+                              settings_.scheduler_type + "'s step() (it takes " + name + ")");
       if (!value.is_none()) options.lr_schedule_iteration = value.cast<int64_t>();
     }
   }
@@ -556,11 +605,75 @@ void PyEngine::Step(py::object lr_kwargs) {
     engine_->Step(options);
   }
   if (!boundary || engine_->skipped_steps() != skipped) return;
-  // The config scheduler stepped after the applied update: its lr is every group's now.
-  if (engine_->has_lr_schedule()) PullGroups(false);
-  // DeepSpeed's update is the client optimizer's step(); torch schedulers count those (and warn without one).
-  if (!client_optimizer_.is_none() && py::hasattr(client_optimizer_, "_step_count"))
-    client_optimizer_.attr("_step_count") = py::int_(client_optimizer_.attr("_step_count").cast<int64_t>() + 1);
+  // The config scheduler stepped after the applied update: its lr (and OneCycle's betas) is every group's now.
+  if (engine_->has_lr_schedule()) {
+    PullGroups(settings_.scheduler_sets_betas);
+    config_scheduler_stepped_ = true;
+  }
+  // DeepSpeed's update is the basic optimizer's step(); torch schedulers count those (and warn without one).
+  if (!basic_optimizer_.is_none() && py::hasattr(basic_optimizer_, "_step_count"))
+    basic_optimizer_.attr("_step_count") = py::int_(basic_optimizer_.attr("_step_count").cast<int64_t>() + 1);
+  if (!client_scheduler_.is_none()) StepClientScheduler(lr_kwargs);
+}
+
+// As DeepSpeed's _take_model_step: step(**lr_kwargs), and on a TypeError
+// step(train_batch_size) (its fallback for Megatron's schedulers).
+void PyEngine::StepClientScheduler(py::object lr_kwargs) {
+  py::dict kwargs = lr_kwargs.is_none() ? py::dict() : py::dict(lr_kwargs);
+  try {
+    client_scheduler_.attr("step")(**kwargs);
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_TypeError)) throw;
+    client_scheduler_.attr("step")(engine_->train_batch_size());
+  }
+}
+
+// The torch optimizer a scheduler callable is given when the config's
+// optimizer section made the optimizer (DeepSpeed gives its basic optimizer):
+// its param_groups are the engine's dicts; its step() does not update.
+static py::object MakeBasicOptimizer(py::list groups, py::dict defaults) {
+  static py::object* cls = nullptr;  // kept for the process (no destructor after the interpreter ends)
+  if (!cls) {
+    py::dict scope;
+    scope["torch"] = py::module_::import("torch");
+    py::exec(R"PY(
+class EngineBasicOptimizer(torch.optim.Optimizer):
+    """The engine's param groups as a torch optimizer (DeepSpeed's basic optimizer) for an lr_scheduler."""
+
+    def step(self, closure=None):
+        raise RuntimeError("uckpt: this optimizer's step() does not update; the update runs in engine.step()")
+)PY", scope);
+    cls = new py::object(scope["EngineBasicOptimizer"]);
+  }
+  return (*cls)(groups, defaults);
+}
+
+void PyEngine::UseClientScheduler(py::object scheduler) {
+  basic_optimizer_ = client_optimizer_;
+  if (basic_optimizer_.is_none()) {
+    const GroupHparams h = engine_->group_hparams(0);
+    basic_optimizer_ = MakeBasicOptimizer(own_groups_, py::dict("lr"_a = engine_->learning_rate(0),
+                                                                "betas"_a = py::make_tuple(h.beta1, h.beta2),
+                                                                "eps"_a = h.eps, "weight_decay"_a = h.weight_decay));
+    own_groups_ = basic_optimizer_.attr("param_groups").cast<py::list>();  // the same dicts
+  }
+  if (PyCallable_Check(scheduler.ptr())) {
+    scheduler = scheduler(basic_optimizer_);
+    if (scheduler.is_none()) throw py::value_error("uckpt.initialize: the lr_scheduler callable returned None");
+  } else if (py::hasattr(scheduler, "optimizer") && scheduler.attr("optimizer").ptr() != basic_optimizer_.ptr()) {
+    // Its writes would go to another optimizer's param_groups, which the engine never reads.
+    throw py::value_error("uckpt.initialize: lr_scheduler (" + TypeName(scheduler) + ") steps " +
+                          (client_optimizer_.is_none() ? std::string("an optimizer, but initialize got none (the "
+                                                                     "config's 'optimizer' section made it)")
+                                                       : "another optimizer than the one passed to initialize") +
+                          ": build it on the optimizer passed to initialize, or pass a callable that takes the "
+                          "optimizer (lr_scheduler=lambda opt: ...)");
+  }
+  for (const char* method : {"step", "state_dict", "load_state_dict"})
+    if (!py::hasattr(scheduler, method))
+      throw py::value_error("uckpt.initialize: lr_scheduler (" + TypeName(scheduler) + ") has no " + method +
+                            "() (DeepSpeed steps it and saves its state_dict())");
+  client_scheduler_ = std::move(scheduler);
 }
 
 void PyEngine::UseParamGroups(py::object client_optimizer, std::vector<int> engine_group_of) {
@@ -577,6 +690,8 @@ void PyEngine::UseParamGroups(py::object client_optimizer, std::vector<int> engi
     if (kept.size() != dicts.size())
       client_optimizer.attr("param_groups").attr("__setitem__")(py::module_::import("builtins").attr("slice")(py::none()), kept);
     client_optimizer_ = std::move(client_optimizer);
+    // LRRangeTest's and OneCycle's constructors write their first lr (and betas) into the groups.
+    if (settings_.scheduler_type == "OneCycle" || settings_.scheduler_type == "LRRangeTest") PullGroups(true);
     return;
   }
   const auto params = engine_->param_groups();
@@ -643,8 +758,12 @@ bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object cl
   if (!cs.isNone() && cs.isGenericDict() && cs.toGenericDict().empty()) cs = c10::IValue();
   const std::string t = tag.is_none() ? "" : py::str(tag).cast<std::string>();
   PushGroups();  // DeepSpeed saves the dicts' values
+  SaveCheckpointOptions options;
+  // DeepSpeed saves lr_scheduler.state_dict() under 'lr_scheduler'.
+  if (!client_scheduler_.is_none())
+    options.lr_scheduler_state = ToIValue(client_scheduler_.attr("state_dict")(), "lr_scheduler.state_dict()");
   py::gil_scoped_release no_gil;
-  engine_->SaveCheckpoint(dir, t, cs);
+  engine_->SaveCheckpoint(dir, t, cs, options);
   return true;
 }
 
@@ -667,7 +786,16 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   }
   if (r.path.empty()) return py::make_tuple(py::none(), py::none());  // DeepSpeed's answer when nothing was found
   if (!load_module_only) PullGroups(load_optimizer_states);  // the restored lrs (and hyper-parameters)
+  if (!load_module_only && load_lr_scheduler_states && !client_scheduler_.is_none()) {
+    if (r.lr_scheduler_state.isNone())
+      throw py::value_error("engine.load_checkpoint: " + r.path + " holds no lr_scheduler state (saved without a "
+                            "scheduler) for " + TypeName(client_scheduler_) +
+                            ".load_state_dict(); pass load_lr_scheduler_states=False to keep the scheduler as it is");
+    client_scheduler_.attr("load_state_dict")(FromIValue(r.lr_scheduler_state));
+  }
   py::object cs = r.client_state.isNone() ? py::dict() : FromIValue(r.client_state);
+  // DeepSpeed hands back the checkpoint's 'lr_scheduler' with the client state when it does not load it.
+  if (!load_lr_scheduler_states && py::isinstance<py::dict>(cs)) cs["lr_scheduler"] = FromIValue(r.lr_scheduler_state);
   return py::make_tuple(py::str(r.path), cs);
 }
 
@@ -688,24 +816,40 @@ py::list PyEngine::GetLr() const {
 }
 
 py::list PyEngine::SchedulerLr() const {
-  // WarmupLR.get_lr(): [0.0] before its first step, else its value for every group.
+  // The config scheduler's get_lr() at its position: WarmupLR, WarmupDecayLR and WarmupCosineLR
+  // give [0.0] before their first step; otherwise one value per group.
   const int64_t it = engine_->lr_schedule_iteration();
-  if (it < 0) return py::cast(std::vector<double>{0.0});
-  return py::cast(std::vector<double>(py::len(ParamGroups()), engine_->ScheduledLr(it)));
+  if (it < 0 && settings_.scheduler_type.rfind("Warmup", 0) == 0) return py::cast(std::vector<double>{0.0});
+  std::vector<double> lrs;
+  for (size_t i = 0; i < engine_group_of_.size(); ++i)
+    lrs.push_back(engine_->ScheduledLr(it, engine_group_of_[i] < 0 ? 0 : static_cast<size_t>(engine_group_of_[i])));
+  return py::cast(lrs);
 }
 
 py::list PyEngine::SchedulerLastLr() const {
-  // WarmupLR's _last_lr: the value its last step wrote into every group.
-  if (engine_->lr_schedule_iteration() < 0)
+  // DeepSpeed's _last_lr: what its last step wrote into every group (set by a step only, not by a load).
+  if (!config_scheduler_stepped_)
     throw std::runtime_error("lr_scheduler.get_last_lr(): need to call step() first (the scheduler has not stepped)");
   return SchedulerLr();
 }
 
-void PyEngine::StepScheduler(py::object last_batch_iteration) {
-  std::optional<int64_t> it;
-  if (!last_batch_iteration.is_none()) it = last_batch_iteration.cast<int64_t>();
-  engine_->StepLrSchedule(it);
-  PullGroups(false);
+void PyEngine::StepScheduler(py::args args, py::kwargs kwargs) {
+  const std::string name = settings_.scheduler_type == "OneCycle" || settings_.scheduler_type == "LRRangeTest"
+                               ? "batch_iteration"
+                               : "last_batch_iteration";
+  py::object it = args.size() > 0 ? py::object(args[0]) : py::object(py::none());
+  for (auto [key, value] : kwargs) {
+    if (py::str(key).cast<std::string>() != name || args.size() > 0)
+      throw py::type_error("lr_scheduler.step() of " + settings_.scheduler_type + " takes one argument, " + name);
+    it = py::reinterpret_borrow<py::object>(value);
+  }
+  if (args.size() > 1)
+    throw py::type_error("lr_scheduler.step() of " + settings_.scheduler_type + " takes one argument, " + name);
+  std::optional<int64_t> iteration;
+  if (!it.is_none()) iteration = it.cast<int64_t>();
+  engine_->StepLrSchedule(iteration);
+  config_scheduler_stepped_ = true;
+  PullGroups(settings_.scheduler_sets_betas);
 }
 
 py::object PyEngine::GlobalGradNorm() const {

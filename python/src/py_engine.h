@@ -19,7 +19,10 @@ namespace py = pybind11;
 // engine answers from its config.
 struct EngineSettings {
   bool load_universal = false;  // config checkpoint.load_universal
-  bool has_scheduler = false;   // a config "scheduler" section
+  bool has_scheduler = false;   // a config "scheduler" section (used: no client lr_scheduler)
+  std::string scheduler_type;   // its type
+  bool scheduler_sets_betas = false;  // OneCycle with cycle_momentum: it writes betas with the lr
+  bool has_optimizer = true;    // false: initialize got no optimizer and the config has none
   int zero_stage = 0;
   // For the engine's smaller attributes (script_api.h): the config as the
   // engine took it, and the class name of initialize's optimizer= ("" if none).
@@ -59,8 +62,17 @@ class PyEngine {
   // EngineScheduler: the config scheduler's get_lr(), get_last_lr(), step(), state_dict().
   py::list SchedulerLr() const;
   py::list SchedulerLastLr() const;
-  void StepScheduler(py::object last_batch_iteration);
+  // step(n) or step(<its keyword>=n): last_batch_iteration (Warmup*) or batch_iteration (OneCycle, LRRangeTest).
+  void StepScheduler(py::args args, py::kwargs kwargs);
   py::dict SchedulerState() const;
+
+  // ---- A client lr_scheduler (DeepSpeed's client_lr_scheduler). ----
+  // An object (stepped as DeepSpeed's engine steps it, its state_dict() saved
+  // under 'lr_scheduler'), or a callable given the optimizer (the client's, or
+  // a torch optimizer over the engine's param groups) that returns one.
+  void UseClientScheduler(py::object scheduler);
+  // engine.lr_scheduler: the client's scheduler, else the config's (EngineScheduler), else None.
+  const py::object& client_scheduler() const { return client_scheduler_; }
 
   py::object module() const { return module_; }
   Engine& engine() { return *engine_; }
@@ -76,6 +88,11 @@ class PyEngine {
   std::unique_ptr<Engine> engine_;
   EngineSettings settings_;
   py::object client_optimizer_ = py::none();  // its param_groups are the dicts
+  py::object basic_optimizer_ = py::none();   // the torch optimizer schedulers step: the client's, or one over own_groups_
+  py::object client_scheduler_ = py::none();
+  bool config_scheduler_stepped_ = false;     // DeepSpeed's get_last_lr() asserts before a step
+  void StepClientScheduler(py::object lr_kwargs);
+  void RequireOptimizer(const char* call) const;
   py::list own_groups_;                       // the dicts without a client optimizer
   std::vector<int> engine_group_of_;          // dict i's engine group (-1: nothing trainable)
 };

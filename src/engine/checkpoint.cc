@@ -182,6 +182,9 @@ ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, Val
   ours->set("lr", Value::Float(e.schedule.current_lr()));
   m.extra.emplace_back("uckpt", ours);
   for (auto& kv : client) m.extra.push_back(std::move(kv));
+  // A client scheduler's state_dict() replaces the config scheduler's under DeepSpeed's key.
+  if (!e.schedule.client_state_to_save.isNone())
+    m.extra.emplace_back("lr_scheduler", FromIValue(e.schedule.client_state_to_save, "lr_scheduler"));
   return m;
 }
 
@@ -383,11 +386,15 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
   e.skipped_steps = m.skipped_steps;
   e.global_samples = m.global_samples ? *m.global_samples : e.global_steps * e.batch.train_batch_size;
   e.micro_steps = e.global_steps * e.batch.gradient_accumulation_steps;
+  // DeepSpeed's load_state_dict sets the position only: the lr follows from
+  // it now when the saved optimizer groups come with it, else at the next step.
+  // Not loading the scheduler's state keeps its position, as DeepSpeed's.
+  const bool set_lr = o.load_optimizer_states;
   if (o.load_lr_scheduler_states && m.last_batch_iteration) {
-    e.schedule.Restore(*m.last_batch_iteration);
-  } else if (e.global_steps > 0 && !e.config.scheduler.type.empty()) {
+    e.schedule.Restore(*m.last_batch_iteration, set_lr);
+  } else if (o.load_lr_scheduler_states && e.global_steps > 0 && !e.config.scheduler.type.empty()) {
     // No saved scheduler: continue the schedule where the step count says.
-    e.schedule.Restore(e.global_steps - 1 - e.skipped_steps);
+    e.schedule.Restore(e.global_steps - 1 - e.skipped_steps, set_lr);
   }
 }
 
@@ -617,7 +624,7 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                 const LoadCheckpointOptions& o) {
   const std::string folder = TagFolder(dir, tag, o.universal);
-  if (folder.empty()) return LoadResult{"", c10::IValue()};
+  if (folder.empty()) return LoadResult{"", c10::IValue(), c10::IValue()};
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
   FingerprintCheck proof = StartStateFingerprintCheck(e, folder, o);  // the resume proof
   const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
@@ -627,7 +634,10 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   if (!o.load_module_only) RestoreCounters(e, model.view, o);
   LoadPartitions(e, folder, model, o, proof);
   FinishStateFingerprintCheck(e, proof, o);
-  return LoadResult{folder, ClientStateOf(model.view)};
+  LoadResult r{folder, ClientStateOf(model.view), c10::IValue()};
+  if (ValuePtr sched = model.file.root ? model.file.root->get("lr_scheduler") : nullptr)
+    r.lr_scheduler_state = ToIValue(sched);
+  return r;
 }
 
 }  // namespace uckpt::engine

@@ -33,13 +33,33 @@ struct OptimizerConfig {
   bool bias_correction = true;
 };
 
+// DeepSpeed 0.14.5's config schedulers (runtime/lr_schedules.py), each with
+// its own parameters (engine/lr_schedule.h computes them).
 struct SchedulerConfig {
-  std::string type;  // "" (constant lr), "WarmupLR" or "WarmupDecayLR"
+  // "" (constant lr), "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle" or "LRRangeTest"
+  std::string type;
+  int64_t last_batch_iteration = -1;  // the position the scheduler starts at (every type)
+  // WarmupLR, WarmupDecayLR (and warmup_num_steps, warmup_type, total_num_steps: WarmupCosineLR).
   double warmup_min_lr = 0.0;
   double warmup_max_lr = 0.001;
   int64_t warmup_num_steps = 1000;
   std::string warmup_type = "log";  // "log" or "linear"
-  int64_t total_num_steps = 0;      // WarmupDecayLR only
+  int64_t total_num_steps = 0;      // WarmupDecayLR, WarmupCosineLR
+  // WarmupCosineLR: ratios of each group's own lr.
+  double warmup_min_ratio = 0.0;
+  double cos_min_ratio = 0.0001;
+  // OneCycle (the stair counts DeepSpeed takes and never uses are parsed only).
+  double cycle_min_lr = 0.0, cycle_max_lr = 0.0, decay_lr_rate = 0.0;
+  double cycle_first_step_size = 2000;
+  std::optional<double> cycle_second_step_size;  // unset: cycle_first_step_size
+  double decay_step_size = 0;                    // 0: no decay after the cycle
+  bool cycle_momentum = true;                    // betas = (momentum, 0.99), as DeepSpeed writes them
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0.0;
+  // LRRangeTest
+  double lr_range_test_min_lr = 1e-3;
+  double lr_range_test_step_size = 2000;
+  double lr_range_test_step_rate = 1.0;
+  bool lr_range_test_staircase = false;
 };
 
 struct Fp16Config {

@@ -80,6 +80,18 @@ int LocalRankFromEnvironment() {
   return env ? env->local_rank : 0;
 }
 
+// OneCycle's betas, written into every group with its lr (lr_schedule.h).
+void ApplyScheduledBetas(Engine::Impl& e) {
+  const auto& b = e.schedule.current_betas();
+  if (!b) return;
+  for (size_t g = 0; g < e.runtime->num_groups(); ++g) {
+    engine::OptimizerConfig o = e.runtime->optimizer_config(g);
+    o.beta1 = b->first;
+    o.beta2 = b->second;
+    e.runtime->set_optimizer_config(g, o);
+  }
+}
+
 engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, const ParamGroup& g) {
   engine::OptimizerConfig o = base;
   if (g.lr) o.lr = *g.lr;
@@ -231,6 +243,9 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     group_lrs.push_back(specs[g].optimizer.lr);
   }
   e.schedule.set_group_lrs(std::move(group_lrs));
+  // OneCycle's constructor writes its first betas into every group.
+  if (const auto& b = e.schedule.current_betas())
+    for (auto& spec : specs) spec.optimizer.beta1 = b->first, spec.optimizer.beta2 = b->second;
   e.runtime = engine::MakeShardedRuntime(e, std::move(specs), options);
   e.model->train(true);
 }
@@ -268,7 +283,10 @@ void Engine::Step(const StepOptions& options) {
     if (e.writer && e.writer->pending()) e.writer->PublishIfDone(*e.comm);
     const std::vector<double>& lrs = e.schedule.current_lrs();
     const engine::StepResult r = e.runtime->Step(lrs);
-    if (!r.skipped) e.schedule.Step(options.lr_schedule_iteration);
+    if (!r.skipped) {
+      e.schedule.Step(options.lr_schedule_iteration);
+      ApplyScheduledBetas(e);
+    }
     e.last = StepInfo{r.grad_norm, r.skipped, r.loss_scale};
     ++e.global_steps;
     e.global_samples += e.batch.train_batch_size;
@@ -298,6 +316,7 @@ std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& ta
                                    const SaveCheckpointOptions& options) {
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint",
                                                  impl_->config.checkpoint_tag_validation == "FAIL");
+  impl_->schedule.client_state_to_save = options.lr_scheduler_state;
   return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }
@@ -313,7 +332,11 @@ LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
-  return engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
+  LoadResult r = engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
+  // The restored scheduler position's betas (OneCycle), unless the saved ones are kept.
+  if (!r.path.empty() && options.load_optimizer_states && !options.keep_saved_hparams && !options.load_module_only)
+    ApplyScheduledBetas(*impl_);
+  return r;
 }
 
 void Engine::Train(bool on) { impl_->model->train(on); }
@@ -341,10 +364,11 @@ void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
 }
 bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }
 int64_t Engine::lr_schedule_iteration() const { return impl_->schedule.last_batch_iteration(); }
-double Engine::ScheduledLr(int64_t iteration) const { return impl_->schedule.LrAt(iteration); }
+double Engine::ScheduledLr(int64_t iteration, size_t group) const { return impl_->schedule.LrAt(iteration, group); }
 void Engine::StepLrSchedule(std::optional<int64_t> iteration) {
   if (!has_lr_schedule()) throw std::logic_error("uckpt::Engine::StepLrSchedule: the config has no 'scheduler'");
   impl_->schedule.Step(iteration);
+  ApplyScheduledBetas(*impl_);
 }
 int64_t Engine::global_steps() const { return impl_->global_steps; }
 int64_t Engine::global_samples() const { return impl_->global_samples; }

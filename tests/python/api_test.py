@@ -338,7 +338,6 @@ cases = [
     ("mpu", dict(model=net(), config=cfg(), mpu=object()), "mpu"),
     ("lr_scheduler", dict(model=net(), config=cfg(), lr_scheduler=object()), "lr_scheduler"),
     ("SGD", dict(model=net(), optimizer="SGD", config={"train_micro_batch_size_per_gpu": 1}), "SGD"),
-    ("no optimizer", dict(model=net(), config={"train_micro_batch_size_per_gpu": 1}), "no optimizer"),
     ("pipeline config", dict(model=net(), config=cfg(pipeline={"stages": 2})), "'pipeline'"),
 ]
 bad = 0
