@@ -225,10 +225,13 @@ LoadWeightsResult Engine::LoadWeights(const std::string& path, const LoadWeights
     FillFromSource(e, *source, match);
   } catch (const std::exception& ex) {
     error = ex.what();
-    if (filling) e.runtime->MastersFromWeights();  // no half-loaded masters: back to the weights
   }
-  // One rank's bad file is every rank's error, before the weights' all-gather.
-  if (std::string agreed = engine::AgreedError(*e.comm, error); !agreed.empty()) throw FormatError(agreed);
+  // One rank's bad file is every rank's error, before the weights' all-gather;
+  // masters filled meanwhile go back to the weights' values (a local copy).
+  if (std::string agreed = engine::AgreedError(*e.comm, error); !agreed.empty()) {
+    if (filling) e.runtime->MastersFromWeights();
+    throw FormatError(agreed);
+  }
   e.runtime->WeightsFromMasters();
   return {match.missing, match.unexpected};
 }

@@ -90,6 +90,11 @@ class SafetensorsSource {
   // folder holding model.safetensors.index.json or model.safetensors. Every
   // file is opened and checked; a tensor the index lists must be in its file.
   static SafetensorsSource Open(const std::string& path);
+  // Movable, not copyable: the name table points into the files.
+  SafetensorsSource(SafetensorsSource&&) = default;
+  SafetensorsSource& operator=(SafetensorsSource&&) = default;
+  SafetensorsSource(const SafetensorsSource&) = delete;
+  SafetensorsSource& operator=(const SafetensorsSource&) = delete;
 
   struct Found {
     const SafetensorsFile* file = nullptr;
@@ -102,6 +107,7 @@ class SafetensorsSource {
   const std::string& path() const { return path_; }  // what was opened, for messages
 
  private:
+  SafetensorsSource() = default;
   std::string path_;
   std::vector<SafetensorsFile> files_;
   std::map<std::string, std::pair<size_t, const SafetensorsTensor*>> tensors_;

@@ -308,6 +308,13 @@ TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
       EXPECT_TRUE(at::equal(t, weights.at(name))) << name;
     }
     EXPECT_EQ(names, r.engine->impl().state_names);
+    // exclude_frozen_parameters: the frozen parameter left out, the buffer kept.
+    EXPECT_TRUE(r.engine->Save16bitModel(dir + "/nofrozen", "model.safetensors", /*exclude_frozen_parameters=*/true));
+    comm.Barrier();
+    SafetensorsFile nf = SafetensorsFile::Open(dir + "/nofrozen/model.safetensors");
+    EXPECT_EQ(nf.Find("scale"), nullptr);
+    EXPECT_NE(nf.Find("shift"), nullptr);
+    EXPECT_EQ(nf.tensors().size(), f.tensors().size() - 1);
     // Loading our own safetensors back is strict-clean (the tie from the metadata).
     LoadWeightsResult res = r.engine->LoadWeights(dir + "/model.safetensors");
     EXPECT_TRUE(res.missing_keys.empty() && res.unexpected_keys.empty());
