@@ -267,6 +267,22 @@ TEST(LoadWeights, StrictErrorsNameTheNamesOnEveryRank) {
   });
 }
 
+// `uckpt train --init` reads safetensors through the same checked reader.
+TEST(InitWeights, SafetensorsThroughTheCheckedReader) {
+  const std::string dir = FreshTempDir("init_safetensors");
+  const auto file = FileValues();
+  WriteFile(dir + "/init.safetensors", file);
+  const auto loaded = LoadStateDictFile(dir + "/init.safetensors");
+  ASSERT_EQ(loaded.size(), file.size());
+  for (const auto& [name, t] : loaded) EXPECT_TRUE(at::equal(t, file.at(name).to(FileDtype(name)))) << name;
+  // 4 bytes no tensor covers: refused (the data must tile exactly).
+  const std::string header = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
+  std::string bytes(8, '\0');
+  bytes[0] = static_cast<char>(header.size());
+  std::ofstream(dir + "/gap.safetensors", std::ios::binary) << bytes + header + std::string(8, '\0');
+  EXPECT_THROW(LoadStateDictFile(dir + "/gap.safetensors"), FormatError);
+}
+
 class Save16bitTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
