@@ -19,6 +19,7 @@
 #include "engine/engine_impl.h"
 #include "engine/torch_bridge.h"
 #include "format/error.h"
+#include "format/fault_env.h"
 #include "format/safetensors.h"
 #include "ranks.h"
 #include "tiny.h"
@@ -352,6 +353,25 @@ TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
 
 INSTANTIATE_TEST_SUITE_P(Stages, Save16bitTest, ::testing::Values(2, 3),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+// A failed write on rank 0 is every rank's error, naming the file; nothing is
+// left under its name, and the next save works.
+TEST(Save16bit, WriteFailureIsEveryRanksError) {
+  const std::string dir = FreshTempDir("save16_fault");
+  FaultEnv faults;
+  faults.Add({IoOp::kRename, "model.safetensors", 1, ENOSPC, /*once=*/true});
+  ScopedEnv scoped(faults);
+  RunRanks(2, [&](Comm& comm) {
+    TestRun r = MakeRun(comm, 3);
+    std::string err = ErrorOf([&] { r.engine->Save16bitModel(dir, "model.safetensors"); });
+    EXPECT_NE(err.find(dir + "/model.safetensors"), std::string::npos) << err;
+    comm.Barrier();
+    EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
+    EXPECT_TRUE(r.engine->Save16bitModel(dir, "model.safetensors"));
+    comm.Barrier();
+    EXPECT_TRUE(fs::exists(dir + "/model.safetensors"));
+  });
+}
 
 TEST(Save16bit, Stage3WithoutTheGatherKeySavesNothing) {
   const std::string dir = FreshTempDir("save16_nogather");
