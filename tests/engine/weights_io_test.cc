@@ -373,6 +373,18 @@ TEST(Save16bit, WriteFailureIsEveryRanksError) {
   });
 }
 
+// DeepSpeed's key, its field name and its deprecated fp16 name, without a warning.
+TEST(Save16bit, GatherKeyAndItsOlderNames) {
+  for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                          "stage3_gather_fp16_weights_on_model_save"}) {
+    nlohmann::json ds = {{"train_batch_size", 1}, {"zero_optimization", {{"stage", 3}, {key, true}}}};
+    TrainConfig c = ParseConfig(ds, "ds.json");
+    EXPECT_TRUE(c.zero.gather_16bit_weights_on_model_save) << key;
+    for (const auto& w : c.warnings) EXPECT_EQ(w.find("gather"), std::string::npos) << key << ": " << w;
+  }
+  EXPECT_FALSE(ParseConfig({{"train_batch_size", 1}}, "ds.json").zero.gather_16bit_weights_on_model_save);
+}
+
 TEST(Save16bit, Stage3WithoutTheGatherKeySavesNothing) {
   const std::string dir = FreshTempDir("save16_nogather");
   RunRanks(2, [&](Comm& comm) {
