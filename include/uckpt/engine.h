@@ -23,6 +23,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -141,6 +142,25 @@ struct LoadStats {
   // Of it, a checkpoint without a record: the expected value (the bytes the load
   // read, hashed where they landed by the files' own layout) and its reduction.
   double fingerprint_files_s = 0;
+};
+
+// Engine::LoadWeights: how a file's tensor names become the model's.
+struct LoadWeightsOptions {
+  // A file's tensor name -> the model's state_dict name; std::nullopt skips
+  // the tensor. Unset: the prefix rule below.
+  std::function<std::optional<std::string>(const std::string&)> name_map;
+  // A name starting with strip_prefix loses it and gains add_prefix (others
+  // are kept as they are); both empty: the names as they are.
+  std::string strip_prefix, add_prefix;
+  // As torch's load_state_dict(strict=...): missing or unexpected names are
+  // an error (naming them all) instead of being returned.
+  bool strict = true;
+};
+
+// What LoadWeights did not match, as torch's _IncompatibleKeys.
+struct LoadWeightsResult {
+  std::vector<std::string> missing_keys;     // the model's names the file lacks, in state_dict order
+  std::vector<std::string> unexpected_keys;  // the file's (mapped) names the model lacks, sorted
 };
 
 struct SaveCheckpointOptions {
@@ -273,6 +293,39 @@ class Engine {
   // Loads <dir>/<tag> (tag "" = what `latest`, or `latest_universal`, names).
   // A missing `latest` is not an error: nothing is loaded and path is "".
   LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "", const LoadCheckpointOptions& options = {});
+
+  // ---- Weights alone (docs/safetensors.md). ----
+  // Loads pretrained weights into the running engine at any stage: a
+  // .safetensors file, a sharded model.safetensors.index.json (Hugging
+  // Face's layout), or a folder holding either. Each rank reads, through a
+  // memory map, only the bytes of the partitions it owns (the whole tensors
+  // at stage 0); the fp32 masters and the model's weights become the file's
+  // values converted to their dtypes (F32, F16, BF16, F64 and the integer
+  // types; frozen parameters and buffers are read whole). Adam's moments
+  // and the counters are left as they are. Names map as `options` says;
+  // a shape that differs is always an error (naming every one). Collective;
+  // not between Backward and Step. Throws FormatError / IoError naming the
+  // file (and the tensor).
+  LoadWeightsResult LoadWeights(const std::string& path, const LoadWeightsOptions& options = {});
+  // DeepSpeed's save_16bit_model: the module's state_dict (tied weights
+  // under each name, persistent buffers) in the model's dtype, written by
+  // rank 0 to <save_dir>/<save_filename>: a safetensors file when the name
+  // ends in ".safetensors" (tied weights stored once, their other names in
+  // its metadata, as safetensors' save_model does), else torch.save's
+  // format. At stage 3 each parameter is gathered, written and freed in
+  // turn, so no rank holds more than one whole parameter; and, as
+  // DeepSpeed, only with zero_optimization.stage3_gather_16bit_weights_on_model_save:
+  // without it nothing is saved and it returns false. Crash-safe (a
+  // temporary file renamed into place). Collective.
+  bool Save16bitModel(const std::string& save_dir, const std::string& save_filename = "pytorch_model.bin",
+                      bool exclude_frozen_parameters = false);
+  // The config's stage3_gather_16bit_weights_on_model_save.
+  bool zero_gather_16bit_weights_on_model_save() const;
+  // DeepSpeed's _zero3_consolidated_16bit_state_dict: on rank 0 the whole
+  // state_dict on the CPU (tied names sharing one tensor), gathered one
+  // parameter at a time; empty on the other ranks. Stage 3 only (else
+  // std::invalid_argument, as DeepSpeed's ValueError). Collective.
+  std::vector<std::pair<std::string, at::Tensor>> Zero3Consolidated16bitStateDict(bool exclude_frozen_parameters = false);
 
   void Train(bool on = true);  // module train/eval mode
   void Eval() { Train(false); }

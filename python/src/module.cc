@@ -3,6 +3,7 @@
 
 #include "py_engine.h"
 #include "script_api.h"
+#include "py_weights.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -161,6 +162,8 @@ PYBIND11_MODULE(_uckpt, m) {
                              })
       // Anything else (parameters(), state_dict(), a model's own attributes) is the module's.
       .def("__getattr__", [](const PyEngine& e, const std::string& name) { return e.module().attr(name.c_str()); });
+
+  uckpt::python::BindWeightsIO(m);
 
   m.def("initialize", &uckpt::python::Initialize, "args"_a = py::none(), "model"_a = py::none(),
         "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),

@@ -104,4 +104,34 @@ uint64_t WriteTorchFile(ByteSink& out, const std::string& path, const ValuePtr& 
   return out.offset() - start;
 }
 
+TorchFileStream::TorchFileStream(const std::string& path, const ValuePtr& root, bool durable)
+    : path_(path), prefix_(ArchiveName(path) + "/") {
+  PickledValue p = PickleForTorch(root);
+  storages_ = std::move(p.storages);
+  out_ = std::make_unique<AtomicFile>(path, durable);
+  zip_ = std::make_unique<ZipWriter>(*out_);
+  zip_->AddRecord(prefix_ + "data.pkl", p.pickle);
+}
+
+TorchFileStream::~TorchFileStream() = default;
+
+void TorchFileStream::WriteNext(std::span<const std::span<const uint8_t>> pieces) {
+  if (next_ >= storages_.size()) throw std::logic_error(path_ + ": more storages written than the pickle holds");
+  uint64_t total = 0;
+  for (auto piece : pieces) total += piece.size();
+  if (total != storages_[next_]->bytes.size())
+    throw FormatError(path_ + ": " + std::to_string(total) + " bytes for storage " + std::to_string(next_) + " of " +
+                      std::to_string(storages_[next_]->bytes.size()));
+  zip_->AddRecord(prefix_ + "data/" + std::to_string(next_), Chunked({pieces.begin(), pieces.end()}));
+  ++next_;
+}
+
+void TorchFileStream::Commit() {
+  if (next_ != storages_.size())
+    throw std::logic_error(path_ + ": " + std::to_string(storages_.size() - next_) + " storages were not written");
+  zip_->AddRecord(prefix_ + "version", std::string("3\n"));
+  zip_->Finish();
+  out_->Commit();
+}
+
 }  // namespace uckpt::ckpt

@@ -15,6 +15,7 @@
 
 #include "format/file.h"
 #include "format/value.h"
+#include "format/zip.h"
 
 namespace uckpt::ckpt {
 
@@ -44,5 +45,30 @@ uint64_t WriteTorchFile(const std::string& path, const ValuePtr& root, const Sto
 // used: the caller owns the file. Returns the bytes written.
 uint64_t WriteTorchFile(ByteSink& out, const std::string& path, const ValuePtr& root, const StoragePieces& pieces = {},
                         const TorchWriteOptions& options = {});
+
+// torch.save of `root` with its storages' bytes supplied one storage at a
+// time (a model saved parameter by parameter, never whole in memory): the
+// pickle at construction, then each storage of storages() in that order
+// (WriteNext), then Commit, which finishes the zip and renames the temporary
+// file into place (AtomicFile). Destroying it uncommitted removes the temporary.
+class TorchFileStream {
+ public:
+  TorchFileStream(const std::string& path, const ValuePtr& root, bool durable = true);
+  ~TorchFileStream();
+  // The storages the pickle references, in the order their bytes are written.
+  const std::vector<std::shared_ptr<Storage>>& storages() const { return storages_; }
+  // The next storage's bytes, `pieces` adding up to its size. Throws
+  // FormatError naming the file on a size mismatch, std::logic_error past the last.
+  void WriteNext(std::span<const std::span<const uint8_t>> pieces);
+  // Throws std::logic_error unless every storage was written.
+  void Commit();
+
+ private:
+  std::string path_, prefix_;
+  std::unique_ptr<AtomicFile> out_;
+  std::unique_ptr<ZipWriter> zip_;
+  std::vector<std::shared_ptr<Storage>> storages_;
+  size_t next_ = 0;
+};
 
 }  // namespace uckpt::ckpt

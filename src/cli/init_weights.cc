@@ -9,6 +9,7 @@
 #include "ckpt/deepspeed_state.h"
 #include "format/error.h"
 #include "format/file.h"
+#include "format/safetensors.h"
 #include "format/torch_file.h"
 #include "engine/torch_bridge.h"
 
@@ -23,39 +24,17 @@ bool IsSafetensors(std::span<const uint8_t> b) {
   return b.size() >= 10 && !(b[0] == 'P' && b[1] == 'K') && b[8] == '{';
 }
 
-std::vector<NamedTensor> LoadSafetensors(const std::string& path, std::span<const uint8_t> b) {
-  uint64_t n = 0;
-  for (int k = 7; k >= 0; --k) n = (n << 8) | b[static_cast<size_t>(k)];
-  if (n > b.size() - 8) throw FormatError(path + ": safetensors header length " + std::to_string(n) + " exceeds the file");
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(b.begin() + 8, b.begin() + 8 + static_cast<std::ptrdiff_t>(n));
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError(path + ": safetensors header is not JSON: " + e.what());
-  }
-  static const std::map<std::string, DType> kTypes = {
-      {"F32", DType::kFloat32}, {"F64", DType::kFloat64}, {"F16", DType::kFloat16}, {"BF16", DType::kBFloat16},
-      {"I64", DType::kInt64},   {"I32", DType::kInt32},   {"I16", DType::kInt16},   {"I8", DType::kInt8},
-      {"U8", DType::kUInt8},    {"BOOL", DType::kBool}};
-  const auto data = b.subspan(8 + n);
+// Every tensor of the file (format/safetensors.h checks the header), viewing the map.
+std::vector<NamedTensor> LoadSafetensors(const std::shared_ptr<const MappedFile>& file) {
+  const SafetensorsFile f = SafetensorsFile::Parse(file);
   std::vector<NamedTensor> out;
-  for (auto& [name, info] : header.items()) {
-    if (name == "__metadata__") continue;
-    try {
-      auto dt = kTypes.find(info.at("dtype").get<std::string>());
-      if (dt == kTypes.end()) throw FormatError(path + ": tensor '" + name + "' has an unsupported dtype");
-      Tensor t;
-      t.dtype = dt->second;
-      t.shape = info.at("shape").get<std::vector<int64_t>>();
-      t.stride = Tensor::ContiguousStrides(t.shape);
-      auto off = info.at("data_offsets").get<std::vector<uint64_t>>();
-      if (off.size() != 2 || off[0] > off[1] || off[1] > data.size() || off[1] - off[0] != t.nbytes())
-        throw FormatError(path + ": tensor '" + name + "' has bad data_offsets");
-      t.storage = Storage::View(data.subspan(off[0], off[1] - off[0]), t.dtype, nullptr);
-      out.push_back({name, ToTorch(t)});
-    } catch (const nlohmann::json::exception& e) {
-      throw FormatError(path + ": tensor '" + name + "': " + e.what());
-    }
+  for (const SafetensorsTensor& st : f.tensors()) {
+    Tensor t;
+    t.dtype = st.dtype;
+    t.shape = st.shape;
+    t.stride = Tensor::ContiguousStrides(t.shape);
+    t.storage = Storage::View(f.Elements(st, 0, st.numel), t.dtype, file);
+    out.push_back({st.name, ToTorch(t)});
   }
   return out;
 }
@@ -76,7 +55,7 @@ ValuePtr FindStateDict(const ValuePtr& root) {
 
 std::vector<NamedTensor> LoadStateDictFile(const std::string& path) {
   auto file = MappedFile::Open(path);
-  if (IsSafetensors(file->bytes())) return LoadSafetensors(path, file->bytes());
+  if (IsSafetensors(file->bytes())) return LoadSafetensors(file);
   TorchFile tf = LoadTorchFile(file);
   ValuePtr sd = FindStateDict(tf.root);
   if (!sd) throw FormatError(path + ": holds a " + KindName(*tf.root) + ", not a state dict");

@@ -327,12 +327,9 @@ void ParseStage3Knobs(Section& s, TrainConfig& c) {
       s.Int(key, ignored);
       note(key, "parsed; uckpt frees a unit's parameters as soon as its forward or backward is done");
     }
-  for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"})
-    if (s.Has(key)) {
-      bool ignored = false;
-      s.Bool(key, ignored);
-      note(key, "parsed; uckpt's checkpoints hold the partitions (use `uckpt export` for whole weights)");
-    }
+  for (const char* key : {"stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                          "stage3_gather_fp16_weights_on_model_save"})
+    if (s.Has(key)) s.Bool(key, z.gather_16bit_weights_on_model_save);
   if (!stage3)
     for (const char* key : {"stage3_param_persistence_threshold", "sub_group_size", "stage3_prefetch_bucket_size",
                             "stage3_max_live_parameters"})
@@ -474,7 +471,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
                  "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
                  "override_module_apply", "pipeline_loading_checkpoint", "model_persistence_threshold",
                  "stage3_model_persistence_threshold", "use_all_reduce_for_fetch_params",
-                 "stage3_use_all_reduce_for_fetch_params", "gather_16bit_weights_on_model_save"});
+                 "stage3_use_all_reduce_for_fetch_params"});
       s->RefuseUnless("load_from_fp32_weights", true);
       s->RefuseUnless("legacy_stage1", false);
       s->RefuseUnless("zero_hpz_partition_size", 1);

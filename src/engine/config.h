@@ -85,6 +85,8 @@ struct ZeroConfig {
   int64_t prefetch_bucket_size = 50000000;   // unit elements all-gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // prefetch only while gathered unit elements stay within this
   bool offload_param_cpu = false;            // stage 3: partitions of the 16-bit parameters in host memory
+  // Stage 3: save_16bit_model gathers and writes the weights (else it saves nothing, as DeepSpeed).
+  bool gather_16bit_weights_on_model_save = false;
 };
 
 struct TrainConfig {

@@ -1,0 +1,92 @@
+// Weights alone on the Python engine (docs/python.md, "Weights"): DeepSpeed's
+// save_16bit_model, save_fp16_model, zero_gather_16bit_weights_on_model_save
+// and _zero3_consolidated_16bit_state_dict, and uckpt's load_weights (a
+// safetensors file or index into the running engine, partitioned).
+#include "py_weights.h"
+
+#include "py_values.h"
+
+namespace uckpt::python {
+
+namespace {
+
+using namespace pybind11::literals;
+
+// Engine::LoadWeights; returns torch's _IncompatibleKeys(missing_keys, unexpected_keys).
+py::object LoadWeights(PyEngine& e, py::object path, py::object name_map, bool strict, const std::string& strip_prefix,
+                       const std::string& add_prefix) {
+  LoadWeightsOptions o;
+  o.strict = strict;
+  o.strip_prefix = strip_prefix;
+  o.add_prefix = add_prefix;
+  if (!name_map.is_none()) {
+    if (!PyCallable_Check(name_map.ptr()))
+      throw py::type_error("load_weights: name_map must be a callable (file name -> model name or None)");
+    if (!strip_prefix.empty() || !add_prefix.empty())
+      throw py::value_error("load_weights: give name_map or strip_prefix/add_prefix, not both");
+    o.name_map = [name_map](const std::string& name) -> std::optional<std::string> {
+      py::object to = name_map(name);
+      if (to.is_none()) return std::nullopt;
+      if (!py::isinstance<py::str>(to))
+        throw std::invalid_argument("load_weights: name_map('" + name + "') returned a " +
+                                    std::string(py::str(to.get_type().attr("__name__"))) + ", not a str or None");
+      return to.cast<std::string>();
+    };
+  }
+  const std::string p = FsPath(path, "load_weights: path");
+  LoadWeightsResult r;
+  if (o.name_map) {
+    r = e.engine().LoadWeights(p, o);  // the map is Python: keep the GIL
+  } else {
+    py::gil_scoped_release no_gil;
+    r = e.engine().LoadWeights(p, o);
+  }
+  py::object keys = py::module_::import("torch.nn.modules.module").attr("_IncompatibleKeys");
+  return keys("missing_keys"_a = py::cast(r.missing_keys), "unexpected_keys"_a = py::cast(r.unexpected_keys));
+}
+
+bool Save16bitModel(PyEngine& e, py::object save_dir, py::object save_filename, bool exclude_frozen) {
+  const std::string dir = FsPath(save_dir, "save_16bit_model: save_dir");
+  const std::string name = FsPath(save_filename, "save_16bit_model: save_filename");
+  py::gil_scoped_release no_gil;
+  return e.engine().Save16bitModel(dir, name, exclude_frozen);
+}
+
+py::object Consolidated(PyEngine& e, bool exclude_frozen) {
+  std::vector<std::pair<std::string, at::Tensor>> sd;
+  {
+    py::gil_scoped_release no_gil;
+    sd = e.engine().Zero3Consolidated16bitStateDict(exclude_frozen);
+  }
+  if (e.engine().rank() != 0) return py::none();
+  py::object dict = py::module_::import("collections").attr("OrderedDict")();
+  for (const auto& [name, t] : sd) dict[py::str(name)] = py::cast(t);  // tied names: one tensor object
+  return dict;
+}
+
+// Adds `f` to the class as method `name` (what class_::def does).
+template <typename F, typename... Extra>
+void AddMethod(py::object cls, const char* name, F&& f, const Extra&... extra) {
+  py::cpp_function fn(std::forward<F>(f), py::name(name), py::is_method(cls),
+                      py::sibling(py::getattr(cls, name, py::none())), extra...);
+  py::setattr(cls, name, fn);
+}
+
+}  // namespace
+
+void BindWeightsIO(py::module_& m) {
+  py::object cls = m.attr("Engine");
+  AddMethod(cls, "load_weights", &LoadWeights, "path"_a, "name_map"_a = py::none(), "strict"_a = true,
+            "strip_prefix"_a = "", "add_prefix"_a = "");
+  AddMethod(cls, "save_16bit_model", &Save16bitModel, "save_dir"_a, "save_filename"_a = "pytorch_model.bin",
+            "exclude_frozen_parameters"_a = false);
+  AddMethod(
+      cls, "save_fp16_model",
+      [](PyEngine& e, py::object dir, py::object name) { return Save16bitModel(e, dir, name, false); }, "save_dir"_a,
+      "save_filename"_a = "pytorch_model.bin");
+  AddMethod(cls, "zero_gather_16bit_weights_on_model_save",
+            [](const PyEngine& e) { return e.engine().zero_gather_16bit_weights_on_model_save(); });
+  AddMethod(cls, "_zero3_consolidated_16bit_state_dict", &Consolidated, "exclude_frozen_parameters"_a = false);
+}
+
+}  // namespace uckpt::python
