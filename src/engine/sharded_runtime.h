@@ -1,6 +1,6 @@
 // The sharded runtime: what one rank runs of ZeRO data parallelism, behind
-// one interface that stages 0-2 (zero_optimizer.h: flat group buffers) and
-// stage 3 (zero3.h: every parameter partitioned on its own) implement.
+// one interface that stages 0-2 (flat_runtime.h: flat group buffers) and
+// stage 3 (zero3_runtime.h: every parameter partitioned on its own) implement.
 //
 // Its centre is the list of partition slots this rank owns: each an fp32
 // master with Adam's moments and step (PartitionState) and the elements of

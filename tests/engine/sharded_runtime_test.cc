@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "engine/grad_numerics.h"
-#include "engine/zero3.h"
-#include "engine/zero_optimizer.h"
+#include "engine/zero3_runtime.h"
+#include "engine/flat_runtime.h"
 #include "uckpt/comm.h"
 
 namespace uckpt::engine {

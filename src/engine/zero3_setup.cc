@@ -1,5 +1,5 @@
 // Stage 3's part of the sharded runtime's construction (sharded_runtime.cc):
-// parameters sorted into gather units, partitioned (engine/zero3.h).
+// parameters sorted into gather units, partitioned (engine/zero3_runtime.h).
 #include <map>
 #include <set>
 #include <stdexcept>

@@ -21,7 +21,7 @@
 // The pieces: gather units with their lifecycle, the parameters' storage and
 // the prefetch schedule (zero3_unit.h); the gradient buckets and their
 // reduce-scatters (zero3_reduce.h); the unit calls and autograd hooks that
-// drive them (zero3_hooks.cc); the step (this class, zero3.cc).
+// drive them (zero3_hooks.cc); the step (this class, zero3_runtime.cc).
 // Overlap: entering a unit starts the all-gathers of the units after it (in
 // backward: before it) up to stage3_prefetch_bucket_size elements ahead,
 // while the gathered unit elements stay within stage3_max_live_parameters;
@@ -43,7 +43,7 @@
 #include "engine/sharded_runtime.h"
 #include "engine/zero3_reduce.h"
 #include "engine/zero3_unit.h"
-#include "engine/zero_optimizer.h"
+#include "engine/flat_runtime.h"
 #include "uckpt/comm.h"
 
 namespace uckpt::engine {

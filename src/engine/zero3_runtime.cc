@@ -1,4 +1,4 @@
-#include "engine/zero3.h"
+#include "engine/zero3_runtime.h"
 
 #include <c10/core/GradMode.h>
 

@@ -1,4 +1,4 @@
-#include "engine/zero_optimizer.h"
+#include "engine/flat_runtime.h"
 
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
