@@ -220,9 +220,9 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
   std::vector<ckpt::AdamState> states;
   std::vector<ckpt::AdamHparams> hparams;
   std::vector<std::vector<int64_t>> ids(e.groups.size());
-  const FlatRuntime& z = *e.runtime->flat();
+  const std::vector<PartitionSlot> slots = e.runtime->Slots();  // one per group
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const PartitionState& s = z.state(g);
+    const PartitionState& s = *slots.at(g).state;
     std::shared_ptr<Storage> avg, sq;
     if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
     int64_t at = 0;
@@ -241,10 +241,9 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
 // views saves them), frozen parameters whole, each also as its flattened
 // fragment (a view of the module entry's storage).
 ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
-  const FlatRuntime& z = *e.runtime->flat();
   std::map<std::string, ValuePtr> params;
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const at::Tensor weights = z.model_flat(g);
+    const at::Tensor weights = e.runtime->group_weights(g);
     auto flat = StorageOf(weights);
     int64_t off = 0;
     for (const auto& p : e.groups[g]) {

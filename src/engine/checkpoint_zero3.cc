@@ -12,6 +12,7 @@
 #include "ckpt/deepspeed_state.h"
 #include "engine/checkpoint.h"
 #include "engine/engine_impl.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {

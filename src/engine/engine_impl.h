@@ -10,14 +10,13 @@
 #include "engine/config.h"
 #include "engine/lr_schedule.h"
 #include "engine/sharded_runtime.h"
-#include "engine/zero3_runtime.h"
-#include "engine/flat_runtime.h"
 #include "uckpt/engine.h"
 
 namespace uckpt {
 
 namespace engine {
 class CheckpointWriter;  // async_save.h
+class Zero3Runtime;      // zero3_runtime.h
 }
 
 struct NamedParam {

@@ -41,9 +41,9 @@
 #include "engine/config.h"
 #include "engine/loss_scaler.h"
 #include "engine/sharded_runtime.h"
+#include "engine/flat_runtime.h"
 #include "engine/zero3_reduce.h"
 #include "engine/zero3_unit.h"
-#include "engine/flat_runtime.h"
 #include "uckpt/comm.h"
 
 namespace uckpt::engine {
@@ -65,20 +65,6 @@ struct Zero3Settings {
   bool offload_param_cpu = false;  // the 16-bit partitions in host memory
   int64_t prefetch_bucket_size = 50000000;   // unit elements gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // cap on gathered unit elements for prefetching
-};
-
-// What stage 3's gathers and reduce-scatters did (Zero3Runtime::stats()).
-// Gathered elements count unit parameters only (the root unit and persistent
-// parameters stay gathered) and start at the first EnterUnit.
-struct Zero3Stats {
-  int64_t gathered_elements = 0;       // unit elements gathered or being gathered now
-  int64_t peak_gathered_elements = 0;  // the most at once
-  int64_t unit_gathers = 0;            // all-gathers of units (prefetched ones included)
-  int64_t prefetched_gathers = 0;      // of them, started before their unit was entered
-  int64_t unused_prefetches = 0;       // prefetched units dropped before being entered
-  int64_t reduce_buckets = 0;          // reduce-scatters of gradient buckets
-  int64_t overlapped_buckets = 0;      // of them, started during backward and left running (overlap_comm)
-  double reduce_tail_s = 0;            // timing on: FinishBackward (final bucket, waits), device synchronised
 };
 
 // One trainable parameter under stage 3.
@@ -130,7 +116,6 @@ class Zero3Runtime : public ShardedRuntime {
   int num_units() const { return static_cast<int>(units_.size()); }
   bool partitions_parameters() const override { return true; }
   size_t num_gather_units() const override { return units_.size(); }
-  Zero3Runtime* stage3() override { return this; }
 
   // The unit calls (Engine::EnterUnit/ExitUnit): gather/free plus the
   // autograd identities that wire the backward side.
@@ -153,7 +138,7 @@ class Zero3Runtime : public ShardedRuntime {
   // The gather units: their states, for tests and diagnostics.
   const UnitSchedule& units() const { return units_; }
   // Times FinishBackward, synchronising the device (UCKPT_TIMERS).
-  void set_timing(bool on) { timing_ = on; }
+  void set_timing(bool on) override { timing_ = on; }
 
   void PrepareBackward() override {}
   // After loss.backward(): the gradients not reduced yet (the root unit's),

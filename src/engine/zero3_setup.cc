@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "engine/engine_impl.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {

@@ -8,6 +8,7 @@
 
 #include "engine/config.h"
 #include "engine/engine_impl.h"
+#include "engine/flat_runtime.h"
 #include "models/gpt2.h"
 #include "cli/trainer.h"
 
@@ -51,8 +52,10 @@ inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& r
   return o;
 }
 
-// The stage 0-2 optimizer behind a Trainer's engine: tests reach into the
-// engine's state (engine_impl.h), `uckpt train` does not.
-inline const FlatRuntime& ZeroOf(Trainer& t) { return *t.engine().impl().runtime->flat(); }
+// The stage 0-2 runtime behind a Trainer's engine: tests reach into the
+// engine's state (engine_impl.h), `uckpt train` does not. Typed, for what
+// only flat buffers have (their layout, the overlapped reducer); throws
+// std::bad_cast at stage 3.
+inline const FlatRuntime& ZeroOf(Trainer& t) { return dynamic_cast<const FlatRuntime&>(*t.engine().impl().runtime); }
 
 }  // namespace uckpt::engine::testing
