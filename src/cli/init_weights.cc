@@ -12,7 +12,7 @@
 #include "format/torch_file.h"
 #include "engine/torch_bridge.h"
 
-namespace uckpt::engine {
+namespace uckpt::cli {
 
 using models::NamedTensor;
 
@@ -116,4 +116,4 @@ void CopyStateDict(const std::vector<NamedTensor>& state, const std::vector<Name
   if (!unknown.empty()) throw FormatError(source + ": tensors the model does not have: " + unknown);
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

@@ -16,7 +16,12 @@
 #include "engine/torch_bridge.h"
 #include "cli/init_weights.h"
 
-namespace uckpt::engine {
+namespace uckpt::cli {
+
+using engine::SyntheticSource;
+using engine::TokenFileSource;
+using engine::TokenSource;
+
 namespace {
 
 std::unique_ptr<TokenSource> MakeTokenSource(const TrainOptions& o) {
@@ -352,4 +357,4 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   return 0;
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

@@ -14,6 +14,9 @@
 
 namespace uckpt::engine::testing {
 
+using cli::TrainOptions;
+using cli::Trainer;
+
 inline std::string RefrunDir() { return std::string(UCKPT_SHARED) + "/fixtures/refrun-gpt2"; }
 
 inline nlohmann::json ReadJson(const std::string& path) {

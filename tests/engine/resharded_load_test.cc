@@ -21,6 +21,10 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::StepMetrics;
+using cli::TrainOptions;
+using cli::Trainer;
+
 namespace fs = std::filesystem;
 using testing::RunRanks;
 

@@ -25,6 +25,10 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::StepMetrics;
+using cli::TrainOptions;
+using cli::Trainer;
+
 using testing::ReadJson;
 using testing::RefrunDir;
 using testing::RunRanks;
