@@ -209,9 +209,8 @@ namespace {
 ckpt::AdamState AdamStateOf(const PartitionState& s, const std::shared_ptr<Storage>& avg,
                             const std::shared_ptr<Storage>& sq, std::vector<int64_t> shape, int64_t offset) {
   if (!s.step.defined()) return {};
-  return {{"step", TensorValue(s.step)},
-          {"exp_avg", View(avg, DType::kFloat32, shape, offset)},
-          {"exp_avg_sq", View(sq, DType::kFloat32, shape, offset)}};
+  return ckpt::AdamStateValue(TensorValue(s.step), View(avg, DType::kFloat32, shape, offset),
+                              View(sq, DType::kFloat32, shape, offset));
 }
 
 // Stage 0: torch Adam's own state_dict, one state per parameter, numbered
@@ -288,7 +287,7 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
     // The lean fp32 partition: a view of the padded one, padding cut off.
     gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {real}, 0, /*requires_grad=*/true);
     if (s.step.defined())
-      gs.adam = {{"step", TensorValue(s.step)}, {"exp_avg", TensorValue(s.exp_avg)}, {"exp_avg_sq", TensorValue(s.exp_avg_sq)}};
+      gs.adam = ckpt::AdamStateValue(TensorValue(s.step), TensorValue(s.exp_avg), TensorValue(s.exp_avg_sq));
     gs.hparams = SavedHparams(e, slot.group);
     r.groups.push_back(std::move(gs));
   }

@@ -53,7 +53,7 @@ ValuePtr Zero3OptimStates(const Engine::Impl& e) {
     ckpt::Stage3SubGroupState s;
     s.fp32 = TensorValue(st.master, /*requires_grad=*/true);
     if (st.step.defined())
-      s.adam = {{"step", TensorValue(st.step)}, {"exp_avg", TensorValue(st.exp_avg)}, {"exp_avg_sq", TensorValue(st.exp_avg_sq)}};
+      s.adam = ckpt::AdamStateValue(TensorValue(st.step), TensorValue(st.exp_avg), TensorValue(st.exp_avg_sq));
     ids[slot.group].push_back(static_cast<int64_t>(r.sub_groups.size()));
     r.sub_groups.push_back(std::move(s));
   }
