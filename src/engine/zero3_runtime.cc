@@ -80,17 +80,12 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
 at::Tensor Zero3Runtime::GlobalNorm(bool* finite) {
   std::vector<at::Tensor> group_norms;
   for (const Zero3SubGroup& sg : subs_) {
-    std::vector<at::Tensor> norms;
-    for (size_t i : sg.params) {
-      const Zero3Param& p = params_[i];
-      at::Tensor g = sg.grad.narrow(0, p.offset, p.partition_size);
-      // Under offload the fp64 norm is taken where the gradient lives, not
-      // after copying every partition back to the device.
-      norms.push_back(g.device().is_cpu() && !device_.is_cpu()
-                          ? at::scalar_tensor(std::sqrt(SumOfSquares(g)), at::kDouble)
-                          : g.to(device_).to(at::kDouble).norm(2));
-    }
-    group_norms.push_back(GroupGradNorm(comm_, norms, at::kDouble, device_, dp() > 1));
+    std::vector<GradPiece> pieces;
+    for (size_t i : sg.params) pieces.push_back({params_[i].offset, params_[i].partition_size});
+    // Each partition converted on its own (span 0); under offload measured
+    // where the gradient lives, not after copying it back to the device.
+    const at::Tensor norms = PieceNorms(sg.grad, pieces, device_, /*span_elements=*/0);
+    group_norms.push_back(GroupGradNormStacked(comm_, norms, at::kDouble, device_, dp() > 1));
   }
   return GlobalGradNorm(group_norms, finite);
 }

@@ -74,17 +74,33 @@ TEST(GradNumerics, OverflowIsAnInfOrNanInAnyGradient) {
 
 TEST(GradNumerics, GlobalNormIsTheNormOfTheGroupsNorms) {
   auto comm = MakeSingleProcessComm();
-  const auto fp64 = [](double v) { return at::scalar_tensor(v, at::kDouble); };
-  const at::Tensor a = GroupGradNorm(*comm, {fp64(3), fp64(4)}, at::kFloat, at::kCPU, false);
+  const auto fp64 = [](std::vector<double> v) { return at::tensor(v, at::kDouble); };
+  const at::Tensor a = GroupGradNormStacked(*comm, fp64({3, 4}), at::kFloat, at::kCPU, false);
   EXPECT_EQ(a.scalar_type(), at::kFloat);
   EXPECT_EQ(a.item<float>(), 5.0f);
-  const at::Tensor b = GroupGradNorm(*comm, {fp64(12)}, at::kFloat, at::kCPU, true);
+  const at::Tensor b = GroupGradNormStacked(*comm, fp64({12}), at::kFloat, at::kCPU, true);
   bool finite = false;
   EXPECT_EQ(GlobalGradNorm({a, b}, &finite).item<float>(), 13.0f);
   EXPECT_TRUE(finite);
   GlobalGradNorm({a, at::scalar_tensor(std::numeric_limits<float>::infinity())}, &finite);
   EXPECT_FALSE(finite);
-  EXPECT_EQ(GroupGradNorm(*comm, {}, at::kDouble, at::kCPU, false).item<double>(), 0.0);
+  EXPECT_EQ(GroupGradNormStacked(*comm, fp64({}), at::kDouble, at::kCPU, false).item<double>(), 0.0);
+}
+
+// Both stages' per-piece norms: each piece's fp64 2-norm, the same whether
+// pieces are converted to fp64 together (stages 1/2) or one by one (stage 3).
+TEST(GradNumerics, PieceNormsAreEachPiecesFp64NormForAnySpan) {
+  const at::Tensor grad = at::randn({40}, at::kFloat);
+  const std::vector<GradPiece> pieces = {{0, 7}, {7, 3}, {12, 20}, {35, 5}};
+  const at::Tensor one_by_one = PieceNorms(grad, pieces, at::kCPU, 0);
+  ASSERT_EQ(one_by_one.numel(), 4);
+  EXPECT_EQ(one_by_one.scalar_type(), at::kDouble);
+  for (size_t i = 0; i < pieces.size(); ++i)
+    EXPECT_EQ(one_by_one[i].item<double>(),
+              at::norm(grad.narrow(0, pieces[i].offset, pieces[i].numel).to(at::kDouble), 2).item<double>());
+  EXPECT_TRUE(at::equal(PieceNorms(grad, pieces, at::kCPU, 40), one_by_one));
+  EXPECT_TRUE(at::equal(PieceNorms(grad, pieces, at::kCPU, 12), one_by_one));
+  EXPECT_EQ(PieceNorms(grad, {}, at::kCPU, 40).numel(), 0);
 }
 
 // DeepSpeed's unscale_and_clip_grads: 1 / (scale * max(1, (norm/scale + 1e-6) / clip)).
