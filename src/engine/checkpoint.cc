@@ -166,6 +166,10 @@ ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, Val
   for (const auto& b : e.buffers) params.emplace(b.name, TensorValue(b.tensor));
   for (const auto& [alias, owner] : e.aliases) params[alias] = params.at(owner);
   for (const auto& name : e.state_names) m.module.emplace_back(name, params.at(name));
+  for (const PartitionSlot& slot : e.runtime->Slots()) {  // per group (stage 3: per sub-group)
+    m.param_shapes.emplace_back();
+    for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
+  }
   m.module_prefixes = e.module_prefixes;
   for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
   m.shared_params = e.aliases;
@@ -254,10 +258,6 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
   std::vector<std::pair<std::string, const Tensor*>> frozen;
   for (const auto& p : e.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
-  for (const auto& g : e.groups) {
-    m.param_shapes.emplace_back();
-    for (const auto& p : g) m.param_shapes.back().push_back({p.name, p.tensor.sizes().vec()});
-  }
   for (const auto& [name, whole] : frozen) {
     m.frozen_shapes.push_back({name, whole->shape});
     m.frozen.emplace_back(name, View(whole->storage, whole->dtype, {whole->numel()}, 0));

@@ -27,10 +27,6 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, std::vector<std::pair<std::stri
     for (const auto& p : g) params[p.name] = empty(p.tensor);
   for (const auto& p : e.frozen) params[p.name] = empty(p.tensor);
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
-  for (const PartitionSlot& slot : e.runtime->Slots()) {  // one per sub-group
-    m.param_shapes.emplace_back();
-    for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
-  }
   // Frozen parameters: this rank's slot in frozen_param_fragments, as
   // DeepSpeed's ZeRO-3 saves them (the load puts them together).
   const int dp = e.runtime->partition_dp(), rank = e.runtime->partition_rank();

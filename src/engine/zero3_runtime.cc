@@ -187,16 +187,4 @@ std::vector<size_t> Zero3Runtime::IndicesOf(const std::vector<at::Tensor>& ts) c
   return out;
 }
 
-at::Tensor Zero3Runtime::GatherWhole(size_t i) {
-  c10::NoGradGuard no_grad;
-  const Zero3Param& p = params_.at(i);
-  at::Tensor in = p.partition.to(device_);
-  at::Tensor all = in;
-  if (dp() > 1) {
-    all = at::empty({p.partition_size * dp()}, in.options());
-    comm_.AllGather(in, all);
-  }
-  return all.narrow(0, 0, p.numel).view(p.tensor.sizes()).clone();
-}
-
 }  // namespace uckpt::engine

@@ -133,8 +133,7 @@ class Zero3Runtime : public ShardedRuntime {
   // re-partitions them; -1: those staying whole are gathered again from the
   // partitions (writes discarded).
   void ReleaseSome(const std::vector<size_t>& ps, int modifier_rank);
-  bool IsGathered(const Zero3Param& p) const { return p.live > 0; }
-  Zero3Stats stats() const;
+  Zero3Stats stats() const override;
   // The gather units: their states, for tests and diagnostics.
   const UnitSchedule& units() const { return units_; }
   // Times FinishBackward, synchronising the device (UCKPT_TIMERS).
@@ -154,9 +153,6 @@ class Zero3Runtime : public ShardedRuntime {
   void WeightsFromMasters() override;
   // The fp32 masters from the 16-bit partitions.
   void MastersFromWeights() override;
-  // Whole parameter p (model dtype, on the model's device) from every rank's
-  // partition: one all-gather, collective.
-  at::Tensor GatherWhole(size_t p);
 
   // For the backward identities (zero3_hooks.cc).
   void BackwardGather(size_t unit);
