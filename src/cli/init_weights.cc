@@ -52,7 +52,7 @@ std::vector<NamedTensor> LoadSafetensors(const std::string& path, std::span<cons
       if (off.size() != 2 || off[0] > off[1] || off[1] > data.size() || off[1] - off[0] != t.nbytes())
         throw FormatError(path + ": tensor '" + name + "' has bad data_offsets");
       t.storage = Storage::View(data.subspan(off[0], off[1] - off[0]), t.dtype, nullptr);
-      out.push_back({name, ToTorch(t)});
+      out.push_back({name, engine::ToTorch(t)});
     } catch (const nlohmann::json::exception& e) {
       throw FormatError(path + ": tensor '" + name + "': " + e.what());
     }
@@ -84,7 +84,7 @@ std::vector<NamedTensor> LoadStateDictFile(const std::string& path) {
   for (const auto& [k, v] : sd->entries) {
     if (k->kind != Kind::kStr || !v || !v->tensor || (v->kind != Kind::kTensor && v->kind != Kind::kParameter))
       continue;
-    out.push_back({k->s, ToTorch(*v->tensor)});
+    out.push_back({k->s, engine::ToTorch(*v->tensor)});
   }
   if (out.empty()) throw FormatError(path + ": holds no tensors named by strings (not a state dict)");
   return out;

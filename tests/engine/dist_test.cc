@@ -16,6 +16,7 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::LoadStateDictFile;
 using cli::StepMetrics;
 using cli::TrainOptions;
 using cli::Trainer;

@@ -11,6 +11,7 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::LoadStateDictFile;
 using cli::StepMetrics;
 using cli::TrainOptions;
 using cli::Trainer;

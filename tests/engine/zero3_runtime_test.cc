@@ -25,6 +25,7 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::LoadStateDictFile;
 using cli::StepMetrics;
 using cli::TrainOptions;
 using cli::Trainer;
