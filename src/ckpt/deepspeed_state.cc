@@ -90,8 +90,8 @@ const Tensor* TensorKey(const ValuePtr& dict, const std::string& key, const std:
 
 AdamStateView ReadAdamState(const ValuePtr& state, const std::string& where) {
   AdamStateView a;
-  a.exp_avg = TensorKey(state, "exp_avg", where);
-  a.exp_avg_sq = TensorKey(state, "exp_avg_sq", where);
+  a.exp_avg = TensorKey(state, kExpAvg, where);
+  a.exp_avg_sq = TensorKey(state, kExpAvgSq, where);
   a.step = ScalarOf(Key(state, "step", where), where + ".step");
   return a;
 }
@@ -111,6 +111,10 @@ std::map<int64_t, ValuePtr> StatesById(const ValuePtr& states, const std::string
 }
 
 }  // namespace
+
+AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq) {
+  return {{"step", std::move(step)}, {kExpAvg, std::move(exp_avg)}, {kExpAvgSq, std::move(exp_avg_sq)}};
+}
 
 double ScalarOf(const ValuePtr& v, const std::string& where) {
   if (v && (v->kind == Kind::kFloat || (v->kind == Kind::kInt && v->big.empty()))) return Number(v, where);
@@ -398,6 +402,63 @@ ValuePtr ModuleStateDictOf(const ValuePtr& root) {
   return module && module->is_dict() ? module : nullptr;
 }
 
+ModuleEntriesView ReadModuleEntries(const ValuePtr& root, const std::string& path) {
+  ModuleEntriesView v;
+  if (ValuePtr bn = root->get("buffer_names"); bn && bn->is_seq())
+    for (const auto& b : bn->items)
+      if (b && b->kind == Kind::kStr) v.buffer_names.insert(b->s);
+  if (ValuePtr sp = root->get("shared_params"); sp && sp->is_dict())
+    for (const auto& [alias, owner] : NamedEntries(sp, path + ": shared_params"))
+      v.shared_params.emplace_back(alias, AsStr(owner, path + ": shared_params['" + alias + "']"));
+  ValuePtr module = root->get("module");
+  if (IsNone(module)) return v;
+  v.module = module;
+  ValuePtr frozen_shapes = root->get("frozen_param_shapes");
+  if (IsNone(frozen_shapes)) return v;
+  v.frozen_shapes.emplace();
+  for (const auto& [name, shape] : NamedEntries(frozen_shapes, path + ": frozen_param_shapes"))
+    v.frozen_shapes->push_back({name, AsShape(shape, path + ": frozen_param_shapes['" + name + "']")});
+  return v;
+}
+
+ValuePtr ReadFrozenFragment(const ValuePtr& root, const std::string& name, const std::string& path) {
+  return Need(Need(root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments");
+}
+
+ModelStatesRun ReadModelStatesRun(const ValuePtr& root) {
+  ModelStatesRun r;
+  if (!root || !root->is_dict()) return r;
+  auto int_of = [&](const char* key, std::optional<int64_t>& out) {
+    if (ValuePtr v = root->get(key); v && v->kind == Kind::kInt) out = v->i;
+  };
+  int_of("dp_world_size", r.dp_world_size);
+  int_of("mp_world_size", r.mp_world_size);
+  int_of("global_steps", r.global_steps);
+  return r;
+}
+
+ValuePtr ReadSavedConfig(const ValuePtr& root) { return root ? root->get("ds_config") : nullptr; }
+
+ValuePtr RequiredModule(const ValuePtr& root, const std::string& path) { return Need(root, "module", path); }
+
+std::optional<std::vector<Stage0OptimizerEntry>> ReadStage0OptimizerEntries(const ValuePtr& root,
+                                                                            const std::string& path) {
+  ValuePtr opt = root->get("optimizer");
+  if (!opt || !opt->is_dict()) return std::nullopt;
+  ValuePtr state = Need(opt, "state", path + ": optimizer");
+  if (!state->is_dict()) Fail(path + ": optimizer.state", "is not a dict");
+  AsList(Need(opt, "param_groups", path + ": optimizer"), path + ": optimizer.param_groups");
+  std::vector<Stage0OptimizerEntry> out;
+  for (const auto& [key, st] : state->entries) {
+    Stage0OptimizerEntry e{path + ": optimizer.state[" + std::to_string(out.size()) + "]", {}};
+    if (!st || !st->is_dict()) Fail(e.where, "is not a dict");
+    for (const auto& [skey, sv] : st->entries)
+      if (sv && sv->tensor) e.tensors.emplace_back(skey && skey->kind == Kind::kStr ? skey->s : "?", sv->tensor.get());
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
 ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::vector<AdamHparams>& groups,
                               const std::vector<std::vector<int64_t>>& group_params) {
   ValuePtr state = Value::Dict();
@@ -598,6 +659,17 @@ ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& 
   ValuePtr bos = Need(osd, "base_optimizer_state", path + ": optimizer_state_dict");
   out->set("param_groups", Need(bos, "param_groups", path + ": optimizer_state_dict.base_optimizer_state"));
   return out;
+}
+
+ValuePtr ReadOptimStatesLossScaler(const ValuePtr& root, const std::string& path) {
+  return Need(root, "optimizer_state_dict", path)->get("loss_scaler");
+}
+
+std::optional<double> ReadLossScale(const ValuePtr& v) {
+  if (!v || v->kind != Kind::kObject || !v->state || !v->state->is_dict()) return std::nullopt;
+  ValuePtr s = v->state->get("cur_scale");
+  if (!s) return std::nullopt;
+  return ScalarOf(s, "loss_scaler.cur_scale");
 }
 
 UniversalOptimizerStateView ReadUniversalOptimizerStateValue(const ValuePtr& root, const std::string& path) {

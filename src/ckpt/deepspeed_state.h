@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -92,6 +93,10 @@ FragmentAddress ReadFragmentAddress(const ValuePtr& v, const std::string& where)
 // Adam's per-element state of one flat partition or parameter: step (0-d),
 // exp_avg, exp_avg_sq; empty before the first step.
 using AdamState = std::vector<std::pair<std::string, ValuePtr>>;
+// Its moments' keys (torch's, as DeepSpeed and the universal folders name them).
+inline constexpr const char* kExpAvg = "exp_avg";
+inline constexpr const char* kExpAvgSq = "exp_avg_sq";
+AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq);
 // Adam's state of one partition or parameter, read back.
 struct AdamStateView {
   const Tensor* exp_avg = nullptr;
@@ -146,6 +151,42 @@ bool IsModelStatesKey(const std::string& key);
 // The module state dict of a model-states file (its `module`); null when
 // `root` is no DeepSpeed model-states dict.
 ValuePtr ModuleStateDictOf(const ValuePtr& root);
+
+// What a model-states file says of the module's entries (export): which are
+// buffers, which are tied aliases, and the frozen parameters as recorded.
+struct ModuleEntriesView {
+  ValuePtr module;                        // the state dict; null when None
+  std::set<std::string> buffer_names;
+  std::vector<std::pair<std::string, std::string>> shared_params;  // alias -> owner
+  // frozen_param_shapes; nullopt when None (stage 1, BF16_Optimizer: frozen
+  // parameters exist only in `module`).
+  std::optional<std::vector<NamedShape>> frozen_shapes;
+};
+ModuleEntriesView ReadModuleEntries(const ValuePtr& root, const std::string& path);
+// Stage 2's flattened copy of frozen parameter `name` (frozen_param_fragments[name]).
+ValuePtr ReadFrozenFragment(const ValuePtr& root, const std::string& name, const std::string& path);
+
+// The run a model-states file says it belongs to, each field when present as an int.
+struct ModelStatesRun {
+  std::optional<int64_t> dp_world_size, mp_world_size, global_steps;
+};
+ModelStatesRun ReadModelStatesRun(const ValuePtr& root);
+
+// The DeepSpeed config a model-states file records (ds_config); null when absent.
+ValuePtr ReadSavedConfig(const ValuePtr& root);
+
+// The module state dict a file must have (`module`); FormatError naming the file otherwise.
+ValuePtr RequiredModule(const ValuePtr& root, const std::string& path);
+
+// Stage 0's `optimizer` (torch's optimizer state_dict) as it is, for checks
+// (verify): each state entry's tensors by key, in file order. FormatError
+// naming the place when it or an entry is not a dict.
+struct Stage0OptimizerEntry {
+  std::string where;  // "<file>: optimizer.state[<k>]"
+  std::vector<std::pair<std::string, const Tensor*>> tensors;
+};
+// Null (no optimizer dict: not a stage-0 file) or the entries.
+std::optional<std::vector<Stage0OptimizerEntry>> ReadStage0OptimizerEntries(const ValuePtr& root, const std::string& path);
 
 // Stage 0's `optimizer`: torch Adam's state_dict: `states[i]` of parameter i
 // (numbered over all groups), `group_params[g]` the ids of group g.
@@ -224,6 +265,10 @@ struct RankOptimView {
   ValuePtr loss_scaler;          // for ReadLossScaler; null in BF16_Optimizer's files
 };
 RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path);        // stage 1/2
+// The loss scaler an optimizer file (either stage) holds; null when none (BF16_Optimizer).
+ValuePtr ReadOptimStatesLossScaler(const ValuePtr& root, const std::string& path);
+// A pickled loss scaler's current scale; nullopt when `v` is none or has none.
+std::optional<double> ReadLossScale(const ValuePtr& v);
 RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string& path);  // stage 3
 
 // ---- A universal folder's zero/optimizer_state.pt ----

@@ -71,22 +71,16 @@ class Collector {
   void AddModelTensors(const TorchFile& model, const std::set<std::string>& trainable, int stage,
                        const std::vector<TorchFile>& rank_models, int dp) {
     const std::string path = model.file->path();
-    ValuePtr module = model.root->get("module");
-    std::set<std::string> buffers;
-    if (ValuePtr bn = model.root->get("buffer_names"); bn && bn->is_seq())
-      for (const auto& b : bn->items)
-        if (b && b->kind == Kind::kStr) buffers.insert(b->s);
-    if (ValuePtr sp = model.root->get("shared_params"); sp && sp->is_dict())
-      for (const auto& [alias, owner] : NamedEntries(sp, path + ": shared_params"))
-        aliases_.emplace_back(alias, AsStr(owner, path + ": shared_params['" + alias + "']"));
+    const ModuleEntriesView m = ReadModuleEntries(model.root, path);
+    const std::set<std::string>& buffers = m.buffer_names;
+    aliases_.insert(aliases_.end(), m.shared_params.begin(), m.shared_params.end());
     std::set<std::string> alias_names;
     for (const auto& a : aliases_) alias_names.insert(a.first);
-    if (IsNone(module)) return;
-    auto entries = NamedEntries(module, path + ": module");
+    if (!m.module) return;
+    auto entries = NamedEntries(m.module, path + ": module");
     for (const auto& [name, v] : entries)
       if (buffers.count(name)) AddTensor(name, v, path + ": module['" + name + "']");
-    ValuePtr frozen_shapes = model.root->get("frozen_param_shapes");
-    if (IsNone(frozen_shapes)) {
+    if (!m.frozen_shapes) {
       // Stage 1 and BF16 keep no frozen_param_*: frozen parameters exist only
       // in `module` (zero_to_fp32.py drops them; we keep them).
       for (const auto& [name, v] : entries) {
@@ -95,13 +89,12 @@ class Collector {
       }
       return;
     }
-    for (const auto& [name, shape_v] : NamedEntries(frozen_shapes, path + ": frozen_param_shapes")) {
-      std::vector<int64_t> shape = AsShape(shape_v, path + ": frozen_param_shapes['" + name + "']");
+    for (const auto& [name, shape] : *m.frozen_shapes) {
       if (stage == 3)
         AddStage3Frozen(name, shape, rank_models, dp);
       else
-        AddTensor(name, Need(Need(model.root, "frozen_param_fragments", path), name, path + ": frozen_param_fragments"),
-                  path + ": frozen_param_fragments['" + name + "']", shape);
+        AddTensor(name, ReadFrozenFragment(model.root, name, path), path + ": frozen_param_fragments['" + name + "']",
+                  shape);
     }
   }
 

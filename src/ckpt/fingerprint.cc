@@ -200,13 +200,6 @@ std::vector<std::string> CanonicalKeys(std::vector<std::string> keys) {
   return keys;
 }
 
-std::optional<double> LossScaleOf(const ValuePtr& v) {
-  if (!v || v->kind != Kind::kObject || !v->state || !v->state->is_dict()) return std::nullopt;
-  ValuePtr s = v->state->get("cur_scale");
-  if (!s) return std::nullopt;
-  return ScalarOf(s, "loss_scaler.cur_scale");
-}
-
 void SetModelCounters(const TorchFile& model, FingerprintCounters& c) {
   const ModelStatesView m = ReadModelStates(model.root, model.file->path());
   c.global_steps = m.global_steps;
@@ -282,8 +275,7 @@ StateFingerprint FingerprintLayout(const ZeroCheckpoint& z) {
   }
   SetModelCounters(z.model, f.counters);
   const std::string path = z.optim[0].file->path();
-  ValuePtr osd = Need(z.optim[0].root, "optimizer_state_dict", path);
-  f.counters.loss_scale = LossScaleOf(osd->get("loss_scaler"));
+  f.counters.loss_scale = ReadLossScale(ReadOptimStatesLossScaler(z.optim[0].root, path));
   if (!z.state_keys.empty() && !z.params.empty()) {
     if (ValuePtr step = z.steps.at(z.params[0].group)) f.counters.optimizer_step = ScalarOf(step, path + ": step");
   }
@@ -341,7 +333,7 @@ StateFingerprint FingerprintLayout(const UniversalCheckpoint& u) {
     }
   SetModelCounters(u.model, f.counters);
   const UniversalOptimizerFile saved = ReadUniversalOptimizerState(u);
-  f.counters.loss_scale = LossScaleOf(saved.loss_scaler);
+  f.counters.loss_scale = ReadLossScale(saved.loss_scaler);
   if (!u.state_keys.empty() && !f.params.empty()) {
     if (u.has_step) {
       f.counters.optimizer_step = ReadUniversalStep(u, f.params[0].name);

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
@@ -17,15 +18,15 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string ModuleDtype(const TorchFile& model) {
-  ValuePtr module = model.root ? model.root->get("module") : nullptr;
-  if (!module || !module->is_dict()) return "";
+  ValuePtr module = ModuleStateDictOf(model.root);
+  if (!module) return "";
   for (const auto& [k, v] : module->entries)
     if (v && v->tensor) return std::string(DTypeName(v->tensor->dtype));
   return "";
 }
 
 std::string ConfigOptimizer(const TorchFile& model) {
-  ValuePtr cfg = model.root ? model.root->get("ds_config") : nullptr;
+  ValuePtr cfg = ReadSavedConfig(model.root);
   ValuePtr opt = cfg && cfg->is_dict() ? cfg->get("optimizer") : nullptr;
   ValuePtr type = opt && opt->is_dict() ? opt->get("type") : nullptr;
   return type && type->kind == Kind::kStr ? type->s : "";
@@ -33,7 +34,7 @@ std::string ConfigOptimizer(const TorchFile& model) {
 
 std::string GuessOptimizer(const std::vector<std::string>& states) {
   auto has = [&](const char* k) { return std::find(states.begin(), states.end(), k) != states.end(); };
-  if (has("exp_avg") && has("exp_avg_sq")) return "Adam-style";
+  if (has(kExpAvg) && has(kExpAvgSq)) return "Adam-style";
   if (has("momentum_buffer")) return "SGD-style";
   return states.empty() ? "none (no optimizer state)" : "unknown";
 }

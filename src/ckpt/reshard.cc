@@ -147,8 +147,8 @@ ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, c
     ParamPlan p{name, w.shape, w.numel(), 0, {WholeState("fp32", w, path + ": '" + name + "'")}, nullptr};
     if (auto st = m.stage0_state.find(static_cast<int64_t>(id)); st != m.stage0_state.end()) {
       const std::string where = path + ": optimizer state of " + name;
-      p.states.push_back(WholeState("exp_avg", *st->second.exp_avg, where));
-      p.states.push_back(WholeState("exp_avg_sq", *st->second.exp_avg_sq, where));
+      p.states.push_back(WholeState(kExpAvg, *st->second.exp_avg, where));
+      p.states.push_back(WholeState(kExpAvgSq, *st->second.exp_avg_sq, where));
       p.step = Value::Float(st->second.step);
     }
     s.params.push_back(std::move(p));

@@ -37,8 +37,9 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
     for (const NamedShape& p : shapes) group.push_back({p.name, p.shape, p.numel()});
     u.groups.push_back(std::move(group));
   }
-  if (ValuePtr v = u.model.root->get("dp_world_size"); v && v->kind == Kind::kInt) u.source_dp = static_cast<int>(v->i);
-  if (ValuePtr v = u.model.root->get("global_steps"); v && v->kind == Kind::kInt) u.global_steps = v->i;
+  const ModelStatesRun run = ReadModelStatesRun(u.model.root);
+  if (run.dp_world_size) u.source_dp = static_cast<int>(*run.dp_world_size);
+  if (run.global_steps) u.global_steps = *run.global_steps;
   const UniversalParam* first = nullptr;
   for (const auto& g : u.groups)
     if (!g.empty()) {

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/parallel.h"
 #include "ckpt/universal_checkpoint.h"
@@ -141,34 +142,26 @@ class StructureCheck {
     TorchFile f = LoadTorchFile(path);
     const ValuePtr& root = f.root;
     if (!root || !root->is_dict()) throw FormatError(path + ": is not a DeepSpeed model-states dict");
-    ValuePtr opt = root->get("optimizer");
-    if (!opt || !opt->is_dict())
+    const auto optimizer = ReadStage0OptimizerEntries(root, path);
+    if (!optimizer)
       throw FormatError(v_.folder + ": no zero_pp_rank_*_optim_states.pt files, and " + path +
                         " holds no optimizer state: not a ZeRO-0 checkpoint, and a ZeRO-1/2/3 one without its "
                         "optimizer files");
     std::multiset<int64_t> numels;
-    for (const auto& [name, v] : NamedEntries(Need(root, "module", path), path + ": module")) {
+    for (const auto& [name, v] : NamedEntries(RequiredModule(root, path), path + ": module")) {
       if (!v || !v->tensor) continue;
       TensorBytes(*v->tensor, path + ": module." + name);
       numels.insert(v->tensor->numel());
     }
-    ValuePtr state = Need(opt, "state", path + ": optimizer");
-    if (!state->is_dict()) Fail(path + ": optimizer.state", "is not a dict");
-    AsList(Need(opt, "param_groups", path + ": optimizer"), path + ": optimizer.param_groups");
-    if (state->entries.size() > numels.size())
-      Fail(path + ": optimizer.state", "has " + std::to_string(state->entries.size()) + " entries, the module " +
+    if (optimizer->size() > numels.size())
+      Fail(path + ": optimizer.state", "has " + std::to_string(optimizer->size()) + " entries, the module " +
                                            std::to_string(numels.size()) + " tensors");
-    size_t k = 0;
-    for (const auto& [key, st] : state->entries) {
-      const std::string where = path + ": optimizer.state[" + std::to_string(k++) + "]";
-      if (!st || !st->is_dict()) Fail(where, "is not a dict");
-      for (const auto& [skey, sv] : st->entries) {
-        if (!sv || !sv->tensor) continue;
-        const std::string name = skey && skey->kind == Kind::kStr ? skey->s : "?";
-        TensorBytes(*sv->tensor, where + "." + name);
-        if (name != "step" && !numels.count(sv->tensor->numel()))
-          Fail(where + "." + name, "has " + std::to_string(sv->tensor->numel()) +
-                                       " elements, which no tensor of the module has");
+    for (const Stage0OptimizerEntry& entry : *optimizer) {
+      for (const auto& [name, t] : entry.tensors) {
+        TensorBytes(*t, entry.where + "." + name);
+        if (name != "step" && !numels.count(t->numel()))
+          Fail(entry.where + "." + name, "has " + std::to_string(t->numel()) +
+                                             " elements, which no tensor of the module has");
       }
     }
   }

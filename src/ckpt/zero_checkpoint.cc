@@ -183,14 +183,14 @@ class Opener {
     for (size_t i = 0; i < c_.model_files.size(); ++i) {
       TorchFile m = i == 0 ? c_.model : LoadTorchFile(c_.model_files[i].path);
       const std::string& path = m.file->path();
-      if (ValuePtr dws = m.root->get("dp_world_size"); dws && dws->kind == Kind::kInt && dws->i != c_.dp)
-        Fail(path, "mixed world sizes: dp_world_size is " + std::to_string(dws->i) + " but there are " +
+      const ModelStatesRun run = ReadModelStatesRun(m.root);
+      if (run.dp_world_size && *run.dp_world_size != c_.dp)
+        Fail(path, "mixed world sizes: dp_world_size is " + std::to_string(*run.dp_world_size) + " but there are " +
                        std::to_string(c_.dp) + " optimizer rank files");
-      if (ValuePtr mws = m.root->get("mp_world_size"); mws && mws->kind == Kind::kInt && mws->i != 1)
-        Fail(path, "tensor/pipeline-parallel checkpoints (mp_world_size " + std::to_string(mws->i) +
+      if (run.mp_world_size && *run.mp_world_size != 1)
+        Fail(path, "tensor/pipeline-parallel checkpoints (mp_world_size " + std::to_string(*run.mp_world_size) +
                        ") are not supported; only mp_world_size 1 can be converted");
-      int64_t steps = -1;
-      if (ValuePtr gs = m.root->get("global_steps"); gs && gs->kind == Kind::kInt) steps = gs->i;
+      const int64_t steps = run.global_steps.value_or(-1);
       if (i == 0) {
         c_.global_steps = steps;
       } else if (steps != c_.global_steps) {

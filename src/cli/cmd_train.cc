@@ -29,7 +29,7 @@ Runner AddTrain(CLI::App& app) {
     std::optional<int> zero_stage;
     std::optional<double> lr, clip, heartbeat_interval, heartbeat_timeout;
     bool bf16 = false, fp16 = false, async_save = false;
-    engine::TrainOptions o;
+    TrainOptions o;
     bool no_load_optimizer_states = false;
     double timeout_s = 300;
   };
@@ -102,7 +102,7 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_flag("!--no_progress", o.progress, "No progress line on a terminal");
 
   return [a] {
-    engine::TrainOptions o = a->o;
+    TrainOptions o = a->o;
     nlohmann::json raw = nlohmann::json::object();
     if (!a->config.empty()) raw = engine::LoadConfigFile(a->config).raw;
     // Command-line overrides become part of the config (and of the saved ds_config).
@@ -134,7 +134,7 @@ Runner AddTrain(CLI::App& app) {
         env && env->world_size > 1 ? ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
                                    : MakeSingleProcessComm();
     try {
-      int code = engine::RunTraining(*comm, o);
+      int code = RunTraining(*comm, o);
       comm->Finish();
       return code;
     } catch (const std::exception& e) {

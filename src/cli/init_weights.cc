@@ -13,7 +13,7 @@
 #include "format/torch_file.h"
 #include "engine/torch_bridge.h"
 
-namespace uckpt::engine {
+namespace uckpt::cli {
 
 using models::NamedTensor;
 
@@ -34,7 +34,7 @@ std::vector<NamedTensor> LoadSafetensors(const std::shared_ptr<const MappedFile>
     t.shape = st.shape;
     t.stride = Tensor::ContiguousStrides(t.shape);
     t.storage = Storage::View(f.Elements(st, 0, st.numel), t.dtype, file);
-    out.push_back({st.name, ToTorch(t)});
+    out.push_back({st.name, engine::ToTorch(t)});
   }
   return out;
 }
@@ -63,7 +63,7 @@ std::vector<NamedTensor> LoadStateDictFile(const std::string& path) {
   for (const auto& [k, v] : sd->entries) {
     if (k->kind != Kind::kStr || !v || !v->tensor || (v->kind != Kind::kTensor && v->kind != Kind::kParameter))
       continue;
-    out.push_back({k->s, ToTorch(*v->tensor)});
+    out.push_back({k->s, engine::ToTorch(*v->tensor)});
   }
   if (out.empty()) throw FormatError(path + ": holds no tensors named by strings (not a state dict)");
   return out;
@@ -95,4 +95,4 @@ void CopyStateDict(const std::vector<NamedTensor>& state, const std::vector<Name
   if (!unknown.empty()) throw FormatError(source + ": tensors the model does not have: " + unknown);
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

@@ -8,7 +8,7 @@
 
 #include "models/gpt2.h"
 
-namespace uckpt::engine {
+namespace uckpt::cli {
 
 // The file's tensors in file order, copied into libtorch tensors. Throws
 // FormatError naming the file if it holds no state dict.
@@ -21,4 +21,4 @@ std::vector<models::NamedTensor> LoadStateDictFile(const std::string& path);
 void CopyStateDict(const std::vector<models::NamedTensor>& state, const std::vector<models::NamedTensor>& params,
                    const std::string& source);
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

@@ -10,7 +10,7 @@
 
 #include "format/error.h"
 
-namespace uckpt::engine {
+namespace uckpt::cli {
 namespace {
 
 std::array<uint32_t, 256> MakeCrcTable() {
@@ -129,4 +129,4 @@ void MetricsLog::Write(const StepMetrics& m) {
   events_.flush();
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

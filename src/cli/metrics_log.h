@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace uckpt::engine {
+namespace uckpt::cli {
 
 struct StepMetrics {
   int64_t step = 0;
@@ -44,4 +44,4 @@ class MetricsLog {
   std::ofstream csv_, events_;
 };
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

@@ -16,7 +16,12 @@
 #include "engine/torch_bridge.h"
 #include "cli/init_weights.h"
 
-namespace uckpt::engine {
+namespace uckpt::cli {
+
+using engine::SyntheticSource;
+using engine::TokenFileSource;
+using engine::TokenSource;
+
 namespace {
 
 std::unique_ptr<TokenSource> MakeTokenSource(const TrainOptions& o) {
@@ -171,7 +176,7 @@ StepMetrics Trainer::TrainStep() {
   const Stage3Stats stage3_before = engine_->stage3_stats();
   const int64_t samples_before = engine_->global_samples();
   for (int64_t m = 0; m < ga; ++m) {
-    const int64_t first_row = FirstRow(m, comm_.rank(), comm_.world_size(), engine_->train_micro_batch_size_per_gpu());
+    const int64_t first_row = engine::FirstRow(m, comm_.rank(), comm_.world_size(), engine_->train_micro_batch_size_per_gpu());
     at::Tensor loss = loss_(MicroBatchIds(step, samples_before, first_row), step, samples_before + first_row, first_row);
     loss_sum.add_(loss.detach().to(at::kDouble));
     timers_.forward += clock.Lap();
@@ -301,7 +306,7 @@ void PrintPhaseTimes(const Trainer& trainer) {
 // every rank's peak RSS (bench/zero3_memory.sh compares them).
 void PrintRunSummary(const Trainer& trainer) {
   const bool rank0 = trainer.comm().rank() == 0;
-  if (auto peak = PeakCudaMemory(trainer.device()); rank0 && peak)
+  if (auto peak = engine::PeakCudaMemory(trainer.device()); rank0 && peak)
     std::fprintf(stderr, "uckpt train: peak GPU memory of rank 0: allocated %.3f GiB, reserved %.3f GiB\n",
                  static_cast<double>(peak->allocated) / (1 << 30), static_cast<double>(peak->reserved) / (1 << 30));
   if (rank0) PrintPhaseTimes(trainer);
@@ -352,4 +357,4 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   return 0;
 }
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

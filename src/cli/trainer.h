@@ -15,10 +15,10 @@
 #include "models/gpt2.h"
 #include "uckpt/engine.h"
 
-namespace uckpt::engine {
+namespace uckpt::cli {
 
 struct TrainOptions {
-  TrainConfig config;  // DeepSpeed JSON with command-line overrides applied
+  engine::TrainConfig config;  // DeepSpeed JSON with command-line overrides applied
   std::string model_name = "gpt2";  // "gpt2" or "bert" (masked LM); `model` gives the sizes of either
   models::Gpt2Config model;
   int64_t seq_len = 128;
@@ -109,7 +109,7 @@ class Trainer {
 
   Comm& comm_;
   TrainOptions opt_;
-  std::unique_ptr<TokenSource> data_;
+  std::unique_ptr<engine::TokenSource> data_;
   std::shared_ptr<torch::nn::Module> module_;
   // The micro-batch loss of rows [first_row, +mb) of global batch `step`.
   std::function<at::Tensor(const at::Tensor& ids, int64_t step, int64_t first_sample, int64_t first_row)> loss_;
@@ -125,4 +125,4 @@ class Trainer {
 // checkpoint every checkpoint_interval steps and at the end. Returns 0.
 int RunTraining(Comm& comm, const TrainOptions& options);
 
-}  // namespace uckpt::engine
+}  // namespace uckpt::cli

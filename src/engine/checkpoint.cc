@@ -166,6 +166,10 @@ ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, Val
   for (const auto& b : e.buffers) params.emplace(b.name, TensorValue(b.tensor));
   for (const auto& [alias, owner] : e.aliases) params[alias] = params.at(owner);
   for (const auto& name : e.state_names) m.module.emplace_back(name, params.at(name));
+  for (const PartitionSlot& slot : e.runtime->Slots()) {  // per group (stage 3: per sub-group)
+    m.param_shapes.emplace_back();
+    for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
+  }
   m.module_prefixes = e.module_prefixes;
   for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
   m.shared_params = e.aliases;
@@ -212,9 +216,8 @@ namespace {
 ckpt::AdamState AdamStateOf(const PartitionState& s, const std::shared_ptr<Storage>& avg,
                             const std::shared_ptr<Storage>& sq, std::vector<int64_t> shape, int64_t offset) {
   if (!s.step.defined()) return {};
-  return {{"step", TensorValue(s.step)},
-          {"exp_avg", View(avg, DType::kFloat32, shape, offset)},
-          {"exp_avg_sq", View(sq, DType::kFloat32, shape, offset)}};
+  return ckpt::AdamStateValue(TensorValue(s.step), View(avg, DType::kFloat32, shape, offset),
+                              View(sq, DType::kFloat32, shape, offset));
 }
 
 // Stage 0: torch Adam's own state_dict, one state per parameter, numbered
@@ -223,9 +226,9 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
   std::vector<ckpt::AdamState> states;
   std::vector<ckpt::AdamHparams> hparams;
   std::vector<std::vector<int64_t>> ids(e.groups.size());
-  const FlatRuntime& z = *e.runtime->flat();
+  const std::vector<PartitionSlot> slots = e.runtime->Slots();  // one per group
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const PartitionState& s = z.state(g);
+    const PartitionState& s = *slots.at(g).state;
     std::shared_ptr<Storage> avg, sq;
     if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
     int64_t at = 0;
@@ -244,10 +247,9 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
 // views saves them), frozen parameters whole, each also as its flattened
 // fragment (a view of the module entry's storage).
 ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
-  const FlatRuntime& z = *e.runtime->flat();
   std::map<std::string, ValuePtr> params;
   for (size_t g = 0; g < e.groups.size(); ++g) {
-    const at::Tensor weights = z.model_flat(g);
+    const at::Tensor weights = e.runtime->group_weights(g);
     auto flat = StorageOf(weights);
     int64_t off = 0;
     for (const auto& p : e.groups[g]) {
@@ -259,10 +261,6 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
   std::vector<std::pair<std::string, const Tensor*>> frozen;
   for (const auto& p : e.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
-  for (const auto& g : e.groups) {
-    m.param_shapes.emplace_back();
-    for (const auto& p : g) m.param_shapes.back().push_back({p.name, p.tensor.sizes().vec()});
-  }
   for (const auto& [name, whole] : frozen) {
     m.frozen_shapes.push_back({name, whole->shape});
     m.frozen.emplace_back(name, View(whole->storage, whole->dtype, {whole->numel()}, 0));
@@ -292,7 +290,7 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
     // The lean fp32 partition: a view of the padded one, padding cut off.
     gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {real}, 0, /*requires_grad=*/true);
     if (s.step.defined())
-      gs.adam = {{"step", TensorValue(s.step)}, {"exp_avg", TensorValue(s.exp_avg)}, {"exp_avg_sq", TensorValue(s.exp_avg_sq)}};
+      gs.adam = ckpt::AdamStateValue(TensorValue(s.step), TensorValue(s.exp_avg), TensorValue(s.exp_avg_sq));
     gs.hparams = SavedHparams(e, slot.group);
     r.groups.push_back(std::move(gs));
   }

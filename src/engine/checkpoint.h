@@ -37,8 +37,9 @@ ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g);
 // The model-states fields every stage fills alike: the module's state_dict
 // in PyTorch's order (`params`: the parameters' entries by name, as the
 // stage saves them; buffers whole, aliases their owner's), its prefixes and
-// buffer names, tied names, the schedule's position, the counters, the
-// config, uckpt's own entry and then the client's keys.
+// buffer names, tied names, the partition slots' param_shapes, the schedule's
+// position, the counters, the config, uckpt's own entry and then the
+// client's keys.
 ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, ValuePtr> params,
                                 std::vector<std::pair<std::string, ValuePtr>> client);
 

@@ -12,6 +12,7 @@
 #include "ckpt/deepspeed_state.h"
 #include "engine/checkpoint.h"
 #include "engine/engine_impl.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {
@@ -26,10 +27,6 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, std::vector<std::pair<std::stri
     for (const auto& p : g) params[p.name] = empty(p.tensor);
   for (const auto& p : e.frozen) params[p.name] = empty(p.tensor);
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
-  for (const PartitionSlot& slot : e.runtime->Slots()) {  // one per sub-group
-    m.param_shapes.emplace_back();
-    for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
-  }
   // Frozen parameters: this rank's slot in frozen_param_fragments, as
   // DeepSpeed's ZeRO-3 saves them (the load puts them together).
   const int dp = e.runtime->partition_dp(), rank = e.runtime->partition_rank();
@@ -52,7 +49,7 @@ ValuePtr Zero3OptimStates(const Engine::Impl& e) {
     ckpt::Stage3SubGroupState s;
     s.fp32 = TensorValue(st.master, /*requires_grad=*/true);
     if (st.step.defined())
-      s.adam = {{"step", TensorValue(st.step)}, {"exp_avg", TensorValue(st.exp_avg)}, {"exp_avg_sq", TensorValue(st.exp_avg_sq)}};
+      s.adam = ckpt::AdamStateValue(TensorValue(st.step), TensorValue(st.exp_avg), TensorValue(st.exp_avg_sq));
     ids[slot.group].push_back(static_cast<int64_t>(r.sub_groups.size()));
     r.sub_groups.push_back(std::move(s));
   }

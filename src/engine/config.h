@@ -78,7 +78,7 @@ struct ZeroConfig {
   int64_t reduce_bucket_size = 500000000;
   int64_t allgather_bucket_size = 500000000;
   bool overlap_comm = false;  // stages 2 and 3: reduce gradient buckets while backward runs
-  // Stage 3 (engine/zero3.h). Parameters of at most this many elements stay
+  // Stage 3 (engine/zero3_runtime.h). Parameters of at most this many elements stay
   // gathered (DeepSpeed's stage3_param_persistence_threshold).
   int64_t param_persistence_threshold = 100000;
   int64_t sub_group_size = 1000000000;  // elements per optimizer sub-group (stage 3's flat partitions)

@@ -3,7 +3,7 @@
 // (and no temporaries, whose fresh pages cost as much as the arithmetic).
 //
 // Numerics: torch.optim.Adam/AdamW's single-tensor formula (TorchAdamStep in
-// zero_optimizer.h), each operation rounded to fp32 in the same order, without
+// flat_runtime.h), each operation rounded to fp32 in the same order, without
 // fused multiply-adds. torch's vectorised CPU kernels use FMAs in add(alpha)
 // and addcmul, so results may differ from TorchAdamStep in the last bit of an
 // element; tests/engine/cpu_adam_test.cc bounds that.
@@ -13,7 +13,7 @@
 
 #include <functional>
 
-#include "engine/zero_optimizer.h"
+#include "engine/flat_runtime.h"
 
 namespace uckpt::engine {
 

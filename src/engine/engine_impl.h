@@ -10,14 +10,13 @@
 #include "engine/config.h"
 #include "engine/lr_schedule.h"
 #include "engine/sharded_runtime.h"
-#include "engine/zero3.h"
-#include "engine/zero_optimizer.h"
 #include "uckpt/engine.h"
 
 namespace uckpt {
 
 namespace engine {
 class CheckpointWriter;  // async_save.h
+class Zero3Runtime;      // zero3_runtime.h
 }
 
 struct NamedParam {
@@ -75,7 +74,7 @@ namespace engine {
 // starting from rank 0's weights, frozen parameters and buffers.
 std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<GroupSpec> specs,
                                                    const EngineOptions& options);
-// zero3_engine.cc: stage 3's (the parameters partitioned one by one, gather
+// zero3_setup.cc: stage 3's (the parameters partitioned one by one, gather
 // units from the options).
 std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
                                                  const ZeroSettings& base, const EngineOptions& options);

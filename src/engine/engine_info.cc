@@ -6,9 +6,7 @@ namespace uckpt {
 
 Stage3Stats Engine::stage3_stats() const {
   Stage3Stats out;
-  const engine::Zero3Runtime* z3 = impl_->runtime->stage3();
-  if (z3 == nullptr) return out;
-  const engine::Zero3Stats& s = z3->stats();
+  const engine::Zero3Stats s = impl_->runtime->stats();
   out.gathered_elements = s.gathered_elements;
   out.peak_gathered_elements = s.peak_gathered_elements;
   out.unit_gathers = s.unit_gathers;
@@ -21,7 +19,7 @@ Stage3Stats Engine::stage3_stats() const {
 }
 
 void Engine::SetTiming(bool on) {
-  if (engine::Zero3Runtime* z3 = impl_->runtime->stage3()) z3->set_timing(on);
+  impl_->runtime->set_timing(on);
 }
 
 }  // namespace uckpt

@@ -1,5 +1,9 @@
 #include "engine/grad_numerics.h"
 
+#include <cmath>
+
+#include "engine/cpu_adam.h"
+
 namespace uckpt::engine {
 
 bool AnyRankOverflowed(Comm& comm, const std::vector<at::Tensor>& grads, at::Device device) {
@@ -8,6 +12,28 @@ bool AnyRankOverflowed(Comm& comm, const std::vector<at::Tensor>& grads, at::Dev
     bad = at::maximum(bad, g.isfinite().logical_not().any().to(at::kFloat).reshape({1}).to(device));
   comm.AllReduceMax(bad);
   return bad.item<float>() > 0;
+}
+
+at::Tensor PieceNorms(const at::Tensor& grad, const std::vector<GradPiece>& pieces, at::Device device,
+                      int64_t span_elements) {
+  if (pieces.empty()) return at::empty({0}, at::TensorOptions().dtype(at::kDouble).device(device));
+  std::vector<at::Tensor> norms;
+  if (grad.device().is_cpu() && !device.is_cpu()) {
+    for (const GradPiece& p : pieces)
+      norms.push_back(at::scalar_tensor(std::sqrt(SumOfSquares(grad.narrow(0, p.offset, p.numel))), at::kDouble));
+    return at::stack(norms);
+  }
+  for (size_t i = 0; i < pieces.size();) {
+    const int64_t begin = pieces[i].offset;
+    size_t j = i + 1;
+    while (j < pieces.size() && pieces[j].offset >= pieces[j - 1].offset + pieces[j - 1].numel &&
+           pieces[j].offset + pieces[j].numel - begin <= span_elements)
+      ++j;
+    const int64_t end = pieces[j - 1].offset + pieces[j - 1].numel;
+    const at::Tensor wide = grad.narrow(0, begin, end - begin).to(device).to(at::kDouble);
+    for (; i < j; ++i) norms.push_back(at::norm(wide.narrow(0, pieces[i].offset - begin, pieces[i].numel), 2));
+  }
+  return at::stack(norms);
 }
 
 at::Tensor GroupGradNormStacked(Comm& comm, const at::Tensor& piece_norms, at::ScalarType dtype, at::Device device,
@@ -20,13 +46,6 @@ at::Tensor GroupGradNormStacked(Comm& comm, const at::Tensor& piece_norms, at::S
     total = t.reshape({});
   }
   return total.pow(1.0 / 2.0);
-}
-
-at::Tensor GroupGradNorm(Comm& comm, const std::vector<at::Tensor>& piece_norms, at::ScalarType dtype,
-                         at::Device device, bool all_reduce) {
-  const at::Tensor stacked = piece_norms.empty() ? at::empty({0}, at::TensorOptions().dtype(at::kDouble).device(device))
-                                                 : at::stack(piece_norms);
-  return GroupGradNormStacked(comm, stacked, dtype, device, all_reduce);
 }
 
 at::Tensor GlobalGradNorm(const std::vector<at::Tensor>& group_norms, bool* finite) {

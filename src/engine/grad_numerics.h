@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "uckpt/comm.h"
@@ -16,14 +17,28 @@ namespace uckpt::engine {
 // flag on `device` (NCCL reduces device tensors only).
 bool AnyRankOverflowed(Comm& comm, const std::vector<at::Tensor>& grads, at::Device device);
 
-// DeepSpeed's get_grad_norm_direct for one group: `piece_norms` (0-d fp64,
-// the L2 norm of each parameter's piece of the partition) squared and summed,
-// in `dtype` on `device`, summed over the ranks when `all_reduce`, ** 0.5.
-at::Tensor GroupGradNorm(Comm& comm, const std::vector<at::Tensor>& piece_norms, at::ScalarType dtype,
-                         at::Device device, bool all_reduce);
-// The same over the pieces' norms stacked in one 1-D fp64 tensor.
+// One parameter's elements in a gradient partition (stages 1/2: its fragment
+// on this rank; stage 3: its partition).
+struct GradPiece {
+  int64_t offset = 0, numel = 0;
+};
+
+// DeepSpeed's per-piece gradient norms, every stage's: each piece of `grad`
+// in fp64, its 2-norm, stacked in one 1-D fp64 tensor (empty when there are
+// none). A host `grad` of a model on a device (offload) is measured where it
+// lives, accumulated in fp64 without a copy; otherwise the norms are taken
+// on `device`, converting consecutive pieces to fp64 together up to
+// `span_elements` at a time (fewer conversions, bounded temporary memory; a
+// larger piece alone; 0: each piece alone).
+at::Tensor PieceNorms(const at::Tensor& grad, const std::vector<GradPiece>& pieces, at::Device device,
+                      int64_t span_elements);
+
+// DeepSpeed's get_grad_norm_direct for one group: `piece_norms` (PieceNorms:
+// 1-D fp64, the L2 norm of each parameter's piece of the partition) squared
+// and summed, in `dtype` on `device`, summed over the ranks when
+// `all_reduce`, ** 0.5.
 at::Tensor GroupGradNormStacked(Comm& comm, const at::Tensor& piece_norms, at::ScalarType dtype, at::Device device,
-                         bool all_reduce);
+                                bool all_reduce);
 
 // The global norm: the L2 norm over the groups' norms (0-d, their dtype);
 // `finite` false when a group's norm is inf or nan.

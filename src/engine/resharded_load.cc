@@ -6,6 +6,7 @@
 
 #include "ckpt/copy_plan.h"
 #include "ckpt/deepspeed_names.h"
+#include "ckpt/deepspeed_state.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/zero_checkpoint.h"
 #include "engine/staged_upload.h"
@@ -56,13 +57,15 @@ LoadSource OpenRankFiles(const std::string& folder) {
   s.states = ckpt::ZeroReadSource(*z);
   // Stage 3 keeps Adam's state per parameter and no step; stages 1/2 a step per group.
   s.steps_applied = z->stage == 3;
-  s.has_moments = z->stage == 3 ? ckpt::HasState(*z, "exp_avg") && ckpt::HasState(*z, "exp_avg_sq")
+  s.has_moments = z->stage == 3 ? ckpt::HasState(*z, ckpt::kExpAvg) && ckpt::HasState(*z, ckpt::kExpAvgSq)
                                 : !z->params.empty() && z->params[0].step;
-  const ValuePtr saved = ckpt::UniversalOptimizerState(*z);  // rank 0's, as a universal folder holds it
-  s.loss_scaler = saved->get("loss_scaler");
-  s.param_groups = saved->get("param_groups");
   s.optimizer_file = z->optim[0].file->path();
   s.files_layout = [z] { return ckpt::FingerprintLayout(*z); };
+  // Rank 0's, as a universal folder holds it.
+  const ckpt::UniversalOptimizerStateView saved =
+      ckpt::ReadUniversalOptimizerStateValue(ckpt::UniversalOptimizerState(*z), s.optimizer_file);
+  s.loss_scaler = saved.loss_scaler;
+  s.param_groups = saved.param_groups;
   s.maps = z;
   return s;
 }
@@ -81,9 +84,10 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
   s.kind = SourceKind::kUniversal;
   // Saved before any applied step (fp16 can skip the first steps): no moments.
   const auto& keys = u.state_keys;
-  s.has_moments = moments && std::count(keys.begin(), keys.end(), "exp_avg") && std::count(keys.begin(), keys.end(), "exp_avg_sq");
+  s.has_moments =
+      moments && std::count(keys.begin(), keys.end(), ckpt::kExpAvg) && std::count(keys.begin(), keys.end(), ckpt::kExpAvgSq);
   std::vector<std::string> states{"fp32"};
-  if (s.has_moments) states.insert(states.end(), {"exp_avg", "exp_avg_sq"});
+  if (s.has_moments) states.insert(states.end(), {ckpt::kExpAvg, ckpt::kExpAvgSq});
   ckpt::UniversalStates mapped = ckpt::MapUniversalStates(u, SlotParams(slots), states);
   s.states = std::move(mapped.source);
   maps->files = std::move(mapped.files);
@@ -107,7 +111,7 @@ LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& 
   s.kind = SourceKind::kModelStates;
   // Stage 0's Adam state is numbered over the parameters in the groups' order.
   s.states = ckpt::ModuleReadSource(m, path, SlotParams(slots));
-  s.has_moments = ckpt::HasState(s.states, "exp_avg") && ckpt::HasState(s.states, "exp_avg_sq");
+  s.has_moments = ckpt::HasState(s.states, ckpt::kExpAvg) && ckpt::HasState(s.states, ckpt::kExpAvgSq);
   if (moments) s.param_groups = m.stage0_param_groups;
   s.optimizer_file = path;
   return s;
@@ -129,8 +133,8 @@ std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<Par
     }
     st.exp_avg = at::empty_like(st.master);
     st.exp_avg_sq = at::empty_like(st.master);
-    loads.push_back(PlanLoad(source.states, target, "exp_avg", st.exp_avg));
-    loads.push_back(PlanLoad(source.states, target, "exp_avg_sq", st.exp_avg_sq));
+    loads.push_back(PlanLoad(source.states, target, ckpt::kExpAvg, st.exp_avg));
+    loads.push_back(PlanLoad(source.states, target, ckpt::kExpAvgSq, st.exp_avg_sq));
     st.step = at::full({}, SavedStep(source, slot.step_param, applied_steps), st.master.options());
   }
   return loads;

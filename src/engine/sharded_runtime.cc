@@ -4,6 +4,8 @@
 #include <c10/core/GradMode.h>
 
 #include "engine/engine_impl.h"
+#include "engine/flat_runtime.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 

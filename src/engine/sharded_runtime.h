@@ -1,6 +1,6 @@
 // The sharded runtime: what one rank runs of ZeRO data parallelism, behind
-// one interface that stages 0-2 (zero_optimizer.h: flat group buffers) and
-// stage 3 (zero3.h: every parameter partitioned on its own) implement.
+// one interface that stages 0-2 (flat_runtime.h: flat group buffers) and
+// stage 3 (zero3_runtime.h: every parameter partitioned on its own) implement.
 //
 // Its centre is the list of partition slots this rank owns: each an fp32
 // master with Adam's moments and step (PartitionState) and the elements of
@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,28 @@ struct PartitionState {
   at::Tensor step;        // 0-d fp32 tensor (torch Adam's step), undefined before the first step
 };
 
+// What either runtime is built with (stage 3 adds its own: Zero3Settings).
+struct ZeroSettings {
+  int stage = 1;
+  double gradient_clipping = 0.0;
+  OptimizerConfig optimizer;
+  at::ScalarType model_dtype = at::kFloat;  // kFloat, kBFloat16 or kHalf
+  Fp16Config fp16;                          // used when model_dtype is kHalf
+  bool offload_optimizer_cpu = false;       // master + moments in host memory
+  int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
+  bool overlap_comm = false;                // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
+};
+
+// One optimizer parameter group: its parameters' sizes in flat order and its
+// own hyper-parameters (lr comes from the schedule at each step); their names
+// and shapes when known (the partition slots name them; else "" and [numel]).
+struct GroupSpec {
+  std::vector<int64_t> numels;
+  OptimizerConfig optimizer;
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+};
+
 // One partition this rank owns: a group's flat partition (stages 0-2) or a
 // sub-group's (stage 3), the parameters whose elements it holds, and the
 // parameter whose saved step is its Adam step.
@@ -50,8 +73,20 @@ struct StepResult {
   double loss_scale = 1;  // the scale the step's gradients carried
 };
 
-class FlatRuntime;
-class Zero3Runtime;
+// What stage 3's gathers and reduce-scatters did (ShardedRuntime::stats()).
+// Gathered elements count unit parameters only (the root unit and persistent
+// parameters stay gathered) and start at the first EnterUnit. All zero where
+// parameters stay whole (stages 0-2).
+struct Zero3Stats {
+  int64_t gathered_elements = 0;       // unit elements gathered or being gathered now
+  int64_t peak_gathered_elements = 0;  // the most at once
+  int64_t unit_gathers = 0;            // all-gathers of units (prefetched ones included)
+  int64_t prefetched_gathers = 0;      // of them, started before their unit was entered
+  int64_t unused_prefetches = 0;       // prefetched units dropped before being entered
+  int64_t reduce_buckets = 0;          // reduce-scatters of gradient buckets
+  int64_t overlapped_buckets = 0;      // of them, started during backward and left running (overlap_comm)
+  double reduce_tail_s = 0;            // timing on: FinishBackward (final bucket, waits), device synchronised
+};
 
 class ShardedRuntime {
  public:
@@ -101,13 +136,17 @@ class ShardedRuntime {
   virtual void GatherParameters(const std::vector<at::Tensor>& params) {}
   virtual void ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {}
 
-  // ---- What only one kind has (nullptr otherwise): stages 0-2's flat group
-  // buffers (the 16-bit weights the checkpoint's module entries view), stage
-  // 3's parameters, sub-groups and gather statistics.
-  virtual FlatRuntime* flat() { return nullptr; }
-  const FlatRuntime* flat() const { return const_cast<ShardedRuntime*>(this)->flat(); }
-  virtual Zero3Runtime* stage3() { return nullptr; }
-  const Zero3Runtime* stage3() const { return const_cast<ShardedRuntime*>(this)->stage3(); }
+  // ---- What the save and the statistics read.
+  // Group g's weights as one flat tensor (model dtype) whose views the
+  // parameters are: the storage a stage 0-2 checkpoint's module entries view,
+  // as DeepSpeed's state_dict of flat-buffer views saves them. Undefined
+  // where parameters are partitioned one by one (stage 3).
+  virtual at::Tensor group_weights(size_t g) const { return {}; }
+  // What gathering and reducing partitioned parameters did (zero at stages 0-2).
+  virtual Zero3Stats stats() const { return {}; }
+  // Times the end of backward, synchronising the device (UCKPT_TIMERS); a
+  // no-op where that end has nothing of its own to time.
+  virtual void set_timing(bool on) {}
 };
 
 // The model's dtype under `c`: fp16, bf16 or fp32.

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "engine/zero3.h"
+#include "engine/zero3_runtime.h"
 #include "engine/zero3_unit.h"
 
 namespace uckpt::engine {

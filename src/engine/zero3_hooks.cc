@@ -1,4 +1,4 @@
-// Stage 3's unit calls (engine/zero3.h): how the runtime drives its gather
+// Stage 3's unit calls (engine/zero3_runtime.h): how the runtime drives its gather
 // units (zero3_unit.h) and its gradient reducer (zero3_reduce.h), and the
 // autograd identities that call them back in backward.
 #include <c10/core/GradMode.h>
@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "engine/zero3.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {

@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "ckpt/partition.h"
-#include "engine/zero3.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {

@@ -1,4 +1,4 @@
-// Stage 3's gradient reduction (engine/zero3.h): gradients go into a bucket
+// Stage 3's gradient reduction (engine/zero3_runtime.h): gradients go into a bucket
 // when their unit's backward is done; a full bucket (reduce_bucket_size
 // elements) or the end of backward reduce-scatters it as DeepSpeed does
 // (reduce_scatter_coalesced: per rank, each parameter's chunk, padded;

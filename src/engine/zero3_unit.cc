@@ -3,7 +3,7 @@
 
 #include <stdexcept>
 
-#include "engine/zero3.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 

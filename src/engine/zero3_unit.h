@@ -1,4 +1,4 @@
-// Stage 3's gather side as objects (engine/zero3.h):
+// Stage 3's gather side as objects (engine/zero3_runtime.h):
 // - ParamStorage: each parameter's bytes, there while its gather count is
 //   positive, and the all-gathers that fill them (zero3_gather.cc);
 // - GatherUnit: one gather unit's lifecycle, an explicit state with verbs

@@ -21,6 +21,9 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::TrainOptions;
+using cli::Trainer;
+
 namespace fs = std::filesystem;
 using testing::RunRanks;
 

@@ -16,6 +16,8 @@ namespace uckpt::engine {
 namespace {
 
 namespace fs = std::filesystem;
+using cli::Crc32c;
+using cli::MaskedCrc32c;
 using testing::RefrunDir;
 
 struct Result {

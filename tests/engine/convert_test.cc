@@ -19,6 +19,9 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::TrainOptions;
+using cli::Trainer;
+
 namespace fs = std::filesystem;
 using testing::ReadJson;
 using testing::RefrunDir;

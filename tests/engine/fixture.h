@@ -8,10 +8,14 @@
 
 #include "engine/config.h"
 #include "engine/engine_impl.h"
+#include "engine/flat_runtime.h"
 #include "models/gpt2.h"
 #include "cli/trainer.h"
 
 namespace uckpt::engine::testing {
+
+using cli::TrainOptions;
+using cli::Trainer;
 
 inline std::string RefrunDir() { return std::string(UCKPT_SHARED) + "/fixtures/refrun-gpt2"; }
 
@@ -51,8 +55,10 @@ inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& r
   return o;
 }
 
-// The stage 0-2 optimizer behind a Trainer's engine: tests reach into the
-// engine's state (engine_impl.h), `uckpt train` does not.
-inline const FlatRuntime& ZeroOf(Trainer& t) { return *t.engine().impl().runtime->flat(); }
+// The stage 0-2 runtime behind a Trainer's engine: tests reach into the
+// engine's state (engine_impl.h), `uckpt train` does not. Typed, for what
+// only flat buffers have (their layout, the overlapped reducer); throws
+// std::bad_cast at stage 3.
+inline const FlatRuntime& ZeroOf(Trainer& t) { return dynamic_cast<const FlatRuntime&>(*t.engine().impl().runtime); }
 
 }  // namespace uckpt::engine::testing

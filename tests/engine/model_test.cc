@@ -13,8 +13,8 @@
 namespace uckpt::models {
 namespace {
 
-using engine::CopyStateDict;
-using engine::LoadStateDictFile;
+using cli::CopyStateDict;
+using cli::LoadStateDictFile;
 using engine::testing::ReadJson;
 using engine::testing::RefrunDir;
 using engine::testing::RefrunModel;

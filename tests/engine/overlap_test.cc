@@ -13,6 +13,10 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::StepMetrics;
+using cli::TrainOptions;
+using cli::Trainer;
+
 struct OverlapRun {
   std::map<int64_t, double> losses;
   int64_t buckets = 0, started_during_backward = 0;

@@ -22,6 +22,11 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::Counters;
+using cli::StepMetrics;
+using cli::TrainOptions;
+using cli::Trainer;
+
 namespace fs = std::filesystem;
 using testing::RunRanks;
 

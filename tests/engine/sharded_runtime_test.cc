@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "engine/grad_numerics.h"
-#include "engine/zero3.h"
-#include "engine/zero_optimizer.h"
+#include "engine/flat_runtime.h"
+#include "engine/zero3_runtime.h"
 #include "uckpt/comm.h"
 
 namespace uckpt::engine {
@@ -31,8 +31,8 @@ TEST(ShardedRuntime, FlatSlotsAreTheGroupsPartitions) {
   EXPECT_EQ(slots[0].target.params[1].numel, 5);
   EXPECT_EQ(slots[1].target.params[0].shape, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(slots[1].step_param, "b");
-  EXPECT_EQ(r.flat(), &z);
-  EXPECT_EQ(r.stage3(), nullptr);
+  EXPECT_TRUE(r.group_weights(1).is_same(z.model_flat(1)));  // what the module entries view
+  EXPECT_EQ(r.stats().unit_gathers, 0);
   EXPECT_FALSE(r.partitions_parameters());
   at::Tensor x = at::ones({2});
   EXPECT_TRUE(r.EnterUnit(0, x).is_same(x));  // nothing to gather
@@ -54,7 +54,7 @@ TEST(ShardedRuntime, Stage3SlotsAreTheSubGroupsAndMastersComeFromThePartitions) 
     EXPECT_EQ(slots[i].step_param, "x");  // the model's first parameter's, as the universal load takes it
   }
   EXPECT_EQ(slots[0].target.params[0].shape, (std::vector<int64_t>{2, 3}));
-  EXPECT_EQ(r.stage3(), &z);
+  EXPECT_FALSE(r.group_weights(0).defined());  // no flat buffer: parameters partitioned one by one
   EXPECT_TRUE(r.partitions_parameters());
   for (auto& sg : z.sub_groups()) sg.state.master.zero_();
   r.MastersFromWeights();
@@ -74,17 +74,33 @@ TEST(GradNumerics, OverflowIsAnInfOrNanInAnyGradient) {
 
 TEST(GradNumerics, GlobalNormIsTheNormOfTheGroupsNorms) {
   auto comm = MakeSingleProcessComm();
-  const auto fp64 = [](double v) { return at::scalar_tensor(v, at::kDouble); };
-  const at::Tensor a = GroupGradNorm(*comm, {fp64(3), fp64(4)}, at::kFloat, at::kCPU, false);
+  const auto fp64 = [](std::vector<double> v) { return at::tensor(v, at::kDouble); };
+  const at::Tensor a = GroupGradNormStacked(*comm, fp64({3, 4}), at::kFloat, at::kCPU, false);
   EXPECT_EQ(a.scalar_type(), at::kFloat);
   EXPECT_EQ(a.item<float>(), 5.0f);
-  const at::Tensor b = GroupGradNorm(*comm, {fp64(12)}, at::kFloat, at::kCPU, true);
+  const at::Tensor b = GroupGradNormStacked(*comm, fp64({12}), at::kFloat, at::kCPU, true);
   bool finite = false;
   EXPECT_EQ(GlobalGradNorm({a, b}, &finite).item<float>(), 13.0f);
   EXPECT_TRUE(finite);
   GlobalGradNorm({a, at::scalar_tensor(std::numeric_limits<float>::infinity())}, &finite);
   EXPECT_FALSE(finite);
-  EXPECT_EQ(GroupGradNorm(*comm, {}, at::kDouble, at::kCPU, false).item<double>(), 0.0);
+  EXPECT_EQ(GroupGradNormStacked(*comm, fp64({}), at::kDouble, at::kCPU, false).item<double>(), 0.0);
+}
+
+// Both stages' per-piece norms: each piece's fp64 2-norm, the same whether
+// pieces are converted to fp64 together (stages 1/2) or one by one (stage 3).
+TEST(GradNumerics, PieceNormsAreEachPiecesFp64NormForAnySpan) {
+  const at::Tensor grad = at::randn({40}, at::kFloat);
+  const std::vector<GradPiece> pieces = {{0, 7}, {7, 3}, {12, 20}, {35, 5}};
+  const at::Tensor one_by_one = PieceNorms(grad, pieces, at::kCPU, 0);
+  ASSERT_EQ(one_by_one.numel(), 4);
+  EXPECT_EQ(one_by_one.scalar_type(), at::kDouble);
+  for (size_t i = 0; i < pieces.size(); ++i)
+    EXPECT_EQ(one_by_one[i].item<double>(),
+              at::norm(grad.narrow(0, pieces[i].offset, pieces[i].numel).to(at::kDouble), 2).item<double>());
+  EXPECT_TRUE(at::equal(PieceNorms(grad, pieces, at::kCPU, 40), one_by_one));
+  EXPECT_TRUE(at::equal(PieceNorms(grad, pieces, at::kCPU, 12), one_by_one));
+  EXPECT_EQ(PieceNorms(grad, {}, at::kCPU, 40).numel(), 0);
 }
 
 // DeepSpeed's unscale_and_clip_grads: 1 / (scale * max(1, (norm/scale + 1e-6) / clip)).

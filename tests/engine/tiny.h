@@ -17,6 +17,8 @@
 
 namespace uckpt::engine::testing {
 
+using cli::TrainOptions;
+
 inline TrainOptions TinyGpt2(const nlohmann::json& ds) {
   TrainOptions o;
   o.config = ParseConfig(ds, "tiny");

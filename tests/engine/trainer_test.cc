@@ -11,6 +11,11 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::LoadStateDictFile;
+using cli::StepMetrics;
+using cli::TrainOptions;
+using cli::Trainer;
+
 using testing::ReadJson;
 using testing::RefrunDir;
 using testing::RefrunModel;

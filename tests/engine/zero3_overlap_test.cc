@@ -17,6 +17,10 @@
 namespace uckpt::engine {
 namespace {
 
+using cli::StepMetrics;
+using cli::TrainOptions;
+using cli::Trainer;
+
 using testing::RunRanks;
 
 struct Outcome {

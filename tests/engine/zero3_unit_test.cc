@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/zero3.h"
+#include "engine/zero3_runtime.h"
 #include "ranks.h"
 
 namespace uckpt::engine {

@@ -1,4 +1,4 @@
-#include "engine/zero3.h"
+#include "engine/zero3_runtime.h"
 
 #include <c10/core/GradMode.h>
 
@@ -80,17 +80,12 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
 at::Tensor Zero3Runtime::GlobalNorm(bool* finite) {
   std::vector<at::Tensor> group_norms;
   for (const Zero3SubGroup& sg : subs_) {
-    std::vector<at::Tensor> norms;
-    for (size_t i : sg.params) {
-      const Zero3Param& p = params_[i];
-      at::Tensor g = sg.grad.narrow(0, p.offset, p.partition_size);
-      // Under offload the fp64 norm is taken where the gradient lives, not
-      // after copying every partition back to the device.
-      norms.push_back(g.device().is_cpu() && !device_.is_cpu()
-                          ? at::scalar_tensor(std::sqrt(SumOfSquares(g)), at::kDouble)
-                          : g.to(device_).to(at::kDouble).norm(2));
-    }
-    group_norms.push_back(GroupGradNorm(comm_, norms, at::kDouble, device_, dp() > 1));
+    std::vector<GradPiece> pieces;
+    for (size_t i : sg.params) pieces.push_back({params_[i].offset, params_[i].partition_size});
+    // Each partition converted on its own (span 0); under offload measured
+    // where the gradient lives, not after copying it back to the device.
+    const at::Tensor norms = PieceNorms(sg.grad, pieces, device_, /*span_elements=*/0);
+    group_norms.push_back(GroupGradNormStacked(comm_, norms, at::kDouble, device_, dp() > 1));
   }
   return GlobalGradNorm(group_norms, finite);
 }
@@ -190,18 +185,6 @@ std::vector<size_t> Zero3Runtime::IndicesOf(const std::vector<at::Tensor>& ts) c
   for (size_t i = 0; i < params_.size(); ++i)
     if (given.count(params_[i].tensor.unsafeGetTensorImpl())) out.push_back(i);
   return out;
-}
-
-at::Tensor Zero3Runtime::GatherWhole(size_t i) {
-  c10::NoGradGuard no_grad;
-  const Zero3Param& p = params_.at(i);
-  at::Tensor in = p.partition.to(device_);
-  at::Tensor all = in;
-  if (dp() > 1) {
-    all = at::empty({p.partition_size * dp()}, in.options());
-    comm_.AllGather(in, all);
-  }
-  return all.narrow(0, 0, p.numel).view(p.tensor.sizes()).clone();
 }
 
 }  // namespace uckpt::engine

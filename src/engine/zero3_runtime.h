@@ -21,7 +21,7 @@
 // The pieces: gather units with their lifecycle, the parameters' storage and
 // the prefetch schedule (zero3_unit.h); the gradient buckets and their
 // reduce-scatters (zero3_reduce.h); the unit calls and autograd hooks that
-// drive them (zero3_hooks.cc); the step (this class, zero3.cc).
+// drive them (zero3_hooks.cc); the step (this class, zero3_runtime.cc).
 // Overlap: entering a unit starts the all-gathers of the units after it (in
 // backward: before it) up to stage3_prefetch_bucket_size elements ahead,
 // while the gathered unit elements stay within stage3_max_live_parameters;
@@ -41,9 +41,9 @@
 #include "engine/config.h"
 #include "engine/loss_scaler.h"
 #include "engine/sharded_runtime.h"
+#include "engine/flat_runtime.h"
 #include "engine/zero3_reduce.h"
 #include "engine/zero3_unit.h"
-#include "engine/zero_optimizer.h"
 #include "uckpt/comm.h"
 
 namespace uckpt::engine {
@@ -65,20 +65,6 @@ struct Zero3Settings {
   bool offload_param_cpu = false;  // the 16-bit partitions in host memory
   int64_t prefetch_bucket_size = 50000000;   // unit elements gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // cap on gathered unit elements for prefetching
-};
-
-// What stage 3's gathers and reduce-scatters did (Zero3Runtime::stats()).
-// Gathered elements count unit parameters only (the root unit and persistent
-// parameters stay gathered) and start at the first EnterUnit.
-struct Zero3Stats {
-  int64_t gathered_elements = 0;       // unit elements gathered or being gathered now
-  int64_t peak_gathered_elements = 0;  // the most at once
-  int64_t unit_gathers = 0;            // all-gathers of units (prefetched ones included)
-  int64_t prefetched_gathers = 0;      // of them, started before their unit was entered
-  int64_t unused_prefetches = 0;       // prefetched units dropped before being entered
-  int64_t reduce_buckets = 0;          // reduce-scatters of gradient buckets
-  int64_t overlapped_buckets = 0;      // of them, started during backward and left running (overlap_comm)
-  double reduce_tail_s = 0;            // timing on: FinishBackward (final bucket, waits), device synchronised
 };
 
 // One trainable parameter under stage 3.
@@ -130,7 +116,6 @@ class Zero3Runtime : public ShardedRuntime {
   int num_units() const { return static_cast<int>(units_.size()); }
   bool partitions_parameters() const override { return true; }
   size_t num_gather_units() const override { return units_.size(); }
-  Zero3Runtime* stage3() override { return this; }
 
   // The unit calls (Engine::EnterUnit/ExitUnit): gather/free plus the
   // autograd identities that wire the backward side.
@@ -148,12 +133,11 @@ class Zero3Runtime : public ShardedRuntime {
   // re-partitions them; -1: those staying whole are gathered again from the
   // partitions (writes discarded).
   void ReleaseSome(const std::vector<size_t>& ps, int modifier_rank);
-  bool IsGathered(const Zero3Param& p) const { return p.live > 0; }
-  Zero3Stats stats() const;
+  Zero3Stats stats() const override;
   // The gather units: their states, for tests and diagnostics.
   const UnitSchedule& units() const { return units_; }
   // Times FinishBackward, synchronising the device (UCKPT_TIMERS).
-  void set_timing(bool on) { timing_ = on; }
+  void set_timing(bool on) override { timing_ = on; }
 
   void PrepareBackward() override {}
   // After loss.backward(): the gradients not reduced yet (the root unit's),
@@ -169,9 +153,6 @@ class Zero3Runtime : public ShardedRuntime {
   void WeightsFromMasters() override;
   // The fp32 masters from the 16-bit partitions.
   void MastersFromWeights() override;
-  // Whole parameter p (model dtype, on the model's device) from every rank's
-  // partition: one all-gather, collective.
-  at::Tensor GatherWhole(size_t p);
 
   // For the backward identities (zero3_hooks.cc).
   void BackwardGather(size_t unit);

@@ -2,7 +2,7 @@
 
 #include "uckpt/comm.h"
 #include "engine/cpu_adam.h"
-#include "engine/zero_optimizer.h"
+#include "engine/flat_runtime.h"
 
 namespace uckpt::engine {
 namespace {

@@ -1,10 +1,11 @@
 // Stage 3's part of the sharded runtime's construction (sharded_runtime.cc):
-// parameters sorted into gather units, partitioned (engine/zero3.h).
+// parameters sorted into gather units, partitioned (engine/zero3_runtime.h).
 #include <map>
 #include <set>
 #include <stdexcept>
 
 #include "engine/engine_impl.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {

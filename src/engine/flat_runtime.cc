@@ -1,4 +1,4 @@
-#include "engine/zero_optimizer.h"
+#include "engine/flat_runtime.h"
 
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
@@ -59,26 +59,18 @@ void EnsureStaging(std::vector<at::Tensor>& slots, int64_t n, at::ScalarType dty
     slots.push_back(at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true)));
 }
 
-// Elements of a partition converted to fp64 at once for FragmentNorms (256
-// MiB; a larger fragment alone): few conversions, bounded temporary memory.
+// Elements of a partition converted to fp64 at once for the fragments'
+// norms (256 MiB; a larger fragment alone): few conversions, bounded
+// temporary memory.
 constexpr int64_t kNormSpan = int64_t{1} << 25;
 
-// DeepSpeed's per-fragment gradient norm: each fragment of `partition` in
-// fp64, its 2-norm; stacked (empty when this rank holds no fragment).
-// Fragments are in flat order, so consecutive ones form spans.
+// DeepSpeed's per-fragment gradient norms of `partition`, on its device
+// (grad_numerics.h); empty when this rank holds no fragment.
 at::Tensor FragmentNorms(const std::vector<ckpt::Fragment>& fragments, const at::Tensor& partition) {
-  if (fragments.empty()) return at::empty({0}, partition.options().dtype(at::kDouble));
-  std::vector<at::Tensor> norms;
-  for (size_t i = 0; i < fragments.size();) {
-    const int64_t begin = fragments[i].partition_offset;
-    size_t j = i + 1;
-    while (j < fragments.size() && fragments[j].partition_offset + fragments[j].numel - begin <= kNormSpan) ++j;
-    const int64_t end = fragments[j - 1].partition_offset + fragments[j - 1].numel;
-    const at::Tensor wide = partition.narrow(0, begin, end - begin).to(at::kDouble);
-    for (; i < j; ++i)
-      norms.push_back(at::norm(wide.narrow(0, fragments[i].partition_offset - begin, fragments[i].numel), 2));
-  }
-  return at::stack(norms);
+  std::vector<GradPiece> pieces;
+  pieces.reserve(fragments.size());
+  for (const ckpt::Fragment& f : fragments) pieces.push_back({f.partition_offset, f.numel});
+  return PieceNorms(partition, pieces, partition.device(), kNormSpan);
 }
 
 }  // namespace

@@ -34,27 +34,6 @@
 
 namespace uckpt::engine {
 
-struct ZeroSettings {
-  int stage = 1;
-  double gradient_clipping = 0.0;
-  OptimizerConfig optimizer;
-  at::ScalarType model_dtype = at::kFloat;  // kFloat, kBFloat16 or kHalf
-  Fp16Config fp16;                          // used when model_dtype is kHalf
-  bool offload_optimizer_cpu = false;       // master + moments in host memory
-  int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
-  bool overlap_comm = false;                // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
-};
-
-// One optimizer parameter group: its parameters' sizes in flat order and its
-// own hyper-parameters (lr comes from the schedule at each step); their names
-// and shapes when known (the partition slots name them; else "" and [numel]).
-struct GroupSpec {
-  std::vector<int64_t> numels;
-  OptimizerConfig optimizer;
-  std::vector<std::string> names;
-  std::vector<std::vector<int64_t>> shapes;
-};
-
 class OverlappedGradReducer;
 
 // torch.optim.Adam/AdamW's single-tensor step (torch 1.13) on one partition:
@@ -84,6 +63,7 @@ class FlatRuntime : public ShardedRuntime {
   const std::vector<int64_t>& numels(size_t g = 0) const { return groups_.at(g).numels; }
 
   at::Tensor model_flat(size_t g = 0) const { return groups_.at(g).model_flat; }  // [Npad], model dtype
+  at::Tensor group_weights(size_t g) const override { return model_flat(g); }
   at::Tensor grad_flat(size_t g = 0) const { return groups_.at(g).grad_flat; }    // [Npad], model dtype
   PartitionState& state(size_t g = 0) { return groups_.at(g).state; }
   const PartitionState& state(size_t g = 0) const { return groups_.at(g).state; }
@@ -116,8 +96,6 @@ class FlatRuntime : public ShardedRuntime {
   void MastersFromWeights() override;
   // Model weights from the masters of every rank (after loading partitions).
   void WeightsFromMasters() override;
-
-  FlatRuntime* flat() override { return this; }
 
  private:
   struct Group {
