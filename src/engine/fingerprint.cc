@@ -155,7 +155,7 @@ class Accumulator {
 // The tensors of one partition: "fp32" and, once Adam has stepped, its moments.
 std::vector<std::pair<std::string, at::Tensor>> Tensors(const PartitionState& st) {
   std::vector<std::pair<std::string, at::Tensor>> out = {{"fp32", st.master}};
-  if (st.step.defined()) out.insert(out.end(), {{"exp_avg", st.exp_avg}, {"exp_avg_sq", st.exp_avg_sq}});
+  if (st.step.defined()) out.insert(out.end(), {{ckpt::kExpAvg, st.exp_avg}, {ckpt::kExpAvgSq, st.exp_avg_sq}});
   return out;
 }
 
