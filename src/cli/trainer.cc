@@ -251,6 +251,10 @@ void PrintRunHeader(const Trainer& trainer) {
             << comm.world_size() << " ranks, " << trainer.num_parameters() << " parameters, steps "
             << trainer.counters().global_steps + 1 << ".." << o.steps << "\n";
   for (const auto& w : o.config.warnings) std::cerr << "uckpt train: warning: " << w << "\n";
+  // DeepSpeed applies it to the dataloader initialize() builds; this data has no last batch.
+  if (o.config.dataloader_drop_last)
+    std::cerr << "uckpt train: warning: dataloader_drop_last has no effect here: uckpt train's data is indexed by "
+                 "step and row, with no epochs and no last batch\n";
 }
 
 // Rank 0: a progress line on a terminal, else a line every steps_per_print steps.
