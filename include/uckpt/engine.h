@@ -122,9 +122,6 @@ struct LoadCheckpointOptions {
 struct LoadResult {
   std::string path;          // the tag folder loaded
   ClientState client_state;  // a dict of the keys the saver added
-  // The model-states file's 'lr_scheduler' value as saved (None when absent),
-  // for a client scheduler's load_state_dict (SaveCheckpointOptions::lr_scheduler_state).
-  ClientState lr_scheduler_state;
 };
 
 // What the last LoadCheckpoint did (Engine::last_load()).
@@ -142,6 +139,9 @@ struct LoadStats {
   // Of it, a checkpoint without a record: the expected value (the bytes the load
   // read, hashed where they landed by the files' own layout) and its reduction.
   double fingerprint_files_s = 0;
+  // The model-states file's 'lr_scheduler' value as saved (None when absent),
+  // for a client scheduler's load_state_dict (SaveCheckpointOptions::lr_scheduler_state).
+  ClientState lr_scheduler_state;
 };
 
 // Engine::LoadWeights: how a file's tensor names become the model's.

@@ -787,15 +787,15 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   if (r.path.empty()) return py::make_tuple(py::none(), py::none());  // DeepSpeed's answer when nothing was found
   if (!load_module_only) PullGroups(load_optimizer_states);  // the restored lrs (and hyper-parameters)
   if (!load_module_only && load_lr_scheduler_states && !client_scheduler_.is_none()) {
-    if (r.lr_scheduler_state.isNone())
+    if (engine_->last_load().lr_scheduler_state.isNone())
       throw py::value_error("engine.load_checkpoint: " + r.path + " holds no lr_scheduler state (saved without a "
                             "scheduler) for " + TypeName(client_scheduler_) +
                             ".load_state_dict(); pass load_lr_scheduler_states=False to keep the scheduler as it is");
-    client_scheduler_.attr("load_state_dict")(FromIValue(r.lr_scheduler_state));
+    client_scheduler_.attr("load_state_dict")(FromIValue(engine_->last_load().lr_scheduler_state));
   }
   py::object cs = r.client_state.isNone() ? py::dict() : FromIValue(r.client_state);
   // DeepSpeed hands back the checkpoint's 'lr_scheduler' with the client state when it does not load it.
-  if (!load_lr_scheduler_states && py::isinstance<py::dict>(cs)) cs["lr_scheduler"] = FromIValue(r.lr_scheduler_state);
+  if (!load_lr_scheduler_states && py::isinstance<py::dict>(cs)) cs["lr_scheduler"] = FromIValue(engine_->last_load().lr_scheduler_state);
   return py::make_tuple(py::str(r.path), cs);
 }
 

@@ -340,9 +340,9 @@ ValuePtr ModelStatesValue(const ModelStates& s) {
   d->set("frozen_param_shapes", s.stage >= 2 ? frozen_shapes : Value::None());
   d->set("shared_params", s.stage == 0 ? Value::None() : shared);
   d->set("frozen_param_fragments", s.stage >= 2 ? frozen_fragments : Value::None());
-  d->set("lr_scheduler", s.last_batch_iteration
-                             ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
-                             : Value::None());
+  d->set("lr_scheduler", s.lr_scheduler           ? s.lr_scheduler
+                         : s.last_batch_iteration ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
+                                                  : Value::None());
   d->set("data_sampler", Value::None());
   d->set("random_ltd", Value::None());
   d->set("sparse_tensor_module_names", Set());
@@ -383,7 +383,8 @@ ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
     m.global_samples = IntKey(u, "data_samples", path + ": uckpt");
   if (m.global_steps < 0 || m.skipped_steps < 0 || (m.global_samples && *m.global_samples < 0))
     throw FormatError(path + ": negative step counters");
-  if (ValuePtr s = Key(root, "lr_scheduler", path, false); s && s->is_dict() && s->get("last_batch_iteration"))
+  if (ValuePtr s = Key(root, "lr_scheduler", path, false); s && s->kind != Kind::kNone) m.lr_scheduler = s;
+  if (ValuePtr s = m.lr_scheduler; s && s->is_dict() && s->get("last_batch_iteration"))
     m.last_batch_iteration = IntKey(s, "last_batch_iteration", path + ": lr_scheduler");
   if (ValuePtr d = Key(root, "dp_world_size", path, false); d && d->kind == Kind::kInt) m.dp_world_size = d->i;
   if (ValuePtr opt = Key(root, "optimizer", path, false); opt && opt->is_dict()) {

@@ -119,6 +119,7 @@ struct ModelStates {
   std::vector<std::pair<std::string, std::string>> shared_params;  // alias -> owner
   ValuePtr stage0_optimizer;  // stage 0: torch's optimizer state_dict (Stage0OptimizerValue)
   std::optional<int64_t> last_batch_iteration;  // the lr scheduler's, if there is one
+  ValuePtr lr_scheduler;  // a client scheduler's state_dict(), written instead when set
   int64_t global_steps = 0, global_samples = 0, skipped_steps = 0;
   int dp_world_size = 1;
   ValuePtr ds_config;
@@ -133,6 +134,7 @@ struct ModelStatesView {
   int64_t global_steps = 0, skipped_steps = 0;
   std::optional<int64_t> global_samples;        // uckpt's data position, else DeepSpeed's global_samples
   std::optional<int64_t> last_batch_iteration;  // the lr scheduler's
+  ValuePtr lr_scheduler;                        // the scheduler's state as saved (null: None or absent)
   std::optional<int64_t> dp_world_size;
   // Stage 0: torch's optimizer state_dict: Adam state by parameter id, param groups.
   std::map<int64_t, AdamStateView> stage0_state;

@@ -188,7 +188,7 @@ ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, Val
   for (auto& kv : client) m.extra.push_back(std::move(kv));
   // A client scheduler's state_dict() replaces the config scheduler's under DeepSpeed's key.
   if (!e.schedule.client_state_to_save.isNone())
-    m.extra.emplace_back("lr_scheduler", FromIValue(e.schedule.client_state_to_save, "lr_scheduler"));
+    m.lr_scheduler = FromIValue(e.schedule.client_state_to_save, "lr_scheduler");
   return m;
 }
 
@@ -632,10 +632,8 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   if (!o.load_module_only) RestoreCounters(e, model.view, o);
   LoadPartitions(e, folder, model, o, proof);
   FinishStateFingerprintCheck(e, proof, o);
-  LoadResult r{folder, ClientStateOf(model.view), c10::IValue()};
-  if (ValuePtr sched = model.file.root ? model.file.root->get("lr_scheduler") : nullptr)
-    r.lr_scheduler_state = ToIValue(sched);
-  return r;
+  if (model.view.lr_scheduler) e.last_load.lr_scheduler_state = ToIValue(model.view.lr_scheduler);
+  return LoadResult{folder, ClientStateOf(model.view)};
 }
 
 }  // namespace uckpt::engine
