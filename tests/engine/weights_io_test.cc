@@ -273,7 +273,7 @@ TEST(InitWeights, SafetensorsThroughTheCheckedReader) {
   const std::string dir = FreshTempDir("init_safetensors");
   const auto file = FileValues();
   WriteFile(dir + "/init.safetensors", file);
-  const auto loaded = LoadStateDictFile(dir + "/init.safetensors");
+  const auto loaded = cli::LoadStateDictFile(dir + "/init.safetensors");
   ASSERT_EQ(loaded.size(), file.size());
   for (const auto& [name, t] : loaded) EXPECT_TRUE(at::equal(t, file.at(name).to(FileDtype(name)))) << name;
   // 4 bytes no tensor covers: refused (the data must tile exactly).
@@ -281,7 +281,7 @@ TEST(InitWeights, SafetensorsThroughTheCheckedReader) {
   std::string bytes(8, '\0');
   bytes[0] = static_cast<char>(header.size());
   std::ofstream(dir + "/gap.safetensors", std::ios::binary) << bytes + header + std::string(8, '\0');
-  EXPECT_THROW(LoadStateDictFile(dir + "/gap.safetensors"), FormatError);
+  EXPECT_THROW(cli::LoadStateDictFile(dir + "/gap.safetensors"), FormatError);
 }
 
 class Save16bitTest : public ::testing::TestWithParam<int> {};
@@ -318,7 +318,7 @@ TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
       EXPECT_EQ(std::memcmp(bytes.data(), t.contiguous().data_ptr(), bytes.size()), 0) << name;
     }
     // torch.save's format: every name of the state_dict, in its order.
-    const auto bin = LoadStateDictFile(dir + "/bin/pytorch_model.bin");
+    const auto bin = cli::LoadStateDictFile(dir + "/bin/pytorch_model.bin");
     std::vector<std::string> names;
     for (const auto& [name, t] : bin) {
       names.push_back(name);
