@@ -622,7 +622,7 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                 const LoadCheckpointOptions& o) {
   const std::string folder = TagFolder(dir, tag, o.universal);
-  if (folder.empty()) return LoadResult{"", c10::IValue(), c10::IValue()};
+  if (folder.empty()) return LoadResult{"", c10::IValue()};
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
   FingerprintCheck proof = StartStateFingerprintCheck(e, folder, o);  // the resume proof
   const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
