@@ -23,23 +23,14 @@ CASE:
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
+import testkit
+from testkit import fail, free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SKIP = 77
-
-
-def fail(msg):
-    print("FAIL: " + msg, flush=True)
-    sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def run_script(impl, pypath, fixture, work, ds_src=None):
@@ -82,7 +73,7 @@ def check_stage(stage, r):
     if stage == 0:
         if sd != "FileNotFoundError":
             fail(f"{where}: zero_to_fp32 of a stage-0 checkpoint gave {sd} (DeepSpeed's: FileNotFoundError)")
-        print(f"ok   stage 0: the engine's answers; zero_to_fp32 needs ZeRO files, as DeepSpeed's")
+        print("ok   stage 0: the engine's answers; zero_to_fp32 needs ZeRO files, as DeepSpeed's")
         return
     # DeepSpeed's model-states file lists frozen parameters from stage 2 on; its zero_to_fp32 gives what it lists.
     frozen = sd.get("inp.bias", [None])[0]
@@ -155,49 +146,11 @@ def case_deepspeed(pypath, fixture, work):
 # ---------------------------------------------------------------- surface / config (workers)
 
 def launch(case, pypath, world, extra=()):
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", case, *extra], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    failed = False
-    for r, p in enumerate(procs):
-        out, _ = p.communicate(timeout=300)
-        sys.stdout.write("".join(f"[{r}/{world}] {line}\n" for line in out.splitlines()))
-        failed |= p.returncode != 0
-    if failed:
-        fail(f"{case} at {world} rank(s): a rank failed (output above)")
+    testkit.launch(__file__, case, pypath, world, extra)
 
 
 def toy(torch, frozen=False):
-    torch.manual_seed(0)
-
-    class Block(torch.nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return torch.tanh(self.fc(x))
-
-    class Net(torch.nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.inp = torch.nn.Linear(4, 8)
-            self.blocks = torch.nn.ModuleList([Block(), Block()])
-            self.out = torch.nn.Linear(8, 1)
-
-        def forward(self, x):
-            h = self.inp(x)
-            for b in self.blocks:
-                h = b(h)
-            return self.out(h).pow(2).mean()
-
-    net = Net()
+    net = testkit.toy_net(torch)
     if frozen:
         net.inp.bias.requires_grad_(False)
     return net

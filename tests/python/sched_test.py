@@ -23,24 +23,14 @@ CASE:
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
+from testkit import fail, free_port
+
 SKIP = 77
 STEPS = 50
-
-
-def fail(msg):
-    print("FAIL: " + msg, flush=True)
-    sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def close(a, b, tol=1e-6):

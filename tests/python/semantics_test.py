@@ -22,70 +22,20 @@ CASE:
              uckpt's own MoE is refused; a trainable parameter left out of model_parameters gets
              no update at stages 0-2 (as DeepSpeed) and is refused at stage 3.
 """
-import os
-import socket
-import subprocess
 import sys
 
-
-def fail(msg):
-    print("FAIL: " + msg, flush=True)
-    sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import testkit
+from testkit import fail
 
 
 def launch(case, pypath, world):
-    """This script's worker for `case` at `world` ranks; fails when any rank does."""
-    port = str(free_port())
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", case], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    failed = False
-    for r, p in enumerate(procs):
-        out, _ = p.communicate(timeout=300)
-        sys.stdout.write("".join(f"[{r}/{world}] {line}\n" for line in out.splitlines()))
-        failed |= p.returncode != 0
-    if failed:
-        fail(f"{case} at {world} rank(s): a rank failed (output above)")
+    testkit.launch(__file__, case, pypath, world)
 
 
 # ---------------------------------------------------------------- workers
 
-def net(torch, bias_buffer=False):
-    torch.manual_seed(0)
-
-    class Block(torch.nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return torch.tanh(self.fc(x))
-
-    class Net(torch.nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.inp = torch.nn.Linear(4, 8)
-            self.blocks = torch.nn.ModuleList([Block(), Block()])
-            self.out = torch.nn.Linear(8, 1)
-
-        def forward(self, x):
-            h = self.inp(x)
-            for b in self.blocks:
-                h = b(h)
-            return self.out(h).pow(2).mean()
-
-    return Net()
+def net(torch):
+    return testkit.toy_net(torch)
 
 
 def config(stage, **extra):

@@ -20,41 +20,18 @@ CASE:
 """
 import json
 import os
-import socket
 import struct
-import subprocess
 import sys
 import tempfile
+
+import testkit
+from testkit import fail
 
 DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
 
 
-def fail(msg):
-    print("FAIL: " + msg, flush=True)
-    sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(case, pypath, world, workdir):
-    port = str(free_port())
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, PYTHONPATH=pypath, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", case, workdir], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    failed = False
-    for r, p in enumerate(procs):
-        out, _ = p.communicate(timeout=300)
-        sys.stdout.write("".join(f"[{r}/{world}] {line}\n" for line in out.splitlines()))
-        failed |= p.returncode != 0
-    if failed:
-        fail(f"{case} at {world} rank(s): a rank failed (output above)")
+    testkit.launch(__file__, case, pypath, world, [workdir], env={"PYTHONHASHSEED": "0"})
 
 
 # ---- safetensors by its spec: u64 little-endian header size, JSON header, raw row-major data.
