@@ -37,7 +37,7 @@ def run_script(impl, pypath, fixture, work, ds_src=None):
     out = os.path.join(work, impl + ".json")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONHASHSEED="0")
     env["PYTHONPATH"] = pypath if impl == "uckpt" else ds_src
-    cmd = [sys.executable, os.path.join(fixture, "scripts", "launch.py"), "1", free_port(),
+    cmd = [sys.executable, os.path.join(fixture, "scripts", "launch.py"), "1", str(free_port()),
            os.path.join(HERE, "names_script.py"), "--impl", impl, "--fixture", fixture,
            "--work", os.path.join(work, impl), "--out", out]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
