@@ -1,0 +1,67 @@
+"""Data that resumes at any world size (uckpt's own; DeepSpeed's loader keeps no position).
+
+`ResumableSampler` is opt-in: a script gives it to its own DataLoader,
+
+    sampler = uckpt.data.ResumableSampler(dataset, engine, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
+                                         sampler=sampler)
+
+and must not skip batches itself after a load: the sampler starts where the
+engine's data position says. That position is the samples consumed
+(`engine.global_samples`), saved in every checkpoint and restored by
+`load_checkpoint` at any world size and accumulation, so a resumed run sees
+exactly the samples the uninterrupted run would have.
+
+The order: each epoch a permutation of the dataset (seeded by `seed` and the
+epoch, as torch's DistributedSampler), cut into global batches of
+`train_batch_size` samples (a last incomplete one is dropped); rank r's micro
+step m of a global batch takes samples [m * W * micro + r * micro, ... + micro)
+of it (W ranks). An iterator runs to the end of the epoch the position is in;
+the next one continues from the position again, so create the loader's
+iterator after `load_checkpoint`.
+"""
+import torch
+
+
+class ResumableSampler(torch.utils.data.Sampler):
+
+    def __init__(self, dataset, engine, seed=0, shuffle=True):
+        self.n = len(dataset)
+        self.engine = engine
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.batch = engine.train_batch_size()
+        if self.n < self.batch:
+            raise ValueError(f"uckpt.data.ResumableSampler: the dataset has {self.n} samples, fewer than one global "
+                             f"batch ({self.batch})")
+
+    def _order(self, epoch):
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def _per_epoch(self):
+        return self.n // self.batch * self.batch  # samples of whole global batches
+
+    def __len__(self):
+        """This rank's samples left in the epoch the data position is in."""
+        e = self.engine
+        left = self._per_epoch() - e.global_samples % self._per_epoch()
+        return left // e.world_size
+
+    def __iter__(self):
+        e = self.engine
+        micro, world, rank = e.train_micro_batch_size_per_gpu(), e.world_size, e.global_rank
+        position = e.global_samples
+        if position % self.batch:
+            raise ValueError(f"uckpt.data.ResumableSampler: the data position {position} is not a whole number of "
+                             f"global batches of {self.batch}")
+        per_epoch = self._per_epoch()
+        epoch, at = divmod(position, per_epoch)
+        order = self._order(epoch)
+        for start in range(at, per_epoch, self.batch):
+            for m in range(self.batch // (micro * world)):
+                first = start + m * world * micro + rank * micro
+                yield from order[first:first + micro]
