@@ -555,11 +555,15 @@ void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const Mod
   }
 }
 
+}  // namespace
+
 bool HasOptimFiles(const std::string& folder) {
   for (const auto& f : ckpt::ListCheckpointFolder(folder))
     if (f.kind == ckpt::FileKind::kOptimStates) return true;
   return false;
 }
+
+namespace {
 
 // Whether the trainable weights come from a stage 0-2 folder's module state
 // (16-bit in fp16/bf16 runs, as DeepSpeed's module load) rather than the

@@ -9,9 +9,9 @@
 
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
-#include "ckpt/parallel.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/zero_checkpoint.h"
+#include "engine/checkpoint.h"
 #include "format/error.h"
 
 #ifdef UCKPT_FINGERPRINT_KERNEL
@@ -254,12 +254,6 @@ int FailedRank(Comm& comm, const std::string& error) {
   at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
   comm.AllReduceMax(failed);
   return static_cast<int>(failed.item<float>());
-}
-
-bool HasOptimFiles(const std::string& folder) {
-  for (const auto& f : ckpt::ListCheckpointFolder(folder))
-    if (f.kind == ckpt::FileKind::kOptimStates) return true;
-  return false;
 }
 
 // What a checkpoint without a record covers: from the files the load
