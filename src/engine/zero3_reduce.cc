@@ -122,7 +122,7 @@ void GradientReducer::FinishReduce(Reducing& r) {
   for (size_t i : r.params) {
     const Zero3Param& p = params_[i];
     Zero3SubGroup& sg = subs_[p.sub_group];
-    sg.grad.narrow(0, p.offset, p.partition_size).add_(mine.narrow(0, off, p.partition_size));
+    sg.Grad().narrow(0, p.offset, p.partition_size).add_(mine.narrow(0, off, p.partition_size));
     off += p.partition_size;
   }
   r = Reducing();

@@ -65,7 +65,7 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
       sg.state.master = HostOrDevice({total}, at::kFloat, device_, host);
       for (size_t i : sg.params)
         sg.state.master.narrow(0, params_[i].offset, params_[i].partition_size).copy_(params_[i].partition);
-      sg.grad = HostOrDevice({total}, at::kFloat, device_, host);
+      if (host) sg.grad = HostOrDevice({total}, at::kFloat, device_, host);
       subs_.push_back(std::move(sg));
     }
   }
@@ -79,12 +79,12 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
 // partition's fp64 norm, summed in fp64 per sub-group over the ranks.
 at::Tensor Zero3Runtime::GlobalNorm(bool* finite) {
   std::vector<at::Tensor> group_norms;
-  for (const Zero3SubGroup& sg : subs_) {
+  for (Zero3SubGroup& sg : subs_) {
     std::vector<GradPiece> pieces;
     for (size_t i : sg.params) pieces.push_back({params_[i].offset, params_[i].partition_size});
     // Each partition converted on its own (span 0); under offload measured
     // where the gradient lives, not after copying it back to the device.
-    const at::Tensor norms = PieceNorms(sg.grad, pieces, device_, /*span_elements=*/0);
+    const at::Tensor norms = PieceNorms(sg.Grad(), pieces, device_, /*span_elements=*/0);
     group_norms.push_back(GroupGradNormStacked(comm_, norms, at::kDouble, device_, dp() > 1));
   }
   return GlobalGradNorm(group_norms, finite);
@@ -99,12 +99,12 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
   bool overflow = false;
   if (s_.base.model_dtype == at::kHalf) {
     std::vector<at::Tensor> grads;
-    for (const Zero3SubGroup& sg : subs_) grads.push_back(sg.grad);
+    for (Zero3SubGroup& sg : subs_) grads.push_back(sg.Grad());
     overflow = AnyRankOverflowed(comm_, grads, device_);
   }
   scaler_.Update(overflow);
   if (overflow) {
-    for (Zero3SubGroup& sg : subs_) sg.grad.zero_();
+    ClearGrads();
     r.skipped = true;
     r.grad_norm = -1;
     return r;
@@ -116,18 +116,28 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
   if (s_.base.offload_optimizer_cpu) {
     // The same factor, applied inside one fused host pass.
     for (Zero3SubGroup& sg : subs_)
-      CpuAdamStep(sg.state, sg.grad, unscale.host_factor(), group_optimizers_[sg.group], group_lrs[sg.group]);
+      CpuAdamStep(sg.state, sg.Grad(), unscale.host_factor(), group_optimizers_[sg.group], group_lrs[sg.group]);
+    ClearGrads();
     WeightsFromMasters();
     return r;
   }
   for (Zero3SubGroup& sg : subs_) {
-    at::Tensor grad = sg.grad;
+    at::Tensor grad = sg.Grad();
     unscale.Apply(grad);
     TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group]);
-    sg.grad.zero_();
   }
+  ClearGrads();
   WeightsFromMasters();
   return r;
+}
+
+void Zero3Runtime::ClearGrads() {
+  for (Zero3SubGroup& sg : subs_) {
+    if (s_.base.offload_optimizer_cpu)
+      sg.grad.zero_();
+    else
+      sg.grad = at::Tensor();  // Grad() makes zeros at the next step's first reduce
+  }
 }
 
 void Zero3Runtime::WeightsFromMasters() {

@@ -86,7 +86,15 @@ struct Zero3SubGroup {
   size_t group = 0;
   std::vector<size_t> params;  // indices into Zero3Runtime::params()
   PartitionState state;        // master [sum ps] fp32 + Adam moments and step
-  at::Tensor grad;             // [sum ps] fp32: the averaged gradient being accumulated
+  // [sum ps] fp32: the averaged gradient being accumulated. Where the master
+  // is on the device it is held only from a step's first reduce to its update
+  // (torch's zero_grad(set_to_none)), so the forward's activation peak does
+  // not carry it; in host memory (offload_optimizer) it stays.
+  at::Tensor grad;
+  at::Tensor& Grad() {  // grad, zeros where not held
+    if (!grad.defined()) grad = at::zeros_like(state.master);
+    return grad;
+  }
 };
 
 class Zero3Runtime : public ShardedRuntime {
@@ -162,6 +170,7 @@ class Zero3Runtime : public ShardedRuntime {
   Zero3Runtime(const Zero3Runtime&) = delete;  // its pieces refer to its members
   Zero3Runtime& operator=(const Zero3Runtime&) = delete;
   void FinishBackwardUntimed();
+  void ClearGrads();  // after an update or a skipped step
   at::Tensor GlobalNorm(bool* finite);
   std::vector<size_t> IndicesOf(const std::vector<at::Tensor>& ts) const;
 

@@ -61,6 +61,29 @@ TEST(ShardedRuntime, Stage3SlotsAreTheSubGroupsAndMastersComeFromThePartitions) 
   EXPECT_TRUE(at::equal(z.sub_groups()[1].state.master, at::arange(5, at::kFloat)));
 }
 
+// Stage 3's fp32 gradient partitions are held from a step's first reduce to
+// its update only (the forward's activation peak does not carry them), except
+// in host memory under offload_optimizer, where they stay allocated.
+TEST(ShardedRuntime, Stage3GradientPartitionsAreNotHeldBetweenSteps) {
+  for (bool offload : {false, true}) {
+    auto comm = MakeSingleProcessComm();
+    Zero3Settings s;
+    s.base.offload_optimizer_cpu = offload;
+    at::Tensor w = at::arange(6, at::kFloat).requires_grad_(true);
+    Zero3Runtime z(*comm, {{{"w", w}}}, {s.base.optimizer}, {{-1}}, 0, s, at::kCPU);
+    EXPECT_EQ(z.sub_groups()[0].grad.defined(), offload) << "offload " << offload;
+    for (int step = 0; step < 2; ++step) {
+      w.mutable_grad() = at::full({6}, 0.5f);
+      z.FinishBackward(true);
+      ASSERT_TRUE(z.sub_groups()[0].grad.defined());
+      EXPECT_TRUE(at::equal(z.sub_groups()[0].grad, at::full({6}, 0.5f))) << "step " << step << ": accumulated once";
+      z.Step({1e-3});
+      EXPECT_EQ(z.sub_groups()[0].grad.defined(), offload) << "offload " << offload << " step " << step;
+      if (offload) EXPECT_EQ(z.sub_groups()[0].grad.abs().sum().item<float>(), 0.f);
+    }
+  }
+}
+
 TEST(GradNumerics, OverflowIsAnInfOrNanInAnyGradient) {
   auto comm = MakeSingleProcessComm();
   const at::Tensor fine = at::ones({3});
