@@ -6,8 +6,9 @@ parameters and optimizer offloaded to CPU), `import uckpt as deepspeed`.
 Where the batches come from (--data):
   sampler     uckpt.data.ResumableSampler with the script's own DataLoader
               (opt-in: the loader starts at the engine's data position);
-  initialize  the loader initialize(training_data=...) returns: DeepSpeed's
-              (no position kept).
+  initialize  the loader initialize(training_data=...) returns; it resumes
+              when the config opts in ("uckpt": {"resumable_data": {...}},
+              --resumable_data), else it is DeepSpeed's (no position kept).
 --skip_batches: after a load the script skips the micro-batches of the steps
 it has done itself, as DeepSpeed scripts that resume do (only right at the
 same world size and without the opt-in: opted in, it would skip twice).
@@ -40,6 +41,8 @@ LICENSES = ["Apache-2.0", "Artistic", "BSD", "GFDL-1.3", "GPL-2", "GPL-3", "LGPL
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", type=str, required=True)
 parser.add_argument("--data", choices=["sampler", "initialize"], default="sampler")
+parser.add_argument("--resumable_data", action="store_true",
+                    help="with --data initialize: add the config's uckpt.resumable_data section")
 parser.add_argument("--skip_batches", action="store_true", help="after a load, skip the done steps' batches")
 parser.add_argument("--seed", type=int, default=0, help="the resumable data order's seed")
 parser.add_argument("--max_samples", type=int, default=0, help="use only this many sequences (0: all)")
@@ -76,6 +79,8 @@ with open(args.deepspeed_config) as f:
 ds_config["train_batch_size"] = args.train_batch_size
 ds_config["train_micro_batch_size_per_gpu"] = args.train_micro_batch_size_per_gpu
 ds_config.setdefault("checkpoint", {})["load_universal"] = args.universal_checkpoint
+if args.resumable_data:
+    ds_config["uckpt"] = {"resumable_data": {"seed": args.seed}}
 
 torch.manual_seed(42)
 model = TinyGPT2(vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,

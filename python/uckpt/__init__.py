@@ -32,6 +32,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                          config=config if config is not None else config_params)
     if result[0].zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
         _mark_stage3_parameters(model)
+    if training_data is not None:  # the config's "uckpt": {"resumable_data": ...} opts in
+        loader = data.config_loader(training_data, result[0], collate_fn)
+        if loader is not None:
+            result = (result[0], result[1], loader, result[3])
     return result
 
 

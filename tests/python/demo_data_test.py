@@ -11,6 +11,11 @@ CASE:
   sampler    ResumableSampler with the script's own DataLoader: baseline at 4 ranks, checkpoint at step 4;
              resumed at 2 ranks (accumulation 1 -> 2) from the ZeRO folder and from its `uckpt convert`
              conversion: steps 5-8 see the baseline's samples, losses within 1e-6 relative.
+  config     the loader initialize(training_data=) returns, with the config's "uckpt": {"resumable_data":
+             {"seed": 3}}: the same 4 -> 2 resume continues the baseline (1e-6); without the section the
+             loader is DeepSpeed's, which keeps no position: the resumed run starts at the epoch's first
+             batches (what a fresh 2-rank run sees first). The section's keys are strict (unknown ones refused
+             by name; a malformed value refused).
   skip       not opted in, a script that skips the done steps' batches itself (as DeepSpeed scripts do):
              resumed at the same 4 ranks it continues the baseline bit for bit, with its samples; and the
              loader's order is DeepSpeed's (torch's DistributedSampler over the ranks, its epoch never set).
@@ -120,6 +125,65 @@ def distributed_order(world, epoch_batches_per_rank):
     return steps
 
 
+def case_config(runs):
+    runs.train(4, "base", "--data", "initialize", "--resumable_data", "--seed", "3",
+               "--checkpoint_dir", runs.ckpt("base"), "--checkpoint_interval", str(MID))
+    base = runs.metrics("base")
+    runs.train(2, "config_2ranks", "--data", "initialize", "--resumable_data", "--seed", "3",
+               "--checkpoint_dir", runs.ckpt("base"), "--resume", "--checkpoint_tag", f"global_step{MID}")
+    continues(base, runs.metrics("config_2ranks"), "initialize's loader with the uckpt section, 4 -> 2 ranks (GA 2)")
+    # Without the section: DeepSpeed's loader, no position kept.
+    runs.train(2, "plain_2ranks", "--data", "initialize", "--checkpoint_dir", runs.ckpt("base"), "--resume",
+               "--checkpoint_tag", f"global_step{MID}")
+    plain = runs.metrics("plain_2ranks")
+    mine = sorted(int(x) for x in plain[MID + 1][1].split())
+    # At 2 ranks with GA 2 a step takes two micro-batches per rank: DeepSpeed's epoch's first two.
+    first, second = distributed_order(2, 2)
+    want = sorted(int(x) for x in (first + " " + second).split())
+    if mine != want:
+        fail(f"without the uckpt section the resumed loader gave {mine} first, DeepSpeed's loader the epoch's "
+             f"first batches {want} (no position kept)")
+    print("ok   without the uckpt section: the resumed loader starts at the epoch's first batches (DeepSpeed's, "
+          "no position kept)")
+    check_section_keys(runs)
+
+
+def check_section_keys(runs):
+    """Unknown keys of the uckpt section, and malformed values, refused by name at initialize."""
+    bad = [({"resumable_data": {"sed": 1}}, "'uckpt.resumable_data.sed' is not a key of uckpt's section"),
+           ({"resumable": {}}, "'uckpt.resumable' is not a key of uckpt's section 'uckpt'"),
+           ({"resumable_data": {"seed": "one"}}, "'uckpt.resumable_data.seed' must be an integer"),
+           ({"resumable_data": True}, "'uckpt.resumable_data' must be an object"),
+           ({"resumable_data": {}, "iterable": True}, "Stream is an iterable dataset; resumable data needs a map-style")]
+    code = """
+import json, sys, torch
+import uckpt as deepspeed
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(torch.zeros(8, 4))
+model = torch.nn.Linear(4, 1)
+section = json.loads(sys.argv[1])
+iterable = section.pop("iterable", False)  # the sampler given an iterable dataset (initialize's own loader
+data = torch.utils.data.TensorDataset(torch.zeros(8, 4))  # refuses one before it, as DeepSpeed's does)
+config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "uckpt": section}
+try:
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                  training_data=None if iterable else data)[0]
+    if iterable:
+        deepspeed.data.ResumableSampler(Stream(), engine)
+except (ValueError, RuntimeError) as e:
+    print("refused:", e)
+"""
+    env = dict(os.environ, PYTHONPATH=runs.pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WORLD_SIZE="1",
+               RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for section, want in bad:
+        p = subprocess.run([sys.executable, "-c", code, json.dumps(section)], env=env, capture_output=True, text=True,
+                           timeout=120)
+        if "refused:" not in p.stdout or want not in p.stdout:
+            fail(f"the uckpt section {section}: want initialize to refuse it saying \"{want}\", got:\n{p.stdout}{p.stderr[-2000:]}")
+    print(f"ok   the uckpt section: {len(bad)} unknown keys, malformed values and an iterable dataset refused by name")
+
+
 def case_skip(runs):
     runs.train(4, "base", "--data", "initialize", "--checkpoint_dir", runs.ckpt("base"),
                "--checkpoint_interval", str(MID))
@@ -177,7 +241,7 @@ print(json.dumps(per_rank))
 
 def main():
     case, uckpt, pypath, work = sys.argv[1:5]
-    cases = {"sampler": case_sampler, "skip": case_skip, "deepspeed": case_deepspeed}
+    cases = {"sampler": case_sampler, "config": case_config, "skip": case_skip, "deepspeed": case_deepspeed}
     if case not in cases:
         fail(f"unknown case {case}")
     cases[case](Runs(uckpt, pypath, work))
