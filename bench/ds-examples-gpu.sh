@@ -19,7 +19,8 @@
 #     DSX_FAKEDATA_SIZE images by a sitecustomize.py on PYTHONPATH (1,281,167 would take hours);
 #     openpyxl (its loss table) by a stub when it is not installed;
 #   * DeepSpeed-Chat: the model (OPTConfig, 2 layers x 64, saved with save_pretrained) and its tokenizer
-#     (a byte-level BPE trained on the data, GPT2TokenizerFast) are made here, offline; the data is
+#     (a byte-level BPE trained on the data: vocab.json and merges.txt, as OPT's GPT2TokenizerFast reads
+#     them) are made here, offline; the data is
 #     data/train.json and data/eval.json next to dschat (what local/jsonfile reads). At stage 3 its
 #     create_hf_model builds transformers' HfDeepSpeedConfig, and transformers then imports
 #     `deepspeed` itself: a `deepspeed` alias of uckpt (with 0.14.5 package metadata) is first on
@@ -256,8 +257,10 @@ texts = [json.loads(l)[k] for s in ("train", "eval") for l in open(os.path.join(
          for k in ("prompt", "chosen", "rejected")]
 bpe = ByteLevelBPETokenizer()
 bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1, special_tokens=["</s>"])
-tok = GPT2TokenizerFast(tokenizer_object=bpe, bos_token="</s>", eos_token="</s>", unk_token="</s>")
 model_dir = os.path.join(chat, "tiny-opt")
+os.makedirs(model_dir, exist_ok=True)
+vocab, merges = bpe.save_model(model_dir)  # vocab.json, merges.txt: what OPT's GPT-2 tokenizer reads
+tok = GPT2TokenizerFast(vocab_file=vocab, merges_file=merges, bos_token="</s>", eos_token="</s>", unk_token="</s>")
 tok.save_pretrained(model_dir)
 eos = tok.convert_tokens_to_ids("</s>")
 config = OPTConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
