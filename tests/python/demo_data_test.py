@@ -162,25 +162,32 @@ class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(torch.zeros(8, 4))
 model = torch.nn.Linear(4, 1)
-section = json.loads(sys.argv[1])
-iterable = section.pop("iterable", False)  # the sampler given an iterable dataset (initialize's own loader
-data = torch.utils.data.TensorDataset(torch.zeros(8, 4))  # refuses one before it, as DeepSpeed's does)
-config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "uckpt": section}
-try:
-    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                  training_data=None if iterable else data)[0]
-    if iterable:
-        deepspeed.data.ResumableSampler(Stream(), engine)
-except (ValueError, RuntimeError) as e:
-    print("refused:", e)
+data = torch.utils.data.TensorDataset(torch.zeros(8, 4))
+answers = []
+for section in json.loads(sys.argv[1]):
+    iterable = section.pop("iterable", False)  # the sampler given an iterable dataset (initialize's own loader
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "uckpt": section}
+    try:                                       # refuses one before it, as DeepSpeed's does)
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      training_data=None if iterable else data)[0]
+        if iterable:
+            deepspeed.data.ResumableSampler(Stream(), engine)
+        answers.append("accepted")
+    except (ValueError, RuntimeError) as e:
+        answers.append("refused: " + str(e))
+print(json.dumps(answers))
 """
     env = dict(os.environ, PYTHONPATH=runs.pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WORLD_SIZE="1",
                RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    for section, want in bad:
-        p = subprocess.run([sys.executable, "-c", code, json.dumps(section)], env=env, capture_output=True, text=True,
-                           timeout=120)
-        if "refused:" not in p.stdout or want not in p.stdout:
-            fail(f"the uckpt section {section}: want initialize to refuse it saying \"{want}\", got:\n{p.stdout}{p.stderr[-2000:]}")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps([section for section, _ in bad])], env=env,
+                       capture_output=True, text=True, timeout=120)
+    try:
+        answers = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        fail(f"the uckpt section checks did not run:\n{p.stdout}{p.stderr[-2000:]}")
+    for (section, want), got in zip(bad, answers):
+        if not got.startswith("refused:") or want not in got:
+            fail(f"the uckpt section {section}: want initialize to refuse it saying \"{want}\", got: {got}")
     print(f"ok   the uckpt section: {len(bad)} unknown keys, malformed values and an iterable dataset refused by name")
 
 
