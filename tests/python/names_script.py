@@ -210,6 +210,14 @@ def main():
     inner = helper.recursive_getattr(tiny, "1.0")
     helper.recursive_setattr(tiny, "1.0", torch.nn.Identity())
     out["compression_helper"] = [type(inner).__name__, inner.out_features, type(tiny[1][0]).__name__]
+    split = import_module(deepspeed.__name__ + ".moe.utils").split_params_into_different_moe_groups_for_optimizer
+    group = {"params": list(tiny.parameters()), "name": "parameters"}  # cifar10_deepspeed.py's --moe-param-group
+    out["moe_split"] = [len(split(group)), len(split((group, group))), split([group])[0]["name"]]
+    try:
+        split(p for p in tiny.parameters())
+        out["moe_split"].append("accepted")
+    except ValueError:
+        out["moe_split"].append("ValueError")
     utils.log_dist("log_dist on rank 0", ranks=[0])
     utils.logger.info("logger works")
     os.makedirs(args.work, exist_ok=True)

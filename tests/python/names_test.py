@@ -102,6 +102,8 @@ def case_script(pypath, fixture, work):
     for k, want in import_check.items():
         if rec[k] != want:
             fail(f"{k}: {rec[k]}, want {want}")
+    if rec["moe_split"] != [1, 2, "parameters", "ValueError"]:
+        fail(f"moe.utils.split_params_into_different_moe_groups_for_optimizer: {rec['moe_split']}")
     if rec["compression_helper"] != ["Linear", 3, "Identity"]:
         fail(f"compression.helper recursive_getattr / recursive_setattr: {rec['compression_helper']}")
     if rec["clone"] != [[2.0, 3.0], 2, 3, "text"]:
