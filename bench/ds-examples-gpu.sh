@@ -44,6 +44,7 @@ CASES=${CASES:-cifar cifar_moe imagenet chat_z2 chat_z3}
 TIMEOUT_S=${TIMEOUT_S:-300}
 PY=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: never wait for one
 cpu=false; [ "${DS_ACCELERATOR:-}" = cpu ] && cpu=true
 
 for f in training/cifar/cifar10_deepspeed.py training/imagenet/main.py \
