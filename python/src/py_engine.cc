@@ -690,6 +690,7 @@ void PyEngine::UseParamGroups(py::object client_optimizer, std::vector<int> engi
     if (kept.size() != dicts.size())
       client_optimizer.attr("param_groups").attr("__setitem__")(py::module_::import("builtins").attr("slice")(py::none()), kept);
     client_optimizer_ = std::move(client_optimizer);
+    basic_optimizer_ = client_optimizer_;  // DeepSpeed steps it at each update: a torch scheduler on it counts them
     // LRRangeTest's and OneCycle's constructors write their first lr (and betas) into the groups.
     if (settings_.scheduler_type == "OneCycle" || settings_.scheduler_type == "LRRangeTest") PullGroups(true);
     return;

@@ -130,9 +130,14 @@ void BindScriptApi(py::module_& m) {
       .def("set_train_batch_size", [](PyEngine& e, int64_t n) { e.engine().SetTrainBatchSize(n); },
            "train_batch_size"_a)
       // DeepSpeed's removes its optimizer's gradient hooks; the engine stays usable for forward.
-      // DeepSpeed's removes its optimizer's gradient hooks; the engine stays usable for forward.
       // (no_sync: DeepSpeed 0.14.5's engine has none and looks it up on the module, as uckpt's does.)
-      .def("destroy", [](PyEngine&) {});
+      .def("destroy", [](PyEngine&) {})
+      // The config's "uckpt" section (checked by the config parser) for the pure-Python modules.
+      .def("_uckpt_config", [](const PyEngine& e) {
+        const auto& c = e.settings().config;
+        const bool has = c.contains("uckpt") && c["uckpt"].is_object();
+        return py::module_::import("json").attr("loads")(has ? c["uckpt"].dump() : std::string("{}"));
+      });
 
   m.def(
       "export_fp32",

@@ -8,7 +8,7 @@ import os
 from uckpt._uckpt import add_config_arguments  # noqa: F401
 from uckpt._uckpt import initialize as _initialize
 from uckpt._uckpt import init_distributed as _init_distributed
-from uckpt import accelerator, checkpoint, comm, data, moe, ops, pipe, runtime, utils, zero  # noqa: F401
+from uckpt import accelerator, checkpoint, comm, compression, data, moe, ops, pipe, runtime, utils, zero  # noqa: F401
 from uckpt.accelerator import get_accelerator  # noqa: F401
 from uckpt.runtime.activation_checkpointing import checkpointing  # noqa: F401
 from uckpt.runtime.engine import DeepSpeedEngine  # noqa: F401
@@ -32,6 +32,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                          config=config if config is not None else config_params)
     if result[0].zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
         _mark_stage3_parameters(model)
+    if training_data is not None:  # the config's "uckpt": {"resumable_data": ...} opts in
+        loader = data.config_loader(training_data, result[0], collate_fn)
+        if loader is not None:
+            result = (result[0], result[1], loader, result[3])
+    runtime.engine.set_training_dataloader(result[0], result[2])
     return result
 
 

@@ -6,7 +6,13 @@
     loader = torch.utils.data.DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
                                          sampler=sampler)
 
-and must not skip batches itself after a load: the sampler starts where the
+or opts in through the config, for the loader `initialize(training_data=...)`
+returns (uckpt's own section, which DeepSpeed ignores; seed 0 and shuffle
+true by default; any other key is refused):
+
+    "uckpt": {"resumable_data": {"seed": 0, "shuffle": true}}
+
+Either way the script must not skip batches itself after a load: the sampler starts where the
 engine's data position says. That position is the samples consumed
 (`engine.global_samples`), saved in every checkpoint and restored by
 `load_checkpoint` at any world size and accumulation, so a resumed run sees
@@ -26,6 +32,9 @@ import torch
 class ResumableSampler(torch.utils.data.Sampler):
 
     def __init__(self, dataset, engine, seed=0, shuffle=True):
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError(f"uckpt.data.ResumableSampler: {type(dataset).__name__} is an iterable dataset; resumable "
+                             f"data needs a map-style one (len() and indexing)")
         self.n = len(dataset)
         self.engine = engine
         self.seed = int(seed)
@@ -65,3 +74,16 @@ class ResumableSampler(torch.utils.data.Sampler):
             for m in range(self.batch // (micro * world)):
                 first = start + m * world * micro + rank * micro
                 yield from order[first:first + micro]
+
+
+def config_loader(dataset, engine, collate_fn=None):
+    """The loader initialize(training_data=...) returns when the config's
+    "uckpt" section has "resumable_data"; None without it (DeepSpeed's loader)."""
+    section = engine._uckpt_config().get("resumable_data")
+    if section is None:
+        return None
+    sampler = ResumableSampler(dataset, engine, seed=int(section.get("seed", 0)),
+                               shuffle=bool(section.get("shuffle", True)))
+    kwargs = {} if collate_fn is None else {"collate_fn": collate_fn}
+    return torch.utils.data.DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                                       **kwargs)

@@ -116,6 +116,12 @@ class Section {
       if (!seen_.count(k))
         throw ConfigError("'" + Path(k) + "' is not a key of '" + where_ + "' (DeepSpeed 0.14.5 refuses it too)");
   }
+  // uckpt's own sections: a key uckpt does not define is refused, naming the ones it does.
+  void RefuseUnknownOwnKeys(const std::string& keys) {
+    for (auto& [k, v] : j_.items())
+      if (!seen_.count(k))
+        throw ConfigError("'" + Path(k) + "' is not a key of uckpt's section '" + where_ + "' (its keys: " + keys + ")");
+  }
   std::string Path(const std::string& k) const { return where_.empty() ? k : (k.empty() ? where_ : where_ + "." + k); }
 
  private:
@@ -400,6 +406,21 @@ void ParseTopLevelAudit(Section& top) {
                "synchronize_checkpoint_boundary", "profile"});
 }
 
+// "uckpt": uckpt's own settings for the Python package, which DeepSpeed
+// ignores (as any unknown top-level key); checked here strictly, read by the
+// package from the JSON (python/uckpt/data.py):
+//   "resumable_data": {"seed": N, "shuffle": b}: initialize's loader keeps the data position.
+void CheckUckptSection(Section& u) {
+  if (auto r = u.Sub("resumable_data")) {
+    int64_t seed = 0;
+    bool shuffle = true;
+    r->Int("seed", seed);
+    r->Bool("shuffle", shuffle);
+    r->RefuseUnknownOwnKeys("seed, shuffle");
+  }
+  u.RefuseUnknownOwnKeys("resumable_data");
+}
+
 }  // namespace
 
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
@@ -482,6 +503,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->RefuseUnless("mics_hierarchical_params_gather", false);
       s->RefuseUnknownKeys();
     }
+    if (auto s = top.Sub("uckpt")) CheckUckptSection(*s);
     if (auto s = top.Sub("heartbeat")) {
       s->Double("interval", c.heartbeat_interval_s);
       s->Double("timeout", c.heartbeat_timeout_s);

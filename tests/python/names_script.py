@@ -8,12 +8,14 @@ What it does, on a toy model with a frozen parameter and an integer buffer, GA 2
   * imports as the examples do: runtime.zero.partition_parameters.ZeroParamStatus, runtime.lr_schedules,
     runtime.utils.set_random_seed, runtime.engine.DeepSpeedEngine, get_accelerator, utils.RepeatingLoader,
     utils.logging.logger / log_dist, checkpoint.utils.clone_tensors_for_torch_save, checkpointing,
-    utils.zero_to_fp32;
+    utils.zero_to_fp32, compression.helper's recursive_getattr / recursive_setattr;
   * per ZeRO stage: trains with a block under deepspeed.checkpointing.checkpoint, recording the losses,
     optimizer_name(), steps_per_print(), wall_clock_breakdown(), was_step_applied() after every step, the
     optimizer's overflow, whether engine.no_sync exists; drives the boundary by hand
     (set_gradient_accumulation_boundary); changes the batch (set_train_batch_size); saves a checkpoint and
-    reads it back with zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint; destroy().
+    reads it back with zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint; the engine's state_dict(),
+    load_state_dict(), named_parameters() and named_buffers() (DeepSpeed's engine is a Module with the model
+    as its child "module"), training_dataloader, tput_timer.update_epoch_count(); destroy().
 """
 import argparse
 import json
@@ -143,6 +145,22 @@ def train_stage(deepspeed, torch, zero_to_fp32, stage, work):
     except ValueError:
         rec["set_train_batch_size_5"] = "ValueError"
     rec.update(losses=losses, applied=applied, boundary=boundary, global_steps=engine.global_steps)
+    # The engine as the torch Module DeepSpeed's is: its model is the child "module".
+    sd = engine.state_dict()
+    rec["state_dict_keys"] = sorted(sd)
+    rec["named_parameters"] = [n for n, _ in engine.named_parameters()]
+    rec["named_buffers"] = [n for n, _ in engine.named_buffers(prefix="top")]
+    rec["own_parameters"] = [n for n, _ in engine.named_parameters(recurse=False)]
+    back = engine.load_state_dict(sd)
+    rec["load_state_dict"] = [list(back.missing_keys), list(back.unexpected_keys)]
+    try:
+        engine.load_state_dict({k[len("module."):]: v for k, v in sd.items()})
+        rec["load_unprefixed"] = "accepted"
+    except RuntimeError:
+        rec["load_unprefixed"] = "RuntimeError"
+    rec["training_dataloader"] = engine.training_dataloader is None  # initialize got no training_data
+    engine.tput_timer.update_epoch_count()  # DeepSpeed-Chat's, after each epoch
+    rec["epoch_count"] = engine.tput_timer.epoch_count
     ckpt = os.path.join(work, f"z{stage}")
     engine.save_checkpoint(ckpt)
     try:
@@ -187,6 +205,19 @@ def main():
     out["checkpointing_configured"] = [deepspeed.checkpointing.is_configured()]
     deepspeed.checkpointing.configure(None, partition_activations=False)
     out["checkpointing_configured"].append(deepspeed.checkpointing.is_configured())
+    helper = import_module(deepspeed.__name__ + ".compression.helper")  # DeepSpeed-Chat's LoRA
+    tiny = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 3)))
+    inner = helper.recursive_getattr(tiny, "1.0")
+    helper.recursive_setattr(tiny, "1.0", torch.nn.Identity())
+    out["compression_helper"] = [type(inner).__name__, inner.out_features, type(tiny[1][0]).__name__]
+    split = import_module(deepspeed.__name__ + ".moe.utils").split_params_into_different_moe_groups_for_optimizer
+    group = {"params": list(tiny.parameters()), "name": "parameters"}  # cifar10_deepspeed.py's --moe-param-group
+    out["moe_split"] = [len(split(group)), len(split((group, group))), split([group])[0]["name"]]
+    try:
+        split(p for p in tiny.parameters())
+        out["moe_split"].append("accepted")
+    except ValueError:
+        out["moe_split"].append("ValueError")
     utils.log_dist("log_dist on rank 0", ranks=[0])
     utils.logger.info("logger works")
     os.makedirs(args.work, exist_ok=True)

@@ -69,6 +69,15 @@ def check_stage(stage, r):
         fail(f"{where}: {got}, want {want}")
     if stage > 0 and r["overflow"] is not False:
         fail(f"{where}: optimizer.overflow is {r['overflow']} in an fp32 run")
+    names = ["inp.weight", "inp.bias", "blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight",
+             "blocks.1.fc.bias", "out.weight", "out.bias"]
+    module_view = {"state_dict_keys": sorted("module." + n for n in names + ["seen"]),
+                   "named_parameters": ["module." + n for n in names], "named_buffers": ["top.module.seen"],
+                   "own_parameters": [], "load_state_dict": [[], []], "load_unprefixed": "RuntimeError",
+                   "training_dataloader": True, "epoch_count": 1}
+    got = {k: r[k] for k in module_view}
+    if got != module_view:
+        fail(f"{where}: the engine as DeepSpeed's Module (its model the child 'module'): {got}, want {module_view}")
     sd = r["fp32_state_dict"]
     if stage == 0:
         if sd != "FileNotFoundError":
@@ -93,6 +102,10 @@ def case_script(pypath, fixture, work):
     for k, want in import_check.items():
         if rec[k] != want:
             fail(f"{k}: {rec[k]}, want {want}")
+    if rec["moe_split"] != [1, 2, "parameters", "ValueError"]:
+        fail(f"moe.utils.split_params_into_different_moe_groups_for_optimizer: {rec['moe_split']}")
+    if rec["compression_helper"] != ["Linear", 3, "Identity"]:
+        fail(f"compression.helper recursive_getattr / recursive_setattr: {rec['compression_helper']}")
     if rec["clone"] != [[2.0, 3.0], 2, 3, "text"]:
         fail(f"clone_tensors_for_torch_save: {rec['clone']} (values, storage size, other items)")
     if not {"WarmupLR", "WarmupDecayLR"} <= set(rec["VALID_LR_SCHEDULES"]):
