@@ -19,8 +19,8 @@
 #     DSX_FAKEDATA_SIZE images by a sitecustomize.py on PYTHONPATH (1,281,167 would take hours);
 #     openpyxl (its loss table) by a stub when it is not installed;
 #   * DeepSpeed-Chat: the model (OPTConfig, 2 layers x 64, saved with save_pretrained) and its tokenizer
-#     (a byte-level BPE trained on the data: vocab.json and merges.txt, as OPT's GPT2TokenizerFast reads
-#     them) are made here, offline; the data is
+#     (a byte-level BPE trained on the data, saved as tokenizer.json for AutoTokenizer) are made here,
+#     offline; the data is
 #     data/train.json and data/eval.json next to dschat (what local/jsonfile reads). At stage 3 its
 #     create_hf_model builds transformers' HfDeepSpeedConfig, and transformers then imports
 #     `deepspeed` itself: a `deepspeed` alias of uckpt (with 0.14.5 package metadata) is first on
@@ -45,6 +45,7 @@ TIMEOUT_S=${TIMEOUT_S:-300}
 PY=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: never wait for one
+export PYTHONFAULTHANDLER=1  # a crash in native code prints the Python stack it came from
 cpu=false; [ "${DS_ACCELERATOR:-}" = cpu ] && cpu=true
 
 for f in training/cifar/cifar10_deepspeed.py training/imagenet/main.py \
@@ -233,6 +234,10 @@ def load_dataset(kind, data_files=None, **kwargs):
         text = open(path).read().strip()
         out[split] = json.loads(text) if text.startswith("[") else [json.loads(l) for l in text.splitlines() if l]
     return out
+
+
+def load_from_disk(path, **kwargs):
+    raise NotImplementedError("the datasets stand-in has no load_from_disk")
 PY
   echo "   (datasets is not installed: a JSON-lines reader stands in for load_dataset('json'))"
 fi
@@ -253,15 +258,17 @@ for split, n in (("train", 160), ("eval", 40)):
             f.write(json.dumps({"prompt": "Human: " + sentence(8) + " Assistant:", "chosen": sentence(10),
                                 "rejected": sentence(10)}) + "\n")
 from tokenizers import ByteLevelBPETokenizer
-from transformers import GPT2TokenizerFast, OPTConfig, OPTForCausalLM
+from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 texts = [json.loads(l)[k] for s in ("train", "eval") for l in open(os.path.join(chat, "data", f"{s}.json"))
          for k in ("prompt", "chosen", "rejected")]
 bpe = ByteLevelBPETokenizer()
 bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1, special_tokens=["</s>"])
 model_dir = os.path.join(chat, "tiny-opt")
 os.makedirs(model_dir, exist_ok=True)
-vocab, merges = bpe.save_model(model_dir)  # vocab.json, merges.txt: what OPT's GPT-2 tokenizer reads
-tok = GPT2TokenizerFast(vocab_file=vocab, merges_file=merges, bos_token="</s>", eos_token="</s>", unk_token="</s>")
+# tokenizer.json + tokenizer_config.json (AutoTokenizer reads them; the same in transformers 4 and 5)
+tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>", unk_token="</s>",
+                              pad_token="</s>")
+assert len(tok) > 100, f"the tokenizer has {len(tok)} tokens"
 tok.save_pretrained(model_dir)
 eos = tok.convert_tokens_to_ids("</s>")
 config = OPTConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
@@ -303,7 +310,7 @@ ran() {  # ran CASE RC: PASS/FAIL from the exit status (124: the time limit)
 for c in $CASES; do
   case $c in
     cifar)
-      args=(--epochs 1); $cpu && args+=(--dtype fp32)  # the CPU has no fp16
+      args=(--epochs 1 ${CIFAR_ARGS:-}); $cpu && args+=(--dtype fp32)  # the CPU has no fp16
       launch cifar "$work/cifar" "$work/shim-cifar" cifar10_deepspeed.py "${args[@]}"; rc=$?
       if [ $rc = 0 ] && ! grep -q "Accuracy of the network" "$work/cifar.log"; then
         result cifar FAIL "exit 0 but no test accuracy printed"
