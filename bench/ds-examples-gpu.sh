@@ -270,6 +270,11 @@ tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="</s>",
                               pad_token="</s>")
 assert len(tok) > 100, f"the tokenizer has {len(tok)} tokens"
 tok.save_pretrained(model_dir)
+# As OPT's own folders: vocab.json and merges.txt beside tokenizer.json, and the GPT-2 tokenizer class, so
+# AutoTokenizer gives a tokenizer with a vocab_file (DeepSpeed-Chat's save_hf_format saves the vocabulary).
+bpe.save_model(model_dir)
+path = os.path.join(model_dir, "tokenizer_config.json")
+c = json.load(open(path)); c["tokenizer_class"] = "GPT2Tokenizer"; json.dump(c, open(path, "w"), indent=1)
 eos = tok.convert_tokens_to_ids("</s>")
 config = OPTConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
                    max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=eos, eos_token_id=eos,
