@@ -314,6 +314,27 @@ void RefuseFrozenWithoutOptimizer(py::handle model) {
                         "torch module)");
 }
 
+// zero.Init's (param, ds_shape, ds_tensor) triples (uckpt.zero's
+// zero_init_partitions), for the engine to take as partitions; refused unless
+// the config's stage is 3, as initialize must not read their freed values.
+std::vector<PartitionedParameter> ZeroInitPartitions(py::list partitioned, const nlohmann::json& config) {
+  std::vector<PartitionedParameter> out;
+  if (partitioned.empty()) return out;
+  int stage = 0;
+  if (config.contains("zero_optimization") && config["zero_optimization"].is_object())
+    stage = config["zero_optimization"].value("stage", 0);
+  if (stage != 3)
+    throw py::value_error("uckpt.initialize: the model was built under deepspeed.zero.Init (" +
+                          std::to_string(partitioned.size()) + " parameters are partitioned across the ranks), which "
+                          "needs zero_optimization.stage 3; the config has stage " + std::to_string(stage) +
+                          " (build the model without zero.Init for stages 0-2)");
+  for (auto item : partitioned) {
+    auto t = item.cast<py::tuple>();
+    out.push_back({THPVariable_Unpack(t[0].ptr()), t[1].cast<std::vector<int64_t>>(), THPVariable_Unpack(t[2].ptr())});
+  }
+  return out;
+}
+
 py::object ResolveConfig(py::handle args, py::handle config) {
   if (!config.is_none()) return py::reinterpret_borrow<py::object>(config);
   for (const char* name : {"deepspeed_config", "deepscale_config"})
@@ -437,7 +458,7 @@ py::object AddConfigArguments(py::object parser) {
 
 py::tuple Initialize(py::object args, py::object model, py::object optimizer, py::object model_parameters,
                      py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
-                     py::object config) {
+                     py::object config, py::list partitioned) {
   if (model.is_none()) throw py::value_error("uckpt.initialize: model is required");
   std::string source;
   nlohmann::json json = ConfigToJson(ResolveConfig(args, config), source);
@@ -494,6 +515,7 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
     units = FindGatherUnits(model, shell);
     for (const auto& u : units) options.gather_units.push_back(u.shell);
   }
+  options.partitioned = ZeroInitPartitions(partitioned, json);
   std::unique_ptr<Engine> engine;
   {
     py::gil_scoped_release no_gil;
