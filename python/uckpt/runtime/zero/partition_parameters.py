@@ -175,7 +175,35 @@ def _gather_whole(p):
             pieces = [torch.empty_like(mine) for _ in range(world)]
             _dist().all_gather([_movable(t) for t in pieces], _movable(mine))
             flat = torch.cat(pieces)
-        p.data = flat[:p.ds_numel].view(p.ds_shape).to(part.device).clone()
+            del pieces
+        p.data = flat[:p.ds_numel].view(p.ds_shape).to(part.device)
+        if world == 1:
+            p.data = p.data.clone()  # not the partition itself
+
+
+class _FreedMemory:
+    """Hands freed whole values back to the system as construction goes (glibc keeps freed heap memory
+    otherwise, and a model of many mid-size parameters would grow to its whole size in free lists): malloc_trim
+    once every _EVERY bytes freed. Does nothing where there is no glibc."""
+
+    _EVERY = 4 << 20
+    _freed = 0
+    _trim = None
+
+    @classmethod
+    def note(cls, nbytes):
+        cls._freed += nbytes
+        if cls._freed < cls._EVERY:
+            return
+        cls._freed = 0
+        if cls._trim is None:
+            try:
+                import ctypes
+                cls._trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                cls._trim = False
+        if cls._trim:
+            cls._trim(0)
 
 
 def _free_whole(p, modifier_rank):
@@ -184,7 +212,10 @@ def _free_whole(p, modifier_rank):
         if modifier_rank is not None:
             whole = _broadcast_from(p.data, modifier_rank)
             _slice_of_rank(whole.to(p.ds_tensor.device), p.ds_tensor)
+            del whole
+        nbytes = p.numel() * p.element_size()
         p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=p.data.device)
+    _FreedMemory.note(nbytes)
 
 
 class _Partitioner:
@@ -215,8 +246,10 @@ class _Partitioner:
             p.ds_id = next(self._ids)
             p.ds_tensor = part
             p.data = torch.empty(0, dtype=dtype, device=p.data.device)
+            del whole
         p.__class__ = _Stage3Parameter
         p._uckpt_unowned = True
+        _FreedMemory.note(numel * p.element_size())
 
 
 def zero_init_partitions(model):
