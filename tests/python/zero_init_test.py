@@ -32,7 +32,8 @@ def slice_of(torch, whole, rank, world):
 
 
 def losses(deepspeed, torch, model, steps=3):
-    engine, *_ = deepspeed.initialize(model=model, config=config())
+    engine, *_ = deepspeed.initialize(model=model, config=config(), model_parameters=[
+        p for p in model.parameters() if p.requires_grad])
     out = []
     for x in batches(torch, steps):
         loss = engine(x)
@@ -72,11 +73,17 @@ def worker_partition(deepspeed, torch, rank):
         fail("GatheredParameters(modifier_rank=0) before initialize: rank 0's write is not in the partitions")
     if net2[0].weight.numel() != 0:
         fail("GatheredParameters: the parameter is not a placeholder again after the block")
+    # module=: an existing model's parameters partitioned at once.
+    built = toy_net(torch)
+    deepspeed.zero.Init(module=built)
+    for name, p in built.named_parameters():
+        if p.numel() != 0 or not torch.equal(p.ds_tensor, slice_of(torch, whole[name], rank, WORLD)):
+            fail(f"Init(module=...): {name} is not partitioned as the whole build's slice")
     # Nothing is patched after the block.
     if torch.nn.Linear.__init__.__qualname__ != "Linear.__init__" or torch.nn.Module.apply.__name__ != "apply":
         fail("zero.Init left torch.nn patched after the block")
     print(f"ok   partition (rank {rank}): placeholders, ds_* attributes, ds_tensor = the whole build's slice; "
-          f"Module.apply and GatheredParameters before initialize")
+          f"Module.apply, GatheredParameters before initialize, Init(module=)")
 
 
 def worker_train(deepspeed, torch, rank):
@@ -113,8 +120,18 @@ def worker_train(deepspeed, torch, rank):
                 value = p.detach().clone()
             if not torch.equal(p.ds_tensor, slice_of(torch, value, rank, WORLD)):
                 fail(f"{label}: {name}'s ds_tensor is not this rank's slice of its gathered value")
+    # A frozen parameter (uckpt keeps frozen ones whole: gathered once by initialize).
+    whole = toy_net(torch)
+    whole.inp.weight.requires_grad_(False)
+    _, want_frozen = losses(deepspeed, torch, whole)
+    with deepspeed.zero.Init(config_dict_or_path=config()):
+        net = toy_net(torch)
+    net.inp.weight.requires_grad_(False)
+    _, got_frozen = losses(deepspeed, torch, net)
+    if got_frozen != want_frozen:
+        fail(f"frozen parameter: first losses {got_frozen} != the whole build's {want_frozen}")
     print(f"ok   train (rank {rank}): zero.Init, mixed and whole builds: losses {got} equal bit for bit; units "
-          f"start sharded; ds_tensor is the engine's partition")
+          f"start sharded; ds_tensor is the engine's partition; a frozen parameter")
 
 
 def worker_guard(deepspeed, torch, rank):
