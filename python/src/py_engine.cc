@@ -244,27 +244,54 @@ py::object WithFirstTensor(py::handle values, const std::string& what, F&& f) {
 
 // Stage 3: unit i's parameters are gathered by a forward pre-hook and freed
 // by a forward hook, through the engine's autograd identities (EnterUnit /
-// ExitUnit), which gather and free them again in backward.
+// ExitUnit), which gather and free them again in backward. The unit's
+// `forward` called directly (not through the module's __call__, so without
+// the hooks) does the same around itself.
 void RegisterUnitHooks(const std::shared_ptr<PyEngine>& engine, const std::vector<GatherUnit>& units) {
   std::weak_ptr<PyEngine> weak = engine;
   for (size_t i = 0; i < units.size(); ++i) {
     const std::string name = "gather unit " + std::to_string(i) + " (" + TypeName(units[i].module) + ")";
-    units[i].module.attr("register_forward_pre_hook")(py::cpp_function([weak, i, name](py::object, py::tuple args) {
+    auto hooked = std::make_shared<int>(0);  // calls inside the hooks (the forward below must not enter again)
+    auto enter = [weak, i, name](py::handle args) {
       auto e = weak.lock();
       if (!e) return py::object(py::none());
       return WithFirstTensor(args, name + "'s positional arguments", [&](const at::Tensor& x) {
         py::gil_scoped_release no_gil;
         return e->engine().EnterUnit(i, x);
       });
-    }));
-    units[i].module.attr("register_forward_hook")(py::cpp_function([weak, i, name](py::object, py::object, py::object out) {
+    };
+    auto exit = [weak, i, name](py::handle out) {
       auto e = weak.lock();
       if (!e) return py::object(py::none());
       return WithFirstTensor(out, name + "'s output", [&](const at::Tensor& y) {
         py::gil_scoped_release no_gil;
         return e->engine().ExitUnit(i, y);
       });
+    };
+    units[i].module.attr("register_forward_pre_hook")(py::cpp_function([enter, hooked](py::object, py::tuple args) {
+      py::object r = enter(args);
+      ++*hooked;
+      return r;
     }));
+    units[i].module.attr("register_forward_hook")(py::cpp_function([exit, hooked](py::object, py::object, py::object out) {
+      --*hooked;
+      return exit(out);
+    }));
+    py::object forward = units[i].module.attr("forward");  // the bound method
+    units[i].module.attr("forward") = py::cpp_function([enter, exit, hooked, forward, weak](py::args args, py::kwargs kwargs) {
+      if (*hooked > 0 || weak.expired()) return forward(*args, **kwargs);
+      py::object entered = enter(args);
+      ++*hooked;
+      py::object out;
+      try {
+        out = forward(*entered, **kwargs);
+      } catch (...) {
+        --*hooked;
+        throw;
+      }
+      --*hooked;
+      return exit(out);
+    });
   }
 }
 

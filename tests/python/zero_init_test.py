@@ -162,8 +162,12 @@ def worker_guard(deepspeed, torch, rank):
             fail("a unit called directly does not compute with its gathered parameters")
         if w.ds_status.name != "NOT_AVAILABLE":
             fail("a unit called directly leaves its parameters gathered")
-    print(f"ok   guard (rank {rank}): reading a partitioned parameter raises a clear error; a unit called directly "
-          f"gathers itself")
+        # Its forward called directly (no module hooks) gathers it too.
+        y = net.blocks[0].forward(x)
+        if not torch.equal(y, want) or w.ds_status.name != "NOT_AVAILABLE":
+            fail("a unit's forward called directly does not gather and free it")
+    print(f"ok   guard (rank {rank}): reading a partitioned parameter raises a clear error; a unit called directly, "
+          f"or its forward, gathers itself")
 
 
 def worker_refuse(deepspeed, torch, rank):
