@@ -31,6 +31,16 @@ def slice_of(torch, whole, rank, world):
     return out
 
 
+def step_losses(engine, xs):
+    out = []
+    for x in xs:
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
+
+
 def losses(deepspeed, torch, model, steps=3):
     engine, *_ = deepspeed.initialize(model=model, config=config(), model_parameters=[
         p for p in model.parameters() if p.requires_grad])
@@ -130,8 +140,24 @@ def worker_train(deepspeed, torch, rank):
     _, got_frozen = losses(deepspeed, torch, net)
     if got_frozen != want_frozen:
         fail(f"frozen parameter: first losses {got_frozen} != the whole build's {want_frozen}")
+    # A checkpoint of the whole build resumed by a zero.Init build: the same next losses.
+    import tempfile
+    ckpt = os.path.join(tempfile.gettempdir(), f"uckpt_zero_init_{os.environ['MASTER_PORT']}")
+    engine, _ = losses(deepspeed, torch, toy_net(torch), steps=2)
+    engine.save_checkpoint(ckpt, tag="t")
+    next_whole = step_losses(engine, batches(torch, 4)[2:])
+    with deepspeed.zero.Init(config_dict_or_path=config()):
+        net = toy_net(torch)
+    engine, *_ = deepspeed.initialize(model=net, config=config())
+    engine.load_checkpoint(ckpt, tag="t")
+    if step_losses(engine, batches(torch, 4)[2:]) != next_whole:
+        fail("a zero.Init build resuming a whole build's checkpoint takes other steps")
+    torch.distributed.barrier()
+    if rank == 0:
+        import shutil
+        shutil.rmtree(ckpt, ignore_errors=True)
     print(f"ok   train (rank {rank}): zero.Init, mixed and whole builds: losses {got} equal bit for bit; units "
-          f"start sharded; ds_tensor is the engine's partition; a frozen parameter")
+          f"start sharded; ds_tensor is the engine's partition; a frozen parameter; resuming a checkpoint")
 
 
 def worker_guard(deepspeed, torch, rank):
