@@ -77,6 +77,17 @@ struct StepOptions {
   std::optional<int64_t> lr_schedule_iteration;
 };
 
+// A parameter that arrives partitioned (built under Python's zero.Init, or
+// by a C++ program that made only its partition): the module's tensor (any
+// shape and storage: the engine replaces them), its whole shape, and this
+// rank's partition: elements [rank*ps, (rank+1)*ps) of the flattened value,
+// ps = ceil(numel / world size), zeros past the end (DeepSpeed's ds_tensor).
+struct PartitionedParameter {
+  at::Tensor param;
+  std::vector<int64_t> shape;
+  at::Tensor partition;
+};
+
 struct EngineOptions {
   // The communicator; null: from the environment (RANK, WORLD_SIZE,
   // LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets them; one process
@@ -104,6 +115,12 @@ struct EngineOptions {
   // LOCAL_WORLD_SIZE), at most libtorch's default. Rank 0 prints the choice
   // once. See docs/engine.md.
   int host_threads = 0;
+  // ZeRO stage 3 only (refused at stages 0-2): parameters that arrive
+  // partitioned. The engine makes the stage-3 partitions from them without
+  // gathering them: gather units start sharded (the parameters of every unit,
+  // these and the others, have no storage until the unit is entered); root
+  // and persistent parameters, and frozen ones, are gathered whole once.
+  std::vector<PartitionedParameter> partitioned;
 };
 
 // client_state: any value made of dicts with string keys, lists, tuples,
@@ -272,6 +289,9 @@ class Engine {
   // writes made meanwhile. Collective. No-ops at stages 0-2.
   void GatherParameters(const std::vector<at::Tensor>& params);
   void ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank);
+  // Stage 3: each partitioned parameter with this rank's partition of it (the
+  // runtime's own tensor, model dtype: DeepSpeed's ds_tensor). Empty at stages 0-2.
+  std::vector<std::pair<at::Tensor, at::Tensor>> ParameterPartitions() const;
 
   // Saves <dir>/<tag>/ in DeepSpeed's layout (tag "" = "global_step<N>") with
   // client_state's keys at the top of the model-states file, then points

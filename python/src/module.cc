@@ -136,6 +136,8 @@ PYBIND11_MODULE(_uckpt, m) {
       .def("fp16_enabled", [](const PyEngine& e) { return e.engine().fp16_enabled(); })
       .def("bfloat16_enabled", [](const PyEngine& e) { return e.engine().bf16_enabled(); })
       .def("zero_optimization_stage", [](const PyEngine& e) { return e.engine().zero_stage(); })
+      // (parameter, this rank's partition) at stage 3: DeepSpeed's ds_tensor (uckpt.zero).
+      .def("_parameter_partitions", [](const PyEngine& e) { return e.engine().ParameterPartitions(); })
       .def("zero_optimization", [](const PyEngine& e) { return e.engine().zero_stage() > 0; })
       .def_property_readonly("module", &PyEngine::module)
       .def_property_readonly("local_rank", [](const PyEngine& e) { return e.engine().local_rank(); })
@@ -167,7 +169,8 @@ PYBIND11_MODULE(_uckpt, m) {
 
   m.def("initialize", &uckpt::python::Initialize, "args"_a = py::none(), "model"_a = py::none(),
         "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),
-        "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none());
+        "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none(),
+        "partitioned"_a = py::list());
   m.def("init_distributed", &uckpt::python::InitDistributed, "dist_backend"_a = py::none(),
         "auto_mpi_discovery"_a = true, "distributed_port"_a = 29500, "verbose"_a = true, "timeout"_a = py::none(),
         "init_method"_a = py::none(), "dist_init_required"_a = py::none(), "config"_a = py::none(), "rank"_a = -1,

@@ -244,27 +244,54 @@ py::object WithFirstTensor(py::handle values, const std::string& what, F&& f) {
 
 // Stage 3: unit i's parameters are gathered by a forward pre-hook and freed
 // by a forward hook, through the engine's autograd identities (EnterUnit /
-// ExitUnit), which gather and free them again in backward.
+// ExitUnit), which gather and free them again in backward. The unit's
+// `forward` called directly (not through the module's __call__, so without
+// the hooks) does the same around itself.
 void RegisterUnitHooks(const std::shared_ptr<PyEngine>& engine, const std::vector<GatherUnit>& units) {
   std::weak_ptr<PyEngine> weak = engine;
   for (size_t i = 0; i < units.size(); ++i) {
     const std::string name = "gather unit " + std::to_string(i) + " (" + TypeName(units[i].module) + ")";
-    units[i].module.attr("register_forward_pre_hook")(py::cpp_function([weak, i, name](py::object, py::tuple args) {
+    auto hooked = std::make_shared<int>(0);  // calls inside the hooks (the forward below must not enter again)
+    auto enter = [weak, i, name](py::handle args) {
       auto e = weak.lock();
       if (!e) return py::object(py::none());
       return WithFirstTensor(args, name + "'s positional arguments", [&](const at::Tensor& x) {
         py::gil_scoped_release no_gil;
         return e->engine().EnterUnit(i, x);
       });
-    }));
-    units[i].module.attr("register_forward_hook")(py::cpp_function([weak, i, name](py::object, py::object, py::object out) {
+    };
+    auto exit = [weak, i, name](py::handle out) {
       auto e = weak.lock();
       if (!e) return py::object(py::none());
       return WithFirstTensor(out, name + "'s output", [&](const at::Tensor& y) {
         py::gil_scoped_release no_gil;
         return e->engine().ExitUnit(i, y);
       });
+    };
+    units[i].module.attr("register_forward_pre_hook")(py::cpp_function([enter, hooked](py::object, py::tuple args) {
+      py::object r = enter(args);
+      ++*hooked;
+      return r;
     }));
+    units[i].module.attr("register_forward_hook")(py::cpp_function([exit, hooked](py::object, py::object, py::object out) {
+      --*hooked;
+      return exit(out);
+    }));
+    py::object forward = units[i].module.attr("forward");  // the bound method
+    units[i].module.attr("forward") = py::cpp_function([enter, exit, hooked, forward, weak](py::args args, py::kwargs kwargs) {
+      if (*hooked > 0 || weak.expired()) return forward(*args, **kwargs);
+      py::object entered = enter(args);
+      ++*hooked;
+      py::object out;
+      try {
+        out = forward(*entered, **kwargs);
+      } catch (...) {
+        --*hooked;
+        throw;
+      }
+      --*hooked;
+      return exit(out);
+    });
   }
 }
 
@@ -312,6 +339,27 @@ void RefuseFrozenWithoutOptimizer(py::handle model) {
   throw py::value_error("uckpt.initialize: without an optimizer uckpt still needs a module with a parameter that "
                         "requires grad (uckpt's engine does not wrap a fully frozen module; run it as a plain "
                         "torch module)");
+}
+
+// zero.Init's (param, ds_shape, ds_tensor) triples (uckpt.zero's
+// zero_init_partitions), for the engine to take as partitions; refused unless
+// the config's stage is 3, as initialize must not read their freed values.
+std::vector<PartitionedParameter> ZeroInitPartitions(py::list partitioned, const nlohmann::json& config) {
+  std::vector<PartitionedParameter> out;
+  if (partitioned.empty()) return out;
+  int stage = 0;
+  if (config.contains("zero_optimization") && config["zero_optimization"].is_object())
+    stage = config["zero_optimization"].value("stage", 0);
+  if (stage != 3)
+    throw py::value_error("uckpt.initialize: the model was built under deepspeed.zero.Init (" +
+                          std::to_string(partitioned.size()) + " parameters are partitioned across the ranks), which "
+                          "needs zero_optimization.stage 3; the config has stage " + std::to_string(stage) +
+                          " (build the model without zero.Init for stages 0-2)");
+  for (auto item : partitioned) {
+    auto t = item.cast<py::tuple>();
+    out.push_back({THPVariable_Unpack(t[0].ptr()), t[1].cast<std::vector<int64_t>>(), THPVariable_Unpack(t[2].ptr())});
+  }
+  return out;
 }
 
 py::object ResolveConfig(py::handle args, py::handle config) {
@@ -437,7 +485,7 @@ py::object AddConfigArguments(py::object parser) {
 
 py::tuple Initialize(py::object args, py::object model, py::object optimizer, py::object model_parameters,
                      py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
-                     py::object config) {
+                     py::object config, py::list partitioned) {
   if (model.is_none()) throw py::value_error("uckpt.initialize: model is required");
   std::string source;
   nlohmann::json json = ConfigToJson(ResolveConfig(args, config), source);
@@ -494,6 +542,7 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
     units = FindGatherUnits(model, shell);
     for (const auto& u : units) options.gather_units.push_back(u.shell);
   }
+  options.partitioned = ZeroInitPartitions(partitioned, json);
   std::unique_ptr<Engine> engine;
   {
     py::gil_scoped_release no_gil;

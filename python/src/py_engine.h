@@ -100,7 +100,7 @@ class PyEngine {
 // deepspeed.initialize(...) -> (engine, optimizer, dataloader, lr_scheduler).
 py::tuple Initialize(py::object args, py::object model, py::object optimizer, py::object model_parameters,
                      py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
-                     py::object config);
+                     py::object config, py::list partitioned);
 
 // deepspeed.init_distributed: torch.distributed's default group, from the
 // arguments, the launcher's environment, or an MPI or Slurm launcher's world

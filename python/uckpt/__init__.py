@@ -5,6 +5,8 @@ Everything here forwards to the C++ extension ``uckpt._uckpt`` (see docs/python.
 import datetime
 import os
 
+import torch
+
 from uckpt._uckpt import add_config_arguments  # noqa: F401
 from uckpt._uckpt import initialize as _initialize
 from uckpt._uckpt import init_distributed as _init_distributed
@@ -13,6 +15,7 @@ from uckpt.accelerator import get_accelerator  # noqa: F401
 from uckpt.runtime.activation_checkpointing import checkpointing  # noqa: F401
 from uckpt.runtime.engine import DeepSpeedEngine  # noqa: F401
 from uckpt.runtime.zero.partition_parameters import mark_stage3_parameters as _mark_stage3_parameters
+from uckpt.runtime.zero.partition_parameters import zero_init_partitions as _zero_init_partitions
 from uckpt.utils import log_dist, logger  # noqa: F401
 
 __version__ = "0.4.0"
@@ -29,9 +32,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     result = _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn,
-                         config=config if config is not None else config_params)
+                         config=config if config is not None else config_params,
+                         partitioned=_zero_init_partitions(model) if isinstance(model, torch.nn.Module) else [])
     if result[0].zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
-        _mark_stage3_parameters(model)
+        _mark_stage3_parameters(model, result[0])
     if training_data is not None:  # the config's "uckpt": {"resumable_data": ...} opts in
         loader = data.config_loader(training_data, result[0], collate_fn)
         if loader is not None:

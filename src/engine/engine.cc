@@ -16,6 +16,7 @@
 #include "engine/engine_impl.h"
 #include "engine/fingerprint.h"
 #include "engine/host_threads.h"
+#include "engine/zero3_runtime.h"
 
 namespace uckpt {
 
@@ -227,6 +228,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   if (c.zero.stage < 0 || c.zero.stage > 3)
     throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) +
                                 " is not supported (0, 1, 2 or 3)");
+  engine::PreparePartitionedParameters(e, options);
   e.model->to(e.device);
   CastFloatingTensors(*e.model, engine::ModelDtype(c));
 
@@ -398,6 +400,14 @@ UnitCalls Engine::unit_calls() {
                    }};
 }
 void Engine::GatherParameters() { impl_->runtime->GatherAll(); }
+
+std::vector<std::pair<at::Tensor, at::Tensor>> Engine::ParameterPartitions() const {
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  const auto* z3 = dynamic_cast<const engine::Zero3Runtime*>(impl_->runtime.get());
+  if (!z3) return out;
+  for (const auto& p : z3->params()) out.emplace_back(p.tensor, p.partition);
+  return out;
+}
 void Engine::ReleaseParameters() { impl_->runtime->ReleaseAll(); }
 
 namespace {

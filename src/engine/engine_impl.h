@@ -78,6 +78,11 @@ std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<
 // units from the options).
 std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
                                                  const ZeroSettings& base, const EngineOptions& options);
+// zero3_setup.cc: before the module is moved and cast, each parameter of
+// options.partitioned (refused unless stage 3) becomes a tensor of its
+// shape, the model dtype and the device without storage; a frozen one is
+// gathered whole (uckpt keeps frozen parameters whole).
+void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options);
 
 // checkpoint.cc: DeepSpeed's files from and into the engine's state. Every
 // load (any stage, any source: ZeRO 1/2/3 files, a universal folder; uckpt's

@@ -3,6 +3,8 @@
 
 #include <c10/core/GradMode.h>
 
+#include <set>
+
 #include "engine/engine_impl.h"
 #include "engine/flat_runtime.h"
 #include "engine/zero3_runtime.h"
@@ -71,9 +73,14 @@ std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<
     c10::NoGradGuard no_grad;
     for (const auto* list : {&e.frozen, &e.buffers})
       for (const auto& p : *list) BroadcastFromRank0(*e.comm, p.tensor);
-    if (e.stage() == 3)  // stages 0-2 broadcast their flat buffers once the parameters are views into them
+    // Stages 0-2 broadcast their flat buffers once the parameters are views
+    // into them; parameters that arrived partitioned have no whole value to send.
+    std::set<const void*> partitioned;
+    for (const auto& p : options.partitioned) partitioned.insert(p.param.unsafeGetTensorImpl());
+    if (e.stage() == 3)
       for (const auto& g : e.groups)
-        for (const auto& p : g) BroadcastFromRank0(*e.comm, p.tensor);
+        for (const auto& p : g)
+          if (!partitioned.count(p.tensor.unsafeGetTensorImpl())) BroadcastFromRank0(*e.comm, p.tensor);
   }
   if (e.stage() == 3) return MakeZero3Runtime(e, specs, SettingsOf(e.config), options);
   return MakeFlatRuntime(e, std::move(specs));

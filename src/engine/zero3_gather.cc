@@ -38,7 +38,20 @@ at::Tensor AllocateStorage(const at::Tensor& t) {
 
 }  // namespace
 
+at::Tensor StoragelessTensor(at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({0}, options);
+  FreeStorage(t);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return t;
+}
+
 void ParamStorage::TrackWhole(size_t i) { gathered_elements_ += params_[i].numel; }
+
+void ParamStorage::StartSharded(size_t i) {
+  Zero3Param& p = params_[i];
+  if (p.live > 0) FreeStorage(p.tensor);
+  p.live = 0;
+}
 
 bool ParamStorage::Hold(size_t i) {
   Zero3Param& p = params_[i];

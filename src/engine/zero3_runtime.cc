@@ -24,7 +24,7 @@ at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device 
 Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
                                std::vector<OptimizerConfig> group_optimizers,
                                const std::vector<std::vector<int>>& unit_of, int num_units, Zero3Settings settings,
-                               at::Device device)
+                               at::Device device, const std::map<const void*, at::Tensor>& given)
     : comm_(comm), s_(std::move(settings)), device_(device), group_optimizers_(std::move(group_optimizers)) {
   if (groups.empty() || groups.size() != group_optimizers_.size() || unit_of.size() != groups.size())
     throw std::invalid_argument("Zero3Runtime: parameter groups, optimizers and units do not match");
@@ -52,12 +52,22 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
         p.sub_group = subs_.size();
         p.offset = total;
         total += p.partition_size;
-        // The module's tensor gets storage of its own, exactly numel long
-        // (freed and re-allocated as a whole), holding the whole value now.
-        p.tensor.set_data(p.tensor.detach().contiguous().clone());
         p.partition = HostOrDevice({p.partition_size}, dtype, device_, s_.offload_param_cpu);
-        p.partition.copy_(RankSlot(p.tensor, dp, comm_.rank()));
-        p.live = 1;
+        if (auto it = given.find(p.tensor.unsafeGetTensorImpl()); it != given.end()) {
+          if (it->second.numel() != p.partition_size)
+            throw std::invalid_argument("uckpt::Engine: " + p.name + " arrived partitioned with " +
+                                        std::to_string(it->second.numel()) + " elements per rank; at " +
+                                        std::to_string(dp) + " ranks its partition has " +
+                                        std::to_string(p.partition_size) + " (was it partitioned at another world size?)");
+          p.partition.copy_(it->second.reshape({-1}));
+          p.live = 0;  // no bytes (StoragelessTensor)
+        } else {
+          // The module's tensor gets storage of its own, exactly numel long
+          // (freed and re-allocated as a whole), holding the whole value now.
+          p.tensor.set_data(p.tensor.detach().contiguous().clone());
+          p.partition.copy_(RankSlot(p.tensor, dp, comm_.rank()));
+          p.live = 1;
+        }
         sg.params.push_back(params_.size());
         params_.push_back(std::move(p));
       }
@@ -70,9 +80,22 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
     }
   }
   // Unit parameters stay gathered until the model first enters a unit; the
-  // root and persistent ones stay gathered for good.
-  units_.Build(params_, num_units);
+  // root and persistent ones stay gathered for good. From partitions, the
+  // units start sharded.
+  units_.Build(params_, num_units, /*start_whole=*/given.empty());
+  if (!given.empty()) StartFromPartitions();
   if (dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.base.fp16);
+}
+
+// The root and persistent parameters that arrived partitioned, gathered for
+// good (one all-gather; the same list on every rank).
+void Zero3Runtime::StartFromPartitions() {
+  std::vector<size_t> need;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Zero3Param& p = params_[i];
+    if ((p.unit < 0 || p.persistent) && p.live == 0 && storage_.Hold(i)) need.push_back(i);
+  }
+  storage_.Fetch(need);
 }
 
 // DeepSpeed's stage-3 global norm (grad_numerics.h): each parameter

@@ -35,6 +35,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -101,9 +102,14 @@ class Zero3Runtime : public ShardedRuntime {
  public:
   // `groups[g]`: group g's parameters (whole, equal on every rank), in the
   // order DeepSpeed flattens them; `unit_of[g][k]`: their gather unit (-1 root).
+  // `given` (by TensorImpl): this rank's partitions of parameters that
+  // arrived partitioned (their tensors without storage: StoragelessTensor).
+  // With any given, every unit starts sharded and only the root and
+  // persistent parameters are gathered; the whole values are never formed.
   Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
                  std::vector<OptimizerConfig> group_optimizers, const std::vector<std::vector<int>>& unit_of,
-                 int num_units, Zero3Settings settings, at::Device device);
+                 int num_units, Zero3Settings settings, at::Device device,
+                 const std::map<const void*, at::Tensor>& given = {});
 
   // One slot per sub-group: its parameters' partitions one after another.
   std::vector<PartitionSlot> Slots() override;
@@ -171,6 +177,7 @@ class Zero3Runtime : public ShardedRuntime {
   Zero3Runtime& operator=(const Zero3Runtime&) = delete;
   void FinishBackwardUntimed();
   void ClearGrads();  // after an update or a skipped step
+  void StartFromPartitions();
   at::Tensor GlobalNorm(bool* finite);
   std::vector<size_t> IndicesOf(const std::vector<at::Tensor>& ts) const;
 

@@ -4,6 +4,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "ckpt/partition.h"
 #include "engine/engine_impl.h"
 #include "engine/zero3_runtime.h"
 
@@ -69,8 +70,50 @@ std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vecto
   zs.offload_param_cpu = c.zero.offload_param_cpu;
   zs.prefetch_bucket_size = c.zero.prefetch_bucket_size;
   zs.max_live_parameters = c.zero.max_live_parameters;
+  std::map<const void*, at::Tensor> given;
+  for (const auto& p : options.partitioned) given[p.param.unsafeGetTensorImpl()] = p.partition;
   return std::make_unique<Zero3Runtime>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
-                                          static_cast<int>(prefixes.size()), zs, e.device);
+                                          static_cast<int>(prefixes.size()), zs, e.device, given);
+}
+
+void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options) {
+  if (options.partitioned.empty()) return;
+  std::map<const void*, std::string> name_of;
+  for (const auto& p : e.model->named_parameters(/*recurse=*/true)) name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  const int stage = e.config.zero.stage;
+  if (stage != 3)
+    throw std::invalid_argument("uckpt::Engine: " + std::to_string(options.partitioned.size()) +
+                                " parameters arrive partitioned (built under zero.Init), which needs ZeRO stage 3; "
+                                "the config has stage " + std::to_string(stage));
+  const int dp = e.comm->world_size();
+  const at::ScalarType model_dtype = ModelDtype(e.config);
+  c10::NoGradGuard no_grad;
+  for (const auto& p : options.partitioned) {
+    auto it = name_of.find(p.param.unsafeGetTensorImpl());
+    if (it == name_of.end())
+      throw std::invalid_argument("uckpt::Engine: a partitioned parameter is not a parameter of the module");
+    int64_t numel = 1;
+    for (int64_t d : p.shape) numel *= d;
+    const int64_t ps = ckpt::Stage3PartitionSize(numel, dp);
+    if (p.partition.numel() != ps)
+      throw std::invalid_argument("uckpt::Engine: " + it->second + " arrived partitioned with " +
+                                  std::to_string(p.partition.numel()) + " elements per rank; at " + std::to_string(dp) +
+                                  " ranks its partition has " + std::to_string(ps) +
+                                  " (was it partitioned at another world size?)");
+    const at::ScalarType dtype = p.partition.is_floating_point() ? model_dtype : p.partition.scalar_type();
+    const auto options_of = at::TensorOptions().dtype(dtype).device(e.device);
+    if (p.param.requires_grad()) {
+      p.param.set_data(StoragelessTensor(p.shape, options_of));
+      continue;
+    }
+    at::Tensor mine = p.partition.reshape({-1}).to(options_of).contiguous();
+    at::Tensor all = at::empty({ps * dp}, options_of);
+    if (dp > 1)
+      e.comm->AllGather(mine, all);
+    else
+      all.copy_(mine);
+    p.param.set_data(all.narrow(0, 0, numel).view(p.shape).clone());
+  }
 }
 
 }  // namespace uckpt::engine

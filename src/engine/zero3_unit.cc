@@ -109,7 +109,7 @@ void GatherUnit::EndBackward() {
   pass_ = Pass::kIdle;
 }
 
-void UnitSchedule::Build(const std::vector<Zero3Param>& params, int num_units) {
+void UnitSchedule::Build(const std::vector<Zero3Param>& params, int num_units, bool start_whole) {
   std::vector<std::vector<size_t>> members(static_cast<size_t>(num_units));
   std::vector<int64_t> numel(members.size(), 0);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -117,10 +117,14 @@ void UnitSchedule::Build(const std::vector<Zero3Param>& params, int num_units) {
     if (p.unit < 0 || p.persistent) continue;
     members[static_cast<size_t>(p.unit)].push_back(i);
     numel[static_cast<size_t>(p.unit)] += p.numel;
-    storage_.TrackWhole(i);
+    if (start_whole)
+      storage_.TrackWhole(i);
+    else
+      storage_.StartSharded(i);
   }
   units_.clear();
-  for (size_t u = 0; u < members.size(); ++u) units_.emplace_back(u, std::move(members[u]), numel[u]);
+  for (size_t u = 0; u < members.size(); ++u) units_.emplace_back(u, std::move(members[u]), numel[u], start_whole);
+  initial_hold_ = start_whole;
 }
 
 void UnitSchedule::Enter(size_t u) {

@@ -24,6 +24,10 @@ namespace uckpt::engine {
 
 struct Zero3Param;
 
+// A tensor of `shape` without bytes (a partitioned parameter outside its
+// unit): what a parameter that arrives partitioned is given.
+at::Tensor StoragelessTensor(at::IntArrayRef shape, const at::TensorOptions& options);
+
 // Parameters' storage: a parameter's bytes exist while its gather count
 // (Zero3Param::live) is positive; gathering fills them from every rank's
 // partition with one all-gather per call.
@@ -42,6 +46,8 @@ class ParamStorage {
 
   // A unit parameter that starts whole (counted in gathered_elements).
   void TrackWhole(size_t p);
+  // A unit parameter that starts sharded: its bytes (if any) freed, count 0.
+  void StartSharded(size_t p);
   bool Hold(size_t p);    // +1 on p's count; true when p must be gathered
   void Unhold(size_t p);  // -1; frees p's bytes at 0
   bool IsWhole(size_t p) const;
@@ -97,8 +103,10 @@ class GatherUnit {
     kBackwardDone,  // its backward ran; gradients handed to the reducer (BackwardDone)
   };
 
-  GatherUnit(size_t index, std::vector<size_t> params, int64_t numel)
-      : index_(index), params_(std::move(params)), numel_(numel) {}
+  // whole: Gathered with the initial hold; else Sharded with none.
+  GatherUnit(size_t index, std::vector<size_t> params, int64_t numel, bool whole = true)
+      : index_(index), params_(std::move(params)), numel_(numel), state_(whole ? State::kGathered : State::kSharded),
+        holds_(whole ? 1 : 0) {}
 
   size_t index() const { return index_; }
   const std::vector<size_t>& params() const { return params_; }
@@ -135,9 +143,9 @@ class GatherUnit {
   size_t index_;
   std::vector<size_t> params_;
   int64_t numel_;
-  State state_ = State::kGathered;
+  State state_;
   Pass pass_ = Pass::kIdle;
-  int holds_ = 1;
+  int holds_;
   int entries_ = 0;  // Enter calls not yet exited
   int backward_holds_ = 0;
   ParamStorage::Pending prefetch_;  // while Gathering
@@ -162,7 +170,10 @@ class UnitSchedule {
       : storage_(storage), prefetch_bucket_size_(prefetch_bucket_size), max_live_(max_live_parameters), dp_(dp) {}
 
   // The units from the parameters' units (-1 root; persistent ones stay out).
-  void Build(const std::vector<Zero3Param>& params, int num_units);
+  // start_whole: every unit held until the first Enter (parameters built
+  // whole); else every unit starts sharded (parameters that arrived
+  // partitioned), its parameters' bytes freed.
+  void Build(const std::vector<Zero3Param>& params, int num_units, bool start_whole = true);
 
   size_t size() const { return units_.size(); }
   const GatherUnit& unit(size_t u) const { return units_.at(u); }

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include "ckpt/convert.h"
 #include "ckpt/export.h"
 #include "ckpt/verify.h"
+#include "engine/zero3_runtime.h"
 #include "format/torch_file.h"
 #include "cli/init_weights.h"
 #include "fixture.h"
@@ -343,8 +345,11 @@ std::map<std::string, at::Tensor> GatheredWeights(uckpt::Engine& engine, torch::
 // Trains TwoUnitNet at `world` ranks for `steps` optimizer steps (GA 2);
 // first loads `load_dir` with `load` when given; saves into `save_dir` at the
 // end when given.
+// from_partitions: every parameter arrives partitioned (EngineOptions::
+// partitioned, each rank's slot of the whole value; the tensors emptied).
 TwoUnitRun RunTwoUnitNet(int stage, int world, int steps, const std::string& save_dir = "",
-                         const std::string& load_dir = "", const LoadCheckpointOptions& load = {}) {
+                         const std::string& load_dir = "", const LoadCheckpointOptions& load = {},
+                         bool from_partitions = false) {
   TwoUnitRun out;
   RunRanks(world, [&](Comm& comm) {
     at::set_num_threads(1);
@@ -356,8 +361,20 @@ TwoUnitRun RunTwoUnitNet(int stage, int world, int steps, const std::string& sav
     uckpt::EngineOptions o;
     o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
     o.gather_units = {net->u0, net->u1};
+    if (from_partitions) {
+      std::set<const void*> seen;  // the tied tensor is listed twice
+      for (const at::Tensor& p : net->parameters())
+        if (seen.insert(p.unsafeGetTensorImpl()).second)
+          o.partitioned.push_back({p, p.sizes().vec(), uckpt::engine::RankSlot(p, world, comm.rank())});
+      for (const auto& p : o.partitioned) p.param.set_data(at::empty({0}));  // nothing whole left to read
+    }
     uckpt::Engine engine(net, uckpt::Config::FromJson(ds), o);
     if (stage == 3) EXPECT_EQ(engine.num_gather_units(), 2u);
+    if (from_partitions) {  // the units start sharded; the root (head, the tied scale) is whole
+      EXPECT_EQ(net->w0.storage().nbytes(), 0u);
+      EXPECT_EQ(net->w1.storage().nbytes(), 0u);
+      EXPECT_TRUE(at::equal(net->head, TwoUnitNet().head));
+    }
     if (!load_dir.empty()) {
       LoadResult r = engine.LoadCheckpoint(load_dir, "", load);
       auto loaded = GatheredWeights(engine, *net);
@@ -388,6 +405,26 @@ TwoUnitRun RunTwoUnitNet(int stage, int world, int steps, const std::string& sav
     if (comm.rank() == 0) out.weights = std::move(weights);
   });
   return out;
+}
+
+// Parameters that arrive partitioned (zero.Init's construction): the same
+// losses, bit for bit, as the whole build; the units never gathered whole
+// before their first forward. Refused at stage 2.
+TEST(Zero3, ConstructionFromPartitionsEqualsTheWholeBuildBitwise) {
+  const TwoUnitRun whole = RunTwoUnitNet(3, 2, 3), parts = RunTwoUnitNet(3, 2, 3, "", "", {}, true);
+  ASSERT_EQ(parts.losses.size(), 3u);
+  EXPECT_EQ(parts.losses, whole.losses);
+  for (const auto& [name, w] : whole.weights) EXPECT_TRUE(at::equal(parts.weights.at(name), w)) << name;
+  EXPECT_THROW(
+      {
+        try {
+          RunTwoUnitNet(2, 1, 1, "", "", {}, true);
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("stage 3"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      std::invalid_argument);
 }
 
 TEST(Zero3, AnyModuleThroughThePublicApiMatchesStage2) {

@@ -1,5 +1,9 @@
 """deepspeed.runtime.zero.partition_parameters: stage 3's parameter status, construction and gathering contexts."""
 import contextlib
+import functools
+import itertools
+import json
+import os
 from enum import Enum
 
 import torch
@@ -13,32 +17,244 @@ class ZeroParamStatus(Enum):
     INFLIGHT = 3  # being gathered (uckpt's gathers complete before a call returns: never seen)
 
 
-def _holds_storage(p):
-    storage = p.untyped_storage() if hasattr(p, "untyped_storage") else p.storage()
-    return storage.size() > 0 or p.numel() == 0
+# Tensor calls that read no element of a parameter: allowed on a partitioned one.
+_METADATA_CALLS = frozenset([
+    "size", "dim", "ndimension", "numel", "nelement", "shape", "ndim", "dtype", "device", "layout", "is_cuda",
+    "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_floating_point", "is_complex", "is_leaf", "element_size",
+    "requires_grad", "requires_grad_", "grad", "_grad", "grad_fn", "_grad_fn", "register_hook", "retain_grad",
+    "retains_grad", "output_nr", "_version", "_base", "_cdata", "names", "stride", "is_contiguous", "storage_offset",
+    "storage", "untyped_storage", "_typed_storage", "_storage", "data_ptr", "get_device", "__hash__", "name",
+    "is_shared", "is_pinned", "_is_view", "__len__", "_backward_hooks", "_post_accumulate_grad_hooks",
+    # new tensors of the parameter's shape and dtype
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like", "new_zeros",
+    "new_ones", "new_empty", "new_full", "new_tensor",
+])
+
+
+def _whole_here(p):
+    """Whether parameter p holds its whole value on this rank (ds_numel elements with bytes behind them)."""
+    with torch._C.DisableTorchFunction():
+        if p.ds_numel == 0:
+            return True
+        if p.numel() != p.ds_numel:
+            return False  # zero.Init's placeholder (0 elements)
+        storage = p.untyped_storage() if hasattr(p, "untyped_storage") else p.storage()
+        return storage.size() > 0
+
+
+def _call_name(func):
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):  # a property's getter or setter: its name is the property's
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", name)
+    return name
+
+
+def _partitioned_among(values):
+    for v in values:
+        if isinstance(v, _Stage3Parameter) and not _whole_here(v):
+            return v
+        if isinstance(v, (list, tuple)):
+            found = _partitioned_among(v)
+            if found is not None:
+                return found
+    return None
 
 
 class _Stage3Parameter(torch.nn.Parameter):
-    """A stage-3 engine's parameter (its class is switched to this one by initialize): ds_status says, as
-    DeepSpeed's does, whether the parameter is whole on this rank now (outside a gather unit's forward and
-    GatheredParameters, uckpt holds only its partition once the unit has run)."""
+    """A partitioned parameter (zero.Init's, or a stage-3 engine's: initialize switches its class to this one).
+    ds_status says, as DeepSpeed's does, whether it is whole on this rank now; any tensor call that reads its
+    elements while it is not raises a RuntimeError that says so (instead of reading freed storage)."""
 
     @property
     def ds_status(self):
-        return ZeroParamStatus.AVAILABLE if _holds_storage(self) else ZeroParamStatus.NOT_AVAILABLE
+        return ZeroParamStatus.AVAILABLE if _whole_here(self) else ZeroParamStatus.NOT_AVAILABLE
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _call_name(func) not in _METADATA_CALLS:
+            p = _partitioned_among(args)
+            if p is None:
+                p = _partitioned_among(kwargs.values())
+            if p is not None:
+                raise RuntimeError(
+                    f"uckpt ZeRO stage 3: {_call_name(func) or func} reads parameter ds_id={p.ds_id} "
+                    f"(shape {tuple(p.ds_shape)}) while it is partitioned (ds_status NOT_AVAILABLE): this rank holds "
+                    f"only its partition (ds_tensor). Read or write it inside its gather unit's forward or inside "
+                    f"deepspeed.zero.GatheredParameters([param], modifier_rank=...)")
+        with torch._C.DisableTorchFunction():
+            return func(*args, **kwargs)
 
 
-def mark_stage3_parameters(module):
-    """Gives a stage-3 engine's parameters DeepSpeed's ds_id, ds_shape, ds_numel and ds_status, which scripts
-    read to find what to gather (`p.ds_status == ZeroParamStatus.NOT_AVAILABLE`). Parameters of a subclass of
-    torch.nn.Parameter are left as they are."""
-    for i, p in enumerate(module.parameters()):
-        if type(p) is not torch.nn.Parameter:
+def mark_stage3_parameters(module, engine=None):
+    """Gives a stage-3 engine's parameters DeepSpeed's ds_id, ds_shape, ds_numel, ds_status and ds_tensor (the
+    engine's partition of this rank), which scripts read to find what to gather
+    (`p.ds_status == ZeroParamStatus.NOT_AVAILABLE`). Parameters of other subclasses of torch.nn.Parameter are
+    left as they are."""
+    partitions = {}
+    if engine is not None:
+        partitions = {id(p): part for p, part in engine._parameter_partitions()}
+    for p in module.parameters():
+        if type(p) is torch.nn.Parameter:
+            p.__class__ = _Stage3Parameter
+            p.ds_id = next(_Partitioner._ids)
+            with torch._C.DisableTorchFunction():
+                p.ds_shape = p.shape
+                p.ds_numel = p.numel()
+        elif type(p) is not _Stage3Parameter:
             continue
+        p._uckpt_unowned = False  # the engine's now
+        if id(p) in partitions:
+            p.ds_tensor = partitions[id(p)]
+
+
+# ---- zero.Init's partitions before initialize: made, gathered and re-made in Python. ----
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist
+
+
+def _rank_world():
+    dist = _dist()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _comm_device():
+    """Where collectives of whole values run: torch.distributed's backend's device."""
+    dist = _dist()
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_unowned_partition(p):
+    """A parameter partitioned by zero.Init that no engine holds yet."""
+    return isinstance(p, _Stage3Parameter) and getattr(p, "_uckpt_unowned", False)
+
+
+def _slice_of_rank(whole, partition):
+    """Copies this rank's slice of `whole` (flattened) into `partition` (zeros past the end)."""
+    rank, world = _rank_world()
+    flat = whole.reshape(-1)
+    ps = partition.numel()
+    start = rank * ps
+    n = max(0, min(ps, flat.numel() - start))
+    partition.zero_()
+    if n > 0:
+        partition[:n].copy_(flat[start:start + n])
+
+
+def _movable(t):
+    """t as a dtype every backend moves (torch 1.13's gloo has no bfloat16): its bits, reinterpreted."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _broadcast_from(whole, rank):
+    """`rank`'s values of `whole` on every rank (a new tensor on the comm device unless already there)."""
+    if _rank_world()[1] == 1:
+        return whole
+    t = whole.detach().to(_comm_device()).contiguous()
+    _dist().broadcast(_movable(t), rank)
+    return t
+
+
+def _gather_whole(p):
+    """Every rank's partition of p, concatenated, as p's data (its whole value)."""
+    with torch._C.DisableTorchFunction():
+        part = p.ds_tensor
+        _, world = _rank_world()
+        if world == 1:
+            flat = part
+        else:
+            mine = part.to(_comm_device()).contiguous()
+            pieces = [torch.empty_like(mine) for _ in range(world)]
+            _dist().all_gather([_movable(t) for t in pieces], _movable(mine))
+            flat = torch.cat(pieces)
+            del pieces
+        p.data = flat[:p.ds_numel].view(p.ds_shape).to(part.device)
+        if world == 1:
+            p.data = p.data.clone()  # not the partition itself
+
+
+class _FreedMemory:
+    """Hands freed whole values back to the system as construction goes (glibc keeps freed heap memory
+    otherwise, and a model of many mid-size parameters would grow to its whole size in free lists): malloc_trim
+    once every _EVERY bytes freed. Does nothing where there is no glibc."""
+
+    _EVERY = 4 << 20
+    _freed = 0
+    _trim = None
+
+    @classmethod
+    def note(cls, nbytes):
+        cls._freed += nbytes
+        if cls._freed < cls._EVERY:
+            return
+        cls._freed = 0
+        if cls._trim is None:
+            try:
+                import ctypes
+                cls._trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                cls._trim = False
+        if cls._trim:
+            cls._trim(0)
+
+
+def _free_whole(p, modifier_rank):
+    """Back to p's partition: modifier_rank's whole values re-partitioned first (None: changes dropped)."""
+    with torch._C.DisableTorchFunction():
+        if modifier_rank is not None:
+            whole = _broadcast_from(p.data, modifier_rank)
+            _slice_of_rank(whole.to(p.ds_tensor.device), p.ds_tensor)
+            del whole
+        nbytes = p.numel() * p.element_size()
+        p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=p.data.device)
+    _FreedMemory.note(nbytes)
+
+
+class _Partitioner:
+    """What zero.Init does to a parameter: rank 0's value (broadcast, as DeepSpeed's), this rank's slice of it
+    kept as ds_tensor, and the parameter left a 0-element placeholder carrying DeepSpeed's ds_* attributes."""
+
+    _ids = itertools.count()  # DeepSpeed numbers zero.Init's parameters in creation order
+
+    def __init__(self, dtype, device, pin_memory):
+        self.dtype = dtype
+        self.device = device
+        self.pin_memory = pin_memory
+
+    def partition(self, p):
+        if isinstance(p, _Stage3Parameter) or getattr(p, "ds_id", None) is not None:
+            return  # partitioned already (a parameter shared between modules)
+        rank, world = _rank_world()
+        with torch.no_grad():
+            whole = _broadcast_from(p.data, 0)
+            dtype = self.dtype if (self.dtype is not None and whole.is_floating_point()) else whole.dtype
+            numel = whole.numel()
+            part = torch.zeros(-(-numel // world), dtype=dtype, device=self.device)
+            _slice_of_rank(whole, part)
+            if self.pin_memory and part.device.type == "cpu" and torch.cuda.is_available():
+                part = part.pin_memory()
+            p.ds_shape = whole.shape
+            p.ds_numel = numel
+            p.ds_id = next(self._ids)
+            p.ds_tensor = part
+            p.data = torch.empty(0, dtype=dtype, device=p.data.device)
+            del whole
         p.__class__ = _Stage3Parameter
-        p.ds_id = i
-        p.ds_shape = p.shape
-        p.ds_numel = p.numel()
+        p._uckpt_unowned = True
+        _FreedMemory.note(numel * p.element_size())
+
+
+def zero_init_partitions(model):
+    """(param, ds_shape, ds_tensor) of each of model's parameters that zero.Init partitioned and no engine holds."""
+    return [(p, list(p.ds_shape), p.ds_tensor) for p in model.parameters() if _is_unowned_partition(p)]
 
 
 @contextlib.contextmanager
@@ -50,7 +266,8 @@ def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True
     master weights are not written, as DeepSpeed's); with modifier_rank None,
     writes made inside the block are discarded. Parameters of an engine at
     stages 0-2, or of no engine, are left alone (DeepSpeed's context does
-    nothing for them)."""
+    nothing for them); zero.Init's partitions not yet given to initialize are
+    gathered and re-partitioned the same way."""
     if not enabled:
         yield
         return
@@ -62,20 +279,222 @@ def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True
     if modifier_rank is not None and not 0 <= rank < world:
         raise ValueError(f"uckpt.zero.GatheredParameters: modifier_rank {modifier_rank} is not a rank "
                          f"(world size {world})")
-    partitioned = _uckpt.gather_parameters(params, True)
+    unowned = sorted((p for p in params if _is_unowned_partition(p) and not _whole_here(p)), key=lambda p: p.ds_id)
+    partitioned = _uckpt.gather_parameters(params, True) + len(unowned)
     if fwd_module is not None and partitioned:
         _uckpt.gather_parameters(params, False)
         raise ValueError("uckpt.zero.GatheredParameters: fwd_module= (registering external parameters) is not "
                          "supported by uckpt at ZeRO stage 3")
+    for p in unowned:
+        _gather_whole(p)
     try:
         yield
     finally:
+        for p in unowned:
+            _free_whole(p, modifier_rank)
         _uckpt.gather_parameters(params, False, rank)
 
 
-class Init(contextlib.nullcontext):
-    """Accepted for scripts that build their model under it: uckpt partitions the
-    model when initialize() wraps it, so the model is built whole first."""
+# ---- zero.Init: each module's own parameters partitioned when its __init__ returns. ----
 
-    def __init__(self, *args, **kwargs):
-        super().__init__()
+_active = []  # the entered Init contexts, outermost first
+_patched = {}  # class -> its own __init__, while patched
+_building = set()  # ids of modules whose outermost __init__ is running
+
+
+def _all_module_classes():
+    seen, todo = [], [torch.nn.Module]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return [torch.nn.Module] + seen
+
+
+def _wrap_init(cls):
+    if "__init__" not in cls.__dict__ or cls in _patched:
+        return
+    own = cls.__dict__["__init__"]
+
+    @functools.wraps(own)
+    def init(module, *args, **kwargs):
+        outermost = id(module) not in _building
+        if not outermost:
+            return own(module, *args, **kwargs)
+        _building.add(id(module))
+        try:
+            own(module, *args, **kwargs)
+        finally:
+            _building.discard(id(module))
+        if _active:
+            _active[0]._partition_module(module)
+
+    _patched[cls] = own
+    cls.__init__ = init
+
+
+def _init_subclass(cls, **kwargs):
+    super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+    _wrap_init(cls)
+
+
+_patched_init_subclass = None
+_orig_apply = None
+
+
+def _apply_gathering(module, fn):
+    """Module.apply under zero.Init (DeepSpeed's override_module_apply): each module's own partitioned
+    parameters whole while fn runs on it, then rank 0's values partitioned again."""
+    if getattr(fn, "_uckpt_gathers", False):
+        return _orig_apply(module, fn)
+
+    def gathered(m):
+        params = sorted((p for p in m.parameters(recurse=False) if _is_unowned_partition(p) and not _whole_here(p)),
+                        key=lambda p: p.ds_id)
+        for p in params:
+            _gather_whole(p)
+        fn(m)
+        for p in params:
+            _free_whole(p, 0)
+
+    gathered._uckpt_gathers = True
+    return _orig_apply(module, gathered)
+
+
+def _patch(override_apply):
+    global _patched_init_subclass, _orig_apply
+    for cls in _all_module_classes():
+        _wrap_init(cls)
+    _patched_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+    torch.nn.Module.__init_subclass__ = classmethod(_init_subclass)
+    _orig_apply = torch.nn.Module.apply
+    if override_apply:
+        torch.nn.Module.apply = _apply_gathering
+
+
+def _unpatch():
+    global _orig_apply
+    for cls, own in _patched.items():
+        cls.__init__ = own
+    _patched.clear()
+    if _patched_init_subclass is None:
+        del torch.nn.Module.__init_subclass__
+    else:
+        torch.nn.Module.__init_subclass__ = _patched_init_subclass
+    torch.nn.Module.apply = _orig_apply
+    _orig_apply = None
+
+
+def _read_config(config):
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    if hasattr(config, "_param_dict"):  # a DeepSpeedConfig
+        return config._param_dict
+    raise ValueError(f"uckpt.zero.Init: config_dict_or_path must be a dict or a JSON file path, got "
+                     f"{type(config).__name__}")
+
+
+def _config_dtype(cfg):
+    fp16 = cfg.get("fp16", {}).get("enabled", False) is True
+    bf16 = any(cfg.get(k, {}).get("enabled", False) is True for k in ("bf16", "bfloat16"))
+    if fp16 and bf16:
+        raise ValueError("uckpt.zero.Init: bfloat16 and fp16 cannot be enabled at once")
+    return torch.bfloat16 if bf16 else torch.half if fp16 else torch.float
+
+
+class Init:
+    """deepspeed.zero.Init: inside the block, each module's own parameters are partitioned across the ranks as
+    soon as its __init__ returns (rank 0's values; this rank keeps ds_tensor, elements [r*P, (r+1)*P) of the
+    flattened parameter, P = ceil(numel / world size)), so a rank never holds more than its partitions and the
+    module being built. initialize takes such a model at ZeRO stage 3 only. See docs/python.md."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None):
+        self.enabled = enabled
+        if not enabled:
+            return
+        refused = {"mpu": mpu, "zero_param_parallel_group": zero_param_parallel_group,
+                   "sequence_data_parallel_group": sequence_data_parallel_group, "param_swapper": param_swapper}
+        for name, value in refused.items():
+            if value is not None:
+                raise ValueError(f"uckpt.zero.Init: {name}= is not supported by uckpt (data parallel ZeRO over "
+                                 f"all ranks only)")
+        for name, value in (("zero_quantized_weights", zero_quantized_weights),
+                            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
+            if value:
+                raise ValueError(f"uckpt.zero.Init: {name}=True is not supported by uckpt")
+        cfg = _read_config(config if config is not None else config_dict_or_path)
+        zero = (cfg or {}).get("zero_optimization", {}) or {}
+        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+            if zero.get(key):
+                raise ValueError(f"uckpt.zero.Init: zero_optimization.{key} is not supported by uckpt")
+        if (zero.get("zero_hpz_partition_size") or 1) > 1:
+            raise ValueError("uckpt.zero.Init: zero_optimization.zero_hpz_partition_size > 1 is not supported by uckpt")
+        offload = zero.get("offload_param") or {}
+        if offload.get("device") not in (None, "none"):
+            remote_device = offload["device"]
+            pin_memory = offload.get("pin_memory", False)
+        if remote_device == "nvme":
+            raise ValueError("uckpt.zero.Init: remote_device 'nvme' (offload_param to NVMe) is not supported by uckpt")
+        if remote_device not in (None, "none", "cpu"):
+            raise ValueError(f"uckpt.zero.Init: remote_device {remote_device!r} is not one of None, 'none', 'cpu'")
+        if dtype is None and cfg is not None:
+            dtype = _config_dtype(cfg)
+        if dtype is not None and dtype not in (torch.half, torch.bfloat16, torch.float):
+            raise ValueError(f"uckpt.zero.Init: dtype {dtype} is not one of torch.half, torch.bfloat16, torch.float")
+        self.override_apply = zero.get("override_module_apply", True)
+        dist = _dist()
+        if not dist.is_initialized():
+            import uckpt
+            uckpt.init_distributed()
+        if data_parallel_group is not None and (dist.get_world_size(data_parallel_group) != dist.get_world_size()
+                                                or dist.get_rank(data_parallel_group) != dist.get_rank()):
+            raise ValueError("uckpt.zero.Init: data_parallel_group= must be all ranks (uckpt partitions over the "
+                             "whole world)")
+        self.partitioner = _Partitioner(dtype, self._partition_device(remote_device), pin_memory)
+        if module is not None:
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"uckpt.zero.Init: module must be a torch.nn.Module, got {type(module).__name__}")
+            self._partition_tree(module)
+
+    @staticmethod
+    def _partition_device(remote_device):
+        if remote_device == "cpu":
+            return torch.device("cpu")
+        if os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+
+    def _partition_module(self, module):
+        for p in module._parameters.values():
+            if p is not None:
+                self.partitioner.partition(p)
+
+    def _partition_tree(self, module):
+        for m in module.modules():
+            self._partition_module(m)
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if not _active:
+            _patch(self.override_apply)
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        _active.pop()
+        if not _active:
+            _unpatch()
+        return False
