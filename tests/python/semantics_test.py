@@ -195,6 +195,15 @@ def worker_gathered(deepspeed, torch):
             fail(f"modifier_rank=1: rank {rank} has {p.flatten()[:3].tolist()}, not rank 1's 4.0")
     print("ok   the same for the root unit's parameters and a frozen one")
 
+    # What is not a tensor is skipped, as DeepSpeed skips it: Hugging Face's resize_token_embeddings
+    # gathers [lm_head.weight, lm_head.bias] with the bias None.
+    with Z([w, None], modifier_rank=0):
+        if held(w) != 64:
+            fail(f"GatheredParameters([w, None]) gathered {held(w)} elements of w")
+    with Z(None):
+        pass
+    print("ok   entries that are not tensors (None) are skipped, as DeepSpeed skips them")
+
     plain = torch.nn.Parameter(torch.ones(3))
     with Z(plain, modifier_rank=0):
         plain.data.fill_(float(rank + 2))

@@ -1,4 +1,5 @@
 """deepspeed.runtime.zero.partition_parameters: stage 3's parameter status, construction and gathering contexts."""
+import collections.abc
 import contextlib
 import functools
 import itertools
@@ -271,9 +272,10 @@ def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True
     if not enabled:
         yield
         return
-    if isinstance(params, torch.Tensor):
+    if isinstance(params, torch.Tensor) or not isinstance(params, collections.abc.Iterable):
         params = [params]
-    params = list(params)
+    # What is not a tensor is skipped, as DeepSpeed skips it (a Linear's bias=None).
+    params = [p for p in params if torch.is_tensor(p)]
     rank = -1 if modifier_rank is None else int(modifier_rank)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if modifier_rank is not None and not 0 <= rank < world:
