@@ -557,6 +557,10 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   engine::ApplyHostThreads(0, "", "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change",
                            options.comm->rank() == 0);
   options.param_groups = std::move(plan.groups);
+  if (plan.client_step && !(json.contains("zero_optimization") && json["zero_optimization"].is_object() &&
+                            json["zero_optimization"].value("stage", 0) > 0))
+    throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 is not supported by "
+                          "uckpt (stage 0 takes Adam and AdamW; other element-wise optimizers run at stages 1-3)");
   if (plan.client_step) {
     options.optimizer_step = ClientOptimizerStep(optimizer, plan.engine_group_of);
     options.optimizer_param_group = ClientParamGroup(optimizer, plan.engine_group_of);
