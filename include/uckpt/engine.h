@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "uckpt/comm.h"
@@ -61,6 +62,21 @@ struct ParamGroup {
 struct GroupHparams {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
 };
+
+// One partition of the fp32 masters, handed to an element-wise optimizer
+// (EngineOptions::optimizer_step) at each applied step.
+struct OptimizerPartition {
+  at::Tensor master;  // [P] fp32, this rank's partition (padding included): updated in place
+  at::Tensor grad;    // [P] fp32, its averaged gradient, unscaled and clipped
+  size_t group = 0;   // the param group it belongs to
+  double lr = 0;      // that group's lr for this step
+  // The optimizer's state of the partition under its keys ([P] tensors and
+  // 0-d scalars; empty before its first step or after a load without one):
+  // read before the step, replaced by the state after it.
+  std::vector<std::pair<std::string, at::Tensor>>* state = nullptr;
+};
+// Steps every partition this rank owns (one call per applied step).
+using OptimizerStepFn = std::function<void(std::vector<OptimizerPartition>&)>;
 
 struct BackwardOptions {
   // Divide the loss by the gradient-accumulation steps (DeepSpeed's
@@ -121,6 +137,16 @@ struct EngineOptions {
   // these and the others, have no storage until the unit is entered); root
   // and persistent parameters, and frozen ones, are gathered whole once.
   std::vector<PartitionedParameter> partitioned;
+  // Set: the optimizer update of each applied step, instead of the config's
+  // Adam: an element-wise optimizer (a client's torch optimizer) stepping the
+  // rank's fp32 partitions, as DeepSpeed steps its basic optimizer over them.
+  // Its state is saved and loaded under its own keys; the param groups'
+  // lr comes from the schedule as for Adam.
+  OptimizerStepFn optimizer_step;
+  // With optimizer_step: param group g's entries as that optimizer keeps them
+  // (a dict of its hyper-parameters, lr the current one), saved as the
+  // group's param_groups entry in the optimizer files (torch's state_dict).
+  std::function<c10::IValue(size_t)> optimizer_param_group;
 };
 
 // client_state: any value made of dicts with string keys, lists, tuples,

@@ -43,7 +43,9 @@ double Number(py::handle v, const std::string& what) {
   }
 }
 
-GroupOptionals ReadGroup(py::handle g, const std::string& what) {
+// `adam`: the group is the engine's Adam's (amsgrad is refused there; a
+// client's other optimizer steps with every key of its groups).
+GroupOptionals ReadGroup(py::handle g, const std::string& what, bool adam = true) {
   GroupOptionals h;
   auto d = g.cast<py::dict>();
   if (d.contains("lr")) h.lr = Number(d["lr"], what + "['lr']");
@@ -55,7 +57,7 @@ GroupOptionals ReadGroup(py::handle g, const std::string& what) {
     h.beta1 = Number(b[0], what + "['betas'][0]");
     h.beta2 = Number(b[1], what + "['betas'][1]");
   }
-  if (d.contains("amsgrad") && d["amsgrad"].cast<bool>())
+  if (adam && d.contains("amsgrad") && d["amsgrad"].cast<bool>())
     throw py::value_error(what + ": amsgrad is not supported by uckpt's Adam");
   return h;
 }
@@ -73,6 +75,9 @@ std::vector<at::Tensor> TrainableTensors(py::handle params, const std::string& w
 
 struct OptimizerPlan {
   nlohmann::json section;  // the config's "optimizer", when the client gave one
+  // The client's optimizer is no Adam the engine runs natively: it steps
+  // the partitions itself (uckpt._partition_step), without a section.
+  bool client_step = false;
   std::vector<ParamGroup> groups;
   std::vector<int> engine_group_of;  // per client param group: its engine group, -1 if nothing trainable
   std::string warning;               // for rank 0 to print
@@ -81,7 +86,8 @@ struct OptimizerPlan {
 
 // Groups from a list of dicts ({"params": [...], hparams}) or of tensors (one
 // group); engine_group_of[i]: item i's group in the result (-1: none trainable).
-std::vector<ParamGroup> GroupsFrom(py::handle groups, const std::string& what, std::vector<int>& engine_group_of) {
+std::vector<ParamGroup> GroupsFrom(py::handle groups, const std::string& what, std::vector<int>& engine_group_of,
+                                   bool adam = true) {
   py::list items = py::list(py::iter(groups));
   std::vector<ParamGroup> out;
   engine_group_of.clear();
@@ -97,7 +103,7 @@ std::vector<ParamGroup> GroupsFrom(py::handle groups, const std::string& what, s
     const std::string gw = what + "[" + std::to_string(i) + "]";
     auto d = items[i].cast<py::dict>();
     if (!d.contains("params")) throw py::value_error(gw + " has no 'params'");
-    GroupOptionals h = ReadGroup(d, gw);
+    GroupOptionals h = ReadGroup(d, gw, adam);
     ParamGroup g;
     g.params = TrainableTensors(d["params"], gw + "['params']");
     engine_group_of.push_back(g.params.empty() ? -1 : static_cast<int>(out.size()));
@@ -132,11 +138,16 @@ nlohmann::json ClientOptimizerSection(py::handle opt) {
     params["torch_adam"] = true;  // torch.optim.Adam: L2 weight decay (DeepSpeed needs adam_w_mode false too)
     params["adam_w_mode"] = false;
   } else {
-    throw py::value_error("uckpt.initialize: optimizer " + cls +
-                          " is not supported: uckpt's engine runs Adam and AdamW (torch.optim.Adam, torch.optim.AdamW, "
-                          "uckpt.ops.adam.DeepSpeedCPUAdam, uckpt.ops.adam.FusedAdam, or a config 'optimizer' section)");
+    return nullptr;  // any other optimizer steps the partitions itself
   }
   return {{"type", type}, {"params", params}};
+}
+
+// Whether torch's Adam/AdamW `opt` needs its own step: amsgrad, which the engine's Adam does not run.
+bool AdamWithAmsgrad(py::handle opt) {
+  for (auto g : opt.attr("param_groups"))
+    if (g.cast<py::dict>().contains("amsgrad") && g["amsgrad"].cast<bool>()) return true;
+  return false;
 }
 
 OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, const nlohmann::json& config) {
@@ -147,11 +158,16 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, c
                             TypeName(optimizer) + " (a callable that builds one is not supported)");
     if (py::len(optimizer.attr("param_groups")) == 0)
       throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " has no param groups");
-    plan.section = ClientOptimizerSection(optimizer);
+    if (py::object why = py::module_::import("uckpt._partition_step").attr("refusal")(optimizer); !why.is_none())
+      throw py::value_error(why.cast<std::string>());
+    plan.section = AdamWithAmsgrad(optimizer) ? nlohmann::json(nullptr) : ClientOptimizerSection(optimizer);
+    plan.client_step = plan.section.is_null();
     if (config.contains("optimizer"))  // DeepSpeed uses the client's and says so in its log
       plan.warning = "the config's 'optimizer' section is not used: the optimizer passed to initialize (" +
                      TypeName(optimizer) + ") is, as DeepSpeed does";
-    plan.groups = GroupsFrom(optimizer.attr("param_groups"), "optimizer.param_groups", plan.engine_group_of);
+    plan.groups = GroupsFrom(optimizer.attr("param_groups"), "optimizer.param_groups", plan.engine_group_of,
+                             !plan.client_step);
+    if (plan.client_step) return plan;
     // The first group's hyper-parameters are the section's; each group keeps its own.
     GroupOptionals first = ReadGroup(py::list(optimizer.attr("param_groups"))[0], "optimizer.param_groups[0]");
     auto& p = plan.section["params"];
@@ -166,6 +182,58 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, c
   std::vector<int> unused;
   if (!model_parameters.is_none()) plan.groups = GroupsFrom(model_parameters, "model_parameters", unused);
   return plan;
+}
+
+// The engine's optimizer step for a client's element-wise optimizer:
+// uckpt._partition_step.PartitionStepper over it, given each partition's
+// master, gradient, group, lr and state, returning the new state.
+OptimizerStepFn ClientOptimizerStep(py::handle optimizer, const std::vector<int>& engine_group_of) {
+  py::object stepper = py::module_::import("uckpt._partition_step").attr("PartitionStepper")(optimizer, engine_group_of);
+  // Released with the GIL held: the engine may end on a thread without it.
+  std::shared_ptr<py::object> held(new py::object(std::move(stepper)), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [held](std::vector<OptimizerPartition>& parts) {
+    py::gil_scoped_acquire gil;
+    py::list items;
+    for (const OptimizerPartition& p : parts) {
+      py::dict state;
+      for (const auto& [key, t] : *p.state) state[py::str(key)] = py::cast(t);
+      items.append(py::make_tuple(py::cast(p.master), py::cast(p.grad), p.group, p.lr, state));
+    }
+    py::list states = held->attr("step")(items);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      std::vector<std::pair<std::string, at::Tensor>> named;
+      for (auto kv : states[i]) {
+        auto pair = kv.cast<py::tuple>();
+        named.emplace_back(pair[0].cast<std::string>(), THPVariable_Unpack(pair[1].ptr()));
+      }
+      *parts[i].state = std::move(named);
+    }
+  };
+}
+
+// Engine group g's param-group dict of the client's optimizer, without its
+// params (what torch's state_dict saves of it).
+std::function<c10::IValue(size_t)> ClientParamGroup(py::handle optimizer, const std::vector<int>& engine_group_of) {
+  py::list dicts = optimizer.attr("param_groups");
+  auto held = std::shared_ptr<std::vector<py::object>>(new std::vector<py::object>(), [](std::vector<py::object>* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  for (size_t i = 0; i < dicts.size() && i < engine_group_of.size(); ++i)
+    if (engine_group_of[i] >= 0) {
+      if (held->size() <= static_cast<size_t>(engine_group_of[i])) held->resize(engine_group_of[i] + 1);
+      (*held)[engine_group_of[i]] = dicts[i];
+    }
+  return [held](size_t g) -> c10::IValue {
+    py::gil_scoped_acquire gil;
+    py::dict entries;
+    for (auto [k, v] : held->at(g).cast<py::dict>())
+      if (py::str(k).cast<std::string>() != "params") entries[k] = v;
+    return ToIValue(entries, "optimizer.param_groups");
+  };
 }
 
 // ---- Checks of what uckpt does not do. ----
@@ -497,6 +565,7 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
     optimizer = optimizer(model_parameters.is_none() ? py::object(py::list(model.attr("parameters")())) : model_parameters);
   OptimizerPlan plan = PlanOptimizer(optimizer, model_parameters, json);
   if (!plan.section.is_null()) json["optimizer"] = plan.section;
+  if (plan.client_step) json.erase("optimizer");  // the client's optimizer steps; the section is not used
   std::vector<std::string> notes;
   // The scheduler: the client's (an object, or a callable of the optimizer)
   // over the config's, and none without an optimizer (DeepSpeed configures it
@@ -536,6 +605,15 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   engine::ApplyHostThreads(0, "", "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change",
                            options.comm->rank() == 0);
   options.param_groups = std::move(plan.groups);
+  if (plan.client_step && !(json.contains("zero_optimization") && json["zero_optimization"].is_object() &&
+                            json["zero_optimization"].value("stage", 0) > 0))
+    throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 is not supported by "
+                          "uckpt (stage 0 takes Adam and AdamW; other element-wise optimizers run at stages 1-3)");
+  if (plan.client_step) {
+    options.optimizer_step = ClientOptimizerStep(optimizer, plan.engine_group_of);
+    options.optimizer_param_group = ClientParamGroup(optimizer, plan.engine_group_of);
+  }
+  settings.client_step = plan.client_step;
   auto shell = BuildModuleShell(model);
   std::vector<GatherUnit> units;
   if (json.contains("zero_optimization") && json["zero_optimization"].value("stage", 0) == 3) {
@@ -660,7 +738,8 @@ void PyEngine::Step(py::object lr_kwargs) {
     config_scheduler_stepped_ = true;
   }
   // DeepSpeed's update is the basic optimizer's step(); torch schedulers count those (and warn without one).
-  if (!basic_optimizer_.is_none() && py::hasattr(basic_optimizer_, "_step_count"))
+  // (A client's optimizer that steps the partitions itself counted its own step().)
+  if (!settings_.client_step && !basic_optimizer_.is_none() && py::hasattr(basic_optimizer_, "_step_count"))
     basic_optimizer_.attr("_step_count") = py::int_(basic_optimizer_.attr("_step_count").cast<int64_t>() + 1);
   if (!client_scheduler_.is_none()) StepClientScheduler(lr_kwargs);
 }
@@ -770,7 +849,7 @@ void PyEngine::PushGroups() {
   for (size_t i = 0; i < dicts.size(); ++i) {
     if (engine_group_of_[i] < 0) continue;
     const auto g = static_cast<size_t>(engine_group_of_[i]);
-    const GroupOptionals h = ReadGroup(dicts[i], "optimizer.param_groups[" + std::to_string(i) + "]");
+    const GroupOptionals h = ReadGroup(dicts[i], "optimizer.param_groups[" + std::to_string(i) + "]", !settings_.client_step);
     if (h.lr && *h.lr != engine_->learning_rate(g)) engine_->SetLearningRate(g, *h.lr);
     const GroupHparams now = engine_->group_hparams(g);
     GroupHparams want = now;

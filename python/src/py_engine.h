@@ -23,6 +23,7 @@ struct EngineSettings {
   std::string scheduler_type;   // its type
   bool scheduler_sets_betas = false;  // OneCycle with cycle_momentum: it writes betas with the lr
   bool has_optimizer = true;    // false: initialize got no optimizer and the config has none
+  bool client_step = false;     // the client's optimizer (no Adam the engine runs) steps the partitions
   int zero_stage = 0;
   // For the engine's smaller attributes (script_api.h): the config as the
   // engine took it, and the class name of initialize's optimizer= ("" if none).

@@ -151,6 +151,11 @@ class Converter {
             {i, 0, 0});
         ++files_left_[i];
       }
+      for (const auto& [key, value] : p.scalars) {  // the optimizer's other scalars, as step.pt
+        add(UniversalStateFile(tmp_, p.name, key), 0,
+            [this, v = value](OrderedSink& out) { WriteTorchFile(out, out.path(), v, {}, release_); }, {i, 0, 0});
+        ++files_left_[i];
+      }
       for (const StatePlan& s : p.states) {
         uint64_t bytes = 0;
         for (auto piece : s.pieces) bytes += piece.size();

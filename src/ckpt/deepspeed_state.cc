@@ -112,6 +112,10 @@ std::map<int64_t, ValuePtr> StatesById(const ValuePtr& states, const std::string
 
 }  // namespace
 
+bool IsAdamStateKeys(const std::vector<std::string>& keys) {
+  return keys.size() == 2 && ((keys[0] == kExpAvg && keys[1] == kExpAvgSq) || (keys[0] == kExpAvgSq && keys[1] == kExpAvg));
+}
+
 AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq) {
   return {{"step", std::move(step)}, {kExpAvg, std::move(exp_avg)}, {kExpAvgSq, std::move(exp_avg_sq)}};
 }
@@ -183,6 +187,15 @@ ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids) 
   g->set("foreach", Value::None());
   g->set("maximize", Value::Bool(false));
   g->set("capturable", Value::Bool(false));
+  g->set("params", IntList(ids));
+  return g;
+}
+
+ValuePtr ParamGroupValue(const ValuePtr& entries, const std::vector<int64_t>& ids) {
+  ValuePtr g = Value::Dict();
+  if (entries && entries->is_dict())
+    for (const auto& [k, v] : entries->entries)
+      if (!(k && k->kind == Kind::kStr && k->s == "params")) g->entries.emplace_back(k, v);
   g->set("params", IntList(ids));
   return g;
 }
@@ -519,7 +532,7 @@ ValuePtr OptimStatesValue(const RankOptimStates& s) {
     const OptimGroupState& gs = s.groups[g];
     const int64_t id = static_cast<int64_t>(g);
     if (!gs.adam.empty()) state->set(Value::Int(id), StateDict(gs.adam));
-    param_groups->items.push_back(ParamGroupValue(gs.hparams, {id}));
+    param_groups->items.push_back(gs.group ? ParamGroupValue(gs.group, {id}) : ParamGroupValue(gs.hparams, {id}));
     fp32->items.push_back(gs.fp32);
     paddings->items.push_back(Value::Int(gs.padding));
     ValuePtr m = Value::Dict(/*ordered=*/true);
@@ -597,7 +610,11 @@ ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s) {
     flat->items.push_back(sg.fp32);
   }
   ValuePtr groups = Value::List();
-  for (const auto& [h, ids] : s.param_groups) groups->items.push_back(ParamGroupValue(h, ids));
+  for (size_t g = 0; g < s.param_groups.size(); ++g) {
+    const auto& [h, ids] = s.param_groups[g];
+    const bool own = g < s.param_group_entries.size() && s.param_group_entries[g];
+    groups->items.push_back(own ? ParamGroupValue(s.param_group_entries[g], ids) : ParamGroupValue(h, ids));
+  }
   ValuePtr inner = Value::Dict();
   inner->set("state", state);
   inner->set("param_groups", groups);

@@ -59,6 +59,9 @@ struct AdamHparams {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
 };
 ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids);  // torch AdamW's keys
+// Another optimizer's param group: `entries` (a dict of its hyper-parameters
+// as it keeps them) with `params` set to `ids`.
+ValuePtr ParamGroupValue(const ValuePtr& entries, const std::vector<int64_t>& ids);
 // param_groups[g]'s hyper-parameters; absent ones keep `base`'s.
 AdamHparams ReadAdamHparams(const ValuePtr& group, const AdamHparams& base, const std::string& where);
 
@@ -97,6 +100,8 @@ using AdamState = std::vector<std::pair<std::string, ValuePtr>>;
 inline constexpr const char* kExpAvg = "exp_avg";
 inline constexpr const char* kExpAvgSq = "exp_avg_sq";
 AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq);
+// Whether per-element state keys are Adam's (exp_avg and exp_avg_sq, any order).
+bool IsAdamStateKeys(const std::vector<std::string>& keys);
 // Adam's state of one partition or parameter, read back.
 struct AdamStateView {
   const Tensor* exp_avg = nullptr;
@@ -221,6 +226,7 @@ struct OptimGroupState {
   ValuePtr fp32;     // the lean fp32 partition (padding cut off)
   AdamState adam;    // of the padded partition
   AdamHparams hparams;
+  ValuePtr group;  // set: the param group's entries as another optimizer keeps them, saved instead of hparams
   int64_t padding = 0;
   std::vector<std::pair<std::string, Fragment>> mappings;  // param_slice_mappings: name -> fragment
 };
@@ -246,6 +252,7 @@ struct Stage3RankOptimStates {
   std::vector<Stage3SubGroupState> sub_groups;
   // Optimizer param groups: hyper-parameters and the sub-groups they hold.
   std::vector<std::pair<AdamHparams, std::vector<int64_t>>> param_groups;
+  std::vector<ValuePtr> param_group_entries;  // per param group, when set: saved instead of its AdamHparams
   LossScalerState scaler;
   ValuePtr ds_config;
 };

@@ -58,6 +58,14 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
       u.state_keys.push_back(*key);
   }
   std::sort(u.state_keys.begin(), u.state_keys.end());
+  // A 0-d file is a scalar of the optimizer's, not a per-element state.
+  std::erase_if(u.state_keys, [&](const std::string& key) {
+    const ValuePtr v = ReadUniversalScalar(u, first->name, key).value;
+    const bool scalar = v && (v->kind == Kind::kInt || v->kind == Kind::kFloat ||
+                              (v->kind == Kind::kTensor && v->tensor->shape.empty()));
+    if (scalar) u.scalar_keys.push_back(key);
+    return scalar;
+  });
   TorchFile fp32 = LoadTorchFile(UniversalStateFile(u.folder, first->name, "fp32"));
   u.zero3 = fp32.root && fp32.root->kind == Kind::kTensor;
   return u;
@@ -147,6 +155,14 @@ UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u)
   s.param_groups = v.param_groups;
   s.zero_stage = v.zero_stage;
   s.zero3_step = v.zero3_step;
+  return s;
+}
+
+LoadedScalar ReadUniversalScalar(const UniversalCheckpoint& u, const std::string& name, const std::string& key) {
+  const std::string path = UniversalStateFile(u.folder, name, key);
+  LoadedScalar s;
+  s.file = LoadTorchFile(path);
+  s.value = s.file.root && s.file.root->is_dict() ? Need(s.file.root, "param", path) : s.file.root;
   return s;
 }
 

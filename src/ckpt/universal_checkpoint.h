@@ -27,6 +27,7 @@ struct UniversalCheckpoint {
   std::vector<std::vector<UniversalParam>> groups;  // param_shapes: groups (ZeRO-3: sub-groups)
   std::vector<std::string> state_keys;  // per-element files of the first parameter, besides fp32 (sorted)
   bool has_step = false;        // zero/<first param>/step.pt exists
+  std::vector<std::string> scalar_keys;  // the optimizer's other scalar files ("mu_product"; sorted)
   int source_dp = 0;            // dp_world_size recorded in the model states
   int64_t global_steps = -1;
 };
@@ -70,6 +71,13 @@ UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u)
 
 // zero/<name>/step.pt: Adam's step (a 0-d tensor or a number).
 double ReadUniversalStep(const UniversalCheckpoint& u, const std::string& name);
+// zero/<name>/<key>.pt of a scalar key (step, scalar_keys) as saved: a 0-d
+// tensor or a number (`value` points into `file`'s map).
+struct LoadedScalar {
+  TorchFile file;
+  ValuePtr value;
+};
+LoadedScalar ReadUniversalScalar(const UniversalCheckpoint& u, const std::string& name, const std::string& key);
 
 // Rank `rank`'s flat partition (P elements, padding zero) of state `key`
 // ("fp32", "exp_avg", ...) of param group `group`, re-partitioned for

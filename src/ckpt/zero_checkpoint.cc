@@ -32,6 +32,7 @@ uint64_t ZeroCheckpoint::total_bytes() const {
 
 namespace {
 
+
 bool SameValue(const ValuePtr& a, const ValuePtr& b) {
   if (!a || !b) return a == b;
   if (a->kind != b->kind) return false;
@@ -230,8 +231,10 @@ class Opener {
   // Per-element states of one (rank, group) state dict. `length` is the
   // element count every per-element state must have.
   void ReadGroupState(const ValuePtr& st, int64_t length, const std::string& where,
-                      std::vector<std::pair<std::string, const Tensor*>>* tensors, ValuePtr* step) {
+                      std::vector<std::pair<std::string, const Tensor*>>* tensors, ValuePtr* step,
+                      std::vector<std::pair<std::string, ValuePtr>>* scalars) {
     tensors->clear();
+    scalars->clear();
     *step = nullptr;
     if (!st) return;
     for (const auto& [key, v] : NamedEntries(st, where)) {
@@ -240,7 +243,13 @@ class Opener {
         *step = v;
         continue;
       }
-      if (v && v->kind == Kind::kTensor && v->tensor->shape.size() == 1 && v->tensor->numel() == length) {
+      if (!v || IsNone(v)) continue;  // torch's None state (SGD's momentum_buffer without momentum)
+      const bool number = v->kind == Kind::kInt || v->kind == Kind::kFloat;
+      if (number || (v->kind == Kind::kTensor && v->tensor->shape.empty())) {
+        scalars->emplace_back(key, v);  // another scalar of the optimizer (NAdam's mu_product)
+        continue;
+      }
+      if (v->kind == Kind::kTensor && v->tensor->shape.size() == 1 && v->tensor->numel() == length) {
         tensors->emplace_back(key, v->tensor.get());
         continue;
       }
@@ -291,6 +300,7 @@ class Opener {
       const Tensor* fp32 = nullptr;
       std::vector<std::pair<std::string, const Tensor*>> states;
       ValuePtr step;
+      std::vector<std::pair<std::string, ValuePtr>> scalars;
     };
     std::vector<std::vector<RankGroup>> rg(c_.dp, std::vector<RankGroup>(G));
     bool first = true;
@@ -313,7 +323,8 @@ class Opener {
                                     std::to_string(l.partition_size) + ") needs " + std::to_string(min_len) +
                                     " real elements (shapes do not add up)");
         rg[r][g].fp32 = &t;
-        ReadGroupState(part.state, l.partition_size, part.state_where, &rg[r][g].states, &rg[r][g].step);
+        ReadGroupState(part.state, l.partition_size, part.state_where, &rg[r][g].states, &rg[r][g].step,
+                       &rg[r][g].scalars);
         CheckStateKeys(rg[r][g].states, part.state_where, first);
         first = false;
         CheckMappings(groups[g], r, part);
@@ -352,6 +363,7 @@ class Opener {
           }
         }
         if (!frags.empty()) p.step = rg[frags[0].rank][g].step;
+        if (!frags.empty()) p.scalars = rg[frags[0].rank][g].scalars;
         p.states.push_back(std::move(fp32));
         for (auto& s : states) p.states.push_back(std::move(s));
         c_.params.push_back(std::move(p));
@@ -390,6 +402,7 @@ class Opener {
       const Tensor* fp32 = nullptr;
       std::vector<std::pair<std::string, const Tensor*>> states;
       ValuePtr step;
+      std::vector<std::pair<std::string, ValuePtr>> scalars;
     };
     std::vector<std::vector<RankSub>> rs(c_.dp, std::vector<RankSub>(S));
     bool first = true;
@@ -408,7 +421,8 @@ class Opener {
                                     std::to_string(lengths[s]) + " elements per rank (shapes do not add up)");
         }
         rs[r][s].fp32 = &t;
-        ReadGroupState(part.state, lengths[s], part.state_where, &rs[r][s].states, &rs[r][s].step);
+        ReadGroupState(part.state, lengths[s], part.state_where, &rs[r][s].states, &rs[r][s].step,
+                       &rs[r][s].scalars);
         CheckStateKeys(rs[r][s].states, part.state_where, first);
         first = false;
       }
@@ -441,6 +455,10 @@ class Opener {
             states[k].pieces.push_back(TensorElements(*rs[r][s].states[k].second, slot, real, where + " " + states[k].key));
         }
         slot += ps;
+        p.scalars = rs[0][s].scalars;
+        // DeepSpeed's converter writes no step of ZeRO-3's Adam (its step is
+        // the applied steps); any other optimizer's step is kept as at stage 1/2.
+        if (!IsAdamStateKeys(c_.state_keys) || !p.scalars.empty()) p.step = rs[0][s].step;
         p.states.push_back(std::move(fp32));
         for (auto& st : states) p.states.push_back(std::move(st));
         c_.params.push_back(std::move(p));

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ckpt/deepspeed_state.h"
@@ -39,7 +40,12 @@ struct ParamPlan {
   int64_t numel = 0;
   size_t group = 0;             // optimizer param group (stage 3: sub-group)
   std::vector<StatePlan> states;  // "fp32" first, then the optimizer's keys in file order
-  ValuePtr step;                // stage 1/2: the group's `step` (tensor or int), written as step.pt; null if none
+  // The group's `step` (tensor or int), written as step.pt; null if none.
+  // Stage 3: only for optimizers other than Adam (DeepSpeed's converter
+  // writes none for ZeRO-3's Adam).
+  ValuePtr step;
+  // The optimizer's other scalar states ("mu_product"), each written as <key>.pt.
+  std::vector<std::pair<std::string, ValuePtr>> scalars;
   uint64_t bytes() const;
 };
 

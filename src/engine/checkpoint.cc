@@ -74,6 +74,20 @@ ValuePtr TensorValue(const at::Tensor& t, bool requires_grad) {
   return View(s, FromScalarType(t.scalar_type()), t.sizes().vec(), 0, requires_grad);
 }
 
+ckpt::AdamState SavedOptimizerState(const PartitionState& st) {
+  ckpt::AdamState out;
+  for (const auto& [key, t] : OptimizerStates(st)) {
+    // A Python number the optimizer keeps (RMSprop's step) is saved as one.
+    if (t.dim() == 0 && t.scalar_type() == at::kLong)
+      out.emplace_back(key, Value::Int(t.item<int64_t>()));
+    else if (t.dim() == 0 && t.scalar_type() == at::kDouble)
+      out.emplace_back(key, Value::Float(t.item<double>()));
+    else
+      out.emplace_back(key, TensorValue(t));
+  }
+  return out;
+}
+
 std::string ReadTagFile(const std::string& dir, const std::string& name) { return ckpt::ReadLatestTag(dir, name); }
 
 // ---- IValue client state <-> pickled values (checkpoint.h). ----
@@ -289,9 +303,9 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
     gs.padding = slot.target.length - real;
     // The lean fp32 partition: a view of the padded one, padding cut off.
     gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {real}, 0, /*requires_grad=*/true);
-    if (s.step.defined())
-      gs.adam = ckpt::AdamStateValue(TensorValue(s.step), TensorValue(s.exp_avg), TensorValue(s.exp_avg_sq));
+    gs.adam = SavedOptimizerState(s);
     gs.hparams = SavedHparams(e, slot.group);
+    if (e.client_param_group) gs.group = FromIValue(e.client_param_group(slot.group), "optimizer param group");
     r.groups.push_back(std::move(gs));
   }
   return ckpt::OptimStatesValue(r);
@@ -597,7 +611,7 @@ void LoadPartitions(Engine::Impl& e, const std::string& folder, const ModelState
   const bool moments = o.load_optimizer_states && !o.load_module_only;
   const LoadSource source = OpenSource(e, folder, model, slots, o, moments);
   std::vector<TensorReads> reads =
-      PlanSlotLoads(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps));
+      PlanSlotLoads(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps), e.client_optimizer);
   const uint64_t bytes = FillFromReads(reads);
   HashLoadedState(e, proof, source, reads);
   e.runtime->WeightsFromMasters();

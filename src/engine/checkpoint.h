@@ -49,6 +49,11 @@ ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, Val
 // pool during an async (or GPU) save, else a view of a host tensor's bytes.
 ValuePtr TensorValue(const at::Tensor& t, bool requires_grad = false);
 
+// A partition's optimizer state as the files save it: torch's state-dict
+// entry of the partition under the optimizer's keys (Adam's step, exp_avg,
+// exp_avg_sq, or another optimizer's); empty before its first step.
+ckpt::AdamState SavedOptimizerState(const PartitionState& st);
+
 // checkpoint_zero3.cc: this rank's files of a ZeRO-3 checkpoint (its model
 // states with the client's keys, and its optimizer states).
 std::vector<SnapshotFile> Zero3RankFiles(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client);

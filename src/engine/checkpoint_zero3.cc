@@ -48,12 +48,14 @@ ValuePtr Zero3OptimStates(const Engine::Impl& e) {
     const PartitionState& st = *slot.state;
     ckpt::Stage3SubGroupState s;
     s.fp32 = TensorValue(st.master, /*requires_grad=*/true);
-    if (st.step.defined())
-      s.adam = ckpt::AdamStateValue(TensorValue(st.step), TensorValue(st.exp_avg), TensorValue(st.exp_avg_sq));
+    s.adam = SavedOptimizerState(st);
     ids[slot.group].push_back(static_cast<int64_t>(r.sub_groups.size()));
     r.sub_groups.push_back(std::move(s));
   }
-  for (size_t g = 0; g < ids.size(); ++g) r.param_groups.emplace_back(SavedHparams(e, g), ids[g]);
+  for (size_t g = 0; g < ids.size(); ++g) {
+    r.param_groups.emplace_back(SavedHparams(e, g), ids[g]);
+    if (e.client_param_group) r.param_group_entries.push_back(FromIValue(e.client_param_group(g), "optimizer param group"));
+  }
   return ckpt::Stage3OptimStatesValue(r);
 }
 

@@ -248,6 +248,8 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   // OneCycle's constructor writes its first betas into every group.
   if (const auto& b = e.schedule.current_betas())
     for (auto& spec : specs) spec.optimizer.beta1 = b->first, spec.optimizer.beta2 = b->second;
+  e.client_optimizer = static_cast<bool>(options.optimizer_step);
+  e.client_param_group = options.optimizer_param_group;
   e.runtime = engine::MakeShardedRuntime(e, std::move(specs), options);
   e.model->train(true);
 }

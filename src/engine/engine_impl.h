@@ -46,6 +46,8 @@ struct Engine::Impl {
   std::vector<std::string> module_prefixes;  // "" and every submodule (state_dict _metadata)
 
   std::unique_ptr<engine::ShardedRuntime> runtime;  // this rank's partitions and the step (sharded_runtime.h)
+  bool client_optimizer = false;  // EngineOptions::optimizer_step steps: PartitionState::named holds the state
+  std::function<c10::IValue(size_t)> client_param_group;  // EngineOptions::optimizer_param_group
   // Expires with the engine: unit_calls() a model keeps then fail cleanly.
   std::shared_ptr<int> alive = std::make_shared<int>(0);
   engine::LrSchedule schedule;

@@ -152,10 +152,10 @@ class Accumulator {
   std::vector<Job> host_, device_;
 };
 
-// The tensors of one partition: "fp32" and, once Adam has stepped, its moments.
+// The tensors of one partition: "fp32" and, once the optimizer has stepped, its per-element states.
 std::vector<std::pair<std::string, at::Tensor>> Tensors(const PartitionState& st) {
   std::vector<std::pair<std::string, at::Tensor>> out = {{"fp32", st.master}};
-  if (st.step.defined()) out.insert(out.end(), {{ckpt::kExpAvg, st.exp_avg}, {ckpt::kExpAvgSq, st.exp_avg_sq}});
+  for (auto& kv : ElementStates(st)) out.push_back(std::move(kv));
   return out;
 }
 
@@ -189,11 +189,6 @@ ckpt::ParamFingerprint Entry(const std::string& name, int64_t numel, const Parti
   ckpt::ParamFingerprint p{name, numel, {}};
   for (const auto& kv : Tensors(st)) p.states.emplace_back(kv.first, 0);
   return p;
-}
-
-std::optional<double> StepOf(const PartitionState& st) {
-  if (!st.step.defined()) return std::nullopt;
-  return st.step.item<double>();
 }
 
 }  // namespace

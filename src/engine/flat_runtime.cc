@@ -314,6 +314,10 @@ FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) 
   // Stage 0 in fp32: DeepSpeed's optimizer steps the module's parameters
   // themselves, so a write to one (p.data) is where the step starts.
   if (s_.stage == 0 && s_.model_dtype == at::kFloat) MastersFromWeights();
+  if (s_.optimizer_step) {
+    ClientStep(unscale, group_lrs);
+    return r;
+  }
 
   for (Group& g : groups_) {
     const double lr = group_lrs[static_cast<size_t>(&g - groups_.data())];
@@ -412,6 +416,31 @@ void FlatRuntime::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
   });
   streams.WaitAll();
   GatherModel(g, g.device_partition);
+}
+
+void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<double>& group_lrs) {
+  c10::NoGradGuard no_grad;
+  std::vector<PartitionState*> states;
+  std::vector<at::Tensor> grads;
+  std::vector<size_t> ids;
+  for (Group& g : groups_) {
+    at::Tensor grad = g.grad_partition;
+    g.have_grad_partition = false;
+    // Offloaded, the gradient is a host tensor: the same factor as the fused host pass takes.
+    if (s_.offload_optimizer_cpu && !grad.device().is_cpu()) grad = grad.cpu();
+    if (s_.offload_optimizer_cpu) {
+      const double f = unscale.host_factor();
+      if (f != 1.0) grad.mul_(f);
+    } else {
+      unscale.Apply(grad);
+    }
+    states.push_back(&g.state);
+    grads.push_back(grad);
+    ids.push_back(static_cast<size_t>(&g - groups_.data()));
+  }
+  RunOptimizerStep(s_.optimizer_step, states, grads, ids, group_lrs);
+  for (Group& g : groups_) g.grad_partition = at::Tensor();
+  WeightsFromMasters();
 }
 
 void FlatRuntime::AdamStep(Group& g, const at::Tensor& grad, double lr) { TorchAdamStep(g.state, grad, g.optimizer, lr); }

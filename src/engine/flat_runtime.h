@@ -35,6 +35,7 @@
 namespace uckpt::engine {
 
 class OverlappedGradReducer;
+class UnscaleAndClip;
 
 // torch.optim.Adam/AdamW's single-tensor step (torch 1.13) on one partition:
 // `st.master` updated with `grad` (moments created on the first step).
@@ -132,6 +133,8 @@ class FlatRuntime : public ShardedRuntime {
   at::Tensor AllReduceInDeepSpeedOrder(Group& g);
   at::Tensor GlobalNorm();
   void AdamStep(Group& g, const at::Tensor& grad, double lr);
+  // settings.optimizer_step over every group's partition, then the all-gather.
+  void ClientStep(const UnscaleAndClip& unscale, const std::vector<double>& group_lrs);
   void AddToHostGradient(Group& g, const at::Tensor& part);
   void OffloadedAdamStep(Group& g, float grad_scale, double lr);
   void GatherModel(Group& g, const at::Tensor& mine);

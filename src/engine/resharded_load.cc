@@ -48,6 +48,46 @@ double SavedStep(const LoadSource& source, const std::string& param, double appl
   throw FormatError(source.states.folder + ": the parameter group of " + param + " has no step");
 }
 
+std::string KeyList(const std::vector<std::string>& keys) {
+  std::string s;
+  for (const auto& k : keys) s += (s.empty() ? "" : ", ") + k;
+  return "{" + s + "}";
+}
+
+// A scalar state as the optimizer keeps it: a 0-d tensor of its dtype, a
+// Python int or float as a 0-d int64 or float64 tensor (PartitionState::named).
+at::Tensor ScalarTensor(const ValuePtr& v, const std::string& where) {
+  const double x = ckpt::ScalarOf(v, where);
+  if (v->kind == Kind::kInt) return at::full({}, static_cast<int64_t>(x), at::kLong);
+  if (v->kind == Kind::kFloat) return at::full({}, x, at::kDouble);
+  return at::full({}, x, ToScalarType(v->tensor->dtype));
+}
+
+// A client optimizer's state of `slot`: the saved step and other scalars of
+// its step parameter, and every per-element state the source holds.
+void PlanNamedLoads(const LoadSource& source, PartitionSlot& slot, double applied_steps,
+                    std::vector<TensorReads>& loads) {
+  PartitionState& st = *slot.state;
+  st.named.clear();
+  const ckpt::ParamPlan* plan = nullptr;
+  for (const ckpt::ParamPlan& p : source.states.params)
+    if (p.name == slot.step_param) plan = &p;
+  const std::string where = source.optimizer_file + ": state of " + slot.step_param;
+  if (plan && plan->step) {
+    st.named.emplace_back("step", ScalarTensor(plan->step, where + " 'step'"));
+  } else if (source.steps_applied && ckpt::IsAdamStateKeys(source.state_keys) && (!plan || plan->scalars.empty())) {
+    // Adam's keys from ZeRO-3 (RAdam's too) keep no step: the applied steps, as for Adam.
+    st.named.emplace_back("step", at::full({}, applied_steps, st.master.options().device(at::kCPU)));
+  }
+  if (plan)
+    for (const auto& [key, v] : plan->scalars) st.named.emplace_back(key, ScalarTensor(v, where + " '" + key + "'"));
+  for (const std::string& key : source.state_keys) {
+    at::Tensor t = at::empty_like(st.master);
+    loads.push_back(PlanLoad(source.states, slot.target, key, t));
+    st.named.emplace_back(key, t);
+  }
+}
+
 }  // namespace
 
 LoadSource OpenRankFiles(const std::string& folder) {
@@ -59,6 +99,7 @@ LoadSource OpenRankFiles(const std::string& folder) {
   s.steps_applied = z->stage == 3;
   s.has_moments = z->stage == 3 ? ckpt::HasState(*z, ckpt::kExpAvg) && ckpt::HasState(*z, ckpt::kExpAvgSq)
                                 : !z->params.empty() && z->params[0].step;
+  s.state_keys = z->state_keys;
   s.optimizer_file = z->optim[0].file->path();
   s.files_layout = [z] { return ckpt::FingerprintLayout(*z); };
   // Rank 0's, as a universal folder holds it.
@@ -75,6 +116,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
     ckpt::UniversalCheckpoint u;
     ckpt::UniversalOptimizerFile optimizer;
     std::vector<TorchFile> files;
+    std::vector<TorchFile> scalar_files;  // the step and other scalars read
   };
   auto maps = std::make_shared<Maps>();
   maps->u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
@@ -87,16 +129,28 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
   s.has_moments =
       moments && std::count(keys.begin(), keys.end(), ckpt::kExpAvg) && std::count(keys.begin(), keys.end(), ckpt::kExpAvgSq);
   std::vector<std::string> states{"fp32"};
-  if (s.has_moments) states.insert(states.end(), {ckpt::kExpAvg, ckpt::kExpAvgSq});
+  if (moments) {
+    s.state_keys = keys;
+    states.insert(states.end(), keys.begin(), keys.end());
+  }
   ckpt::UniversalStates mapped = ckpt::MapUniversalStates(u, SlotParams(slots), states);
   s.states = std::move(mapped.source);
   maps->files = std::move(mapped.files);
   // A ZeRO-3-made folder has no step.pt: Adam's step is the applied steps.
   s.steps_applied = !u.has_step;
-  if (s.has_moments && u.has_step)
+  if (moments)
     for (ckpt::ParamPlan& p : s.states.params)
-      for (const PartitionSlot& slot : slots)
-        if (slot.step_param == p.name && !p.step) p.step = Value::Float(ckpt::ReadUniversalStep(u, p.name));
+      for (const PartitionSlot& slot : slots) {
+        if (slot.step_param != p.name) continue;
+        auto read = [&](const std::string& key) {
+          ckpt::LoadedScalar v = ckpt::ReadUniversalScalar(u, p.name, key);
+          maps->scalar_files.push_back(std::move(v.file));
+          return v.value;
+        };
+        if (u.has_step && !p.step) p.step = read("step");
+        if (p.scalars.empty())
+          for (const std::string& key : u.scalar_keys) p.scalars.emplace_back(key, read(key));
+      }
   s.loss_scaler = maps->optimizer.loss_scaler;
   s.param_groups = maps->optimizer.param_groups;
   s.optimizer_file = ckpt::UniversalOptimizerStateFile(u.folder);
@@ -112,13 +166,17 @@ LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& 
   // Stage 0's Adam state is numbered over the parameters in the groups' order.
   s.states = ckpt::ModuleReadSource(m, path, SlotParams(slots));
   s.has_moments = ckpt::HasState(s.states, ckpt::kExpAvg) && ckpt::HasState(s.states, ckpt::kExpAvgSq);
+  if (s.has_moments) s.state_keys = {ckpt::kExpAvg, ckpt::kExpAvgSq};
   if (moments) s.param_groups = m.stage0_param_groups;
   s.optimizer_file = path;
   return s;
 }
 
 std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments,
-                                       double applied_steps) {
+                                       double applied_steps, bool named) {
+  if (moments && !named && !source.state_keys.empty() && !source.has_moments)
+    throw FormatError(source.optimizer_file + ": the optimizer state holds " + KeyList(source.state_keys) +
+                      ", not Adam's (exp_avg, exp_avg_sq): it was saved by another optimizer than this run's");
   std::vector<TensorReads> loads;
   for (PartitionSlot& slot : slots) {
     const ckpt::PartitionTarget& target = slot.target;
@@ -127,6 +185,10 @@ std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<Par
       throw std::logic_error("load: partition sizes differ from the optimizer's");
     loads.push_back(PlanLoad(source.states, target, "fp32", st.master));
     if (!moments) continue;
+    if (named) {
+      PlanNamedLoads(source, slot, applied_steps, loads);
+      continue;
+    }
     if (!source.has_moments) {
       st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
       continue;

@@ -37,6 +37,9 @@ struct LoadSource {
   SourceKind kind = SourceKind::kRankFiles;
   ckpt::ReadSource states;
   bool has_moments = false;     // Adam's moments are there (none before the first applied step)
+  // The optimizer's per-element states the files hold besides fp32, in file
+  // order (Adam's exp_avg, exp_avg_sq; another optimizer's own keys).
+  std::vector<std::string> state_keys;
   bool steps_applied = false;   // no saved step: Adam's step is the applied steps (ZeRO-3's files)
   ValuePtr loss_scaler, param_groups;  // null when the source has none
   std::string optimizer_file;          // the file they come from, for messages
@@ -50,7 +53,7 @@ struct LoadSource {
 LoadSource OpenRankFiles(const std::string& folder);
 
 // The universal folder `folder`'s files of the parameters `slots` hold: the
-// fp32 masters, and Adam's state with `moments` (when the folder has it).
+// fp32 masters, and with `moments` the optimizer's state (when the folder has it).
 LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<PartitionSlot>& slots, bool moments);
 
 // The model states `m` read from `path` (which the caller keeps): the
@@ -65,7 +68,11 @@ LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& 
 // source that keeps none), else leaves them as they are. FillFromReads
 // (staged_upload.h) runs them. Throws FormatError naming the file for a
 // parameter the source lacks or holds in another shape.
+// With `named` (the run's optimizer is a client's, PartitionState::named),
+// the optimizer state is every state the source holds under its own keys:
+// its per-element tensors, its step and other scalars (none before its
+// first step). An Adam run refuses a source with another optimizer's state.
 std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<PartitionSlot>& slots, bool moments,
-                                       double applied_steps);
+                                       double applied_steps, bool named = false);
 
 }  // namespace uckpt::engine

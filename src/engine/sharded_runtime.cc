@@ -3,7 +3,11 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <set>
+#include <stdexcept>
+
+#include "ckpt/deepspeed_state.h"
 
 #include "engine/engine_impl.h"
 #include "engine/flat_runtime.h"
@@ -17,9 +21,38 @@ at::ScalarType ModelDtype(const TrainConfig& c) {
   return at::kFloat;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> OptimizerStates(const PartitionState& st) {
+  if (!st.named.empty()) return st.named;
+  if (!st.step.defined()) return {};
+  return {{"step", st.step}, {ckpt::kExpAvg, st.exp_avg}, {ckpt::kExpAvgSq, st.exp_avg_sq}};
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ElementStates(const PartitionState& st) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& [key, t] : OptimizerStates(st))
+    if (t.dim() == 1) out.emplace_back(key, t);
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  return out;
+}
+
+std::optional<double> StepOf(const PartitionState& st) {
+  for (const auto& [key, t] : OptimizerStates(st))
+    if (key == "step" && t.dim() == 0) return t.item<double>();
+  return std::nullopt;
+}
+
+void RunOptimizerStep(const OptimizerStepFn& step, const std::vector<PartitionState*>& states,
+                      const std::vector<at::Tensor>& grads, const std::vector<size_t>& groups,
+                      const std::vector<double>& group_lrs) {
+  std::vector<OptimizerPartition> parts;
+  for (size_t i = 0; i < states.size(); ++i)
+    parts.push_back({states[i]->master, grads[i], groups[i], group_lrs.at(groups[i]), &states[i]->named});
+  step(parts);
+}
+
 namespace {
 
-ZeroSettings SettingsOf(const TrainConfig& c) {
+ZeroSettings SettingsOf(const TrainConfig& c, const EngineOptions& options) {
   ZeroSettings s;
   s.stage = c.zero.stage;
   s.gradient_clipping = c.gradient_clipping;
@@ -29,6 +62,7 @@ ZeroSettings SettingsOf(const TrainConfig& c) {
   s.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
   s.reduce_bucket_size = c.zero.reduce_bucket_size;
   s.overlap_comm = c.zero.overlap_comm;
+  s.optimizer_step = options.optimizer_step;
   return s;
 }
 
@@ -41,8 +75,9 @@ void BroadcastFromRank0(Comm& comm, const at::Tensor& t) {
 
 // Stages 0-2: the parameters become views into their group's flat buffer
 // (their values copied in), then the masters come from them.
-std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupSpec> specs) {
-  auto z = std::make_unique<FlatRuntime>(*e.comm, std::move(specs), SettingsOf(e.config), e.device);
+std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupSpec> specs,
+                                             const EngineOptions& options) {
+  auto z = std::make_unique<FlatRuntime>(*e.comm, std::move(specs), SettingsOf(e.config, options), e.device);
   std::vector<std::vector<at::Tensor>> bound(e.groups.size());
   {
     c10::NoGradGuard no_grad;
@@ -82,8 +117,11 @@ std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<
         for (const auto& p : g)
           if (!partitioned.count(p.tensor.unsafeGetTensorImpl())) BroadcastFromRank0(*e.comm, p.tensor);
   }
-  if (e.stage() == 3) return MakeZero3Runtime(e, specs, SettingsOf(e.config), options);
-  return MakeFlatRuntime(e, std::move(specs));
+  if (options.optimizer_step && e.stage() == 0)
+    throw std::invalid_argument("ZeRO stage 0 with an optimizer other than Adam/AdamW is not supported by uckpt "
+                                "(its checkpoint holds torch's per-parameter state); use stage 1, 2 or 3");
+  if (e.stage() == 3) return MakeZero3Runtime(e, specs, SettingsOf(e.config, options), options);
+  return MakeFlatRuntime(e, std::move(specs), options);
 }
 
 }  // namespace uckpt::engine

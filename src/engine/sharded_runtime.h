@@ -17,23 +17,42 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "ckpt/reshard.h"
 #include "engine/config.h"
 #include "engine/loss_scaler.h"
+#include "uckpt/engine.h"
 
 namespace uckpt::engine {
 
 // The optimizer state of one partition (DeepSpeed's base_optimizer_state
 // entry + its fp32 partition): stages 1/2 one per group, stage 3 one per sub-group.
+// The engine's Adam keeps its state in the fixed fields; any other optimizer
+// (an element-wise step a client supplies, EngineOptions::optimizer_step) in
+// `named`, under that optimizer's own keys.
 struct PartitionState {
   at::Tensor master;      // [P] fp32 master weights (padding zeros included)
   at::Tensor exp_avg;     // [P] fp32, undefined before the first step
   at::Tensor exp_avg_sq;  // [P] fp32
   at::Tensor step;        // 0-d fp32 tensor (torch Adam's step), undefined before the first step
+  // Another optimizer's state in the order it made it: [P] fp32 tensors
+  // ("momentum_buffer", "sum") and 0-d scalars ("step", "mu_product"). Empty
+  // before its first step.
+  std::vector<std::pair<std::string, at::Tensor>> named;
 };
+
+// A partition's optimizer state under its keys, whichever optimizer made it:
+// Adam's step, exp_avg, exp_avg_sq (torch's order), else `named`. Empty
+// before the first step.
+std::vector<std::pair<std::string, at::Tensor>> OptimizerStates(const PartitionState& st);
+// Of them, the per-element ones ([P] tensors), keys sorted (the fingerprint's order).
+std::vector<std::pair<std::string, at::Tensor>> ElementStates(const PartitionState& st);
+// The optimizer's step as saved ("step"), if it keeps one.
+std::optional<double> StepOf(const PartitionState& st);
 
 // What either runtime is built with (stage 3 adds its own: Zero3Settings).
 struct ZeroSettings {
@@ -45,7 +64,17 @@ struct ZeroSettings {
   bool offload_optimizer_cpu = false;       // master + moments in host memory
   int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
   bool overlap_comm = false;                // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
+  // Set: the update of every step instead of Adam (EngineOptions::optimizer_step).
+  OptimizerStepFn optimizer_step;
 };
+
+// Hands every partition with its gradient to settings.optimizer_step:
+// `grads[i]` (unscaled and clipped) is partition states[i]'s of group
+// groups[i], stepped with group_lrs[group]. The gradients' .grad bindings
+// are the callee's business; the states' `named` are updated.
+void RunOptimizerStep(const OptimizerStepFn& step, const std::vector<PartitionState*>& states,
+                      const std::vector<at::Tensor>& grads, const std::vector<size_t>& groups,
+                      const std::vector<double>& group_lrs);
 
 // One optimizer parameter group: its parameters' sizes in flat order and its
 // own hyper-parameters (lr comes from the schedule at each step); their names

@@ -136,6 +136,10 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
   at::Tensor norm = GlobalNorm(&finite);  // fp64, of the scaled gradients
   r.grad_norm = finite ? norm.item<double>() / prev_scale : -1;
   const UnscaleAndClip unscale(norm, prev_scale, s_.base.gradient_clipping);
+  if (s_.base.optimizer_step) {
+    ClientStep(unscale, group_lrs);
+    return r;
+  }
   if (s_.base.offload_optimizer_cpu) {
     // The same factor, applied inside one fused host pass.
     for (Zero3SubGroup& sg : subs_)
@@ -161,6 +165,27 @@ void Zero3Runtime::ClearGrads() {
     else
       sg.grad = at::Tensor();  // Grad() makes zeros at the next step's first reduce
   }
+}
+
+void Zero3Runtime::ClientStep(const UnscaleAndClip& unscale, const std::vector<double>& group_lrs) {
+  std::vector<PartitionState*> states;
+  std::vector<at::Tensor> grads;
+  std::vector<size_t> groups;
+  for (Zero3SubGroup& sg : subs_) {
+    at::Tensor grad = sg.Grad();
+    if (s_.base.offload_optimizer_cpu) {
+      const double f = unscale.host_factor();
+      if (f != 1.0) grad.mul_(f);
+    } else {
+      unscale.Apply(grad);
+    }
+    states.push_back(&sg.state);
+    grads.push_back(grad);
+    groups.push_back(sg.group);
+  }
+  RunOptimizerStep(s_.base.optimizer_step, states, grads, groups, group_lrs);
+  ClearGrads();
+  WeightsFromMasters();
 }
 
 void Zero3Runtime::WeightsFromMasters() {

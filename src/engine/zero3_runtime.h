@@ -49,6 +49,8 @@
 
 namespace uckpt::engine {
 
+class UnscaleAndClip;
+
 // Copies a flattened parameter of `numel` elements into (to_column) or out of
 // its column `column` ([dp, ps]) of a rank-major layout, where rank r's chunk
 // is elements [r*ps, (r+1)*ps): the full rows, then the short last one (the
@@ -179,6 +181,8 @@ class Zero3Runtime : public ShardedRuntime {
   void ClearGrads();  // after an update or a skipped step
   void StartFromPartitions();
   at::Tensor GlobalNorm(bool* finite);
+  // settings.optimizer_step over every sub-group's partition.
+  void ClientStep(const UnscaleAndClip& unscale, const std::vector<double>& group_lrs);
   std::vector<size_t> IndicesOf(const std::vector<at::Tensor>& ts) const;
 
   Comm& comm_;
