@@ -456,6 +456,9 @@ class Init:
         if not dist.is_initialized():
             import uckpt
             uckpt.init_distributed()
+        if os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available():
+            # Each rank's own GPU for the broadcasts of whole values (NCCL), as DeepSpeed's Init sets it.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if data_parallel_group is not None and (dist.get_world_size(data_parallel_group) != dist.get_world_size()
                                                 or dist.get_rank(data_parallel_group) != dist.get_rank()):
             raise ValueError("uckpt.zero.Init: data_parallel_group= must be all ranks (uckpt partitions over the "
