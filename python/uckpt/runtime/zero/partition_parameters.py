@@ -151,7 +151,7 @@ def _slice_of_rank(whole, partition):
 
 def _movable(t):
     """t as a dtype every backend moves (torch 1.13's gloo has no bfloat16): its bits, reinterpreted."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return t.view(torch.float16) if t.dtype == torch.bfloat16 else t
 
 
 def _broadcast_from(whole, rank):
@@ -243,6 +243,7 @@ class _Partitioner:
                 part = part.pin_memory()
             p.ds_shape = whole.shape
             p.ds_numel = numel
+            p._uckpt_built_dtype = whole.dtype  # Module.apply's fn sees it in this dtype, as in a whole build
             p.ds_id = next(self._ids)
             p.ds_tensor = part
             p.data = torch.empty(0, dtype=dtype, device=p.data.device)
@@ -346,7 +347,8 @@ _orig_apply = None
 
 def _apply_gathering(module, fn):
     """Module.apply under zero.Init (DeepSpeed's override_module_apply): each module's own partitioned
-    parameters whole while fn runs on it, then rank 0's values partitioned again."""
+    parameters whole while fn runs on it, in the dtype they were built in (so that an initialisation over
+    built children gives a whole build's values), then rank 0's values partitioned again."""
     if getattr(fn, "_uckpt_gathers", False):
         return _orig_apply(module, fn)
 
@@ -355,6 +357,8 @@ def _apply_gathering(module, fn):
                         key=lambda p: p.ds_id)
         for p in params:
             _gather_whole(p)
+            with torch._C.DisableTorchFunction():  # the dtype it was built in (fp32 under a bf16 or fp16 config)
+                p.data = p.data.to(p._uckpt_built_dtype)
         fn(m)
         for p in params:
             _free_whole(p, 0)
