@@ -2,7 +2,6 @@
 to initialize at stage 3 without being gathered whole, DeepSpeed's ds_* attributes, the partitioned-parameter
 guard. Usage: zero_init_test.py CASE PYTHONPATH (CASE: partition, train, guard, refuse, deepspeed)."""
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -232,7 +232,7 @@ class _Partitioner:
     def partition(self, p):
         if isinstance(p, _Stage3Parameter) or getattr(p, "ds_id", None) is not None:
             return  # partitioned already (a parameter shared between modules)
-        rank, world = _rank_world()
+        _, world = _rank_world()
         with torch.no_grad():
             whole = _broadcast_from(p.data, 0)
             dtype = self.dtype if (self.dtype is not None and whole.is_floating_point()) else whole.dtype
