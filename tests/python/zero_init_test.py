@@ -2,7 +2,6 @@
 to initialize at stage 3 without being gathered whole, DeepSpeed's ds_* attributes, the partitioned-parameter
 guard. Usage: zero_init_test.py CASE PYTHONPATH (CASE: partition, train, guard, refuse, deepspeed)."""
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +139,27 @@ def worker_train(deepspeed, torch, rank):
     _, got_frozen = losses(deepspeed, torch, net)
     if got_frozen != want_frozen:
         fail(f"frozen parameter: first losses {got_frozen} != the whole build's {want_frozen}")
+    # bf16: partitions in bf16; an initialisation over built children (Module.apply) that overwrites the values
+    # gives the whole build's, so the losses are equal too.
+    cfg16 = dict(config(), bf16={"enabled": True})
+
+    def built_bf16():
+        net = toy_net(torch)
+        net.apply(lambda m: (torch.nn.init.normal_(m.weight, std=0.3), torch.nn.init.zeros_(m.bias))
+                  if isinstance(m, torch.nn.Linear) else None)
+        return net
+
+    def run_bf16(model):
+        engine, *_ = deepspeed.initialize(model=model, config=cfg16)
+        return step_losses(engine, [x.bfloat16() for x in batches(torch, 3)])
+
+    want16 = run_bf16(built_bf16())
+    with deepspeed.zero.Init(config_dict_or_path=cfg16):
+        net = built_bf16()
+    if net.inp.weight.ds_tensor.dtype != torch.bfloat16:
+        fail(f"bf16 config: ds_tensor is {net.inp.weight.ds_tensor.dtype}")
+    if run_bf16(net) != want16:
+        fail("bf16: the first losses under zero.Init differ from the whole build's")
     # A checkpoint of the whole build resumed by a zero.Init build: the same next losses.
     import tempfile
     ckpt = os.path.join(tempfile.gettempdir(), f"uckpt_zero_init_{os.environ['MASTER_PORT']}")
@@ -157,7 +177,7 @@ def worker_train(deepspeed, torch, rank):
         import shutil
         shutil.rmtree(ckpt, ignore_errors=True)
     print(f"ok   train (rank {rank}): zero.Init, mixed and whole builds: losses {got} equal bit for bit; units "
-          f"start sharded; ds_tensor is the engine's partition; a frozen parameter; resuming a checkpoint")
+          f"start sharded; ds_tensor is the engine's partition; a frozen parameter; bf16; resuming a checkpoint")
 
 
 def worker_guard(deepspeed, torch, rank):

@@ -152,7 +152,7 @@ def _slice_of_rank(whole, partition):
 
 def _movable(t):
     """t as a dtype every backend moves (torch 1.13's gloo has no bfloat16): its bits, reinterpreted."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return t.view(torch.float16) if t.dtype == torch.bfloat16 else t
 
 
 def _broadcast_from(whole, rank):
@@ -233,7 +233,7 @@ class _Partitioner:
     def partition(self, p):
         if isinstance(p, _Stage3Parameter) or getattr(p, "ds_id", None) is not None:
             return  # partitioned already (a parameter shared between modules)
-        rank, world = _rank_world()
+        _, world = _rank_world()
         with torch.no_grad():
             whole = _broadcast_from(p.data, 0)
             dtype = self.dtype if (self.dtype is not None and whole.is_floating_point()) else whole.dtype
@@ -244,6 +244,7 @@ class _Partitioner:
                 part = part.pin_memory()
             p.ds_shape = whole.shape
             p.ds_numel = numel
+            p._uckpt_built_dtype = whole.dtype  # Module.apply's fn sees it in this dtype, as in a whole build
             p.ds_id = next(self._ids)
             p.ds_tensor = part
             p.data = torch.empty(0, dtype=dtype, device=p.data.device)
@@ -348,7 +349,8 @@ _orig_apply = None
 
 def _apply_gathering(module, fn):
     """Module.apply under zero.Init (DeepSpeed's override_module_apply): each module's own partitioned
-    parameters whole while fn runs on it, then rank 0's values partitioned again."""
+    parameters whole while fn runs on it, in the dtype they were built in (so that an initialisation over
+    built children gives a whole build's values), then rank 0's values partitioned again."""
     if getattr(fn, "_uckpt_gathers", False):
         return _orig_apply(module, fn)
 
@@ -357,6 +359,8 @@ def _apply_gathering(module, fn):
                         key=lambda p: p.ds_id)
         for p in params:
             _gather_whole(p)
+            with torch._C.DisableTorchFunction():  # the dtype it was built in (fp32 under a bf16 or fp16 config)
+                p.data = p.data.to(p._uckpt_built_dtype)
         fn(m)
         for p in params:
             _free_whole(p, 0)
@@ -458,6 +462,9 @@ class Init:
         if not dist.is_initialized():
             import uckpt
             uckpt.init_distributed()
+        if os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available():
+            # Each rank's own GPU for the broadcasts of whole values (NCCL), as DeepSpeed's Init sets it.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if data_parallel_group is not None and (dist.get_world_size(data_parallel_group) != dist.get_world_size()
                                                 or dist.get_rank(data_parallel_group) != dist.get_rank()):
             raise ValueError("uckpt.zero.Init: data_parallel_group= must be all ranks (uckpt partitions over the "
