@@ -428,12 +428,7 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
     g.have_grad_partition = false;
     // Offloaded, the gradient is a host tensor: the same factor as the fused host pass takes.
     if (s_.offload_optimizer_cpu && !grad.device().is_cpu()) grad = grad.cpu();
-    if (s_.offload_optimizer_cpu) {
-      const double f = unscale.host_factor();
-      if (f != 1.0) grad.mul_(f);
-    } else {
-      unscale.Apply(grad);
-    }
+    unscale.ApplyForClientStep(grad, s_.offload_optimizer_cpu);
     states.push_back(&g.state);
     grads.push_back(grad);
     ids.push_back(static_cast<size_t>(&g - groups_.data()));

@@ -77,4 +77,10 @@ double UnscaleAndClip::host_factor() const {
   return dtype_ == at::kFloat ? static_cast<double>(static_cast<float>(f)) : f;
 }
 
+void UnscaleAndClip::ApplyForClientStep(at::Tensor& grad, bool offloaded) const {
+  if (!offloaded) return Apply(grad);
+  const double f = host_factor();
+  if (f != 1.0) grad.mul_(f);
+}
+
 }  // namespace uckpt::engine

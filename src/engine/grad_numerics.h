@@ -57,6 +57,9 @@ class UnscaleAndClip {
   // The same factor for a fused host pass (cpu_adam.h's grad_scale), rounded
   // to scaled_norm's dtype as the tensor arithmetic rounds it.
   double host_factor() const;
+  // A client optimizer's gradient: in host memory under offload_optimizer,
+  // scaled by host_factor() (the product the fused host pass takes), else Apply.
+  void ApplyForClientStep(at::Tensor& grad, bool offloaded) const;
 
  private:
   at::Tensor factor_;  // 0-d, scaled_norm's dtype; undefined without clipping

@@ -173,12 +173,7 @@ void Zero3Runtime::ClientStep(const UnscaleAndClip& unscale, const std::vector<d
   std::vector<size_t> groups;
   for (Zero3SubGroup& sg : subs_) {
     at::Tensor grad = sg.Grad();
-    if (s_.base.offload_optimizer_cpu) {
-      const double f = unscale.host_factor();
-      if (f != 1.0) grad.mul_(f);
-    } else {
-      unscale.Apply(grad);
-    }
+    unscale.ApplyForClientStep(grad, s_.base.offload_optimizer_cpu);
     states.push_back(&sg.state);
     grads.push_back(grad);
     groups.push_back(sg.group);
