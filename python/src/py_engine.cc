@@ -184,16 +184,21 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, c
   return plan;
 }
 
+// Python objects the engine keeps, released with the GIL held: the engine may
+// end on a thread without it.
+template <class T>
+std::shared_ptr<T> HeldWithGil(T value) {
+  return std::shared_ptr<T>(new T(std::move(value)), [](T* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
 // The engine's optimizer step for a client's element-wise optimizer:
 // uckpt._partition_step.PartitionStepper over it, given each partition's
 // master, gradient, group, lr and state, returning the new state.
 OptimizerStepFn ClientOptimizerStep(py::handle optimizer, const std::vector<int>& engine_group_of) {
-  py::object stepper = py::module_::import("uckpt._partition_step").attr("PartitionStepper")(optimizer, engine_group_of);
-  // Released with the GIL held: the engine may end on a thread without it.
-  std::shared_ptr<py::object> held(new py::object(std::move(stepper)), [](py::object* p) {
-    py::gil_scoped_acquire gil;
-    delete p;
-  });
+  auto held = HeldWithGil(py::module_::import("uckpt._partition_step").attr("PartitionStepper")(optimizer, engine_group_of));
   return [held](std::vector<OptimizerPartition>& parts) {
     py::gil_scoped_acquire gil;
     py::list items;
@@ -218,10 +223,7 @@ OptimizerStepFn ClientOptimizerStep(py::handle optimizer, const std::vector<int>
 // params (what torch's state_dict saves of it).
 std::function<c10::IValue(size_t)> ClientParamGroup(py::handle optimizer, const std::vector<int>& engine_group_of) {
   py::list dicts = optimizer.attr("param_groups");
-  auto held = std::shared_ptr<std::vector<py::object>>(new std::vector<py::object>(), [](std::vector<py::object>* p) {
-    py::gil_scoped_acquire gil;
-    delete p;
-  });
+  auto held = HeldWithGil(std::vector<py::object>());
   for (size_t i = 0; i < dicts.size() && i < engine_group_of.size(); ++i)
     if (engine_group_of[i] >= 0) {
       if (held->size() <= static_cast<size_t>(engine_group_of[i])) held->resize(engine_group_of[i] + 1);
