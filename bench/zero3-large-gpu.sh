@@ -23,10 +23,11 @@ mkdir -p "$out" "$work"
 py() { "$PYTHON" "$here/zero3_large.py" "${model[@]}" "$@"; }
 launch() {  # launch IMPL N LOG ARGS...
   local impl=$1 n=$2 log=$3 path=$build/python; shift 3
-  [ "$impl" = deepspeed ] && path=$ds
+  # DeepSpeed 0.14.5 loads its own checkpoints with torch.load's old default (PyTorch >= 2.6 defaults to weights_only).
+  local env=(); [ "$impl" = deepspeed ] && path=$ds && env=(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$log.smi" & local smi=$!
   local t0=$SECONDS
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) PYTHONPATH=$path "$build/src/cli/uckpt" launch -n "$n" --master_port 0 -- \
+  env "${env[@]}" CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) PYTHONPATH=$path "$build/src/cli/uckpt" launch -n "$n" --master_port 0 -- \
     "$PYTHON" "$here/zero3_large.py" "${model[@]}" --impl "$impl" "$@" > "$log" 2>&1
   local rc=$?
   kill $smi 2>/dev/null; wait $smi 2>/dev/null
@@ -50,8 +51,19 @@ done
 "$PYTHON" - "$out" <<'EOF'
 import json, os, sys, collections
 out = sys.argv[1]
-def rows(path):
-    return [json.loads(l) for l in open(path) if l.startswith("{")] if os.path.exists(path) else []
+def rows(path):  # every JSON object in the log (two ranks' lines can end up on one line)
+    out, dec = [], json.JSONDecoder()
+    for line in open(path) if os.path.exists(path) else []:
+        i = line.find("{")
+        while i >= 0:
+            try:
+                obj, end = dec.raw_decode(line, i)
+            except ValueError:
+                break
+            if isinstance(obj, dict) and "phases" in obj:
+                out.append(obj)
+            i = line.find("{", end)
+    return out
 def smi_peak(path):
     peak = collections.defaultdict(int)
     if os.path.exists(path):

@@ -7,9 +7,10 @@ after), with the peak host RSS (VmHWM) and the peak GPU memory after each:
   construct  the model built under zero.Init (each parameter partitioned as its module is built)
   init       deepspeed.initialize (stage 3, parameters and optimizer offloaded to CPU)
   load       the weights from safetensors shards with Hugging Face's index (--shards):
-             uckpt: engine.load_weights (each rank reads its partitions' bytes);
-             DeepSpeed: Hugging Face's pattern, GatheredParameters(modifier_rank=0) module by
-             module, rank 0 copying each tensor from the memory-mapped shard
+             uckpt: engine.load_weights after initialize (each rank reads its partitions' bytes);
+             DeepSpeed: Hugging Face's pattern before initialize (its fp32 master weights do not
+             see GatheredParameters writes made after it): GatheredParameters(modifier_rank=0)
+             module by module, rank 0 copying each tensor from the memory-mapped shard
   train      --steps steps on random tokens (the losses are printed)
   save       engine.save_checkpoint(--ckpt)
   save16     engine.save_16bit_model(--ckpt16, "pytorch_model.bin")
@@ -262,6 +263,21 @@ def main():
         with ds.zero.Init(config_dict_or_path=cfg):
             model = Llama(a)
     nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    if a.shards and not a.resume and a.impl == "deepspeed":
+        # Hugging Face's from_pretrained order under ZeRO-3: the weights go into the partitioned model before
+        # initialize, whose fp32 master weights are made from them (DeepSpeed's masters do not see writes made
+        # through GatheredParameters after initialize).
+        with phase("load"):
+            reader = ShardReader(a.shards) if rank == 0 else None
+            for name, module in model.named_modules():
+                own = list(module.parameters(recurse=False))
+                if not own:
+                    continue
+                with ds.zero.GatheredParameters(own, modifier_rank=0):
+                    if rank == 0:
+                        with torch.no_grad():
+                            for pname, p in module.named_parameters(recurse=False):
+                                p.copy_(reader.get((name + "." if name else "") + pname))
     with phase("init"):
         engine, _, _, _ = ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     dev = engine.device if hasattr(engine, "device") else torch.device("cuda" if cuda else "cpu")
@@ -277,21 +293,9 @@ def main():
             engine.step()
             losses.append(loss.item())
     else:
-        if a.shards:
-            with phase("load"):
-                if a.impl == "uckpt":
-                    engine.load_weights(a.shards)
-                else:
-                    reader = ShardReader(a.shards) if rank == 0 else None
-                    for name, module in engine.module.named_modules():
-                        own = list(module.parameters(recurse=False))
-                        if not own:
-                            continue
-                        with ds.zero.GatheredParameters(own, modifier_rank=0):
-                            if rank == 0:
-                                with torch.no_grad():
-                                    for pname, p in module.named_parameters(recurse=False):
-                                        p.copy_(reader.get((name + "." if name else "") + pname))
+        if a.shards and a.impl == "uckpt":
+            with phase("load"):  # uckpt's direct path: into the running engine, masters included
+                engine.load_weights(a.shards)
         with phase("train"):
             for _ in range(a.steps):
                 loss = engine(batch())
