@@ -238,10 +238,10 @@ class _Partitioner:
             whole = _broadcast_from(p.data, 0)
             dtype = self.dtype if (self.dtype is not None and whole.is_floating_point()) else whole.dtype
             numel = whole.numel()
-            part = torch.zeros(-(-numel // world), dtype=dtype, device=self.device)
+            # Pageable even with pin_memory: initialize copies the partitions into its own pinned buffers, and
+            # pinned blocks freed then would stay in torch's pinned-memory cache, counted in the rank's memory.
+            part = torch.empty(-(-numel // world), dtype=dtype, device=self.device)
             _slice_of_rank(whole, part)
-            if self.pin_memory and part.device.type == "cpu" and torch.cuda.is_available():
-                part = part.pin_memory()
             p.ds_shape = whole.shape
             p.ds_numel = numel
             p._uckpt_built_dtype = whole.dtype  # Module.apply's fn sees it in this dtype, as in a whole build
@@ -497,6 +497,7 @@ class Init:
             return self
         if not _active:
             _patch(self.override_apply)
+            self._built_on = _BuildDevice.enter()
         _active.append(self)
         return self
 
@@ -506,4 +507,26 @@ class Init:
         _active.pop()
         if not _active:
             _unpatch()
+            _BuildDevice.exit(self._built_on)
         return False
+
+
+class _BuildDevice:
+    """Where modules built inside zero.Init create their tensors: as DeepSpeed's Init, this rank's GPU (LOCAL_RANK)
+    when CUDA is there, so initialisation runs there and rank 0's values are broadcast without a copy (torch's
+    default device while the outermost block is open, restored after); else torch's default."""
+
+    @staticmethod
+    def enter():
+        if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
+            return None
+        if not hasattr(torch, "set_default_device") or not hasattr(torch, "get_default_device"):
+            return None  # torch < 2.3: built where torch's default puts them
+        previous = torch.get_default_device()
+        torch.set_default_device(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        return (previous,)
+
+    @staticmethod
+    def exit(entered):
+        if entered is not None:
+            torch.set_default_device(entered[0])
