@@ -199,6 +199,10 @@ def worker_guard(deepspeed, torch, rank):
             else:
                 fail(f"{what} on a partitioned parameter (zero.Init {built_under_init}) did not raise")
         _ = (w.shape, w.dtype, w.requires_grad, w.grad, w.ds_status)  # metadata reads stay allowed
+        # state_dict() (Hugging Face's from_pretrained reads its keys): as DeepSpeed's, 0-element values.
+        sd = net.state_dict()
+        if list(sd) != [n for n, _ in net.named_parameters()] or sd["blocks.0.fc.weight"].numel() != 0:
+            fail(f"state_dict of a partitioned model (zero.Init {built_under_init}): {[(k, v.shape) for k, v in sd.items()]}")
         # Calling a unit directly gathers it, and frees it again.
         x = torch.ones(2, 8)
         y = net.blocks[0](x)

@@ -74,6 +74,12 @@ class _Stage3Parameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.detach and len(args) == 1 and isinstance(args[0], _Stage3Parameter) \
+                and not _whole_here(args[0]):
+            # What a partitioned parameter's detach() gives under DeepSpeed (its data is a 0-element tensor):
+            # Module.state_dict() calls it, and Hugging Face's from_pretrained reads its keys under ZeRO-3.
+            with torch._C.DisableTorchFunction():
+                return torch.empty(0, dtype=args[0].dtype, device=args[0].device)
         if _call_name(func) not in _METADATA_CALLS:
             p = _partitioned_among(args)
             if p is None:
