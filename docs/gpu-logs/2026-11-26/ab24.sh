@@ -32,7 +32,7 @@ for p in ${PARTS:-python offload12 ckptio}; do
       case $p in
         python) CUDA_VISIBLE_DEVICES=$DEV PYTHONPATH=/tmp/uckpt-$b/python timeout 150 /tmp/uckpt-$b/src/cli/uckpt launch \
                   -n "$NG" --master_port 0 -- python3 bench/roberta_mlm.py --impl uckpt --dtype bf16 --stage 1 --offload 1 \
-                  --last ${LAST:-100} > "$log" 2>&1
+                  --last ${LAST:-100} ${PHASES:+--phases} > "$log" 2>&1
                 r=$(grep '^{' "$log" | tail -1) ;;
         offload12) for z in 1 2; do
                      ZERO=$z OFFLOAD=1 GPU_COUNTS=$NG ONLY="uckpt-z$z-offload" EXTRA=0 timeout 120 bench/train-gpu.sh \
