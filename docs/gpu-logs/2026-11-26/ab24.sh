@@ -27,7 +27,7 @@ NG=$(nvidia-smi -L | wc -l)
 DEV=$(seq -s, 0 $((NG - 1)))
 for p in ${PARTS:-python offload12 ckptio}; do
   for i in $(seq ${PAIRS:-2}); do
-    for b in old gpu; do
+    for b in ${ORDER:-old gpu}; do
       s=$SECONDS; log=$OUT/$p-$b-$i.log
       case $p in
         python) CUDA_VISIBLE_DEVICES=$DEV PYTHONPATH=/tmp/uckpt-$b/python timeout 150 /tmp/uckpt-$b/src/cli/uckpt launch \
