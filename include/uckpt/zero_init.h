@@ -12,7 +12,7 @@
 //     net = init.Built(std::make_shared<Net>());  // Net's constructor wraps each block in ZeroInit::Built
 //     init.AddTo(options);                        // the partitions and the communicator, for the engine
 //   }
-//   options.gather_units = net->blocks();
+//   options.gather_units = net->gather_units();     // its blocks
 //   uckpt::Engine engine(net, config, std::move(options));
 //
 // Every call is collective: all ranks build the same modules in the same

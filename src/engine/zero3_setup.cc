@@ -80,8 +80,9 @@ void RefuseTensorsWithoutValues(const Engine::Impl& e, const EngineOptions& opti
   std::set<const void*> given;
   for (const auto& p : options.partitioned) given.insert(p.param.unsafeGetTensorImpl());
   const std::string build_instead =
-      "build the model on the CPU, or unit by unit inside a uckpt::ZeroInit scope at ZeRO stage 3 "
-      "(docs/engine.md, \"Building a model partitioned\")";
+      "build the model on the CPU, or, at ZeRO stage 3, unit by unit inside a uckpt::ZeroInit scope (Python: "
+      "deepspeed.zero.Init), which partitions each unit as it is built (docs/engine.md, \"Building a model "
+      "partitioned\")";
   for (const auto& p : e.model->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = p.value();
     if (t.is_meta())
@@ -90,8 +91,8 @@ void RefuseTensorsWithoutValues(const Engine::Impl& e, const EngineOptions& opti
                                   "copy it out nor turn it into a tensor of another device in place; " + build_instead);
     if (!given.count(t.unsafeGetTensorImpl()) && t.numel() > 0 && (!t.has_storage() || t.storage().nbytes() == 0))
       throw std::invalid_argument("uckpt::Engine: parameter " + p.key() +
-                                  " has no storage (partitioned by a uckpt::ZeroInit scope, or by an engine that is "
-                                  "gone) and is not in EngineOptions::partitioned: hand the scope's partitions to the "
+                                  " has no storage (partitioned by a uckpt::ZeroInit scope or by another stage-3 "
+                                  "engine) and is not in EngineOptions::partitioned: hand the scope's partitions to the "
                                   "engine with ZeroInit::AddTo(options)");
   }
   for (const auto& b : e.model->named_buffers(/*recurse=*/true))
