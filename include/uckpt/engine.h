@@ -136,8 +136,9 @@ struct EngineOptions {
   // once. See docs/engine.md.
   int host_threads = 0;
   // ZeRO stage 3 only (refused at stages 0-2): parameters that arrive
-  // partitioned (uckpt::ZeroInit's, uckpt/zero_init.h). The engine makes the stage-3 partitions from them without
-  // gathering them: gather units start sharded (the parameters of every unit,
+  // partitioned (uckpt::ZeroInit's, uckpt/zero_init.h; Python's zero.Init's).
+  // The engine makes the stage-3 partitions from them without gathering
+  // them: gather units start sharded (the parameters of every unit,
   // these and the others, have no storage until the unit is entered); root
   // and persistent parameters, and frozen ones, are gathered whole once.
   std::vector<PartitionedParameter> partitioned;
