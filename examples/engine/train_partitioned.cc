@@ -52,7 +52,7 @@ struct Net : torch::nn::Module {
 
 uckpt::Config StageThree() {
   return uckpt::Config::FromJson({{"train_micro_batch_size_per_gpu", 8},
-                                  {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+                                  {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-4}}}}},
                                   {"zero_optimization", {{"stage", 3}}}},
                                  "train_partitioned's config");
 }
@@ -84,9 +84,10 @@ int main(int argc, char** argv) try {
                 static_cast<long long>(held), static_cast<long long>(whole_bytes));
 
   const uckpt::UnitCalls calls = engine.unit_calls();
+  // One batch per rank, fitted step after step (the loss falls).
   at::Generator data = at::make_generator<at::CPUGeneratorImpl>(100 + engine.rank());
+  const at::Tensor x = at::randn({8, kWidth}, data), y = at::randn({8, 1}, data);
   for (int64_t step = 0; step < kSteps; ++step) {
-    at::Tensor x = at::randn({8, kWidth}, data), y = at::randn({8, 1}, data);
     at::Tensor loss = net->Loss(x, y, calls);
     // Rank 0's loss of its own micro-batch, every digit.
     if (engine.rank() == 0) std::printf("step %lld loss %.17g\n", static_cast<long long>(step), loss.item<double>());
