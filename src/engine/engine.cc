@@ -200,6 +200,9 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   Impl& e = *impl_;
   if (!model) throw std::invalid_argument("uckpt::Engine: no module");
   e.model = std::move(model);
+  // Before any communicator is made: a ZeroInit scope's partitions not handed
+  // over would otherwise meet a second communicator on the same port first.
+  engine::RefuseTensorsWithoutValues(e, options);
   const TrainConfig& c = e.config;
   const bool cuda = options.device == "cuda";
   if (!cuda && options.device != "cpu")
@@ -228,7 +231,6 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   if (c.zero.stage < 0 || c.zero.stage > 3)
     throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) +
                                 " is not supported (0, 1, 2 or 3)");
-  engine::RefuseTensorsWithoutValues(e, options);
   engine::PreparePartitionedParameters(e, options);
   e.model->to(e.device);
   CastFloatingTensors(*e.model, engine::ModelDtype(c));
