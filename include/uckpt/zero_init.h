@@ -9,10 +9,11 @@
 //   std::shared_ptr<Net> net;
 //   {
 //     uckpt::ZeroInit init(config, options);  // this thread's construction scope
-//     net = init.Built(std::make_shared<Net>());  // Net's constructor wraps each block in ZeroInit::Built
-//     init.AddTo(options);                        // the partitions and the communicator, for the engine
+//     // Net's constructor wraps each block in ZeroInit::Built; this partitions the rest.
+//     net = uckpt::ZeroInit::Built(std::make_shared<Net>());
+//     init.AddTo(options);  // the partitions and the communicator, for the engine
 //   }
-//   options.gather_units = net->gather_units();     // its blocks
+//   options.gather_units = net->gather_units();  // its blocks
 //   uckpt::Engine engine(net, config, std::move(options));
 //
 // Every call is collective: all ranks build the same modules in the same
