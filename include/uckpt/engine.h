@@ -109,6 +109,10 @@ struct EngineOptions {
   // LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets them; one process
   // when WORLD_SIZE is unset). The engine keeps it alive.
   std::shared_ptr<Comm> comm;
+  // With comm: the engine ends it (Comm::Finish) when destroyed outside an
+  // exception, as it ends a communicator it made. ZeroInit::AddTo sets it
+  // for the communicator the scope made from the environment.
+  bool finish_comm = false;
   // Empty: one group of every parameter that requires grad. Otherwise every
   // trainable parameter must be in exactly one group.
   std::vector<ParamGroup> param_groups;
@@ -132,8 +136,9 @@ struct EngineOptions {
   // once. See docs/engine.md.
   int host_threads = 0;
   // ZeRO stage 3 only (refused at stages 0-2): parameters that arrive
-  // partitioned. The engine makes the stage-3 partitions from them without
-  // gathering them: gather units start sharded (the parameters of every unit,
+  // partitioned (uckpt::ZeroInit's, uckpt/zero_init.h; Python's zero.Init's).
+  // The engine makes the stage-3 partitions from them without gathering
+  // them: gather units start sharded (the parameters of every unit,
   // these and the others, have no storage until the unit is entered); root
   // and persistent parameters, and frozen ones, are gathered whole once.
   std::vector<PartitionedParameter> partitioned;

@@ -67,13 +67,6 @@ int DiscoveryPort() {
   return p && *p ? std::atoi(p) : 29500;
 }
 
-std::shared_ptr<Comm> CommFromEnvironment(const TrainConfig& c, bool cuda) {
-  auto env = DistEnv::FromEnvironment(true, DiscoveryPort());
-  if (!env || env->world_size <= 1) return MakeSingleProcessComm();
-  const HeartbeatSettings heartbeat{c.heartbeat_interval_s, c.heartbeat_timeout_s};
-  return ConnectC10d(*env, std::chrono::minutes(30), cuda, heartbeat);
-}
-
 int LocalRankFromEnvironment() {
   const char* v = std::getenv("LOCAL_RANK");
   if (v && *v) return std::atoi(v);
@@ -104,6 +97,13 @@ engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, cons
 }
 
 }  // namespace
+
+std::shared_ptr<Comm> engine::CommFromEnvironment(const TrainConfig& c, bool cuda) {
+  auto env = DistEnv::FromEnvironment(true, DiscoveryPort());
+  if (!env || env->world_size <= 1) return MakeSingleProcessComm();
+  const HeartbeatSettings heartbeat{c.heartbeat_interval_s, c.heartbeat_timeout_s};
+  return ConnectC10d(*env, std::chrono::minutes(30), cuda, heartbeat);
+}
 
 // ---- Construction: parameters sorted into groups, frozen, tied, buffers. ----
 
@@ -200,12 +200,15 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   Impl& e = *impl_;
   if (!model) throw std::invalid_argument("uckpt::Engine: no module");
   e.model = std::move(model);
+  // Before any communicator is made: a ZeroInit scope's partitions not handed
+  // over would otherwise meet a second communicator on the same port first.
+  engine::RefuseTensorsWithoutValues(e, options);
   const TrainConfig& c = e.config;
   const bool cuda = options.device == "cuda";
   if (!cuda && options.device != "cpu")
     throw std::invalid_argument("uckpt::Engine: device must be cpu or cuda, got " + options.device);
-  e.owns_comm = !options.comm;
-  e.comm = options.comm ? options.comm : CommFromEnvironment(c, cuda);
+  e.owns_comm = !options.comm || options.finish_comm;
+  e.comm = options.comm ? options.comm : engine::CommFromEnvironment(c, cuda);
   e.local_rank = options.local_rank >= 0 ? options.local_rank : LocalRankFromEnvironment();
   engine::ApplyHostThreads(options.host_threads, "EngineOptions::host_threads =",
                            "set OMP_NUM_THREADS or EngineOptions::host_threads to change", e.comm->rank() == 0);

@@ -71,6 +71,10 @@ struct Engine::Impl {
 
 namespace engine {
 
+// engine.cc: the communicator an Engine without EngineOptions::comm makes
+// (RANK, WORLD_SIZE, ... or an MPI/Slurm launcher's; one process without).
+std::shared_ptr<Comm> CommFromEnvironment(const TrainConfig& c, bool cuda);
+
 // sharded_runtime.cc: the runtime of the configured stage over e.groups
 // (specs[g]: group g's sizes, names and hyper-parameters), every rank
 // starting from rank 0's weights, frozen parameters and buffers.
@@ -85,6 +89,10 @@ std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vecto
 // shape, the model dtype and the device without storage; a frozen one is
 // gathered whole (uckpt keeps frozen parameters whole).
 void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options);
+// zero3_setup.cc: refuses (std::invalid_argument, naming it) a parameter or
+// buffer on the meta device, and a parameter without storage that is not in
+// options.partitioned (a ZeroInit build whose partitions were not handed over).
+void RefuseTensorsWithoutValues(const Engine::Impl& e, const EngineOptions& options);
 
 // checkpoint.cc: DeepSpeed's files from and into the engine's state. Every
 // load (any stage, any source: ZeRO 1/2/3 files, a universal folder; uckpt's

@@ -76,6 +76,31 @@ std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vecto
                                           static_cast<int>(prefixes.size()), zs, e.device, given);
 }
 
+void RefuseTensorsWithoutValues(const Engine::Impl& e, const EngineOptions& options) {
+  std::set<const void*> given;
+  for (const auto& p : options.partitioned) given.insert(p.param.unsafeGetTensorImpl());
+  const std::string build_instead =
+      "build the model on the CPU, or, at ZeRO stage 3, unit by unit inside a uckpt::ZeroInit scope (Python: "
+      "deepspeed.zero.Init), which partitions each unit as it is built (docs/engine.md, \"Building a model "
+      "partitioned\")";
+  for (const auto& p : e.model->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& t = p.value();
+    if (t.is_meta())
+      throw std::invalid_argument("uckpt::Engine: parameter " + p.key() +
+                                  " is on the meta device: it has a shape but no values, and libtorch can neither "
+                                  "copy it out nor turn it into a tensor of another device in place; " + build_instead);
+    if (!given.count(t.unsafeGetTensorImpl()) && t.numel() > 0 && (!t.has_storage() || t.storage().nbytes() == 0))
+      throw std::invalid_argument("uckpt::Engine: parameter " + p.key() +
+                                  " has no storage (partitioned by a uckpt::ZeroInit scope or by another stage-3 "
+                                  "engine) and is not in EngineOptions::partitioned: hand the scope's partitions to the "
+                                  "engine with ZeroInit::AddTo(options)");
+  }
+  for (const auto& b : e.model->named_buffers(/*recurse=*/true))
+    if (b.value().is_meta())
+      throw std::invalid_argument("uckpt::Engine: buffer " + b.key() + " is on the meta device (no values); " +
+                                  build_instead);
+}
+
 void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options) {
   if (options.partitioned.empty()) return;
   std::map<const void*, std::string> name_of;
@@ -83,8 +108,11 @@ void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options)
   const int stage = e.config.zero.stage;
   if (stage != 3)
     throw std::invalid_argument("uckpt::Engine: " + std::to_string(options.partitioned.size()) +
-                                " parameters arrive partitioned (built under zero.Init), which needs ZeRO stage 3; "
-                                "the config has stage " + std::to_string(stage));
+                                " parameters arrive partitioned (EngineOptions::partitioned: built under "
+                                "uckpt::ZeroInit or zero.Init), which needs ZeRO stage 3; the config has stage " +
+                                std::to_string(stage) +
+                                ": set zero_optimization.stage 3, or build the model whole (without ZeroInit) for "
+                                "stages 0-2");
   const int dp = e.comm->world_size();
   const at::ScalarType model_dtype = ModelDtype(e.config);
   c10::NoGradGuard no_grad;

@@ -38,6 +38,17 @@ OMP_NUM_THREADS=1 "$ex/train_bert_mlm" --text "$text" --steps 2 --checkpoint_dir
 OMP_NUM_THREADS=1 "$ex/train_bert_mlm" --text "$text" --steps 3 --checkpoint_dir bert > bert-b.log 2>&1 \
   || { cat bert-b.log; fail "train_bert_mlm resume"; }
 grep -q "resumed from .*global_step2 at step 2" bert-b.log || { cat bert-b.log; fail "train_bert_mlm did not resume"; }
+# A model built partitioned (uckpt::ZeroInit) at 2 ranks trains as the same model built whole.
+test -x "$build/src/cli/uckpt" || fail "no uckpt binary in $build to launch train_partitioned with"
+for how in partitioned whole; do
+  flag=--whole
+  if [ "$how" = partitioned ]; then flag=; fi
+  OMP_NUM_THREADS=1 "$build/src/cli/uckpt" launch -n 2 --master_port 0 -- "$ex/train_partitioned" $flag > "$how.log" 2>&1 \
+    || { cat "$how.log"; fail "train_partitioned ($how)"; }
+done
+grep -q "^built partitioned: rank 0 held" partitioned.log || { cat partitioned.log; fail "train_partitioned did not build partitioned"; }
+test "$(grep -c '^step' whole.log)" = 3 || { cat whole.log; fail "train_partitioned --whole printed no 3 losses"; }
+diff <(grep '^step' partitioned.log) <(grep '^step' whole.log) || fail "train_partitioned: the partitioned build's losses differ from the whole build's"
 if "$ex/train_gpt2" --steps 1 > bad.log 2>&1; then fail "train_gpt2 without --text succeeded"; fi
 grep -q -- "--text FILE is required" bad.log || { cat bad.log; fail "no clear error without --text"; }
-echo "install test: headers compile alone, examples built against the package, trained, saved and resumed"
+echo "install test: headers compile alone, examples built against the package, trained, saved and resumed; a partitioned build trains as the whole one"

@@ -234,6 +234,10 @@ def worker_refuse(deepspeed, torch, rank):
             net = toy_net(torch)
         expect(f"initialize at stage {stage} of a zero.Init model",
                lambda: deepspeed.initialize(model=net, config=config(stage)), ["zero.Init", "stage 3"])
+    for stage in (2, 3):  # a model on the meta device has no values: refused by name, never read
+        meta = toy_net(torch).to("meta")
+        expect(f"initialize at stage {stage} of a meta-device model",
+               lambda: deepspeed.initialize(model=meta, config=config(stage)), ["is on the meta device", "zero.Init"])
     expect("Init(mpu=...)", lambda: deepspeed.zero.Init(mpu=object()), ["mpu"])
     expect("Init(remote_device='nvme')", lambda: deepspeed.zero.Init(remote_device="nvme"), ["nvme"])
     expect("Init(dtype=torch.int8)", lambda: deepspeed.zero.Init(dtype=torch.int8), ["dtype"])
@@ -241,7 +245,7 @@ def worker_refuse(deepspeed, torch, rank):
         net = toy_net(torch)
     if type(net.inp.weight) is not torch.nn.Parameter or net.inp.weight.numel() != 32:
         fail("Init(enabled=False) partitioned the model")
-    print(f"ok   refuse (rank {rank}): stages 0-2, mpu, nvme, dtype refused by name; enabled=False does nothing")
+    print(f"ok   refuse (rank {rank}): stages 0-2, meta-device models, mpu, nvme, dtype refused by name; enabled=False does nothing")
 
 
 def worker_deepspeed(deepspeed, torch, rank):
