@@ -335,7 +335,10 @@ uint64_t ExecuteReads(std::span<const ReadBatch> batches, const ReadOptions& opt
     }
   }
   ParallelFor(tasks.size(), WorkerThreads(options.threads, tasks.size()),
-              [&](size_t k) { std::memcpy(tasks[k].to, tasks[k].from, tasks[k].size); });
+              [&](size_t k) {
+                std::memcpy(tasks[k].to, tasks[k].from, tasks[k].size);
+                if (options.read) options.read({tasks[k].from, tasks[k].size});
+              });
   return total;
 }
 

@@ -126,6 +126,9 @@ struct ReadBatch {
 struct ReadOptions {
   int threads = 0;                // 0: min(4, DefaultThreads())
   uint64_t chunk = 8ull << 20;    // pieces larger than this are split over threads
+  // Called on the reading thread with each source range once it is copied
+  // (a load drops the pages it read from memory-mapped files there).
+  std::function<void(std::span<const uint8_t>)> read;
 };
 
 // Copies every piece into its buffer, on several threads. Returns the bytes

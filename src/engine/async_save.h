@@ -1,9 +1,11 @@
 // Writing a checkpoint's files and publishing them, synchronously or in the
 // background (`"checkpoint": {"async_save": true}`).
 //
-// SaveEngineCheckpoint (checkpoint.cc) snapshots the engine's state into
-// host-memory values (one copy of every tensor; that is the time the step
-// blocks) and hands this rank's files to a CheckpointWriter. The writer runs
+// SaveEngineCheckpoint (checkpoint.cc) turns the engine's state into
+// host-memory values and hands this rank's files to a CheckpointWriter: an
+// async save copies every tensor into the SnapshotPool (that is the time the
+// step blocks); a synchronous one views host tensors in place and copies
+// only device tensors. The writer runs
 // them as one copy plan (ckpt/copy_plan.h): torch files generated straight
 // into their final names inside the temporary folder, hashed as they are
 // written (nothing is read back for the manifest), writeback started early,
@@ -33,7 +35,7 @@
 
 namespace uckpt::engine {
 
-// Host buffers for snapshots, reused from save to save (a buffer is free
+// Host buffers for async saves' snapshots, reused from save to save (a buffer is free
 // again once the values viewing it are gone, after its save is published):
 // at most one snapshot's worth is held, since a save waits for the previous.
 // Pinned memory when the tensors are on a GPU.

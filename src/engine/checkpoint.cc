@@ -45,26 +45,34 @@ ValuePtr View(const std::shared_ptr<Storage>& storage, DType dtype, std::vector<
   return Value::FromTensor(std::move(t));
 }
 
-// Where StorageOf puts tensors while a save builds its values: a pool for
-// snapshots (async saves), or none: a CPU tensor is viewed in place (a
-// synchronous save writes it before the training can change it).
-thread_local SnapshotPool* t_snapshot_pool = nullptr;
+// How StorageOf takes each tensor while a save builds its values, decided
+// per tensor by where it lies. An async save copies every tensor into the
+// snapshot pool (training goes on while the files are written). A
+// synchronous save blocks training until its files are written, so a
+// contiguous host tensor (offloaded state included) is viewed in place and
+// only a device (or non-contiguous) tensor is copied to the host, into
+// memory freed once the files are written.
+thread_local SnapshotPool* t_snapshot_pool = nullptr;  // async saves only
+thread_local uint64_t t_copied_bytes = 0;             // a synchronous save's host copies
 struct SnapshotScope {
-  explicit SnapshotScope(SnapshotPool* pool) : previous(t_snapshot_pool) { t_snapshot_pool = pool; }
+  explicit SnapshotScope(SnapshotPool* pool) : previous(t_snapshot_pool) {
+    t_snapshot_pool = pool;
+    t_copied_bytes = 0;
+  }
   ~SnapshotScope() { t_snapshot_pool = previous; }
   SnapshotPool* previous;
 };
+std::shared_ptr<Storage> ViewOf(at::Tensor t) {
+  auto owner = std::make_shared<at::Tensor>(std::move(t));
+  return Storage::View({static_cast<const uint8_t*>(owner->data_ptr()), owner->nbytes()},
+                       FromScalarType(owner->scalar_type()), owner);
+}
 std::shared_ptr<Storage> StorageOf(const at::Tensor& t) {
   if (t_snapshot_pool) return t_snapshot_pool->Copy(t.detach().contiguous());
-  if (t.device().is_cpu() && t.is_contiguous()) {
-    auto owner = std::make_shared<at::Tensor>(t.detach());
-    return Storage::View({static_cast<const uint8_t*>(owner->data_ptr()), owner->nbytes()},
-                         FromScalarType(t.scalar_type()), owner);
-  }
+  if (t.device().is_cpu() && t.is_contiguous()) return ViewOf(t.detach());
   at::Tensor c = t.detach().to(at::kCPU).contiguous();
-  std::vector<uint8_t> bytes(c.nbytes());
-  if (!bytes.empty()) std::memcpy(bytes.data(), c.data_ptr(), bytes.size());
-  return Storage::Owned(std::move(bytes), FromScalarType(c.scalar_type()));
+  t_copied_bytes += c.nbytes();
+  return ViewOf(std::move(c));
 }
 
 }  // namespace
@@ -347,19 +355,20 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     }
   }
   AgreeOrThrow(comm, folder, error);
-  // 2. The state as values: a copy into reused (pinned) host buffers when
-  // the files are written in the background or the state is on a GPU, else
-  // views of the tensors themselves.
-  const bool snapshot = async || !e.device.is_cpu();
+  // 2. The state as values: an async save copies every tensor into reused
+  // (pinned) host buffers; a synchronous one views host tensors in place and
+  // copies only device tensors (StorageOf).
   std::vector<SnapshotFile> files;
+  uint64_t snapshot_bytes = 0;
   try {
-    SnapshotScope scope(snapshot ? &e.writer->pool() : nullptr);
+    SnapshotScope scope(async ? &e.writer->pool() : nullptr);
     if (e.stage() == 3) {  // DeepSpeed's ZeRO-3 files
       files = Zero3RankFiles(e, std::move(client));
     } else {
       if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
       if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client))});
     }
+    snapshot_bytes = async ? e.writer->pool().bytes() : t_copied_bytes;
   } catch (const std::exception& ex) {
     error = ex.what();
   }
@@ -380,10 +389,10 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   const auto hashing = std::chrono::steady_clock::now();
   ckpt::StateFingerprint state = EngineStateFingerprint(e);
   e.last_save.fingerprint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - hashing).count();
-  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot ? e.writer->pool().bytes() : 0, std::move(state));
+  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state));
   if (!async) e.writer->Publish(comm);
   e.last_save.async = async;
-  e.last_save.snapshot_bytes = snapshot ? e.writer->pool().bytes() : 0;
+  e.last_save.snapshot_bytes = snapshot_bytes;
   e.last_save.blocked_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return folder;
 }
@@ -612,7 +621,9 @@ void LoadPartitions(Engine::Impl& e, const std::string& folder, const ModelState
   const LoadSource source = OpenSource(e, folder, model, slots, o, moments);
   std::vector<TensorReads> reads =
       PlanSlotLoads(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps), e.client_optimizer);
-  const uint64_t bytes = FillFromReads(reads);
+  StagedOptions read_options;
+  read_options.reads.read = source.release;
+  const uint64_t bytes = FillFromReads(reads, read_options);
   HashLoadedState(e, proof, source, reads);
   e.runtime->WeightsFromMasters();
   if (o.load_module_only) {

@@ -1,6 +1,8 @@
 #include "engine/resharded_load.h"
 
 #include <algorithm>
+#include <iterator>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -48,6 +50,12 @@ double SavedStep(const LoadSource& source, const std::string& param, double appl
   throw FormatError(source.states.folder + ": the parameter group of " + param + " has no step");
 }
 
+// Whether `t` can be filled in place of a fresh empty_like(`like`).
+bool SameLayout(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
+         t.device() == like.device() && t.is_contiguous() && t.is_pinned() == like.is_pinned();
+}
+
 std::string KeyList(const std::vector<std::string>& keys) {
   std::string s;
   for (const auto& k : keys) s += (s.empty() ? "" : ", ") + k;
@@ -88,6 +96,18 @@ void PlanNamedLoads(const LoadSource& source, PartitionSlot& slot, double applie
   }
 }
 
+// LoadSource::release for pieces of `files` (kept alive by the source's maps).
+std::function<void(std::span<const uint8_t>)> PageDropper(const std::vector<TorchFile>& files) {
+  std::map<const uint8_t*, const MappedFile*> by_start;
+  for (const TorchFile& f : files)
+    if (f.file && !f.file->bytes().empty()) by_start[f.file->bytes().data()] = f.file.get();
+  return [by_start = std::move(by_start)](std::span<const uint8_t> piece) {
+    auto it = by_start.upper_bound(piece.data());
+    if (it == by_start.begin()) return;
+    if (const MappedFile* f = std::prev(it)->second; f->Holds(piece)) f->DropPages(piece);
+  };
+}
+
 }  // namespace
 
 LoadSource OpenRankFiles(const std::string& folder) {
@@ -108,6 +128,7 @@ LoadSource OpenRankFiles(const std::string& folder) {
   s.loss_scaler = saved.loss_scaler;
   s.param_groups = saved.param_groups;
   s.maps = z;
+  s.release = PageDropper(z->optim);
   return s;
 }
 
@@ -156,6 +177,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
   s.optimizer_file = ckpt::UniversalOptimizerStateFile(u.folder);
   s.files_layout = [maps] { return ckpt::FingerprintLayout(maps->u); };
   s.maps = maps;
+  s.release = PageDropper(maps->files);
   return s;
 }
 
@@ -193,8 +215,9 @@ std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<Par
       st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
       continue;
     }
-    st.exp_avg = at::empty_like(st.master);
-    st.exp_avg_sq = at::empty_like(st.master);
+    // Filled in place where they exist: a resume holds one set of moments, not two.
+    for (at::Tensor* t : {&st.exp_avg, &st.exp_avg_sq})
+      if (!SameLayout(*t, st.master)) *t = at::empty_like(st.master);
     loads.push_back(PlanLoad(source.states, target, ckpt::kExpAvg, st.exp_avg));
     loads.push_back(PlanLoad(source.states, target, ckpt::kExpAvgSq, st.exp_avg_sq));
     st.step = at::full({}, SavedStep(source, slot.step_param, applied_steps), st.master.options());

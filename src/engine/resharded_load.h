@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,10 @@ struct LoadSource {
   // empty for a model-states source.
   std::function<ckpt::StateFingerprint()> files_layout;
   std::shared_ptr<const void> maps;    // what `states` points into
+  // Drops from this process the pages of the memory-mapped files that a read
+  // has copied (ckpt::ReadOptions::read): a load's resident memory is its
+  // partitions, not the files too. Null for a source of other memory.
+  std::function<void(std::span<const uint8_t>)> release;
 };
 
 // The ZeRO folder `folder`'s rank files.

@@ -214,7 +214,7 @@ uint64_t FillFromReads(std::vector<TensorReads>& in, const StagedOptions& option
   if (o.reads.threads <= 0) o.reads.threads = DefaultLoadThreads();
   // Direct reads split pieces at 8 MiB; a staging chunk is split over every thread.
   const uint64_t per_thread = (chunk_bytes + o.reads.threads - 1) / static_cast<uint64_t>(o.reads.threads);
-  ckpt::ReadOptions direct_reads{o.reads.threads, o.reads.chunk ? o.reads.chunk : 8ull << 20};
+  ckpt::ReadOptions direct_reads{o.reads.threads, o.reads.chunk ? o.reads.chunk : 8ull << 20, o.reads.read};
   if (!o.reads.chunk) o.reads.chunk = std::max<uint64_t>(per_thread, 64 << 10);
   std::vector<Target> targets;
   std::vector<ckpt::ReadBatch> direct;

@@ -56,6 +56,14 @@ std::shared_ptr<const MappedFile> MappedFile::FromMemory(std::vector<uint8_t> da
   return m;
 }
 
+void MappedFile::DropPages(std::span<const uint8_t> piece) const {
+  if (!memory_.empty() || !Holds(piece)) return;  // MADV_DONTNEED would discard memory of our own
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(piece.data()) + page - 1) & ~(page - 1);
+  const uintptr_t e = reinterpret_cast<uintptr_t>(piece.data() + piece.size()) & ~(page - 1);
+  if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+}
+
 MappedFile::~MappedFile() {
   if (data_ && memory_.empty()) ::munmap(const_cast<uint8_t*>(data_), size_);
 }

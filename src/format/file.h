@@ -27,6 +27,15 @@ class MappedFile {
 
   std::span<const uint8_t> bytes() const { return {data_, size_}; }
   const std::string& path() const { return path_; }
+  // Whether `piece` lies inside this file's bytes.
+  bool Holds(std::span<const uint8_t> piece) const {
+    return !piece.empty() && piece.data() >= data_ && piece.data() + piece.size() <= data_ + size_;
+  }
+  // Drops the whole pages inside `piece` (which Holds) from this process once
+  // they have been read, so that reading a file larger than memory leaves
+  // no more of it resident than is being read; the bytes stay readable (read
+  // again from the page cache). Nothing for a file held in memory.
+  void DropPages(std::span<const uint8_t> piece) const;
 
  private:
   MappedFile() = default;
