@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "ckpt/parallel.h"
@@ -74,14 +75,40 @@ struct ConvertingCopy {
 using BFloat16Copy = ConvertingCopy<ToBFloat16Bits>;
 using HalfCopy = ConvertingCopy<ToHalfBits>;
 
+// How the update reads a gradient element (Format::Load): fp32 as it is, or
+// the model's bf16 or fp16 bits widened to fp32 (exact), branch-free so the
+// loop vectorises.
+struct Fp32Grad {
+  using Elem = float;
+  static float Load(float g) { return g; }
+};
+struct BFloat16Grad {
+  using Elem = uint16_t;
+  static float Load(uint16_t g) { return FromBits(static_cast<uint32_t>(g) << 16); }
+};
+// IEEE fp16 -> fp32 (c10::Half's conversion): normal numbers rebias the
+// exponent by a multiplication, subnormals come out of a float subtraction;
+// infinity and NaN keep their payload.
+struct HalfGrad {
+  using Elem = uint16_t;
+  static float Load(uint16_t g) {
+    const uint32_t w = static_cast<uint32_t>(g) << 16;
+    const uint32_t sign = w & UINT32_C(0x80000000), two_w = w + w;
+    const float normalized = FromBits((two_w >> 4) + (UINT32_C(0xE0) << 23)) * FromBits(UINT32_C(0x07800000));  // * 2^-112
+    const float denormalized = FromBits((two_w >> 17) | (UINT32_C(126) << 23)) - 0.5f;
+    return FromBits(sign | (two_w < (UINT32_C(1) << 27) ? Bits(denormalized) : Bits(normalized)));
+  }
+};
+
 // The element loop, kept free of aliasing and branches on data so the
 // compiler vectorises it (no -ffast-math: the order of operations is torch's).
-// Then `copy` receives the new weights in the model dtype.
-template <typename Copy>
+// An fp32 gradient is zeroed behind it (an accumulation buffer); a model-dtype
+// one is left as it is. Then `copy` receives the new weights in the model dtype.
+template <typename Format, typename Copy>
 void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
-               float* __restrict g, const Copy& copy, int64_t begin, int64_t end) {
+               typename Format::Elem* __restrict g, const Copy& copy, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    float grad = g[i] * s.grad_scale;
+    float grad = Format::Load(g[i]) * s.grad_scale;
     float param = p[i];
     if (s.decoupled) {
       param = param * s.decay;
@@ -94,7 +121,7 @@ void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, f
     p[i] = param + (s.neg_step_size * mi) / denom;  // addcdiv: (value * t1) / t2
     m[i] = mi;
     v[i] = vi;
-    g[i] = 0.0f;
+    if constexpr (std::is_same_v<Format, Fp32Grad>) g[i] = 0.0f;
   }
   copy(p, begin, end);
 }
@@ -102,6 +129,14 @@ void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, f
 void CheckHostFloat(const at::Tensor& t, const char* what, int64_t n) {
   if (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous() || t.numel() != n)
     throw std::invalid_argument(std::string("CpuAdamStep: ") + what + " must be a contiguous host fp32 tensor of " +
+                                std::to_string(n) + " elements");
+}
+
+void CheckHostGradient(const at::Tensor& t, int64_t n) {
+  const at::ScalarType d = t.scalar_type();
+  if (!t.device().is_cpu() || (d != at::kFloat && d != at::kBFloat16 && d != at::kHalf) || !t.is_contiguous() ||
+      t.numel() != n)
+    throw std::invalid_argument("CpuAdamStep: the gradient must be a contiguous host fp32, bf16 or fp16 tensor of " +
                                 std::to_string(n) + " elements");
 }
 
@@ -118,6 +153,36 @@ void ParallelChunks(int64_t n, Fn fn) {
     const int64_t begin = static_cast<int64_t>(k) * kChunk;
     fn(begin, std::min(n, begin + kChunk));
   });
+}
+
+// The update over [0, n), whole or range by range (CpuAdamStep's overloads).
+template <typename Format>
+void AdamRanges(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t n, int64_t range,
+                const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
+                const std::function<void(int64_t begin, int64_t end)>& range_done) {
+  if (range <= 0 || !range_done) {
+    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange<Format>(s, p, m, v, g, NoCopy{}, begin, end); });
+    return;
+  }
+  for (int64_t first = 0; first < n; first += range) {
+    const int64_t len = std::min(range, n - first);
+    const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
+    auto run = [&](const auto& copy) {
+      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange<Format>(s, p, m, v, g, copy, first + begin, first + end); });
+    };
+    const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
+    if (!out.defined()) {
+      run(NoCopy{});
+    } else if (fits && out.scalar_type() == at::kBFloat16) {
+      run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), first});
+    } else if (fits && out.scalar_type() == at::kHalf) {
+      run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), first});
+    } else {
+      throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
+                                  std::to_string(len) + " elements");
+    }
+    range_done(first, first + len);
+  }
 }
 
 }  // namespace
@@ -138,22 +203,22 @@ double SumOfSquares(const at::Tensor& t) {
   return total;
 }
 
-void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
+void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
   CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr, nullptr);
 }
 
-void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done) {
   CpuAdamStep(st, grad, grad_scale, o, lr, range, nullptr, range_done);
 }
 
-void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
                  const std::function<void(int64_t begin, int64_t end)>& range_done) {
   c10::NoGradGuard no_grad;
   const int64_t n = st.master.numel();
   CheckHostFloat(st.master, "the master", n);
-  CheckHostFloat(grad, "the gradient", n);
+  CheckHostGradient(grad, n);
   if (!st.step.defined()) {
     st.step = at::zeros({}, st.master.options());
     st.exp_avg = at::zeros_like(st.master);
@@ -183,29 +248,17 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* p = st.master.data_ptr<float>();
   float* m = st.exp_avg.data_ptr<float>();
   float* v = st.exp_avg_sq.data_ptr<float>();
-  float* g = grad.data_ptr<float>();
-  if (range <= 0 || !range_done) {
-    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, NoCopy{}, begin, end); });
-    return;
-  }
-  for (int64_t first = 0; first < n; first += range) {
-    const int64_t len = std::min(range, n - first);
-    const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
-    auto run = [&](const auto& copy) {
-      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, copy, first + begin, first + end); });
-    };
-    const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
-    if (!out.defined()) {
-      run(NoCopy{});
-    } else if (fits && out.scalar_type() == at::kBFloat16) {
-      run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), first});
-    } else if (fits && out.scalar_type() == at::kHalf) {
-      run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), first});
-    } else {
-      throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
-                                  std::to_string(len) + " elements");
+  switch (grad.scalar_type()) {
+    case at::kBFloat16: {
+      auto* g = reinterpret_cast<uint16_t*>(grad.data_ptr<at::BFloat16>());
+      return AdamRanges<BFloat16Grad>(s, p, m, v, g, n, range, range_out, range_done);
     }
-    range_done(first, first + len);
+    case at::kHalf: {
+      auto* g = reinterpret_cast<uint16_t*>(grad.data_ptr<at::Half>());
+      return AdamRanges<HalfGrad>(s, p, m, v, g, n, range, range_out, range_done);
+    }
+    default:
+      return AdamRanges<Fp32Grad>(s, p, m, v, grad.data_ptr<float>(), n, range, range_out, range_done);
   }
 }
 

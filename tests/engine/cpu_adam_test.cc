@@ -154,8 +154,51 @@ TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
   EXPECT_THROW(CpuAdamStep(st, wrong_size, 1.0, o, 1e-3), std::invalid_argument);
   at::Tensor strided = at::zeros({16}).slice(0, 0, 16, 2);
   EXPECT_THROW(CpuAdamStep(st, strided, 1.0, o, 1e-3), std::invalid_argument);
-  at::Tensor half = at::zeros({8}, at::kBFloat16);
-  EXPECT_THROW(CpuAdamStep(st, half, 1.0, o, 1e-3), std::invalid_argument);
+  at::Tensor wide = at::zeros({8}, at::kDouble);
+  EXPECT_THROW(CpuAdamStep(st, wide, 1.0, o, 1e-3), std::invalid_argument);
+  at::Tensor strided_half = at::zeros({16}, at::kHalf).slice(0, 0, 16, 2);
+  EXPECT_THROW(CpuAdamStep(st, strided_half, 1.0, o, 1e-3), std::invalid_argument);
+}
+
+// The gradient in the model dtype (the offloaded step's host copy): the same
+// update as from its fp32 copy, bit for bit, every bf16 and fp16 value
+// included (subnormals, infinities, NaN); it is only read, not zeroed.
+TEST(CpuAdam, ModelDtypeGradientStepsAsItsFp32Copy) {
+  OptimizerConfig o;
+  o.weight_decay = 0.01;
+  const int64_t n = 65536 + 300001;  // every 16-bit pattern, then ordinary gradients over several chunks
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    for (bool ranged : {false, true}) {
+      at::manual_seed(9);
+      at::Tensor grad = at::cat({at::arange(65536, at::kInt).to(at::kShort).view(dtype),
+                                 (at::randn({n - 65536}) * 1e-2).to(dtype)});
+      const at::Tensor before = grad.clone();
+      PartitionState narrow, wide;
+      narrow.master = at::randn({n});
+      wide.master = narrow.master.clone();
+      for (int step = 1; step <= 3; ++step) {
+        at::Tensor g32 = grad.to(at::kFloat);
+        const double lr = 1e-3 * step;
+        if (ranged) {
+          at::Tensor a = at::empty({n}, dtype), b = at::empty({n}, dtype);
+          CpuAdamStep(narrow, grad, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return a.narrow(0, s, e - s); },
+                      [](int64_t, int64_t) {});
+          CpuAdamStep(wide, g32, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return b.narrow(0, s, e - s); },
+                      [](int64_t, int64_t) {});
+          EXPECT_TRUE(at::equal(a.view(at::kShort), b.view(at::kShort))) << dtype;
+        } else {
+          CpuAdamStep(narrow, grad, 0.5, o, lr);
+          CpuAdamStep(wide, g32, 0.5, o, lr);
+        }
+        EXPECT_EQ(g32.abs().max().item<float>(), 0.0f) << "an fp32 gradient is zeroed";
+      }
+      EXPECT_TRUE(at::equal(grad.view(at::kShort), before.view(at::kShort))) << dtype << ": only read";
+      // NaN compares unequal: compare the bits.
+      EXPECT_TRUE(at::equal(narrow.master.view(at::kInt), wide.master.view(at::kInt))) << dtype << " " << ranged;
+      EXPECT_TRUE(at::equal(narrow.exp_avg.view(at::kInt), wide.exp_avg.view(at::kInt))) << dtype << " " << ranged;
+      EXPECT_TRUE(at::equal(narrow.exp_avg_sq.view(at::kInt), wide.exp_avg_sq.view(at::kInt))) << dtype;
+    }
+  }
 }
 
 }  // namespace
