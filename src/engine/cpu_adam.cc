@@ -3,14 +3,20 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <type_traits>
 #include <vector>
-
-#include "ckpt/parallel.h"
 
 namespace uckpt::engine {
 namespace {
@@ -142,6 +148,100 @@ void CheckHostGradient(const at::Tensor& t, int64_t n) {
 
 constexpr int64_t kChunk = 1 << 18;  // elements per job: 1 MiB of each array
 
+// Threads that stay for the calling thread's later passes: the offloaded
+// step updates ~30 ranges one after another, and starting and joining a
+// thread per core for each (tens of microseconds apiece, one after another)
+// would cost a fifth of a range's time. One pool per calling thread (ranks
+// run as threads in tests), its workers joined when that thread ends; a
+// forked child starts its own.
+class WorkerPool {
+ public:
+  static WorkerPool& ForThisThread() {
+    thread_local WorkerPool pool;
+    if (pool.pid_ != getpid()) pool.ForgetAfterFork();
+    return pool;
+  }
+  ~WorkerPool() {
+    if (pid_ != getpid()) ForgetAfterFork();  // a forked child's exit
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+
+  // job(k) for k in [0, jobs) on `threads` threads (this one included), each
+  // taking the next k; the first exception is rethrown once all are done.
+  void Run(size_t jobs, int threads, const std::function<void(size_t)>& job) {
+    const size_t helpers = static_cast<size_t>(std::max(1, threads)) - 1;
+    while (workers_.size() < helpers)
+      workers_.emplace_back([this, id = workers_.size(), seen = generation_] { Serve(id, seen); });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &job;
+      jobs_ = jobs;
+      next_ = 0;
+      failed_ = false;
+      error_ = nullptr;
+      helpers_ = helpers;
+      busy_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    Work();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+    job_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void Work() {
+    for (size_t k; !failed_ && (k = next_++) < jobs_;) {
+      try {
+        (*job_)(k);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+        failed_ = true;
+      }
+    }
+  }
+  void Serve(size_t id, uint64_t seen) {  // `seen`: the pass before it started
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (id >= helpers_) continue;  // not needed for this pass
+      lock.unlock();
+      Work();
+      lock.lock();
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+  // The workers' threads do not exist in a forked child: their handles are
+  // dropped unjoined (kept, never destroyed), and new ones start on demand.
+  void ForgetAfterFork() {
+    new std::vector<std::thread>(std::move(workers_));
+    workers_.clear();
+    pid_ = getpid();
+  }
+
+  pid_t pid_ = getpid();
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  const std::function<void(size_t)>* job_ = nullptr;
+  size_t jobs_ = 0, helpers_ = 0, busy_ = 0;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> failed_{false};
+  std::exception_ptr error_;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
 // Runs fn(begin, end) over [0, n) in chunks on libtorch's intra-op thread
 // count (--threads). Our own threads: at::parallel_for's OpenMP pragma would
 // need this file built with OpenMP, next to libtorch's own runtime.
@@ -149,10 +249,15 @@ template <typename Fn>
 void ParallelChunks(int64_t n, Fn fn) {
   const size_t jobs = static_cast<size_t>((n + kChunk - 1) / kChunk);
   const int threads = std::max(1, std::min(at::get_num_threads(), static_cast<int>(jobs)));
-  ckpt::ParallelFor(jobs, threads, [&](size_t k) {
+  const std::function<void(size_t)> job = [&](size_t k) {
     const int64_t begin = static_cast<int64_t>(k) * kChunk;
     fn(begin, std::min(n, begin + kChunk));
-  });
+  };
+  if (threads == 1) {
+    for (size_t k = 0; k < jobs; ++k) job(k);
+    return;
+  }
+  WorkerPool::ForThisThread().Run(jobs, threads, job);
 }
 
 // The update over [0, n), whole or range by range (CpuAdamStep's overloads).

@@ -1,9 +1,14 @@
 // engine/cpu_adam: the fused host Adam against torch's formula (TorchAdamStep).
 #include "engine/cpu_adam.h"
 
+#include <ATen/Parallel.h>
+
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <iterator>
+#include <thread>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -144,6 +149,30 @@ TEST(CpuAdam, RangesCopyTheUpdatedWeightsAsToRoundsThem) {
   EXPECT_THROW(CpuAdamStep(st, g, 1.0, o, 1e-3, 4, [](int64_t, int64_t) { return at::zeros({4}); },
                            [](int64_t, int64_t) {}),
                std::invalid_argument);  // fp32 is not a copy's dtype
+}
+
+// The host threads of a pass stay for the calling thread's next passes (the
+// offloaded step runs ~30 ranged passes a step), and end with that thread.
+TEST(CpuAdam, PassesReuseTheirThreads) {
+  namespace fs = std::filesystem;
+  auto threads_now = [] {
+    return std::distance(fs::directory_iterator("/proc/self/task"), fs::directory_iterator{});
+  };
+  OptimizerConfig o;
+  PartitionState st;
+  st.master = at::randn({1 << 21});  // 8 chunks
+  at::Tensor g = at::randn({1 << 21});
+  CpuAdamStep(st, g, 1.0, o, 1e-3);  // the moments exist: the passes below allocate nothing
+  int64_t start = 0;
+  std::thread([&] {
+    at::set_num_threads(4);  // (OpenMP may start its own threads here)
+    start = threads_now();
+    CpuAdamStep(st, g, 1.0, o, 1e-3, 1 << 20, [](int64_t, int64_t) {});  // 2 ranges of 4 chunks
+    EXPECT_EQ(threads_now(), start + 3) << "three workers beside this thread";
+    for (int step = 0; step < 3; ++step) CpuAdamStep(st, g, 1.0, o, 1e-3, 1 << 20, [](int64_t, int64_t) {});
+    EXPECT_EQ(threads_now(), start + 3) << "the same three";
+  }).join();
+  EXPECT_LE(threads_now(), start - 1) << "the workers joined with their thread";
 }
 
 TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
