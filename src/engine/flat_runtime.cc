@@ -304,10 +304,10 @@ at::Tensor FlatRuntime::HostFloatBuffer(int64_t n) const {
 
 void FlatRuntime::TakeHostCopy(Group& g, bool boundary) {
   c10::NoGradGuard no_grad;
+  if (g.in_host_copy) KeepHostCopyAsSum(g);  // (no hooks copied into it: PrepareBackward was not called)
   // The step's gradient alone, unconverted: its norms as DeepSpeed's offload
   // takes them, on the device, from the gradient before it is zeroed (model
   // dtype -> fp64 gives the values fp32 -> fp64 gives).
-  if (g.in_host_copy) KeepHostCopyAsSum(g);  // (no hooks copied into it: PrepareBackward was not called)
   const bool alone = boundary && !g.have_grad_partition;
   g.device_norms = alone ? FragmentNorms(g.fragments, PartitionOf(g, g.grad_flat)) : at::Tensor();
   g.host_copy->Finish();
@@ -500,8 +500,9 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
   std::vector<at::Tensor> grads;
   std::vector<size_t> ids;
   for (Group& g : groups_) {
-    // The host copy in the model dtype widened to fp32 (exact): what the fused pass would read.
-    at::Tensor grad = g.in_host_copy ? StepGradient(g).to(at::kFloat) : g.grad_partition;
+    // The host copy widened to fp32 (exact) into the reused host buffer: what the fused pass would read.
+    if (g.in_host_copy) KeepHostCopyAsSum(g);
+    at::Tensor grad = g.grad_partition;
     DropGradient(g);
     // Offloaded, the gradient is a host tensor: the same factor as the fused host pass takes.
     if (s_.offload_optimizer_cpu && !grad.device().is_cpu()) grad = grad.cpu();
@@ -511,7 +512,8 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
     ids.push_back(static_cast<size_t>(&g - groups_.data()));
   }
   RunOptimizerStep(s_.optimizer_step, states, grads, ids, group_lrs);
-  for (Group& g : groups_) g.grad_partition = at::Tensor();
+  for (Group& g : groups_)
+    if (!g.host_copy) g.grad_partition = at::Tensor();  // else reused for the next step
   WeightsFromMasters();
 }
 

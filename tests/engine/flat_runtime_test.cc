@@ -233,5 +233,39 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
         }
 }
 
+
+// A client optimizer under offload at one rank: its gradient is the host copy
+// widened to fp32.
+TEST(FlatRuntime, OffloadAtOneRankHandsAClientOptimizerTheFp32Gradient) {
+  auto comm = MakeSingleProcessComm();
+  ZeroSettings s;
+  s.stage = 2;
+  s.offload_optimizer_cpu = true;
+  s.model_dtype = at::kBFloat16;
+  int calls = 0;
+  s.optimizer_step = [&](std::vector<OptimizerPartition>& parts) {
+    for (OptimizerPartition& p : parts) {
+      ASSERT_EQ(p.grad.scalar_type(), at::kFloat);
+      ++calls;
+      p.master.add_(p.grad, -p.lr);
+    }
+  };
+  FlatRuntime z(*comm, std::vector<int64_t>{300, 5000}, s);
+  at::manual_seed(4);
+  z.model_flat().copy_(at::randn({z.model_flat().numel()}));
+  z.MastersFromWeights();
+  for (int step = 0; step < 2; ++step) {
+    const at::Tensor want = z.state().master.clone();
+    z.grad_flat().copy_(at::randn({z.grad_flat().numel()}));
+    want.add_(z.grad_flat().to(at::kFloat), -0.5);
+    z.BeginMicroStep(true);
+    z.FinishBackward(true);
+    z.Step(0.5);
+    EXPECT_TRUE(at::equal(z.state().master, want)) << step;
+    EXPECT_TRUE(at::equal(z.model_flat(), want.to(at::kBFloat16))) << step;
+  }
+  EXPECT_EQ(calls, 2);
+}
+
 }  // namespace
 }  // namespace uckpt::engine
