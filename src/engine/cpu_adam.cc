@@ -113,7 +113,9 @@ struct HalfGrad {
 // weight-decay form is a template argument, not a branch the compiler would
 // have to move out (it does not for the longer fp16 loop). An fp32 gradient
 // is zeroed behind it (an accumulation buffer); a model-dtype one is left as
-// it is.
+// it is. Built twice, for AVX2 (twice the width: the divisions and square
+// roots bound a core's pace) and for any x86-64, the one the host has chosen
+// at load time; AVX2 without FMA, so both round every operation alike.
 template <typename Format, bool kDecoupled>
 __attribute__((target_clones("avx2", "default"))) void AdamLoop(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
               typename Format::Elem* __restrict g, int64_t begin, int64_t end) {

@@ -151,6 +151,61 @@ TEST(CpuAdam, RangesCopyTheUpdatedWeightsAsToRoundsThem) {
                std::invalid_argument);  // fp32 is not a copy's dtype
 }
 
+// The fused step is the formula evaluated element by element in fp32, each
+// operation rounded on its own (no fused multiply-add, whichever vector
+// width the host runs it at), bit for bit.
+TEST(CpuAdam, EqualsTheFormulaElementByElement) {
+  at::manual_seed(13);
+  const int64_t n = 300001;
+  for (bool decoupled : {true, false}) {
+    OptimizerConfig o;
+    o.beta2 = 0.95;
+    o.weight_decay = 0.01;
+    o.decoupled_weight_decay = decoupled;
+    PartitionState st;
+    st.master = at::randn({n});
+    at::Tensor p = st.master.clone(), m = at::zeros({n}), v = at::zeros({n});
+    for (int step = 1; step <= 3; ++step) {
+      const at::Tensor grad = (at::randn({n}) * 1e-2).to(at::kBFloat16);
+      const double lr = 1e-3 * step, scale = 0.5;
+      CpuAdamStep(st, grad, scale, o, lr);
+      const at::Tensor g32 = grad.to(at::kFloat);
+      const float* g = g32.data_ptr<float>();
+      float *pp = p.data_ptr<float>(), *mm = m.data_ptr<float>(), *vv = v.data_ptr<float>();
+      const float decay = static_cast<float>(1 - lr * o.weight_decay), wd = static_cast<float>(o.weight_decay);
+      const float b1 = static_cast<float>(o.beta1), c1 = static_cast<float>(1 - o.beta1);
+      const float b2 = static_cast<float>(o.beta2), c2 = static_cast<float>(1 - o.beta2);
+      const float bc2 = static_cast<float>(std::sqrt(1 - std::pow(o.beta2, step)));
+      const float eps = static_cast<float>(o.eps);
+      const float neg_step = static_cast<float>(-(lr / (1 - std::pow(o.beta1, step))));
+      for (int64_t i = 0; i < n; ++i) {
+        volatile float x = g[i] * static_cast<float>(scale);  // volatile: each product rounded alone
+        float gi = x, pi = pp[i];
+        if (decoupled) {
+          pi = pi * decay;
+        } else {
+          volatile float d = pi * wd;
+          gi = gi + d;
+        }
+        volatile float m1 = mm[i] * b1, m2 = gi * c1;
+        const float mi = m1 + m2;
+        volatile float v1 = vv[i] * b2, v2 = c2 * gi;
+        volatile float v3 = v2 * gi;
+        const float vi = v1 + v3;
+        volatile float root = std::sqrt(vi) / bc2;
+        const float denom = root + eps;
+        volatile float num = neg_step * mi;
+        pp[i] = pi + num / denom;
+        mm[i] = mi;
+        vv[i] = vi;
+      }
+      ASSERT_TRUE(at::equal(st.master, p)) << "decoupled " << decoupled << " step " << step;
+      ASSERT_TRUE(at::equal(st.exp_avg, m)) << decoupled;
+      ASSERT_TRUE(at::equal(st.exp_avg_sq, v)) << decoupled;
+    }
+  }
+}
+
 // The host threads of a pass stay for the calling thread's next passes (the
 // offloaded step runs ~30 ranged passes a step), and end with that thread.
 TEST(CpuAdam, PassesReuseTheirThreads) {
