@@ -116,8 +116,13 @@ struct HalfGrad {
 // it is. Built twice, for AVX2 (twice the width: the divisions and square
 // roots bound a core's pace) and for any x86-64, the one the host has chosen
 // at load time; AVX2 without FMA, so both round every operation alike.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define UCKPT_ADAM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define UCKPT_ADAM_CLONES
+#endif
 template <typename Format, bool kDecoupled>
-__attribute__((target_clones("avx2", "default"))) void AdamLoop(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
+UCKPT_ADAM_CLONES void AdamLoop(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
               typename Format::Elem* __restrict g, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float grad = Format::Load(g[i]) * s.grad_scale;
