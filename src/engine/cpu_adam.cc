@@ -62,6 +62,16 @@ inline uint16_t ToHalfBits(float f) {
   return static_cast<uint16_t>((sign >> 16) | (nonsign ^ ((nonsign ^ UINT32_C(0x7E00)) & nan)));
 }
 
+// The element loops are built twice, for AVX2 (twice the width: the
+// divisions and square roots bound a core's pace) and for any x86-64, the
+// one the host has chosen at load time; AVX2 without FMA, so both round
+// every operation alike (tests/engine/cpu_adam_test.cc checks the bits).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define UCKPT_ADAM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define UCKPT_ADAM_CLONES
+#endif
+
 // Where a range's updated weights also go: nowhere, or converted to bf16 or
 // fp16 (`out` holds the range from `out_begin` on). A second loop over the
 // chunk the update just wrote (still in cache): the conversions vectorise
@@ -70,12 +80,15 @@ struct NoCopy {
   void operator()(const float*, int64_t, int64_t) const {}
 };
 template <uint16_t (*Convert)(float)>
+UCKPT_ADAM_CLONES void ConvertRange(const float* __restrict p, uint16_t* __restrict o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = Convert(p[i]);
+}
+template <uint16_t (*Convert)(float)>
 struct ConvertingCopy {
   uint16_t* out;
   int64_t out_begin;
-  void operator()(const float* __restrict p, int64_t begin, int64_t end) const {
-    uint16_t* __restrict o = out + (begin - out_begin);
-    for (int64_t i = 0; i < end - begin; ++i) o[i] = Convert(p[begin + i]);
+  void operator()(const float* p, int64_t begin, int64_t end) const {
+    ConvertRange<Convert>(p + begin, out + (begin - out_begin), end - begin);
   }
 };
 using BFloat16Copy = ConvertingCopy<ToBFloat16Bits>;
@@ -102,7 +115,7 @@ struct HalfGrad {
     const uint32_t sign = w & UINT32_C(0x80000000), two_w = w + w;
     const float normalized = FromBits((two_w >> 4) + (UINT32_C(0xE0) << 23)) * FromBits(UINT32_C(0x07800000));  // * 2^-112
     const float denormalized = FromBits((two_w >> 17) | (UINT32_C(126) << 23)) - 0.5f;
-    // The select as a mask (a conditional here keeps GCC from vectorising the loop).
+    // The select as a mask: nothing for the vectoriser to convert.
     const uint32_t subnormal = -static_cast<uint32_t>(two_w < (UINT32_C(1) << 27));
     return FromBits(sign | (Bits(denormalized) & subnormal) | (Bits(normalized) & ~subnormal));
   }
@@ -113,14 +126,7 @@ struct HalfGrad {
 // weight-decay form is a template argument, not a branch the compiler would
 // have to move out (it does not for the longer fp16 loop). An fp32 gradient
 // is zeroed behind it (an accumulation buffer); a model-dtype one is left as
-// it is. Built twice, for AVX2 (twice the width: the divisions and square
-// roots bound a core's pace) and for any x86-64, the one the host has chosen
-// at load time; AVX2 without FMA, so both round every operation alike.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define UCKPT_ADAM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define UCKPT_ADAM_CLONES
-#endif
+// it is.
 template <typename Format, bool kDecoupled>
 UCKPT_ADAM_CLONES void AdamLoop(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
               typename Format::Elem* __restrict g, int64_t begin, int64_t end) {
