@@ -3,13 +3,20 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <stdexcept>
-#include <vector>
+#include <unistd.h>
 
-#include "ckpt/parallel.h"
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <type_traits>
+#include <vector>
 
 namespace uckpt::engine {
 namespace {
@@ -55,6 +62,16 @@ inline uint16_t ToHalfBits(float f) {
   return static_cast<uint16_t>((sign >> 16) | (nonsign ^ ((nonsign ^ UINT32_C(0x7E00)) & nan)));
 }
 
+// The element loops are built twice, for AVX2 (twice the width: the
+// divisions and square roots bound a core's pace) and for any x86-64, the
+// one the host has chosen at load time; AVX2 without FMA, so both round
+// every operation alike (tests/engine/cpu_adam_test.cc checks the bits).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define UCKPT_ADAM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define UCKPT_ADAM_CLONES
+#endif
+
 // Where a range's updated weights also go: nowhere, or converted to bf16 or
 // fp16 (`out` holds the range from `out_begin` on). A second loop over the
 // chunk the update just wrote (still in cache): the conversions vectorise
@@ -63,27 +80,60 @@ struct NoCopy {
   void operator()(const float*, int64_t, int64_t) const {}
 };
 template <uint16_t (*Convert)(float)>
+UCKPT_ADAM_CLONES void ConvertRange(const float* __restrict p, uint16_t* __restrict o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = Convert(p[i]);
+}
+template <uint16_t (*Convert)(float)>
 struct ConvertingCopy {
   uint16_t* out;
   int64_t out_begin;
-  void operator()(const float* __restrict p, int64_t begin, int64_t end) const {
-    uint16_t* __restrict o = out + (begin - out_begin);
-    for (int64_t i = 0; i < end - begin; ++i) o[i] = Convert(p[begin + i]);
+  void operator()(const float* p, int64_t begin, int64_t end) const {
+    ConvertRange<Convert>(p + begin, out + (begin - out_begin), end - begin);
   }
 };
 using BFloat16Copy = ConvertingCopy<ToBFloat16Bits>;
 using HalfCopy = ConvertingCopy<ToHalfBits>;
 
-// The element loop, kept free of aliasing and branches on data so the
-// compiler vectorises it (no -ffast-math: the order of operations is torch's).
-// Then `copy` receives the new weights in the model dtype.
-template <typename Copy>
-void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
-               float* __restrict g, const Copy& copy, int64_t begin, int64_t end) {
+// How the update reads a gradient element (Format::Load): fp32 as it is, or
+// the model's bf16 or fp16 bits widened to fp32 (exact), branch-free so the
+// loop vectorises.
+struct Fp32Grad {
+  using Elem = float;
+  static float Load(float g) { return g; }
+};
+struct BFloat16Grad {
+  using Elem = uint16_t;
+  static float Load(uint16_t g) { return FromBits(static_cast<uint32_t>(g) << 16); }
+};
+// IEEE fp16 -> fp32 (c10::Half's conversion): normal numbers rebias the
+// exponent by a multiplication, subnormals come out of a float subtraction;
+// infinity and NaN keep their payload.
+struct HalfGrad {
+  using Elem = uint16_t;
+  static float Load(uint16_t g) {
+    const uint32_t w = static_cast<uint32_t>(g) << 16;
+    const uint32_t sign = w & UINT32_C(0x80000000), two_w = w + w;
+    const float normalized = FromBits((two_w >> 4) + (UINT32_C(0xE0) << 23)) * FromBits(UINT32_C(0x07800000));  // * 2^-112
+    const float denormalized = FromBits((two_w >> 17) | (UINT32_C(126) << 23)) - 0.5f;
+    // The select as a mask: nothing for the vectoriser to convert.
+    const uint32_t subnormal = -static_cast<uint32_t>(two_w < (UINT32_C(1) << 27));
+    return FromBits(sign | (Bits(denormalized) & subnormal) | (Bits(normalized) & ~subnormal));
+  }
+};
+
+// The element loop, kept free of aliasing and branches so the compiler
+// vectorises it (no -ffast-math: the order of operations is torch's); the
+// weight-decay form is a template argument, not a branch the compiler would
+// have to move out (it does not for the longer fp16 loop). An fp32 gradient
+// is zeroed behind it (an accumulation buffer); a model-dtype one is left as
+// it is.
+template <typename Format, bool kDecoupled>
+UCKPT_ADAM_CLONES void AdamLoop(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
+              typename Format::Elem* __restrict g, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    float grad = g[i] * s.grad_scale;
+    float grad = Format::Load(g[i]) * s.grad_scale;
     float param = p[i];
-    if (s.decoupled) {
+    if constexpr (kDecoupled) {
       param = param * s.decay;
     } else {
       grad = grad + param * s.weight_decay;
@@ -94,7 +144,18 @@ void AdamRange(const AdamScalars& s, float* __restrict p, float* __restrict m, f
     p[i] = param + (s.neg_step_size * mi) / denom;  // addcdiv: (value * t1) / t2
     m[i] = mi;
     v[i] = vi;
-    g[i] = 0.0f;
+    if constexpr (std::is_same_v<Format, Fp32Grad>) g[i] = 0.0f;
+  }
+}
+
+// The update of [begin, end); then `copy` receives the new weights in the model dtype.
+template <typename Format, typename Copy>
+void AdamRange(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, const Copy& copy,
+               int64_t begin, int64_t end) {
+  if (s.decoupled) {
+    AdamLoop<Format, true>(s, p, m, v, g, begin, end);
+  } else {
+    AdamLoop<Format, false>(s, p, m, v, g, begin, end);
   }
   copy(p, begin, end);
 }
@@ -105,7 +166,109 @@ void CheckHostFloat(const at::Tensor& t, const char* what, int64_t n) {
                                 std::to_string(n) + " elements");
 }
 
+void CheckHostGradient(const at::Tensor& t, int64_t n) {
+  const at::ScalarType d = t.scalar_type();
+  if (!t.device().is_cpu() || (d != at::kFloat && d != at::kBFloat16 && d != at::kHalf) || !t.is_contiguous() ||
+      t.numel() != n)
+    throw std::invalid_argument("CpuAdamStep: the gradient must be a contiguous host fp32, bf16 or fp16 tensor of " +
+                                std::to_string(n) + " elements");
+}
+
 constexpr int64_t kChunk = 1 << 18;  // elements per job: 1 MiB of each array
+
+// Threads that stay for the calling thread's later passes: the offloaded
+// step updates ~30 ranges one after another, and starting and joining a
+// thread per core for each (tens of microseconds apiece, one after another)
+// would cost a fifth of a range's time. One pool per calling thread (ranks
+// run as threads in tests), its workers joined when that thread ends; a
+// forked child starts its own.
+class WorkerPool {
+ public:
+  static WorkerPool& ForThisThread() {
+    thread_local WorkerPool pool;
+    if (pool.pid_ != getpid()) pool.ForgetAfterFork();
+    return pool;
+  }
+  ~WorkerPool() {
+    if (pid_ != getpid()) ForgetAfterFork();  // a forked child's exit
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+
+  // job(k) for k in [0, jobs) on `threads` threads (this one included), each
+  // taking the next k; the first exception is rethrown once all are done.
+  void Run(size_t jobs, int threads, const std::function<void(size_t)>& job) {
+    const size_t helpers = static_cast<size_t>(std::max(1, threads)) - 1;
+    while (workers_.size() < helpers)
+      workers_.emplace_back([this, id = workers_.size(), seen = generation_] { Serve(id, seen); });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &job;
+      jobs_ = jobs;
+      next_ = 0;
+      failed_ = false;
+      error_ = nullptr;
+      helpers_ = helpers;
+      busy_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    Work();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+    job_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void Work() {
+    for (size_t k; !failed_ && (k = next_++) < jobs_;) {
+      try {
+        (*job_)(k);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+        failed_ = true;
+      }
+    }
+  }
+  void Serve(size_t id, uint64_t seen) {  // `seen`: the pass before it started
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (id >= helpers_) continue;  // not needed for this pass
+      lock.unlock();
+      Work();
+      lock.lock();
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+  // The workers' threads do not exist in a forked child: their handles are
+  // dropped unjoined (kept, never destroyed), and new ones start on demand.
+  void ForgetAfterFork() {
+    new std::vector<std::thread>(std::move(workers_));
+    workers_.clear();
+    pid_ = getpid();
+  }
+
+  pid_t pid_ = getpid();
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  const std::function<void(size_t)>* job_ = nullptr;
+  size_t jobs_ = 0, helpers_ = 0, busy_ = 0;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> failed_{false};
+  std::exception_ptr error_;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
 
 // Runs fn(begin, end) over [0, n) in chunks on libtorch's intra-op thread
 // count (--threads). Our own threads: at::parallel_for's OpenMP pragma would
@@ -114,10 +277,45 @@ template <typename Fn>
 void ParallelChunks(int64_t n, Fn fn) {
   const size_t jobs = static_cast<size_t>((n + kChunk - 1) / kChunk);
   const int threads = std::max(1, std::min(at::get_num_threads(), static_cast<int>(jobs)));
-  ckpt::ParallelFor(jobs, threads, [&](size_t k) {
+  const std::function<void(size_t)> job = [&](size_t k) {
     const int64_t begin = static_cast<int64_t>(k) * kChunk;
     fn(begin, std::min(n, begin + kChunk));
-  });
+  };
+  if (threads == 1) {
+    for (size_t k = 0; k < jobs; ++k) job(k);
+    return;
+  }
+  WorkerPool::ForThisThread().Run(jobs, threads, job);
+}
+
+// The update over [0, n), whole or range by range (CpuAdamStep's overloads).
+template <typename Format>
+void AdamRanges(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t n, int64_t range,
+                const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
+                const std::function<void(int64_t begin, int64_t end)>& range_done) {
+  if (range <= 0 || !range_done) {
+    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange<Format>(s, p, m, v, g, NoCopy{}, begin, end); });
+    return;
+  }
+  for (int64_t first = 0; first < n; first += range) {
+    const int64_t len = std::min(range, n - first);
+    const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
+    auto run = [&](const auto& copy) {
+      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange<Format>(s, p, m, v, g, copy, first + begin, first + end); });
+    };
+    const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
+    if (!out.defined()) {
+      run(NoCopy{});
+    } else if (fits && out.scalar_type() == at::kBFloat16) {
+      run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), first});
+    } else if (fits && out.scalar_type() == at::kHalf) {
+      run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), first});
+    } else {
+      throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
+                                  std::to_string(len) + " elements");
+    }
+    range_done(first, first + len);
+  }
 }
 
 }  // namespace
@@ -138,22 +336,22 @@ double SumOfSquares(const at::Tensor& t) {
   return total;
 }
 
-void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
+void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
   CpuAdamStep(st, grad, grad_scale, o, lr, 0, nullptr, nullptr);
 }
 
-void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<void(int64_t begin, int64_t end)>& range_done) {
   CpuAdamStep(st, grad, grad_scale, o, lr, range, nullptr, range_done);
 }
 
-void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
                  const std::function<void(int64_t begin, int64_t end)>& range_done) {
   c10::NoGradGuard no_grad;
   const int64_t n = st.master.numel();
   CheckHostFloat(st.master, "the master", n);
-  CheckHostFloat(grad, "the gradient", n);
+  CheckHostGradient(grad, n);
   if (!st.step.defined()) {
     st.step = at::zeros({}, st.master.options());
     st.exp_avg = at::zeros_like(st.master);
@@ -183,29 +381,17 @@ void CpuAdamStep(PartitionState& st, at::Tensor& grad, double grad_scale, const 
   float* p = st.master.data_ptr<float>();
   float* m = st.exp_avg.data_ptr<float>();
   float* v = st.exp_avg_sq.data_ptr<float>();
-  float* g = grad.data_ptr<float>();
-  if (range <= 0 || !range_done) {
-    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, NoCopy{}, begin, end); });
-    return;
-  }
-  for (int64_t first = 0; first < n; first += range) {
-    const int64_t len = std::min(range, n - first);
-    const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
-    auto run = [&](const auto& copy) {
-      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange(s, p, m, v, g, copy, first + begin, first + end); });
-    };
-    const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
-    if (!out.defined()) {
-      run(NoCopy{});
-    } else if (fits && out.scalar_type() == at::kBFloat16) {
-      run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), first});
-    } else if (fits && out.scalar_type() == at::kHalf) {
-      run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), first});
-    } else {
-      throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
-                                  std::to_string(len) + " elements");
+  switch (grad.scalar_type()) {
+    case at::kBFloat16: {
+      auto* g = reinterpret_cast<uint16_t*>(grad.data_ptr<at::BFloat16>());
+      return AdamRanges<BFloat16Grad>(s, p, m, v, g, n, range, range_out, range_done);
     }
-    range_done(first, first + len);
+    case at::kHalf: {
+      auto* g = reinterpret_cast<uint16_t*>(grad.data_ptr<at::Half>());
+      return AdamRanges<HalfGrad>(s, p, m, v, g, n, range, range_out, range_done);
+    }
+    default:
+      return AdamRanges<Fp32Grad>(s, p, m, v, grad.data_ptr<float>(), n, range, range_out, range_done);
   }
 }
 

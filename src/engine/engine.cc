@@ -273,6 +273,7 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   const int64_t ga = e.batch.gradient_accumulation_steps;
   at::Tensor scaled = ga > 1 && options.scale_wrt_gas ? loss / ga : loss;
   scaled = scaled * loss_scale();
+  e.runtime->BeginMicroStep(e.boundary());
   e.runtime->PrepareBackward();
   scaled.backward({}, options.retain_graph);
   e.runtime->FinishBackward(e.boundary());

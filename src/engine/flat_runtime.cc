@@ -11,6 +11,7 @@
 
 #include "engine/cpu_adam.h"
 #include "engine/grad_numerics.h"
+#include "engine/host_grad_copy.h"
 #include "engine/overlap_reducer.h"
 
 namespace uckpt::engine {
@@ -20,6 +21,11 @@ namespace {
 // for the copy engine's full speed, small enough that the first chunk's
 // host work starts early.
 constexpr int64_t kCopyChunk = int64_t{1} << 22;
+
+// Elements per bucket of gradients copied to the host during backward (8 MiB
+// of bf16; reduce_bucket_size when smaller): a copy starts soon after its
+// gradients are done, and one event pair per bucket costs nothing next to it.
+constexpr int64_t kHostCopyBucket = int64_t{1} << 22;
 
 // Side streams of `device` for the offload copies, one per staging slot,
 // starting after the work queued on the current stream (which produced or
@@ -102,6 +108,10 @@ FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings 
     for (size_t i = 0; i < g.fragments.size(); ++i) g.fragment_of[g.fragments[i].param] = static_cast<int>(i);
     g.model_flat = at::zeros({g.layout.padded_numel}, model_opts);
     g.grad_flat = at::zeros({g.layout.padded_numel}, model_opts);
+    // One rank holds the whole gradient: nothing to reduce, so it goes to the host during backward.
+    if (s_.offload_optimizer_cpu && comm_.world_size() == 1)
+      g.host_copy = std::make_unique<BucketedHostCopy>(g.numels, g.grad_flat,
+                                                       std::min(kHostCopyBucket, s_.reduce_bucket_size));
     // Pinned under offload to a GPU: the updated weights go up straight from it.
     g.state.master = at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device).pinned_memory(
                                                               s_.offload_optimizer_cpu && !device.is_cpu()));
@@ -145,6 +155,7 @@ void FlatRuntime::BindGradients(const std::vector<std::vector<at::Tensor>>& para
       g.grad_views.push_back(g.grad_flat.narrow(0, g.offsets[k], g.numels[k]).view(ps[k].sizes()));
       ps[k].mutable_grad() = g.grad_views.back();
     }
+    if (g.host_copy) g.host_copy->Hook(ps);
     if (overlap)
       g.overlap = std::make_unique<OverlappedGradReducer>(comm_, ps, g.numels, g.grad_flat,
                                                           g.layout.begin(partition_rank()), g.layout.partition_size,
@@ -163,6 +174,9 @@ void FlatRuntime::BindGradients(const std::vector<std::vector<at::Tensor>>& para
 
 void FlatRuntime::PrepareBackward() {
   const bool grads_live_in_dot_grad = s_.stage <= 1;  // DeepSpeed's, until the boundary (measured)
+  // A reduced gradient not stepped on yet: this backward's copies would overwrite it.
+  for (Group& g : groups_)
+    if (g.in_host_copy) KeepHostCopyAsSum(g);
   for (Group& g : groups_)
     for (size_t k = 0; k < g.params.size(); ++k) {
       at::Tensor& grad = g.params[k].mutable_grad();
@@ -219,12 +233,24 @@ at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {
   return part;
 }
 
-void FlatRuntime::FinishBackward(bool boundary) {
-  if (s_.stage == 2 || boundary)
-    for (Group& g : groups_) ReduceIntoPartition(g);
+void FlatRuntime::BeginMicroStep(bool boundary) {
+  // Stages 0-1 keep accumulating on the device until the boundary: only its backward's copies count.
+  for (Group& g : groups_)
+    if (g.host_copy) g.host_copy->set_copy_during_backward(s_.stage == 2 || boundary);
 }
 
-void FlatRuntime::ReduceIntoPartition(Group& g) {
+void FlatRuntime::FinishBackward(bool boundary) {
+  for (Group& g : groups_) {
+    if (s_.stage == 2 || boundary) {
+      ReduceIntoPartition(g, boundary);
+    } else if (g.host_copy) {
+      g.host_copy->Discard();
+    }
+  }
+}
+
+void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
+  if (g.host_copy) return TakeHostCopy(g, boundary);
   // DeepSpeed's average_tensor: divide by dp, then sum over ranks.
   at::Tensor part;
   if (g.overlap) {
@@ -271,6 +297,54 @@ void FlatRuntime::ReduceIntoPartition(Group& g) {
   g.grad_flat.zero_();
 }
 
+at::Tensor FlatRuntime::HostFloatBuffer(int64_t n) const {
+  const bool pinned = groups_.front().model_flat.device().is_cuda();
+  return at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned));
+}
+
+void FlatRuntime::TakeHostCopy(Group& g, bool boundary) {
+  c10::NoGradGuard no_grad;
+  if (g.in_host_copy) KeepHostCopyAsSum(g);  // (no hooks copied into it: PrepareBackward was not called)
+  // The step's gradient alone, unconverted: its norms as DeepSpeed's offload
+  // takes them, on the device, from the gradient before it is zeroed (model
+  // dtype -> fp64 gives the values fp32 -> fp64 gives).
+  const bool alone = boundary && !g.have_grad_partition;
+  g.device_norms = alone ? FragmentNorms(g.fragments, PartitionOf(g, g.grad_flat)) : at::Tensor();
+  g.host_copy->Finish();
+  g.grad_flat.zero_();  // queued after the copies
+  if (alone) {
+    g.in_host_copy = true;
+    g.have_grad_partition = true;
+    return;
+  }
+  // Accumulating (stage 2): summed in fp32 on the host, one micro-step at a
+  // time, before the next backward overwrites the copy.
+  if (g.have_grad_partition) {
+    g.grad_partition.add_(g.host_copy->Host());
+    return;
+  }
+  KeepHostCopyAsSum(g);
+}
+
+void FlatRuntime::KeepHostCopyAsSum(Group& g) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor& host = g.host_copy->Host();
+  if (!g.grad_partition.defined() || g.grad_partition.numel() != host.numel())
+    g.grad_partition = HostFloatBuffer(host.numel());
+  g.grad_partition.copy_(host);  // exact
+  g.have_grad_partition = true;
+  g.in_host_copy = false;
+}
+
+const at::Tensor& FlatRuntime::StepGradient(Group& g) {
+  return g.in_host_copy ? g.host_copy->Host() : g.grad_partition;
+}
+
+void FlatRuntime::DropGradient(Group& g) {
+  g.have_grad_partition = false;
+  g.in_host_copy = false;
+}
+
 // DeepSpeed's stage 1/2 global norm (grad_numerics.h): each parameter
 // fragment's fp64 norm (offloaded from a GPU: taken on the device before the
 // copy down), summed as fp32 per group over the ranks; -1 when inf or nan.
@@ -303,7 +377,7 @@ FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) 
   }
   scaler_.Update(overflow);
   if (overflow) {
-    for (Group& g : groups_) g.have_grad_partition = false;
+    for (Group& g : groups_) DropGradient(g);
     r.skipped = true;
     r.grad_norm = -1;
     return r;
@@ -371,9 +445,11 @@ void FlatRuntime::AddToHostGradient(Group& g, const at::Tensor& part) {
 void FlatRuntime::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
   c10::NoGradGuard no_grad;
   const at::Device device = g.model_flat.device();
+  const at::Tensor grad = StepGradient(g);  // host fp32 (zeroed by the pass) or the model dtype (only read)
+  g.in_host_copy = false;
   if (device.is_cpu()) {
-    CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr);
-    g.grad_partition = at::Tensor();
+    CpuAdamStep(g.state, grad, grad_scale, g.optimizer, lr);
+    if (!g.host_copy) g.grad_partition = at::Tensor();  // else reused for the next accumulation
     GatherModel(g, g.state.master);
     return;
   }
@@ -400,7 +476,7 @@ void FlatRuntime::OffloadedAdamStep(Group& g, float grad_scale, double lr) {
     streams.Wait(k);  // this slot's previous upload is done before it is overwritten
     return weight_staging[k % 2].narrow(0, 0, end - begin);
   };
-  CpuAdamStep(g.state, g.grad_partition, grad_scale, g.optimizer, lr, C, staging_for, [&](int64_t begin, int64_t end) {
+  CpuAdamStep(g.state, grad, grad_scale, g.optimizer, lr, C, staging_for, [&](int64_t begin, int64_t end) {
     const size_t slot = k++;
     at::Tensor src = master.narrow(0, begin, end - begin);
     if (fused) {
@@ -424,8 +500,10 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
   std::vector<at::Tensor> grads;
   std::vector<size_t> ids;
   for (Group& g : groups_) {
+    // The host copy widened to fp32 (exact) into the reused host buffer: what the fused pass would read.
+    if (g.in_host_copy) KeepHostCopyAsSum(g);
     at::Tensor grad = g.grad_partition;
-    g.have_grad_partition = false;
+    DropGradient(g);
     // Offloaded, the gradient is a host tensor: the same factor as the fused host pass takes.
     if (s_.offload_optimizer_cpu && !grad.device().is_cpu()) grad = grad.cpu();
     unscale.ApplyForClientStep(grad, s_.offload_optimizer_cpu);
@@ -434,7 +512,8 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
     ids.push_back(static_cast<size_t>(&g - groups_.data()));
   }
   RunOptimizerStep(s_.optimizer_step, states, grads, ids, group_lrs);
-  for (Group& g : groups_) g.grad_partition = at::Tensor();
+  for (Group& g : groups_)
+    if (!g.host_copy) g.grad_partition = at::Tensor();  // else reused for the next step
   WeightsFromMasters();
 }
 

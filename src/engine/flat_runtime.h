@@ -5,7 +5,7 @@
 // the Adam moments of that slice only.
 //
 // Per micro-batch: backward (the parameters' .grad are views into grad_flat),
-// then ReduceMicroGradients(). Stage 2 averages (divide by dp, then sum over
+// then FinishBackward(). Stage 2 averages (divide by dp, then sum over
 // ranks) into each owner's fp32 partition every micro-step; stage 1 lets
 // gradients accumulate locally and reduces once at the boundary; stage 0 does
 // the same over an unpartitioned buffer. Step() then computes DeepSpeed's
@@ -13,10 +13,13 @@
 // all-gathers the updated weights into the model. Under offload_optimizer
 // the update is the fused host Adam of cpu_adam.h (torch's formula), and on
 // a GPU the copies go through pinned, reused buffers overlapped with the
-// host work: gradients come down chunk by chunk while earlier chunks are
-// accumulated (their norms taken on the device first when they come down
-// once), and each updated range of weights, written in the model dtype by
-// the update pass, goes up on a side stream while the next range is updated.
+// host work. At world size 1 each bucket of gradients comes down in the
+// model dtype while backward goes on (host_grad_copy.h) and the update pass
+// widens it as it reads it; across ranks the averaged fp32 gradient comes
+// down chunk by chunk after the reduction while earlier chunks are
+// accumulated. The norms are taken on the device first when the gradient
+// comes down once. Each updated range of weights, written in the model dtype
+// by the update pass, goes up on a side stream while the next range is updated.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -34,6 +37,7 @@
 
 namespace uckpt::engine {
 
+class BucketedHostCopy;
 class OverlappedGradReducer;
 class UnscaleAndClip;
 
@@ -70,13 +74,15 @@ class FlatRuntime : public ShardedRuntime {
   const PartitionState& state(size_t g = 0) const { return groups_.at(g).state; }
   // Set for stage 2 with overlap_comm at dp > 1, after BindGradients.
   const OverlappedGradReducer* overlap_reducer(size_t g = 0) const { return groups_.at(g).overlap.get(); }
+  // Set under offload_optimizer at world size 1 (host_grad_copy.h).
+  const BucketedHostCopy* host_copy(size_t g = 0) const { return groups_.at(g).host_copy.get(); }
   LossScaler& loss_scaler() override { return scaler_; }
   const LossScaler& loss_scaler() const override { return scaler_; }
 
   // Binds each parameter's .grad to its slice of its group's grad_flat.
   // `params[g]` are views into model_flat(g) in flat order.
   void BindGradients(const std::vector<std::vector<at::Tensor>>& params);
-  void BindGradients(const std::vector<at::Tensor>& params) { BindGradients(std::vector{params}); }
+  void BindGradients(const std::vector<at::Tensor>& params) { BindGradients(std::vector<std::vector<at::Tensor>>{params}); }
   // Before each backward (PrepareBackward): a parameter whose .grad is no longer its view (the
   // caller set it to None, as module.zero_grad() does, or to another tensor)
   // gets the view back. Its gradient since the last reduction is dropped at
@@ -85,6 +91,8 @@ class FlatRuntime : public ShardedRuntime {
   // per parameter otherwise.
   void PrepareBackward() override;
 
+  // Before a micro-batch's backward: whether it is the last one of a step.
+  void BeginMicroStep(bool boundary) override;
   // After each micro-batch's backward; `boundary` on the last one of a step.
   void FinishBackward(bool boundary) override;
 
@@ -111,6 +119,12 @@ class FlatRuntime : public ShardedRuntime {
     at::Tensor model_flat, grad_flat;
     at::Tensor grad_partition;  // [P] fp32, the averaged gradient being accumulated
     bool have_grad_partition = false;
+    // offload_optimizer at world size 1: the gradient goes to the host bucket
+    // by bucket during backward, in the model dtype. When `in_host_copy`, the
+    // step's gradient is host_copy's buffer (one micro-step's, unconverted);
+    // else grad_partition (fp32, the sum of several micro-steps).
+    std::unique_ptr<BucketedHostCopy> host_copy;
+    bool in_host_copy = false;
     // offload_optimizer from a GPU: each fragment's fp64 gradient norm, taken
     // on the device before the copy down (undefined when the host gradient
     // sums several reductions: then measured on the host).
@@ -129,13 +143,19 @@ class FlatRuntime : public ShardedRuntime {
     at::Tensor device_partition;
   };
   at::Tensor PartitionOf(const Group& g, const at::Tensor& flat) const;
-  void ReduceIntoPartition(Group& g);
+  void ReduceIntoPartition(Group& g, bool boundary);
   at::Tensor AllReduceInDeepSpeedOrder(Group& g);
   at::Tensor GlobalNorm();
   void AdamStep(Group& g, const at::Tensor& grad, double lr);
   // settings.optimizer_step over every group's partition, then the all-gather.
   void ClientStep(const UnscaleAndClip& unscale, const std::vector<double>& group_lrs);
   void AddToHostGradient(Group& g, const at::Tensor& part);
+  void TakeHostCopy(Group& g, bool boundary);
+  // The host copy becomes the fp32 sum that later micro-steps add to.
+  void KeepHostCopyAsSum(Group& g);
+  at::Tensor HostFloatBuffer(int64_t n) const;
+  const at::Tensor& StepGradient(Group& g);
+  void DropGradient(Group& g);
   void OffloadedAdamStep(Group& g, float grad_scale, double lr);
   void GatherModel(Group& g, const at::Tensor& mine);
 

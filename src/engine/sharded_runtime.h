@@ -140,6 +140,9 @@ class ShardedRuntime {
   double loss_scale() const { return loss_scaler().cur_scale; }
 
   // ---- Training.
+  // Before each micro-batch's backward: whether it is the last of its step
+  // (a hint for where gradients go during backward; nothing depends on it).
+  virtual void BeginMicroStep(bool boundary) {}
   // Before each micro-batch's backward.
   virtual void PrepareBackward() = 0;
   // After it: its gradients reduced into their owners' partitions (or kept

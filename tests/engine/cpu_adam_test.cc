@@ -1,9 +1,14 @@
 // engine/cpu_adam: the fused host Adam against torch's formula (TorchAdamStep).
 #include "engine/cpu_adam.h"
 
+#include <ATen/Parallel.h>
+
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <iterator>
+#include <thread>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -146,6 +151,85 @@ TEST(CpuAdam, RangesCopyTheUpdatedWeightsAsToRoundsThem) {
                std::invalid_argument);  // fp32 is not a copy's dtype
 }
 
+// The fused step is the formula evaluated element by element in fp32, each
+// operation rounded on its own (no fused multiply-add, whichever vector
+// width the host runs it at), bit for bit.
+TEST(CpuAdam, EqualsTheFormulaElementByElement) {
+  at::manual_seed(13);
+  const int64_t n = 300001;
+  for (bool decoupled : {true, false}) {
+    OptimizerConfig o;
+    o.beta2 = 0.95;
+    o.weight_decay = 0.01;
+    o.decoupled_weight_decay = decoupled;
+    PartitionState st;
+    st.master = at::randn({n});
+    at::Tensor p = st.master.clone(), m = at::zeros({n}), v = at::zeros({n});
+    for (int step = 1; step <= 3; ++step) {
+      const at::Tensor grad = (at::randn({n}) * 1e-2).to(at::kBFloat16);
+      const double lr = 1e-3 * step, scale = 0.5;
+      CpuAdamStep(st, grad, scale, o, lr);
+      const at::Tensor g32 = grad.to(at::kFloat);
+      const float* g = g32.data_ptr<float>();
+      float *pp = p.data_ptr<float>(), *mm = m.data_ptr<float>(), *vv = v.data_ptr<float>();
+      const float decay = static_cast<float>(1 - lr * o.weight_decay), wd = static_cast<float>(o.weight_decay);
+      const float b1 = static_cast<float>(o.beta1), c1 = static_cast<float>(1 - o.beta1);
+      const float b2 = static_cast<float>(o.beta2), c2 = static_cast<float>(1 - o.beta2);
+      const float bc2 = static_cast<float>(std::sqrt(1 - std::pow(o.beta2, step)));
+      const float eps = static_cast<float>(o.eps);
+      const float neg_step = static_cast<float>(-(lr / (1 - std::pow(o.beta1, step))));
+      for (int64_t i = 0; i < n; ++i) {
+        volatile float x = g[i] * static_cast<float>(scale);  // volatile: each product rounded alone
+        float gi = x, pi = pp[i];
+        if (decoupled) {
+          pi = pi * decay;
+        } else {
+          volatile float d = pi * wd;
+          gi = gi + d;
+        }
+        volatile float m1 = mm[i] * b1, m2 = gi * c1;
+        const float mi = m1 + m2;
+        volatile float v1 = vv[i] * b2, v2 = c2 * gi;
+        volatile float v3 = v2 * gi;
+        const float vi = v1 + v3;
+        volatile float root = std::sqrt(vi) / bc2;
+        const float denom = root + eps;
+        volatile float num = neg_step * mi;
+        pp[i] = pi + num / denom;
+        mm[i] = mi;
+        vv[i] = vi;
+      }
+      ASSERT_TRUE(at::equal(st.master, p)) << "decoupled " << decoupled << " step " << step;
+      ASSERT_TRUE(at::equal(st.exp_avg, m)) << decoupled;
+      ASSERT_TRUE(at::equal(st.exp_avg_sq, v)) << decoupled;
+    }
+  }
+}
+
+// The host threads of a pass stay for the calling thread's next passes (the
+// offloaded step runs ~30 ranged passes a step), and end with that thread.
+TEST(CpuAdam, PassesReuseTheirThreads) {
+  namespace fs = std::filesystem;
+  auto threads_now = [] {
+    return std::distance(fs::directory_iterator("/proc/self/task"), fs::directory_iterator{});
+  };
+  OptimizerConfig o;
+  PartitionState st;
+  st.master = at::randn({1 << 21});  // 8 chunks
+  at::Tensor g = at::randn({1 << 21});
+  CpuAdamStep(st, g, 1.0, o, 1e-3);  // the moments exist: the passes below allocate nothing
+  int64_t start = 0;
+  std::thread([&] {
+    at::set_num_threads(4);  // (OpenMP may start its own threads here)
+    start = threads_now();
+    CpuAdamStep(st, g, 1.0, o, 1e-3, 1 << 20, [](int64_t, int64_t) {});  // 2 ranges of 4 chunks
+    EXPECT_EQ(threads_now(), start + 3) << "three workers beside this thread";
+    for (int step = 0; step < 3; ++step) CpuAdamStep(st, g, 1.0, o, 1e-3, 1 << 20, [](int64_t, int64_t) {});
+    EXPECT_EQ(threads_now(), start + 3) << "the same three";
+  }).join();
+  EXPECT_LE(threads_now(), start - 1) << "the workers joined with their thread";
+}
+
 TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
   PartitionState st;
   st.master = at::zeros({8});
@@ -154,8 +238,51 @@ TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
   EXPECT_THROW(CpuAdamStep(st, wrong_size, 1.0, o, 1e-3), std::invalid_argument);
   at::Tensor strided = at::zeros({16}).slice(0, 0, 16, 2);
   EXPECT_THROW(CpuAdamStep(st, strided, 1.0, o, 1e-3), std::invalid_argument);
-  at::Tensor half = at::zeros({8}, at::kBFloat16);
-  EXPECT_THROW(CpuAdamStep(st, half, 1.0, o, 1e-3), std::invalid_argument);
+  at::Tensor wide = at::zeros({8}, at::kDouble);
+  EXPECT_THROW(CpuAdamStep(st, wide, 1.0, o, 1e-3), std::invalid_argument);
+  at::Tensor strided_half = at::zeros({16}, at::kHalf).slice(0, 0, 16, 2);
+  EXPECT_THROW(CpuAdamStep(st, strided_half, 1.0, o, 1e-3), std::invalid_argument);
+}
+
+// The gradient in the model dtype (the offloaded step's host copy): the same
+// update as from its fp32 copy, bit for bit, every bf16 and fp16 value
+// included (subnormals, infinities, NaN); it is only read, not zeroed.
+TEST(CpuAdam, ModelDtypeGradientStepsAsItsFp32Copy) {
+  OptimizerConfig o;
+  o.weight_decay = 0.01;
+  const int64_t n = 65536 + 300001;  // every 16-bit pattern, then ordinary gradients over several chunks
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    for (bool ranged : {false, true}) {
+      at::manual_seed(9);
+      at::Tensor grad = at::cat({at::arange(65536, at::kInt).to(at::kShort).view(dtype),
+                                 (at::randn({n - 65536}) * 1e-2).to(dtype)});
+      const at::Tensor before = grad.clone();
+      PartitionState narrow, wide;
+      narrow.master = at::randn({n});
+      wide.master = narrow.master.clone();
+      for (int step = 1; step <= 3; ++step) {
+        at::Tensor g32 = grad.to(at::kFloat);
+        const double lr = 1e-3 * step;
+        if (ranged) {
+          at::Tensor a = at::empty({n}, dtype), b = at::empty({n}, dtype);
+          CpuAdamStep(narrow, grad, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return a.narrow(0, s, e - s); },
+                      [](int64_t, int64_t) {});
+          CpuAdamStep(wide, g32, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return b.narrow(0, s, e - s); },
+                      [](int64_t, int64_t) {});
+          EXPECT_TRUE(at::equal(a.view(at::kShort), b.view(at::kShort))) << dtype;
+        } else {
+          CpuAdamStep(narrow, grad, 0.5, o, lr);
+          CpuAdamStep(wide, g32, 0.5, o, lr);
+        }
+        EXPECT_EQ(g32.abs().max().item<float>(), 0.0f) << "an fp32 gradient is zeroed";
+      }
+      EXPECT_TRUE(at::equal(grad.view(at::kShort), before.view(at::kShort))) << dtype << ": only read";
+      // NaN compares unequal: compare the bits.
+      EXPECT_TRUE(at::equal(narrow.master.view(at::kInt), wide.master.view(at::kInt))) << dtype << " " << ranged;
+      EXPECT_TRUE(at::equal(narrow.exp_avg.view(at::kInt), wide.exp_avg.view(at::kInt))) << dtype << " " << ranged;
+      EXPECT_TRUE(at::equal(narrow.exp_avg_sq.view(at::kInt), wide.exp_avg_sq.view(at::kInt))) << dtype;
+    }
+  }
 }
 
 }  // namespace

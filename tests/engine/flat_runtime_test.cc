@@ -1,8 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <string>
+
 #include "uckpt/comm.h"
 #include "engine/cpu_adam.h"
 #include "engine/flat_runtime.h"
+#include "engine/grad_numerics.h"
+#include "engine/host_grad_copy.h"
 
 namespace uckpt::engine {
 namespace {
@@ -127,6 +132,139 @@ TEST(FlatRuntime, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
     }
     EXPECT_TRUE(at::equal(z.state().exp_avg_sq, want.exp_avg_sq)) << stage;
   }
+}
+
+
+// Offloaded at one rank, each bucket of gradients goes to the host during
+// backward in the model dtype and the host Adam widens it as it reads it. The
+// training is bit for bit the one from the whole fp32 gradient copied after
+// backward: each step's reference below takes the device gradients backward
+// left, in fp32 (summed over micro-steps at stage 2, accumulated on the device
+// at stage 1), their fragment norms, DeepSpeed's clip factor and CpuAdamStep.
+// Parameter 1 is used twice, parameter 4 not at all (its bucket is copied
+// after backward); fp16's overflow still skips the step. With CUDA, on the GPU
+// too (the copies on a side stream; the reference's norms on the device that
+// takes them: the GPU for one micro-step's gradient, the host for a sum).
+TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp32) {
+  auto comm = MakeSingleProcessComm();
+  const std::vector<int64_t> numels{3000, 7, 70001, 11, 5000};  // buckets {4}, {3, 2}, {1, 0}
+  std::vector<at::Device> devices{at::kCPU};
+  if (at::hasCUDA()) devices.emplace_back(at::kCUDA, 0);
+  for (const at::Device device : devices)
+    for (int stage : {1, 2})
+      for (int ga : {1, 2})
+        for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+          const std::string where = device.str() + " stage " + std::to_string(stage) + " ga " + std::to_string(ga) +
+                                    " " + c10::toString(dtype);
+          ZeroSettings s;
+          s.stage = stage;
+          s.offload_optimizer_cpu = true;
+          s.gradient_clipping = 1.0;
+          s.model_dtype = dtype;
+          s.fp16.enabled = dtype == at::kHalf;
+          s.fp16.initial_scale_power = 8;
+          s.reduce_bucket_size = 4000;  // several buckets
+          s.optimizer.weight_decay = 0.01;
+          s.optimizer.beta2 = 0.95;
+          FlatRuntime z(*comm, numels, s, device);
+          at::manual_seed(3);
+          z.model_flat().copy_(at::randn({z.model_flat().numel()}) * 0.5);
+          z.MastersFromWeights();
+          std::vector<at::Tensor> params;
+          std::vector<GradPiece> pieces;
+          for (int64_t k = 0, off = 0; k < static_cast<int64_t>(numels.size()); off += numels[k++]) {
+            params.push_back(z.model_flat().narrow(0, off, numels[k]).detach().requires_grad_(true));
+            pieces.push_back({off, numels[k]});
+          }
+          z.BindGradients(params);
+          ASSERT_NE(z.host_copy(), nullptr) << where;
+          ASSERT_EQ(z.host_copy()->num_buckets(), 3) << where;
+          PartitionState want;
+          want.master = z.state().master.clone();
+          int64_t copying_backwards = 0;
+          for (int step = 1; step <= 4; ++step) {
+            // fp16: step 2's last micro-batch overflows.
+            const bool overflow = dtype == at::kHalf && step == 2;
+            at::Tensor sum;  // what the whole-gradient path stepped on: fp32
+            for (int micro = 0; micro < ga; ++micro) {
+              const bool boundary = micro == ga - 1;
+              z.BeginMicroStep(boundary);
+              z.PrepareBackward();
+              std::vector<at::Tensor> x;
+              for (int64_t n : numels) x.push_back(at::randn({n}).to(device, dtype));
+              at::Tensor loss = ((params[0] * x[0]).pow(2)).sum() + params[1].sum() * (params[1] * x[1]).sum() +
+                                (params[2] * x[2]).abs().mean() + (params[3] * x[3]).sum();
+              loss = loss.to(at::kFloat) * (overflow && boundary ? std::numeric_limits<float>::infinity() : 1.0f);
+              (loss * z.loss_scale()).backward();
+              if (stage == 2 || boundary) ++copying_backwards;
+              const at::Tensor device_grad = z.grad_flat().to(at::kFloat);
+              if (stage == 1) {
+                sum = device_grad;  // accumulated on the device
+              } else {
+                sum = sum.defined() ? sum + device_grad : device_grad;
+              }
+              z.FinishBackward(boundary);
+            }
+            const double lr = 1e-3 * step;
+            const StepResult r = z.Step(lr);
+            ASSERT_EQ(r.skipped, overflow) << where << " step " << step;
+            if (overflow) {
+              ASSERT_TRUE(at::equal(z.state().master, want.master)) << where;
+              continue;
+            }
+            const at::Device measured = stage == 1 || ga == 1 ? device : at::Device(at::kCPU);
+            const at::Tensor norms = PieceNorms(sum.to(measured), pieces, measured, int64_t{1} << 25);
+            bool finite = false;
+            const at::Tensor norm = GlobalGradNorm({GroupGradNormStacked(*comm, norms, at::kFloat, measured, false)}, &finite);
+            ASSERT_TRUE(finite);
+            EXPECT_EQ(r.grad_norm, static_cast<float>(norm.item<float>() / r.loss_scale)) << where << " step " << step;
+            const UnscaleAndClip unscale(norm, r.loss_scale, s.gradient_clipping);
+            EXPECT_LT(unscale.host_factor() * r.loss_scale, 0.5) << where << ": the clipping is on";
+            CpuAdamStep(want, sum.cpu(), unscale.host_factor(), s.optimizer, lr);
+            ASSERT_TRUE(at::equal(z.state().master, want.master)) << where << " step " << step;
+            ASSERT_TRUE(at::equal(z.state().exp_avg_sq, want.exp_avg_sq)) << where << " step " << step;
+            ASSERT_TRUE(at::equal(z.model_flat().cpu(), want.master.to(dtype))) << where << " step " << step;
+            EXPECT_EQ(z.grad_flat().abs().sum().item<float>(), 0.f) << where;
+          }
+          // Every bucket but the unused parameter's (the first, with the padding)
+          // was copied by the hooks, in each backward whose gradient was reduced after it.
+          EXPECT_EQ(z.host_copy()->copied_during_backward(), (z.host_copy()->num_buckets() - 1) * copying_backwards)
+              << where;
+        }
+}
+
+
+// A client optimizer under offload at one rank: its gradient is the host copy
+// widened to fp32.
+TEST(FlatRuntime, OffloadAtOneRankHandsAClientOptimizerTheFp32Gradient) {
+  auto comm = MakeSingleProcessComm();
+  ZeroSettings s;
+  s.stage = 2;
+  s.offload_optimizer_cpu = true;
+  s.model_dtype = at::kBFloat16;
+  int calls = 0;
+  s.optimizer_step = [&](std::vector<OptimizerPartition>& parts) {
+    for (OptimizerPartition& p : parts) {
+      ASSERT_EQ(p.grad.scalar_type(), at::kFloat);
+      ++calls;
+      p.master.add_(p.grad, -p.lr);
+    }
+  };
+  FlatRuntime z(*comm, std::vector<int64_t>{300, 5000}, s);
+  at::manual_seed(4);
+  z.model_flat().copy_(at::randn({z.model_flat().numel()}));
+  z.MastersFromWeights();
+  for (int step = 0; step < 2; ++step) {
+    const at::Tensor want = z.state().master.clone();
+    z.grad_flat().copy_(at::randn({z.grad_flat().numel()}));
+    want.add_(z.grad_flat().to(at::kFloat), -0.5);
+    z.BeginMicroStep(true);
+    z.FinishBackward(true);
+    z.Step(0.5);
+    EXPECT_TRUE(at::equal(z.state().master, want)) << step;
+    EXPECT_TRUE(at::equal(z.model_flat(), want.to(at::kBFloat16))) << step;
+  }
+  EXPECT_EQ(calls, 2);
 }
 
 }  // namespace
