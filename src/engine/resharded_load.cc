@@ -163,10 +163,16 @@ LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& 
                              const std::vector<PartitionSlot>& slots, bool moments) {
   LoadSource s;
   s.kind = SourceKind::kModelStates;
-  // Stage 0's Adam state is numbered over the parameters in the groups' order.
+  // Stage 0's optimizer state is numbered over the parameters in the groups' order.
   s.states = ckpt::ModuleReadSource(m, path, SlotParams(slots));
   s.has_moments = ckpt::HasState(s.states, ckpt::kExpAvg) && ckpt::HasState(s.states, ckpt::kExpAvgSq);
-  if (s.has_moments) s.state_keys = {ckpt::kExpAvg, ckpt::kExpAvgSq};
+  // The per-element keys the parameters' states hold (the first one's, in
+  // file order); a parameter without one of them fails its read, naming it.
+  for (const ckpt::ParamPlan& p : s.states.params) {
+    if (p.states.size() <= 1) continue;
+    for (size_t k = 1; k < p.states.size(); ++k) s.state_keys.push_back(p.states[k].key);
+    break;
+  }
   if (moments) s.param_groups = m.stage0_param_groups;
   s.optimizer_file = path;
   return s;
