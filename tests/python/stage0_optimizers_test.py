@@ -9,12 +9,14 @@ CASE:
               losses equal a plain PyTorch loop's (fp32, 1e-6 relative); fp16 and bf16 at stage 0 refused at
               initialize naming the optimizer, the stage and the precision.
   resume      each optimizer saved at ZeRO 0 on 2 ranks: the model-states file's 'optimizer' is the plain loop's
-              optimizer.state_dict() (keys, param groups, values); resumed at ZeRO 0 on 1 and 4 ranks, at ZeRO
-              1-3 from the same folder, and from its `uckpt convert` universal folder (one file per state key);
-              and a ZeRO 2 checkpoint resumed at ZeRO 0: every resume continues the uninterrupted run.
+              optimizer.state_dict() (keys, param groups, values); resumed at ZeRO 0 on 1 rank, at ZeRO 3 on 2
+              from the same folder, at ZeRO 0 on 4 from its `uckpt convert` universal folder (one file per state
+              key); and a ZeRO 2 checkpoint of 1 rank resumed at ZeRO 0 on 2: each continues the uninterrupted run.
   state_dict  engine.optimizer.state_dict() at ZeRO 0 is the plain loop's optimizer.state_dict(); the returned
               optimizer's load_state_dict() of it, and a client optimizer's load_state_dict() before initialize
-              (imagenet/main.py's resume), continue the run; state_dict() at ZeRO 2 is refused naming the stage.
+              (imagenet/main.py's resume), continue the run; torch's AdamW (stepped by the engine's own Adam)
+              gives torch's state_dict() too; state_dict() of the config's optimizer, and at ZeRO 2, are refused
+              naming the case.
   hparams     load_checkpoint restores the client optimizer's own param-group entries (SGD's momentum, nesterov,
               weight_decay; Adagrad's lr_decay) at ZeRO 0 and 2, as DeepSpeed's load_state_dict does, and the
               run continues the uninterrupted one.
@@ -214,6 +216,26 @@ def worker_state_dict(deepspeed, torch, work):
                          make_opt=client_loaded)
         same(f"{name}: the client optimizer's load_state_dict before initialize at ZeRO 0", got, full[SAVE:])
         print(f"ok   {name}: state_dict() is torch's; load_state_dict() continues the run")
+    # torch's AdamW, which the engine's own Adam steps: its state_dict() is torch's too.
+    adamw = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01)  # noqa: E731
+    dump = os.path.join(work, "adamw.sd.pt")
+    engine_run(deepspeed, torch, "adamw", 0, 0, SAVE, save_at=SAVE, dump_state_dict=dump, make_opt=adamw)
+    dist.barrier()
+    if rank == 0:
+        same_state_dict("torch AdamW (the engine's Adam): engine.optimizer.state_dict() at ZeRO 0", torch.load(dump),
+                        reference_state_dict(torch, "adamw", SAVE, make_opt=adamw))
+        print("ok   AdamW: state_dict() is torch's")
+    # The optimizer the config's section made: DeepSpeed's is that class's, which uckpt does not write.
+    model = toy_net(torch)
+    _, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                        config=config(0, 2, optimizer={"type": "AdamW", "params": {"lr": 0.01}}))
+    try:
+        opt.state_dict()
+        fail("optimizer.state_dict() of the config's optimizer was not refused")
+    except RuntimeError as e:
+        if "'optimizer' section" not in str(e):
+            fail(f"optimizer.state_dict() of the config's optimizer refused without naming the case: {e}")
+        print(f"ok   refused: {e}")
     model = toy_net(torch)
     _, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                         config=config(2, 2))
@@ -414,9 +436,8 @@ def main():
         launch(script, "resume", pypath, 1, [work, "0", "0", "the folder"])
         launch(script, "resume", pypath, 4, [work, "0", "0", "universal"])
         launch(script, "resume", pypath, 2, [work, "0", "3", "the folder"])
-        launch(script, "resume", pypath, 1, [work, "0", "1", "universal"])
-        launch(script, "save", pypath, 2, [work, "2"])
-        launch(script, "resume", pypath, 1, [work, "2", "0", "the folder"])
+        launch(script, "save", pypath, 1, [work, "2"])
+        launch(script, "resume", pypath, 2, [work, "2", "0", "the folder"])
     elif case == "state_dict":
         launch(script, "state_dict", pypath, 2, [work])
     elif case == "inspect":
