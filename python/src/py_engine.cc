@@ -249,11 +249,22 @@ bool SectionEnabled(const nlohmann::json& config, const char* key) {
 
 // A client element-wise optimizer at ZeRO stage 0 runs in fp32 only: in
 // fp16/bf16 DeepSpeed wraps it in FP16_UnfusedOptimizer / BF16_Optimizer,
-// whose steps and checkpoint files uckpt does not reproduce.
-void RefuseStage0Precision(py::handle optimizer, const nlohmann::json& config) {
+// whose steps and checkpoint files uckpt does not reproduce. Nor does uckpt
+// number frozen parameters among the optimizer's state ids, as the torch
+// optimizer's own state_dict (DeepSpeed's stage-0 file) does.
+void RefuseStage0Unsupported(py::handle optimizer, const nlohmann::json& config) {
   const bool stage0 = !(config.contains("zero_optimization") && config["zero_optimization"].is_object() &&
                         config["zero_optimization"].value("stage", 0) > 0);
   if (!stage0) return;
+  size_t frozen = 0;
+  for (auto g : optimizer.attr("param_groups"))
+    for (auto p : g["params"]) frozen += !p.attr("requires_grad").cast<bool>();
+  if (frozen > 0)
+    throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 holds " +
+                          std::to_string(frozen) + " frozen parameter(s) (requires_grad=False) in its param groups, "
+                          "which DeepSpeed's stage-0 checkpoint numbers among the optimizer's state ids and uckpt "
+                          "does not; build it on the trainable parameters only (p for p in model.parameters() if "
+                          "p.requires_grad), or use ZeRO stage 1-3");
   const bool bf16 = SectionEnabled(config, "bf16") || SectionEnabled(config, "bfloat16");
   if (!bf16 && !SectionEnabled(config, "fp16")) return;
   throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 in " +
@@ -630,7 +641,7 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
                            options.comm->rank() == 0);
   options.param_groups = std::move(plan.groups);
   if (plan.client_step) {
-    RefuseStage0Precision(optimizer, json);
+    RefuseStage0Unsupported(optimizer, json);
     options.optimizer_step = ClientOptimizerStep(optimizer, plan.engine_group_of);
     options.optimizer_param_group = ClientParamGroup(optimizer, plan.engine_group_of);
   }

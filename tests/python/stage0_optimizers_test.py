@@ -7,7 +7,8 @@ CASE:
   vs_torch    SGD (momentum, Nesterov, weight decay; and plain), Adagrad, RMSprop, Adamax, NAdam, RAdam,
               AdamW(amsgrad) at ZeRO 0 on 2 ranks, and SGD with two param groups at 1 rank with GA 2: the global
               losses equal a plain PyTorch loop's (fp32, 1e-6 relative); fp16 and bf16 at stage 0 refused at
-              initialize naming the optimizer, the stage and the precision.
+              initialize naming the optimizer, the stage and the precision, and a frozen parameter in the
+              optimizer's groups (DeepSpeed's file numbers it among the state ids) naming it.
   resume      each optimizer saved at ZeRO 0 on 2 ranks: the model-states file's 'optimizer' is the plain loop's
               optimizer.state_dict() (keys, param groups, values); resumed at ZeRO 0 on 1 rank, at ZeRO 3 on 2
               from the same folder, at ZeRO 0 on 4 from its `uckpt convert` universal folder (one file per state
@@ -154,6 +155,16 @@ def worker_vs_torch(deepspeed, torch, work):
                 if "SGD" not in str(e) or "stage 0" not in str(e) or name not in str(e):
                     fail(f"SGD at ZeRO 0 in {name} refused without naming the optimizer, stage and precision: {e}")
                 print(f"ok   refused: {e}")
+        model = toy_net(torch)
+        model.net.out.bias.requires_grad_(False)
+        try:
+            deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                 config=config(0, 4))
+            fail("SGD at ZeRO 0 over a frozen parameter was not refused")
+        except ValueError as e:
+            if "SGD" not in str(e) or "stage 0" not in str(e) or "frozen" not in str(e):
+                fail(f"SGD at ZeRO 0 over a frozen parameter refused without naming the optimizer, stage, cause: {e}")
+            print(f"ok   refused: {e}")
         return
     for name in optimizers(torch):
         want = base.reference(torch, name, UPDATES)
