@@ -74,17 +74,19 @@ ValuePtr TensorValue(const at::Tensor& t, bool requires_grad) {
   return View(s, FromScalarType(t.scalar_type()), t.sizes().vec(), 0, requires_grad);
 }
 
+ValuePtr SavedStateValue(const at::Tensor& t) {
+  if (!t.defined()) return Value::None();  // torch's None state (SGD's momentum_buffer without momentum)
+  // A Python number the optimizer keeps (RMSprop's step) is saved as one.
+  if (t.dim() == 0 && t.scalar_type() == at::kLong) return Value::Int(t.item<int64_t>());
+  if (t.dim() == 0 && t.scalar_type() == at::kDouble) return Value::Float(t.item<double>());
+  return TensorValue(t);
+}
+
 ckpt::AdamState SavedOptimizerState(const PartitionState& st) {
   ckpt::AdamState out;
-  for (const auto& [key, t] : OptimizerStates(st)) {
-    // A Python number the optimizer keeps (RMSprop's step) is saved as one.
-    if (t.dim() == 0 && t.scalar_type() == at::kLong)
-      out.emplace_back(key, Value::Int(t.item<int64_t>()));
-    else if (t.dim() == 0 && t.scalar_type() == at::kDouble)
-      out.emplace_back(key, Value::Float(t.item<double>()));
-    else
-      out.emplace_back(key, TensorValue(t));
-  }
+  // A client optimizer's state as it keeps it, None states included (torch's
+  // state_dict, which DeepSpeed's files hold, keeps them), else Adam's.
+  for (const auto& [key, t] : st.named.empty() ? OptimizerStates(st) : st.named) out.emplace_back(key, SavedStateValue(t));
   return out;
 }
 
@@ -243,17 +245,7 @@ ckpt::AdamState NamedStateOf(const PartitionState& s, const std::vector<std::sha
   ckpt::AdamState out;
   for (size_t k = 0; k < s.named.size(); ++k) {
     const auto& [key, t] = s.named[k];
-    if (!t.defined()) {
-      out.emplace_back(key, Value::None());  // torch's None state, as its state_dict keeps it
-      continue;
-    }
-    if (flat[k]) {
-      out.emplace_back(key, View(flat[k], FromScalarType(t.scalar_type()), shape, offset));
-      continue;
-    }
-    PartitionState scalar;
-    scalar.named = {{key, t}};
-    out.push_back(SavedOptimizerState(scalar).front());
+    out.emplace_back(key, flat[k] ? View(flat[k], FromScalarType(t.scalar_type()), shape, offset) : SavedStateValue(t));
   }
   return out;
 }
