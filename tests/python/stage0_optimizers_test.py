@@ -18,6 +18,8 @@ CASE:
               (imagenet/main.py's resume), continue the run; torch's AdamW (stepped by the engine's own Adam)
               gives torch's state_dict() too; state_dict() of the config's optimizer, and at ZeRO 2, are refused
               naming the case.
+  inspect     `uckpt inspect` names each optimizer by its state keys in its ZeRO 0 and 2 folders and the universal
+              one, and `uckpt verify` accepts each stage-0 folder (NAdam's 0-d mu_product included).
   hparams     load_checkpoint restores the client optimizer's own param-group entries (SGD's momentum, nesterov,
               weight_decay; Adagrad's lr_decay) at ZeRO 0 and 2, as DeepSpeed's load_state_dict does, and the
               run continues the uninterrupted one.
@@ -325,6 +327,17 @@ IMAGENET_STYLE = {"optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas":
                                                            "weight_decay": 3e-7}}}
 
 
+def worker_save_small(deepspeed, torch, work):
+    """NAdam at ZeRO 0 on a Linear(4, 8) alone (no one-element tensor): saved after one update."""
+    model = torch.nn.Linear(4, 8)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.NAdam(model.parameters(), lr=0.01),
+                                           config=config(0, 2, 2))
+    for m in range(2):
+        engine.backward(engine(batch(torch, 0, 2 * m, 2)).pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(os.path.join(work, "small_nadam"))
+
+
 def worker_ds_run(deepspeed, torch, work, who):
     """`who`'s SGD (momentum) run at ZeRO 0, fp32: save at SAVE, its optimizer.state_dict() dumped, losses kept."""
     import torch.distributed as dist
@@ -455,6 +468,13 @@ def main():
         launch(script, "save", pypath, 1, [work, "0"])
         launch(script, "save", pypath, 1, [work, "2"])
         check_inspect(uckpt, work)
+        # uckpt verify takes every stage-0 folder, NAdam's 0-d mu_product of a model with no 1-element tensor too.
+        launch(script, "save_small", pypath, 1, [work])
+        for folder in [os.path.join(work, f"z0_{n}") for n in LABELS] + [os.path.join(work, "small_nadam")]:
+            p = subprocess.run([uckpt, "verify", folder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if p.returncode != 0:
+                fail(f"uckpt verify {folder}:\n{p.stdout}")
+        print("ok   uckpt verify accepts every optimizer's stage-0 folder")
     elif case == "hparams":
         launch(script, "hparams", pypath, 2, [work])
     elif case == "deepspeed":
