@@ -26,7 +26,8 @@ CASE:
   deepspeed   real DeepSpeed 0.14.5 (UCKPT_DEEPSPEED_SRC, on CPU; else exit 77) runs SGD (momentum) at ZeRO 0 in
               fp32 on 2 ranks: uckpt's model-states file holds what DeepSpeed's does ('optimizer': keys, param
               groups, values), uckpt's optimizer.state_dict() is DeepSpeed's, uckpt resumes DeepSpeed's checkpoint
-              and DeepSpeed resumes uckpt's, each continuing the run.
+              (and its `uckpt convert` universal folder at ZeRO 2) and DeepSpeed resumes uckpt's, each continuing
+              the run.
 """
 import json
 import os
@@ -348,12 +349,13 @@ def worker_ds_run(deepspeed, torch, work, who):
         json.dump(full, open(ckpt + ".json", "w"))
 
 
-def worker_ds_resume(deepspeed, torch, work, saver):
-    """Resume `saver`'s checkpoint at ZeRO 0 and continue its run."""
+def worker_ds_resume(deepspeed, torch, work, saver, stage="0", source="the folder"):
+    """Resume `saver`'s checkpoint at `stage` from `source` and continue its run."""
     ckpt = os.path.join(work, f"{saver}_sgd")
     full = json.load(open(ckpt + ".json"))
-    got = engine_run(deepspeed, torch, "sgd_momentum", 0, SAVE, UPDATES - SAVE, ckpt=ckpt, extra=IMAGENET_STYLE)
-    same(f"{saver}'s ZeRO 0 SGD checkpoint resumed", got, full[SAVE:])
+    got = engine_run(deepspeed, torch, "sgd_momentum", int(stage), SAVE, UPDATES - SAVE, ckpt=ckpt,
+                     extra=IMAGENET_STYLE, universal=source == "universal")
+    same(f"{saver}'s ZeRO 0 SGD checkpoint resumed from {source} at ZeRO {stage}", got, full[SAVE:])
 
 
 def worker(case, work, *rest):
@@ -494,6 +496,13 @@ def main():
             fail(f"uckpt inspect of DeepSpeed's ZeRO 0 SGD folder (config section Adam): {label!r}")
         print(f"ok   uckpt inspect of DeepSpeed's folder: {label!r}")
         launch(script, "ds_resume", pypath, 1, [work, "ds"])
+        # DeepSpeed's stage-0 folder (one param group, no record of its ids' parameters) through uckpt convert.
+        tag = os.path.join(work, "ds_sgd", f"global_step{SAVE}")
+        p = subprocess.run([uckpt, "convert", "-q", tag, tag + "_universal"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        if p.returncode != 0:
+            fail(f"uckpt convert of DeepSpeed's ZeRO 0 folder failed:\n{p.stdout}")
+        launch(script, "ds_resume", pypath, 1, [work, "ds", "2", "universal"])
         launch(script, "ds_resume", ds_path + os.pathsep + os.path.dirname(script), 2,
                [work, "deepspeed_runs", "uckpt"])
         print("ok   uckpt resumes DeepSpeed's ZeRO 0 SGD checkpoint and DeepSpeed resumes uckpt's")
