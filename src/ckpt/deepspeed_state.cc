@@ -94,7 +94,11 @@ const Tensor* TensorKey(const ValuePtr& dict, const std::string& key, const std:
 Stage0ParamState ReadStage0State(const ValuePtr& state, const std::string& where) {
   Stage0ParamState a;
   for (const auto& [key, v] : NamedEntries(state, where)) {
-    if (!v || IsNone(v)) continue;
+    if (!v) continue;
+    if (IsNone(v)) {
+      a.none_states.push_back(key);
+      continue;
+    }
     const std::string kw = where + "['" + key + "']";
     const bool number = v->kind == Kind::kInt || v->kind == Kind::kFloat;
     if (key == "step") {

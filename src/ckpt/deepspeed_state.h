@@ -108,6 +108,7 @@ struct Stage0ParamState {
   std::vector<std::pair<std::string, const Tensor*>> tensors;  // per-element states (the parameter's shape), file order
   ValuePtr step;                                                // 'step' as saved (a 0-d tensor or a number); null if none
   std::vector<std::pair<std::string, ValuePtr>> scalars;        // its other scalars (NAdam's mu_product)
+  std::vector<std::string> none_states;                         // states kept as None (SGD's momentum_buffer)
 };
 
 // ---- mp_rank_00_model_states.pt (ZeRO 0/1/2), and ZeRO 3's

@@ -195,6 +195,7 @@ class Opener {
         if (st != v.stage0_state.end()) {
           p.step = st->second.step;
           p.scalars = st->second.scalars;
+          p.none_states = st->second.none_states;
         }
         if (!group_step) group_step = p.step;
         c_.params.push_back(std::move(p));
@@ -337,9 +338,10 @@ class Opener {
   // element count every per-element state must have.
   void ReadGroupState(const ValuePtr& st, int64_t length, const std::string& where,
                       std::vector<std::pair<std::string, const Tensor*>>* tensors, ValuePtr* step,
-                      std::vector<std::pair<std::string, ValuePtr>>* scalars) {
+                      std::vector<std::pair<std::string, ValuePtr>>* scalars, std::vector<std::string>* nones) {
     tensors->clear();
     scalars->clear();
+    nones->clear();
     *step = nullptr;
     if (!st) return;
     for (const auto& [key, v] : NamedEntries(st, where)) {
@@ -348,7 +350,10 @@ class Opener {
         *step = v;
         continue;
       }
-      if (!v || IsNone(v)) continue;  // torch's None state (SGD's momentum_buffer without momentum)
+      if (!v || IsNone(v)) {  // torch's None state (SGD's momentum_buffer without momentum)
+        nones->push_back(key);
+        continue;
+      }
       const bool number = v->kind == Kind::kInt || v->kind == Kind::kFloat;
       if (number || (v->kind == Kind::kTensor && v->tensor->shape.empty())) {
         scalars->emplace_back(key, v);  // another scalar of the optimizer (NAdam's mu_product)
@@ -406,6 +411,7 @@ class Opener {
       std::vector<std::pair<std::string, const Tensor*>> states;
       ValuePtr step;
       std::vector<std::pair<std::string, ValuePtr>> scalars;
+      std::vector<std::string> nones;
     };
     std::vector<std::vector<RankGroup>> rg(c_.dp, std::vector<RankGroup>(G));
     bool first = true;
@@ -429,7 +435,7 @@ class Opener {
                                     " real elements (shapes do not add up)");
         rg[r][g].fp32 = &t;
         ReadGroupState(part.state, l.partition_size, part.state_where, &rg[r][g].states, &rg[r][g].step,
-                       &rg[r][g].scalars);
+                       &rg[r][g].scalars, &rg[r][g].nones);
         CheckStateKeys(rg[r][g].states, part.state_where, first);
         first = false;
         CheckMappings(groups[g], r, part);
@@ -469,6 +475,7 @@ class Opener {
         }
         if (!frags.empty()) p.step = rg[frags[0].rank][g].step;
         if (!frags.empty()) p.scalars = rg[frags[0].rank][g].scalars;
+        if (!frags.empty()) p.none_states = rg[frags[0].rank][g].nones;
         p.states.push_back(std::move(fp32));
         for (auto& s : states) p.states.push_back(std::move(s));
         c_.params.push_back(std::move(p));
@@ -508,6 +515,7 @@ class Opener {
       std::vector<std::pair<std::string, const Tensor*>> states;
       ValuePtr step;
       std::vector<std::pair<std::string, ValuePtr>> scalars;
+      std::vector<std::string> nones;
     };
     std::vector<std::vector<RankSub>> rs(c_.dp, std::vector<RankSub>(S));
     bool first = true;
@@ -527,7 +535,7 @@ class Opener {
         }
         rs[r][s].fp32 = &t;
         ReadGroupState(part.state, lengths[s], part.state_where, &rs[r][s].states, &rs[r][s].step,
-                       &rs[r][s].scalars);
+                       &rs[r][s].scalars, &rs[r][s].nones);
         CheckStateKeys(rs[r][s].states, part.state_where, first);
         first = false;
       }
@@ -561,6 +569,7 @@ class Opener {
         }
         slot += ps;
         p.scalars = rs[0][s].scalars;
+        p.none_states = rs[0][s].nones;
         // DeepSpeed's converter writes no step of ZeRO-3's Adam (its step is
         // the applied steps); any other optimizer's step is kept as at stage 1/2.
         if (!IsAdamStateKeys(c_.state_keys) || !p.scalars.empty()) p.step = rs[0][s].step;

@@ -46,6 +46,9 @@ struct ParamPlan {
   ValuePtr step;
   // The optimizer's other scalar states ("mu_product"), each written as <key>.pt.
   std::vector<std::pair<std::string, ValuePtr>> scalars;
+  // The states it keeps as None (SGD's momentum_buffer without momentum): no
+  // file of their own, given back to the optimizer as None on a load.
+  std::vector<std::string> none_states;
   uint64_t bytes() const;
 };
 

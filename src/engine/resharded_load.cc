@@ -79,8 +79,10 @@ void PlanNamedLoads(const LoadSource& source, PartitionSlot& slot, double applie
     // Adam's keys from ZeRO-3 (RAdam's too) keep no step: the applied steps, as for Adam.
     st.named.emplace_back("step", at::full({}, applied_steps, st.master.options().device(at::kCPU)));
   }
-  if (plan)
+  if (plan) {
     for (const auto& [key, v] : plan->scalars) st.named.emplace_back(key, ScalarTensor(v, where + " '" + key + "'"));
+    for (const auto& key : plan->none_states) st.named.emplace_back(key, at::Tensor());  // None, as saved
+  }
   for (const std::string& key : source.state_keys) {
     at::Tensor t = at::empty_like(st.master);
     loads.push_back(PlanLoad(source.states, slot.target, key, t));

@@ -10,7 +10,8 @@ CASE:
               initialize naming the optimizer, the stage and the precision, and a frozen parameter in the
               optimizer's groups (DeepSpeed's file numbers it among the state ids) naming it.
   resume      each optimizer saved at ZeRO 0 on 2 ranks: the model-states file's 'optimizer' is the plain loop's
-              optimizer.state_dict() (keys, param groups, values); resumed at ZeRO 0 on 1 rank, at ZeRO 3 on 2
+              optimizer.state_dict() (keys, param groups, values); resumed at ZeRO 0 on 1 rank (its
+              optimizer.state_dict() right after the load the file's, None states included), at ZeRO 3 on 2
               from the same folder, at ZeRO 0 on 4 from its `uckpt convert` universal folder (one file per state
               key); and a ZeRO 2 checkpoint of 1 rank resumed at ZeRO 0 on 2: each continues the uninterrupted run.
   state_dict  engine.optimizer.state_dict() at ZeRO 0 is the plain loop's optimizer.state_dict(); the returned
@@ -41,7 +42,7 @@ from testkit import fail, launch
 
 
 def engine_run(deepspeed, torch, name, stage, first, updates, ckpt=None, save_at=None, universal=False,
-               make_opt=None, before_load=None, dump_state_dict=None, extra=None):
+               make_opt=None, before_load=None, dump_state_dict=None, extra=None, after_load=None):
     """As optimizers_test.engine_run (updates `first`.. on, loading `ckpt` when given); `make_opt(params)`
     builds the optimizer (default: `name`'s), `before_load(engine)` runs before the load, and
     `dump_state_dict` (a path) receives rank 0's engine.optimizer.state_dict() at save_at."""
@@ -59,6 +60,8 @@ def engine_run(deepspeed, torch, name, stage, first, updates, ckpt=None, save_at
         path, _ = engine.load_checkpoint(ckpt)
         if path is None:
             fail(f"{name}: nothing loaded from {ckpt}")
+        if after_load:
+            after_load(engine, path)
     out = []
     for u in range(first, first + updates):
         total = torch.zeros(())
@@ -185,11 +188,20 @@ def worker_save(deepspeed, torch, work, stage):
 
 
 def worker_resume(deepspeed, torch, work, saved_stage, stage, source):
+    import torch.distributed as dist
+
+    def same_as_file(engine, path):
+        """At ZeRO 0 from a ZeRO 0 folder: the loaded state is the file's, None states included."""
+        if saved_stage == stage == "0" and source != "universal" and dist.get_rank() == 0:
+            same_state_dict(f"{name}: optimizer.state_dict() right after load_checkpoint",
+                            engine.optimizer.state_dict(),
+                            model_states_optimizer(os.path.join(path, "mp_rank_00_model_states.pt")))
+
     for name in optimizers(torch):
         ckpt = os.path.join(work, f"z{saved_stage}_{name}")
         full = json.load(open(ckpt + ".json"))
         got = engine_run(deepspeed, torch, name, int(stage), SAVE, UPDATES - SAVE, ckpt=ckpt,
-                         universal=source == "universal")
+                         universal=source == "universal", after_load=same_as_file)
         same(f"{name}: saved at ZeRO {saved_stage}, resumed from {source} at ZeRO {stage}", got, full[SAVE:])
     print(f"ok   every optimizer saved at ZeRO {saved_stage} resumed from {source} at ZeRO {stage}, "
           "continuing the uninterrupted run")
