@@ -190,6 +190,10 @@ struct LoadStats {
   // The model-states file's 'lr_scheduler' value as saved (None when absent),
   // for a client scheduler's load_state_dict (SaveCheckpointOptions::lr_scheduler_state).
   ClientState lr_scheduler_state;
+  // The optimizer's param_groups as saved (torch's dicts; None unless optimizer
+  // state was loaded): a client optimizer's own hyper-parameters (SGD's
+  // momentum, Adagrad's lr_decay, ...), as DeepSpeed's load_state_dict restores them.
+  ClientState optimizer_param_groups;
 };
 
 // Engine::LoadWeights: how a file's tensor names become the model's.

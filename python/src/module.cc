@@ -58,17 +58,10 @@ PYBIND11_MODULE(_uckpt, m) {
                  "engine.optimizer.backward() is not supported by uckpt: call engine.backward(loss) (which also "
                  "reduces the gradients across ranks, as DeepSpeed's engine.backward does)");
            })
-      .def("state_dict",
-           [](EngineOptimizer&) -> py::object {
-             throw std::runtime_error(
-                 "engine.optimizer.state_dict() is not supported by uckpt: engine.save_checkpoint() writes the "
-                 "optimizer state (each rank's *_optim_states.pt holds what DeepSpeed's state_dict() returns)");
-           })
-      .def("load_state_dict",
-           [](EngineOptimizer&, py::args, py::kwargs) {
-             throw std::runtime_error(
-                 "engine.optimizer.load_state_dict() is not supported by uckpt: use engine.load_checkpoint()");
-           })
+      // ZeRO stage 0 in fp32 with a client torch optimizer: that optimizer's own; elsewhere refused by name.
+      .def("state_dict", [](EngineOptimizer& o) { return o.engine->OptimizerStateDict(); })
+      .def("load_state_dict", [](EngineOptimizer& o, py::object sd) { o.engine->LoadOptimizerStateDict(sd); },
+           "state_dict"_a)
       .def_property_readonly("overflow", [](const EngineOptimizer& o) { return uckpt::python::OptimizerOverflow(*o.engine); })
       .def("__repr__", [](const EngineOptimizer&) { return std::string("<uckpt ZeRO optimizer>"); });
 

@@ -212,7 +212,9 @@ OptimizerStepFn ClientOptimizerStep(py::handle optimizer, const std::vector<int>
       std::vector<std::pair<std::string, at::Tensor>> named;
       for (auto kv : states[i]) {
         auto pair = kv.cast<py::tuple>();
-        named.emplace_back(pair[0].cast<std::string>(), THPVariable_Unpack(pair[1].ptr()));
+        // None: torch's "no state" (SGD's momentum_buffer without momentum), kept as an undefined tensor.
+        named.emplace_back(pair[0].cast<std::string>(),
+                           pair[1].is_none() ? at::Tensor() : THPVariable_Unpack(pair[1].ptr()));
       }
       *parts[i].state = std::move(named);
     }
@@ -239,6 +241,37 @@ std::function<c10::IValue(size_t)> ClientParamGroup(py::handle optimizer, const 
 }
 
 // ---- Checks of what uckpt does not do. ----
+
+// Whether the config's `key` section ("fp16", "bf16" or its alias "bfloat16") is enabled.
+bool SectionEnabled(const nlohmann::json& config, const char* key) {
+  return config.contains(key) && config[key].is_object() && config[key].value("enabled", false) == true;
+}
+
+// A client element-wise optimizer at ZeRO stage 0 runs in fp32 only: in
+// fp16/bf16 DeepSpeed wraps it in FP16_UnfusedOptimizer / BF16_Optimizer,
+// whose steps and checkpoint files uckpt does not reproduce. Nor does uckpt
+// number frozen parameters among the optimizer's state ids, as the torch
+// optimizer's own state_dict (DeepSpeed's stage-0 file) does.
+void RefuseStage0Unsupported(py::handle optimizer, const nlohmann::json& config) {
+  const bool stage0 = !(config.contains("zero_optimization") && config["zero_optimization"].is_object() &&
+                        config["zero_optimization"].value("stage", 0) > 0);
+  if (!stage0) return;
+  size_t frozen = 0;
+  for (auto g : optimizer.attr("param_groups"))
+    for (auto p : g["params"]) frozen += !p.attr("requires_grad").cast<bool>();
+  if (frozen > 0)
+    throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 holds " +
+                          std::to_string(frozen) + " frozen parameter(s) (requires_grad=False) in its param groups, "
+                          "which DeepSpeed's stage-0 checkpoint numbers among the optimizer's state ids and uckpt "
+                          "does not; build it on the trainable parameters only (p for p in model.parameters() if "
+                          "p.requires_grad), or use ZeRO stage 1-3");
+  const bool bf16 = SectionEnabled(config, "bf16") || SectionEnabled(config, "bfloat16");
+  if (!bf16 && !SectionEnabled(config, "fp16")) return;
+  throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 in " +
+                        (bf16 ? "bf16" : "fp16") + " is not supported by uckpt (DeepSpeed wraps it in its " +
+                        (bf16 ? "BF16_Optimizer" : "FP16_UnfusedOptimizer") + "; uckpt runs it at stage 0 in fp32, "
+                        "and in fp16/bf16 at stages 1-3)");
+}
 
 void RefuseUnsupported(py::handle model, py::handle mpu, const nlohmann::json& config, const std::string& source) {
   if (!mpu.is_none())
@@ -607,11 +640,8 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   engine::ApplyHostThreads(0, "", "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change",
                            options.comm->rank() == 0);
   options.param_groups = std::move(plan.groups);
-  if (plan.client_step && !(json.contains("zero_optimization") && json["zero_optimization"].is_object() &&
-                            json["zero_optimization"].value("stage", 0) > 0))
-    throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 is not supported by "
-                          "uckpt (stage 0 takes Adam and AdamW; other element-wise optimizers run at stages 1-3)");
   if (plan.client_step) {
+    RefuseStage0Unsupported(optimizer, json);
     options.optimizer_step = ClientOptimizerStep(optimizer, plan.engine_group_of);
     options.optimizer_param_group = ClientParamGroup(optimizer, plan.engine_group_of);
   }
@@ -639,6 +669,7 @@ py::tuple Initialize(py::object args, py::object model, py::object optimizer, py
   py::object dataloader = training_data.is_none() ? py::none() : MakeDataLoader(training_data, e, collate_fn, json.value("dataloader_drop_last", false));
   auto py_engine = std::make_shared<PyEngine>(model, shell, std::move(engine), settings);
   py_engine->UseParamGroups(optimizer, std::move(plan.engine_group_of));
+  if (!optimizer.is_none()) py_engine->TakeClientState();
   if (client_scheduler) py_engine->UseClientScheduler(lr_scheduler);
   RegisterUnitHooks(py_engine, units);
   RegisterParameters(py_engine, *shell);
@@ -916,6 +947,7 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
     r = engine_->LoadCheckpoint(dir, t, o);
   }
   if (r.path.empty()) return py::make_tuple(py::none(), py::none());  // DeepSpeed's answer when nothing was found
+  if (!load_module_only && load_optimizer_states) RestoreClientGroups();
   if (!load_module_only) PullGroups(load_optimizer_states);  // the restored lrs (and hyper-parameters)
   if (!load_module_only && load_lr_scheduler_states && !client_scheduler_.is_none()) {
     if (engine_->last_load().lr_scheduler_state.isNone())
@@ -928,6 +960,20 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   // DeepSpeed hands back the checkpoint's 'lr_scheduler' with the client state when it does not load it.
   if (!load_lr_scheduler_states && py::isinstance<py::dict>(cs)) cs["lr_scheduler"] = FromIValue(engine_->last_load().lr_scheduler_state);
   return py::make_tuple(py::str(r.path), cs);
+}
+
+void PyEngine::RestoreClientGroups() {
+  const c10::IValue& saved = engine_->last_load().optimizer_param_groups;
+  if (!settings_.client_step || !saved.isList()) return;
+  py::list groups = FromIValue(saved);
+  py::list dicts = py::list(ParamGroups());
+  for (size_t i = 0; i < dicts.size() && i < engine_group_of_.size(); ++i) {
+    const int g = engine_group_of_[i];
+    if (g < 0 || static_cast<size_t>(g) >= groups.size() || !py::isinstance<py::dict>(groups[g])) continue;
+    py::dict d = dicts[i];
+    for (auto [k, v] : groups[g].cast<py::dict>())
+      if (py::str(k).cast<std::string>() != "params") d[k] = v;
+  }
 }
 
 void PyEngine::ZeroGrad() {

@@ -67,6 +67,20 @@ class PyEngine {
   void StepScheduler(py::args args, py::kwargs kwargs);
   py::dict SchedulerState() const;
 
+  // ---- engine.optimizer.state_dict() / load_state_dict() (py_optimizer_state.cc). ----
+  // At ZeRO stage 0 in fp32 with a client torch optimizer, DeepSpeed's
+  // optimizer is that optimizer itself: its state_dict() holds the engine's
+  // state per parameter in torch's format, and load_state_dict() puts a state
+  // dict's state into the engine and its groups' entries into the client's
+  // dicts. Every other case raises, naming it (StateDictRefusal: "" when supported).
+  py::object OptimizerStateDict();
+  void LoadOptimizerStateDict(py::object state_dict);
+  std::string StateDictRefusal(const char* call) const;
+  // At initialize, where state_dict() is the client's: the state the client
+  // optimizer already holds (a script's load_state_dict before initialize)
+  // goes into the engine, as DeepSpeed's stage 0 steps that optimizer with it.
+  void TakeClientState();
+
   // ---- A client lr_scheduler (DeepSpeed's client_lr_scheduler). ----
   // An object (stepped as DeepSpeed's engine steps it, its state_dict() saved
   // under 'lr_scheduler'), or a callable given the optimizer (the client's, or
@@ -94,6 +108,11 @@ class PyEngine {
   bool config_scheduler_stepped_ = false;     // DeepSpeed's get_last_lr() asserts before a step
   void StepClientScheduler(py::object lr_kwargs);
   void RequireOptimizer(const char* call) const;
+  void RequireStateDict(const char* call) const;
+  void TakeParamStates(py::list param_states);  // (parameter, {key: tensor or None}) pairs into the engine
+  // After a load with optimizer state: the saved param groups' entries (all of
+  // a client optimizer's own keys) into its dicts, as torch's load_state_dict.
+  void RestoreClientGroups();
   py::list own_groups_;                       // the dicts without a client optimizer
   std::vector<int> engine_group_of_;          // dict i's engine group (-1: nothing trainable)
 };

@@ -7,6 +7,8 @@ engine calls PartitionStepper.step at every applied step; the optimizer's state
 lives in the engine between steps (saved and loaded under its own keys), and
 is handed to the optimizer for the step.
 """
+import collections
+
 import torch
 
 # Optimizers whose state is not one value per element of the parameter:
@@ -29,6 +31,8 @@ def refusal(optimizer):
 
 def _number_or_tensor(v):
     """A state as the optimizer keeps it: 0-d int64 and float64 tensors are its Python numbers."""
+    if v is None:
+        return None
     if v.dim() == 0 and v.dtype == torch.int64:
         return int(v)
     if v.dim() == 0 and v.dtype == torch.float64:
@@ -86,8 +90,9 @@ class PartitionStepper:
     def _checked(self, state, master, before):
         out = []
         for key, v in state.items():
-            if v is None:
-                continue  # torch's "no state" (SGD's momentum_buffer without momentum)
+            if v is None:  # torch's "no state" (SGD's momentum_buffer without momentum)
+                out.append((key, None))
+                continue
             if isinstance(v, int) and not isinstance(v, bool):  # a number (RMSprop's step): kept as a 0-d int64 (float64) tensor
                 v = torch.tensor(v, dtype=torch.int64)
             elif isinstance(v, float):
@@ -101,3 +106,72 @@ class PartitionStepper:
             raise ValueError(f"uckpt: the loaded optimizer state has keys {sorted(before)} but {self.name} keeps "
                              f"{sorted(k for k, _ in out)}: the checkpoint was saved with another optimizer")
         return out
+
+
+def stage0_state_dict(optimizer, param_states):
+    """The client `optimizer`'s own state_dict() with the engine's state: DeepSpeed's
+    optimizer.state_dict() at ZeRO stage 0 in fp32, where it steps the client's
+    optimizer on the parameters themselves. `param_states`: (parameter, {key: value})
+    pairs, values as views of the engine's state."""
+    own = optimizer.state
+    state = collections.defaultdict(dict)
+    for p, st in param_states:
+        if st:
+            state[p] = {k: _number_or_tensor(v) for k, v in st.items()}
+    optimizer.state = state
+    try:
+        return optimizer.state_dict()
+    finally:
+        optimizer.state = own
+
+
+def stage0_load_state_dict(optimizer, state_dict):
+    """torch's load_state_dict on the client `optimizer`, keeping its param-group
+    dicts (the engine and a scheduler hold them): their entries become the saved
+    ones. Returns the loaded state as (parameter, {key: tensor}) pairs (numbers
+    as 0-d int64/float64 tensors), leaving the optimizer's own state as it was."""
+    groups = optimizer.param_groups
+    dicts = list(groups)
+    own = optimizer.state
+    try:
+        optimizer.load_state_dict(state_dict)
+        loaded = optimizer.state
+        for old, new in zip(dicts, optimizer.param_groups):
+            params = old["params"]
+            old.clear()
+            old.update(new)
+            old["params"] = params
+    finally:
+        optimizer.param_groups = groups
+        optimizer.state = own
+    return _param_states(dicts, loaded)
+
+
+def take_state(optimizer):
+    """The state a client `optimizer` holds already (a script's load_state_dict before
+    initialize), as (parameter, {key: tensor}) pairs; its own state is left empty, the
+    engine keeps it from now on (DeepSpeed's stage 0 steps the optimizer with it)."""
+    taken = _param_states(optimizer.param_groups, optimizer.state)
+    optimizer.state.clear()
+    return [(p, st) for p, st in taken if st]
+
+
+def _param_states(dicts, state):
+    out = []
+    for d in dicts:
+        for p in d["params"]:
+            st = {}
+            for k, v in state.get(p, {}).items():
+                if v is None:  # torch's None state, kept
+                    st[k] = None
+                    continue
+                if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
+                    raise ValueError(f"optimizer.load_state_dict: state '{k}' is {_describe(v)}, not a tensor or a "
+                                     "number (uckpt keeps an element-wise optimizer's state)")
+                if isinstance(v, int):
+                    v = torch.tensor(v, dtype=torch.int64)
+                elif isinstance(v, float):
+                    v = torch.tensor(v, dtype=torch.float64)
+                st[k] = v
+            out.append((p, st))
+    return out

@@ -176,6 +176,12 @@ class Converter {
     add(UniversalOptimizerStateFile(tmp_), 0,
         [this](OrderedSink& out) { WriteTorchFile(out, out.path(), UniversalOptimizerState(ckpt_), {}, release_); }, {});
     for (const auto& m : ckpt_.model_files) {
+      if (ckpt_.stage == 0) {  // with param_shapes, its optimizer state moved into zero/
+        add(tmp_ + "/" + m.name, 0, [this](OrderedSink& out) {
+          WriteTorchFile(out, out.path(), Stage0UniversalModelStates(ckpt_), {}, release_);
+        }, {});
+        continue;
+      }
       PlannedFile f;  // copied as shutil.copy2 does: data, mode, times
       f.path = tmp_ + "/" + m.name;
       f.copy_from = m.path;

@@ -88,11 +88,30 @@ const Tensor* TensorKey(const ValuePtr& dict, const std::string& key, const std:
   return v->tensor.get();
 }
 
-AdamStateView ReadAdamState(const ValuePtr& state, const std::string& where) {
-  AdamStateView a;
-  a.exp_avg = TensorKey(state, kExpAvg, where);
-  a.exp_avg_sq = TensorKey(state, kExpAvgSq, where);
-  a.step = ScalarOf(Key(state, "step", where), where + ".step");
+// One parameter's entry of stage 0's torch optimizer state: 'step', other
+// scalars (numbers, 0-d tensors) and per-element tensors; None is torch's
+// "no state" (SGD's momentum_buffer without momentum).
+Stage0ParamState ReadStage0State(const ValuePtr& state, const std::string& where) {
+  Stage0ParamState a;
+  for (const auto& [key, v] : NamedEntries(state, where)) {
+    if (!v) continue;
+    if (IsNone(v)) {
+      a.none_states.push_back(key);
+      continue;
+    }
+    const std::string kw = where + "['" + key + "']";
+    const bool number = v->kind == Kind::kInt || v->kind == Kind::kFloat;
+    if (key == "step") {
+      ScalarOf(v, kw);  // a number or a one-element tensor
+      a.step = v;
+    } else if (number || (v->kind == Kind::kTensor && v->tensor->shape.empty())) {
+      a.scalars.emplace_back(key, v);
+    } else if (v->kind == Kind::kTensor) {
+      a.tensors.emplace_back(key, v->tensor.get());
+    } else {
+      Fail(kw, "is not a tensor or a number (" + KindName(*v) + "); only element-wise optimizer states can be loaded");
+    }
+  }
   return a;
 }
 
@@ -394,6 +413,9 @@ ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
   if (ValuePtr g = Key(root, "global_samples", path, false); g && g->kind == Kind::kInt) m.global_samples = g->i;
   if (ValuePtr u = Key(root, "uckpt", path, false); u && u->is_dict() && u->get("data_samples"))
     m.global_samples = IntKey(u, "data_samples", path + ": uckpt");
+  if (ValuePtr u = Key(root, "uckpt", path, false); u && u->is_dict() && u->get(kStage0ParamNames))
+    for (const auto& n : AsList(u->get(kStage0ParamNames), path + ": uckpt['" + kStage0ParamNames + "']"))
+      m.stage0_param_names.push_back(AsStr(n, path + ": uckpt['" + kStage0ParamNames + "']"));
   if (m.global_steps < 0 || m.skipped_steps < 0 || (m.global_samples && *m.global_samples < 0))
     throw FormatError(path + ": negative step counters");
   if (ValuePtr s = Key(root, "lr_scheduler", path, false); s && s->kind != Kind::kNone) m.lr_scheduler = s;
@@ -402,7 +424,7 @@ ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
   if (ValuePtr d = Key(root, "dp_world_size", path, false); d && d->kind == Kind::kInt) m.dp_world_size = d->i;
   if (ValuePtr opt = Key(root, "optimizer", path, false); opt && opt->is_dict()) {
     for (const auto& [id, state] : StatesById(Key(opt, "state", path + ": optimizer"), path + ": optimizer.state"))
-      m.stage0_state[id] = ReadAdamState(state, path + ": optimizer.state[" + std::to_string(id) + "]");
+      m.stage0_state[id] = ReadStage0State(state, path + ": optimizer.state[" + std::to_string(id) + "]");
     m.stage0_param_groups = Key(opt, "param_groups", path + ": optimizer", false);
   }
   for (const auto& [k, v] : root->entries)
@@ -474,12 +496,16 @@ std::optional<std::vector<Stage0OptimizerEntry>> ReadStage0OptimizerEntries(cons
 }
 
 ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::vector<AdamHparams>& groups,
-                              const std::vector<std::vector<int64_t>>& group_params) {
+                              const std::vector<std::vector<int64_t>>& group_params,
+                              const std::vector<ValuePtr>& group_entries) {
   ValuePtr state = Value::Dict();
   for (size_t i = 0; i < states.size(); ++i)
     if (!states[i].empty()) state->set(Value::Int(static_cast<int64_t>(i)), StateDict(states[i]));
   ValuePtr param_groups = Value::List();
-  for (size_t g = 0; g < groups.size(); ++g) param_groups->items.push_back(ParamGroupValue(groups[g], group_params.at(g)));
+  for (size_t g = 0; g < groups.size(); ++g)
+    param_groups->items.push_back(g < group_entries.size() && group_entries[g]
+                                      ? ParamGroupValue(group_entries[g], group_params.at(g))
+                                      : ParamGroupValue(groups[g], group_params.at(g)));
   return Dict({{"state", state}, {"param_groups", param_groups}});
 }
 

@@ -102,11 +102,13 @@ inline constexpr const char* kExpAvgSq = "exp_avg_sq";
 AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq);
 // Whether per-element state keys are Adam's (exp_avg and exp_avg_sq, any order).
 bool IsAdamStateKeys(const std::vector<std::string>& keys);
-// Adam's state of one partition or parameter, read back.
-struct AdamStateView {
-  const Tensor* exp_avg = nullptr;
-  const Tensor* exp_avg_sq = nullptr;
-  double step = 0;  // a 0-d tensor or a number in the file
+// Stage 0's state of one parameter (torch's optimizer state_dict entry),
+// read back: whichever element-wise optimizer saved it.
+struct Stage0ParamState {
+  std::vector<std::pair<std::string, const Tensor*>> tensors;  // per-element states (the parameter's shape), file order
+  ValuePtr step;                                                // 'step' as saved (a 0-d tensor or a number); null if none
+  std::vector<std::pair<std::string, ValuePtr>> scalars;        // its other scalars (NAdam's mu_product)
+  std::vector<std::string> none_states;                         // states kept as None (SGD's momentum_buffer)
 };
 
 // ---- mp_rank_00_model_states.pt (ZeRO 0/1/2), and ZeRO 3's
@@ -141,12 +143,19 @@ struct ModelStatesView {
   std::optional<int64_t> last_batch_iteration;  // the lr scheduler's
   ValuePtr lr_scheduler;                        // the scheduler's state as saved (null: None or absent)
   std::optional<int64_t> dp_world_size;
-  // Stage 0: torch's optimizer state_dict: Adam state by parameter id, param groups.
-  std::map<int64_t, AdamStateView> stage0_state;
+  // Stage 0: torch's optimizer state_dict: each parameter's state by id, param groups.
+  std::map<int64_t, Stage0ParamState> stage0_state;
   ValuePtr stage0_param_groups;
+  // uckpt's record of which parameter each stage-0 state id is (its 'uckpt'
+  // dict's stage0_param_names); empty in DeepSpeed's files.
+  std::vector<std::string> stage0_param_names;
   std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey, but uckpt's defaults
 };
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
+
+// The 'uckpt' dict's key naming the parameter of each stage-0 optimizer state
+// id (a list of names in id order), which DeepSpeed's file does not record.
+inline constexpr const char* kStage0ParamNames = "stage0_param_names";
 
 // Whether `key` is one of the model-states file's own keys (DeepSpeed's or
 // uckpt's); every other top-level key is client state. `iteration` and
@@ -195,10 +204,13 @@ struct Stage0OptimizerEntry {
 // Null (no optimizer dict: not a stage-0 file) or the entries.
 std::optional<std::vector<Stage0OptimizerEntry>> ReadStage0OptimizerEntries(const ValuePtr& root, const std::string& path);
 
-// Stage 0's `optimizer`: torch Adam's state_dict: `states[i]` of parameter i
-// (numbered over all groups), `group_params[g]` the ids of group g.
+// Stage 0's `optimizer`: the torch optimizer's state_dict: `states[i]` of
+// parameter i (numbered over all groups), `group_params[g]` the ids of group
+// g; group g's entries are `group_entries[g]` when given (another optimizer's
+// own keys), else torch Adam's from groups[g].
 ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::vector<AdamHparams>& groups,
-                              const std::vector<std::vector<int64_t>>& group_params);
+                              const std::vector<std::vector<int64_t>>& group_params,
+                              const std::vector<ValuePtr>& group_entries = {});
 
 // ZeRO-3 frozen parameters. DeepSpeed (and uckpt) saves each one
 // partitioned: an empty `module` entry, and in rank r's

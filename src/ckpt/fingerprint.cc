@@ -274,8 +274,9 @@ StateFingerprint FingerprintLayout(const ZeroCheckpoint& z) {
     f.params.push_back(std::move(pf));
   }
   SetModelCounters(z.model, f.counters);
-  const std::string path = z.optim[0].file->path();
-  f.counters.loss_scale = ReadLossScale(ReadOptimStatesLossScaler(z.optim[0].root, path));
+  // A stage-0 folder has no rank files (and no loss scaler: its files are fp32).
+  const std::string path = z.optim.empty() ? z.model.file->path() : z.optim[0].file->path();
+  if (!z.optim.empty()) f.counters.loss_scale = ReadLossScale(ReadOptimStatesLossScaler(z.optim[0].root, path));
   if (!z.state_keys.empty() && !z.params.empty()) {
     if (ValuePtr step = z.steps.at(z.params[0].group)) f.counters.optimizer_step = ScalarOf(step, path + ": step");
   }

@@ -1,5 +1,7 @@
 #include "ckpt/inspect.h"
 
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <optional>
 
@@ -32,11 +34,50 @@ std::string ConfigOptimizer(const TorchFile& model) {
   return type && type->kind == Kind::kStr ? type->s : "";
 }
 
-std::string GuessOptimizer(const std::vector<std::string>& states) {
-  auto has = [&](const char* k) { return std::find(states.begin(), states.end(), k) != states.end(); };
-  if (has(kExpAvg) && has(kExpAvgSq)) return "Adam-style";
-  if (has("momentum_buffer")) return "SGD-style";
-  return states.empty() ? "none (no optimizer state)" : "unknown";
+// The torch optimizers (1.13) whose state has exactly these per-element keys
+// (sorted) and scalars besides `step`: what the keys say, and no more.
+std::string OptimizersWithStates(std::vector<std::string> keys, std::vector<std::string> scalars) {
+  std::sort(keys.begin(), keys.end());
+  std::sort(scalars.begin(), scalars.end());
+  using Keys = std::vector<std::string>;
+  struct Known {
+    Keys keys, scalars;
+    const char* names;
+  };
+  static const Known kKnown[] = {
+      {{kExpAvg, kExpAvgSq}, {}, "Adam, AdamW or RAdam"},
+      {{kExpAvg, kExpAvgSq}, {"mu_product"}, "NAdam"},
+      {{kExpAvg, kExpAvgSq, "max_exp_avg_sq"}, {}, "Adam or AdamW with amsgrad"},
+      {{kExpAvg, "exp_inf"}, {}, "Adamax"},
+      {{"momentum_buffer"}, {}, "SGD with momentum"},
+      {{"sum"}, {}, "Adagrad"},
+      {{"square_avg"}, {}, "RMSprop"},
+      {{"momentum_buffer", "square_avg"}, {}, "RMSprop with momentum"},
+      {{"grad_avg", "square_avg"}, {}, "RMSprop (centered)"},
+      {{"grad_avg", "momentum_buffer", "square_avg"}, {}, "RMSprop (centered, with momentum)"},
+      {{"acc_delta", "square_avg"}, {}, "Adadelta"},
+      {{"prev", "step_size"}, {}, "Rprop"},
+      {{"ax"}, {"eta", "mu"}, "ASGD"},
+  };
+  if (keys.empty() && scalars.empty()) return "none (no optimizer state: before the first step, or SGD without momentum)";
+  for (const Known& k : kKnown)
+    if (k.keys == keys && k.scalars == scalars) return k.names;
+  return "unknown";
+}
+
+// The config's optimizer type when the state agrees with it (DeepSpeed uses a
+// client optimizer over the config's section), else what the state keys say.
+std::string OptimizerLabel(const std::string& config_type, const std::vector<std::string>& keys,
+                           const std::vector<std::string>& scalars) {
+  const std::string by_state = OptimizersWithStates(keys, scalars);
+  if (config_type.empty()) return by_state;
+  std::string lower = config_type;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const bool adam_keys = keys.size() >= 2 && IsAdamStateKeys({keys[0], keys[1]});
+  const bool adam_type = lower.find("adam") != std::string::npos || lower.find("lamb") != std::string::npos;
+  if (keys.empty() || (adam_type && adam_keys && scalars.empty())) return config_type;
+  return by_state + " by its state keys (the config's optimizer section says " + config_type +
+         ": a client optimizer was used instead)";
 }
 
 std::string ValueText(const ValuePtr& v) {
@@ -70,8 +111,10 @@ void InspectZero(const std::string& folder, CheckpointInfo* info) {
   info->dtype = ModuleDtype(z.model);
   info->master_dtype = z.params.empty() ? "" : std::string(DTypeName(z.params[0].states[0].dtype));
   info->optimizer_states = z.state_keys;
-  info->optimizer = ConfigOptimizer(z.model);
-  if (info->optimizer.empty()) info->optimizer = GuessOptimizer(z.state_keys);
+  std::vector<std::string> scalars;
+  if (!z.params.empty())
+    for (const auto& [key, v] : z.params[0].scalars) scalars.push_back(key);
+  info->optimizer = OptimizerLabel(ConfigOptimizer(z.model), z.state_keys, scalars);
   if (!z.params.empty())
     if (ValuePtr step = z.steps.at(z.params[0].group)) info->optimizer_step = ValueText(step);
   size_t groups = 0;
@@ -92,8 +135,7 @@ void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
   info->world_size = u.source_dp;
   info->dtype = ModuleDtype(u.model);
   info->optimizer_states = u.state_keys;
-  info->optimizer = ConfigOptimizer(u.model);
-  if (info->optimizer.empty()) info->optimizer = GuessOptimizer(u.state_keys);
+  info->optimizer = OptimizerLabel(ConfigOptimizer(u.model), u.state_keys, u.scalar_keys);
   info->global_steps = u.global_steps;
   info->param_groups = u.groups.size();
   const std::string opt_path = UniversalOptimizerStateFile(u.folder);

@@ -18,7 +18,7 @@ struct CheckpointInfo {
   int world_size = 0;            // data-parallel size it was saved at
   std::string dtype;             // model weights (module) dtype, "" if unknown
   std::string master_dtype;      // fp32 master weights dtype
-  std::string optimizer;         // ds_config optimizer type, else a guess from the state keys
+  std::string optimizer;         // ds_config optimizer type when the state agrees, else the torch optimizers its state keys fit
   std::vector<std::string> optimizer_states;  // per-element states (exp_avg, ...)
   std::string optimizer_step;    // the optimizer's step, as text ("" if none)
   size_t param_groups = 0;

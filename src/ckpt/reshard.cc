@@ -1,6 +1,7 @@
 #include "ckpt/reshard.h"
 
 #include <algorithm>
+#include <map>
 #include <unordered_map>
 
 #include "ckpt/partition.h"
@@ -139,17 +140,31 @@ ReadSource ZeroReadSource(const ZeroCheckpoint& z) { return {z.folder, ListedIn(
 
 ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, const std::vector<std::string>& names) {
   ReadSource s{path, path, {}};
-  for (size_t id = 0; id < names.size(); ++id) {
-    const std::string& name = names[id];
+  // Stage 0's state ids: the parameters uckpt recorded, else the order of `names`.
+  std::map<std::string, int64_t> recorded;
+  for (size_t k = 0; k < m.stage0_param_names.size(); ++k) recorded[m.stage0_param_names[k]] = static_cast<int64_t>(k);
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
+    int64_t id = static_cast<int64_t>(i);
+    if (!recorded.empty()) {
+      auto r = recorded.find(name);
+      id = r == recorded.end() ? -1 : r->second;
+    }
     auto it = m.module.find(name);
     if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + name + "'");
     const Tensor& w = *it->second;
-    ParamPlan p{name, w.shape, w.numel(), 0, {WholeState("fp32", w, path + ": '" + name + "'")}, nullptr};
-    if (auto st = m.stage0_state.find(static_cast<int64_t>(id)); st != m.stage0_state.end()) {
+    ParamPlan p{name, w.shape, w.numel(), 0, {WholeState("fp32", w, path + ": '" + name + "'")}, nullptr, {}, {}};
+    if (auto st = m.stage0_state.find(id); st != m.stage0_state.end()) {
       const std::string where = path + ": optimizer state of " + name;
-      p.states.push_back(WholeState(kExpAvg, *st->second.exp_avg, where));
-      p.states.push_back(WholeState(kExpAvgSq, *st->second.exp_avg_sq, where));
-      p.step = Value::Float(st->second.step);
+      for (const auto& [key, t] : st->second.tensors) {
+        if (t->numel() != w.numel())
+          throw FormatError(where + ": '" + key + "' has " + std::to_string(t->numel()) + " elements, the parameter " +
+                            std::to_string(w.numel()) + " (not an element-wise optimizer's state?)");
+        p.states.push_back(WholeState(key, *t, where));
+      }
+      p.step = st->second.step;
+      p.scalars = st->second.scalars;
+      p.none_states = st->second.none_states;
     }
     s.params.push_back(std::move(p));
   }

@@ -7,7 +7,7 @@
 // (ZeroReadSource over an opened ZeroCheckpoint, zero_checkpoint.h: stage
 // 1/2 flat partitions or stage-3 per-parameter partitions alike), a universal
 // folder's per-parameter files (MapUniversalStates, universal_checkpoint.h)
-// and a model-states file's module and torch Adam state (ModuleReadSource:
+// and a model-states file's module and torch optimizer state (ModuleReadSource:
 // stage 0's, or a stage 1/2 folder's weights).
 // The target is a list of fragments: which elements of which parameter go
 // where in the new rank's flat partition. Two target layouts are provided:
@@ -73,9 +73,11 @@ ReadSource ZeroReadSource(const ZeroCheckpoint& z);
 
 // A model-states file's (`path`) trainable parameters `names`, in torch's
 // parameter order (stage 0's optimizer state is numbered so): "fp32" is the
-// module's tensor (the 16-bit weights of an fp16/bf16 run), "exp_avg" and
-// "exp_avg_sq" stage 0's Adam state and `step` its step, when saved. Throws
-// FormatError naming `path` for a missing or non-contiguous tensor.
+// module's tensor (the 16-bit weights of an fp16/bf16 run), then stage 0's
+// optimizer state when saved: its per-element states under their keys
+// (Adam's exp_avg, exp_avg_sq; SGD's momentum_buffer, ...), `step` and other
+// scalars. Throws FormatError naming `path` for a missing or non-contiguous
+// tensor, or a state of another size than its parameter.
 ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, const std::vector<std::string>& names);
 
 // The reads that fill state `key` ("fp32", "exp_avg", ...) of `target` from

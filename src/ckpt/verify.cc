@@ -131,7 +131,7 @@ class StructureCheck {
   // ZeRO-0 (DeepSpeed's stage 0, and uckpt's): no optimizer-states files; the
   // model states hold the whole model and the torch optimizer's state_dict.
   // Every tensor of both must have its bytes, the optimizer state at most one
-  // entry per module tensor, and each moment the size of a module tensor.
+  // entry per module tensor, and each per-element state the size of a module tensor.
   void Stage0(const std::vector<CheckpointFile>& files) {
     std::string path;
     for (const auto& f : files)
@@ -159,7 +159,8 @@ class StructureCheck {
     for (const Stage0OptimizerEntry& entry : *optimizer) {
       for (const auto& [name, t] : entry.tensors) {
         TensorBytes(*t, entry.where + "." + name);
-        if (name != "step" && !numels.count(t->numel()))
+        // Scalars (0-d: step, NAdam's mu_product) are not per-element states.
+        if (!t->shape.empty() && !numels.count(t->numel()))
           Fail(entry.where + "." + name, "has " + std::to_string(t->numel()) +
                                              " elements, which no tensor of the module has");
       }

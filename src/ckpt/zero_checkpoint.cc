@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/manifest.h"
@@ -87,6 +88,7 @@ class Opener {
   ZeroCheckpoint Open() {
     auto files = ListCheckpointFolder(c_.folder);
     RefuseUnsupportedFiles(files, c_.folder);
+    if (OpenStage0(files)) return std::move(c_);
     FindOptimFiles(files);
     LoadOptimFiles();
     FindModelFiles(files);
@@ -98,6 +100,110 @@ class Opener {
   }
 
  private:
+  // A stage-0 folder: no rank files, the model states hold the module's
+  // whole weights and the torch optimizer's own state_dict ('optimizer').
+  // False when `files` are not one.
+  bool OpenStage0(const std::vector<CheckpointFile>& files) {
+    const CheckpointFile* model = nullptr;
+    for (const auto& f : files) {
+      if (f.kind == FileKind::kOptimStates || f.kind == FileKind::kZero3ModelStates) return false;
+      if (f.kind == FileKind::kModelStates) model = &f;
+    }
+    if (!model) return false;
+    TorchFile m = LoadTorchFile(model->path);
+    ValuePtr opt = m.root && m.root->is_dict() ? m.root->get("optimizer") : nullptr;
+    if (!opt || !opt->is_dict()) return false;
+    c_.stage = 0;
+    c_.dp = 1;  // every rank held everything
+    c_.model_files.push_back(*model);
+    c_.model = std::move(m);
+    RefusePatterns(c_.model);
+    const ModelStatesRun run = ReadModelStatesRun(c_.model.root);
+    if (run.mp_world_size && *run.mp_world_size != 1)
+      Fail(model->path, "tensor/pipeline-parallel checkpoints (mp_world_size " + std::to_string(*run.mp_world_size) +
+                            ") are not supported; only mp_world_size 1 can be converted");
+    c_.global_steps = run.global_steps.value_or(-1);
+    PlanStage0(ReadModelStates(c_.model.root, model->path), model->path);
+    return true;
+  }
+
+  // Which parameter each stage-0 state id is: uckpt's record, else (DeepSpeed's
+  // file, one param group) the module's parameters in order, which is how
+  // torch numbers model.parameters().
+  std::vector<std::string> Stage0Names(const ModelStatesView& v, const std::vector<std::vector<int64_t>>& ids,
+                                       const std::string& path) {
+    if (!v.stage0_param_names.empty()) return v.stage0_param_names;
+    if (ids.size() != 1)
+      Fail(path, "optimizer.param_groups has " + std::to_string(ids.size()) + " groups, and a stage-0 file that "
+                 "uckpt did not write does not say which parameter each optimizer state id is (only one group is "
+                 "read in the module's parameter order); resume it with the engine, which knows its parameters");
+    const ModuleEntriesView entries = ReadModuleEntries(c_.model.root, path);
+    std::set<std::string> aliases;
+    for (const auto& [alias, owner] : entries.shared_params) aliases.insert(alias);
+    std::vector<std::string> names;
+    for (const auto& [k, t] : NamedEntries(RequiredModule(c_.model.root, path), path + ": module"))
+      if (!entries.buffer_names.count(k) && !aliases.count(k)) names.push_back(k);
+    if (names.size() != ids[0].size())
+      Fail(path, "the module has " + std::to_string(names.size()) + " parameters besides buffers and tied aliases, "
+                 "but optimizer.param_groups[0] lists " + std::to_string(ids[0].size()) + " (frozen parameters "
+                 "cannot be told from trainable ones in a stage-0 file uckpt did not write)");
+    for (size_t k = 0; k < ids[0].size(); ++k)
+      if (ids[0][k] != static_cast<int64_t>(k))
+        Fail(path, "optimizer.param_groups[0]['params'] is not 0.." + std::to_string(ids[0].size() - 1) + " in order");
+    return names;
+  }
+
+  void PlanStage0(const ModelStatesView& v, const std::string& path) {
+    if (!v.stage0_param_groups) Fail(path, "optimizer has no param_groups");
+    std::vector<std::vector<int64_t>> ids;
+    for (const ValuePtr& g : AsList(v.stage0_param_groups, path + ": optimizer.param_groups")) {
+      const std::string where = path + ": optimizer.param_groups[" + std::to_string(ids.size()) + "]";
+      ids.emplace_back();
+      for (const ValuePtr& id : AsList(Need(g, "params", where), where + "['params']")) {
+        if (!id || id->kind != Kind::kInt) Fail(where + "['params']", "holds a non-integer id");
+        ids.back().push_back(id->i);
+      }
+    }
+    const std::vector<std::string> names = Stage0Names(v, ids, path);
+    bool first = true;
+    for (size_t g = 0; g < ids.size(); ++g) {
+      ValuePtr group_step;
+      for (const int64_t id : ids[g]) {
+        if (id < 0 || id >= static_cast<int64_t>(names.size()))
+          Fail(path + ": optimizer.param_groups[" + std::to_string(g) + "]", "names state id " + std::to_string(id) +
+                                                                             " of no recorded parameter");
+        ParamPlan p;
+        p.name = names[id];
+        auto w = v.module.find(p.name);
+        if (w == v.module.end()) Fail(path, "module has no tensor '" + p.name + "'");
+        p.shape = w->second->shape;
+        p.numel = w->second->numel();
+        p.group = g;
+        const std::string where = path + ": optimizer.state[" + std::to_string(id) + "] ('" + p.name + "')";
+        p.states.push_back({"fp32", w->second->dtype, {TensorElements(*w->second, 0, p.numel, path + ": '" + p.name + "'")}});
+        auto st = v.stage0_state.find(id);
+        std::vector<std::pair<std::string, const Tensor*>> tensors;
+        if (st != v.stage0_state.end()) tensors = st->second.tensors;
+        for (const auto& [key, t] : tensors) {
+          if (t->numel() != p.numel)
+            Fail(where, "'" + key + "' has " + std::to_string(t->numel()) + " elements, the parameter " +
+                            std::to_string(p.numel) + " (only element-wise optimizer states can be converted)");
+          p.states.push_back({key, t->dtype, {TensorElements(*t, 0, p.numel, where + " '" + key + "'")}});
+        }
+        CheckStateKeys(tensors, where, first);
+        first = false;
+        if (st != v.stage0_state.end()) {
+          p.step = st->second.step;
+          p.scalars = st->second.scalars;
+          p.none_states = st->second.none_states;
+        }
+        if (!group_step) group_step = p.step;
+        c_.params.push_back(std::move(p));
+      }
+      c_.steps.push_back(group_step);
+    }
+  }
+
   void FindOptimFiles(const std::vector<CheckpointFile>& files) {
     std::vector<CheckpointFile> optim;
     for (const auto& f : files)
@@ -232,9 +338,10 @@ class Opener {
   // element count every per-element state must have.
   void ReadGroupState(const ValuePtr& st, int64_t length, const std::string& where,
                       std::vector<std::pair<std::string, const Tensor*>>* tensors, ValuePtr* step,
-                      std::vector<std::pair<std::string, ValuePtr>>* scalars) {
+                      std::vector<std::pair<std::string, ValuePtr>>* scalars, std::vector<std::string>* nones) {
     tensors->clear();
     scalars->clear();
+    nones->clear();
     *step = nullptr;
     if (!st) return;
     for (const auto& [key, v] : NamedEntries(st, where)) {
@@ -243,7 +350,10 @@ class Opener {
         *step = v;
         continue;
       }
-      if (!v || IsNone(v)) continue;  // torch's None state (SGD's momentum_buffer without momentum)
+      if (!v || IsNone(v)) {  // torch's None state (SGD's momentum_buffer without momentum)
+        nones->push_back(key);
+        continue;
+      }
       const bool number = v->kind == Kind::kInt || v->kind == Kind::kFloat;
       if (number || (v->kind == Kind::kTensor && v->tensor->shape.empty())) {
         scalars->emplace_back(key, v);  // another scalar of the optimizer (NAdam's mu_product)
@@ -301,6 +411,7 @@ class Opener {
       std::vector<std::pair<std::string, const Tensor*>> states;
       ValuePtr step;
       std::vector<std::pair<std::string, ValuePtr>> scalars;
+      std::vector<std::string> nones;
     };
     std::vector<std::vector<RankGroup>> rg(c_.dp, std::vector<RankGroup>(G));
     bool first = true;
@@ -324,7 +435,7 @@ class Opener {
                                     " real elements (shapes do not add up)");
         rg[r][g].fp32 = &t;
         ReadGroupState(part.state, l.partition_size, part.state_where, &rg[r][g].states, &rg[r][g].step,
-                       &rg[r][g].scalars);
+                       &rg[r][g].scalars, &rg[r][g].nones);
         CheckStateKeys(rg[r][g].states, part.state_where, first);
         first = false;
         CheckMappings(groups[g], r, part);
@@ -364,6 +475,7 @@ class Opener {
         }
         if (!frags.empty()) p.step = rg[frags[0].rank][g].step;
         if (!frags.empty()) p.scalars = rg[frags[0].rank][g].scalars;
+        if (!frags.empty()) p.none_states = rg[frags[0].rank][g].nones;
         p.states.push_back(std::move(fp32));
         for (auto& s : states) p.states.push_back(std::move(s));
         c_.params.push_back(std::move(p));
@@ -403,6 +515,7 @@ class Opener {
       std::vector<std::pair<std::string, const Tensor*>> states;
       ValuePtr step;
       std::vector<std::pair<std::string, ValuePtr>> scalars;
+      std::vector<std::string> nones;
     };
     std::vector<std::vector<RankSub>> rs(c_.dp, std::vector<RankSub>(S));
     bool first = true;
@@ -422,7 +535,7 @@ class Opener {
         }
         rs[r][s].fp32 = &t;
         ReadGroupState(part.state, lengths[s], part.state_where, &rs[r][s].states, &rs[r][s].step,
-                       &rs[r][s].scalars);
+                       &rs[r][s].scalars, &rs[r][s].nones);
         CheckStateKeys(rs[r][s].states, part.state_where, first);
         first = false;
       }
@@ -456,6 +569,7 @@ class Opener {
         }
         slot += ps;
         p.scalars = rs[0][s].scalars;
+        p.none_states = rs[0][s].nones;
         // DeepSpeed's converter writes no step of ZeRO-3's Adam (its step is
         // the applied steps); any other optimizer's step is kept as at stage 1/2.
         if (!IsAdamStateKeys(c_.state_keys) || !p.scalars.empty()) p.step = rs[0][s].step;
@@ -472,12 +586,31 @@ class Opener {
 
 }  // namespace
 
+ValuePtr Stage0UniversalModelStates(const ZeroCheckpoint& ckpt) {
+  ParamShapes groups;
+  for (const ParamPlan& p : ckpt.params) {
+    if (p.group >= groups.size()) groups.resize(p.group + 1);
+    groups[p.group].push_back({p.name, p.shape});
+  }
+  ValuePtr out = Value::Dict();
+  for (const auto& [k, v] : ckpt.model.root->entries) out->entries.emplace_back(k, v);
+  out->set("param_shapes", ParamShapesValue(groups));
+  out->set("optimizer", Value::None());
+  return out;
+}
+
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
   if (check_manifest) CheckFolderAgainstManifest(StripTrailingSlashes(folder), verify_hashes);
   return Opener(folder).Open();
 }
 
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
+  if (ckpt.stage == 0) {  // the torch optimizer's param groups (no loss scaler: stage 0 files are fp32)
+    ValuePtr opt = Need(ckpt.model.root, "optimizer", ckpt.model.file->path());
+    ValuePtr out = Value::Dict();
+    out->set("param_groups", Need(opt, "param_groups", ckpt.model.file->path() + ": optimizer"));
+    return out;
+  }
   return UniversalOptimizerStateValue(ckpt.optim[0].root, ckpt.optim[0].file->path(), ckpt.stage, ckpt.layouts.size(),
                                       ckpt.dp);
 }

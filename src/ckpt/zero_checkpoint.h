@@ -46,12 +46,16 @@ struct ParamPlan {
   ValuePtr step;
   // The optimizer's other scalar states ("mu_product"), each written as <key>.pt.
   std::vector<std::pair<std::string, ValuePtr>> scalars;
+  // The states it keeps as None (SGD's momentum_buffer without momentum): no
+  // file of their own, given back to the optimizer as None on a load.
+  std::vector<std::string> none_states;
   uint64_t bytes() const;
 };
 
 struct ZeroCheckpoint {
   std::string folder;
-  int stage = 0;                 // 1, 2 or 3
+  int stage = 0;                 // 0, 1, 2 or 3 (0: the module's weights and torch's optimizer state in the
+                                 // model states, no rank files; dp 1)
   bool bf16_optimizer = false;   // BF16_Optimizer (no zero_stage key; counts as stage 1)
   int dp = 0;                    // data-parallel size
   std::string optim_prefix;      // "", "bf16_" or "fp16_"
@@ -70,8 +74,9 @@ struct ZeroCheckpoint {
   uint64_t total_bytes() const;  // all per-parameter state bytes of the plan
 };
 
-// Opens `folder` (a tag folder such as ckpt/global_step5), validates it and
-// computes the plan. Throws FormatError naming the file for: missing or extra
+// Opens `folder` (a tag folder such as ckpt/global_step5; a ZeRO 1-3 folder,
+// or a stage-0 one: torch's optimizer state_dict in the model states),
+// validates it and computes the plan. Throws FormatError naming the file for: missing or extra
 // rank files, mixed world sizes or steps, shapes that do not add up, corrupt
 // or truncated files, and unsupported layouts; IoError if files cannot be read.
 // A folder with a manifest (ckpt/manifest.h) is first checked against it:
@@ -83,6 +88,12 @@ ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes 
 // (universal spec §3.3): stage 1/2 — rank 0's optimizer_state_dict without the
 // sharded entries, group_paddings all 0, partition_count [dp]*G, plus
 // param_groups; stage 3 — rank 0's whole optimizer_state_dict plus param_groups.
+// Stage 0: the torch optimizer's param_groups alone.
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt);
+
+// Stage 0's model states as a universal folder holds them: the file's dict
+// with param_shapes (per param group, as stage 1/2 record them) and without
+// the optimizer state (in zero/ now). DeepSpeed converts no stage-0 folder.
+ValuePtr Stage0UniversalModelStates(const ZeroCheckpoint& ckpt);
 
 }  // namespace uckpt::ckpt

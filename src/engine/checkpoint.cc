@@ -82,17 +82,19 @@ ValuePtr TensorValue(const at::Tensor& t, bool requires_grad) {
   return View(s, FromScalarType(t.scalar_type()), t.sizes().vec(), 0, requires_grad);
 }
 
+ValuePtr SavedStateValue(const at::Tensor& t) {
+  if (!t.defined()) return Value::None();  // torch's None state (SGD's momentum_buffer without momentum)
+  // A Python number the optimizer keeps (RMSprop's step) is saved as one.
+  if (t.dim() == 0 && t.scalar_type() == at::kLong) return Value::Int(t.item<int64_t>());
+  if (t.dim() == 0 && t.scalar_type() == at::kDouble) return Value::Float(t.item<double>());
+  return TensorValue(t);
+}
+
 ckpt::AdamState SavedOptimizerState(const PartitionState& st) {
   ckpt::AdamState out;
-  for (const auto& [key, t] : OptimizerStates(st)) {
-    // A Python number the optimizer keeps (RMSprop's step) is saved as one.
-    if (t.dim() == 0 && t.scalar_type() == at::kLong)
-      out.emplace_back(key, Value::Int(t.item<int64_t>()));
-    else if (t.dim() == 0 && t.scalar_type() == at::kDouble)
-      out.emplace_back(key, Value::Float(t.item<double>()));
-    else
-      out.emplace_back(key, TensorValue(t));
-  }
+  // A client optimizer's state as it keeps it, None states included (torch's
+  // state_dict, which DeepSpeed's files hold, keeps them), else Adam's.
+  for (const auto& [key, t] : st.named.empty() ? OptimizerStates(st) : st.named) out.emplace_back(key, SavedStateValue(t));
   return out;
 }
 
@@ -242,26 +244,47 @@ ckpt::AdamState AdamStateOf(const PartitionState& s, const std::shared_ptr<Stora
                               View(sq, DType::kFloat32, shape, offset));
 }
 
-// Stage 0: torch Adam's own state_dict, one state per parameter, numbered
-// over all groups.
+// A client optimizer's state of one parameter, as torch keeps it per
+// parameter: each per-element state viewed `shape` at `offset` of the
+// group's flat one (`flat[k]`: state k's storage, null for a scalar), each
+// scalar as saved at stages 1-3, None states as None, in the optimizer's order.
+ckpt::AdamState NamedStateOf(const PartitionState& s, const std::vector<std::shared_ptr<Storage>>& flat,
+                             const std::vector<int64_t>& shape, int64_t offset) {
+  ckpt::AdamState out;
+  for (size_t k = 0; k < s.named.size(); ++k) {
+    const auto& [key, t] = s.named[k];
+    out.emplace_back(key, flat[k] ? View(flat[k], FromScalarType(t.scalar_type()), shape, offset) : SavedStateValue(t));
+  }
+  return out;
+}
+
+// Stage 0: the torch optimizer's own state_dict (Adam's, or the client's
+// element-wise optimizer's with its own keys and param groups), one state
+// per parameter, numbered over all groups.
 ValuePtr Stage0Optimizer(const Engine::Impl& e) {
   std::vector<ckpt::AdamState> states;
   std::vector<ckpt::AdamHparams> hparams;
+  std::vector<ValuePtr> entries;
   std::vector<std::vector<int64_t>> ids(e.groups.size());
   const std::vector<PartitionSlot> slots = e.runtime->Slots();  // one per group
   for (size_t g = 0; g < e.groups.size(); ++g) {
     const PartitionState& s = *slots.at(g).state;
     std::shared_ptr<Storage> avg, sq;
     if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
+    std::vector<std::shared_ptr<Storage>> flat;
+    for (const auto& kv : s.named)
+      flat.push_back(kv.second.defined() && kv.second.dim() == 1 ? StorageOf(kv.second) : nullptr);
     int64_t at = 0;
     for (const auto& p : e.groups[g]) {
       ids[g].push_back(static_cast<int64_t>(states.size()));
-      states.push_back(AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at));
+      states.push_back(e.client_optimizer ? NamedStateOf(s, flat, p.tensor.sizes().vec(), at)
+                                          : AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at));
       at += p.tensor.numel();
     }
     hparams.push_back(SavedHparams(e, g));
+    if (e.client_param_group) entries.push_back(FromIValue(e.client_param_group(g), "optimizer param group"));
   }
-  return ckpt::Stage0OptimizerValue(states, hparams, ids);
+  return ckpt::Stage0OptimizerValue(states, hparams, ids, entries);
 }
 
 // Stages 0-2's model states: the trainable parameters as views into one
@@ -287,7 +310,14 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
     m.frozen_shapes.push_back({name, whole->shape});
     m.frozen.emplace_back(name, View(whole->storage, whole->dtype, {whole->numel()}, 0));
   }
-  if (m.stage == 0) m.stage0_optimizer = Stage0Optimizer(e);
+  if (m.stage == 0) {
+    m.stage0_optimizer = Stage0Optimizer(e);
+    // Which parameter each state id is (DeepSpeed's stage-0 file does not say): for convert and resume.
+    ValuePtr names = Value::List();
+    for (const auto& group : e.groups)
+      for (const auto& p : group) names->items.push_back(Value::Str(p.name));
+    m.extra.front().second->set(ckpt::kStage0ParamNames, names);
+  }
   return ckpt::ModelStatesValue(m);
 }
 
@@ -591,12 +621,16 @@ namespace {
 // Whether the trainable weights come from a stage 0-2 folder's module state
 // (16-bit in fp16/bf16 runs, as DeepSpeed's module load) rather than the
 // fp32 masters of its rank files: where the weights are whole (stages 0-2)
-// for weights-only and no-optimizer loads, and for stage 0's own checkpoints
-// (stage 0 resumes a ZeRO 1/2 folder from its rank files). A ZeRO-3 folder's
-// module holds no trainable weights; stage 3 reads its partitions' masters.
+// for weights-only and no-optimizer loads, and for stage-0 checkpoints (into
+// any stage; stage 0 resumes a ZeRO 1/2 folder from its rank files). A
+// ZeRO-3 folder's module holds no trainable weights; stage 3 reads its
+// partitions' masters.
 bool WeightsFromModule(const Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
                        const LoadCheckpointOptions& o) {
-  if (!model.stage12 || e.runtime->partitions_parameters()) return false;
+  if (!model.stage12) return false;
+  // A stage-0 folder (torch's optimizer state in the model states, no rank files) into any stage.
+  if (model.view.stage0_param_groups && !HasOptimFiles(folder)) return true;
+  if (e.runtime->partitions_parameters()) return false;
   if (o.load_module_only || !o.load_optimizer_states) return true;
   return e.stage() == 0 && (model.view.stage0_param_groups || !HasOptimFiles(folder));
 }
@@ -636,6 +670,8 @@ void LoadPartitions(Engine::Impl& e, const std::string& folder, const ModelState
   static_cast<ckpt::LossScalerState&>(e.runtime->loss_scaler()) =
       ckpt::ReadLossScaler(source.loss_scaler, e.runtime->loss_scaler());
   ApplySavedHparams(e, source.optimizer_file, source.param_groups, o);
+  // For a client optimizer's own keys (SGD's momentum, ...): the caller restores them into its groups.
+  if (moments && source.param_groups) e.last_load.optimizer_param_groups = ToIValue(source.param_groups);
   if (source.kind == SourceKind::kRankFiles) e.last_load.optimizer_bytes_read = bytes;
 }
 

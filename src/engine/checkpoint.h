@@ -51,8 +51,12 @@ ValuePtr TensorValue(const at::Tensor& t, bool requires_grad = false);
 
 // A partition's optimizer state as the files save it: torch's state-dict
 // entry of the partition under the optimizer's keys (Adam's step, exp_avg,
-// exp_avg_sq, or another optimizer's); empty before its first step.
+// exp_avg_sq, or another optimizer's, its None states included); empty
+// before its first step.
 ckpt::AdamState SavedOptimizerState(const PartitionState& st);
+// One state value as saved: None for an undefined tensor, a 0-d int64 or
+// float64 tensor as the Python number it was, else the tensor.
+ValuePtr SavedStateValue(const at::Tensor& t);
 
 // checkpoint_zero3.cc: this rank's files of a ZeRO-3 checkpoint (its model
 // states with the client's keys, and its optimizer states).

@@ -87,8 +87,10 @@ void PlanNamedLoads(const LoadSource& source, PartitionSlot& slot, double applie
     // Adam's keys from ZeRO-3 (RAdam's too) keep no step: the applied steps, as for Adam.
     st.named.emplace_back("step", at::full({}, applied_steps, st.master.options().device(at::kCPU)));
   }
-  if (plan)
+  if (plan) {
     for (const auto& [key, v] : plan->scalars) st.named.emplace_back(key, ScalarTensor(v, where + " '" + key + "'"));
+    for (const auto& key : plan->none_states) st.named.emplace_back(key, at::Tensor());  // None, as saved
+  }
   for (const std::string& key : source.state_keys) {
     at::Tensor t = at::empty_like(st.master);
     loads.push_back(PlanLoad(source.states, slot.target, key, t));
@@ -185,10 +187,16 @@ LoadSource ModelStatesSource(const ckpt::ModelStatesView& m, const std::string& 
                              const std::vector<PartitionSlot>& slots, bool moments) {
   LoadSource s;
   s.kind = SourceKind::kModelStates;
-  // Stage 0's Adam state is numbered over the parameters in the groups' order.
+  // Stage 0's optimizer state is numbered over the parameters in the groups' order.
   s.states = ckpt::ModuleReadSource(m, path, SlotParams(slots));
   s.has_moments = ckpt::HasState(s.states, ckpt::kExpAvg) && ckpt::HasState(s.states, ckpt::kExpAvgSq);
-  if (s.has_moments) s.state_keys = {ckpt::kExpAvg, ckpt::kExpAvgSq};
+  // The per-element keys the parameters' states hold (the first one's, in
+  // file order); a parameter without one of them fails its read, naming it.
+  for (const ckpt::ParamPlan& p : s.states.params) {
+    if (p.states.size() <= 1) continue;
+    for (size_t k = 1; k < p.states.size(); ++k) s.state_keys.push_back(p.states[k].key);
+    break;
+  }
   if (moments) s.param_groups = m.stage0_param_groups;
   s.optimizer_file = path;
   return s;

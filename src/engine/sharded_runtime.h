@@ -40,14 +40,16 @@ struct PartitionState {
   at::Tensor exp_avg_sq;  // [P] fp32
   at::Tensor step;        // 0-d fp32 tensor (torch Adam's step), undefined before the first step
   // Another optimizer's state in the order it made it: [P] fp32 tensors
-  // ("momentum_buffer", "sum") and 0-d scalars ("step", "mu_product"). Empty
-  // before its first step.
+  // ("momentum_buffer", "sum") and 0-d scalars ("step", "mu_product"); an
+  // undefined tensor is a state torch keeps as None (SGD's momentum_buffer
+  // without momentum: saved so only at stage 0, where the file is torch's
+  // own state_dict). Empty before its first step.
   std::vector<std::pair<std::string, at::Tensor>> named;
 };
 
 // A partition's optimizer state under its keys, whichever optimizer made it:
-// Adam's step, exp_avg, exp_avg_sq (torch's order), else `named`. Empty
-// before the first step.
+// Adam's step, exp_avg, exp_avg_sq (torch's order), else `named` without
+// its None states. Empty before the first step.
 std::vector<std::pair<std::string, at::Tensor>> OptimizerStates(const PartitionState& st);
 // Of them, the per-element ones ([P] tensors), keys sorted (the fingerprint's order).
 std::vector<std::pair<std::string, at::Tensor>> ElementStates(const PartitionState& st);

@@ -23,7 +23,7 @@ CASE:
                   outside its forward and are whole inside it (the package's hooks) and inside
                   deepspeed.zero.GatheredParameters; the losses equal DeepSpeed's recorded stage-3 run.
   unsupported     initialize() refuses ZeRO stage 4, MoE, pipeline modules, mpu, client lr
-                  schedulers and SGD at stage 0, and the engine backward(allreduce_gradients=False),
+                  schedulers and SGD at stage 0 in fp16, and the engine backward(allreduce_gradients=False),
                   load_checkpoint(load_module_strict=False), optimizer.step() and unknown
                   lr_kwargs, naming each.
 """
@@ -337,13 +337,15 @@ cases = [
     ("pipeline", dict(model=PipelineModule(layers=[torch.nn.Linear(4, 4)]), config=cfg()), "pipeline"),
     ("mpu", dict(model=net(), config=cfg(), mpu=object()), "mpu"),
     ("lr_scheduler", dict(model=net(), config=cfg(), lr_scheduler=object()), "lr_scheduler"),
-    ("SGD at stage 0", dict(model=net(), optimizer="SGD", config={"train_micro_batch_size_per_gpu": 1}), "SGD"),
+    ("SGD at stage 0 in fp16", dict(model=net(), optimizer="SGD", config={"train_micro_batch_size_per_gpu": 1,
+                                                                         "fp16": {"enabled": True}}),
+     "SGD at ZeRO stage 0 in fp16"),
     ("pipeline config", dict(model=net(), config=cfg(pipeline={"stages": 2})), "'pipeline'"),
 ]
 bad = 0
 for name, kw, needle in cases:
     m = kw["model"]
-    if kw.get("optimizer") == "SGD":  # other element-wise optimizers run at stages 1-3 (optimizers_test.py)
+    if kw.get("optimizer") == "SGD":  # element-wise optimizers run at stages 0 (fp32) to 3 (optimizers_test.py)
         kw["optimizer"] = torch.optim.SGD(m.parameters(), lr=0.1)
     elif kw.get("optimizer") == "AdamW":
         kw["optimizer"] = torch.optim.AdamW(m.parameters())

@@ -11,10 +11,11 @@ CASE:
             initialize(training_data=), epochs over it, eval() under no_grad: the counts DeepSpeed's loader gives
             and a falling loss, at ZeRO 0 and 2; --moe (deepspeed.moe.layer.MoE in the model) refused by name.
   imagenet  training/imagenet/main.py's way: --deepspeed_config with its keys (cuda_visible_devices,
-            zero_allow_untested_optimizer, gradient_clipping 0), a client optimizer with a torch StepLR on it that
-            initialize is not given (lr_scheduler=None), the script's own DistributedSampler with set_epoch, and
-            state_dict() of the engine saved with the epoch: losses equal a plain PyTorch loop's (1e-5 relative),
-            the lr following the StepLR, the saved weights named module.<name>.
+            zero_allow_untested_optimizer, gradient_clipping 0), a client SGD (momentum, weight decay) at ZeRO 0
+            with a torch StepLR on it that initialize is not given (lr_scheduler=None), the script's own
+            DistributedSampler with set_epoch, and state_dict() of the engine and optimizer.state_dict() saved
+            with the epoch: losses equal a plain PyTorch loop's (1e-5 relative), the lr following the StepLR, the
+            saved weights named module.<name>, the saved optimizer state the plain loop's SGD state_dict().
   chat      DeepSpeed-Chat step 1's way: its ds config (hybrid_engine and tensorboard sections switched off, the
             stage-3 knobs as floats, offload devices "none"), its optimizer groups (the empty one dropped),
             FusedAdam with a cosine LambdaLR as lr_scheduler=, model(**batch, use_cache=False).loss, evaluation
@@ -169,7 +170,7 @@ def imagenet_worker(work):
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", os.path.join(work, "ds_config.json")])
     model = imagenet_model(torch)
-    optimizer = torch.optim.AdamW(model.parameters(), 0.01, weight_decay=1e-4)
+    optimizer = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9, weight_decay=1e-4)  # as main.py's
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # not given to initialize
     model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, args=args, lr_scheduler=None,
                                                   dist_init_required=True)
@@ -191,7 +192,8 @@ def imagenet_worker(work):
             losses.append(mean.item() / world)
         lrs.append(model.get_lr())
         scheduler.step()
-        state = {"epoch": epoch + 1, "state_dict": model.state_dict(), "scheduler": scheduler.state_dict()}
+        state = {"epoch": epoch + 1, "state_dict": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict()}
         if rank == 0:
             torch.save(state, os.path.join(work, "checkpoint.pth.tar"))
     if rank == 0:  # the client optimizer's step count: DeepSpeed steps it at each update (torch schedulers read it)
@@ -203,7 +205,7 @@ def imagenet_worker(work):
 def imagenet_reference(torch, work, world):
     """The same training as a plain PyTorch loop over each step's global batch."""
     model = imagenet_model(torch)
-    optimizer = torch.optim.AdamW(model.parameters(), 0.01, weight_decay=1e-4)
+    optimizer = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     dataset = imagenet_data(torch)
     criterion = torch.nn.CrossEntropyLoss()
@@ -227,7 +229,7 @@ def imagenet_reference(torch, work, world):
             optimizer.step()
             losses.append(total / world)
         scheduler.step()
-    return losses, model.state_dict()
+    return losses, model.state_dict(), optimizer.state_dict()
 
 
 def case_imagenet(pypath, work):
@@ -236,7 +238,7 @@ def case_imagenet(pypath, work):
         json.dump(IMAGENET_CONFIG, f)
     testkit.launch(__file__, "imagenet", pypath, 2, [work])
     r = json.load(open(os.path.join(work, "imagenet.json")))
-    want_losses, want_state = imagenet_reference(torch, work, r["world"])
+    want_losses, want_state, want_optimizer = imagenet_reference(torch, work, r["world"])
     if len(r["losses"]) != len(want_losses):
         fail(f"{len(r['losses'])} steps, the plain loop {len(want_losses)}")
     for i, (a, b) in enumerate(zip(r["losses"], want_losses)):
@@ -247,7 +249,17 @@ def case_imagenet(pypath, work):
     if r["step_count"] != r["updates"]:
         fail(f"the client optimizer's _step_count is {r['step_count']} after {r['updates']} updates (DeepSpeed steps it "
              f"at each; torch's StepLR then warns of a scheduler step before the optimizer's)")
-    saved = torch.load(os.path.join(work, "checkpoint.pth.tar"))["state_dict"]
+    checkpoint = torch.load(os.path.join(work, "checkpoint.pth.tar"))
+    # optimizer.state_dict() at ZeRO 0: the client SGD's own, as DeepSpeed returns it.
+    got = checkpoint["optimizer"]
+    if got["param_groups"] != want_optimizer["param_groups"] or sorted(got["state"]) != sorted(want_optimizer["state"]):
+        fail(f"optimizer.state_dict(): groups {got['param_groups']} / ids {sorted(got['state'])}, the plain loop's "
+             f"{want_optimizer['param_groups']} / {sorted(want_optimizer['state'])}")
+    for i, st in want_optimizer["state"].items():
+        buf = got["state"][i]["momentum_buffer"]
+        if buf.shape != st["momentum_buffer"].shape or (buf - st["momentum_buffer"]).abs().max().item() > 1e-5:
+            fail(f"optimizer.state_dict()['state'][{i}]['momentum_buffer'] differs from the plain loop's")
+    saved = checkpoint["state_dict"]
     if sorted(saved) != sorted("module." + k for k in want_state):
         fail(f"engine.state_dict() keys {sorted(saved)}: DeepSpeed's engine names them module.<name>")
     # The parameters (each rank's BatchNorm keeps its own running statistics, as under DeepSpeed and DDP).
@@ -256,7 +268,8 @@ def case_imagenet(pypath, work):
     if worst > 1e-5:
         fail(f"the saved weights differ from the plain loop's by {worst}")
     print(f"ok   imagenet style: {len(want_losses)} losses equal the plain PyTorch loop's (1e-5), the lr follows the "
-          f"client optimizer's StepLR, engine.state_dict() saved as module.<name> (weights within {worst:.2g})")
+          f"client optimizer's StepLR, engine.state_dict() saved as module.<name> (weights within {worst:.2g}), "
+          f"optimizer.state_dict() the plain loop's SGD state")
 
 
 # ---------------------------------------------------------------- DeepSpeed-Chat
