@@ -16,7 +16,6 @@
 #include "engine/engine_impl.h"
 #include "engine/fingerprint.h"
 #include "engine/host_threads.h"
-#include "engine/zero3_runtime.h"
 
 namespace uckpt {
 
@@ -408,11 +407,7 @@ UnitCalls Engine::unit_calls() {
 void Engine::GatherParameters() { impl_->runtime->GatherAll(); }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> Engine::ParameterPartitions() const {
-  std::vector<std::pair<at::Tensor, at::Tensor>> out;
-  const auto* z3 = dynamic_cast<const engine::Zero3Runtime*>(impl_->runtime.get());
-  if (!z3) return out;
-  for (const auto& p : z3->params()) out.emplace_back(p.tensor, p.partition);
-  return out;
+  return impl_->runtime->ParameterPartitions();
 }
 void Engine::ReleaseParameters() { impl_->runtime->ReleaseAll(); }
 

@@ -169,6 +169,9 @@ class ShardedRuntime {
   // runtime's partitioned parameters are skipped). See Engine::ReleaseParameters.
   virtual void GatherParameters(const std::vector<at::Tensor>& params) {}
   virtual void ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) {}
+  // Each partitioned parameter with this rank's partition of it (empty where
+  // parameters are not partitioned one by one).
+  virtual std::vector<std::pair<at::Tensor, at::Tensor>> ParameterPartitions() const { return {}; }
 
   // ---- What the save and the statistics read.
   // Group g's weights as one flat tensor (model dtype) whose views the

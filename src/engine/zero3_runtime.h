@@ -139,6 +139,11 @@ class Zero3Runtime : public ShardedRuntime {
   at::Tensor ExitUnit(size_t unit, const at::Tensor& output) override;
   void GatherAll() override;   // +1 on every unit
   void ReleaseAll() override;  // -1 on every unit
+  std::vector<std::pair<at::Tensor, at::Tensor>> ParameterPartitions() const override {
+    std::vector<std::pair<at::Tensor, at::Tensor>> out;
+    for (const Zero3Param& p : params_) out.emplace_back(p.tensor, p.partition);
+    return out;
+  }
   // GatherSome/ReleaseSome over those of `params` that are this runtime's.
   void GatherParameters(const std::vector<at::Tensor>& params) override;
   void ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank) override;
