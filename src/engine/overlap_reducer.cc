@@ -10,24 +10,6 @@
 #include "ckpt/partition.h"
 
 namespace uckpt::engine {
-namespace {
-
-// Runs after AccumulateGrad added a parameter's gradient into its .grad view.
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
-
-}  // namespace
-
 OverlappedGradReducer::OverlappedGradReducer(Comm& comm, const std::vector<at::Tensor>& params,
                                              const std::vector<int64_t>& numels, at::Tensor grad_flat,
                                              int64_t partition_begin, int64_t partition_size, int64_t bucket_numel)
@@ -45,18 +27,10 @@ OverlappedGradReducer::OverlappedGradReducer(Comm& comm, const std::vector<at::T
     bucket_of[j] = buckets_.size() - 1;
   }
   for (auto& b : buckets_) b.pending = b.params;
-  for (size_t k = 0; k < params.size(); ++k) {
-    auto acc = torch::autograd::impl::grad_accumulator(params[k]);
-    if (!acc) throw std::invalid_argument("OverlappedGradReducer: parameter " + std::to_string(k) + " is not a leaf");
-    const size_t b = bucket_of[k];
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>([this, b] { OnGradReady(b); })));
-    accumulators_.push_back(std::move(acc));
-  }
+  hooks_.Set(params, [this, bucket_of](size_t k) { OnGradReady(bucket_of[k]); }, "OverlappedGradReducer");
 }
 
-OverlappedGradReducer::~OverlappedGradReducer() {
-  for (size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(hook_keys_[k]);
-}
+OverlappedGradReducer::~OverlappedGradReducer() = default;
 
 void OverlappedGradReducer::OnGradReady(size_t bucket) {
   std::lock_guard<std::mutex> lock(mu_);

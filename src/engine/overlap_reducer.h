@@ -18,11 +18,8 @@
 #include <mutex>
 #include <vector>
 
+#include "engine/grad_hooks.h"
 #include "uckpt/comm.h"
-
-namespace torch::autograd {
-struct Node;
-}
 
 namespace uckpt::engine {
 
@@ -63,8 +60,7 @@ class OverlappedGradReducer {
   size_t next_ = 0;  // the next bucket to start
   int64_t started_during_backward_ = 0;
   std::mutex mu_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  GradAccumulatedHooks hooks_;
 };
 
 }  // namespace uckpt::engine
