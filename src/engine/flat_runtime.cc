@@ -236,7 +236,7 @@ at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {
 void FlatRuntime::BeginMicroStep(bool boundary) {
   // Stages 0-1 keep accumulating on the device until the boundary: only its backward's copies count.
   for (Group& g : groups_)
-    if (g.host_copy) g.host_copy->set_copy_during_backward(s_.stage == 2 || boundary);
+    if (g.host_copy) g.host_copy->Arm(s_.stage == 2 || boundary);
 }
 
 void FlatRuntime::FinishBackward(bool boundary) {
@@ -304,7 +304,7 @@ at::Tensor FlatRuntime::HostFloatBuffer(int64_t n) const {
 
 void FlatRuntime::TakeHostCopy(Group& g, bool boundary) {
   c10::NoGradGuard no_grad;
-  if (g.in_host_copy) KeepHostCopyAsSum(g);  // (no hooks copied into it: PrepareBackward was not called)
+  if (g.in_host_copy) KeepHostCopyAsSum(g);  // (unarmed, the hooks copied nothing over it: PrepareBackward was not called)
   // The step's gradient alone, unconverted: its norms as DeepSpeed's offload
   // takes them, on the device, from the gradient before it is zeroed (model
   // dtype -> fp64 gives the values fp32 -> fp64 gives).

@@ -14,24 +14,6 @@
 #include "ckpt/partition.h"
 
 namespace uckpt::engine {
-namespace {
-
-// Runs after AccumulateGrad added a parameter's gradient into its .grad view.
-class AccumulatedHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit AccumulatedHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
-
-}  // namespace
-
 BucketedHostCopy::BucketedHostCopy(const std::vector<int64_t>& numels, at::Tensor grad_flat, int64_t bucket_numel)
     : grad_flat_(std::move(grad_flat)) {
   const at::Device device = grad_flat_.device();
@@ -77,20 +59,10 @@ BucketedHostCopy::~BucketedHostCopy() {
 
 void BucketedHostCopy::Hook(const std::vector<at::Tensor>& params) {
   if (params.size() != bucket_of_.size()) throw std::invalid_argument("BucketedHostCopy: wrong parameter count");
-  Unhook();
-  for (size_t k = 0; k < params.size(); ++k) {
-    auto acc = torch::autograd::impl::grad_accumulator(params[k]);
-    if (!acc) throw std::invalid_argument("BucketedHostCopy: parameter " + std::to_string(k) + " is not a leaf");
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<AccumulatedHook>([this, k] { OnGradReady(k); })));
-    accumulators_.push_back(std::move(acc));
-  }
+  hooks_.Set(params, [this](size_t k) { OnGradReady(k); }, "BucketedHostCopy");
 }
 
-void BucketedHostCopy::Unhook() {
-  for (size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(hook_keys_[k]);
-  accumulators_.clear();
-  hook_keys_.clear();
-}
+void BucketedHostCopy::Unhook() { hooks_.Clear(); }
 
 void BucketedHostCopy::OnGradReady(size_t param) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -124,11 +96,18 @@ void BucketedHostCopy::Copy(Bucket& b) {
   to.copy_(from, /*non_blocking=*/true);
 }
 
+void BucketedHostCopy::Arm(bool copy_during_backward) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Rearm();  // what a backward the engine did not start left counted
+  copy_during_backward_ = copy_during_backward;
+}
+
 void BucketedHostCopy::Finish() {
   std::lock_guard<std::mutex> lock(mu_);
   for (Bucket& b : buckets_)
     if (!b.copied) Copy(b);  // a parameter without gradient left it short, or copies were off
   Rearm();
+  copy_during_backward_ = false;
   if (on_device()) {
     c10::impl::VirtualGuardImpl impl(grad_flat_.device().type());
     copied_->record(*stream_);
@@ -139,6 +118,7 @@ void BucketedHostCopy::Finish() {
 void BucketedHostCopy::Discard() {
   std::lock_guard<std::mutex> lock(mu_);
   Rearm();
+  copy_during_backward_ = false;
 }
 
 void BucketedHostCopy::Rearm() {

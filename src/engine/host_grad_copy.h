@@ -23,9 +23,7 @@
 #include <optional>
 #include <vector>
 
-namespace torch::autograd {
-struct Node;
-}
+#include "engine/grad_hooks.h"
 
 namespace uckpt::engine {
 
@@ -43,10 +41,12 @@ class BucketedHostCopy {
   // during backward once each of its parameters' gradients was accumulated.
   // Without it, Finish copies everything.
   void Hook(const std::vector<at::Tensor>& params);
-  // Whether the hooks copy during the next backward passes (off for a
-  // backward whose gradient keeps accumulating on the device: only its last
-  // one's copy would be used).
-  void set_copy_during_backward(bool on) { copy_during_backward_ = on; }
+  // Before the engine's backward: whether the hooks copy during it (off for
+  // a backward whose gradient keeps accumulating on the device: only the
+  // last one's copy is used). Finish and Discard disarm them again, so a
+  // backward the engine did not start (a script's own loss.backward()) never
+  // copies over a gradient waiting for its step; Finish copies what is left.
+  void Arm(bool copy_during_backward);
 
   // After backward: copies every bucket not copied yet (also one of whose
   // parameters' gradient was accumulated again after its copy), and makes
@@ -82,13 +82,12 @@ class BucketedHostCopy {
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_;  // per parameter
   std::vector<uint8_t> fired_;     // per parameter: its gradient was accumulated this backward
-  bool copy_during_backward_ = true;
+  bool copy_during_backward_ = false;  // armed by Arm for one backward
   int64_t copied_during_backward_ = 0;
   std::optional<c10::Stream> stream_;           // the copies' side stream (a GPU's)
   std::optional<c10::Event> ready_, copied_;    // compute -> copies, copies -> compute
   std::mutex mu_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  GradAccumulatedHooks hooks_;
 };
 
 }  // namespace uckpt::engine

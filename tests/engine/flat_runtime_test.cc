@@ -236,6 +236,41 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
 
 // A client optimizer under offload at one rank: its gradient is the host copy
 // widened to fp32.
+// A backward the engine did not start (a script's own loss.backward() between
+// engine.backward and engine.step) copies nothing over the gradient waiting
+// for the step: the step uses the engine's backward's gradient.
+TEST(FlatRuntime, OffloadAtOneRankIgnoresABackwardItDidNotStart) {
+  auto comm = MakeSingleProcessComm();
+  ZeroSettings s;
+  s.stage = 2;
+  s.offload_optimizer_cpu = true;
+  s.model_dtype = at::kBFloat16;
+  s.reduce_bucket_size = 64;  // a bucket per parameter
+  int calls = 0;
+  at::Tensor stepped;
+  s.optimizer_step = [&](std::vector<OptimizerPartition>& parts) {
+    ++calls;
+    stepped = parts.at(0).grad.clone();
+  };
+  const std::vector<int64_t> numels{100, 300};
+  FlatRuntime z(*comm, numels, s);
+  z.model_flat().copy_(at::ones({z.model_flat().numel()}));
+  z.MastersFromWeights();
+  std::vector<at::Tensor> params;
+  for (int64_t k = 0, off = 0; k < 2; off += numels[k++])
+    params.push_back(z.model_flat().narrow(0, off, numels[k]).detach().requires_grad_(true));
+  z.BindGradients(params);
+  z.BeginMicroStep(true);
+  z.PrepareBackward();
+  (params[0].sum() * 2 + params[1].sum() * 3).to(at::kFloat).backward();  // the engine's backward
+  const at::Tensor want = z.grad_flat().to(at::kFloat).clone();
+  z.FinishBackward(true);
+  (params[0].sum() * 5 + params[1].sum() * 7).to(at::kFloat).backward();  // the script's own
+  z.Step(0.1);
+  ASSERT_EQ(calls, 1);
+  EXPECT_TRUE(at::equal(stepped, want)) << "the step's gradient was overwritten by a backward the engine did not start";
+}
+
 TEST(FlatRuntime, OffloadAtOneRankHandsAClientOptimizerTheFp32Gradient) {
   auto comm = MakeSingleProcessComm();
   ZeroSettings s;
