@@ -63,7 +63,7 @@ py::object PyEngine::OptimizerStateDict() {
       py::dict st;
       for (const auto& [key, t] : states)
         st[py::str(key)] = !t.defined() ? py::object(py::none())
-                           : t.dim() == 0 ? py::cast(t.clone())
+                           : t.dim() == 0 ? py::cast(t.cpu().clone())  // torch keeps a step on the CPU
                                           : py::cast(t.narrow(0, at, p.tensor.numel()).view(p.tensor.sizes()));
       pairs.append(py::make_tuple(py::cast(p.tensor), st));
       at += p.tensor.numel();
@@ -94,14 +94,18 @@ void PyEngine::TakeParamStates(py::list loaded) {
       at += p.tensor.numel();
     }
   }
-  // Each group's state: every key's flat tensor (padding zero), scalars from its first parameter.
+  // Each group's state: every key's flat tensor (padding zero), and its scalars, which the engine keeps once
+  // per group: refused when they differ between its parameters, or when only some of them have state (torch
+  // steps a parameter without a gradient not at all, so its step would differ).
   std::vector<engine::PartitionSlot> slots = e.runtime->Slots();
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> named(e.groups.size());
+  std::vector<size_t> with_state(e.groups.size(), 0);
   for (auto item : loaded) {
     auto pair = item.cast<py::tuple>();
     at::Tensor param = THPVariable_Unpack(pair[0].ptr());
     auto it = place.find(param.unsafeGetTensorImpl());
     if (it == place.end()) continue;  // frozen: the engine keeps no state for it
+    if (!pair[1].cast<py::dict>().empty()) ++with_state[it->second.group];
     auto& group = named[it->second.group];
     const at::Tensor& master = slots.at(it->second.group).state->master;
     for (auto [k, v] : pair[1].cast<py::dict>()) {
@@ -113,7 +117,13 @@ void PyEngine::TakeParamStates(py::list loaded) {
       }
       at::Tensor t = THPVariable_Unpack(v.ptr()).detach();
       if (t.dim() == 0) {
-        if (found == group.end()) group.emplace_back(key, t.to(master.device()).clone());
+        if (found == group.end()) {
+          group.emplace_back(key, t.to(master.device()).clone());
+        } else if (!found->second.defined() || !at::equal(found->second.cpu(), t.cpu())) {
+          throw py::value_error("optimizer.load_state_dict: state '" + key + "' differs between the parameters of "
+                                "param group " + std::to_string(it->second.group) + " (uckpt keeps one value per "
+                                "group at ZeRO stage 0, as its flat partitions step every parameter together)");
+        }
         continue;
       }
       if (t.numel() != param.numel())
@@ -126,6 +136,12 @@ void PyEngine::TakeParamStates(py::list loaded) {
       found->second.narrow(0, it->second.offset, param.numel()).copy_(t.reshape(-1));
     }
   }
+  for (size_t g = 0; g < named.size(); ++g)
+    if (with_state[g] != 0 && with_state[g] != e.groups[g].size())
+      throw py::value_error("optimizer.load_state_dict: " + std::to_string(with_state[g]) + " of the " +
+                            std::to_string(e.groups[g].size()) + " parameters of param group " + std::to_string(g) +
+                            " have optimizer state (uckpt steps every parameter of a group together, so their states "
+                            "must be alike)");
   for (size_t g = 0; g < named.size(); ++g) {
     engine::PartitionState& st = *slots.at(g).state;
     if (e.client_optimizer) {

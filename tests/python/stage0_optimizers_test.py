@@ -262,6 +262,26 @@ def worker_state_dict(deepspeed, torch, work):
         if "'optimizer' section" not in str(e):
             fail(f"optimizer.state_dict() of the config's optimizer refused without naming the case: {e}")
         print(f"ok   refused: {e}")
+    # A client optimizer whose parameters' states are not alike (torch skipped a parameter without a gradient):
+    # refused, not collapsed into one value per group.
+    for uneven in ("a parameter without state", "steps that differ"):
+        model = toy_net(torch)
+        params = list(model.parameters())
+        opt = torch.optim.Adagrad(params, lr=0.01)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        if uneven == "a parameter without state":
+            opt.state.pop(params[0])
+        else:
+            opt.state[params[0]]["step"] = opt.state[params[0]]["step"] + 1
+        try:
+            deepspeed.initialize(model=model, optimizer=opt, config=config(0, 2))
+            fail(f"a client optimizer with {uneven} was taken at ZeRO 0")
+        except ValueError as e:
+            if "param group 0" not in str(e):
+                fail(f"a client optimizer with {uneven} refused without naming the group: {e}")
+            print(f"ok   refused ({uneven}): {e}")
     model = toy_net(torch)
     _, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                         config=config(2, 2))
