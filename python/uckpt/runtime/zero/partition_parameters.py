@@ -518,21 +518,33 @@ class Init:
 
 
 class _BuildDevice:
-    """Where modules built inside zero.Init create their tensors: as DeepSpeed's Init, this rank's GPU (LOCAL_RANK)
-    when CUDA is there, so initialisation runs there and rank 0's values are broadcast without a copy (torch's
-    default device while the outermost block is open, restored after); else torch's default."""
+    """Where modules built inside zero.Init create their tensors: as DeepSpeed's Init, torch.tensor, empty, zeros,
+    ones, full, arange, eye and randn called without a device make them on this rank's GPU (LOCAL_RANK) when CUDA is
+    there, so initialisation runs there and rank 0's values are broadcast without a copy; other factories (rand,
+    randint, ...) stay where torch puts them, as under DeepSpeed. Patched while the outermost block is open."""
 
-    @staticmethod
-    def enter():
+    _NAMES = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+    @classmethod
+    def enter(cls):
         if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
             return None
-        if not hasattr(torch, "set_default_device") or not hasattr(torch, "get_default_device"):
-            return None  # torch < 2.3: built where torch's default puts them
-        previous = torch.get_default_device()
-        torch.set_default_device(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
-        return (previous,)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        originals = {name: getattr(torch, name) for name in cls._NAMES}
+        for name, fn in originals.items():
+            setattr(torch, name, cls._on(fn, device))
+        return originals
 
     @staticmethod
-    def exit(entered):
-        if entered is not None:
-            torch.set_default_device(entered[0])
+    def _on(fn, device):
+        @functools.wraps(fn)
+        def made_on_device(*args, **kwargs):
+            if kwargs.get("device") is None:
+                kwargs["device"] = device
+            return fn(*args, **kwargs)
+        return made_on_device
+
+    @staticmethod
+    def exit(originals):
+        for name, fn in (originals or {}).items():
+            setattr(torch, name, fn)
