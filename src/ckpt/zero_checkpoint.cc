@@ -146,7 +146,8 @@ class Opener {
     if (names.size() != ids[0].size())
       Fail(path, "the module has " + std::to_string(names.size()) + " parameters besides buffers and tied aliases, "
                  "but optimizer.param_groups[0] lists " + std::to_string(ids[0].size()) + " (frozen parameters "
-                 "cannot be told from trainable ones in a stage-0 file uckpt did not write)");
+                 "cannot be told from trainable ones in a stage-0 file uckpt did not write, nor tied parameters: "
+                 "DeepSpeed writes no shared_params at stage 0)");
     for (size_t k = 0; k < ids[0].size(); ++k)
       if (ids[0][k] != static_cast<int64_t>(k))
         Fail(path, "optimizer.param_groups[0]['params'] is not 0.." + std::to_string(ids[0].size() - 1) + " in order");
