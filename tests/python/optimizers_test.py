@@ -119,7 +119,7 @@ def engine_run(deepspeed, torch, name, stage, first, updates, ckpt=None, save_at
     """The engine at this world size: GLOBAL samples per update split over the ranks (GA 2 at 1 rank);
     the global mean loss of each update."""
     import torch.distributed as dist
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     ga = 2 if world == 1 else 1
     micro = GLOBAL // (world * ga)
     model = toy_net(torch)
@@ -135,6 +135,15 @@ def engine_run(deepspeed, torch, name, stage, first, updates, ckpt=None, save_at
         path, _ = engine.load_checkpoint(ckpt)
         if path is None:
             fail(f"{name}: nothing loaded from {ckpt}")
+    return run_updates(engine, torch, first, updates, ga, micro,
+                       lambda done: engine.save_checkpoint(ckpt) if save_at is not None and done == save_at else None)
+
+
+def run_updates(engine, torch, first, updates, ga, micro, after_update=None):
+    """Updates first.. first+updates-1 (ga micro-steps of `micro` samples per rank each); the global mean loss of
+    each. after_update(n) runs once n updates are done."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
     out = []
     for u in range(first, first + updates):
         total = torch.zeros(())
@@ -145,8 +154,8 @@ def engine_run(deepspeed, torch, name, stage, first, updates, ckpt=None, save_at
             total += loss.detach() / ga
         dist.all_reduce(total)
         out.append(total.item() / world)
-        if save_at is not None and u + 1 == save_at:
-            engine.save_checkpoint(ckpt)
+        if after_update:
+            after_update(u + 1)
     return out
 
 

@@ -62,22 +62,13 @@ def engine_run(deepspeed, torch, name, stage, first, updates, ckpt=None, save_at
             fail(f"{name}: nothing loaded from {ckpt}")
         if after_load:
             after_load(engine, path)
-    out = []
-    for u in range(first, first + updates):
-        total = torch.zeros(())
-        for m in range(ga):
-            loss = engine(batch(torch, u, (rank * ga + m) * micro, micro))
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / ga
-        dist.all_reduce(total)
-        out.append(total.item() / world)
-        if save_at is not None and u + 1 == save_at:
+    def after_update(done):
+        if save_at is not None and done == save_at:
             if ckpt:
                 engine.save_checkpoint(ckpt)
             if dump_state_dict and rank == 0:
                 torch.save(optimizer.state_dict(), dump_state_dict)
-    return out
+    return base.run_updates(engine, torch, first, updates, ga, micro, after_update)
 
 
 def reference_state_dict(torch, name, updates, make_opt=None):
