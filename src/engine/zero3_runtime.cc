@@ -9,6 +9,7 @@
 #include "ckpt/partition.h"
 #include "engine/cpu_adam.h"
 #include "engine/grad_numerics.h"
+#include "engine/pinned_host.h"
 
 namespace uckpt::engine {
 namespace {
@@ -16,7 +17,7 @@ namespace {
 at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device, bool host) {
   auto o = at::TensorOptions().dtype(dtype);
   if (!host || device.is_cpu()) return at::zeros(sizes, o.device(device));
-  return at::zeros(sizes, o.device(at::kCPU).pinned_memory(true));  // pinned: copies to the GPU overlap
+  return PinnedHostZeros(sizes, dtype);  // pinned: copies to the GPU overlap
 }
 
 }  // namespace
