@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "ckpt/partition.h"
+#include "engine/pinned_host.h"
 #include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
@@ -116,16 +117,32 @@ void GradientReducer::StartReduce(Reducing& r) {
 void GradientReducer::FinishReduce(Reducing& r) {
   c10::NoGradGuard no_grad;
   if (r.work) r.work->Wait();
-  at::Tensor mine = r.mine;
-  if (s_.base.offload_optimizer_cpu && !mine.device().is_cpu()) mine = ToHostStaging(mine);
-  int64_t off = 0;
-  for (size_t i : r.params) {
-    const Zero3Param& p = params_[i];
-    Zero3SubGroup& sg = subs_[p.sub_group];
-    sg.Grad().narrow(0, p.offset, p.partition_size).add_(mine.narrow(0, off, p.partition_size));
-    off += p.partition_size;
-  }
+  AddToPartitions(r);
   r = Reducing();
+}
+
+// Piece by piece (host_staging_elements), each piece added into the
+// partitions of the parameters it overlaps; under offload from a device each
+// piece goes through the pinned staging buffer first.
+void GradientReducer::AddToPartitions(const Reducing& r) {
+  const at::Tensor& mine = r.mine;
+  const bool staged = s_.base.offload_optimizer_cpu && !mine.device().is_cpu();
+  const int64_t step = std::max<int64_t>(1, s_.host_staging_elements);
+  size_t k = 0;
+  int64_t start = 0;  // of parameter r.params[k] in `mine`
+  for (int64_t c0 = 0; c0 < mine.numel(); c0 += step) {
+    const int64_t c1 = std::min(mine.numel(), c0 + step);
+    const at::Tensor piece = staged ? ToHostStaging(mine.narrow(0, c0, c1 - c0)) : mine.narrow(0, c0, c1 - c0);
+    for (; k < r.params.size(); ++k) {
+      const Zero3Param& p = params_[r.params[k]];
+      const int64_t end = start + p.partition_size;
+      const int64_t a = std::max(start, c0), b = std::min(end, c1);
+      if (b > a)
+        subs_[p.sub_group].Grad().narrow(0, p.offset + (a - start), b - a).add_(piece.narrow(0, a - c0, b - a));
+      if (end > c1) break;  // goes on in the next piece
+      start = end;
+    }
+  }
 }
 
 void GradientReducer::FinishReduces(size_t keep) {
@@ -139,7 +156,7 @@ void GradientReducer::FinishReduces(size_t keep) {
 // pageable memory for every bucket would cost a page fault per 4 KiB).
 at::Tensor GradientReducer::ToHostStaging(const at::Tensor& t) {
   if (!host_staging_.defined() || host_staging_.numel() < t.numel())
-    host_staging_ = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(true));
+    host_staging_ = PinnedHostZeros({t.numel()}, t.scalar_type());
   at::Tensor out = host_staging_.narrow(0, 0, t.numel());
   out.copy_(t);  // synchronous: the host adds read it next
   return out;

@@ -57,6 +57,7 @@ class GradientReducer {
   void StartReduce(Reducing& r);
   void FinishReduce(Reducing& r);
   void FinishReduces(size_t keep);  // all but the newest `keep`, oldest first
+  void AddToPartitions(const Reducing& r);
   at::Tensor ToHostStaging(const at::Tensor& t);
 
   Comm& comm_;

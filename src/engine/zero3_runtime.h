@@ -68,6 +68,10 @@ struct Zero3Settings {
   bool offload_param_cpu = false;  // the 16-bit partitions in host memory
   int64_t prefetch_bucket_size = 50000000;   // unit elements gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // cap on gathered unit elements for prefetching
+  // offload_optimizer: a reduced bucket's share reaches the host gradient
+  // partitions in pieces of at most this many elements, through one reused
+  // pinned buffer (a whole share would lock as much host memory as it holds).
+  int64_t host_staging_elements = int64_t{32} << 20;
 };
 
 // One trainable parameter under stage 3.
