@@ -208,6 +208,20 @@ def host_peak_gib():
     return float("nan")
 
 
+def host_now_gib():
+    """The resident set now, by kind (anonymous, file pages, shared), and what torch's pinned allocator holds."""
+    now = {}
+    for line in open("/proc/self/status"):
+        key = line.split(":")[0]
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            now[key] = round(int(line.split()[1]) / 2**20, 3)
+    try:
+        now["torch_pinned"] = round(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**30, 3)
+    except Exception:  # no CUDA, or a torch without host_memory_stats
+        pass
+    return now
+
+
 def main():
     a = parse()
     if a.write_shards:
@@ -253,11 +267,12 @@ def main():
             if exc[0] is None:
                 barrier()
                 phases[self.name] = round(time.perf_counter() - self.t, 3)
-                peaks[self.name] = {"host_gib": round(host_peak_gib(), 3),
+                peaks[self.name] = {"host_gib": round(host_peak_gib(), 3), "host_now_gib": host_now_gib(),
                                     "gpu_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3) if cuda else 0}
                 if rank == 0:
                     print(f"{a.impl} {world} rank(s): {self.name} {phases[self.name]:.2f} s, host peak "
-                          f"{peaks[self.name]['host_gib']:.2f} GiB, GPU {peaks[self.name]['gpu_gib']:.2f} GiB", flush=True)
+                          f"{peaks[self.name]['host_gib']:.2f} GiB, GPU {peaks[self.name]['gpu_gib']:.2f} GiB, now "
+                          f"{peaks[self.name]['host_now_gib']}", flush=True)
 
     with phase("construct"):
         with ds.zero.Init(config_dict_or_path=cfg):
