@@ -6,11 +6,16 @@
 // stage 3), as DeepSpeed's save_16bit_model.
 #include <c10/core/GradMode.h>
 
+#include <condition_variable>
+#include <deque>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
+#include <thread>
 
 #include "ckpt/torch_out.h"
 #include "ckpt/weights_plan.h"
@@ -26,6 +31,9 @@ namespace uckpt {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Gathered tensors waiting for rank 0's writer in save_16bit_model.
+constexpr int64_t kWriteBehindBytes = int64_t{512} << 20;
 
 // Every tensor of the module's state_dict by name: trainable parameters
 // (partitioned at stage 3), frozen ones and persistent buffers.
@@ -199,12 +207,73 @@ void ForEachWhole(Engine::Impl& e, const std::vector<SavedEntry>& entries,
     if (entries[i].same_as >= 0) continue;
     const at::Tensor& t = entries[i].tensor;
     e.runtime->GatherParameters({t});  // stage 3 (ignored for tensors it does not partition)
-    at::Tensor whole;
-    if (rank0) whole = t.detach().to(at::kCPU).contiguous().clone();
+    at::Tensor whole;  // a copy of its own, also where the tensor is on the CPU already
+    if (rank0) whole = t.detach().to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true,
+                                      at::MemoryFormat::Contiguous);
     e.runtime->ReleaseParameters({t}, -1);
     use(i, whole);
   }
 }
+
+// Rank 0's writes on a thread of their own, so that gathering the next
+// tensors overlaps writing the last ones; at most `limit` bytes (or one
+// tensor, if larger) wait in between. The first error stops the writes;
+// later tensors are dropped (every rank still gathers them).
+class WriteBehind {
+ public:
+  WriteBehind(WeightsWriter& writer, int64_t limit) : writer_(writer), limit_(limit), thread_([this] { Run(); }) {}
+  ~WriteBehind() { Finish(); }
+
+  void Push(size_t entry, at::Tensor whole) {
+    std::unique_lock lock(mu_);
+    space_.wait(lock, [&] { return waiting_bytes_ == 0 || waiting_bytes_ + whole.nbytes() <= limit_; });
+    waiting_bytes_ += static_cast<int64_t>(whole.nbytes());
+    queue_.emplace_back(entry, std::move(whole));
+    ready_.notify_one();
+  }
+  // Waits for the writes; the first error ("" if none).
+  std::string Finish() {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    ready_.notify_one();
+    if (thread_.joinable()) thread_.join();
+    return error_;
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::unique_lock lock(mu_);
+      ready_.wait(lock, [&] { return done_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      auto [entry, whole] = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      if (error_.empty()) try {
+          writer_.Write(entry, {static_cast<const uint8_t*>(whole.data_ptr()), whole.nbytes()});
+        } catch (const std::exception& ex) {
+          error_ = ex.what();
+        }
+      const auto bytes = static_cast<int64_t>(whole.nbytes());
+      whole = at::Tensor();
+      lock.lock();
+      waiting_bytes_ -= bytes;
+      space_.notify_one();
+    }
+  }
+
+  WeightsWriter& writer_;
+  const int64_t limit_;
+  std::mutex mu_;
+  std::condition_variable ready_, space_;
+  std::deque<std::pair<size_t, at::Tensor>> queue_;
+  int64_t waiting_bytes_ = 0;
+  bool done_ = false;
+  std::string error_;  // the writer thread's, read after the join
+  std::thread thread_;
+};
 
 }  // namespace
 
@@ -265,14 +334,12 @@ bool Engine::Save16bitModel(const std::string& save_dir, const std::string& save
       error = ex.what();
     }
   // Rank 0 stops writing at its first error but keeps gathering: the others wait on it.
+  std::optional<WriteBehind> behind;
+  if (writer) behind.emplace(*writer, kWriteBehindBytes);
   ForEachWhole(e, entries, [&](size_t i, const at::Tensor& whole) {
-    if (!writer || !error.empty()) return;
-    try {
-      writer->Write(i, {static_cast<const uint8_t*>(whole.data_ptr()), whole.nbytes()});
-    } catch (const std::exception& ex) {
-      error = ex.what();
-    }
+    if (behind) behind->Push(i, whole);
   });
+  if (behind && error.empty()) error = behind->Finish();
   if (writer && error.empty()) try {
       writer->Commit();
     } catch (const std::exception& ex) {

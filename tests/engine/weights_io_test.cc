@@ -354,23 +354,27 @@ TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
 INSTANTIATE_TEST_SUITE_P(Stages, Save16bitTest, ::testing::Values(2, 3),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
 
-// A failed write on rank 0 is every rank's error, naming the file; nothing is
-// left under its name, and the next save works.
+// A failed write on rank 0 (of the tensors, which a thread of their own
+// writes, or of the file's name at the end) is every rank's error, naming the
+// file; nothing is left under its name, and the next save works.
 TEST(Save16bit, WriteFailureIsEveryRanksError) {
-  const std::string dir = FreshTempDir("save16_fault");
-  FaultEnv faults;
-  faults.Add({IoOp::kRename, "model.safetensors", 1, ENOSPC, /*once=*/true});
-  ScopedEnv scoped(faults);
-  RunRanks(2, [&](Comm& comm) {
-    TestRun r = MakeRun(comm, 3);
-    std::string err = ErrorOf([&] { r.engine->Save16bitModel(dir, "model.safetensors"); });
-    EXPECT_NE(err.find(dir + "/model.safetensors"), std::string::npos) << err;
-    comm.Barrier();
-    EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
-    EXPECT_TRUE(r.engine->Save16bitModel(dir, "model.safetensors"));
-    comm.Barrier();
-    EXPECT_TRUE(fs::exists(dir + "/model.safetensors"));
-  });
+  for (const std::string name : {"model.safetensors", "pytorch_model.bin"})
+    for (IoOp op : {IoOp::kWrite, IoOp::kRename}) {
+      const std::string dir = FreshTempDir("save16_fault");
+      FaultEnv faults;
+      faults.Add({op, name, 1, ENOSPC, /*once=*/true});
+      ScopedEnv scoped(faults);
+      RunRanks(2, [&](Comm& comm) {
+        TestRun r = MakeRun(comm, 3);
+        std::string err = ErrorOf([&] { r.engine->Save16bitModel(dir, name); });
+        EXPECT_NE(err.find(dir + "/" + name), std::string::npos) << IoOpName(op) << ": " << err;
+        comm.Barrier();
+        EXPECT_FALSE(fs::exists(dir + "/" + name)) << IoOpName(op);
+        EXPECT_TRUE(r.engine->Save16bitModel(dir, name));
+        comm.Barrier();
+        EXPECT_TRUE(fs::exists(dir + "/" + name));
+      });
+    }
 }
 
 // DeepSpeed's key, its field name and its deprecated fp16 name, without a warning.
