@@ -275,8 +275,17 @@ def main():
                           f"{peaks[self.name]['host_now_gib']}", flush=True)
 
     with phase("construct"):
+        prof = None
+        if os.environ.get("PROFILE_CONSTRUCT") and rank == 0:  # where construction's time goes (rank 0)
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         with ds.zero.Init(config_dict_or_path=cfg):
             model = Llama(a)
+        if prof:
+            prof.disable()
+            import pstats
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     if a.shards and not a.resume and a.impl == "deepspeed":
         # Hugging Face's from_pretrained order under ZeRO-3: the weights go into the partitioned model before
