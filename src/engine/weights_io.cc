@@ -33,7 +33,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // Gathered tensors waiting for rank 0's writer in save_16bit_model.
-constexpr int64_t kWriteBehindBytes = int64_t{512} << 20;
+constexpr int64_t kWriteBehindBytes = int64_t{256} << 20;
 
 // Every tensor of the module's state_dict by name: trainable parameters
 // (partitioned at stage 3), frozen ones and persistent buffers.
