@@ -5,7 +5,7 @@
 # each built under zero.Init: construct, initialize, load random weights from safetensors shards (Hugging
 # Face's sharded layout, written first by the benchmark), STEPS steps, save a checkpoint, save the 16-bit
 # weights; then resume the checkpoint: uckpt at 1 GPU without converting; DeepSpeed at 2 GPUs (its stage 3
-# loads only at the world size that saved). Prints each phase's seconds (slowest rank), the peak host RSS
+# loads only at the world size that saved) and uckpt at DeepSpeed's world size too. Prints each phase's seconds (slowest rank), the peak host RSS
 # per rank against its partitions + one unit (18 bytes per partitioned parameter: bf16 weights, fp32
 # master, Adam's two moments, the fp32 gradient; plus one layer's bf16 weights; target <= 1.1x), and the
 # peak GPU memory (nvidia-smi, per GPU) against DeepSpeed's.
@@ -46,6 +46,8 @@ for impl in ${IMPLS:-uckpt deepspeed}; do
   du -sh "$work/ckpt" "$work/ckpt16" 2>/dev/null
   rn=1; [ "$impl" = deepspeed ] && rn=$NG
   launch "$impl" "$rn" "$out/$impl-resume.log" --resume --ckpt "$work/ckpt"
+  # uckpt at DeepSpeed's world size too: the same load as DeepSpeed's, for its time
+  [ "$impl" = uckpt ] && [ "$NG" != 1 ] && launch "$impl" "$NG" "$out/$impl-resume-same.log" --resume --ckpt "$work/ckpt"
   rm -rf "$work/ckpt" "$work/ckpt16"
 done
 "$PYTHON" - "$out" <<'EOF'
@@ -74,7 +76,7 @@ def smi_peak(path):
     return max(peak.values()) if peak else float("nan")
 res = {}
 for impl in ("uckpt", "deepspeed"):
-    for part in ("train", "resume"):
+    for part in ("train", "resume", "resume-same"):
         r = rows(f"{out}/{impl}-{part}.log")
         if r:
             res[(impl, part)] = {"phases": {k: max(x["phases"].get(k, 0) for x in r) for k in r[0]["phases"]},
@@ -95,8 +97,12 @@ if u and d:
         if k in d["phases"]:
             print(f"phase {k:9}: uckpt {u['phases'][k]:7.1f} s, DeepSpeed {d['phases'][k]:7.1f} s: {u['phases'][k] / max(d['phases'][k], 1e-9):.2f}x (target <= 1.0x)")
     print(f"GPU peak: uckpt {u['smi_gib']:.2f} GiB vs DeepSpeed {d['smi_gib']:.2f} GiB: {u['smi_gib'] / d['smi_gib']:.3f}x (target <= 1.0x)")
-ur, dr = res.get(("uckpt", "resume")), res.get(("deepspeed", "resume"))
+ur, us, dr = res.get(("uckpt", "resume")), res.get(("uckpt", "resume-same")), res.get(("deepspeed", "resume"))
 if ur and dr:
     print(f"resume: uckpt at {ur['world']} GPU(s) {ur['phases'].get('resume', 0):.1f} s (load), DeepSpeed at {dr['world']} "
           f"{dr['phases'].get('resume', 0):.1f} s")
+if us and dr:
+    print(f"resume at {us['world']} GPU(s): uckpt {us['phases'].get('resume', 0):.1f} s, DeepSpeed {dr['phases'].get('resume', 0):.1f} s: "
+          f"{us['phases'].get('resume', 0) / max(dr['phases'].get('resume', 0), 1e-9):.2f}x (target <= 1.0x); "
+          f"host peak/rank {us['host']:.2f} vs {dr['host']:.2f} GiB")
 EOF
