@@ -2,7 +2,7 @@
 
 #include <ATen/Parallel.h>
 
-#include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -16,31 +16,39 @@
 namespace uckpt::engine {
 namespace {
 
-std::atomic<int64_t> locked_bytes{0};
-
 #ifdef UCKPT_CUDART
+[[noreturn]] void CannotLock(size_t bytes, cudaError_t e) {
+  cudaGetLastError();  // clear it: the caller decides what happens next
+  throw std::runtime_error("uckpt: cannot lock " + std::to_string(bytes) + " bytes of host memory (" +
+                           cudaGetErrorString(e) + ")");
+}
+
 // Fresh anonymous pages (zeros), faulted in by the host threads in parallel,
 // then locked in one call: cudaHostAlloc faults and locks them on one thread,
 // a few GB/s, which made the offloaded state of a 3B model take seconds.
-void* LockedZeros(size_t bytes) {
+// Where the range cannot be registered, cudaHostAlloc's memory (zeroed here).
+// Returns whether the memory is registered (else cudaHostAlloc's).
+bool LockedZeros(size_t bytes, void** out) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
-    throw std::runtime_error("uckpt: cannot map " + std::to_string(bytes) + " bytes of host memory for pinning");
-  madvise(p, bytes, MADV_HUGEPAGE);  // fewer, larger pages to fault and lock where the kernel allows
-  // Not into children: a fork (a DataLoader's workers) would otherwise copy every locked page at once.
-  madvise(p, bytes, MADV_DONTFORK);
-  const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-  const int64_t pages = (static_cast<int64_t>(bytes) + page - 1) / page;
-  at::parallel_for(0, pages, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) static_cast<volatile char*>(p)[i * page] = 0;
-  });
-  if (cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable); e != cudaSuccess) {
-    cudaGetLastError();  // clear it: the caller decides what happens next
+  if (p != MAP_FAILED) {
+    madvise(p, bytes, MADV_HUGEPAGE);  // fewer, larger pages to fault and lock where the kernel allows
+    // Not into children: a fork (a DataLoader's workers) would otherwise copy every locked page at once.
+    madvise(p, bytes, MADV_DONTFORK);
+    const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+    const int64_t pages = (static_cast<int64_t>(bytes) + page - 1) / page;
+    at::parallel_for(0, pages, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) static_cast<volatile char*>(p)[i * page] = 0;
+    });
+    if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) {
+      *out = p;
+      return true;
+    }
+    cudaGetLastError();
     munmap(p, bytes);
-    throw std::runtime_error("uckpt: cannot lock " + std::to_string(bytes) + " bytes of host memory (" +
-                             cudaGetErrorString(e) + ")");
   }
-  return p;
+  if (cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable); e != cudaSuccess) CannotLock(bytes, e);
+  std::memset(*out, 0, bytes);
+  return false;
 }
 #endif
 
@@ -52,21 +60,23 @@ at::Tensor PinnedHostZeros(at::IntArrayRef sizes, at::ScalarType dtype) {
   for (int64_t s : sizes) numel *= s;
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
   if (bytes == 0) return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU));
-  void* p = LockedZeros(static_cast<size_t>(bytes));
-  locked_bytes += bytes;
+  void* p = nullptr;
+  const bool registered = LockedZeros(static_cast<size_t>(bytes), &p);
   return at::from_blob(
       p, sizes,
-      [bytes](void* q) {
-        cudaHostUnregister(q);  // at exit the runtime may be gone already: the unmap frees the pages anyway
-        munmap(q, static_cast<size_t>(bytes));
-        locked_bytes -= bytes;
+      [bytes, registered](void* q) {
+        // At exit the runtime may be gone already: the unmap frees the pages anyway.
+        if (registered) {
+          cudaHostUnregister(q);
+          munmap(q, static_cast<size_t>(bytes));
+        } else {
+          cudaFreeHost(q);
+        }
       },
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 #else
   return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true));
 #endif
 }
-
-int64_t PinnedHostBytes() { return locked_bytes.load(); }
 
 }  // namespace uckpt::engine

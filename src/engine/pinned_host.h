@@ -12,7 +12,4 @@ namespace uckpt::engine {
 // pinned allocator. Only for a process that has a CUDA device.
 at::Tensor PinnedHostZeros(at::IntArrayRef sizes, at::ScalarType dtype);
 
-// Bytes locked by PinnedHostZeros and not yet freed (0 without the CUDA runtime).
-int64_t PinnedHostBytes();
-
 }  // namespace uckpt::engine
