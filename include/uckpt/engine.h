@@ -403,6 +403,21 @@ class Engine {
   GroupHparams group_hparams(size_t group) const;
   void SetGroupHparams(size_t group, const GroupHparams& hparams);
   double lr() const { return learning_rate(0); }  // group 0's
+  // ---- The optimizer's state at ZeRO stage 0 (DeepSpeed's basic optimizer's). ----
+  // Contract: at stage 0 every rank holds param group g's whole state, under
+  // the keys of the optimizer that made it: the config's Adam's step,
+  // exp_avg, exp_avg_sq; a client optimizer's (EngineOptions::optimizer_step)
+  // own, in its order, a state torch keeps as None as an undefined tensor.
+  // Element states are flat fp32 tensors over param_groups()[g] in order
+  // (past the parameters' numel: padding), scalars are 0-d. Empty before the
+  // first step. stage0_optimizer_state returns the engine's own tensors:
+  // writes to them reach the next step. SetStage0OptimizerState replaces the
+  // group's state by a copy of `state` in that form (element states of the
+  // parameters' numel, padding optional: zeros); an empty one drops it (the
+  // next step starts afresh). Adam's must be its three keys. Throws std::logic_error at stages 1-3, std::out_of_range for a bad
+  // group, std::invalid_argument for a state not in that form. Not collective.
+  std::vector<std::pair<std::string, at::Tensor>> stage0_optimizer_state(size_t group) const;
+  void SetStage0OptimizerState(size_t group, const std::vector<std::pair<std::string, at::Tensor>>& state);
   // The configured scheduler (config "scheduler"): whether there is one, its
   // last_batch_iteration (-1 before its first step), its value at an
   // iteration, and one step of it outside Step() (DeepSpeed's

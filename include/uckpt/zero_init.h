@@ -62,10 +62,11 @@ class ZeroInit {
   // is not partitioned yet, in named_parameters() order: rank 0's value
   // (broadcast, as the Engine broadcasts a whole build's), of which this rank
   // keeps elements [rank*P, (rank+1)*P) of the flattened value, P =
-  // ceil(numel / world size), zeros past the end, in the dtype it was built
-  // in, on the CPU. The parameter keeps its shape, dtype and requires_grad
-  // and loses its storage: its values must not be read or written until the
-  // engine gathers it. Buffers stay whole. A parameter on the meta device or
+  // ceil(numel / world size), zeros past the end, on the CPU, a floating-point
+  // one in the config's model dtype (bf16/fp16 when enabled, as zero.Init's).
+  // The parameter keeps its shape and requires_grad, takes the partition's
+  // dtype and loses its storage: its values must not be read or written until
+  // the engine gathers it. Buffers stay whole. A parameter on the meta device or
   // without storage is a std::invalid_argument naming it. Collective.
   void Partition(torch::nn::Module& module);
 
@@ -87,6 +88,7 @@ class ZeroInit {
   std::vector<PartitionedParameter> partitions_;
   std::set<const void*> seen_;  // TensorImpls partitioned (a parameter shared by two units once)
   int64_t partition_bytes_ = 0;
+  at::ScalarType dtype_ = at::kFloat;  // the config's model dtype: floating-point partitions
   int64_t freed_since_trim_ = 0;
 };
 

@@ -164,6 +164,8 @@ PYBIND11_MODULE(_uckpt, m) {
         "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),
         "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none(),
         "partitioned"_a = py::list());
+  m.def("_release_process_groups", &uckpt::python::ReleaseTorchDistributedGroups,
+        "At exit: the live engines stop using torch.distributed's process group (uckpt.comm's teardown).");
   m.def("init_distributed", &uckpt::python::InitDistributed, "dist_backend"_a = py::none(),
         "auto_mpi_discovery"_a = true, "distributed_port"_a = 29500, "verbose"_a = true, "timeout"_a = py::none(),
         "init_method"_a = py::none(), "dist_init_required"_a = py::none(), "config"_a = py::none(), "rank"_a = -1,

@@ -294,6 +294,52 @@ std::string PickDevice() {
   return py::module_::import("torch").attr("cuda").attr("is_available")().cast<bool>() ? "cuda" : "cpu";
 }
 
+// An engine's comm on torch.distributed's group, which Python owns: the
+// engine would keep the group (its threads and its sockets to the other
+// ranks) alive past the script's or the exit's destroy_process_group, into
+// interpreter finalization (an engine lives to the end: its module's hooks
+// hold it). Release() drops the engine's share at exit
+// (ReleaseTorchDistributedGroups); a collective after it is a CommError.
+class TorchGroupComm : public Comm {
+ public:
+  explicit TorchGroupComm(std::unique_ptr<Comm> group)
+      : group_(std::move(group)), rank_(group_->rank()), world_(group_->world_size()), backend_(group_->backend()) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string backend() const override { return backend_; }
+  void AllReduceSum(at::Tensor& t) override { Group().AllReduceSum(t); }
+  void AllReduceMax(at::Tensor& t) override { Group().AllReduceMax(t); }
+  void ReduceScatterSum(at::Tensor& in, at::Tensor& out) override { Group().ReduceScatterSum(in, out); }
+  void AllGather(const at::Tensor& in, at::Tensor& out) override { Group().AllGather(in, out); }
+  void Broadcast(at::Tensor& t, int root) override { Group().Broadcast(t, root); }
+  void Barrier() override { Group().Barrier(); }
+  std::unique_ptr<Pending> StartAllReduceSum(at::Tensor& t) override { return Group().StartAllReduceSum(t); }
+  std::unique_ptr<Pending> StartReduceScatterSum(at::Tensor& in, at::Tensor& out) override {
+    return Group().StartReduceScatterSum(in, out);
+  }
+  std::unique_ptr<Pending> StartAllGather(const at::Tensor& in, at::Tensor& out) override {
+    return Group().StartAllGather(in, out);
+  }
+  void Release() { group_.reset(); }
+
+ private:
+  Comm& Group() {
+    if (!group_)
+      throw CommError("uckpt: rank " + std::to_string(rank_) + ": a collective after the interpreter's exit began "
+                      "(uckpt ended its use of torch.distributed's process group then)");
+    return *group_;
+  }
+  std::unique_ptr<Comm> group_;
+  int rank_, world_;
+  std::string backend_;
+};
+
+// The live engines' comms on torch.distributed's group (kept for the process).
+std::vector<std::weak_ptr<TorchGroupComm>>& TorchGroupComms() {
+  static auto* comms = new std::vector<std::weak_ptr<TorchGroupComm>>();
+  return *comms;
+}
+
 // The engine's collectives on torch.distributed's default group: one
 // rendezvous, one port, the same ranks.
 std::shared_ptr<Comm> CommFromTorchDistributed(const std::string& device) {
@@ -315,7 +361,10 @@ std::shared_ptr<Comm> CommFromTorchDistributed(const std::string& device) {
   const char* lr = std::getenv("LOCAL_RANK");
   const auto index = static_cast<c10::DeviceIndex>(lr && *lr ? std::atoi(lr) : 0);
   const at::Device d = device == "cuda" ? at::Device(at::kCUDA, index) : at::Device(at::kCPU);
-  return CommOnProcessGroup(ptr, d);
+  auto comm = std::make_shared<TorchGroupComm>(CommOnProcessGroup(ptr, d));
+  TorchGroupComms().push_back(comm);
+  py::module_::import("uckpt.comm").attr("_release_engines_at_exit")();
+  return comm;
 }
 
 py::object MakeDataLoader(py::handle data, const Engine& e, py::handle collate_fn, bool drop_last) {
@@ -539,6 +588,16 @@ void DiscoverWorld(int distributed_port, bool verbose) {
 }
 
 }  // namespace
+
+void ReleaseTorchDistributedGroups() {
+  std::vector<std::shared_ptr<TorchGroupComm>> live;
+  for (auto& weak : TorchGroupComms())
+    if (auto comm = weak.lock()) live.push_back(std::move(comm));
+  TorchGroupComms().clear();
+  // The last reference ends the group: its threads are joined, and one may need the GIL to free a tensor.
+  py::gil_scoped_release no_gil;
+  for (auto& comm : live) comm->Release();
+}
 
 void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distributed_port, bool verbose,
                      py::object timeout, py::object init_method, py::object dist_init_required, py::object config,

@@ -129,6 +129,12 @@ void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distr
                      py::object timeout, py::object init_method, py::object dist_init_required, py::object config,
                      int rank, int world_size);
 
+// At interpreter exit (uckpt.comm, before its teardown of the default group):
+// the live engines stop using torch.distributed's process group, so that
+// destroy_process_group ends it while the interpreter is whole (an engine
+// would keep it into finalization). Later collectives of theirs throw CommError.
+void ReleaseTorchDistributedGroups();
+
 // uckpt.zero.GatheredParameters: the stage-3 parameters among `params` (an
 // iterable of tensors), each by the engine holding it, gathered (true) or
 // released with modifier_rank (-1: writes discarded); tensors of no engine,

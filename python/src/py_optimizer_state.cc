@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <map>
 
-#include "engine/engine_impl.h"
 #include "py_engine.h"
 #include "py_values.h"
 
@@ -51,22 +50,20 @@ void PyEngine::RequireStateDict(const char* call) const {
 py::object PyEngine::OptimizerStateDict() {
   RequireStateDict("state_dict()");
   PushGroups();  // the dicts as the next step would use them
-  Engine::Impl& e = engine_->impl();
-  const std::vector<engine::PartitionSlot> slots = e.runtime->Slots();  // one per group at stage 0
+  const auto groups = engine_->param_groups();
   py::list pairs;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    const engine::PartitionState& state = *slots.at(g).state;
+  for (size_t g = 0; g < groups.size(); ++g) {
     // A client optimizer's own (its None states included), else Adam's.
-    const auto states = e.client_optimizer ? state.named : engine::OptimizerStates(state);
+    const auto states = engine_->stage0_optimizer_state(g);
     int64_t at = 0;
-    for (const NamedParam& p : e.groups[g]) {
+    for (const auto& [name, param] : groups[g]) {
       py::dict st;
       for (const auto& [key, t] : states)
         st[py::str(key)] = !t.defined() ? py::object(py::none())
                            : t.dim() == 0 ? py::cast(t.cpu().clone())  // torch keeps a step on the CPU
-                                          : py::cast(t.narrow(0, at, p.tensor.numel()).view(p.tensor.sizes()));
-      pairs.append(py::make_tuple(py::cast(p.tensor), st));
-      at += p.tensor.numel();
+                                          : py::cast(t.narrow(0, at, param.numel()).view(param.sizes()));
+      pairs.append(py::make_tuple(py::cast(param), st));
+      at += param.numel();
     }
   }
   return py::module_::import("uckpt._partition_step").attr("stage0_state_dict")(client_optimizer_, pairs);
@@ -85,21 +82,19 @@ void PyEngine::TakeClientState() {
 }
 
 void PyEngine::TakeParamStates(py::list loaded) {
-  Engine::Impl& e = engine_->impl();
+  const auto groups = engine_->param_groups();
   std::map<const void*, FlatPlace> place;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    int64_t at = 0;
-    for (const NamedParam& p : e.groups[g]) {
-      place[p.tensor.unsafeGetTensorImpl()] = {g, at};
-      at += p.tensor.numel();
+  std::vector<int64_t> group_numel(groups.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (const auto& [name, param] : groups[g]) {
+      place[param.unsafeGetTensorImpl()] = {g, group_numel[g]};
+      group_numel[g] += param.numel();
     }
-  }
-  // Each group's state: every key's flat tensor (padding zero), and its scalars, which the engine keeps once
-  // per group: refused when they differ between its parameters, or when only some of them have state (torch
-  // steps a parameter without a gradient not at all, so its step would differ).
-  std::vector<engine::PartitionSlot> slots = e.runtime->Slots();
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> named(e.groups.size());
-  std::vector<size_t> with_state(e.groups.size(), 0);
+  // Each group's state: every key's flat tensor, and its scalars, which the engine keeps once per group: refused
+  // when they differ between its parameters, or when only some of them have state (torch steps a parameter
+  // without a gradient not at all, so its step would differ).
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> named(groups.size());
+  std::vector<size_t> with_state(groups.size(), 0);
   for (auto item : loaded) {
     auto pair = item.cast<py::tuple>();
     at::Tensor param = THPVariable_Unpack(pair[0].ptr());
@@ -107,7 +102,6 @@ void PyEngine::TakeParamStates(py::list loaded) {
     if (it == place.end()) continue;  // frozen: the engine keeps no state for it
     if (!pair[1].cast<py::dict>().empty()) ++with_state[it->second.group];
     auto& group = named[it->second.group];
-    const at::Tensor& master = slots.at(it->second.group).state->master;
     for (auto [k, v] : pair[1].cast<py::dict>()) {
       const std::string key = py::str(k);
       auto found = std::find_if(group.begin(), group.end(), [&](const auto& kv) { return kv.first == key; });
@@ -118,7 +112,7 @@ void PyEngine::TakeParamStates(py::list loaded) {
       at::Tensor t = THPVariable_Unpack(v.ptr()).detach();
       if (t.dim() == 0) {
         if (found == group.end()) {
-          group.emplace_back(key, t.to(master.device()).clone());
+          group.emplace_back(key, t.clone());
         } else if (!found->second.defined() || !at::equal(found->second.cpu(), t.cpu())) {
           throw py::value_error("optimizer.load_state_dict: state '" + key + "' differs between the parameters of "
                                 "param group " + std::to_string(it->second.group) + " (uckpt keeps one value per "
@@ -130,36 +124,24 @@ void PyEngine::TakeParamStates(py::list loaded) {
         throw py::value_error("optimizer.load_state_dict: state '" + key + "' has " + std::to_string(t.numel()) +
                               " elements, its parameter " + std::to_string(param.numel()));
       if (found == group.end()) {
-        group.emplace_back(key, at::zeros_like(master));
+        group.emplace_back(key, at::zeros({group_numel[it->second.group]}, t.options().dtype(at::kFloat)));
         found = group.end() - 1;
       }
       found->second.narrow(0, it->second.offset, param.numel()).copy_(t.reshape(-1));
     }
   }
   for (size_t g = 0; g < named.size(); ++g)
-    if (with_state[g] != 0 && with_state[g] != e.groups[g].size())
+    if (with_state[g] != 0 && with_state[g] != groups[g].size())
       throw py::value_error("optimizer.load_state_dict: " + std::to_string(with_state[g]) + " of the " +
-                            std::to_string(e.groups[g].size()) + " parameters of param group " + std::to_string(g) +
+                            std::to_string(groups[g].size()) + " parameters of param group " + std::to_string(g) +
                             " have optimizer state (uckpt steps every parameter of a group together, so their states "
                             "must be alike)");
   for (size_t g = 0; g < named.size(); ++g) {
-    engine::PartitionState& st = *slots.at(g).state;
-    if (e.client_optimizer) {
-      st.named = std::move(named[g]);
-      continue;
+    try {
+      engine_->SetStage0OptimizerState(g, named[g]);
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(std::string("optimizer.load_state_dict: ") + e.what());
     }
-    // The engine's own Adam: torch Adam's keys, or no state at all.
-    std::map<std::string, at::Tensor> by_key(named[g].begin(), named[g].end());
-    if (by_key.empty()) {
-      st.step = st.exp_avg = st.exp_avg_sq = at::Tensor();
-      continue;
-    }
-    if (by_key.size() != 3 || !by_key.count("step") || !by_key.count("exp_avg") || !by_key.count("exp_avg_sq"))
-      throw py::value_error("optimizer.load_state_dict: the state of parameter group " + std::to_string(g) +
-                            " is not torch Adam's (step, exp_avg, exp_avg_sq)");
-    st.step = by_key["step"].to(st.master.options()).reshape({});
-    st.exp_avg = by_key["exp_avg"];
-    st.exp_avg_sq = by_key["exp_avg_sq"];
   }
 }
 

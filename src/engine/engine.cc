@@ -369,6 +369,73 @@ void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
   o.weight_decay = h.weight_decay;
   impl_->runtime->set_optimizer_config(group, o);
 }
+namespace {
+
+// Param group g's optimizer state at stage 0, where a rank holds it whole.
+engine::PartitionState& Stage0State(Engine::Impl& e, size_t group, const char* call) {
+  const std::string where = std::string("uckpt::Engine::") + call + ": ";
+  if (e.stage() != 0)
+    throw std::logic_error(where + "the optimizer state is partitioned at ZeRO stage " + std::to_string(e.stage()) +
+                           " (stage 0 only; use SaveCheckpoint)");
+  if (group >= e.groups.size())
+    throw std::out_of_range(where + "no param group " + std::to_string(group) + " (there are " +
+                            std::to_string(e.groups.size()) + ")");
+  for (const engine::PartitionSlot& slot : e.runtime->Slots())
+    if (slot.group == group) return *slot.state;
+  throw std::logic_error(where + "param group " + std::to_string(group) + " has no optimizer state");
+}
+
+// A copy of `state` on the group's device: element states full length (padding zero), scalars as they are.
+std::vector<std::pair<std::string, at::Tensor>> Stage0Copy(const engine::PartitionState& st, int64_t numel,
+                                                           const std::vector<std::pair<std::string, at::Tensor>>& state,
+                                                           const std::string& where) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::set<std::string> keys;
+  for (const auto& [key, t] : state) {
+    if (!keys.insert(key).second) throw std::invalid_argument(where + "state '" + key + "' given twice");
+    if (!t.defined()) {
+      out.emplace_back(key, at::Tensor());
+    } else if (t.dim() == 0) {
+      out.emplace_back(key, t.detach().to(st.master.device()).clone());
+    } else if (t.dim() == 1 && t.numel() >= numel && t.numel() <= st.master.numel()) {
+      at::Tensor flat = at::zeros_like(st.master);
+      flat.narrow(0, 0, t.numel()).copy_(t.detach());
+      out.emplace_back(key, flat);
+    } else {
+      throw std::invalid_argument(where + "state '" + key + "' has shape " + c10::str(t.sizes()) +
+                                  ", not a scalar or the group's flat " + std::to_string(numel) + " elements");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::stage0_optimizer_state(size_t group) const {
+  const engine::PartitionState& st = Stage0State(*impl_, group, "stage0_optimizer_state");
+  return impl_->client_optimizer ? st.named : engine::OptimizerStates(st);
+}
+
+void Engine::SetStage0OptimizerState(size_t group, const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  engine::PartitionState& st = Stage0State(*impl_, group, "SetStage0OptimizerState");
+  const std::string where = "uckpt::Engine::SetStage0OptimizerState: param group " + std::to_string(group) + ": ";
+  int64_t numel = 0;
+  for (const auto& p : impl_->groups[group]) numel += p.tensor.numel();
+  auto copied = Stage0Copy(st, numel, state, where);
+  if (impl_->client_optimizer) {
+    st.named = std::move(copied);
+    return;
+  }
+  // The engine's own Adam: torch Adam's keys, or no state at all.
+  std::map<std::string, at::Tensor> by_key(copied.begin(), copied.end());
+  const auto has = [&](const char* key, int64_t dim) { return by_key.count(key) && by_key[key].defined() && by_key[key].dim() == dim; };
+  if (!by_key.empty() && (by_key.size() != 3 || !has("step", 0) || !has("exp_avg", 1) || !has("exp_avg_sq", 1)))
+    throw std::invalid_argument(where + "the state is not torch Adam's (step, exp_avg, exp_avg_sq)");
+  st.step = by_key.empty() ? at::Tensor() : by_key["step"].to(st.master.options()).reshape({});
+  st.exp_avg = by_key.empty() ? at::Tensor() : by_key["exp_avg"];
+  st.exp_avg_sq = by_key.empty() ? at::Tensor() : by_key["exp_avg_sq"];
+}
+
 bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }
 int64_t Engine::lr_schedule_iteration() const { return impl_->schedule.last_batch_iteration(); }
 double Engine::ScheduledLr(int64_t iteration, size_t group) const { return impl_->schedule.LrAt(iteration, group); }

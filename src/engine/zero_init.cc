@@ -41,6 +41,7 @@ ZeroInit::ZeroInit(const Config& config, const EngineOptions& options) {
     throw std::invalid_argument("uckpt::ZeroInit: building a model partitioned needs ZeRO stage 3; " + config.source +
                                 " has zero_optimization.stage " + std::to_string(c.zero.stage) +
                                 " (build the model whole, without ZeroInit, for stages 0-2)");
+  dtype_ = engine::ModelDtype(c);
   comm_ = options.comm;
   if (!comm_) {
     comm_ = engine::CommFromEnvironment(c, options.device == "cuda");
@@ -73,12 +74,14 @@ void ZeroInit::Partition(torch::nn::Module& module) {
                                   " has no storage (partitioned already by another scope or engine)");
     at::Tensor whole = p.detach().cpu().contiguous();
     if (dp > 1) comm_->Broadcast(whole, 0);
+    // Kept in the config's dtype, as zero.Init keeps it (the engine would convert it the same way).
     at::Tensor partition = engine::RankSlot(whole, dp, rank);
+    if (partition.is_floating_point()) partition = partition.to(dtype_);
     whole = at::Tensor();
     partitions_.push_back({p, p.sizes().vec(), partition});
     partition_bytes_ += partition.numel() * static_cast<int64_t>(partition.element_size());
     seen_.insert(p.unsafeGetTensorImpl());
-    p.set_data(engine::StoragelessTensor(p.sizes(), p.options()));
+    p.set_data(engine::StoragelessTensor(p.sizes(), p.options().dtype(partition.scalar_type())));
     freed_since_trim_ += bytes;
   }
   if (freed_since_trim_ >= kTrimEvery) {

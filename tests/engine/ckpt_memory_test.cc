@@ -26,15 +26,10 @@ namespace fs = std::filesystem;
 TrainOptions Model(int stage) {
   nlohmann::json zero = {{"stage", stage}, {"offload_optimizer", {{"device", "cpu"}}}};
   if (stage == 3) zero["offload_param"] = {{"device", "cpu"}};
-  TrainOptions o = testing::TinyGpt2({{"train_batch_size", 2},
-                                      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.001}}}}},
-                                      {"zero_optimization", zero}});
-  o.model.n_layer = 3;
-  o.model.n_embd = 256;
-  o.model.vocab_size = 2048;
-  o.model.n_positions = 16;
-  o.seq_len = 16;
-  return o;
+  return testing::TinyGpt2({{"train_batch_size", 2},
+                            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.001}}}}},
+                            {"zero_optimization", zero}},
+                           {.n_layer = 3, .n_embd = 256, .vocab_size = 2048, .n_positions = 16});
 }
 
 int64_t StatusKb(const std::string& key) {

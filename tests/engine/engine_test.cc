@@ -342,6 +342,79 @@ TEST(EngineApi, PerGroupLearningRates) {
   });
 }
 
+// Stage 0's optimizer state through the public API (what Python's
+// optimizer.state_dict()/load_state_dict() use): Adam's keys, the engine's
+// own tensors, and a state set into a fresh engine continues the run bit for
+// bit; what is not such a state, and other stages, are refused.
+TEST(EngineApi, Stage0OptimizerStateReadsAndReplacesEachGroup) {
+  RunRanks(1, [](Comm& comm) {
+    auto make = [&](const std::shared_ptr<TestNet>& net, int stage) {
+      EngineOptions o;
+      o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+      o.param_groups = {ParamGroup{{net->wte, net->fc_w, net->proj_w}}, ParamGroup{{net->fc_b, net->head_b}}};
+      return std::make_unique<Engine>(net, TestConfig(stage), o);
+    };
+    auto step = [](Engine& e, TestNet& net, int64_t batch) {
+      for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
+        e.Backward(net.Loss(Rows(batch, 2 * m, 2)));
+        e.Step();
+      }
+    };
+    auto net = std::make_shared<TestNet>(4);
+    auto e = make(net, 0);
+    EXPECT_TRUE(e->stage0_optimizer_state(1).empty());  // before the first step
+    step(*e, *net, 1);
+    const int64_t numel0 = net->wte.numel() + net->fc_w.numel() + net->proj_w.numel();
+    auto state = e->stage0_optimizer_state(0);
+    ASSERT_EQ(state.size(), 3u);
+    EXPECT_EQ(state[0].first, "step");
+    EXPECT_EQ(state[0].second.dim(), 0);
+    EXPECT_EQ(state[0].second.item<double>(), 1.0);
+    EXPECT_EQ(state[1].first, "exp_avg");
+    EXPECT_EQ(state[2].first, "exp_avg_sq");
+    EXPECT_GE(state[1].second.numel(), numel0);
+    // The engine's own tensors: the same storage on a second read.
+    EXPECT_TRUE(e->stage0_optimizer_state(0)[1].second.is_same(state[1].second));
+
+    // Into a fresh engine with the weights (group 0's state unpadded): the next step is the same.
+    auto net2 = std::make_shared<TestNet>(4);
+    {
+      c10::NoGradGuard no_grad;
+      for (const auto& p : net->named_parameters()) net2->named_parameters()[p.key()].copy_(p.value());
+    }
+    auto f = make(net2, 0);
+    f->StepLrSchedule(0);  // where e's schedule is
+    for (size_t g = 0; g < 2; ++g) {
+      auto s = e->stage0_optimizer_state(g);
+      if (g == 0)
+        for (auto& [key, t] : s)
+          if (t.dim() == 1) t = t.narrow(0, 0, numel0).clone();
+      f->SetStage0OptimizerState(g, s);
+    }
+    EXPECT_FALSE(f->stage0_optimizer_state(0)[1].second.is_same(state[1].second));  // a copy
+    step(*e, *net, 2);
+    step(*f, *net2, 2);
+    for (const auto& p : net->named_parameters())
+      EXPECT_TRUE(at::equal(net2->named_parameters()[p.key()], p.value())) << p.key();
+    // Empty: no state, the next step starts afresh.
+    f->SetStage0OptimizerState(1, {});
+    EXPECT_TRUE(f->stage0_optimizer_state(1).empty());
+
+    // Refused: not Adam's keys, a wrong length, a bad group, stage 1.
+    auto without_step = e->stage0_optimizer_state(0);
+    without_step.erase(without_step.begin());
+    EXPECT_THROW(f->SetStage0OptimizerState(0, without_step), std::invalid_argument);
+    auto short_one = e->stage0_optimizer_state(0);
+    short_one[1].second = short_one[1].second.narrow(0, 0, numel0 - 1);
+    EXPECT_THROW(f->SetStage0OptimizerState(0, short_one), std::invalid_argument);
+    EXPECT_THROW(f->stage0_optimizer_state(2), std::out_of_range);
+    auto net3 = std::make_shared<TestNet>(4);
+    auto z1 = make(net3, 1);
+    EXPECT_THROW(z1->stage0_optimizer_state(0), std::logic_error);
+    EXPECT_THROW(z1->SetStage0OptimizerState(0, {}), std::logic_error);
+  });
+}
+
 // Stage 3's counters and timing through the public API (what `uckpt train`
 // prints under UCKPT_TIMERS): fc, a gather unit, is gathered in forward and
 // again in backward, one unit at a time, and freed after; gradients are

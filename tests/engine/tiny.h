@@ -19,15 +19,21 @@ namespace uckpt::engine::testing {
 
 using cli::TrainOptions;
 
-inline TrainOptions TinyGpt2(const nlohmann::json& ds) {
+// Its size: the tiny one by default; larger where a test needs bytes to
+// measure. Sequences are n_positions tokens long.
+struct TinyShape {
+  int64_t n_layer = 1, n_embd = 6, vocab_size = 37, n_positions = 9;
+};
+
+inline TrainOptions TinyGpt2(const nlohmann::json& ds, const TinyShape& shape = {}) {
   TrainOptions o;
   o.config = ParseConfig(ds, "tiny");
-  o.model.n_layer = 1;
+  o.model.n_layer = shape.n_layer;
   o.model.n_head = 2;
-  o.model.n_embd = 6;
-  o.model.vocab_size = 37;
-  o.model.n_positions = 9;
-  o.seq_len = 9;
+  o.model.n_embd = shape.n_embd;
+  o.model.vocab_size = shape.vocab_size;
+  o.model.n_positions = shape.n_positions;
+  o.seq_len = shape.n_positions;
   return o;
 }
 

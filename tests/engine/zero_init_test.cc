@@ -184,6 +184,37 @@ TEST(ZeroInit, BuiltOutsideAScopeIsTheWholeUnitAndHoldersArePartitioned) {
   EXPECT_TRUE(o.finish_comm);
 }
 
+// The scope keeps floating-point partitions in the config's dtype (as
+// zero.Init does), not the fp32 they were built in: a bf16 or fp16 model's
+// partitions hold half the bytes; other dtypes stay as built.
+TEST(ZeroInit, PartitionsAreInTheConfigsDtype) {
+  RunRanks(2, [&](Comm& comm) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      SCOPED_TRACE(c10::toString(dtype));
+      nlohmann::json ds = Ds(3, dtype == at::kBFloat16);
+      ds["fp16"] = {{"enabled", dtype == at::kHalf}};
+      EngineOptions o;
+      o.comm = Borrowed(comm);
+      ZeroInit init(Config::FromJson(ds), o);
+      torch::nn::Linear lin = ZeroInit::Built(torch::nn::Linear(kDim, 3));
+      auto counts = std::make_shared<torch::nn::Module>();
+      counts->register_parameter("n", at::arange(5, at::kLong), /*requires_grad=*/false);
+      init.Partition(*counts);
+      EXPECT_EQ(init.partition_bytes(), (ckpt::Stage3PartitionSize(3 * kDim, 2) + ckpt::Stage3PartitionSize(3, 2)) *
+                                                static_cast<int64_t>(c10::elementSize(dtype)) +
+                                            ckpt::Stage3PartitionSize(5, 2) * 8);
+      EXPECT_EQ(lin->weight.scalar_type(), dtype);  // as zero.Init's parameter
+      init.AddTo(o);
+      ASSERT_EQ(o.partitioned.size(), 3u);
+      EXPECT_EQ(o.partitioned[0].partition.scalar_type(), dtype);
+      EXPECT_EQ(o.partitioned[1].partition.scalar_type(), dtype);
+      EXPECT_EQ(o.partitioned[2].partition.scalar_type(), at::kLong);
+      const std::vector<int64_t> mine = comm.rank() == 0 ? std::vector<int64_t>{0, 1, 2} : std::vector<int64_t>{3, 4, 0};
+      EXPECT_TRUE(at::equal(o.partitioned[2].partition, at::tensor(mine)));
+    }
+  });
+}
+
 std::string MessageOf(const std::function<void()>& f) {
   try {
     f();

@@ -12,10 +12,12 @@ CASE:
   folders     two ranks pass different checkpoint folders (as a script naming its folder by the clock does):
               the checkpoint lands whole in rank 0's, rank 1 warns naming both, and the load (again with
               different folders) restores it.
-  clean_exit  a clean 2-rank run: exit codes 0, no Traceback/Exception/HeartbeatMonitor/TCPStore lines, and
-              rank 0 (which serves the store) exits after rank 1 even when rank 1 ends later.
+  clean_exit  a clean 2-rank run: exit codes 0, no Traceback/Exception/HeartbeatMonitor/TCPStore lines, the
+              group's threads gone after uckpt's exit teardown (the engine does not keep it into finalization),
+              and rank 0 (which serves the store) exits after rank 1 even when rank 1 ends later.
 """
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -170,10 +172,14 @@ def finish(pl):
 # ---- folders ----
 
 TRAIN = r'''
-import os, sys, time, torch
+import atexit, os, sys, time, torch
 import uckpt as deepspeed
 work, mode = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
+threads = lambda: len(os.listdir("/proc/self/task"))
+at_start = threads()
+# Registered before uckpt's, so it runs after them: the group's threads must be gone by then.
+atexit.register(lambda: print(f"threads at start {at_start}, after uckpt's teardown {threads()}", flush=True))
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
@@ -239,10 +245,16 @@ def case_clean_exit():
                if any(w in l for w in ("Traceback", "Exception", "HeartbeatMonitor", "TCPStore"))]
         if bad:
             fail(f"rank {r}'s output at a clean end has:\n" + "\n".join(bad))
+        # The engine's share of the group is released at exit too: it ends before finalization, not during it.
+        m = re.search(r"threads at start (\d+), after uckpt's teardown (\d+)", log)
+        if not m or int(m.group(2)) > int(m.group(1)):
+            fail(f"rank {r}: torch.distributed's group outlived uckpt's teardown at exit (its threads remain): "
+                 f"{m.group(0) if m else 'no thread count printed'}")
     # Rank 1 trains 3 s longer; rank 0 must wait for it (allowing rank 1's interpreter teardown after it signed off).
     if results[0][2] < results[1][2] - 1.5:
         fail(f"rank 0 (the store's owner) exited {results[1][2] - results[0][2]:.2f} s before rank 1")
-    print("ok   a clean 2-rank end: exit codes 0, no stack trace, rank 0 left last")
+    print("ok   a clean 2-rank end: exit codes 0, no stack trace, the group ended before finalization, rank 0 left "
+          "last")
 
 
 def main():

@@ -47,6 +47,28 @@ def _end_cleanly_at_exit():
     atexit.register(_leave_in_order)
 
 
+_engines_registered = False
+
+
+def _release_engines_at_exit():
+    """Registers (once) the live engines' release of torch.distributed's group at exit.
+
+    An engine holds the group from C++ and lives to the end (its module's hooks hold it), so without this the
+    group -- its threads and its sockets to the other ranks -- outlives destroy_process_group (the script's, or
+    _leave_in_order's) into interpreter finalization. Registered after _leave_in_order, so it runs before it.
+    """
+    global _engines_registered
+    if _engines_registered:
+        return
+    _engines_registered = True
+    atexit.register(_release_engines)
+
+
+def _release_engines():
+    from uckpt import _uckpt
+    _uckpt._release_process_groups()
+
+
 def _wait_for_count(store, key, n):
     deadline = time.monotonic() + _EXIT_WAIT_S
     while store.add(key, 0) < n and time.monotonic() < deadline:
