@@ -226,7 +226,7 @@ class WriteBehind {
 
   void Push(size_t entry, at::Tensor whole) {
     std::unique_lock lock(mu_);
-    space_.wait(lock, [&] { return waiting_bytes_ == 0 || waiting_bytes_ + whole.nbytes() <= limit_; });
+    space_.wait(lock, [&] { return waiting_bytes_ == 0 || waiting_bytes_ + static_cast<int64_t>(whole.nbytes()) <= limit_; });
     waiting_bytes_ += static_cast<int64_t>(whole.nbytes());
     queue_.emplace_back(entry, std::move(whole));
     ready_.notify_one();
