@@ -29,6 +29,7 @@
 # ZERO=1 or 2 with OFFLOAD=1: only "uckpt-zN-offload" (optimizer in host memory, uckpt's host Adam)
 # against DeepSpeed's same configuration ("deepspeed_zN_offload", its CPU Adam; needs DEEPSPEED_PATH),
 # target >= 1.5x DeepSpeed's tokens/s.
+# Z3_BUCKETS="N ...": ZERO=3 also runs "uckpt-z3-rbN", uckpt-z3 with reduce_bucket_size N (default 5e7).
 # ONLY="label ...": run only the runs with these labels (uckpt's labels, or PyTorch/DeepSpeed's MODE-LOSS,
 # e.g. "uckpt-z3-offload deepspeed_z3_offload-hf"); comparisons whose runs were skipped print "not run".
 #
@@ -71,11 +72,12 @@ uckpt_run() {  # uckpt_run N LABEL OVERLAP FUSED [CHUNKED] [ZERO_EXTRA_JSON]
   [ "${5:-0}" = 1 ] && flags="$flags --chunked_loss"
   [[ $label == uckpt-z3* ]] && stage=3
   [[ $label == uckpt-z1* ]] && stage=1
+  local rb=50000000; [[ $label =~ -rb([0-9]+)$ ]] && rb=${BASH_REMATCH[1]}  # "uckpt-z3-rb10000000": that reduce_bucket_size
   cat > "cfg-$label-$n.json" <<JSON
 {"train_batch_size": $((16 * n)), "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0, "steps_per_print": 0,
  "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
  "bf16": {"enabled": true},
- "zero_optimization": {"stage": $stage, "overlap_comm": $overlap, "reduce_bucket_size": 50000000$extra}}
+ "zero_optimization": {"stage": $stage, "overlap_comm": $overlap, "reduce_bucket_size": $rb$extra}}
 JSON
   sample_start "mem-$label-$n.csv"
   local t0=$SECONDS
@@ -124,6 +126,7 @@ for n in $counts; do
   fi
   if [ "$ZERO" = 3 ]; then
     uckpt_run "$n" uckpt-z3 true 1
+    for b in ${Z3_BUCKETS:-}; do uckpt_run "$n" "uckpt-z3-rb$b" true 1; done
     uckpt_run "$n" uckpt-z3+chunked true 1 1
     uckpt_run "$n" uckpt-z3-offload true 1 0 "$offload"
     if [ "${EXTRA:-1}" = 1 ] && [ "$n" = "$(echo $counts | tr ' ' '\n' | tail -1)" ]; then

@@ -28,7 +28,7 @@ case ${PART:-1} in
     grep -E '^(uckpt-z|deepspeed_z|1 GPUs, uckpt-z[12]-offload /)' "$R/offload12-z$z-1gpu.log"
   done ;;
 3)
-  ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3 fsdp2-hf" timeout 200 bench/train-gpu.sh /tmp/uckpt-gpu/src/cli/uckpt /tmp/z3 \
+  ZERO=3 GPU_COUNTS=2 EXTRA=0 Z3_BUCKETS=10000000 ONLY="uckpt-z3 uckpt-z3-rb10000000 fsdp2-hf" timeout 200 bench/train-gpu.sh /tmp/uckpt-gpu/src/cli/uckpt /tmp/z3 \
     > "$R/train3-2gpu.log" 2>&1
   grep -E '^(uckpt-z3|fsdp2|2 GPUs: uckpt-z3 /|uckpt timers)' "$R/train3-2gpu.log"
   ZERO=3 GPU_COUNTS=1 EXTRA=0 ONLY="uckpt-z3-offload deepspeed_z3_offload-hf" DEEPSPEED_PATH=$(realpath .ds) timeout 200 \
