@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -180,8 +181,14 @@ constexpr int64_t kChunk = 1 << 18;  // elements per job: 1 MiB of each array
 // step updates ~30 ranges one after another, and starting and joining a
 // thread per core for each (tens of microseconds apiece, one after another)
 // would cost a fifth of a range's time. One pool per calling thread (ranks
-// run as threads in tests), its workers joined when that thread ends; a
-// forked child starts its own.
+// run as threads in tests), its workers joined when that thread ends.
+//
+// After fork() the child has none of the workers, and the mutex and
+// condition variables are as the parent's threads left them (possibly held,
+// or counting waiters that do not exist in the child: a notify could then
+// block for ever). So everything shared with the workers lives in a Shared
+// block, and a child that finds the pool made by another process leaves the
+// parent's block untouched (never destroyed, never locked) and starts afresh.
 class WorkerPool {
  public:
   static WorkerPool& ForThisThread() {
@@ -190,84 +197,97 @@ class WorkerPool {
     return pool;
   }
   ~WorkerPool() {
-    if (pid_ != getpid()) ForgetAfterFork();  // a forked child's exit
+    if (pid_ != getpid()) return;  // a forked child's exit: nothing of it is ours to join
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      std::lock_guard<std::mutex> lock(s_->mu);
+      s_->stop = true;
     }
-    wake_.notify_all();
+    s_->wake.notify_all();
     for (std::thread& t : workers_) t.join();
   }
 
   // job(k) for k in [0, jobs) on `threads` threads (this one included), each
   // taking the next k; the first exception is rethrown once all are done.
   void Run(size_t jobs, int threads, const std::function<void(size_t)>& job) {
+    Shared& s = *s_;
     const size_t helpers = static_cast<size_t>(std::max(1, threads)) - 1;
-    while (workers_.size() < helpers)
-      workers_.emplace_back([this, id = workers_.size(), seen = generation_] { Serve(id, seen); });
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = &job;
-      jobs_ = jobs;
-      next_ = 0;
-      failed_ = false;
-      error_ = nullptr;
-      helpers_ = helpers;
-      busy_ = helpers;
-      ++generation_;
+    while (workers_.size() < helpers) {
+      uint64_t seen;
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        seen = s.generation;
+      }
+      workers_.emplace_back([&s, id = workers_.size(), seen] { Serve(s, id, seen); });
     }
-    wake_.notify_all();
-    Work();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return busy_ == 0; });
-    job_ = nullptr;
-    if (error_) std::rethrow_exception(error_);
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.job = &job;
+      s.jobs = jobs;
+      s.next = 0;
+      s.failed = false;
+      s.error = nullptr;
+      s.helpers = helpers;
+      s.busy = helpers;
+      ++s.generation;
+    }
+    s.wake.notify_all();
+    Work(s);
+    std::unique_lock<std::mutex> lock(s.mu);
+    s.done.wait(lock, [&] { return s.busy == 0; });
+    s.job = nullptr;
+    if (s.error) std::rethrow_exception(s.error);
   }
 
  private:
-  void Work() {
-    for (size_t k; !failed_ && (k = next_++) < jobs_;) {
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable wake, done;
+    const std::function<void(size_t)>* job = nullptr;
+    size_t jobs = 0, helpers = 0, busy = 0;
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+    uint64_t generation = 0;
+    bool stop = false;
+  };
+
+  static void Work(Shared& s) {
+    for (size_t k; !s.failed && (k = s.next++) < s.jobs;) {
       try {
-        (*job_)(k);
+        (*s.job)(k);
       } catch (...) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_) error_ = std::current_exception();
-        failed_ = true;
+        std::lock_guard<std::mutex> lock(s.mu);
+        if (!s.error) s.error = std::current_exception();
+        s.failed = true;
       }
     }
   }
-  void Serve(size_t id, uint64_t seen) {  // `seen`: the pass before it started
-    std::unique_lock<std::mutex> lock(mu_);
+  static void Serve(Shared& s, size_t id, uint64_t seen) {  // `seen`: the pass before it started
+    std::unique_lock<std::mutex> lock(s.mu);
     for (;;) {
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      if (id >= helpers_) continue;  // not needed for this pass
+      s.wake.wait(lock, [&] { return s.stop || s.generation != seen; });
+      if (s.stop) return;
+      seen = s.generation;
+      if (id >= s.helpers) continue;  // not needed for this pass
       lock.unlock();
-      Work();
+      Work(s);
       lock.lock();
-      if (--busy_ == 0) done_.notify_one();
+      if (--s.busy == 0) s.done.notify_one();
     }
   }
-  // The workers' threads do not exist in a forked child: their handles are
-  // dropped unjoined (kept, never destroyed), and new ones start on demand.
+  // In a forked child: the parent's workers and Shared block are dropped
+  // unjoined and undestroyed (kept, never used); new ones start on demand.
   void ForgetAfterFork() {
     new std::vector<std::thread>(std::move(workers_));
     workers_.clear();
+    s_.release();
+    s_ = std::make_unique<Shared>();
     pid_ = getpid();
   }
 
   pid_t pid_ = getpid();
   std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable wake_, done_;
-  const std::function<void(size_t)>* job_ = nullptr;
-  size_t jobs_ = 0, helpers_ = 0, busy_ = 0;
-  std::atomic<size_t> next_{0};
-  std::atomic<bool> failed_{false};
-  std::exception_ptr error_;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::unique_ptr<Shared> s_ = std::make_unique<Shared>();
 };
 
 // Runs fn(begin, end) over [0, n) in chunks on libtorch's intra-op thread
