@@ -402,19 +402,20 @@ CpuAdamPass::CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad
   v_ = st.exp_avg_sq.data_ptr<float>();
 }
 
-void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out) const {
+void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out, int threads) const {
   if (begin < 0 || end > n_ || begin > end)
     throw std::out_of_range("CpuAdamPass: range [" + std::to_string(begin) + ", " + std::to_string(end) +
                             ") outside the partition of " + std::to_string(n_));
+  if (threads <= 0) threads = threads_;
   switch (grad_.scalar_type()) {
     case at::kBFloat16:
       return AdamPiece<BFloat16Grad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::BFloat16>()), begin,
-                                     end, out, threads_);
+                                     end, out, threads);
     case at::kHalf:
       return AdamPiece<HalfGrad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::Half>()), begin, end,
-                                 out, threads_);
+                                 out, threads);
     default:
-      return AdamPiece<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), begin, end, out, threads_);
+      return AdamPiece<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), begin, end, out, threads);
   }
 }
 

@@ -51,9 +51,11 @@ class CpuAdamPass {
   CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr);
   // Updates [begin, end) of the partition; `out`, when defined, a contiguous
   // host bf16 or fp16 tensor of end - begin elements, receives the range's
-  // new weights rounded as .to() rounds.
-  void Run(int64_t begin, int64_t end, const at::Tensor& out = at::Tensor()) const;
+  // new weights rounded as .to() rounds. `threads` > 0: on that many
+  // threads instead of the pass's own count (the same bits either way).
+  void Run(int64_t begin, int64_t end, const at::Tensor& out = at::Tensor(), int threads = 0) const;
   int64_t numel() const { return n_; }
+  int threads() const { return threads_; }
 
   struct Scalars {
     float grad_scale, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2;

@@ -255,8 +255,10 @@ void FlatRuntime::UpdateUnit(size_t u) {
     }
     // To a GPU, chunk by chunk: bf16/fp16 written by the pass into a staging
     // slot, fp32 straight from the pinned master; each goes up on its slot's
-    // stream once the slot's previous upload is done.
+    // stream once the slot's previous upload is done. A gather unit's pass
+    // leaves one core to the forward's kernel launches.
     Uploads& up = *uploads_;
+    const int threads = u == 0 ? pass.threads() : std::max(1, pass.threads() - 1);
     for (int64_t begin = piece.begin; begin < piece.end; begin += kCopyChunk) {
       const int64_t len = std::min(kCopyChunk, piece.end - begin);
       const size_t slot = up.next_slot++ % 2;
@@ -264,9 +266,9 @@ void FlatRuntime::UpdateUnit(size_t u) {
       if (narrow_dtype) {
         up.streams[slot].synchronize();
         src = up.staging[slot].narrow(0, 0, len);
-        pass.Run(begin, begin + len, src);
+        pass.Run(begin, begin + len, src, threads);
       } else {
-        pass.Run(begin, begin + len);
+        pass.Run(begin, begin + len, at::Tensor(), threads);
       }
       c10::StreamGuard guard(up.streams[slot]);
       g.model_flat.narrow(0, begin, len).copy_(src, /*non_blocking=*/true);

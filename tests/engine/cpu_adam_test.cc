@@ -277,6 +277,34 @@ TEST(CpuAdam, AForkedChildRunsItsOwnPool) {
   }).join();
 }
 
+// A pass run piece by piece, out of order, on other threads and thread
+// counts, with and without the weights' copy, is CpuAdamStep bit for bit.
+TEST(CpuAdam, APassOverPiecesIsTheWholeStep) {
+  OptimizerConfig o;
+  o.weight_decay = 0.1;
+  const int64_t n = (1 << 19) + 1000;  // two chunks and a bit
+  at::manual_seed(11);
+  const at::Tensor g = at::randn({n}).to(at::kBFloat16);
+  PartitionState want;
+  want.master = at::randn({n});
+  PartitionState st{want.master.clone(), {}, {}, {}, {}};
+  for (int step = 1; step <= 2; ++step) {
+    CpuAdamStep(want, g, 0.5, o, 1e-3 * step);
+    const CpuAdamPass pass(st, g, 0.5, o, 1e-3 * step);
+    const at::Tensor weights = at::empty({n}, at::kBFloat16);
+    std::thread([&] { pass.Run(300000, n, weights.narrow(0, 300000, n - 300000), 2); }).join();
+    pass.Run(7, 300000);
+    pass.Run(0, 7, weights.narrow(0, 0, 7), 1);
+    EXPECT_TRUE(at::equal(st.master, want.master)) << step;
+    EXPECT_TRUE(at::equal(st.exp_avg_sq, want.exp_avg_sq)) << step;
+    EXPECT_TRUE(at::equal(st.step, want.step)) << step;
+    EXPECT_TRUE(at::equal(weights.narrow(0, 300000, n - 300000), want.master.narrow(0, 300000, n - 300000).to(at::kBFloat16)));
+    EXPECT_TRUE(at::equal(weights.narrow(0, 0, 7), want.master.narrow(0, 0, 7).to(at::kBFloat16)));
+  }
+  const CpuAdamPass pass(st, g, 0.5, o, 1e-3);
+  EXPECT_THROW(pass.Run(0, n + 1), std::out_of_range);
+}
+
 TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
   PartitionState st;
   st.master = at::zeros({8});
