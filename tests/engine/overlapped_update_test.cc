@@ -17,6 +17,7 @@
 
 #include "engine/engine_impl.h"
 #include "engine/flat_runtime.h"
+#include "ranks.h"
 #include "uckpt/engine.h"
 
 namespace uckpt {
@@ -28,10 +29,10 @@ namespace fs = std::filesystem;
 constexpr int64_t kVocab = 64, kDim = 640, kBlocks = 3;
 
 struct Block : torch::nn::Module {
-  Block() {
-    w1 = register_parameter("w1", at::randn({kDim, kDim}) * 0.05);
+  explicit Block(at::Generator& gen) {
+    w1 = register_parameter("w1", at::randn({kDim, kDim}, gen) * 0.05);
     b1 = register_parameter("b1", at::zeros({kDim}));
-    w2 = register_parameter("w2", at::randn({kDim, kDim}) * 0.05);
+    w2 = register_parameter("w2", at::randn({kDim, kDim}, gen) * 0.05);
   }
   at::Tensor w1, b1, w2;
 };
@@ -39,9 +40,10 @@ struct Block : torch::nn::Module {
 // Embedding and tied head in the root, three blocks as gather units.
 struct Net : torch::nn::Module {
   explicit Net(uint64_t seed) {
-    at::manual_seed(seed);
-    wte = register_parameter("wte", at::randn({kVocab, kDim}) * 0.1);
-    for (int64_t i = 0; i < kBlocks; ++i) blocks.push_back(register_module("h" + std::to_string(i), std::make_shared<Block>()));
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);  // (ranks run as threads)
+    wte = register_parameter("wte", at::randn({kVocab, kDim}, gen) * 0.1);
+    for (int64_t i = 0; i < kBlocks; ++i)
+      blocks.push_back(register_module("h" + std::to_string(i), std::make_shared<Block>(gen)));
     ln_b = register_parameter("ln_b", at::zeros({kDim}));
   }
   at::Tensor Loss(const at::Tensor& ids) const {
@@ -78,11 +80,11 @@ struct TestRun {
 
 // Two param groups whose parameters interleave the units (a unit's
 // elements lie in several ranges of each group's flat buffer).
-TestRun MakeRun(int stage, bool overlap) {
+TestRun MakeRun(int stage, bool overlap, Comm* comm = nullptr) {
   TestRun r;
   r.net = std::make_shared<Net>(7);
   EngineOptions o;
-  o.comm = MakeSingleProcessComm();
+  o.comm = comm ? std::shared_ptr<Comm>(comm, [](Comm*) {}) : std::shared_ptr<Comm>(MakeSingleProcessComm());
   for (const auto& b : r.net->blocks) o.gather_units.push_back(b);
   ParamGroup weights, biases;
   for (const auto& b : r.net->blocks) weights.params.push_back(b->w1);
@@ -237,6 +239,18 @@ TEST(OverlappedUpdate, OnlyWhereItApplies) {
   Engine e(net, TestConfig(1), std::move(o));
   EXPECT_FALSE(static_cast<bool>(e.unit_calls().enter));
   EXPECT_FALSE(dynamic_cast<engine::FlatRuntime&>(*e.impl().runtime).overlaps_update());
+}
+
+// Across ranks the updated partitions are all-gathered after the update: it
+// stays synchronous there, with the same results.
+TEST(OverlappedUpdate, SynchronousAtTwoRanks) {
+  engine::testing::RunRanks(2, [](Comm& comm) {
+    TestRun sync = MakeRun(2, false, &comm), flagged = MakeRun(2, true, &comm);
+    EXPECT_FALSE(flagged.runtime().overlaps_update());
+    EXPECT_FALSE(static_cast<bool>(flagged.engine->unit_calls().enter));
+    EXPECT_EQ(TrainStep(sync, 1), TrainStep(flagged, 1));
+    ExpectSameState(sync, flagged, "rank " + std::to_string(comm.rank()));
+  });
 }
 
 }  // namespace
