@@ -124,7 +124,8 @@ struct EngineOptions {
   // they compute (gather units, e.g. every transformer block), in forward
   // order; unit i is index i in Engine::EnterUnit/ExitUnit. Parameters in no
   // unit, and parameters tied across units, form the root unit, which stays
-  // gathered. Empty: everything is the root unit. Ignored at stages 0-2.
+  // gathered. Empty: everything is the root unit. At stages 0-2 only
+  // overlap_update_with_forward uses them.
   // Prefetching (stage3_prefetch_bucket_size) follows this order: entering
   // unit i starts the all-gathers of units i+1, ... (in backward i-1, ...).
   std::vector<std::shared_ptr<torch::nn::Module>> gather_units;
@@ -148,6 +149,28 @@ struct EngineOptions {
   // Its state is saved and loaded under its own keys; the param groups'
   // lr comes from the schedule as for Adam.
   OptimizerStepFn optimizer_step;
+  // ZeRO stages 1-2 with offload_optimizer, at world size 1, with
+  // gather_units declared (and the config's Adam, not optimizer_step): the
+  // host update of each step overlaps the next forward, unit by unit.
+  // Step() updates, and uploads to the device, the root unit's parameters
+  // (those in no gather unit or tied across units: embeddings, final norm)
+  // and returns; the gather units' updates follow in forward order on a
+  // background thread, and EnterUnit(i) returns once unit i's parameters are
+  // updated and uploaded (the device waits for their copy). Every other
+  // Engine call that touches weights, gradients or optimizer state
+  // (Backward, Step, SaveCheckpoint, LoadCheckpoint, LoadWeights,
+  // Save16bitModel, GatherParameters, Train/Eval) first waits for the whole
+  // update; the destructor lets the unit under way finish and drops the
+  // rest. So the model must run each unit's parameters only
+  // between EnterUnit(i) and ExitUnit(i) (Engine::unit_calls()); code that
+  // reads a parameter between Step and its unit's EnterUnit calls
+  // WaitForUpdate() first. The results are the synchronous update's, bit for
+  // bit. An exception of the background update is thrown by the next call
+  // that waits. Elsewhere (other stages, several ranks, no units, a client
+  // optimizer) the update stays synchronous. Off by default; `uckpt train
+  // --device cuda` turns it on; the Python package does not (a script may
+  // read parameters right after step(), as DeepSpeed allows).
+  bool overlap_update_with_forward = false;
   // With optimizer_step: param group g's entries as that optimizer keeps them
   // (a dict of its hyper-parameters, lr the current one), saved as the
   // group's param_groups entry in the optimizer files (torch's state_dict).
@@ -278,6 +301,10 @@ class Engine {
   // Called after every Backward. At the gradient-accumulation boundary: the
   // optimizer step, the lr schedule and the counters; otherwise nothing.
   void Step(const StepOptions& options = {});
+  // Under EngineOptions::overlap_update_with_forward: returns once the last
+  // Step's update is complete (every parameter updated and on the device);
+  // throws the update's exception, if it failed. A no-op otherwise.
+  void WaitForUpdate();
   bool IsGradientAccumulationBoundary() const;
   // DeepSpeed's set_gradient_accumulation_boundary: from now on the boundary
   // is `is_boundary` (for the next Backward's reduction and Step's update),
@@ -290,7 +317,9 @@ class Engine {
   // std::invalid_argument unless it divides.
   void SetTrainBatchSize(int64_t train_batch_size);
 
-  // ---- ZeRO stage 3 gather units (identities at stages 0-2). ----
+  // ---- ZeRO stage 3 gather units (identities at stages 0-2, where under
+  // EngineOptions::overlap_update_with_forward EnterUnit(i) waits for unit
+  // i's update). ----
   // Contract: a model runs unit i (EngineOptions::gather_units[i]) as
   //   x = engine.EnterUnit(i, x);   // gathers unit i's parameters
   //   y = unit_i(x);                // any code using only unit i's and the root's parameters

@@ -45,6 +45,21 @@ std::vector<int64_t> FlatOffsets(std::span<const int64_t> numels) {
   return offsets;
 }
 
+ReverseBuckets PlanReverseBuckets(std::span<const int64_t> numels, int64_t bucket_numel) {
+  const std::vector<int64_t> offsets = FlatOffsets(numels);
+  ReverseBuckets plan;
+  plan.bucket_of.resize(numels.size());
+  for (size_t j = numels.size(); j-- > 0;) {
+    if (plan.buckets.empty() || plan.buckets.back().numel >= bucket_numel) plan.buckets.emplace_back();
+    ReverseBuckets::Bucket& b = plan.buckets.back();
+    b.begin = offsets[j];  // moves down as parameters join
+    b.numel += numels[j];
+    ++b.params;
+    plan.bucket_of[j] = plan.buckets.size() - 1;
+  }
+  return plan;
+}
+
 namespace {
 
 // The part of parameter i (flat range [start, start+n)) inside rank's range, if any.

@@ -58,6 +58,20 @@ std::vector<Fragment> ParamFragments(std::span<const int64_t> numels, int dp, si
 // Start of each parameter in the flat buffer (prefix sums of `numels`).
 std::vector<int64_t> FlatOffsets(std::span<const int64_t> numels);
 
+// Gradient buckets of a flat buffer in reverse parameter order (the order
+// backward produces gradients): whole parameters from the last one
+// backwards, a new bucket once the current one holds >= bucket_numel
+// elements. Each bucket is one contiguous range of the flat buffer.
+struct ReverseBuckets {
+  struct Bucket {
+    int64_t begin = 0, numel = 0;  // range of the flat buffer
+    int params = 0;                // parameters in it
+  };
+  std::vector<Bucket> buckets;    // buckets[0] holds the last parameters
+  std::vector<size_t> bucket_of;  // per parameter: its bucket
+};
+ReverseBuckets PlanReverseBuckets(std::span<const int64_t> numels, int64_t bucket_numel);
+
 // ---- ZeRO stage 3: every parameter partitioned on its own. ----
 
 // Elements of one parameter on every rank: ceil(numel / dp) (0 for numel 0).

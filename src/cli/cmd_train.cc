@@ -99,6 +99,10 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--heartbeat_timeout", a->heartbeat_timeout,
                   "A rank silent this long is dead and every other rank exits naming it (default 20;\n"
                   "config: heartbeat.timeout; 0 = off, then only --timeout ends a stuck job)");
+  cmd->add_flag("!--no_overlap_update", o.overlap_update,
+                "ZeRO-1/2 with offload_optimizer on one GPU: update on the host after backward, not alongside "
+                "the next forward (the results are the same, bit for bit; see docs/engine.md). On the CPU the "
+                "update always follows backward");
   cmd->add_flag("!--no_progress", o.progress, "No progress line on a terminal");
 
   return [a] {

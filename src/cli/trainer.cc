@@ -76,6 +76,10 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   eo.local_rank = opt_.local_rank;
   eo.gather_units = gather_units_;
   eo.host_threads = opt_.threads;
+  // The loop touches weights only through the engine and the model's units:
+  // under offload at one rank the host update runs alongside the next forward
+  // on the GPU (on the CPU both would share the same cores).
+  eo.overlap_update_with_forward = opt_.overlap_update && opt_.device == "cuda";
   engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
   engine_->SetTiming(timers_.enabled);
   if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());

@@ -45,6 +45,7 @@ struct TrainOptions {
   std::string device = "cpu";  // "cpu", or "cuda" (device LOCAL_RANK; NCCL between ranks)
   int local_rank = 0;
   int threads = 0;  // host threads per rank (EngineOptions::host_threads)
+  bool overlap_update = true;  // EngineOptions::overlap_update_with_forward
 };
 
 // The engine's step counters (saved in every checkpoint).

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -21,11 +22,7 @@
 namespace uckpt::engine {
 namespace {
 
-struct AdamScalars {
-  float grad_scale, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2;
-  float bias_correction2_sqrt, eps, neg_step_size;
-  bool decoupled;
-};
+using AdamScalars = CpuAdamPass::Scalars;
 
 inline uint32_t Bits(float f) {
   uint32_t u;
@@ -180,8 +177,14 @@ constexpr int64_t kChunk = 1 << 18;  // elements per job: 1 MiB of each array
 // step updates ~30 ranges one after another, and starting and joining a
 // thread per core for each (tens of microseconds apiece, one after another)
 // would cost a fifth of a range's time. One pool per calling thread (ranks
-// run as threads in tests), its workers joined when that thread ends; a
-// forked child starts its own.
+// run as threads in tests), its workers joined when that thread ends.
+//
+// After fork() the child has none of the workers, and the mutex and
+// condition variables are as the parent's threads left them (possibly held,
+// or counting waiters that do not exist in the child: a notify could then
+// block for ever). So everything shared with the workers lives in a Shared
+// block, and a child that finds the pool made by another process leaves the
+// parent's block untouched (never destroyed, never locked) and starts afresh.
 class WorkerPool {
  public:
   static WorkerPool& ForThisThread() {
@@ -190,93 +193,106 @@ class WorkerPool {
     return pool;
   }
   ~WorkerPool() {
-    if (pid_ != getpid()) ForgetAfterFork();  // a forked child's exit
+    if (pid_ != getpid()) return;  // a forked child's exit: nothing of it is ours to join
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      std::lock_guard<std::mutex> lock(s_->mu);
+      s_->stop = true;
     }
-    wake_.notify_all();
+    s_->wake.notify_all();
     for (std::thread& t : workers_) t.join();
   }
 
   // job(k) for k in [0, jobs) on `threads` threads (this one included), each
   // taking the next k; the first exception is rethrown once all are done.
   void Run(size_t jobs, int threads, const std::function<void(size_t)>& job) {
+    Shared& s = *s_;
     const size_t helpers = static_cast<size_t>(std::max(1, threads)) - 1;
-    while (workers_.size() < helpers)
-      workers_.emplace_back([this, id = workers_.size(), seen = generation_] { Serve(id, seen); });
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = &job;
-      jobs_ = jobs;
-      next_ = 0;
-      failed_ = false;
-      error_ = nullptr;
-      helpers_ = helpers;
-      busy_ = helpers;
-      ++generation_;
+    while (workers_.size() < helpers) {
+      uint64_t seen;
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        seen = s.generation;
+      }
+      workers_.emplace_back([&s, id = workers_.size(), seen] { Serve(s, id, seen); });
     }
-    wake_.notify_all();
-    Work();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return busy_ == 0; });
-    job_ = nullptr;
-    if (error_) std::rethrow_exception(error_);
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.job = &job;
+      s.jobs = jobs;
+      s.next = 0;
+      s.failed = false;
+      s.error = nullptr;
+      s.helpers = helpers;
+      s.busy = helpers;
+      ++s.generation;
+    }
+    s.wake.notify_all();
+    Work(s);
+    std::unique_lock<std::mutex> lock(s.mu);
+    s.done.wait(lock, [&] { return s.busy == 0; });
+    s.job = nullptr;
+    if (s.error) std::rethrow_exception(s.error);
   }
 
  private:
-  void Work() {
-    for (size_t k; !failed_ && (k = next_++) < jobs_;) {
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable wake, done;
+    const std::function<void(size_t)>* job = nullptr;
+    size_t jobs = 0, helpers = 0, busy = 0;
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+    uint64_t generation = 0;
+    bool stop = false;
+  };
+
+  static void Work(Shared& s) {
+    for (size_t k; !s.failed && (k = s.next++) < s.jobs;) {
       try {
-        (*job_)(k);
+        (*s.job)(k);
       } catch (...) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_) error_ = std::current_exception();
-        failed_ = true;
+        std::lock_guard<std::mutex> lock(s.mu);
+        if (!s.error) s.error = std::current_exception();
+        s.failed = true;
       }
     }
   }
-  void Serve(size_t id, uint64_t seen) {  // `seen`: the pass before it started
-    std::unique_lock<std::mutex> lock(mu_);
+  static void Serve(Shared& s, size_t id, uint64_t seen) {  // `seen`: the pass before it started
+    std::unique_lock<std::mutex> lock(s.mu);
     for (;;) {
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      if (id >= helpers_) continue;  // not needed for this pass
+      s.wake.wait(lock, [&] { return s.stop || s.generation != seen; });
+      if (s.stop) return;
+      seen = s.generation;
+      if (id >= s.helpers) continue;  // not needed for this pass
       lock.unlock();
-      Work();
+      Work(s);
       lock.lock();
-      if (--busy_ == 0) done_.notify_one();
+      if (--s.busy == 0) s.done.notify_one();
     }
   }
-  // The workers' threads do not exist in a forked child: their handles are
-  // dropped unjoined (kept, never destroyed), and new ones start on demand.
+  // In a forked child: the parent's workers and Shared block are dropped
+  // unjoined and undestroyed (kept, never used); new ones start on demand.
   void ForgetAfterFork() {
     new std::vector<std::thread>(std::move(workers_));
     workers_.clear();
+    s_.release();
+    s_ = std::make_unique<Shared>();
     pid_ = getpid();
   }
 
   pid_t pid_ = getpid();
   std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable wake_, done_;
-  const std::function<void(size_t)>* job_ = nullptr;
-  size_t jobs_ = 0, helpers_ = 0, busy_ = 0;
-  std::atomic<size_t> next_{0};
-  std::atomic<bool> failed_{false};
-  std::exception_ptr error_;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::unique_ptr<Shared> s_ = std::make_unique<Shared>();
 };
 
 // Runs fn(begin, end) over [0, n) in chunks on libtorch's intra-op thread
 // count (--threads). Our own threads: at::parallel_for's OpenMP pragma would
 // need this file built with OpenMP, next to libtorch's own runtime.
 template <typename Fn>
-void ParallelChunks(int64_t n, Fn fn) {
+void ParallelChunks(int64_t n, Fn fn, int max_threads = at::get_num_threads()) {
   const size_t jobs = static_cast<size_t>((n + kChunk - 1) / kChunk);
-  const int threads = std::max(1, std::min(at::get_num_threads(), static_cast<int>(jobs)));
+  const int threads = std::max(1, std::min(max_threads, static_cast<int>(jobs)));
   const std::function<void(size_t)> job = [&](size_t k) {
     const int64_t begin = static_cast<int64_t>(k) * kChunk;
     fn(begin, std::min(n, begin + kChunk));
@@ -288,33 +304,25 @@ void ParallelChunks(int64_t n, Fn fn) {
   WorkerPool::ForThisThread().Run(jobs, threads, job);
 }
 
-// The update over [0, n), whole or range by range (CpuAdamStep's overloads).
+// The update of [begin, end) on `threads` threads, the weights also into `out` if defined.
 template <typename Format>
-void AdamRanges(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t n, int64_t range,
-                const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
-                const std::function<void(int64_t begin, int64_t end)>& range_done) {
-  if (range <= 0 || !range_done) {
-    ParallelChunks(n, [&](int64_t begin, int64_t end) { AdamRange<Format>(s, p, m, v, g, NoCopy{}, begin, end); });
-    return;
-  }
-  for (int64_t first = 0; first < n; first += range) {
-    const int64_t len = std::min(range, n - first);
-    const at::Tensor out = range_out ? range_out(first, first + len) : at::Tensor();
-    auto run = [&](const auto& copy) {
-      ParallelChunks(len, [&](int64_t begin, int64_t end) { AdamRange<Format>(s, p, m, v, g, copy, first + begin, first + end); });
-    };
-    const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
-    if (!out.defined()) {
-      run(NoCopy{});
-    } else if (fits && out.scalar_type() == at::kBFloat16) {
-      run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), first});
-    } else if (fits && out.scalar_type() == at::kHalf) {
-      run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), first});
-    } else {
-      throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
-                                  std::to_string(len) + " elements");
-    }
-    range_done(first, first + len);
+void AdamPiece(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t begin,
+               int64_t end, const at::Tensor& out, int threads) {
+  const int64_t len = end - begin;
+  auto run = [&](const auto& copy) {
+    ParallelChunks(
+        len, [&](int64_t b, int64_t e) { AdamRange<Format>(s, p, m, v, g, copy, begin + b, begin + e); }, threads);
+  };
+  const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
+  if (!out.defined()) {
+    run(NoCopy{});
+  } else if (fits && out.scalar_type() == at::kBFloat16) {
+    run(BFloat16Copy{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), begin});
+  } else if (fits && out.scalar_type() == at::kHalf) {
+    run(HalfCopy{reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), begin});
+  } else {
+    throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
+                                std::to_string(len) + " elements");
   }
 }
 
@@ -348,17 +356,29 @@ void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, 
 void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
                  int64_t range, const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
                  const std::function<void(int64_t begin, int64_t end)>& range_done) {
+  const CpuAdamPass pass(st, grad, grad_scale, o, lr);
+  const int64_t n = pass.numel();
+  if (range <= 0 || !range_done) return pass.Run(0, n);
+  for (int64_t first = 0; first < n; first += range) {
+    const int64_t len = std::min(range, n - first);
+    pass.Run(first, first + len, range_out ? range_out(first, first + len) : at::Tensor());
+    range_done(first, first + len);
+  }
+}
+
+CpuAdamPass::CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o,
+                         double lr)
+    : grad_(grad), n_(st.master.numel()), threads_(at::get_num_threads()) {
   c10::NoGradGuard no_grad;
-  const int64_t n = st.master.numel();
-  CheckHostFloat(st.master, "the master", n);
-  CheckHostGradient(grad, n);
+  CheckHostFloat(st.master, "the master", n_);
+  CheckHostGradient(grad, n_);
   if (!st.step.defined()) {
     st.step = at::zeros({}, st.master.options());
     st.exp_avg = at::zeros_like(st.master);
     st.exp_avg_sq = at::zeros_like(st.master);
   }
-  CheckHostFloat(st.exp_avg, "exp_avg", n);
-  CheckHostFloat(st.exp_avg_sq, "exp_avg_sq", n);
+  CheckHostFloat(st.exp_avg, "exp_avg", n_);
+  CheckHostFloat(st.exp_avg_sq, "exp_avg_sq", n_);
   st.step.add_(1);
   const double step = st.step.item<float>();
   // The scalars as torch computes them: in double on the host, then used by
@@ -366,32 +386,36 @@ void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, 
   // bias_correction false (DeepSpeed's Adam): step size lr, denominator sqrt(v) + eps.
   const double bias_correction1 = o.bias_correction ? 1 - std::pow(o.beta1, step) : 1.0;
   const double bias_correction2 = o.bias_correction ? 1 - std::pow(o.beta2, step) : 1.0;
-  AdamScalars s;
-  s.grad_scale = static_cast<float>(grad_scale);
-  s.decoupled = o.decoupled_weight_decay;
-  s.decay = static_cast<float>(1 - lr * o.weight_decay);
-  s.weight_decay = o.decoupled_weight_decay ? 0.0f : static_cast<float>(o.weight_decay);
-  s.beta1 = static_cast<float>(o.beta1);
-  s.one_minus_beta1 = static_cast<float>(1 - o.beta1);
-  s.beta2 = static_cast<float>(o.beta2);
-  s.one_minus_beta2 = static_cast<float>(1 - o.beta2);
-  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  s.eps = static_cast<float>(o.eps);
-  s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
-  float* p = st.master.data_ptr<float>();
-  float* m = st.exp_avg.data_ptr<float>();
-  float* v = st.exp_avg_sq.data_ptr<float>();
-  switch (grad.scalar_type()) {
-    case at::kBFloat16: {
-      auto* g = reinterpret_cast<uint16_t*>(grad.data_ptr<at::BFloat16>());
-      return AdamRanges<BFloat16Grad>(s, p, m, v, g, n, range, range_out, range_done);
-    }
-    case at::kHalf: {
-      auto* g = reinterpret_cast<uint16_t*>(grad.data_ptr<at::Half>());
-      return AdamRanges<HalfGrad>(s, p, m, v, g, n, range, range_out, range_done);
-    }
+  s_.grad_scale = static_cast<float>(grad_scale);
+  s_.decoupled = o.decoupled_weight_decay;
+  s_.decay = static_cast<float>(1 - lr * o.weight_decay);
+  s_.weight_decay = o.decoupled_weight_decay ? 0.0f : static_cast<float>(o.weight_decay);
+  s_.beta1 = static_cast<float>(o.beta1);
+  s_.one_minus_beta1 = static_cast<float>(1 - o.beta1);
+  s_.beta2 = static_cast<float>(o.beta2);
+  s_.one_minus_beta2 = static_cast<float>(1 - o.beta2);
+  s_.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  s_.eps = static_cast<float>(o.eps);
+  s_.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  p_ = st.master.data_ptr<float>();
+  m_ = st.exp_avg.data_ptr<float>();
+  v_ = st.exp_avg_sq.data_ptr<float>();
+}
+
+void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out, int threads) const {
+  if (begin < 0 || end > n_ || begin > end)
+    throw std::out_of_range("CpuAdamPass: range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                            ") outside the partition of " + std::to_string(n_));
+  if (threads <= 0) threads = threads_;
+  switch (grad_.scalar_type()) {
+    case at::kBFloat16:
+      return AdamPiece<BFloat16Grad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::BFloat16>()), begin,
+                                     end, out, threads);
+    case at::kHalf:
+      return AdamPiece<HalfGrad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::Half>()), begin, end,
+                                 out, threads);
     default:
-      return AdamRanges<Fp32Grad>(s, p, m, v, grad.data_ptr<float>(), n, range, range_out, range_done);
+      return AdamPiece<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), begin, end, out, threads);
   }
 }
 

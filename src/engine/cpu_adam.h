@@ -39,6 +39,38 @@ void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, 
                  int64_t range, const std::function<at::Tensor(int64_t begin, int64_t end)>& range_out,
                  const std::function<void(int64_t begin, int64_t end)>& range_done);
 
+// One step prepared once and then run piece by piece, in any order and from
+// any thread: the constructor advances the step count (creating the moments
+// on the first step) and takes the scalars and the thread count
+// (at::get_num_threads() of the constructing thread); Run updates a range.
+// Every element of the partition must be run exactly once per pass; the
+// result is then CpuAdamStep's, bit for bit, whatever the pieces. `st` and
+// `grad` must outlive the pass and not be touched by others while it runs.
+class CpuAdamPass {
+ public:
+  CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr);
+  // Updates [begin, end) of the partition; `out`, when defined, a contiguous
+  // host bf16 or fp16 tensor of end - begin elements, receives the range's
+  // new weights rounded as .to() rounds. `threads` > 0: on that many
+  // threads instead of the pass's own count (the same bits either way).
+  void Run(int64_t begin, int64_t end, const at::Tensor& out = at::Tensor(), int threads = 0) const;
+  int64_t numel() const { return n_; }
+  int threads() const { return threads_; }
+
+  struct Scalars {
+    float grad_scale, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2;
+    float bias_correction2_sqrt, eps, neg_step_size;
+    bool decoupled;
+  };
+
+ private:
+  Scalars s_{};
+  float *p_, *m_, *v_;
+  at::Tensor grad_;
+  int64_t n_;
+  int threads_;
+};
+
 // The sum of the squares of a host fp32 tensor, accumulated in fp64 (the
 // squared L2 norm, for the global gradient norm without fp64 copies).
 double SumOfSquares(const at::Tensor& t);

@@ -270,6 +270,7 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   if (loss.numel() != 1) throw std::invalid_argument("uckpt::Engine::Backward: the loss must be a scalar");
   // DeepSpeed scales each micro loss by 1/GA unless told not to (and by the fp16 loss scale).
   const int64_t ga = e.batch.gradient_accumulation_steps;
+  e.runtime->WaitForUpdate();
   at::Tensor scaled = ga > 1 && options.scale_wrt_gas ? loss / ga : loss;
   scaled = scaled * loss_scale();
   e.runtime->BeginMicroStep(e.boundary());
@@ -282,6 +283,7 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
 void Engine::Step(const StepOptions& options) {
   Impl& e = *impl_;
   if (!e.backward_pending) throw std::logic_error("uckpt::Engine::Step: call Backward(loss) first");
+  e.runtime->WaitForUpdate();
   e.backward_pending = false;
   e.step_applied = false;
   if (e.boundary()) {
@@ -303,6 +305,8 @@ void Engine::Step(const StepOptions& options) {
   ++e.micro_steps;
 }
 
+void Engine::WaitForUpdate() { impl_->runtime->WaitForUpdate(); }
+
 bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); }
 void Engine::SetGradientAccumulationBoundary(std::optional<bool> is_boundary) { impl_->boundary_override = is_boundary; }
 bool Engine::last_step_applied() const { return impl_->step_applied; }
@@ -321,6 +325,7 @@ void Engine::SetTrainBatchSize(int64_t train_batch_size) {
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
+  WaitForUpdate();
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint",
                                                  impl_->config.checkpoint_tag_validation == "FAIL");
   impl_->schedule.client_state_to_save = options.lr_scheduler_state;
@@ -336,6 +341,7 @@ const SaveStats& Engine::last_save() const { return impl_->last_save; }
 const LoadStats& Engine::last_load() const { return impl_->last_load; }
 
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
+  WaitForUpdate();
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
@@ -346,7 +352,10 @@ LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag
   return r;
 }
 
-void Engine::Train(bool on) { impl_->model->train(on); }
+void Engine::Train(bool on) {
+  WaitForUpdate();  // (evaluation code may read weights outside the units)
+  impl_->model->train(on);
+}
 size_t Engine::num_param_groups() const { return impl_->schedule.num_groups(); }
 double Engine::learning_rate(size_t group) const { return impl_->schedule.current_lr(group); }
 void Engine::SetLearningRate(size_t group, double lr) {
@@ -455,7 +464,7 @@ at::Tensor Engine::EnterUnit(size_t unit, const at::Tensor& input) { return impl
 at::Tensor Engine::ExitUnit(size_t unit, const at::Tensor& output) { return impl_->runtime->ExitUnit(unit, output); }
 size_t Engine::num_gather_units() const { return impl_->runtime->num_gather_units(); }
 UnitCalls Engine::unit_calls() {
-  if (!impl_->runtime->partitions_parameters()) return {};
+  if (!impl_->runtime->uses_unit_calls()) return {};
   std::weak_ptr<int> alive = impl_->alive;
   auto check = [alive] {
     if (alive.expired())
@@ -471,7 +480,10 @@ UnitCalls Engine::unit_calls() {
                      return ExitUnit(u, y);
                    }};
 }
-void Engine::GatherParameters() { impl_->runtime->GatherAll(); }
+void Engine::GatherParameters() {
+  WaitForUpdate();
+  impl_->runtime->GatherAll();
+}
 
 std::vector<std::pair<at::Tensor, at::Tensor>> Engine::ParameterPartitions() const {
   return impl_->runtime->ParameterPartitions();
@@ -494,6 +506,7 @@ std::vector<NamedParam> FrozenAmong(const Engine::Impl& e, const std::vector<at:
 }  // namespace
 
 void Engine::GatherParameters(const std::vector<at::Tensor>& params) {
+  WaitForUpdate();
   Impl& e = *impl_;
   if (!e.runtime->partitions_parameters()) return;
   e.runtime->GatherParameters(params);

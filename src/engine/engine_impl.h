@@ -84,6 +84,11 @@ std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<
 // units from the options).
 std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
                                                  const ZeroSettings& base, const EngineOptions& options);
+// zero3_setup.cc: each trainable parameter's gather unit (EngineOptions::
+// gather_units; by group, flat order): the unit holding all its names, -1
+// (the root) for one in no unit or tied across units. std::invalid_argument
+// for a unit that is not a submodule of the model.
+std::vector<std::vector<int>> ParameterUnits(const Engine::Impl& e, const EngineOptions& options);
 // zero3_setup.cc: before the module is moved and cast, each parameter of
 // options.partitioned (refused unless stage 3) becomes a tensor of its
 // shape, the model dtype and the device without storage; a frozen one is

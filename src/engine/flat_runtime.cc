@@ -1,5 +1,6 @@
 #include "engine/flat_runtime.h"
 
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -13,6 +14,7 @@
 #include "engine/grad_numerics.h"
 #include "engine/host_grad_copy.h"
 #include "engine/overlap_reducer.h"
+#include "engine/unit_pipeline.h"
 
 namespace uckpt::engine {
 namespace {
@@ -119,9 +121,166 @@ FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings 
   if (s_.model_dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.fp16);
 }
 
-FlatRuntime::~FlatRuntime() = default;
+// The overlapped update's device side: two side streams for the uploads with
+// a pinned staging slot each (the weights in the model dtype, written by the
+// update pass), and per unit an event on each stream after its last upload.
+struct FlatRuntime::Uploads {
+  at::Device device;
+  std::vector<c10::Stream> streams;
+  std::vector<at::Tensor> staging;  // [kCopyChunk], model dtype, pinned; slot k on streams[k]
+  std::vector<std::unique_ptr<c10::Event>> events;  // unit u: 2u (stream 0), 2u + 1 (stream 1)
+  c10::Event compute_done;
+  size_t next_slot = 0;
+
+  Uploads(at::Device d, size_t units, at::ScalarType dtype) : device(d), compute_done(d.type()) {
+    c10::impl::VirtualGuardImpl impl(d.type());
+    for (int k = 0; k < 2; ++k) {
+      streams.push_back(impl.getStreamFromGlobalPool(d));
+      if (dtype != at::kFloat)  // (fp32 goes up from the pinned masters)
+        staging.push_back(at::empty({kCopyChunk}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true)));
+    }
+    for (size_t k = 0; k < 2 * units; ++k) events.push_back(std::make_unique<c10::Event>(d.type()));
+  }
+  // The uploads start after the work queued so far on the current stream
+  // (the last backward, which read the weights they overwrite).
+  void AfterCompute() {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    compute_done.record(impl.getStream(device));
+    for (const c10::Stream& s : streams) compute_done.block(s);
+  }
+  // The current stream's next work waits for unit u's uploads.
+  void ComputeWaitsFor(size_t u) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream current = impl.getStream(device);
+    for (int k = 0; k < 2; ++k) events[2 * u + k]->block(current);
+  }
+  void Synchronize() {
+    for (const c10::Stream& s : streams) s.synchronize();
+  }
+};
+
+FlatRuntime::~FlatRuntime() {
+  pipeline_.reset();  // joins the update's thread
+  if (uploads_) {
+    try {
+      uploads_->Synchronize();  // no upload outlives its staging
+    } catch (...) {
+      // An error is already on its way out.
+    }
+  }
+}
+
+bool FlatRuntime::OverlapUpdateWithForward(const std::vector<std::vector<int>>& unit_of, size_t num_units) {
+  if (!s_.offload_optimizer_cpu || s_.stage < 1 || comm_.world_size() != 1 || s_.optimizer_step || num_units == 0)
+    return false;
+  if (unit_of.size() != groups_.size()) throw std::invalid_argument("OverlapUpdateWithForward: wrong group count");
+  // Each unit's ranges of each group's partition (the whole flat buffer at
+  // one rank): runs of consecutive parameters of one unit; the padding and
+  // parameters in no unit are the root's.
+  unit_pieces_.assign(num_units + 1, {});
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
+    if (unit_of[gi].size() != g.numels.size())
+      throw std::invalid_argument("OverlapUpdateWithForward: wrong parameter count");
+    auto add = [&](size_t u, int64_t begin, int64_t end) {
+      if (begin == end) return;
+      std::vector<Piece>& pieces = unit_pieces_[u];
+      if (!pieces.empty() && pieces.back().group == gi && pieces.back().end == begin) {
+        pieces.back().end = end;
+      } else {
+        pieces.push_back({gi, begin, end});
+      }
+    };
+    for (size_t k = 0; k < g.numels.size(); ++k) {
+      const int u = unit_of[gi][k];
+      if (u >= static_cast<int>(num_units)) throw std::out_of_range("OverlapUpdateWithForward: unit out of range");
+      add(static_cast<size_t>(u + 1), g.offsets[k], g.offsets[k] + g.numels[k]);
+    }
+    add(0, g.layout.numel, g.layout.padded_numel);
+  }
+  const at::Device device = groups_.front().model_flat.device();
+  if (!device.is_cpu()) uploads_ = std::make_unique<Uploads>(device, num_units + 1, s_.model_dtype);
+  pipeline_ = std::make_unique<UnitPipeline>([this](size_t i) {
+    if (before_unit_update_) before_unit_update_(i);
+    UpdateUnit(i + 1);
+  });
+  return true;
+}
+
+void FlatRuntime::AwaitUpdate() const {
+  if (!pipeline_) return;
+  pipeline_->WaitAll();
+  if (uploads_) uploads_->Synchronize();  // the staging and the masters may be written next
+}
+
+at::Tensor FlatRuntime::EnterUnit(size_t unit, const at::Tensor& input) {
+  if (!pipeline_) return input;
+  pipeline_->WaitFor(unit);
+  if (uploads_ && unit + 1 < unit_pieces_.size()) uploads_->ComputeWaitsFor(unit + 1);
+  return input;
+}
+
+void FlatRuntime::StartOverlappedStep(float grad_scale, const std::vector<double>& group_lrs) {
+  c10::NoGradGuard no_grad;
+  passes_.clear();
+  passes_.reserve(groups_.size());
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = groups_[gi];
+    const at::Tensor grad = StepGradient(g);  // host: the bf16/fp16 copy (only read) or the fp32 sum (zeroed)
+    g.in_host_copy = false;
+    passes_.emplace_back(g.state, grad, grad_scale, g.optimizer, group_lrs[gi]);
+  }
+  if (uploads_) uploads_->AfterCompute();
+  UpdateUnit(0);  // the root, before the forward's first use of it
+  if (uploads_) uploads_->ComputeWaitsFor(0);
+  pipeline_->Start(unit_pieces_.size() - 1);
+}
+
+void FlatRuntime::UpdateUnit(size_t u) {
+  c10::NoGradGuard no_grad;
+  const bool narrow_dtype = s_.model_dtype != at::kFloat;
+  for (const Piece& piece : unit_pieces_[u]) {
+    Group& g = groups_[piece.group];
+    const CpuAdamPass& pass = passes_[piece.group];
+    if (!uploads_) {
+      // On the host: the pass writes the weights (rounded as .to() rounds), or they are the fp32 masters.
+      at::Tensor weights = g.model_flat.narrow(0, piece.begin, piece.end - piece.begin);
+      if (narrow_dtype) {
+        pass.Run(piece.begin, piece.end, weights);
+      } else {
+        pass.Run(piece.begin, piece.end);
+        weights.copy_(g.state.master.narrow(0, piece.begin, piece.end - piece.begin));
+      }
+      continue;
+    }
+    // To a GPU, chunk by chunk: bf16/fp16 written by the pass into a staging
+    // slot, fp32 straight from the pinned master; each goes up on its slot's
+    // stream once the slot's previous upload is done. A gather unit's pass
+    // leaves one core to the forward's kernel launches.
+    Uploads& up = *uploads_;
+    const int threads = u == 0 ? pass.threads() : std::max(1, pass.threads() - 1);
+    for (int64_t begin = piece.begin; begin < piece.end; begin += kCopyChunk) {
+      const int64_t len = std::min(kCopyChunk, piece.end - begin);
+      const size_t slot = up.next_slot++ % 2;
+      at::Tensor src = g.state.master.narrow(0, begin, len);
+      if (narrow_dtype) {
+        up.streams[slot].synchronize();
+        src = up.staging[slot].narrow(0, 0, len);
+        pass.Run(begin, begin + len, src, threads);
+      } else {
+        pass.Run(begin, begin + len, at::Tensor(), threads);
+      }
+      c10::StreamGuard guard(up.streams[slot]);
+      g.model_flat.narrow(0, begin, len).copy_(src, /*non_blocking=*/true);
+    }
+  }
+  if (uploads_)
+    for (int k = 0; k < 2; ++k) uploads_->events[2 * u + k]->record(uploads_->streams[k]);
+}
+
 
 std::vector<PartitionSlot> FlatRuntime::Slots() {
+  AwaitUpdate();
   std::vector<PartitionSlot> slots;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = groups_[gi];
@@ -173,6 +332,7 @@ void FlatRuntime::BindGradients(const std::vector<std::vector<at::Tensor>>& para
 }
 
 void FlatRuntime::PrepareBackward() {
+  AwaitUpdate();
   const bool grads_live_in_dot_grad = s_.stage <= 1;  // DeepSpeed's, until the boundary (measured)
   // A reduced gradient not stepped on yet: this backward's copies would overwrite it.
   for (Group& g : groups_)
@@ -234,12 +394,14 @@ at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {
 }
 
 void FlatRuntime::BeginMicroStep(bool boundary) {
+  AwaitUpdate();
   // Stages 0-1 keep accumulating on the device until the boundary: only its backward's copies count.
   for (Group& g : groups_)
     if (g.host_copy) g.host_copy->Arm(s_.stage == 2 || boundary);
 }
 
 void FlatRuntime::FinishBackward(bool boundary) {
+  AwaitUpdate();
   for (Group& g : groups_) {
     if (s_.stage == 2 || boundary) {
       ReduceIntoPartition(g, boundary);
@@ -362,6 +524,7 @@ at::Tensor FlatRuntime::GlobalNorm() {
 
 FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) {
   if (group_lrs.size() != groups_.size()) throw std::logic_error("FlatRuntime::Step: one lr per group");
+  AwaitUpdate();
   for (const Group& g : groups_)
     if (!g.have_grad_partition) throw std::logic_error("FlatRuntime::Step without reduced gradients");
   StepResult r;
@@ -390,6 +553,11 @@ FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) 
   if (s_.stage == 0 && s_.model_dtype == at::kFloat) MastersFromWeights();
   if (s_.optimizer_step) {
     ClientStep(unscale, group_lrs);
+    return r;
+  }
+  if (pipeline_) {
+    for (Group& g : groups_) g.have_grad_partition = false;
+    StartOverlappedStep(static_cast<float>(unscale.host_factor()), group_lrs);
     return r;
   }
 
@@ -548,10 +716,12 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
 }
 
 void FlatRuntime::MastersFromWeights() {
+  AwaitUpdate();
   for (Group& g : groups_) g.state.master.copy_(PartitionOf(g, g.model_flat));
 }
 
 void FlatRuntime::WeightsFromMasters() {
+  AwaitUpdate();
   for (Group& g : groups_) GatherModel(g, g.state.master);
 }
 

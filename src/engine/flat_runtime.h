@@ -20,11 +20,21 @@
 // accumulated. The norms are taken on the device first when the gradient
 // comes down once. Each updated range of weights, written in the model dtype
 // by the update pass, goes up on a side stream while the next range is updated.
+//
+// Overlapped with the next forward (OverlapUpdateWithForward: offload at one
+// rank, EngineOptions::overlap_update_with_forward): Step updates the root
+// unit's ranges of the partition, then a background thread (UnitPipeline)
+// updates each gather unit's ranges in forward order, writing its weights
+// into the model (from a GPU: uploading them on side streams, an event per
+// unit), and EnterUnit(i) waits for unit i. Every other call waits for the
+// whole update first. The same elements get the same operations, so the
+// results are the synchronous update's, bit for bit.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,7 +48,9 @@
 namespace uckpt::engine {
 
 class BucketedHostCopy;
+class CpuAdamPass;
 class OverlappedGradReducer;
+class UnitPipeline;
 class UnscaleAndClip;
 
 // torch.optim.Adam/AdamW's single-tensor step (torch 1.13) on one partition:
@@ -67,11 +79,21 @@ class FlatRuntime : public ShardedRuntime {
   const ckpt::FlatLayout& layout(size_t g = 0) const { return groups_.at(g).layout; }
   const std::vector<int64_t>& numels(size_t g = 0) const { return groups_.at(g).numels; }
 
-  at::Tensor model_flat(size_t g = 0) const { return groups_.at(g).model_flat; }  // [Npad], model dtype
-  at::Tensor group_weights(size_t g) const override { return model_flat(g); }
+  // [Npad], model dtype (as it is: under an overlapped update, WaitForUpdate first)
+  at::Tensor model_flat(size_t g = 0) const { return groups_.at(g).model_flat; }
+  at::Tensor group_weights(size_t g) const override {
+    AwaitUpdate();
+    return model_flat(g);
+  }
   at::Tensor grad_flat(size_t g = 0) const { return groups_.at(g).grad_flat; }    // [Npad], model dtype
-  PartitionState& state(size_t g = 0) { return groups_.at(g).state; }
-  const PartitionState& state(size_t g = 0) const { return groups_.at(g).state; }
+  PartitionState& state(size_t g = 0) {
+    AwaitUpdate();
+    return groups_.at(g).state;
+  }
+  const PartitionState& state(size_t g = 0) const {
+    AwaitUpdate();
+    return groups_.at(g).state;
+  }
   // Set for stage 2 with overlap_comm at dp > 1, after BindGradients.
   const OverlappedGradReducer* overlap_reducer(size_t g = 0) const { return groups_.at(g).overlap.get(); }
   // Set under offload_optimizer at world size 1 (host_grad_copy.h).
@@ -100,6 +122,20 @@ class FlatRuntime : public ShardedRuntime {
   // The optimizer step with learning rate group_lrs[g] in group g, then the all-gather.
   StepResult Step(const std::vector<double>& group_lrs) override;
   StepResult Step(double lr) { return Step(std::vector<double>(groups_.size(), lr)); }  // every group
+
+  // EngineOptions::overlap_update_with_forward: from now on Step overlaps the
+  // update with the next forward (see above). unit_of[g][k]: parameter k of
+  // group g's gather unit in [0, num_units), -1 for the root. Only under
+  // offload_optimizer at stages 1-2 at world size 1 with the engine's Adam
+  // and num_units > 0; elsewhere nothing changes. Returns whether it is on.
+  bool OverlapUpdateWithForward(const std::vector<std::vector<int>>& unit_of, size_t num_units);
+  bool overlaps_update() const { return pipeline_ != nullptr; }
+  bool uses_unit_calls() const override { return overlaps_update(); }
+  // Waits for unit `unit`'s update (the device for its upload); returns `input`.
+  at::Tensor EnterUnit(size_t unit, const at::Tensor& input) override;
+  void WaitForUpdate() override { AwaitUpdate(); }
+  // For tests: called on the update's thread before gather unit i's update.
+  void set_before_unit_update(std::function<void(size_t unit)> f) { before_unit_update_ = std::move(f); }
 
   // Master weights from the model (after loading weights into model_flat).
   void MastersFromWeights() override;
@@ -158,12 +194,27 @@ class FlatRuntime : public ShardedRuntime {
   void DropGradient(Group& g);
   void OffloadedAdamStep(Group& g, float grad_scale, double lr);
   void GatherModel(Group& g, const at::Tensor& mine);
+  // The overlapped update (OverlapUpdateWithForward).
+  struct Piece {
+    size_t group;
+    int64_t begin, end;  // of the group's partition
+  };
+  struct Uploads;  // a GPU's side streams, pinned staging and per-unit events
+  void AwaitUpdate() const;
+  void StartOverlappedStep(float grad_scale, const std::vector<double>& group_lrs);
+  void UpdateUnit(size_t u);  // u: index into unit_pieces_ (0: the root)
 
   Comm& comm_;
   ZeroSettings s_;
   std::vector<Group> groups_;
   LossScaler scaler_;
   bool deepspeed_order_ = false;
+  std::vector<std::vector<Piece>> unit_pieces_;  // [0] the root's, [1 + i] gather unit i's
+  std::vector<CpuAdamPass> passes_;              // per group: the step under way
+  std::unique_ptr<Uploads> uploads_;
+  std::function<void(size_t)> before_unit_update_;
+  // Last: destroyed (joined) first, while what its thread writes still exists.
+  std::unique_ptr<UnitPipeline> pipeline_;
 };
 
 }  // namespace uckpt::engine

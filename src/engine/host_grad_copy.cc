@@ -19,23 +19,12 @@ BucketedHostCopy::BucketedHostCopy(const std::vector<int64_t>& numels, at::Tenso
   const at::Device device = grad_flat_.device();
   host_ = at::empty({grad_flat_.numel()},
                     grad_flat_.options().device(at::kCPU).pinned_memory(device.is_cuda()));
-  const auto offsets = ckpt::FlatOffsets(numels);
-  bucket_of_.resize(numels.size());
-  int64_t end = grad_flat_.numel();  // the first bucket (the last parameters) takes the padding too
-  for (size_t j = numels.size(); j-- > 0;) {
-    if (buckets_.empty() || buckets_.back().numel >= bucket_numel) {
-      if (!buckets_.empty()) end = buckets_.back().begin;
-      buckets_.push_back(Bucket{end, 0, 0, 0, false});
-    }
-    Bucket& b = buckets_.back();
-    b.begin = offsets[j];
-    b.numel = end - b.begin;
-    ++b.params;
-    bucket_of_[j] = buckets_.size() - 1;
-  }
-  if (buckets_.empty()) buckets_.push_back(Bucket{0, grad_flat_.numel(), 0, 0, false});
-  buckets_.back().numel += buckets_.back().begin;  // from offset 0 (the first parameter's)
-  buckets_.back().begin = 0;
+  ckpt::ReverseBuckets plan = ckpt::PlanReverseBuckets(numels, bucket_numel);
+  for (const auto& p : plan.buckets) buckets_.push_back(Bucket{p.begin, p.numel, p.params, 0, false});
+  bucket_of_ = std::move(plan.bucket_of);
+  // Together they cover the whole buffer: the first (the last parameters) takes the padding too.
+  if (buckets_.empty()) buckets_.push_back(Bucket{0, 0, 0, 0, false});
+  buckets_.front().numel = grad_flat_.numel() - buckets_.front().begin;
   for (Bucket& b : buckets_) b.pending = b.params;
   fired_.assign(numels.size(), 0);
   if (!device.is_cpu()) {

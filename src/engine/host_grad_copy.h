@@ -6,8 +6,8 @@
 // one large copy after backward.
 //
 // Buckets are ranges of whole parameters in reverse flat order (the order
-// backward produces their gradients), about `bucket_numel` elements each,
-// together covering the whole buffer, padding included. A post-hook on each
+// backward produces their gradients), about `bucket_numel` elements each
+// (ckpt::PlanReverseBuckets), together covering the whole buffer, padding included. A post-hook on each
 // parameter's gradient accumulator counts its bucket down; a complete bucket
 // is copied after an event recorded on the stream that accumulated it. On
 // the CPU the copy happens at once.

@@ -15,19 +15,16 @@ OverlappedGradReducer::OverlappedGradReducer(Comm& comm, const std::vector<at::T
                                              int64_t partition_begin, int64_t partition_size, int64_t bucket_numel)
     : comm_(comm), grad_flat_(std::move(grad_flat)), part_begin_(partition_begin), part_size_(partition_size) {
   if (params.size() != numels.size()) throw std::invalid_argument("OverlappedGradReducer: wrong parameter count");
-  const auto offsets = ckpt::FlatOffsets(numels);
   // Buckets from the last parameter backwards; bucket_of[k] for parameter k.
-  std::vector<size_t> bucket_of(params.size());
-  for (size_t j = params.size(); j-- > 0;) {
-    if (buckets_.empty() || buckets_.back().numel >= bucket_numel) buckets_.push_back(Bucket{});
-    Bucket& b = buckets_.back();
-    b.begin = offsets[j];  // moves down as parameters join
-    b.numel += numels[j];
-    ++b.params;
-    bucket_of[j] = buckets_.size() - 1;
+  ckpt::ReverseBuckets plan = ckpt::PlanReverseBuckets(numels, bucket_numel);
+  for (const auto& p : plan.buckets) {
+    buckets_.emplace_back();
+    buckets_.back().begin = p.begin;
+    buckets_.back().numel = p.numel;
+    buckets_.back().params = p.params;
   }
   for (auto& b : buckets_) b.pending = b.params;
-  hooks_.Set(params, [this, bucket_of](size_t k) { OnGradReady(bucket_of[k]); }, "OverlappedGradReducer");
+  hooks_.Set(params, [this, bucket_of = std::move(plan.bucket_of)](size_t k) { OnGradReady(bucket_of[k]); }, "OverlappedGradReducer");
 }
 
 OverlappedGradReducer::~OverlappedGradReducer() = default;

@@ -3,7 +3,7 @@
 //
 // Buckets are contiguous ranges of the flat gradient buffer in reverse
 // parameter order (the order backward produces them), whole parameters, about
-// `bucket_numel` elements each. A post-hook on each parameter's gradient
+// `bucket_numel` elements each (ckpt::PlanReverseBuckets). A post-hook on each parameter's gradient
 // accumulator counts the bucket down; a complete bucket is copied to fp32,
 // divided by dp and all-reduced asynchronously. Buckets start strictly in
 // bucket order, so every rank issues the same collectives in the same order.

@@ -102,6 +102,8 @@ std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupS
   }
   z->MastersFromWeights();
   z->BindGradients(bound);
+  if (options.overlap_update_with_forward && !options.gather_units.empty())
+    z->OverlapUpdateWithForward(ParameterUnits(e, options), options.gather_units.size());
   return z;
 }
 

@@ -153,6 +153,9 @@ class ShardedRuntime {
   // The optimizer step with learning rate group_lrs[g] in group g, then the
   // weights from the updated masters.
   virtual StepResult Step(const std::vector<double>& group_lrs) = 0;
+  // Returns once the last Step's update is complete where Step returns
+  // before it is (EngineOptions::overlap_update_with_forward); rethrows its error.
+  virtual void WaitForUpdate() {}
 
   // ---- Weights and masters (after a load wrote one or the other).
   virtual void WeightsFromMasters() = 0;
@@ -160,6 +163,8 @@ class ShardedRuntime {
 
   // ---- Parameters gathered and freed (stage 3; elsewhere they are always whole).
   virtual bool partitions_parameters() const { return false; }
+  // Whether the model must call EnterUnit/ExitUnit (Engine::unit_calls()).
+  virtual bool uses_unit_calls() const { return partitions_parameters(); }
   virtual size_t num_gather_units() const { return 0; }
   virtual at::Tensor EnterUnit(size_t unit, const at::Tensor& input) { return input; }
   virtual at::Tensor ExitUnit(size_t unit, const at::Tensor& output) { return output; }

@@ -278,6 +278,7 @@ class WriteBehind {
 }  // namespace
 
 LoadWeightsResult Engine::LoadWeights(const std::string& path, const LoadWeightsOptions& options) {
+  WaitForUpdate();
   Impl& e = *impl_;
   if (e.backward_pending)
     throw std::logic_error("LoadWeights: called between Backward and Step; load weights between optimizer steps");
@@ -311,6 +312,7 @@ bool Engine::zero_gather_16bit_weights_on_model_save() const {
 
 bool Engine::Save16bitModel(const std::string& save_dir, const std::string& save_filename,
                             bool exclude_frozen_parameters) {
+  WaitForUpdate();
   Impl& e = *impl_;
   const std::string path = (fs::path(save_dir) / save_filename).string();
   const bool rank0 = e.comm->rank() == 0;

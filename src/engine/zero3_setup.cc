@@ -40,28 +40,35 @@ int UnitOfName(const std::vector<std::string>& prefixes, const std::string& name
 
 }  // namespace
 
-std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
-                                                 const ZeroSettings& base, const EngineOptions& options) {
-  const TrainConfig& c = e.config;
+std::vector<std::vector<int>> ParameterUnits(const Engine::Impl& e, const EngineOptions& options) {
   // A parameter's unit: the unit holding all its names (tied aliases
   // included); names in several units or outside any make it the root's.
   const std::vector<std::string> prefixes = UnitPrefixes(e, options);
   std::map<std::string, std::vector<std::string>> names_of;  // owner -> alias names
   for (const auto& [alias, owner] : e.aliases) names_of[owner].push_back(alias);
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups;
   std::vector<std::vector<int>> unit_of;
-  std::vector<OptimizerConfig> optimizers;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    groups.emplace_back();
+  for (const auto& group : e.groups) {
     unit_of.emplace_back();
-    optimizers.push_back(specs.at(g).optimizer);
-    for (const auto& p : e.groups[g]) {
+    for (const auto& p : group) {
       int unit = UnitOfName(prefixes, p.name);
       for (const auto& alias : names_of[p.name])
         if (UnitOfName(prefixes, alias) != unit) unit = -1;
-      groups.back().emplace_back(p.name, p.tensor);
       unit_of.back().push_back(unit);
     }
+  }
+  return unit_of;
+}
+
+std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
+                                                 const ZeroSettings& base, const EngineOptions& options) {
+  const TrainConfig& c = e.config;
+  std::vector<std::vector<int>> unit_of = ParameterUnits(e, options);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups;
+  std::vector<OptimizerConfig> optimizers;
+  for (size_t g = 0; g < e.groups.size(); ++g) {
+    groups.emplace_back();
+    optimizers.push_back(specs.at(g).optimizer);
+    for (const auto& p : e.groups[g]) groups.back().emplace_back(p.name, p.tensor);
   }
   Zero3Settings zs;
   zs.base = base;
@@ -73,7 +80,7 @@ std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vecto
   std::map<const void*, at::Tensor> given;
   for (const auto& p : options.partitioned) given[p.param.unsafeGetTensorImpl()] = p.partition;
   return std::make_unique<Zero3Runtime>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
-                                          static_cast<int>(prefixes.size()), zs, e.device, given);
+                                          static_cast<int>(options.gather_units.size()), zs, e.device, given);
 }
 
 void RefuseTensorsWithoutValues(const Engine::Impl& e, const EngineOptions& options) {

@@ -113,6 +113,25 @@ TEST(Partition, FragmentsTileTheFlatBuffer) {
   }
 }
 
+// Backward's buckets: whole parameters from the last one backwards, a bucket
+// closed once it reaches the size; together they tile the flat buffer.
+TEST(Partition, ReverseBucketsTileTheBufferBackwards) {
+  const std::vector<int64_t> numels{3000, 7, 70001, 11, 5000, 0};
+  const ReverseBuckets plan = PlanReverseBuckets(numels, 4000);
+  ASSERT_EQ(plan.buckets.size(), 3u);
+  EXPECT_EQ(plan.bucket_of, (std::vector<size_t>{2, 2, 1, 1, 0, 0}));
+  EXPECT_EQ(plan.buckets[0].begin, 73019);  // {5, 4}: 5000 elements reach 4000
+  EXPECT_EQ(plan.buckets[0].numel, 5000);
+  EXPECT_EQ(plan.buckets[0].params, 2);
+  EXPECT_EQ(plan.buckets[1].begin, 3007);  // {3, 2}
+  EXPECT_EQ(plan.buckets[1].numel, 70012);
+  EXPECT_EQ(plan.buckets[2].begin, 0);  // {1, 0}
+  EXPECT_EQ(plan.buckets[2].numel, 3007);
+  // A bucket size of one element: a bucket per parameter.
+  EXPECT_EQ(PlanReverseBuckets(numels, 1).buckets.size(), 5u);  // the empty one joins its predecessor's
+  EXPECT_TRUE(PlanReverseBuckets({}, 10).buckets.empty());
+}
+
 TEST(Partition, Stage3) {
   EXPECT_EQ(Stage3PartitionSize(407, 2), 204);
   EXPECT_EQ(Stage3RealNumel(407, 2, 1), 203);

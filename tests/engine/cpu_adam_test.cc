@@ -4,8 +4,13 @@
 #include <ATen/Parallel.h>
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <iterator>
 #include <thread>
@@ -228,6 +233,76 @@ TEST(CpuAdam, PassesReuseTheirThreads) {
     EXPECT_EQ(threads_now(), start + 3) << "the same three";
   }).join();
   EXPECT_LE(threads_now(), start - 1) << "the workers joined with their thread";
+}
+
+// A child forked while the pool's workers wait for the next pass (as a
+// data-loader worker or a launcher's fork would) runs the host Adam on
+// threads of its own: the parent's workers do not exist there, and their
+// mutex and condition variables are not touched. The child's update equals
+// the parent's, bit for bit; it must not hang.
+TEST(CpuAdam, AForkedChildRunsItsOwnPool) {
+  OptimizerConfig o;
+  PartitionState st;
+  st.master = at::randn({1 << 21});  // 8 chunks
+  const at::Tensor g = at::randn({1 << 21});
+  CpuAdamStep(st, g, 1.0, o, 1e-3);  // the moments exist: the child's pass allocates nothing
+  PartitionState want{st.master.clone(), st.exp_avg.clone(), st.exp_avg_sq.clone(), st.step.clone(), {}};
+  CpuAdamStep(want, g, 1.0, o, 1e-3);
+  std::thread([&] {
+    at::set_num_threads(4);
+    PartitionState warm{st.master.clone(), st.exp_avg.clone(), st.exp_avg_sq.clone(), st.step.clone(), {}};
+    CpuAdamStep(warm, g, 1.0, o, 1e-3, 1 << 20, [](int64_t, int64_t) {});  // three workers now wait
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      // Nothing but the pass: no gtest, no torch kernels that would start threads.
+      CpuAdamStep(st, g, 1.0, o, 1e-3, 1 << 20, [](int64_t, int64_t) {});
+      const size_t bytes = static_cast<size_t>(st.master.numel()) * sizeof(float);
+      const bool same = std::memcmp(st.master.data_ptr<float>(), want.master.data_ptr<float>(), bytes) == 0 &&
+                        std::memcmp(st.exp_avg_sq.data_ptr<float>(), want.exp_avg_sq.data_ptr<float>(), bytes) == 0;
+      _exit(same ? 0 : 1);
+    }
+    int status = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    pid_t done = 0;
+    while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (done == 0) {
+      kill(child, SIGKILL);
+      waitpid(child, &status, 0);
+      FAIL() << "the forked child's host Adam hung";
+    }
+    ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status);
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's update differs from the parent's";
+  }).join();
+}
+
+// A pass run piece by piece, out of order, on other threads and thread
+// counts, with and without the weights' copy, is CpuAdamStep bit for bit.
+TEST(CpuAdam, APassOverPiecesIsTheWholeStep) {
+  OptimizerConfig o;
+  o.weight_decay = 0.1;
+  const int64_t n = (1 << 19) + 1000;  // two chunks and a bit
+  at::manual_seed(11);
+  const at::Tensor g = at::randn({n}).to(at::kBFloat16);
+  PartitionState want;
+  want.master = at::randn({n});
+  PartitionState st{want.master.clone(), {}, {}, {}, {}};
+  for (int step = 1; step <= 2; ++step) {
+    CpuAdamStep(want, g, 0.5, o, 1e-3 * step);
+    const CpuAdamPass pass(st, g, 0.5, o, 1e-3 * step);
+    const at::Tensor weights = at::empty({n}, at::kBFloat16);
+    std::thread([&] { pass.Run(300000, n, weights.narrow(0, 300000, n - 300000), 2); }).join();
+    pass.Run(7, 300000);
+    pass.Run(0, 7, weights.narrow(0, 0, 7), 1);
+    EXPECT_TRUE(at::equal(st.master, want.master)) << step;
+    EXPECT_TRUE(at::equal(st.exp_avg_sq, want.exp_avg_sq)) << step;
+    EXPECT_TRUE(at::equal(st.step, want.step)) << step;
+    EXPECT_TRUE(at::equal(weights.narrow(0, 300000, n - 300000), want.master.narrow(0, 300000, n - 300000).to(at::kBFloat16)));
+    EXPECT_TRUE(at::equal(weights.narrow(0, 0, 7), want.master.narrow(0, 0, 7).to(at::kBFloat16)));
+  }
+  const CpuAdamPass pass(st, g, 0.5, o, 1e-3);
+  EXPECT_THROW(pass.Run(0, n + 1), std::out_of_range);
 }
 
 TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {

@@ -3,6 +3,8 @@
 #include <limits>
 #include <string>
 
+#include <torch/autograd.h>
+
 #include "uckpt/comm.h"
 #include "engine/cpu_adam.h"
 #include "engine/flat_runtime.h"
@@ -135,13 +137,36 @@ TEST(FlatRuntime, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
 }
 
 
+// sum(p * x) whose backward accumulates p's gradient by a backward of its own
+// (reentrant, as activation checkpointing's recomputation does): a parameter
+// also used outside it has its gradient accumulated twice in one backward.
+// `anchor` (a 0-d leaf) puts the node in the graph.
+struct ReentrantProduct : torch::autograd::Function<ReentrantProduct> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& anchor, const at::Tensor& p,
+                            const at::Tensor& x) {
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["x"] = x;
+    return (p.detach() * x).sum() + anchor;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const at::Tensor p = ctx->saved_data["p"].toTensor(), x = ctx->saved_data["x"].toTensor();
+    {
+      at::AutoGradMode on(true);
+      torch::autograd::backward({(p * x).sum()}, {grad[0].to(p.scalar_type())});
+    }
+    return {grad[0], at::Tensor(), at::Tensor()};
+  }
+};
+
 // Offloaded at one rank, each bucket of gradients goes to the host during
 // backward in the model dtype and the host Adam widens it as it reads it. The
 // training is bit for bit the one from the whole fp32 gradient copied after
 // backward: each step's reference below takes the device gradients backward
 // left, in fp32 (summed over micro-steps at stage 2, accumulated on the device
 // at stage 1), their fragment norms, DeepSpeed's clip factor and CpuAdamStep.
-// Parameter 1 is used twice, parameter 4 not at all (its bucket is copied
+// Parameter 1's gradient is accumulated twice in each backward (one use of
+// it backpropagates reentrantly), parameter 4 not at all (its bucket is copied
 // after backward); fp16's overflow still skips the step. With CUDA, on the GPU
 // too (the copies on a side stream; the reference's norms on the device that
 // takes them: the GPU for one micro-step's gradient, the host for a sum).
@@ -177,6 +202,9 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
             pieces.push_back({off, numels[k]});
           }
           z.BindGradients(params);
+          int accumulations = 0;  // of parameter 1's gradient
+          params[1].register_hook([&](const at::Tensor&) { ++accumulations; });
+          const at::Tensor anchor = at::zeros({}, at::TensorOptions().device(device).dtype(dtype)).requires_grad_(true);
           ASSERT_NE(z.host_copy(), nullptr) << where;
           ASSERT_EQ(z.host_copy()->num_buckets(), 3) << where;
           PartitionState want;
@@ -193,9 +221,12 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
               std::vector<at::Tensor> x;
               for (int64_t n : numels) x.push_back(at::randn({n}).to(device, dtype));
               at::Tensor loss = ((params[0] * x[0]).pow(2)).sum() + params[1].sum() * (params[1] * x[1]).sum() +
-                                (params[2] * x[2]).abs().mean() + (params[3] * x[3]).sum();
+                                ReentrantProduct::apply(anchor, params[1], x[1]) + (params[2] * x[2]).abs().mean() +
+                                (params[3] * x[3]).sum();
               loss = loss.to(at::kFloat) * (overflow && boundary ? std::numeric_limits<float>::infinity() : 1.0f);
+              accumulations = 0;
               (loss * z.loss_scale()).backward();
+              ASSERT_EQ(accumulations, 2) << where << ": parameter 1's gradient accumulated twice";
               if (stage == 2 || boundary) ++copying_backwards;
               const at::Tensor device_grad = z.grad_flat().to(at::kFloat);
               if (stage == 1) {
@@ -234,17 +265,21 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
 }
 
 
-// A client optimizer under offload at one rank: its gradient is the host copy
-// widened to fp32.
+// Stage 2, offload_optimizer, bf16: the one-rank offload's host copy.
+ZeroSettings OffloadedBf16Settings() {
+  ZeroSettings s;
+  s.stage = 2;
+  s.offload_optimizer_cpu = true;
+  s.model_dtype = at::kBFloat16;
+  return s;
+}
+
 // A backward the engine did not start (a script's own loss.backward() between
 // engine.backward and engine.step) copies nothing over the gradient waiting
 // for the step: the step uses the engine's backward's gradient.
 TEST(FlatRuntime, OffloadAtOneRankIgnoresABackwardItDidNotStart) {
   auto comm = MakeSingleProcessComm();
-  ZeroSettings s;
-  s.stage = 2;
-  s.offload_optimizer_cpu = true;
-  s.model_dtype = at::kBFloat16;
+  ZeroSettings s = OffloadedBf16Settings();
   s.reduce_bucket_size = 64;  // a bucket per parameter
   int calls = 0;
   at::Tensor stepped;
@@ -271,12 +306,11 @@ TEST(FlatRuntime, OffloadAtOneRankIgnoresABackwardItDidNotStart) {
   EXPECT_TRUE(at::equal(stepped, want)) << "the step's gradient was overwritten by a backward the engine did not start";
 }
 
+// A client optimizer under offload at one rank: its gradient is the host copy
+// widened to fp32.
 TEST(FlatRuntime, OffloadAtOneRankHandsAClientOptimizerTheFp32Gradient) {
   auto comm = MakeSingleProcessComm();
-  ZeroSettings s;
-  s.stage = 2;
-  s.offload_optimizer_cpu = true;
-  s.model_dtype = at::kBFloat16;
+  ZeroSettings s = OffloadedBf16Settings();
   int calls = 0;
   s.optimizer_step = [&](std::vector<OptimizerPartition>& parts) {
     for (OptimizerPartition& p : parts) {
