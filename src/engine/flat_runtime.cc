@@ -14,6 +14,7 @@
 #include "engine/grad_numerics.h"
 #include "engine/host_grad_copy.h"
 #include "engine/overlap_reducer.h"
+#include "engine/pinned_host.h"
 #include "engine/unit_pipeline.h"
 
 namespace uckpt::engine {
@@ -115,8 +116,9 @@ FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings 
       g.host_copy = std::make_unique<BucketedHostCopy>(g.numels, g.grad_flat,
                                                        std::min(kHostCopyBucket, s_.reduce_bucket_size));
     // Pinned under offload to a GPU: the updated weights go up straight from it.
-    g.state.master = at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device).pinned_memory(
-                                                              s_.offload_optimizer_cpu && !device.is_cpu()));
+    g.state.master = s_.offload_optimizer_cpu && !device.is_cpu()
+                         ? PinnedHostZeros({g.layout.partition_size}, at::kFloat)
+                         : at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device));
   }
   if (s_.model_dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.fp16);
 }
@@ -582,7 +584,7 @@ void FlatRuntime::AddToHostGradient(Group& g, const at::Tensor& part) {
   c10::NoGradGuard no_grad;
   const int64_t P = part.numel();
   if (!g.grad_partition.defined() || !g.grad_partition.is_pinned())
-    g.grad_partition = at::empty({P}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(true));
+    g.grad_partition = PinnedHostZeros({P}, at::kFloat);
   if (!g.have_grad_partition || P == 0) {
     g.grad_partition.copy_(part);  // one copy straight into pinned memory
     g.have_grad_partition = true;

@@ -12,13 +12,14 @@
 #include <string>
 
 #include "ckpt/partition.h"
+#include "engine/pinned_host.h"
 
 namespace uckpt::engine {
 BucketedHostCopy::BucketedHostCopy(const std::vector<int64_t>& numels, at::Tensor grad_flat, int64_t bucket_numel)
     : grad_flat_(std::move(grad_flat)) {
   const at::Device device = grad_flat_.device();
-  host_ = at::empty({grad_flat_.numel()},
-                    grad_flat_.options().device(at::kCPU).pinned_memory(device.is_cuda()));
+  host_ = device.is_cuda() ? PinnedHostZeros({grad_flat_.numel()}, grad_flat_.scalar_type())
+                           : at::empty({grad_flat_.numel()}, grad_flat_.options().device(at::kCPU));
   ckpt::ReverseBuckets plan = ckpt::PlanReverseBuckets(numels, bucket_numel);
   for (const auto& p : plan.buckets) buckets_.push_back(Bucket{p.begin, p.numel, p.params, 0, false});
   bucket_of_ = std::move(plan.bucket_of);
