@@ -238,7 +238,8 @@ struct SplitFile {
   std::unique_ptr<WritableFile> file;
   std::vector<CopyPiece> pieces;
   std::atomic<size_t> left{0};
-  uint64_t xxh64 = 0;  // set by the hash job
+  uint64_t xxh64 = 0;       // set by the hash job
+  bool one_writer = false;  // one job writes it all, front to back
 };
 
 uint64_t HashPieces(const std::vector<CopyPiece>& sorted) {
@@ -269,6 +270,7 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
     if (pieces && threads > 1 && f.size > split_bytes && (f.hash || !one_writer)) {
       auto s = std::make_unique<SplitFile>();
       s->pieces = SortedPieces(f);
+      s->one_writer = one_writer;
       for (uint64_t b = 0; b < f.size; b += step) {
         jobs.push_back({i, b, std::min(f.size, b + step), std::min(f.size, b + step) - b});
         ++s->left;
@@ -301,7 +303,9 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
       } else {
         std::call_once(s->open, [&] {
           s->file = Env::Current().NewWritableFile(f.path);
-          s->file->Allocate(f.size);
+          // Several writers need the file's whole size first; one writing it
+          // front to back appends, as the sequential writer does.
+          if (!s->one_writer) s->file->Allocate(f.size);
         });
         if (!s->file) throw IoError("cannot write " + f.path + ": it could not be created");
         WriteRange(*s->file, s->pieces, job.begin, job.end, options, wb, f.path);
