@@ -5,6 +5,7 @@ For each ZeRO stage asked for (3: parameters and optimizer offloaded; 2: optimiz
 a GPT-2-shaped model, train one step (so that Adam's moments exist), then per rank:
   save     engine.save_checkpoint (synchronous): seconds, RSS before, peak RSS during (VmHWM, reset just before
            the save through /proc/self/clear_refs), and last_save's snapshot bytes where the engine says them;
+           then (rank 0) `cp -r` of the saved tag folder + `sync`: its seconds and the save's ratio to it;
   torch    torch.save of tensors of the same sizes as the rank's optimizer state (fp32 master, exp_avg,
            exp_avg_sq of its partition), fsynced as the checkpoint's files are, then torch.load of that file.
 Then one process (a world of 1) builds the same model and resumes the checkpoint without converting it:
@@ -122,7 +123,19 @@ def worker(phase, stage, dtype, layers, hidden, vocab, ckpt):
         torch.distributed.barrier()
         s, before, peak = timed_peak(lambda: engine.save_checkpoint(ckpt, tag="step1"))
         out.update(save_s=round(s, 3), save_rss_before_gib=gib(before), save_peak_gib=gib(peak),
-                   save_extra_gib=gib(peak - before), snapshot_bytes=snapshot_bytes(engine))
+                   save_extra_gib=gib(peak - before), snapshot_bytes=snapshot_bytes(engine),
+                   threads=torch.get_num_threads())
+        torch.distributed.barrier()
+        if rank == 0:  # the disk's own speed for the same folder, in the same run
+            copy = os.path.join(os.path.dirname(ckpt), "cp-copy")
+            t = time.perf_counter()
+            subprocess.run(["cp", "-r", os.path.join(ckpt, "step1"), copy], check=True)
+            subprocess.run(["sync"], check=True)
+            cp_s = time.perf_counter() - t
+            folder_bytes = sum(os.path.getsize(os.path.join(copy, f)) for f in os.listdir(copy))
+            subprocess.run(["rm", "-rf", copy], check=True)
+            out.update(folder_gib=round(folder_bytes / (1 << 30), 3), cp_sync_s=round(cp_s, 3),
+                       save_over_cp=round(out["save_s"] / cp_s, 2))
         torch.distributed.barrier()
         # torch.save / torch.load of tensors the size of this rank's optimizer state, fsynced.
         state = {k: torch.randn(part) for k in ("fp32", "exp_avg", "exp_avg_sq")}

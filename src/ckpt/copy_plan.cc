@@ -19,6 +19,8 @@
 
 #include "ckpt/parallel.h"
 #include "format/error.h"
+#include "format/torch_file.h"
+#include "format/zip.h"
 
 namespace uckpt::ckpt {
 
@@ -220,20 +222,31 @@ CopyResult CopyWhole(const PlannedFile& f, WritebackThread* wb) {
   return {size, hash ? XXH64_digest(hash.get()) : 0};
 }
 
-// One unit of work: a whole file, or one byte range of a split pieces file.
+// One unit of work: a whole file, or one byte range of a split pieces file,
+// or the hash of a split file.
 struct Job {
   size_t file;
   uint64_t begin = 0, end = 0;  // a range of a split file; end == 0: the whole file
   uint64_t bytes = 0;           // for ordering
+  bool hash = false;            // a split file's hash: its pieces read in order, nothing written
 };
 
-// A pieces file split over several jobs: opened by the first, closed by the last.
+// A pieces file split over several jobs: opened by the first writer, closed
+// by the last job.
 struct SplitFile {
   std::once_flag open;
   std::unique_ptr<WritableFile> file;
   std::vector<CopyPiece> pieces;
   std::atomic<size_t> left{0};
+  uint64_t xxh64 = 0;       // set by the hash job
+  bool one_writer = false;  // one job writes it all, front to back
 };
+
+uint64_t HashPieces(const std::vector<CopyPiece>& sorted) {
+  HashState hash = NewHash(true);
+  for (const CopyPiece& p : sorted) XXH64_update(hash.get(), p.data.data(), p.data.size());
+  return XXH64_digest(hash.get());
+}
 
 }  // namespace
 
@@ -251,12 +264,19 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
     if (kinds > 1 || (kinds == 1 && !f.pieces.empty()))
       throw std::invalid_argument("copy plan for " + f.path + ": more than one of pieces, generate, copy_from");
     const bool pieces = kinds == 0;
-    const uint64_t step = std::max<uint64_t>(options.split_bytes, kChunk);
-    if (pieces && !f.hash && threads > 1 && f.size > step) {
+    const bool one_writer = options.writers_per_file == 1;
+    const uint64_t split_bytes = std::max<uint64_t>(options.split_bytes, 1);
+    const uint64_t step = one_writer ? f.size : split_bytes;
+    if (pieces && threads > 1 && f.size > split_bytes && (f.hash || !one_writer)) {
       auto s = std::make_unique<SplitFile>();
       s->pieces = SortedPieces(f);
+      s->one_writer = one_writer;
       for (uint64_t b = 0; b < f.size; b += step) {
         jobs.push_back({i, b, std::min(f.size, b + step), std::min(f.size, b + step) - b});
+        ++s->left;
+      }
+      if (f.hash) {  // the longest job: sorted first, it runs while the ranges are written
+        jobs.push_back({i, 0, 0, f.size, true});
         ++s->left;
       }
       split[i] = std::move(s);
@@ -278,15 +298,21 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
   auto run = [&](const Job& job) {
     const PlannedFile& f = plan.files[job.file];
     if (SplitFile* s = split[job.file].get()) {
-      std::call_once(s->open, [&] {
-        s->file = Env::Current().NewWritableFile(f.path);
-        s->file->Allocate(f.size);
-      });
-      if (!s->file) throw IoError("cannot write " + f.path + ": it could not be created");
-      WriteRange(*s->file, s->pieces, job.begin, job.end, options, wb, f.path);
-      if (--s->left == 0) {
+      if (job.hash) {
+        s->xxh64 = HashPieces(s->pieces);
+      } else {
+        std::call_once(s->open, [&] {
+          s->file = Env::Current().NewWritableFile(f.path);
+          // Several writers need the file's whole size first; one writing it
+          // front to back appends, as the sequential writer does.
+          if (!s->one_writer) s->file->Allocate(f.size);
+        });
+        if (!s->file) throw IoError("cannot write " + f.path + ": it could not be created");
+        WriteRange(*s->file, s->pieces, job.begin, job.end, options, wb, f.path);
+      }
+      if (--s->left == 0) {  // every range written (a failed one never counts down) and hashed
         s->file->Close();
-        results[job.file] = {f.size, 0};
+        results[job.file] = {f.size, s->xxh64};
         finished(job.file);
       }
       return;
@@ -312,6 +338,38 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
 
   ParallelFor(jobs.size(), threads, [&](size_t k) { run(jobs[k]); });
   return results;
+}
+
+std::vector<uint32_t> ParallelCrc32(const std::vector<std::span<const uint8_t>>& spans, int threads, uint64_t chunk) {
+  struct Part {
+    size_t span;
+    uint64_t begin, size;
+    uint32_t crc = 0;
+  };
+  chunk = std::max<uint64_t>(chunk, 1);
+  std::vector<Part> parts;
+  for (size_t k = 0; k < spans.size(); ++k)
+    for (uint64_t at = 0; at < spans[k].size(); at += chunk)
+      parts.push_back({k, at, std::min<uint64_t>(chunk, spans[k].size() - at)});
+  const int n = threads > 0 ? threads : DefaultThreads();
+  ParallelFor(parts.size(), std::max(1, std::min<int>(n, static_cast<int>(std::max<size_t>(1, parts.size())))),
+              [&](size_t k) { parts[k].crc = Crc32(spans[parts[k].span].subspan(parts[k].begin, parts[k].size)); });
+  std::vector<uint32_t> crcs(spans.size(), 0);
+  for (const Part& p : parts) crcs[p.span] = p.begin == 0 ? p.crc : Crc32Combine(crcs[p.span], p.crc, p.size);
+  return crcs;
+}
+
+PlannedFile TorchFilePlan(const std::string& path, const ValuePtr& root, int threads) {
+  TorchFileLayout layout = LayOutTorchFile(path, root, [&](const std::vector<std::span<const uint8_t>>& storages) {
+    return ParallelCrc32(storages, threads);
+  });
+  PlannedFile f;
+  f.path = path;
+  f.size = layout.size;
+  f.pieces.reserve(layout.pieces.size());
+  for (const FilePiece& p : layout.pieces) f.pieces.push_back({p.data, p.offset});
+  f.keep = std::move(layout.keep);
+  return f;
 }
 
 uint64_t ExecuteReads(std::span<const ReadBatch> batches, const ReadOptions& options) {

@@ -20,14 +20,23 @@
 // bytes as they are written, so nothing is read back afterwards.
 //
 // Hashing and order. XXH64 is a streaming hash: its state must see a file's
-// bytes in order, and two halves cannot be combined afterwards. So a file
-// whose hash is wanted is written front to back by one thread (for pieces
-// files: sorted by offset), hashing each piece right before it is written,
-// while it is in the CPU's cache. Only a pieces file whose hash is not wanted
-// and that is larger than `split_bytes` is split into byte ranges written by
-// several threads at once with positioned writes (pwrite) into the
-// preallocated file. For convert this costs nothing: it writes hundreds of
-// files (three per parameter), so one file per thread keeps every core busy.
+// bytes in order, and two halves cannot be combined afterwards. A generated
+// file is written front to back by one thread, hashing each piece right
+// before it is written, while it is in the CPU's cache; so is a pieces file
+// (sorted by offset) when one thread runs the plan or the file is no larger
+// than `split_bytes`. A larger pieces file is split into byte ranges written
+// by several threads at once with positioned writes (pwrite) into the
+// preallocated file; when its hash is wanted, one more job reads its pieces
+// in order and hashes them meanwhile (from memory, not from the file). With
+// `writers_per_file` 1, a hashed file is written by one thread while another
+// hashes it: what a checkpoint save does with a rank's one big optimizer
+// file (TorchFilePlan), because ext4 and XFS let one thread at a time copy
+// into a file's page cache (they take the file's lock for each buffered
+// write), and several writers of one file only contend for it (measured on
+// ext4, bench/save_parts_bench.cc: 2 writers of a 2 GiB file took about 4x
+// the CPU time of one, and 3x as long). For convert,
+// which writes hundreds of files (three per parameter), one file per thread
+// keeps every core busy.
 //
 // Durability. With `durable`, the engine asks the kernel to start writing
 // each file back as soon as a stretch of it is written
@@ -50,11 +59,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "format/file.h"
+#include "format/value.h"
 
 namespace uckpt::ckpt {
 
@@ -78,6 +89,7 @@ struct PlannedFile {
   std::function<void(OrderedSink&)> generate;     // a generated file
   std::string copy_from;                          // a whole-file copy of this file
   bool hash = true;                               // compute its XXH64
+  std::shared_ptr<const void> keep;               // holds bytes the pieces point into (a laid-out torch file)
 };
 
 struct CopyPlan {
@@ -92,7 +104,11 @@ struct CopyResult {
 struct CopyOptions {
   int threads = 0;                    // 0: DefaultThreads() (ckpt/parallel.h)
   bool durable = true;                // start writeback early (see above); the caller syncs at the end
-  uint64_t split_bytes = 64ull << 20; // unhashed pieces files above this are split over threads
+  uint64_t split_bytes = 64ull << 20; // pieces files above this are split over threads
+  // 0: a split file's ranges (of split_bytes) are written by any number of
+  // threads at once; 1: by one thread, front to back, while another hashes
+  // it (a hashed file; an unhashed one is then not split).
+  int writers_per_file = 0;
   // Called with each range of piece data (at most 1 MiB) once written, from
   // the writing thread (the converter drops memory-mapped input pages there).
   std::function<void(std::span<const uint8_t>)> written;
@@ -101,6 +117,17 @@ struct CopyOptions {
   std::function<void(size_t file, const CopyResult& result)> done;
 };
 
+
+// A torch.save file of `root` at `path` as a pieces file (format/torch_file.h,
+// LayOutTorchFile: the same bytes as SaveTorchFile), its records' CRC-32s
+// computed first on `threads` threads (0: DefaultThreads()), 16 MiB at a
+// time; the storages' bytes must stay valid until the plan has run.
+PlannedFile TorchFilePlan(const std::string& path, const ValuePtr& root, int threads = 0);
+
+// The CRC-32 of each span, spread over `threads` threads in `chunk`-byte
+// pieces joined with Crc32Combine.
+std::vector<uint32_t> ParallelCrc32(const std::vector<std::span<const uint8_t>>& spans, int threads,
+                                    uint64_t chunk = 16ull << 20);
 
 // Writes every file of `plan`; results are in plan order. On an error (or an
 // exception from `done`) the other threads stop after their current file and

@@ -8,9 +8,11 @@
 #include "ckpt/copy_plan.h"
 #include "ckpt/deepspeed_names.h"
 #include "ckpt/manifest.h"
+#include "ckpt/parallel.h"
 #include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
+#include "format/pickle_writer.h"
 #include "format/torch_file.h"
 #include "engine/torch_bridge.h"
 
@@ -23,6 +25,23 @@ namespace {
 constexpr int kMaxFiles = 2;
 constexpr int kNameWords = 16;  // 128 bytes
 constexpr int kWords = kMaxFiles * (kNameWords + 2);
+
+// Files above this are laid out, CRC'd on every thread, and written by one
+// thread while another hashes them.
+constexpr uint64_t kSplitBytes = 64ull << 20;
+std::atomic<uint64_t> g_range_bytes{0};  // SetSaveRangeBytes
+
+// The buffer a file's streamed storages pass through: bounded host memory
+// for device tensors of any size.
+constexpr uint64_t kStreamBufferBytes = 64ull << 20;
+
+// The largest streamed storage of a file's value (0: none).
+uint64_t LargestStreamed(const ValuePtr& value) {
+  uint64_t n = 0;
+  for (const auto& st : PickleForTorch(value).storages)
+    if (st->streamed()) n = std::max(n, st->stream_size);
+  return n;
+}
 
 void RemoveQuietly(const std::string& path) {
   try {
@@ -81,6 +100,8 @@ void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& erro
   throw IoError("checkpoint " + folder + " not saved: rank " + std::to_string(bad) + " could not write its part");
 }
 
+void SetSaveRangeBytes(uint64_t bytes) { g_range_bytes = bytes; }
+
 CheckpointWriter::~CheckpointWriter() { Join(); }
 
 void CheckpointWriter::Join() {
@@ -111,16 +132,37 @@ void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, 
 }
 
 // This rank's files as one copy plan, hashed as written, then one syncfs.
+// With one host thread each file is generated front to back; with more,
+// each is laid out first (its CRCs on every thread), and one larger than
+// 64 MiB is written by one thread while another hashes it (ckpt/copy_plan.h):
+// the same bytes.
+// A file with streamed storages (a synchronous save's device tensors) is
+// always generated front to back, its device bytes copied through a buffer
+// of its own (files may be written at once).
 void CheckpointWriter::Write() {
   try {
+    const int threads = ckpt::DefaultThreads();
     ckpt::CopyPlan plan;
-    for (const SnapshotFile& f : files_) {
+    for (size_t k = 0; k < files_.size(); ++k) {
+      const SnapshotFile& f = files_[k];
+      const std::string path = tmp_ + "/" + f.name;
+      const uint64_t streamed = LargestStreamed(f.value);
+      if (threads > 1 && streamed == 0) {
+        plan.files.push_back(ckpt::TorchFilePlan(path, f.value, threads));
+        continue;
+      }
+      SaveOptions o;
+      if (streamed > 0) o.stream_buffer = StreamBuffer(k, streamed);
       ckpt::PlannedFile p;
-      p.path = tmp_ + "/" + f.name;
-      p.generate = [&f](ckpt::OrderedSink& out) { SaveTorchFile(out, out.path(), f.value); };
+      p.path = path;
+      p.generate = [&f, o](ckpt::OrderedSink& out) { SaveTorchFile(out, out.path(), f.value, o); };
       plan.files.push_back(std::move(p));
     }
     ckpt::CopyOptions options;
+    options.threads = threads;
+    const uint64_t ranges = g_range_bytes;
+    options.split_bytes = ranges > 0 ? ranges : kSplitBytes;
+    options.writers_per_file = ranges > 0 ? 0 : 1;
     options.durable = true;
     const std::vector<ckpt::CopyResult> results = ckpt::ExecuteCopyPlan(plan, options);
     if (!files_.empty()) Env::Current().SyncFilesystem(tmp_);
@@ -129,6 +171,22 @@ void CheckpointWriter::Write() {
     error_ = ex.what();
   }
   done_ = true;
+}
+
+std::span<uint8_t> CheckpointWriter::StreamBuffer(size_t k, uint64_t largest) {
+  const int64_t want = static_cast<int64_t>(std::min<uint64_t>(largest, kStreamBufferBytes));
+  if (stream_buffers_.size() <= k) stream_buffers_.resize(k + 1);
+  at::Tensor& b = stream_buffers_[k];
+  if (!b.defined() || b.numel() < want)
+    b = at::empty({want}, at::TensorOptions().dtype(at::kByte).pinned_memory(at::hasCUDA()));
+  return {b.data_ptr<uint8_t>(), static_cast<size_t>(want)};
+}
+
+uint64_t CheckpointWriter::stream_buffer_bytes() const {
+  uint64_t n = 0;
+  for (const auto& b : stream_buffers_)
+    if (b.defined()) n += b.numel();
+  return n;
 }
 
 bool CheckpointWriter::PublishIfDone(Comm& comm) {

@@ -6,10 +6,13 @@
 // async save copies every tensor into the SnapshotPool (that is the time the
 // step blocks); a synchronous one views host tensors in place and copies
 // only device tensors. The writer runs
-// them as one copy plan (ckpt/copy_plan.h): torch files generated straight
-// into their final names inside the temporary folder, hashed as they are
-// written (nothing is read back for the manifest), writeback started early,
-// then one syncfs instead of an fsync per file. With async the plan runs on a
+// them as one copy plan (ckpt/copy_plan.h) on the rank's host threads
+// (ckpt::DefaultThreads): torch files written straight into their final
+// names inside the temporary folder (with one thread, generated front to
+// back; with more, laid out with their CRCs computed on every thread, then
+// written by one thread while another hashes them), hashed as
+// they are written (nothing is read back for the manifest), writeback
+// started early, then one syncfs instead of an fsync per file. With async the plan runs on a
 // background thread and the snapshot is kept until it is done.
 //
 // Publishing is collective and happens on the training thread (the
@@ -25,6 +28,7 @@
 #include <exception>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,6 +74,10 @@ class CheckpointWriter {
              uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state = std::nullopt);
   bool pending() const { return pending_; }
   SnapshotPool& pool() { return pool_; }
+  // Host memory of the buffers the last write streamed device tensors
+  // through (one per file that had any, up to 64 MiB each, pinned on a GPU
+  // machine), kept for the next save.
+  uint64_t stream_buffer_bytes() const;
   uint64_t snapshot_bytes() const { return pending_ ? snapshot_bytes_ : 0; }
 
   // Collective: waits for this rank's write, agrees with the others, and
@@ -88,7 +96,11 @@ class CheckpointWriter {
   void Write();
   void Join();
 
+  // A buffer for file k's streamed storages, sized for the largest.
+  std::span<uint8_t> StreamBuffer(size_t k, uint64_t largest);
+
   SnapshotPool pool_;
+  std::vector<at::Tensor> stream_buffers_;
   std::string dir_, tag_, tmp_;
   std::vector<SnapshotFile> files_;
   std::vector<Written> written_;
@@ -99,6 +111,13 @@ class CheckpointWriter {
   std::thread thread_;
   std::atomic<bool> done_{false};
 };
+
+// With more than one host thread (ckpt::DefaultThreads), a file larger than
+// 64 MiB is written by one thread while another hashes it. `bytes` > 0
+// instead splits files larger than `bytes` into ranges of that size written
+// by several threads at once (tests; on ext4 and XFS that only adds lock
+// contention, ckpt/copy_plan.h). 0: the default.
+void SetSaveRangeBytes(uint64_t bytes);
 
 // Cross-rank agreement on errors: every rank calls these with its own error
 // ("" when it succeeded), so that all ranks stop together and none goes on

@@ -49,9 +49,10 @@ ValuePtr View(const std::shared_ptr<Storage>& storage, DType dtype, std::vector<
 // per tensor by where it lies. An async save copies every tensor into the
 // snapshot pool (training goes on while the files are written). A
 // synchronous save blocks training until its files are written, so a
-// contiguous host tensor (offloaded state included) is viewed in place and
-// only a device (or non-contiguous) tensor is copied to the host, into
-// memory freed once the files are written.
+// contiguous host tensor (offloaded state included) is viewed in place, a
+// device tensor is streamed (copied to the host a buffer at a time while its
+// record is written: StreamedStorageOf), and only a non-contiguous host
+// tensor is copied whole, into memory freed once the files are written.
 thread_local SnapshotPool* t_snapshot_pool = nullptr;  // async saves only
 thread_local uint64_t t_copied_bytes = 0;             // a synchronous save's host copies
 struct SnapshotScope {
@@ -70,12 +71,25 @@ std::shared_ptr<Storage> ViewOf(at::Tensor t) {
 std::shared_ptr<Storage> StorageOf(const at::Tensor& t) {
   if (t_snapshot_pool) return t_snapshot_pool->Copy(t.detach().contiguous());
   if (t.device().is_cpu() && t.is_contiguous()) return ViewOf(t.detach());
-  at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  if (!t.device().is_cpu()) return StreamedStorageOf(t);
+  at::Tensor c = t.detach().contiguous();
   t_copied_bytes += c.nbytes();
   return ViewOf(std::move(c));
 }
 
 }  // namespace
+
+std::shared_ptr<Storage> StreamedStorageOf(const at::Tensor& t) {
+  // One byte per element of a flat contiguous copy on the tensor's device
+  // (the tensor itself when it is contiguous), kept until the file is written.
+  auto flat = std::make_shared<at::Tensor>(t.detach().contiguous().reshape({-1}).view(at::kByte));
+  const uint64_t size = flat->numel();
+  return Storage::Streamed(size, FromScalarType(t.scalar_type()), [flat](uint64_t offset, std::span<uint8_t> into) {
+    if (into.empty()) return;
+    at::Tensor dst = at::from_blob(into.data(), {static_cast<int64_t>(into.size())}, at::kByte);
+    dst.copy_(flat->narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(into.size())));
+  });
+}
 
 ValuePtr TensorValue(const at::Tensor& t, bool requires_grad) {
   auto s = StorageOf(t);
@@ -422,7 +436,8 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state));
   if (!async) e.writer->Publish(comm);
   e.last_save.async = async;
-  e.last_save.snapshot_bytes = snapshot_bytes;
+  // A synchronous save's device tensors went through the writer's staging buffers.
+  e.last_save.snapshot_bytes = snapshot_bytes + (async ? 0 : e.writer->stream_buffer_bytes());
   e.last_save.blocked_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return folder;
 }

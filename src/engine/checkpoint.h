@@ -46,8 +46,13 @@ ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, Val
                                 std::vector<std::pair<std::string, ValuePtr>> client);
 
 // A tensor as a value for a file being saved: a copy into the save's snapshot
-// pool during an async (or GPU) save, else a view of a host tensor's bytes.
+// pool during an async save; during a synchronous one a view of a
+// contiguous host tensor's bytes, a device tensor streamed (below), a copy
+// of a non-contiguous host tensor.
 ValuePtr TensorValue(const at::Tensor& t, bool requires_grad = false);
+// A storage whose bytes are `t`'s (any device), copied out on request a
+// buffer at a time (Storage::fill) as its record is written, never whole.
+std::shared_ptr<Storage> StreamedStorageOf(const at::Tensor& t);
 
 // A partition's optimizer state as the files save it: torch's state-dict
 // entry of the partition under the optimizer's keys (Adam's step, exp_avg,

@@ -51,6 +51,9 @@ class ByteSink {
   virtual ~ByteSink() = default;
   virtual void Write(std::span<const uint8_t> data) = 0;
   void Write(const std::string& s) { Write({reinterpret_cast<const uint8_t*>(s.data()), s.size()}); }
+  // As Write, for bytes that stay valid and unchanged until the file is
+  // complete: a sink may keep a reference to them instead of copying them.
+  virtual void WriteKept(std::span<const uint8_t> data) { Write(data); }
   // Bytes written so far.
   virtual uint64_t offset() const = 0;
 };

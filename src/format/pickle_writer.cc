@@ -178,7 +178,7 @@ class Pickler {
   // The persistent id of `s` viewed as `dtype` (nullopt: keep its class).
   void PersistentId(const std::shared_ptr<Storage>& s, std::optional<DType> dtype) {
     std::string cls = s->storage_class;
-    int64_t numel = static_cast<int64_t>(s->bytes.size());
+    int64_t numel = static_cast<int64_t>(s->size());  // a streamed storage has no bytes in memory
     if (dtype) {
       auto legacy = DTypeStorageClass(*dtype);
       cls = legacy.empty() ? "torch.storage.UntypedStorage" : "torch." + std::string(legacy);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "format/error.h"
@@ -163,6 +164,125 @@ uint64_t Fnv1a(const std::string& s, uint64_t h = 0xcbf29ce484222325ull) {
 
 }  // namespace
 
+namespace {
+
+constexpr uint64_t kStreamBuffer = 64ull << 20;
+
+// The largest streamed storage of `p`.
+uint64_t StreamedBytes(const PickledValue& p) {
+  uint64_t n = 0;
+  for (const auto& st : p.storages)
+    if (st->streamed()) n = std::max(n, st->stream_size);
+  return n;
+}
+
+// The records of torch.save's file of `p`, in torch's order. With `crcs`
+// (one per storage), storages are added as kept records with those CRCs.
+void WriteTorchRecords(ByteSink& out, const std::string& path, const PickledValue& p, const SaveOptions& options,
+                       const std::vector<uint32_t>* crcs) {
+  const std::string prefix = ArchiveName(path) + "/";
+  ZipWriter zip(out, options.alignment);
+  zip.AddRecord(prefix + "data.pkl", p.pickle);
+  zip.AddRecord(prefix + ".format_version", std::string("1"));
+  zip.AddRecord(prefix + ".storage_alignment", std::to_string(options.alignment));
+  zip.AddRecord(prefix + "byteorder", std::string("little"));
+  std::vector<uint8_t> own_buffer;
+  for (size_t k = 0; k < p.storages.size(); ++k) {
+    const std::string name = prefix + "data/" + std::to_string(k);
+    const Storage& st = *p.storages[k];
+    if (st.streamed()) {
+      std::span<uint8_t> buffer = options.stream_buffer;
+      if (buffer.empty()) {
+        if (own_buffer.empty()) own_buffer.resize(static_cast<size_t>(std::min<uint64_t>(kStreamBuffer, StreamedBytes(p))));
+        buffer = own_buffer;
+      }
+      zip.AddStreamedRecord(name, st.stream_size, st.fill, buffer);
+    } else if (crcs) {
+      zip.AddKeptRecord(name, st.bytes, (*crcs)[k]);
+    } else {
+      zip.AddRecord(name, st.bytes);
+    }
+  }
+  zip.AddRecord(prefix + "version", std::string("3\n"));
+  // 40 digits as torch writes: a hash of the record names, then one of their CRCs.
+  uint64_t names = 0xcbf29ce484222325ull, crc_hash = 0xcbf29ce484222325ull;
+  for (const auto& r : zip.records()) {
+    names = Fnv1a(r.name, names);
+    crc_hash = Fnv1a(std::to_string(r.crc32), crc_hash);
+  }
+  char id[41];
+  std::snprintf(id, sizeof id, "%020llu%020llu", static_cast<unsigned long long>(names),
+                static_cast<unsigned long long>(crc_hash));
+  zip.AddRecord(prefix + ".data/serialization_id", std::string(id, 40));
+  zip.Finish();
+}
+
+// Collects a file's bytes as pieces: kept bytes by reference, the rest
+// copied into blocks it owns.
+class LayoutSink : public ByteSink {
+ public:
+  void Write(std::span<const uint8_t> data) override {
+    pending_.insert(pending_.end(), data.begin(), data.end());
+    offset_ += data.size();
+  }
+  void WriteKept(std::span<const uint8_t> data) override {
+    Seal();
+    pieces_.push_back({data, offset_});
+    offset_ += data.size();
+  }
+  uint64_t offset() const override { return offset_; }
+
+  // The pieces, and the blocks they need, once the file is complete.
+  std::vector<FilePiece> TakePieces() {
+    Seal();
+    return std::move(pieces_);
+  }
+  std::vector<std::vector<uint8_t>>& blocks() { return blocks_; }
+
+ private:
+  void Seal() {
+    if (pending_.empty()) return;
+    // A block is never resized once sealed: the pieces point into it.
+    blocks_.push_back(std::move(pending_));
+    pending_.clear();
+    pieces_.push_back({blocks_.back(), offset_ - blocks_.back().size()});
+  }
+  std::vector<uint8_t> pending_;
+  std::vector<std::vector<uint8_t>> blocks_;  // moved vectors keep their buffers
+  std::vector<FilePiece> pieces_;
+  uint64_t offset_ = 0;
+};
+
+}  // namespace
+
+TorchFileLayout LayOutTorchFile(const std::string& path, const ValuePtr& root, const StorageCrcs& crcs,
+                                const SaveOptions& options) {
+  struct Kept {
+    PickledValue pickled;
+    std::vector<std::vector<uint8_t>> blocks;
+  };
+  auto kept = std::make_shared<Kept>();
+  kept->pickled = PickleForTorch(root);
+  std::vector<std::span<const uint8_t>> storages;
+  for (const auto& st : kept->pickled.storages) {
+    if (st->streamed())
+      throw std::invalid_argument(path + ": a streamed storage cannot be laid out; write the file front to back");
+    storages.push_back(st->bytes);
+  }
+  const std::vector<uint32_t> storage_crcs = crcs(storages);
+  if (storage_crcs.size() != storages.size())
+    throw std::logic_error("LayOutTorchFile: " + std::to_string(storage_crcs.size()) + " CRCs for " +
+                           std::to_string(storages.size()) + " storages");
+  LayoutSink sink;
+  WriteTorchRecords(sink, path, kept->pickled, options, &storage_crcs);
+  TorchFileLayout layout;
+  layout.size = sink.offset();
+  layout.pieces = sink.TakePieces();
+  kept->blocks = std::move(sink.blocks());
+  layout.keep = std::move(kept);
+  return layout;
+}
+
 void SaveTorchFile(const std::string& path, const ValuePtr& root, const SaveOptions& options) {
   AtomicFile out(path, options.durable);
   SaveTorchFile(out, path, root, options);
@@ -170,26 +290,7 @@ void SaveTorchFile(const std::string& path, const ValuePtr& root, const SaveOpti
 }
 
 void SaveTorchFile(ByteSink& out, const std::string& path, const ValuePtr& root, const SaveOptions& options) {
-  PickledValue p = PickleForTorch(root);
-  const std::string prefix = ArchiveName(path) + "/";
-  ZipWriter zip(out, options.alignment);
-  zip.AddRecord(prefix + "data.pkl", p.pickle);
-  zip.AddRecord(prefix + ".format_version", std::string("1"));
-  zip.AddRecord(prefix + ".storage_alignment", std::to_string(options.alignment));
-  zip.AddRecord(prefix + "byteorder", std::string("little"));
-  for (size_t k = 0; k < p.storages.size(); ++k) zip.AddRecord(prefix + "data/" + std::to_string(k), p.storages[k]->bytes);
-  zip.AddRecord(prefix + "version", std::string("3\n"));
-  // 40 digits as torch writes: a hash of the record names, then one of their CRCs.
-  uint64_t names = 0xcbf29ce484222325ull, crcs = 0xcbf29ce484222325ull;
-  for (const auto& r : zip.records()) {
-    names = Fnv1a(r.name, names);
-    crcs = Fnv1a(std::to_string(r.crc32), crcs);
-  }
-  char id[41];
-  std::snprintf(id, sizeof id, "%020llu%020llu", static_cast<unsigned long long>(names),
-                static_cast<unsigned long long>(crcs));
-  zip.AddRecord(prefix + ".data/serialization_id", std::string(id, 40));
-  zip.Finish();
+  WriteTorchRecords(out, path, PickleForTorch(root), options, nullptr);
 }
 
 }  // namespace uckpt

@@ -3,8 +3,12 @@
 // weights_only=True in PyTorch 1.13 and 2.x).
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "format/file.h"
 #include "format/pickle_reader.h"
@@ -34,6 +38,9 @@ TorchFile LoadTorchFile(std::shared_ptr<const MappedFile> file, const LoadOption
 struct SaveOptions {
   bool durable = true;  // fsync before the rename
   uint32_t alignment = 64;
+  // Where streamed storages (Storage::fill) pass through on their way to the
+  // file; empty: a buffer of up to 64 MiB is allocated for the call.
+  std::span<uint8_t> stream_buffer;
 };
 
 // Writes `root` to `path` through a temporary file renamed into place when
@@ -43,5 +50,28 @@ void SaveTorchFile(const std::string& path, const ValuePtr& root, const SaveOpti
 // The same bytes into `out`, front to back, for a file named `path` (its
 // archive name comes from it); the caller owns the file (`durable` unused).
 void SaveTorchFile(ByteSink& out, const std::string& path, const ValuePtr& root, const SaveOptions& options = {});
+
+// Bytes of a file at an offset.
+struct FilePiece {
+  std::span<const uint8_t> data;
+  uint64_t offset = 0;
+};
+
+// The file SaveTorchFile would write, laid out instead of written, so that
+// several threads can write its parts: the same bytes, as pieces in file
+// order tiling [0, size). Each storage's bytes are referenced where they lie
+// (they must stay valid while the pieces are used); the pickle, headers and
+// directory are held by `keep`. Streamed storages cannot be laid out
+// (std::invalid_argument): write such a value with SaveTorchFile.
+struct TorchFileLayout {
+  uint64_t size = 0;
+  std::vector<FilePiece> pieces;
+  std::shared_ptr<const void> keep;
+};
+// The CRC-32 of each storage's bytes, in order (the caller may spread the
+// work over threads: Crc32Combine joins the CRCs of a storage's pieces).
+using StorageCrcs = std::function<std::vector<uint32_t>(const std::vector<std::span<const uint8_t>>& storages)>;
+TorchFileLayout LayOutTorchFile(const std::string& path, const ValuePtr& root, const StorageCrcs& crcs,
+                                const SaveOptions& options = {});
 
 }  // namespace uckpt

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <stdexcept>
 
 namespace uckpt {
 
@@ -24,6 +25,17 @@ std::shared_ptr<Storage> Storage::View(std::span<const uint8_t> data, DType dtyp
   }
   s->bytes = data;
   s->owner = std::move(owner);
+  return s;
+}
+
+std::shared_ptr<Storage> Storage::Streamed(uint64_t size, DType dtype,
+                                           std::function<void(uint64_t offset, std::span<uint8_t> into)> fill) {
+  auto s = View({}, dtype, nullptr);
+  s->numel = static_cast<int64_t>(size / std::max<size_t>(1, s->storage_class == "torch.storage.UntypedStorage"
+                                                                     ? 1
+                                                                     : DTypeSize(dtype)));
+  s->stream_size = size;
+  s->fill = std::move(fill);
   return s;
 }
 
@@ -55,13 +67,15 @@ bool Tensor::is_contiguous() const {
 }
 
 std::span<const uint8_t> Tensor::contiguous_view() const {
-  if (!is_contiguous() || !storage) return {};
+  if (!is_contiguous() || !storage || storage->streamed()) return {};  // streamed: not in memory
   if (numel() == 0) return {};  // an empty view's offset may lie past the storage end
   size_t es = DTypeSize(dtype);
   return storage->bytes.subspan(static_cast<size_t>(storage_offset) * es, nbytes());
 }
 
 std::vector<uint8_t> Tensor::contiguous_bytes() const {
+  if (storage && storage->streamed())
+    throw std::logic_error("Tensor::contiguous_bytes: a streamed storage's bytes are not in memory");
   size_t es = DTypeSize(dtype);
   int64_t n = numel();
   std::vector<uint8_t> out(static_cast<size_t>(n) * es);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -26,12 +27,22 @@ struct Storage {
   int64_t numel = 0;  // as in the persistent id: elements, or bytes if untyped
   std::span<const uint8_t> bytes;
   std::shared_ptr<const void> owner;  // keeps `bytes` valid
+  // A streamed storage has no `bytes`: a writer asks fill(offset, into) for
+  // its `stream_size` bytes a buffer at a time (a GPU tensor copied to the
+  // host piece by piece while a synchronous save writes it).
+  uint64_t stream_size = 0;
+  std::function<void(uint64_t offset, std::span<uint8_t> into)> fill;
+  bool streamed() const { return static_cast<bool>(fill); }
+  uint64_t size() const { return streamed() ? stream_size : bytes.size(); }
 
   // A storage that owns a copy of `data`.
   static std::shared_ptr<Storage> Owned(std::vector<uint8_t> data, DType dtype);
   // A storage viewing memory kept alive by `owner`.
   static std::shared_ptr<Storage> View(std::span<const uint8_t> data, DType dtype,
                                        std::shared_ptr<const void> owner);
+  // A streamed storage of `size` bytes.
+  static std::shared_ptr<Storage> Streamed(uint64_t size, DType dtype,
+                                           std::function<void(uint64_t offset, std::span<uint8_t> into)> fill);
 };
 
 struct Tensor {

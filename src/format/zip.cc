@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -88,6 +89,10 @@ uint32_t Crc32(std::span<const uint8_t> data, uint32_t crc) {
   if (clmul && data.size() >= 64) return Crc32Clmul(data.data(), data.size(), crc);
 #endif
   return static_cast<uint32_t>(crc32_z(crc, data.data(), data.size()));
+}
+
+uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
+  return static_cast<uint32_t>(crc32_combine64(crc_a, crc_b, static_cast<z_off64_t>(length_b)));
 }
 
 namespace {
@@ -259,11 +264,7 @@ std::span<const uint8_t> ZipReader::Data(const ZipEntry& e) const {
 
 bool ZipReader::CrcMatches(const ZipEntry& e) const { return e.crc32 == 0 || Crc32(Data(e)) == e.crc32; }
 
-void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces,
-                          const std::function<void(std::span<const uint8_t>)>& written) {
-  uint64_t size = 0;
-  uint32_t crc = 0;
-  for (auto p : pieces) size += p.size();
+uint64_t ZipWriter::WriteHeader(const std::string& name, uint64_t size) {
   const uint64_t cursor = out_.offset();
   const bool big_size = size >= k32Max, big_offset = cursor >= k32Max;
   const bool zip64 = big_size || big_offset;
@@ -298,6 +299,35 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<con
   Put16(h, static_cast<uint16_t>(pad));
   h.append(pad, 'Z');
   out_.Write(h);
+  return start + pad;
+}
+
+void ZipWriter::EndRecord(const std::string& name, uint64_t header_offset, uint64_t data_offset, uint64_t size,
+                          uint32_t crc) {
+  if (size > 0) {
+    std::string d;
+    Put32(d, kDescriptorSig);
+    Put32(d, crc);
+    if (size >= k32Max || header_offset >= k32Max) {  // zip64, as the header
+      Put64(d, size);
+      Put64(d, size);
+    } else {
+      Put32(d, static_cast<uint32_t>(size));
+      Put32(d, static_cast<uint32_t>(size));
+    }
+    out_.Write(d);
+  }
+  records_.push_back({name, data_offset, size, crc});
+  header_offsets_.push_back(header_offset);
+}
+
+void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<const uint8_t>> pieces,
+                          const std::function<void(std::span<const uint8_t>)>& written) {
+  uint64_t size = 0;
+  uint32_t crc = 0;
+  for (auto p : pieces) size += p.size();
+  const uint64_t cursor = out_.offset();
+  const uint64_t data_offset = WriteHeader(name, size);
   // The CRC goes in the data descriptor after the data, so it is computed
   // as the data is written, 1 MiB at a time: each stretch is read from
   // memory once and is still in cache when the sink hashes and writes it
@@ -311,21 +341,31 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<con
       if (written) written(c);
     }
   }
-  if (size > 0) {
-    std::string d;
-    Put32(d, kDescriptorSig);
-    Put32(d, crc);
-    if (zip64) {
-      Put64(d, size);
-      Put64(d, size);
-    } else {
-      Put32(d, static_cast<uint32_t>(size));
-      Put32(d, static_cast<uint32_t>(size));
-    }
-    out_.Write(d);
+  EndRecord(name, cursor, data_offset, size, crc);
+}
+
+void ZipWriter::AddStreamedRecord(const std::string& name, uint64_t size,
+                                  const std::function<void(uint64_t offset, std::span<uint8_t> into)>& fill,
+                                  std::span<uint8_t> buffer) {
+  if (size > 0 && buffer.empty()) throw std::invalid_argument("ZipWriter::AddStreamedRecord: no buffer for '" + name + "'");
+  const uint64_t cursor = out_.offset();
+  const uint64_t data_offset = WriteHeader(name, size);
+  uint32_t crc = 0;
+  for (uint64_t at = 0; at < size;) {
+    std::span<uint8_t> chunk = buffer.first(static_cast<size_t>(std::min<uint64_t>(buffer.size(), size - at)));
+    fill(at, chunk);
+    crc = Crc32(chunk, crc);
+    out_.Write(chunk);
+    at += chunk.size();
   }
-  records_.push_back({name, start + pad, size, crc});
-  header_offsets_.push_back(cursor);
+  EndRecord(name, cursor, data_offset, size, crc);
+}
+
+void ZipWriter::AddKeptRecord(const std::string& name, std::span<const uint8_t> data, uint32_t crc32) {
+  const uint64_t cursor = out_.offset();
+  const uint64_t data_offset = WriteHeader(name, data.size());
+  if (!data.empty()) out_.WriteKept(data);
+  EndRecord(name, cursor, data_offset, data.size(), crc32);
 }
 
 void ZipWriter::Finish() {

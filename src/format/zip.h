@@ -58,6 +58,16 @@ class ZipWriter {
   void AddRecord(const std::string& name, const std::string& s) {
     AddRecord(name, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
   }
+  // The same bytes as AddRecord for a record whose CRC-32 the caller computed
+  // (crc32 of `data`); `data` goes to the sink in one WriteKept call, so it
+  // must stay valid until the file is complete.
+  void AddKeptRecord(const std::string& name, std::span<const uint8_t> data, uint32_t crc32);
+  // The same bytes as AddRecord for a record of `size` bytes that are not in
+  // memory: fill(offset, into) puts bytes [offset, offset + into.size()) into
+  // `buffer` (or a prefix of it), which is CRC'd and written before the next fill.
+  void AddStreamedRecord(const std::string& name, uint64_t size,
+                         const std::function<void(uint64_t offset, std::span<uint8_t> into)>& fill,
+                         std::span<uint8_t> buffer);
   // Writes the central directory and end records.
   void Finish();
 
@@ -65,6 +75,10 @@ class ZipWriter {
   const std::vector<ZipEntry>& records() const { return records_; }
 
  private:
+  // The local header; returns where the data starts.
+  uint64_t WriteHeader(const std::string& name, uint64_t size);
+  // The data descriptor, and the record's entry for the central directory.
+  void EndRecord(const std::string& name, uint64_t header_offset, uint64_t data_offset, uint64_t size, uint32_t crc);
   ByteSink& out_;
   uint32_t alignment_;
   std::vector<ZipEntry> records_;
@@ -72,5 +86,8 @@ class ZipWriter {
 };
 
 uint32_t Crc32(std::span<const uint8_t> data, uint32_t crc = 0);
+// The CRC-32 of A followed by B from crc_a, crc_b and B's length (zlib's
+// crc32_combine), so that pieces of a record can be hashed apart.
+uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
 
 }  // namespace uckpt

@@ -22,6 +22,8 @@
 #include "ckpt/manifest.h"
 #include "format/error.h"
 #include "format/fault_env.h"
+#include "format/torch_file.h"
+#include "format/value.h"
 #include "test_util.h"
 
 namespace uckpt::ckpt {
@@ -80,7 +82,7 @@ CopyPlan RandomPlan(const std::vector<uint8_t>& source, const std::string& dir, 
   return plan;
 }
 
-void CheckPlan(int threads, bool hash, uint64_t split_bytes, uint32_t seed) {
+void CheckPlan(int threads, bool hash, uint64_t split_bytes, uint32_t seed, int writers_per_file = 0) {
   TempDir tmp;
   const auto source = RandomBytes(8 << 20, seed);
   std::vector<std::string> expected;
@@ -88,6 +90,7 @@ void CheckPlan(int threads, bool hash, uint64_t split_bytes, uint32_t seed) {
   CopyOptions options;
   options.threads = threads;
   options.split_bytes = split_bytes;
+  options.writers_per_file = writers_per_file;
   std::atomic<uint64_t> reported{0};
   options.written = [&](std::span<const uint8_t> piece) {
     EXPECT_LE(piece.size(), 1u << 20);
@@ -126,6 +129,98 @@ TEST(CopyPlan, RandomLayoutsHashedThreads) {
 // threads at once; ranges start and end inside pieces.
 TEST(CopyPlan, RandomLayoutsSplitOverThreads) {
   for (uint32_t seed = 9; seed <= 14; ++seed) CheckPlan(4, false, 1 << 20, seed);
+}
+
+// Hashed files over split_bytes too: ranges written by several threads
+// while one more job hashes the pieces in order; the same bytes and hash.
+TEST(CopyPlan, RandomLayoutsHashedSplitOverThreads) {
+  // A split file is preallocated (its ranges are written in any order): seen here.
+  struct CountAllocations : EnvWrapper {
+    struct File : WritableFile {
+      File(std::unique_ptr<WritableFile> f, std::atomic<int>& n) : f(std::move(f)), n(n) {}
+      size_t Write(std::span<const uint8_t> d) override { return f->Write(d); }
+      size_t WriteAt(uint64_t o, std::span<const uint8_t> d) override { return f->WriteAt(o, d); }
+      void Allocate(uint64_t size) override {
+        ++n;
+        f->Allocate(size);
+      }
+      void Sync() override { f->Sync(); }
+      void Close() override { f->Close(); }
+      const std::string& path() const override { return f->path(); }
+      std::unique_ptr<WritableFile> f;
+      std::atomic<int>& n;
+    };
+    CountAllocations() : EnvWrapper(Env::Posix()) {}
+    std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {
+      return std::make_unique<File>(EnvWrapper::NewWritableFile(path, mode), allocations);
+    }
+    std::atomic<int> allocations{0};
+  } env;
+  ScopedEnv use(env);
+  for (uint32_t seed = 15; seed <= 20; ++seed) CheckPlan(4, true, 1 << 20, seed);
+  CheckPlan(3, true, 4096, 21);  // many small ranges
+  EXPECT_GT(env.allocations.load(), 6) << "hashed files were not split over threads";
+  // One writer per file (appending: no preallocation), another thread hashing it.
+  const int before = env.allocations.load();
+  for (uint32_t seed = 22; seed <= 25; ++seed) CheckPlan(3, true, 1 << 20, seed, /*writers_per_file=*/1);
+  EXPECT_EQ(env.allocations.load(), before) << "a file with one writer was preallocated";
+}
+
+// A write failing in one of the threads writing a split, hashed file fails
+// the plan with an IoError naming the file.
+TEST(CopyPlan, WriteFailureInOneRangeThreadFailsThePlan) {
+  TempDir tmp;
+  const auto source = RandomBytes(6 << 20, 3);
+  CopyPlan plan;
+  PlannedFile f;
+  f.path = tmp / "big.bin";
+  f.size = source.size();
+  f.pieces.push_back({{source.data(), source.size()}, 0});
+  plan.files.push_back(f);
+  FaultEnv env;
+  env.Add({IoOp::kWrite, "big.bin", 4, ENOSPC, /*once=*/true});
+  ScopedEnv use(env);
+  CopyOptions options = Threads(3);
+  options.split_bytes = 1 << 20;
+  bool done = false;
+  options.done = [&](size_t, const CopyResult&) { done = true; };
+  try {
+    ExecuteCopyPlan(plan, options);
+    ADD_FAILURE() << "the plan did not fail";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("big.bin"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(env.injected(), 1u);
+  EXPECT_FALSE(done) << "a file with a failed range was reported finished";
+}
+
+// A torch file laid out as pieces (TorchFilePlan) and written by several
+// threads is SaveTorchFile's file byte for byte, its XXH64 the file's.
+TEST(CopyPlan, TorchFilePlanEqualsSaveTorchFile) {
+  TempDir tmp;
+  std::vector<std::vector<uint8_t>> data;
+  for (size_t n : {0u, 4u, 1000u, 3u << 20, 64u, (1u << 20) + 12}) data.push_back(RandomBytes(n, static_cast<uint32_t>(n)));
+  ValuePtr root = Value::Dict();
+  ValuePtr list = Value::List();
+  for (auto& d : data)
+    list->items.push_back(Value::FromTensor(Tensor::FromBytes(DType::kUInt8, {static_cast<int64_t>(d.size())}, d)));
+  root->set("tensors", list);
+  root->set("step", Value::Int(7));
+  SaveOptions plain;
+  plain.durable = false;
+  SaveTorchFile(tmp / "one.pt", root, plain);
+  for (int threads : {1, 2, 4}) {
+    CopyPlan plan;
+    plan.files.push_back(TorchFilePlan(tmp / "one.pt", root, threads));
+    plan.files.back().path = tmp / "many.pt";
+    CopyOptions options = Threads(threads);
+    options.split_bytes = 100000;
+    const auto results = ExecuteCopyPlan(plan, options);
+    const std::string want = ReadFile(tmp / "one.pt");
+    EXPECT_TRUE(ReadFile(tmp / "many.pt") == want) << threads << " threads";
+    EXPECT_EQ(results[0].size, want.size());
+    EXPECT_EQ(results[0].xxh64, Xxh(want));
+  }
 }
 
 TEST(CopyPlan, GeneratedAndWholeFileCopies) {

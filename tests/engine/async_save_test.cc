@@ -11,7 +11,13 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 
+#include "ckpt/parallel.h"
+#include "engine/async_save.h"
+#include "engine/checkpoint.h"
+#include "engine/torch_bridge.h"
+#include "format/torch_file.h"
 #include "format/error.h"
 #include "format/fault_env.h"
 #include "ranks.h"
@@ -92,6 +98,150 @@ INSTANTIATE_TEST_SUITE_P(WorldStageDtype, AsyncSave,
                            return "ws" + std::to_string(info.param.world) + "_stage" + std::to_string(info.param.stage) +
                                   (info.param.bf16 ? "_bf16" : "_fp32");
                          });
+
+// A tensor's bytes streamed to the writer a buffer at a time (what a
+// synchronous save does with device tensors; here host tensors stand in)
+// give the file its bytes viewed in place give, whatever the buffer's size.
+TEST(StreamedStorage, FileEqualsViewedBytes) {
+  const std::string dir = TempDir("streamed");
+  fs::create_directories(dir);
+  const std::vector<at::Tensor> tensors = {at::randn({1000, 3}), at::arange(7, at::kLong), at::empty({0}),
+                                           at::randn({33}).to(at::kBFloat16), at::randn({4, 5}).t()};
+  auto value = [&](bool streamed) {
+    ValuePtr list = Value::List();
+    for (const at::Tensor& t : tensors) {
+      const at::Tensor c = t.contiguous();
+      Tensor v;
+      v.dtype = FromScalarType(c.scalar_type());
+      v.shape = c.sizes().vec();
+      v.stride = Tensor::ContiguousStrides(v.shape);
+      v.storage = streamed ? StreamedStorageOf(t)
+                           : Storage::View({static_cast<const uint8_t*>(c.data_ptr()), c.nbytes()}, v.dtype,
+                                           std::make_shared<at::Tensor>(c));
+      list->items.push_back(Value::FromTensor(std::move(v)));
+    }
+    return list;
+  };
+  SaveOptions plain;
+  plain.durable = false;
+  // The same file name (the archive's name inside the zip comes from it), in two folders.
+  fs::create_directories(dir + "/viewed");
+  fs::create_directories(dir + "/streamed");
+  SaveTorchFile(dir + "/viewed/x.pt", value(false), plain);
+  const std::string want = testing::ReadBytes(dir + "/viewed/x.pt");
+  for (size_t buffer : {0u, 1u, 1000u, 4096u, 1u << 20}) {
+    std::vector<uint8_t> b(buffer);
+    SaveOptions o;
+    o.durable = false;
+    o.stream_buffer = b;
+    SaveTorchFile(dir + "/streamed/x.pt", value(true), o);
+    EXPECT_TRUE(testing::ReadBytes(dir + "/streamed/x.pt") == want) << "buffer of " << buffer << " bytes";
+  }
+  EXPECT_THROW(LayOutTorchFile(dir + "/x.pt", value(true), [](const auto& s) { return std::vector<uint32_t>(s.size()); }),
+               std::invalid_argument);
+  if (!HasFailure()) fs::remove_all(dir);
+}
+
+// Files written with several threads (laid out, CRCs on every thread; then
+// each written by one thread, or in ranges of 256 bytes by several at once)
+// are a one-thread save's byte for byte (manifest included), at stages 1-3,
+// synchronous and background.
+struct ThreadsVariant {
+  int stage;
+  bool async;
+};
+class ParallelSave : public ::testing::TestWithParam<ThreadsVariant> {};
+
+TEST_P(ParallelSave, EqualsOneThreadByteForByte) {
+  const ThreadsVariant v = GetParam();
+  const std::string root = TempDir("threads");
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, Tiny(v.stage, v.stage == 1));
+    t.TrainStep();
+    t.TrainStep();
+    // The engine set the pools' default from its host threads; the ranks share it (one process).
+    // One thread; 4 (laid out, each file written by one); 4 with ranges of 256 bytes written at once.
+    for (const auto& [name, threads, ranges] : {std::tuple{"one", 1, 0}, {"laid_out", 4, 0}, {"ranges", 4, 256}}) {
+      comm.Barrier();
+      if (comm.rank() == 0) {
+        ckpt::SetDefaultThreads(threads);
+        SetSaveRangeBytes(ranges);
+      }
+      comm.Barrier();
+      t.engine().SaveCheckpoint(root + "/" + name, "global_step2", c10::IValue(), Async(v.async));
+      t.engine().WaitForCheckpoint();
+    }
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      ckpt::SetDefaultThreads(0);
+      SetSaveRangeBytes(0);
+    }
+  });
+  const auto one = testing::FolderBytes(root + "/one/global_step2");
+  EXPECT_GE(one.size(), 3u);
+  for (const char* name : {"laid_out", "ranges"})
+    EXPECT_TRUE(testing::FolderBytes(root + "/" + name + "/global_step2") == one)
+        << name << ": files written by 4 threads differ from one thread's";
+  fs::remove_all(root);
+}
+
+INSTANTIATE_TEST_SUITE_P(StageAsync, ParallelSave,
+                         ::testing::Values(ThreadsVariant{1, false}, ThreadsVariant{2, false}, ThreadsVariant{3, false},
+                                           ThreadsVariant{2, true}, ThreadsVariant{3, true}),
+                         [](const auto& info) {
+                           return "stage" + std::to_string(info.param.stage) + (info.param.async ? "_async" : "_sync");
+                         });
+
+// A write failing in one of the threads writing rank 1's optimizer file
+// fails a synchronous save on every rank, naming the file on rank 1; the
+// previous checkpoint and `latest` stay and nothing of the failed tag is left.
+TEST(ParallelSaveFault, WriteFailureInOneThreadFailsTheSave) {
+  const std::string dir = TempDir("threads_fault");
+  std::unique_ptr<FaultEnv> env;
+  std::unique_ptr<ScopedEnv> use;
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, Tiny(2, false));
+    t.TrainStep();
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      ckpt::SetDefaultThreads(4);
+      SetSaveRangeBytes(256);
+    }
+    comm.Barrier();
+    t.engine().SaveCheckpoint(dir, "global_step1", c10::IValue(), Async(false));
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      env = std::make_unique<FaultEnv>();
+      env->Add({IoOp::kWrite, "zero_pp_rank_1", 3, ENOSPC, /*once=*/true});
+      use = std::make_unique<ScopedEnv>(*env);
+    }
+    comm.Barrier();
+    try {
+      t.engine().SaveCheckpoint(dir, "global_step2", c10::IValue(), Async(false));
+    } catch (const IoError& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors[comm.rank()] = e.what();
+    }
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      EXPECT_EQ(env->injected(), 1u);
+      use.reset();
+      env.reset();
+      ckpt::SetDefaultThreads(0);
+      SetSaveRangeBytes(0);
+    }
+  });
+  ASSERT_EQ(errors.size(), 2u) << "every rank must see the failure";
+  EXPECT_NE(errors[1].find("zero_pp_rank_1_mp_rank_00_optim_states.pt"), std::string::npos) << errors[1];
+  for (const auto& [r, msg] : errors) EXPECT_NE(msg.find("global_step2 not saved"), std::string::npos) << msg;
+  EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step1");
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.insert(e.path().filename().string());
+  EXPECT_EQ(left, (std::set<std::string>{"global_step1", "latest"}));
+  fs::remove_all(dir);
+}
 
 // A background write that fails (rank 1's optimizer file, ENOSPC) fails the
 // run at a later step on every rank, rank 1 naming the file; `latest` and

@@ -1,6 +1,9 @@
 // The writer: every fixture read, written with SaveTorchFile and read again
 // must give the manifest's value tree again, in torch's record layout.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <memory>
 
 #include "format/error.h"
 #include "format/torch_file.h"
@@ -108,6 +111,84 @@ TEST_P(RoundTripTest, ReadWriteReadMatchesManifest) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, RoundTripTest, ::testing::ValuesIn(ZipFixtures()),
                          [](const auto& info) { return TestName(info.param); });
+
+// The CRC-32 and size of everything written to it.
+class CrcSink : public ByteSink {
+ public:
+  void Write(std::span<const uint8_t> data) override {
+    crc = Crc32(data, crc);
+    size += data.size();
+  }
+  uint64_t offset() const override { return size; }
+  uint32_t crc = 0;
+  uint64_t size = 0;
+};
+
+// What LayOutTorchFile's pieces hold, in order; they must tile the file.
+CrcSink LaidOut(const TorchFileLayout& layout) {
+  CrcSink out;
+  for (const FilePiece& p : layout.pieces) {
+    EXPECT_EQ(p.offset, out.size) << "the pieces do not tile the file";
+    out.Write(p.data);
+  }
+  EXPECT_EQ(out.size, layout.size);
+  return out;
+}
+
+std::vector<uint32_t> SerialCrcs(const std::vector<std::span<const uint8_t>>& storages) {
+  std::vector<uint32_t> out;
+  for (auto s : storages) out.push_back(Crc32(s));
+  return out;
+}
+
+ValuePtr ByteTensor(std::span<const uint8_t> bytes, std::shared_ptr<const void> owner) {
+  Tensor t;
+  t.dtype = DType::kUInt8;
+  t.shape = {static_cast<int64_t>(bytes.size())};
+  t.stride = {1};
+  t.storage = Storage::View(bytes, DType::kUInt8, std::move(owner));
+  return Value::FromTensor(std::move(t));
+}
+
+// A file laid out as pieces (for writing by several threads) holds the bytes
+// SaveTorchFile writes: small and empty storages, and (zip64) a storage of
+// more than 4 GiB followed by records whose offsets pass 4 GiB. The big
+// storage is untouched anonymous memory (zero pages, nothing allocated).
+TEST(RoundTrip, LayOutEqualsSaveTorchFile) {
+  const size_t big = (4ull << 30) + 4096;
+  void* p = ::mmap(nullptr, big, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  std::shared_ptr<const void> zeros(p, [big](const void* q) { ::munmap(const_cast<void*>(q), big); });
+  std::vector<uint8_t> small(1000);
+  for (size_t k = 0; k < small.size(); ++k) small[k] = static_cast<uint8_t>(k * 7);
+  for (bool with_big : {false, true}) {
+    SCOPED_TRACE(with_big ? "zip64" : "small");
+    ValuePtr root = Value::Dict();
+    root->set("a", ByteTensor(small, nullptr));
+    root->set("empty", ByteTensor({}, nullptr));
+    if (with_big) root->set("big", ByteTensor({static_cast<const uint8_t*>(p), big}, zeros));
+    root->set("b", ByteTensor(std::span<const uint8_t>(small).first(3), nullptr));
+    root->set("n", Value::Int(3));
+    CrcSink saved;
+    SaveTorchFile(saved, "/x/zero_pp_rank_0_mp_rank_00_optim_states.pt", root);
+    const TorchFileLayout layout = LayOutTorchFile("/x/zero_pp_rank_0_mp_rank_00_optim_states.pt", root, SerialCrcs);
+    const CrcSink laid = LaidOut(layout);
+    EXPECT_EQ(laid.size, saved.size);
+    EXPECT_EQ(laid.crc, saved.crc) << "the laid-out file's bytes differ from SaveTorchFile's";
+    if (with_big) {
+      EXPECT_GT(saved.size, big);
+    }
+  }
+}
+
+// CRCs of pieces joined with Crc32Combine equal the CRC of the whole.
+TEST(RoundTrip, Crc32CombineJoinsPieces) {
+  std::vector<uint8_t> b(100000);
+  for (size_t k = 0; k < b.size(); ++k) b[k] = static_cast<uint8_t>(k * 31 + 5);
+  const std::span<const uint8_t> all(b);
+  for (size_t cut : {0u, 1u, 63u, 64u, 4097u, 99999u, 100000u})
+    EXPECT_EQ(Crc32Combine(Crc32(all.first(cut)), Crc32(all.subspan(cut)), b.size() - cut), Crc32(all)) << cut;
+}
 
 TEST(RoundTrip, OtherAlignment) {
   auto all = ZipFixtures();
