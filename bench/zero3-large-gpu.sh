@@ -92,6 +92,9 @@ if u:
     bound = (18 * n / u["world"] + 2 * u["unit"]) / 2**30
     print(f"uckpt host peak per rank {u['host']:.2f} GiB vs its partitions + one unit {bound:.2f} GiB: "
           f"{u['host'] / bound:.3f}x (target <= 1.1x)")
+if u and d and "save_sync" in u["phases"] and "save_sync" in d["phases"]:
+    us, ds_ = u["phases"]["save"] + u["phases"]["save_sync"], d["phases"]["save"] + d["phases"]["save_sync"]
+    print(f"save until durable (save + os.sync()): uckpt {us:.1f} s, DeepSpeed {ds_:.1f} s: {us / max(ds_, 1e-9):.2f}x")
 if u and d:
     for k in u["phases"]:
         if k in d["phases"]:
