@@ -193,7 +193,10 @@ class WorkerPool {
     return pool;
   }
   ~WorkerPool() {
-    if (pid_ != getpid()) return;  // a forked child's exit: nothing of it is ours to join
+    if (pid_ != getpid()) {  // a forked child's exit: nothing of it is ours to join or destroy
+      ForgetAfterFork();
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(s_->mu);
       s_->stop = true;
