@@ -160,13 +160,13 @@ struct EngineOptions {
   // Engine call that touches weights, gradients or optimizer state
   // (Backward, Step, SaveCheckpoint, LoadCheckpoint, LoadWeights,
   // Save16bitModel, GatherParameters, Train/Eval) first waits for the whole
-  // update; the destructor lets the unit under way finish and drops the
-  // rest. So the model must run each unit's parameters only
+  // update, and so does the destructor. So the model must run each unit's parameters only
   // between EnterUnit(i) and ExitUnit(i) (Engine::unit_calls()); code that
   // reads a parameter between Step and its unit's EnterUnit calls
   // WaitForUpdate() first. The results are the synchronous update's, bit for
   // bit. An exception of the background update is thrown by the next call
-  // that waits. Elsewhere (other stages, several ranks, no units, a client
+  // that waits, and every later one refuses, naming it (the state is partly
+  // stepped), until LoadCheckpoint loads the optimizer states. Elsewhere (other stages, several ranks, no units, a client
   // optimizer) the update stays synchronous. Off by default; `uckpt train
   // --device cuda` turns it on; the Python package does not (a script may
   // read parameters right after step(), as DeepSpeed allows).

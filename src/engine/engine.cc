@@ -341,7 +341,11 @@ const SaveStats& Engine::last_save() const { return impl_->last_save; }
 const LoadStats& Engine::last_load() const { return impl_->last_load; }
 
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
-  WaitForUpdate();
+  // A load of weights and optimizer state replaces what a failed overlapped update left partly stepped.
+  if (options.load_optimizer_states && !options.load_module_only)
+    impl_->runtime->ForgetFailedUpdate();
+  else
+    WaitForUpdate();
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");

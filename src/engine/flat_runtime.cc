@@ -162,6 +162,12 @@ struct FlatRuntime::Uploads {
 };
 
 FlatRuntime::~FlatRuntime() {
+  // The module may outlive the engine: every unit updated, as a synchronous step leaves it.
+  if (pipeline_) try {
+      pipeline_->WaitAll();
+    } catch (...) {
+      // Its error was the caller's to see at a wait; nothing is left to do with it here.
+    }
   pipeline_.reset();  // joins the update's thread
   if (uploads_) {
     try {
@@ -211,13 +217,47 @@ bool FlatRuntime::OverlapUpdateWithForward(const std::vector<std::vector<int>>& 
 
 void FlatRuntime::AwaitUpdate() const {
   if (!pipeline_) return;
-  pipeline_->WaitAll();
+  RefuseAfterFailedUpdate();
+  try {
+    pipeline_->WaitAll();
+  } catch (const std::exception& e) {
+    UpdateFailed(e);
+  }
   if (uploads_) uploads_->Synchronize();  // the staging and the masters may be written next
+}
+
+void FlatRuntime::ForgetFailedUpdate() {
+  if (!pipeline_) return;
+  try {
+    pipeline_->WaitAll();
+  } catch (const std::exception&) {
+    // The load replaces what it left partly stepped.
+  }
+  if (uploads_) uploads_->Synchronize();
+  failed_update_.clear();
+}
+
+void FlatRuntime::UpdateFailed(const std::exception& error) const {
+  failed_update_ = std::string("uckpt: the optimizer update overlapped with the forward failed (") + error.what() +
+                   "); the weights and optimizer state are partly stepped: load a checkpoint to go on";
+  throw std::runtime_error(failed_update_);
+}
+
+void FlatRuntime::RefuseAfterFailedUpdate() const {
+  if (!failed_update_.empty()) throw std::runtime_error(failed_update_);
 }
 
 at::Tensor FlatRuntime::EnterUnit(size_t unit, const at::Tensor& input) {
   if (!pipeline_) return input;
-  pipeline_->WaitFor(unit);
+  if (unit + 1 >= unit_pieces_.size())
+    throw std::out_of_range("EnterUnit: unit " + std::to_string(unit) + " of " +
+                            std::to_string(unit_pieces_.size() - 1) + " gather units");
+  RefuseAfterFailedUpdate();
+  try {
+    pipeline_->WaitFor(unit);
+  } catch (const std::exception& e) {
+    UpdateFailed(e);
+  }
   if (uploads_ && unit + 1 < unit_pieces_.size()) uploads_->ComputeWaitsFor(unit + 1);
   return input;
 }

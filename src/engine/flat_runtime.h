@@ -134,6 +134,7 @@ class FlatRuntime : public ShardedRuntime {
   // Waits for unit `unit`'s update (the device for its upload); returns `input`.
   at::Tensor EnterUnit(size_t unit, const at::Tensor& input) override;
   void WaitForUpdate() override { AwaitUpdate(); }
+  void ForgetFailedUpdate() override;
   // For tests: called on the update's thread before gather unit i's update.
   void set_before_unit_update(std::function<void(size_t unit)> f) { before_unit_update_ = std::move(f); }
 
@@ -201,6 +202,10 @@ class FlatRuntime : public ShardedRuntime {
   };
   struct Uploads;  // a GPU's side streams, pinned staging and per-unit events
   void AwaitUpdate() const;
+  // Throws (and keeps throwing, until a checkpoint load) where the overlapped
+  // update failed: its state is partly stepped.
+  [[noreturn]] void UpdateFailed(const std::exception& error) const;
+  void RefuseAfterFailedUpdate() const;
   void StartOverlappedStep(float grad_scale, const std::vector<double>& group_lrs);
   void UpdateUnit(size_t u);  // u: index into unit_pieces_ (0: the root)
 
@@ -213,6 +218,7 @@ class FlatRuntime : public ShardedRuntime {
   std::vector<CpuAdamPass> passes_;              // per group: the step under way
   std::unique_ptr<Uploads> uploads_;
   std::function<void(size_t)> before_unit_update_;
+  mutable std::string failed_update_;  // why the last overlapped update failed ("" if it did not)
   // Last: destroyed (joined) first, while what its thread writes still exists.
   std::unique_ptr<UnitPipeline> pipeline_;
 };

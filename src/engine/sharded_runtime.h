@@ -156,6 +156,9 @@ class ShardedRuntime {
   // Returns once the last Step's update is complete where Step returns
   // before it is (EngineOptions::overlap_update_with_forward); rethrows its error.
   virtual void WaitForUpdate() {}
+  // Before a load that replaces weights and optimizer state: waits for the
+  // update as WaitForUpdate, but a failed one is forgotten, not thrown.
+  virtual void ForgetFailedUpdate() {}
 
   // ---- Weights and masters (after a load wrote one or the other).
   virtual void WeightsFromMasters() = 0;
