@@ -126,7 +126,10 @@ for n in $counts; do
   fi
   if [ "$ZERO" = 3 ]; then
     uckpt_run "$n" uckpt-z3 true 1
-    for b in ${Z3_BUCKETS:-}; do uckpt_run "$n" "uckpt-z3-rb$b" true 1; done
+    for b in ${Z3_BUCKETS:-}; do
+      [[ $b =~ ^[0-9]+$ ]] || { echo "train-gpu: Z3_BUCKETS takes whole numbers of elements (10000000, not 1e7): $b" >&2; exit 2; }
+      uckpt_run "$n" "uckpt-z3-rb$b" true 1
+    done
     uckpt_run "$n" uckpt-z3+chunked true 1 1
     uckpt_run "$n" uckpt-z3-offload true 1 0 "$offload"
     if [ "${EXTRA:-1}" = 1 ] && [ "$n" = "$(echo $counts | tr ' ' '\n' | tail -1)" ]; then

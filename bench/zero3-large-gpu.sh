@@ -60,8 +60,9 @@ def rows(path):  # every JSON object in the log (two ranks' lines can end up on 
         while i >= 0:
             try:
                 obj, end = dec.raw_decode(line, i)
-            except ValueError:
-                break
+            except ValueError:  # not JSON here (a phase line's dict): the next brace
+                i = line.find("{", i + 1)
+                continue
             if isinstance(obj, dict) and "phases" in obj:
                 out.append(obj)
             i = line.find("{", end)

@@ -502,8 +502,8 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
 }
 
 at::Tensor FlatRuntime::HostFloatBuffer(int64_t n) const {
-  const bool pinned = groups_.front().model_flat.device().is_cuda();
-  return at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(pinned));
+  if (groups_.front().model_flat.device().is_cuda()) return PinnedHostZeros({n}, at::kFloat);
+  return at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
 }
 
 void FlatRuntime::TakeHostCopy(Group& g, bool boundary) {

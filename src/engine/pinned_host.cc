@@ -2,9 +2,14 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
+#include <iostream>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #ifdef UCKPT_CUDART
 #include <sys/mman.h>
@@ -23,6 +28,22 @@ namespace {
                            cudaGetErrorString(e) + ")");
 }
 
+// Faults in every page of [p, p + bytes) on the rank's host threads (libtorch's
+// intra-op count: at::parallel_for would run serially in this library, which
+// is not built with OpenMP).
+void TouchPages(char* p, size_t bytes) {
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t pages = (bytes + page - 1) / page;
+  const size_t threads = std::clamp<size_t>(pages / 4096, 1, static_cast<size_t>(std::max(1, at::get_num_threads())));
+  auto touch = [&](size_t t) {
+    for (size_t i = pages * t / threads; i < pages * (t + 1) / threads; ++i) static_cast<volatile char*>(p)[i * page] = 0;
+  };
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < threads; ++t) helpers.emplace_back(touch, t);
+  touch(0);
+  for (std::thread& h : helpers) h.join();
+}
+
 // Fresh anonymous pages (zeros), faulted in by the host threads in parallel,
 // then locked in one call: cudaHostAlloc faults and locks them on one thread,
 // a few GB/s, which made the offloaded state of a 3B model take seconds.
@@ -34,11 +55,7 @@ bool LockedZeros(size_t bytes, void** out) {
     madvise(p, bytes, MADV_HUGEPAGE);  // fewer, larger pages to fault and lock where the kernel allows
     // Not into children: a fork (a DataLoader's workers) would otherwise copy every locked page at once.
     madvise(p, bytes, MADV_DONTFORK);
-    const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-    const int64_t pages = (static_cast<int64_t>(bytes) + page - 1) / page;
-    at::parallel_for(0, pages, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) static_cast<volatile char*>(p)[i * page] = 0;
-    });
+    TouchPages(static_cast<char*>(p), bytes);
     if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) {
       *out = p;
       return true;
@@ -46,6 +63,11 @@ bool LockedZeros(size_t bytes, void** out) {
     cudaGetLastError();
     munmap(p, bytes);
   }
+  static std::once_flag said;
+  std::call_once(said, [] {
+    std::cerr << "uckpt: cannot register mapped host memory with CUDA; pinned buffers come from cudaHostAlloc "
+                 "(slower to make)\n";
+  });
   if (cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable); e != cudaSuccess) CannotLock(bytes, e);
   std::memset(*out, 0, bytes);
   return false;
@@ -65,6 +87,9 @@ at::Tensor PinnedHostZeros(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::from_blob(
       p, sizes,
       [bytes, registered](void* q) {
+        // No copy still queued may read or write freed pages: the owners free
+        // these buffers rarely (their engine's end, a staging buffer grown).
+        cudaDeviceSynchronize();
         // At exit the runtime may be gone already: the unmap frees the pages anyway.
         if (registered) {
           cudaHostUnregister(q);
@@ -72,6 +97,7 @@ at::Tensor PinnedHostZeros(at::IntArrayRef sizes, at::ScalarType dtype) {
         } else {
           cudaFreeHost(q);
         }
+        cudaGetLastError();  // a failure here is no later call's error
       },
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 #else

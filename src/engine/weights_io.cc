@@ -337,7 +337,11 @@ bool Engine::Save16bitModel(const std::string& save_dir, const std::string& save
     }
   // Rank 0 stops writing at its first error but keeps gathering: the others wait on it.
   std::optional<WriteBehind> behind;
-  if (writer) behind.emplace(*writer, kWriteBehindBytes);
+  if (writer) try {
+      behind.emplace(*writer, kWriteBehindBytes);
+    } catch (const std::exception& ex) {  // no thread: no writes, but rank 0 still gathers with the others
+      error = ex.what();
+    }
   ForEachWhole(e, entries, [&](size_t i, const at::Tensor& whole) {
     if (behind) behind->Push(i, whole);
   });
