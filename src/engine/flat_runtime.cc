@@ -136,11 +136,8 @@ struct FlatRuntime::Uploads {
 
   Uploads(at::Device d, size_t units, at::ScalarType dtype) : device(d), compute_done(d.type()) {
     c10::impl::VirtualGuardImpl impl(d.type());
-    for (int k = 0; k < 2; ++k) {
-      streams.push_back(impl.getStreamFromGlobalPool(d));
-      if (dtype != at::kFloat)  // (fp32 goes up from the pinned masters)
-        staging.push_back(at::empty({kCopyChunk}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true)));
-    }
+    for (int k = 0; k < 2; ++k) streams.push_back(impl.getStreamFromGlobalPool(d));
+    if (dtype != at::kFloat) EnsureStaging(staging, kCopyChunk, dtype);  // (fp32 goes up from the pinned masters)
     for (size_t k = 0; k < 2 * units; ++k) events.push_back(std::make_unique<c10::Event>(d.type()));
   }
   // The uploads start after the work queued so far on the current stream
