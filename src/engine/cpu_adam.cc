@@ -289,22 +289,34 @@ class WorkerPool {
   std::unique_ptr<Shared> s_ = std::make_unique<Shared>();
 };
 
-// Runs fn(begin, end) over [0, n) in chunks on libtorch's intra-op thread
-// count (--threads). Our own threads: at::parallel_for's OpenMP pragma would
-// need this file built with OpenMP, next to libtorch's own runtime.
+// Runs fn(begin, end) over [0, n) in chunks of `chunk` elements on
+// libtorch's intra-op thread count (--threads). Our own threads:
+// at::parallel_for's OpenMP pragma would need this file built with OpenMP,
+// next to libtorch's own runtime.
 template <typename Fn>
-void ParallelChunks(int64_t n, Fn fn, int max_threads = at::get_num_threads()) {
-  const size_t jobs = static_cast<size_t>((n + kChunk - 1) / kChunk);
+void ParallelChunks(int64_t n, Fn fn, int max_threads = at::get_num_threads(), int64_t chunk = kChunk) {
+  const size_t jobs = static_cast<size_t>((n + chunk - 1) / chunk);
   const int threads = std::max(1, std::min(max_threads, static_cast<int>(jobs)));
   const std::function<void(size_t)> job = [&](size_t k) {
-    const int64_t begin = static_cast<int64_t>(k) * kChunk;
-    fn(begin, std::min(n, begin + kChunk));
+    const int64_t begin = static_cast<int64_t>(k) * chunk;
+    fn(begin, std::min(n, begin + chunk));
   };
   if (threads == 1) {
     for (size_t k = 0; k < jobs; ++k) job(k);
     return;
   }
   WorkerPool::ForThisThread().Run(jobs, threads, job);
+}
+
+// Elements per job of an update of `len` elements on `threads` threads:
+// two jobs per thread (a thread that starts late still finds work), each a
+// multiple of 64 elements and at least 16 Ki. The offloaded step runs 4 Mi
+// elements at a time, and fixed 256 Ki jobs gave it 16 jobs: half the
+// threads of a 32-core host sat idle.
+int64_t AdamJobElements(int64_t len, int threads) {
+  const int64_t jobs = 2 * static_cast<int64_t>(std::max(1, threads));
+  const int64_t per_job = (len + jobs - 1) / jobs;
+  return std::min(kChunk, std::max<int64_t>(int64_t{1} << 14, (per_job + 63) / 64 * 64));
 }
 
 // The update of [begin, end) on `threads` threads, the weights also into `out` if defined.
@@ -314,7 +326,8 @@ void AdamPiece(const AdamScalars& s, float* p, float* m, float* v, typename Form
   const int64_t len = end - begin;
   auto run = [&](const auto& copy) {
     ParallelChunks(
-        len, [&](int64_t b, int64_t e) { AdamRange<Format>(s, p, m, v, g, copy, begin + b, begin + e); }, threads);
+        len, [&](int64_t b, int64_t e) { AdamRange<Format>(s, p, m, v, g, copy, begin + b, begin + e); }, threads,
+        AdamJobElements(len, threads));
   };
   const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
   if (!out.defined()) {
