@@ -19,7 +19,7 @@
 #
 # ZERO=3: uckpt's stage 3 ("uckpt-z3", and "uckpt-z3-offload" with parameters and
 # optimizer in host memory) against FSDP2, PyTorch's sharding of parameters (target:
-# stage 3 tokens/s >= 1.0x FSDP2's at memory <= 1.0x), and, when DEEPSPEED_PATH names a
+# stage 3 tokens/s >= 1.1x FSDP2's at memory <= 1.0x, issue 23), and, when DEEPSPEED_PATH names a
 # folder from which `import deepspeed` works (DeepSpeed's source with its accelerator/,
 # op_builder/ and csrc/ in place), DeepSpeed's stage 3 with and without the same offload
 # (targets: uckpt >= 1.5x DeepSpeed's tokens/s in both). With EXTRA=1 (default), on the
@@ -189,9 +189,12 @@ for n in sorted({r["world"] for r in rows}):
                  if u["max_allocated_gib"] and best["max_allocated_gib"] else float("nan"))
         others = ", ".join(f"{r['impl']} {u['tokens_per_s'] / r['tokens_per_s']:.3f}x / {max(u['peak_mib']) / max(r['peak_mib']):.3f}x"
                            for r in t if r is not best)
-        meets = sp >= 1.0 and mem <= 1.0
+        # ZeRO-3: >= 1.1x FSDP2 at <= its memory (issue 23); ZeRO-2: at least PyTorch's speed at its memory.
+        need = 1.1 if zero3 else 1.0
+        meets = sp >= need and mem <= 1.0
         print(f"{n} GPUs: {label} / fastest PyTorch with the same loss ({best['impl']}): tokens/s {sp:.3f}x, "
-              f"peak memory {mem:.3f}x (allocator peak {alloc:.3f}x) -> {'MEETS' if meets else 'MISSES'} the target"
+              f"peak memory {mem:.3f}x (allocator peak {alloc:.3f}x) -> {'MEETS' if meets else 'MISSES'} the target "
+              f"(>= {need}x at <= 1.0x)"
               f"; vs {others} (tokens/s / memory)")
         ok &= meets
     u = [r for r in rows if r["world"] == n and r["impl"] == "uckpt-z3"]

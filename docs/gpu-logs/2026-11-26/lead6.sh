@@ -4,7 +4,13 @@
 #   PART=1: build; the disk's write speed (buffered + fsync against O_DIRECT); bench/host_adam_bench at
 #           several thread counts with the new and the old job size; ZeRO-1 with the optimizer
 #           offloaded at 1 GPU, uckpt alone, the overlapped update with the new and the old job size,
-#           and without the overlap, with UCKPT_TIMERS.
+#           and without the overlap, with UCKPT_TIMERS;
+#   PART=2: build; issue 23's ZeRO-1 and ZeRO-2 with the optimizer offloaded at 1 and 2 GPUs, uckpt and
+#           DeepSpeed 0.14.5 in the same call;
+#   PART=3: ZeRO-3 with offload against DeepSpeed at 1 and 2 GPUs; ZeRO-3 without offload against FSDP2
+#           at 2 GPUs;
+#   PART=4: the Python masked LM against DeepSpeed (bf16, fp16; 1 and 2 GPUs); checkpoint I/O at 2 GPUs;
+#   PART=5: (a fresh machine) build; the Python masked LM at 1 GPU again; ZeRO-3 against FSDP2 again.
 set -u
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-lead6-out}; R=/tmp/lead6; mkdir -p "$OUT" "$R"
@@ -50,6 +56,37 @@ case ${PART:-1} in
   echo "== no overlap, new jobs"; z1_timers z1-new-nooverlap.log --no_overlap_update
   echo "== overlap, new jobs, --threads 16"; z1_timers z1-new-t16.log --threads 16
   ;;
+2)
+  { scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps && cmake --build /tmp/uckpt-gpu -j16 --target python; } \
+    > "$R/build.log" 2>&1 || { tail -30 "$R/build.log"; exit 1; }
+  echo "== built in $((SECONDS - t0)) s"
+  for z in 1 2; do
+    ZERO=$z OFFLOAD=1 GPU_COUNTS="1 2" EXTRA=0 DEEPSPEED_PATH=$(realpath .ds) timeout 260 bench/train-gpu.sh $U \
+      /tmp/o12-z$z > "$R/offload12-z$z.log" 2>&1
+    grep -E '^(uckpt-z|deepspeed_z|[12] GPUs, uckpt-z[12]-offload /)' "$R/offload12-z$z.log"
+    echo "== after ZeRO-$z: $((SECONDS - t0)) s"
+  done ;;
+3)
+  ZERO=3 GPU_COUNTS="1 2" EXTRA=0 ONLY="uckpt-z3-offload deepspeed_z3_offload-hf" DEEPSPEED_PATH=$(realpath .ds) timeout 300 \
+    bench/train-gpu.sh $U /tmp/z3o > "$R/offload3.log" 2>&1
+  grep -E '^(uckpt-z3|deepspeed_z3|[12] GPUs, uckpt-z3-offload /)' "$R/offload3.log"
+  echo "== after ZeRO-3 offload: $((SECONDS - t0)) s"
+  ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3 fsdp2-hf" timeout 200 bench/train-gpu.sh $U /tmp/z3 > "$R/train3-2gpu.log" 2>&1
+  grep -E '^(uckpt-z3|fsdp2|2 GPUs: uckpt-z3 /)' "$R/train3-2gpu.log" ;;
+4)
+  GPU_COUNTS="1 2" timeout 420 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python" > "$R/python.log" 2>&1
+  grep -vE '^\{' "$R/python.log" | tail -8
+  echo "== after the Python path: $((SECONDS - t0)) s"
+  NGPU=2 timeout 150 bench/ckpt-io-gpu.sh $U /tmp/ckpt-io 3 > "$R/ckpt-io-2gpu.log" 2>&1
+  tail -12 "$R/ckpt-io-2gpu.log" ;;
+5)
+  { scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps && cmake --build /tmp/uckpt-gpu -j16 --target python; } \
+    > "$R/build.log" 2>&1 || { tail -30 "$R/build.log"; exit 1; }
+  echo "== built in $((SECONDS - t0)) s"
+  GPU_COUNTS=1 timeout 300 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python-1gpu-again" > "$R/python-1gpu-again.log" 2>&1
+  grep -vE '^\{' "$R/python-1gpu-again.log" | tail -4
+  ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3 fsdp2-hf" timeout 150 bench/train-gpu.sh $U /tmp/z3 > "$R/train3-2gpu-again.log" 2>&1
+  grep -E '^(uckpt-z3|fsdp2|2 GPUs: uckpt-z3 /)' "$R/train3-2gpu-again.log" ;;
 esac
 cp -r "$R"/. "$OUT"/ 2>/dev/null
 echo "part ${PART:-1}: $((SECONDS - t0)) s"
