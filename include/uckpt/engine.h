@@ -360,7 +360,12 @@ class Engine {
   // Saves <dir>/<tag>/ in DeepSpeed's layout (tag "" = "global_step<N>") with
   // client_state's keys at the top of the model-states file, then points
   // <dir>/latest at it. Crash-safe: until it returns, `latest` names the
-  // previous checkpoint. Returns the tag folder.
+  // previous checkpoint. Returns the tag folder. A new tag returns as soon as
+  // its files are written (as DeepSpeed's save) and becomes durable in the
+  // background; until a later Step, SaveCheckpoint, LoadCheckpoint or
+  // WaitForCheckpoint has seen every rank's files on disk, a marker beside
+  // the folder makes every reader check its files by hash
+  // (docs/reliability.md). Over an existing tag it returns durable.
   // With async_save the call returns once the state is snapshotted and the
   // files are written in the background: the checkpoint is published (its
   // folder renamed into place, then `latest`) at a later Step, SaveCheckpoint,
@@ -368,9 +373,10 @@ class Engine {
   // durable; a failed background write throws there, naming the file.
   std::string SaveCheckpoint(const std::string& dir, const std::string& tag = "",
                              const ClientState& client_state = c10::IValue(), const SaveCheckpointOptions& options = {});
-  // Waits for a background save and publishes it; throws its error (naming
-  // the file). Collective. Call it before the end of training: the destructor
-  // also waits, but can only report an error on stderr.
+  // Waits for a background save and publishes it, or for a published save's
+  // files to be durable; throws its error (naming the file). Collective. Call
+  // it before the end of training: the destructor also waits, but can only
+  // report an error on stderr.
   void WaitForCheckpoint();
   const SaveStats& last_save() const;
   const LoadStats& last_load() const;

@@ -290,15 +290,42 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
   return check;
 }
 
+std::string UnsyncedMarkerPath(const std::string& folder) {
+  const fs::path p(folder);
+  const fs::path name = p.filename().empty() ? p.parent_path().filename() : p.filename();
+  const fs::path dir = p.filename().empty() ? p.parent_path().parent_path() : p.parent_path();
+  return (dir / ("." + name.string() + ".uckpt-unsynced")).string();
+}
+
+std::optional<std::string> ReadUnsyncedMarker(const std::string& folder) {
+  const std::string path = UnsyncedMarkerPath(folder);
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return std::nullopt;
+  std::ifstream in(path);
+  std::string previous;
+  std::getline(in, previous);
+  return previous;
+}
+
 void CheckFolderAgainstManifest(const std::string& folder, bool hashes, int shard, int shards) {
   if (shards < 1 || shard < 0 || shard >= shards) throw std::invalid_argument("CheckFolderAgainstManifest: bad shard");
+  const std::optional<std::string> unsynced = ReadUnsyncedMarker(folder);
   ManifestCheckOptions options;
-  options.hashes = hashes;
+  options.hashes = hashes || unsynced;
   options.shard = shard;
   options.shards = shards;
   ManifestCheck check = CheckManifest(folder, options);
+  if (unsynced && !check.present)
+    check.problems.push_back({Join(folder, kManifestName), "is missing"});
   if (check.ok()) return;  // also without a manifest (DeepSpeed's own folders)
   std::string msg = folder + " does not match its manifest (" + kManifestName + "):";
+  if (unsynced)
+    msg = folder + " was published before its files were on disk (" + UnsyncedMarkerPath(folder) +
+          " is still there) and does not match its manifest (" + kManifestName +
+          "): the machine probably stopped before they were written. " +
+          (unsynced->empty() ? std::string("No checkpoint was published before it.")
+                             : "The checkpoint published before it is '" + *unsynced + "' (load that tag).") +
+          " Problems:";
   size_t shown = 0;
   for (const auto& p : check.problems) {
     if (++shown > 10) {

@@ -96,10 +96,23 @@ struct ManifestCheckOptions {
 // and no problems. A manifest that cannot be parsed is one problem naming it.
 ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOptions& options = {});
 
+// A tag folder published before its files were durable (the engine's
+// synchronous save, docs/reliability.md) has this file beside it,
+// `<dir>/.<tag>.uckpt-unsynced`, until every rank's files are on disk. It is
+// made durable before any of the folder's files is written and holds the tag
+// `latest` named before the save. Found by a reader, it means the folder may
+// have been cut short by a system crash: its files are checked by hash.
+std::string UnsyncedMarkerPath(const std::string& folder);
+// The previous tag the marker beside `folder` holds ("" if none was), or
+// nullopt when there is no marker.
+std::optional<std::string> ReadUnsyncedMarker(const std::string& folder);
+
 // What every checkpoint reader calls before it opens a folder: if the folder
 // has a manifest, CheckManifest it (sizes; hashes with `hashes`, only share
 // `shard` of `shards`) and throw FormatError naming each bad file; without a
-// manifest, do nothing.
+// manifest, do nothing. With an unsynced marker beside the folder the hashes
+// are always checked, and a folder without a manifest is refused; the error
+// then says so and names the previous tag.
 void CheckFolderAgainstManifest(const std::string& folder, bool hashes, int shard = 0, int shards = 1);
 
 }  // namespace uckpt::ckpt

@@ -227,9 +227,16 @@ FolderVerdict VerifyFolder(const std::string& folder, FolderKind kind, const Ver
   v.folder = folder;
   v.kind = kind;
   v.manifest = HasManifest(folder);
+  // Published before it was durable (ckpt/manifest.h): checked by hash, and only against its manifest.
+  const bool unsynced = ReadUnsyncedMarker(folder).has_value();
+  if (unsynced && !v.manifest) {
+    v.problems.push_back({folder + "/" + kManifestName, "is missing, and the folder was published before its files "
+                                                        "were on disk (" + UnsyncedMarkerPath(folder) + ")"});
+    return v;
+  }
   if (v.manifest) {
     ManifestCheckOptions mo;
-    mo.hashes = o.hashes;
+    mo.hashes = o.hashes || unsynced;
     mo.threads = o.threads;
     mo.progress = o.progress ? &o.progress->bytes_done : nullptr;
     mo.progress_total = o.progress ? &o.progress->bytes_total : nullptr;

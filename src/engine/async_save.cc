@@ -1,9 +1,11 @@
 #include "engine/async_save.h"
 
 #include <ATen/ATen.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 
 #include "ckpt/copy_plan.h"
 #include "ckpt/deepspeed_names.h"
@@ -17,6 +19,8 @@
 #include "engine/torch_bridge.h"
 
 namespace uckpt::engine {
+
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -41,6 +45,21 @@ uint64_t LargestStreamed(const ValuePtr& value) {
   for (const auto& st : PickleForTorch(value).storages)
     if (st->streamed()) n = std::max(n, st->stream_size);
   return n;
+}
+
+// Collective: whether every rank runs on rank 0's host, so that rank 0's
+// syncfs also covers the other ranks' files of a save (one filesystem).
+bool AllOnOneHost(Comm& comm) {
+  if (comm.world_size() == 1) return true;
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  at::Tensor host = at::zeros({static_cast<int64_t>(sizeof(name))}, at::kByte);
+  if (comm.rank() == 0) std::memcpy(host.data_ptr(), name, sizeof(name));
+  comm.Broadcast(host, 0);
+  const bool same = std::memcmp(host.data_ptr(), name, sizeof(name)) == 0;
+  at::Tensor differs = at::full({1}, same ? 0.0f : 1.0f);
+  comm.AllReduceMax(differs);
+  return differs.item<float>() == 0;
 }
 
 void RemoveQuietly(const std::string& path) {
@@ -102,15 +121,34 @@ void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& erro
 
 void SetSaveRangeBytes(uint64_t bytes) { g_range_bytes = bytes; }
 
-CheckpointWriter::~CheckpointWriter() { Join(); }
+CheckpointWriter::~CheckpointWriter() {
+  Join();
+  // Without the collective that ends a sync (the program ended first), one
+  // rank alone may still vouch for its folder: the marker goes, else it stays
+  // and the next reader checks the files by hash.
+  if (syncing_ && done_ && error_.empty() && drop_marker_at_exit_ && !marker_.empty()) {
+    try {
+      Env::Current().RemoveAll(marker_);
+      Env::Current().SyncDir(dir_);
+    } catch (const std::exception&) {
+      // Left in place: only costs the next reader a hash check.
+    }
+  }
+}
 
 void CheckpointWriter::Join() {
   if (thread_.joinable()) thread_.join();
 }
 
 void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files,
-                             bool async, uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state) {
+                             bool async, uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state,
+                             bool sync_after_publish, std::string marker) {
   if (pending_) throw std::logic_error("CheckpointWriter::Start: the previous save is not published");
+  if (async && sync_after_publish) throw std::logic_error("CheckpointWriter::Start: a background save is synced first");
+  Join();  // (a finished sync's thread)
+  sync_after_publish_ = sync_after_publish;
+  syncing_ = false;
+  marker_ = std::move(marker);
   dir_ = std::move(dir);
   tag_ = std::move(tag);
   tmp_ = std::move(tmp);
@@ -165,7 +203,7 @@ void CheckpointWriter::Write() {
     options.writers_per_file = ranges > 0 ? 0 : 1;
     options.durable = true;
     const std::vector<ckpt::CopyResult> results = ckpt::ExecuteCopyPlan(plan, options);
-    if (!files_.empty()) Env::Current().SyncFilesystem(tmp_);
+    if (!files_.empty() && !sync_after_publish_) Env::Current().SyncFilesystem(tmp_);
     for (size_t k = 0; k < files_.size(); ++k) written_.push_back({files_[k].name, results[k].size, results[k].xxh64});
   } catch (const std::exception& ex) {
     error_ = ex.what();
@@ -205,19 +243,38 @@ std::string CheckpointWriter::Publish(Comm& comm) {
   const std::string folder = dir_ + "/" + tag_;
   if (!pending_) return folder;
   Join();
+  if (syncing_) {
+    FinishSync(comm);
+    return folder;
+  }
   const bool rank0 = comm.rank() == 0;
-  // The snapshot is freed and the writer ready for the next save whatever happens.
+  const bool later = sync_after_publish_;  // durable after publishing (above)
+  // The snapshot is freed and the writer ready for the next save whatever
+  // happens (unless a published folder's sync is to follow).
   struct Reset {
     CheckpointWriter& w;
+    bool keep = false;
     ~Reset() {
-      w.pending_ = false;
+      w.pending_ = keep;
       w.files_.clear();
     }
   } reset{*this};
+  // A failed save leaves no marker: the folder it would vouch for is not
+  // published (or, if renamed already, it is made durable first).
+  auto discard = [&] {
+    RemoveQuietly(tmp_);
+    if (marker_.empty() || !later) return;
+    try {
+      if (fs::exists(folder) && ckpt::ReadUnsyncedMarker(folder)) Env::Current().SyncFilesystem(folder);
+      Env::Current().RemoveAll(marker_);
+    } catch (const std::exception&) {
+      // Kept: a reader then checks the folder by hash.
+    }
+  };
   try {
     AgreeOrThrow(comm, folder, error_);
   } catch (...) {
-    if (rank0) RemoveQuietly(tmp_);
+    if (rank0) discard();
     throw;
   }
   // Every rank's file sizes and hashes, to rank 0 for the manifest.
@@ -250,20 +307,67 @@ std::string CheckpointWriter::Publish(Comm& comm) {
         known.push_back(std::move(m));
       }
       Env& env = Env::Current();
-      // durable: its commit fsyncs `tmp` too
-      ckpt::WriteManifest(tmp_, known, /*durable=*/true, state_ ? &*state_ : nullptr);
+      // durable: its commit fsyncs `tmp` too. Published before durable, no
+      // fsync at all: each would wait for the files' data (ext4's ordered mode).
+      ckpt::WriteManifest(tmp_, known, /*durable=*/!later, state_ ? &*state_ : nullptr);
       ReplaceFolder(env, tmp_, folder);
-      env.SyncDir(dir_);
-      AtomicFile latest(dir_ + "/" + ckpt::kLatestFile);
+      if (!later) env.SyncDir(dir_);
+      AtomicFile latest(dir_ + "/" + ckpt::kLatestFile, /*durable=*/!later);
       latest.Write(tag_);
       latest.Commit();
+      // A marker an interrupted earlier save of this tag left: this folder is durable.
+      if (!later && !marker_.empty() && fs::exists(marker_)) {
+        env.RemoveAll(marker_);
+        env.SyncDir(dir_);
+      }
     } catch (const std::exception& ex) {
       error = ex.what();
-      RemoveQuietly(tmp_);
+      discard();
     }
   }
   AgreeOrThrow(comm, folder, error);
+  if (later) {
+    reset.keep = true;
+    const bool one_host = AllOnOneHost(comm);  // collective: on every rank
+    drop_marker_at_exit_ = rank0 && one_host;
+    StartSync(folder);
+  }
   return folder;
+}
+
+// Every rank's syncfs of the filesystem holding the published folder, on a
+// background thread (FinishSync waits for it).
+void CheckpointWriter::StartSync(const std::string& folder) {
+  syncing_ = true;
+  done_ = false;
+  error_.clear();
+  thread_ = std::thread([this, folder] {
+    try {
+      Env::Current().SyncFilesystem(folder);
+    } catch (const std::exception& ex) {
+      error_ = ex.what();
+    }
+    done_ = true;
+  });
+}
+
+void CheckpointWriter::FinishSync(Comm& comm) {
+  const std::string folder = dir_ + "/" + tag_;
+  pending_ = false;
+  syncing_ = false;
+  std::string error = AgreedError(comm, error_);
+  if (error.empty() && comm.rank() == 0 && !marker_.empty()) {
+    try {
+      Env::Current().RemoveAll(marker_);
+      Env::Current().SyncDir(dir_);
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    }
+  }
+  error = AgreedError(comm, error);
+  if (!error.empty())
+    throw IoError("checkpoint " + folder + " is saved and published, but could not be made durable: " + error +
+                  " (until it is, a load checks its files by hash: " + ckpt::UnsyncedMarkerPath(folder) + ")");
 }
 
 }  // namespace uckpt::engine

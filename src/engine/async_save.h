@@ -21,6 +21,18 @@
 // the manifest, renames the temporary folder to the tag and then replaces
 // `latest`. A crash before that leaves the previous `latest` and only a
 // temporary folder, which the next save removes (docs/reliability.md).
+//
+// A synchronous save of a new tag is published as soon as its files are
+// written, as DeepSpeed's is, and made durable after: rank 0 first makes an
+// "unsynced" marker durable beside the folder (ckpt::UnsyncedMarkerPath),
+// the files are written without waiting for the disk, the folder is
+// published, and every rank then runs syncfs on a background thread. The
+// next collective call that waits for the writer (Publish, PublishIfDone)
+// agrees that every rank's sync is done and rank 0 removes the marker (or,
+// when every rank runs on its host, rank 0's writer does when it is
+// destroyed, its own sync then covering every file); until then a reader
+// finding the marker checks every file by hash, so a folder cut short by a
+// system crash is refused, not loaded.
 #pragma once
 
 #include <atomic>
@@ -70,9 +82,16 @@ class CheckpointWriter {
   // (errors are kept for Publish either way). `snapshot_bytes`: host memory
   // the values hold, reported by snapshot_bytes() until published.
   // `state`: the state fingerprint rank 0 records in the manifest.
+  // `sync_after_publish` (synchronous saves only, the same on every rank):
+  // published before durable (above); `marker`: rank 0's unsynced marker,
+  // already durable ("" on the other ranks). A marker left by an earlier
+  // save of the tag is removed once this one is durable either way.
   void Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files, bool async,
-             uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state = std::nullopt);
+             uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state = std::nullopt,
+             bool sync_after_publish = false, std::string marker = "");
+  // A save is under way: being written, or published and being synced.
   bool pending() const { return pending_; }
+  bool syncing() const { return syncing_; }
   SnapshotPool& pool() { return pool_; }
   // Host memory of the buffers the last write streamed device tensors
   // through (one per file that had any, up to 64 MiB each, pinned on a GPU
@@ -83,9 +102,13 @@ class CheckpointWriter {
   // Collective: waits for this rank's write, agrees with the others, and
   // publishes (manifest, rename, `latest`). Throws IoError on every rank if
   // any rank failed (the failing rank names its file). Returns the tag folder.
+  // For a save published before durable: waits for this rank's sync, agrees,
+  // and rank 0 removes the marker; a failed sync throws IoError on every rank
+  // (the folder stays published, the marker stays).
   std::string Publish(Comm& comm);
-  // Collective and cheap (one all-reduce): publishes if every rank's write has
-  // ended (or one failed, which throws). Returns whether it published.
+  // Collective and cheap (one all-reduce): publishes (or finishes the sync)
+  // if every rank's write (or sync) has ended, or one failed, which throws.
+  // Returns whether it did.
   bool PublishIfDone(Comm& comm);
 
  private:
@@ -95,6 +118,8 @@ class CheckpointWriter {
   };
   void Write();
   void Join();
+  void StartSync(const std::string& folder);
+  void FinishSync(Comm& comm);
 
   // A buffer for file k's streamed storages, sized for the largest.
   std::span<uint8_t> StreamBuffer(size_t k, uint64_t largest);
@@ -106,7 +131,11 @@ class CheckpointWriter {
   std::vector<Written> written_;
   std::optional<ckpt::StateFingerprint> state_;
   std::string error_;
+  std::string marker_;  // rank 0: the unsynced marker beside the tag folder
   bool pending_ = false;
+  bool sync_after_publish_ = false;
+  bool syncing_ = false;       // published; this rank's syncfs under way or done
+  bool drop_marker_at_exit_ = false;  // one rank: its own sync makes the folder durable
   uint64_t snapshot_bytes_ = 0;
   std::thread thread_;
   std::atomic<bool> done_{false};

@@ -371,6 +371,22 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
 // (async_save.h). A crash or error at any point leaves the previous
 // checkpoint and `latest` as they were. With `async` the files are written in
 // the background and published at a later call.
+namespace {
+
+// A failed save's temporary folder and marker ("": none), quietly: the
+// first error is the one to report.
+void RemoveTemporaries(Env& env, const std::string& tmp, const std::string& marker) {
+  for (const std::string& path : {tmp, marker}) {
+    if (path.empty()) continue;
+    try {
+      env.RemoveAll(path);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+}  // namespace
+
 std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                  const ClientState& client_state, bool async) {
   const auto start = std::chrono::steady_clock::now();
@@ -388,14 +404,30 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   // only rank 0 copies the weights out for the model-states file.
   auto client = ClientEntries(client_state);
   std::string error;
-  // 1. Rank 0 makes a fresh temporary folder (one a killed save left is removed).
+  // A synchronous save of a new tag is published before its files are
+  // durable, as DeepSpeed's returns (async_save.h); over an existing tag it
+  // waits for the disk, so that the folder it replaces is never lost first.
+  // Rank 0 decides for all.
+  at::Tensor later = at::full({1}, !async && rank0 && !fs::exists(folder) ? 1.0f : 0.0f);
+  comm.Broadcast(later, 0);
+  const bool sync_after_publish = later.item<float>() > 0;
+  const std::string marker = rank0 ? ckpt::UnsyncedMarkerPath(folder) : "";
+  // 1. Rank 0 makes a fresh temporary folder (one a killed save left is
+  // removed) and, for a save published before durable, the durable marker
+  // that says so, holding the tag `latest` names now.
   if (rank0) {
     try {
       env.CreateDirs(dir);
       env.RemoveAll(tmp);
+      if (sync_after_publish) {
+        AtomicFile m(marker);
+        m.Write(ckpt::ReadTag(dir + "/" + ckpt::kLatestFile).value_or(""));
+        m.Commit();
+      }
       env.CreateDirs(tmp);
     } catch (const std::exception& ex) {
       error = ex.what();
+      if (sync_after_publish) RemoveTemporaries(env, tmp, marker);
     }
   }
   AgreeOrThrow(comm, folder, error);
@@ -419,13 +451,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   try {
     AgreeOrThrow(comm, folder, error);
   } catch (...) {
-    if (rank0) {
-      try {
-        env.RemoveAll(tmp);
-      } catch (const std::exception&) {
-        // The first error is the one to report.
-      }
-    }
+    if (rank0) RemoveTemporaries(env, tmp, sync_after_publish ? marker : "");
     throw;
   }
   // 3. The state fingerprint for the manifest (collective), then every rank
@@ -433,7 +459,8 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   const auto hashing = std::chrono::steady_clock::now();
   ckpt::StateFingerprint state = EngineStateFingerprint(e);
   e.last_save.fingerprint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - hashing).count();
-  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state));
+  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state), sync_after_publish,
+                  marker);
   if (!async) e.writer->Publish(comm);
   e.last_save.async = async;
   // A synchronous save's device tensors went through the writer's staging buffers.
@@ -498,6 +525,11 @@ std::string TagFolder(const std::string& dir, const std::string& tag, bool unive
 // verify_hashes the ranks split the hashing (each file is read once, not once
 // per rank) and then agree, so that all of them stop if any file is bad.
 void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes) {
+  // A folder published before it was durable is checked by hash
+  // (ckpt/manifest.h), on every rank if any sees the marker.
+  at::Tensor unsynced = at::full({1}, ckpt::ReadUnsyncedMarker(folder) ? 1.0f : 0.0f);
+  comm.AllReduceMax(unsynced);
+  hashes = hashes || unsynced.item<float>() > 0;
   if (!hashes) {
     ckpt::CheckFolderAgainstManifest(folder, false);
     return;

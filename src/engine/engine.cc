@@ -259,7 +259,9 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
 Engine::~Engine() {
   // A background save is not published here: that is collective, and other
   // ranks may be gone. Its files are finished; the next save removes them.
-  if (impl_ && impl_->writer && impl_->writer->pending())
+  // (A published save's sync ends in the writer's destructor; its marker may
+  // stay, async_save.h.)
+  if (impl_ && impl_->writer && impl_->writer->pending() && !impl_->writer->syncing())
     std::fprintf(stderr, "uckpt: a background checkpoint save was not published (call WaitForCheckpoint before the end)\n");
   // Not while an exception unwinds: the other ranks may be gone.
   if (impl_ && impl_->owns_comm && std::uncaught_exceptions() == 0) impl_->comm->Finish();

@@ -175,6 +175,49 @@ TEST(Manifest, NoManifestIsNotAProblem) {
   EXPECT_NO_THROW(CheckFolderAgainstManifest(tmp / "u", true));
 }
 
+// A folder published before it was durable (the engine's synchronous save)
+// has a marker beside it until it is: every reader then compares hashes,
+// even when asked for sizes only, and a folder without a manifest is refused.
+TEST(Manifest, UnsyncedMarkerMeansHashesAndAManifest) {
+  TempDir tmp;
+  EXPECT_EQ(UnsyncedMarkerPath("ckpt/global_step8"), "ckpt/.global_step8.uckpt-unsynced");
+  EXPECT_EQ(UnsyncedMarkerPath("ckpt/global_step8/"), "ckpt/.global_step8.uckpt-unsynced");
+  const std::string dir = tmp / "global_step8";
+  MakeFolder(dir);
+  WriteManifest(dir, false);
+  EXPECT_FALSE(ReadUnsyncedMarker(dir));
+  const std::string victim = dir + "/zero/h.0.attn.weight/fp32.pt";
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(18 << 20);
+    f.put('\x5b');
+  }
+  EXPECT_NO_THROW(CheckFolderAgainstManifest(dir, false));  // sizes only: the flip is not seen
+  WriteBytes(UnsyncedMarkerPath(dir), "global_step6");
+  ASSERT_EQ(ReadUnsyncedMarker(dir).value_or("none"), "global_step6");
+  try {
+    CheckFolderAgainstManifest(dir, false);
+    FAIL() << "a changed file of an unsynced folder passed";
+  } catch (const FormatError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(dir + " was published before its files were on disk"), std::string::npos) << what;
+    EXPECT_NE(what.find("'global_step6' (load that tag)"), std::string::npos) << what;
+    EXPECT_NE(what.find(victim + ": content differs"), std::string::npos) << what;
+  }
+  const std::string bare = tmp / "global_step9";
+  MakeFolder(bare);
+  EXPECT_NO_THROW(CheckFolderAgainstManifest(bare, false));  // DeepSpeed's own folders have none
+  WriteBytes(UnsyncedMarkerPath(bare), "");
+  try {
+    CheckFolderAgainstManifest(bare, false);
+    FAIL() << "an unsynced folder without a manifest passed";
+  } catch (const FormatError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(bare + "/" + kManifestName + ": is missing"), std::string::npos) << what;
+    EXPECT_NE(what.find("No checkpoint was published before it"), std::string::npos) << what;
+  }
+}
+
 TEST(Manifest, DamagedOrHostileManifestIsRejected) {
   TempDir tmp;
   const std::string dir = tmp / "u";

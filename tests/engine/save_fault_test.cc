@@ -56,18 +56,27 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
   const std::string dir = (fs::temp_directory_path() / ("uckpt_save_fault_" + std::to_string(::getpid()) +
                                                         (async ? "_async" : ""))).string();
   fs::remove_all(dir);
-  const std::vector<SaveFault> faults = {
+  std::vector<SaveFault> faults = {
       {"prepare_mkdir", IoOp::kCreateDir, ".global_step2.uckpt-tmp", EACCES},
       {"rank1_optim_write", IoOp::kWrite, "zero_pp_rank_1", ENOSPC},
-      {"manifest_fsync", IoOp::kSync, ckpt::kManifestName, EIO},
       {"rank0_model_create", IoOp::kCreate, "model_states", ENOSPC},
       {"manifest_write", IoOp::kCreate, ckpt::kManifestName, ENOSPC},
-      {"folder_fsync", IoOp::kSyncDir, ".global_step2.uckpt-tmp", EIO},
       {"folder_rename", IoOp::kRename, "/global_step2", EXDEV},
       {"latest_rename", IoOp::kRename, "latest", EIO},
       // Saving over the tag `latest` names: the old folder must survive.
       {"same_tag_rename", IoOp::kRename, "/global_step1", EXDEV, "global_step1"},
   };
+  if (async) {  // made durable before it is published
+    faults.push_back({"manifest_fsync", IoOp::kSync, ckpt::kManifestName, EIO});
+    faults.push_back({"folder_fsync", IoOp::kSyncDir, ".global_step2.uckpt-tmp", EIO});
+  } else {
+    // A new tag is published before durable, after its marker; over an
+    // existing tag the save is durable first.
+    faults.push_back({"marker_create", IoOp::kCreate, ".global_step2.uckpt-unsynced", ENOSPC});
+    faults.push_back({"marker_fsync", IoOp::kSync, ".global_step2.uckpt-unsynced", EIO});
+    faults.push_back({"same_tag_manifest_fsync", IoOp::kSync, ckpt::kManifestName, EIO, "global_step1"});
+    faults.push_back({"same_tag_folder_fsync", IoOp::kSyncDir, ".global_step1.uckpt-tmp", EIO, "global_step1"});
+  }
   std::unique_ptr<FaultEnv> env;
   std::unique_ptr<ScopedEnv> use;
   std::map<std::string, std::string> saved;
@@ -115,6 +124,7 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
         }
         EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step1");
         EXPECT_EQ(testing::FolderBytes(dir + "/global_step1"), saved);
+        EXPECT_FALSE(ckpt::ReadUnsyncedMarker(dir + "/global_step1"));
         // A fault after the folder's rename (`latest`'s) leaves the new
         // folder in place: complete (its manifest checks out), but unnamed
         // by `latest`. Nothing else may be left.
@@ -149,6 +159,155 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
 
 INSTANTIATE_TEST_SUITE_P(SyncAndAsync, SaveUnderFault, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "async" : "sync"; });
+
+std::string TempCheckpointDir(const std::string& name) {
+  const std::string dir =
+      (fs::temp_directory_path() / ("uckpt_durability_" + name + "_" + std::to_string(::getpid()))).string();
+  fs::remove_all(dir);
+  return dir;
+}
+
+// A synchronous save of a new tag returns published (the folder complete and
+// named by `latest`, as DeepSpeed's save returns) with its unsynced marker
+// beside it; the next collective wait makes it durable and removes the
+// marker. A save over an existing tag is durable first and leaves none.
+TEST(SaveDurability, PublishedAtOnceAndMarkedUntilDurable) {
+  const std::string dir = TempCheckpointDir("published");
+  const std::string step1 = dir + "/global_step1";
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, Tiny());
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step1");
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step1");
+      EXPECT_TRUE(ckpt::CheckManifest(step1, {.hashes = true}).ok());
+      ASSERT_TRUE(ckpt::ReadUnsyncedMarker(step1));
+      EXPECT_EQ(*ckpt::ReadUnsyncedMarker(step1), "");  // no checkpoint before it
+    }
+    comm.Barrier();
+    t.engine().WaitForCheckpoint();
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      EXPECT_FALSE(ckpt::ReadUnsyncedMarker(step1));
+      EXPECT_EQ(Entries(dir), (std::set<std::string>{"global_step1", "latest"}));
+    }
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step2");
+    comm.Barrier();
+    if (comm.rank() == 0) EXPECT_EQ(ckpt::ReadUnsyncedMarker(dir + "/global_step2").value_or("none"), "global_step1");
+    comm.Barrier();
+    t.SaveCheckpoint(dir, "global_step2");  // over the tag: the previous one's sync ends first, then durable
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      EXPECT_FALSE(ckpt::ReadUnsyncedMarker(dir + "/global_step2"));
+      EXPECT_EQ(Entries(dir), (std::set<std::string>{"global_step1", "global_step2", "latest"}));
+    }
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step3");
+  });
+  // The run ended without a wait: every rank on one host, rank 0's own sync covered the files.
+  EXPECT_EQ(Entries(dir), (std::set<std::string>{"global_step1", "global_step2", "global_step3", "latest"}));
+  EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step3");
+  fs::remove_all(dir);
+}
+
+// A failed sync of a published save is every rank's error at the next wait,
+// naming the folder; the folder stays published and marked.
+TEST(SaveDurability, FailedSyncIsEveryRanksError) {
+  const std::string dir = TempCheckpointDir("failed_sync");
+  std::unique_ptr<FaultEnv> env;
+  std::unique_ptr<ScopedEnv> use;
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, Tiny());
+    t.TrainStep();
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      env = std::make_unique<FaultEnv>();
+      env->Add({IoOp::kSyncDir, "/global_step1", 1, EIO});  // the background syncfs, not the marker's fsyncs
+      use = std::make_unique<ScopedEnv>(*env);
+    }
+    comm.Barrier();
+    t.SaveCheckpoint(dir, "global_step1");
+    try {
+      t.engine().WaitForCheckpoint();
+    } catch (const IoError& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors[comm.rank()] = e.what();
+    }
+    comm.Barrier();
+    if (comm.rank() == 0) {
+      EXPECT_GE(env->injected(), 1u);
+      use.reset();
+      env.reset();
+    }
+  });
+  ASSERT_EQ(errors.size(), 2u) << "every rank must see the failure";
+  for (const auto& [r, msg] : errors) {
+    EXPECT_NE(msg.find(dir + "/global_step1 is saved and published, but could not be made durable"), std::string::npos)
+        << "rank " << r << ": " << msg;
+  }
+  EXPECT_EQ(testing::ReadBytes(dir + "/latest"), "global_step1");
+  EXPECT_TRUE(ckpt::ReadUnsyncedMarker(dir + "/global_step1"));
+  fs::remove_all(dir);
+}
+
+// What a reader does with a folder whose marker is still there, as after a
+// power loss: every file is checked by hash (a changed byte is found without
+// verify_checkpoint), and a folder cut short is refused on every rank,
+// naming the previous checkpoint; intact, it loads.
+TEST(SaveDurability, UnsyncedFolderIsCheckedByHashAndRefusedWhenCutShort) {
+  const std::string dir = TempCheckpointDir("unsynced");
+  RunRanks(2, [&](Comm& comm) {
+    Trainer t(comm, Tiny());
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step1");
+    t.TrainStep();
+    t.SaveCheckpoint(dir, "global_step2");
+    t.engine().WaitForCheckpoint();
+  });
+  const std::string step2 = dir + "/global_step2";
+  {
+    std::ofstream marker(ckpt::UnsyncedMarkerPath(step2));  // as a crash before the sync ended leaves it
+    marker << "global_step1";
+  }
+  auto resume = [&] {
+    std::vector<std::string> errors(2);
+    RunRanks(2, [&](Comm& comm) {
+      Trainer t(comm, Tiny());
+      try {
+        t.LoadCheckpoint(dir, "", false);
+        EXPECT_EQ(t.counters().global_steps, 2);
+      } catch (const FormatError& e) {
+        errors[comm.rank()] = e.what();
+      }
+    });
+    return errors;
+  };
+  EXPECT_EQ(resume(), std::vector<std::string>(2)) << "an intact folder loads";
+  ASSERT_TRUE(ckpt::ReadUnsyncedMarker(step2)) << "a reader leaves the marker";
+  const std::string victim = step2 + "/" + ckpt::OptimStatesFileName(1, false);
+  const auto size = fs::file_size(victim);
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(size / 2));
+    char c = 0;
+    f.get(c);
+    f.seekp(static_cast<std::streamoff>(size / 2));
+    f.put(static_cast<char>(c ^ 1));
+  }
+  ASSERT_FALSE(ckpt::CheckManifest(step2, {.hashes = true}).ok());
+  for (const std::string& e : resume()) {
+    EXPECT_NE(e.find(step2 + " was published before its files were on disk"), std::string::npos) << e;
+    EXPECT_NE(e.find("'global_step1' (load that tag)"), std::string::npos) << e;
+    EXPECT_NE(e.find(victim + ": content differs"), std::string::npos) << e;
+  }
+  fs::resize_file(victim, size / 2);
+  for (const std::string& e : resume()) EXPECT_NE(e.find(victim + ": size"), std::string::npos) << e;
+  fs::remove_all(dir);
+}
 
 }  // namespace
 }  // namespace uckpt::engine
