@@ -164,6 +164,8 @@ PYBIND11_MODULE(_uckpt, m) {
         "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),
         "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none(),
         "partitioned"_a = py::list());
+  m.def("_finish_checkpoints", &uckpt::python::FinishCheckpointsAtExit,
+        "At exit: the live engines' saves published and made durable (uckpt.comm's teardown).");
   m.def("_release_process_groups", &uckpt::python::ReleaseTorchDistributedGroups,
         "At exit: the live engines stop using torch.distributed's process group (uckpt.comm's teardown).");
   m.def("init_distributed", &uckpt::python::InitDistributed, "dist_backend"_a = py::none(),

@@ -4,6 +4,8 @@
 #include <pybind11/eval.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -767,9 +769,40 @@ int GatherParameters(py::object params, bool gather, int modifier_rank) {
 
 // ---- The engine's calls. ----
 
+namespace {
+
+// The engines alive, for the teardown at exit.
+std::vector<PyEngine*>& LiveEngines() {
+  static auto* engines = new std::vector<PyEngine*>();
+  return *engines;
+}
+
+}  // namespace
+
 PyEngine::PyEngine(py::object module, std::shared_ptr<torch::nn::Module> shell, std::unique_ptr<Engine> engine,
                    EngineSettings settings)
-    : module_(std::move(module)), shell_(std::move(shell)), engine_(std::move(engine)), settings_(settings) {}
+    : module_(std::move(module)), shell_(std::move(shell)), engine_(std::move(engine)), settings_(settings) {
+  LiveEngines().push_back(this);
+  py::module_::import("uckpt.comm").attr("_release_engines_at_exit")();
+}
+
+PyEngine::~PyEngine() {
+  auto& live = LiveEngines();
+  live.erase(std::remove(live.begin(), live.end(), this), live.end());
+}
+
+void PyEngine::FinishCheckpointAtExit() {
+  py::gil_scoped_release no_gil;
+  try {
+    engine_->WaitForCheckpoint();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "uckpt: at exit: %s\n", e.what());
+  }
+}
+
+void FinishCheckpointsAtExit() {
+  for (PyEngine* e : std::vector<PyEngine*>(LiveEngines())) e->FinishCheckpointAtExit();
+}
 
 py::object PyEngine::Call(py::args args, py::kwargs kwargs) { return module_(*args, **kwargs); }
 

@@ -35,6 +35,13 @@ class PyEngine {
  public:
   PyEngine(py::object module, std::shared_ptr<torch::nn::Module> shell, std::unique_ptr<Engine> engine,
            EngineSettings settings);
+  ~PyEngine();
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
+  // At the interpreter's exit: publishes a background save and waits until
+  // a published one is durable (Engine::WaitForCheckpoint); an error is
+  // printed, not raised.
+  void FinishCheckpointAtExit();
 
   py::object Call(py::args args, py::kwargs kwargs);  // the module's forward
   py::object Backward(py::object loss, const BackwardOptions& options);
@@ -134,6 +141,10 @@ void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distr
 // destroy_process_group ends it while the interpreter is whole (an engine
 // would keep it into finalization). Later collectives of theirs throw CommError.
 void ReleaseTorchDistributedGroups();
+// At exit, before that (uckpt.comm's teardown, unless this rank crashed):
+// every live engine's FinishCheckpointAtExit. Collective, as the script's
+// own last calls are.
+void FinishCheckpointsAtExit();
 
 // uckpt.zero.GatheredParameters: the stage-3 parameters among `params` (an
 // iterable of tensors), each by the engine holding it, gathered (true) or

@@ -14,7 +14,8 @@ CASE:
               different folders) restores it.
   clean_exit  a clean 2-rank run: exit codes 0, no Traceback/Exception/HeartbeatMonitor/TCPStore lines, the
               group's threads gone after uckpt's exit teardown (the engine does not keep it into finalization),
-              and rank 0 (which serves the store) exits after rank 1 even when rank 1 ends later.
+              rank 0 (which serves the store) exits after rank 1 even when rank 1 ends later, and the script's
+              last save is published and made durable at exit (no unsynced marker left).
 """
 import os
 import re
@@ -201,6 +202,9 @@ if mode == "folders":
     assert all(torch.equal(a, b) for a, b in zip(saved, net.parameters())), "weights not restored"
     print("loaded", path)
 else:
+    # The script's last call is a save: it returns published, and is durable (its unsynced marker gone) once the
+    # interpreter has exited.
+    engine.save_checkpoint(os.path.join(work, "last"))
     if rank == 1:
         time.sleep(3)  # ends later than rank 0, which serves the store
     print("done")
@@ -238,7 +242,9 @@ def case_folders():
 
 def case_clean_exit():
     script = write("train.py", TRAIN)
-    results = run_ranks(script, rank_envs(free_port()), ["exit"])
+    # As on two hosts: no rank's own sync vouches for the other's files, only the wait at exit does.
+    envs = [dict(env, UCKPT_HOSTNAME=f"host{r}") for r, env in enumerate(rank_envs(free_port()))]
+    results = run_ranks(script, envs, ["exit"])
     expect_ok(results, "a clean 2-rank run")
     for r, (_, log, _) in enumerate(results):
         bad = [l for l in log.splitlines()
@@ -250,6 +256,12 @@ def case_clean_exit():
         if not m or int(m.group(2)) > int(m.group(1)):
             fail(f"rank {r}: torch.distributed's group outlived uckpt's teardown at exit (its threads remain): "
                  f"{m.group(0) if m else 'no thread count printed'}")
+    last = os.path.join(WORK, "last")
+    if open(os.path.join(last, "latest")).read().strip() != "global_step3":
+        fail("the last save is not published")
+    if os.path.exists(os.path.join(last, ".global_step3.uckpt-unsynced")):
+        fail(f"the last save's unsynced marker outlived the run (its durability was not awaited at exit): "
+             f"{sorted(os.listdir(last))}")
     # Rank 1 trains 3 s longer; rank 0 must wait for it (allowing rank 1's interpreter teardown after it signed off).
     if results[0][2] < results[1][2] - 1.5:
         fail(f"rank 0 (the store's owner) exited {results[1][2] - results[0][2]:.2f} s before rank 1")

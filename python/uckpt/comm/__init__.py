@@ -51,7 +51,8 @@ _engines_registered = False
 
 
 def _release_engines_at_exit():
-    """Registers (once) the live engines' release of torch.distributed's group at exit.
+    """Registers (once) the live engines' release of torch.distributed's group at exit, after their last save is
+    published and durable.
 
     An engine holds the group from C++ and lives to the end (its module's hooks hold it), so without this the
     group -- its threads and its sockets to the other ranks -- outlives destroy_process_group (the script's, or
@@ -66,6 +67,8 @@ def _release_engines_at_exit():
 
 def _release_engines():
     from uckpt import _uckpt
+    if not _crashed:  # (collective: the other ranks may be gone after a crash)
+        _uckpt._finish_checkpoints()
     _uckpt._release_process_groups()
 
 
