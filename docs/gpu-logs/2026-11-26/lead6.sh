@@ -10,7 +10,9 @@
 #   PART=3: ZeRO-3 with offload against DeepSpeed at 1 and 2 GPUs; ZeRO-3 without offload against FSDP2
 #           at 2 GPUs;
 #   PART=4: the Python masked LM against DeepSpeed (bf16, fp16; 1 and 2 GPUs); checkpoint I/O at 2 GPUs;
-#   PART=5: (a fresh machine) build; the Python masked LM at 1 GPU again; ZeRO-3 against FSDP2 again.
+#   PART=5: (a fresh machine) build; the Python masked LM at 1 GPU again; ZeRO-3 against FSDP2 again;
+#   PART=6: (a fresh machine, the last device minutes) build; the big-model benchmark cut to 6 layers and 3
+#           steps, uckpt alone: a smoke test of the save published before durable and of resuming it.
 set -u
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-lead6-out}; R=/tmp/lead6; mkdir -p "$OUT" "$R"
@@ -87,6 +89,13 @@ case ${PART:-1} in
   grep -vE '^\{' "$R/python-1gpu-again.log" | tail -4
   ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3 fsdp2-hf" timeout 150 bench/train-gpu.sh $U /tmp/z3 > "$R/train3-2gpu-again.log" 2>&1
   grep -E '^(uckpt-z3|fsdp2|2 GPUs: uckpt-z3 /)' "$R/train3-2gpu-again.log" ;;
+6)
+  { scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps && cmake --build /tmp/uckpt-gpu -j16 --target python; } \
+    > "$R/build.log" 2>&1 || { tail -30 "$R/build.log"; exit 1; }
+  echo "== built in $((SECONDS - t0)) s"
+  IMPLS=uckpt STEPS=3 MODEL="--layers 6" timeout 150 bench/zero3-large-gpu.sh /tmp/uckpt-gpu .ds "$R/zero3-small" 2>&1 |
+    grep -v "^{" | grep -E "==|save|load|resume|error|Error" | head -40
+  ls -la /tmp/zero3-large 2>/dev/null ;;
 esac
 cp -r "$R"/. "$OUT"/ 2>/dev/null
 echo "part ${PART:-1}: $((SECONDS - t0)) s"
