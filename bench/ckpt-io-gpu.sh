@@ -45,7 +45,9 @@ for ((i = 0; i < runs; i++)); do
   rm -rf s a cp_copy; sync
   # Saves at steps 1 and 2; the second (buffers warm) is the one timed.
   out=$(train false --steps 2 --checkpoint_interval 1 --checkpoint_dir s --run_name s$i)
-  save+=("$(echo "$out" | pick saved)")
+  # returned ("saved ... in"), then durable (a new tag is synced after the save returns)
+  durable=$(echo "$out" | sed -n 's/^uckpt train: last save durable after \([0-9.]*\) s.*/\1/p')
+  save+=("$(python3 -c "print($(echo "$out" | pick saved) + ${durable:-0})")")
   sync
   # Async: saves at steps 100 and 200, far enough apart that the first is
   # published before the second starts (a save waits for the previous one, and

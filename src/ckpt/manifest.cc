@@ -291,10 +291,11 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
 }
 
 std::string UnsyncedMarkerPath(const std::string& folder) {
-  const fs::path p(folder);
-  const fs::path name = p.filename().empty() ? p.parent_path().filename() : p.filename();
-  const fs::path dir = p.filename().empty() ? p.parent_path().parent_path() : p.parent_path();
-  return (dir / ("." + name.string() + ".uckpt-unsynced")).string();
+  fs::path p = fs::path(folder).lexically_normal();  // "a/b/", "a/./b/." -> "a/b"
+  if (p.filename().empty()) p = p.parent_path();
+  if (p.empty() || p.filename() == "." || p.filename() == "..") p = fs::absolute(p).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return (p.parent_path() / ("." + p.filename().string() + ".uckpt-unsynced")).string();
 }
 
 std::optional<std::string> ReadUnsyncedMarker(const std::string& folder) {

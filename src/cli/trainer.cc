@@ -333,6 +333,9 @@ void FinishBackgroundSave(Trainer& trainer) {
   trainer.engine().WaitForCheckpoint();
   if (trainer.comm().rank() == 0 && trainer.engine().last_save().async)
     std::fprintf(stderr, "uckpt train: background save published after %.3f s more\n", SecondsSince(t0));
+  // A synchronous save of a new tag returned before it was durable (docs/reliability.md).
+  else if (trainer.comm().rank() == 0 && !trainer.options().checkpoint_dir.empty())
+    std::fprintf(stderr, "uckpt train: last save durable after %.3f s more\n", SecondsSince(t0));
 }
 
 }  // namespace

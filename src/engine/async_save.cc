@@ -1,12 +1,15 @@
 #include "engine/async_save.h"
 
 #include <ATen/ATen.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <system_error>
 
 #include "ckpt/copy_plan.h"
 #include "ckpt/deepspeed_names.h"
@@ -48,16 +51,25 @@ uint64_t LargestStreamed(const ValuePtr& value) {
   return n;
 }
 
-// Collective: whether every rank runs on rank 0's host, so that rank 0's
-// syncfs also covers the other ranks' files of a save (one filesystem).
-// UCKPT_HOSTNAME stands for the host's name (tests of several hosts on one).
-bool AllOnOneHost(Comm& comm) {
+// Collective: whether every rank runs on rank 0's machine (the same kernel:
+// its boot id) and sees `dir` on the same filesystem (device), so that rank
+// 0's syncfs also covers the other ranks' files of a save. A host name would
+// not do: containers and cloned images share them. UCKPT_HOSTNAME stands for
+// the boot id (tests of several machines on one).
+bool AllOnOneHost(Comm& comm, const std::string& dir) {
   if (comm.world_size() == 1) return true;
+  std::string id;
+  if (const char* given = std::getenv("UCKPT_HOSTNAME"); given && *given) {
+    id = given;
+  } else {
+    std::ifstream boot("/proc/sys/kernel/random/boot_id");
+    std::getline(boot, id);
+    if (id.empty()) id = "no boot id, rank " + std::to_string(comm.rank());  // (then never the same as rank 0's)
+  }
+  struct stat st {};
+  id += ":" + std::to_string(::stat(dir.c_str(), &st) == 0 ? static_cast<unsigned long long>(st.st_dev) : 0ULL);
   char name[256] = {};
-  if (const char* given = std::getenv("UCKPT_HOSTNAME"); given && *given)
-    std::strncpy(name, given, sizeof(name) - 1);
-  else
-    gethostname(name, sizeof(name) - 1);
+  std::strncpy(name, id.c_str(), sizeof(name) - 1);
   at::Tensor host = at::zeros({static_cast<int64_t>(sizeof(name))}, at::kByte);
   if (comm.rank() == 0) std::memcpy(host.data_ptr(), name, sizeof(name));
   comm.Broadcast(host, 0);
@@ -270,17 +282,14 @@ std::string CheckpointWriter::Publish(Comm& comm) {
       w.files_.clear();
     }
   } reset{*this};
-  // A failed save leaves no marker: the folder it would vouch for is not
-  // published (or, if renamed already, it is made durable first).
+  // A failed save leaves no marker unless its folder was renamed into place
+  // already (then the marker stays: the folder is not known durable on every
+  // rank, and a reader checks it by hash).
   auto discard = [&] {
     RemoveQuietly(tmp_);
-    if (marker_.empty() || !later) return;
-    try {
-      if (fs::exists(folder) && ckpt::ReadUnsyncedMarker(folder)) Env::Current().SyncFilesystem(folder);
-      Env::Current().RemoveAll(marker_);
-    } catch (const std::exception&) {
-      // Kept: a reader then checks the folder by hash.
-    }
+    std::error_code ec;
+    if (marker_.empty() || !later || fs::exists(folder, ec) || ec) return;
+    RemoveQuietly(marker_);
   };
   try {
     AgreeOrThrow(comm, folder, error_);
@@ -339,27 +348,33 @@ std::string CheckpointWriter::Publish(Comm& comm) {
   AgreeOrThrow(comm, folder, error);
   if (later) {
     reset.keep = true;
-    const bool one_host = AllOnOneHost(comm);  // collective: on every rank
+    syncing_ = true;
+    done_ = false;
+    const bool one_host = AllOnOneHost(comm, dir_);  // collective: on every rank
     drop_marker_at_exit_ = rank0 && one_host;
-    StartSync(folder);
+    StartSync();
   }
   return folder;
 }
 
-// Every rank's syncfs of the filesystem holding the published folder, on a
-// background thread (FinishSync waits for it).
-void CheckpointWriter::StartSync(const std::string& folder) {
-  syncing_ = true;
-  done_ = false;
+// Every rank's syncfs of the filesystem holding the checkpoint folder (through
+// `dir`, which a script does not move as it may the tag folder), on a
+// background thread (FinishSync waits for it); on this thread if none can start.
+void CheckpointWriter::StartSync() {
   error_.clear();
-  thread_ = std::thread([this, folder] {
+  auto sync = [this] {
     try {
-      Env::Current().SyncFilesystem(folder);
+      Env::Current().SyncFilesystem(dir_);
     } catch (const std::exception& ex) {
       error_ = ex.what();
     }
     done_ = true;
-  });
+  };
+  try {
+    thread_ = std::thread(sync);
+  } catch (const std::system_error&) {
+    sync();
+  }
 }
 
 void CheckpointWriter::FinishSync(Comm& comm) {

@@ -118,7 +118,7 @@ class CheckpointWriter {
   };
   void Write();
   void Join();
-  void StartSync(const std::string& folder);
+  void StartSync();
   void FinishSync(Comm& comm);
 
   // A buffer for file k's streamed storages, sized for the largest.

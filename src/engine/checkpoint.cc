@@ -408,7 +408,9 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   // durable, as DeepSpeed's returns (async_save.h); over an existing tag it
   // waits for the disk, so that the folder it replaces is never lost first.
   // Rank 0 decides for all.
-  at::Tensor later = at::full({1}, !async && rank0 && !fs::exists(folder) ? 1.0f : 0.0f);
+  std::error_code exists_error;  // (not thrown here, on rank 0 alone: step 1 reports it to all)
+  const bool exists = fs::exists(folder, exists_error) || exists_error;
+  at::Tensor later = at::full({1}, !async && rank0 && !exists ? 1.0f : 0.0f);
   comm.Broadcast(later, 0);
   const bool sync_after_publish = later.item<float>() > 0;
   const std::string marker = rank0 ? ckpt::UnsyncedMarkerPath(folder) : "";
@@ -457,10 +459,15 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   // 3. The state fingerprint for the manifest (collective), then every rank
   // writes its files; then they are published.
   const auto hashing = std::chrono::steady_clock::now();
-  ckpt::StateFingerprint state = EngineStateFingerprint(e);
-  e.last_save.fingerprint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - hashing).count();
-  e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state), sync_after_publish,
-                  marker);
+  try {
+    ckpt::StateFingerprint state = EngineStateFingerprint(e);
+    e.last_save.fingerprint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - hashing).count();
+    e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state), sync_after_publish,
+                    marker);
+  } catch (...) {
+    if (rank0) RemoveTemporaries(env, tmp, sync_after_publish ? marker : "");
+    throw;
+  }
   if (!async) e.writer->Publish(comm);
   e.last_save.async = async;
   // A synchronous save's device tensors went through the writer's staging buffers.

@@ -182,6 +182,9 @@ TEST(Manifest, UnsyncedMarkerMeansHashesAndAManifest) {
   TempDir tmp;
   EXPECT_EQ(UnsyncedMarkerPath("ckpt/global_step8"), "ckpt/.global_step8.uckpt-unsynced");
   EXPECT_EQ(UnsyncedMarkerPath("ckpt/global_step8/"), "ckpt/.global_step8.uckpt-unsynced");
+  EXPECT_EQ(UnsyncedMarkerPath("ckpt/./global_step8/."), "ckpt/.global_step8.uckpt-unsynced");
+  EXPECT_EQ(UnsyncedMarkerPath("."), (fs::current_path().parent_path() /
+                                      ("." + fs::current_path().filename().string() + ".uckpt-unsynced")).string());
   const std::string dir = tmp / "global_step8";
   MakeFolder(dir);
   WriteManifest(dir, false);

@@ -16,6 +16,7 @@
 #include "format/file.h"
 #include "format/torch_file.h"
 #include "ranks.h"
+#include "tiny.h"
 #include "engine/checkpoint.h"
 #include "cli/trainer.h"
 
@@ -459,14 +460,7 @@ TEST(Resume, ChecksTheManifest) {
 
   const std::string victim = tag + "/" + ckpt::OptimStatesFileName(1, false);
   const auto size = fs::file_size(victim);
-  {
-    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(static_cast<std::streamoff>(size / 2));
-    char c = 0;
-    f.get(c);
-    f.seekp(static_cast<std::streamoff>(size / 2));
-    f.put(static_cast<char>(c ^ 1));
-  }
+  testing::FlipByte(victim, size / 2);
   // Sizes match: without --verify the file hashes are not compared, but the
   // state fingerprint finds the changed byte (it lies in a tensor's data).
   for (const std::string& e : resume(false))

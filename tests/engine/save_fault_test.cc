@@ -6,6 +6,7 @@
 // write errors surface at WaitForCheckpoint.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -127,13 +128,16 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
         EXPECT_FALSE(ckpt::ReadUnsyncedMarker(dir + "/global_step1"));
         // A fault after the folder's rename (`latest`'s) leaves the new
         // folder in place: complete (its manifest checks out), but unnamed
-        // by `latest`. Nothing else may be left.
+        // by `latest`; published before durable, still marked unsynced
+        // (not known durable on every rank). Nothing else may be left.
         std::set<std::string> want = {"global_step1", "latest"};
         if (fs::exists(dir + "/global_step2")) {
           EXPECT_EQ(f.name, std::string("latest_rename"));
           EXPECT_EQ(Entries(dir + "/global_step2").size(), 4u);
           EXPECT_TRUE(ckpt::CheckManifest(dir + "/global_step2", {.hashes = true}).ok());
+          EXPECT_EQ(ckpt::ReadUnsyncedMarker(dir + "/global_step2").has_value(), !async);
           fs::remove_all(dir + "/global_step2");
+          fs::remove(ckpt::UnsyncedMarkerPath(dir + "/global_step2"));
         }
         EXPECT_EQ(Entries(dir), want) << "a temporary or half-written checkpoint was left";
       }
@@ -160,19 +164,12 @@ TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
 INSTANTIATE_TEST_SUITE_P(SyncAndAsync, SaveUnderFault, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "async" : "sync"; });
 
-std::string TempCheckpointDir(const std::string& name) {
-  const std::string dir =
-      (fs::temp_directory_path() / ("uckpt_durability_" + name + "_" + std::to_string(::getpid()))).string();
-  fs::remove_all(dir);
-  return dir;
-}
-
 // A synchronous save of a new tag returns published (the folder complete and
 // named by `latest`, as DeepSpeed's save returns) with its unsynced marker
 // beside it; the next collective wait makes it durable and removes the
 // marker. A save over an existing tag is durable first and leaves none.
 TEST(SaveDurability, PublishedAtOnceAndMarkedUntilDurable) {
-  const std::string dir = TempCheckpointDir("published");
+  const std::string dir = testing::FreshTempDir("durability_published");
   const std::string step1 = dir + "/global_step1";
   RunRanks(2, [&](Comm& comm) {
     Trainer t(comm, Tiny());
@@ -197,7 +194,14 @@ TEST(SaveDurability, PublishedAtOnceAndMarkedUntilDurable) {
     comm.Barrier();
     if (comm.rank() == 0) EXPECT_EQ(ckpt::ReadUnsyncedMarker(dir + "/global_step2").value_or("none"), "global_step1");
     comm.Barrier();
-    t.SaveCheckpoint(dir, "global_step2");  // over the tag: the previous one's sync ends first, then durable
+    t.engine().WaitForCheckpoint();
+    comm.Barrier();
+    if (comm.rank() == 0) {  // as an interrupted save of the tag would leave it
+      std::ofstream stale(ckpt::UnsyncedMarkerPath(dir + "/global_step2"));
+      stale << "global_step1";
+    }
+    comm.Barrier();
+    t.SaveCheckpoint(dir, "global_step2");  // over the tag: durable first, then the stale marker goes
     comm.Barrier();
     if (comm.rank() == 0) {
       EXPECT_FALSE(ckpt::ReadUnsyncedMarker(dir + "/global_step2"));
@@ -212,11 +216,23 @@ TEST(SaveDurability, PublishedAtOnceAndMarkedUntilDurable) {
   fs::remove_all(dir);
 }
 
+// Fails the first syncfs it sees, and only that one.
+class FailFirstSyncfs : public EnvWrapper {
+ public:
+  using EnvWrapper::EnvWrapper;
+  void SyncFilesystem(const std::string& path) override {
+    if (calls++ == 0) throw IoError("cannot sync the filesystem of " + path + ": Input/output error");
+    EnvWrapper::SyncFilesystem(path);
+  }
+  std::atomic<int> calls{0};
+};
+
 // A failed sync of a published save is every rank's error at the next wait,
-// naming the folder; the folder stays published and marked.
+// naming the folder (one rank's syncfs fails: the others learn of it only by
+// agreeing); the folder stays published and marked.
 TEST(SaveDurability, FailedSyncIsEveryRanksError) {
-  const std::string dir = TempCheckpointDir("failed_sync");
-  std::unique_ptr<FaultEnv> env;
+  const std::string dir = testing::FreshTempDir("durability_failed_sync");
+  std::unique_ptr<FailFirstSyncfs> env;
   std::unique_ptr<ScopedEnv> use;
   std::mutex mu;
   std::map<int, std::string> errors;
@@ -225,8 +241,7 @@ TEST(SaveDurability, FailedSyncIsEveryRanksError) {
     t.TrainStep();
     comm.Barrier();
     if (comm.rank() == 0) {
-      env = std::make_unique<FaultEnv>();
-      env->Add({IoOp::kSyncDir, "/global_step1", 1, EIO});  // the background syncfs, not the marker's fsyncs
+      env = std::make_unique<FailFirstSyncfs>(Env::Current());
       use = std::make_unique<ScopedEnv>(*env);
     }
     comm.Barrier();
@@ -239,7 +254,7 @@ TEST(SaveDurability, FailedSyncIsEveryRanksError) {
     }
     comm.Barrier();
     if (comm.rank() == 0) {
-      EXPECT_GE(env->injected(), 1u);
+      EXPECT_EQ(env->calls.load(), 2) << "one syncfs per rank";
       use.reset();
       env.reset();
     }
@@ -259,7 +274,7 @@ TEST(SaveDurability, FailedSyncIsEveryRanksError) {
 // verify_checkpoint), and a folder cut short is refused on every rank,
 // naming the previous checkpoint; intact, it loads.
 TEST(SaveDurability, UnsyncedFolderIsCheckedByHashAndRefusedWhenCutShort) {
-  const std::string dir = TempCheckpointDir("unsynced");
+  const std::string dir = testing::FreshTempDir("durability_unsynced");
   RunRanks(2, [&](Comm& comm) {
     Trainer t(comm, Tiny());
     t.TrainStep();
@@ -290,14 +305,7 @@ TEST(SaveDurability, UnsyncedFolderIsCheckedByHashAndRefusedWhenCutShort) {
   ASSERT_TRUE(ckpt::ReadUnsyncedMarker(step2)) << "a reader leaves the marker";
   const std::string victim = step2 + "/" + ckpt::OptimStatesFileName(1, false);
   const auto size = fs::file_size(victim);
-  {
-    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(static_cast<std::streamoff>(size / 2));
-    char c = 0;
-    f.get(c);
-    f.seekp(static_cast<std::streamoff>(size / 2));
-    f.put(static_cast<char>(c ^ 1));
-  }
+  testing::FlipByte(victim, size / 2);
   ASSERT_FALSE(ckpt::CheckManifest(step2, {.hashes = true}).ok());
   for (const std::string& e : resume()) {
     EXPECT_NE(e.find(step2 + " was published before its files were on disk"), std::string::npos) << e;

@@ -44,6 +44,16 @@ inline std::string ReadBytes(const std::string& path) {
   return ss.str();
 }
 
+// Changes one byte of `path` at `offset` (its lowest bit flipped).
+inline void FlipByte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.get(c);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.put(static_cast<char>(c ^ 1));
+}
+
 // Every regular file below `folder`, by relative path.
 inline std::map<std::string, std::string> FolderBytes(const std::string& folder) {
   namespace fs = std::filesystem;

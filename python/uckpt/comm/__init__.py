@@ -67,9 +67,30 @@ def _release_engines_at_exit():
 
 def _release_engines():
     from uckpt import _uckpt
-    if not _crashed:  # (collective: the other ranks may be gone after a crash)
+    if _all_ranks_at_exit():
         _uckpt._finish_checkpoints()
     _uckpt._release_process_groups()
+
+
+def _all_ranks_at_exit():
+    """Whether every rank has reached its exit cleanly (within _EXIT_WAIT_S), so that the engines' last collective
+    (their last save made durable) cannot wait for a rank that crashed or left early; without it the save stays
+    marked unsynced, and the next load checks it by hash."""
+    import torch.distributed as dist
+    if _crashed:
+        return False
+    if not dist.is_available() or not dist.is_initialized():
+        return False  # the script ended the group itself: no collective is safe any more
+    if dist.get_world_size() == 1:
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("uckpt/exit/engines", 1)
+        _wait_for_count(store, "uckpt/exit/engines", dist.get_world_size())
+        return store.add("uckpt/exit/engines", 0) >= dist.get_world_size()
+    except Exception as e:
+        print(f"uckpt: at exit: not waiting for the last checkpoint to be durable: {e}", file=sys.stderr)
+        return False
 
 
 def _wait_for_count(store, key, n):
