@@ -54,12 +54,12 @@ uint64_t LargestStreamed(const ValuePtr& value) {
 // Collective: whether every rank runs on rank 0's machine (the same kernel:
 // its boot id) and sees `dir` on the same filesystem (device), so that rank
 // 0's syncfs also covers the other ranks' files of a save. A host name would
-// not do: containers and cloned images share them. UCKPT_HOSTNAME stands for
-// the boot id (tests of several machines on one).
+// not do: containers and cloned images share them. UCKPT_MACHINE_ID stands
+// for the boot id (tests of several machines on one).
 bool AllOnOneHost(Comm& comm, const std::string& dir) {
   if (comm.world_size() == 1) return true;
   std::string id;
-  if (const char* given = std::getenv("UCKPT_HOSTNAME"); given && *given) {
+  if (const char* given = std::getenv("UCKPT_MACHINE_ID"); given && *given) {
     id = given;
   } else {
     std::ifstream boot("/proc/sys/kernel/random/boot_id");
@@ -79,6 +79,8 @@ bool AllOnOneHost(Comm& comm, const std::string& dir) {
   return differs.item<float>() == 0;
 }
 
+}  // namespace
+
 void RemoveQuietly(const std::string& path) {
   try {
     Env::Current().RemoveAll(path);
@@ -86,8 +88,6 @@ void RemoveQuietly(const std::string& path) {
     // The first error is the one to report.
   }
 }
-
-}  // namespace
 
 std::shared_ptr<Storage> SnapshotPool::Copy(const at::Tensor& t) {
   const size_t n = t.nbytes();
@@ -162,7 +162,6 @@ void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, 
                              bool sync_after_publish, std::string marker) {
   if (pending_) throw std::logic_error("CheckpointWriter::Start: the previous save is not published");
   if (async && sync_after_publish) throw std::logic_error("CheckpointWriter::Start: a background save is synced first");
-  Join();  // (a finished sync's thread)
   sync_after_publish_ = sync_after_publish;
   syncing_ = false;
   marker_ = std::move(marker);

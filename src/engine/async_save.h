@@ -164,4 +164,9 @@ std::string AgreedError(Comm& comm, const std::string& error);
 // checkpoint another rank could not write.
 void AgreeOrThrow(Comm& comm, const std::string& folder, const std::string& error);
 
+// Removes `path` (a file or a tree; absent is fine) through Env::Current(),
+// ignoring errors: a failed save's temporaries, whose first error is the one
+// to report.
+void RemoveQuietly(const std::string& path);
+
 }  // namespace uckpt::engine

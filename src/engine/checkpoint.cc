@@ -371,22 +371,6 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
 // (async_save.h). A crash or error at any point leaves the previous
 // checkpoint and `latest` as they were. With `async` the files are written in
 // the background and published at a later call.
-namespace {
-
-// A failed save's temporary folder and marker ("": none), quietly: the
-// first error is the one to report.
-void RemoveTemporaries(Env& env, const std::string& tmp, const std::string& marker) {
-  for (const std::string& path : {tmp, marker}) {
-    if (path.empty()) continue;
-    try {
-      env.RemoveAll(path);
-    } catch (const std::exception&) {
-    }
-  }
-}
-
-}  // namespace
-
 std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                  const ClientState& client_state, bool async) {
   const auto start = std::chrono::steady_clock::now();
@@ -414,6 +398,10 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   comm.Broadcast(later, 0);
   const bool sync_after_publish = later.item<float>() > 0;
   const std::string marker = rank0 ? ckpt::UnsyncedMarkerPath(folder) : "";
+  auto discard = [&] {  // rank 0, after a failure: the temporary folder and this save's marker
+    RemoveQuietly(tmp);
+    if (sync_after_publish) RemoveQuietly(marker);
+  };
   // 1. Rank 0 makes a fresh temporary folder (one a killed save left is
   // removed) and, for a save published before durable, the durable marker
   // that says so, holding the tag `latest` names now.
@@ -429,7 +417,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
       env.CreateDirs(tmp);
     } catch (const std::exception& ex) {
       error = ex.what();
-      if (sync_after_publish) RemoveTemporaries(env, tmp, marker);
+      discard();
     }
   }
   AgreeOrThrow(comm, folder, error);
@@ -453,7 +441,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   try {
     AgreeOrThrow(comm, folder, error);
   } catch (...) {
-    if (rank0) RemoveTemporaries(env, tmp, sync_after_publish ? marker : "");
+    if (rank0) discard();
     throw;
   }
   // 3. The state fingerprint for the manifest (collective), then every rank
@@ -465,7 +453,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state), sync_after_publish,
                     marker);
   } catch (...) {
-    if (rank0) RemoveTemporaries(env, tmp, sync_after_publish ? marker : "");
+    if (rank0) discard();
     throw;
   }
   if (!async) e.writer->Publish(comm);

@@ -243,7 +243,7 @@ def case_folders():
 def case_clean_exit():
     script = write("train.py", TRAIN)
     # As on two hosts: no rank's own sync vouches for the other's files, only the wait at exit does.
-    envs = [dict(env, UCKPT_HOSTNAME=f"host{r}") for r, env in enumerate(rank_envs(free_port()))]
+    envs = [dict(env, UCKPT_MACHINE_ID=f"machine{r}") for r, env in enumerate(rank_envs(free_port()))]
     results = run_ranks(script, envs, ["exit"])
     expect_ok(results, "a clean 2-rank run")
     for r, (_, log, _) in enumerate(results):
