@@ -329,8 +329,8 @@ def main():
         if a.ckpt:
             with phase("save"):
                 engine.save_checkpoint(a.ckpt)
-            # What is left to make the files durable (uckpt's save returns once they are; DeepSpeed's
-            # leaves them in the page cache): the same measure for both.
+            # What is left to make the files durable: both saves return with their files in the page
+            # cache (uckpt syncs them on a background thread): the same measure for both.
             with phase("save_sync"):
                 os.sync()
         if a.ckpt16:
