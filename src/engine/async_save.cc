@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -158,8 +159,7 @@ void CheckpointWriter::Join() {
 }
 
 void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files,
-                             bool async, uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state,
-                             bool sync_after_publish, std::string marker) {
+                             bool async, uint64_t snapshot_bytes, bool sync_after_publish, std::string marker) {
   if (pending_) throw std::logic_error("CheckpointWriter::Start: the previous save is not published");
   if (async && sync_after_publish) throw std::logic_error("CheckpointWriter::Start: a background save is synced first");
   sync_after_publish_ = sync_after_publish;
@@ -169,7 +169,7 @@ void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, 
   tag_ = std::move(tag);
   tmp_ = std::move(tmp);
   files_ = std::move(files);
-  state_ = std::move(state);
+  state_.reset();
   if (files_.size() > kMaxFiles) throw std::logic_error("CheckpointWriter: too many files for one rank");
   for (const auto& f : files_)
     if (f.name.size() > kNameWords * 8) throw std::logic_error("CheckpointWriter: file name too long: " + f.name);
@@ -195,6 +195,7 @@ void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, 
 // of its own (files may be written at once).
 void CheckpointWriter::Write() {
   try {
+    const auto start = std::chrono::steady_clock::now();
     const int threads = ckpt::DefaultThreads();
     ckpt::CopyPlan plan;
     for (size_t k = 0; k < files_.size(); ++k) {
@@ -224,7 +225,10 @@ void CheckpointWriter::Write() {
     // a 1.7 GB/s disk, docs/gpu-logs/2026-11-26/lead6-d; not yet measured
     // without.)
     options.durable = !sync_after_publish_;
+    const auto laid_out = std::chrono::steady_clock::now();
+    layout_s_ = std::chrono::duration<double>(laid_out - start).count();
     const std::vector<ckpt::CopyResult> results = ckpt::ExecuteCopyPlan(plan, options);
+    copy_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - laid_out).count();
     if (!files_.empty() && !sync_after_publish_) Env::Current().SyncFilesystem(tmp_);
     for (size_t k = 0; k < files_.size(); ++k) written_.push_back({files_[k].name, results[k].size, results[k].xxh64});
   } catch (const std::exception& ex) {

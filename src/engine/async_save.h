@@ -87,8 +87,9 @@ class CheckpointWriter {
   // already durable ("" on the other ranks). A marker left by an earlier
   // save of the tag is removed once this one is durable either way.
   void Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files, bool async,
-             uint64_t snapshot_bytes, std::optional<ckpt::StateFingerprint> state = std::nullopt,
-             bool sync_after_publish = false, std::string marker = "");
+             uint64_t snapshot_bytes, bool sync_after_publish = false, std::string marker = "");
+  // The state fingerprint the manifest records; set before Publish.
+  void SetStateFingerprint(ckpt::StateFingerprint state) { state_ = std::move(state); }
   // A save is under way: being written, or published and being synced.
   bool pending() const { return pending_; }
   bool syncing() const { return syncing_; }
@@ -98,6 +99,10 @@ class CheckpointWriter {
   // machine), kept for the next save.
   uint64_t stream_buffer_bytes() const;
   uint64_t snapshot_bytes() const { return pending_ ? snapshot_bytes_ : 0; }
+  // The last write's seconds on this rank: laying the files out (their
+  // CRCs), then copying their bytes to the files.
+  double layout_seconds() const { return layout_s_; }
+  double copy_seconds() const { return copy_s_; }
 
   // Collective: waits for this rank's write, agrees with the others, and
   // publishes (manifest, rename, `latest`). Throws IoError on every rank if
@@ -132,6 +137,7 @@ class CheckpointWriter {
   std::optional<ckpt::StateFingerprint> state_;
   std::string error_;
   std::string marker_;  // rank 0: the unsynced marker beside the tag folder
+  double layout_s_ = 0, copy_s_ = 0;
   bool pending_ = false;
   bool sync_after_publish_ = false;
   bool syncing_ = false;       // published; this rank's syncfs under way or done

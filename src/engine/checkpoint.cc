@@ -5,6 +5,8 @@
 #include <c10/core/GradMode.h>
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -444,23 +446,37 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     if (rank0) discard();
     throw;
   }
-  // 3. The state fingerprint for the manifest (collective), then every rank
-  // writes its files; then they are published.
+  // 3. Every rank writes its files while another thread hashes the state
+  // for the manifest's fingerprint (then added up over the ranks); then they
+  // are published.
   const auto hashing = std::chrono::steady_clock::now();
   try {
-    ckpt::StateFingerprint state = EngineStateFingerprint(e);
-    e.last_save.fingerprint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - hashing).count();
-    e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, std::move(state), sync_after_publish,
-                    marker);
+    PendingStateFingerprint state(e);
+    e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, sync_after_publish, marker);
+    e.writer->SetStateFingerprint(state.Finish(comm));
+    e.last_save.fingerprint_s = state.hash_seconds();
   } catch (...) {
     if (rank0) discard();
     throw;
   }
+  const auto written = std::chrono::steady_clock::now();
   if (!async) e.writer->Publish(comm);
+  const auto end = std::chrono::steady_clock::now();
   e.last_save.async = async;
+  e.last_save.state_s = std::chrono::duration<double>(hashing - start).count();
+  e.last_save.layout_s = async ? 0 : e.writer->layout_seconds();
+  e.last_save.write_s = async ? 0 : e.writer->copy_seconds();
+  e.last_save.publish_s = async ? 0 : std::chrono::duration<double>(end - written).count();
   // A synchronous save's device tensors went through the writer's staging buffers.
   e.last_save.snapshot_bytes = snapshot_bytes + (async ? 0 : e.writer->stream_buffer_bytes());
-  e.last_save.blocked_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  e.last_save.blocked_s = std::chrono::duration<double>(end - start).count();
+  if (const char* t = std::getenv("UCKPT_TIMERS"); t != nullptr && *t != '\0' && *t != '0' && !async) {
+    const SaveStats& l = e.last_save;
+    std::fprintf(stderr,
+                 "uckpt save timers (rank %d): %.2f s: state %.2f, fingerprint %.2f (beside the write), layout %.2f, write %.2f, "
+                 "publish %.2f\n",
+                 comm.rank(), l.blocked_s, l.state_s, l.fingerprint_s, l.layout_s, l.write_s, l.publish_s);
+  }
   return folder;
 }
 

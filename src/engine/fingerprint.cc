@@ -138,14 +138,21 @@ class Accumulator {
     (t.device().is_cpu() ? host_ : device_).push_back({t.reshape(-1).contiguous(), seed, start, k});
   }
   std::vector<uint64_t> Take() {
+    std::vector<uint64_t> sums = TakeDevice();
+    AddHost(sums);
+    return sums;
+  }
+  // The device jobs' sums (on this thread: its device and stream).
+  std::vector<uint64_t> TakeDevice() {
     std::vector<uint64_t> sums(n_, 0);
-    AddHostSums(host_, sums);
     if (!device_.empty()) {
       const at::Tensor d = DeviceSums(device_, static_cast<int64_t>(n_));
       for (size_t k = 0; k < n_; ++k) sums[k] += static_cast<uint64_t>(d.data_ptr<int64_t>()[k]);
     }
     return sums;
   }
+  // The host jobs' sums added into `sums` (any thread).
+  void AddHost(std::vector<uint64_t>& sums) { AddHostSums(host_, sums); }
 
  private:
   size_t n_;
@@ -167,22 +174,20 @@ struct Piece {
   int64_t offset = 0, start = 0, numel = 0;
 };
 
-ckpt::StateFingerprint Hash(Comm& comm, ckpt::StateFingerprint f, const std::vector<Piece>& pieces) {
+// The jobs that hash `pieces` of fingerprint f.
+std::unique_ptr<Accumulator> Jobs(const ckpt::StateFingerprint& f, const std::vector<Piece>& pieces) {
   std::vector<size_t> first(f.params.size(), 0);  // index of each param's first sum
   for (size_t i = 1; i < f.params.size(); ++i) first[i] = first[i - 1] + f.params[i - 1].states.size();
-  Accumulator acc(f.tensors());
+  auto acc = std::make_unique<Accumulator>(f.tensors());
   for (const Piece& p : pieces) {
     const ckpt::ParamFingerprint& pf = f.params[p.param];
     for (const auto& [key, t] : Tensors(*p.state)) {
       size_t k = 0;
       while (k < pf.states.size() && pf.states[k].first != key) ++k;
-      acc.Add(first[p.param] + k, t.narrow(0, p.offset, p.numel), ckpt::FingerprintSeed(pf.name, key), p.start);
+      acc->Add(first[p.param] + k, t.narrow(0, p.offset, p.numel), ckpt::FingerprintSeed(pf.name, key), p.start);
     }
   }
-  std::vector<uint64_t> sums = acc.Take();
-  AllReduceWrapping(comm, sums);
-  f.set_sums(sums);
-  return f;
+  return acc;
 }
 
 ckpt::ParamFingerprint Entry(const std::string& name, int64_t numel, const PartitionState& st) {
@@ -220,9 +225,11 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
     sums[k] = static_cast<uint64_t>(h[k]) + (static_cast<uint64_t>(h[n + k]) << 32);
 }
 
-ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) {
+namespace {
+
+// The fingerprint's parameters and counters, and the pieces this rank hashes.
+ckpt::StateFingerprint Layout(Engine::Impl& e, std::vector<Piece>& pieces) {
   ckpt::StateFingerprint f;
-  std::vector<Piece> pieces;
   // The runtime's partition slots, in parameter order at every stage. Where
   // every rank holds the whole state (stage 0), rank 0 alone hashes it.
   const bool hashes = e.runtime->partition_dp() > 1 || e.comm->rank() == 0;
@@ -239,7 +246,39 @@ ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) {
   f.counters.global_steps = e.global_steps;
   f.counters.skipped_steps = e.skipped_steps;
   f.counters.global_samples = e.global_samples;
-  return Hash(*e.comm, std::move(f), pieces);
+  return f;
+}
+
+}  // namespace
+
+ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) { return PendingStateFingerprint(e).Finish(*e.comm); }
+
+PendingStateFingerprint::PendingStateFingerprint(Engine::Impl& e) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Piece> pieces;
+  f_ = Layout(e, pieces);
+  std::shared_ptr<Accumulator> acc = Jobs(f_, pieces);
+  sums_ = acc->TakeDevice();
+  thread_ = std::thread([this, acc, start] {
+    try {
+      acc->AddHost(sums_);
+    } catch (const std::exception& ex) {
+      error_ = ex.what();
+    }
+    hash_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  });
+}
+
+PendingStateFingerprint::~PendingStateFingerprint() {
+  if (thread_.joinable()) thread_.join();
+}
+
+ckpt::StateFingerprint PendingStateFingerprint::Finish(Comm& comm) {
+  if (thread_.joinable()) thread_.join();
+  if (!error_.empty()) throw std::runtime_error("state fingerprint: " + error_);
+  AllReduceWrapping(comm, sums_);
+  f_.set_sums(sums_);
+  return std::move(f_);
 }
 
 namespace {

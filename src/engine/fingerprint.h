@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ckpt/fingerprint.h"
@@ -33,6 +34,27 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums);
 // Collective: the fingerprint of the trainable parameters' fp32 masters and
 // Adam state and of the counters this engine holds now.
 ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e);
+
+// The same in two halves, so that a save hashes while it writes. The
+// constructor (no collective) hashes this rank's device state at once and
+// starts its host state on a thread of its own; Finish (collective) waits for
+// it and adds up the ranks' sums. The state must not change in between.
+class PendingStateFingerprint {
+ public:
+  explicit PendingStateFingerprint(Engine::Impl& e);
+  ~PendingStateFingerprint();  // waits for the thread
+  PendingStateFingerprint(const PendingStateFingerprint&) = delete;
+  PendingStateFingerprint& operator=(const PendingStateFingerprint&) = delete;
+  ckpt::StateFingerprint Finish(Comm& comm);
+  double hash_seconds() const { return hash_s_; }  // this rank's hashing, start to end (after Finish)
+
+ private:
+  ckpt::StateFingerprint f_;
+  std::vector<uint64_t> sums_;
+  std::thread thread_;
+  std::string error_;
+  double hash_s_ = 0;
+};
 
 // The check of one load (StartStateFingerprintCheck .. FinishStateFingerprintCheck).
 struct FingerprintCheck {
