@@ -8,9 +8,10 @@
 #           writeback bytes sampled each 0.5 s; then PART=3's runs.
 #   PART=5: build; the big model's save alone (3 steps, then save and os.sync()), uckpt, DeepSpeed, uckpt
 #           again, each with the page cache sampled; after the fingerprint moved beside the write.
+#           PART=5 SKIP_BUILD=1 RUNS="deepspeed-2 uckpt-3" R=\$OUT: the same on the warm machine, DeepSpeed first.
 set -u
 cd "$(dirname "$0")/../../.."
-OUT=${OUT:-lead7-out}; R=/tmp/lead7; mkdir -p "$OUT" "$R"
+OUT=${OUT:-lead7-out}; R=${R:-/tmp/lead7}; mkdir -p "$OUT" "$R"
 t0=$SECONDS
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
@@ -47,11 +48,10 @@ case ${PART:-1} in
   rm -rf $W
   PART=3 "$0" ;;
 5)
-  build 5
   export W=/tmp/zero3-large
-  python3 bench/zero3_large.py --write-shards $W/shards > "$R/shards.txt" 2>&1
+  [ -n "${SKIP_BUILD:-}" ] || { build 5; python3 bench/zero3_large.py --write-shards $W/shards > "$R/shards.txt" 2>&1; }
   PYTHONPATH=.ds python3 -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()' > "$R/ds-cpu-adam-build.log" 2>&1
-  for run in uckpt-1 deepspeed uckpt-2; do
+  for run in ${RUNS:-uckpt-1 deepspeed uckpt-2}; do
     impl=${run%-*}; path=/tmp/uckpt-gpu/python; [ $impl = deepspeed ] && path=.ds
     ( while :; do echo "$(date +%s.%N) $(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ') $(head -1 /proc/stat)"; sleep 0.5; done ) > "$R/meminfo-$run.log" &
     s=$!
