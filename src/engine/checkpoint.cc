@@ -532,6 +532,33 @@ std::string TagFolder(const std::string& dir, const std::string& tag, bool unive
   return dir + "/" + (tag.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag, "checkpoint tag"));
 }
 
+// A folder published before it was durable, whose every file has just
+// matched its manifest's hash (its save was killed in the sync window):
+// every rank syncs the filesystem holding it, then rank 0 removes the marker,
+// so that later loads need not hash it again. If that fails the marker stays
+// and the load goes on (its files were whole).
+void UnmarkCheckedFolder(Comm& comm, const std::string& folder) {
+  const std::string marker = ckpt::UnsyncedMarkerPath(folder);
+  std::string error;
+  try {
+    Env::Current().SyncFilesystem(folder);
+  } catch (const std::exception& ex) {
+    error = ex.what();
+  }
+  error = AgreedError(comm, error);
+  if (error.empty() && comm.rank() == 0) {
+    try {
+      Env::Current().RemoveAll(marker);
+      Env::Current().SyncDir(fs::path(marker).parent_path().string());
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    }
+  }
+  if (!error.empty() && comm.rank() == 0)
+    std::fprintf(stderr, "uckpt: warning: %s was checked by hash and is whole, but %s stays (%s); later loads check it by hash too\n",
+                 folder.c_str(), marker.c_str(), error.c_str());
+}
+
 // Sizes on every rank (cheap, and every rank reaches the same verdict); with
 // verify_hashes the ranks split the hashing (each file is read once, not once
 // per rank) and then agree, so that all of them stop if any file is bad.
@@ -540,7 +567,8 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   // (ckpt/manifest.h), on every rank if any sees the marker.
   at::Tensor unsynced = at::full({1}, ckpt::ReadUnsyncedMarker(folder) ? 1.0f : 0.0f);
   comm.AllReduceMax(unsynced);
-  hashes = hashes || unsynced.item<float>() > 0;
+  const bool marked = unsynced.item<float>() > 0;
+  hashes = hashes || marked;
   if (!hashes) {
     ckpt::CheckFolderAgainstManifest(folder, false);
     return;
@@ -553,6 +581,7 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   }
   // Every rank reports the finder's error (it names the files).
   if (std::string agreed = AgreedError(comm, error); !agreed.empty()) throw FormatError(agreed);
+  if (marked) UnmarkCheckedFolder(comm, folder);
 }
 
 // The model-states file a rank reads, read.

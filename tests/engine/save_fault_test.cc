@@ -272,8 +272,9 @@ TEST(SaveDurability, FailedSyncIsEveryRanksError) {
 // What a reader does with a folder whose marker is still there, as after a
 // power loss: every file is checked by hash (a changed byte is found without
 // verify_checkpoint), and a folder cut short is refused on every rank,
-// naming the previous checkpoint; intact, it loads.
-TEST(SaveDurability, UnsyncedFolderIsCheckedByHashAndRefusedWhenCutShort) {
+// naming the previous checkpoint; intact, it loads and, once every rank has
+// synced it, loses its marker (a folder that could not be synced keeps it).
+TEST(SaveDurability, UnsyncedFolderIsCheckedByHashUnmarkedWhenWholeAndRefusedWhenCutShort) {
   const std::string dir = testing::FreshTempDir("durability_unsynced");
   RunRanks(2, [&](Comm& comm) {
     Trainer t(comm, Tiny());
@@ -284,10 +285,11 @@ TEST(SaveDurability, UnsyncedFolderIsCheckedByHashAndRefusedWhenCutShort) {
     t.engine().WaitForCheckpoint();
   });
   const std::string step2 = dir + "/global_step2";
-  {
+  auto mark = [&] {
     std::ofstream marker(ckpt::UnsyncedMarkerPath(step2));  // as a crash before the sync ended leaves it
     marker << "global_step1";
-  }
+  };
+  mark();
   auto resume = [&] {
     std::vector<std::string> errors(2);
     RunRanks(2, [&](Comm& comm) {
@@ -301,8 +303,16 @@ TEST(SaveDurability, UnsyncedFolderIsCheckedByHashAndRefusedWhenCutShort) {
     });
     return errors;
   };
+  {
+    FailFirstSyncfs failing(Env::Current());
+    ScopedEnv use(failing);
+    EXPECT_EQ(resume(), std::vector<std::string>(2)) << "an intact folder loads even if it cannot be synced";
+    EXPECT_EQ(failing.calls.load(), 2) << "one syncfs per rank";
+  }
+  EXPECT_TRUE(ckpt::ReadUnsyncedMarker(step2)) << "a folder not synced keeps its marker";
   EXPECT_EQ(resume(), std::vector<std::string>(2)) << "an intact folder loads";
-  ASSERT_TRUE(ckpt::ReadUnsyncedMarker(step2)) << "a reader leaves the marker";
+  EXPECT_FALSE(ckpt::ReadUnsyncedMarker(step2)) << "a load that checked every file by hash and synced them unmarks it";
+  mark();
   const std::string victim = step2 + "/" + ckpt::OptimStatesFileName(1, false);
   const auto size = fs::file_size(victim);
   testing::FlipByte(victim, size / 2);
@@ -314,6 +324,7 @@ TEST(SaveDurability, UnsyncedFolderIsCheckedByHashAndRefusedWhenCutShort) {
   }
   fs::resize_file(victim, size / 2);
   for (const std::string& e : resume()) EXPECT_NE(e.find(victim + ": size"), std::string::npos) << e;
+  EXPECT_TRUE(ckpt::ReadUnsyncedMarker(step2)) << "a refused folder keeps its marker";
   fs::remove_all(dir);
 }
 
