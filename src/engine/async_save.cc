@@ -158,6 +158,15 @@ void CheckpointWriter::Join() {
   if (thread_.joinable()) thread_.join();
 }
 
+void CheckpointWriter::Abandon() {
+  Join();
+  pending_ = false;
+  syncing_ = false;
+  files_.clear();
+  written_.clear();
+  state_.reset();
+}
+
 void CheckpointWriter::Start(std::string dir, std::string tag, std::string tmp, std::vector<SnapshotFile> files,
                              bool async, uint64_t snapshot_bytes, bool sync_after_publish, std::string marker) {
   if (pending_) throw std::logic_error("CheckpointWriter::Start: the previous save is not published");

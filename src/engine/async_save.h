@@ -90,6 +90,9 @@ class CheckpointWriter {
              uint64_t snapshot_bytes, bool sync_after_publish = false, std::string marker = "");
   // The state fingerprint the manifest records; set before Publish.
   void SetStateFingerprint(ckpt::StateFingerprint state) { state_ = std::move(state); }
+  // Drops the save Start began (after a failure on every rank, before the
+  // temporary folder is removed): waits for its write, publishes nothing.
+  void Abandon();
   // A save is under way: being written, or published and being synced.
   bool pending() const { return pending_; }
   bool syncing() const { return syncing_; }

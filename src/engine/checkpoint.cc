@@ -456,6 +456,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
     e.writer->SetStateFingerprint(state.Finish(comm));
     e.last_save.fingerprint_s = state.hash_seconds();
   } catch (...) {
+    e.writer->Abandon();
     if (rank0) discard();
     throw;
   }
@@ -532,31 +533,41 @@ std::string TagFolder(const std::string& dir, const std::string& tag, bool unive
   return dir + "/" + (tag.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag, "checkpoint tag"));
 }
 
-// A folder published before it was durable, whose every file has just
-// matched its manifest's hash (its save was killed in the sync window):
-// every rank syncs the filesystem holding it, then rank 0 removes the marker,
-// so that later loads need not hash it again. If that fails the marker stays
-// and the load goes on (its files were whole).
-void UnmarkCheckedFolder(Comm& comm, const std::string& folder) {
-  const std::string marker = ckpt::UnsyncedMarkerPath(folder);
+// Before the hash check of a folder published before it was durable (its
+// save was killed in the sync window, or its sync failed): every rank syncs
+// the filesystem holding it, then drops the folder's files from the page
+// cache, so that the check reads what the disk holds (pages a failed
+// writeback left in the cache would pass it). Returns whether every rank
+// did; if not, the check reads what it can and the marker stays.
+bool SyncAndDropCached(Comm& comm, const std::string& folder) {
   std::string error;
   try {
     Env::Current().SyncFilesystem(folder);
+    for (const auto& entry : fs::directory_iterator(folder))
+      if (entry.is_regular_file()) Env::Current().DropCached(entry.path().string());
   } catch (const std::exception& ex) {
     error = ex.what();
   }
   error = AgreedError(comm, error);
-  if (error.empty() && comm.rank() == 0) {
-    try {
-      Env::Current().RemoveAll(marker);
-      Env::Current().SyncDir(fs::path(marker).parent_path().string());
-    } catch (const std::exception& ex) {
-      error = ex.what();
-    }
-  }
   if (!error.empty() && comm.rank() == 0)
-    std::fprintf(stderr, "uckpt: warning: %s was checked by hash and is whole, but %s stays (%s); later loads check it by hash too\n",
-                 folder.c_str(), marker.c_str(), error.c_str());
+    std::fprintf(stderr, "uckpt: warning: %s (published before its files were on disk) could not be synced: %s; "
+                 "it stays marked\n", folder.c_str(), error.c_str());
+  return error.empty();
+}
+
+// After such a folder was synced and every file read back from the disk
+// matched its manifest: rank 0 removes the marker, so that later loads need
+// not hash it again (if it cannot, the marker stays).
+void Unmark(Comm& comm, const std::string& folder) {
+  if (comm.rank() != 0) return;
+  const std::string marker = ckpt::UnsyncedMarkerPath(folder);
+  try {
+    Env::Current().RemoveAll(marker);
+    Env::Current().SyncDir(fs::path(marker).parent_path().string());
+  } catch (const std::exception& ex) {
+    std::fprintf(stderr, "uckpt: warning: %s is whole, but %s stays (%s); later loads check it by hash too\n",
+                 folder.c_str(), marker.c_str(), ex.what());
+  }
 }
 
 // Sizes on every rank (cheap, and every rank reaches the same verdict); with
@@ -568,6 +579,7 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   at::Tensor unsynced = at::full({1}, ckpt::ReadUnsyncedMarker(folder) ? 1.0f : 0.0f);
   comm.AllReduceMax(unsynced);
   const bool marked = unsynced.item<float>() > 0;
+  const bool synced = marked && SyncAndDropCached(comm, folder);
   hashes = hashes || marked;
   if (!hashes) {
     ckpt::CheckFolderAgainstManifest(folder, false);
@@ -581,7 +593,7 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   }
   // Every rank reports the finder's error (it names the files).
   if (std::string agreed = AgreedError(comm, error); !agreed.empty()) throw FormatError(agreed);
-  if (marked) UnmarkCheckedFolder(comm, folder);
+  if (synced) Unmark(comm, folder);
 }
 
 // The model-states file a rank reads, read.

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <system_error>
 
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
@@ -227,6 +228,13 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
 
 namespace {
 
+// The highest rank whose `error` is not empty, or -1: one all-reduce.
+int FailedRank(Comm& comm, const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
+  comm.AllReduceMax(failed);
+  return static_cast<int>(failed.item<float>());
+}
+
 // The fingerprint's parameters and counters, and the pieces this rank hashes.
 ckpt::StateFingerprint Layout(Engine::Impl& e, std::vector<Piece>& pieces) {
   ckpt::StateFingerprint f;
@@ -259,14 +267,19 @@ PendingStateFingerprint::PendingStateFingerprint(Engine::Impl& e) {
   f_ = Layout(e, pieces);
   std::shared_ptr<Accumulator> acc = Jobs(f_, pieces);
   sums_ = acc->TakeDevice();
-  thread_ = std::thread([this, acc, start] {
+  auto hash = [this, acc, start] {
     try {
       acc->AddHost(sums_);
     } catch (const std::exception& ex) {
       error_ = ex.what();
     }
     hash_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  });
+  };
+  try {
+    thread_ = std::thread(hash);
+  } catch (const std::system_error&) {
+    hash();  // no thread to be had: here, before the write
+  }
 }
 
 PendingStateFingerprint::~PendingStateFingerprint() {
@@ -275,20 +288,16 @@ PendingStateFingerprint::~PendingStateFingerprint() {
 
 ckpt::StateFingerprint PendingStateFingerprint::Finish(Comm& comm) {
   if (thread_.joinable()) thread_.join();
-  if (!error_.empty()) throw std::runtime_error("state fingerprint: " + error_);
+  // Every rank learns of a failure on any (no rank is left in the sums' reduction).
+  if (const int failed = FailedRank(comm, error_); failed >= 0)
+    throw std::runtime_error("state fingerprint: " +
+                             (error_.empty() ? "failed on rank " + std::to_string(failed) : error_));
   AllReduceWrapping(comm, sums_);
   f_.set_sums(sums_);
   return std::move(f_);
 }
 
 namespace {
-
-// The highest rank whose `error` is not empty, or -1: one all-reduce.
-int FailedRank(Comm& comm, const std::string& error) {
-  at::Tensor failed = at::full({1}, error.empty() ? -1.0f : static_cast<float>(comm.rank()), at::kFloat);
-  comm.AllReduceMax(failed);
-  return static_cast<int>(failed.item<float>());
-}
 
 // What a checkpoint without a record covers: from the files the load
 // opened, else (the load read the module's weights) from the folder's. No

@@ -197,6 +197,13 @@ class PosixEnv : public Env {
     }
     ::close(fd);
   }
+
+  void DropCached(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
 };
 
 std::atomic<Env*> g_current{nullptr};

@@ -69,6 +69,10 @@ class Env {
   // Flushes every file of the filesystem holding `path` (syncfs): one call
   // instead of an fsync per file for folders of many files.
   virtual void SyncFilesystem(const std::string& path) = 0;
+  // Asks the kernel to drop the file's clean pages from the page cache
+  // (posix_fadvise DONTNEED), so that the next read comes from the disk.
+  // Best effort: never throws.
+  virtual void DropCached(const std::string& path) = 0;
 };
 
 // Renames the finished folder `tmp` to `dest`. An existing `dest` is swapped
@@ -95,6 +99,7 @@ class EnvWrapper : public Env {
   void RemoveAll(const std::string& path) override { target_.RemoveAll(path); }
   void SyncDir(const std::string& dir) override { target_.SyncDir(dir); }
   void SyncFilesystem(const std::string& path) override { target_.SyncFilesystem(path); }
+  void DropCached(const std::string& path) override { target_.DropCached(path); }
 
  private:
   Env& target_;

@@ -227,6 +227,17 @@ class FailFirstSyncfs : public EnvWrapper {
   std::atomic<int> calls{0};
 };
 
+// Counts the files dropped from the page cache.
+class CountDrops : public EnvWrapper {
+ public:
+  using EnvWrapper::EnvWrapper;
+  void DropCached(const std::string& path) override {
+    ++drops;
+    EnvWrapper::DropCached(path);
+  }
+  std::atomic<int> drops{0};
+};
+
 // A failed sync of a published save is every rank's error at the next wait,
 // naming the folder (one rank's syncfs fails: the others learn of it only by
 // agreeing); the folder stays published and marked.
@@ -310,7 +321,14 @@ TEST(SaveDurability, UnsyncedFolderIsCheckedByHashUnmarkedWhenWholeAndRefusedWhe
     EXPECT_EQ(failing.calls.load(), 2) << "one syncfs per rank";
   }
   EXPECT_TRUE(ckpt::ReadUnsyncedMarker(step2)) << "a folder not synced keeps its marker";
-  EXPECT_EQ(resume(), std::vector<std::string>(2)) << "an intact folder loads";
+  {
+    int files = 0;
+    for (const auto& entry : fs::directory_iterator(step2)) files += entry.is_regular_file() ? 1 : 0;
+    CountDrops counting(Env::Current());
+    ScopedEnv use(counting);
+    EXPECT_EQ(resume(), std::vector<std::string>(2)) << "an intact folder loads";
+    EXPECT_EQ(counting.drops.load(), 2 * files) << "each rank reads the files back from the disk, not the cache";
+  }
   EXPECT_FALSE(ckpt::ReadUnsyncedMarker(step2)) << "a load that checked every file by hash and synced them unmarks it";
   mark();
   const std::string victim = step2 + "/" + ckpt::OptimStatesFileName(1, false);
