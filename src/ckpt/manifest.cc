@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "ckpt/parallel.h"
+#include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
 
@@ -306,6 +307,12 @@ std::optional<std::string> ReadUnsyncedMarker(const std::string& folder) {
   std::string previous;
   std::getline(in, previous);
   return previous;
+}
+
+void RemoveUnsyncedMarker(const std::string& folder) {
+  const std::string marker = UnsyncedMarkerPath(folder);
+  Env::Current().RemoveAll(marker);
+  Env::Current().SyncDir(fs::path(marker).parent_path().string());
 }
 
 void CheckFolderAgainstManifest(const std::string& folder, bool hashes, int shard, int shards) {

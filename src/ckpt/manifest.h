@@ -106,6 +106,9 @@ std::string UnsyncedMarkerPath(const std::string& folder);
 // The previous tag the marker beside `folder` holds ("" if none was), or
 // nullopt when there is no marker.
 std::optional<std::string> ReadUnsyncedMarker(const std::string& folder);
+// Removes the marker beside `folder` (absent is fine) and makes its removal
+// durable (an fsync of the folder's parent). Throws IoError.
+void RemoveUnsyncedMarker(const std::string& folder);
 
 // What every checkpoint reader calls before it opens a folder: if the folder
 // has a manifest, CheckManifest it (sizes; hashes with `hashes`, only share

@@ -146,8 +146,7 @@ CheckpointWriter::~CheckpointWriter() {
   // and the next reader checks the files by hash.
   if (syncing_ && done_ && error_.empty() && drop_marker_at_exit_ && !marker_.empty()) {
     try {
-      Env::Current().RemoveAll(marker_);
-      Env::Current().SyncDir(dir_);
+      ckpt::RemoveUnsyncedMarker(dir_ + "/" + tag_);
     } catch (const std::exception&) {
       // Left in place: only costs the next reader a hash check.
     }
@@ -348,10 +347,7 @@ std::string CheckpointWriter::Publish(Comm& comm) {
       latest.Write(tag_);
       latest.Commit();
       // A marker an interrupted earlier save of this tag left: this folder is durable.
-      if (!later && !marker_.empty() && fs::exists(marker_)) {
-        env.RemoveAll(marker_);
-        env.SyncDir(dir_);
-      }
+      if (!later && !marker_.empty() && fs::exists(marker_)) ckpt::RemoveUnsyncedMarker(folder);
     } catch (const std::exception& ex) {
       error = ex.what();
       discard();
@@ -396,8 +392,7 @@ void CheckpointWriter::FinishSync(Comm& comm) {
   std::string error = AgreedError(comm, error_);
   if (error.empty() && comm.rank() == 0 && !marker_.empty()) {
     try {
-      Env::Current().RemoveAll(marker_);
-      Env::Current().SyncDir(dir_);
+      ckpt::RemoveUnsyncedMarker(dir_ + "/" + tag_);
     } catch (const std::exception& ex) {
       error = ex.what();
     }

@@ -449,7 +449,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   // 3. Every rank writes its files while another thread hashes the state
   // for the manifest's fingerprint (then added up over the ranks); then they
   // are published.
-  const auto hashing = std::chrono::steady_clock::now();
+  const auto writing = std::chrono::steady_clock::now();
   try {
     PendingStateFingerprint state(e);
     e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, sync_after_publish, marker);
@@ -464,7 +464,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   if (!async) e.writer->Publish(comm);
   const auto end = std::chrono::steady_clock::now();
   e.last_save.async = async;
-  e.last_save.state_s = std::chrono::duration<double>(hashing - start).count();
+  e.last_save.state_s = std::chrono::duration<double>(writing - start).count();
   e.last_save.layout_s = async ? 0 : e.writer->layout_seconds();
   e.last_save.write_s = async ? 0 : e.writer->copy_seconds();
   e.last_save.publish_s = async ? 0 : std::chrono::duration<double>(end - written).count();
@@ -560,13 +560,11 @@ bool SyncAndDropCached(Comm& comm, const std::string& folder) {
 // not hash it again (if it cannot, the marker stays).
 void Unmark(Comm& comm, const std::string& folder) {
   if (comm.rank() != 0) return;
-  const std::string marker = ckpt::UnsyncedMarkerPath(folder);
   try {
-    Env::Current().RemoveAll(marker);
-    Env::Current().SyncDir(fs::path(marker).parent_path().string());
+    ckpt::RemoveUnsyncedMarker(folder);
   } catch (const std::exception& ex) {
     std::fprintf(stderr, "uckpt: warning: %s is whole, but %s stays (%s); later loads check it by hash too\n",
-                 folder.c_str(), marker.c_str(), ex.what());
+                 folder.c_str(), ckpt::UnsyncedMarkerPath(folder).c_str(), ex.what());
   }
 }
 
