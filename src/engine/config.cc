@@ -439,6 +439,9 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
     if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
     if (auto s = top.Sub("fp16")) {
+      for (const char* k : {"initial_scale_power", "loss_scale_window", "min_loss_scale", "hysteresis",
+                            "consecutive_hysteresis"})
+        if (s->Has(k)) c.fp16.dynamic_keys_given = true;
       s->Bool("enabled", c.fp16.enabled);
       s->Double("loss_scale", c.fp16.loss_scale);
       s->Int("initial_scale_power", c.fp16.initial_scale_power);

@@ -70,6 +70,11 @@ struct Fp16Config {
   int hysteresis = 2;
   bool consecutive_hysteresis = false;
   double min_loss_scale = 1.0;
+  // Whether the config writes any of the dynamic scaler's keys (initial_scale_power,
+  // loss_scale_window, min_loss_scale, hysteresis, consecutive_hysteresis). DeepSpeed's
+  // ZeRO optimizers read the five above only then; otherwise they keep their
+  // DynamicLossScaler's own defaults (LossScaler::FromConfig).
+  bool dynamic_keys_given = false;
 };
 
 struct ZeroConfig {

@@ -23,6 +23,16 @@ struct LossScaler : ckpt::LossScalerState {
       return s;
     }
     s.dynamic = true;
+    if (!c.dynamic_keys_given) {
+      // DeepSpeed 0.14.5's ZeRO optimizers build DynamicLossScaler() with its own
+      // defaults when the fp16 section writes none of its keys: 2^32, no hysteresis.
+      s.cur_scale = 4294967296.0;
+      s.scale_window = 1000;
+      s.min_scale = 1;
+      s.delayed_shift = s.cur_hysteresis = 1;
+      s.consecutive_hysteresis = false;
+      return s;
+    }
     s.cur_scale = static_cast<double>(int64_t{1} << c.initial_scale_power);
     s.scale_window = c.loss_scale_window;
     s.min_scale = c.min_loss_scale;

@@ -21,6 +21,7 @@ ZeroSettings Fp16Settings() {
   s.fp16.enabled = true;
   s.fp16.initial_scale_power = 4;
   s.fp16.hysteresis = 2;
+  s.fp16.dynamic_keys_given = true;
   s.fp16.loss_scale_window = 2;
   s.optimizer.lr = 0.1;
   return s;
@@ -188,6 +189,7 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
           s.model_dtype = dtype;
           s.fp16.enabled = dtype == at::kHalf;
           s.fp16.initial_scale_power = 8;
+          s.fp16.dynamic_keys_given = true;
           s.reduce_bucket_size = 4000;  // several buckets
           s.optimizer.weight_decay = 0.01;
           s.optimizer.beta2 = 0.95;
