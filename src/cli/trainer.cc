@@ -9,12 +9,18 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <set>
 
 #include "ckpt/deepspeed_names.h"
 #include "format/error.h"
 #include "models/bert.h"
 #include "engine/torch_bridge.h"
 #include "cli/init_weights.h"
+
+#if __has_include(<torch/csrc/autograd/profiler_kineto.h>)
+#include <torch/csrc/autograd/profiler_kineto.h>
+#define UCKPT_HAVE_KINETO 1
+#endif
 
 namespace uckpt::cli {
 
@@ -338,6 +344,58 @@ void FinishBackgroundSave(Trainer& trainer) {
     std::fprintf(stderr, "uckpt train: last save durable after %.3f s more\n", SecondsSince(t0));
 }
 
+// UCKPT_TRACE=PREFIX: torch's profiler (CPU ops and device kernels) over
+// steps UCKPT_TRACE_STEPS ("FIRST-LAST", default 6-8), written as a Chrome
+// trace to PREFIX.rank<r>.json: where a step's device time goes, for tuning.
+class StepTrace {
+ public:
+  explicit StepTrace(int rank) {
+    const char* prefix = std::getenv("UCKPT_TRACE");
+    if (prefix == nullptr || *prefix == '\0') return;
+    path_ = std::string(prefix) + ".rank" + std::to_string(rank) + ".json";
+    if (const char* r = std::getenv("UCKPT_TRACE_STEPS"); r != nullptr && *r != '\0') {
+      long long a = 0, b = 0;
+      if (std::sscanf(r, "%lld-%lld", &a, &b) != 2 || a < 1 || b < a)
+        throw std::invalid_argument(std::string("UCKPT_TRACE_STEPS must be FIRST-LAST (1 <= FIRST <= LAST), got ") + r);
+      first_ = a, last_ = b;
+    }
+#ifndef UCKPT_HAVE_KINETO
+    throw std::invalid_argument("UCKPT_TRACE is set, but this build of uckpt has no torch profiler (Kineto) headers");
+#endif
+  }
+  // Around step `step`.
+  void Before(int64_t step) {
+#ifdef UCKPT_HAVE_KINETO
+    if (path_.empty() || step != first_) return;
+    namespace tp = torch::autograd::profiler;
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    const std::set<torch::profiler::impl::ActivityType> what{torch::profiler::impl::ActivityType::CPU,
+                                                             torch::profiler::impl::ActivityType::CUDA};
+    tp::prepareProfiler(config, what);
+    tp::enableProfiler(config, what);
+    on_ = true;
+#else
+    (void)step;
+#endif
+  }
+  void After(int64_t step) {
+#ifdef UCKPT_HAVE_KINETO
+    if (!on_ || step != last_) return;
+    on_ = false;
+    torch::autograd::profiler::disableProfiler()->save(path_);
+    std::fprintf(stderr, "uckpt train: trace of steps %lld-%lld in %s\n", static_cast<long long>(first_),
+                 static_cast<long long>(last_), path_.c_str());
+#else
+    (void)step;
+#endif
+  }
+
+ private:
+  std::string path_;
+  int64_t first_ = 6, last_ = 8;
+  bool on_ = false;
+};
+
 }  // namespace
 
 int RunTraining(Comm& comm, const TrainOptions& options) {
@@ -352,8 +410,11 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   // After a resume there is nothing new to save yet; a fresh run with --steps 0
   // saves its initial state as global_step0 (`uckpt export` then writes the init).
   int64_t last_saved = o.resume ? trainer.counters().global_steps : -1;
+  StepTrace trace(comm.rank());
   while (trainer.counters().global_steps < o.steps) {
+    trace.Before(trainer.counters().global_steps + 1);
     const StepMetrics m = trainer.TrainStep();
+    trace.After(m.step);
     if (log) log->Write(m);
     if (rank0) PrintStep(o, tty, m);
     if (o.checkpoint_interval > 0 && m.step % o.checkpoint_interval == 0) {
