@@ -8,6 +8,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "models/lm_head.h"
 #include "models/next_token_loss.h"
 #include "uckpt/random.h"
 
@@ -224,7 +225,7 @@ at::Tensor Gpt2::Attention(const Block& blk, const at::Tensor& a, const DropoutK
   return Dropout(Conv1D(y, blk.attn_proj_w, blk.attn_proj_b), dk, site + 1);
 }
 
-at::Tensor Gpt2::Logits(const at::Tensor& input_ids, const DropoutKey* dk) const {
+at::Tensor Gpt2::Hidden(const at::Tensor& input_ids, const DropoutKey* dk) const {
   const int64_t T = input_ids.size(1);
   if (T > cfg_.n_positions)
     throw std::invalid_argument("sequence length " + std::to_string(T) + " exceeds n_positions " +
@@ -247,17 +248,27 @@ at::Tensor Gpt2::Logits(const at::Tensor& input_ids, const DropoutKey* dk) const
     x = units_.Exit(i, x);
     site += 3;
   }
-  x = at::layer_norm(x, {C}, ln_f_w_, ln_f_b_, eps);
-  return at::linear(x, wte_);  // the tied LM head, no bias
+  return at::layer_norm(x, {C}, ln_f_w_, ln_f_b_, eps);
+}
+
+at::Tensor Gpt2::Logits(const at::Tensor& input_ids, const DropoutKey* dk) const {
+  return at::linear(Hidden(input_ids, dk), wte_);  // the tied LM head, no bias
 }
 
 at::Tensor Gpt2::Loss(const at::Tensor& input_ids, const DropoutKey* dk) const {
-  at::Tensor logits = Logits(input_ids, dk);
-  if (cfg_.chunked_loss) return NextTokenLoss(logits, input_ids);
-  const int64_t V = logits.size(-1);
+  if (cfg_.chunked_loss) return NextTokenLoss(Logits(input_ids, dk), input_ids);
   using namespace at::indexing;
-  at::Tensor shifted = logits.index({Slice(), Slice(None, -1), Slice()}).to(at::kFloat).reshape({-1, V});
   at::Tensor labels = input_ids.index({Slice(), Slice(1, None)}).reshape({-1});
+  if (cfg_.fused_kernels) {
+    // HF's loss on the positions that predict a token (0..T-2), in one
+    // function with the head (lm_head.h: less memory, aligned products).
+    at::Tensor h = Hidden(input_ids, dk);
+    h = h.narrow(1, 0, h.size(1) - 1).reshape({-1, cfg_.n_embd});
+    return LmHeadCrossEntropy(h, wte_, labels);
+  }
+  at::Tensor logits = Logits(input_ids, dk);
+  const int64_t V = logits.size(-1);
+  at::Tensor shifted = logits.index({Slice(), Slice(None, -1), Slice()}).to(at::kFloat).reshape({-1, V});
   return at::cross_entropy_loss(shifted, labels);
 }
 

@@ -27,6 +27,8 @@ struct Gpt2Config {
   // Fused attention (scaled_dot_product_attention) and the one-kernel tanh
   // GELU instead of HF's eager attention and gelu_new written out: the same
   // function, other rounding; much less activation memory. Needs dropout 0.
+  // Also HF's loss and the LM head as one function, on the positions that
+  // predict a token (lm_head.h: less memory, aligned products on CUDA).
   bool fused_kernels = false;
   // The loss a chunk of sequences at a time (next_token_loss.h) instead of
   // HF's fp32 copies of all logits: the same gradient, far less memory, a few
@@ -80,6 +82,8 @@ class Gpt2 {
     at::Tensor ln_1_w, ln_1_b, c_attn_w, c_attn_b, attn_proj_w, attn_proj_b;
     at::Tensor ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b;
   };
+  // The last layer norm's output [B, T, C], before the LM head.
+  at::Tensor Hidden(const at::Tensor& input_ids, const DropoutKey* dk) const;
   at::Tensor Attention(const Block& blk, const at::Tensor& a, const DropoutKey* dk, int64_t site) const;
   at::Tensor Dropout(const at::Tensor& x, const DropoutKey* dk, int64_t site) const;
 
