@@ -82,20 +82,27 @@ def main():
     dev = torch.device("cuda", local)
     gen = torch.Generator().manual_seed(1000 + rank)
     losses, t0, widths, new_widths = [], None, set(), 0
+    laps = {True: [], False: []}  # host time between step ends (the offloaded step waits for the device)
     for step in range(1, a.last + 1):
         tokens, mask, targets = batch(gen, a.micro, cfg)
-        new_widths += step > a.first and tokens.shape[1] not in widths  # a shape cuDNN has no plan for yet
+        new = tokens.shape[1] not in widths  # a shape cuDNN has no plan for yet
+        new_widths += step > a.first and new
         widths.add(tokens.shape[1])
         loss = engine(tokens.to(dev), mask.to(dev), targets.to(dev))
         engine.backward(loss)
         engine.step()
         if step == a.first:
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = last = time.perf_counter()
+            skipped_before = engine.skipped_steps
         if step > a.first:
             losses.append(loss.detach())
+            now = time.perf_counter()
+            laps[new].append(now - last)
+            last = now
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    lap_ms = {("new" if k else "seen"): round(1000 * sum(v) / len(v), 2) if v else None for k, v in laps.items()}
     phases = time_phases(engine, gen, a, cfg, dev, widths) if a.phases else None
     mean_loss = float(torch.stack([x.float() for x in losses]).mean())
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=dev)
@@ -105,7 +112,8 @@ def main():
         print(json.dumps({"impl": a.impl, "dtype": a.dtype, "stage": a.stage, "offload": a.offload,
                           "world": torch.distributed.get_world_size(), "threads": torch.get_num_threads(),
                           "s_per_step": round(elapsed / (a.last - a.first), 5), "mean_loss": round(mean_loss, 5),
-                          "new_widths": new_widths,
+                          "new_widths": new_widths, "lap_ms": lap_ms, "skipped_steps": engine.skipped_steps,
+                          "skipped_timed": engine.skipped_steps - skipped_before,
                           "max_allocated_gib": [round(float(x), 3) for x in peaks], "torch": torch.__version__,
                           **({"phases": phases} if phases else {})}),
               flush=True)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The lead's device calls of 2026-11-27's first session, on one warm 2 x H100 machine
+# (results collect in /tmp/lead8 and are copied to $OUT each time):
+#   PART=1: build; a torch-profiler trace of uckpt's ZeRO-3 step at 2 GPUs (UCKPT_TRACE, steps 6-8);
+#           the masked LM through the Python API in fp16 at 1 GPU, DeepSpeed and uckpt (with per-step laps).
+#   PART=2: build; ZeRO-3 without offload against FSDP2 at 2 GPUs, twice (RUNS, default 2).
+#   PART=3: build; the masked LM in bf16 and fp16 at 1 and 2 GPUs.
+#   PART=4: build; PART=1's trace, then PART=2's runs (TAG names the trace folder).
+set -u
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-lead8-out}; R=${R:-/tmp/lead8}; mkdir -p "$OUT" "$R"
+t0=$SECONDS
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
+export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
+build() {
+  [ -n "${SKIP_BUILD:-}" ] && return
+  { scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps && cmake --build /tmp/uckpt-gpu -j16 --target python; } > "$R/build-$1.log" 2>&1 ||
+    { tail -30 "$R/build-$1.log"; cp -r "$R"/. "$OUT"/; exit 1; }
+  echo "== built in $((SECONDS - t0)) s"
+}
+train3() {  # train3 NAME: uckpt-z3 and FSDP2 at 2 GPUs
+  ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3 fsdp2-hf" timeout 200 bench/train-gpu.sh /tmp/uckpt-gpu/src/cli/uckpt /tmp/z3 \
+    > "$R/train3-$1.log" 2>&1
+  grep -E '^(uckpt-z3|fsdp2|2 GPUs: uckpt-z3 /|uckpt timers)' "$R/train3-$1.log"
+}
+trace() {  # trace NAME: uckpt-z3 at 2 GPUs, steps 6-8 traced (rank 0's file kept)
+  mkdir -p "$R/$1"
+  UCKPT_TRACE=$R/$1/z3 UCKPT_TIMERS=1 ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3" STEPS=5 timeout 200 \
+    bench/train-gpu.sh /tmp/uckpt-gpu/src/cli/uckpt /tmp/z3trace > "$R/$1-run.log" 2>&1
+  grep -E "trace|^uckpt-z3" "$R/$1-run.log"; rm -f "$R/$1"/*rank1*; gzip -f "$R/$1"/*.json
+}
+case ${PART:-1} in
+1)
+  build 1
+  { nproc; nvidia-smi -L; git log --oneline -1; } > "$R/host.txt" 2>&1
+  trace trace
+  GPU_COUNTS=1 DTYPES=fp16 timeout 300 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python-fp16-1gpu" 2>&1 | tail -4 ;;
+2)
+  build 2
+  for k in $(seq 1 ${RUNS:-2}); do train3 "$k"; done ;;
+4)
+  build 4
+  trace "trace-${TAG:-4}"
+  for k in $(seq 1 ${RUNS:-2}); do train3 "${TAG:-4}-$k"; done ;;
+3)
+  build 3
+  GPU_COUNTS="1 2" timeout 500 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python" 2>&1 | tail -6 ;;
+esac
+cp -r "$R"/. "$OUT"/ 2>/dev/null
+echo "part ${PART:-1}: $((SECONDS - t0)) s"
