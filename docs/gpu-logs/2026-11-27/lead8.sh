@@ -6,6 +6,7 @@
 #   PART=2: build; ZeRO-3 without offload against FSDP2 at 2 GPUs, twice (RUNS, default 2).
 #   PART=3: build; the masked LM in bf16 and fp16 at 1 and 2 GPUs.
 #   PART=4: build; PART=1's trace, then PART=2's runs (TAG names the trace folder).
+#   PART=5: build; PART=3's runs, then one of PART=2's.
 set -u
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-lead8-out}; R=${R:-/tmp/lead8}; mkdir -p "$OUT" "$R"
@@ -43,6 +44,10 @@ case ${PART:-1} in
   build 4
   trace "trace-${TAG:-4}"
   for k in $(seq 1 ${RUNS:-2}); do train3 "${TAG:-4}-$k"; done ;;
+5)
+  build 5
+  GPU_COUNTS="1 2" timeout 390 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python" 2>&1 | tail -6
+  train3 5 ;;
 3)
   build 3
   GPU_COUNTS="1 2" timeout 500 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python" 2>&1 | tail -6 ;;
