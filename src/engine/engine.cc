@@ -220,6 +220,14 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     // it: tensors the caller creates without an index land there too.
     c10::impl::getDeviceGuardImpl(at::kCUDA)->setDevice(e.device);
   }
+  // With any optimizer: DeepSpeed's FP16_Optimizer (FP16_UnfusedOptimizer for most client ones) scales the
+  // loss by rules of its own (no hysteresis, another initial scale and growth count) and keeps the scale
+  // in checkpoint entries of its own; uckpt has ZeRO's loss scaler and layout only.
+  if (c.zero.stage == 0 && c.fp16.enabled)
+    throw std::invalid_argument(
+        "ZeRO stage 0 in fp16 is not supported by uckpt: DeepSpeed wraps the optimizer in its FP16_Optimizer "
+        "(FP16_UnfusedOptimizer for most client optimizers), whose loss scaling and checkpoint layout uckpt does not "
+        "reproduce; use fp16 at ZeRO stage 1, 2 or 3, or bf16 or fp32 at stage 0");
   if (c.fp16.enabled && e.device.is_cpu()) {
     try {  // libtorch 1.13 has no CPU fp16 kernels for LayerNorm and friends.
       at::layer_norm(at::zeros({1, 2}, at::kHalf), {2});

@@ -7,6 +7,7 @@
 #include "format/error.h"
 #include "engine/config.h"
 #include "engine/data/data.h"
+#include "engine/loss_scaler.h"
 #include "engine/lr_schedule.h"
 
 namespace uckpt::engine {
@@ -266,6 +267,45 @@ TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
   }
   EXPECT_TRUE(parse(R"({"tensorboard": {"enabled": false}, "wandb": {"project": "x"}, "wall_clock_breakdown": false,
       "flops_profiler": {"enabled": false}, "comms_logger": {"enabled": false}})").warnings.empty());
+}
+
+// DeepSpeed 0.14.5's ZeRO optimizers: get_dynamic_loss_scale_args gives None unless
+// the fp16 section writes one of five keys, and CreateLossScaler then builds
+// DynamicLossScaler() (2^32, delayed_shift 1, window 1000, minimum 1); once one is
+// written, the rest take the config's defaults (2^16, hysteresis 2, ...).
+TEST(Config, Fp16LossScalerStartsAsDeepSpeedsZeroOptimizers) {
+  auto scaler = [](const std::string& fp16) {
+    return LossScaler::FromConfig(ParseConfig(nlohmann::json::parse(R"({"fp16": )" + fp16 + "}"), "cfg.json").fp16);
+  };
+  for (const char* none : {R"({"enabled": true})", R"({"enabled": true, "loss_scale": 0})"}) {
+    const LossScaler s = scaler(none);
+    EXPECT_TRUE(s.dynamic) << none;
+    EXPECT_EQ(s.cur_scale, 4294967296.0) << none;
+    EXPECT_EQ(s.delayed_shift, 1) << none;
+    EXPECT_EQ(s.cur_hysteresis, 1) << none;
+    EXPECT_EQ(s.scale_window, 1000) << none;
+    EXPECT_EQ(s.min_scale, 1.0) << none;
+  }
+  for (const char* key : {"initial_scale_power", "loss_scale_window", "min_loss_scale", "hysteresis"}) {
+    const std::string value = std::string(key) == "initial_scale_power" ? "16" : std::string(key) == "hysteresis" ? "2"
+                              : std::string(key) == "loss_scale_window" ? "1000" : "1";
+    const LossScaler s = scaler(std::string(R"({"enabled": true, ")") + key + "\": " + value + "}");
+    EXPECT_EQ(s.cur_scale, 65536.0) << key;
+    EXPECT_EQ(s.delayed_shift, 2) << key;
+    EXPECT_EQ(s.scale_window, 1000) << key;
+  }
+  const LossScaler c = scaler(R"({"enabled": true, "consecutive_hysteresis": false})");
+  EXPECT_EQ(c.cur_scale, 65536.0);
+  EXPECT_EQ(c.delayed_shift, 2);
+  const LossScaler w = scaler(R"({"enabled": true, "initial_scale_power": 12, "hysteresis": 3, "loss_scale_window": 50})");
+  EXPECT_EQ(w.cur_scale, 4096.0);
+  EXPECT_EQ(w.delayed_shift, 3);
+  EXPECT_EQ(w.scale_window, 50);
+  EXPECT_FALSE(scaler(R"({"enabled": true, "loss_scale": 128})").dynamic);
+  // Without hysteresis the first overflow halves the scale.
+  LossScaler d = scaler(R"({"enabled": true})");
+  d.Update(/*overflow=*/true);
+  EXPECT_EQ(d.cur_scale, 2147483648.0);
 }
 
 TEST(Config, BatchArithmetic) {
