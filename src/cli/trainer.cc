@@ -4,6 +4,7 @@
 #include <torch/cuda.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
@@ -349,7 +350,7 @@ void FinishBackgroundSave(Trainer& trainer) {
 // trace to PREFIX.rank<r>.json: where a step's device time goes, for tuning.
 class StepTrace {
  public:
-  explicit StepTrace(int rank) {
+  StepTrace(int rank, int64_t final_step) {
     const char* prefix = std::getenv("UCKPT_TRACE");
     if (prefix == nullptr || *prefix == '\0') return;
     path_ = std::string(prefix) + ".rank" + std::to_string(rank) + ".json";
@@ -359,20 +360,27 @@ class StepTrace {
         throw std::invalid_argument(std::string("UCKPT_TRACE_STEPS must be FIRST-LAST (1 <= FIRST <= LAST), got ") + r);
       first_ = a, last_ = b;
     }
-#ifndef UCKPT_HAVE_KINETO
+    last_ = std::min(last_, final_step);  // a run that ends first still writes its trace
+#ifdef UCKPT_HAVE_KINETO
+    // libtorch may come without Kineto (Debian's does): then saving fails, so find out now.
+    try {
+      Start();
+      torch::autograd::profiler::disableProfiler()->save(path_ + ".probe");
+      std::remove((path_ + ".probe").c_str());
+    } catch (const std::exception& e) {
+      throw std::invalid_argument("UCKPT_TRACE is set, but this libtorch's profiler cannot write a trace: " +
+                                  std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
+    }
+#else
     throw std::invalid_argument("UCKPT_TRACE is set, but this build of uckpt has no torch profiler (Kineto) headers");
 #endif
   }
   // Around step `step`.
   void Before(int64_t step) {
 #ifdef UCKPT_HAVE_KINETO
-    if (path_.empty() || step != first_) return;
-    namespace tp = torch::autograd::profiler;
-    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
-    const std::set<torch::profiler::impl::ActivityType> what{torch::profiler::impl::ActivityType::CPU,
-                                                             torch::profiler::impl::ActivityType::CUDA};
-    tp::prepareProfiler(config, what);
-    tp::enableProfiler(config, what);
+    if (path_.empty() || on_ || done_ || step < first_ || step > last_) return;
+    first_ = step;  // a resumed run may start inside the range
+    Start();
     on_ = true;
 #else
     (void)step;
@@ -380,8 +388,9 @@ class StepTrace {
   }
   void After(int64_t step) {
 #ifdef UCKPT_HAVE_KINETO
-    if (!on_ || step != last_) return;
+    if (!on_ || step < last_) return;
     on_ = false;
+    done_ = true;
     torch::autograd::profiler::disableProfiler()->save(path_);
     std::fprintf(stderr, "uckpt train: trace of steps %lld-%lld in %s\n", static_cast<long long>(first_),
                  static_cast<long long>(last_), path_.c_str());
@@ -391,9 +400,19 @@ class StepTrace {
   }
 
  private:
+#ifdef UCKPT_HAVE_KINETO
+  static void Start() {
+    namespace tp = torch::autograd::profiler;
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    std::set<torch::profiler::impl::ActivityType> what{torch::profiler::impl::ActivityType::CPU};
+    if (torch::cuda::is_available()) what.insert(torch::profiler::impl::ActivityType::CUDA);
+    tp::prepareProfiler(config, what);
+    tp::enableProfiler(config, what);
+  }
+#endif
   std::string path_;
   int64_t first_ = 6, last_ = 8;
-  bool on_ = false;
+  bool on_ = false, done_ = false;
 };
 
 }  // namespace
@@ -402,6 +421,7 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   Trainer trainer(comm, options);
   const TrainOptions& o = trainer.options();
   const bool rank0 = comm.rank() == 0;
+  StepTrace trace(comm.rank(), o.steps);  // refused before a resume, not after
   ResumeIfAsked(trainer);
   std::unique_ptr<MetricsLog> log = rank0 ? std::make_unique<MetricsLog>(o.log_dir + "/" + o.run_name) : nullptr;
   if (rank0) PrintRunHeader(trainer);
@@ -410,7 +430,6 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   // After a resume there is nothing new to save yet; a fresh run with --steps 0
   // saves its initial state as global_step0 (`uckpt export` then writes the init).
   int64_t last_saved = o.resume ? trainer.counters().global_steps : -1;
-  StepTrace trace(comm.rank());
   while (trainer.counters().global_steps < o.steps) {
     trace.Before(trainer.counters().global_steps + 1);
     const StepMetrics m = trainer.TrainStep();
