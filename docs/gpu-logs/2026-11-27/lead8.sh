@@ -20,10 +20,11 @@ build() {
     { tail -30 "$R/build-$1.log"; cp -r "$R"/. "$OUT"/; exit 1; }
   echo "== built in $((SECONDS - t0)) s"
 }
+save() { cp -r "$R"/. "$OUT"/ 2>/dev/null; }  # after each run: a call cut short still returns what it has
 train3() {  # train3 NAME: uckpt-z3 and FSDP2 at 2 GPUs
   ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3 fsdp2-hf" timeout 200 bench/train-gpu.sh /tmp/uckpt-gpu/src/cli/uckpt /tmp/z3 \
     > "$R/train3-$1.log" 2>&1
-  grep -E '^(uckpt-z3|fsdp2|2 GPUs: uckpt-z3 /|uckpt timers)' "$R/train3-$1.log"
+  grep -E '^(uckpt-z3|fsdp2|2 GPUs: uckpt-z3 /|uckpt timers)' "$R/train3-$1.log"; save
 }
 trace() {  # trace NAME: uckpt-z3 at 2 GPUs, steps 6-8 traced (rank 0's file kept)
   mkdir -p "$R/$1"
@@ -50,7 +51,9 @@ case ${PART:-1} in
   train3 5 ;;
 3)
   build 3
-  GPU_COUNTS="1 2" timeout 500 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python" 2>&1 | tail -6 ;;
+  for n in 1 2; do for d in fp16 bf16; do
+    GPU_COUNTS=$n DTYPES=$d timeout 200 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python-$n-$d" 2>&1 | tail -2; save
+  done; done ;;
 esac
 cp -r "$R"/. "$OUT"/ 2>/dev/null
 echo "part ${PART:-1}: $((SECONDS - t0)) s"
