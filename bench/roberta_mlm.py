@@ -11,7 +11,9 @@ draws from its own seeded generator). Configuration: the tutorial's (Adam lr 1e-
 optimizer offloaded to CPU) with bf16 or fp16.
 
 Run one process per GPU (torchrun). Rank 0 prints one JSON line: seconds per step over steps
-FIRST..LAST (after a device synchronisation), the mean loss over them, and peak GPU memory.
+FIRST..LAST (after a device synchronisation), the mean loss over them, peak GPU memory, the mean
+host time between step ends on batch widths new to cuDNN and on widths seen before ("lap_ms"),
+and the steps skipped for fp16 overflows (all, and among the timed ones).
 """
 import argparse
 import json
