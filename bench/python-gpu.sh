@@ -9,7 +9,8 @@
 # uckpt's (> 1: uckpt faster; target >= 1.3x). Each run then times its phases alone (roberta_mlm.py
 # --phases): the table's "median" columns are the sum of the median batch, forward, backward and
 # step times, without the steps whose batch width is new to cuDNN (it builds its attention plans per
-# shape: 50-70 ms a forward on an H200, in both libraries, 15 of the 50 timed steps here).
+# shape: 50-70 ms a forward on an H200, in both libraries, 15 of the 50 timed steps here); a line per
+# run then gives its mean host time between step ends on new and on seen widths, and its skipped steps.
 # usage: bench/python-gpu.sh BUILD_DIR DEEPSPEED_SRC [OUT_DIR]   (env: GPU_COUNTS="1 2" DTYPES="bf16 fp16"
 #        STAGE=1 OFFLOAD=1 LAST=100)
 set -uo pipefail
@@ -63,4 +64,9 @@ for (impl, world, dtype), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0
     print(f"{world:>4} {dtype:>5} {d['s_per_step']:>17.4f} {r['s_per_step']:>13.4f} {ratio:>5.2f}x {d['mean_loss']:>8.4f} "
           f"{r['mean_loss']:>10.4f}  {'met' if ratio >= 1.3 else 'MISSED':>14}  {median_step(d):>9.4f} {median_step(r):>12.4f} "
           f"{median_step(d) / median_step(r):>5.2f}x")
+# Host time between step ends, on batch widths new to cuDNN and on seen ones (roberta_mlm.py's lap_ms).
+for (impl, world, dtype), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    lap = r.get("lap_ms") or {}
+    print(f"laps {impl:>9} {world} GPU(s) {dtype}: new widths {lap.get('new')} ms, seen {lap.get('seen')} ms, "
+          f"skipped steps {r.get('skipped_steps')}")
 EOF
