@@ -183,6 +183,25 @@ void CastFloatingTensors(torch::nn::Module& m, at::ScalarType dtype) {
     if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
 }
 
+// Stage 0 outside fp32, where DeepSpeed wraps the optimizer in something uckpt does not
+// reproduce: in fp16 always (FP16_Optimizer, FP16_UnfusedOptimizer for most client
+// optimizers: loss scaling by rules of their own, no hysteresis, another initial scale and
+// growth count, the scale in checkpoint entries of their own); in bf16 a client optimizer
+// (BF16_Optimizer; the config's Adam at stage 0 in bf16 is uckpt's, as DeepSpeed's layout).
+// Refused before the CPU fp16 probe, so the message names the real reason.
+void RefuseStage0Wrappers(const TrainConfig& c, const EngineOptions& options) {
+  if (c.zero.stage != 0) return;
+  if (c.fp16.enabled)
+    throw std::invalid_argument(
+        "ZeRO stage 0 in fp16 is not supported by uckpt: DeepSpeed wraps the optimizer in its FP16_Optimizer "
+        "(FP16_UnfusedOptimizer for most client optimizers), whose loss scaling and checkpoint layout uckpt does not "
+        "reproduce; use fp16 at ZeRO stage 1, 2 or 3, or bf16 or fp32 at stage 0");
+  if (c.bf16 && options.optimizer_step)
+    throw std::invalid_argument(
+        "ZeRO stage 0 in bf16 with an optimizer other than Adam/AdamW is not supported by uckpt (DeepSpeed wraps it in "
+        "its BF16_Optimizer); use fp32 at stage 0, or stage 1, 2 or 3");
+}
+
 }  // namespace
 
 Engine::Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, EngineOptions options)
@@ -220,14 +239,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     // it: tensors the caller creates without an index land there too.
     c10::impl::getDeviceGuardImpl(at::kCUDA)->setDevice(e.device);
   }
-  // With any optimizer: DeepSpeed's FP16_Optimizer (FP16_UnfusedOptimizer for most client ones) scales the
-  // loss by rules of its own (no hysteresis, another initial scale and growth count) and keeps the scale
-  // in checkpoint entries of its own; uckpt has ZeRO's loss scaler and layout only.
-  if (c.zero.stage == 0 && c.fp16.enabled)
-    throw std::invalid_argument(
-        "ZeRO stage 0 in fp16 is not supported by uckpt: DeepSpeed wraps the optimizer in its FP16_Optimizer "
-        "(FP16_UnfusedOptimizer for most client optimizers), whose loss scaling and checkpoint layout uckpt does not "
-        "reproduce; use fp16 at ZeRO stage 1, 2 or 3, or bf16 or fp32 at stage 0");
+  RefuseStage0Wrappers(c, options);
   if (c.fp16.enabled && e.device.is_cpu()) {
     try {  // libtorch 1.13 has no CPU fp16 kernels for LayerNorm and friends.
       at::layer_norm(at::zeros({1, 2}, at::kHalf), {2});

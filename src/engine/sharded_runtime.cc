@@ -124,13 +124,6 @@ std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<
         for (const auto& p : g)
           if (!partitioned.count(p.tensor.unsafeGetTensorImpl())) BroadcastFromRank0(*e.comm, p.tensor);
   }
-  // Stage 0 keeps torch's per-parameter state in fp32 (DeepSpeed steps the client's optimizer on the
-  // parameters); fp16/bf16 wrap it in DeepSpeed's FP16_UnfusedOptimizer / BF16_Optimizer, not done here.
-  if (options.optimizer_step && e.stage() == 0 && ModelDtype(e.config) != at::kFloat)
-    throw std::invalid_argument(std::string("ZeRO stage 0 in ") + (e.config.bf16 ? "bf16" : "fp16") +
-                                " with an optimizer other than Adam/AdamW is not supported by uckpt (DeepSpeed wraps "
-                                "it in its " + (e.config.bf16 ? "BF16_Optimizer" : "FP16_UnfusedOptimizer") +
-                                "); use fp32 at stage 0, or stage 1, 2 or 3");
   if (e.stage() == 3) return MakeZero3Runtime(e, specs, SettingsOf(e.config, options), options);
   return MakeFlatRuntime(e, std::move(specs), options);
 }
