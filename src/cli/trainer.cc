@@ -361,42 +361,30 @@ class StepTrace {
       first_ = a, last_ = b;
     }
     last_ = std::min(last_, final_step);  // a run that ends first still writes its trace
-#ifdef UCKPT_HAVE_KINETO
     // libtorch may come without Kineto (Debian's does): then saving fails, so find out now.
     try {
       Start();
-      torch::autograd::profiler::disableProfiler()->save(path_ + ".probe");
+      Save(path_ + ".probe");
       std::remove((path_ + ".probe").c_str());
     } catch (const std::exception& e) {
       throw std::invalid_argument("UCKPT_TRACE is set, but this libtorch's profiler cannot write a trace: " +
                                   std::string(e.what()).substr(0, std::string(e.what()).find('\n')));
     }
-#else
-    throw std::invalid_argument("UCKPT_TRACE is set, but this build of uckpt has no torch profiler (Kineto) headers");
-#endif
   }
-  // Around step `step`.
+  // Around step `step` (nothing without UCKPT_TRACE).
   void Before(int64_t step) {
-#ifdef UCKPT_HAVE_KINETO
     if (path_.empty() || on_ || done_ || step < first_ || step > last_) return;
     first_ = step;  // a resumed run may start inside the range
     Start();
     on_ = true;
-#else
-    (void)step;
-#endif
   }
   void After(int64_t step) {
-#ifdef UCKPT_HAVE_KINETO
     if (!on_ || step < last_) return;
     on_ = false;
     done_ = true;
-    torch::autograd::profiler::disableProfiler()->save(path_);
+    Save(path_);
     std::fprintf(stderr, "uckpt train: trace of steps %lld-%lld in %s\n", static_cast<long long>(first_),
                  static_cast<long long>(last_), path_.c_str());
-#else
-    (void)step;
-#endif
   }
 
  private:
@@ -409,6 +397,10 @@ class StepTrace {
     tp::prepareProfiler(config, what);
     tp::enableProfiler(config, what);
   }
+  static void Save(const std::string& path) { torch::autograd::profiler::disableProfiler()->save(path); }
+#else
+  static void Start() { throw std::runtime_error("this build of uckpt has no torch profiler (Kineto) headers"); }
+  static void Save(const std::string&) {}
 #endif
   std::string path_;
   int64_t first_ = 6, last_ = 8;
