@@ -7,6 +7,12 @@
 #   PART=3: build; the masked LM in bf16 and fp16 at 1 and 2 GPUs.
 #   PART=4: build; PART=1's trace, then PART=2's runs (TAG names the trace folder).
 #   PART=5: build; PART=3's runs, then one of PART=2's.
+#   PART=6: build; PART=3's runs at 2 GPUs only (the device returns at most 8 files: PART=3's 2-GPU
+#           logs did not come back). Results come back as one $OUT/results.tgz.
+#   PART=7: build; PART=2's runs once, then FSDP2 alone twice on GPT-2 with its vocabulary padded to
+#           50,264 rows (--vocab_size 50264: the head's rows aligned, as uckpt's fused head pads them;
+#           the model then has 7 more classes, so its loss is not comparable). Also one results.tgz.
+#   PART=8: build; the masked LM in fp16 at 1 GPU, DeepSpeed and uckpt, once more (on another machine).
 set -u
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-lead8-out}; R=${R:-/tmp/lead8}; mkdir -p "$OUT" "$R"
@@ -20,7 +26,9 @@ build() {
     { tail -30 "$R/build-$1.log"; cp -r "$R"/. "$OUT"/; exit 1; }
   echo "== built in $((SECONDS - t0)) s"
 }
-save() { cp -r "$R"/. "$OUT"/ 2>/dev/null; }  # after each run: a call cut short still returns what it has
+save() {  # after each run: a call cut short still returns what it has
+  if [ "${PART:-1}" -ge 6 ]; then tar -czf "$OUT/results.tgz" -C "$R" .; else cp -r "$R"/. "$OUT"/ 2>/dev/null; fi
+}
 train3() {  # train3 NAME: uckpt-z3 and FSDP2 at 2 GPUs
   ZERO=3 GPU_COUNTS=2 EXTRA=0 ONLY="uckpt-z3 fsdp2-hf" timeout 200 bench/train-gpu.sh /tmp/uckpt-gpu/src/cli/uckpt /tmp/z3 \
     > "$R/train3-$1.log" 2>&1
@@ -54,6 +62,22 @@ case ${PART:-1} in
   for n in 1 2; do for d in fp16 bf16; do
     GPU_COUNTS=$n DTYPES=$d timeout 200 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python-$n-$d" 2>&1 | tail -2; save
   done; done ;;
+6)
+  build 6
+  for d in fp16 bf16; do
+    GPU_COUNTS=2 DTYPES=$d timeout 200 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python-2-$d" 2>&1 | tail -4; save
+  done ;;
+7)
+  build 7
+  train3 7
+  for k in 1 2; do
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/torch_dp_bench.py --mode fsdp2 --loss hf \
+      --vocab_size 50264 > "$R/fsdp2-vocab50264-$k.log" 2>&1; grep '^{' "$R/fsdp2-vocab50264-$k.log"; save
+  done ;;
+8)
+  build 8
+  { nproc; nvidia-smi -L; } > "$R/host.txt" 2>&1
+  GPU_COUNTS=1 DTYPES=fp16 timeout 300 bench/python-gpu.sh /tmp/uckpt-gpu .ds "$R/python-1-fp16" 2>&1 | tail -4 ;;
 esac
-cp -r "$R"/. "$OUT"/ 2>/dev/null
+save
 echo "part ${PART:-1}: $((SECONDS - t0)) s"
