@@ -63,6 +63,17 @@ PYBIND11_MODULE(_uckpt, m) {
       .def("load_state_dict", [](EngineOptimizer& o, py::object sd) { o.engine->LoadOptimizerStateDict(sd); },
            "state_dict"_a)
       .def_property_readonly("overflow", [](const EngineOptimizer& o) { return uckpt::python::OptimizerOverflow(*o.engine); })
+      // Read as DeepSpeed's ZeRO optimizers'; DeepSpeed's can also be set, uckpt's cannot.
+      .def_property(
+          "loss_scale", [](const EngineOptimizer& o) { return uckpt::python::OptimizerLossScale(*o.engine, "loss_scale"); },
+          [](EngineOptimizer&, py::object) {
+            throw std::runtime_error("setting engine.optimizer.loss_scale is not supported by uckpt");
+          })
+      .def_property(
+          "cur_scale", [](const EngineOptimizer& o) { return uckpt::python::OptimizerLossScale(*o.engine, "cur_scale"); },
+          [](EngineOptimizer&, py::object) {
+            throw std::runtime_error("setting engine.optimizer.cur_scale is not supported by uckpt");
+          })
       .def("__repr__", [](const EngineOptimizer&) { return std::string("<uckpt ZeRO optimizer>"); });
 
   py::class_<EngineScheduler>(m, "EngineScheduler")

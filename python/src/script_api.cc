@@ -96,14 +96,39 @@ py::object OptimizerName(const std::string& client_optimizer_class, const nlohma
   return py::str(own.count(lower) ? lower : type);
 }
 
-py::object OptimizerOverflow(const PyEngine& e) {
+namespace {
+
+void RequireZeroOptimizer(const PyEngine& e, const char* attribute) {
   const int stage = e.engine().zero_stage();
   const bool bf16_wrapper = e.engine().bf16_enabled() && stage <= 1 && !OffloadsOptimizer(e.settings().config);
   if ((stage == 0 && !e.engine().fp16_enabled()) || bf16_wrapper)
-    throw py::attribute_error(std::string("the optimizer has no attribute 'overflow': DeepSpeed's optimizer here is ") +
+    throw py::attribute_error(std::string("the optimizer has no attribute '") + attribute +
+                              "': DeepSpeed's optimizer here is " +
                               (bf16_wrapper ? "its bf16 wrapper (BF16_Optimizer)" : "the torch optimizer itself") +
                               ", which keeps none");
+}
+
+// DeepSpeed's get_loss_scale: fp16's "loss_scale" (0, dynamic, when absent); 1.0 in bf16; 0 otherwise.
+py::object ConfigLossScale(const PyEngine& e) {
+  const auto& c = e.settings().config;
+  if (e.engine().fp16_enabled()) {
+    const bool given = c.contains("fp16") && c["fp16"].is_object() && c["fp16"].contains("loss_scale");
+    return given ? py::module_::import("json").attr("loads")(c["fp16"]["loss_scale"].dump()) : py::object(py::int_(0));
+  }
+  if (e.engine().bf16_enabled()) return py::float_(1.0);
+  return py::int_(0);
+}
+
+}  // namespace
+
+py::object OptimizerOverflow(const PyEngine& e) {
+  RequireZeroOptimizer(e, "overflow");
   return py::bool_(e.engine().last_step().skipped);
+}
+
+py::object OptimizerLossScale(const PyEngine& e, const char* attribute) {
+  RequireZeroOptimizer(e, attribute);
+  return py::float_(e.engine().loss_scale());
 }
 
 void BindScriptApi(py::module_& m) {
@@ -127,6 +152,16 @@ void BindScriptApi(py::module_& m) {
            },
            "is_boundary"_a)
       .def("was_step_applied", [](const PyEngine& e) { return e.engine().last_step_applied(); })
+      // DeepSpeed's: the config's gradient_clipping (0.0 when absent), its loss_scale rule, and whether that is 0.
+      .def("gradient_clipping",
+           [](const PyEngine& e) -> py::object {
+             const auto& c = e.settings().config;
+             return c.contains("gradient_clipping")
+                        ? py::module_::import("json").attr("loads")(c["gradient_clipping"].dump())
+                        : py::object(py::float_(0.0));
+           })
+      .def("loss_scale", [](const PyEngine& e) { return ConfigLossScale(e); })
+      .def("dynamic_loss_scale", [](const PyEngine& e) { return ConfigLossScale(e).equal(py::int_(0)); })
       .def("set_train_batch_size", [](PyEngine& e, int64_t n) { e.engine().SetTrainBatchSize(n); },
            "train_batch_size"_a)
       // DeepSpeed's removes its optimizer's gradient hooks; the engine stays usable for forward.

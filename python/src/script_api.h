@@ -26,11 +26,14 @@ void CheckZeroOptimizer(py::handle optimizer, const nlohmann::json& config, bool
 py::object OptimizerName(const std::string& client_optimizer_class, const nlohmann::json& config);
 
 class PyEngine;
-// DeepSpeed's optimizer.overflow: whether the last update was skipped for an
-// fp16 overflow. AttributeError where DeepSpeed's optimizer has none: the
-// torch optimizer itself (stage 0 without fp16) and the bf16 wrapper (bf16
-// at stages 0-1 without offload).
+// Attributes of DeepSpeed's ZeRO optimizers, each an AttributeError naming it
+// where DeepSpeed's optimizer is another that has none: the torch optimizer
+// itself (stage 0 without fp16) and the bf16 wrapper (bf16 at stages 0-1
+// without offload).
+// optimizer.overflow: whether the last update was skipped for an fp16 overflow.
 py::object OptimizerOverflow(const PyEngine& engine);
+// optimizer.loss_scale and optimizer.cur_scale: the loss scale (1 outside fp16).
+py::object OptimizerLossScale(const PyEngine& engine, const char* attribute);
 
 // Adds the attributes to the module's Engine class and the module functions
 // export_fp32 and scheduler_types.

@@ -41,6 +41,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if loader is not None:
             result = (result[0], result[1], loader, result[3])
     runtime.engine.set_training_dataloader(result[0], result[2])
+    # The config as DeepSpeed's engine keeps it: the argument, else the path from args (checked above).
+    given = config if config is not None else config_params
+    for name in ("deepscale_config", "deepspeed_config"):
+        if getattr(args, name, None) is not None:
+            given = getattr(args, name)
+    runtime.engine.set_initialize_arguments(result[0], config=given, client_optimizer=optimizer,
+                                            client_lr_scheduler=lr_scheduler, training_data=training_data,
+                                            collate_fn=collate_fn, mpu=mpu)
     return result
 
 

@@ -11,7 +11,8 @@ What it does, on a toy model with a frozen parameter and an integer buffer, GA 2
     utils.zero_to_fp32, compression.helper's recursive_getattr / recursive_setattr;
   * per ZeRO stage: trains with a block under deepspeed.checkpointing.checkpoint, recording the losses,
     optimizer_name(), steps_per_print(), wall_clock_breakdown(), was_step_applied() after every step, the
-    optimizer's overflow, whether engine.no_sync exists; drives the boundary by hand
+    optimizer's overflow, cur_scale and loss_scale, the engine's config and client arguments, gradient_clipping(),
+    loss_scale() and dynamic_loss_scale(), whether engine.no_sync exists; drives the boundary by hand
     (set_gradient_accumulation_boundary); changes the batch (set_train_batch_size); saves a checkpoint and
     reads it back with zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint; the engine's state_dict(),
     load_state_dict(), named_parameters() and named_buffers() (DeepSpeed's engine is a Module with the model
@@ -100,8 +101,14 @@ def train_stage(deepspeed, torch, zero_to_fp32, stage, work):
     rec = {}
     torch.manual_seed(1)  # the dropout masks: the same draws under both implementations
     model = build(torch, deepspeed.checkpointing.checkpoint)
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
+    cfg = config(stage)
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     rec["isinstance"] = isinstance(engine, deepspeed.runtime.engine.DeepSpeedEngine)
+    # What the engine keeps of initialize()'s arguments, and its loss-scale and clipping getters.
+    rec["initialize_arguments"] = [engine.config is cfg] + [getattr(engine, n) is None for n in (
+        "client_optimizer", "client_lr_scheduler", "training_data", "collate_fn", "mpu")]
+    rec["scale_getters"] = [engine.gradient_clipping(), engine.loss_scale(), engine.dynamic_loss_scale()]
+    rec["optimizer_scale"] = [opt.cur_scale, opt.loss_scale] if hasattr(opt, "cur_scale") else "absent"
     rec["optimizer_name"] = engine.optimizer_name()
     rec["steps_per_print"] = engine.steps_per_print()
     rec["wall_clock_breakdown"] = engine.wall_clock_breakdown()

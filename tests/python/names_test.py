@@ -13,7 +13,8 @@ CASE:
               relative; VALID_LR_SCHEDULES: uckpt's a subset of DeepSpeed's). Needs UCKPT_DEEPSPEED_SRC (else 77).
   surface     in-process checks: checkpointing.configure's settings honoured or refused by name, checkpoint()'s
               gradients equal to the plain forward's, log_dist's rank rule, the refusals (init_inference,
-              optimizer.backward/state_dict), stage 3's ZeroParamStatus and a DeepSpeed-Chat style save of whole
+              optimizer.backward/state_dict, DeepSpeed's engine names uckpt lacks), optimizer.cur_scale and
+              loss_scale where DeepSpeed's optimizer has them, stage 3's ZeroParamStatus and a DeepSpeed-Chat style save of whole
               weights (2 ranks), zero_to_fp32 on a bf16 run (frozen parameter kept bf16).
   config      the config keys: activation_checkpointing and aio accepted without a warning,
               dataloader_drop_last given to the dataloader, zero_allow_untested_optimizer and
@@ -69,6 +70,13 @@ def check_stage(stage, r):
         fail(f"{where}: {got}, want {want}")
     if stage > 0 and r["overflow"] is not False:
         fail(f"{where}: optimizer.overflow is {r['overflow']} in an fp32 run")
+    # DeepSpeed's engine keeps initialize()'s arguments; fp32 without gradient_clipping: 0.0, loss_scale 0
+    # (dynamic); its ZeRO optimizers' scale is 1.0 outside fp16, the torch optimizer (stage 0) has none.
+    want = {"initialize_arguments": [True] * 6, "scale_getters": [0.0, 0, True],
+            "optimizer_scale": [1.0, 1.0] if stage > 0 else "absent"}
+    got = {k: r[k] for k in want}
+    if got != want:
+        fail(f"{where}: {got}, want {want}")
     names = ["inp.weight", "inp.bias", "blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight",
              "blocks.1.fc.bias", "out.weight", "out.bias"]
     module_view = {"state_dict_keys": sorted("module." + n for n in names + ["seen"]),
@@ -256,13 +264,35 @@ def worker_surface(deepspeed, torch):
         expect_error(RuntimeError, "engine.backward", lambda: opt.backward(loss), "optimizer.backward")
         expect_error(RuntimeError, "save_checkpoint", lambda: opt.state_dict(), "optimizer.state_dict")
         for bf16_cfg, has in ((cfg(0), False), (cfg(1, bf16={"enabled": True}), False),
-                              (cfg(2, bf16={"enabled": True}), True)):
+                              (cfg(2, bf16={"enabled": True}, gradient_clipping=0.5), True)):
             m = toy(torch)
-            _, o, _, _ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=bf16_cfg)
-            if hasattr(o, "overflow") != has:
-                fail(f"optimizer.overflow present={not has} for {bf16_cfg} (DeepSpeed's optimizer: {has})")
+            e, o, _, _ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=bf16_cfg)
+            for name in ("overflow", "cur_scale", "loss_scale"):
+                if hasattr(o, name) != has:
+                    fail(f"optimizer.{name} present={not has} for {bf16_cfg} (DeepSpeed's optimizer: {has})")
+            if has:
+                got = [o.cur_scale, o.loss_scale, e.loss_scale(), e.dynamic_loss_scale(), e.gradient_clipping()]
+                if got != [1.0, 1.0, 1.0, False, 0.5]:
+                    fail(f"bf16 stage 2: cur_scale, loss_scale, engine.loss_scale(), dynamic_loss_scale(), "
+                         f"gradient_clipping(): {got}, DeepSpeed's [1.0, 1.0, 1.0, False, 0.5]")
+
+                def set_scale():
+                    o.cur_scale = 4.0
+                expect_error(RuntimeError, "cur_scale", set_scale, "setting optimizer.cur_scale")
         print("ok   init_inference, sparse attention, random-LTD, optimizer.backward/state_dict refused by name; "
-              "optimizer.overflow where DeepSpeed's optimizer has it")
+              "optimizer.overflow, cur_scale and loss_scale where DeepSpeed's optimizer has them")
+
+        # DeepSpeed's engine answers its own names and never asks the model: those uckpt lacks are refused,
+        # even where the model has them (torch's Module.compile, a model attribute), and hasattr() is no way out.
+        m = toy(torch)
+        m.monitor = "the model's"
+        e, _, _, _ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg(1))
+        expect_error(NotImplementedError, "engine.compile", lambda: e.compile(), "engine.compile()")
+        expect_error(NotImplementedError, "'monitor'", lambda: e.monitor, "engine.monitor")
+        expect_error(NotImplementedError, "'get_mom'", lambda: hasattr(e, "get_mom"), "hasattr(engine, 'get_mom')")
+        if e.inp is not m.inp or hasattr(e, "no_such_name"):
+            fail("the engine no longer passes other names on to the model")
+        print("ok   DeepSpeed's engine names uckpt lacks refused by name, not passed on to the model")
 
         # zero_to_fp32 of a bf16 run: trainable parameters from the fp32 masters, the frozen one as saved (bf16).
         model = toy(torch, frozen=True)
