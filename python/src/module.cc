@@ -74,6 +74,8 @@ PYBIND11_MODULE(_uckpt, m) {
           [](EngineOptimizer&, py::object) {
             throw std::runtime_error("setting engine.optimizer.cur_scale is not supported by uckpt");
           })
+      .def_property_readonly("_deepspeed_class",
+                             [](const EngineOptimizer& o) { return uckpt::python::DeepSpeedOptimizerClass(*o.engine); })
       .def("__repr__", [](const EngineOptimizer&) { return std::string("<uckpt ZeRO optimizer>"); });
 
   py::class_<EngineScheduler>(m, "EngineScheduler")

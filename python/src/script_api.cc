@@ -96,15 +96,21 @@ py::object OptimizerName(const std::string& client_optimizer_class, const nlohma
   return py::str(own.count(lower) ? lower : type);
 }
 
+std::string DeepSpeedOptimizerClass(const PyEngine& e) {
+  const int stage = e.engine().zero_stage();
+  if (e.engine().bf16_enabled() && stage <= 1 && !OffloadsOptimizer(e.settings().config)) return "BF16_Optimizer";
+  if (stage == 0) return "torch";  // (stage 0 in fp16 is refused at initialize)
+  return stage == 3 ? "DeepSpeedZeroOptimizer_Stage3" : "DeepSpeedZeroOptimizer";
+}
+
 namespace {
 
 void RequireZeroOptimizer(const PyEngine& e, const char* attribute) {
-  const int stage = e.engine().zero_stage();
-  const bool bf16_wrapper = e.engine().bf16_enabled() && stage <= 1 && !OffloadsOptimizer(e.settings().config);
-  if ((stage == 0 && !e.engine().fp16_enabled()) || bf16_wrapper)
+  const std::string cls = DeepSpeedOptimizerClass(e);
+  if (cls == "BF16_Optimizer" || cls == "torch")
     throw py::attribute_error(std::string("the optimizer has no attribute '") + attribute +
                               "': DeepSpeed's optimizer here is " +
-                              (bf16_wrapper ? "its bf16 wrapper (BF16_Optimizer)" : "the torch optimizer itself") +
+                              (cls == "torch" ? "the torch optimizer itself" : "its bf16 wrapper (BF16_Optimizer)") +
                               ", which keeps none");
 }
 

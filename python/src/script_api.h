@@ -30,6 +30,10 @@ class PyEngine;
 // where DeepSpeed's optimizer is another that has none: the torch optimizer
 // itself (stage 0 without fp16) and the bf16 wrapper (bf16 at stages 0-1
 // without offload).
+// The class of the optimizer DeepSpeed's initialize returns for this run:
+// "DeepSpeedZeroOptimizer" (stages 1-2), "DeepSpeedZeroOptimizer_Stage3",
+// "BF16_Optimizer", or "torch" (the torch optimizer itself).
+std::string DeepSpeedOptimizerClass(const PyEngine& engine);
 // optimizer.overflow: whether the last update was skipped for an fp16 overflow.
 py::object OptimizerOverflow(const PyEngine& engine);
 // optimizer.loss_scale and optimizer.cur_scale: the loss scale (1 outside fp16).

@@ -292,7 +292,21 @@ def worker_surface(deepspeed, torch):
         expect_error(NotImplementedError, "'get_mom'", lambda: hasattr(e, "get_mom"), "hasattr(engine, 'get_mom')")
         if e.inp is not m.inp or hasattr(e, "no_such_name"):
             fail("the engine no longer passes other names on to the model")
-        print("ok   DeepSpeed's engine names uckpt lacks refused by name, not passed on to the model")
+        # The optimizer: the names of DeepSpeed's optimizer class for the run (stage 1: its ZeRO optimizer's
+        # 'loss_scaler', 'optimizer'; stage 0: torch's 'add_param_group', 'state'), not those of another class.
+        expect_error(NotImplementedError, "DeepSpeedZeroOptimizer", lambda: e.optimizer.loss_scaler,
+                     "stage 1: optimizer.loss_scaler")
+        expect_error(NotImplementedError, "'optimizer'", lambda: hasattr(e.optimizer, "optimizer"),
+                     "stage 1: hasattr(optimizer, 'optimizer')")
+        if hasattr(e.optimizer, "add_param_group") or hasattr(e.optimizer, "no_such_name"):
+            fail("stage 1: the optimizer claims a name DeepSpeed's ZeRO optimizer does not have")
+        m0 = toy(torch)
+        _, o0, _, _ = deepspeed.initialize(model=m0, model_parameters=m0.parameters(), config=cfg(0))
+        expect_error(NotImplementedError, "'add_param_group'", lambda: o0.add_param_group({"params": []}),
+                     "stage 0: optimizer.add_param_group")
+        if hasattr(o0, "loss_scaler"):
+            fail("stage 0: the optimizer claims 'loss_scaler', which the torch optimizer DeepSpeed returns lacks")
+        print("ok   DeepSpeed's engine and optimizer names uckpt lacks refused by name, not passed on to the model")
 
         # zero_to_fp32 of a bf16 run: trainable parameters from the fp32 masters, the frozen one as saved (bf16).
         model = toy(torch, frozen=True)
