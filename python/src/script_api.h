@@ -26,14 +26,15 @@ void CheckZeroOptimizer(py::handle optimizer, const nlohmann::json& config, bool
 py::object OptimizerName(const std::string& client_optimizer_class, const nlohmann::json& config);
 
 class PyEngine;
-// Attributes of DeepSpeed's ZeRO optimizers, each an AttributeError naming it
-// where DeepSpeed's optimizer is another that has none: the torch optimizer
-// itself (stage 0 without fp16) and the bf16 wrapper (bf16 at stages 0-1
-// without offload).
 // The class of the optimizer DeepSpeed's initialize returns for this run:
 // "DeepSpeedZeroOptimizer" (stages 1-2), "DeepSpeedZeroOptimizer_Stage3",
-// "BF16_Optimizer", or "torch" (the torch optimizer itself).
+// "BF16_Optimizer" (bf16 at stages 0-1 without offload), or "torch" (the
+// torch optimizer itself, at stage 0 otherwise).
 std::string DeepSpeedOptimizerClass(const PyEngine& engine);
+
+// Attributes of DeepSpeed's ZeRO optimizers, each an AttributeError naming it
+// where DeepSpeed's optimizer is the torch optimizer or BF16_Optimizer, which
+// have none.
 // optimizer.overflow: whether the last update was skipped for an fp16 overflow.
 py::object OptimizerOverflow(const PyEngine& engine);
 // optimizer.loss_scale and optimizer.cur_scale: the loss scale (1 outside fp16).
