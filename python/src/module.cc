@@ -82,7 +82,17 @@ PYBIND11_MODULE(_uckpt, m) {
       .def("get_lr", [](const EngineScheduler& s) { return s.engine->SchedulerLr(); })
       .def("get_last_lr", [](const EngineScheduler& s) { return s.engine->SchedulerLastLr(); })
       .def("state_dict", [](const EngineScheduler& s) { return s.engine->SchedulerState(); })
-      .def("step", [](EngineScheduler& s, py::args a, py::kwargs k) { s.engine->StepScheduler(a, k); });
+      .def("step", [](EngineScheduler& s, py::args a, py::kwargs k) { s.engine->StepScheduler(a, k); })
+      // DeepSpeed's schedulers' count of updates, -1 before the first.
+      .def_property_readonly("last_batch_iteration",
+                             [](const EngineScheduler& s) { return s.engine->engine().lr_schedule_iteration(); })
+      // The config's scheduler type: the deepspeed.runtime.lr_schedules class DeepSpeed builds.
+      .def_property_readonly("_deepspeed_class", [](const EngineScheduler& s) {
+        const auto& c = s.engine->settings().config;
+        const bool typed = c.contains("scheduler") && c["scheduler"].is_object() && c["scheduler"].contains("type") &&
+                           c["scheduler"]["type"].is_string();
+        return typed ? c["scheduler"]["type"].get<std::string>() : std::string();
+      });
 
   py::class_<PyEngine, std::shared_ptr<PyEngine>>(m, "Engine")
       .def("__call__", &PyEngine::Call)

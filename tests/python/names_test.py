@@ -13,9 +13,10 @@ CASE:
               relative; VALID_LR_SCHEDULES: uckpt's a subset of DeepSpeed's). Needs UCKPT_DEEPSPEED_SRC (else 77).
   surface     in-process checks: checkpointing.configure's settings honoured or refused by name, checkpoint()'s
               gradients equal to the plain forward's, log_dist's rank rule, the refusals (init_inference,
-              optimizer.backward/state_dict, DeepSpeed's engine names uckpt lacks), optimizer.cur_scale and
-              loss_scale where DeepSpeed's optimizer has them, stage 3's ZeroParamStatus and a DeepSpeed-Chat style save of whole
-              weights (2 ranks), zero_to_fp32 on a bf16 run (frozen parameter kept bf16).
+              optimizer.backward/state_dict, DeepSpeed's engine, optimizer and scheduler names uckpt lacks),
+              optimizer.cur_scale and loss_scale where DeepSpeed's optimizer has them,
+              lr_scheduler.last_batch_iteration, stage 3's ZeroParamStatus and a DeepSpeed-Chat style save of
+              whole weights (2 ranks), zero_to_fp32 on a bf16 run (frozen parameter kept bf16).
   config      the config keys: activation_checkpointing and aio accepted without a warning,
               dataloader_drop_last given to the dataloader, zero_allow_untested_optimizer and
               zero_force_ds_cpu_optimizer as DeepSpeed checks them, timers.throughput warned about,
@@ -306,7 +307,25 @@ def worker_surface(deepspeed, torch):
                      "stage 0: optimizer.add_param_group")
         if hasattr(o0, "loss_scaler"):
             fail("stage 0: the optimizer claims 'loss_scaler', which the torch optimizer DeepSpeed returns lacks")
-        print("ok   DeepSpeed's engine and optimizer names uckpt lacks refused by name, not passed on to the model")
+        # The config's scheduler: DeepSpeed's WarmupLR counts updates in last_batch_iteration (-1 before the
+        # first); its other names uckpt's lacks are refused.
+        m1 = toy(torch)
+        e1, _, _, sch = deepspeed.initialize(model=m1, model_parameters=m1.parameters(), config=cfg(
+            1, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}}))
+        counts = [sch.last_batch_iteration]
+        e1.backward(e1(torch.randn(2, 4)))
+        e1.step()
+        counts.append(sch.last_batch_iteration)
+        if counts != [-1, 0] or sch.state_dict()["last_batch_iteration"] != 0:
+            fail(f"lr_scheduler.last_batch_iteration before and after one update: {counts}, DeepSpeed's [-1, 0]")
+        expect_error(NotImplementedError, "WarmupLR has 'warmup_num_steps'", lambda: sch.warmup_num_steps,
+                     "lr_scheduler.warmup_num_steps")
+        expect_error(NotImplementedError, "'load_state_dict'", lambda: hasattr(sch, "load_state_dict"),
+                     "hasattr(lr_scheduler, 'load_state_dict')")
+        if hasattr(sch, "total_num_steps"):  # WarmupDecayLR's, not WarmupLR's
+            fail("lr_scheduler claims 'total_num_steps', which DeepSpeed's WarmupLR does not have")
+        print("ok   DeepSpeed's engine, optimizer and scheduler names uckpt lacks refused by name, not passed on "
+              "to the model; lr_scheduler.last_batch_iteration")
 
         # zero_to_fp32 of a bf16 run: trainable parameters from the fp32 masters, the frozen one as saved (bf16).
         model = toy(torch, frozen=True)

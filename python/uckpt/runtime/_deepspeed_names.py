@@ -129,3 +129,28 @@ norm_type optimizer param_groups param_names partition_count real_dp_process_gro
 state_dict step timers unflatten update_hp_grads update_lp_params using_real_optimizer
 """.split()),
 }
+
+# The scheduler a config "scheduler" section makes, per deepspeed.runtime.lr_schedules class.
+SCHEDULER = {
+    "LRRangeTest": frozenset("""
+get_last_lr get_lr interval_fn last_batch_iteration load_state_dict min_lr optimizer staircase state_dict step
+step_rate step_size
+""".split()),
+    "OneCycle": frozenset("""
+cycle_momentum decay_lr_rate decay_mom_rate decay_step_size first_stair_count get_last_lr get_lr get_mom
+last_batch_iteration load_state_dict max_lrs max_moms min_lrs min_moms optimizer second_stair_count skip_lr_decay
+skip_mom_decay state_dict step step_ratio total_size
+""".split()),
+    "WarmupCosineLR": frozenset("""
+cos_min_ratio get_last_lr get_lr get_lr_ratio inverse_log_warm_up last_batch_iteration load_state_dict optimizer
+org_lrs state_dict step total_num_steps warmup_min_ratio warmup_num_steps warmup_type
+""".split()),
+    "WarmupDecayLR": frozenset("""
+delta_lrs get_last_lr get_lr inverse_log_warm_up last_batch_iteration load_state_dict max_lrs min_lrs optimizer
+state_dict step total_num_steps warmup_num_steps warmup_type
+""".split()),
+    "WarmupLR": frozenset("""
+delta_lrs get_last_lr get_lr inverse_log_warm_up last_batch_iteration load_state_dict max_lrs min_lrs optimizer
+state_dict step warmup_num_steps warmup_type
+""".split()),
+}

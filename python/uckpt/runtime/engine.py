@@ -6,14 +6,15 @@ load_state_dict(), named_parameters() and named_buffers() name everything "modul
 answers the same. Its other attributes are the model's, except DeepSpeed's own engine names that uckpt does not
 support, refused by name (runtime/_deepspeed_names.py): DeepSpeed answers those itself and never asks its model,
 so forwarding them would do something else (engine.compile() would be torch's Module.compile). The optimizer
-initialize() returns refuses the names of DeepSpeed's optimizer class for the same run that it lacks."""
+and the config's scheduler initialize() returns refuse the names of DeepSpeed's class for the same run that they
+lack."""
 import collections
 import weakref
 
 import torch
 
 from uckpt._uckpt import Engine as DeepSpeedEngine
-from uckpt._uckpt import EngineOptimizer
+from uckpt._uckpt import EngineOptimizer, EngineScheduler
 from uckpt.runtime import _deepspeed_names
 from uckpt.utils.timer import ThroughputTimer
 
@@ -115,3 +116,14 @@ def _optimizer_getattr(self, name):
 
 
 EngineOptimizer.__getattr__ = _optimizer_getattr
+
+
+def _scheduler_getattr(self, name):
+    cls = self._deepspeed_class
+    if name in _deepspeed_names.SCHEDULER.get(cls, ()):
+        raise NotImplementedError(f"lr_scheduler.{name}: DeepSpeed 0.14.5's {cls} has '{name}'; uckpt's scheduler "
+                                  "does not support it")
+    raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
+EngineScheduler.__getattr__ = _scheduler_getattr
