@@ -7,6 +7,7 @@
 #include "ckpt/export.h"
 #include "engine/config.h"
 #include "py_engine.h"
+#include "py_values.h"
 
 namespace uckpt::python {
 
@@ -119,7 +120,7 @@ py::object ConfigLossScale(const PyEngine& e) {
   const auto& c = e.settings().config;
   if (e.engine().fp16_enabled()) {
     const bool given = c.contains("fp16") && c["fp16"].is_object() && c["fp16"].contains("loss_scale");
-    return given ? py::module_::import("json").attr("loads")(c["fp16"]["loss_scale"].dump()) : py::object(py::int_(0));
+    return given ? JsonToPy(c["fp16"]["loss_scale"]) : py::object(py::int_(0));
   }
   if (e.engine().bf16_enabled()) return py::float_(1.0);
   return py::int_(0);
@@ -162,9 +163,7 @@ void BindScriptApi(py::module_& m) {
       .def("gradient_clipping",
            [](const PyEngine& e) -> py::object {
              const auto& c = e.settings().config;
-             return c.contains("gradient_clipping")
-                        ? py::module_::import("json").attr("loads")(c["gradient_clipping"].dump())
-                        : py::object(py::float_(0.0));
+             return c.contains("gradient_clipping") ? JsonToPy(c["gradient_clipping"]) : py::object(py::float_(0.0));
            })
       .def("loss_scale", [](const PyEngine& e) { return ConfigLossScale(e); })
       .def("dynamic_loss_scale", [](const PyEngine& e) { return ConfigLossScale(e).equal(py::int_(0)); })

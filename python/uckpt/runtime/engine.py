@@ -99,8 +99,8 @@ for _name in _ARGUMENTS:
 DeepSpeedEngine.__getattr__ = _engine_getattr
 
 
-def _torch_optimizer_names():
-    return frozenset(n for n in dir(torch.optim.Optimizer) if not n.startswith("_")) | {"defaults", "state"}
+# DeepSpeed's optimizer at stage 0 outside bf16: the torch optimizer itself.
+_TORCH_OPTIMIZER = frozenset(n for n in dir(torch.optim.Optimizer) if not n.startswith("_")) | {"defaults", "state"}
 
 
 def _optimizer_getattr(self, name):
@@ -108,7 +108,7 @@ def _optimizer_getattr(self, name):
     if attribute is not None:  # a property that raised AttributeError: its own message
         return attribute.__get__(self, type(self))
     cls = self._deepspeed_class
-    names = _deepspeed_names.OPTIMIZER.get(cls) or _torch_optimizer_names()
+    names = _deepspeed_names.OPTIMIZER.get(cls, _TORCH_OPTIMIZER)
     if name in names:
         raise NotImplementedError(f"optimizer.{name}: DeepSpeed 0.14.5's optimizer here ({cls}) has '{name}'; "
                                   "uckpt's optimizer does not support it")
