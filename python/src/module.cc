@@ -88,10 +88,7 @@ PYBIND11_MODULE(_uckpt, m) {
                              [](const EngineScheduler& s) { return s.engine->engine().lr_schedule_iteration(); })
       // The config's scheduler type: the deepspeed.runtime.lr_schedules class DeepSpeed builds.
       .def_property_readonly("_deepspeed_class", [](const EngineScheduler& s) {
-        const auto& c = s.engine->settings().config;
-        const bool typed = c.contains("scheduler") && c["scheduler"].is_object() && c["scheduler"].contains("type") &&
-                           c["scheduler"]["type"].is_string();
-        return typed ? c["scheduler"]["type"].get<std::string>() : std::string();
+        return s.engine->settings().scheduler_type;
       });
 
   py::class_<PyEngine, std::shared_ptr<PyEngine>>(m, "Engine")
@@ -183,7 +180,8 @@ PYBIND11_MODULE(_uckpt, m) {
 
   uckpt::python::BindWeightsIO(m);
 
-  m.def("initialize", &uckpt::python::Initialize, "args"_a = py::none(), "model"_a = py::none(),
+  m.def("resolve_config", &uckpt::python::ResolveConfig, "args"_a, "config"_a);
+  m.def("initialize", &uckpt::python::Initialize, "model"_a = py::none(),
         "optimizer"_a = py::none(), "model_parameters"_a = py::none(), "training_data"_a = py::none(),
         "lr_scheduler"_a = py::none(), "mpu"_a = py::none(), "collate_fn"_a = py::none(), "config"_a = py::none(),
         "partitioned"_a = py::list());

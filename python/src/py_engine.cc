@@ -516,15 +516,31 @@ std::vector<PartitionedParameter> ZeroInitPartitions(py::list partitioned, const
   return out;
 }
 
+}  // namespace
+
 py::object ResolveConfig(py::handle args, py::handle config) {
+  auto from = [&](const char* name) -> py::object {
+    return !args.is_none() && py::hasattr(args, name) ? py::object(args.attr(name)) : py::object(py::none());
+  };
+  py::object given = from("deepspeed_config");
+  // As DeepSpeed's initialize: the deprecated name moves to the new one, and a config from two places is refused.
+  if (py::object deprecated = from("deepscale_config"); !deprecated.is_none()) {
+    std::cerr << "uckpt: warning: --deepscale_config is deprecated, please use --deepspeed_config\n";
+    if (!given.is_none())
+      throw py::value_error("uckpt.initialize: args has both deepscale_config and deepspeed_config; pass one "
+                            "(DeepSpeed 0.14.5 refuses both too)");
+    args.attr("deepspeed_config") = deprecated;
+    args.attr("deepscale_config") = py::none();
+    given = deprecated;
+  }
+  if (!given.is_none() && !config.is_none())
+    throw py::value_error("uckpt.initialize: a config was given both as config= and as args.deepspeed_config; pass "
+                          "one (DeepSpeed 0.14.5 refuses both too)");
   if (!config.is_none()) return py::reinterpret_borrow<py::object>(config);
-  for (const char* name : {"deepspeed_config", "deepscale_config"})
-    if (!args.is_none() && py::hasattr(args, name) && !args.attr(name).is_none()) return args.attr(name);
+  if (!given.is_none()) return given;
   throw py::value_error(
       "uckpt.initialize: no config: pass config= (a dict or a JSON path) or args with --deepspeed_config");
 }
-
-}  // namespace
 
 // ---- initialize / init_distributed / add_config_arguments ----
 
@@ -647,12 +663,12 @@ py::object AddConfigArguments(py::object parser) {
   return parser;
 }
 
-py::tuple Initialize(py::object args, py::object model, py::object optimizer, py::object model_parameters,
+py::tuple Initialize(py::object model, py::object optimizer, py::object model_parameters,
                      py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
                      py::object config, py::list partitioned) {
   if (model.is_none()) throw py::value_error("uckpt.initialize: model is required");
   std::string source;
-  nlohmann::json json = ConfigToJson(ResolveConfig(args, config), source);
+  nlohmann::json json = ConfigToJson(config, source);
   RefuseUnsupported(model, mpu, json, source);
   // As DeepSpeed: model_parameters as a list (a generator is read once), and a
   // client optimizer that is not an optimizer object is a callable building one from them.

@@ -124,8 +124,14 @@ class PyEngine {
   std::vector<int> engine_group_of_;          // dict i's engine group (-1: nothing trainable)
 };
 
-// deepspeed.initialize(...) -> (engine, optimizer, dataloader, lr_scheduler).
-py::tuple Initialize(py::object args, py::object model, py::object optimizer, py::object model_parameters,
+// deepspeed.initialize's config: config= (a dict or a JSON path) or
+// args.deepspeed_config (args.deepscale_config, deprecated, is moved there);
+// both, or neither, is a ValueError, as DeepSpeed asserts.
+py::object ResolveConfig(py::handle args, py::handle config);
+
+// deepspeed.initialize(...) -> (engine, optimizer, dataloader, lr_scheduler),
+// with the config ResolveConfig gave.
+py::tuple Initialize(py::object model, py::object optimizer, py::object model_parameters,
                      py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
                      py::object config, py::list partitioned);
 

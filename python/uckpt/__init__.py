@@ -10,6 +10,7 @@ import torch
 from uckpt._uckpt import add_config_arguments  # noqa: F401
 from uckpt._uckpt import initialize as _initialize
 from uckpt._uckpt import init_distributed as _init_distributed
+from uckpt._uckpt import resolve_config as _resolve_config
 from uckpt import accelerator, checkpoint, comm, compression, data, moe, ops, pipe, runtime, utils, zero  # noqa: F401
 from uckpt.accelerator import get_accelerator  # noqa: F401
 from uckpt.runtime.activation_checkpointing import checkpointing  # noqa: F401
@@ -30,9 +31,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("uckpt.initialize: model is required")
     # As DeepSpeed: the process group first (discovering an MPI or Slurm launcher's world).
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    result = _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+    given = _resolve_config(args, config if config is not None else config_params)  # kept as engine.config
+    result = _initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn,
-                         config=config if config is not None else config_params,
+                         config=given,
                          partitioned=_zero_init_partitions(model) if isinstance(model, torch.nn.Module) else [])
     if result[0].zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
         _mark_stage3_parameters(model, result[0])
@@ -41,11 +43,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if loader is not None:
             result = (result[0], result[1], loader, result[3])
     runtime.engine.set_training_dataloader(result[0], result[2])
-    # The config as DeepSpeed's engine keeps it: the argument, else the path from args (checked above).
-    given = config if config is not None else config_params
-    for name in ("deepscale_config", "deepspeed_config"):
-        if getattr(args, name, None) is not None:
-            given = getattr(args, name)
     runtime.engine.set_initialize_arguments(result[0], config=given, client_optimizer=optimizer,
                                             client_lr_scheduler=lr_scheduler, training_data=training_data,
                                             collate_fn=collate_fn, mpu=mpu)

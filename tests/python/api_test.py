@@ -318,7 +318,7 @@ def case_zero3(c):
 
 
 UNSUPPORTED = r'''
-import sys, torch, uckpt as deepspeed
+import argparse, sys, torch, uckpt as deepspeed
 from uckpt.moe.layer import MoE
 from uckpt.pipe import PipelineModule
 def cfg(**kw):
@@ -341,6 +341,12 @@ cases = [
                                                                          "fp16": {"enabled": True}}),
      "SGD at ZeRO stage 0 in fp16"),
     ("pipeline config", dict(model=net(), config=cfg(pipeline={"stages": 2})), "'pipeline'"),
+    # DeepSpeed asserts on a config from two places; uckpt used config= and dropped the other.
+    ("config= and args.deepspeed_config", dict(model=net(), config=cfg(),
+                                               args=argparse.Namespace(deepspeed_config="other.json")),
+     "both as config= and as args.deepspeed_config"),
+    ("args.deepscale_config and deepspeed_config", dict(model=net(), args=argparse.Namespace(
+        deepspeed_config="a.json", deepscale_config="b.json")), "both deepscale_config and deepspeed_config"),
 ]
 bad = 0
 for name, kw, needle in cases:
