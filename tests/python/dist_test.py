@@ -9,7 +9,8 @@ CASE:
               RANK/WORLD_SIZE (exported as DeepSpeed's discovery does), from explicit init_method/rank/world_size;
               and refuses, naming what to set, a multi-host MPI world without MASTER_ADDR, a Slurm batch
               script's SLURM_NTASKS=2 without srun, and dist_init_required=False with no group.
-  folders     two ranks pass different checkpoint folders (as a script naming its folder by the clock does):
+  folders     two ranks (folders4: four) pass different checkpoint folders (as a script naming its folder by the
+              clock does):
               the checkpoint lands whole in rank 0's, rank 1 warns naming both, and the load (again with
               different folders) restores it.
   clean_exit  a clean 2-rank run: exit codes 0, no Traceback/Exception/HeartbeatMonitor/TCPStore lines, the
@@ -211,33 +212,37 @@ else:
 '''
 
 
-def rank_envs(port):
-    return [dict(base_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port)) for r in range(2)]
+def rank_envs(port, world=2):
+    return [dict(base_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port)) for r in range(world)]
 
 
-def case_folders():
+def case_folders(world=2):
     script = write("train.py", TRAIN)
-    results = run_ranks(script, rank_envs(free_port()), ["folders"])
-    expect_ok(results, "ranks passing different checkpoint folders")
+    results = run_ranks(script, rank_envs(free_port(), world), ["folders"])
+    expect_ok(results, f"{world} ranks passing different checkpoint folders")
     folder = os.path.join(WORK, "run_0", "step3_r0")
     files = sorted(os.listdir(folder))
-    want = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    want = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
     if not all(w in files for w in want) or "mp_rank_00_model_states.pt" not in files:
         fail(f"rank 0's folder {folder} is not whole: {files}")
-    if os.path.exists(os.path.join(WORK, "run_1")):
-        fail(f"rank 1's folder was written: {os.listdir(os.path.join(WORK, 'run_1'))}")
+    for r in range(1, world):
+        if os.path.exists(os.path.join(WORK, f"run_{r}")):
+            fail(f"rank {r}'s folder was written: {os.listdir(os.path.join(WORK, f'run_{r}'))}")
     if open(os.path.join(WORK, "run_0", "latest")).read().strip() != "step3_r0":
         fail("run_0/latest does not name step3_r0")
-    log1 = results[1][1]
-    for what in ("save_checkpoint", "load_checkpoint"):
-        warn = [l for l in log1.splitlines() if "warning" in l and what in l]
-        if not warn or "run_1" not in warn[0] or "run_0" not in warn[0]:
-            fail(f"rank 1 printed no {what} warning naming both folders:\n{log1}")
+    for r in range(1, world):
+        log = results[r][1]
+        for what in ("save_checkpoint", "load_checkpoint"):
+            # The whole line: the rank's number is streamed in the middle (issue 38 crashed there).
+            warn = [l for l in log.splitlines() if "warning" in l and what in l]
+            if not warn or f"rank {r} was given folder" not in warn[0] or f"run_{r}" not in warn[0] \
+                    or "run_0" not in warn[0] or not warn[0].endswith("(the ranks must agree for the checkpoint to be whole)"):
+                fail(f"rank {r} printed no whole {what} warning naming both folders:\n{log}")
     if "warning" in results[0][1]:
         fail(f"rank 0 (whose folder is used) warned:\n{results[0][1]}")
-    print("ok   different folders per rank: one whole checkpoint in rank 0's, loaded; rank 1 warned:\n     " +
-          [l for l in log1.splitlines() if "warning" in l][0])
+    print(f"ok   different folders on each of {world} ranks: one whole checkpoint in rank 0's, loaded; the others "
+          "warned:\n     " + [l for l in results[1][1].splitlines() if "warning" in l][0])
 
 
 def case_clean_exit():
@@ -276,7 +281,8 @@ def main():
         if os.path.isdir(p):
             import shutil
             shutil.rmtree(p)
-    {"discovery": case_discovery, "folders": case_folders, "clean_exit": case_clean_exit}[CASE]()
+    {"discovery": case_discovery, "folders": case_folders, "folders4": lambda: case_folders(4),
+     "clean_exit": case_clean_exit}[CASE]()
 
 
 if __name__ == "__main__":
