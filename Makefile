@@ -1,5 +1,7 @@
 # The two commands of the README: `make demo` and `make test`.
-# Both install missing Debian packages first (apt-get, as root).
+# Both install what is missing first: Debian's packages (apt-get, as root) and a
+# virtual environment .venv with PyTorch from PyPI (UCKPT_PYTHON=/path/to/python
+# uses a Python that has PyTorch instead; scripts/python-env.sh).
 
 JOBS ?= $(shell nproc)
 BUILD ?= build
@@ -16,18 +18,19 @@ all: build
 deps:
 	@bash scripts/install-deps.sh
 
-$(BUILD)/Makefile: CMakeLists.txt
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
-
-build: deps $(BUILD)/Makefile
+# Everything, with the test libraries (transformers, Accelerate, PEFT, TRL, DeepSpeed 0.14.5).
+build:
+	bash scripts/configure.sh $(BUILD) --test
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The Python package: build/python/uckpt (PYTHONPATH=build/python python3 -c 'import uckpt').
-python: deps $(BUILD)/Makefile
+# The Python package: build/python/uckpt (PYTHONPATH=build/python .venv/bin/python -c 'import uckpt').
+python:
+	bash scripts/configure.sh $(BUILD)
 	cmake --build $(BUILD) --target python -j $(JOBS)
 
 # The demo needs the `uckpt` program only: the tests and benchmarks compile under `make test`.
-demo: deps $(BUILD)/Makefile
+demo:
+	bash scripts/configure.sh $(BUILD)
 	@echo "make demo: compiling the uckpt program (the tests compile under make test)"
 	cmake --build $(BUILD) --target uckpt -j $(JOBS)
 	bash scripts/demo.sh $(BUILD)
@@ -40,7 +43,7 @@ test: build
 
 test-asan: deps
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DUCKPT_SANITIZE=ON -DUCKPT_BENCH=OFF \
-	  -DCMAKE_CXX_COMPILER=clang++ -DUCKPT_ASAN_ONLY_FORMAT=ON
+	  -DCMAKE_CXX_COMPILER=clang++ -DUCKPT_ASAN_ONLY_FORMAT=ON -DPython3_EXECUTABLE=$$(bash scripts/python-env.sh)
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) -L 'format|corrupt'
 

@@ -1,11 +1,13 @@
-"""`pip install .`: builds the Python package with CMake (`make python`) and
-installs build/python/uckpt. Uses the setuptools and pip Debian ships; in a
-virtual environment with --system-site-packages (for Debian's torch), or with
---break-system-packages for the system Python."""
+"""`pip install --no-build-isolation .`: builds the Python package with CMake against the
+installing Python's own PyTorch (2.7 or newer; `make python` does the same into build/) and
+installs build/python/uckpt with every sub-package. Without --no-build-isolation pip would
+build against a PyTorch of its own choosing in a throw-away environment."""
 import os
 import subprocess
+import sys
+import sysconfig
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.dist import Distribution
 
@@ -16,8 +18,15 @@ BUILD = os.environ.get("UCKPT_BUILD_DIR", os.path.join(HERE, "build"))
 class BuildWithCMake(build_py):
 
     def run(self):
-        subprocess.check_call(["cmake", "-S", HERE, "-B", BUILD, "-DCMAKE_BUILD_TYPE=RelWithDebInfo"])
+        # A build folder configured already (UCKPT_BUILD_DIR, `make python`) is built as it is.
+        if not os.path.exists(os.path.join(BUILD, "CMakeCache.txt")):
+            subprocess.check_call(["cmake", "-S", HERE, "-B", BUILD, "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                                   "-DPython3_EXECUTABLE=" + sys.executable])
         subprocess.check_call(["cmake", "--build", BUILD, "--target", "python", "-j", str(os.cpu_count() or 1)])
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        if not os.path.exists(os.path.join(BUILD, "python", "uckpt", "_uckpt" + suffix)):
+            sys.exit(f"uckpt: {BUILD} holds no _uckpt{suffix}: it was configured for another Python; "
+                     f"set UCKPT_BUILD_DIR to a new folder, or remove {BUILD}")
         super().run()
 
 
@@ -33,9 +42,11 @@ setup(
     version="0.4.0",
     description="uckpt's training engine with DeepSpeed's Python API (import uckpt as deepspeed)",
     package_dir={"": os.path.relpath(os.path.join(BUILD, "python"), HERE)},
-    packages=["uckpt", "uckpt.accelerator", "uckpt.checkpoint", "uckpt.comm", "uckpt.moe", "uckpt.ops",
-              "uckpt.ops.adam", "uckpt.pipe", "uckpt.utils", "uckpt.zero"],
+    # Every folder of python/uckpt (the build copies them beside the extension).
+    packages=find_packages(os.path.join(HERE, "python"), include=["uckpt", "uckpt.*"]),
     package_data={"uckpt": ["_uckpt*.so"]},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.7", "numpy"],
     cmdclass={"build_py": BuildWithCMake},
     distclass=BinaryDistribution,
     options={"build": {"build_base": os.path.join(BUILD, "setuptools")}},

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages uckpt needs to build and test, skipping the
-# ones already present. Runs apt-get only when something is missing.
+# ones already present. Runs apt-get only when something is missing. PyTorch and
+# the Python libraries come from PyPI instead (scripts/python-env.sh).
 set -euo pipefail
 
 packages=(
@@ -10,15 +11,9 @@ packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev libxxhash-dev
   xxhash                            # xxhsum: independent check of manifest hashes
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-numpy python3-torch   # reference checks: files load in real PyTorch
+  python3 python3-venv python3-dev # the virtual environment PyTorch is installed in
   librsvg2-bin                      # rsvg-convert: `uckpt plot -o FILE.png`
-  pybind11-dev python3-dev          # the Python package (`make python`)
-  # tests/python runs real DeepSpeed 0.14.5 (source from UCKPT_DEEPSPEED_SRC) next to uckpt; its imports:
-  python3-packaging python3-pydantic python3-psutil python3-tqdm python3-cpuinfo
 )
-if [ "${UCKPT_WITH_TORCH:-1}" = 1 ]; then
-  packages+=(libtorch-dev libgloo-dev)
-fi
 
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Prints the path of the Python (with PyTorch) that uckpt builds against and tests with,
+# installing what is missing first. Progress goes to stderr, the path to stdout.
+#
+#   scripts/python-env.sh          PyTorch (requirements/torch.txt): `make demo`, `make python`
+#   scripts/python-env.sh --test   also the test libraries (requirements/test.txt, DeepSpeed 0.14.5)
+#
+# UCKPT_PYTHON=/path/to/python: use that Python and its own PyTorch (2.7 or newer); nothing is
+# installed into it. Otherwise a virtual environment in $UCKPT_VENV (default: .venv in the
+# repository) made from python3 on PATH, filled from PyPI; a stamp of the requirement files
+# skips pip when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+level=torch
+[ "${1:-}" = --test ] && level=test
+say() { echo "python-env: $*" >&2; }
+
+check_torch() {  # PYTHON: torch imports and is 2.7 or newer (older wheels use the old C++ ABI)
+  "$1" - <<'PY' >&2
+import sys
+try:
+    import torch
+except Exception as e:
+    sys.exit(f"python-env: {sys.executable} cannot import torch ({e})")
+major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+if (major, minor) < (2, 7):
+    sys.exit(f"python-env: {sys.executable} has torch {torch.__version__}; uckpt needs 2.7 or newer")
+PY
+}
+
+if [ -n "${UCKPT_PYTHON:-}" ]; then
+  py=$(command -v "$UCKPT_PYTHON" || true)
+  [ -x "$py" ] || { say "UCKPT_PYTHON=$UCKPT_PYTHON is not an executable"; exit 1; }
+  check_torch "$py"
+  echo "$py"
+  exit 0
+fi
+
+venv=${UCKPT_VENV:-$PWD/.venv}
+py=$venv/bin/python
+if [ ! -x "$py" ]; then
+  base=$(command -v python3) || { say "no python3 on PATH to make $venv with"; exit 1; }
+  say "making a virtual environment in $venv ($("$base" --version 2>&1))"
+  "$base" -m venv "$venv" || { say "python3 -m venv failed (Debian: apt-get install python3-venv)"; exit 1; }
+fi
+
+# install STAMP_NAME PIP_ARGS...: runs pip unless the stamp holds these requirement files' hash.
+install() {
+  local name=$1; shift
+  local want have=""
+  want=$(cat requirements/*.txt | sha256sum | cut -c1-16)
+  [ -f "$venv/uckpt-$name.stamp" ] && have=$(cat "$venv/uckpt-$name.stamp")
+  [ "$have" = "$want" ] && return 0
+  local t0=$SECONDS
+  local note=""
+  [ "$name" = torch ] && note=" (the first time downloads about 3 GB: PyTorch and its CUDA libraries)"
+  say "pip install $*$note"
+  # Progress: pip's own lines naming each package, not its progress bars.
+  set +e
+  "$py" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | tee "$venv/pip-$name.log" | grep --line-buffered -E '^(Collecting|Successfully|ERROR)' >&2
+  local rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" = 0 ] || { say "pip failed; its log: $venv/pip-$name.log"; exit 1; }
+  echo "$want" > "$venv/uckpt-$name.stamp"
+  say "installed in $((SECONDS - t0)) s"
+}
+
+install torch -r requirements/torch.txt
+if [ "$level" = test ]; then
+  install test -r requirements/test.txt
+  install deepspeed --no-build-isolation -r requirements/deepspeed.txt
+fi
+check_torch "$py"
+echo "$py"
