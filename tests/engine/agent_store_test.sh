@@ -10,7 +10,7 @@
 # usage: agent_store_test.sh UCKPT WORK_DIR
 set -euo pipefail
 source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
-PY=/usr/bin/python3
+PY=${UCKPT_PYTHON:-/usr/bin/python3}
 $PY -c 'import torch.distributed' 2> /dev/null || { echo "skip: $PY has no torch.distributed"; exit 77; }
 tiny_gpt2 4 --heartbeat_interval 0.25 --heartbeat_timeout 5
 

@@ -46,7 +46,7 @@ def main():
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.path.join(scripts, "pyshim"), DS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     out = os.path.join(work, "ds_losses.json")
-    subprocess.run(["/usr/bin/python3", os.path.join(scripts, "launch.py"), "2", "29871", os.path.join(scripts, "train_ds.py"),
+    subprocess.run([sys.executable, os.path.join(scripts, "launch.py"), "2", "29871", os.path.join(scripts, "train_ds.py"),
                     "--config", os.path.join(fx, "variant.json"), "--stage", "3", "--mb", "2", "--gas", "2",
                     "--mode", "resume_zero", "--init", os.path.join(fx, "init.pt"), "--total-steps", "12",
                     "--save-step", "6", "--ckpt-dir", ckpt, "--out-json", out,

@@ -78,12 +78,12 @@ def main():
             f.write(prelude + body)
     ckpt = os.path.join(work, "ckpt")
     env = dict(os.environ, PYTHONPATH=package, OMP_NUM_THREADS="1")
-    subprocess.run([uckpt, "launch", "-n", "3", "--master_port", "0", "--", "/usr/bin/python3",
+    subprocess.run([uckpt, "launch", "-n", "3", "--master_port", "0", "--", sys.executable,
                     os.path.join(work, "save.py"), ckpt], check=True, env=env, timeout=600)
     scripts = os.path.join(shared, "fixtures", "deepspeed", "scripts")
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.path.join(scripts, "pyshim"), DS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    subprocess.run(["/usr/bin/python3", os.path.join(scripts, "launch.py"), "3", "29873", os.path.join(work, "load.py"),
+    subprocess.run([sys.executable, os.path.join(scripts, "launch.py"), "3", "29873", os.path.join(work, "load.py"),
                     ckpt, shared], check=True, env=env, timeout=900)
     import torch
     ours = torch.load(os.path.join(ckpt, "uckpt_weights.pt"))
