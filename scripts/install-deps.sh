@@ -11,6 +11,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev libxxhash-dev
   xxhash                            # xxhsum: independent check of manifest hashes
   libgtest-dev libgmock-dev libbenchmark-dev
+  libgloo-dev                       # Gloo's headers: PyTorch's wheels have Gloo, not its headers
   python3 python3-venv python3-dev # the virtual environment PyTorch is installed in
   librsvg2-bin                      # rsvg-convert: `uckpt plot -o FILE.png`
 )

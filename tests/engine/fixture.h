@@ -1,4 +1,5 @@
-// Helpers for the refrun-gpt2 fixture (shared/fixtures/refrun-gpt2).
+// Helpers for the refrun-gpt2 fixture: shared/fixtures/refrun-gpt2's runs made again on the
+// PyTorch the tests build against (UCKPT_REFRUN, tests/fixtures/make_refrun.sh).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -17,7 +18,7 @@ namespace uckpt::engine::testing {
 using cli::TrainOptions;
 using cli::Trainer;
 
-inline std::string RefrunDir() { return std::string(UCKPT_SHARED) + "/fixtures/refrun-gpt2"; }
+inline std::string RefrunDir() { return UCKPT_REFRUN; }
 
 inline nlohmann::json ReadJson(const std::string& path) {
   std::ifstream in(path);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <netinet/in.h>
+#include <stdlib.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -39,6 +40,10 @@ inline void RunRanks(int world, const std::function<void(Comm&)>& fn,
     fn(*c);
     return;
   }
+  // Ranks on threads share this process's c10d flight recorder, which PyTorch 2.x updates from
+  // every group's enqueue without guarding against groups on other threads (a map insert
+  // crashed under load). Each real rank is a process of its own; here the recorder is off.
+  ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
   const int port = FreePort();
   std::exception_ptr error;
   std::mutex mu;

@@ -1,17 +1,18 @@
 // The c10d process group behind Comm, and the only place that knows libtorch
 // versions:
-//  - libtorch 1.13 (Debian, CPU): Gloo has no _reduce_scatter_base /
-//    _allgather_base; reduce-scatter is an all-reduce plus a local slice, and
-//    all-gather the list form with views into the output.
-//  - libtorch 2.x (CUDA builds without Gloo headers): NCCL's flat
-//    _reduce_scatter_base / _allgather_base.
+//  - libtorch 1.13: Gloo has no _reduce_scatter_base / _allgather_base;
+//    reduce-scatter is an all-reduce plus a local slice, and all-gather the
+//    list form with views into the output.
+//  - libtorch 2.x: the flat _reduce_scatter_base / _allgather_base. Its wheels
+//    have Gloo but not Gloo's headers: Debian's libgloo-dev declares the types
+//    ProcessGroupGloo.hpp names (only through pointers, so no layout is taken
+//    from them).
 //  - Gloo knows no bfloat16: all-gathers move its bits as fp16, reductions go
 //    through fp32.
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
-// PyTorch 2.x wheels ship ProcessGroupGloo.hpp but not the gloo headers it needs.
 #if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>) && __has_include(<gloo/algorithm.h>) && \
     !defined(UCKPT_NO_GLOO)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -358,8 +359,9 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
   try {
     store = WithPrefix(c10::make_intrusive<c10d::TCPStore>(env.master_addr, so), env.store_prefix);
   } catch (const std::exception& e) {
-    throw CommError("rank " + std::to_string(env.rank) + ": rendezvous at " + env.master_addr + ":" +
-                    std::to_string(env.master_port) + " failed: " + Brief(e));
+    throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
+                    ": rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port) +
+                    " failed: " + Brief(e));
   }
   if (cuda) {
 #ifdef USE_C10D_NCCL
