@@ -880,8 +880,14 @@ void PyEngine::Step(py::object lr_kwargs) {
   }
   // DeepSpeed's update is the basic optimizer's step(); torch schedulers count those (and warn without one).
   // (A client's optimizer that steps the partitions itself counted its own step().)
-  if (!settings_.client_step && !basic_optimizer_.is_none() && py::hasattr(basic_optimizer_, "_step_count"))
-    basic_optimizer_.attr("_step_count") = py::int_(basic_optimizer_.attr("_step_count").cast<int64_t>() + 1);
+  // PyTorch before 2.7 counted them on the optimizer (_step_count); later, the step() a scheduler
+  // wrapped marks the optimizer as stepped (_opt_called).
+  if (!settings_.client_step && !basic_optimizer_.is_none()) {
+    if (py::hasattr(basic_optimizer_, "_step_count"))
+      basic_optimizer_.attr("_step_count") = py::int_(basic_optimizer_.attr("_step_count").cast<int64_t>() + 1);
+    if (py::hasattr(basic_optimizer_.attr("step"), "_wrapped_by_lr_sched"))
+      basic_optimizer_.attr("_opt_called") = py::bool_(true);
+  }
   if (!client_scheduler_.is_none()) StepClientScheduler(lr_kwargs);
 }
 

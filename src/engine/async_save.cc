@@ -230,7 +230,7 @@ void CheckpointWriter::Write() {
     // before durable, the files go to the page cache as fast as they are
     // copied, and the background syncfs writes them back. (With early
     // writeback such a save ran at about the disk's speed, 11 GB in 6.4 s on
-    // a 1.7 GB/s disk, docs/gpu-logs/2026-11-26/lead6-d; not yet measured
+    // a 1.7 GB/s disk, bench/results/2026-11-26.md; not yet measured
     // without.)
     options.durable = !sync_after_publish_;
     const auto laid_out = std::chrono::steady_clock::now();

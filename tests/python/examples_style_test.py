@@ -198,8 +198,11 @@ def imagenet_worker(work):
             torch.save(state, os.path.join(work, "checkpoint.pth.tar"))
     if rank == 0:  # the client optimizer's step count: DeepSpeed steps it at each update (torch schedulers read it)
         with open(os.path.join(work, "imagenet.json"), "w") as f:
-            json.dump({"losses": losses, "lrs": lrs, "world": world, "step_count": scheduler.optimizer._step_count,
-                       "updates": model.global_steps}, f)
+            # PyTorch < 2.7 counts the steps on the optimizer; later ones mark the optimizer the scheduler
+            # wrapped as stepped.
+            opt = scheduler.optimizer
+            json.dump({"losses": losses, "lrs": lrs, "world": world, "updates": model.global_steps,
+                       "step_count": getattr(opt, "_step_count", model.global_steps if getattr(opt, "_opt_called", False) else 0)}, f)
 
 
 def imagenet_reference(torch, work, world):
