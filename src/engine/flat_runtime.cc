@@ -727,7 +727,7 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
 void FlatRuntime::AdamStep(Group& g, const at::Tensor& grad, double lr) { TorchAdamStep(g.state, grad, g.optimizer, lr); }
 
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const OptimizerConfig& o, double lr) {
-  // torch.optim.Adam/AdamW, single-tensor path (torch 1.13), on the partition.
+  // torch.optim.Adam/AdamW, single-tensor path (PyTorch 2.x), on the partition.
   c10::NoGradGuard no_grad;
   at::Tensor& p = st.master;
   if (!st.step.defined()) {
@@ -742,7 +742,7 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
   } else if (o.weight_decay != 0) {
     grad = grad.add(p, o.weight_decay);
   }
-  st.exp_avg.mul_(o.beta1).add_(grad, 1 - o.beta1);
+  st.exp_avg.lerp_(grad, 1 - o.beta1);  // as PyTorch 2.x (1.13 took mul_ + add_, rounding otherwise)
   st.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
   const double step = st.step.item<float>();
   // bias_correction false (DeepSpeed's Adam): step size lr, denominator sqrt(v) + eps.

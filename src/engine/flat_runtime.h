@@ -53,7 +53,7 @@ class OverlappedGradReducer;
 class UnitPipeline;
 class UnscaleAndClip;
 
-// torch.optim.Adam/AdamW's single-tensor step (torch 1.13) on one partition:
+// torch.optim.Adam/AdamW's single-tensor step (PyTorch 2.x) on one partition:
 // `st.master` updated with `grad` (moments created on the first step).
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad, const OptimizerConfig& o, double lr);
 

@@ -113,12 +113,15 @@ HostThreadInputs HostThreadInputsFromProcess(int requested, const std::string& r
   in.omp_num_threads = EnvCount("OMP_NUM_THREADS", /*first_level=*/true);
   in.how_to_change = how_to_change;
   // libtorch starts at its default (OMP_NUM_THREADS when set; PyTorch 2.x caps
-  // that at the machine's hardware threads); any other count that uckpt did not
-  // set by its own choice came from the program.
+  // that at the cores this process may run on); any other count that uckpt did
+  // not set by its own choice came from the program.
   const int now = at::get_num_threads();
   const int libtorch_default = at::intraop_default_num_threads();
-  const int hardware = static_cast<int>(std::thread::hardware_concurrency());
-  const bool libtorch_start = now == libtorch_default || (hardware > 0 && now == std::min(libtorch_default, hardware));
+  int capped = libtorch_default;
+  if (const int hardware = static_cast<int>(std::thread::hardware_concurrency()); hardware > 0)
+    capped = std::min(capped, hardware);
+  capped = std::min(capped, AffinityCores());
+  const bool libtorch_start = now == libtorch_default || now == capped;
   if (!libtorch_start && now != g_ours.load()) in.program_threads = now;
   in.libtorch_default = test_cores ? test_cores : libtorch_default;
   return in;

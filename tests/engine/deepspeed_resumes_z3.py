@@ -24,7 +24,8 @@ def main():
     if not src or not os.path.isdir(os.path.join(src, "deepspeed")):
         print("SKIPPED: set UCKPT_DEEPSPEED_SRC to a DeepSpeed 0.14.5 source tree")
         return 77
-    fx = os.path.join(shared, "fixtures", "refrun-gpt2")
+    # The reference runs made on this PyTorch (ctest's UCKPT_REFRUN), else the shared ones.
+    fx = os.environ.get("UCKPT_REFRUN") or os.path.join(shared, "fixtures", "refrun-gpt2")
     scripts = os.path.join(fx, "scripts")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
