@@ -346,8 +346,14 @@ def check_files(uckpt, work):
         keys = sorted(k for k, v in state.items() if hasattr(v, "dim") and v.dim() == 1)
         if keys != KEYS[name]:
             fail(f"{name}: the rank file's state keys are {keys}, torch's are {KEYS[name]}")
-        if name == "sgd" and state != {"momentum_buffer": None}:  # torch's state_dict (DeepSpeed's file) keeps None
-            fail(f"sgd without momentum: the rank file's state[0] is {state}, torch's {{'momentum_buffer': None}}")
+        if name == "sgd":  # as torch's own state_dict (DeepSpeed's file): 1.13 keeps momentum_buffer None, 2.x nothing
+            p = torch.nn.Parameter(torch.ones(2))
+            sgd = torch.optim.SGD([p], lr=0.1)
+            p.grad = torch.ones(2)
+            sgd.step()
+            want = sgd.state_dict()["state"].get(0, {})
+            if state != want:
+                fail(f"sgd without momentum: the rank file's state[0] is {state}, torch's {want}")
         out = os.path.join(work, name, f"global_step{SAVE}_universal")
         p = subprocess.run([uckpt, "convert", "-q", tag, out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
