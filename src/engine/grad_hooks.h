@@ -4,11 +4,13 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch::autograd {
@@ -34,7 +36,10 @@ class GradAccumulatedHooks {
   void Clear();
 
  private:
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // The accumulators, held as libtorch hands them out (a shared_ptr before PyTorch 2.15, an
+  // intrusive_ptr from it on).
+  using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodeRef> accumulators_;
   std::vector<uintptr_t> keys_;
 };
 
