@@ -106,7 +106,8 @@ HostThreadInputs HostThreadInputsFromProcess(int requested, const std::string& r
   if (requested < 0) throw std::invalid_argument(requested_by + ": " + std::to_string(requested) + " threads");
   HostThreadInputs in;
   const int test_cores = EnvCount("UCKPT_HOST_CORES");
-  in.cores = test_cores ? test_cores : AffinityCores();
+  const int affinity = AffinityCores();
+  in.cores = test_cores ? test_cores : affinity;
   in.local_ranks = LocalRanks();
   in.requested = requested;
   in.requested_by = requested_by;
@@ -117,11 +118,7 @@ HostThreadInputs HostThreadInputsFromProcess(int requested, const std::string& r
   // not set by its own choice came from the program.
   const int now = at::get_num_threads();
   const int libtorch_default = at::intraop_default_num_threads();
-  int capped = libtorch_default;
-  if (const int hardware = static_cast<int>(std::thread::hardware_concurrency()); hardware > 0)
-    capped = std::min(capped, hardware);
-  capped = std::min(capped, AffinityCores());
-  const bool libtorch_start = now == libtorch_default || now == capped;
+  const bool libtorch_start = now == libtorch_default || now == std::min(libtorch_default, affinity);
   if (!libtorch_start && now != g_ours.load()) in.program_threads = now;
   in.libtorch_default = test_cores ? test_cores : libtorch_default;
   return in;
