@@ -35,17 +35,21 @@ demo:
 	cmake --build $(BUILD) --target uckpt -j $(JOBS)
 	bash scripts/demo.sh $(BUILD)
 
-# Every test: the normal build, the layers without libtorch under ASan/UBSan, then fuzzing.
+# Every test: the normal build, then the layers without libtorch under ASan/UBSan and their
+# fuzz targets for TEST_FUZZ_SECONDS each.
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	$(MAKE) test-asan
-	$(MAKE) fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)
 
+# One clang build serves the sanitizer tests and the fuzz targets (the libraries carry
+# libFuzzer's coverage instrumentation, which the sanitizer runtime accepts unused).
 test-asan: deps
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DUCKPT_SANITIZE=ON -DUCKPT_BENCH=OFF \
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+	  -DUCKPT_SANITIZE=ON -DUCKPT_FUZZ=ON -DUCKPT_BENCH=OFF \
 	  -DCMAKE_CXX_COMPILER=clang++ -DUCKPT_ASAN_ONLY_FORMAT=ON -DPython3_EXECUTABLE=$$(bash scripts/python-env.sh)
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) -L 'format|corrupt'
+	cd $(ASAN_BUILD) && FUZZ_SECONDS=$(TEST_FUZZ_SECONDS) ctest --output-on-failure -j $(JOBS) -L fuzz
 
 fuzz: deps
 	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DUCKPT_FUZZ=ON -DCMAKE_CXX_COMPILER=clang++
