@@ -71,7 +71,7 @@ void AddRange(const StatePlan& state, uint64_t begin, uint64_t end, uint64_t to,
 }
 
 // "[3, 4] (12 elements)", or "12 elements" without a shape.
-std::string ShapeText(const std::vector<int64_t>& shape, int64_t numel) {
+std::string ShapeAndCountText(const std::vector<int64_t>& shape, int64_t numel) {
   std::string s;
   if (!shape.empty()) {
     s = "[";
@@ -101,8 +101,8 @@ StateReads PlanReads(std::span<const ParamPlan> params, const std::string& folde
       throw FormatError(listed + ": has no parameter '" + want.name + "' (a different model?)");
     const ParamPlan& p = *it->second;
     if (p.numel != want.numel || (!want.shape.empty() && p.shape != want.shape))
-      throw FormatError(listed + ": parameter '" + p.name + "' is " + ShapeText(p.shape, p.numel) +
-                        ", this model's is " + ShapeText(want.shape, want.numel));
+      throw FormatError(listed + ": parameter '" + p.name + "' is " + ShapeAndCountText(p.shape, p.numel) +
+                        ", this model's is " + ShapeAndCountText(want.shape, want.numel));
     const StatePlan* s = FindState(p, key);
     if (!s) throw FormatError(folder + ": parameter '" + p.name + "' has no optimizer state '" + key + "'");
     if (states.empty()) reads.dtype = s->dtype;

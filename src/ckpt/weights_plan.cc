@@ -2,17 +2,12 @@
 
 #include <set>
 
+#include "ckpt/values.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
 
 namespace {
-
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 std::string QuotedList(const std::vector<std::string>& names) {
   std::string s;

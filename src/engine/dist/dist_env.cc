@@ -9,13 +9,13 @@
 namespace uckpt {
 namespace {
 
-const char* Env(const char* name) {
+const char* NonEmptyEnv(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' ? v : nullptr;
 }
 
 int EnvInt(const char* name, int fallback) {
-  const char* v = Env(name);
+  const char* v = NonEmptyEnv(name);
   if (v == nullptr) return fallback;
   char* end = nullptr;
   long x = std::strtol(v, &end, 10);
@@ -29,14 +29,14 @@ DistEnv FromTorchrunVariables() {
   e.world_size = EnvInt("WORLD_SIZE", 1);
   if (e.world_size > 1)
     for (const char* v : {"RANK", "MASTER_ADDR", "MASTER_PORT"})
-      if (Env(v) == nullptr)
+      if (NonEmptyEnv(v) == nullptr)
         throw std::invalid_argument(std::string("WORLD_SIZE is set but ") + v +
                                     " is not; start the ranks with `uckpt launch`, torchrun or deepspeed's launcher");
   e.rank = EnvInt("RANK", 0);
   e.local_rank = EnvInt("LOCAL_RANK", e.rank);
   e.master_port = EnvInt("MASTER_PORT", 29500);
-  if (const char* a = Env("MASTER_ADDR")) e.master_addr = a;
-  if (const char* a = Env("TORCHELASTIC_USE_AGENT_STORE"); a != nullptr && std::string(a) == "True") {
+  if (const char* a = NonEmptyEnv("MASTER_ADDR")) e.master_addr = a;
+  if (const char* a = NonEmptyEnv("TORCHELASTIC_USE_AGENT_STORE"); a != nullptr && std::string(a) == "True") {
     e.agent_store = true;
     e.store_prefix = "/worker/attempt_" + std::to_string(EnvInt("TORCHELASTIC_RESTART_COUNT", 0));
   }
@@ -82,16 +82,16 @@ DistEnv FromLauncher(const LauncherVars& l, int port) {
     throw std::invalid_argument(who + ": rank " + std::to_string(e.rank) + " is not below the world size " +
                                 std::to_string(e.world_size));
   e.master_port = port;
-  if (Env(l.local_rank) != nullptr) {
+  if (NonEmptyEnv(l.local_rank) != nullptr) {
     e.local_rank = EnvInt(l.local_rank, 0);
-  } else if (Env("LOCAL_RANK") != nullptr) {
+  } else if (NonEmptyEnv("LOCAL_RANK") != nullptr) {
     e.local_rank = EnvInt("LOCAL_RANK", 0);
   } else if (e.world_size > 1) {
     throw std::invalid_argument(who + " gives no local rank (" + l.local_rank + "); set LOCAL_RANK, or " +
                                 kSetTorchrunVariables);
   }
   const bool one_host = l.local_size != nullptr ? EnvInt(l.local_size, 0) == e.world_size : EnvInt(l.nodes, 0) == 1;
-  if (const char* a = Env("MASTER_ADDR")) {
+  if (const char* a = NonEmptyEnv("MASTER_ADDR")) {
     e.master_addr = a;
   } else if (!one_host && e.world_size > 1) {
     // DeepSpeed broadcasts rank 0's `hostname -I` through mpi4py; uckpt reads only the environment.
@@ -107,10 +107,10 @@ DistEnv FromLauncher(const LauncherVars& l, int port) {
 // A launcher's traces with no world to read: refused, lest every process train alone.
 void RefuseHalfSeenLauncher() {
   for (const auto& l : kLaunchers)
-    if (Env(l.rank) != nullptr && Env(l.size) == nullptr && std::string(l.name) != "Slurm")
+    if (NonEmptyEnv(l.rank) != nullptr && NonEmptyEnv(l.size) == nullptr && std::string(l.name) != "Slurm")
       throw std::invalid_argument(std::string(l.name) + " sets " + l.rank + " but not " + l.size +
                                   ", so the world cannot be found: " + kSetTorchrunVariables);
-  if (Env("PMIX_RANK") != nullptr)
+  if (NonEmptyEnv("PMIX_RANK") != nullptr)
     throw std::invalid_argument("PMIX_RANK is set (a PMIx launcher) but no world size uckpt reads is: " +
                                 kSetTorchrunVariables);
   if (EnvInt("SLURM_NTASKS", 1) > 1)
@@ -126,10 +126,10 @@ void RefuseHalfSeenLauncher() {
 }  // namespace
 
 std::optional<DistEnv> DistEnv::FromEnvironment(bool discover, int discovery_port) {
-  if (Env("WORLD_SIZE") != nullptr) return FromTorchrunVariables();
+  if (NonEmptyEnv("WORLD_SIZE") != nullptr) return FromTorchrunVariables();
   if (!discover) return std::nullopt;
   for (const auto& l : kLaunchers)
-    if (Env(l.rank) != nullptr && Env(l.size) != nullptr) return FromLauncher(l, discovery_port);
+    if (NonEmptyEnv(l.rank) != nullptr && NonEmptyEnv(l.size) != nullptr) return FromLauncher(l, discovery_port);
   RefuseHalfSeenLauncher();
   return std::nullopt;
 }
