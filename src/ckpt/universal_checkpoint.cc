@@ -52,9 +52,9 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::optional<std::string> key = UniversalStateKey(e.path().filename().string());
     if (!key) continue;
-    if (*key == "step")
+    if (*key == kStep)
       u.has_step = true;
-    else if (*key != "fp32")
+    else if (*key != kFp32)
       u.state_keys.push_back(*key);
   }
   std::sort(u.state_keys.begin(), u.state_keys.end());
@@ -66,7 +66,7 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
     if (scalar) u.scalar_keys.push_back(key);
     return scalar;
   });
-  TorchFile fp32 = LoadTorchFile(UniversalStateFile(u.folder, first->name, "fp32"));
+  TorchFile fp32 = LoadTorchFile(UniversalStateFile(u.folder, first->name, kFp32));
   u.zero3 = fp32.root && fp32.root->kind == Kind::kTensor;
   return u;
 }
@@ -76,7 +76,7 @@ LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& 
   const std::string path = UniversalStateFile(u.folder, name, key);
   s.file = LoadTorchFile(path);
   ValuePtr v = s.file.root;
-  if (v && v->is_dict()) v = Need(v, "param", path);
+  if (v && v->is_dict()) v = Need(v, kUniversalParam, path);
   s.tensor = &AsTensor(v, path);
   return s;
 }
@@ -162,14 +162,14 @@ LoadedScalar ReadUniversalScalar(const UniversalCheckpoint& u, const std::string
   const std::string path = UniversalStateFile(u.folder, name, key);
   LoadedScalar s;
   s.file = LoadTorchFile(path);
-  s.value = s.file.root && s.file.root->is_dict() ? Need(s.file.root, "param", path) : s.file.root;
+  s.value = s.file.root && s.file.root->is_dict() ? Need(s.file.root, kUniversalParam, path) : s.file.root;
   return s;
 }
 
 double ReadUniversalStep(const UniversalCheckpoint& u, const std::string& name) {
-  const std::string path = UniversalStateFile(u.folder, name, "step");
+  const std::string path = UniversalStateFile(u.folder, name, kStep);
   TorchFile f = LoadTorchFile(path);
-  ValuePtr v = f.root && f.root->is_dict() ? Need(f.root, "param", path) : f.root;
+  ValuePtr v = f.root && f.root->is_dict() ? Need(f.root, kUniversalParam, path) : f.root;
   return ScalarOf(v, path);
 }
 

@@ -181,7 +181,7 @@ class Opener {
         p.numel = w->second->numel();
         p.group = g;
         const std::string where = path + ": optimizer.state[" + std::to_string(id) + "] ('" + p.name + "')";
-        p.states.push_back({"fp32", w->second->dtype, {TensorElements(*w->second, 0, p.numel, path + ": '" + p.name + "'")}});
+        p.states.push_back({kFp32, w->second->dtype, {TensorElements(*w->second, 0, p.numel, path + ": '" + p.name + "'")}});
         auto st = v.stage0_state.find(id);
         std::vector<std::pair<std::string, const Tensor*>> tensors;
         if (st != v.stage0_state.end()) tensors = st->second.tensors;
@@ -347,7 +347,7 @@ class Opener {
     if (!st) return;
     for (const auto& [key, v] : NamedEntries(st, where)) {
       const std::string kw = where + "['" + key + "']";
-      if (key == "step") {
+      if (key == kStep) {
         *step = v;
         continue;
       }
@@ -460,7 +460,7 @@ class Opener {
         p.numel = numels[i];
         p.group = g;
         auto frags = ParamFragments(numels, c_.dp, i);
-        StatePlan fp32{"fp32", rg[0][g].fp32->dtype, {}};
+        StatePlan fp32{kFp32, rg[0][g].fp32->dtype, {}};
         std::vector<StatePlan> states;
         for (const auto& [k, t] : rg[0][g].states) states.push_back(StatePlan{k, t->dtype, {}});
         for (const Fragment& f : frags) {
@@ -557,7 +557,7 @@ class Opener {
         p.numel = shape.numel();
         p.group = s;
         const int64_t ps = Stage3PartitionSize(p.numel, c_.dp);
-        StatePlan fp32{"fp32", rs[0][s].fp32->dtype, {}};
+        StatePlan fp32{kFp32, rs[0][s].fp32->dtype, {}};
         std::vector<StatePlan> states;
         for (const auto& [k, t] : rs[0][s].states) states.push_back(StatePlan{k, t->dtype, {}});
         for (int r = 0; r < c_.dp; ++r) {

@@ -162,7 +162,7 @@ class Accumulator {
 
 // The tensors of one partition: "fp32" and, once the optimizer has stepped, its per-element states.
 std::vector<std::pair<std::string, at::Tensor>> Tensors(const PartitionState& st) {
-  std::vector<std::pair<std::string, at::Tensor>> out = {{"fp32", st.master}};
+  std::vector<std::pair<std::string, at::Tensor>> out = {{ckpt::kFp32, st.master}};
   for (auto& kv : ElementStates(st)) out.push_back(std::move(kv));
   return out;
 }
