@@ -13,6 +13,7 @@
 #include "ckpt/manifest.h"
 #include "ckpt/parallel.h"
 #include "ckpt/reshard.h"
+#include "ckpt/tag_folder.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
 #include "ckpt/zero_checkpoint.h"
@@ -413,12 +414,12 @@ std::vector<SourceFingerprintIndex::Part> SourceFingerprintIndex::Locate(std::sp
 }
 
 StateFingerprint FingerprintFolder(const std::string& folder, int threads) {
-  switch (ClassifyTagFolder(folder)) {
+  const TagFolder opened = OpenTagFolder(folder);
+  switch (opened.kind) {
     case FolderKind::kZero:
-      return FingerprintZeroCheckpoint(OpenZeroCheckpoint(folder, false, /*check_manifest=*/false), 0, 1, threads);
+      return FingerprintZeroCheckpoint(OpenZeroCheckpoint(opened), 0, 1, threads);
     case FolderKind::kUniversal:
-      return FingerprintUniversalCheckpoint(OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false), 0, 1,
-                                            threads);
+      return FingerprintUniversalCheckpoint(OpenUniversalCheckpoint(opened), 0, 1, threads);
     default:
       throw FormatError(folder + ": not a ZeRO tag folder or a universal checkpoint folder");
   }

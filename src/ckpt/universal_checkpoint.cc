@@ -10,27 +10,26 @@
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
 #include "ckpt/values.h"
+#include "format/env.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
 
 namespace fs = std::filesystem;
 
-UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool verify_hashes, bool check_manifest) {
+UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
+  const TagFolder opened = OpenTagFolder(folder);
+  if (check_manifest) CheckFolderAgainstManifest(opened, verify_hashes);
+  return OpenUniversalCheckpoint(opened);
+}
+
+UniversalCheckpoint OpenUniversalCheckpoint(const TagFolder& folder) {
   UniversalCheckpoint u;
-  u.folder = StripTrailingSlashes(folder_in);
-  if (check_manifest) CheckFolderAgainstManifest(u.folder, verify_hashes);
-  std::error_code ec;
-  if (!fs::is_directory(UniversalZeroDir(u.folder), ec))
+  u.folder = folder.path;
+  if (folder.kind != FolderKind::kUniversal)
     throw FormatError(u.folder + ": no zero/ folder; not a universal checkpoint");
-  std::string model_path;
-  for (const auto& f : ListCheckpointFolder(u.folder)) {
-    if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates) {
-      model_path = f.path;
-      break;
-    }
-  }
-  if (model_path.empty()) throw FormatError(u.folder + ": no copied *_model_states.pt file");
+  if (folder.model_states.empty()) throw FormatError(u.folder + ": no copied *_model_states.pt file");
+  const std::string model_path = folder.model_states.front().path;
   u.model = LoadTorchFile(model_path);
   for (const auto& shapes : ReadRequiredParamShapes(u.model.root, model_path)) {
     std::vector<UniversalParam> group;
@@ -48,9 +47,10 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
     }
   if (!first) return u;
   const std::string dir = UniversalParamDir(u.folder, first->name);
+  std::error_code ec;
   if (!fs::is_directory(dir, ec)) throw FormatError(dir + ": missing parameter folder");
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::optional<std::string> key = UniversalStateKey(e.path().filename().string());
+  for (const Env::DirEntry& e : Env::Current().ListDir(dir)) {
+    const std::optional<std::string> key = UniversalStateKey(e.name);
     if (!key) continue;
     if (*key == kStep)
       u.has_step = true;

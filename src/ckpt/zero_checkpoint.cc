@@ -83,10 +83,9 @@ void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, const std:
 
 class Opener {
  public:
-  explicit Opener(const std::string& folder) { c_.folder = StripTrailingSlashes(folder); }
+  explicit Opener(const TagFolder& folder) { c_.folder = folder.path; }
 
-  ZeroCheckpoint Open() {
-    auto files = ListCheckpointFolder(c_.folder);
+  ZeroCheckpoint Open(const std::vector<CheckpointFile>& files) {
     RefuseUnsupportedFiles(files, c_.folder);
     if (OpenStage0(files)) return std::move(c_);
     FindOptimFiles(files);
@@ -588,9 +587,12 @@ ValuePtr Stage0UniversalModelStates(const ZeroCheckpoint& ckpt) {
 }
 
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
-  if (check_manifest) CheckFolderAgainstManifest(StripTrailingSlashes(folder), verify_hashes);
-  return Opener(folder).Open();
+  const TagFolder opened = OpenTagFolder(folder);
+  if (check_manifest) CheckFolderAgainstManifest(opened, verify_hashes);
+  return OpenZeroCheckpoint(opened);
 }
+
+ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder) { return Opener(folder).Open(folder.files); }
 
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
   if (ckpt.stage == 0) {  // the torch optimizer's param groups (no loss scaler: stage 0 files are fp32)
