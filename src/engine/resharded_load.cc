@@ -112,8 +112,8 @@ std::function<void(std::span<const uint8_t>)> PageDropper(const std::vector<Torc
 
 }  // namespace
 
-LoadSource OpenRankFiles(const std::string& folder) {
-  auto z = std::make_shared<ckpt::ZeroCheckpoint>(ckpt::OpenZeroCheckpoint(folder, false, /*check_manifest=*/false));
+LoadSource OpenRankFiles(const ckpt::TagFolder& folder) {
+  auto z = std::make_shared<ckpt::ZeroCheckpoint>(ckpt::OpenZeroCheckpoint(folder));
   LoadSource s;
   s.kind = SourceKind::kRankFiles;
   s.states = ckpt::ZeroReadSource(*z);
@@ -134,7 +134,7 @@ LoadSource OpenRankFiles(const std::string& folder) {
   return s;
 }
 
-LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<PartitionSlot>& slots, bool moments) {
+LoadSource OpenUniversalFolder(const ckpt::TagFolder& folder, const std::vector<PartitionSlot>& slots, bool moments) {
   struct Maps {
     ckpt::UniversalCheckpoint u;
     ckpt::UniversalOptimizerFile optimizer;
@@ -142,7 +142,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
     std::vector<TorchFile> scalar_files;  // the step and other scalars read
   };
   auto maps = std::make_shared<Maps>();
-  maps->u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
+  maps->u = ckpt::OpenUniversalCheckpoint(folder);
   const ckpt::UniversalCheckpoint& u = maps->u;
   maps->optimizer = ckpt::ReadUniversalOptimizerState(u);
   LoadSource s;
