@@ -18,6 +18,7 @@
 #include "ckpt/copy_plan.h"
 #include "ckpt/deepspeed_names.h"
 #include "ckpt/manifest.h"
+#include "ckpt/state_keys.h"
 #include "ckpt/torch_out.h"
 #include "format/env.h"
 #include "format/error.h"
@@ -56,7 +57,7 @@ void ReleasePages(std::span<const uint8_t> data, std::span<const uint8_t> file) 
 ValuePtr CatDimDict(ValuePtr tensor) {
   auto d = Value::Dict();
   d->set("cat_dim", Value::Int(0));
-  d->set("param", std::move(tensor));
+  d->set(kUniversalParam, std::move(tensor));
   return d;
 }
 
@@ -147,7 +148,7 @@ class Converter {
     for (size_t i = 0; i < ckpt_.params.size(); ++i) {
       const ParamPlan& p = ckpt_.params[i];
       if (p.step) {
-        add(UniversalStateFile(tmp_, p.name, "step"), 0, [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); },
+        add(UniversalStateFile(tmp_, p.name, kStep), 0, [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); },
             {i, 0, 0});
         ++files_left_[i];
       }
@@ -164,7 +165,7 @@ class Converter {
         // DeepSpeed's clones of the partitions are.
         add(UniversalStateFile(tmp_, p.name, s.key), bytes,
             [this, &p, &s, stage3](OrderedSink& out) {
-              ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == "fp32");
+              ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == kFp32);
               StoragePieces pieces{{t->tensor->storage.get(), s.pieces}};
               WriteTorchFile(out, out.path(), stage3 ? t : CatDimDict(t), pieces, release_);
             },

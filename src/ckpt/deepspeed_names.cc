@@ -101,7 +101,7 @@ CheckpointFile ClassifyFile(const std::string& folder, const std::string& name) 
 
 const char* TagFileName(bool universal) { return universal ? kLatestUniversalFile : kLatestFile; }
 
-std::string UniversalZeroDir(const std::string& folder) { return folder + "/zero"; }
+std::string UniversalZeroDir(const std::string& folder) { return folder + "/" + kUniversalZeroDirName; }
 
 std::string UniversalParamDir(const std::string& folder, const std::string& param) {
   return UniversalZeroDir(folder) + "/" + param;

@@ -57,6 +57,7 @@ const char* TagFileName(bool universal);
 // optimizer's remaining state, and the model-states files copied. ----
 
 // <folder>/zero
+inline constexpr const char* kUniversalZeroDirName = "zero";
 std::string UniversalZeroDir(const std::string& folder);
 // <folder>/zero/<param>
 std::string UniversalParamDir(const std::string& folder, const std::string& param);

@@ -101,7 +101,7 @@ Stage0ParamState ReadStage0State(const ValuePtr& state, const std::string& where
     }
     const std::string kw = where + "['" + key + "']";
     const bool number = v->kind == Kind::kInt || v->kind == Kind::kFloat;
-    if (key == "step") {
+    if (key == kStep) {
       ScalarOf(v, kw);  // a number or a one-element tensor
       a.step = v;
     } else if (number || (v->kind == Kind::kTensor && v->tensor->shape.empty())) {
@@ -136,7 +136,7 @@ bool IsAdamStateKeys(const std::vector<std::string>& keys) {
 }
 
 AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq) {
-  return {{"step", std::move(step)}, {kExpAvg, std::move(exp_avg)}, {kExpAvgSq, std::move(exp_avg_sq)}};
+  return {{kStep, std::move(step)}, {kExpAvg, std::move(exp_avg)}, {kExpAvgSq, std::move(exp_avg_sq)}};
 }
 
 double ScalarOf(const ValuePtr& v, const std::string& where) {
@@ -722,7 +722,7 @@ UniversalOptimizerStateView ReadUniversalOptimizerStateValue(const ValuePtr& roo
   ValuePtr inner = root->get("optimizer_state_dict");
   ValuePtr state = inner && inner->is_dict() ? inner->get("state") : nullptr;
   ValuePtr first = GetIntKey(state, 0);
-  if (first && first->is_dict()) v.zero3_step = first->get("step");
+  if (first && first->is_dict()) v.zero3_step = first->get(kStep);
   return v;
 }
 

@@ -23,6 +23,7 @@
 
 #include "ckpt/deepspeed_names.h"
 #include "ckpt/partition.h"
+#include "ckpt/state_keys.h"
 #include "format/torch_file.h"
 #include "format/value.h"
 
@@ -96,9 +97,7 @@ FragmentAddress ReadFragmentAddress(const ValuePtr& v, const std::string& where)
 // Adam's per-element state of one flat partition or parameter: step (0-d),
 // exp_avg, exp_avg_sq; empty before the first step.
 using AdamState = std::vector<std::pair<std::string, ValuePtr>>;
-// Its moments' keys (torch's, as DeepSpeed and the universal folders name them).
-inline constexpr const char* kExpAvg = "exp_avg";
-inline constexpr const char* kExpAvgSq = "exp_avg_sq";
+// Its keys: kStep, kExpAvg, kExpAvgSq (ckpt/state_keys.h).
 AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq);
 // Whether per-element state keys are Adam's (exp_avg and exp_avg_sq, any order).
 bool IsAdamStateKeys(const std::vector<std::string>& keys);

@@ -209,11 +209,11 @@ Collector CollectUniversal(const std::string& folder, bool verify_hashes) {
   for (const auto& g : u->groups)
     for (const auto& p : g) {
       Entry e{p.name, p.shape, DType::kFloat32, nullptr};
-      e.src = LoadUniversalState(*u, p.name, "fp32").tensor->dtype;
+      e.src = LoadUniversalState(*u, p.name, kFp32).tensor->dtype;
       std::string name = p.name;
       int64_t numel = p.numel;
       e.data = [u, name, numel](std::shared_ptr<const void>* hold) {
-        auto s = std::make_shared<LoadedState>(LoadUniversalState(*u, name, "fp32"));
+        auto s = std::make_shared<LoadedState>(LoadUniversalState(*u, name, kFp32));
         const std::string where = s->file.file->path();
         if (s->tensor->numel() != numel)
           Fail(where, "has " + std::to_string(s->tensor->numel()) + " elements, param_shapes says " +

@@ -13,6 +13,7 @@
 #include "ckpt/manifest.h"
 #include "ckpt/parallel.h"
 #include "ckpt/reshard.h"
+#include "ckpt/tag_folder.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
 #include "ckpt/zero_checkpoint.h"
@@ -158,7 +159,7 @@ StateFingerprint FingerprintFromJson(const json& j, const std::string& where) {
     }
     // "fp32" first, then sorted: the canonical order.
     std::stable_sort(pf.states.begin(), pf.states.end(), [](const auto& a, const auto& b) {
-      return (a.first == "fp32") != (b.first == "fp32") ? a.first == "fp32" : a.first < b.first;
+      return (a.first == kFp32) != (b.first == kFp32) ? a.first == kFp32 : a.first < b.first;
     });
     f.params.push_back(std::move(pf));
   }
@@ -196,7 +197,7 @@ namespace {
 
 std::vector<std::string> CanonicalKeys(std::vector<std::string> keys) {
   std::sort(keys.begin(), keys.end());
-  keys.insert(keys.begin(), "fp32");
+  keys.insert(keys.begin(), kFp32);
   return keys;
 }
 
@@ -413,12 +414,12 @@ std::vector<SourceFingerprintIndex::Part> SourceFingerprintIndex::Locate(std::sp
 }
 
 StateFingerprint FingerprintFolder(const std::string& folder, int threads) {
-  switch (ClassifyTagFolder(folder)) {
+  const TagFolder opened = OpenTagFolder(folder);
+  switch (opened.kind) {
     case FolderKind::kZero:
-      return FingerprintZeroCheckpoint(OpenZeroCheckpoint(folder, false, /*check_manifest=*/false), 0, 1, threads);
+      return FingerprintZeroCheckpoint(OpenZeroCheckpoint(opened), 0, 1, threads);
     case FolderKind::kUniversal:
-      return FingerprintUniversalCheckpoint(OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false), 0, 1,
-                                            threads);
+      return FingerprintUniversalCheckpoint(OpenUniversalCheckpoint(opened), 0, 1, threads);
     default:
       throw FormatError(folder + ": not a ZeRO tag folder or a universal checkpoint folder");
   }
@@ -448,7 +449,7 @@ std::optional<std::string> FirstFingerprintDifference(const StateFingerprint& ex
                                                       const FingerprintScope& scope, const std::string& actual_is) {
   std::map<std::string, const ParamFingerprint*> held;
   for (const auto& p : actual.params) held[p.name] = &p;
-  auto in_scope = [&](const std::string& key) { return key == "fp32" ? scope.masters : scope.optimizer; };
+  auto in_scope = [&](const std::string& key) { return key == kFp32 ? scope.masters : scope.optimizer; };
   for (const auto& want : expected.params) {
     auto it = held.find(want.name);
     if (it == held.end()) return "parameter " + want.name + " is in the checkpoint, not " + actual_is;

@@ -7,40 +7,51 @@
 #include <sstream>
 #include <tuple>
 
+#include "format/env.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
 
 namespace fs = std::filesystem;
 
-std::vector<CheckpointFile> ListCheckpointFolder(const std::string& folder) {
-  std::error_code ec;
-  fs::directory_iterator it(folder, ec);
-  if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
-  std::vector<CheckpointFile> files;
-  for (const auto& e : it) {
-    if (!e.is_regular_file(ec)) continue;
-    files.push_back(ClassifyFile(folder, e.path().filename().string()));
+FolderListing ListFolder(const std::string& folder) {
+  using Type = Env::DirEntry::Type;
+  FolderListing out;
+  for (const Env::DirEntry& e : Env::Current().ListDir(folder)) {
+    Type type = e.type;
+    if (type == Type::kSymlink) {  // what it points to, as a stat would say
+      out.links.push_back(e.name);
+      std::error_code ec;
+      const fs::file_type t = fs::status(folder + "/" + e.name, ec).type();
+      type = t == fs::file_type::regular ? Type::kFile : t == fs::file_type::directory ? Type::kDir : Type::kOther;
+    }
+    if (type == Type::kFile) out.files.push_back(ClassifyFile(folder, e.name));
+    if (type == Type::kDir) out.dirs.push_back(e.name);
   }
-  std::sort(files.begin(), files.end(), [](const CheckpointFile& a, const CheckpointFile& b) {
+  std::sort(out.files.begin(), out.files.end(), [](const CheckpointFile& a, const CheckpointFile& b) {
     return std::tie(a.kind, a.dp, a.mp, a.name) < std::tie(b.kind, b.dp, b.mp, b.name);
   });
-  return files;
+  std::sort(out.dirs.begin(), out.dirs.end());
+  return out;
 }
+
+std::vector<CheckpointFile> ListCheckpointFolder(const std::string& folder) { return ListFolder(folder).files; }
 
 std::string StripTrailingSlashes(std::string path) {
   while (path.size() > 1 && path.back() == '/') path.pop_back();
   return path;
 }
 
-FolderKind ClassifyTagFolder(const std::string& path) {
-  std::error_code ec;
-  if (fs::is_directory(UniversalZeroDir(path), ec)) return FolderKind::kUniversal;
-  for (const auto& f : ListCheckpointFolder(path))
+FolderKind KindOf(const FolderListing& listing) {
+  if (std::binary_search(listing.dirs.begin(), listing.dirs.end(), std::string(kUniversalZeroDirName)))
+    return FolderKind::kUniversal;
+  for (const auto& f : listing.files)
     if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates)
       return FolderKind::kZero;
   return FolderKind::kUnknown;
 }
+
+FolderKind ClassifyTagFolder(const std::string& path) { return KindOf(ListFolder(path)); }
 
 std::optional<std::string> TagProblem(const std::string& tag) {
   std::string why;

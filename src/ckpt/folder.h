@@ -11,13 +11,25 @@
 
 namespace uckpt::ckpt {
 
-// The regular files of `folder`, classified, sorted by (kind, dp, mp, name).
-// Throws IoError if the folder cannot be read.
+// A folder's top level, listed once (Env::ListDir): its regular files
+// classified, sorted by (kind, dp, mp, name), and its sub-folders' names,
+// sorted (links followed in both); the names that are links. Throws IoError
+// if the folder cannot be read.
+struct FolderListing {
+  std::vector<CheckpointFile> files;
+  std::vector<std::string> dirs;
+  std::vector<std::string> links;
+};
+FolderListing ListFolder(const std::string& folder);
+
+// ListFolder's files alone.
 std::vector<CheckpointFile> ListCheckpointFolder(const std::string& folder);
 
 // What kind of checkpoint folder `path` is: universal (has zero/), a ZeRO tag
 // folder (holds model-states or optimizer-states files), or neither.
+// KindOf is the one place that decides it, from a listing.
 enum class FolderKind { kZero, kUniversal, kUnknown };
+FolderKind KindOf(const FolderListing& listing);
 FolderKind ClassifyTagFolder(const std::string& path);
 
 // The one tag resolver. A tag (what `latest` / `latest_universal` hold, or a

@@ -165,10 +165,10 @@ void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
         first = false;
         for (const auto& key : u.state_keys)
           state_element_bytes += DTypeSize(LoadUniversalState(u, p.name, key).tensor->dtype);
-        DType master = LoadUniversalState(u, p.name, "fp32").tensor->dtype;
+        DType master = LoadUniversalState(u, p.name, kFp32).tensor->dtype;
         state_element_bytes += DTypeSize(master);
         info->master_dtype = std::string(DTypeName(master));
-        if (u.has_step) info->optimizer_step = ValueText(LoadTorchFile(UniversalStateFile(u.folder, p.name, "step")).root);
+        if (u.has_step) info->optimizer_step = ValueText(LoadTorchFile(UniversalStateFile(u.folder, p.name, kStep)).root);
       }
     }
   info->state_bytes = static_cast<uint64_t>(info->numel) * state_element_bytes;

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "ckpt/parallel.h"
+#include "ckpt/tag_folder.h"
 #include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
@@ -38,20 +39,8 @@ std::string Join(const std::string& folder, const std::string& rel) { return fol
 // Regular files under `folder` (recursive, symlinks not followed), relative
 // '/'-separated paths, sorted; without the manifest itself.
 std::vector<std::string> ListFiles(const std::string& folder) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  fs::recursive_directory_iterator it(folder, ec), end;
-  if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
-  for (; it != end; it.increment(ec)) {
-    if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
-    std::error_code sec;
-    if (it->symlink_status(sec).type() != fs::file_type::regular || sec) continue;
-    std::string rel = it->path().lexically_relative(folder).generic_string();
-    if (rel == kManifestName) continue;
-    out.push_back(std::move(rel));
-  }
-  if (ec) throw IoError("cannot read folder " + folder + ": " + ec.message());
-  std::sort(out.begin(), out.end());
+  std::vector<std::string> out = ListTree(Env::Current(), folder);
+  std::erase(out, std::string(kManifestName));
   return out;
 }
 
@@ -223,6 +212,22 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
     check.problems.push_back({Join(folder, kManifestName), e.what()});
     return check;
   }
+  std::vector<std::string> files;
+  std::string unlisted;
+  try {
+    files = ListFiles(folder);
+  } catch (const std::exception& e) {
+    unlisted = e.what();
+  }
+  check = CompareWithManifest(folder, m, files, options);
+  if (!unlisted.empty()) check.problems.insert(check.problems.begin(), {folder, unlisted});
+  return check;
+}
+
+ManifestCheck CompareWithManifest(const std::string& folder, const Manifest& m, const std::vector<std::string>& files,
+                                  const ManifestCheckOptions& options) {
+  ManifestCheck check;
+  check.present = true;
   check.files = m.files.size();
   if (options.progress_total)
     for (const auto& e : m.files) *options.progress_total += e.size;
@@ -247,12 +252,8 @@ ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOption
     }
   }
   std::vector<std::string> extra;
-  try {
-    for (const auto& rel : ListFiles(folder))
-      if (!listed.count(rel)) extra.push_back(rel);
-  } catch (const std::exception& e) {
-    check.problems.push_back({folder, e.what()});
-  }
+  for (const auto& rel : files)
+    if (!listed.count(rel)) extra.push_back(rel);
   if (options.hashes && options.shards > 1) {
     // Deal the files, largest first, round-robin; keep this shard's.
     std::vector<size_t> order(to_hash.size());
@@ -316,33 +317,7 @@ void RemoveUnsyncedMarker(const std::string& folder) {
 }
 
 void CheckFolderAgainstManifest(const std::string& folder, bool hashes, int shard, int shards) {
-  if (shards < 1 || shard < 0 || shard >= shards) throw std::invalid_argument("CheckFolderAgainstManifest: bad shard");
-  const std::optional<std::string> unsynced = ReadUnsyncedMarker(folder);
-  ManifestCheckOptions options;
-  options.hashes = hashes || unsynced;
-  options.shard = shard;
-  options.shards = shards;
-  ManifestCheck check = CheckManifest(folder, options);
-  if (unsynced && !check.present)
-    check.problems.push_back({Join(folder, kManifestName), "is missing"});
-  if (check.ok()) return;  // also without a manifest (DeepSpeed's own folders)
-  std::string msg = folder + " does not match its manifest (" + kManifestName + "):";
-  if (unsynced)
-    msg = folder + " was published before its files were on disk (" + UnsyncedMarkerPath(folder) +
-          " is still there) and does not match its manifest (" + kManifestName +
-          "): the machine probably stopped before they were written. " +
-          (unsynced->empty() ? std::string("No checkpoint was published before it.")
-                             : "The checkpoint published before it is '" + *unsynced + "' (load that tag).") +
-          " Problems:";
-  size_t shown = 0;
-  for (const auto& p : check.problems) {
-    if (++shown > 10) {
-      msg += "\n  ... and " + std::to_string(check.problems.size() - 10) + " more (run `uckpt verify " + folder + "`)";
-      break;
-    }
-    msg += "\n  " + p.file + ": " + p.what;
-  }
-  throw FormatError(msg);
+  CheckFolderAgainstManifest(OpenTagFolder(folder), hashes, shard, shards);
 }
 
 }  // namespace uckpt::ckpt

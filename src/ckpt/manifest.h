@@ -96,6 +96,13 @@ struct ManifestCheckOptions {
 // and no problems. A manifest that cannot be parsed is one problem naming it.
 ManifestCheck CheckManifest(const std::string& folder, const ManifestCheckOptions& options = {});
 
+// CheckManifest's comparison, of the manifest `m` already read and `files`
+// already listed (every regular file under `folder`: relative, sorted, the
+// manifest left out). Reads only the sizes, and with `options.hashes` the
+// bytes, of the files it lists.
+ManifestCheck CompareWithManifest(const std::string& folder, const Manifest& m, const std::vector<std::string>& files,
+                                  const ManifestCheckOptions& options = {});
+
 // A tag folder published before its files were durable (the engine's
 // synchronous save, docs/reliability.md) has this file beside it,
 // `<dir>/.<tag>.uckpt-unsynced`, until every rank's files are on disk. It is
@@ -115,7 +122,8 @@ void RemoveUnsyncedMarker(const std::string& folder);
 // `shard` of `shards`) and throw FormatError naming each bad file; without a
 // manifest, do nothing. With an unsynced marker beside the folder the hashes
 // are always checked, and a folder without a manifest is refused; the error
-// then says so and names the previous tag.
+// then says so and names the previous tag. (For a folder already opened:
+// ckpt/tag_folder.h's, which this one calls.)
 void CheckFolderAgainstManifest(const std::string& folder, bool hashes, int shard = 0, int shards = 1);
 
 }  // namespace uckpt::ckpt

@@ -153,7 +153,7 @@ ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, c
     auto it = m.module.find(name);
     if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + name + "'");
     const Tensor& w = *it->second;
-    ParamPlan p{name, w.shape, w.numel(), 0, {WholeState("fp32", w, path + ": '" + name + "'")}, nullptr, {}, {}};
+    ParamPlan p{name, w.shape, w.numel(), 0, {WholeState(kFp32, w, path + ": '" + name + "'")}, nullptr, {}, {}};
     if (auto st = m.stage0_state.find(id); st != m.stage0_state.end()) {
       const std::string where = path + ": optimizer state of " + name;
       for (const auto& [key, t] : st->second.tensors) {

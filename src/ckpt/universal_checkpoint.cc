@@ -10,27 +10,26 @@
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
 #include "ckpt/values.h"
+#include "format/env.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
 
 namespace fs = std::filesystem;
 
-UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool verify_hashes, bool check_manifest) {
+UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
+  const TagFolder opened = OpenTagFolder(folder);
+  if (check_manifest) CheckFolderAgainstManifest(opened, verify_hashes);
+  return OpenUniversalCheckpoint(opened);
+}
+
+UniversalCheckpoint OpenUniversalCheckpoint(const TagFolder& folder) {
   UniversalCheckpoint u;
-  u.folder = StripTrailingSlashes(folder_in);
-  if (check_manifest) CheckFolderAgainstManifest(u.folder, verify_hashes);
-  std::error_code ec;
-  if (!fs::is_directory(UniversalZeroDir(u.folder), ec))
+  u.folder = folder.path;
+  if (folder.kind != FolderKind::kUniversal)
     throw FormatError(u.folder + ": no zero/ folder; not a universal checkpoint");
-  std::string model_path;
-  for (const auto& f : ListCheckpointFolder(u.folder)) {
-    if (f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates) {
-      model_path = f.path;
-      break;
-    }
-  }
-  if (model_path.empty()) throw FormatError(u.folder + ": no copied *_model_states.pt file");
+  if (folder.model_states.empty()) throw FormatError(u.folder + ": no copied *_model_states.pt file");
+  const std::string model_path = folder.model_states.front().path;
   u.model = LoadTorchFile(model_path);
   for (const auto& shapes : ReadRequiredParamShapes(u.model.root, model_path)) {
     std::vector<UniversalParam> group;
@@ -48,13 +47,14 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
     }
   if (!first) return u;
   const std::string dir = UniversalParamDir(u.folder, first->name);
+  std::error_code ec;
   if (!fs::is_directory(dir, ec)) throw FormatError(dir + ": missing parameter folder");
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::optional<std::string> key = UniversalStateKey(e.path().filename().string());
+  for (const Env::DirEntry& e : Env::Current().ListDir(dir)) {
+    const std::optional<std::string> key = UniversalStateKey(e.name);
     if (!key) continue;
-    if (*key == "step")
+    if (*key == kStep)
       u.has_step = true;
-    else if (*key != "fp32")
+    else if (*key != kFp32)
       u.state_keys.push_back(*key);
   }
   std::sort(u.state_keys.begin(), u.state_keys.end());
@@ -66,7 +66,7 @@ UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder_in, bool v
     if (scalar) u.scalar_keys.push_back(key);
     return scalar;
   });
-  TorchFile fp32 = LoadTorchFile(UniversalStateFile(u.folder, first->name, "fp32"));
+  TorchFile fp32 = LoadTorchFile(UniversalStateFile(u.folder, first->name, kFp32));
   u.zero3 = fp32.root && fp32.root->kind == Kind::kTensor;
   return u;
 }
@@ -76,7 +76,7 @@ LoadedState LoadUniversalState(const UniversalCheckpoint& u, const std::string& 
   const std::string path = UniversalStateFile(u.folder, name, key);
   s.file = LoadTorchFile(path);
   ValuePtr v = s.file.root;
-  if (v && v->is_dict()) v = Need(v, "param", path);
+  if (v && v->is_dict()) v = Need(v, kUniversalParam, path);
   s.tensor = &AsTensor(v, path);
   return s;
 }
@@ -162,14 +162,14 @@ LoadedScalar ReadUniversalScalar(const UniversalCheckpoint& u, const std::string
   const std::string path = UniversalStateFile(u.folder, name, key);
   LoadedScalar s;
   s.file = LoadTorchFile(path);
-  s.value = s.file.root && s.file.root->is_dict() ? Need(s.file.root, "param", path) : s.file.root;
+  s.value = s.file.root && s.file.root->is_dict() ? Need(s.file.root, kUniversalParam, path) : s.file.root;
   return s;
 }
 
 double ReadUniversalStep(const UniversalCheckpoint& u, const std::string& name) {
-  const std::string path = UniversalStateFile(u.folder, name, "step");
+  const std::string path = UniversalStateFile(u.folder, name, kStep);
   TorchFile f = LoadTorchFile(path);
-  ValuePtr v = f.root && f.root->is_dict() ? Need(f.root, "param", path) : f.root;
+  ValuePtr v = f.root && f.root->is_dict() ? Need(f.root, kUniversalParam, path) : f.root;
   return ScalarOf(v, path);
 }
 

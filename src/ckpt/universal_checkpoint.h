@@ -10,6 +10,7 @@
 
 #include "ckpt/partition.h"
 #include "ckpt/reshard.h"
+#include "ckpt/tag_folder.h"
 #include "format/torch_file.h"
 
 namespace uckpt::ckpt {
@@ -38,6 +39,9 @@ struct UniversalCheckpoint {
 // not at all with `check_manifest` false, when the caller just did).
 UniversalCheckpoint OpenUniversalCheckpoint(const std::string& folder, bool verify_hashes = false,
                                             bool check_manifest = true);
+// The same from the folder as opened (ckpt/tag_folder.h): its listing, no
+// manifest check (the caller's, from the same value).
+UniversalCheckpoint OpenUniversalCheckpoint(const TagFolder& folder);
 
 // zero/<name>/<key>.pt loaded; `*tensor` is the whole parameter (ZeRO-3 files
 // reshaped to `shape` is the caller's business: their tensor is 1-D).

@@ -178,7 +178,7 @@ class StructureCheck {
         if (!Parse(f.path)) return;
     UniversalCheckpoint u = OpenUniversalCheckpoint(v_.folder, false, /*check_manifest=*/false);
     Parse(UniversalOptimizerStateFile(v_.folder));
-    std::vector<std::string> keys = {"fp32"};
+    std::vector<std::string> keys = {kFp32};
     keys.insert(keys.end(), u.state_keys.begin(), u.state_keys.end());
     struct Job {
       const UniversalParam* param;
@@ -190,16 +190,16 @@ class StructureCheck {
       for (const auto& p : g) {
         names.insert(p.name);
         for (const auto& k : keys) jobs.push_back({&p, k});
-        if (u.has_step) jobs.push_back({&p, "step"});
+        if (u.has_step) jobs.push_back({&p, kStep});
       }
     ParallelBySize(std::vector<uint64_t>(jobs.size()), WorkerThreads(o_.threads, jobs.size()), [&](size_t i) {
       const Job& j = jobs[i];
       const std::string path = UniversalStateFile(v_.folder, j.param->name, j.key);
       std::optional<TorchFile> f = Parse(path);
-      if (!f || j.key == "step") return;
+      if (!f || j.key == kStep) return;
       try {
         ValuePtr v = f->root;
-        if (v && v->is_dict()) v = Need(v, "param", path);
+        if (v && v->is_dict()) v = Need(v, kUniversalParam, path);
         const Tensor& t = AsTensor(v, path);
         if (t.numel() != j.param->numel)
           Add({path, "has " + std::to_string(t.numel()) + " elements, param_shapes gives " + j.param->name +

@@ -83,19 +83,15 @@ void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, const std:
 
 class Opener {
  public:
-  explicit Opener(const std::string& folder) { c_.folder = StripTrailingSlashes(folder); }
+  explicit Opener(const TagFolder& folder) { c_.folder = folder.path; }
 
-  ZeroCheckpoint Open() {
-    auto files = ListCheckpointFolder(c_.folder);
+  ZeroCheckpoint Open(const std::vector<CheckpointFile>& files) {
     RefuseUnsupportedFiles(files, c_.folder);
     if (OpenStage0(files)) return std::move(c_);
     FindOptimFiles(files);
     LoadOptimFiles();
     FindModelFiles(files);
-    if (c_.stage == 3)
-      PlanStage3();
-    else
-      PlanStage12();
+    PlanRankFiles();
     return std::move(c_);
   }
 
@@ -181,7 +177,7 @@ class Opener {
         p.numel = w->second->numel();
         p.group = g;
         const std::string where = path + ": optimizer.state[" + std::to_string(id) + "] ('" + p.name + "')";
-        p.states.push_back({"fp32", w->second->dtype, {TensorElements(*w->second, 0, p.numel, path + ": '" + p.name + "'")}});
+        p.states.push_back({kFp32, w->second->dtype, {TensorElements(*w->second, 0, p.numel, path + ": '" + p.name + "'")}});
         auto st = v.stage0_state.find(id);
         std::vector<std::pair<std::string, const Tensor*>> tensors;
         if (st != v.stage0_state.end()) tensors = st->second.tensors;
@@ -347,7 +343,7 @@ class Opener {
     if (!st) return;
     for (const auto& [key, v] : NamedEntries(st, where)) {
       const std::string kw = where + "['" + key + "']";
-      if (key == "step") {
+      if (key == kStep) {
         *step = v;
         continue;
       }
@@ -398,90 +394,156 @@ class Opener {
     return *shapes_;
   }
 
-  void PlanStage12() {
+  // One (rank, group) of the rank files (stage 3: a sub-group): the fp32
+  // partition, the per-element states, the step and the other scalars.
+  struct RankGroup {
+    const Tensor* fp32 = nullptr;
+    std::vector<std::pair<std::string, const Tensor*>> states;
+    ValuePtr step;
+    std::vector<std::pair<std::string, ValuePtr>> scalars;
+    std::vector<std::string> nones;
+  };
+  using RankGroups = std::vector<std::vector<RankGroup>>;  // [rank][group]
+
+  // The planner of every stage's rank files. The stages differ only in where
+  // a parameter lies: stage 1/2 flatten each group into one buffer split over
+  // the ranks (FlatLayout), stage 3 splits every parameter on its own and
+  // concatenates a sub-group's pieces per rank.
+  void PlanRankFiles() {
     const ParamShapes& groups = Shapes();
-    const size_t G = groups.size();
+    const bool z3 = c_.stage == 3;
+    std::vector<int64_t> lengths;  // every rank's padded partition of each group
     for (const auto& g : groups) {
       int64_t n = 0;
-      for (const auto& p : g) n += p.numel();
-      c_.layouts.push_back(MakeFlatLayout(n, c_.dp));
+      for (const auto& p : g) n += z3 ? Stage3PartitionSize(p.numel(), c_.dp) : p.numel();
+      if (!z3) c_.layouts.push_back(MakeFlatLayout(n, c_.dp));
+      lengths.push_back(z3 ? n : c_.layouts.back().partition_size);
     }
-    // Per rank and group: the fp32 partition, the per-element states and the step.
-    struct RankGroup {
-      const Tensor* fp32 = nullptr;
-      std::vector<std::pair<std::string, const Tensor*>> states;
-      ValuePtr step;
-      std::vector<std::pair<std::string, ValuePtr>> scalars;
-      std::vector<std::string> nones;
-    };
-    std::vector<std::vector<RankGroup>> rg(c_.dp, std::vector<RankGroup>(G));
-    bool first = true;
+    const RankGroups rg = ReadRankGroups(groups, lengths);
+    CheckSteps(rg);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const std::vector<int64_t> numels = Numels(groups[g]);
+      for (size_t i = 0; i < groups[g].size(); ++i)
+        c_.params.push_back(PlanParam(groups[g][i], g, rg,
+                                      z3 ? Stage3Fragments(numels, i) : ParamFragments(numels, c_.dp, i)));
+    }
+  }
+
+  // Every rank's groups read and checked against the layout.
+  RankGroups ReadRankGroups(const ParamShapes& groups, const std::vector<int64_t>& lengths) {
+    const size_t G = groups.size();
+    RankGroups rg(c_.dp, std::vector<RankGroup>(G));
     for (int r = 0; r < c_.dp; ++r) {
-      const RankOptimView v = ReadRankOptimStates(c_.optim[r].root, c_.optim[r].file->path());
-      if (v.partitions.size() != G)
-        Fail(v.where, "has " + std::to_string(v.partitions.size()) + " fp32 partitions and slice mappings but the "
-                      "model states list " + std::to_string(G) + " param groups");
+      const TorchFile& file = c_.optim[r];
+      const RankOptimView v = c_.stage == 3 ? ReadStage3RankOptimStates(file.root, file.file->path())
+                                            : ReadRankOptimStates(file.root, file.file->path());
+      CheckGroupCount(v, G);
       for (size_t g = 0; g < G; ++g) {
         const PartitionView& part = v.partitions[g];
-        const FlatLayout& l = c_.layouts[g];
-        const Tensor& t = *part.fp32;
-        const int64_t len = t.shape.size() == 1 ? t.shape[0] : -1;
-        // Stage 1/2 strip this rank's padding (older DeepSpeed only on the last
-        // rank, possibly "negative" there); BF16_Optimizer keeps it.
-        const int64_t min_len = c_.bf16_optimizer ? l.partition_size : l.real_numel(r);
-        if (len < min_len || len > l.partition_size)
-          Fail(part.fp32_where, "has shape " + ShapeText(t.shape) + " but the flat layout (" + std::to_string(l.numel) +
-                                    " elements over " + std::to_string(c_.dp) + " ranks, partition " +
-                                    std::to_string(l.partition_size) + ") needs " + std::to_string(min_len) +
-                                    " real elements (shapes do not add up)");
-        rg[r][g].fp32 = &t;
-        ReadGroupState(part.state, l.partition_size, part.state_where, &rg[r][g].states, &rg[r][g].step,
-                       &rg[r][g].scalars, &rg[r][g].nones);
-        CheckStateKeys(rg[r][g].states, part.state_where, first);
-        first = false;
-        CheckMappings(groups[g], r, part);
+        CheckPartitionLength(part, r, g, lengths[g]);
+        RankGroup& x = rg[r][g];
+        x.fp32 = part.fp32;
+        ReadGroupState(part.state, lengths[g], part.state_where, &x.states, &x.step, &x.scalars, &x.nones);
+        CheckStateKeys(x.states, part.state_where, r == 0 && g == 0);
+        if (c_.stage != 3) CheckMappings(groups[g], r, part);
       }
     }
-    // The step must agree over ranks (mixed steps mean files of different saves).
-    for (size_t g = 0; g < G; ++g) {
+    return rg;
+  }
+
+  void CheckGroupCount(const RankOptimView& v, size_t groups) {
+    if (v.partitions.size() == groups) return;
+    if (c_.stage == 3)
+      Fail(v.partitions_where, "has " + std::to_string(v.partitions.size()) + " sub-groups but the model states list " +
+                                   std::to_string(groups));
+    Fail(v.where, "has " + std::to_string(v.partitions.size()) + " fp32 partitions and slice mappings but the "
+                  "model states list " + std::to_string(groups) + " param groups");
+  }
+
+  // The fp32 partition of rank `r`, group `g` must be as long as the layout
+  // says (`length`: the padded partition).
+  void CheckPartitionLength(const PartitionView& part, int r, size_t g, int64_t length) {
+    const Tensor& t = *part.fp32;
+    if (c_.stage == 3) {
+      if (t.shape.size() == 1 && t.shape[0] == length) return;
+      if (t.numel() == 0 && length > 0)
+        Fail(part.fp32_where, "is empty: NVMe-offloaded optimizer partitions (offloaded_tensors/) are not supported");
+      Fail(part.fp32_where, "has shape " + ShapeText(t.shape) + " but its parameters need " + std::to_string(length) +
+                                " elements per rank (shapes do not add up)");
+    }
+    const FlatLayout& l = c_.layouts[g];
+    const int64_t len = t.shape.size() == 1 ? t.shape[0] : -1;
+    // Stage 1/2 strip this rank's padding (older DeepSpeed only on the last
+    // rank, possibly "negative" there); BF16_Optimizer keeps it.
+    const int64_t min_len = c_.bf16_optimizer ? l.partition_size : l.real_numel(r);
+    if (len < min_len || len > l.partition_size)
+      Fail(part.fp32_where, "has shape " + ShapeText(t.shape) + " but the flat layout (" + std::to_string(l.numel) +
+                                " elements over " + std::to_string(c_.dp) + " ranks, partition " +
+                                std::to_string(l.partition_size) + ") needs " + std::to_string(min_len) +
+                                " real elements (shapes do not add up)");
+  }
+
+  // The step must agree over ranks (mixed steps mean files of different saves).
+  void CheckSteps(const RankGroups& rg) {
+    const char* unit = c_.stage == 3 ? "sub-group " : "param group ";
+    for (size_t g = 0; g < rg[0].size(); ++g) {
       for (int r = 1; r < c_.dp; ++r)
         if (!SameValue(rg[r][g].step, rg[0][g].step))
-          Fail(c_.optim[r].file->path(), "mixed steps: param group " + std::to_string(g) + " has step " +
+          Fail(c_.optim[r].file->path(), "mixed steps: " + std::string(unit) + std::to_string(g) + " has step " +
                                              StepText(rg[r][g].step) + " but rank 0 has " + StepText(rg[0][g].step));
       c_.steps.push_back(rg[0][g].step);
     }
-    // The plan: every parameter's fragments over the ranks, in rank order.
-    for (size_t g = 0; g < G; ++g) {
-      const std::vector<int64_t> numels = Numels(groups[g]);
-      for (size_t i = 0; i < groups[g].size(); ++i) {
-        ParamPlan p;
-        p.name = groups[g][i].name;
-        p.shape = groups[g][i].shape;
-        p.numel = numels[i];
-        p.group = g;
-        auto frags = ParamFragments(numels, c_.dp, i);
-        StatePlan fp32{"fp32", rg[0][g].fp32->dtype, {}};
-        std::vector<StatePlan> states;
-        for (const auto& [k, t] : rg[0][g].states) states.push_back(StatePlan{k, t->dtype, {}});
-        for (const Fragment& f : frags) {
-          const RankGroup& x = rg[f.rank][g];
-          const std::string where = c_.optim[f.rank].file->path() + ": '" + p.name + "'";
-          if (x.fp32->dtype != fp32.dtype) Fail(where, "fp32 partition dtype differs between ranks");
-          fp32.pieces.push_back(TensorElements(*x.fp32, f.partition_offset, f.numel, where + " fp32"));
-          for (size_t k = 0; k < states.size(); ++k) {
-            const Tensor& t = *x.states[k].second;
-            if (t.dtype != states[k].dtype) Fail(where, "'" + states[k].key + "' dtype differs between ranks");
-            states[k].pieces.push_back(TensorElements(t, f.partition_offset, f.numel, where + " " + states[k].key));
-          }
-        }
-        if (!frags.empty()) p.step = rg[frags[0].rank][g].step;
-        if (!frags.empty()) p.scalars = rg[frags[0].rank][g].scalars;
-        if (!frags.empty()) p.none_states = rg[frags[0].rank][g].nones;
-        p.states.push_back(std::move(fp32));
-        for (auto& s : states) p.states.push_back(std::move(s));
-        c_.params.push_back(std::move(p));
+  }
+
+  // Parameter `i` of a stage-3 sub-group over the ranks: each rank's piece
+  // sits after the padded pieces of the parameters before it.
+  std::vector<Fragment> Stage3Fragments(const std::vector<int64_t>& numels, size_t i) const {
+    int64_t slot = 0;
+    for (size_t k = 0; k < i; ++k) slot += Stage3PartitionSize(numels[k], c_.dp);
+    const int64_t ps = Stage3PartitionSize(numels[i], c_.dp);
+    std::vector<Fragment> frags;
+    for (int r = 0; r < c_.dp; ++r) {
+      const int64_t real = Stage3RealNumel(numels[i], c_.dp, r);
+      if (real == 0) break;
+      frags.push_back(Fragment{i, r, r * ps, slot, real});
+    }
+    return frags;
+  }
+
+  // A parameter's plan: every state's pieces over `frags`, in rank order.
+  // Every rank must hold each state in rank 0's dtype.
+  ParamPlan PlanParam(const NamedShape& shape, size_t g, const RankGroups& rg, const std::vector<Fragment>& frags) {
+    ParamPlan p;
+    p.name = shape.name;
+    p.shape = shape.shape;
+    p.numel = shape.numel();
+    p.group = g;
+    const RankGroup& first = rg[0][g];
+    p.states.push_back(StatePlan{kFp32, first.fp32->dtype, {}});
+    for (const auto& [k, t] : first.states) p.states.push_back(StatePlan{k, t->dtype, {}});
+    for (const Fragment& f : frags) {
+      const RankGroup& x = rg[f.rank][g];
+      const std::string where = c_.optim[f.rank].file->path() + ": '" + p.name + "'";
+      for (size_t k = 0; k < p.states.size(); ++k) {
+        StatePlan& st = p.states[k];
+        const Tensor& t = k == 0 ? *x.fp32 : *x.states[k - 1].second;
+        if (t.dtype != st.dtype)
+          Fail(where, "'" + st.key + "' is " + std::string(DTypeName(t.dtype)) + ", but " + std::string(DTypeName(st.dtype)) +
+                          " in " + c_.optim[0].file->path() + ": the ranks' files disagree (files of two checkpoints "
+                          "mixed?)");
+        st.pieces.push_back(TensorElements(t, f.partition_offset, f.numel, where + " " + st.key));
       }
     }
+    // The step and scalars of the rank that holds the parameter's start
+    // (stage 3: rank 0's, also for an empty parameter).
+    const RankGroup* owner = !frags.empty() ? &rg[frags[0].rank][g] : c_.stage == 3 ? &first : nullptr;
+    if (!owner) return p;
+    p.scalars = owner->scalars;
+    p.none_states = owner->nones;
+    // DeepSpeed's converter writes no step of ZeRO-3's Adam (its step is
+    // the applied steps); any other optimizer's step is kept as at stage 1/2.
+    if (c_.stage != 3 || !IsAdamStateKeys(c_.state_keys) || !p.scalars.empty()) p.step = owner->step;
+    return p;
   }
 
   // param_slice_mappings of (rank, group) must be exactly the fragments the
@@ -505,82 +567,6 @@ class Opener {
     }
   }
 
-  void PlanStage3() {
-    const ParamShapes& subgroups = Shapes();
-    const size_t S = subgroups.size();
-    std::vector<int64_t> lengths(S, 0);
-    for (size_t s = 0; s < S; ++s)
-      for (const auto& p : subgroups[s]) lengths[s] += Stage3PartitionSize(p.numel(), c_.dp);
-    struct RankSub {
-      const Tensor* fp32 = nullptr;
-      std::vector<std::pair<std::string, const Tensor*>> states;
-      ValuePtr step;
-      std::vector<std::pair<std::string, ValuePtr>> scalars;
-      std::vector<std::string> nones;
-    };
-    std::vector<std::vector<RankSub>> rs(c_.dp, std::vector<RankSub>(S));
-    bool first = true;
-    for (int r = 0; r < c_.dp; ++r) {
-      const RankOptimView v = ReadStage3RankOptimStates(c_.optim[r].root, c_.optim[r].file->path());
-      if (v.partitions.size() != S)
-        Fail(v.partitions_where, "has " + std::to_string(v.partitions.size()) +
-                                     " sub-groups but the model states list " + std::to_string(S));
-      for (size_t s = 0; s < S; ++s) {
-        const PartitionView& part = v.partitions[s];
-        const Tensor& t = *part.fp32;
-        if (t.shape.size() != 1 || t.shape[0] != lengths[s]) {
-          if (t.numel() == 0 && lengths[s] > 0)
-            Fail(part.fp32_where, "is empty: NVMe-offloaded optimizer partitions (offloaded_tensors/) are not supported");
-          Fail(part.fp32_where, "has shape " + ShapeText(t.shape) + " but its parameters need " +
-                                    std::to_string(lengths[s]) + " elements per rank (shapes do not add up)");
-        }
-        rs[r][s].fp32 = &t;
-        ReadGroupState(part.state, lengths[s], part.state_where, &rs[r][s].states, &rs[r][s].step,
-                       &rs[r][s].scalars, &rs[r][s].nones);
-        CheckStateKeys(rs[r][s].states, part.state_where, first);
-        first = false;
-      }
-    }
-    for (size_t s = 0; s < S; ++s) {
-      for (int r = 1; r < c_.dp; ++r)
-        if (!SameValue(rs[r][s].step, rs[0][s].step))
-          Fail(c_.optim[r].file->path(), "mixed steps: sub-group " + std::to_string(s) + " has step " +
-                                             StepText(rs[r][s].step) + " but rank 0 has " + StepText(rs[0][s].step));
-      c_.steps.push_back(rs[0][s].step);
-    }
-    for (size_t s = 0; s < S; ++s) {
-      int64_t slot = 0;
-      for (const NamedShape& shape : subgroups[s]) {
-        ParamPlan p;
-        p.name = shape.name;
-        p.shape = shape.shape;
-        p.numel = shape.numel();
-        p.group = s;
-        const int64_t ps = Stage3PartitionSize(p.numel, c_.dp);
-        StatePlan fp32{"fp32", rs[0][s].fp32->dtype, {}};
-        std::vector<StatePlan> states;
-        for (const auto& [k, t] : rs[0][s].states) states.push_back(StatePlan{k, t->dtype, {}});
-        for (int r = 0; r < c_.dp; ++r) {
-          const int64_t real = Stage3RealNumel(p.numel, c_.dp, r);
-          if (real == 0) break;
-          const std::string where = c_.optim[r].file->path() + ": '" + p.name + "'";
-          fp32.pieces.push_back(TensorElements(*rs[r][s].fp32, slot, real, where + " fp32"));
-          for (size_t k = 0; k < states.size(); ++k)
-            states[k].pieces.push_back(TensorElements(*rs[r][s].states[k].second, slot, real, where + " " + states[k].key));
-        }
-        slot += ps;
-        p.scalars = rs[0][s].scalars;
-        p.none_states = rs[0][s].nones;
-        // DeepSpeed's converter writes no step of ZeRO-3's Adam (its step is
-        // the applied steps); any other optimizer's step is kept as at stage 1/2.
-        if (!IsAdamStateKeys(c_.state_keys) || !p.scalars.empty()) p.step = rs[0][s].step;
-        p.states.push_back(std::move(fp32));
-        for (auto& st : states) p.states.push_back(std::move(st));
-        c_.params.push_back(std::move(p));
-      }
-    }
-  }
-
   std::optional<ParamShapes> shapes_;
   ZeroCheckpoint c_;
 };
@@ -601,9 +587,12 @@ ValuePtr Stage0UniversalModelStates(const ZeroCheckpoint& ckpt) {
 }
 
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
-  if (check_manifest) CheckFolderAgainstManifest(StripTrailingSlashes(folder), verify_hashes);
-  return Opener(folder).Open();
+  const TagFolder opened = OpenTagFolder(folder);
+  if (check_manifest) CheckFolderAgainstManifest(opened, verify_hashes);
+  return OpenZeroCheckpoint(opened);
 }
+
+ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder) { return Opener(folder).Open(folder.files); }
 
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
   if (ckpt.stage == 0) {  // the torch optimizer's param groups (no loss scaler: stage 0 files are fp32)

@@ -21,6 +21,7 @@
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/partition.h"
+#include "ckpt/tag_folder.h"
 #include "format/torch_file.h"
 
 namespace uckpt::ckpt {
@@ -83,6 +84,9 @@ struct ZeroCheckpoint {
 // sizes always, XXH64 hashes too with `verify_hashes`; not at all with
 // `check_manifest` false (the caller just did, as `uckpt verify`).
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes = false, bool check_manifest = true);
+// The same from the folder as opened (ckpt/tag_folder.h): its listing, no
+// manifest check (the caller's, from the same value).
+ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder);
 
 // The `zero/optimizer_state.pt` value DeepSpeed's converter writes
 // (universal spec §3.3): stage 1/2 — rank 0's optimizer_state_dict without the

@@ -121,7 +121,7 @@ class Writer {
           m.module.emplace_back(p.name, Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {0}, {})));
         } else if (s_.write_module) {
           ValuePtr t = PiecewiseTensor(DType::kFloat32, p.shape, false);
-          s_.source(bases_[g] + i, "fp32", 0, numels_[g][i], &pieces[t->tensor->storage.get()]);
+          s_.source(bases_[g] + i, kFp32, 0, numels_[g][i], &pieces[t->tensor->storage.get()]);
           m.module.emplace_back(p.name, t);
         }
       }
@@ -177,7 +177,7 @@ class Writer {
       gs.padding = s_.legacy_group_paddings || s_.bf16_optimizer ? l.legacy_padding(r) : l.padding(r);
       int64_t real = 0;
       if (!s_.state_keys.empty()) {
-        gs.adam.emplace_back("step", FloatScalar(s_.step));
+        gs.adam.emplace_back(kStep, FloatScalar(s_.step));
         for (const auto& key : s_.state_keys)
           gs.adam.emplace_back(key, FlatTensor(l.partition_size, l.partition_size, PartitionPieces(g, r, key, &real), &all));
       }
@@ -189,7 +189,7 @@ class Writer {
         int64_t end = l.partition_size - gs.padding;
         lean = end >= 0 ? end : std::max<int64_t>(0, l.partition_size + end);
       }
-      gs.fp32 = FlatTensor(lean, l.partition_size, PartitionPieces(g, r, "fp32", &real), &all, /*requires_grad=*/true);
+      gs.fp32 = FlatTensor(lean, l.partition_size, PartitionPieces(g, r, kFp32, &real), &all, /*requires_grad=*/true);
       for (const Fragment& f : RankFragments(numels_[g], s_.dp, r)) gs.mappings.emplace_back(s_.groups[g][f.param].name, f);
       o.groups.push_back(std::move(gs));
     }
@@ -220,13 +220,13 @@ class Writer {
       Stage3SubGroupState sub;
       int64_t length = 0;
       if (!s_.state_keys.empty()) {
-        sub.adam.emplace_back("step", FloatScalar(s_.step));
+        sub.adam.emplace_back(kStep, FloatScalar(s_.step));
         for (const auto& key : s_.state_keys) {
           Pieces p = pieces_for(key, &length);
           sub.adam.emplace_back(key, FlatTensor(length, length, std::move(p), &all));
         }
       }
-      Pieces p = pieces_for("fp32", &length);
+      Pieces p = pieces_for(kFp32, &length);
       sub.fp32 = FlatTensor(length, length, std::move(p), &all, /*requires_grad=*/true);
       o.sub_groups.push_back(std::move(sub));
     }

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/state_keys.h"
+
 namespace uckpt::ckpt {
 
 struct ZeroParam {
@@ -32,7 +34,7 @@ struct ZeroWriteSpec {
   std::string optim_prefix;        // "" or "bf16_"
   int dp = 2;
   std::vector<std::vector<ZeroParam>> groups;  // optimizer param groups, flat order
-  std::vector<std::string> state_keys = {"exp_avg", "exp_avg_sq"};
+  std::vector<std::string> state_keys = {kExpAvg, kExpAvgSq};
   float step = 5;                  // optimizer step (a 0-dim float32 tensor, as torch Adam keeps it)
   int64_t global_steps = 5;
   int64_t sub_group_size = 1000000000;  // stage 3

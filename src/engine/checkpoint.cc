@@ -17,6 +17,7 @@
 #include "ckpt/deepspeed_names.h"
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
+#include "ckpt/tag_folder.h"
 #include "ckpt/universal_checkpoint.h"
 #include "format/env.h"
 #include "format/error.h"
@@ -527,7 +528,7 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
 
 // The tag folder a load reads: `tag`, else the one the tag file (`latest`,
 // `latest_universal`) names; empty when there is neither (nothing saved yet).
-std::string TagFolder(const std::string& dir, const std::string& tag, bool universal) {
+std::string TagFolderPath(const std::string& dir, const std::string& tag, bool universal) {
   const char* tag_file = ckpt::TagFileName(universal);
   if (tag.empty() && !fs::exists(dir + "/" + tag_file)) return "";
   return dir + "/" + (tag.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag, "checkpoint tag"));
@@ -539,19 +540,18 @@ std::string TagFolder(const std::string& dir, const std::string& tag, bool unive
 // cache, so that the check reads what the disk holds (pages a failed
 // writeback left in the cache would pass it). Returns whether every rank
 // did; if not, the check reads what it can and the marker stays.
-bool SyncAndDropCached(Comm& comm, const std::string& folder) {
+bool SyncAndDropCached(Comm& comm, const ckpt::TagFolder& folder) {
   std::string error;
   try {
-    Env::Current().SyncFilesystem(folder);
-    for (const auto& entry : fs::directory_iterator(folder))
-      if (entry.is_regular_file()) Env::Current().DropCached(entry.path().string());
+    Env::Current().SyncFilesystem(folder.path);
+    for (const ckpt::CheckpointFile& f : folder.files) Env::Current().DropCached(f.path);
   } catch (const std::exception& ex) {
     error = ex.what();
   }
   error = AgreedError(comm, error);
   if (!error.empty() && comm.rank() == 0)
     std::fprintf(stderr, "uckpt: warning: %s (published before its files were on disk) could not be synced: %s; "
-                 "it stays marked\n", folder.c_str(), error.c_str());
+                 "it stays marked\n", folder.path.c_str(), error.c_str());
   return error.empty();
 }
 
@@ -571,13 +571,16 @@ void Unmark(Comm& comm, const std::string& folder) {
 // Sizes on every rank (cheap, and every rank reaches the same verdict); with
 // verify_hashes the ranks split the hashing (each file is read once, not once
 // per rank) and then agree, so that all of them stop if any file is bad.
-void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes) {
+void CheckManifestOnEveryRank(Comm& comm, ckpt::TagFolder& folder, bool hashes) {
   // A folder published before it was durable is checked by hash
-  // (ckpt/manifest.h), on every rank if any sees the marker.
-  at::Tensor unsynced = at::full({1}, ckpt::ReadUnsyncedMarker(folder) ? 1.0f : 0.0f);
+  // (ckpt/manifest.h), on every rank if any sees the marker. Its manifest
+  // is read again once the folder's pages are dropped, so that both sides
+  // of the check come from the disk (only a marked folder's is read twice).
+  at::Tensor unsynced = at::full({1}, folder.unsynced ? 1.0f : 0.0f);
   comm.AllReduceMax(unsynced);
   const bool marked = unsynced.item<float>() > 0;
   const bool synced = marked && SyncAndDropCached(comm, folder);
+  if (marked) ckpt::ReadManifestAgain(folder);
   hashes = hashes || marked;
   if (!hashes) {
     ckpt::CheckFolderAgainstManifest(folder, false);
@@ -591,7 +594,7 @@ void CheckManifestOnEveryRank(Comm& comm, const std::string& folder, bool hashes
   }
   // Every rank reports the finder's error (it names the files).
   if (std::string agreed = AgreedError(comm, error); !agreed.empty()) throw FormatError(agreed);
-  if (synced) Unmark(comm, folder);
+  if (synced) Unmark(comm, folder.path);
 }
 
 // The model-states file a rank reads, read.
@@ -605,25 +608,22 @@ struct ModelStatesFile {
 // A ZeRO folder: the one file of stages 0-2; of a ZeRO-3 folder its own
 // rank's, else (saved by fewer ranks) rank 0's. A universal folder: its
 // source's mp_rank_00_model_states.pt, or the lowest rank's ZeRO-3 copy.
-ModelStatesFile ReadModelStatesFile(const std::string& folder, int rank, bool universal) {
+ModelStatesFile ReadModelStatesFile(const ckpt::TagFolder& folder, int rank, bool universal) {
   ModelStatesFile f;
   if (universal) {
     // Listed by kind (stage 0-2 file first), then rank.
-    for (const auto& c : ckpt::ListCheckpointFolder(folder))
-      if (c.kind == ckpt::FileKind::kModelStates || c.kind == ckpt::FileKind::kZero3ModelStates) {
-        f.path = c.path;
-        break;
-      }
-    if (f.path.empty()) throw FormatError(folder + ": no *model_states.pt file (not a universal checkpoint?)");
+    if (folder.model_states.empty())
+      throw FormatError(folder.path + ": no *model_states.pt file (not a universal checkpoint?)");
+    f.path = folder.model_states.front().path;
   } else {
     for (const std::string& name :
          {ckpt::ModelStatesFileName(), ckpt::Zero3ModelStatesFileName(rank), ckpt::Zero3ModelStatesFileName(0)})
-      if (f.path.empty() && fs::exists(folder + "/" + name)) f.path = folder + "/" + name;
+      if (const ckpt::CheckpointFile* c = folder.Find(name); f.path.empty() && c) f.path = c->path;
     if (f.path.empty())
-      throw FormatError(folder + ": has no " + ckpt::ModelStatesFileName() + " and no " +
+      throw FormatError(folder.path + ": has no " + ckpt::ModelStatesFileName() + " and no " +
                         ckpt::Zero3ModelStatesFileName(0) + " (not a ZeRO checkpoint folder?)");
   }
-  f.stage12 = f.path == folder + "/" + ckpt::ModelStatesFileName();
+  f.stage12 = f.path == folder.path + "/" + ckpt::ModelStatesFileName();
   f.file = LoadTorchFile(f.path);
   f.view = ckpt::ReadModelStates(f.file.root, f.path);
   return f;
@@ -654,16 +654,16 @@ void CheckParamShapes(const Engine::Impl& e, const std::string& path, const Valu
 
 // Every zero_pp_rank_<r>_mp_rank_00_model_states.pt of `folder`, in rank
 // order: `dp` of them (the saving world size), else as many as there are.
-std::vector<TorchFile> Zero3ModelStatesFiles(const std::string& folder, std::optional<int64_t> dp) {
+std::vector<TorchFile> Zero3ModelStatesFiles(const ckpt::TagFolder& folder, std::optional<int64_t> dp) {
   std::map<int, std::string> by_rank;
-  for (const auto& f : ckpt::ListCheckpointFolder(folder))
+  for (const auto& f : folder.model_states)
     if (f.kind == ckpt::FileKind::kZero3ModelStates) by_rank[f.dp] = f.path;
   const int n = static_cast<int>(dp.value_or(static_cast<int64_t>(by_rank.size())));
   std::vector<TorchFile> out;
   for (int r = 0; r < std::max(n, 1); ++r) {
     auto it = by_rank.find(r);
     if (it == by_rank.end())
-      throw FormatError(folder + "/" + ckpt::Zero3ModelStatesFileName(r) +
+      throw FormatError(folder.path + "/" + ckpt::Zero3ModelStatesFileName(r) +
                         ": missing; frozen parameters saved partitioned by ZeRO-3 need every rank's fragment");
     out.push_back(LoadTorchFile(it->second));
   }
@@ -686,7 +686,7 @@ at::Tensor WholeFrozen(const std::vector<TorchFile>& ranks, const std::string& n
 // holds empty is a frozen parameter DeepSpeed's ZeRO-3 saved partitioned: it
 // is put together from every rank's frozen_param_fragments. A missing name
 // or another shape is an error naming the file.
-void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const ModelStatesFile& model) {
+void LoadFixedParams(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model) {
   std::vector<NamedParam> fixed = e.frozen;
   fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
   std::optional<std::vector<TorchFile>> ranks;
@@ -705,16 +705,6 @@ void LoadFixedParams(const Engine::Impl& e, const std::string& folder, const Mod
   }
 }
 
-}  // namespace
-
-bool HasOptimFiles(const std::string& folder) {
-  for (const auto& f : ckpt::ListCheckpointFolder(folder))
-    if (f.kind == ckpt::FileKind::kOptimStates) return true;
-  return false;
-}
-
-namespace {
-
 // Whether the trainable weights come from a stage 0-2 folder's module state
 // (16-bit in fp16/bf16 runs, as DeepSpeed's module load) rather than the
 // fp32 masters of its rank files: where the weights are whole (stages 0-2)
@@ -722,18 +712,19 @@ namespace {
 // any stage; stage 0 resumes a ZeRO 1/2 folder from its rank files). A
 // ZeRO-3 folder's module holds no trainable weights; stage 3 reads its
 // partitions' masters.
-bool WeightsFromModule(const Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
+bool WeightsFromModule(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
                        const LoadCheckpointOptions& o) {
   if (!model.stage12) return false;
+  const bool rank_files = !folder.rank_files.empty();
   // A stage-0 folder (torch's optimizer state in the model states, no rank files) into any stage.
-  if (model.view.stage0_param_groups && !HasOptimFiles(folder)) return true;
+  if (model.view.stage0_param_groups && !rank_files) return true;
   if (e.runtime->partitions_parameters()) return false;
   if (o.load_module_only || !o.load_optimizer_states) return true;
-  return e.stage() == 0 && (model.view.stage0_param_groups || !HasOptimFiles(folder));
+  return e.stage() == 0 && (model.view.stage0_param_groups || !rank_files);
 }
 
 // The planner's source, chosen by what the folder is.
-LoadSource OpenSource(const Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
+LoadSource OpenSource(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
                       const std::vector<PartitionSlot>& slots, const LoadCheckpointOptions& o, bool moments) {
   if (o.universal) return OpenUniversalFolder(folder, slots, moments);
   if (WeightsFromModule(e, folder, model, o)) return ModelStatesSource(model.view, model.path, slots, moments);
@@ -745,7 +736,7 @@ LoadSource OpenSource(const Engine::Impl& e, const std::string& folder, const Mo
 // the weights from them; with the optimizer state, the loss scaler and the
 // saved hyper-parameters. Weights-only loads leave Adam's state, the loss
 // scale and the hyper-parameters as they were.
-void LoadPartitions(Engine::Impl& e, const std::string& folder, const ModelStatesFile& model,
+void LoadPartitions(Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
                     const LoadCheckpointOptions& o, FingerprintCheck& proof) {
   std::vector<PartitionSlot> slots = e.runtime->Slots();
   const bool moments = o.load_optimizer_states && !o.load_module_only;
@@ -781,10 +772,13 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
 
 }  // namespace
 
+// Open, check, plan, read, verify: the folder is listed once and its
+// manifest read once (ckpt/tag_folder.h); every step works from that.
 LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
                                 const LoadCheckpointOptions& o) {
-  const std::string folder = TagFolder(dir, tag, o.universal);
-  if (folder.empty()) return LoadResult{"", c10::IValue()};
+  const std::string path = TagFolderPath(dir, tag, o.universal);
+  if (path.empty()) return LoadResult{"", c10::IValue()};
+  ckpt::TagFolder folder = ckpt::OpenTagFolder(path);
   CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
   FingerprintCheck proof = StartStateFingerprintCheck(e, folder, o);  // the resume proof
   const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
@@ -795,7 +789,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   LoadPartitions(e, folder, model, o, proof);
   FinishStateFingerprintCheck(e, proof, o);
   if (model.view.lr_scheduler) e.last_load.lr_scheduler_state = ToIValue(model.view.lr_scheduler);
-  return LoadResult{folder, ClientStateOf(model.view)};
+  return LoadResult{path, ClientStateOf(model.view)};
 }
 
 }  // namespace uckpt::engine

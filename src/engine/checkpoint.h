@@ -21,8 +21,6 @@ namespace uckpt::engine {
 // name inside `dir`. Throws FormatError naming the file if it is missing,
 // empty or names anything else.
 std::string ReadTagFile(const std::string& dir, const std::string& name);
-// Whether a tag folder holds ZeRO rank files (*_optim_states.pt): stage 0's hold none.
-bool HasOptimFiles(const std::string& folder);
 
 // Client state: a c10::IValue to a pickled value (throws std::invalid_argument
 // naming `where` for what cannot be saved) and back.

@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "ckpt/state_keys.h"
+
 namespace uckpt::engine {
 namespace {
 
@@ -393,8 +395,8 @@ CpuAdamPass::CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad
     st.exp_avg = at::zeros_like(st.master);
     st.exp_avg_sq = at::zeros_like(st.master);
   }
-  CheckHostFloat(st.exp_avg, "exp_avg", n_);
-  CheckHostFloat(st.exp_avg_sq, "exp_avg_sq", n_);
+  CheckHostFloat(st.exp_avg, ckpt::kExpAvg, n_);
+  CheckHostFloat(st.exp_avg_sq, ckpt::kExpAvgSq, n_);
   st.step.add_(1);
   const double step = st.step.item<float>();
   // The scalars as torch computes them: in double on the host, then used by

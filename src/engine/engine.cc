@@ -11,6 +11,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "ckpt/state_keys.h"
 #include "engine/async_save.h"
 #include "engine/dist/agree.h"
 #include "engine/engine_impl.h"
@@ -464,11 +465,12 @@ void Engine::SetStage0OptimizerState(size_t group, const std::vector<std::pair<s
   // The engine's own Adam: torch Adam's keys, or no state at all.
   std::map<std::string, at::Tensor> by_key(copied.begin(), copied.end());
   const auto has = [&](const char* key, int64_t dim) { return by_key.count(key) && by_key[key].defined() && by_key[key].dim() == dim; };
-  if (!by_key.empty() && (by_key.size() != 3 || !has("step", 0) || !has("exp_avg", 1) || !has("exp_avg_sq", 1)))
+  using ckpt::kExpAvg, ckpt::kExpAvgSq, ckpt::kStep;
+  if (!by_key.empty() && (by_key.size() != 3 || !has(kStep, 0) || !has(kExpAvg, 1) || !has(kExpAvgSq, 1)))
     throw std::invalid_argument(where + "the state is not torch Adam's (step, exp_avg, exp_avg_sq)");
-  st.step = by_key.empty() ? at::Tensor() : by_key["step"].to(st.master.options()).reshape({});
-  st.exp_avg = by_key.empty() ? at::Tensor() : by_key["exp_avg"];
-  st.exp_avg_sq = by_key.empty() ? at::Tensor() : by_key["exp_avg_sq"];
+  st.step = by_key.empty() ? at::Tensor() : by_key[kStep].to(st.master.options()).reshape({});
+  st.exp_avg = by_key.empty() ? at::Tensor() : by_key[kExpAvg];
+  st.exp_avg_sq = by_key.empty() ? at::Tensor() : by_key[kExpAvgSq];
 }
 
 bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }

@@ -162,7 +162,7 @@ class Accumulator {
 
 // The tensors of one partition: "fp32" and, once the optimizer has stepped, its per-element states.
 std::vector<std::pair<std::string, at::Tensor>> Tensors(const PartitionState& st) {
-  std::vector<std::pair<std::string, at::Tensor>> out = {{"fp32", st.master}};
+  std::vector<std::pair<std::string, at::Tensor>> out = {{ckpt::kFp32, st.master}};
   for (auto& kv : ElementStates(st)) out.push_back(std::move(kv));
   return out;
 }
@@ -302,10 +302,11 @@ namespace {
 // What a checkpoint without a record covers: from the files the load
 // opened, else (the load read the module's weights) from the folder's. No
 // value for a folder it cannot say (stage 0's).
-std::optional<ckpt::StateFingerprint> FilesLayout(const LoadSource& source, const std::string& folder, bool universal) {
+std::optional<ckpt::StateFingerprint> FilesLayout(const LoadSource& source, const ckpt::TagFolder& folder,
+                                                  bool universal) {
   if (source.files_layout) return source.files_layout();
-  if (universal) return ckpt::FingerprintLayout(ckpt::OpenUniversalCheckpoint(folder, false, false));
-  if (HasOptimFiles(folder)) return ckpt::FingerprintLayout(ckpt::OpenZeroCheckpoint(folder, false, false));
+  if (universal) return ckpt::FingerprintLayout(ckpt::OpenUniversalCheckpoint(folder));
+  if (!folder.rank_files.empty()) return ckpt::FingerprintLayout(ckpt::OpenZeroCheckpoint(folder));
   return std::nullopt;
 }
 
@@ -345,13 +346,13 @@ double Since(std::chrono::steady_clock::time_point t) {
 
 }  // namespace
 
-FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& folder,
+FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const ckpt::TagFolder& folder,
                                             const LoadCheckpointOptions& o) {
   const auto start = std::chrono::steady_clock::now();
   FingerprintCheck check;
-  check.folder = folder;
-  if (folder.empty()) return check;
-  if (ckpt::HasManifest(folder)) check.recorded = ckpt::ReadManifest(folder).state;
+  check.folder = folder.path;
+  check.opened = &folder;
+  check.recorded = folder.recorded();
   check.universal = o.universal;
   check.start_s = Since(start);
   return check;
@@ -363,7 +364,7 @@ void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const LoadSource&
   const auto start = std::chrono::steady_clock::now();
   check.hashed = true;
   try {
-    check.files = FilesLayout(source, check.folder, check.universal);
+    check.files = FilesLayout(source, *check.opened, check.universal);
     // Where every rank read the whole state (stage 0), rank 0's read counts.
     if (check.files && (e.runtime->partition_dp() > 1 || e.comm->rank() == 0)) {
       const ckpt::SourceFingerprintIndex index(source.states);

@@ -59,6 +59,7 @@ class PendingStateFingerprint {
 // The check of one load (StartStateFingerprintCheck .. FinishStateFingerprintCheck).
 struct FingerprintCheck {
   std::string folder;
+  const ckpt::TagFolder* opened = nullptr;  // the folder as the load opened it (outlives the check)
   bool universal = false;
   std::optional<ckpt::StateFingerprint> recorded;  // the manifest's
   // A folder without a record (DeepSpeed's), after HashLoadedState: what its
@@ -73,9 +74,10 @@ struct FingerprintCheck {
   double hash_s = 0;   // and HashLoadedState
 };
 
-// Before a load of `folder` (empty: nothing will be loaded) reads anything:
-// the fingerprint its manifest recorded, if any. No collective.
-FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const std::string& folder, const LoadCheckpointOptions& o);
+// Before a load of `folder` (as opened, ckpt/tag_folder.h; it must outlive
+// the check) reads any state: the fingerprint its manifest recorded, if any.
+// No collective, no I/O.
+FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const ckpt::TagFolder& folder, const LoadCheckpointOptions& o);
 
 // Right after the load filled this rank's partitions (`loads`, from
 // `source`), for a checkpoint without a record: what the source's files

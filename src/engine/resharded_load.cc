@@ -82,10 +82,10 @@ void PlanNamedLoads(const LoadSource& source, PartitionSlot& slot, double applie
     if (p.name == slot.step_param) plan = &p;
   const std::string where = source.optimizer_file + ": state of " + slot.step_param;
   if (plan && plan->step) {
-    st.named.emplace_back("step", ScalarTensor(plan->step, where + " 'step'"));
+    st.named.emplace_back(ckpt::kStep, ScalarTensor(plan->step, where + " 'step'"));
   } else if (source.steps_applied && ckpt::IsAdamStateKeys(source.state_keys) && (!plan || plan->scalars.empty())) {
     // Adam's keys from ZeRO-3 (RAdam's too) keep no step: the applied steps, as for Adam.
-    st.named.emplace_back("step", at::full({}, applied_steps, st.master.options().device(at::kCPU)));
+    st.named.emplace_back(ckpt::kStep, at::full({}, applied_steps, st.master.options().device(at::kCPU)));
   }
   if (plan) {
     for (const auto& [key, v] : plan->scalars) st.named.emplace_back(key, ScalarTensor(v, where + " '" + key + "'"));
@@ -112,8 +112,8 @@ std::function<void(std::span<const uint8_t>)> PageDropper(const std::vector<Torc
 
 }  // namespace
 
-LoadSource OpenRankFiles(const std::string& folder) {
-  auto z = std::make_shared<ckpt::ZeroCheckpoint>(ckpt::OpenZeroCheckpoint(folder, false, /*check_manifest=*/false));
+LoadSource OpenRankFiles(const ckpt::TagFolder& folder) {
+  auto z = std::make_shared<ckpt::ZeroCheckpoint>(ckpt::OpenZeroCheckpoint(folder));
   LoadSource s;
   s.kind = SourceKind::kRankFiles;
   s.states = ckpt::ZeroReadSource(*z);
@@ -134,7 +134,7 @@ LoadSource OpenRankFiles(const std::string& folder) {
   return s;
 }
 
-LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<PartitionSlot>& slots, bool moments) {
+LoadSource OpenUniversalFolder(const ckpt::TagFolder& folder, const std::vector<PartitionSlot>& slots, bool moments) {
   struct Maps {
     ckpt::UniversalCheckpoint u;
     ckpt::UniversalOptimizerFile optimizer;
@@ -142,7 +142,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
     std::vector<TorchFile> scalar_files;  // the step and other scalars read
   };
   auto maps = std::make_shared<Maps>();
-  maps->u = ckpt::OpenUniversalCheckpoint(folder, false, /*check_manifest=*/false);
+  maps->u = ckpt::OpenUniversalCheckpoint(folder);
   const ckpt::UniversalCheckpoint& u = maps->u;
   maps->optimizer = ckpt::ReadUniversalOptimizerState(u);
   LoadSource s;
@@ -151,7 +151,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
   const auto& keys = u.state_keys;
   s.has_moments =
       moments && std::count(keys.begin(), keys.end(), ckpt::kExpAvg) && std::count(keys.begin(), keys.end(), ckpt::kExpAvgSq);
-  std::vector<std::string> states{"fp32"};
+  std::vector<std::string> states{ckpt::kFp32};
   if (moments) {
     s.state_keys = keys;
     states.insert(states.end(), keys.begin(), keys.end());
@@ -170,7 +170,7 @@ LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<Part
           maps->scalar_files.push_back(std::move(v.file));
           return v.value;
         };
-        if (u.has_step && !p.step) p.step = read("step");
+        if (u.has_step && !p.step) p.step = read(ckpt::kStep);
         if (p.scalars.empty())
           for (const std::string& key : u.scalar_keys) p.scalars.emplace_back(key, read(key));
       }
@@ -213,7 +213,7 @@ std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<Par
     PartitionState& st = *slot.state;
     if (target.length != st.master.numel())
       throw std::logic_error("load: partition sizes differ from the optimizer's");
-    loads.push_back(PlanLoad(source.states, target, "fp32", st.master));
+    loads.push_back(PlanLoad(source.states, target, ckpt::kFp32, st.master));
     if (!moments) continue;
     if (named) {
       PlanNamedLoads(source, slot, applied_steps, loads);

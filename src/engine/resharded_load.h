@@ -19,6 +19,7 @@
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/fingerprint.h"
 #include "ckpt/reshard.h"
+#include "ckpt/tag_folder.h"
 #include "engine/engine_impl.h"
 #include "engine/staged_upload.h"
 #include "format/value.h"
@@ -54,12 +55,12 @@ struct LoadSource {
   std::function<void(std::span<const uint8_t>)> release;
 };
 
-// The ZeRO folder `folder`'s rank files.
-LoadSource OpenRankFiles(const std::string& folder);
+// The ZeRO folder `folder`'s rank files (the folder as the load opened it).
+LoadSource OpenRankFiles(const ckpt::TagFolder& folder);
 
 // The universal folder `folder`'s files of the parameters `slots` hold: the
 // fp32 masters, and with `moments` the optimizer's state (when the folder has it).
-LoadSource OpenUniversalFolder(const std::string& folder, const std::vector<PartitionSlot>& slots, bool moments);
+LoadSource OpenUniversalFolder(const ckpt::TagFolder& folder, const std::vector<PartitionSlot>& slots, bool moments);
 
 // The model states `m` read from `path` (which the caller keeps): the
 // module's weights of the parameters `slots` hold, stage 0's Adam state and

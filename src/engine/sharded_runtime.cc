@@ -29,7 +29,7 @@ std::vector<std::pair<std::string, at::Tensor>> OptimizerStates(const PartitionS
     return out;
   }
   if (!st.step.defined()) return {};
-  return {{"step", st.step}, {ckpt::kExpAvg, st.exp_avg}, {ckpt::kExpAvgSq, st.exp_avg_sq}};
+  return {{ckpt::kStep, st.step}, {ckpt::kExpAvg, st.exp_avg}, {ckpt::kExpAvgSq, st.exp_avg_sq}};
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ElementStates(const PartitionState& st) {
@@ -42,7 +42,7 @@ std::vector<std::pair<std::string, at::Tensor>> ElementStates(const PartitionSta
 
 std::optional<double> StepOf(const PartitionState& st) {
   for (const auto& [key, t] : OptimizerStates(st))
-    if (key == "step" && t.dim() == 0) return t.item<double>();
+    if (key == ckpt::kStep && t.dim() == 0) return t.item<double>();
   return std::nullopt;
 }
 

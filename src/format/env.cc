@@ -80,6 +80,25 @@ class PosixEnv : public Env {
  public:
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return MappedFile::OpenDirect(path); }
 
+  std::vector<DirEntry> ListDir(const std::string& path) override {
+    std::error_code ec;
+    fs::directory_iterator it(path, ec), end;
+    if (ec) throw IoError("cannot read folder " + path + ": " + ec.message());
+    std::vector<DirEntry> out;
+    for (; it != end; it.increment(ec)) {
+      if (ec) break;
+      std::error_code sec;
+      const fs::file_type t = it->symlink_status(sec).type();
+      DirEntry e{it->path().filename().string(), DirEntry::Type::kOther};
+      if (t == fs::file_type::regular) e.type = DirEntry::Type::kFile;
+      if (t == fs::file_type::directory) e.type = DirEntry::Type::kDir;
+      if (t == fs::file_type::symlink) e.type = DirEntry::Type::kSymlink;
+      out.push_back(std::move(e));
+    }
+    if (ec) throw IoError("cannot read folder " + path + ": " + ec.message());
+    return out;
+  }
+
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
     if (fd < 0) ThrowErrno("cannot create", path);
@@ -223,6 +242,22 @@ Env& Env::Current() {
 ScopedEnv::ScopedEnv(Env& env) : previous_(g_current.exchange(&env)) {}
 
 ScopedEnv::~ScopedEnv() { g_current.store(previous_); }
+
+std::vector<std::string> ListTree(Env& env, const std::string& folder) {
+  std::vector<std::string> out;
+  std::vector<std::string> todo{""};  // folders still to list, relative
+  while (!todo.empty()) {
+    const std::string rel = std::move(todo.back());
+    todo.pop_back();
+    for (const Env::DirEntry& e : env.ListDir(rel.empty() ? folder : folder + "/" + rel)) {
+      const std::string path = rel.empty() ? e.name : rel + "/" + e.name;
+      if (e.type == Env::DirEntry::Type::kFile) out.push_back(path);
+      if (e.type == Env::DirEntry::Type::kDir) todo.push_back(path);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 void ReplaceFolder(Env& env, const std::string& tmp, const std::string& dest) {
   std::error_code ec;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace uckpt {
 
@@ -46,6 +47,15 @@ class Env {
   // Reading: the whole file mapped read-only.
   virtual std::shared_ptr<const MappedFile> MapFile(const std::string& path) = 0;
 
+  // Listing: the entries of the folder `path`, one level, without "." and
+  // "..", in no particular order. Throws IoError naming the folder.
+  struct DirEntry {
+    enum class Type { kFile, kDir, kSymlink, kOther };  // as lstat(2) says: links not followed
+    std::string name;
+    Type type = Type::kOther;
+  };
+  virtual std::vector<DirEntry> ListDir(const std::string& path) = 0;
+
   // Writing. Each of these is a "write point" for the crash hook.
   // Creates (or truncates) `path` for writing with permission bits `mode`.
   virtual std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode = 0644) = 0;
@@ -81,12 +91,17 @@ class Env {
 // back if the rename fails; the old folder is removed afterwards.
 void ReplaceFolder(Env& env, const std::string& tmp, const std::string& dest);
 
+// The regular files under `folder` (links not followed), recursively, as
+// '/'-separated paths relative to it, sorted; one ListDir of each folder.
+std::vector<std::string> ListTree(Env& env, const std::string& folder);
+
 // Forwards every call to `target`; override what you want to change.
 class EnvWrapper : public Env {
  public:
   explicit EnvWrapper(Env& target) : target_(target) {}
 
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return target_.MapFile(path); }
+  std::vector<DirEntry> ListDir(const std::string& path) override { return target_.ListDir(path); }
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode) override {
     return target_.NewWritableFile(path, mode);
   }

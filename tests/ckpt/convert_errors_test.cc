@@ -115,6 +115,38 @@ TEST(ConvertErrors, MixedStepsInZero3ModelStates) {
   ExpectRefused(tmp, in, {"zero_pp_rank_1_mp_rank_00_model_states.pt", "mixed steps"});
 }
 
+// Rank 1's `exp_avg` of its first partition rewritten as bf16 (zeros, the
+// same element count): files of two runs mixed.
+void MakeRankOneExpAvgBf16(const std::string& in, bool zero3) {
+  const std::string rank1 = in + "/zero_pp_rank_1_mp_rank_00_optim_states.pt";
+  TorchFile f = LoadTorchFile(rank1);
+  ValuePtr osd = f.root->get("optimizer_state_dict");
+  ValuePtr st = (zero3 ? osd->get("optimizer_state_dict") : osd->get("base_optimizer_state"))->get("state")->entries[0].second;
+  const Tensor& t = *st->get("exp_avg")->tensor;
+  st->set("exp_avg", Value::FromTensor(Tensor::FromBytes(DType::kBFloat16, t.shape,
+                                                         std::vector<uint8_t>(static_cast<size_t>(t.numel()) * 2, 0))));
+  SaveTorchFile(rank1 + ".new", f.root);
+  fs::rename(rank1 + ".new", rank1);
+}
+
+// Every stage's rank files must agree on each state's dtype; the message
+// names the file that differs and rank 0's.
+TEST(ConvertErrors, MixedDtypesZero3) {
+  TempDir tmp;
+  std::string in = CopyTag(tmp, "z3_ws2_fp32");
+  MakeRankOneExpAvgBf16(in, true);
+  ExpectRefused(tmp, in, {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          "'exp_avg' is bfloat16", "float32"});
+}
+
+TEST(ConvertErrors, MixedDtypesZero2) {
+  TempDir tmp;
+  std::string in = CopyTag(tmp, "z2_ws2_fp32");
+  MakeRankOneExpAvgBf16(in, false);
+  ExpectRefused(tmp, in, {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          "'exp_avg' is bfloat16", "float32"});
+}
+
 // param_shapes that disagree with the partitions (one parameter grown by 2).
 TEST(ConvertErrors, ShapesThatDoNotAddUp) {
   TempDir tmp;
