@@ -74,11 +74,11 @@ std::string FsPath(py::handle path, const std::string& what) {
   return py::str(py::module_::import("os").attr("fspath")(path)).cast<std::string>();
 }
 
-nlohmann::json ConfigToJson(py::handle config, std::string& source) {
+nlohmann::json ConfigToJson(py::handle config, std::string& source, const std::string& caller) {
   if (py::isinstance<py::str>(config) || py::hasattr(config, "__fspath__")) {
     source = FsPath(config, "config");
     std::ifstream in(source);
-    if (!in) throw py::value_error("uckpt.initialize: cannot read the config file " + source);
+    if (!in) throw py::value_error(caller + ": cannot read the config file " + source);
     try {
       return nlohmann::json::parse(in);
     } catch (const nlohmann::json::exception& e) {
@@ -86,7 +86,7 @@ nlohmann::json ConfigToJson(py::handle config, std::string& source) {
     }
   }
   if (!py::isinstance<py::dict>(config))
-    throw py::type_error("uckpt.initialize: config must be a dict or the path of a JSON file, got " +
+    throw py::type_error(caller + ": config must be a dict or the path of a JSON file, got " +
                          py::str(config.get_type()).cast<std::string>());
   source = "config";
   const std::string text = py::module_::import("json").attr("dumps")(config).cast<std::string>();

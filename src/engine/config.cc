@@ -84,6 +84,8 @@ class Section {
                       shown + hint);
   }
   void Warn(const std::string& msg) { warnings_->push_back(source_ + ": " + msg); }
+  // A section {"enabled": true, ...} or a plain true.
+  bool IsEnabled(const std::string& k) { return Enabled(k, false); }
   // A DeepSpeed key uckpt does not implement: accepted at DeepSpeed's
   // default (`off`), refused naming the key at any other value.
   void RefuseUnless(const std::string& k, const nlohmann::json& off) {
@@ -435,7 +437,10 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     top.Int("steps_per_print", c.steps_per_print);
     top.Bool("dataloader_drop_last", c.dataloader_drop_last);
     top.Bool("zero_allow_untested_optimizer", c.zero_allow_untested_optimizer);
+    top.Bool("zero_force_ds_cpu_optimizer", c.zero_force_ds_cpu_optimizer);
     ParseTopLevelAudit(top);
+    c.wall_clock_breakdown = top.IsEnabled("wall_clock_breakdown") || top.IsEnabled("flops_profiler");
+    c.has_optimizer_section = top.Has("optimizer");
     if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
     if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
     if (auto s = top.Sub("fp16")) {
@@ -481,7 +486,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
           throw ConfigError("zero_optimization.offload_param.device must be \"cpu\" or \"none\", got \"" + device +
                             "\"");
         c.zero.offload_param_cpu = device == "cpu";
-        o->Ignore({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
+        o->Bool("pin_memory", c.zero.offload_param_pin_memory);
+        o->Ignore({"buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
         o->RefuseUnknownKeys();
       }
       ParseLegacyOffload(*s, c.zero);
@@ -490,10 +496,11 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->Bool("round_robin_gradients", round_robin);
       if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
       s->Bool("overlap_comm", c.zero.overlap_comm);
+      s->Bool("override_module_apply", c.zero.override_module_apply);
       // How DeepSpeed lays out and schedules its buffers: uckpt's own layout gives the same values.
       s->Ignore({"contiguous_gradients", "reduce_scatter", "allgather_partitions", "use_multi_rank_bucket_allreduce",
                  "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
-                 "override_module_apply", "pipeline_loading_checkpoint", "model_persistence_threshold",
+                 "pipeline_loading_checkpoint", "model_persistence_threshold",
                  "stage3_model_persistence_threshold", "use_all_reduce_for_fetch_params",
                  "stage3_use_all_reduce_for_fetch_params"});
       s->RefuseUnless("load_from_fp32_weights", true);
@@ -506,7 +513,10 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->RefuseUnless("mics_hierarchical_params_gather", false);
       s->RefuseUnknownKeys();
     }
-    if (auto s = top.Sub("uckpt")) CheckUckptSection(*s);
+    if (auto s = top.Sub("uckpt")) {
+      CheckUckptSection(*s);
+      c.uckpt_section = j["uckpt"];
+    }
     if (auto s = top.Sub("heartbeat")) {
       s->Double("interval", c.heartbeat_interval_s);
       s->Double("timeout", c.heartbeat_timeout_s);
@@ -530,9 +540,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (m.rfind(source + ": ", 0) == 0) throw;
     throw ConfigError(source + ": " + m);
   }
-  if (c.zero.stage < 0 || c.zero.stage > 3)
-    throw ConfigError(source + ": zero_optimization.stage " + std::to_string(c.zero.stage) +
-                      " is not supported (0, 1, 2 or 3)");
+  CheckZeroStage(c.zero.stage, source);
   if (c.zero.offload_param_cpu && c.zero.stage != 3)
     throw ConfigError(source + ": zero_optimization.offload_param needs stage 3 (got stage " +
                       std::to_string(c.zero.stage) + ")");
@@ -541,17 +549,36 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
   return c;
 }
 
-TrainConfig LoadConfigFile(const std::string& path) {
+void CheckZeroStage(int stage, const std::string& source) {
+  if (stage < 0 || stage > 3)
+    throw ConfigError(source + ": zero_optimization.stage " + std::to_string(stage) +
+                      " is not supported (0, 1, 2 or 3)");
+}
+
+TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source, const SectionOverrides& overrides) {
+  if (!overrides.optimizer && !overrides.drop_scheduler) return ParseConfig(j, source);
+  nlohmann::json used = j;
+  if (used.is_object() && overrides.optimizer) {
+    if (overrides.optimizer->is_null())
+      used.erase("optimizer");
+    else
+      used["optimizer"] = *overrides.optimizer;
+  }
+  if (used.is_object() && overrides.drop_scheduler) used.erase("scheduler");
+  return ParseConfig(used, source);
+}
+
+nlohmann::json ReadConfigJson(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw ConfigError(path + ": cannot open the config file");
-  nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    return nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(path + ": not valid JSON: " + e.what());
   }
-  return ParseConfig(j, path);
 }
+
+TrainConfig LoadConfigFile(const std::string& path) { return ParseConfig(ReadConfigJson(path), path); }
 
 BatchSizes ResolveBatchSizes(std::optional<int64_t> train, std::optional<int64_t> micro, std::optional<int64_t> ga,
                              int world_size) {
