@@ -1,12 +1,14 @@
 """A Hugging Face Trainer causal-LM run with `--deepspeed ds_config.json` on uckpt (#39), on the CPU at 2 ranks.
 
-    hf_trainer_test.py PYPATH WORK_DIR [--against uckpt|deepspeed|both] [--steps N] [--stage 2]
+    hf_trainer_test.py PYPATH WORK_DIR [--against uckpt|deepspeed|both] [--steps N] [--stage 2|3]
 
 A venv over the tests' packages (tests/python/hf_env.py) where `deepspeed` is uckpt through the alias
 (`python -m uckpt.alias install`), or, for `deepspeed`, one where it is real DeepSpeed 0.14.5. In it torchrun
 starts 2 ranks (Gloo, DS_ACCELERATOR=cpu) of this file's worker: a tiny GPT-2 made from a config (nothing
-downloaded), synthetic tokens made here, `TrainingArguments(deepspeed="ds_config.json")` with the "auto"
-values the Trainer fills in (AdamW and WarmupLR from the config, ZeRO-2), train for N steps with a save
+downloaded; built by `AutoModelForCausalLM.from_config` after the TrainingArguments, so that at ZeRO-3
+transformers builds it under `deepspeed.zero.Init` and initialises it through `GatheredParameters`), synthetic
+tokens made here, `TrainingArguments(deepspeed="ds_config.json")` with the "auto" values the Trainer fills in
+(AdamW and WarmupLR from the config, ZeRO-2 or 3; `WORK_DIR/<uckpt|deepspeed>-zero<stage>`), train for N steps with a save
 halfway, then `trainer.train(resume_from_checkpoint=...)` from that save into a new Trainer. Each rank
 prints its per-step losses; with `both` the uckpt run's losses are compared with real DeepSpeed's.
 Exit 0 when every run finished (and, with `both`, the losses agree within 1e-5 relative); otherwise the first
@@ -42,7 +44,7 @@ DS_CONFIG = {
 
 def worker(args):
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
@@ -56,10 +58,12 @@ def worker(args):
             return {"input_ids": tokens[i], "labels": tokens[i].clone()}
 
     def model():
+        # From the config through from_config, after TrainingArguments: at ZeRO-3 transformers builds it under
+        # deepspeed.zero.Init and initialises it through GatheredParameters, as for from_pretrained.
         torch.manual_seed(0)
         cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0)
-        return GPT2LMHeadModel(cfg)
+        return AutoModelForCausalLM.from_config(cfg)
 
     logged = {}
 
@@ -79,11 +83,12 @@ def worker(args):
 
     out = os.path.join(args.work, "out")
     if args.phase == "train":
-        trainer = Trainer(model=model(), args=targs(out, args.steps), train_dataset=Tokens(), callbacks=[Losses()])
+        training_args = targs(out, args.steps)
+        trainer = Trainer(model=model(), args=training_args, train_dataset=Tokens(), callbacks=[Losses()])
         trainer.train()
     else:
-        trainer = Trainer(model=model(), args=targs(out + "-resumed", args.steps), train_dataset=Tokens(),
-                          callbacks=[Losses()])
+        training_args = targs(out + "-resumed", args.steps)
+        trainer = Trainer(model=model(), args=training_args, train_dataset=Tokens(), callbacks=[Losses()])
         trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{args.save_at}"))
     engine = trainer.model_wrapped
     print(f"ENGINE {type(engine).__module__}.{type(engine).__name__} global_steps={engine.global_steps}",
@@ -142,12 +147,16 @@ def main():
     args.save_at = args.steps // 2
     results = {}
     for which in (["uckpt", "deepspeed"] if args.against == "both" else [args.against]):
-        work = os.path.join(os.path.abspath(args.work), which)
+        work = os.path.join(os.path.abspath(args.work), f"{which}-zero{args.stage}")
         os.makedirs(work, exist_ok=True)
         for sub in ("out", "out-resumed", "losses-train.json", "losses-resume.json"):
             subprocess.run(["rm", "-rf", os.path.join(work, sub)])
         cfg = json.loads(json.dumps(DS_CONFIG))
         cfg["zero_optimization"]["stage"] = args.stage
+        if args.stage == 3:  # the keys Hugging Face's ZeRO-3 examples set, "auto" where the Trainer fills them
+            cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": "auto",
+                                             "stage3_param_persistence_threshold": "auto",
+                                             "stage3_gather_16bit_weights_on_model_save": True})
         with open(os.path.join(work, "ds_config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
         if which == "uckpt":
