@@ -16,6 +16,7 @@ failure's traceback is printed and the exit is 1.
 """
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -70,7 +71,7 @@ def worker(args):
     class Losses(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs and state.is_world_process_zero:
-                logged[state.global_step] = logs["loss"]
+                logged[state.global_step] = [float(logs["loss"]), float(logs.get("grad_norm", "nan"))]
                 with open(os.path.join(args.work, f"losses-{args.phase}.json"), "w") as f:
                     json.dump(logged, f)
 
@@ -98,7 +99,7 @@ def worker(args):
 def run_phase(python, pypath, work, phase, args, env_extra):
     env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", **env_extra)
+               TRANSFORMERS_OFFLINE="1", LOCAL_SIZE="2", **env_extra)  # (DeepSpeed's CPU device count; else numactl)
     env.pop("PYTHONHOME", None)
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(args.port),
            os.path.abspath(__file__), "--worker", "--phase", phase, "--work", work,
@@ -131,6 +132,14 @@ def losses(work, phase):
         return {}
     with open(path) as f:
         return {int(k): v for k, v in json.load(f).items()}
+
+
+def sane(logged, steps):
+    """Why the logged (loss, grad norm) of `steps` are not a training run's, or None."""
+    if sorted(logged) != list(steps):
+        return f"logged steps {sorted(logged)}, expected {list(steps)}"
+    bad = {s: v for s, v in logged.items() if not (math.isfinite(v[0]) and v[0] > 0 and math.isfinite(v[1]))}
+    return f"losses or gradient norms not finite and positive: {bad}" if bad else None
 
 
 def main():
@@ -181,8 +190,15 @@ def main():
                 break
             engines = re.findall(r"ENGINE (\S+)", out)
             print(f"{which} {phase}: finished; engine {engines[:1]}; losses "
-                  + " ".join(f"{s}:{v:.6f}" for s, v in sorted(results[(which, phase)].items())))
+                  + " ".join(f"{s}:{v[0]:.9g}" for s, v in sorted(results[(which, phase)].items())))
+            why = sane(results[(which, phase)], range(1 if phase == "train" else args.save_at + 1, args.steps + 1))
+            if why:
+                print(f"FAIL: {which} {phase}: {why}")
+                sys.exit(1)
         if not ok:
+            sys.exit(1)
+        if results[(which, "resume")] != {k: v for k, v in results[(which, "train")].items() if k > args.save_at}:
+            print(f"FAIL: {which}: the resumed steps' losses differ from the uninterrupted run's")
             sys.exit(1)
     if args.against == "both":
         for phase in ("train", "resume"):
@@ -190,7 +206,7 @@ def main():
             if a.keys() != b.keys():
                 print(f"FAIL: {phase}: logged steps differ: uckpt {sorted(a)} deepspeed {sorted(b)}")
                 sys.exit(1)
-            worst = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in a)
+            worst = max(abs(a[k][0] - b[k][0]) / max(abs(b[k][0]), 1e-12) for k in a)
             print(f"{phase}: max relative loss difference uckpt vs DeepSpeed {worst:.3g}")
             if worst > 1e-5:
                 print(f"FAIL: {phase}: losses differ beyond 1e-5 relative")
