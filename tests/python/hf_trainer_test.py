@@ -64,7 +64,12 @@ def worker(args):
         torch.manual_seed(0)
         cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0)
-        return AutoModelForCausalLM.from_config(cfg)
+        m = AutoModelForCausalLM.from_config(cfg)
+        if args.lora:  # PEFT's LoRA on the attention: the base weights frozen (requires_grad False)
+            from peft import LoraConfig, get_peft_model
+            m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
+                                             fan_in_fan_out=True))
+        return m
 
     logged = {}
 
@@ -104,7 +109,7 @@ def run_phase(python, pypath, work, phase, args, env_extra):
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(args.port),
            os.path.abspath(__file__), "--worker", "--phase", phase, "--work", work,
            "--ds_config", os.path.join(work, "ds_config.json"), "--steps", str(args.steps),
-           "--save_at", str(args.save_at)]
+           "--save_at", str(args.save_at)] + (["--lora"] if args.lora else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     out = done.stdout + done.stderr
     with open(os.path.join(work, f"{phase}.log"), "w") as f:
@@ -152,11 +157,12 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--port", type=int, default=29531)
+    p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter (frozen base weights)")
     args = p.parse_args()
     args.save_at = args.steps // 2
     results = {}
     for which in (["uckpt", "deepspeed"] if args.against == "both" else [args.against]):
-        work = os.path.join(os.path.abspath(args.work), f"{which}-zero{args.stage}")
+        work = os.path.join(os.path.abspath(args.work), f"{which}-zero{args.stage}{'-lora' if args.lora else ''}")
         os.makedirs(work, exist_ok=True)
         for sub in ("out", "out-resumed", "losses-train.json", "losses-resume.json"):
             subprocess.run(["rm", "-rf", os.path.join(work, sub)])
@@ -222,6 +228,7 @@ if __name__ == "__main__":
             wp.add_argument(k)
         wp.add_argument("--steps", type=int)
         wp.add_argument("--save_at", type=int)
+        wp.add_argument("--lora", action="store_true")
         worker(wp.parse_args())
     else:
         main()
