@@ -324,7 +324,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     commands = {"install": install, "remove": remove, "status": status}
     if len(argv) != 1 or argv[0] not in commands:
-        print("usage: python -m uckpt.alias install | remove | status\n" + __doc__.split("\n\n")[1], file=sys.stderr)
+        print("usage: python -m uckpt.alias install | remove | status\n\n" + "\n\n".join(__doc__.split("\n\n")[1:4]),
+              file=sys.stderr)
         return 2
     try:
         return commands[argv[0]]()

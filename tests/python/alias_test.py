@@ -132,6 +132,8 @@ def check_install(pypath, work):
     expect(done, 1, "No module named 'deepspeed'", what="import deepspeed before install")
     run(python, ["-c", "import uckpt as deepspeed; deepspeed.initialize"], pypath, check=True)
     expect(run(python, ["-m", "uckpt.alias", "status"], pypath), 1, "no alias is installed", what="status before")
+    expect(run(python, ["-m", "uckpt.alias", "instal"], pypath), 2, "usage: python -m uckpt.alias install | remove | status",
+           what="an unknown command")
     before = set(os.listdir(site))
     out = expect(run(python, ["-m", "uckpt.alias", "install"], pypath), 0, "installed deepspeed 0.14.5+uckpt.",
                  what="install")
