@@ -21,15 +21,14 @@ UPDATES, SAVE = 6, 3
 
 
 def worker(args):
+    sys.path.insert(0, HERE)
+    from hf_env import cpu_data_parallel
+    cpu_data_parallel()
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    # A config without "train_batch_size": on a machine without GPUs Accelerate's state has no backend and counts
-    # 1 process (DeepSpeed's group has 2), so the "auto" it fills would fail DeepSpeed's batch assertion, real
-    # DeepSpeed's as uckpt's. For the same reason each rank reads every batch (no sharding) on the CPU.
-    plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
-                                           "gradient_clipping": 1.0, "zero_optimization": {"stage": args.stage}})
+    plugin = DeepSpeedPlugin(zero_stage=args.stage, gradient_accumulation_steps=1, gradient_clipping=1.0)
     acc = Accelerator(deepspeed_plugin=plugin)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))

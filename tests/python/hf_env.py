@@ -50,3 +50,17 @@ def run(python, args, pypath, env=None, check=False, **kw):
         sys.stdout.write(done.stdout + done.stderr)
         raise SystemExit(f"FAIL: {python} {' '.join(args)} exited {done.returncode} (output above)")
     return done
+
+
+def cpu_data_parallel():
+    """TrainingArguments' keywords for a data-parallel run on a machine without GPUs. There Accelerate's state finds
+    no backend and counts 1 process while DeepSpeed's group has them all, so its loaders are not sharded and its
+    gathers fail; a PartialState made first with Gloo, which the Trainer then uses (`use_configured_state`),
+    counts the ranks. Nothing on a GPU machine."""
+    import torch
+    if torch.cuda.is_available():
+        return {}
+    from accelerate import PartialState
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return {"accelerator_config": {"use_configured_state": True}}

@@ -35,15 +35,15 @@ DS_CONFIG = {
                           "reduce_bucket_size": "auto", "allgather_bucket_size": 2e8},
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
-    # No "train_batch_size": "auto": on the CPU transformers 5.17 fills it in TrainingArguments.__post_init__ before
-    # its distributed state exists (world size 1: 4 here), and real DeepSpeed 0.14.5 then fails its batch assertion
-    # at 2 ranks as uckpt does. Without the key both compute micro batch x accumulation x ranks.
+    "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
     "wall_clock_breakdown": False,
 }
 
 
 def worker(args):
+    sys.path.insert(0, HERE)
+    from hf_env import cpu_data_parallel
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallback, TrainingArguments
 
@@ -85,7 +85,8 @@ def worker(args):
                                  max_steps=steps, save_steps=args.save_at, save_strategy="steps", logging_steps=1,
                                  learning_rate=1e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0,
                                  deepspeed=args.ds_config, report_to="none", dataloader_num_workers=0,
-                                 seed=0, data_seed=0, disable_tqdm=True, save_only_model=False)
+                                 seed=0, data_seed=0, disable_tqdm=True, save_only_model=False,
+                                 **cpu_data_parallel())
 
     out = os.path.join(args.work, "out")
     if args.phase == "train":
