@@ -6,7 +6,7 @@ In a venv where `deepspeed` is uckpt through the alias (or real DeepSpeed 0.14.5
 this file's worker: a character-level tokenizer and a tiny GPT-2 made here (nothing downloaded), a few lines of
 text (SFT) or prompt/chosen/rejected triples (DPO, whose reference model TRL prepares as a second DeepSpeed
 engine without an optimizer), the ZeRO config of hf_trainer_test.py, 4 steps with a save at step 2. Exit 0 when
-the run finishes with finite losses, else 1 with the first error (not registered in ctest while it fails:
+the run finishes with positive finite losses and finite gradient norms, else 1 with the first error (not registered in ctest while it fails:
 docs/hf-calls.md).
 """
 import argparse
@@ -40,7 +40,7 @@ def worker(args):
     class Losses(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs and state.is_world_process_zero:
-                logged[state.global_step] = float(logs["loss"])
+                logged[state.global_step] = [float(logs["loss"]), float(logs.get("grad_norm", "nan"))]
                 with open(os.path.join(args.work, "losses.json"), "w") as f:
                     json.dump(logged, f)
 
@@ -116,9 +116,10 @@ def main():
         sys.exit(1)
     with open(os.path.join(work, "losses.json")) as f:
         losses = {int(k): v for k, v in json.load(f).items()}
-    print(f"{args.trainer} on {args.against}: " + " ".join(f"{k}:{v:.9g}" for k, v in sorted(losses.items())))
-    if sorted(losses) != [1, 2, 3, 4] or not all(math.isfinite(v) for v in losses.values()):
-        print("FAIL: the logged steps or losses are not a training run's")
+    print(f"{args.trainer} on {args.against}: " + " ".join(f"{k}:{v[0]:.9g}" for k, v in sorted(losses.items())))
+    if sorted(losses) != [1, 2, 3, 4] or not all(math.isfinite(v[0]) and v[0] > 0 and math.isfinite(v[1])
+                                                 for v in losses.values()):
+        print(f"FAIL: the logged steps, losses or gradient norms are not a training run's: {losses}")
         sys.exit(1)
     print("PASS")
 
