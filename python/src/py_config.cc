@@ -80,7 +80,11 @@ void BindConfig(py::module_& m) {
       .def_property_readonly("bfloat16_enabled", [](const TrainConfig& c) { return c.bf16; })
       .def_property_readonly("loss_scale", &LossScale)
       .def_property_readonly("gradient_clipping", [](const TrainConfig& c) { return c.gradient_clipping; })
-      .def_property_readonly("steps_per_print", [](const TrainConfig& c) { return c.steps_per_print; })
+      .def_property_readonly("steps_per_print",
+                             [](const TrainConfig& c) -> py::object {
+                               if (c.steps_per_print_nonfinite) return py::float_(*c.steps_per_print_nonfinite);
+                               return py::int_(c.steps_per_print);
+                             })
       .def_property_readonly("wall_clock_breakdown", [](const TrainConfig& c) { return c.wall_clock_breakdown; })
       .def_property_readonly("load_universal_checkpoint", [](const TrainConfig& c) { return c.load_universal; })
       .def_property_readonly("dataloader_drop_last", [](const TrainConfig& c) { return c.dataloader_drop_last; })

@@ -18,6 +18,13 @@ class ConfigError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The batch sizes do not agree or cannot be derived: DeepSpeed 0.14.5 asserts these
+// (AssertionError); the Python package raises a class that is both RuntimeError and AssertionError.
+class BatchSizeError : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
+
 struct OptimizerConfig {
   std::string type = "AdamW";  // "Adam" or "AdamW" (any case in the JSON)
   double lr = 1e-3;
@@ -100,7 +107,10 @@ struct TrainConfig {
   // Any two of the three batch sizes determine the third (ResolveBatchSizes).
   std::optional<int64_t> train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps;
   double gradient_clipping = 0.0;  // 0 = off
-  int64_t steps_per_print = 10;
+  int64_t steps_per_print = 10;  // 0: never
+  // inf or NaN as given (Accelerate sets inf): DeepSpeed only tests `step % it == 0`, never true, and its
+  // engine's steps_per_print() returns the number; steps_per_print is 0 then.
+  std::optional<double> steps_per_print_nonfinite;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   Fp16Config fp16;
