@@ -342,7 +342,11 @@ py::list PyEngine::SchedulerLr() const {
 py::list PyEngine::SchedulerLastLr() const {
   // DeepSpeed's _last_lr: what its last step wrote into every group (set by a step only, not by a load).
   if (!config_scheduler_stepped_)
-    throw std::runtime_error("lr_scheduler.get_last_lr(): need to call step() first (the scheduler has not stepped)");
+  {  // DeepSpeed's asserts it: the Trainer catches AssertionError here (fp16 loss-scale warm-up)
+    PyErr_SetString(PyExc_AssertionError,
+                    "lr_scheduler.get_last_lr(): need to call step() first (the scheduler has not stepped)");
+    throw py::error_already_set();
+  }
   return SchedulerLr();
 }
 
