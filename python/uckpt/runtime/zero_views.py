@@ -11,6 +11,17 @@ from uckpt.runtime import _deepspeed_names
 _TORCH_OPTIMIZER = frozenset(n for n in dir(torch.optim.Optimizer) if not n.startswith("_")) | {"defaults", "state"}
 
 
+class UnsupportedAttributeError(AttributeError, NotImplementedError):
+    """A DeepSpeed attribute uckpt refuses where libraries probe it with hasattr (which swallows only
+    AttributeError): the probe answers False, a read still raises naming it."""
+
+
+# Probed with hasattr by Accelerate's AcceleratedOptimizer.train()/eval() at every Trainer step: DeepSpeed's
+# answer is the wrapped torch optimizer, which has no train() for the optimizers uckpt runs, so that call is
+# skipped under DeepSpeed too.
+_PROBED = frozenset(("optimizer",))
+
+
 class EngineOptimizer:
     """What DeepSpeed's initialize returns as the optimizer (its ZeRO optimizer, BF16_Optimizer, or at stage 0 the
     torch optimizer)."""
@@ -85,8 +96,9 @@ class EngineOptimizer:
             raise AttributeError(name)
         cls = self._deepspeed_class
         if name in _deepspeed_names.OPTIMIZER.get(cls, _TORCH_OPTIMIZER):
-            raise NotImplementedError(f"optimizer.{name}: DeepSpeed 0.14.5's optimizer here ({cls}) has '{name}'; "
-                                      "uckpt's optimizer does not support it")
+            error = UnsupportedAttributeError if name in _PROBED else NotImplementedError
+            raise error(f"optimizer.{name}: DeepSpeed 0.14.5's optimizer here ({cls}) has '{name}'; uckpt's "
+                        "optimizer does not support it")
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
