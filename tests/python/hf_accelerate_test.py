@@ -7,7 +7,7 @@ this file's worker: `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=…
 `accelerator.prepare(model, optimizer, loader)`, `accelerator.backward`, `optimizer.step()`, `zero_grad()`,
 `accelerator.save_state` after 3 of 6 updates; then a second launch that `load_state`s it and runs the last 3.
 The losses are printed; exit 0 when both launches finish, every loss is finite and the resumed losses equal the
-uninterrupted run's, else 1 with the first error (not registered in ctest while it fails: docs/hf-calls.md).
+uninterrupted run's, else 1 with the first error (ctest: python_hf_accelerate_zero2; ZeRO-3 unregistered).
 """
 import argparse
 import json

@@ -6,8 +6,8 @@ In a venv where `deepspeed` is uckpt through the alias (or real DeepSpeed 0.14.5
 this file's worker: a character-level tokenizer and a tiny GPT-2 made here (nothing downloaded), a few lines of
 text (SFT) or prompt/chosen/rejected triples (DPO, whose reference model TRL prepares as a second DeepSpeed
 engine without an optimizer), the ZeRO config of hf_trainer_test.py, 4 steps with a save at step 2. Exit 0 when
-the run finishes with positive finite losses and finite gradient norms, else 1 with the first error (not registered in ctest while it fails:
-docs/hf-calls.md).
+the run finishes with positive finite losses and finite gradient norms, else 1 with the first error (ctest:
+python_hf_trl_dpo; SFT is the Trainer's path, python_hf_trainer_zero2).
 """
 import argparse
 import json
