@@ -1,7 +1,9 @@
-// The Python package's engine: DeepSpeed's DeepSpeedEngine API over
-// uckpt::Engine, for a Python torch.nn.Module. The module runs in Python; a
-// C++ shell module holds the same parameter and buffer tensors (module_shell.h),
-// so the engine's set_data on them is what Python sees.
+// The Python engine's C++ core: uckpt::Engine for a Python torch.nn.Module,
+// with the state DeepSpeed's engine keeps beside it (param-group dicts, a
+// client scheduler). Python's DeepSpeedEngine (python/uckpt/runtime/engine.py)
+// wraps it. The module runs in Python; a C++ shell module holds the same
+// parameter and buffer tensors (module_shell.h), so the engine's set_data on
+// them is what Python sees.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -9,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "engine/config.h"
 #include "uckpt/engine.h"
 
 namespace uckpt::python {
@@ -18,16 +21,16 @@ namespace py = pybind11;
 // What initialize() learned besides the engine: for the calls DeepSpeed's
 // engine answers from its config.
 struct EngineSettings {
-  bool load_universal = false;  // config checkpoint.load_universal
-  bool has_scheduler = false;   // a config "scheduler" section (used: no client lr_scheduler)
-  std::string scheduler_type;   // its type
-  bool scheduler_sets_betas = false;  // OneCycle with cycle_momentum: it writes betas with the lr
+  // The config's scheduler (its section is dropped with a client lr_scheduler): its type, "" if none.
+  const std::string& scheduler_type() const { return config.scheduler.type; }
+  bool has_scheduler() const { return !config.scheduler.type.empty(); }
+  // OneCycle with cycle_momentum writes betas with the lr.
+  bool scheduler_sets_betas() const { return config.scheduler.type == "OneCycle" && config.scheduler.cycle_momentum; }
   bool has_optimizer = true;    // false: initialize got no optimizer and the config has none
   bool client_step = false;     // the client's optimizer (no Adam the engine runs) steps the partitions
-  int zero_stage = 0;
-  // For the engine's smaller attributes (script_api.h): the config as the
-  // engine took it, and the class name of initialize's optimizer= ("" if none).
-  nlohmann::json config;
+  // The config as the engine took it (parsed once, in initialize), and the
+  // class name of initialize's optimizer= ("" if none).
+  engine::TrainConfig config;
   std::string client_optimizer;
 };
 
@@ -43,17 +46,11 @@ class PyEngine {
   // printed, not raised.
   void FinishCheckpointAtExit();
 
-  py::object Call(py::args args, py::kwargs kwargs);  // the module's forward
   py::object Backward(py::object loss, const BackwardOptions& options);
   void Step(py::object lr_kwargs);
-  // DeepSpeed's engine.zero_grad(): every module parameter's .grad set to None
-  // (the engine re-attaches its gradient views at the next backward, keeping or
-  // dropping what was accumulated as DeepSpeed's stage does).
-  void ZeroGrad();
-  bool SaveCheckpoint(py::object dir, py::object tag, py::object client_state, bool save_latest);
+  bool SaveCheckpoint(py::object dir, py::object tag, py::object client_state);
   py::tuple LoadCheckpoint(py::object dir, py::object tag, bool load_optimizer_states,
                            bool load_lr_scheduler_states, bool load_module_only);
-  bool LoadUniversal() const { return settings_.load_universal; }
   void Train(bool mode);
   py::list GetLr() const;
   py::object GlobalGradNorm() const;
@@ -124,42 +121,12 @@ class PyEngine {
   std::vector<int> engine_group_of_;          // dict i's engine group (-1: nothing trainable)
 };
 
-// deepspeed.initialize's config: config= (a dict or a JSON path) or
-// args.deepspeed_config (args.deepscale_config, deprecated, is moved there);
-// both, or neither, is a ValueError, as DeepSpeed asserts.
-py::object ResolveConfig(py::handle args, py::handle config);
-
-// deepspeed.initialize(...) -> (engine, optimizer, dataloader, lr_scheduler),
-// with the config ResolveConfig gave.
-py::tuple Initialize(py::object model, py::object optimizer, py::object model_parameters,
-                     py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
-                     py::object config, py::list partitioned);
-
-// deepspeed.init_distributed: torch.distributed's default group, from the
-// arguments, the launcher's environment, or an MPI or Slurm launcher's world
-// (DistEnv::FromEnvironment); a group of one with no launcher.
-void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distributed_port, bool verbose,
-                     py::object timeout, py::object init_method, py::object dist_init_required, py::object config,
-                     int rank, int world_size);
-
-// At interpreter exit (uckpt.comm, before its teardown of the default group):
-// the live engines stop using torch.distributed's process group, so that
-// destroy_process_group ends it while the interpreter is whole (an engine
-// would keep it into finalization). Later collectives of theirs throw CommError.
-void ReleaseTorchDistributedGroups();
-// At exit, before that (uckpt.comm's teardown, unless this rank crashed):
-// every live engine's FinishCheckpointAtExit. Collective, as the script's
-// own last calls are.
+// At exit, before uckpt.comm's teardown of the default group (unless this
+// rank crashed): every live engine's FinishCheckpointAtExit. Collective, as
+// the script's own last calls are.
 void FinishCheckpointsAtExit();
 
-// uckpt.zero.GatheredParameters: the stage-3 parameters among `params` (an
-// iterable of tensors), each by the engine holding it, gathered (true) or
-// released with modifier_rank (-1: writes discarded); tensors of no engine,
-// or of an engine at stages 0-2, are left alone. Returns how many were
-// stage 3's.
-int GatherParameters(py::object params, bool gather, int modifier_rank);
-
-// deepspeed.add_config_arguments: --deepspeed, --deepspeed_config (and the old --deepscale names).
-py::object AddConfigArguments(py::object parser);
+// The class EngineCore (what Python's DeepSpeedEngine calls) and _finish_checkpoints.
+void BindEngineCore(py::module_& m);
 
 }  // namespace uckpt::python

@@ -25,8 +25,8 @@ struct FlatPlace {
 std::string PyEngine::StateDictRefusal(const char* call) const {
   const std::string head = std::string("engine.optimizer.") + call + " is not supported by uckpt ";
   if (!settings_.has_optimizer) return head + "without an optimizer";
-  if (settings_.zero_stage != 0)
-    return head + "at ZeRO stage " + std::to_string(settings_.zero_stage) + " (DeepSpeed's is its ZeRO optimizer's, "
+  if (settings_.config.zero.stage != 0)
+    return head + "at ZeRO stage " + std::to_string(settings_.config.zero.stage) + " (DeepSpeed's is its ZeRO optimizer's, "
            "what this rank's *_optim_states.pt holds): use engine.save_checkpoint() / load_checkpoint()";
   if (engine_->fp16_enabled() || engine_->bf16_enabled())
     return head + "at ZeRO stage 0 in " + (engine_->bf16_enabled() ? "bf16" : "fp16") + " (DeepSpeed's is its " +

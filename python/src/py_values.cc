@@ -74,11 +74,38 @@ std::string FsPath(py::handle path, const std::string& what) {
   return py::str(py::module_::import("os").attr("fspath")(path)).cast<std::string>();
 }
 
-nlohmann::json ConfigToJson(py::handle config, std::string& source) {
+namespace {
+
+// A value json.loads made (dict, list, str, int, float, bool, None) as nlohmann::json, inf and NaN kept.
+nlohmann::json PyJsonToJson(py::handle v) {
+  if (v.is_none()) return nullptr;
+  if (py::isinstance<py::bool_>(v)) return v.cast<bool>();
+  if (py::isinstance<py::int_>(v)) {
+    try {
+      return v.cast<int64_t>();
+    } catch (const py::cast_error&) {
+      return v.cast<double>();  // beyond int64: as nlohmann's parser would read it
+    }
+  }
+  if (py::isinstance<py::float_>(v)) return v.cast<double>();
+  if (py::isinstance<py::str>(v)) return v.cast<std::string>();
+  if (py::isinstance<py::dict>(v)) {
+    nlohmann::json o = nlohmann::json::object();
+    for (auto item : v.cast<py::dict>()) o[item.first.cast<std::string>()] = PyJsonToJson(item.second);
+    return o;
+  }
+  nlohmann::json a = nlohmann::json::array();
+  for (auto item : v) a.push_back(PyJsonToJson(item));
+  return a;
+}
+
+}  // namespace
+
+nlohmann::json ConfigToJson(py::handle config, std::string& source, const std::string& caller) {
   if (py::isinstance<py::str>(config) || py::hasattr(config, "__fspath__")) {
     source = FsPath(config, "config");
     std::ifstream in(source);
-    if (!in) throw py::value_error("uckpt.initialize: cannot read the config file " + source);
+    if (!in) throw py::value_error(caller + ": cannot read the config file " + source);
     try {
       return nlohmann::json::parse(in);
     } catch (const nlohmann::json::exception& e) {
@@ -86,11 +113,13 @@ nlohmann::json ConfigToJson(py::handle config, std::string& source) {
     }
   }
   if (!py::isinstance<py::dict>(config))
-    throw py::type_error("uckpt.initialize: config must be a dict or the path of a JSON file, got " +
+    throw py::type_error(caller + ": config must be a dict or the path of a JSON file, got " +
                          py::str(config.get_type()).cast<std::string>());
   source = "config";
-  const std::string text = py::module_::import("json").attr("dumps")(config).cast<std::string>();
-  return nlohmann::json::parse(text);
+  // json's round trip normalizes as DeepSpeed's dict use would see it (keys to str, tuples to lists); the
+  // numbers go over as Python floats: JSON text has no inf/NaN, which Accelerate puts in (steps_per_print).
+  const py::object json = py::module_::import("json");
+  return PyJsonToJson(json.attr("loads")(json.attr("dumps")(config)));
 }
 
 py::object JsonToPy(const nlohmann::json& j) {

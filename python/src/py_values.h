@@ -20,8 +20,9 @@ py::object FromIValue(const c10::IValue& v);
 // A str or os.PathLike (pathlib.Path) as a path string; TypeError naming `what` otherwise.
 std::string FsPath(py::handle path, const std::string& what);
 
-// A config as DeepSpeed takes it: a dict, or the path of a JSON file.
-nlohmann::json ConfigToJson(py::handle config, std::string& source);
+// A config as DeepSpeed takes it: a dict, or the path of a JSON file (its
+// path becomes `source`); `caller` names the call in errors.
+nlohmann::json ConfigToJson(py::handle config, std::string& source, const std::string& caller = "uckpt.initialize");
 py::object JsonToPy(const nlohmann::json& j);
 
 }  // namespace uckpt::python

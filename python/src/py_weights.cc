@@ -8,8 +8,6 @@
 
 namespace uckpt::python {
 
-namespace {
-
 using namespace pybind11::literals;
 
 // Engine::LoadWeights; returns torch's _IncompatibleKeys(missing_keys, unexpected_keys).
@@ -62,31 +60,6 @@ py::object Consolidated(PyEngine& e, bool exclude_frozen) {
   py::object dict = py::module_::import("collections").attr("OrderedDict")();
   for (const auto& [name, t] : sd) dict[py::str(name)] = py::cast(t);  // tied names: one tensor object
   return dict;
-}
-
-// Adds `f` to the class as method `name` (what class_::def does).
-template <typename F, typename... Extra>
-void AddMethod(py::object cls, const char* name, F&& f, const Extra&... extra) {
-  py::cpp_function fn(std::forward<F>(f), py::name(name), py::is_method(cls),
-                      py::sibling(py::getattr(cls, name, py::none())), extra...);
-  py::setattr(cls, name, fn);
-}
-
-}  // namespace
-
-void BindWeightsIO(py::module_& m) {
-  py::object cls = m.attr("Engine");
-  AddMethod(cls, "load_weights", &LoadWeights, "path"_a, "name_map"_a = py::none(), "strict"_a = true,
-            "strip_prefix"_a = "", "add_prefix"_a = "");
-  AddMethod(cls, "save_16bit_model", &Save16bitModel, "save_dir"_a, "save_filename"_a = "pytorch_model.bin",
-            "exclude_frozen_parameters"_a = false);
-  AddMethod(
-      cls, "save_fp16_model",
-      [](PyEngine& e, py::object dir, py::object name) { return Save16bitModel(e, dir, name, false); }, "save_dir"_a,
-      "save_filename"_a = "pytorch_model.bin");
-  AddMethod(cls, "zero_gather_16bit_weights_on_model_save",
-            [](const PyEngine& e) { return e.engine().zero_gather_16bit_weights_on_model_save(); });
-  AddMethod(cls, "_zero3_consolidated_16bit_state_dict", &Consolidated, "exclude_frozen_parameters"_a = false);
 }
 
 }  // namespace uckpt::python

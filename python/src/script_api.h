@@ -1,12 +1,12 @@
-// What DeepSpeed scripts call besides training itself: the engine's smaller
-// attributes (optimizer_name(), steps_per_print(), set_train_batch_size(), ...),
-// initialize()'s checks of a client optimizer, and the module functions the
-// pure-Python modules build on (the fp32 export, the scheduler types).
+// What DeepSpeed scripts call besides training itself: the optimizer's
+// DeepSpeed class and its loss-scale attributes, initialize()'s checks of a
+// client optimizer, and the module functions the pure-Python modules build on
+// (the fp32 export, the scheduler types).
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
 
-#include <nlohmann/json.hpp>
+#include "engine/config.h"
 
 namespace uckpt::python {
 
@@ -18,12 +18,7 @@ namespace py = pybind11;
 // optimizer must be one DeepSpeed tested with ZeRO unless
 // zero_allow_untested_optimizer is true (then rank 0 warns). ValueError with
 // DeepSpeed's advice otherwise.
-void CheckZeroOptimizer(py::handle optimizer, const nlohmann::json& config, bool rank0);
-
-// DeepSpeed's engine.optimizer_name(): the client optimizer's class name, else
-// the config's optimizer type (lower-cased for DeepSpeed's own optimizers),
-// else None.
-py::object OptimizerName(const std::string& client_optimizer_class, const nlohmann::json& config);
+void CheckZeroOptimizer(py::handle optimizer, const engine::TrainConfig& config, bool rank0);
 
 class PyEngine;
 // The class of the optimizer DeepSpeed's initialize returns for this run:
@@ -40,8 +35,7 @@ py::object OptimizerOverflow(const PyEngine& engine);
 // optimizer.loss_scale and optimizer.cur_scale: the loss scale (1 outside fp16).
 py::object OptimizerLossScale(const PyEngine& engine, const char* attribute);
 
-// Adds the attributes to the module's Engine class and the module functions
-// export_fp32 and scheduler_types.
-void BindScriptApi(py::module_& m);
+// The module functions export_fp32 and scheduler_types.
+void BindScriptFunctions(py::module_& m);
 
 }  // namespace uckpt::python

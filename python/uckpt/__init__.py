@@ -32,21 +32,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # As DeepSpeed: the process group first (discovering an MPI or Slurm launcher's world).
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     given = _resolve_config(args, config if config is not None else config_params)  # kept as engine.config
-    result = _initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
-                         training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn,
-                         config=given,
-                         partitioned=_zero_init_partitions(model) if isinstance(model, torch.nn.Module) else [])
-    if result[0].zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
-        _mark_stage3_parameters(model, result[0])
-    if training_data is not None:  # the config's "uckpt": {"resumable_data": ...} opts in
-        loader = data.config_loader(training_data, result[0], collate_fn)
-        if loader is not None:
-            result = (result[0], result[1], loader, result[3])
-    runtime.engine.set_training_dataloader(result[0], result[2])
-    runtime.engine.set_initialize_arguments(result[0], config=given, client_optimizer=optimizer,
-                                            client_lr_scheduler=lr_scheduler, training_data=training_data,
-                                            collate_fn=collate_fn, mpu=mpu)
-    return result
+    core, loader = _initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                               training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                               collate_fn=collate_fn, config=given,
+                               partitioned=_zero_init_partitions(model) if isinstance(model, torch.nn.Module) else [])
+    engine = DeepSpeedEngine(core, model, config=given, client_optimizer=optimizer, client_lr_scheduler=lr_scheduler,
+                             training_data=training_data, collate_fn=collate_fn, mpu=mpu)
+    if engine.zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
+        _mark_stage3_parameters(model, engine)
+    resumable = data.config_loader(training_data, engine, collate_fn) if training_data is not None else None
+    if resumable is not None:  # the config's "uckpt": {"resumable_data": ...} opts in
+        loader = resumable
+    engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def init_inference(model, config=None, **kwargs):

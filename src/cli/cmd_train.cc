@@ -108,7 +108,8 @@ Runner AddTrain(CLI::App& app) {
   return [a] {
     TrainOptions o = a->o;
     nlohmann::json raw = nlohmann::json::object();
-    if (!a->config.empty()) raw = engine::LoadConfigFile(a->config).raw;
+    if (!a->config.empty()) raw = engine::ReadConfigJson(a->config);  // parsed once, below
+    if (!raw.is_object()) engine::ParseConfig(raw, a->config);          // refused, naming the file
     // Command-line overrides become part of the config (and of the saved ds_config).
     if (a->train_batch_size) raw["train_batch_size"] = *a->train_batch_size;
     if (a->micro) raw["train_micro_batch_size_per_gpu"] = *a->micro;

@@ -14,8 +14,9 @@ namespace {
 // were not understood (for the warnings).
 class Section {
  public:
-  Section(const nlohmann::json& j, std::string where, const std::string& source, std::vector<std::string>* warnings)
-      : j_(j), where_(std::move(where)), source_(source), warnings_(warnings) {
+  Section(const nlohmann::json& j, std::string where, const std::string& source, std::vector<std::string>* warnings,
+          bool drop_auto = false)
+      : j_(j), where_(std::move(where)), source_(source), warnings_(warnings), drop_auto_(drop_auto) {
     if (!j_.is_object()) Fail("", "an object", j_);
   }
   ~Section() {
@@ -25,8 +26,12 @@ class Section {
 
   bool Has(const std::string& k) {
     seen_.insert(k);
+    if (drop_auto_ && j_.contains(k) && j_[k] == "auto") return false;
     return j_.contains(k) && !j_[k].is_null();
   }
+  // DeepSpeed 0.14.5's pydantic sections (DeepSpeedConfigModel: zero_optimization and its offload sections)
+  // drop "auto" values and take the default: configs Hugging Face leaves unresolved (TRL's reference model).
+  void DropAuto() { drop_auto_ = true; }
   // Keys DeepSpeed knows that change nothing here.
   void Ignore(std::initializer_list<const char*> keys) {
     for (const char* k : keys) seen_.insert(k);
@@ -54,11 +59,14 @@ class Section {
     Int(k, x);
     out = static_cast<int>(x);
   }
+  // NaN or inf (possible in a Python dict) is refused: no such key takes one in a meaningful way.
   void Double(const std::string& k, double& out) {
     if (!Has(k)) return;
-    if (!j_[k].is_number()) Fail(k, "a number", j_[k]);
+    if (!j_[k].is_number() || !std::isfinite(j_[k].get<double>())) Fail(k, "a finite number", j_[k]);
     out = j_[k].get<double>();
   }
+  // The raw value, for the keys that read a non-finite number themselves.
+  const nlohmann::json& Raw(const std::string& k) { return j_[k]; }
   void Bool(const std::string& k, bool& out) {
     if (!Has(k)) return;
     if (!j_[k].is_boolean()) Fail(k, "true or false", j_[k]);
@@ -71,11 +79,14 @@ class Section {
   }
   std::optional<Section> Sub(const std::string& k) {
     if (!Has(k)) return std::nullopt;
-    return std::optional<Section>(std::in_place, j_[k], Path(k), source_, warnings_);
+    // Built in place: a copy's destructor would warn about every key as unseen.
+    return std::optional<Section>(std::in_place, j_[k], Path(k), source_, warnings_, drop_auto_);
   }
   const nlohmann::json& json(const std::string& k) { return j_[k]; }
   [[noreturn]] void Fail(const std::string& k, const std::string& want, const nlohmann::json& got) const {
-    std::string shown = got.dump();
+    std::string shown = got.dump();  // NaN and inf dump as null: say which
+    if (got.is_number_float() && !std::isfinite(got.get<double>()))
+      shown = std::isnan(got.get<double>()) ? "NaN" : (got.get<double>() > 0 ? "Infinity" : "-Infinity");
     if (shown.size() > 60) shown = shown.substr(0, 57) + "...";
     std::string hint = got.is_string() && got.get<std::string>() == "auto"
                            ? " (\"auto\" is resolved by the Hugging Face Trainer; give a value)"
@@ -84,6 +95,8 @@ class Section {
                       shown + hint);
   }
   void Warn(const std::string& msg) { warnings_->push_back(source_ + ": " + msg); }
+  // A section {"enabled": true, ...} or a plain true.
+  bool IsEnabled(const std::string& k) { return Enabled(k, false); }
   // A DeepSpeed key uckpt does not implement: accepted at DeepSpeed's
   // default (`off`), refused naming the key at any other value.
   void RefuseUnless(const std::string& k, const nlohmann::json& off) {
@@ -113,7 +126,7 @@ class Section {
   }
   void RefuseUnknownKeys() {
     for (auto& [k, v] : j_.items())
-      if (!seen_.count(k))
+      if (!seen_.count(k) && !(drop_auto_ && v == "auto"))
         throw ConfigError("'" + Path(k) + "' is not a key of '" + where_ + "' (DeepSpeed 0.14.5 refuses it too)");
   }
   // uckpt's own sections: a key uckpt does not define is refused, naming the ones it does.
@@ -144,6 +157,7 @@ class Section {
   const std::string& source_;
   std::vector<std::string>* warnings_;
   std::set<std::string> seen_;
+  bool drop_auto_ = false;
 };
 
 // Adam's keyword arguments, as DeepSpeed 0.14.5's _configure_basic_optimizer
@@ -423,6 +437,18 @@ void CheckUckptSection(Section& u) {
 
 }  // namespace
 
+// Any number, as DeepSpeed (which only compares steps against it); a non-finite one never prints.
+static void ParseStepsPerPrint(Section& top, TrainConfig& c) {
+  if (!top.Has("steps_per_print")) return;
+  const nlohmann::json& v = top.Raw("steps_per_print");
+  if (v.is_number_float() && !std::isfinite(v.get<double>())) {
+    c.steps_per_print = 0;
+    c.steps_per_print_nonfinite = v.get<double>();
+    return;
+  }
+  top.Int("steps_per_print", c.steps_per_print);
+}
+
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
   TrainConfig c;
   c.raw = j;
@@ -432,10 +458,13 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     top.Int("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
     top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
     top.Double("gradient_clipping", c.gradient_clipping);
-    top.Int("steps_per_print", c.steps_per_print);
+    ParseStepsPerPrint(top, c);
     top.Bool("dataloader_drop_last", c.dataloader_drop_last);
     top.Bool("zero_allow_untested_optimizer", c.zero_allow_untested_optimizer);
+    top.Bool("zero_force_ds_cpu_optimizer", c.zero_force_ds_cpu_optimizer);
     ParseTopLevelAudit(top);
+    c.wall_clock_breakdown = top.IsEnabled("wall_clock_breakdown") || top.IsEnabled("flops_profiler");
+    c.has_optimizer_section = top.Has("optimizer");
     if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
     if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
     if (auto s = top.Sub("fp16")) {
@@ -459,6 +488,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       }
     }
     if (auto s = top.Sub("zero_optimization")) {
+      s->DropAuto();
       s->Int("stage", c.zero.stage);
       s->Int("reduce_bucket_size", c.zero.reduce_bucket_size);
       s->Int("allgather_bucket_size", c.zero.allgather_bucket_size);
@@ -481,7 +511,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
           throw ConfigError("zero_optimization.offload_param.device must be \"cpu\" or \"none\", got \"" + device +
                             "\"");
         c.zero.offload_param_cpu = device == "cpu";
-        o->Ignore({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
+        o->Bool("pin_memory", c.zero.offload_param_pin_memory);
+        o->Ignore({"buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
         o->RefuseUnknownKeys();
       }
       ParseLegacyOffload(*s, c.zero);
@@ -490,10 +521,11 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->Bool("round_robin_gradients", round_robin);
       if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
       s->Bool("overlap_comm", c.zero.overlap_comm);
+      s->Bool("override_module_apply", c.zero.override_module_apply);
       // How DeepSpeed lays out and schedules its buffers: uckpt's own layout gives the same values.
       s->Ignore({"contiguous_gradients", "reduce_scatter", "allgather_partitions", "use_multi_rank_bucket_allreduce",
                  "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
-                 "override_module_apply", "pipeline_loading_checkpoint", "model_persistence_threshold",
+                 "pipeline_loading_checkpoint", "model_persistence_threshold",
                  "stage3_model_persistence_threshold", "use_all_reduce_for_fetch_params",
                  "stage3_use_all_reduce_for_fetch_params"});
       s->RefuseUnless("load_from_fp32_weights", true);
@@ -506,7 +538,10 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->RefuseUnless("mics_hierarchical_params_gather", false);
       s->RefuseUnknownKeys();
     }
-    if (auto s = top.Sub("uckpt")) CheckUckptSection(*s);
+    if (auto s = top.Sub("uckpt")) {
+      CheckUckptSection(*s);
+      c.uckpt_section = j["uckpt"];
+    }
     if (auto s = top.Sub("heartbeat")) {
       s->Double("interval", c.heartbeat_interval_s);
       s->Double("timeout", c.heartbeat_timeout_s);
@@ -530,9 +565,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (m.rfind(source + ": ", 0) == 0) throw;
     throw ConfigError(source + ": " + m);
   }
-  if (c.zero.stage < 0 || c.zero.stage > 3)
-    throw ConfigError(source + ": zero_optimization.stage " + std::to_string(c.zero.stage) +
-                      " is not supported (0, 1, 2 or 3)");
+  CheckZeroStage(c.zero.stage, source);
   if (c.zero.offload_param_cpu && c.zero.stage != 3)
     throw ConfigError(source + ": zero_optimization.offload_param needs stage 3 (got stage " +
                       std::to_string(c.zero.stage) + ")");
@@ -541,23 +574,42 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
   return c;
 }
 
-TrainConfig LoadConfigFile(const std::string& path) {
+void CheckZeroStage(int stage, const std::string& source) {
+  if (stage < 0 || stage > 3)
+    throw ConfigError(source + ": zero_optimization.stage " + std::to_string(stage) +
+                      " is not supported (0, 1, 2 or 3)");
+}
+
+TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source, const SectionOverrides& overrides) {
+  if (!overrides.optimizer && !overrides.drop_scheduler) return ParseConfig(j, source);
+  nlohmann::json used = j;
+  if (used.is_object() && overrides.optimizer) {
+    if (overrides.optimizer->is_null())
+      used.erase("optimizer");
+    else
+      used["optimizer"] = *overrides.optimizer;
+  }
+  if (used.is_object() && overrides.drop_scheduler) used.erase("scheduler");
+  return ParseConfig(used, source);
+}
+
+nlohmann::json ReadConfigJson(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw ConfigError(path + ": cannot open the config file");
-  nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    return nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(path + ": not valid JSON: " + e.what());
   }
-  return ParseConfig(j, path);
 }
+
+TrainConfig LoadConfigFile(const std::string& path) { return ParseConfig(ReadConfigJson(path), path); }
 
 BatchSizes ResolveBatchSizes(std::optional<int64_t> train, std::optional<int64_t> micro, std::optional<int64_t> ga,
                              int world_size) {
   const int64_t w = world_size;
   auto positive = [](const char* name, const std::optional<int64_t>& v) {
-    if (v && *v <= 0) throw ConfigError(std::string(name) + " must be > 0, got " + std::to_string(*v));
+    if (v && *v <= 0) throw BatchSizeError(std::string(name) + " must be > 0, got " + std::to_string(*v));
   };
   positive("train_batch_size", train);
   positive("train_micro_batch_size_per_gpu", micro);
@@ -567,13 +619,13 @@ BatchSizes ResolveBatchSizes(std::optional<int64_t> train, std::optional<int64_t
     b = {*train, *micro, *ga};
   } else if (train && micro) {
     if (*train % (*micro * w) != 0)
-      throw ConfigError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
+      throw BatchSizeError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
                         "train_micro_batch_size_per_gpu " + std::to_string(*micro) + " * world size " +
                         std::to_string(w) + " = " + std::to_string(*micro * w));
     b = {*train, *micro, *train / (*micro * w)};
   } else if (train && ga) {
     if (*train % (*ga * w) != 0)
-      throw ConfigError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
+      throw BatchSizeError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
                         "gradient_accumulation_steps " + std::to_string(*ga) + " * world size " + std::to_string(w) +
                         " = " + std::to_string(*ga * w));
     b = {*train, *train / (*ga * w), *ga};
@@ -581,17 +633,17 @@ BatchSizes ResolveBatchSizes(std::optional<int64_t> train, std::optional<int64_t
     b = {*micro * *ga * w, *micro, *ga};
   } else if (train) {
     if (*train % w != 0)
-      throw ConfigError("train_batch_size " + std::to_string(*train) + " is not a multiple of world size " +
+      throw BatchSizeError("train_batch_size " + std::to_string(*train) + " is not a multiple of world size " +
                         std::to_string(w));
     b = {*train, *train / w, 1};
   } else if (micro) {
     b = {*micro * w, *micro, 1};
   } else {
-    throw ConfigError("give train_batch_size or train_micro_batch_size_per_gpu (any two of train_batch_size, "
+    throw BatchSizeError("give train_batch_size or train_micro_batch_size_per_gpu (any two of train_batch_size, "
                       "train_micro_batch_size_per_gpu and gradient_accumulation_steps determine the third)");
   }
   if (b.train_batch_size != b.micro_batch * b.gradient_accumulation_steps * w)
-    throw ConfigError("train_batch_size " + std::to_string(b.train_batch_size) +
+    throw BatchSizeError("train_batch_size " + std::to_string(b.train_batch_size) +
                       " != train_micro_batch_size_per_gpu " + std::to_string(b.micro_batch) +
                       " * gradient_accumulation_steps " + std::to_string(b.gradient_accumulation_steps) +
                       " * world size " + std::to_string(w) + " = " +

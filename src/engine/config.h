@@ -18,6 +18,13 @@ class ConfigError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The batch sizes do not agree or cannot be derived: DeepSpeed 0.14.5 asserts these
+// (AssertionError); the Python package raises a class that is both RuntimeError and AssertionError.
+class BatchSizeError : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
+
 struct OptimizerConfig {
   std::string type = "AdamW";  // "Adam" or "AdamW" (any case in the JSON)
   double lr = 1e-3;
@@ -90,6 +97,8 @@ struct ZeroConfig {
   int64_t prefetch_bucket_size = 50000000;   // unit elements all-gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // prefetch only while gathered unit elements stay within this
   bool offload_param_cpu = false;            // stage 3: partitions of the 16-bit parameters in host memory
+  bool offload_param_pin_memory = false;     // offload_param.pin_memory: for Python's zero.Init only
+  bool override_module_apply = true;         // Python's zero.Init gathers around Module.apply (DeepSpeed's)
   // Stage 3: save_16bit_model gathers and writes the weights (else it saves nothing, as DeepSpeed).
   bool gather_16bit_weights_on_model_save = false;
 };
@@ -98,7 +107,10 @@ struct TrainConfig {
   // Any two of the three batch sizes determine the third (ResolveBatchSizes).
   std::optional<int64_t> train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps;
   double gradient_clipping = 0.0;  // 0 = off
-  int64_t steps_per_print = 10;
+  int64_t steps_per_print = 10;  // 0: never
+  // inf or NaN as given (Accelerate sets inf): DeepSpeed only tests `step % it == 0`, never true, and its
+  // engine's steps_per_print() returns the number; steps_per_print is 0 then.
+  std::optional<double> steps_per_print_nonfinite;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   Fp16Config fp16;
@@ -116,6 +128,11 @@ struct TrainConfig {
   // uckpt's own section "heartbeat": {"interval": s, "timeout": s}: failing
   // ranks end the job (engine/dist/rank_monitor.h); timeout 0 turns it off.
   double heartbeat_interval_s = 1.0, heartbeat_timeout_s = 20.0;
+  // What Python's engine answers from the config, as DeepSpeed's does.
+  bool has_optimizer_section = false;        // else `optimizer` holds the defaults
+  bool zero_force_ds_cpu_optimizer = true;   // initialize's check of a client optimizer under offload
+  bool wall_clock_breakdown = false;         // wall_clock_breakdown, or an enabled flops_profiler
+  nlohmann::json uckpt_section = nlohmann::json::object();  // uckpt's own section, checked
 
   nlohmann::json raw = nlohmann::json::object();  // the JSON as given (saved as ds_config)
   std::vector<std::string> warnings;              // unknown keys, ignored settings
@@ -128,6 +145,23 @@ const std::vector<std::string>& SchedulerTypes();
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source);
 // Reads and parses a JSON file. Throws ConfigError naming the file.
 TrainConfig LoadConfigFile(const std::string& path);
+// Reads a JSON file, unparsed (for a caller that changes it before ParseConfig).
+nlohmann::json ReadConfigJson(const std::string& path);
+
+// The sections a caller supplies in place of the JSON's (Python's initialize:
+// DeepSpeed uses initialize's optimizer and lr_scheduler over the config's).
+// The config saved (TrainConfig::raw, ds_config) records what was used.
+struct SectionOverrides {
+  // Set: this "optimizer" section (a client's Adam(W) in DeepSpeed's terms)
+  // is read instead of the config's; set to null: none is (the client's
+  // optimizer steps itself).
+  std::optional<nlohmann::json> optimizer;
+  bool drop_scheduler = false;  // the "scheduler" section is not read
+};
+TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source, const SectionOverrides& overrides);
+
+// The one check of zero_optimization.stage (0 to 3); ConfigError naming `source` otherwise.
+void CheckZeroStage(int stage, const std::string& source);
 
 struct BatchSizes {
   int64_t train_batch_size = 0, micro_batch = 0, gradient_accumulation_steps = 0;

@@ -248,9 +248,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
       throw std::invalid_argument("fp16 training needs CUDA or a libtorch with CPU fp16 kernels; on this CPU use bf16");
     }
   }
-  if (c.zero.stage < 0 || c.zero.stage > 3)
-    throw std::invalid_argument("uckpt::Engine: ZeRO stage " + std::to_string(c.zero.stage) +
-                                " is not supported (0, 1, 2 or 3)");
+  engine::CheckZeroStage(c.zero.stage, "uckpt::Engine");  // a TrainConfig made by hand
   engine::PreparePartitionedParameters(e, options);
   e.model->to(e.device);
   CastFloatingTensors(*e.model, engine::ModelDtype(c));

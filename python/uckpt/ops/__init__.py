@@ -1,1 +1,1 @@
-from uckpt.ops import adam, sparse_attention  # noqa: F401
+from uckpt.ops import adagrad, adam, lion, sparse_attention  # noqa: F401

@@ -1,129 +1,285 @@
-"""deepspeed.runtime.engine: the engine class initialize() returns (for isinstance checks), and the engine
-attributes that live in Python.
+"""deepspeed.runtime.engine: the engine initialize() returns.
 
-DeepSpeed's engine is a torch.nn.Module whose child `module` is the model: its state_dict(),
-load_state_dict(), named_parameters() and named_buffers() name everything "module.<name>". uckpt's engine
-answers the same. Its other attributes are the model's, except DeepSpeed's own engine names that uckpt does not
-support, refused by name (runtime/_deepspeed_names.py): DeepSpeed answers those itself and never asks its model,
-so forwarding them would do something else (engine.compile() would be torch's Module.compile). The optimizer
-and the config's scheduler initialize() returns refuse the names of DeepSpeed's class for the same run that they
-lack."""
+DeepSpeedEngine is a torch.nn.Module whose child `module` is the model, as DeepSpeed's is: its state_dict(),
+load_state_dict(), named_parameters() and named_buffers() name everything "module.<name>", and it holds the
+attributes libraries set on it (Accelerate's _is_accelerate_prepared). Training runs in the C++ core
+(uckpt._uckpt.EngineCore) it wraps. Attributes the engine lacks are the model's, except DeepSpeed's own engine
+names that uckpt does not support, refused by name (runtime/_deepspeed_names.py): DeepSpeed answers those itself
+and never asks its model, so forwarding them would do something else (engine.compile() would be torch's
+Module.compile). The optimizer and the config's scheduler are runtime/zero_views.py's."""
 import collections
-import weakref
 
 import torch
 
-from uckpt._uckpt import Engine as DeepSpeedEngine
-from uckpt._uckpt import EngineOptimizer, EngineScheduler
 from uckpt.runtime import _deepspeed_names
+from uckpt.runtime.zero_views import EngineOptimizer, EngineScheduler
 from uckpt.utils.timer import ThroughputTimer
 
 _MODULE = "module."
-_attrs = weakref.WeakKeyDictionary()  # engine -> its Python attributes (tput_timer, initialize's arguments, ...)
-# What DeepSpeed's engine keeps of initialize()'s arguments, as the attributes it stores them in.
-_ARGUMENTS = ("config", "client_optimizer", "client_lr_scheduler", "training_data", "collate_fn", "mpu")
+# Set in __init__ before the child exists: never looked up on the model.
+_OWN = frozenset(("module", "_core"))
 
 
-def _own(engine):
-    if engine not in _attrs:
-        _attrs[engine] = {"tput_timer": ThroughputTimer(engine.train_batch_size()), "training_dataloader": None,
-                          **dict.fromkeys(_ARGUMENTS)}
-    return _attrs[engine]
+def _refused(name):
+    """A DeepSpeed engine name that torch.nn.Module also defines (so __getattr__ never sees it)."""
+    def refuse(self):
+        raise NotImplementedError(_refusal(name))
+    return property(refuse)
 
 
-def set_training_dataloader(engine, loader):
-    _own(engine)["training_dataloader"] = loader
-
-
-def set_initialize_arguments(engine, **arguments):
-    """initialize()'s arguments as DeepSpeed's engine keeps them (engine.config: the config it was given, a
-    dict or the path from args.deepspeed_config)."""
-    assert set(arguments) == set(_ARGUMENTS), arguments
-    _own(engine).update(arguments)
-
-
-_model_attribute = DeepSpeedEngine.__getattr__
-
-
-def _engine_getattr(self, name):
-    if name in _deepspeed_names.ENGINE:
-        raise NotImplementedError(f"engine.{name}: DeepSpeed 0.14.5's engine has '{name}'; uckpt's engine does not "
-                                  "support it (and does not pass it on to the model, as DeepSpeed's would not)")
-    return _model_attribute(self, name)
+def _refusal(name):
+    return (f"engine.{name}: DeepSpeed 0.14.5's engine has '{name}'; uckpt's engine does not support it (and does "
+            "not pass it on to the model, as DeepSpeed's would not)")
 
 
 def _child_prefix(prefix):
     return prefix + ("." if prefix else "") + "module"
 
 
-def _named(members, prefix, recurse, remove_duplicate):
-    if not recurse:  # the engine's own parameters and buffers: none, its model's are its child's
-        return iter(())
-    kwargs = {} if remove_duplicate else {"remove_duplicate": False}  # (torch 1.13 has no such argument)
-    return members(prefix=_child_prefix(prefix), recurse=True, **kwargs)
+class DeepSpeedEngine(torch.nn.Module):
+    """DeepSpeed 0.14.5's engine API over uckpt's C++ engine (see docs/python.md)."""
 
+    def __init__(self, core, model, config=None, client_optimizer=None, client_lr_scheduler=None,
+                 training_data=None, collate_fn=None, mpu=None, training_dataloader=None):
+        """initialize() builds it: `core` the C++ engine of `model`, the rest initialize()'s arguments."""
+        super().__init__()
+        self._core = core
+        self.module = model
+        self.training = getattr(model, "training", True)
+        # What DeepSpeed's engine keeps of initialize()'s arguments (config: the dict or path it was given).
+        self.config = config
+        self.client_optimizer = client_optimizer
+        self.client_lr_scheduler = client_lr_scheduler
+        self.training_data = training_data
+        self.collate_fn = collate_fn
+        self.mpu = mpu
+        self.training_dataloader = training_dataloader
+        # The parsed config, typed (DeepSpeed's engine keeps its DeepSpeedConfig as _config).
+        self._config = core.parsed_config()
+        self.tput_timer = ThroughputTimer(core.train_batch_size())  # only the epoch count is kept
+        self.optimizer = EngineOptimizer(core) if core.has_optimizer() else None
+        if core.client_scheduler() is not None:
+            self.lr_scheduler = core.client_scheduler()
+        else:
+            self.lr_scheduler = EngineScheduler(core) if core.has_config_scheduler() else None
 
-def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-    if args:
-        raise TypeError("engine.state_dict: pass destination, prefix and keep_vars by keyword")
-    return self.module.state_dict(destination=destination, prefix=prefix + _MODULE, keep_vars=keep_vars)
+    compile = _refused("compile")
 
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)  # the child module
+        except AttributeError:
+            if name in _OWN or name.startswith("__"):
+                raise
+        if name in _deepspeed_names.ENGINE:
+            raise NotImplementedError(_refusal(name))
+        return getattr(self.module, name)
 
-def load_state_dict(self, state_dict, strict=True):
-    """torch's Module.load_state_dict on the engine: keys "module.<name>"."""
-    inner = collections.OrderedDict((k[len(_MODULE):], v) for k, v in state_dict.items() if k.startswith(_MODULE))
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:  # versions per module path, for the modules' own loading rules
-        inner._metadata = collections.OrderedDict((k[len(_MODULE):] if k != "module" else "", v)
-                                                  for k, v in metadata.items() if k == "module" or k.startswith(_MODULE))
-    result = self.module.load_state_dict(inner, strict=False)
-    missing = [_MODULE + k for k in result.missing_keys]
-    unexpected = [k for k in state_dict if not k.startswith(_MODULE)] + [_MODULE + k for k in result.unexpected_keys]
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
-                           f"unexpected keys {unexpected}")
-    return type(result)(missing, unexpected)
+    # ---- Training ----
 
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
 
-DeepSpeedEngine.state_dict = state_dict
-DeepSpeedEngine.load_state_dict = load_state_dict
-DeepSpeedEngine.named_parameters = lambda self, prefix="", recurse=True, remove_duplicate=True: _named(
-    self.module.named_parameters, prefix, recurse, remove_duplicate)
-DeepSpeedEngine.named_buffers = lambda self, prefix="", recurse=True, remove_duplicate=True: _named(
-    self.module.named_buffers, prefix, recurse, remove_duplicate)
-# DeepSpeed's ThroughputTimer (only the epoch count is kept), and the loader initialize built (or None).
-DeepSpeedEngine.tput_timer = property(lambda self: _own(self)["tput_timer"])
-DeepSpeedEngine.training_dataloader = property(lambda self: _own(self)["training_dataloader"])
-for _name in _ARGUMENTS:
-    setattr(DeepSpeedEngine, _name, property(lambda self, name=_name: _own(self)[name]))
-DeepSpeedEngine.__getattr__ = _engine_getattr
+    def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False, scale_wrt_gas=True):
+        """Returns the loss scaled by 1/GA (fp32), as DeepSpeed's; release_loss does nothing there either."""
+        if not allreduce_gradients:  # DeepSpeed skips its reduction then; uckpt always reduces
+            raise ValueError("engine.backward: allreduce_gradients=False is not supported by uckpt (the gradients "
+                             "are always reduced)")
+        return self._core.backward(loss, retain_graph, scale_wrt_gas)
 
+    def step(self, lr_kwargs=None):
+        self._core.step(lr_kwargs)
 
-# DeepSpeed's optimizer at stage 0 outside bf16: the torch optimizer itself.
-_TORCH_OPTIMIZER = frozenset(n for n in dir(torch.optim.Optimizer) if not n.startswith("_")) | {"defaults", "state"}
+    def zero_grad(self):
+        """Every module parameter's .grad set to None (the engine re-attaches its views at the next backward)."""
+        for p in self.module.parameters():
+            p.grad = None
 
+    def is_gradient_accumulation_boundary(self):
+        return self._core.is_gradient_accumulation_boundary()
 
-def _optimizer_getattr(self, name):
-    attribute = type(self).__dict__.get(name)
-    if attribute is not None:  # a property that raised AttributeError: its own message
-        return attribute.__get__(self, type(self))
-    cls = self._deepspeed_class
-    names = _deepspeed_names.OPTIMIZER.get(cls, _TORCH_OPTIMIZER)
-    if name in names:
-        raise NotImplementedError(f"optimizer.{name}: DeepSpeed 0.14.5's optimizer here ({cls}) has '{name}'; "
-                                  "uckpt's optimizer does not support it")
-    raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """None: the micro-step count decides again."""
+        self._core.set_gradient_accumulation_boundary(is_boundary)
 
+    def was_step_applied(self):
+        return self._core.was_step_applied()
 
-EngineOptimizer.__getattr__ = _optimizer_getattr
+    def train(self, mode=True):
+        self._core.train(mode)  # the module's train(mode) too
+        self.training = mode
 
+    def eval(self):
+        self.train(False)
 
-def _scheduler_getattr(self, name):
-    cls = self._deepspeed_class
-    if name in _deepspeed_names.SCHEDULER.get(cls, ()):
-        raise NotImplementedError(f"lr_scheduler.{name}: DeepSpeed 0.14.5's {cls} has '{name}'; uckpt's scheduler "
-                                  "does not support it")
-    raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    def destroy(self):
+        """DeepSpeed's removes its optimizer's gradient hooks; uckpt's engine stays usable for forward."""
 
+    # ---- Checkpoints and weights ----
 
-EngineScheduler.__getattr__ = _scheduler_getattr
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        if exclude_frozen_parameters:
+            raise ValueError("engine.save_checkpoint: exclude_frozen_parameters=True is not supported by uckpt")
+        if not save_latest:
+            raise ValueError("engine.save_checkpoint: save_latest=False is not supported (latest is always written)")
+        return self._core.save_checkpoint(save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        if custom_load_fn is not None:
+            raise ValueError("engine.load_checkpoint: custom_load_fn is not supported by uckpt")
+        if not load_module_strict:
+            raise ValueError("engine.load_checkpoint: load_module_strict=False is not supported by uckpt (the "
+                             "module's parameters and buffers must match the checkpoint's)")
+        return self._core.load_checkpoint(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                          load_module_only)
+
+    def load_universal_checkpoint(self):
+        return self._config.load_universal_checkpoint
+
+    def load_weights(self, path, name_map=None, strict=True, strip_prefix="", add_prefix=""):
+        return self._core.load_weights(path, name_map, strict, strip_prefix, add_prefix)
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        return self._core.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir, save_filename="pytorch_model.bin"):
+        return self._core.save_16bit_model(save_dir, save_filename, False)
+
+    def zero_gather_16bit_weights_on_model_save(self):
+        return self._core.zero_gather_16bit_weights_on_model_save()
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        return self._core.consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    # ---- The engine as the Module DeepSpeed's is: names "module.<name>" ----
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        if args:
+            raise TypeError("engine.state_dict: pass destination, prefix and keep_vars by keyword")
+        return self.module.state_dict(destination=destination, prefix=prefix + _MODULE, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """torch's Module.load_state_dict on the engine: keys "module.<name>"."""
+        inner = collections.OrderedDict((k[len(_MODULE):], v) for k, v in state_dict.items() if k.startswith(_MODULE))
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:  # versions per module path, for the modules' own loading rules
+            inner._metadata = collections.OrderedDict((k[len(_MODULE):] if k != "module" else "", v)
+                                                      for k, v in metadata.items()
+                                                      if k == "module" or k.startswith(_MODULE))
+        result = self.module.load_state_dict(inner, strict=False)
+        missing = [_MODULE + k for k in result.missing_keys]
+        unexpected = ([k for k in state_dict if not k.startswith(_MODULE)] +
+                      [_MODULE + k for k in result.unexpected_keys])
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
+                               f"unexpected keys {unexpected}")
+        return type(result)(missing, unexpected)
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        return self._named(self.module.named_parameters, prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        return self._named(self.module.named_buffers, prefix, recurse, remove_duplicate)
+
+    @staticmethod
+    def _named(members, prefix, recurse, remove_duplicate):
+        if not recurse:  # the engine's own parameters and buffers: none, its model's are its child's
+            return iter(())
+        return members(prefix=_child_prefix(prefix), recurse=True, remove_duplicate=remove_duplicate)
+
+    # ---- What DeepSpeed's engine answers from its config and its state ----
+
+    @property
+    def device(self):
+        return torch.device(self._core.device())
+
+    @property
+    def local_rank(self):
+        return self._core.local_rank()
+
+    @property
+    def global_rank(self):
+        return self._core.global_rank()
+
+    @property
+    def world_size(self):
+        return self._core.world_size()
+
+    @property
+    def dp_world_size(self):
+        return self._core.world_size()
+
+    @property
+    def global_steps(self):
+        return self._core.global_steps()
+
+    @property
+    def global_samples(self):
+        return self._core.global_samples()
+
+    @property
+    def micro_steps(self):
+        return self._core.micro_steps()
+
+    @property
+    def skipped_steps(self):
+        return self._core.skipped_steps()
+
+    def get_lr(self):
+        """Each param group's 'lr'."""
+        return self._core.get_lr()
+
+    def get_global_grad_norm(self):
+        return self._core.get_global_grad_norm()
+
+    def gradient_accumulation_steps(self):
+        return self._core.gradient_accumulation_steps()
+
+    def train_batch_size(self):
+        return self._core.train_batch_size()
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._core.train_micro_batch_size_per_gpu()
+
+    def set_train_batch_size(self, train_batch_size):
+        self._core.set_train_batch_size(train_batch_size)
+
+    def fp16_enabled(self):
+        return self._config.fp16_enabled
+
+    def bfloat16_enabled(self):
+        return self._config.bfloat16_enabled
+
+    def zero_optimization(self):
+        return self._config.zero_enabled
+
+    def zero_optimization_stage(self):
+        return self._config.zero_optimization_stage
+
+    def optimizer_name(self):
+        """The client optimizer's class name, else the config's type (lower-cased: DeepSpeed's own), else None."""
+        return self._core.client_optimizer_class() or self._config.optimizer_name
+
+    def steps_per_print(self):
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self):
+        return self._config.wall_clock_breakdown
+
+    def gradient_clipping(self):
+        return self._config.gradient_clipping
+
+    def loss_scale(self):
+        return self._config.loss_scale
+
+    def dynamic_loss_scale(self):
+        return self._config.loss_scale == 0
+
+    def _parameter_partitions(self):
+        """(parameter, this rank's partition) at stage 3: DeepSpeed's ds_tensor (uckpt.zero)."""
+        return self._core.parameter_partitions()
+
+    def _uckpt_config(self):
+        """The config's "uckpt" section (checked by the parser), for the pure-Python modules."""
+        return self._config.uckpt_section

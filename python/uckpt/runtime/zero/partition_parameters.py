@@ -3,7 +3,6 @@ import collections.abc
 import contextlib
 import functools
 import itertools
-import json
 import os
 from enum import Enum
 
@@ -402,26 +401,17 @@ def _unpatch():
     _orig_apply = None
 
 
-def _read_config(config):
+def _parse_config(config):
+    """The config parsed as initialize parses it (uckpt._uckpt.Config), or None without one."""
     if config is None:
         return None
-    if isinstance(config, dict):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
     if hasattr(config, "_param_dict"):  # a DeepSpeedConfig
-        return config._param_dict
-    raise ValueError(f"uckpt.zero.Init: config_dict_or_path must be a dict or a JSON file path, got "
-                     f"{type(config).__name__}")
+        config = config._param_dict
+    return _uckpt.parse_config(config)
 
 
 def _config_dtype(cfg):
-    fp16 = cfg.get("fp16", {}).get("enabled", False) is True
-    bf16 = any(cfg.get(k, {}).get("enabled", False) is True for k in ("bf16", "bfloat16"))
-    if fp16 and bf16:
-        raise ValueError("uckpt.zero.Init: bfloat16 and fp16 cannot be enabled at once")
-    return torch.bfloat16 if bf16 else torch.half if fp16 else torch.float
+    return torch.bfloat16 if cfg.bfloat16_enabled else torch.half if cfg.fp16_enabled else torch.float
 
 
 class Init:
@@ -447,17 +437,11 @@ class Init:
                             ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
             if value:
                 raise ValueError(f"uckpt.zero.Init: {name}=True is not supported by uckpt")
-        cfg = _read_config(config if config is not None else config_dict_or_path)
-        zero = (cfg or {}).get("zero_optimization", {}) or {}
-        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
-            if zero.get(key):
-                raise ValueError(f"uckpt.zero.Init: zero_optimization.{key} is not supported by uckpt")
-        if (zero.get("zero_hpz_partition_size") or 1) > 1:
-            raise ValueError("uckpt.zero.Init: zero_optimization.zero_hpz_partition_size > 1 is not supported by uckpt")
-        offload = zero.get("offload_param") or {}
-        if offload.get("device") not in (None, "none"):
-            remote_device = offload["device"]
-            pin_memory = offload.get("pin_memory", False)
+        # The config's rules (its zero_quantized_* and zero_hpz_partition_size among them) are the parser's.
+        cfg = _parse_config(config if config is not None else config_dict_or_path)
+        if cfg is not None and cfg.offload_param:
+            remote_device = "cpu"
+            pin_memory = cfg.offload_param_pin_memory
         if remote_device == "nvme":
             raise ValueError("uckpt.zero.Init: remote_device 'nvme' (offload_param to NVMe) is not supported by uckpt")
         if remote_device not in (None, "none", "cpu"):
@@ -466,7 +450,7 @@ class Init:
             dtype = _config_dtype(cfg)
         if dtype is not None and dtype not in (torch.half, torch.bfloat16, torch.float):
             raise ValueError(f"uckpt.zero.Init: dtype {dtype} is not one of torch.half, torch.bfloat16, torch.float")
-        self.override_apply = zero.get("override_module_apply", True)
+        self.override_apply = cfg.override_module_apply if cfg is not None else True
         dist = _dist()
         if not dist.is_initialized():
             import uckpt

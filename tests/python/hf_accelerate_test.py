@@ -1,0 +1,124 @@
+"""Accelerate's own loop with a DeepSpeed plugin on uckpt (#39), on the CPU at 2 ranks.
+
+    hf_accelerate_test.py PYPATH WORK_DIR [--against uckpt|deepspeed] [--stage 2|3]
+
+In a venv where `deepspeed` is uckpt through the alias (or real DeepSpeed 0.14.5), torchrun starts 2 ranks of
+this file's worker: `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=…))`, a torch AdamW,
+`accelerator.prepare(model, optimizer, loader)`, `accelerator.backward`, `optimizer.step()`, `zero_grad()`,
+`accelerator.save_state` after 3 of 6 updates; then a second launch that `load_state`s it and runs the last 3.
+The losses are printed; exit 0 when both launches finish, every loss is finite and the resumed losses equal the
+uninterrupted run's, else 1 with the first error (ctest: python_hf_accelerate_zero2; ZeRO-3 unregistered).
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+UPDATES, SAVE = 6, 3
+
+
+def worker(args):
+    sys.path.insert(0, HERE)
+    from hf_env import cpu_data_parallel
+    cpu_data_parallel()
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(zero_stage=args.stage, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    acc = Accelerator(deepspeed_plugin=plugin)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    g = torch.Generator().manual_seed(7)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    ckpt = os.path.join(args.work, "state")
+    losses = {}
+    first = 0
+    if args.phase == "resume":
+        acc.load_state(ckpt)
+        first = SAVE
+    for step, (x, y) in enumerate(loader):
+        if step < first:
+            continue  # the batches the saved run consumed (Accelerate's skip_first_batches does the same)
+        if step >= UPDATES:
+            break
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        total = acc.reduce(loss.detach(), reduction="mean")
+        losses[step + 1] = total.item()
+        if args.phase == "train" and step + 1 == SAVE:
+            acc.save_state(ckpt)
+    if acc.is_main_process:
+        with open(os.path.join(args.work, f"losses-{args.phase}.json"), "w") as f:
+            json.dump(losses, f)
+    print(f"ENGINE {type(model).__module__}.{type(model).__name__}", flush=True)
+
+
+def main():
+    sys.path.insert(0, HERE)
+    from hf_env import make_venv, run
+    from hf_trainer_test import first_error
+    p = argparse.ArgumentParser()
+    p.add_argument("pypath")
+    p.add_argument("work")
+    p.add_argument("--against", choices=["uckpt", "deepspeed"], default="uckpt")
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--port", type=int, default=29621)
+    args = p.parse_args()
+    work = os.path.join(os.path.abspath(args.work), f"accelerate-{args.against}-zero{args.stage}")
+    subprocess.run(["rm", "-rf", work])
+    os.makedirs(work)
+    if args.against == "uckpt":
+        python = make_venv(os.path.join(work, "venv"))
+        done = run(python, ["-m", "uckpt.alias", "install"], args.pypath)
+        if done.returncode != 0:
+            print(done.stdout + done.stderr + "\nFAIL: the alias did not install")
+            sys.exit(1)
+        pypath = args.pypath
+    else:
+        python = make_venv(os.path.join(work, "venv"), with_deepspeed=True)
+        pypath = ""
+    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOCAL_SIZE="2",
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    results = {}
+    for phase in ("train", "resume"):
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(args.port),
+               os.path.abspath(__file__), "--worker", "--phase", phase, "--work", work, "--stage", str(args.stage)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        out = done.stdout + done.stderr
+        with open(os.path.join(work, f"{phase}.log"), "w") as f:
+            f.write(out)
+        if done.returncode != 0:
+            print(f"FAIL: {args.against} {phase}: exit {done.returncode}; first error:\n{first_error(out)}\n"
+                  f"(whole output: {os.path.join(work, phase + '.log')})")
+            sys.exit(1)
+        with open(os.path.join(work, f"losses-{phase}.json")) as f:
+            results[phase] = {int(k): v for k, v in json.load(f).items()}
+        print(f"{args.against} {phase}: " + " ".join(f"{k}:{v:.9g}" for k, v in sorted(results[phase].items())))
+        if not all(math.isfinite(v) for v in results[phase].values()):
+            print(f"FAIL: {phase}: a loss is not finite")
+            sys.exit(1)
+    if results["resume"] != {k: v for k, v in results["train"].items() if k > SAVE}:
+        print("FAIL: the resumed losses differ from the uninterrupted run's")
+        sys.exit(1)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        wp = argparse.ArgumentParser()
+        wp.add_argument("--worker", action="store_true")
+        wp.add_argument("--phase")
+        wp.add_argument("--work")
+        wp.add_argument("--stage", type=int)
+        worker(wp.parse_args())
+    else:
+        main()

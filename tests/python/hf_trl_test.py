@@ -1,0 +1,136 @@
+"""TRL's SFTTrainer and DPOTrainer with `deepspeed=ds_config.json` on uckpt (#39), on the CPU at 2 ranks.
+
+    hf_trl_test.py PYPATH WORK_DIR [--trainer sft|dpo] [--against uckpt|deepspeed] [--stage 2|3]
+
+In a venv where `deepspeed` is uckpt through the alias (or real DeepSpeed 0.14.5), torchrun starts 2 ranks of
+this file's worker: a character-level tokenizer and a tiny GPT-2 made here (nothing downloaded), a few lines of
+text (SFT) or prompt/chosen/rejected triples (DPO, whose reference model TRL prepares as a second DeepSpeed
+engine without an optimizer), the ZeRO config of hf_trainer_test.py, 4 steps with a save at step 2. Exit 0 when
+the run finishes with positive finite losses and finite gradient norms, else 1 with the first error (ctest:
+python_hf_trl_dpo; SFT is the Trainer's path, python_hf_trainer_zero2).
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,")
+
+
+def worker(args):
+    sys.path.insert(0, HERE)
+    from hf_env import cpu_data_parallel
+    import torch
+    from datasets import Dataset
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast, TrainerCallback
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + CHARS)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    words = ["the cat sat on the mat", "a dog ran far", "zero is a stage", "ranks save shards, then load them",
+             "any world size resumes", "the loss goes down"]
+
+    logged = {}
+
+    class Losses(TrainerCallback):
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs and state.is_world_process_zero:
+                logged[state.global_step] = [float(logs["loss"]), float(logs.get("grad_norm", "nan"))]
+                with open(os.path.join(args.work, "losses.json"), "w") as f:
+                    json.dump(logged, f)
+
+    common = dict(**cpu_data_parallel(), output_dir=os.path.join(args.work, "out"), per_device_train_batch_size=2, max_steps=4,
+                  save_steps=2, logging_steps=1, learning_rate=1e-3, deepspeed=args.ds_config, report_to="none",
+                  seed=0, disable_tqdm=True, bf16=False)  # (TRL defaults to bf16, which needs a GPU here)
+
+    def model():
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=len(vocab), n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+        return AutoModelForCausalLM.from_config(cfg)
+
+    if args.trainer == "sft":
+        from trl import SFTConfig, SFTTrainer
+        conf = SFTConfig(max_length=48, **common)
+        data = Dataset.from_dict({"text": [words[i % len(words)] for i in range(32)]})
+        trainer = SFTTrainer(model=model(), args=conf, train_dataset=data, processing_class=tok, callbacks=[Losses()])
+    else:
+        from trl import DPOConfig, DPOTrainer
+        conf = DPOConfig(max_length=48, **common)
+        data = Dataset.from_dict({"prompt": [words[i % 6][:8] for i in range(32)],
+                                  "chosen": [words[i % 6][8:] for i in range(32)],
+                                  "rejected": [words[(i + 1) % 6][8:] for i in range(32)]})
+        trainer = DPOTrainer(model=model(), ref_model=model(), args=conf, train_dataset=data, processing_class=tok,
+                             callbacks=[Losses()])
+    trainer.train()
+    print(f"ENGINE {type(trainer.model_wrapped).__module__}.{type(trainer.model_wrapped).__name__}", flush=True)
+
+
+def main():
+    sys.path.insert(0, HERE)
+    from hf_env import make_venv, run
+    from hf_trainer_test import DS_CONFIG, first_error
+    p = argparse.ArgumentParser()
+    p.add_argument("pypath")
+    p.add_argument("work")
+    p.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
+    p.add_argument("--against", choices=["uckpt", "deepspeed"], default="uckpt")
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--port", type=int, default=29661)
+    args = p.parse_args()
+    work = os.path.join(os.path.abspath(args.work), f"trl-{args.trainer}-{args.against}-zero{args.stage}")
+    subprocess.run(["rm", "-rf", work])
+    os.makedirs(work)
+    cfg = json.loads(json.dumps(DS_CONFIG))
+    cfg["zero_optimization"]["stage"] = args.stage
+    with open(os.path.join(work, "ds_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    if args.against == "uckpt":
+        python = make_venv(os.path.join(work, "venv"))
+        done = run(python, ["-m", "uckpt.alias", "install"], args.pypath)
+        if done.returncode != 0:
+            print(done.stdout + done.stderr + "\nFAIL: the alias did not install")
+            sys.exit(1)
+        pypath = args.pypath
+    else:
+        python = make_venv(os.path.join(work, "venv"), with_deepspeed=True)
+        pypath = ""
+    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOCAL_SIZE="2",
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(args.port),
+           os.path.abspath(__file__), "--worker", "--trainer", args.trainer, "--work", work,
+           "--ds_config", os.path.join(work, "ds_config.json")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    with open(os.path.join(work, "train.log"), "w") as f:
+        f.write(out)
+    if done.returncode != 0:
+        print(f"FAIL: {args.trainer} on {args.against}: exit {done.returncode}; first error:\n{first_error(out)}\n"
+              f"(whole output: {os.path.join(work, 'train.log')})")
+        sys.exit(1)
+    with open(os.path.join(work, "losses.json")) as f:
+        losses = {int(k): v for k, v in json.load(f).items()}
+    print(f"{args.trainer} on {args.against}: " + " ".join(f"{k}:{v[0]:.9g}" for k, v in sorted(losses.items())))
+    if sorted(losses) != [1, 2, 3, 4] or not all(math.isfinite(v[0]) and v[0] > 0 and math.isfinite(v[1])
+                                                 for v in losses.values()):
+        print(f"FAIL: the logged steps, losses or gradient norms are not a training run's: {losses}")
+        sys.exit(1)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        wp = argparse.ArgumentParser()
+        wp.add_argument("--worker", action="store_true")
+        wp.add_argument("--trainer")
+        wp.add_argument("--work")
+        wp.add_argument("--ds_config")
+        worker(wp.parse_args())
+    else:
+        main()
