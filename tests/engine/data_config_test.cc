@@ -125,7 +125,7 @@ TEST(Config, UnknownKeysWarnWrongTypesFail) {
   };
   fails(R"({"train_batch_size": "8"})", "train_batch_size' must be an integer");
   fails(R"({"train_batch_size": 8.5})", "must be an integer");
-  fails(R"({"gradient_clipping": true})", "gradient_clipping' must be a number");
+  fails(R"({"gradient_clipping": true})", "gradient_clipping' must be a finite number");
   fails(R"({"fp16": {"enabled": "yes"}})", "fp16.enabled");
   fails(R"({"zero_optimization": {"stage": 4}})", "stage 4");
   fails(R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})", "offload_param needs stage 3");
