@@ -13,43 +13,24 @@ uckpt's engine steps it on the fp32 partitions like any element-wise client opti
 asserts that its parameters are on the CPU (ZeRO's `offload_optimizer` on a GPU machine). DeepSpeed's C++
 kernel may fuse a multiply and an add (AVX); results agree to the last bit or two, not always exactly.
 """
-import torch
+from uckpt.ops._cpu_kernel import CpuKernelOptimizer
 
 
-class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
+class DeepSpeedCPUAdagrad(CpuKernelOptimizer):
+    kernel_name = "CPUAdagrad"
+    state_keys = ("exp_avg_sq",)
 
     def __init__(self, model_params, lr=1e-2, eps=1e-10, weight_decay=0, amsgrad=False, fp32_optimizer_states=True):
-        super().__init__(model_params, dict(lr=lr, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
-        self.fp32_optimizer_states = fp32_optimizer_states
+        super().__init__(model_params, dict(lr=lr, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad),
+                         fp32_optimizer_states)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
+    def _check(self, p):
+        super()._check(p)
+        if p.grad.is_sparse:
+            raise NotImplementedError("DeepSpeedCPUAdagrad: sparse gradients are not supported by uckpt")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                assert p.device == torch.device("cpu"), (
-                    f"CPUAdagrad param is on {p.device} and must be 'cpu', make sure you enabled "
-                    "'offload_optimizer': 'cpu' in your ZeRO config.")
-                if p.grad.is_sparse:
-                    raise NotImplementedError("DeepSpeedCPUAdagrad: sparse gradients are not supported by uckpt")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = 0
-                    dtype = torch.float if self.fp32_optimizer_states else p.dtype
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, device="cpu")
-                state["step"] += 1
-                _adagrad_update(p, p.grad, state["exp_avg_sq"], group["lr"], group["eps"], group["weight_decay"])
-        return loss
+    def _update(self, p, state, group):
+        _adagrad_update(p, p.grad, state["exp_avg_sq"], group["lr"], group["eps"], group["weight_decay"])
 
 
 def _adagrad_update(p, grad, exp_avg_sq, lr, eps, weight_decay):

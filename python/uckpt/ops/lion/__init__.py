@@ -14,45 +14,23 @@ bit or two, not always exactly.
 """
 import torch
 
+from uckpt.ops._cpu_kernel import CpuKernelOptimizer
+
 
 def _f32(x):
     return torch.tensor(x, dtype=torch.float32)
 
 
-class DeepSpeedCPULion(torch.optim.Optimizer):
+class DeepSpeedCPULion(CpuKernelOptimizer):
+    kernel_name = "CPULion"
+    state_keys = ("exp_avg", "exp_avg_sq")  # DeepSpeed's makes exp_avg_sq and never uses it
 
     def __init__(self, model_params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0, fp32_optimizer_states=True):
-        super().__init__(model_params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-        self.fp32_optimizer_states = fp32_optimizer_states
+        super().__init__(model_params, dict(lr=lr, betas=betas, weight_decay=weight_decay), fp32_optimizer_states)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                assert p.device == torch.device("cpu"), (
-                    f"CPULion param is on {p.device} and must be 'cpu', make sure you enabled "
-                    "'offload_optimizer': 'cpu' in your ZeRO config.")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = 0
-                    dtype = torch.float if self.fp32_optimizer_states else p.dtype
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype, device="cpu")
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, device="cpu")
-                state["step"] += 1
-                beta1, beta2 = group["betas"]
-                _lion_update(p, p.grad, state["exp_avg"], group["lr"], beta1, beta2, group["weight_decay"])
-        return loss
+    def _update(self, p, state, group):
+        beta1, beta2 = group["betas"]
+        _lion_update(p, p.grad, state["exp_avg"], group["lr"], beta1, beta2, group["weight_decay"])
 
 
 def _lion_update(p, grad, exp_avg, lr, beta1, beta2, weight_decay):
