@@ -6,10 +6,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <sstream>
 
 #include "cli/commands.h"
 #include "cli/launch_supervisor.h"
@@ -69,6 +72,8 @@ struct RankCommand {
   std::string master_addr;
   int master_port = 0;
   bool local_rank_argument = true;  // --local_rank=N to a Python script
+  int restart_count = 0;            // UCKPT_RESTART_COUNT
+  std::string visible_devices;      // CUDA_VISIBLE_DEVICES after a restart; empty: left as it is
 };
 
 // Forks rank r in its own process group and execs the command with
@@ -97,6 +102,8 @@ pid_t StartRank(const RankCommand& c, int r) {
   setenv("GROUP_RANK", "0", 1);
   setenv("MASTER_ADDR", c.master_addr.c_str(), 1);
   setenv("MASTER_PORT", std::to_string(c.master_port).c_str(), 1);
+  setenv("UCKPT_RESTART_COUNT", std::to_string(c.restart_count).c_str(), 1);
+  if (!c.visible_devices.empty()) setenv("CUDA_VISIBLE_DEVICES", c.visible_devices.c_str(), 1);
   std::vector<std::string> rank_argv = c.local_rank_argument ? WithLocalRankArgument(c.argv, r) : c.argv;
   std::vector<char*> args;
   for (auto& s : rank_argv) args.push_back(s.data());
@@ -114,6 +121,79 @@ std::string ResolveSelf(const std::string& exe) {
   return n > 0 ? std::string(self, static_cast<size_t>(n)) : exe;
 }
 
+// The devices of ranks 0..n-1: the first n of CUDA_VISIBLE_DEVICES when it
+// lists that many, else 0..n-1 (on the CPU they only name the rank's slot).
+std::vector<std::string> InitialDevices(int n) {
+  std::vector<std::string> listed;
+  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    std::stringstream in(v);
+    for (std::string d; std::getline(in, d, ',');)
+      if (!d.empty()) listed.push_back(d);
+  }
+  std::vector<std::string> devices;
+  for (int r = 0; r < n; ++r)
+    devices.push_back(listed.size() >= static_cast<size_t>(n) ? listed[static_cast<size_t>(r)] : std::to_string(r));
+  return devices;
+}
+
+std::string Join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& d : items) out += (out.empty() ? "" : ",") + d;
+  return out;
+}
+
+struct RestartPolicy {
+  int max_restarts = 0;
+  int min_nproc = 1;
+};
+
+// Why the job stops for good after `supervisor` ended it with `code` on
+// `devices`, having restarted `restarts` times; empty when it restarts.
+std::string NoRestartReason(const LaunchSupervisor& supervisor, int code, int restarts,
+                            const std::vector<std::string>& devices, const RestartPolicy& p) {
+  if (code == 0) return "done";
+  if (supervisor.ended_by_signal()) return "the launcher was signalled";
+  if (supervisor.first_failed_rank() < 0) return "a rank could not be started";
+  if (restarts >= p.max_restarts)
+    return p.max_restarts == 0 ? "no restarts asked (--max_restarts)"
+                               : "--max_restarts " + std::to_string(p.max_restarts) + " used up";
+  // Exit code 2 is a usage or input error (uckpt's, argparse's): fewer devices would not mend it.
+  if (code == 2) return "rank " + std::to_string(supervisor.first_failed_rank()) + " exited with 2 (bad usage or input)";
+  if (static_cast<int>(devices.size()) - 1 < p.min_nproc)
+    return std::to_string(devices.size() - 1) + " device(s) would be left, fewer than --min_nproc " +
+           std::to_string(p.min_nproc);
+  return "";
+}
+
+// Runs the job; after a rank fails, and while the policy allows, again on the
+// devices left (the failed rank's device left out): each command resumes from
+// its newest checkpoint itself (`uckpt train --resume`, a script's
+// load_checkpoint), with the world size, and so the gradient accumulation, new.
+int RunWithRestarts(RankCommand c, int fixed_port, const LaunchSupervisor::Settings& settings,
+                    const RestartPolicy& policy) {
+  std::vector<std::string> devices = InitialDevices(c.world_size);
+  for (int restarts = 0;; ++restarts) {
+    c.world_size = static_cast<int>(devices.size());
+    c.master_port = fixed_port == 0 ? FreePort() : fixed_port;
+    c.restart_count = restarts;
+    LaunchSupervisor supervisor(c.world_size, settings);
+    const int code = supervisor.Run([&c](int r) { return StartRank(c, r); }, g_signal);
+    const std::string why = NoRestartReason(supervisor, code, restarts, devices, policy);
+    if (!why.empty()) {
+      if (code != 0 && policy.max_restarts > 0)
+        std::cerr << "uckpt launch: not restarting (" << why << "); exit code " << code << "\n";
+      return code;
+    }
+    const auto failed = devices.begin() + supervisor.first_failed_rank();
+    std::cerr << "uckpt launch: restart " << restarts + 1 << " of " << policy.max_restarts << ": device " << *failed
+              << " (rank " << supervisor.first_failed_rank() << ") left out; starting " << devices.size() - 1
+              << " rank(s) on device(s) ";
+    devices.erase(failed);
+    c.visible_devices = Join(devices);
+    std::cerr << c.visible_devices << "\n";
+  }
+}
+
 }  // namespace
 
 Runner AddLaunch(CLI::App& app) {
@@ -123,9 +203,11 @@ Runner AddLaunch(CLI::App& app) {
       "MASTER_ADDR and MASTER_PORT set (as torchrun does). Signals are forwarded; when one rank\n"
       "fails the others are stopped and its exit code is returned; a rank that stays stopped\n"
       "(SIGSTOP) longer than --stop_timeout fails too. When the launcher dies, however it dies\n"
-      "(even SIGKILL), the kernel kills its ranks. Multi-node runs are torchrun's or Slurm's job.\n\n"
+      "(even SIGKILL), the kernel kills its ranks. With --max_restarts, a failed job starts again\n"
+      "on the devices left (docs/reliability.md). Multi-node runs are torchrun's or Slurm's job.\n\n"
       "Examples:\n"
       "  uckpt launch -n 2 -- uckpt train --config ds.json --steps 100\n"
+      "  uckpt launch -n 4 --max_restarts 2 -- uckpt train --config ds.json --steps 100 --checkpoint_dir ck --resume\n"
       "  uckpt launch -n 2 -- python3 train.py --deepspeed_config ds.json   (gets --local_rank=N, as from deepspeed)\n"
       "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100   (the same)");
   struct Args {
@@ -135,6 +217,7 @@ Runner AddLaunch(CLI::App& app) {
     double grace_s = 10;
     double stop_timeout_s = 20;
     bool no_local_rank = false;
+    RestartPolicy restart;
     std::vector<std::string> command;
   };
   auto a = std::make_shared<Args>();
@@ -152,6 +235,16 @@ Runner AddLaunch(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--no_local_rank", a->no_local_rank,
                 "Do not pass --local_rank=N to a Python script (passed by default, as DeepSpeed's launcher does)");
+  cmd->add_option("--max_restarts", a->restart.max_restarts,
+                  "When a rank fails, stop the others and start again up to this many times on the devices left "
+                  "(the failed rank's device left out, CUDA_VISIBLE_DEVICES set to the rest, UCKPT_RESTART_COUNT to "
+                  "the count). The command must resume itself (uckpt train --resume; load_checkpoint in a script). "
+                  "Not restarted: a signal to the launcher, a rank exiting with 2 (bad usage or input)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000));
+  cmd->add_option("--min_nproc", a->restart.min_nproc, "With --max_restarts: never restart on fewer ranks than this")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   cmd->add_option("command", a->command, "The command after `--`")->required();
 
   return [a] {
@@ -165,10 +258,14 @@ Runner AddLaunch(CLI::App& app) {
     c.argv[0] = ResolveSelf(c.argv[0]);
     c.world_size = a->n;
     c.master_addr = a->master_addr;
-    c.master_port = a->master_port == 0 ? FreePort() : a->master_port;
     c.local_rank_argument = !a->no_local_rank;
-    LaunchSupervisor supervisor(a->n, {a->grace_s, a->stop_timeout_s});
-    return supervisor.Run([&c](int r) { return StartRank(c, r); }, g_signal);
+    const std::string& exe = a->command[0];
+    const bool uckpt_train = exe.substr(exe.find_last_of('/') + 1) == "uckpt" && a->command.size() > 1 && a->command[1] == "train";
+    if (a->restart.max_restarts > 0 && uckpt_train &&
+        std::find(a->command.begin(), a->command.end(), "--resume") == a->command.end())
+      throw std::invalid_argument("launch: --max_restarts with `uckpt train` needs its --resume (and --checkpoint_dir): "
+                                  "without it a restarted job would start again from step 1");
+    return RunWithRestarts(c, a->master_port, {a->grace_s, a->stop_timeout_s}, a->restart);
   };
 }
 

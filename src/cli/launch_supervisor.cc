@@ -76,6 +76,7 @@ void LaunchSupervisor::StartAll(const StartRank& start) {
 // the exit code and starts the grace period.
 void LaunchSupervisor::ForwardSignal(int sig) {
   Signal(sig);
+  ended_by_signal_ = true;
   if (state_ != State::kRunning) return;
   state_ = State::kStopping;
   result_ = 128 + sig;
@@ -101,6 +102,7 @@ void LaunchSupervisor::OnWaitStatus(pid_t pid, int status) {
     if (code != 0 && state_ == State::kRunning) {
       std::cerr << "uckpt launch: rank " << r << " exited with code " << code << SignalNote(status)
                 << "; stopping the other ranks\n";
+      first_failed_rank_ = static_cast<int>(r);
       BeginStopping(code);
     }
     if (--running_ == 0) state_ = State::kDone;
@@ -120,6 +122,7 @@ void LaunchSupervisor::FailStoppedRank() {
     std::snprintf(secs, sizeof secs, "%.1f", settings_.stop_timeout_s);
     std::cerr << "uckpt launch: rank " << r << " has been stopped (signal " << rank.stop_signal << ": "
               << strsignal(rank.stop_signal) << ") for " << secs << " s; stopping the job\n";
+    first_failed_rank_ = static_cast<int>(r);
     BeginStopping(1);
     return;
   }

@@ -37,6 +37,10 @@ class LaunchSupervisor {
   // launcher's signal handler (0: none) and cleared here.
   int Run(const StartRank& start, std::atomic<int>& pending_signal);
   State state() const { return state_; }
+  // After Run: the rank whose failure ended the job (-1: none did), and
+  // whether a signal to the launcher ended it (then nothing restarts it).
+  int first_failed_rank() const { return first_failed_rank_; }
+  bool ended_by_signal() const { return ended_by_signal_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -57,6 +61,8 @@ class LaunchSupervisor {
   Settings settings_;
   State state_ = State::kStarting;
   int result_ = 0, running_ = 0;
+  int first_failed_rank_ = -1;
+  bool ended_by_signal_ = false;
   Clock::time_point kill_at_ = Clock::time_point::max();  // Stopping: SIGKILL then
 };
 
