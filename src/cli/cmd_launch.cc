@@ -68,7 +68,8 @@ std::vector<std::string> WithLocalRankArgument(std::vector<std::string> argv, in
 // What every rank of one launch gets.
 struct RankCommand {
   std::vector<std::string> argv;  // argv[0]: a path or a name on PATH
-  int world_size = 1;
+  int world_size = 1;  // ranks on this host
+  int nnodes = 1, node_rank = 0;  // hosts, each running world_size ranks; this one's index
   std::string master_addr;
   int master_port = 0;
   bool local_rank_argument = true;  // --local_rank=N to a Python script
@@ -95,11 +96,11 @@ pid_t StartRank(const RankCommand& c, int r) {
   // follows the thread that forked.) It survives exec. Should the launcher
   // have died before this call, exit now.
   if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != launcher) _exit(1);
-  setenv("RANK", std::to_string(r).c_str(), 1);
+  setenv("RANK", std::to_string(c.node_rank * c.world_size + r).c_str(), 1);
   setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-  setenv("WORLD_SIZE", std::to_string(c.world_size).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(c.nnodes * c.world_size).c_str(), 1);
   setenv("LOCAL_WORLD_SIZE", std::to_string(c.world_size).c_str(), 1);
-  setenv("GROUP_RANK", "0", 1);
+  setenv("GROUP_RANK", std::to_string(c.node_rank).c_str(), 1);
   setenv("MASTER_ADDR", c.master_addr.c_str(), 1);
   setenv("MASTER_PORT", std::to_string(c.master_port).c_str(), 1);
   setenv("UCKPT_RESTART_COUNT", std::to_string(c.restart_count).c_str(), 1);
@@ -204,7 +205,8 @@ Runner AddLaunch(CLI::App& app) {
       "fails the others are stopped and its exit code is returned; a rank that stays stopped\n"
       "(SIGSTOP) longer than --stop_timeout fails too. When the launcher dies, however it dies\n"
       "(even SIGKILL), the kernel kills its ranks. With --max_restarts, a failed job starts again\n"
-      "on the devices left (docs/reliability.md). Multi-node runs are torchrun's or Slurm's job.\n\n"
+      "on the devices left (docs/reliability.md). Across hosts: one launcher per host with\n"
+      "--nnodes, --node_rank and --master_addr, as torchrun's static rendezvous.\n\n"
       "Examples:\n"
       "  uckpt launch -n 2 -- uckpt train --config ds.json --steps 100\n"
       "  uckpt launch -n 4 --max_restarts 2 -- uckpt train --config ds.json --steps 100 --checkpoint_dir ck --resume\n"
@@ -212,6 +214,7 @@ Runner AddLaunch(CLI::App& app) {
       "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100   (the same)");
   struct Args {
     int n = 1;
+    int nnodes = 1, node_rank = 0;
     int master_port = 29500;
     std::string master_addr = "127.0.0.1";
     double grace_s = 10;
@@ -222,6 +225,14 @@ Runner AddLaunch(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("-n,--nproc", a->n, "Number of ranks")->required()->check(CLI::Range(1, 4096));
+  cmd->add_option("--nnodes", a->nnodes,
+                  "Hosts in the job, each running its own `uckpt launch` with the same -n, --nnodes, --master_addr "
+                  "(the host of --node_rank 0) and --master_port")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--node_rank", a->node_rank, "This host's index, 0..nnodes-1: its ranks are node_rank * n + 0..n-1")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--master_port", a->master_port, "Rendezvous port; 0 picks a free one (for parallel jobs)")
       ->capture_default_str()
       ->check(CLI::Range(0, 65535));
@@ -259,13 +270,25 @@ Runner AddLaunch(CLI::App& app) {
     c.world_size = a->n;
     c.master_addr = a->master_addr;
     c.local_rank_argument = !a->no_local_rank;
+    c.nnodes = a->nnodes;
+    c.node_rank = a->node_rank;
+    if (a->node_rank >= a->nnodes)
+      throw std::invalid_argument("launch: --node_rank " + std::to_string(a->node_rank) + " is not below --nnodes " +
+                                  std::to_string(a->nnodes));
+    if (a->nnodes > 1 && a->master_port == 0)
+      throw std::invalid_argument("launch: --master_port 0 picks a port on one host only; with --nnodes " +
+                                  std::to_string(a->nnodes) + " give every host the same port");
+    if (a->nnodes > 1 && a->restart.max_restarts > 0)
+      throw std::invalid_argument("launch: --max_restarts restarts the ranks of one host only; across hosts "
+                                  "(--nnodes > 1) it is not supported yet: use torchrun's elastic agent "
+                                  "(--max-restarts), whose restarts uckpt's load_checkpoint/--resume follow");
     const std::string& exe = a->command[0];
     const bool uckpt_train = exe.substr(exe.find_last_of('/') + 1) == "uckpt" && a->command.size() > 1 && a->command[1] == "train";
     if (a->restart.max_restarts > 0 && uckpt_train &&
         std::find(a->command.begin(), a->command.end(), "--resume") == a->command.end())
       throw std::invalid_argument("launch: --max_restarts with `uckpt train` needs its --resume (and --checkpoint_dir): "
                                   "without it a restarted job would start again from step 1");
-    return RunWithRestarts(c, a->master_port, {a->grace_s, a->stop_timeout_s}, a->restart);
+    return RunWithRestarts(c, a->master_port, {a->grace_s, a->stop_timeout_s, a->node_rank * a->n}, a->restart);
   };
 }
 

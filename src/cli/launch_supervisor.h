@@ -24,6 +24,7 @@ class LaunchSupervisor {
   struct Settings {
     double grace_s = 10;         // after SIGTERM, seconds before SIGKILL
     double stop_timeout_s = 20;  // a rank stopped (SIGSTOP) this long fails the job; 0: wait
+    int first_rank = 0;          // the global rank of local rank 0 (in messages)
   };
   // Starts rank r in its own process group; returns its pid, or -1 when it
   // could not (after saying why on stderr).
