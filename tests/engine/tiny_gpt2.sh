@@ -2,7 +2,7 @@
 # their arguments: U = the uckpt binary ($1); a fresh scratch folder ($2)
 # becomes the working folder; fail(); and `tiny_gpt2 BATCH [FLAGS...]`, which
 # writes ds.json (ZeRO-2, AdamW) and sets F, the flags of the tiny GPT-2
-# those tests train (1 layer x 16, vocab 97, 16 tokens, one thread).
+# those tests train (1 layer x 16, vocab 97, 16 tokens, one thread; MODEL_FLAGS replaces these).
 # ASYNC_SAVE=1 adds "checkpoint": {"async_save": true} (the same tests then
 # cover background saves); STAGE=N sets the ZeRO stage (default 2).
 U=$(realpath "$1")
@@ -21,6 +21,6 @@ tiny_gpt2() {
  "checkpoint": {"async_save": $([ -n "${ASYNC_SAVE:-}" ] && echo true || echo false)},
  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
 JSON
-  F="--config ds.json --n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
-   --threads 1 --log_dir logs --no_progress $*"
+  F="--config ds.json ${MODEL_FLAGS:---n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
+   --threads 1} --log_dir logs --no_progress $*"
 }
