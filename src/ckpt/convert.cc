@@ -53,6 +53,23 @@ void ReleasePages(std::span<const uint8_t> data, std::span<const uint8_t> file) 
   ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
 }
 
+// `t.float()` of a module entry, as DeepSpeed >= 0.19.8's converter saves it:
+// the same tensor when it is fp32 already, else a new contiguous fp32 copy.
+ValuePtr AsFloat32(const ValuePtr& v) {
+  const Tensor& t = *v->tensor;
+  if (t.dtype == DType::kFloat32) return v;
+  if (!DTypeIsFloating(t.dtype))
+    throw FormatError("module entry of dtype " + std::string(DTypeName(t.dtype)) + " cannot be written as fp32");
+  const std::vector<uint8_t> in = t.contiguous_bytes();
+  const size_t n = static_cast<size_t>(t.numel()), w = DTypeSize(t.dtype);
+  std::vector<uint8_t> out(n * sizeof(float));
+  for (size_t i = 0; i < n; ++i) {
+    const float f = static_cast<float>(ElementToDouble(t.dtype, in.data() + i * w));
+    std::memcpy(out.data() + i * sizeof(float), &f, sizeof f);
+  }
+  return Value::FromTensor(Tensor::FromBytes(DType::kFloat32, t.shape, std::move(out)));
+}
+
 // The dict DeepSpeed writes for stage 1/2 states: {'cat_dim': 0, 'param': tensor}.
 ValuePtr CatDimDict(ValuePtr tensor) {
   auto d = Value::Dict();
@@ -70,6 +87,9 @@ class Converter {
     // the parsed metadata) whatever the model size. Only pages of the
     // memory-mapped rank files are dropped: on any other memory
     // MADV_DONTNEED would discard data.
+    // Files are laid out as the torch that wrote the checkpoint lays them out,
+    // as DeepSpeed's converter run on that torch would write them.
+    release_.records = RecordsOf(ckpt_.model);
     release_.written = [this](std::span<const uint8_t> piece) {
       for (const auto& f : ckpt_.optim) {
         auto m = f.file->bytes();
@@ -83,6 +103,7 @@ class Converter {
 
   ConvertStats Run() {
     for (const auto& p : ckpt_.params) CheckParamName(p.name, ckpt_.folder + ": param_shapes");
+    for (const auto& [name, t] : ckpt_.module_only) CheckParamName(name, ckpt_.folder + ": module");
     std::error_code ec;
     if (fs::exists(output_, ec) && !options_.force)
       throw IoError(output_ + " already exists (use --force to replace it)");
@@ -172,6 +193,15 @@ class Converter {
             {i, bytes, 0});
         ++files_left_[i];
       }
+    }
+    // DeepSpeed >= 0.19.8: the module's entries without optimizer state.
+    for (const auto& [name, tensor] : ckpt_.module_only) {
+      env_.CreateDirs(UniversalParamDir(tmp_, name));
+      add(UniversalStateFile(tmp_, name, kFp32), 0, [this, t = tensor](OrderedSink& out) {
+        ValuePtr d = Value::Dict();
+        d->set(kUniversalParam, AsFloat32(t));
+        WriteTorchFile(out, out.path(), d, {}, release_);
+      }, {});
     }
     // (Stage 3 embeds rank 0's partitions, as DeepSpeed does.)
     add(UniversalOptimizerStateFile(tmp_), 0,

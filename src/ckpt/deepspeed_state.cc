@@ -613,6 +613,16 @@ RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path)
   r.partitions_where = w + ".single_partition_of_fp32_groups";
   const auto& fp32 = AsList(Need(osd, "single_partition_of_fp32_groups", w), r.partitions_where);
   const auto& maps = AsList(Need(osd, "param_slice_mappings", w), w + ".param_slice_mappings");
+  // DeepSpeed >= 0.19.8 records the padding it puts after each parameter of the
+  // flat buffer with zero_optimization.parameter_alignment (all 0 without it).
+  if (ValuePtr pads = osd->get("param_alignment_paddings"); pads && !IsNone(pads)) {
+    const std::string pw = w + ".param_alignment_paddings";
+    for (const auto& group : AsList(pads, pw))
+      for (const auto& pad : AsList(group, pw))
+        if (!pad || pad->kind != Kind::kInt || pad->i != 0)
+          Fail(pw, "holds padding between parameters (zero_optimization.parameter_alignment); such flat "
+                   "buffers are not supported: save with parameter_alignment false");
+  }
   if (fp32.size() != maps.size())
     Fail(w, "has " + std::to_string(fp32.size()) + " fp32 partitions but " + std::to_string(maps.size()) +
                 " slice mappings");

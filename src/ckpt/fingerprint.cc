@@ -6,8 +6,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <map>
+#include <optional>
 
+#include "ckpt/deepspeed_names.h"
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
@@ -17,6 +20,7 @@
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
 #include "ckpt/zero_checkpoint.h"
+#include "format/env.h"
 #include "format/error.h"
 
 namespace uckpt::ckpt {
@@ -201,6 +205,31 @@ std::vector<std::string> CanonicalKeys(std::vector<std::string> keys) {
   return keys;
 }
 
+// A parameter's own per-element state keys, canonical: an optimizer's groups
+// may keep different states (Muon's momentum_buffer beside Adam's moments).
+std::vector<std::string> ParamKeys(const ParamPlan& p) {
+  std::vector<std::string> keys;
+  for (const StatePlan& s : p.states)
+    if (s.key != kFp32) keys.push_back(s.key);
+  return CanonicalKeys(keys);
+}
+
+// The same of a universal folder's parameter: its zero/<name>/ files that are
+// not step.pt or a scalar of the optimizer's.
+std::vector<std::string> UniversalParamKeys(const UniversalCheckpoint& u, const std::string& name) {
+  std::vector<std::string> keys;
+  const std::string dir = UniversalParamDir(u.folder, name);
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return CanonicalKeys(u.state_keys);
+  for (const Env::DirEntry& e : Env::Current().ListDir(dir)) {
+    const std::optional<std::string> key = UniversalStateKey(e.name);
+    if (!key || *key == kStep || *key == kFp32) continue;
+    if (std::find(u.scalar_keys.begin(), u.scalar_keys.end(), *key) != u.scalar_keys.end()) continue;
+    keys.push_back(*key);
+  }
+  return CanonicalKeys(keys);
+}
+
 void SetModelCounters(const TorchFile& model, FingerprintCounters& c) {
   const ModelStatesView m = ReadModelStates(model.root, model.file->path());
   c.global_steps = m.global_steps;
@@ -268,10 +297,9 @@ uint64_t FingerprintMappedPiece(uint64_t seed, int64_t start, DType dtype, std::
 
 StateFingerprint FingerprintLayout(const ZeroCheckpoint& z) {
   StateFingerprint f;
-  const std::vector<std::string> keys = CanonicalKeys(z.state_keys);
   for (const ParamPlan& p : z.params) {
     ParamFingerprint pf{p.name, p.numel, {}};
-    for (const auto& k : keys) pf.states.emplace_back(k, 0);
+    for (const auto& k : ParamKeys(p)) pf.states.emplace_back(k, 0);
     f.params.push_back(std::move(pf));
   }
   SetModelCounters(z.model, f.counters);
@@ -287,7 +315,6 @@ StateFingerprint FingerprintLayout(const ZeroCheckpoint& z) {
 StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, int shards, int threads) {
   CheckShard(shard, shards);
   StateFingerprint f = FingerprintLayout(z);
-  const std::vector<std::string> keys = CanonicalKeys(z.state_keys);
   // Jobs of at most 4 MiB of one state's piece: the largest parameter's
   // tensors spread over every thread (and rank) as the small ones do.
   struct Job {
@@ -301,6 +328,7 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
   std::vector<uint64_t> sizes;
   for (size_t i = 0; i < z.params.size(); ++i) {
     const ParamPlan& p = z.params[i];
+    const std::vector<std::string> keys = ParamKeys(p);
     for (size_t k = 0; k < keys.size(); ++k) {
       auto s = std::find_if(p.states.begin(), p.states.end(), [&](const StatePlan& s) { return s.key == keys[k]; });
       if (s == p.states.end()) throw FormatError(z.folder + ": parameter " + p.name + " has no state '" + keys[k] + "'");
@@ -326,11 +354,10 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
 
 StateFingerprint FingerprintLayout(const UniversalCheckpoint& u) {
   StateFingerprint f;
-  const std::vector<std::string> keys = CanonicalKeys(u.state_keys);
   for (const auto& g : u.groups)
     for (const UniversalParam& p : g) {
       ParamFingerprint pf{p.name, p.numel, {}};
-      for (const auto& k : keys) pf.states.emplace_back(k, 0);
+      for (const auto& k : UniversalParamKeys(u, p.name)) pf.states.emplace_back(k, 0);
       f.params.push_back(std::move(pf));
     }
   SetModelCounters(u.model, f.counters);

@@ -76,6 +76,12 @@ std::string OptimizerLabel(const std::string& config_type, const std::vector<std
   const bool adam_keys = keys.size() >= 2 && IsAdamStateKeys({keys[0], keys[1]});
   const bool adam_type = lower.find("adam") != std::string::npos || lower.find("lamb") != std::string::npos;
   if (keys.empty() || (adam_type && adam_keys && scalars.empty())) return config_type;
+  // DeepSpeed's Muon: momentum_buffer in its Muon group, Adam's moments in the
+  // group of the parameters it leaves to Adam (either may be absent).
+  const bool muon_keys = std::all_of(keys.begin(), keys.end(), [](const std::string& k) {
+    return k == "momentum_buffer" || k == "exp_avg" || k == "exp_avg_sq";
+  });
+  if (lower == "muon" && muon_keys) return config_type;
   return by_state + " by its state keys (the config's optimizer section says " + config_type +
          ": a client optimizer was used instead)";
 }

@@ -136,7 +136,34 @@ StatePlan WholeState(const std::string& key, const Tensor& t, const std::string&
 
 }  // namespace
 
-ReadSource ZeroReadSource(const ZeroCheckpoint& z) { return {z.folder, ListedIn(z), z.params}; }
+ReadSource ZeroReadSource(const ZeroCheckpoint& z) {
+  // One optimizer resumes from it: every parameter that has optimizer state
+  // must hold the same keys. DeepSpeed's Muon does not (momentum_buffer in
+  // its Muon group, Adam's moments in the other), and no optimizer of the
+  // engine's reads both; `uckpt convert` converts such a folder.
+  const ParamPlan* first = nullptr;
+  auto keys = [](const ParamPlan& p) {
+    std::vector<std::string> k;
+    for (const StatePlan& s : p.states)
+      if (s.key != kFp32) k.push_back(s.key);
+    return k;
+  };
+  for (const ParamPlan& p : z.params) {
+    if (keys(p).empty()) continue;
+    if (!first) {
+      first = &p;
+    } else if (keys(p) != keys(*first)) {
+      std::string a, b;
+      for (const auto& k : keys(*first)) a += (a.empty() ? "" : ", ") + k;
+      for (const auto& k : keys(p)) b += (b.empty() ? "" : ", ") + k;
+      throw FormatError(ListedIn(z) + ": the optimizer keeps {" + a + "} for " + first->name + " but {" + b + "} for " +
+                        p.name + " (DeepSpeed's Muon does: momentum_buffer for matrices, Adam's moments for the "
+                        "rest); uckpt's engine has no such optimizer and cannot resume it. `uckpt convert` and "
+                        "`uckpt export` read it");
+    }
+  }
+  return {z.folder, ListedIn(z), z.params};
+}
 
 ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, const std::vector<std::string>& names) {
   ReadSource s{path, path, {}};

@@ -8,6 +8,7 @@
 #include "format/error.h"
 #include "format/file.h"
 #include "format/pickle_writer.h"
+#include "format/torch_file.h"
 #include "format/zip.h"
 
 namespace uckpt::ckpt {
@@ -42,7 +43,21 @@ std::vector<std::span<const uint8_t>> Chunked(const std::vector<std::span<const 
   return out;
 }
 
+// The first (up to 8) bytes of data given as pieces.
+std::vector<uint8_t> LeadingBytes(const std::vector<std::span<const uint8_t>>& pieces) {
+  std::vector<uint8_t> head;
+  for (auto p : pieces)
+    for (size_t i = 0; i < p.size() && head.size() < 8; ++i) head.push_back(p[i]);
+  return head;
+}
+
 }  // namespace
+
+TorchRecords RecordsOf(const TorchFile& file) {
+  if (!file.file) return TorchRecords::kTorch1_13;
+  ZipReader zip(file.file);
+  return zip.Find(file.archive + "/.format_version") ? TorchRecords::kTorch2 : TorchRecords::kTorch1_13;
+}
 
 std::shared_ptr<Storage> PiecewiseStorage(DType dtype, uint64_t nbytes) {
   auto r = std::make_shared<Reservation>();
@@ -83,23 +98,37 @@ uint64_t WriteTorchFile(ByteSink& out, const std::string& path, const ValuePtr& 
   const std::string prefix = ArchiveName(path) + "/";
   const uint64_t start = out.offset();
   ZipWriter zip(out);
+  const bool torch2 = options.records == TorchRecords::kTorch2;
+  std::vector<std::vector<uint8_t>> heads;  // each record's first bytes, for torch 2's id
+  auto add_text = [&](const std::string& name, const std::string& text) {
+    zip.AddRecord(name, text);
+    heads.emplace_back();  // text never starts with a zip descriptor's signature
+  };
   zip.AddRecord(prefix + "data.pkl", p.pickle);
+  heads.emplace_back();
+  if (torch2) {
+    add_text(prefix + ".format_version", "1");
+    add_text(prefix + ".storage_alignment", "64");
+    add_text(prefix + "byteorder", "little");
+  }
   for (size_t k = 0; k < p.storages.size(); ++k) {
     const Storage* s = p.storages[k].get();
     const std::string name = prefix + "data/" + std::to_string(k);
     auto it = pieces.find(s);
-    if (it == pieces.end()) {
-      zip.AddRecord(name, Chunked({s->bytes}), options.written);
-      continue;
-    }
+    const std::vector<std::span<const uint8_t>> data = it == pieces.end() ? std::vector{s->bytes} : it->second;
     uint64_t total = 0;
-    for (auto piece : it->second) total += piece.size();
+    for (auto piece : data) total += piece.size();
     if (total != s->bytes.size())
       throw FormatError(path + ": pieces of " + std::to_string(total) + " bytes for a storage of " +
                         std::to_string(s->bytes.size()));
-    zip.AddRecord(name, Chunked(it->second), options.written);
+    zip.AddRecord(name, Chunked(data), options.written);
+    heads.push_back(LeadingBytes(data));
   }
-  zip.AddRecord(prefix + "version", std::string("3\n"));
+  add_text(prefix + "version", "3\n");
+  if (torch2) {
+    const std::vector<std::span<const uint8_t>> leading(heads.begin(), heads.end());
+    zip.AddRecord(prefix + ".data/serialization_id", TorchSerializationId(zip.records(), prefix, leading));
+  }
   zip.Finish();
   return out.offset() - start;
 }

@@ -1,6 +1,8 @@
 // torch.save files as torch 1.13 lays them out (records data.pkl, data/<k>,
-// version — what DeepSpeed 0.14 on torch 1.13 writes), so that converted files
-// can be byte-identical to DeepSpeed's. Tensor data can be given as pieces
+// version — what DeepSpeed 0.14 on torch 1.13 writes) or, on request, as
+// torch >= 2.7 does (.format_version, .storage_alignment, byteorder and
+// .data/serialization_id added), so that converted files can be byte-identical
+// to DeepSpeed's on either. Tensor data can be given as pieces
 // that are written one after another, straight from memory-mapped inputs,
 // without being gathered first.
 #pragma once
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "format/file.h"
+#include "format/torch_file.h"
 #include "format/value.h"
 #include "format/zip.h"
 
@@ -28,8 +31,19 @@ ValuePtr PiecewiseTensor(DType dtype, const std::vector<int64_t>& shape, bool re
 
 using StoragePieces = std::unordered_map<const Storage*, std::vector<std::span<const uint8_t>>>;
 
+// Which torch's record layout a file is written in.
+enum class TorchRecords {
+  kTorch1_13,  // data.pkl, data/<k>, version
+  kTorch2,     // + .format_version, .storage_alignment, byteorder, .data/serialization_id (torch >= 2.7)
+};
+
+// The layout `file` was written in: kTorch2 when it has torch >= 2.7's
+// `.format_version` record, else kTorch1_13.
+TorchRecords RecordsOf(const TorchFile& file);
+
 struct TorchWriteOptions {
   bool durable = false;  // fsync + rename (off inside a temporary output folder)
+  TorchRecords records = TorchRecords::kTorch1_13;
   // Called with each piece of storage data (at most 1 MiB) once written.
   std::function<void(std::span<const uint8_t>)> written;
 };

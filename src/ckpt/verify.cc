@@ -5,16 +5,19 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
 
+#include "ckpt/deepspeed_names.h"
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/folder.h"
 #include "ckpt/parallel.h"
 #include "ckpt/universal_checkpoint.h"
 #include "ckpt/values.h"
 #include "ckpt/zero_checkpoint.h"
+#include "format/env.h"
 #include "format/error.h"
 #include "format/torch_file.h"
 
@@ -178,20 +181,47 @@ class StructureCheck {
         if (!Parse(f.path)) return;
     UniversalCheckpoint u = OpenUniversalCheckpoint(v_.folder, false, /*check_manifest=*/false);
     Parse(UniversalOptimizerStateFile(v_.folder));
-    std::vector<std::string> keys = {kFp32};
-    keys.insert(keys.end(), u.state_keys.begin(), u.state_keys.end());
     struct Job {
       const UniversalParam* param;
       std::string key;
     };
     std::vector<Job> jobs;
     std::set<std::string> names;
-    for (const auto& g : u.groups)
+    for (const auto& g : u.groups) {
+      // A group's optimizer keeps the same files for each of its parameters:
+      // those of its first one (Muon's groups and its Adam group differ).
+      std::vector<std::string> keys = {kFp32};
+      bool step = false;
+      if (!g.empty()) {
+        std::error_code ec;
+        const std::string dir = UniversalParamDir(v_.folder, g[0].name);
+        if (fs::is_directory(dir, ec))
+          for (const Env::DirEntry& e : Env::Current().ListDir(dir)) {
+            const std::optional<std::string> key = UniversalStateKey(e.name);
+            if (!key || *key == kFp32) continue;
+            if (*key == kStep) step = true;
+            else keys.push_back(*key);
+          }
+      }
       for (const auto& p : g) {
         names.insert(p.name);
         for (const auto& k : keys) jobs.push_back({&p, k});
-        if (u.has_step) jobs.push_back({&p, kStep});
+        if (step) jobs.push_back({&p, kStep});
       }
+    }
+    // DeepSpeed >= 0.19.8 also writes fp32.pt alone for the module's entries
+    // without optimizer state (frozen parameters, buffers).
+    std::set<std::string> module_only;
+    if (u.model.root)
+      if (ValuePtr module = u.model.root->get("module"); module && module->is_dict())
+        for (const auto& [k, v] : module->entries)
+          if (k && k->kind == Kind::kStr && !names.count(k->s)) module_only.insert(k->s);
+    for (const auto& name : module_only) {
+      std::error_code ec;
+      if (!fs::is_directory(UniversalParamDir(v_.folder, name), ec)) continue;
+      names.insert(name);
+      Parse(UniversalStateFile(v_.folder, name, kFp32));
+    }
     ParallelBySize(std::vector<uint64_t>(jobs.size()), WorkerThreads(o_.threads, jobs.size()), [&](size_t i) {
       const Job& j = jobs[i];
       const std::string path = UniversalStateFile(v_.folder, j.param->name, j.key);

@@ -5,6 +5,8 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <tuple>
+#include <cstdio>
 
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/manifest.h"
@@ -92,6 +94,7 @@ class Opener {
     LoadOptimFiles();
     FindModelFiles(files);
     PlanRankFiles();
+    if (c_.stage != 3 && WritesModuleOnlyFp32(c_.model.root)) PlanModuleOnly();
     return std::move(c_);
   }
 
@@ -162,9 +165,10 @@ class Opener {
       }
     }
     const std::vector<std::string> names = Stage0Names(v, ids, path);
-    bool first = true;
     for (size_t g = 0; g < ids.size(); ++g) {
       ValuePtr group_step;
+      bool first = true;  // a group's parameters share their optimizer's state keys
+      std::vector<std::pair<std::string, const Tensor*>> group_first;
       for (const int64_t id : ids[g]) {
         if (id < 0 || id >= static_cast<int64_t>(names.size()))
           Fail(path + ": optimizer.param_groups[" + std::to_string(g) + "]", "names state id " + std::to_string(id) +
@@ -187,7 +191,8 @@ class Opener {
                             std::to_string(p.numel) + " (only element-wise optimizer states can be converted)");
           p.states.push_back({key, t->dtype, {TensorElements(*t, 0, p.numel, where + " '" + key + "'")}});
         }
-        CheckStateKeys(tensors, where, first);
+        CheckStateKeys(tensors, group_first, where, first);
+        if (first) group_first = tensors;
         first = false;
         if (st != v.stage0_state.end()) {
           p.step = st->second.step;
@@ -309,6 +314,28 @@ class Opener {
     }
   }
 
+  // DeepSpeed's converter from 0.19.8 on also writes zero/<name>/fp32.pt for
+  // every module entry without optimizer fragments; a checkpoint says which
+  // release wrote it (ds_version), and so which converter's output it gets.
+  static bool WritesModuleOnlyFp32(const ValuePtr& root) {
+    ValuePtr v = root->get("ds_version");
+    if (!v || v->kind != Kind::kStr) return false;
+    int major = 0, minor = 0, patch = 0;
+    if (std::sscanf(v->s.c_str(), "%d.%d.%d", &major, &minor, &patch) < 2) return false;
+    return std::tuple(major, minor, patch) >= std::tuple(0, 19, 8);
+  }
+
+  void PlanModuleOnly() {
+    std::set<std::string> planned;
+    for (const auto& p : c_.params) planned.insert(p.name);
+    const std::string& path = c_.model.file->path();
+    for (const auto& [name, v] : NamedEntries(RequiredModule(c_.model.root, path), path + ": module")) {
+      if (planned.count(name)) continue;
+      if (!v || v->kind != Kind::kTensor) Fail(path + ": module['" + name + "']", "is not a tensor");
+      c_.module_only.emplace_back(name, v);
+    }
+  }
+
   // universal_checkpoint_info pattern lists change the output (no cat_dim,
   // cat_dim 1, sub-parameter keys, trimmed vocabulary rows); DeepSpeed's
   // ZeRO 1/2 converter applies them even without tensor parallelism. They are
@@ -332,10 +359,15 @@ class Opener {
   }
 
   // Per-element states of one (rank, group) state dict. `length` is the
-  // element count every per-element state must have.
-  void ReadGroupState(const ValuePtr& st, int64_t length, const std::string& where,
-                      std::vector<std::pair<std::string, const Tensor*>>* tensors, ValuePtr* step,
-                      std::vector<std::pair<std::string, ValuePtr>>* scalars, std::vector<std::string>* nones) {
+  // element count every per-element state must have; `whole_length` (stage
+  // 1/2) the full size of the parameters the partition touches, which a state
+  // kept whole per parameter has (DeepSpeed's Muon momentum_buffer at ZeRO
+  // 1/2); such states are flagged in `whole`.
+  void ReadGroupState(const ValuePtr& st, int64_t length, int64_t whole_length, const std::string& where,
+                      std::vector<std::pair<std::string, const Tensor*>>* tensors, std::vector<bool>* whole,
+                      ValuePtr* step, std::vector<std::pair<std::string, ValuePtr>>* scalars,
+                      std::vector<std::string>* nones) {
+    whole->clear();
     tensors->clear();
     scalars->clear();
     nones->clear();
@@ -358,33 +390,46 @@ class Opener {
       }
       if (v->kind == Kind::kTensor && v->tensor->shape.size() == 1 && v->tensor->numel() == length) {
         tensors->emplace_back(key, v->tensor.get());
+        whole->push_back(false);
+        continue;
+      }
+      if (v->kind == Kind::kTensor && v->tensor->shape.size() == 1 && whole_length >= 0 &&
+          v->tensor->numel() == whole_length && whole_length != length) {
+        tensors->emplace_back(key, v->tensor.get());
+        whole->push_back(true);
         continue;
       }
       if (v && v->kind == Kind::kTensor && v->tensor->shape.size() == 1)
         Fail(kw, "has " + std::to_string(v->tensor->numel()) + " elements but the partition has " +
-                     std::to_string(length) + " (shapes do not add up)");
+                     std::to_string(length) +
+                     (whole_length >= 0 ? " and the parameters it touches " + std::to_string(whole_length) : "") +
+                     " (shapes do not add up)");
       Fail(kw, "is not a per-element state (" + KindName(*v) + "); only per-element optimizer states and 'step' "
                "can be converted");
     }
   }
 
-  // Checks that every (rank, group) has the same per-element state keys, and
-  // records them.
-  void CheckStateKeys(const std::vector<std::pair<std::string, const Tensor*>>& tensors, const std::string& where,
-                      bool first) {
-    std::vector<std::string> keys;
+  // Checks that every rank has the same per-element state keys in a group as
+  // rank 0 (`first`), and records them: a group's keys are its optimizer's own
+  // (Muon's momentum_buffer beside its Adam group's exp_avg, exp_avg_sq).
+  void CheckStateKeys(const std::vector<std::pair<std::string, const Tensor*>>& tensors,
+                      const std::vector<std::pair<std::string, const Tensor*>>& first, const std::string& where,
+                      bool is_first) {
+    std::vector<std::string> keys, want;
     for (const auto& [k, t] : tensors) keys.push_back(k);
-    if (first) {
-      c_.state_keys = keys;
+    for (const auto& [k, t] : first) want.push_back(k);
+    if (is_first) {
+      for (const auto& k : keys)
+        if (std::find(c_.state_keys.begin(), c_.state_keys.end(), k) == c_.state_keys.end()) c_.state_keys.push_back(k);
       return;
     }
-    if (keys != c_.state_keys) {
+    if (keys != want) {
       auto join = [](const std::vector<std::string>& v) {
         std::string s;
         for (const auto& k : v) s += (s.empty() ? "" : ", ") + k;
         return "{" + s + "}";
       };
-      Fail(where, "optimizer state keys " + join(keys) + " differ from " + join(c_.state_keys) + " of rank 0 group 0");
+      Fail(where, "optimizer state keys " + join(keys) + " differ from " + join(want) + " of rank 0 in this group");
     }
   }
 
@@ -399,6 +444,7 @@ class Opener {
   struct RankGroup {
     const Tensor* fp32 = nullptr;
     std::vector<std::pair<std::string, const Tensor*>> states;
+    std::vector<bool> whole;  // per state: kept whole per parameter touched (Muon at ZeRO 1/2), not per element
     ValuePtr step;
     std::vector<std::pair<std::string, ValuePtr>> scalars;
     std::vector<std::string> nones;
@@ -425,7 +471,7 @@ class Opener {
       const std::vector<int64_t> numels = Numels(groups[g]);
       for (size_t i = 0; i < groups[g].size(); ++i)
         c_.params.push_back(PlanParam(groups[g][i], g, rg,
-                                      z3 ? Stage3Fragments(numels, i) : ParamFragments(numels, c_.dp, i)));
+                                      z3 ? Stage3Fragments(numels, i) : ParamFragments(numels, c_.dp, i), numels));
     }
   }
 
@@ -443,12 +489,36 @@ class Opener {
         CheckPartitionLength(part, r, g, lengths[g]);
         RankGroup& x = rg[r][g];
         x.fp32 = part.fp32;
-        ReadGroupState(part.state, lengths[g], part.state_where, &x.states, &x.step, &x.scalars, &x.nones);
-        CheckStateKeys(x.states, part.state_where, r == 0 && g == 0);
+        const int64_t whole = c_.stage == 3 ? -1 : TouchedNumel(groups[g], r);
+        ReadGroupState(part.state, lengths[g], whole, part.state_where, &x.states, &x.whole, &x.step, &x.scalars,
+                       &x.nones);
+        CheckStateKeys(x.states, rg[0][g].states, part.state_where, r == 0);
+        if (r > 0 && x.whole != rg[0][g].whole)
+          Fail(part.state_where, "keeps its states per element and whole per parameter differently from rank 0");
         if (c_.stage != 3) CheckMappings(groups[g], r, part);
       }
     }
     return rg;
+  }
+
+  // The full numel of the parameters of `group` that have a piece in rank
+  // `r`'s partition (stage 1/2), what a state kept whole per parameter holds.
+  int64_t TouchedNumel(const std::vector<NamedShape>& group, int r) const {
+    const std::vector<int64_t> numels = Numels(group);
+    int64_t n = 0;
+    for (const Fragment& f : RankFragments(numels, c_.dp, r)) n += numels[f.param];
+    return n;
+  }
+
+  // Where parameter `param` starts in rank `r`'s whole-per-parameter state:
+  // after the parameters of the partition before it.
+  int64_t WholeOffset(const std::vector<int64_t>& numels, int r, size_t param) const {
+    int64_t at = 0;
+    for (const Fragment& f : RankFragments(numels, c_.dp, r)) {
+      if (f.param == param) return at;
+      at += numels[f.param];
+    }
+    return -1;
   }
 
   void CheckGroupCount(const RankOptimView& v, size_t groups) {
@@ -512,7 +582,8 @@ class Opener {
 
   // A parameter's plan: every state's pieces over `frags`, in rank order.
   // Every rank must hold each state in rank 0's dtype.
-  ParamPlan PlanParam(const NamedShape& shape, size_t g, const RankGroups& rg, const std::vector<Fragment>& frags) {
+  ParamPlan PlanParam(const NamedShape& shape, size_t g, const RankGroups& rg, const std::vector<Fragment>& frags,
+                      const std::vector<int64_t>& numels) {
     ParamPlan p;
     p.name = shape.name;
     p.shape = shape.shape;
@@ -531,6 +602,12 @@ class Opener {
           Fail(where, "'" + st.key + "' is " + std::string(DTypeName(t.dtype)) + ", but " + std::string(DTypeName(st.dtype)) +
                           " in " + c_.optim[0].file->path() + ": the ranks' files disagree (files of two checkpoints "
                           "mixed?)");
+        if (k > 0 && x.whole[k - 1]) {  // the whole parameter, from the first rank that holds a piece of it
+          if (&f != &frags.front()) continue;
+          const int64_t at = WholeOffset(numels, f.rank, f.param);
+          st.pieces.push_back(TensorElements(t, at, p.numel, where + " " + st.key));
+          continue;
+        }
         st.pieces.push_back(TensorElements(t, f.partition_offset, f.numel, where + " " + st.key));
       }
     }
@@ -542,7 +619,9 @@ class Opener {
     p.none_states = owner->nones;
     // DeepSpeed's converter writes no step of ZeRO-3's Adam (its step is
     // the applied steps); any other optimizer's step is kept as at stage 1/2.
-    if (c_.stage != 3 || !IsAdamStateKeys(c_.state_keys) || !p.scalars.empty()) p.step = owner->step;
+    std::vector<std::string> group_keys;
+    for (const auto& [k, t] : first.states) group_keys.push_back(k);
+    if (c_.stage != 3 || !IsAdamStateKeys(group_keys) || !p.scalars.empty()) p.step = owner->step;
     return p;
   }
 

@@ -69,6 +69,10 @@ struct ZeroCheckpoint {
   std::vector<std::string> state_keys;      // per-element optimizer states, e.g. exp_avg, exp_avg_sq
   std::vector<ValuePtr> steps;              // per group (stage 3: sub-group): the optimizer's step as
                                             // saved (rank 0's, a tensor or an int); null before the first
+  // Stage 1/2 written by DeepSpeed >= 0.19.8: the module's entries that have
+  // no optimizer state (frozen parameters, buffers), in module order. That
+  // release's converter writes each as zero/<name>/fp32.pt = {'param': t.float()}.
+  std::vector<std::pair<std::string, ValuePtr>> module_only;
   int64_t global_steps = -1;                // from the model states, -1 if absent
   std::vector<std::string> warnings;        // accepted oddities worth telling the user
 

@@ -11,6 +11,7 @@ using Runner = std::function<int()>;
 
 Runner AddInspect(CLI::App& app);
 Runner AddConvert(CLI::App& app);
+Runner AddDsToUniversal(CLI::App& app);  // DeepSpeed's ds_to_universal.py, same flags
 Runner AddExport(CLI::App& app);
 Runner AddPlot(CLI::App& app);
 Runner AddVerify(CLI::App& app);

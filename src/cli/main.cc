@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   };
   add(uckpt::cli::AddInspect);
   add(uckpt::cli::AddConvert);
+  add(uckpt::cli::AddDsToUniversal);
   add(uckpt::cli::AddExport);
   add(uckpt::cli::AddPlot);
   add(uckpt::cli::AddVerify);

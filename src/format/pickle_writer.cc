@@ -192,13 +192,33 @@ class Pickler {
     storage_class_[s.get()] = cls;
     std::string key = StorageKey(s);
     Op(pickle::kMark);
-    MemoStr("storage");
+    // torch's persistent_id returns the same str objects each time: the literal
+    // 'storage', the CPU location tag's literal 'cpu', and one key per storage.
+    // Python's pickler memoizes objects, so it writes each once and BINGETs it
+    // after; so does this.
+    PidStr("storage", "storage");
     GlobalPath(cls);
-    MemoStr(key);
-    MemoStr(s->location.empty() ? "cpu" : s->location);
+    PidStr("key\n" + key, key);
+    const std::string location = s->location.empty() ? "cpu" : s->location;
+    if (location == "cpu") {
+      PidStr("location\ncpu", location);
+    } else {
+      MemoStr(location);  // 'cuda:0' is built anew for every storage
+    }
     Int(numel);
     TupleOf(5);
     Op(pickle::kBinPersId);
+  }
+
+  // A string of a persistent id, memoized under `id` (what object it is).
+  void PidStr(const std::string& id, const std::string& s) {
+    auto it = pid_memo_.find(id);
+    if (it != pid_memo_.end()) {
+      Get(it->second);
+      return;
+    }
+    pid_memo_[id] = next_memo_;
+    MemoStr(s);
   }
 
   void TensorArgs(const Tensor& t) {
@@ -427,6 +447,7 @@ class Pickler {
 
   PickledValue out_;
   uint32_t next_memo_ = 0;
+  std::unordered_map<std::string, uint32_t> pid_memo_;  // persistent-id strings already written
   std::unordered_map<const void*, uint32_t> memo_;
   std::unordered_map<std::string, uint32_t> global_memo_;
   std::unordered_map<const Storage*, std::string> storage_keys_;

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <stdexcept>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "format/error.h"
 #include "format/pickle_opcodes.h"
@@ -157,12 +158,37 @@ std::string ArchiveName(const std::string& path) {
   return dot == std::string::npos ? base : base.substr(0, dot);
 }
 
-uint64_t Fnv1a(const std::string& s, uint64_t h = 0xcbf29ce484222325ull) {
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
-  return h;
+// c10::hash_combine, which torch's writer folds its serialization id with.
+uint64_t HashCombine(uint64_t seed, uint64_t value) {
+  return seed ^ (value + 0x9e3779b9ull + (seed << 6) + (seed >> 2));
 }
 
+// torch's `.data/serialization_id` (caffe2 PyTorchStreamWriter): 20 digits of the
+// record names' std::hash folded in the iteration order of the unordered_set torch
+// keeps them in, then 20 of the CRC-32s folded in write order. torch takes a CRC from
+// every write that starts with a data-descriptor signature: each non-empty record's
+// descriptor, and also a record whose own data starts with one. libstdc++ gives the
+// same hash and set order as the one torch is built with, so the id is torch's.
 }  // namespace
+
+std::string TorchSerializationId(const std::vector<ZipEntry>& records, const std::string& prefix,
+                                 const std::vector<std::span<const uint8_t>>& leading) {
+  std::unordered_set<std::string> written;
+  for (const auto& r : records) written.insert(r.name.substr(prefix.size()));
+  uint64_t name_hash = 0, crc_hash = 0;
+  for (const auto& n : written) name_hash = HashCombine(name_hash, std::hash<std::string>{}(n));
+  for (size_t i = 0; i < records.size(); ++i) {
+    const auto& head = leading[i];
+    if (head.size() >= 8 && head[0] == 'P' && head[1] == 'K' && head[2] == 7 && head[3] == 8)
+      crc_hash = HashCombine(crc_hash, uint32_t(head[4]) | uint32_t(head[5]) << 8 | uint32_t(head[6]) << 16 |
+                                           uint32_t(head[7]) << 24);
+    if (records[i].size > 0) crc_hash = HashCombine(crc_hash, records[i].crc32);
+  }
+  char id[41];
+  std::snprintf(id, sizeof id, "%020llu%020llu", static_cast<unsigned long long>(name_hash),
+                static_cast<unsigned long long>(crc_hash));
+  return std::string(id, 40);
+}
 
 namespace {
 
@@ -182,10 +208,19 @@ void WriteTorchRecords(ByteSink& out, const std::string& path, const PickledValu
                        const std::vector<uint32_t>* crcs) {
   const std::string prefix = ArchiveName(path) + "/";
   ZipWriter zip(out, options.alignment);
+  // The first bytes of each record's data, as the serialization id needs them
+  // (none for a streamed storage: its bytes pass through a buffer).
+  std::vector<std::span<const uint8_t>> leading;
+  auto head = [](std::span<const uint8_t> d) { return d.first(std::min<size_t>(d.size(), 8)); };
+  auto text = [&](const std::string& name, const std::string& data) {
+    zip.AddRecord(name, data);
+    leading.push_back({});  // text records never start with a descriptor signature
+  };
   zip.AddRecord(prefix + "data.pkl", p.pickle);
-  zip.AddRecord(prefix + ".format_version", std::string("1"));
-  zip.AddRecord(prefix + ".storage_alignment", std::to_string(options.alignment));
-  zip.AddRecord(prefix + "byteorder", std::string("little"));
+  leading.push_back({});  // a pickle starts with PROTO
+  text(prefix + ".format_version", "1");
+  text(prefix + ".storage_alignment", std::to_string(options.alignment));
+  text(prefix + "byteorder", "little");
   std::vector<uint8_t> own_buffer;
   for (size_t k = 0; k < p.storages.size(); ++k) {
     const std::string name = prefix + "data/" + std::to_string(k);
@@ -197,23 +232,17 @@ void WriteTorchRecords(ByteSink& out, const std::string& path, const PickledValu
         buffer = own_buffer;
       }
       zip.AddStreamedRecord(name, st.stream_size, st.fill, buffer);
+      leading.push_back({});
     } else if (crcs) {
       zip.AddKeptRecord(name, st.bytes, (*crcs)[k]);
+      leading.push_back(head(st.bytes));
     } else {
       zip.AddRecord(name, st.bytes);
+      leading.push_back(head(st.bytes));
     }
   }
-  zip.AddRecord(prefix + "version", std::string("3\n"));
-  // 40 digits as torch writes: a hash of the record names, then one of their CRCs.
-  uint64_t names = 0xcbf29ce484222325ull, crc_hash = 0xcbf29ce484222325ull;
-  for (const auto& r : zip.records()) {
-    names = Fnv1a(r.name, names);
-    crc_hash = Fnv1a(std::to_string(r.crc32), crc_hash);
-  }
-  char id[41];
-  std::snprintf(id, sizeof id, "%020llu%020llu", static_cast<unsigned long long>(names),
-                static_cast<unsigned long long>(crc_hash));
-  zip.AddRecord(prefix + ".data/serialization_id", std::string(id, 40));
+  text(prefix + "version", "3\n");
+  zip.AddRecord(prefix + ".data/serialization_id", TorchSerializationId(zip.records(), prefix, leading));
   zip.Finish();
 }
 

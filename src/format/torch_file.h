@@ -13,6 +13,7 @@
 #include "format/file.h"
 #include "format/pickle_reader.h"
 #include "format/value.h"
+#include "format/zip.h"
 
 namespace uckpt {
 
@@ -34,6 +35,13 @@ struct LoadOptions {
 // message saying so), IoError if it cannot be read.
 TorchFile LoadTorchFile(const std::string& path, const LoadOptions& options = {});
 TorchFile LoadTorchFile(std::shared_ptr<const MappedFile> file, const LoadOptions& options = {});
+
+// The `.data/serialization_id` torch >= 2.1 writes last, from the records
+// written before it (names start with `prefix`, "<archive>/") and the first
+// (up to 8) bytes of each one's data, `leading[i]` for `records[i]`; empty where
+// unknown. Deterministic: equal to torch's for the same records.
+std::string TorchSerializationId(const std::vector<ZipEntry>& records, const std::string& prefix,
+                                 const std::vector<std::span<const uint8_t>>& leading);
 
 struct SaveOptions {
   bool durable = true;  // fsync before the rename
