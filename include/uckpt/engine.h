@@ -136,6 +136,10 @@ struct EngineOptions {
   // LOCAL_WORLD_SIZE), at most libtorch's default. Rank 0 prints the choice
   // once. See docs/engine.md.
   int host_threads = 0;
+  // The engine is never stepped (DeepSpeed's engine without an optimizer: a reference model for forward and
+  // evaluation). At ZeRO stage 0 in fp16 DeepSpeed then only casts the module, which uckpt does too, where an
+  // engine with an optimizer is refused (DeepSpeed's FP16_Optimizer).
+  bool forward_only = false;
   // ZeRO stage 3 only (refused at stages 0-2): parameters that arrive
   // partitioned (uckpt::ZeroInit's, uckpt/zero_init.h; Python's zero.Init's).
   // The engine makes the stage-3 partitions from them without gathering
@@ -178,8 +182,19 @@ struct EngineOptions {
 };
 
 // client_state: any value made of dicts with string keys, lists, tuples,
-// ints, doubles, bools, strings, None and tensors (c10::IValue).
+// ints, doubles, bools, strings, None and tensors (c10::IValue), and
+// PickledObject capsules (IValue::make_capsule) for any other value.
 using ClientState = c10::IValue;
+
+// A client_state value that is none of the kinds above (a numpy array, an
+// object of the script's): its protocol-2 pickle, as Python's pickler writes
+// it, with no tensor inside. Saved into the model-states file as part of its
+// pickle (read by the reader without running anything, never executed); given
+// back by a load the same way, re-pickled, for the caller to rebuild.
+struct PickledObject : torch::CustomClassHolder {
+  explicit PickledObject(std::string p) : pickle(std::move(p)) {}
+  std::string pickle;
+};
 
 struct LoadCheckpointOptions {
   bool load_optimizer_states = true;
@@ -188,6 +203,10 @@ struct LoadCheckpointOptions {
   bool universal = false;         // a universal checkpoint (any world size); tag from `latest_universal`
   bool verify_hashes = false;     // compare the manifest's XXH64 hashes too (sizes always)
   bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint, not the config
+  // The model-states file is read naming any class or function (still never run; its client keys come back as
+  // PickledObject capsules), not only the strict reader's allow-list (format/strict_globals.h): for a checkpoint
+  // whose client_state holds objects of the script's, which its caller trusts to rebuild.
+  bool trust_pickled_client_state = false;
 };
 
 struct LoadResult {
@@ -305,6 +324,12 @@ class Engine {
   // Called after every Backward. At the gradient-accumulation boundary: the
   // optimizer step, the lr schedule and the counters; otherwise nothing.
   void Step(const StepOptions& options = {});
+  // DeepSpeed's optimizer.step() called by a script itself where DeepSpeed's optimizer is the torch optimizer
+  // (ZeRO stage 0 in fp32, no offload): one update of every trainable parameter from its own .grad (zeros where
+  // it has none), with the groups' current learning rates, as that optimizer's step() does: the gradients are
+  // not averaged over the ranks nor clipped, and the lr schedule and the step counters do not move.
+  // std::logic_error elsewhere.
+  void OptimizerStep();
   // Under EngineOptions::overlap_update_with_forward: returns once the last
   // Step's update is complete (every parameter updated and on the device);
   // throws the update's exception, if it failed. A no-op otherwise.

@@ -72,6 +72,7 @@ void BindState(Core& c) {
 void BindOptimizerView(Core& c) {
   c.def("has_optimizer", [](const PyEngine& e) { return e.settings().has_optimizer; })
       .def("param_groups", &PyEngine::ParamGroups)
+      .def("optimizer_step", &PyEngine::OptimizerStep)
       .def("optimizer_state_dict", &PyEngine::OptimizerStateDict)
       .def("load_optimizer_state_dict", &PyEngine::LoadOptimizerStateDict, "state_dict"_a)
       .def("optimizer_overflow", &OptimizerOverflow)

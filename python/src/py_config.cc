@@ -1,6 +1,7 @@
 // The config parsed once, read by Python through a typed object (see py_config.h).
 #include "py_config.h"
 
+#include <cmath>
 #include <iostream>
 
 #include "py_values.h"
@@ -107,7 +108,33 @@ void BindConfig(py::module_& m) {
                              [](const TrainConfig& c) { return c.zero.offload_param_pin_memory; })
       .def_property_readonly("override_module_apply", [](const TrainConfig& c) { return c.zero.override_module_apply; })
       .def_property_readonly("uckpt_section", [](const TrainConfig& c) { return JsonToPy(c.uckpt_section); })
-      .def_property_readonly("warnings", [](const TrainConfig& c) { return c.warnings; });
+      .def_property_readonly("warnings", [](const TrainConfig& c) { return c.warnings; })
+      // DeepSpeedConfig's answers (uckpt.runtime.config) and the engine's forward (fp16.auto_cast).
+      .def_property_readonly("raw", [](const TrainConfig& c) { return JsonToPy(c.raw); })
+      .def_property_readonly("prescale_gradients", [](const TrainConfig& c) { return c.prescale_gradients; })
+      .def_property_readonly("gradient_predivide_factor",
+                             [](const TrainConfig& c) { return Number(c.gradient_predivide_factor); })
+      // DeepSpeed's get_fp16_auto_cast: None when fp16 is off.
+      .def_property_readonly("fp16_auto_cast", [](const TrainConfig& c) -> py::object {
+        return c.fp16.enabled ? py::object(py::bool_(c.fp16.auto_cast)) : py::object(py::none());
+      })
+      // DeepSpeed's get_dynamic_loss_scale_args: set only in fp16 when the config writes one of its keys.
+      .def_property_readonly("dynamic_loss_scale_args", [](const TrainConfig& c) -> py::object {
+        if (!c.fp16.enabled || !c.fp16.dynamic_keys_given) return py::none();
+        py::dict d;
+        d["init_scale"] = Number(std::ldexp(1.0, c.fp16.initial_scale_power));
+        d["scale_window"] = c.fp16.loss_scale_window;
+        d["delayed_shift"] = c.fp16.hysteresis;
+        d["consecutive_hysteresis"] = c.fp16.consecutive_hysteresis;
+        d["min_scale"] = Number(c.fp16.min_loss_scale);
+        return d;
+      })
+      // (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) at `world_size` ranks.
+      .def("batch_sizes", [](const TrainConfig& c, int world_size) {
+        const engine::BatchSizes b = engine::ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
+                                                               c.gradient_accumulation_steps, world_size);
+        return py::make_tuple(b.train_batch_size, b.micro_batch, b.gradient_accumulation_steps);
+      }, "world_size"_a);
   m.def("parse_config", &ParseConfigObject, "config"_a, "A config (a dict or a JSON path) parsed as initialize parses it");
   m.def("resolve_config", &ResolveConfig, "args"_a, "config"_a);
   m.def("add_config_arguments", &AddConfigArguments, "parser"_a);

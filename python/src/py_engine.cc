@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "py_param_groups.h"
+#include "script_api.h"
 #include "py_values.h"
 
 namespace uckpt::python {
@@ -254,6 +255,21 @@ void PyEngine::PullGroups(bool hparams) {
   }
 }
 
+void PyEngine::OptimizerStep() {
+  RequireOptimizer("optimizer.step()");
+  const std::string cls = DeepSpeedOptimizerClass(*this);
+  if (cls != "torch" || engine_->fp16_enabled() || settings_.config.zero.offload_optimizer_cpu)
+    throw py::value_error(
+        "engine.optimizer.step() is not supported by uckpt here: DeepSpeed's optimizer is its " +
+        (cls == "torch" ? std::string("fp16 wrapper") : cls) +
+        ", whose step() belongs to engine.step() (with the gradient-accumulation boundary, the lr schedule and the "
+        "step counters); call engine.step(). A script's own optimizer.step() is DeepSpeed's at ZeRO stage 0 in "
+        "fp32, where the optimizer is the torch optimizer itself");
+  PushGroups();  // the lrs the script set in the dicts
+  py::gil_scoped_release no_gil;
+  engine_->OptimizerStep();
+}
+
 bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object client_state) {
   const std::string dir = FsPath(save_dir, "save_checkpoint: save_dir");
   ClientState cs = client_state.is_none() ? c10::IValue() : ToIValue(client_state, "client_state");
@@ -279,6 +295,8 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   o.universal = settings_.config.load_universal;
   // DeepSpeed's optimizer load_state_dict restores the saved param groups' lr, betas, eps and weight decay.
   o.keep_saved_hparams = load_optimizer_states && !load_module_only;
+  // Objects other than numpy's in client_state: read (and then rebuilt by Python's pickle) only on request.
+  o.trust_pickled_client_state = py::module_::import("uckpt._client_pickle").attr("trusted")().cast<bool>();
   PushGroups();  // what the dicts hold now is what a load leaves unrestored
   const std::string t = tag.is_none() ? "" : py::str(tag).cast<std::string>();
   LoadResult r;

@@ -77,6 +77,8 @@ class PyEngine {
   // state per parameter in torch's format, and load_state_dict() puts a state
   // dict's state into the engine and its groups' entries into the client's
   // dicts. Every other case raises, naming it (StateDictRefusal: "" when supported).
+  // The script's own optimizer.step() where DeepSpeed's optimizer is the torch optimizer (stage 0, fp32).
+  void OptimizerStep();
   py::object OptimizerStateDict();
   void LoadOptimizerStateDict(py::object state_dict);
   std::string StateDictRefusal(const char* call) const;

@@ -232,6 +232,7 @@ EngineOptions MakeEngineOptions(py::handle model, py::handle optimizer, Optimize
   engine::ApplyHostThreads(0, "", "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change",
                            options.comm->rank() == 0);
   options.param_groups = std::move(plan.groups);
+  options.forward_only = !plan.has_optimizer;  // DeepSpeed's engine without an optimizer only casts its module
   if (plan.client_step) {
     RefuseStage0Unsupported(optimizer, config);
     options.optimizer_step = ClientOptimizerStep(optimizer, plan.engine_group_of);

@@ -32,12 +32,13 @@ ClientState ToIValue(py::handle v, const std::string& what) {
     for (auto& x : items) l.push_back(std::move(x));
     return l;
   }
-  // numpy scalars and the like: as int or float where Python can say which.
-  if (py::hasattr(v, "item") && py::hasattr(v, "dtype") && !THPVariable_Check(v.ptr()))
+  // numpy scalars (numpy.generic: np.float64(1.5), np.int64(3)): as int or float where Python can say which.
+  const std::string type_module = py::str(v.get_type().attr("__module__")).cast<std::string>();
+  if (type_module == "numpy" && py::isinstance(v, py::module_::import("numpy").attr("generic")))
     return ToIValue(v.attr("item")(), what);
-  throw py::type_error(what + ": " + py::str(v.get_type()).cast<std::string>() +
-                       " cannot be saved (dicts with str keys, lists, tuples, int, float, bool, str, None and "
-                       "tensors can)");
+  // Anything else (a numpy array, an object of the script's): its pickle, as DeepSpeed's torch.save writes it.
+  py::bytes pickled = py::module_::import("uckpt._client_pickle").attr("dumps")(v, what);
+  return c10::IValue::make_capsule(c10::make_intrusive<PickledObject>(std::string(pickled)));
 }
 
 py::object FromIValue(const c10::IValue& v) {
@@ -62,6 +63,11 @@ py::object FromIValue(const c10::IValue& v) {
     py::list l;
     for (const auto& e : v.toListRef()) l.append(FromIValue(e));
     return l;
+  }
+  if (v.isCapsule()) {
+    auto pickled = c10::dynamic_intrusive_pointer_cast<PickledObject>(v.toCapsule());
+    if (pickled)
+      return py::module_::import("uckpt._client_pickle").attr("loads")(py::bytes(pickled->pickle), "client_state");
   }
   if (v.isIntList()) return py::cast(v.toIntVector());
   if (v.isDoubleList()) return py::cast(v.toDoubleVector());

@@ -7,7 +7,11 @@ import os
 
 import torch
 
-from uckpt._uckpt import add_config_arguments  # noqa: F401
+# First: every module and name of DeepSpeed 0.14.5 importable from uckpt (uckpt/_deepspeed_api.py).
+from uckpt import _deepspeed_api
+__getattr__, __dir__ = _deepspeed_api.install(__name__)
+
+from uckpt._uckpt import add_config_arguments  # noqa: F401,E402
 from uckpt._uckpt import initialize as _initialize
 from uckpt._uckpt import init_distributed as _init_distributed
 from uckpt._uckpt import resolve_config as _resolve_config

@@ -22,6 +22,8 @@
 #include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
+#include "format/pickle_reader.h"
+#include "format/pickle_writer.h"
 #include "format/torch_file.h"
 #include "engine/async_save.h"
 #include "engine/fingerprint.h"
@@ -139,6 +141,17 @@ ValuePtr FromIValue(const c10::IValue& v, const std::string& where) {
       items.push_back(FromIValue(x, where + "[" + std::to_string(k++) + "]"));
     return Value::Tuple(std::move(items));
   }
+  if (v.isCapsule()) {
+    auto pickled = c10::dynamic_intrusive_pointer_cast<PickledObject>(v.toCapsule());
+    if (!pickled) throw std::invalid_argument(where + ": a capsule that is not a uckpt::PickledObject cannot be saved");
+    const auto* bytes = reinterpret_cast<const uint8_t*>(pickled->pickle.data());
+    // Read as any pickle: the classes it names are kept as inert objects and written back, never run.
+    return ReadPickle(std::span<const uint8_t>(bytes, pickled->pickle.size()), where,
+                      [&](const ValuePtr&) -> ValuePtr {
+                        throw std::invalid_argument(where + ": a pickled client_state value holds a tensor");
+                      },
+                      PickleLimits{}, PicklePolicy::kLenient);
+  }
   if (v.isGenericDict()) {
     ValuePtr d = Value::Dict();
     for (const auto& kv : v.toGenericDict()) {
@@ -188,6 +201,18 @@ c10::IValue ToIValue(const ValuePtr& v) {
       c10::impl::GenericDict d(c10::AnyType::get(), c10::AnyType::get());
       for (const auto& [k, x] : v->entries) d.insert(ToIValue(k), ToIValue(x));
       return c10::IValue(d);
+    }
+    case Kind::kObject:
+    case Kind::kGlobal:
+    case Kind::kBytes:
+    case Kind::kByteArray:
+    case Kind::kSet:
+    case Kind::kFrozenSet:
+    case Kind::kComplex: {
+      // Given back as its pickle (Python rebuilds numpy's values and refuses others unless trusted).
+      PickledValue p = PickleForTorch(v);
+      if (p.storages.empty()) return c10::IValue::make_capsule(c10::make_intrusive<PickledObject>(std::move(p.pickle)));
+      [[fallthrough]];  // an object holding tensors: inert, as below
     }
     default: return c10::IValue("<" + (v->s.empty() ? std::string("unsupported value") : v->s) + ">");  // inert, never run
   }
@@ -770,12 +795,49 @@ ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
   return c10::IValue(d);
 }
 
+// The default pickle policy for the scope of one load (LoadCheckpointOptions::trust_pickled_client_state).
+class ScopedPicklePolicy {
+ public:
+  explicit ScopedPicklePolicy(PicklePolicy p) : saved_(DefaultPicklePolicy()) { SetDefaultPicklePolicy(p); }
+  ~ScopedPicklePolicy() { SetDefaultPicklePolicy(saved_); }
+  ScopedPicklePolicy(const ScopedPicklePolicy&) = delete;
+  ScopedPicklePolicy& operator=(const ScopedPicklePolicy&) = delete;
+
+ private:
+  PicklePolicy saved_;
+};
+
+LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                     const LoadCheckpointOptions& o);
+
 }  // namespace
+
+// DeepSpeed pickles any object a script puts in client_state (torch.save); uckpt's reader names only its
+// allow-list unless the caller trusts the checkpoint: then every file of the load is read naming any class (still
+// never running one), and the client keys' objects come back as PickledObject capsules.
+LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                const LoadCheckpointOptions& o) {
+  std::optional<ScopedPicklePolicy> lenient;
+  if (o.trust_pickled_client_state) lenient.emplace(PicklePolicy::kLenient);
+  try {
+    return LoadEngineCheckpointFiles(e, dir, tag, o);
+  } catch (const FormatError& err) {
+    if (o.trust_pickled_client_state || std::string(err.what()).find("strict mode refuses") == std::string::npos)
+      throw;
+    throw FormatError(std::string(err.what()) +
+                      ". If that is an object the training script saved in client_state and you trust this "
+                      "checkpoint, load it with LoadCheckpointOptions::trust_pickled_client_state (from Python: "
+                      "UCKPT_TRUST_PICKLED_CLIENT_STATE=1, which has Python's pickle rebuild it, as DeepSpeed's "
+                      "torch.load(weights_only=False) does)");
+  }
+}
+
+namespace {
 
 // Open, check, plan, read, verify: the folder is listed once and its
 // manifest read once (ckpt/tag_folder.h); every step works from that.
-LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                const LoadCheckpointOptions& o) {
+LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, const std::string& tag,
+                                     const LoadCheckpointOptions& o) {
   const std::string path = TagFolderPath(dir, tag, o.universal);
   if (path.empty()) return LoadResult{"", c10::IValue()};
   ckpt::TagFolder folder = ckpt::OpenTagFolder(path);
@@ -791,5 +853,7 @@ LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const s
   if (model.view.lr_scheduler) e.last_load.lr_scheduler_state = ToIValue(model.view.lr_scheduler);
   return LoadResult{path, ClientStateOf(model.view)};
 }
+
+}  // namespace
 
 }  // namespace uckpt::engine

@@ -389,8 +389,6 @@ void ParseTopLevelAudit(Section& top) {
   // zero_force_ds_cpu_optimizer: uckpt's offload always runs its own host Adam;
   // aio: the settings of NVMe offload, which uckpt refuses (DeepSpeed reads them for NVMe only).
   top.Ignore({"zero_force_ds_cpu_optimizer", "aio"});
-  top.RefuseUnless("prescale_gradients", false);
-  top.RefuseUnless("gradient_predivide_factor", 1.0);
   top.RefuseUnless("sparse_gradients", false);
   top.RefuseUnless("disable_allgather", false);
   top.RefuseUnless("communication_data_type", nullptr);
@@ -403,6 +401,8 @@ void ParseTopLevelAudit(Section& top) {
     top.RefuseEnabled(key);
   for (const char* key : {"compression_training", "sparse_attention", "weight_quantization"})
     top.RefuseEnabled(key, /*bare=*/true);
+  // MoQ's quantize training (DeepSpeed's quantize_training.enabled, default false).
+  top.RefuseEnabled("quantize_training");
   top.Monitor("tensorboard", "TensorBoard logs");
   top.Monitor("wandb", "Weights & Biases logs");
   top.Monitor("csv_monitor", "CSV monitor logs");
@@ -449,15 +449,38 @@ static void ParseStepsPerPrint(Section& top, TrainConfig& c) {
   top.Int("steps_per_print", c.steps_per_print);
 }
 
+// prescale_gradients and gradient_predivide_factor as DeepSpeed 0.14.5 takes them: honoured at stage 0 (its
+// engine's allreduce); at stages 1-2 its reduce_scatter averaging (the default) ignores them, and its averaging
+// without reduce_scatter, which uses them, is not uckpt's; at stage 3 with reduce_scatter it refuses them.
+void CheckGradientScaling(TrainConfig& c, const std::string& source) {
+  const bool given = c.prescale_gradients || c.gradient_predivide_factor != 1.0;
+  if (!(c.gradient_predivide_factor > 0))
+    throw ConfigError(source + ": gradient_predivide_factor must be > 0 (DeepSpeed divides the gradients by it)");
+  if (!given || c.zero.stage == 0) return;
+  const std::string what = c.prescale_gradients ? "prescale_gradients = true" : "gradient_predivide_factor != 1.0";
+  if (c.zero.stage == 3 && c.zero.reduce_scatter)
+    throw ConfigError(source + ": " + what + " at ZeRO stage 3 with reduce_scatter (the default) is refused, as "
+                      "DeepSpeed 0.14.5 asserts it is not supported there");
+  if (!c.zero.reduce_scatter)
+    throw ConfigError(source + ": " + what + " with zero_optimization.reduce_scatter = false is not supported by "
+                      "uckpt (its ZeRO " + std::to_string(c.zero.stage) + " averages gradients as DeepSpeed's "
+                      "reduce_scatter does, which ignores it; set reduce_scatter to true)");
+  c.warnings.push_back(source + ": " + what + " changes nothing at ZeRO stage " + std::to_string(c.zero.stage) +
+                       " with reduce_scatter (DeepSpeed 0.14.5 ignores it there too)");
+}
+
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
   TrainConfig c;
   c.raw = j;
+  std::string offload_param_device = "none";
   try {
     Section top(j, "", source, &c.warnings);
     top.Int("train_batch_size", c.train_batch_size);
     top.Int("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
     top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
     top.Double("gradient_clipping", c.gradient_clipping);
+    top.Bool("prescale_gradients", c.prescale_gradients);
+    top.Double("gradient_predivide_factor", c.gradient_predivide_factor);
     ParseStepsPerPrint(top, c);
     top.Bool("dataloader_drop_last", c.dataloader_drop_last);
     top.Bool("zero_allow_untested_optimizer", c.zero_allow_untested_optimizer);
@@ -478,7 +501,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->Int("hysteresis", c.fp16.hysteresis);
       s->Bool("consecutive_hysteresis", c.fp16.consecutive_hysteresis);
       s->Double("min_loss_scale", c.fp16.min_loss_scale);
-      s->RefuseUnless("auto_cast", false);
+      s->Bool("auto_cast", c.fp16.auto_cast);
       s->RefuseUnless("fp16_master_weights_and_grads", false);
     }
     for (const char* key : {"bf16", "bfloat16"}) {
@@ -505,12 +528,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
         o->RefuseUnknownKeys();
       }
       if (auto o = s->Sub("offload_param")) {
-        std::string device = "none";
-        o->String("device", device);
-        if (device != "none" && device != "cpu")
-          throw ConfigError("zero_optimization.offload_param.device must be \"cpu\" or \"none\", got \"" + device +
-                            "\"");
-        c.zero.offload_param_cpu = device == "cpu";
+        o->String("device", offload_param_device);
+        c.zero.offload_param_cpu = offload_param_device == "cpu";
         o->Bool("pin_memory", c.zero.offload_param_pin_memory);
         o->Ignore({"buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
         o->RefuseUnknownKeys();
@@ -523,7 +542,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->Bool("overlap_comm", c.zero.overlap_comm);
       s->Bool("override_module_apply", c.zero.override_module_apply);
       // How DeepSpeed lays out and schedules its buffers: uckpt's own layout gives the same values.
-      s->Ignore({"contiguous_gradients", "reduce_scatter", "allgather_partitions", "use_multi_rank_bucket_allreduce",
+      s->Bool("reduce_scatter", c.zero.reduce_scatter);
+      s->Ignore({"contiguous_gradients", "allgather_partitions", "use_multi_rank_bucket_allreduce",
                  "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
                  "pipeline_loading_checkpoint", "model_persistence_threshold",
                  "stage3_model_persistence_threshold", "use_all_reduce_for_fetch_params",
@@ -566,9 +586,16 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     throw ConfigError(source + ": " + m);
   }
   CheckZeroStage(c.zero.stage, source);
-  if (c.zero.offload_param_cpu && c.zero.stage != 3)
-    throw ConfigError(source + ": zero_optimization.offload_param needs stage 3 (got stage " +
-                      std::to_string(c.zero.stage) + ")");
+  // DeepSpeed reads offload_param at stage 3 only (DeepSpeed-Chat's --offload sets it at every stage).
+  if (c.zero.stage != 3 && (offload_param_device != "none" || c.zero.offload_param_cpu)) {
+    c.warnings.push_back(source + ": zero_optimization.offload_param applies to stage 3 only; ignored at stage " +
+                         std::to_string(c.zero.stage) + ", as DeepSpeed 0.14.5 ignores it");
+    c.zero.offload_param_cpu = false;
+  } else if (offload_param_device != "none" && offload_param_device != "cpu") {
+    throw ConfigError(source + ": zero_optimization.offload_param.device must be \"cpu\" or \"none\", got \"" +
+                      offload_param_device + "\"");
+  }
+  CheckGradientScaling(c, source);
   if (c.fp16.enabled && c.bf16) throw ConfigError(source + ": fp16 and bf16 cannot both be enabled");
   if (c.gradient_clipping < 0) throw ConfigError(source + ": gradient_clipping must be >= 0");
   return c;

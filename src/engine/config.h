@@ -77,6 +77,8 @@ struct Fp16Config {
   int hysteresis = 2;
   bool consecutive_hysteresis = false;
   double min_loss_scale = 1.0;
+  // fp16.auto_cast: the engine's forward casts the tensors among its positional inputs to fp16 (Python).
+  bool auto_cast = false;
   // Whether the config writes any of the dynamic scaler's keys (initial_scale_power,
   // loss_scale_window, min_loss_scale, hysteresis, consecutive_hysteresis). DeepSpeed's
   // ZeRO optimizers read the five above only then; otherwise they keep their
@@ -97,8 +99,12 @@ struct ZeroConfig {
   int64_t prefetch_bucket_size = 50000000;   // unit elements all-gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // prefetch only while gathered unit elements stay within this
   bool offload_param_cpu = false;            // stage 3: partitions of the 16-bit parameters in host memory
+                                             // (below stage 3 DeepSpeed ignores offload_param; so does uckpt)
   bool offload_param_pin_memory = false;     // offload_param.pin_memory: for Python's zero.Init only
   bool override_module_apply = true;         // Python's zero.Init gathers around Module.apply (DeepSpeed's)
+  // DeepSpeed's reduce_scatter (default true): at stages 1-2 its gradient averaging ignores
+  // prescale_gradients and gradient_predivide_factor; at stage 3 it refuses them.
+  bool reduce_scatter = true;
   // Stage 3: save_16bit_model gathers and writes the weights (else it saves nothing, as DeepSpeed).
   bool gather_16bit_weights_on_model_save = false;
 };
@@ -107,6 +113,11 @@ struct TrainConfig {
   // Any two of the three batch sizes determine the third (ResolveBatchSizes).
   std::optional<int64_t> train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps;
   double gradient_clipping = 0.0;  // 0 = off
+  // How the gradients are averaged over the ranks at ZeRO stage 0 (DeepSpeed's engine.allreduce_bucket):
+  // prescale: each rank's gradient times 1/world, then summed; otherwise (post-scale, the default) times
+  // 1/predivide, summed, times predivide/world. At stages 1-3 see ZeroConfig::reduce_scatter.
+  bool prescale_gradients = false;
+  double gradient_predivide_factor = 1.0;
   int64_t steps_per_print = 10;  // 0: never
   // inf or NaN as given (Accelerate sets inf): DeepSpeed only tests `step % it == 0`, never true, and its
   // engine's steps_per_print() returns the number; steps_per_print is 0 then.

@@ -192,7 +192,7 @@ void CastFloatingTensors(torch::nn::Module& m, at::ScalarType dtype) {
 // Refused before the CPU fp16 probe, so the message names the real reason.
 void RefuseStage0Wrappers(const TrainConfig& c, const EngineOptions& options) {
   if (c.zero.stage != 0) return;
-  if (c.fp16.enabled)
+  if (c.fp16.enabled && !options.forward_only)
     throw std::invalid_argument(
         "ZeRO stage 0 in fp16 is not supported by uckpt: DeepSpeed wraps the optimizer in its FP16_Optimizer "
         "(FP16_UnfusedOptimizer for most client optimizers), whose loss scaling and checkpoint layout uckpt does not "
@@ -324,6 +324,12 @@ void Engine::Step(const StepOptions& options) {
     e.step_applied = !r.skipped;
   }
   ++e.micro_steps;
+}
+
+void Engine::OptimizerStep() {
+  Impl& e = *impl_;
+  e.runtime->WaitForUpdate();
+  e.runtime->StepFromParameterGradients(e.schedule.current_lrs());
 }
 
 void Engine::WaitForUpdate() { impl_->runtime->WaitForUpdate(); }

@@ -472,11 +472,20 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
       at::Tensor out = part.narrow(0, o, b);
       comm_.ReduceScatterSum(bucket, out);
     }
-  } else if (s_.stage == 0 && comm_.world_size() > 1) {
+  } else if (s_.stage == 0 && (comm_.world_size() > 1 || s_.gradient_predivide_factor != 1.0)) {
     at::Tensor grad = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    // Stage 0: every rank steps the whole model on the averaged gradient.
-    grad.mul_(1.0 / comm_.world_size());
-    comm_.AllReduceSum(grad);
+    // Stage 0: every rank steps the whole model on the averaged gradient, averaged as DeepSpeed's
+    // engine.allreduce_bucket does (at one rank too): prescale_gradients scales before the sum; otherwise (the
+    // default) the sum is of the gradients over gradient_predivide_factor, scaled by predivide/world after it.
+    const double world = comm_.world_size(), f = s_.gradient_predivide_factor;
+    if (s_.prescale_gradients) {
+      grad.mul_(1.0 / world);
+      if (world > 1) comm_.AllReduceSum(grad);
+    } else {
+      if (f != 1.0) grad.mul_(1.0 / f);
+      if (world > 1) comm_.AllReduceSum(grad);
+      if (f != world) grad.mul_(f / world);
+    }
     part = grad;
   } else {
     part = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
@@ -721,6 +730,34 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
   RunOptimizerStep(s_.optimizer_step, states, grads, ids, group_lrs);
   for (Group& g : groups_)
     if (!g.host_copy) g.grad_partition = at::Tensor();  // else reused for the next step
+  WeightsFromMasters();
+}
+
+void FlatRuntime::StepFromParameterGradients(const std::vector<double>& group_lrs) {
+  if (s_.stage != 0 || s_.model_dtype != at::kFloat || s_.offload_optimizer_cpu)
+    throw std::logic_error("optimizer.step(): the optimizer steps itself at ZeRO stage 0 in fp32 without offload only");
+  if (group_lrs.size() != groups_.size()) throw std::logic_error("FlatRuntime::StepFromParameterGradients: one lr per group");
+  AwaitUpdate();
+  c10::NoGradGuard no_grad;
+  MastersFromWeights();  // the module's parameters are where the torch optimizer steps from
+  for (Group& g : groups_) {
+    at::Tensor grad = at::zeros_like(g.state.master);
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      const at::Tensor& pg = g.params[k].grad();
+      if (pg.defined()) grad.narrow(0, g.offsets[k], g.numels[k]).copy_(pg.reshape({-1}));
+    }
+    g.grad_partition = grad;
+    g.have_grad_partition = true;
+  }
+  if (s_.optimizer_step) {
+    ClientStep(UnscaleAndClip(at::zeros({}, at::kFloat), 1.0, 0.0), group_lrs);
+    return;
+  }
+  for (Group& g : groups_) {
+    AdamStep(g, g.grad_partition, group_lrs[static_cast<size_t>(&g - groups_.data())]);
+    g.grad_partition = at::Tensor();
+    g.have_grad_partition = false;
+  }
   WeightsFromMasters();
 }
 

@@ -121,6 +121,7 @@ class FlatRuntime : public ShardedRuntime {
   using StepResult = engine::StepResult;
   // The optimizer step with learning rate group_lrs[g] in group g, then the all-gather.
   StepResult Step(const std::vector<double>& group_lrs) override;
+  void StepFromParameterGradients(const std::vector<double>& group_lrs) override;
   StepResult Step(double lr) { return Step(std::vector<double>(groups_.size(), lr)); }  // every group
 
   // EngineOptions::overlap_update_with_forward: from now on Step overlaps the

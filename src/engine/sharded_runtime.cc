@@ -67,6 +67,8 @@ ZeroSettings SettingsOf(const TrainConfig& c, const EngineOptions& options) {
   s.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
   s.reduce_bucket_size = c.zero.reduce_bucket_size;
   s.overlap_comm = c.zero.overlap_comm;
+  s.prescale_gradients = c.prescale_gradients;
+  s.gradient_predivide_factor = c.gradient_predivide_factor;
   s.optimizer_step = options.optimizer_step;
   return s;
 }

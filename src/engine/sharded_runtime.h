@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <utility>
 #include <string>
 #include <vector>
@@ -66,6 +67,9 @@ struct ZeroSettings {
   bool offload_optimizer_cpu = false;       // master + moments in host memory
   int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
   bool overlap_comm = false;                // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
+  // Stage 0's averaging over the ranks (TrainConfig::prescale_gradients, gradient_predivide_factor).
+  bool prescale_gradients = false;
+  double gradient_predivide_factor = 1.0;
   // Set: the update of every step instead of Adam (EngineOptions::optimizer_step).
   OptimizerStepFn optimizer_step;
 };
@@ -153,6 +157,12 @@ class ShardedRuntime {
   // The optimizer step with learning rate group_lrs[g] in group g, then the
   // weights from the updated masters.
   virtual StepResult Step(const std::vector<double>& group_lrs) = 0;
+  // DeepSpeed's optimizer.step() called by the script where that optimizer is the torch optimizer itself (ZeRO
+  // stage 0 in fp32): one update of every parameter from its own .grad (none: zeros), as they are: not averaged
+  // over the ranks, not clipped. std::logic_error where the runtime has no such step.
+  virtual void StepFromParameterGradients(const std::vector<double>& group_lrs) {
+    throw std::logic_error("this optimizer has no step of its own (ZeRO stage 0 in fp32 only)");
+  }
   // Returns once the last Step's update is complete where Step returns
   // before it is (EngineOptions::overlap_update_with_forward); rethrows its error.
   virtual void WaitForUpdate() {}

@@ -24,7 +24,7 @@ CASE:
                   deepspeed.zero.GatheredParameters; the losses equal DeepSpeed's recorded stage-3 run.
   unsupported     initialize() refuses ZeRO stage 4, MoE, pipeline modules, mpu, client lr
                   schedulers and SGD at stage 0 in fp16, and the engine backward(allreduce_gradients=False),
-                  load_checkpoint(load_module_strict=False), optimizer.step() and unknown
+                  load_checkpoint(load_module_strict=False), optimizer.step() at stage 1 and unknown
                   lr_kwargs, naming each.
 """
 import csv
@@ -364,13 +364,16 @@ for name, kw, needle in cases:
 # Keywords and calls the engine does not implement, each refused by name.
 sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
 engine, optimizer, _, _ = deepspeed.initialize(model=net(), config=cfg(scheduler=sched))
+_, z1_optimizer, _, _ = deepspeed.initialize(model=net(), config=cfg(zero_optimization={"stage": 1}))
 loss = lambda: engine(torch.ones(1, 4)).sum()
 calls = [
     ("backward(allreduce_gradients=False)", lambda: engine.backward(loss(), allreduce_gradients=False),
      "allreduce_gradients=False"),
     ("load_checkpoint(load_module_strict=False)", lambda: engine.load_checkpoint("nowhere", load_module_strict=False),
      "load_module_strict=False"),
-    ("optimizer.step()", lambda: optimizer.step(), "call engine.step()"),
+    # (At ZeRO stage 0 in fp32 the script's own optimizer.step() is DeepSpeed's torch optimizer's:
+    # deepspeed_api_test.py optimizer_step.)
+    ("optimizer.step() at stage 1", lambda: z1_optimizer.step(), "call engine.step()"),
     ("step(lr_kwargs={'epoch': 1})", lambda: (engine.backward(loss()), engine.step(lr_kwargs={"epoch": 1})),
      "lr_kwargs key 'epoch'"),
 ]

@@ -1,11 +1,14 @@
-"""deepspeed.comm: torch.distributed's default group, the one the engine uses."""
+"""deepspeed.comm: torch.distributed's default group, the one the engine uses. DeepSpeed's calls are
+uckpt/comm/comm.py's (deepspeed.comm.comm's, the names this package has from it as DeepSpeed's has); ReduceOp is
+torch's (DeepSpeed's own enum, deepspeed.comm.reduce_op.ReduceOp, is taken by those calls too)."""
 import atexit
 import os
 import sys
 import time
 
-from torch.distributed import (ReduceOp, all_gather, all_reduce, barrier, broadcast, get_rank,  # noqa: F401
-                               get_world_size, is_initialized)
+from torch.distributed import ReduceOp  # noqa: F401
+from uckpt.comm.comm import (all_gather, all_reduce, barrier, broadcast, get_rank, get_world_size,  # noqa: F401
+                             is_initialized)
 
 
 def init_distributed(dist_backend=None, **kwargs):

@@ -1,156 +1,30 @@
 """The public names (methods, properties and attributes) of DeepSpeed 0.14.5's classes that uckpt's objects stand
-in for, read from DeepSpeed's class definitions. uckpt refuses those it does not have by name (NotImplementedError,
-which hasattr() does not swallow) instead of answering something else or letting hasattr() say False where
-DeepSpeed's object says True."""
+in for, read from DeepSpeed's class definitions by scripts/deepspeed_api.py (uckpt/_deepspeed_tree.py's CLASSES;
+tests/python/deepspeed_api_test.py compares them with the installed DeepSpeed). Each object looks a name up here
+only when it has none of its own: uckpt refuses those by name (NotImplementedError, which hasattr() does not
+swallow) instead of answering something else or letting hasattr() say False where DeepSpeed's object says True.
+A name that only a later DeepSpeed's class has is an AttributeError naming that release (later())."""
+from uckpt._deepspeed_api import later_member
+from uckpt._deepspeed_tree import CLASSES
 
-# deepspeed.runtime.engine.DeepSpeedEngine's, less those uckpt's engine has (runtime/engine.py).
-ENGINE = frozenset("""
-aio_config all_gather_scalar all_to_all_group allreduce_and_copy allreduce_bucket allreduce_gradients
-allreduce_no_retain amp_enabled amp_params autotuning_enabled autotuning_end_profile_step autotuning_metric
-autotuning_metric_path autotuning_model_info autotuning_model_info_path autotuning_profile_model_info
-autotuning_start_profile_step basic_optimizer block_eigenvalue buffered_allreduce_fallback checkpoint_engine
-checkpoint_tag_validation_enabled checkpoint_tag_validation_fail clip_fp32_gradients communication_data_type compile
-compression_scheduler curriculum_enabled_legacy curriculum_learning_config curriculum_learning_enabled
-curriculum_params_legacy curriculum_scheduler_legacy data_efficiency_config data_efficiency_enabled
-data_parallel_group data_sampling_config data_sampling_enabled dataloader_drop_last deepspeed_io dist_backend
-dont_change_device dump_state dynamic_loss_scale_args eigenvalue eigenvalue_enabled
-eigenvalue_gas_boundary_resolution eigenvalue_layer_name eigenvalue_layer_num eigenvalue_max_iter
-eigenvalue_stability eigenvalue_tol eigenvalue_verbose elasticity_enabled empty_partition_cache
-enable_backward_allreduce engine_timers expert_data_parallel_group expert_parallel_group flatten flops
-flops_profiler flops_profiler_detailed flops_profiler_enabled flops_profiler_module_depth flops_profiler_output_file
-flops_profiler_profile_step flops_profiler_recompute_fwd_factor flops_profiler_top_modules fp16_auto_cast
-fp16_master_weights_and_gradients fwd_duration gas_boundary_ctr gate_modules get_batch_info get_data_types get_mom
-get_pld_theta get_type gradient_average gradient_predivide_factor graph_harvesting has_moe_layers
-initial_dynamic_scale is_compiled is_elastic_model_parallel_supported is_first_weights_partition_group
-is_iterable_style_dataset is_map_style_dataset load_module_state_dict load_moe_state_dict
-loaded_checkpoint_dp_world_size loaded_checkpoint_mp_world_size local_all_to_all_group losses memory_breakdown
-mics_shard_size module_state_dict moe_layers monitor mp_world_size num_experts optimized_linear_base_weight_sharding
-optimized_linear_lora_enabled optimizer_legacy_fusion optimizer_params param_names pipeline_parallelism pld_enabled
-pld_gamma pld_params pld_theta postscale_gradients print_forward_breakdown progressive_layer_drop quantize_training
-quantizer random_ltd_config random_ltd_enabled random_ltd_initialize random_ltd_scheduler save_non_zero_checkpoint
-save_zero_checkpoint scale_wrt_gas scheduler_name scheduler_params seq_data_parallel_group seq_dp_world_size
-sequence_parallel_size set_custom_curriculum_learning_schedule set_data_post_process_func set_train_micro_batch_size
-sparse_all_gather sparse_allreduce sparse_allreduce_bucket sparse_allreduce_no_retain sparse_gradients_enabled
-sparse_tensor_module_names summary_events swap_tensor_config timers unflatten use_ds_comm use_node_local_storage
-warn_unscaled_loss zero_allgather_bucket_size zero_allgather_partitions zero_allow_untested_optimizer
-zero_contiguous_gradients zero_cpu_offload zero_elastic_checkpoint zero_force_ds_cpu_optimizer zero_grad_hooks
-zero_has_nvme_offload zero_hpz_partition_size zero_ignore_unused_parameters zero_legacy_stage1
-zero_load_from_fp32_weights zero_max_live_parameters zero_max_reuse_distance zero_model_persistence_threshold
-zero_multi_rank_bucket_allreduce zero_offload_optimizer zero_offload_param zero_optimization_partition_gradients
-zero_optimization_partition_weights zero_overlap_comm zero_param_persistence_threshold zero_partial_offload
-zero_prefetch_bucket_size zero_quantized_gradients zero_quantized_nontrainable_weights zero_quantized_weights
-zero_reduce_bucket_size zero_reduce_scatter zero_round_robin_gradients zero_sub_group_size zero_use_cpu_optimizer
-""".split())
+# deepspeed.runtime.engine.DeepSpeedEngine's.
+ENGINE = CLASSES["ENGINE"]
 
-# The optimizer initialize() returns, per DeepSpeed class (ZeROOptimizer's own included); at ZeRO stage 0 without
-# bf16 it is the torch optimizer itself (torch.optim.Optimizer's names, read at run time).
-OPTIMIZER = {
-    "DeepSpeedZeroOptimizer": frozenset("""
-accumulated_grads_in_cpu all_reduce_print allgather_bucket_size allreduce_and_copy
-allreduce_and_copy_with_multiple_ranks allreduce_and_scatter allreduce_bucket allreduce_no_retain
-async_accumulate_grad_in_cpu_via_gpu async_inplace_copy_grad_to_fp32_buffer_from_gpu average_tensor
-averaged_gradients backward bit16_groups bit16_groups_flat buffered_reduce_fallback callback_queued check_overflow
-clear_grad_attribute clip_grad communication_data_type complete_grad_norm_calculation_for_cpu_offload
-contiguous_gradients copy_grads_in_partition cpu_offload cpu_offload_pin_memory create_reduce_and_remove_grad_hooks
-cur_scale custom_loss_scaler deepspeed_adam_offload destroy device dp_process_group dtype dynamic_loss_scale
-elastic_checkpoint elements_in_ipg_bucket ep_process_group expert_dp_process_group external_loss_scale
-extra_large_param_to_reduce fill_grad_accum_attribute first_offset first_param_index_in_partition flatten
-flatten_and_print flatten_dense_tensors_aligned fp16_master_weights_and_gradients free_grad_in_param_list
-get_bit16_param_group get_data_parallel_partitions get_ep_ranks get_first_param_index get_flat_partition
-get_grad_norm_direct get_grad_position get_gradient_for_reduction get_grads_to_reduce get_lr
-get_param_gradient_attribute get_param_id get_partition_info grad_accs grad_partition_insertion_offset grad_position
-grad_start_offset gradient_accumulation_dtype gradient_accumulation_steps gradient_predivide_factor
-gradient_reduction_w_predivide grads_in_ipg_bucket grads_in_partition grads_in_partition_offset groups_padding
-has_moe_layers has_overflow has_overflow_partitioned_grads_serial has_overflow_serial ignore_unused_parameters
-independent_gradient_partition_epilogue initialize_gradient_partition
-initialize_gradient_partitioning_data_structures initialize_optimizer_states ipg_bucket_has_moe_params ipg_buffer
-ipg_index is_grad_computed is_gradient_accumulation_boundary is_moe_group is_moe_param_group
-is_param_in_current_partition is_partition_reduced load_hp_checkpoint_state_from_checkpoint_dir load_state_dict
-local_overflow loss_scale loss_scaler micro_step_id model_parallel_group model_parallel_rank
-model_parallel_world_size mpu nccl_start_alignment_factor norm_for_param_grads offload_gradient_dict optimizer
-overflow overlap_comm overlapping_partition_gradients_reduce_epilogue override_loss_scale
-parallel_partitioned_bit16_groups param_dict param_groups param_id param_names param_to_partition_ids
-params_already_reduced params_in_ipg_bucket params_in_partition params_not_in_partition partition_count
-partition_gradients partition_size postscale_gradients previous_reduced_grads print_rank_0 real_dp_process_group
-reduce_bucket_size reduce_gradients reduce_independent_p_g_buckets_and_remove_grads reduce_ipg_grads
-reduce_ready_partitions_and_remove_grads reduce_scatter reduction_stream refresh_fp32_params
-remaining_grads_in_partition report_ipg_memory_usage reset_cpu_buffers reset_partition_gradient_structures
-round_robin_bit16_groups round_robin_bit16_indices round_robin_bit16_meta round_robin_gradients scaled_global_norm
-sequence_parallel_size sequential_execution set_lr set_none_gradients_to_zero set_norm_for_param_grad
-set_norm_for_param_grad_in_gpu single_partition_of_fp32_groups state state_dict step
-temp_grad_buffer_for_cpu_offload temp_grad_buffer_for_gpu_offload timers total_grads_in_partition unflatten
-unscale_and_clip_grads update_lp_params update_overflow_tracker_for_param_grad use_grad_accum_attribute
-use_multi_rank_bucket_allreduce use_separate_grad_accum zero_grad zero_reduced_gradients zero_stage_string
-""".split()),
-    "DeepSpeedZeroOptimizer_Stage3": frozenset("""
-all2all_process_group all_reduce_print allreduce_and_copy allreduce_bucket allreduce_no_retain
-async_inplace_copy_grad_to_fp32_buffer_from_gpu averaged_gradients backup_optimizer backward check_overflow
-checkpoint_event_epilogue checkpoint_event_prologue clip_grad communication_data_type
-complete_grad_norm_calculation_for_cpu_offload contiguous_gradients create_reduce_and_remove_grad_hooks cur_scale
-custom_loss_scaler debug_fp16_grads deepspeed_adam_offload defragment destroy device dp_process_group dtype
-dump_post_step_gradients dump_pre_step_gradients dynamic_loss_scale elastic_checkpoint elements_in_ipg_bucket
-empty_partition_cache external_loss_scale extra_large_param_to_reduce flatten flatten_and_print
-flatten_dense_tensors_aligned fp16_groups fp16_partitioned_groups fp16_partitioned_groups_flat
-fp16_partitioned_groups_flat_id fp16_partitioned_groups_flat_numel fp32_partitioned_groups_flat
-free_grad_in_param_list get_data_parallel_partitions get_first_param_index get_flat_partition
-get_fp32_grad_for_param get_fp32_grad_partitions get_full_hp_param get_grad_norm_direct get_grads_to_reduce
-get_groups_without_padding get_lean_optimizer_state get_local_fp32_grad_for_param get_local_fp32_param get_lr
-get_param_id get_partition_info grad_accs grad_partitions_flat_buffer grad_position gradient_accumulation_dtype
-gradient_accumulation_steps gradient_predivide_factor grads_in_ipg_bucket groups_padding has_overflow
-has_overflow_partitioned_grads_serial has_overflow_serial independent_gradient_partition_epilogue inf_or_nan_tracker
-initialize_ds_offload initialize_gradient_partitioning_data_structures initialize_optimizer_states
-invalidate_secondary_tensor ipg_buffer is_grad_computed is_gradient_accumulation_boundary
-is_param_in_current_partition is_partition_reduced leaf_parameters load_hp_checkpoint_state
-load_hp_checkpoint_state_from_checkpoint_dir load_hp_checkpoint_state_from_checkpoint_dir_stage3 load_state_dict
-loss_scale loss_scaler max_param_reduce_events max_params_in_cpu micro_step_id model_parallel_group
-model_parallel_rank module n_caching_allocator_flushes next_swappable_fp32_partitioned_groups norm_for_param_grads
-offload_optimizer offload_optimizer_fast_init offload_optimizer_pin_memory offload_param offload_param_pin_memory
-optimizer optimizer_swapper overflow overlapping_partition_gradients_reduce_epilogue override_loss_scale param_dict
-param_groups param_groups_fp16_flat_cpu_memory param_reduce_events parameter_offload params_already_reduced
-params_in_ipg_bucket params_in_nvme_and_cpu partial_offload partition_count partition_grads partition_size
-persistent_parameters postscale_gradients prefetch_elements previous_reduced_grads quantize_nontrainable_params
-reduce_and_partition_stream reduce_bucket_size reduce_independent_p_g_buckets_and_remove_grads
-reduce_ready_partitions_and_remove_grads reduce_scatter refresh_fp32_params report_ipg_memory_usage
-reset_cpu_buffers reset_swap_buffers sequence_parallel_size sequential_execution set_full_hp_param
-set_grad_positions set_local_hp_param set_lr set_none_gradients_to_zero set_norm_for_param_grad_in_gpu state
-state_dict step sub_group_size sub_group_to_group_id subgroup_to_device swap_optimizer timers trainable_param_groups
-unflatten unscale_and_clip_grads zero_grad zero_hpz_partition_size zero_quantized_nontrainable_weights
-zero_reduced_gradients
-""".split()),
-    "BF16_Optimizer": frozenset("""
-accumulate_hp_grads_and_remove_lp allgather_bucket_size backward bf16_groups bf16_groups_flat
-bf16_partitioned_groups clear_hp_grads clear_lp_grads clip_grad create_grad_acc_hooks destroy dp_process_group
-dp_rank expert_gradients flatten fp32_groups_actual_gradients_flat fp32_groups_flat_partition
-fp32_groups_gradient_dict fp32_groups_gradient_flat_partition fp32_groups_gradients fp32_groups_gradients_flat
-fp32_groups_has_gradients get_grads_for_norm get_grads_for_reduction grad_acc_dtype grad_accs graph_harvesting
-group_paddings has_moe_layers immediate_grad_update initialize_optimizer_states
-load_hp_checkpoint_state_from_checkpoint_dir load_state_dict mpu nccl_start_alignment_factor non_expert_gradients
-norm_type optimizer param_groups param_names partition_count real_dp_process_group refresh_fp32_params state
-state_dict step timers unflatten update_hp_grads update_lp_params using_real_optimizer
-""".split()),
-}
+# The optimizer initialize() returns, per DeepSpeed class (its base classes' names included); at ZeRO stage 0
+# without bf16 it is the torch optimizer itself (torch.optim.Optimizer's names, read at run time).
+OPTIMIZER = {key: CLASSES[key] for key in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3",
+                                           "BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer")}
 
 # The scheduler a config "scheduler" section makes, per deepspeed.runtime.lr_schedules class.
-SCHEDULER = {
-    "LRRangeTest": frozenset("""
-get_last_lr get_lr interval_fn last_batch_iteration load_state_dict min_lr optimizer staircase state_dict step
-step_rate step_size
-""".split()),
-    "OneCycle": frozenset("""
-cycle_momentum decay_lr_rate decay_mom_rate decay_step_size first_stair_count get_last_lr get_lr get_mom
-last_batch_iteration load_state_dict max_lrs max_moms min_lrs min_moms optimizer second_stair_count skip_lr_decay
-skip_mom_decay state_dict step step_ratio total_size
-""".split()),
-    "WarmupCosineLR": frozenset("""
-cos_min_ratio get_last_lr get_lr get_lr_ratio inverse_log_warm_up last_batch_iteration load_state_dict optimizer
-org_lrs state_dict step total_num_steps warmup_min_ratio warmup_num_steps warmup_type
-""".split()),
-    "WarmupDecayLR": frozenset("""
-delta_lrs get_last_lr get_lr inverse_log_warm_up last_batch_iteration load_state_dict max_lrs min_lrs optimizer
-state_dict step total_num_steps warmup_num_steps warmup_type
-""".split()),
-    "WarmupLR": frozenset("""
-delta_lrs get_last_lr get_lr inverse_log_warm_up last_batch_iteration load_state_dict max_lrs min_lrs optimizer
-state_dict step warmup_num_steps warmup_type
-""".split()),
-}
+SCHEDULER = {key: CLASSES[key] for key in ("LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR",
+                                           "WarmupLR")}
+
+# deepspeed.accelerator's DeepSpeedAccelerator (get_accelerator()'s class) and deepspeed.DeepSpeedConfig.
+ACCELERATOR = CLASSES["ACCELERATOR"]
+CONFIG = CLASSES["CONFIG"]
+
+
+def later(key, name):
+    """The DeepSpeed release after 0.14.5 whose class (a key above: "ENGINE", an OPTIMIZER or SCHEDULER key,
+    "ACCELERATOR", "CONFIG") first has `name`, else None."""
+    return later_member(key, name)

@@ -11,6 +11,7 @@ import collections
 
 import torch
 
+from uckpt._deepspeed_api import DeepSpeedVersionAttributeError, later_message
 from uckpt.runtime import _deepspeed_names
 from uckpt.runtime.zero_views import EngineOptimizer, EngineScheduler
 from uckpt.utils.timer import ThroughputTimer
@@ -73,12 +74,33 @@ class DeepSpeedEngine(torch.nn.Module):
                 raise
         if name in _deepspeed_names.ENGINE:
             raise NotImplementedError(_refusal(name))
-        return getattr(self.module, name)
+        try:
+            return getattr(self.module, name)
+        except AttributeError:
+            version = _deepspeed_names.later("ENGINE", name)
+            if version is None:
+                raise
+        # A later DeepSpeed's engine name (engine.offload_states): as DeepSpeed 0.14.5's engine, which asks its
+        # module, an AttributeError (hasattr() is False), naming the release that has it.
+        raise DeepSpeedVersionAttributeError(later_message(f"engine.{name} (DeepSpeedEngine.{name})", version))
 
     # ---- Training ----
 
     def forward(self, *inputs, **kwargs):
+        if self._config.fp16_auto_cast:  # as DeepSpeed's: the positional inputs only
+            inputs = self._cast_inputs_half(inputs)
         return self.module(*inputs, **kwargs)
+
+    def _cast_inputs_half(self, inputs):
+        """DeepSpeed's fp16.auto_cast: every tensor among the positional inputs (in lists, tuples and dicts)
+        made half, integer ones too, as DeepSpeed 0.14.5 casts anything with a .half()."""
+        if isinstance(inputs, (list, tuple)):
+            return inputs.__class__([self._cast_inputs_half(v) for v in inputs])
+        if isinstance(inputs, dict):
+            return {k: self._cast_inputs_half(v) for k, v in inputs.items()}
+        if hasattr(inputs, "half"):
+            return inputs.half()
+        return inputs
 
     def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False, scale_wrt_gas=True):
         """Returns the loss scaled by 1/GA (fp32), as DeepSpeed's; release_loss does nothing there either."""
@@ -250,6 +272,10 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def bfloat16_enabled(self):
         return self._config.bfloat16_enabled
+
+    def fp16_auto_cast(self):
+        """The config's fp16.auto_cast (None when fp16 is off, as DeepSpeed's)."""
+        return self._config.fp16_auto_cast
 
     def zero_optimization(self):
         return self._config.zero_enabled

@@ -5,6 +5,7 @@ update runs). Each view refuses, by name, the attributes DeepSpeed's class for t
 (runtime/_deepspeed_names.py); any other missing name is an AttributeError, as it is for DeepSpeed's."""
 import torch
 
+from uckpt._deepspeed_api import DeepSpeedVersionAttributeError, later_message
 from uckpt.runtime import _deepspeed_names
 
 # DeepSpeed's optimizer at stage 0 outside bf16: the torch optimizer itself.
@@ -43,10 +44,19 @@ class EngineOptimizer:
                 elif p.grad is not None:
                     p.grad.zero_()
 
-    def step(self, *args, **kwargs):
+    def step(self, closure=None):
+        """At ZeRO stage 0 in fp32 DeepSpeed's optimizer is the torch optimizer itself, which a script may step
+        (after its own loss.backward()): one update of every parameter from its own .grad, not averaged over the
+        ranks nor clipped, the lr schedule and step counters untouched, as there. Elsewhere refused."""
+        if closure is not None:
+            raise ValueError("engine.optimizer.step(closure): a closure is not supported by uckpt")
+        if self._deepspeed_class == "torch" and not self._core.parsed_config().fp16_enabled:
+            self._core.optimizer_step()
+            return None
         raise RuntimeError("engine.optimizer.step() is not supported by uckpt: the update runs in engine.step() (with "
                            "the gradient-accumulation boundary, the lr schedule and the step counters); call "
-                           "engine.step()")
+                           "engine.step(). (A script's own optimizer.step() works at ZeRO stage 0 in fp32, where "
+                           "DeepSpeed's optimizer is the torch optimizer itself.)")
 
     def backward(self, *args, **kwargs):
         raise RuntimeError("engine.optimizer.backward() is not supported by uckpt: call engine.backward(loss) (which "
@@ -99,6 +109,9 @@ class EngineOptimizer:
             error = UnsupportedAttributeError if name in _PROBED else NotImplementedError
             raise error(f"optimizer.{name}: DeepSpeed 0.14.5's optimizer here ({cls}) has '{name}'; uckpt's "
                         "optimizer does not support it")
+        version = _deepspeed_names.later(cls, name)
+        if version is not None:
+            raise DeepSpeedVersionAttributeError(later_message(f"optimizer.{name} ({cls}.{name})", version))
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
