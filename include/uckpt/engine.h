@@ -188,6 +188,11 @@ struct LoadCheckpointOptions {
   bool universal = false;         // a universal checkpoint (any world size); tag from `latest_universal`
   bool verify_hashes = false;     // compare the manifest's XXH64 hashes too (sizes always)
   bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint, not the config
+  // DeepSpeed's load_module_strict: false lets the model-states file lack
+  // frozen parameters and buffers (a save with exclude_frozen_parameters),
+  // which then keep the values the model has, as torch's
+  // load_state_dict(strict=False) under DeepSpeed.
+  bool load_module_strict = true;
 };
 
 struct LoadResult {
@@ -248,6 +253,11 @@ struct SaveCheckpointOptions {
   // config scheduler's position; the same kinds of values as client_state.
   // None: the config scheduler's, if there is one.
   ClientState lr_scheduler_state;
+  // DeepSpeed's exclude_frozen_parameters: the frozen parameters (requires_grad
+  // false) are left out of the model-states file's module, and there is no
+  // frozen_param_shapes/frozen_param_fragments. A load then needs
+  // load_module_strict = false.
+  bool exclude_frozen_parameters = false;
 };
 
 // What the last SaveCheckpoint cost the caller.
