@@ -136,15 +136,17 @@ def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    # DeepSpeed 0.14.5's command line for this script: the same arguments and flags.
+    parser = argparse.ArgumentParser(description="The fp32 weights of the ZeRO checkpoint in CHECKPOINT_DIR, "
+                                                 "written with torch.save to OUTPUT_FILE (uckpt's zero_to_fp32)")
     parser.add_argument("checkpoint_dir", type=str,
-                        help="path to the desired checkpoint folder, e.g., path/checkpoint-12")
-    parser.add_argument("output_file", type=str,
-                        help="path to the pytorch fp32 state_dict output file (e.g. path/checkpoint-12/pytorch_model.bin)")
+                        help="the folder holding `latest` and the tag folders (e.g. out/checkpoint-12)")
+    parser.add_argument("output_file", type=str, help="where the state_dict goes (e.g. pytorch_model.bin)")
     parser.add_argument("-t", "--tag", type=str, default=None,
-                        help="checkpoint tag used as a unique identifier for checkpoint. e.g., global_step1")
-    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="exclude frozen parameters")
-    parser.add_argument("-d", "--debug", action="store_true", help="enable debug (accepted; prints nothing more)")
+                        help="the tag folder to read (e.g. global_step12); default: the one `latest` names")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out the parameters that were frozen (requires_grad False)")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted; uckpt prints nothing more")
     args = parser.parse_args()
     convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag,
                                                exclude_frozen_parameters=args.exclude_frozen_parameters)
