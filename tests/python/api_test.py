@@ -24,8 +24,8 @@ CASE:
                   deepspeed.zero.GatheredParameters; the losses equal DeepSpeed's recorded stage-3 run.
   unsupported     initialize() refuses ZeRO stage 4, MoE, pipeline modules, mpu, client lr
                   schedulers and SGD at stage 0 in fp16, and the engine backward(allreduce_gradients=False),
-                  load_checkpoint(load_module_strict=False), optimizer.step() and unknown
-                  lr_kwargs, naming each.
+                  optimizer.step() and unknown lr_kwargs, naming each (load_module_strict=False is
+                  honoured now: hf_calls_test.py frozen).
 """
 import csv
 import json
@@ -368,8 +368,6 @@ loss = lambda: engine(torch.ones(1, 4)).sum()
 calls = [
     ("backward(allreduce_gradients=False)", lambda: engine.backward(loss(), allreduce_gradients=False),
      "allreduce_gradients=False"),
-    ("load_checkpoint(load_module_strict=False)", lambda: engine.load_checkpoint("nowhere", load_module_strict=False),
-     "load_module_strict=False"),
     ("optimizer.step()", lambda: optimizer.step(), "call engine.step()"),
     ("step(lr_kwargs={'epoch': 1})", lambda: (engine.backward(loss()), engine.step(lr_kwargs={"epoch": 1})),
      "lr_kwargs key 'epoch'"),
