@@ -207,6 +207,11 @@ struct LoadCheckpointOptions {
   // PickledObject capsules), not only the strict reader's allow-list (format/strict_globals.h): for a checkpoint
   // whose client_state holds objects of the script's, which its caller trusts to rebuild.
   bool trust_pickled_client_state = false;
+  // DeepSpeed's load_module_strict: false lets the model-states file lack
+  // frozen parameters and buffers (a save with exclude_frozen_parameters),
+  // which then keep the values the model has, as torch's
+  // load_state_dict(strict=False) under DeepSpeed.
+  bool load_module_strict = true;
 };
 
 struct LoadResult {
@@ -267,6 +272,11 @@ struct SaveCheckpointOptions {
   // config scheduler's position; the same kinds of values as client_state.
   // None: the config scheduler's, if there is one.
   ClientState lr_scheduler_state;
+  // DeepSpeed's exclude_frozen_parameters: the frozen parameters (requires_grad
+  // false) are left out of the model-states file's module, and there is no
+  // frozen_param_shapes/frozen_param_fragments. A load then needs
+  // load_module_strict = false.
+  bool exclude_frozen_parameters = false;
 };
 
 // What the last SaveCheckpoint cost the caller.

@@ -39,9 +39,19 @@ void BindTraining(Core& c) {
 }
 
 void BindCheckpoints(Core& c) {
-  c.def("save_checkpoint", &PyEngine::SaveCheckpoint, "save_dir"_a, "tag"_a, "client_state"_a)
-      .def("load_checkpoint", &PyEngine::LoadCheckpoint, "load_dir"_a, "tag"_a, "load_optimizer_states"_a,
-           "load_lr_scheduler_states"_a, "load_module_only"_a)
+  c.def("save_checkpoint", &PyEngine::SaveCheckpoint, "save_dir"_a, "tag"_a, "client_state"_a,
+        "exclude_frozen_parameters"_a)
+      .def("load_checkpoint", &PyEngine::LoadCheckpoint, "load_dir"_a, "tag"_a, "load_module_strict"_a,
+           "load_optimizer_states"_a, "load_lr_scheduler_states"_a, "load_module_only"_a)
+      .def("last_load",  // what the last load_checkpoint did (uckpt's own)
+           [](const PyEngine& e) {
+             const LoadStats& l = e.engine().last_load();
+             py::dict d;
+             d["fingerprint"] = l.fingerprint;
+             d["fingerprint_s"] = l.fingerprint_s;
+             d["optimizer_bytes_read"] = l.optimizer_bytes_read;
+             return d;
+           })
       .def("load_weights", &LoadWeights, "path"_a, "name_map"_a, "strict"_a, "strip_prefix"_a, "add_prefix"_a)
       .def("save_16bit_model", &Save16bitModel, "save_dir"_a, "save_filename"_a, "exclude_frozen_parameters"_a)
       .def("zero_gather_16bit_weights_on_model_save",

@@ -270,13 +270,15 @@ void PyEngine::OptimizerStep() {
   engine_->OptimizerStep();
 }
 
-bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object client_state) {
+bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object client_state,
+                              bool exclude_frozen_parameters) {
   const std::string dir = FsPath(save_dir, "save_checkpoint: save_dir");
   ClientState cs = client_state.is_none() ? c10::IValue() : ToIValue(client_state, "client_state");
   if (!cs.isNone() && cs.isGenericDict() && cs.toGenericDict().empty()) cs = c10::IValue();
   const std::string t = tag.is_none() ? "" : py::str(tag).cast<std::string>();
   PushGroups();  // DeepSpeed saves the dicts' values
   SaveCheckpointOptions options;
+  options.exclude_frozen_parameters = exclude_frozen_parameters;
   // DeepSpeed saves lr_scheduler.state_dict() under 'lr_scheduler'.
   if (!client_scheduler_.is_none())
     options.lr_scheduler_state = ToIValue(client_scheduler_.attr("state_dict")(), "lr_scheduler.state_dict()");
@@ -285,13 +287,14 @@ bool PyEngine::SaveCheckpoint(py::object save_dir, py::object tag, py::object cl
   return true;
 }
 
-py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool load_optimizer_states,
-                                   bool load_lr_scheduler_states, bool load_module_only) {
+py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool load_module_strict,
+                                   bool load_optimizer_states, bool load_lr_scheduler_states, bool load_module_only) {
   const std::string dir = FsPath(load_dir, "load_checkpoint: load_dir");
   LoadCheckpointOptions o;
   o.load_optimizer_states = load_optimizer_states;
   o.load_lr_scheduler_states = load_lr_scheduler_states;
   o.load_module_only = load_module_only;
+  o.load_module_strict = load_module_strict;
   o.universal = settings_.config.load_universal;
   // DeepSpeed's optimizer load_state_dict restores the saved param groups' lr, betas, eps and weight decay.
   o.keep_saved_hparams = load_optimizer_states && !load_module_only;

@@ -48,8 +48,8 @@ class PyEngine {
 
   py::object Backward(py::object loss, const BackwardOptions& options);
   void Step(py::object lr_kwargs);
-  bool SaveCheckpoint(py::object dir, py::object tag, py::object client_state);
-  py::tuple LoadCheckpoint(py::object dir, py::object tag, bool load_optimizer_states,
+  bool SaveCheckpoint(py::object dir, py::object tag, py::object client_state, bool exclude_frozen_parameters);
+  py::tuple LoadCheckpoint(py::object dir, py::object tag, bool load_module_strict, bool load_optimizer_states,
                            bool load_lr_scheduler_states, bool load_module_only);
   void Train(bool mode);
   py::list GetLr() const;

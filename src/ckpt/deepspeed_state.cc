@@ -369,9 +369,10 @@ ValuePtr ModelStatesValue(const ModelStates& s) {
   d->set("buffer_names", buffer_names);
   d->set("optimizer", s.stage == 0 && s.stage0_optimizer ? s.stage0_optimizer : Value::None());
   d->set("param_shapes", s.stage == 0 ? Value::None() : ParamShapesValue(s.param_shapes));
-  d->set("frozen_param_shapes", s.stage >= 2 ? frozen_shapes : Value::None());
+  const bool record_frozen = s.stage >= 2 && !s.frozen_excluded;
+  d->set("frozen_param_shapes", record_frozen ? frozen_shapes : Value::None());
   d->set("shared_params", s.stage == 0 ? Value::None() : shared);
-  d->set("frozen_param_fragments", s.stage >= 2 ? frozen_fragments : Value::None());
+  d->set("frozen_param_fragments", record_frozen ? frozen_fragments : Value::None());
   d->set("lr_scheduler", s.lr_scheduler           ? s.lr_scheduler
                          : s.last_batch_iteration ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
                                                   : Value::None());

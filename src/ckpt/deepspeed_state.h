@@ -122,6 +122,7 @@ struct ModelStates {
   ParamShapes param_shapes;                              // trainable, per group (stage >= 1)
   std::vector<std::pair<std::string, ValuePtr>> frozen;  // frozen parameters, flattened (stage 2 records them)
   std::vector<NamedShape> frozen_shapes;
+  bool frozen_excluded = false;  // exclude_frozen_parameters: both frozen keys None, as DeepSpeed's
   std::vector<std::pair<std::string, std::string>> shared_params;  // alias -> owner
   ValuePtr stage0_optimizer;  // stage 0: torch's optimizer state_dict (Stage0OptimizerValue)
   std::optional<int64_t> last_batch_iteration;  // the lr scheduler's, if there is one

@@ -253,7 +253,9 @@ ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& 
   }
   nlohmann::json meta = {{"format", "pt"}};
   for (const auto& [alias, owner] : c.aliases()) {
-    if (!names.count(owner)) Fail(*tag, "shared_params maps '" + alias + "' to '" + owner + "', which is not exported");
+    // An alias of a tensor the folder does not hold (a frozen parameter left out by exclude_frozen_parameters) is
+    // left out too, as DeepSpeed's zero_to_fp32 recovers a shared parameter only when its owner is there.
+    if (!names.count(owner)) continue;
     if (names.count(alias)) continue;  // stored under both names already
     meta[alias] = owner;
   }

@@ -231,12 +231,17 @@ ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, Val
   m.stage = e.stage();
   for (const auto& b : e.buffers) params.emplace(b.name, TensorValue(b.tensor));
   for (const auto& [alias, owner] : e.aliases) params[alias] = params.at(owner);
-  for (const auto& name : e.state_names) m.module.emplace_back(name, params.at(name));
+  std::set<std::string> left_out;  // exclude_frozen_parameters: DeepSpeed deletes their names (not their aliases)
+  if (e.save_without_frozen)
+    for (const auto& p : e.frozen) left_out.insert(p.name);
+  for (const auto& name : e.state_names)
+    if (!left_out.count(name)) m.module.emplace_back(name, params.at(name));
   for (const PartitionSlot& slot : e.runtime->Slots()) {  // per group (stage 3: per sub-group)
     m.param_shapes.emplace_back();
     for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
   }
   m.module_prefixes = e.module_prefixes;
+  m.frozen_excluded = e.save_without_frozen;
   for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
   m.shared_params = e.aliases;
   if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
@@ -349,6 +354,7 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
   for (const auto& p : e.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
   for (const auto& [name, whole] : frozen) {
+    if (e.save_without_frozen) break;
     m.frozen_shapes.push_back({name, whole->shape});
     m.frozen.emplace_back(name, View(whole->storage, whole->dtype, {whole->numel()}, 0));
   }
@@ -710,14 +716,20 @@ at::Tensor WholeFrozen(const std::vector<TorchFile>& ranks, const std::string& n
 // checkpoint's copy of them, which DeepSpeed leaves out). One that the file
 // holds empty is a frozen parameter DeepSpeed's ZeRO-3 saved partitioned: it
 // is put together from every rank's frozen_param_fragments. A missing name
-// or another shape is an error naming the file.
-void LoadFixedParams(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model) {
+// or another shape is an error naming the file, unless !strict (DeepSpeed's
+// load_module_strict=False): a missing one keeps the model's value.
+void LoadFixedParams(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model, bool strict) {
   std::vector<NamedParam> fixed = e.frozen;
   fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
   std::optional<std::vector<TorchFile>> ranks;
   for (const auto& p : fixed) {
     auto it = model.view.module.find(p.name);
-    if (it == model.view.module.end()) throw FormatError(model.path + ": module has no tensor '" + p.name + "'");
+    if (it == model.view.module.end() && !strict) continue;
+    if (it == model.view.module.end())
+      throw FormatError(model.path + ": module has no tensor '" + p.name + "'" +
+                        (e.frozen.empty() ? ""
+                                          : " (saved with exclude_frozen_parameters? load with "
+                                            "load_module_strict=False)"));
     if (it->second->numel() == 0 && p.tensor.numel() > 0) {
       if (!ranks) ranks = Zero3ModelStatesFiles(folder, model.view.dp_world_size);
       p.tensor.copy_(WholeFrozen(*ranks, p.name, p.tensor.numel()).view(p.tensor.sizes()));
@@ -846,7 +858,7 @@ LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, co
   const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
   if (model.stage12 && !e.runtime->partitions_parameters()) CheckParamShapes(e, model.path, model.file.root);
   c10::NoGradGuard no_grad;
-  LoadFixedParams(e, folder, model);
+  LoadFixedParams(e, folder, model, o.load_module_strict);
   if (!o.load_module_only) RestoreCounters(e, model.view, o);
   LoadPartitions(e, folder, model, o, proof);
   FinishStateFingerprintCheck(e, proof, o);

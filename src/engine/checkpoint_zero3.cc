@@ -28,9 +28,11 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, std::vector<std::pair<std::stri
   for (const auto& p : e.frozen) params[p.name] = empty(p.tensor);
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
   // Frozen parameters: this rank's slot in frozen_param_fragments, as
-  // DeepSpeed's ZeRO-3 saves them (the load puts them together).
+  // DeepSpeed's ZeRO-3 saves them (the load puts them together); none with
+  // exclude_frozen_parameters.
   const int dp = e.runtime->partition_dp(), rank = e.runtime->partition_rank();
   for (const auto& p : e.frozen) {
+    if (e.save_without_frozen) break;
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
     m.frozen.emplace_back(p.name, TensorValue(RankSlot(p.tensor, dp, rank).cpu()));
   }

@@ -356,6 +356,7 @@ std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& ta
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint",
                                                  impl_->config.checkpoint_tag_validation == "FAIL");
   impl_->schedule.client_state_to_save = options.lr_scheduler_state;
+  impl_->save_without_frozen = options.exclude_frozen_parameters;
   return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }

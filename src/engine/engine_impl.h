@@ -37,6 +37,7 @@ struct Engine::Impl {
   // group's flat buffer once the optimizer exists.
   std::vector<std::vector<NamedParam>> groups;
   std::vector<NamedParam> frozen;                           // requires_grad false (or in no group), own storage
+  bool save_without_frozen = false;  // the save under way: SaveCheckpointOptions::exclude_frozen_parameters
   std::map<const void*, std::vector<at::Tensor>> gathered_frozen;  // stage 3: frozen values before GatheredParameters
   std::vector<std::pair<std::string, std::string>> aliases;  // tied: alias name -> owner name
   std::vector<NamedParam> buffers;                          // persistent buffers

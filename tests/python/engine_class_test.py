@@ -13,7 +13,6 @@ CASE:
 """
 import inspect
 import subprocess
-import sys
 
 import testkit
 from testkit import fail
@@ -135,23 +134,10 @@ def check_cli(uckpt):
     print(f"ok   uckpt train --zero_stage 5: {text.strip().splitlines()[-1]}")
 
 
-def worker(case):
-    import torch
-    import uckpt as deepspeed
-    deepspeed.init_distributed()
-    globals()["worker_" + case](deepspeed, torch)
-
-
-def main():
-    if sys.argv[1] == "--worker":
-        worker(sys.argv[2])
-        return
-    case, pypath, uckpt = sys.argv[1], sys.argv[2], sys.argv[3]
-    testkit.launch(__file__, case, pypath, 1)
+def after(case, argv):
     if case == "config":
-        check_cli(uckpt)
-    print(f"PASS {case}")
+        check_cli(argv[3])
 
 
 if __name__ == "__main__":
-    main()
+    testkit.case_main(globals(), after=after)

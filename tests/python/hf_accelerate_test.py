@@ -13,7 +13,7 @@ import argparse
 import json
 import math
 import os
-import subprocess
+import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,42 +64,24 @@ def worker(args):
 
 def main():
     sys.path.insert(0, HERE)
-    from hf_env import make_venv, run
-    from hf_trainer_test import first_error
+    from hf_env import fail_run, harness_venv, torchrun
     p = argparse.ArgumentParser()
     p.add_argument("pypath")
     p.add_argument("work")
     p.add_argument("--against", choices=["uckpt", "deepspeed"], default="uckpt")
     p.add_argument("--stage", type=int, default=2)
-    p.add_argument("--port", type=int, default=29621)
     args = p.parse_args()
     work = os.path.join(os.path.abspath(args.work), f"accelerate-{args.against}-zero{args.stage}")
-    subprocess.run(["rm", "-rf", work])
+    shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    if args.against == "uckpt":
-        python = make_venv(os.path.join(work, "venv"))
-        done = run(python, ["-m", "uckpt.alias", "install"], args.pypath)
-        if done.returncode != 0:
-            print(done.stdout + done.stderr + "\nFAIL: the alias did not install")
-            sys.exit(1)
-        pypath = args.pypath
-    else:
-        python = make_venv(os.path.join(work, "venv"), with_deepspeed=True)
-        pypath = ""
-    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOCAL_SIZE="2",
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    python, pypath = harness_venv(args.against, work, args.pypath)
     results = {}
     for phase in ("train", "resume"):
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(args.port),
-               os.path.abspath(__file__), "--worker", "--phase", phase, "--work", work, "--stage", str(args.stage)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        out = done.stdout + done.stderr
-        with open(os.path.join(work, f"{phase}.log"), "w") as f:
-            f.write(out)
-        if done.returncode != 0:
-            print(f"FAIL: {args.against} {phase}: exit {done.returncode}; first error:\n{first_error(out)}\n"
-                  f"(whole output: {os.path.join(work, phase + '.log')})")
-            sys.exit(1)
+        log = os.path.join(work, f"{phase}.log")
+        rc, out = torchrun(python, pypath, 2, [os.path.abspath(__file__), "--worker", "--phase", phase, "--work", work,
+                                               "--stage", str(args.stage)], log)
+        if rc != 0:
+            fail_run(f"{args.against} {phase}", rc, out, log)
         with open(os.path.join(work, f"losses-{phase}.json")) as f:
             results[phase] = {int(k): v for k, v in json.load(f).items()}
         print(f"{args.against} {phase}: " + " ".join(f"{k}:{v:.9g}" for k, v in sorted(results[phase].items())))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What Hugging Face's libraries hand DeepSpeed 0.14.5, and what they catch from it (issue 39,
-docs/hf-calls.md's failures 1, 3, 4 and 8), on the CPU at one rank (seconds).
+docs/hf-calls.md's failures 1, 3-9), on the CPU at one rank (seconds).
 
 usage: hf_calls_test.py CASE PYTHONPATH_OF_UCKPT
 
@@ -15,10 +15,21 @@ CASE:
   asserts    the exception types the libraries catch: lr_scheduler.get_last_lr() before the first step raises
              AssertionError (as DeepSpeed's), and the batch-size check raises an AssertionError that is also a
              RuntimeError.
+  frozen     PEFT's calls through the Trainer, at ZeRO 1-3: save_checkpoint(exclude_frozen_parameters=True)
+             leaves the frozen parameters out of the model-states file's module and sets frozen_param_shapes
+             and frozen_param_fragments to None, as DeepSpeed 0.14.5; load_checkpoint of it refuses with
+             load_module_strict=True naming the key, and with load_module_strict=False keeps the model's
+             frozen values and restores the rest; each save writes zero_to_fp32.py beside the tag folder.
+  zero_init  zero.Init given the Trainer's config before initialize, "auto" still in scheduler.params (the
+             Trainer fills warmup_num_steps at initialize; DeepSpeed's config keeps those sections as they
+             are), as a dict and as a path: accepted.
 """
+import glob
 import inspect
+import json
 import math
-import sys
+import os
+import tempfile
 
 import testkit
 from testkit import fail
@@ -132,21 +143,74 @@ def worker_asserts(deepspeed, torch):
     print(f"ok   the batch-size check raises an AssertionError (and RuntimeError): {got}")
 
 
-def worker(case):
-    import torch
-    import uckpt as deepspeed
-    deepspeed.init_distributed()
-    globals()["worker_" + case](deepspeed, torch)
+def frozen_net(torch):
+    """The toy net with its input layer frozen (a LoRA-like split: frozen base, trainable rest)."""
+    net = testkit.toy_net(torch)
+    for p in net.inp.parameters():
+        p.requires_grad_(False)
+    return net
 
 
-def main():
-    if sys.argv[1] == "--worker":
-        worker(sys.argv[2])
-        return
-    case, pypath = sys.argv[1], sys.argv[2]
-    testkit.launch(__file__, case, pypath, 1)
-    print(f"PASS {case}")
+def worker_frozen(deepspeed, torch):
+    for stage in (1, 2, 3):
+        work = tempfile.mkdtemp(prefix=f"hf-calls-frozen-{stage}-")
+        net = frozen_net(torch)
+        engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters()
+                                                                            if p.requires_grad],
+                                               config=config(zero_optimization={"stage": stage}))
+        train_step(engine, torch)
+        engine.save_checkpoint(work, exclude_frozen_parameters=True)
+        if not os.access(os.path.join(work, "zero_to_fp32.py"), os.X_OK):
+            fail(f"stage {stage}: no executable zero_to_fp32.py beside the tag folder")
+        files = glob.glob(os.path.join(work, "global_step1", "*model_states.pt"))
+        for f in files:
+            sd = torch.load(f, weights_only=False)
+            left = [k for k in sd["module"] if k.startswith("inp.")]
+            if left or sd["frozen_param_shapes"] is not None or sd["frozen_param_fragments"] is not None:
+                fail(f"stage {stage}: {os.path.basename(f)} keeps frozen parameters: module {left}, "
+                     f"frozen_param_shapes {sd['frozen_param_shapes']}, fragments {sd['frozen_param_fragments']}")
+        print(f"ok   stage {stage}: save_checkpoint(exclude_frozen_parameters=True) leaves inp.* out of "
+              f"{len(files)} model-states file(s), frozen_param_* None; zero_to_fp32.py written")
+        want = {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad and stage < 3}
+        net2 = frozen_net(torch)
+        with torch.no_grad():
+            net2.inp.weight.fill_(0.25)  # the model's own frozen values: kept by a non-strict load
+        engine2, _, _, _ = deepspeed.initialize(model=net2, model_parameters=[p for p in net2.parameters()
+                                                                              if p.requires_grad],
+                                                config=config(zero_optimization={"stage": stage}))
+        got = refusal(lambda: engine2.load_checkpoint(work))
+        if "inp." not in got or "load_module_strict" not in got:
+            fail(f"stage {stage}: a strict load of it: {got!r} does not name the key and load_module_strict")
+        path, _ = engine2.load_checkpoint(work, load_module_strict=False)
+        if path is None or engine2.global_steps != 1:
+            fail(f"stage {stage}: load_module_strict=False: {path}, global_steps {engine2.global_steps}")
+        if stage < 3:
+            if not torch.all(net2.inp.weight == 0.25):
+                fail(f"stage {stage}: the frozen weight was not kept")
+            for n, p in net2.named_parameters():
+                if n in want and not torch.equal(p.detach(), want[n]):
+                    fail(f"stage {stage}: {n} not restored")
+        train_step(engine2, torch)
+        print(f"ok   stage {stage}: load_checkpoint refuses it with load_module_strict=True ({got.splitlines()[0]}); "
+              f"with False the model's frozen values stay, the trainable ones and counters are restored")
+
+
+def worker_zero_init(deepspeed, torch):
+    c = config(zero_optimization={"stage": 3}, scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": "auto", "total_num_steps": "auto"}})
+    c["optimizer"]["params"]["lr"] = "auto"
+    with deepspeed.zero.Init(config_dict_or_path=c):
+        net = testkit.toy_net(torch)
+    path = os.path.join(tempfile.mkdtemp(prefix="hf-calls-zero-init-"), "ds_config.json")
+    with open(path, "w") as f:
+        json.dump(c, f)
+    with deepspeed.zero.Init(config_dict_or_path=path):
+        testkit.toy_net(torch)
+    if net.inp.weight.ds_status.name != "NOT_AVAILABLE":
+        fail("zero.Init did not partition")
+    print("ok   zero.Init takes the Trainer's config with \"auto\" in scheduler.params and optimizer.params "
+          "(a dict and a path)")
 
 
 if __name__ == "__main__":
-    main()
+    testkit.case_main(globals())

@@ -7,6 +7,7 @@ installed), or all but DeepSpeed (a folder of links to every entry except deepsp
 that the alias can be installed into the venv's own site-packages and `import deepspeed` is then uckpt.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,3 +65,64 @@ def cpu_data_parallel():
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")
     return {"accelerator_config": {"use_configured_state": True}}
+
+
+# ---- What the harnesses (hf_trainer_test, hf_accelerate_test, hf_trl_test) share: their venvs, torchrun, errors.
+
+def harness_venv(which, work, pypath):
+    """(python, PYTHONPATH) of a fresh venv at WORK/venv-WHICH where `deepspeed` is uckpt through the alias
+    (`which` "uckpt"; PYTHONPATH the build's) or real DeepSpeed 0.14.5 ("deepspeed"); exits 1 when the alias does
+    not install."""
+    if which == "uckpt":
+        python = make_venv(os.path.join(work, "venv-uckpt"))
+        done = run(python, ["-m", "uckpt.alias", "install"], pypath)
+        if done.returncode != 0:
+            print(done.stdout + done.stderr + "\nFAIL: the alias did not install", flush=True)
+            sys.exit(1)
+        return python, pypath
+    return make_venv(os.path.join(work, "venv-deepspeed"), with_deepspeed=True), ""
+
+
+def torchrun(python, pypath, nproc, script_args, log, timeout=900):
+    """`python -m torch.distributed.run` of `script_args` at `nproc` CPU ranks (Gloo, a free port, nothing
+    downloaded; TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for real DeepSpeed's own loads, which call torch.load without
+    weights_only). The output is also written to `log`. Returns (exit code, output)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from testkit import free_port
+    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               LOCAL_SIZE=str(nproc),  # DeepSpeed's CPU device count (else it asks numactl)
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONHOME", None)
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), *script_args]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = 124
+        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        out += f"\n(timed out after {timeout} s)"
+    with open(log, "w") as f:
+        f.write(out)
+    return rc, out
+
+
+def first_error(out):
+    """The first traceback's last lines (the exception), from rank output."""
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" in line:
+            block = []
+            for nxt in lines[i + 1:]:
+                block.append(nxt)
+                if re.match(r"^(\[rank\d+\]: )?[A-Za-z_.]+(Error|Exception|Interrupt)\b", nxt):
+                    break
+            return "\n".join(block[-8:])
+    return "\n".join(lines[-15:])
+
+
+def fail_run(what, rc, out, log):
+    """Exits 1 naming the run, its exit code and its first error."""
+    print(f"FAIL: {what}: exit {rc}; first error:\n{first_error(out)}\n(whole output: {log})", flush=True)
+    sys.exit(1)

@@ -1,28 +1,44 @@
-"""A Hugging Face Trainer causal-LM run with `--deepspeed ds_config.json` on uckpt (#39), on the CPU at 2 ranks.
+"""A Hugging Face Trainer causal-LM run with `--deepspeed ds_config.json` on uckpt (#39), on CPU ranks (Gloo).
 
-    hf_trainer_test.py PYPATH WORK_DIR [--against uckpt|deepspeed|both] [--steps N] [--stage 2|3]
+    hf_trainer_test.py PYPATH WORK_DIR [--against uckpt|deepspeed|both] [--stage 2|3] [--lora] [--steps N]
+                       [--world W] [--writer uckpt|deepspeed] [--resume W2[:S2[:GA2]]]... [--zero-to-fp32]
+                       [--uckpt-data]
 
 A venv over the tests' packages (tests/python/hf_env.py) where `deepspeed` is uckpt through the alias
 (`python -m uckpt.alias install`), or, for `deepspeed`, one where it is real DeepSpeed 0.14.5. In it torchrun
-starts 2 ranks (Gloo, DS_ACCELERATOR=cpu) of this file's worker: a tiny GPT-2 made from a config (nothing
-downloaded; built by `AutoModelForCausalLM.from_config` after the TrainingArguments, so that at ZeRO-3
-transformers builds it under `deepspeed.zero.Init` and initialises it through `GatheredParameters`), synthetic
-tokens made here, `TrainingArguments(deepspeed="ds_config.json")` with the "auto" values the Trainer fills in
-(AdamW and WarmupLR from the config, ZeRO-2 or 3; `WORK_DIR/<uckpt|deepspeed>-zero<stage>`), train for N steps with a save
-halfway, then `trainer.train(resume_from_checkpoint=...)` from that save into a new Trainer. Each rank
-prints its per-step losses; with `both` the uckpt run's losses are compared with real DeepSpeed's.
-Exit 0 when every run finished (and, with `both`, the losses agree within 1e-5 relative); otherwise the first
-failure's traceback is printed and the exit is 1.
+starts W ranks (default 2) of this file's worker: a tiny GPT-2 made from a config (nothing downloaded; built by
+`AutoModelForCausalLM.from_config` after the TrainingArguments, so that at ZeRO-3 transformers builds it under
+`deepspeed.zero.Init` and initialises it through `GatheredParameters`), 64 synthetic samples,
+`TrainingArguments(deepspeed="ds_config.json")` with the "auto" values the Trainer fills in (AdamW and WarmupLR
+from the config, ZeRO-2 or 3), a global batch of 8 (2 per rank, gradient accumulation 4 / W), N steps (default 6)
+with a save halfway; then `trainer.train(resume_from_checkpoint=...)` from that save in a new launch.
+
+The run is made by `--writer` (default: each of `--against`); each `--resume W2[:S2[:GA2]]` (default: one at
+the run's size and stage) by `--against`'s package, at W2 ranks, stage S2 (default the run's), gradient
+accumulation GA2 (default 4 / W2: the same global batch). Checked:
+  * each run logs positive finite losses and gradient norms at every step;
+  * the resume's losses continue the run's: equal to the last bit when the package, world size and stage are the
+    run's; otherwise within 1e-3 absolute at every resumed step (fp32), each delta printed (RESULT lines);
+  * the resume trains on the run's samples, step by step (the Trainer's own data position); with another
+    global batch (GA2), on the samples of the Trainer's order that follow the run's (`--uckpt-data`:
+    uckpt.data.trainer_sampler with ignore_data_skip=True; the Trainer's own skipping fails this check);
+  * uckpt's load checked the state fingerprint: against the manifest's record (uckpt's checkpoints) or against
+    the files (DeepSpeed's), from `engine.last_load()`;
+  * `--zero-to-fp32`: the run's checkpoint-N/zero_to_fp32.py gives the weights the Trainer saved beside it;
+  * with `both`, the uckpt run's losses against real DeepSpeed's, within 1e-5 relative.
+Exit 0 when all hold, else 1 with the first failure (a run's first traceback).
 """
 import argparse
 import json
 import math
 import os
 import re
-import subprocess
+import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+GLOBAL_BATCH, MICRO = 8, 2
+RESIZE_TOLERANCE = 1e-3  # absolute, fp32, after a change of world size or stage (#39)
 
 DS_CONFIG = {
     "bf16": {"enabled": "auto"},
@@ -41,6 +57,16 @@ DS_CONFIG = {
 }
 
 
+def ds_config(stage):
+    cfg = json.loads(json.dumps(DS_CONFIG))
+    cfg["zero_optimization"]["stage"] = stage
+    if stage == 3:  # the keys Hugging Face's ZeRO-3 examples set, "auto" where the Trainer fills them
+        cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": "auto",
+                                         "stage3_param_persistence_threshold": "auto",
+                                         "stage3_gather_16bit_weights_on_model_save": True})
+    return cfg
+
+
 def worker(args):
     sys.path.insert(0, HERE)
     from hf_env import cpu_data_parallel
@@ -50,6 +76,8 @@ def worker(args):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, 96, (64, 32), generator=g)
+    index_of = {tuple(row.tolist()): i for i, row in enumerate(tokens)}
+    trained = []  # the samples this rank trained on since the last optimizer step
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self):
@@ -71,153 +99,253 @@ def worker(args):
                                              fan_in_fan_out=True))
         return m
 
-    logged = {}
+    logged, samples = {}, {}
+    rank = int(os.environ.get("RANK", "0"))
 
-    class Losses(TrainerCallback):
+    class Record(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            samples[state.global_step] = list(trained)
+            trained.clear()
+            with open(os.path.join(args.work, f"samples-{rank}.json"), "w") as f:
+                json.dump(samples, f)
+
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs and state.is_world_process_zero:
                 logged[state.global_step] = [float(logs["loss"]), float(logs.get("grad_norm", "nan"))]
-                with open(os.path.join(args.work, f"losses-{args.phase}.json"), "w") as f:
+                with open(os.path.join(args.work, "losses.json"), "w") as f:
                     json.dump(logged, f)
 
-    def targs(out, steps):
-        return TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 max_steps=steps, save_steps=args.save_at, save_strategy="steps", logging_steps=1,
-                                 learning_rate=1e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0,
-                                 deepspeed=args.ds_config, report_to="none", dataloader_num_workers=0,
-                                 seed=0, data_seed=0, disable_tqdm=True, save_only_model=False,
-                                 **cpu_data_parallel())
+    class Recording(Trainer):
+        def training_step(self, model, inputs, *rest, **kw):
+            trained.extend(index_of[tuple(row.tolist())] for row in inputs["input_ids"])
+            return super().training_step(model, inputs, *rest, **kw)
 
-    out = os.path.join(args.work, "out")
-    if args.phase == "train":
-        training_args = targs(out, args.steps)
-        trainer = Trainer(model=model(), args=training_args, train_dataset=Tokens(), callbacks=[Losses()])
-        trainer.train()
-    else:
-        training_args = targs(out + "-resumed", args.steps)
-        trainer = Trainer(model=model(), args=training_args, train_dataset=Tokens(), callbacks=[Losses()])
-        trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{args.save_at}"))
+    trainer_class = Recording
+    if args.uckpt_data:  # uckpt's data position instead of the Trainer's skipping (docs/hf.md)
+        import uckpt.data
+
+        class trainer_class(Recording):
+            def _get_train_sampler(self, train_dataset=None):
+                return uckpt.data.trainer_sampler(self, train_dataset)
+
+    training_args = TrainingArguments(
+        output_dir=os.path.join(args.work, "out"), per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=args.ga, max_steps=args.steps, save_steps=args.save_at, save_strategy="steps",
+        logging_steps=1, learning_rate=1e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0,
+        deepspeed=args.ds_config, report_to="none", dataloader_num_workers=0, seed=0, data_seed=0, disable_tqdm=True,
+        save_only_model=False, ignore_data_skip=args.uckpt_data, **cpu_data_parallel())
+    trainer = trainer_class(model=model(), args=training_args, train_dataset=Tokens(), callbacks=[Record()])
+    trainer.train(resume_from_checkpoint=args.resume_from)
     engine = trainer.model_wrapped
     print(f"ENGINE {type(engine).__module__}.{type(engine).__name__} global_steps={engine.global_steps}",
           flush=True)
+    if args.resume_from and hasattr(engine, "last_load"):
+        print(f"LOADED {json.dumps(engine.last_load())}", flush=True)
 
 
-def run_phase(python, pypath, work, phase, args, env_extra):
-    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", LOCAL_SIZE="2", **env_extra)  # (DeepSpeed's CPU device count; else numactl)
-    env.pop("PYTHONHOME", None)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(args.port),
-           os.path.abspath(__file__), "--worker", "--phase", phase, "--work", work,
-           "--ds_config", os.path.join(work, "ds_config.json"), "--steps", str(args.steps),
-           "--save_at", str(args.save_at)] + (["--lora"] if args.lora else [])
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    out = done.stdout + done.stderr
-    with open(os.path.join(work, f"{phase}.log"), "w") as f:
-        f.write(out)
-    return done.returncode, out
+class Run:
+    """One launch of the worker: its folder, its logged losses and samples."""
+
+    def __init__(self, work, which, world, stage, lora, ga=None, uckpt_data=False):
+        self.work, self.which, self.world, self.stage, self.lora = work, which, world, stage, lora
+        self.ga = ga or GLOBAL_BATCH // (MICRO * world)
+        self.batch = MICRO * self.ga * world
+        self.uckpt_data = uckpt_data
+        self.name = (f"{which} at {world} rank(s), ZeRO-{stage}{' LoRA' if lora else ''}"
+                     f"{f', global batch {self.batch}' if self.batch != GLOBAL_BATCH else ''}"
+                     f"{', uckpt data position' if uckpt_data else ''}")
+
+    def launch(self, python, pypath, steps, save_at, resume_from=None):
+        shutil.rmtree(self.work, ignore_errors=True)
+        os.makedirs(self.work)
+        config = os.path.join(self.work, "ds_config.json")
+        with open(config, "w") as f:
+            json.dump(ds_config(self.stage), f, indent=1)
+        sys.path.insert(0, HERE)
+        from hf_env import fail_run, torchrun
+        log = os.path.join(self.work, "run.log")
+        cmd = [os.path.abspath(__file__), "--worker", "--work", self.work, "--ds_config", config, "--steps",
+               str(steps), "--save_at", str(save_at), "--ga", str(self.ga)]
+        cmd += (["--lora"] if self.lora else []) + (["--resume_from", resume_from] if resume_from else [])
+        cmd += ["--uckpt_data"] if self.uckpt_data else []
+        rc, self.out = torchrun(python, pypath, self.world, cmd, log)
+        if rc != 0:
+            fail_run(self.name, rc, self.out, log)
+        self.losses = self._json("losses.json")
+        self.samples = {}  # step -> the global batch's sample indices, sorted
+        for r in range(self.world):
+            for step, idx in self._json(f"samples-{r}.json").items():
+                self.samples.setdefault(step, []).extend(idx)
+        self.samples = {k: sorted(v) for k, v in self.samples.items()}
+        first = save_at + 1 if resume_from else 1
+        print(f"{self.name}{' resumed' if resume_from else ''}: losses "
+              + " ".join(f"{s}:{v[0]:.9g}" for s, v in sorted(self.losses.items())), flush=True)
+        bad = {s: v for s, v in self.losses.items() if not (math.isfinite(v[0]) and v[0] > 0 and math.isfinite(v[1]))}
+        if sorted(self.losses) != list(range(first, steps + 1)) or bad:
+            print(f"FAIL: {self.name}: logged steps {sorted(self.losses)}, expected {first}..{steps}; "
+                  f"not finite and positive: {bad}")
+            sys.exit(1)
+        return self
+
+    def _json(self, name):
+        path = os.path.join(self.work, name)
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return {int(k): v for k, v in json.load(f).items()}
+
+    def checkpoint(self, save_at):
+        return os.path.join(self.work, "out", f"checkpoint-{save_at}")
+
+    def check_zero_to_fp32(self, python, pypath, save_at):
+        """The checkpoint folder's zero_to_fp32.py (DeepSpeed's command line) gives the weights the Trainer saved
+        beside it in model.safetensors (fp32 training: the masters), every one of them, to the bit; with LoRA,
+        `--exclude_frozen_parameters`: the adapter's, those of adapter_model.safetensors (PEFT's names lack the
+        adapter's name, "default"), and nothing else."""
+        folder = self.checkpoint(save_at)
+        script, out = os.path.join(folder, "zero_to_fp32.py"), os.path.join(self.work, "fp32.bin")
+        if not os.access(script, os.X_OK):
+            print(f"FAIL: {self.name}: {script} is missing or not executable")
+            sys.exit(1)
+        sys.path.insert(0, HERE)
+        from hf_env import run
+        done = run(python, [script, folder, out] + (["--exclude_frozen_parameters"] if self.lora else []), pypath)
+        if done.returncode != 0:
+            print(done.stdout + done.stderr + f"\nFAIL: {self.name}: {script} {folder} {out}: exit {done.returncode}")
+            sys.exit(1)
+        check = ("import sys, torch; from safetensors.torch import load_file\n"
+                 "got = torch.load(sys.argv[1], weights_only=True); want = load_file(sys.argv[2])\n"
+                 "if sys.argv[3] == 'lora':\n"
+                 "    want = {k.replace('.weight', '.default.weight'): v for k, v in want.items()}\n"
+                 "    if set(got) != set(want): sys.exit(f'keys {sorted(got)}, want {sorted(want)}')\n"
+                 "missing = sorted(k for k in want if k not in got)\n"
+                 "differ = sorted(k for k in want if k in got and not torch.equal(got[k], want[k]))\n"
+                 "print(f'{len(got)} tensors; missing {missing}; differ {differ}')\n"
+                 "sys.exit(1 if (missing or differ) else 0)\n")
+        saved = "adapter_model.safetensors" if self.lora else "model.safetensors"
+        done = run(python, ["-c", check, out, os.path.join(folder, saved), "lora" if self.lora else "-"], pypath)
+        print(f"{self.name}: zero_to_fp32.py against {saved}: {done.stdout.strip()}", flush=True)
+        if done.returncode != 0:
+            print(done.stderr + f"FAIL: {self.name}: zero_to_fp32.py's weights are not the checkpoint's")
+            sys.exit(1)
 
 
-def first_error(out):
-    """The first traceback's last lines (the exception), from rank output."""
-    lines = out.splitlines()
-    for i, line in enumerate(lines):
-        if "Traceback (most recent call last)" in line:
-            block = []
-            for nxt in lines[i + 1:]:
-                block.append(nxt)
-                if re.match(r"^(\[rank\d+\]: )?[A-Za-z_.]+(Error|Exception|Interrupt)\b", nxt):
-                    break
-            return "\n".join(block[-8:])
-    return "\n".join(lines[-15:])
+def check_position(run, resumed, save_at):
+    """With another global batch: the resumed steps take the samples of the Trainer's order that follow the
+    run's, batch after batch (uckpt's data position; the Trainer's own skipping counts steps, not samples)."""
+    import torch
+    g = torch.Generator()
+    g.manual_seed(0)  # data_seed 0, epoch 0
+    order = torch.randperm(64, generator=g).tolist()
+    want = {s: sorted(order[(s - 1) * run.batch:s * run.batch]) for s in range(1, save_at + 1)}
+    at = save_at * run.batch
+    for s in sorted(resumed.samples):
+        want[s] = sorted(order[at:at + resumed.batch])
+        at += resumed.batch
+    got = {**{k: v for k, v in run.samples.items() if k <= save_at}, **resumed.samples}
+    what = f"{resumed.name} from {run.name}'s checkpoint-{save_at}"
+    if got != want:
+        print(f"FAIL: {what}: the samples per step are not the order's, continued:\n got  {got}\n want {want}")
+        sys.exit(1)
+    print(f"RESULT {what}: the resumed steps took samples {save_at * run.batch}..{at - 1} of the order, "
+          f"{resumed.batch} a step, after the run's {save_at * run.batch}", flush=True)
 
 
-def losses(work, phase):
-    path = os.path.join(work, f"losses-{phase}.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {int(k): v for k, v in json.load(f).items()}
+def check_resume(run, resumed, save_at, exact):
+    """The resume continues `run`: its samples step by step, its losses (to the bit when `exact`), and uckpt's
+    load checked the state fingerprint."""
+    what = f"{resumed.name} from {run.name}'s checkpoint-{save_at}"
+    theirs = {k: v for k, v in run.losses.items() if k > save_at}
+    if {k: v for k, v in run.samples.items() if k > save_at} != resumed.samples:
+        print(f"FAIL: {what}: the resumed steps trained on other samples than the run's:\n run     "
+              f"{ {k: v for k, v in run.samples.items() if k > save_at} }\n resumed {resumed.samples}")
+        sys.exit(1)
+    deltas = {k: resumed.losses[k][0] - theirs[k][0] for k in sorted(theirs)}
+    worst = max(abs(d) for d in deltas.values())
+    print(f"RESULT {what}: same samples per step; loss deltas "
+          + " ".join(f"{k}:{d:+.3g}" for k, d in deltas.items()) + f"; max |delta| {worst:.3g}", flush=True)
+    if exact and resumed.losses != theirs:
+        print(f"FAIL: {what}: the resumed losses (and gradient norms) differ from the run's; exact expected")
+        sys.exit(1)
+    if worst > RESIZE_TOLERANCE:
+        print(f"FAIL: {what}: a resumed loss differs from the run's by more than {RESIZE_TOLERANCE}")
+        sys.exit(1)
+    if resumed.which == "uckpt":
+        found = re.findall(r"LOADED (\{.*\})", resumed.out)
+        want = "recorded" if run.which == "uckpt" else "computed from the files"
+        got = {json.loads(f)["fingerprint"] for f in found}
+        if not found or got != {want}:
+            print(f"FAIL: {what}: the load's state fingerprint check: {got or 'not reported'}, expected {want!r}")
+            sys.exit(1)
+        print(f"ok   {what}: the state fingerprint checked ({want})")
 
 
-def sane(logged, steps):
-    """Why the logged (loss, grad norm) of `steps` are not a training run's, or None."""
-    if sorted(logged) != list(steps):
-        return f"logged steps {sorted(logged)}, expected {list(steps)}"
-    bad = {s: v for s, v in logged.items() if not (math.isfinite(v[0]) and v[0] > 0 and math.isfinite(v[1]))}
-    return f"losses or gradient norms not finite and positive: {bad}" if bad else None
+def resume_spec(text):
+    """W[:S[:GA]]: a resume at W ranks, stage S (default the run's), gradient accumulation GA (default: the
+    global batch kept)."""
+    parts = [int(x) for x in text.split(":")]
+    if not 1 <= len(parts) <= 3 or parts[0] not in (1, 2, 4):
+        raise argparse.ArgumentTypeError(f"{text!r} is not W[:S[:GA]] with W in 1, 2, 4")
+    return parts + [None] * (3 - len(parts))
 
 
 def main():
     sys.path.insert(0, HERE)
-    from hf_env import make_venv, run
+    from hf_env import harness_venv
     p = argparse.ArgumentParser()
     p.add_argument("pypath")
     p.add_argument("work")
-    p.add_argument("--against", choices=["uckpt", "deepspeed", "both"], default="uckpt")
+    p.add_argument("--against", choices=["uckpt", "deepspeed", "both"], default="uckpt",
+                   help="who resumes (both: each, from its own run unless --writer)")
+    p.add_argument("--writer", choices=["uckpt", "deepspeed"], help="who makes the run that is resumed")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--stage", type=int, default=2)
-    p.add_argument("--port", type=int, default=29531)
+    p.add_argument("--world", type=int, default=2, choices=[1, 2, 4])
+    p.add_argument("--resume", type=resume_spec, action="append",
+                   help="W[:S[:GA]], repeatable: resume at W ranks, stage S, accumulation GA (default: the run's)")
     p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter (frozen base weights)")
+    p.add_argument("--zero-to-fp32", action="store_true", help="run each run's checkpoint's zero_to_fp32.py")
+    p.add_argument("--uckpt-data", action="store_true",
+                   help="uckpt.data.trainer_sampler and ignore_data_skip=True (uckpt's data position)")
     args = p.parse_args()
-    args.save_at = args.steps // 2
-    results = {}
+    save_at = args.steps // 2
+    work = os.path.abspath(args.work)
+    venvs, runs = {}, {}
+
+    def venv(which):
+        if which not in venvs:
+            os.makedirs(work, exist_ok=True)
+            venvs[which] = harness_venv(which, work, args.pypath)
+        return venvs[which]
+
+    def tag(which, world, stage, ga=None):
+        return f"{which}-zero{stage}-w{world}{f'-ga{ga}' if ga else ''}{'-lora' if args.lora else ''}"
+
     for which in (["uckpt", "deepspeed"] if args.against == "both" else [args.against]):
-        work = os.path.join(os.path.abspath(args.work), f"{which}-zero{args.stage}{'-lora' if args.lora else ''}")
-        os.makedirs(work, exist_ok=True)
-        for sub in ("out", "out-resumed", "losses-train.json", "losses-resume.json"):
-            subprocess.run(["rm", "-rf", os.path.join(work, sub)])
-        cfg = json.loads(json.dumps(DS_CONFIG))
-        cfg["zero_optimization"]["stage"] = args.stage
-        if args.stage == 3:  # the keys Hugging Face's ZeRO-3 examples set, "auto" where the Trainer fills them
-            cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": "auto",
-                                             "stage3_param_persistence_threshold": "auto",
-                                             "stage3_gather_16bit_weights_on_model_save": True})
-        with open(os.path.join(work, "ds_config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        if which == "uckpt":
-            python = make_venv(os.path.join(work, "venv"))
-            done = run(python, ["-m", "uckpt.alias", "install"], args.pypath)
-            if done.returncode != 0:
-                print(done.stdout + done.stderr)
-                print(f"FAIL: uckpt: the alias did not install")
-                sys.exit(1)
-            pypath = args.pypath
-        else:
-            python = make_venv(os.path.join(work, "venv"), with_deepspeed=True)
-            pypath = ""
-        ok = True
-        for phase in ("train", "resume"):
-            rc, out = run_phase(python, pypath, work, phase, args, {})
-            results[(which, phase)] = losses(work, phase)
-            if rc != 0:
-                print(f"FAIL: {which} {phase}: exit {rc}; first error:\n{first_error(out)}\n"
-                      f"(whole output: {os.path.join(work, phase + '.log')})")
-                ok = False
-                break
-            engines = re.findall(r"ENGINE (\S+)", out)
-            print(f"{which} {phase}: finished; engine {engines[:1]}; losses "
-                  + " ".join(f"{s}:{v[0]:.9g}" for s, v in sorted(results[(which, phase)].items())))
-            why = sane(results[(which, phase)], range(1 if phase == "train" else args.save_at + 1, args.steps + 1))
-            if why:
-                print(f"FAIL: {which} {phase}: {why}")
-                sys.exit(1)
-        if not ok:
+        writer = args.writer or which
+        if writer not in runs:
+            run = Run(os.path.join(work, tag(writer, args.world, args.stage)), writer, args.world, args.stage,
+                      args.lora, uckpt_data=args.uckpt_data)
+            runs[writer] = run.launch(*venv(writer), args.steps, save_at)
+            if args.zero_to_fp32:
+                run.check_zero_to_fp32(*venv(writer), save_at)
+        run = runs[writer]
+        for world, stage, ga in args.resume or [[args.world, None, None]]:
+            stage = args.stage if stage is None else stage
+            resumed = Run(os.path.join(run.work + "-resumed", tag(which, world, stage, ga)), which, world, stage,
+                          args.lora, ga=ga, uckpt_data=args.uckpt_data)
+            resumed.launch(*venv(which), args.steps, save_at, resume_from=run.checkpoint(save_at))
+            if resumed.batch != run.batch:
+                check_position(run, resumed, save_at)
+            else:
+                check_resume(run, resumed, save_at, exact=(writer, world, stage) == (which, args.world, args.stage))
+    if args.against == "both" and args.writer is None:
+        a, b = runs["uckpt"].losses, runs["deepspeed"].losses
+        worst = max(abs(a[k][0] - b[k][0]) / max(abs(b[k][0]), 1e-12) for k in a)
+        print(f"max relative loss difference uckpt vs DeepSpeed {worst:.3g}")
+        if a.keys() != b.keys() or worst > 1e-5:
+            print("FAIL: the uckpt run's losses differ from real DeepSpeed's beyond 1e-5 relative")
             sys.exit(1)
-        if results[(which, "resume")] != {k: v for k, v in results[(which, "train")].items() if k > args.save_at}:
-            print(f"FAIL: {which}: the resumed steps' losses differ from the uninterrupted run's")
-            sys.exit(1)
-    if args.against == "both":
-        for phase in ("train", "resume"):
-            a, b = results[("uckpt", phase)], results[("deepspeed", phase)]
-            if a.keys() != b.keys():
-                print(f"FAIL: {phase}: logged steps differ: uckpt {sorted(a)} deepspeed {sorted(b)}")
-                sys.exit(1)
-            worst = max(abs(a[k][0] - b[k][0]) / max(abs(b[k][0]), 1e-12) for k in a)
-            print(f"{phase}: max relative loss difference uckpt vs DeepSpeed {worst:.3g}")
-            if worst > 1e-5:
-                print(f"FAIL: {phase}: losses differ beyond 1e-5 relative")
-                sys.exit(1)
     print("PASS")
 
 
@@ -225,11 +353,12 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         wp = argparse.ArgumentParser()
         wp.add_argument("--worker", action="store_true")
-        for k in ("--phase", "--work", "--ds_config"):
+        for k in ("--work", "--ds_config", "--resume_from"):
             wp.add_argument(k)
-        wp.add_argument("--steps", type=int)
-        wp.add_argument("--save_at", type=int)
+        for k in ("--steps", "--save_at", "--ga"):
+            wp.add_argument(k, type=int)
         wp.add_argument("--lora", action="store_true")
+        wp.add_argument("--uckpt_data", action="store_true")
         worker(wp.parse_args())
     else:
         main()

@@ -7,13 +7,13 @@ this file's worker: a character-level tokenizer and a tiny GPT-2 made here (noth
 text (SFT) or prompt/chosen/rejected triples (DPO, whose reference model TRL prepares as a second DeepSpeed
 engine without an optimizer), the ZeRO config of hf_trainer_test.py, 4 steps with a save at step 2. Exit 0 when
 the run finishes with positive finite losses and finite gradient norms, else 1 with the first error (ctest:
-python_hf_trl_dpo; SFT is the Trainer's path, python_hf_trainer_zero2).
+python_hf_trl_dpo, python_hf_trl_sft).
 """
 import argparse
 import json
 import math
 import os
-import subprocess
+import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,47 +73,26 @@ def worker(args):
 
 def main():
     sys.path.insert(0, HERE)
-    from hf_env import make_venv, run
-    from hf_trainer_test import DS_CONFIG, first_error
+    from hf_env import fail_run, harness_venv, torchrun
+    from hf_trainer_test import ds_config
     p = argparse.ArgumentParser()
     p.add_argument("pypath")
     p.add_argument("work")
     p.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
     p.add_argument("--against", choices=["uckpt", "deepspeed"], default="uckpt")
     p.add_argument("--stage", type=int, default=2)
-    p.add_argument("--port", type=int, default=29661)
     args = p.parse_args()
     work = os.path.join(os.path.abspath(args.work), f"trl-{args.trainer}-{args.against}-zero{args.stage}")
-    subprocess.run(["rm", "-rf", work])
+    shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    cfg = json.loads(json.dumps(DS_CONFIG))
-    cfg["zero_optimization"]["stage"] = args.stage
     with open(os.path.join(work, "ds_config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    if args.against == "uckpt":
-        python = make_venv(os.path.join(work, "venv"))
-        done = run(python, ["-m", "uckpt.alias", "install"], args.pypath)
-        if done.returncode != 0:
-            print(done.stdout + done.stderr + "\nFAIL: the alias did not install")
-            sys.exit(1)
-        pypath = args.pypath
-    else:
-        python = make_venv(os.path.join(work, "venv"), with_deepspeed=True)
-        pypath = ""
-    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOCAL_SIZE="2",
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(args.port),
-           os.path.abspath(__file__), "--worker", "--trainer", args.trainer, "--work", work,
-           "--ds_config", os.path.join(work, "ds_config.json")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    out = done.stdout + done.stderr
-    with open(os.path.join(work, "train.log"), "w") as f:
-        f.write(out)
-    if done.returncode != 0:
-        print(f"FAIL: {args.trainer} on {args.against}: exit {done.returncode}; first error:\n{first_error(out)}\n"
-              f"(whole output: {os.path.join(work, 'train.log')})")
-        sys.exit(1)
+        json.dump(ds_config(args.stage), f, indent=1)
+    python, pypath = harness_venv(args.against, work, args.pypath)
+    log = os.path.join(work, "train.log")
+    rc, out = torchrun(python, pypath, 2, [os.path.abspath(__file__), "--worker", "--trainer", args.trainer, "--work",
+                                           work, "--ds_config", os.path.join(work, "ds_config.json")], log)
+    if rc != 0:
+        fail_run(f"{args.trainer} on {args.against}", rc, out, log)
     with open(os.path.join(work, "losses.json")) as f:
         losses = {int(k): v for k, v in json.load(f).items()}
     print(f"{args.trainer} on {args.against}: " + " ".join(f"{k}:{v[0]:.9g}" for k, v in sorted(losses.items())))

@@ -22,14 +22,9 @@ CASE:
              uckpt's own MoE is refused; a trainable parameter left out of model_parameters gets
              no update at stages 0-2 (as DeepSpeed) and is refused at stage 3.
 """
-import sys
 
 import testkit
 from testkit import fail
-
-
-def launch(case, pypath, world):
-    testkit.launch(__file__, case, pypath, world)
 
 
 # ---------------------------------------------------------------- workers
@@ -330,23 +325,5 @@ def worker_surface(deepspeed, torch):
         print(f"ok   stage {stage}: a trainable parameter left out of model_parameters is not updated")
 
 
-def worker(case):
-    import torch
-    import uckpt as deepspeed
-    deepspeed.init_distributed()
-    globals()["worker_" + case](deepspeed, torch)
-
-
-def main():
-    if sys.argv[1] == "--worker":
-        worker(sys.argv[2])
-        return
-    case, pypath = sys.argv[1], sys.argv[2]
-    worlds = {"grads": (1, 2), "gathered": (2,), "writes": (1,), "buffers": (1,), "surface": (1,)}[case]
-    for world in worlds:
-        launch(case, pypath, world)
-    print(f"PASS {case}")
-
-
 if __name__ == "__main__":
-    main()
+    testkit.case_main(globals(), worlds={"grads": (1, 2), "gathered": (2,)})

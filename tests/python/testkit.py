@@ -1,7 +1,8 @@
 """What the Python tests share: failing with a message, running a test
 script's worker at N ranks on the CPU with the environment torchrun gives
 (RANK, LOCAL_RANK, WORLD_SIZE, a free MASTER_PORT; each rank's output
-prefixed with its rank), and a toy model."""
+prefixed with its rank), the main() of a test made of worker_<case>
+functions, and a toy model."""
 import os
 import socket
 import subprocess
@@ -36,6 +37,25 @@ def launch(script, case, pypath, world, extra=(), env=None):
         failed |= p.returncode != 0
     if failed:
         fail(f"{case} at {world} rank(s): a rank failed (output above)")
+
+
+def case_main(module_globals, worlds=None, after=None):
+    """The main() of a test file whose CASE is a function worker_<CASE>(deepspeed, torch) of that file:
+    `FILE CASE PYPATH ...` runs it at each rank count of worlds[CASE] (default 1) with testkit.launch, then
+    after(CASE, argv) if given, and prints PASS; `FILE --worker CASE` (what launch starts) is one rank: uckpt
+    imported as deepspeed, init_distributed(), the function."""
+    if sys.argv[1] == "--worker":
+        import torch
+        import uckpt as deepspeed
+        deepspeed.init_distributed()
+        module_globals["worker_" + sys.argv[2]](deepspeed, torch)
+        return
+    case, pypath = sys.argv[1], sys.argv[2]
+    for world in (worlds or {}).get(case, (1,)):
+        launch(module_globals["__file__"], case, pypath, world)
+    if after is not None:
+        after(case, sys.argv)
+    print(f"PASS {case}")
 
 
 def toy_net(torch):

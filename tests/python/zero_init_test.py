@@ -185,6 +185,17 @@ def worker_guard(deepspeed, torch, rank):
         if built_under_init:
             with deepspeed.zero.Init(config_dict_or_path=config()):
                 net = toy_net(torch)
+            # In-place writes outside a gather (transformers' initialize_weights_zero3 on a child's parameter):
+            # DeepSpeed's parameter is a 0-element tensor there and they change nothing; so here.
+            w = net.blocks[0].fc.weight
+            part = w.ds_tensor.clone()
+            torch.nn.init.normal_(w, std=5.0)
+            torch.nn.init.trunc_normal_(w)
+            with torch.no_grad():
+                w.zero_()
+                w.fill_(3.0)
+            if not torch.equal(w.ds_tensor, part) or w.ds_status.name != "NOT_AVAILABLE":
+                fail("an in-place write to a zero.Init placeholder changed its partition or status")
         else:
             net = toy_net(torch)
         engine, _ = losses(deepspeed, torch, net, steps=1)
@@ -216,8 +227,9 @@ def worker_guard(deepspeed, torch, rank):
         y = net.blocks[0].forward(x)
         if not torch.equal(y, want) or w.ds_status.name != "NOT_AVAILABLE":
             fail("a unit's forward called directly does not gather and free it")
-    print(f"ok   guard (rank {rank}): reading a partitioned parameter raises a clear error; a unit called directly, "
-          f"or its forward, gathers itself")
+    print(f"ok   guard (rank {rank}): reading a partitioned parameter raises a clear error; in-place writes to "
+          f"zero.Init's placeholder change nothing, as DeepSpeed's; a unit called directly, or its forward, gathers "
+          f"itself")
 
 
 def worker_refuse(deepspeed, torch, rank):

@@ -8,6 +8,9 @@ names that uckpt does not support, refused by name (runtime/_deepspeed_names.py)
 and never asks its model, so forwarding them would do something else (engine.compile() would be torch's
 Module.compile). The optimizer and the config's scheduler are runtime/zero_views.py's."""
 import collections
+import os
+import shutil
+import stat
 
 import torch
 
@@ -35,6 +38,20 @@ def _refusal(name):
 
 def _child_prefix(prefix):
     return prefix + ("." if prefix else "") + "module"
+
+
+def _write_recovery_script(engine, save_dir):
+    """DeepSpeed's save copies its utils/zero_to_fp32.py into save_dir (beside the tag folder) on rank 0 when it
+    writes ZeRO files (stages 1-3), made executable; uckpt copies its own, which takes DeepSpeed's command line."""
+    if engine.global_rank != 0 or engine.zero_optimization_stage() == 0:
+        return
+    from uckpt.utils import zero_to_fp32
+    dst = os.path.join(os.fspath(save_dir), "zero_to_fp32.py")
+    shutil.copyfile(zero_to_fp32.__file__, dst)
+    try:
+        os.chmod(dst, os.stat(dst).st_mode | stat.S_IEXEC)
+    except OSError:  # as DeepSpeed's: a file share may refuse it
+        pass
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -140,21 +157,29 @@ class DeepSpeedEngine(torch.nn.Module):
     # ---- Checkpoints and weights ----
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-        if exclude_frozen_parameters:
-            raise ValueError("engine.save_checkpoint: exclude_frozen_parameters=True is not supported by uckpt")
+        """exclude_frozen_parameters: as DeepSpeed's, the frozen parameters are left out of the model-states file
+        (its 'module', and no frozen_param_shapes/frozen_param_fragments); resume with load_module_strict=False."""
         if not save_latest:
             raise ValueError("engine.save_checkpoint: save_latest=False is not supported (latest is always written)")
-        return self._core.save_checkpoint(save_dir, tag, client_state)
+        saved = self._core.save_checkpoint(save_dir, tag, client_state, bool(exclude_frozen_parameters))
+        _write_recovery_script(self, save_dir)
+        return saved
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """load_module_strict=False: as DeepSpeed's load_state_dict(strict=False), frozen parameters and buffers
+        the model-states file lacks (a save with exclude_frozen_parameters) keep the model's values."""
         if custom_load_fn is not None:
             raise ValueError("engine.load_checkpoint: custom_load_fn is not supported by uckpt")
-        if not load_module_strict:
-            raise ValueError("engine.load_checkpoint: load_module_strict=False is not supported by uckpt (the "
-                             "module's parameters and buffers must match the checkpoint's)")
-        return self._core.load_checkpoint(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                          load_module_only)
+        return self._core.load_checkpoint(load_dir, tag, bool(load_module_strict), load_optimizer_states,
+                                          load_lr_scheduler_states, load_module_only)
+
+    def last_load(self):
+        """uckpt's own: what the last load_checkpoint did, a dict: 'fingerprint' says how the loaded state was
+        checked (\"recorded\": against the state fingerprint the save recorded; \"computed from the files\": a
+        checkpoint without one, DeepSpeed's; \"unchecked: why\"; empty: nothing loaded), 'fingerprint_s' the
+        check's seconds, 'optimizer_bytes_read' this rank's optimizer-state bytes read from ZeRO rank files."""
+        return self._core.last_load()
 
     def load_universal_checkpoint(self):
         return self._config.load_universal_checkpoint

@@ -1,8 +1,18 @@
+#!/usr/bin/env python
 """deepspeed.utils.zero_to_fp32: the whole fp32 weights of a ZeRO checkpoint as a state_dict.
 
 The weights come from the same code as `uckpt export` (through the extension), read back from its
 safetensors output; what DeepSpeed's functions add on top (buffers as fp32, frozen parameters in their saved
-dtype, tied names sharing one tensor, exclude_frozen_parameters) is applied here from the model-states file."""
+dtype, tied names sharing one tensor, exclude_frozen_parameters) is applied here from the model-states file.
+
+As DeepSpeed's, every save_checkpoint at ZeRO stages 1-3 copies this file into its save_dir, beside the tag
+folder, where it runs with DeepSpeed 0.14.5's command line (it needs uckpt importable):
+
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_FILE [-t TAG] [--exclude_frozen_parameters] [-d]
+
+CHECKPOINT_DIR is the folder holding `latest` and the tag folders (e.g. checkpoint-12); OUTPUT_FILE receives
+the fp32 state_dict (torch.save)."""
+import argparse
 import glob
 import json
 import os
@@ -123,3 +133,20 @@ def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
+
+
+if __name__ == "__main__":
+    # DeepSpeed 0.14.5's command line for this script: the same arguments and flags.
+    parser = argparse.ArgumentParser(description="The fp32 weights of the ZeRO checkpoint in CHECKPOINT_DIR, "
+                                                 "written with torch.save to OUTPUT_FILE (uckpt's zero_to_fp32)")
+    parser.add_argument("checkpoint_dir", type=str,
+                        help="the folder holding `latest` and the tag folders (e.g. out/checkpoint-12)")
+    parser.add_argument("output_file", type=str, help="where the state_dict goes (e.g. pytorch_model.bin)")
+    parser.add_argument("-t", "--tag", type=str, default=None,
+                        help="the tag folder to read (e.g. global_step12); default: the one `latest` names")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out the parameters that were frozen (requires_grad False)")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted; uckpt prints nothing more")
+    args = parser.parse_args()
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag,
+                                               exclude_frozen_parameters=args.exclude_frozen_parameters)

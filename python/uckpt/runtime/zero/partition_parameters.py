@@ -61,6 +61,18 @@ def _partitioned_among(values):
     return None
 
 
+def _in_place_on_placeholder(name, args, kwargs):
+    """A call writing in place (name_: a tensor method, or torch.nn.init's, which passes `tensor=`) into a
+    partitioned parameter whose data is a 0-element placeholder (zero.Init's), its first argument."""
+    if not name.endswith("_") or name.endswith("__"):
+        return False
+    target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+    if not isinstance(target, _Stage3Parameter):
+        return False
+    with torch._C.DisableTorchFunction():
+        return target.numel() == 0 and target.ds_numel > 0
+
+
 class _Stage3Parameter(torch.nn.Parameter):
     """A partitioned parameter (zero.Init's, or a stage-3 engine's: initialize switches its class to this one).
     ds_status says, as DeepSpeed's does, whether it is whole on this rank now; any tensor call that reads its
@@ -79,7 +91,15 @@ class _Stage3Parameter(torch.nn.Parameter):
             # Module.state_dict() calls it, and Hugging Face's from_pretrained reads its keys under ZeRO-3.
             with torch._C.DisableTorchFunction():
                 return torch.empty(0, dtype=args[0].dtype, device=args[0].device)
-        if _call_name(func) not in _METADATA_CALLS:
+        name = _call_name(func)
+        if _in_place_on_placeholder(name, args, kwargs):
+            # DeepSpeed's partitioned parameter is a 0-element tensor: an in-place call on it (init.normal_,
+            # zero_, fill_, ... as transformers' initialize_weights_zero3 makes on every rank for a child's
+            # parameter outside its gather) runs on those 0 elements and changes nothing. zero.Init's
+            # placeholder here is the same 0-element tensor: the call runs on it, as there.
+            with torch._C.DisableTorchFunction():
+                return func(*args, **kwargs)
+        if name not in _METADATA_CALLS:
             p = _partitioned_among(args)
             if p is None:
                 p = _partitioned_among(kwargs.values())
@@ -407,6 +427,15 @@ def _parse_config(config):
         return None
     if hasattr(config, "_param_dict"):  # a DeepSpeedConfig
         config = config._param_dict
+    if isinstance(config, (str, os.PathLike)):
+        import json
+        with open(config) as f:
+            config = json.load(f)
+    # DeepSpeed's config class keeps the optimizer's and scheduler's sections as they are until initialize builds
+    # them: the Hugging Face Trainer's config still has "auto" in scheduler.params when it builds a model under
+    # zero.Init (it fills warmup_num_steps and total_num_steps at initialize). zero.Init reads neither.
+    if isinstance(config, dict):
+        config = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
     return _uckpt.parse_config(config)
 
 
