@@ -226,7 +226,10 @@ class StructureCheck {
       const Job& j = jobs[i];
       const std::string path = UniversalStateFile(v_.folder, j.param->name, j.key);
       std::optional<TorchFile> f = Parse(path);
-      if (!f || j.key == kStep) return;
+      // Scalars (step, NAdam's mu_product) only parse: they are not per-element states.
+      const bool scalar = j.key == kStep ||
+                          std::find(u.scalar_keys.begin(), u.scalar_keys.end(), j.key) != u.scalar_keys.end();
+      if (!f || scalar) return;
       try {
         ValuePtr v = f->root;
         if (v && v->is_dict()) v = Need(v, kUniversalParam, path);
