@@ -81,13 +81,6 @@ int64_t IntKey(const ValuePtr& dict, const std::string& key, const std::string& 
   return v->i;
 }
 
-const Tensor* TensorKey(const ValuePtr& dict, const std::string& key, const std::string& where) {
-  ValuePtr v = Key(dict, key, where);
-  if (!v->tensor || (v->kind != Kind::kTensor && v->kind != Kind::kParameter))
-    throw FormatError(where + ": '" + key + "' is not a tensor");
-  return v->tensor.get();
-}
-
 // One parameter's entry of stage 0's torch optimizer state: 'step', other
 // scalars (numbers, 0-d tensors) and per-element tensors; None is torch's
 // "no state" (SGD's momentum_buffer without momentum).
