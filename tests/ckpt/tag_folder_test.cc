@@ -16,6 +16,7 @@
 #include "ckpt/zero_checkpoint.h"
 #include "format/env.h"
 #include "format/error.h"
+#include "../format/counting_env.h"
 #include "test_util.h"
 
 namespace uckpt::ckpt {
@@ -25,33 +26,7 @@ namespace fs = std::filesystem;
 using testing::DsFixture;
 using testing::TempDir;
 
-// Counts the folders listed and the files mapped, by path.
-class CountingEnv : public EnvWrapper {
- public:
-  CountingEnv() : EnvWrapper(Env::Posix()) {}
-  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
-    Count(maps_, path);
-    return EnvWrapper::MapFile(path);
-  }
-  std::vector<DirEntry> ListDir(const std::string& path) override {
-    Count(lists_, path);
-    return EnvWrapper::ListDir(path);
-  }
-  int maps(const std::string& path) { return Get(maps_, path); }
-  int lists(const std::string& path) { return Get(lists_, path); }
-
- private:
-  void Count(std::map<std::string, int>& m, const std::string& path) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++m[path];
-  }
-  int Get(std::map<std::string, int>& m, const std::string& path) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return m[path];
-  }
-  std::mutex mu_;
-  std::map<std::string, int> maps_, lists_;
-};
+using uckpt::testing::CountingEnv;
 
 std::string CopyTag(const TempDir& tmp, const std::string& fixture) {
   const std::string dst = tmp / "in";

@@ -11,6 +11,7 @@
 
 #include "ckpt/convert.h"
 #include "ckpt/manifest.h"
+#include "../format/counting_env.h"
 #include "format/env.h"
 #include "ranks.h"
 #include "tiny.h"
@@ -22,33 +23,7 @@ namespace fs = std::filesystem;
 using cli::Trainer;
 using testing::RunRanks;
 
-// Counts the folders listed and the files mapped, by path (every rank's).
-class CountingEnv : public EnvWrapper {
- public:
-  CountingEnv() : EnvWrapper(Env::Posix()) {}
-  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
-    Count(maps_, path);
-    return EnvWrapper::MapFile(path);
-  }
-  std::vector<DirEntry> ListDir(const std::string& path) override {
-    Count(lists_, path);
-    return EnvWrapper::ListDir(path);
-  }
-  int maps(const std::string& path) { return Get(maps_, path); }
-  int lists(const std::string& path) { return Get(lists_, path); }
-
- private:
-  void Count(std::map<std::string, int>& m, const std::string& path) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++m[path];
-  }
-  int Get(std::map<std::string, int>& m, const std::string& path) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return m[path];
-  }
-  std::mutex mu_;
-  std::map<std::string, int> maps_, lists_;
-};
+using uckpt::testing::CountingEnv;
 
 cli::TrainOptions Options(int stage) {
   return testing::TinyGpt2({{"train_batch_size", 4},
