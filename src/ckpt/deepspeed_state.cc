@@ -1,6 +1,7 @@
 #include "ckpt/deepspeed_state.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -132,6 +133,13 @@ AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq) {
   return {{kStep, std::move(step)}, {kExpAvg, std::move(exp_avg)}, {kExpAvgSq, std::move(exp_avg_sq)}};
 }
 
+AdamState AdamStateOfClass(AdamState s, AdamClass cls, int64_t step) {
+  if (cls == AdamClass::kTorch) return s;
+  for (auto& [key, v] : s)
+    if (key == kStep) v = Value::Int(step);
+  return s;
+}
+
 double ScalarOf(const ValuePtr& v, const std::string& where) {
   if (v && (v->kind == Kind::kFloat || (v->kind == Kind::kInt && v->big.empty()))) return Number(v, where);
   if (!v || !v->tensor || v->tensor->numel() != 1) throw FormatError(where + " is not a number or a one-element tensor");
@@ -189,16 +197,37 @@ ParamShapes ReadRequiredParamShapes(const ValuePtr& root, const std::string& pat
   return ParseParamShapes(shapes, path);
 }
 
-ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids) {
+ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids, bool stepped) {
   ValuePtr g = Value::Dict();
-  g->set("lr", Value::Float(h.lr));
-  g->set("betas", Value::List({Value::Float(h.beta1), Value::Float(h.beta2)}));
-  g->set("eps", Value::Float(h.eps));
-  g->set("weight_decay", Value::Float(h.weight_decay));
-  g->set("amsgrad", Value::Bool(false));
-  g->set("foreach", Value::None());
-  g->set("maximize", Value::Bool(false));
-  g->set("capturable", Value::Bool(false));
+  ValuePtr betas = Value::List({Value::Float(h.beta1), Value::Float(h.beta2)});
+  switch (h.cls) {
+    case AdamClass::kFusedAdam:  // its defaults' order; its step() adds 'step' (0: the count is per parameter)
+      g->set("lr", Value::Float(h.lr));
+      g->set("bias_correction", Value::Bool(h.bias_correction));
+      g->set("betas", betas);
+      g->set("eps", Value::Float(h.eps));
+      g->set("weight_decay", Value::Float(h.weight_decay));
+      if (stepped) g->set("step", Value::Int(0));
+      break;
+    case AdamClass::kCpuAdam:
+      g->set("lr", Value::Float(h.lr));
+      g->set("betas", betas);
+      g->set("eps", Value::Float(h.eps));
+      g->set("weight_decay", Value::Float(h.weight_decay));
+      g->set("bias_correction", Value::Bool(h.bias_correction));
+      g->set("amsgrad", Value::Bool(false));
+      break;
+    case AdamClass::kTorch:
+      g->set("lr", Value::Float(h.lr));
+      g->set("betas", betas);
+      g->set("eps", Value::Float(h.eps));
+      g->set("weight_decay", Value::Float(h.weight_decay));
+      g->set("amsgrad", Value::Bool(false));
+      g->set("foreach", Value::None());
+      g->set("maximize", Value::Bool(false));
+      g->set("capturable", Value::Bool(false));
+      break;
+  }
   g->set("params", IntList(ids));
   return g;
 }
@@ -493,13 +522,17 @@ ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::v
                               const std::vector<std::vector<int64_t>>& group_params,
                               const std::vector<ValuePtr>& group_entries) {
   ValuePtr state = Value::Dict();
+  bool stepped = false;
   for (size_t i = 0; i < states.size(); ++i)
-    if (!states[i].empty()) state->set(Value::Int(static_cast<int64_t>(i)), StateDict(states[i]));
+    if (!states[i].empty()) {
+      state->set(Value::Int(static_cast<int64_t>(i)), StateDict(states[i]));
+      stepped = true;
+    }
   ValuePtr param_groups = Value::List();
   for (size_t g = 0; g < groups.size(); ++g)
     param_groups->items.push_back(g < group_entries.size() && group_entries[g]
                                       ? ParamGroupValue(group_entries[g], group_params.at(g))
-                                      : ParamGroupValue(groups[g], group_params.at(g)));
+                                      : ParamGroupValue(groups[g], group_params.at(g), stepped));
   return Dict({{"state", state}, {"param_groups", param_groups}});
 }
 
@@ -552,7 +585,8 @@ ValuePtr OptimStatesValue(const RankOptimStates& s) {
     const OptimGroupState& gs = s.groups[g];
     const int64_t id = static_cast<int64_t>(g);
     if (!gs.adam.empty()) state->set(Value::Int(id), StateDict(gs.adam));
-    param_groups->items.push_back(gs.group ? ParamGroupValue(gs.group, {id}) : ParamGroupValue(gs.hparams, {id}));
+    param_groups->items.push_back(gs.group ? ParamGroupValue(gs.group, {id})
+                                           : ParamGroupValue(gs.hparams, {id}, !gs.adam.empty()));
     fp32->items.push_back(gs.fp32);
     paddings->items.push_back(Value::Int(gs.padding));
     ValuePtr m = Value::Dict(/*ordered=*/true);
@@ -634,16 +668,20 @@ RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path)
 ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s) {
   ValuePtr state = Value::Dict();
   ValuePtr flat = Value::List();
+  bool stepped = false;
   for (size_t i = 0; i < s.sub_groups.size(); ++i) {
     const Stage3SubGroupState& sg = s.sub_groups[i];
-    if (!sg.adam.empty()) state->set(Value::Int(static_cast<int64_t>(i)), StateDict(sg.adam));
+    if (!sg.adam.empty()) {
+      state->set(Value::Int(static_cast<int64_t>(i)), StateDict(sg.adam));
+      stepped = true;
+    }
     flat->items.push_back(sg.fp32);
   }
   ValuePtr groups = Value::List();
   for (size_t g = 0; g < s.param_groups.size(); ++g) {
     const auto& [h, ids] = s.param_groups[g];
     const bool own = g < s.param_group_entries.size() && s.param_group_entries[g];
-    groups->items.push_back(own ? ParamGroupValue(s.param_group_entries[g], ids) : ParamGroupValue(h, ids));
+    groups->items.push_back(own ? ParamGroupValue(s.param_group_entries[g], ids) : ParamGroupValue(h, ids, stepped));
   }
   ValuePtr inner = Value::Dict();
   inner->set("state", state);

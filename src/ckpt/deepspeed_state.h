@@ -55,11 +55,25 @@ ParamShapes ReadParamShapes(const ValuePtr& root, const std::string& path);
 // The same for a file that must have them (ZeRO 1-3, universal): FormatError when None or absent.
 ParamShapes ReadRequiredParamShapes(const ValuePtr& root, const std::string& path);
 
-// One torch Adam/AdamW param group's hyper-parameters (lr is the current one).
+// The Adam class DeepSpeed 0.14.5 builds for a config's Adam/AdamW
+// (_configure_basic_optimizer): its param groups and state 'step' differ.
+enum class AdamClass {
+  kTorch,     // torch.optim.Adam/AdamW (torch_adam): torch's keys, step a 0-d tensor
+  kFusedAdam,  // ops.adam.FusedAdam: lr, bias_correction, betas, eps, weight_decay, step 0 (once stepped); step an int
+  kCpuAdam,   // ops.adam.DeepSpeedCPUAdam (offload_optimizer): lr, betas, eps, weight_decay, bias_correction,
+              // amsgrad; step an int
+};
+
+// One Adam/AdamW param group's hyper-parameters (lr is the current one).
 struct AdamHparams {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  AdamClass cls = AdamClass::kTorch;  // whose keys the group is saved with
+  bool bias_correction = true;
 };
-ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids);  // torch AdamW's keys
+// The param group as `h.cls` keeps it; `stepped`: the optimizer has stepped
+// (FusedAdam adds its group's 'step' at its first step).
+ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids, bool stepped = true);
+
 // Another optimizer's param group: `entries` (a dict of its hyper-parameters
 // as it keeps them) with `params` set to `ids`.
 ValuePtr ParamGroupValue(const ValuePtr& entries, const std::vector<int64_t>& ids);
@@ -101,6 +115,9 @@ using AdamState = std::vector<std::pair<std::string, ValuePtr>>;
 AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq);
 // Whether per-element state keys are Adam's (exp_avg and exp_avg_sq, any order).
 bool IsAdamStateKeys(const std::vector<std::string>& keys);
+// `s` as `cls` saves it: DeepSpeed's own classes count 'step' in a Python
+// int (`step`), torch's in a 0-d tensor (as `s` holds it).
+AdamState AdamStateOfClass(AdamState s, AdamClass cls, int64_t step);
 // Stage 0's state of one parameter (torch's optimizer state_dict entry),
 // read back: whichever element-wise optimizer saved it.
 struct Stage0ParamState {

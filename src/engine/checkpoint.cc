@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -109,12 +110,13 @@ ValuePtr SavedStateValue(const at::Tensor& t) {
   return TensorValue(t);
 }
 
-ckpt::AdamState SavedOptimizerState(const PartitionState& st) {
+ckpt::AdamState SavedOptimizerState(const PartitionState& st, ckpt::AdamClass cls) {
   ckpt::AdamState out;
   // A client optimizer's state as it keeps it, None states included (torch's
   // state_dict, which DeepSpeed's files hold, keeps them), else Adam's.
   for (const auto& [key, t] : st.named.empty() ? OptimizerStates(st) : st.named) out.emplace_back(key, SavedStateValue(t));
-  return out;
+  const int64_t step = st.step.defined() ? std::llround(st.step.item<double>()) : 0;
+  return ckpt::AdamStateOfClass(std::move(out), cls, step);
 }
 
 std::string ReadTagFile(const std::string& dir, const std::string& name) { return ckpt::ReadLatestTag(dir, name); }
@@ -222,7 +224,14 @@ c10::IValue ToIValue(const ValuePtr& v) {
 
 ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g) {
   const OptimizerConfig& o = e.runtime->optimizer_config(g);
-  return ckpt::AdamHparams{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
+  ckpt::AdamHparams h{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
+  h.bias_correction = o.bias_correction;
+  // The class DeepSpeed 0.14.5 builds for the config's Adam, so that its own load finds its keys. A client
+  // optimizer that steps itself keeps its own keys and state; without an optimizer section (uckpt train's
+  // default Adam) torch's keys stay.
+  if (e.config.has_optimizer_section && !o.torch_adam && !e.client_optimizer)
+    h.cls = e.config.zero.offload_optimizer_cpu ? ckpt::AdamClass::kCpuAdam : ckpt::AdamClass::kFusedAdam;
+  return h;
 }
 
 ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, ValuePtr> params,
@@ -322,13 +331,15 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
     for (const auto& kv : s.named)
       flat.push_back(kv.second.defined() && kv.second.dim() == 1 ? StorageOf(kv.second) : nullptr);
     int64_t at = 0;
+    hparams.push_back(SavedHparams(e, g));
+    const int64_t step = s.step.defined() ? std::llround(s.step.item<double>()) : 0;
     for (const auto& p : e.groups[g]) {
       ids[g].push_back(static_cast<int64_t>(states.size()));
       states.push_back(e.client_optimizer ? NamedStateOf(s, flat, p.tensor.sizes().vec(), at)
-                                          : AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at));
+                                          : ckpt::AdamStateOfClass(AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at),
+                                                                   hparams.back().cls, step));
       at += p.tensor.numel();
     }
-    hparams.push_back(SavedHparams(e, g));
     if (e.client_param_group) entries.push_back(FromIValue(e.client_param_group(g), "optimizer param group"));
   }
   return ckpt::Stage0OptimizerValue(states, hparams, ids, entries);
@@ -389,8 +400,8 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
     gs.padding = slot.target.length - real;
     // The lean fp32 partition: a view of the padded one, padding cut off.
     gs.fp32 = View(StorageOf(s.master), DType::kFloat32, {real}, 0, /*requires_grad=*/true);
-    gs.adam = SavedOptimizerState(s);
     gs.hparams = SavedHparams(e, slot.group);
+    gs.adam = SavedOptimizerState(s, gs.hparams.cls);
     if (e.client_param_group) gs.group = FromIValue(e.client_param_group(slot.group), "optimizer param group");
     r.groups.push_back(std::move(gs));
   }

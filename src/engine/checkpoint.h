@@ -55,8 +55,9 @@ std::shared_ptr<Storage> StreamedStorageOf(const at::Tensor& t);
 // A partition's optimizer state as the files save it: torch's state-dict
 // entry of the partition under the optimizer's keys (Adam's step, exp_avg,
 // exp_avg_sq, or another optimizer's, its None states included); empty
-// before its first step.
-ckpt::AdamState SavedOptimizerState(const PartitionState& st);
+// before its first step. `cls`: the Adam class DeepSpeed builds (its own
+// classes count 'step' in an int).
+ckpt::AdamState SavedOptimizerState(const PartitionState& st, ckpt::AdamClass cls = ckpt::AdamClass::kTorch);
 // One state value as saved: None for an undefined tensor, a 0-d int64 or
 // float64 tensor as the Python number it was, else the tensor.
 ValuePtr SavedStateValue(const at::Tensor& t);

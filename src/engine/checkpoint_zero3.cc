@@ -50,7 +50,7 @@ ValuePtr Zero3OptimStates(const Engine::Impl& e) {
     const PartitionState& st = *slot.state;
     ckpt::Stage3SubGroupState s;
     s.fp32 = TensorValue(st.master, /*requires_grad=*/true);
-    s.adam = SavedOptimizerState(st);
+    s.adam = SavedOptimizerState(st, SavedHparams(e, slot.group).cls);
     ids[slot.group].push_back(static_cast<int64_t>(r.sub_groups.size()));
     r.sub_groups.push_back(std::move(s));
   }

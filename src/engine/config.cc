@@ -227,6 +227,7 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
       if (!fp32_states) throw ConfigError("optimizer.params.fp32_optimizer_states = false is not supported");
     }
   }
+  o.torch_adam = torch_adam;
   o.decoupled_weight_decay = o.type == "AdamW" || adam_w_mode;
   if (torch_adam && o.decoupled_weight_decay && !weight_decay_given) o.weight_decay = 0.01;  // torch.optim.AdamW's
   if (o.lr < 0 || o.eps < 0 || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1)

@@ -38,6 +38,9 @@ struct OptimizerConfig {
   // false: DeepSpeed's Adam with bias_correction false (step size lr,
   // denominator sqrt(v) + eps).
   bool bias_correction = true;
+  // torch_adam: DeepSpeed builds torch.optim.Adam/AdamW, else its own Adam
+  // (whose checkpoints keep other param-group keys: ckpt::AdamClass).
+  bool torch_adam = false;
 };
 
 // DeepSpeed 0.14.5's config schedulers (runtime/lr_schedules.py), each with

@@ -142,6 +142,60 @@ TEST_F(Codec, ZeroStageFragmentAddressHparamsLossScaler) {
   EXPECT_EQ(r.cur_hysteresis, 2);
 }
 
+std::vector<std::string> KeysOf(const ValuePtr& dict) {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : dict->entries) out.push_back(k->s);
+  return out;
+}
+
+// Each Adam class DeepSpeed 0.14.5 builds keeps its own param-group keys
+// (its load_state_dict hands them to that class's step, which reads them),
+// and DeepSpeed's own classes count 'step' in an int.
+TEST_F(Codec, ParamGroupsAndStepAsEachAdamClassKeepsThem) {
+  AdamHparams h{0.25, 0.5, 0.75, 1e-6, 0.125};
+  h.bias_correction = false;
+  using Keys = std::vector<std::string>;
+  const std::vector<std::pair<AdamClass, Keys>> classes{
+      {AdamClass::kTorch, {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
+                           "params"}},
+      {AdamClass::kFusedAdam, {"lr", "bias_correction", "betas", "eps", "weight_decay", "step", "params"}},
+      {AdamClass::kCpuAdam, {"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad", "params"}}};
+  for (const auto& [cls, keys] : classes) {
+    h.cls = cls;
+    ValuePtr g = Reload(Root("g", ParamGroupValue(h, {0, 1})))->get("g");
+    EXPECT_EQ(KeysOf(g), keys);
+    AdamHparams back = ReadAdamHparams(g, AdamHparams{}, "g");
+    EXPECT_EQ(back.lr, h.lr);
+    EXPECT_EQ(back.beta2, h.beta2);
+    EXPECT_EQ(back.weight_decay, h.weight_decay);
+    if (cls != AdamClass::kTorch) EXPECT_FALSE(g->get("bias_correction")->b);
+    AdamState s = AdamStateOfClass({{"step", Floats({3})}, {"exp_avg", Floats({0, 0})}}, cls, 3);
+    if (cls == AdamClass::kTorch) {
+      EXPECT_TRUE(s[0].second->tensor);
+    } else {
+      ASSERT_EQ(s[0].second->kind, Kind::kInt);
+      EXPECT_EQ(s[0].second->i, 3);
+    }
+  }
+  h.cls = AdamClass::kFusedAdam;  // FusedAdam adds its group's 'step' at its first step
+  EXPECT_FALSE(ParamGroupValue(h, {0}, /*stepped=*/false)->get("step"));
+
+  // The stage 1/2 writer: DeepSpeed's FusedAdam group and an int step, read back as uckpt reads them.
+  RankOptimStates o;
+  o.stage = 2;
+  OptimGroupState gs;
+  gs.fp32 = Floats({1, 2}, true);
+  gs.adam = AdamStateOfClass({{"step", Floats({5})}, {"exp_avg", Floats({0, 0})}, {"exp_avg_sq", Floats({1, 1})}},
+                             h.cls, 5);
+  gs.hparams = h;
+  o.groups.push_back(gs);
+  RankOptimView v = ReadRankOptimStates(Reload(OptimStatesValue(o)), Path());
+  EXPECT_EQ(v.partitions.at(0).state->get("step")->kind, Kind::kInt);
+  EXPECT_EQ(ScalarOf(v.partitions.at(0).state->get("step"), "step"), 5);
+  EXPECT_EQ(KeysOf(v.param_groups->items.at(0)),
+            (Keys{"lr", "bias_correction", "betas", "eps", "weight_decay", "step", "params"}));
+}
+
 TEST_F(Codec, Stage12OptimStates) {
   RankOptimStates o;
   o.stage = 2;

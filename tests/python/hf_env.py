@@ -53,18 +53,19 @@ def run(python, args, pypath, env=None, check=False, **kw):
     return done
 
 
-def cpu_data_parallel():
+def cpu_data_parallel(half=False):
     """TrainingArguments' keywords for a data-parallel run on a machine without GPUs. There Accelerate's state finds
     no backend and counts 1 process while DeepSpeed's group has them all, so its loaders are not sharded and its
     gathers fail; a PartialState made first with Gloo, which the Trainer then uses (`use_configured_state`),
-    counts the ranks. Nothing on a GPU machine."""
+    counts the ranks. `half` (bf16=True or fp16=True): use_cpu=True too, without which TrainingArguments refuses
+    bf16 where no GPU has it. Nothing on a GPU machine."""
     import torch
     if torch.cuda.is_available():
         return {}
     from accelerate import PartialState
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")
-    return {"accelerator_config": {"use_configured_state": True}}
+    return {"accelerator_config": {"use_configured_state": True}, **({"use_cpu": True} if half else {})}
 
 
 # ---- What the harnesses (hf_trainer_test, hf_accelerate_test, hf_trl_test) share: their venvs, torchrun, errors.

@@ -210,6 +210,17 @@ def worker_guard(deepspeed, torch, rank):
             else:
                 fail(f"{what} on a partitioned parameter (zero.Init {built_under_init}) did not raise")
         _ = (w.shape, w.dtype, w.requires_grad, w.grad, w.ds_status)  # metadata reads stay allowed
+        # `.data` outside a gather is, as DeepSpeed's, a 0-element tensor: writes in place through it (an
+        # _init_weights' `module.weight.data.normal_()`) change nothing.
+        with deepspeed.zero.GatheredParameters([w]):
+            before = w.detach().clone()
+        w.data.normal_(mean=0.0, std=5.0)
+        w.data.zero_()
+        with deepspeed.zero.GatheredParameters([w]):
+            if not torch.equal(w.detach(), before):
+                fail(f"w.data.normal_() outside a gather changed the parameter (zero.Init {built_under_init})")
+        if w.data.numel() != 0 or w.ds_status.name != "NOT_AVAILABLE":
+            fail(f"w.data outside a gather: {w.data.numel()} elements, status {w.ds_status}")
         # state_dict() (Hugging Face's from_pretrained reads its keys): as DeepSpeed's, 0-element values.
         sd = net.state_dict()
         if list(sd) != [n for n, _ in net.named_parameters()] or sd["blocks.0.fc.weight"].numel() != 0:
@@ -228,8 +239,8 @@ def worker_guard(deepspeed, torch, rank):
         if not torch.equal(y, want) or w.ds_status.name != "NOT_AVAILABLE":
             fail("a unit's forward called directly does not gather and free it")
     print(f"ok   guard (rank {rank}): reading a partitioned parameter raises a clear error; in-place writes to "
-          f"zero.Init's placeholder change nothing, as DeepSpeed's; a unit called directly, or its forward, gathers "
-          f"itself")
+          f"zero.Init's placeholder and through an engine parameter's .data change nothing, as DeepSpeed's; a "
+          f"unit called directly, or its forward, gathers itself")
 
 
 def worker_refuse(deepspeed, torch, rank):

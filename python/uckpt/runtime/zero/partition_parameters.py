@@ -73,6 +73,40 @@ def _in_place_on_placeholder(name, args, kwargs):
         return target.numel() == 0 and target.ds_numel > 0
 
 
+def _refuse_read(func, p_id, p_shape, what=""):
+    raise RuntimeError(
+        f"uckpt ZeRO stage 3: {_call_name(func) or func} reads parameter ds_id={p_id}{what} (shape {tuple(p_shape)}) "
+        f"while it is partitioned (ds_status NOT_AVAILABLE): this rank holds only its partition (ds_tensor). Read or "
+        f"write it inside its gather unit's forward or inside deepspeed.zero.GatheredParameters([param], "
+        f"modifier_rank=...)")
+
+
+class _PartitionedData(torch.Tensor):
+    """`.data` of a partitioned parameter: as DeepSpeed's there, a 0-element tensor, so that an in-place write to it
+    (`module.weight.data.normal_()`, as 7 of transformers 5.17's _init_weights write it) runs on 0 elements and
+    changes nothing. Reading its elements raises naming the parameter (DeepSpeed's would read 0 elements)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _call_name(func)
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+        writes_in_place = name.endswith("_") and not name.endswith("__") and isinstance(target, _PartitionedData)
+        if not writes_in_place and name not in _METADATA_CALLS:
+            of = next((v for v in list(args) + list(kwargs.values()) if isinstance(v, _PartitionedData)), None)
+            if of is not None:
+                _refuse_read(func, of._uckpt_ds_id, of._uckpt_ds_shape, "'s .data")
+        with torch._C.DisableTorchFunction():
+            return func(*args, **kwargs)
+
+
+def _partitioned_data(p):
+    with torch._C.DisableTorchFunction():
+        data = torch.empty(0, dtype=p.dtype, device=p.device).as_subclass(_PartitionedData)
+    data._uckpt_ds_id, data._uckpt_ds_shape = p.ds_id, p.ds_shape
+    return data
+
+
 class _Stage3Parameter(torch.nn.Parameter):
     """A partitioned parameter (zero.Init's, or a stage-3 engine's: initialize switches its class to this one).
     ds_status says, as DeepSpeed's does, whether it is whole on this rank now; any tensor call that reads its
@@ -92,6 +126,9 @@ class _Stage3Parameter(torch.nn.Parameter):
             with torch._C.DisableTorchFunction():
                 return torch.empty(0, dtype=args[0].dtype, device=args[0].device)
         name = _call_name(func)
+        if name == "data" and getattr(func, "__name__", "") == "__get__" and len(args) == 1 \
+                and isinstance(args[0], _Stage3Parameter) and not _whole_here(args[0]):
+            return _partitioned_data(args[0])
         if _in_place_on_placeholder(name, args, kwargs):
             # DeepSpeed's partitioned parameter is a 0-element tensor: an in-place call on it (init.normal_,
             # zero_, fill_, ... as transformers' initialize_weights_zero3 makes on every rank for a child's
@@ -104,11 +141,7 @@ class _Stage3Parameter(torch.nn.Parameter):
             if p is None:
                 p = _partitioned_among(kwargs.values())
             if p is not None:
-                raise RuntimeError(
-                    f"uckpt ZeRO stage 3: {_call_name(func) or func} reads parameter ds_id={p.ds_id} "
-                    f"(shape {tuple(p.ds_shape)}) while it is partitioned (ds_status NOT_AVAILABLE): this rank holds "
-                    f"only its partition (ds_tensor). Read or write it inside its gather unit's forward or inside "
-                    f"deepspeed.zero.GatheredParameters([param], modifier_rank=...)")
+                _refuse_read(func, p.ds_id, p.ds_shape)
         with torch._C.DisableTorchFunction():
             return func(*args, **kwargs)
 
