@@ -38,6 +38,9 @@ struct OptimizerConfig {
   // false: DeepSpeed's Adam with bias_correction false (step size lr,
   // denominator sqrt(v) + eps).
   bool bias_correction = true;
+  // torch_adam: torch.optim.Adam/AdamW, else DeepSpeed's FusedAdam (which ZeRO stage 0 in fp16
+  // wraps in FP16_Optimizer; torch's go in FP16_UnfusedOptimizer).
+  bool torch_adam = false;
 };
 
 // DeepSpeed 0.14.5's config schedulers (runtime/lr_schedules.py), each with
@@ -84,6 +87,9 @@ struct Fp16Config {
   // ZeRO optimizers read the five above only then; otherwise they keep their
   // DynamicLossScaler's own defaults (LossScaler::FromConfig).
   bool dynamic_keys_given = false;
+  // Whether loss_scale and min_loss_scale are JSON integers: FP16_Optimizer keeps its scale as the Python
+  // number it came from, and its checkpoint pickles it so (an int until a halving makes it a float).
+  bool loss_scale_integral = true, min_loss_scale_integral = true;
 };
 
 struct ZeroConfig {
