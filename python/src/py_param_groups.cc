@@ -103,6 +103,7 @@ nlohmann::json ClientOptimizerSection(py::handle opt) {
     }
   } else if (py::isinstance(opt, optim.attr("AdamW"))) {
     type = "AdamW";
+    params["torch_adam"] = true;  // torch's, not DeepSpeed's FusedAdam (stage 0 in fp16 wraps them differently)
   } else if (py::isinstance(opt, optim.attr("Adam"))) {
     type = "Adam";
     params["torch_adam"] = true;  // torch.optim.Adam: L2 weight decay (DeepSpeed needs adam_w_mode false too)
