@@ -194,7 +194,8 @@ class StructureCheck {
     if (master_elements > module_elements)
       Fail(path + ": optimizer's fp32 masters", "hold " + std::to_string(master_elements) + " elements, the module " +
                                                     std::to_string(module_elements));
-    for (const Stage0OptimizerEntry& entry : *ReadStage0OptimizerEntries(root, path))
+    const auto entries = ReadStage0OptimizerEntries(root, path);  // (kept: the range below views it)
+    for (const Stage0OptimizerEntry& entry : *entries)
       for (const auto& [name, t] : entry.tensors) {
         TensorBytes(*t, entry.where + "." + name);
         if (!t->shape.empty() && !masters.count(t->numel()))

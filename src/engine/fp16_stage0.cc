@@ -95,7 +95,8 @@ StepResult FlatRuntime::Fp16WrapperStep(const std::vector<double>& group_lrs) {
   const double scaled_norm = Fp16WrapperScaledNorm();
   // Unscaled by the scale the update above left (a step where it grew divides by the new one).
   const double scale = scaler_.cur_scale;
-  fp16_wrapper_norm_ = scaled_norm / scale;
+  // The norm DeepSpeed reports: FP16_Optimizer's unscaled, FP16_UnfusedOptimizer's as the gradients carry the scale.
+  fp16_wrapper_norm_ = s_.stage0_fp16 == Stage0Fp16::kFused ? scaled_norm / scale : scaled_norm;
   r.grad_norm = fp16_wrapper_norm_;
   double combined = scale;
   if (s_.gradient_clipping > 0) {
