@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """fp16 at ZeRO stage 0 (#40): DeepSpeed 0.14.5's FP16_Optimizer / FP16_UnfusedOptimizer, CPU, toy model (seconds).
 
-usage: stage0_fp16_test.py CASE PYTHONPATH_OF_UCKPT UCKPT_BINARY WORK_DIR
+usage: stage0_fp16_test.py CASE PYTHONPATH_OF_UCKPT UCKPT_BINARY WORK_DIR [SHARED]
 
 The reference is real DeepSpeed 0.14.5's own wrapper classes (deepspeed.runtime.fp16), installed beside torch, driven
 on the CPU as its engine drives them at stage 0 (loss.float() / GA, the fp16 gradients flattened, all-reduced and
@@ -27,6 +27,9 @@ CASE:
                 (GA 2) at stage 0 and at 2 ranks at stage 1 (and 3: fused) the loss continues (5%), the scale
                 carried over.
   from_stage1   a stage-1 fp16 folder of 2 ranks resumed at stage 0 on 1 rank continues, its scale carried over.
+  fixture       (needs SHARED: ../shared/fixtures/deepspeed/stage0_fp16_ws2 made on a GPU by
+                tests/fixtures/deepspeed_stage0_fp16.py, else exit 77) uckpt's saved 'optimizer' has the structure
+                of real DeepSpeed's (FusedAdam's included), and uckpt resumes DeepSpeed's folders on the CPU.
   tools         `uckpt verify` accepts the stage-0 fp16 folders; `uckpt convert` and `uckpt inspect` read them or
                 refuse them naming FP16_Optimizer.
 """
@@ -472,6 +475,53 @@ def check_loss_continues(what, got, want, rtol=0.05, atol=2e-4):
     print(f"ok   {what}: losses {[round(r['loss'], 4) for r in got]}")
 
 
+def structure(v):
+    """A value's shape for comparing layouts: dict keys in order, list lengths, tensors' dtype and shape, numbers'
+    Python types."""
+    import torch
+    if isinstance(v, dict):
+        return {k: structure(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [type(v).__name__] + [structure(x) for x in v]
+    if torch.is_tensor(v):
+        return f"tensor {v.dtype} {tuple(v.shape)} requires_grad={v.requires_grad}"
+    return type(v).__name__
+
+
+def case_fixture(pypath, work, shared):
+    """Real DeepSpeed 0.14.5's stage-0 fp16 checkpoints, made on a GPU by tests/fixtures/deepspeed_stage0_fp16.py
+    (2 ranks): uckpt's saved 'optimizer' has their structure (keys, types, shapes), and uckpt resumes them on the
+    CPU at 2 ranks with their scale and step counters, the loss continuing theirs (GPU against CPU: 2%, 1e-3)."""
+    import torch
+    base = os.path.join(shared, "fixtures", "deepspeed", "stage0_fp16_ws2")
+    if not os.path.isfile(os.path.join(base, "fused", "losses.json")):
+        print(f"SKIPPED: no {base} (make it on a GPU with tests/fixtures/deepspeed_stage0_fp16.py)")
+        sys.exit(SKIP)
+    for variant in ("fused", "sgd"):
+        ds = os.path.join(base, variant)
+        runs = load(os.path.join(ds, "losses.json"))["steps"]
+        ds_opt = torch.load(os.path.join(ds, "s0", "mp_rank_00_model_states.pt"), weights_only=False,
+                            map_location="cpu")["optimizer"]
+        launch(pypath, 2, [work, variant, "save"])
+        ours = torch.load(os.path.join(work, f"ckpt_{variant}", "s0", "mp_rank_00_model_states.pt"),
+                          weights_only=True)["optimizer"]
+        if structure(ours) != structure(ds_opt):
+            fail(f"{variant}: uckpt's 'optimizer' {structure(ours)}\nDeepSpeed's {structure(ds_opt)}")
+        print(f"ok   {variant}: the saved 'optimizer' has the structure of DeepSpeed's (GPU-made)")
+        launch(pypath, 2, [work, variant, f"resume:{ds}:0:1:fixture"])
+        got = load(os.path.join(work, f"ck_{variant}_fixture.json"))
+        after = got[0]["after_load"]
+        if after["cur_scale"] != runs[SAVE_AT - 1]["cur_scale"] or after["global_steps"] != SAVE_AT or \
+                after["skipped"] != runs[SAVE_AT - 1]["skipped"]:
+            fail(f"{variant}: after loading DeepSpeed's folder: {after}, DeepSpeed's step {SAVE_AT - 1}: "
+                 f"{runs[SAVE_AT - 1]}")
+        got = [r for r in got if "step" in r]
+        for a, b in zip(got, runs[SAVE_AT:]):
+            if a["overflow"] != b["overflow"] or abs(a["loss"] - b["loss"]) > max(0.02 * abs(b["loss"]), 1e-3):
+                fail(f"{variant}: step {a['step']}: {a}, DeepSpeed's on the GPU {b}")
+        print(f"ok   {variant}: DeepSpeed's GPU-made folder resumes on the CPU, losses {[r['loss'] for r in got]}")
+
+
 def case_tools(pypath, uckpt_bin, work):
     import torch  # noqa: F401
     for variant in ("fused", "sgd"):
@@ -521,6 +571,8 @@ def main():
         case_from_stage1(pypath, work)
     elif case == "tools":
         case_tools(pypath, uckpt_bin, work)
+    elif case == "fixture":
+        case_fixture(pypath, work, sys.argv[5])
     else:
         fail(f"no case {case}")
     print(f"PASS {case}")
