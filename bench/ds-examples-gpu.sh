@@ -9,8 +9,9 @@
 #   cifar_z1   the same at --stage 1: PASS = trained
 #   cifar_moe  the same with --moe: uckpt refuses mixture of experts, so PASS = refused naming it
 #   imagenet   training/imagenet/main.py --dummy -a resnet18 with its config/ds_config.json, --epochs 1
-#   chat_z2    DeepSpeed-Chat step 1 (applications/DeepSpeed-Chat/training/step1_supervised_finetuning/
-#   chat_z3    main.py, with its dschat package) at --zero_stage 2 / 3: a tiny OPT made from a config,
+#   chat_z0    DeepSpeed-Chat step 1 (applications/DeepSpeed-Chat/training/step1_supervised_finetuning/
+#   chat_z2    main.py, with its dschat package) at --zero_stage 0 (fp16 with --lora_dim 8, as its single_gpu
+#   chat_z3    scripts), 2 and 3: a tiny OPT made from a config,
 #              local/jsonfile data written here; PASS also needs the whole weights in pytorch_model.bin
 #
 # What stands in for what the machine cannot download (nothing in the scripts changes):
@@ -34,7 +35,7 @@
 #   BUILD_DIR     uckpt built with the Python package (default /tmp/uckpt-gpu; built here with
 #                 scripts/build-gpu.sh BUILD_DIR $UCKPT_GPU_DEPS (default build-gpu-deps) when it has none)
 #   WORK_DIR      default /tmp/ds-examples
-# env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z2 chat_z3"), TIMEOUT_S (per case, default 300),
+# env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300),
 #      DS_ACCELERATOR=cpu runs on the CPU (chat in bf16; for testing this script).
 # Exit status: the number of failed cases. Logs: WORK_DIR/<case>.log.
 set -uo pipefail
@@ -42,7 +43,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 dse=$(realpath "${1:?usage: bench/ds-examples-gpu.sh DSE_CHECKOUT [BUILD_DIR] [WORK_DIR]}")
 build=$(realpath -m "${2:-/tmp/uckpt-gpu}")
 work=$(realpath -m "${3:-/tmp/ds-examples}")
-CASES=${CASES:-cifar cifar_z1 cifar_moe imagenet chat_z2 chat_z3}
+CASES=${CASES:-cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3}
 TIMEOUT_S=${TIMEOUT_S:-300}
 PY=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -342,7 +343,7 @@ for c in $CASES; do
       DSX_FAKEDATA_SIZE=${DSX_FAKEDATA_SIZE:-512} launch imagenet "$work/imagenet" "$work/shim-imagenet" main.py \
         --dummy -a resnet18 -b 64 --epochs 1 -j 2 -p 4 --deepspeed --deepspeed_config config/ds_config.json; rc=$?
       ran imagenet $rc "$(grep -m1 'Acc@1' "$work/imagenet.log" | cut -c1-120)" ;;
-    chat_z2|chat_z3)
+    chat_z0|chat_z2|chat_z3)
       stage=${c#chat_z}
       if ! $PY -c 'import transformers, tokenizers' 2> /dev/null; then
         result "$c" FAIL "transformers (and tokenizers) are not installed"; continue
@@ -351,7 +352,9 @@ for c in $CASES; do
         make_chat_inputs > "$work/chat-inputs.log" 2>&1 || { result "$c" FAIL "making the tiny OPT: $(reason "$work/chat-inputs.log")"; continue; }
         cat "$work/chat-inputs.log"
       fi
-      dtype=(); $cpu && dtype=(--dtype bf16)
+      # Stage 0 as its single-GPU scripts: fp16 (FusedAdam in DeepSpeed's FP16_Optimizer) with LoRA, on the CPU too.
+      dtype=(); $cpu && [ "$stage" != 0 ] && dtype=(--dtype bf16)
+      [ "$stage" = 0 ] && dtype+=(--lora_dim 8)
       out=$work/chat/out_z$stage
       extra=$work/chat:$work/alias; [ -d "$work/shim-chat" ] && extra+=:$work/shim-chat
       launch "$c" "$work/chat" "$extra" main.py \

@@ -114,8 +114,8 @@ class Opener {
     if (!opt || !opt->is_dict()) return false;
     if (IsFp16OptimizerState(opt))
       Fail(model->path, "a ZeRO stage-0 fp16 checkpoint (DeepSpeed's FP16_Optimizer or FP16_UnfusedOptimizer state in "
-                        "'optimizer') cannot be converted or exported by uckpt; the engine resumes it at any world "
-                        "size and ZeRO stage, and a save from there converts");
+                        "'optimizer'): uckpt's convert, export and inspect do not read it; the engine resumes it at "
+                        "any world size and ZeRO stage (a save from there converts), and `uckpt verify` checks it");
     c_.stage = 0;
     c_.dp = 1;  // every rank held everything
     c_.model_files.push_back(*model);
