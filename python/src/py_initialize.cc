@@ -40,12 +40,11 @@ void RefuseStage0Unsupported(py::handle optimizer, const engine::TrainConfig& co
                           "which DeepSpeed's stage-0 checkpoint numbers among the optimizer's state ids and uckpt "
                           "does not; build it on the trainable parameters only (p for p in model.parameters() if "
                           "p.requires_grad), or use ZeRO stage 1-3");
-  const bool bf16 = config.bf16;
-  if (!bf16 && !config.fp16.enabled) return;
-  throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 in " +
-                        (bf16 ? "bf16" : "fp16") + " is not supported by uckpt (DeepSpeed wraps it in its " +
-                        (bf16 ? "BF16_Optimizer" : "FP16_UnfusedOptimizer") + "; uckpt runs it at stage 0 in fp32, "
-                        "and in fp16/bf16 at stages 1-3)");
+  // fp16: DeepSpeed's FP16_UnfusedOptimizer around it, which the engine keeps (engine/fp16_stage0.cc).
+  if (!config.bf16) return;
+  throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 in bf16 is not "
+                        "supported by uckpt (DeepSpeed wraps it in its BF16_Optimizer; uckpt runs it at stage 0 in "
+                        "fp32 and fp16, and in bf16 at stages 1-3)");
 }
 
 void RefuseUnsupported(py::handle model, py::handle mpu, const nlohmann::json& config, const std::string& source) {

@@ -103,7 +103,8 @@ nlohmann::json ClientOptimizerSection(py::handle opt) {
     }
   } else if (py::isinstance(opt, optim.attr("AdamW"))) {
     type = "AdamW";
-    params["torch_adam"] = true;  // torch's own class (its checkpoints keep torch's param-group keys)
+    params["torch_adam"] = true;  // torch's own class: its checkpoints keep torch's param-group keys, and
+                                  // stage 0 in fp16 wraps it as DeepSpeed wraps torch's optimizers
   } else if (py::isinstance(opt, optim.attr("Adam"))) {
     type = "Adam";
     params["torch_adam"] = true;  // torch.optim.Adam: L2 weight decay (DeepSpeed needs adam_w_mode false too)

@@ -54,7 +54,11 @@ void CheckZeroOptimizer(py::handle optimizer, const engine::TrainConfig& config,
 std::string DeepSpeedOptimizerClass(const PyEngine& e) {
   const int stage = e.engine().zero_stage();
   if (e.engine().bf16_enabled() && stage <= 1 && !e.settings().config.zero.offload_optimizer_cpu) return "BF16_Optimizer";
-  if (stage == 0) return "torch";  // (stage 0 in fp16 is refused at initialize)
+  if (stage == 0 && e.engine().fp16_enabled()) {  // DeepSpeed's wrapper: FP16_Optimizer around its FusedAdam
+    const engine::TrainConfig& c = e.settings().config;
+    return e.settings().client_step || c.optimizer.torch_adam ? "FP16_UnfusedOptimizer" : "FP16_Optimizer";
+  }
+  if (stage == 0) return "torch";
   return stage == 3 ? "DeepSpeedZeroOptimizer_Stage3" : "DeepSpeedZeroOptimizer";
 }
 

@@ -446,6 +446,11 @@ ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path) {
     m.last_batch_iteration = IntKey(s, "last_batch_iteration", path + ": lr_scheduler");
   if (ValuePtr d = Key(root, "dp_world_size", path, false); d && d->kind == Kind::kInt) m.dp_world_size = d->i;
   if (ValuePtr opt = Key(root, "optimizer", path, false); opt && opt->is_dict()) {
+    if (IsFp16OptimizerState(opt)) {
+      m.fp16_optimizer = ReadFp16Optimizer(opt, path);
+      opt = m.fp16_optimizer->optimizer_state_dict;
+      if (!opt->is_dict()) throw FormatError(path + ": optimizer['optimizer_state_dict'] is not a dict");
+    }
     for (const auto& [id, state] : StatesById(Key(opt, "state", path + ": optimizer"), path + ": optimizer.state"))
       m.stage0_state[id] = ReadStage0State(state, path + ": optimizer.state[" + std::to_string(id) + "]");
     m.stage0_param_groups = Key(opt, "param_groups", path + ": optimizer", false);
@@ -504,6 +509,8 @@ std::optional<std::vector<Stage0OptimizerEntry>> ReadStage0OptimizerEntries(cons
                                                                             const std::string& path) {
   ValuePtr opt = root->get("optimizer");
   if (!opt || !opt->is_dict()) return std::nullopt;
+  // Stage 0 in fp16: the wrapped optimizer's state_dict inside DeepSpeed's fp16 wrapper's.
+  if (IsFp16OptimizerState(opt)) opt = Need(opt, "optimizer_state_dict", path + ": optimizer");
   ValuePtr state = Need(opt, "state", path + ": optimizer");
   if (!state->is_dict()) Fail(path + ": optimizer.state", "is not a dict");
   AsList(Need(opt, "param_groups", path + ": optimizer"), path + ": optimizer.param_groups");

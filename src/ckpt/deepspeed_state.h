@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ckpt/deepspeed_names.h"
+#include "ckpt/fp16_optimizer_state.h"
 #include "ckpt/partition.h"
 #include "ckpt/state_keys.h"
 #include "format/torch_file.h"
@@ -166,6 +167,9 @@ struct ModelStatesView {
   // uckpt's record of which parameter each stage-0 state id is (its 'uckpt'
   // dict's stage0_param_names); empty in DeepSpeed's files.
   std::vector<std::string> stage0_param_names;
+  // Stage 0 in fp16: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer state, whose wrapped
+  // optimizer's state_dict is what stage0_state and stage0_param_groups read.
+  std::optional<Fp16OptimizerView> fp16_optimizer;
   std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey, but uckpt's defaults
 };
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);

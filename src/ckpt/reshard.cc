@@ -166,6 +166,7 @@ ReadSource ZeroReadSource(const ZeroCheckpoint& z) {
 }
 
 ReadSource ModuleReadSource(const ModelStatesView& m, const std::string& path, const std::vector<std::string>& names) {
+  if (m.fp16_optimizer) return Fp16OptimizerReadSource(m, path, names);  // the masters are the wrapper's
   ReadSource s{path, path, {}};
   // Stage 0's state ids: the parameters uckpt recorded, else the order of `names`.
   std::map<std::string, int64_t> recorded;

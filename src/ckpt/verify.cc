@@ -145,6 +145,7 @@ class StructureCheck {
     TorchFile f = LoadTorchFile(path);
     const ValuePtr& root = f.root;
     if (!root || !root->is_dict()) throw FormatError(path + ": is not a DeepSpeed model-states dict");
+    if (IsFp16OptimizerState(root->get("optimizer"))) return Stage0Fp16(path, root);
     const auto optimizer = ReadStage0OptimizerEntries(root, path);
     if (!optimizer)
       throw FormatError(v_.folder + ": no zero_pp_rank_*_optim_states.pt files, and " + path +
@@ -168,6 +169,38 @@ class StructureCheck {
                                              " elements, which no tensor of the module has");
       }
     }
+  }
+
+  // ZeRO-0 in fp16: the fp16 wrapper's state parses, its fp32 masters and the
+  // wrapped optimizer's states have their bytes, each per-element state the
+  // size of a master (FP16_Optimizer: a group's flat one), the masters no
+  // more elements than the module's tensors.
+  void Stage0Fp16(const std::string& path, const ValuePtr& root) {
+    const Fp16OptimizerView w = ReadFp16Optimizer(root->get("optimizer"), path);
+    int64_t module_elements = 0;
+    for (const auto& [name, v] : NamedEntries(RequiredModule(root, path), path + ": module")) {
+      if (!v || !v->tensor) continue;
+      TensorBytes(*v->tensor, path + ": module." + name);
+      module_elements += v->tensor->numel();
+    }
+    std::multiset<int64_t> masters;
+    int64_t master_elements = 0;
+    for (const auto& group : w.fp32)
+      for (const Tensor* t : group) {
+        TensorBytes(*t, path + ": optimizer's fp32 masters");
+        masters.insert(t->numel());
+        master_elements += t->numel();
+      }
+    if (master_elements > module_elements)
+      Fail(path + ": optimizer's fp32 masters", "hold " + std::to_string(master_elements) + " elements, the module " +
+                                                    std::to_string(module_elements));
+    const auto entries = ReadStage0OptimizerEntries(root, path);  // (kept: the range below views it)
+    for (const Stage0OptimizerEntry& entry : *entries)
+      for (const auto& [name, t] : entry.tensors) {
+        TensorBytes(*t, entry.where + "." + name);
+        if (!t->shape.empty() && !masters.count(t->numel()))
+          Fail(entry.where + "." + name, "has " + std::to_string(t->numel()) + " elements, which no fp32 master has");
+      }
   }
 
   // The copied model states parse and give the parameters; each has its

@@ -112,6 +112,10 @@ class Opener {
     TorchFile m = LoadTorchFile(model->path);
     ValuePtr opt = m.root && m.root->is_dict() ? m.root->get("optimizer") : nullptr;
     if (!opt || !opt->is_dict()) return false;
+    if (IsFp16OptimizerState(opt))
+      Fail(model->path, "a ZeRO stage-0 fp16 checkpoint (DeepSpeed's FP16_Optimizer or FP16_UnfusedOptimizer state in "
+                        "'optimizer'): uckpt's convert, export and inspect do not read it; the engine resumes it at "
+                        "any world size and ZeRO stage (a save from there converts), and `uckpt verify` checks it");
     c_.stage = 0;
     c_.dp = 1;  // every rank held everything
     c_.model_files.push_back(*model);

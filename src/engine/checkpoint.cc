@@ -345,6 +345,89 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
   return ckpt::Stage0OptimizerValue(states, hparams, ids, entries);
 }
 
+// A Python number as DeepSpeed keeps it: an int where it is one.
+ValuePtr PythonNumber(double v, bool integral) {
+  return integral ? Value::Int(static_cast<int64_t>(v)) : Value::Float(v);
+}
+
+// Whether the config writes `key` (at the top level, or in `section`) as a JSON integer.
+bool ConfigInteger(const Engine::Impl& e, const char* section, const char* key) {
+  const nlohmann::json& raw = e.config.raw;
+  const nlohmann::json* at = &raw;
+  if (section) {
+    if (!raw.is_object() || !raw.contains(section) || !raw[section].is_object()) return false;
+    at = &raw[section];
+    if (at->contains("params")) at = &(*at)["params"];
+  }
+  return at->is_object() && at->contains(key) && (*at)[key].is_number_integer();
+}
+
+// FP16_Optimizer's wrapped FusedAdam state_dict: one state per param group, over
+// its flat master (state step an int), and FusedAdam's group keys.
+ValuePtr FusedAdamState(const Engine::Impl& e, const std::vector<PartitionSlot>& slots) {
+  ValuePtr state = Value::Dict(), groups = Value::List();
+  const bool betas_listed = e.config.raw.is_object() && e.config.raw.contains("optimizer") &&
+                            e.config.raw["optimizer"].is_object() && e.config.raw["optimizer"].contains("params") &&
+                            e.config.raw["optimizer"]["params"].contains("betas");  // a JSON list stays one
+  for (size_t g = 0; g < slots.size(); ++g) {
+    const PartitionState& s = *slots[g].state;
+    int64_t numel = 0;
+    for (const auto& p : e.groups[g]) numel += p.tensor.numel();
+    if (s.step.defined()) {
+      ValuePtr st = Value::Dict();
+      st->set(ckpt::kStep, Value::Int(static_cast<int64_t>(s.step.item<double>())));
+      st->set(ckpt::kExpAvg, View(StorageOf(s.exp_avg), DType::kFloat32, {numel}, 0));
+      st->set(ckpt::kExpAvgSq, View(StorageOf(s.exp_avg_sq), DType::kFloat32, {numel}, 0));
+      state->set(Value::Int(static_cast<int64_t>(g)), st);
+    }
+    const ckpt::AdamHparams h = SavedHparams(e, g);
+    const OptimizerConfig& o = e.runtime->optimizer_config(g);
+    ValuePtr group = Value::Dict();
+    group->set("lr", Value::Float(h.lr));
+    group->set("bias_correction", Value::Bool(o.bias_correction));
+    std::vector<ValuePtr> betas{Value::Float(h.beta1), Value::Float(h.beta2)};
+    group->set("betas", betas_listed ? Value::List(betas) : Value::Tuple(betas));
+    group->set("eps", Value::Float(h.eps));
+    group->set("weight_decay", Value::Float(h.weight_decay));
+    group->set("step", Value::Int(0));  // FusedAdam sets it in the group and counts in the state
+    group->set("params", Value::List({Value::Int(static_cast<int64_t>(g))}));
+    groups->items.push_back(group);
+  }
+  ValuePtr d = Value::Dict();
+  d->set("state", state);
+  d->set("param_groups", groups);
+  return d;
+}
+
+// Stage 0 in fp16: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer
+// state_dict (ckpt/fp16_optimizer_state.h): the loss scale, the wrapped
+// optimizer's state_dict and the fp32 masters (flat per group, or per parameter).
+ValuePtr Fp16WrapperOptimizer(const Engine::Impl& e) {
+  const LossScaler& ls = e.runtime->loss_scaler();
+  ckpt::Fp16OptimizerState w;
+  w.fused = e.stage0_fp16 == Stage0Fp16::kFused;
+  w.dynamic = ls.dynamic;
+  w.cur_scale = PythonNumber(ls.cur_scale, ls.integral_scale);
+  w.scale_factor = PythonNumber(ls.scale_factor, ls.integral_factor);
+  w.cur_iter = ls.cur_iter;
+  w.last_overflow_iter = ls.last_overflow_iter;
+  w.scale_window = ls.scale_window;
+  w.clip_grad = PythonNumber(e.config.gradient_clipping, ConfigInteger(e, nullptr, "gradient_clipping"));
+  const std::vector<PartitionSlot> slots = e.runtime->Slots();  // one per group
+  for (size_t g = 0; g < slots.size(); ++g) {
+    auto master = StorageOf(slots[g].state->master);
+    w.fp32.emplace_back();
+    int64_t at = 0;
+    for (const auto& p : e.groups[g]) {
+      if (!w.fused) w.fp32.back().push_back(View(master, DType::kFloat32, p.tensor.sizes().vec(), at, true));
+      at += p.tensor.numel();
+    }
+    if (w.fused) w.fp32.back().push_back(View(master, DType::kFloat32, {at}, 0, true));
+  }
+  w.optimizer_state_dict = w.fused ? FusedAdamState(e, slots) : Stage0Optimizer(e);
+  return ckpt::Fp16OptimizerValue(w);
+}
+
 // Stages 0-2's model states: the trainable parameters as views into one
 // storage per group's flat buffer (as DeepSpeed's state_dict of flat-buffer
 // views saves them), frozen parameters whole, each also as its flattened
@@ -370,7 +453,7 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
     m.frozen.emplace_back(name, View(whole->storage, whole->dtype, {whole->numel()}, 0));
   }
   if (m.stage == 0) {
-    m.stage0_optimizer = Stage0Optimizer(e);
+    m.stage0_optimizer = e.stage0_fp16 != Stage0Fp16::kNone ? Fp16WrapperOptimizer(e) : Stage0Optimizer(e);
     // Which parameter each state id is (DeepSpeed's stage-0 file does not say): for convert and resume.
     ValuePtr names = Value::List();
     for (const auto& group : e.groups)
@@ -420,8 +503,9 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
                                  const ClientState& client_state, bool async) {
   const auto start = std::chrono::steady_clock::now();
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
-  if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat)
-    throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
+  if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat && e.stage0_fp16 == Stage0Fp16::kNone)
+    throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2 (or fp16 at stage 0 with an "
+                                "optimizer)");
   Comm& comm = *e.comm;
   Env& env = Env::Current();
   const bool rank0 = comm.rank() == 0;
@@ -805,6 +889,20 @@ void LoadPartitions(Engine::Impl& e, const ckpt::TagFolder& folder, const ModelS
   }
   static_cast<ckpt::LossScalerState&>(e.runtime->loss_scaler()) =
       ckpt::ReadLossScaler(source.loss_scaler, e.runtime->loss_scaler());
+  // A stage-0 fp16 file's scale, in its wrapper's entries (FP16_Optimizer.load_state_dict's), into an fp16 run.
+  if (source.kind == SourceKind::kModelStates && model.view.fp16_optimizer && e.config.fp16.enabled) {
+    const ckpt::Fp16OptimizerView& w = *model.view.fp16_optimizer;
+    LossScaler& s = e.runtime->loss_scaler();
+    s.dynamic = w.dynamic;
+    s.cur_scale = w.cur_scale;
+    s.integral_scale = w.cur_scale_integral;
+    s.cur_iter = w.cur_iter;
+    if (w.dynamic) {
+      s.last_overflow_iter = w.last_overflow_iter;
+      s.scale_factor = w.scale_factor;
+      s.scale_window = w.scale_window;
+    }
+  }
   ApplySavedHparams(e, source.optimizer_file, source.param_groups, o);
   // For a client optimizer's own keys (SGD's momentum, ...): the caller restores them into its groups.
   if (moments && source.param_groups) e.last_load.optimizer_param_groups = ToIValue(source.param_groups);

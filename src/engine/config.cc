@@ -229,6 +229,7 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
   }
   o.torch_adam = torch_adam;
   o.decoupled_weight_decay = o.type == "AdamW" || adam_w_mode;
+  o.torch_adam = torch_adam;
   if (torch_adam && o.decoupled_weight_decay && !weight_decay_given) o.weight_decay = 0.01;  // torch.optim.AdamW's
   if (o.lr < 0 || o.eps < 0 || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1)
     throw ConfigError("optimizer.params: lr and eps must be >= 0 and betas in [0, 1)");
@@ -503,6 +504,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->Bool("consecutive_hysteresis", c.fp16.consecutive_hysteresis);
       s->Double("min_loss_scale", c.fp16.min_loss_scale);
       s->Bool("auto_cast", c.fp16.auto_cast);
+      if (s->Has("loss_scale")) c.fp16.loss_scale_integral = s->json("loss_scale").is_number_integer();
+      if (s->Has("min_loss_scale")) c.fp16.min_loss_scale_integral = s->json("min_loss_scale").is_number_integer();
       s->RefuseUnless("fp16_master_weights_and_grads", false);
     }
     for (const char* key : {"bf16", "bfloat16"}) {

@@ -39,7 +39,8 @@ struct OptimizerConfig {
   // denominator sqrt(v) + eps).
   bool bias_correction = true;
   // torch_adam: DeepSpeed builds torch.optim.Adam/AdamW, else its own Adam
-  // (whose checkpoints keep other param-group keys: ckpt::AdamClass).
+  // (whose checkpoints keep other param-group keys: ckpt::AdamClass; ZeRO
+  // stage 0 in fp16 wraps it in FP16_Optimizer, torch's in FP16_UnfusedOptimizer).
   bool torch_adam = false;
 };
 
@@ -87,6 +88,9 @@ struct Fp16Config {
   // ZeRO optimizers read the five above only then; otherwise they keep their
   // DynamicLossScaler's own defaults (LossScaler::FromConfig).
   bool dynamic_keys_given = false;
+  // Whether loss_scale and min_loss_scale are JSON integers: FP16_Optimizer keeps its scale as the Python
+  // number it came from, and its checkpoint pickles it so (an int until a halving makes it a float).
+  bool loss_scale_integral = true, min_loss_scale_integral = true;
 };
 
 struct ZeroConfig {

@@ -184,19 +184,12 @@ void CastFloatingTensors(torch::nn::Module& m, at::ScalarType dtype) {
     if (t.is_floating_point() && t.scalar_type() != dtype) t.set_data(t.to(dtype));
 }
 
-// Stage 0 outside fp32, where DeepSpeed wraps the optimizer in something uckpt does not
-// reproduce: in fp16 always (FP16_Optimizer, FP16_UnfusedOptimizer for most client
-// optimizers: loss scaling by rules of their own, no hysteresis, another initial scale and
-// growth count, the scale in checkpoint entries of their own); in bf16 a client optimizer
-// (BF16_Optimizer; the config's Adam at stage 0 in bf16 is uckpt's, as DeepSpeed's layout).
-// Refused before the CPU fp16 probe, so the message names the real reason.
+// Stage 0 in bf16 with a client optimizer, where DeepSpeed wraps it in its
+// BF16_Optimizer, which uckpt does not reproduce (the config's Adam at stage 0
+// in bf16 is uckpt's, as DeepSpeed's layout). fp16 at stage 0 is DeepSpeed's
+// FP16_Optimizer / FP16_UnfusedOptimizer (fp16_stage0.cc).
 void RefuseStage0Wrappers(const TrainConfig& c, const EngineOptions& options) {
   if (c.zero.stage != 0) return;
-  if (c.fp16.enabled && !options.forward_only)
-    throw std::invalid_argument(
-        "ZeRO stage 0 in fp16 is not supported by uckpt: DeepSpeed wraps the optimizer in its FP16_Optimizer "
-        "(FP16_UnfusedOptimizer for most client optimizers), whose loss scaling and checkpoint layout uckpt does not "
-        "reproduce; use fp16 at ZeRO stage 1, 2 or 3, or bf16 or fp32 at stage 0");
   if (c.bf16 && options.optimizer_step)
     throw std::invalid_argument(
         "ZeRO stage 0 in bf16 with an optimizer other than Adam/AdamW is not supported by uckpt (DeepSpeed wraps it in "
@@ -271,6 +264,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     for (auto& spec : specs) spec.optimizer.beta1 = b->first, spec.optimizer.beta2 = b->second;
   e.client_optimizer = static_cast<bool>(options.optimizer_step);
   e.client_param_group = options.optimizer_param_group;
+  e.stage0_fp16 = engine::Stage0Fp16Of(c, e.client_optimizer, options.forward_only);
   e.runtime = engine::MakeShardedRuntime(e, std::move(specs), options);
   e.model->train(true);
 }
@@ -292,7 +286,9 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   // DeepSpeed scales each micro loss by 1/GA unless told not to (and by the fp16 loss scale).
   const int64_t ga = e.batch.gradient_accumulation_steps;
   e.runtime->WaitForUpdate();
-  at::Tensor scaled = ga > 1 && options.scale_wrt_gas ? loss / ga : loss;
+  // In fp16 the loss is scaled in fp32, as DeepSpeed's optimizers take loss.float().
+  at::Tensor scaled = e.config.fp16.enabled ? loss.to(at::kFloat) : loss;
+  if (ga > 1 && options.scale_wrt_gas) scaled = scaled / ga;
   scaled = scaled * loss_scale();
   e.runtime->BeginMicroStep(e.boundary());
   e.runtime->PrepareBackward();

@@ -49,6 +49,7 @@ struct Engine::Impl {
   std::unique_ptr<engine::ShardedRuntime> runtime;  // this rank's partitions and the step (sharded_runtime.h)
   bool client_optimizer = false;  // EngineOptions::optimizer_step steps: PartitionState::named holds the state
   std::function<c10::IValue(size_t)> client_param_group;  // EngineOptions::optimizer_param_group
+  engine::Stage0Fp16 stage0_fp16 = engine::Stage0Fp16::kNone;  // DeepSpeed's fp16 wrapper at stage 0, if any
   // Expires with the engine: unit_calls() a model keeps then fail cleanly.
   std::shared_ptr<int> alive = std::make_shared<int>(0);
   engine::LrSchedule schedule;

@@ -121,6 +121,8 @@ FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings 
                          : at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device));
   }
   if (s_.model_dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.fp16);
+  if (s_.stage0_fp16 != Stage0Fp16::kNone)
+    scaler_ = LossScaler::ForFp16Optimizer(s_.fp16, s_.stage0_fp16 == Stage0Fp16::kFused);
 }
 
 // The overlapped update's device side: two side streams for the uploads with
@@ -472,6 +474,8 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
       at::Tensor out = part.narrow(0, o, b);
       comm_.ReduceScatterSum(bucket, out);
     }
+  } else if (s_.stage0_fp16 != Stage0Fp16::kNone) {
+    part = Fp16WrapperAllReduce(g);
   } else if (s_.stage == 0 && (comm_.world_size() > 1 || s_.gradient_predivide_factor != 1.0)) {
     at::Tensor grad = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     // Stage 0: every rank steps the whole model on the averaged gradient, averaged as DeepSpeed's
@@ -575,6 +579,7 @@ FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) 
   AwaitUpdate();
   for (const Group& g : groups_)
     if (!g.have_grad_partition) throw std::logic_error("FlatRuntime::Step without reduced gradients");
+  if (s_.stage0_fp16 != Stage0Fp16::kNone) return Fp16WrapperStep(group_lrs);
   StepResult r;
   const double prev_scale = scaler_.cur_scale;
   r.loss_scale = prev_scale;

@@ -139,6 +139,11 @@ class FlatRuntime : public ShardedRuntime {
   // For tests: called on the update's thread before gather unit i's update.
   void set_before_unit_update(std::function<void(size_t unit)> f) { before_unit_update_ = std::move(f); }
 
+  // ZeRO stage 0 in fp16 (settings().stage0_fp16): the step DeepSpeed's FP16_Optimizer
+  // takes when it is built, of the optimizer on zero gradients (its state made, step 1,
+  // weight decay applied to the masters, the weights left as they are). Elsewhere nothing.
+  void Fp16WrapperInitialStep();
+
   // Master weights from the model (after loading weights into model_flat).
   void MastersFromWeights() override;
   // Model weights from the masters of every rank (after loading partitions).
@@ -196,6 +201,12 @@ class FlatRuntime : public ShardedRuntime {
   void DropGradient(Group& g);
   void OffloadedAdamStep(Group& g, float grad_scale, double lr);
   void GatherModel(Group& g, const at::Tensor& mine);
+  // ZeRO stage 0 in fp16 (fp16_stage0.cc): the engine's fp16 all-reduce of the group's
+  // gradients, and FP16_Optimizer's / FP16_UnfusedOptimizer's step.
+  at::Tensor Fp16WrapperAllReduce(Group& g);
+  StepResult Fp16WrapperStep(const std::vector<double>& group_lrs);
+  double Fp16WrapperScaledNorm() const;
+  void Fp16WrapperUpdate(const std::vector<at::Tensor>& grads, const std::vector<double>& group_lrs);
   // The overlapped update (OverlapUpdateWithForward).
   struct Piece {
     size_t group;
@@ -215,6 +226,7 @@ class FlatRuntime : public ShardedRuntime {
   std::vector<Group> groups_;
   LossScaler scaler_;
   bool deepspeed_order_ = false;
+  double fp16_wrapper_norm_ = 0;  // stage 0 in fp16: the last applied step's norm (kept over skipped ones)
   std::vector<std::vector<Piece>> unit_pieces_;  // [0] the root's, [1 + i] gather unit i's
   std::vector<CpuAdamPass> passes_;              // per group: the step under way
   std::unique_ptr<Uploads> uploads_;

@@ -15,6 +15,41 @@ namespace uckpt::engine {
 
 // The state (what checkpoints store) is ckpt's; the update rule is here.
 struct LossScaler : ckpt::LossScalerState {
+  // ZeRO stage 0 in fp16: the scale DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep
+  // themselves (ForFp16Optimizer): no hysteresis, growth scale_window steps after the step
+  // following the last overflow, cur_iter counted at every step, static or dynamic.
+  bool fp16_optimizer_rule = false;
+  // Whether that scale, its minimum and its factor are Python ints there (its checkpoint
+  // pickles them as the numbers they are: a halving makes the scale a float).
+  bool integral_scale = false, integral_min_scale = false, integral_factor = false;
+
+  // `fused`: FP16_Optimizer (DeepSpeed's FusedAdam: the config's Adam/AdamW), else FP16_UnfusedOptimizer.
+  static LossScaler ForFp16Optimizer(const Fp16Config& c, bool fused) {
+    LossScaler s;
+    s.fp16_optimizer_rule = true;
+    s.integral_factor = fused;  // 2 there, 2.0 in the unfused one
+    s.delayed_shift = s.cur_hysteresis = 1;
+    if (c.loss_scale != 0) {
+      s.cur_scale = c.loss_scale;
+      s.integral_scale = c.loss_scale_integral;
+      return s;
+    }
+    s.dynamic = true;
+    if (!c.dynamic_keys_given && !fused) {  // FP16_UnfusedOptimizer's own defaults
+      s.cur_scale = 65536.0;
+      s.scale_window = 1000;
+      s.min_scale = 0.25;
+      return s;
+    }
+    // The fused one without those keys starts at the config's 2**initial_scale_power (its default 16).
+    s.cur_scale = static_cast<double>(int64_t{1} << c.initial_scale_power);
+    s.integral_scale = true;
+    s.scale_window = c.dynamic_keys_given ? c.loss_scale_window : 1000;
+    s.min_scale = c.dynamic_keys_given ? c.min_loss_scale : 1.0;
+    s.integral_min_scale = c.dynamic_keys_given ? c.min_loss_scale_integral : true;
+    return s;
+  }
+
   static LossScaler FromConfig(const Fp16Config& c) {
     LossScaler s;
     if (!c.enabled) return s;
@@ -43,6 +78,7 @@ struct LossScaler : ckpt::LossScalerState {
 
   // Called once per optimizer step, as DeepSpeed's update_scale.
   void Update(bool overflow) {
+    if (fp16_optimizer_rule) return UpdateAsFp16Optimizer(overflow);
     if (!dynamic) return;
     if (overflow) {
       if (delayed_shift == 1 || cur_hysteresis == 1) {
@@ -59,6 +95,23 @@ struct LossScaler : ckpt::LossScalerState {
       if ((cur_iter - last_overflow_iter) % scale_window == 0) {
         if (!consecutive_hysteresis) cur_hysteresis = delayed_shift;
         cur_scale *= scale_factor;
+      }
+    }
+    ++cur_iter;
+  }
+
+  // FP16_Optimizer._update_scale (FP16_UnfusedOptimizer's is the same).
+  void UpdateAsFp16Optimizer(bool overflow) {
+    if (dynamic && overflow) {
+      const double halved = cur_scale / scale_factor;  // Python's max(halved, min) keeps the first of equals
+      integral_scale = min_scale > halved && integral_min_scale;
+      cur_scale = std::max(halved, min_scale);
+      last_overflow_iter = cur_iter;
+    } else if (dynamic) {
+      const int64_t stable = cur_iter - last_overflow_iter - 1;
+      if (stable > 0 && stable % scale_window == 0) {
+        cur_scale *= scale_factor;
+        integral_scale = integral_scale && integral_factor;
       }
     }
     ++cur_iter;

@@ -55,6 +55,11 @@ void RunOptimizerStep(const OptimizerStepFn& step, const std::vector<PartitionSt
   step(parts);
 }
 
+Stage0Fp16 Stage0Fp16Of(const TrainConfig& c, bool client_optimizer, bool forward_only) {
+  if (c.zero.stage != 0 || !c.fp16.enabled || forward_only) return Stage0Fp16::kNone;
+  return client_optimizer || c.optimizer.torch_adam ? Stage0Fp16::kUnfused : Stage0Fp16::kFused;
+}
+
 namespace {
 
 ZeroSettings SettingsOf(const TrainConfig& c, const EngineOptions& options) {
@@ -70,6 +75,7 @@ ZeroSettings SettingsOf(const TrainConfig& c, const EngineOptions& options) {
   s.prescale_gradients = c.prescale_gradients;
   s.gradient_predivide_factor = c.gradient_predivide_factor;
   s.optimizer_step = options.optimizer_step;
+  s.stage0_fp16 = Stage0Fp16Of(c, static_cast<bool>(options.optimizer_step), options.forward_only);
   return s;
 }
 
@@ -104,6 +110,7 @@ std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupS
   }
   z->MastersFromWeights();
   z->BindGradients(bound);
+  z->Fp16WrapperInitialStep();  // (stage 0 in fp16 only)
   if (options.overlap_update_with_forward && !options.gather_units.empty())
     z->OverlapUpdateWithForward(ParameterUnits(e, options), options.gather_units.size());
   return z;

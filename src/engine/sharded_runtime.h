@@ -57,6 +57,13 @@ std::vector<std::pair<std::string, at::Tensor>> ElementStates(const PartitionSta
 // The optimizer's step as saved ("step"), if it keeps one.
 std::optional<double> StepOf(const PartitionState& st);
 
+// ZeRO stage 0 in fp16 with an optimizer: the wrapper DeepSpeed puts it in, whose loss
+// scaling, first step and checkpoint entries the runtime keeps (fp16_stage0.cc):
+// FP16_Optimizer around DeepSpeed's FusedAdam (the config's Adam/AdamW without
+// torch_adam), FP16_UnfusedOptimizer around any other (torch's, a client's).
+enum class Stage0Fp16 { kNone, kFused, kUnfused };
+Stage0Fp16 Stage0Fp16Of(const TrainConfig& c, bool client_optimizer, bool forward_only);
+
 // What either runtime is built with (stage 3 adds its own: Zero3Settings).
 struct ZeroSettings {
   int stage = 1;
@@ -72,6 +79,7 @@ struct ZeroSettings {
   double gradient_predivide_factor = 1.0;
   // Set: the update of every step instead of Adam (EngineOptions::optimizer_step).
   OptimizerStepFn optimizer_step;
+  Stage0Fp16 stage0_fp16 = Stage0Fp16::kNone;
 };
 
 // Hands every partition with its gradient to settings.optimizer_step:

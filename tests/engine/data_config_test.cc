@@ -322,6 +322,63 @@ TEST(Config, Fp16LossScalerStartsAsDeepSpeedsZeroOptimizers) {
   EXPECT_EQ(d.cur_scale, 2147483648.0);
 }
 
+// ZeRO stage 0 in fp16: DeepSpeed 0.14.5's FP16_Optimizer (fused) and
+// FP16_UnfusedOptimizer keep their own scale: their starting values, no
+// hysteresis, growth once scale_window clean steps follow the step after the
+// last overflow (cur_iter - last_overflow_iter - 1), the minimum, and the
+// Python number types their checkpoints pickle.
+TEST(Config, Fp16OptimizerLossScaleAtStage0) {
+  auto fp16 = [](const std::string& section) {
+    return ParseConfig(nlohmann::json::parse(R"({"fp16": )" + section + "}"), "cfg.json").fp16;
+  };
+  const LossScaler fused = LossScaler::ForFp16Optimizer(fp16(R"({"enabled": true})"), true);
+  EXPECT_TRUE(fused.dynamic);
+  EXPECT_EQ(fused.cur_scale, 65536.0);  // initial_dynamic_scale: 2**16, not ZeRO's 2**32
+  EXPECT_TRUE(fused.integral_scale);
+  EXPECT_EQ(fused.min_scale, 1.0);
+  const LossScaler unfused = LossScaler::ForFp16Optimizer(fp16(R"({"enabled": true})"), false);
+  EXPECT_EQ(unfused.cur_scale, 65536.0);
+  EXPECT_FALSE(unfused.integral_scale);  // 1.0 * 2**16
+  EXPECT_EQ(unfused.min_scale, 0.25);
+  EXPECT_FALSE(unfused.integral_factor);
+
+  // Window 2, hysteresis 2 (ignored): overflow at iteration 0 halves at once.
+  LossScaler s = LossScaler::ForFp16Optimizer(
+      fp16(R"({"enabled": true, "initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 4})"),
+      true);
+  EXPECT_EQ(s.cur_scale, 16.0);
+  s.Update(true);  // iter 0
+  EXPECT_EQ(s.cur_scale, 8.0);
+  EXPECT_FALSE(s.integral_scale);  // 16 / 2 is a float
+  EXPECT_EQ(s.last_overflow_iter, 0);
+  s.Update(false);  // iter 1: stable 0
+  s.Update(false);  // iter 2: stable 1
+  EXPECT_EQ(s.cur_scale, 8.0);
+  s.Update(false);  // iter 3: stable 2: doubles (DynamicLossScaler would have at iter 2)
+  EXPECT_EQ(s.cur_scale, 16.0);
+  s.Update(true);
+  s.Update(true);
+  s.Update(true);  // 8, then the minimum 4 (an int, as the config's)
+  EXPECT_EQ(s.cur_scale, 4.0);
+  EXPECT_TRUE(s.integral_scale);
+  EXPECT_EQ(s.cur_iter, 7);
+
+  // From the start (last_overflow_iter -1): the first growth at iteration `window`.
+  LossScaler g = LossScaler::ForFp16Optimizer(fp16(R"({"enabled": true, "loss_scale_window": 3})"), false);
+  for (int i = 0; i < 3; ++i) g.Update(false);
+  EXPECT_EQ(g.cur_scale, 65536.0);
+  g.Update(false);
+  EXPECT_EQ(g.cur_scale, 131072.0);
+
+  // Static: the scale stays, the iterations are counted.
+  LossScaler st = LossScaler::ForFp16Optimizer(fp16(R"({"enabled": true, "loss_scale": 128})"), false);
+  EXPECT_FALSE(st.dynamic);
+  EXPECT_TRUE(st.integral_scale);
+  st.Update(true);
+  EXPECT_EQ(st.cur_scale, 128.0);
+  EXPECT_EQ(st.cur_iter, 1);
+}
+
 TEST(Config, BatchArithmetic) {
   auto b = ResolveBatchSizes(32, 8, std::nullopt, 2);
   EXPECT_EQ(b.gradient_accumulation_steps, 2);

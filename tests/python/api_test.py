@@ -23,7 +23,7 @@ CASE:
                   outside its forward and are whole inside it (the package's hooks) and inside
                   deepspeed.zero.GatheredParameters; the losses equal DeepSpeed's recorded stage-3 run.
   unsupported     initialize() refuses ZeRO stage 4, MoE, pipeline modules, mpu, client lr
-                  schedulers and SGD at stage 0 in fp16, and the engine backward(allreduce_gradients=False),
+                  schedulers and SGD at stage 0 in bf16, and the engine backward(allreduce_gradients=False),
                   optimizer.step() at stage 1 and unknown lr_kwargs, naming each (load_module_strict=False
                   is honoured now: hf_calls_test.py frozen).
 """
@@ -337,9 +337,9 @@ cases = [
     ("pipeline", dict(model=PipelineModule(layers=[torch.nn.Linear(4, 4)]), config=cfg()), "pipeline"),
     ("mpu", dict(model=net(), config=cfg(), mpu=object()), "mpu"),
     ("lr_scheduler", dict(model=net(), config=cfg(), lr_scheduler=object()), "lr_scheduler"),
-    ("SGD at stage 0 in fp16", dict(model=net(), optimizer="SGD", config={"train_micro_batch_size_per_gpu": 1,
-                                                                         "fp16": {"enabled": True}}),
-     "SGD at ZeRO stage 0 in fp16"),
+    ("SGD at stage 0 in bf16", dict(model=net(), optimizer="SGD", config={"train_micro_batch_size_per_gpu": 1,
+                                                                         "bf16": {"enabled": True}}),
+     "SGD at ZeRO stage 0 in bf16"),
     ("pipeline config", dict(model=net(), config=cfg(pipeline={"stages": 2})), "'pipeline'"),
     # DeepSpeed asserts on a config from two places; uckpt used config= and dropped the other.
     ("config= and args.deepspeed_config", dict(model=net(), config=cfg(),
