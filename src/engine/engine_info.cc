@@ -4,19 +4,7 @@
 
 namespace uckpt {
 
-Stage3Stats Engine::stage3_stats() const {
-  Stage3Stats out;
-  const engine::Zero3Stats s = impl_->runtime->stats();
-  out.gathered_elements = s.gathered_elements;
-  out.peak_gathered_elements = s.peak_gathered_elements;
-  out.unit_gathers = s.unit_gathers;
-  out.prefetched_gathers = s.prefetched_gathers;
-  out.unused_prefetches = s.unused_prefetches;
-  out.reduce_buckets = s.reduce_buckets;
-  out.overlapped_buckets = s.overlapped_buckets;
-  out.reduce_wait_s = s.reduce_tail_s;
-  return out;
-}
+Stage3Stats Engine::stage3_stats() const { return impl_->runtime->stats(); }
 
 void Engine::SetTiming(bool on) {
   impl_->runtime->set_timing(on);
