@@ -29,7 +29,6 @@
 #include "engine/fingerprint.h"
 #include "engine/resharded_load.h"
 #include "engine/torch_bridge.h"
-#include "engine/engine_impl.h"
 
 namespace uckpt::engine {
 namespace fs = std::filesystem;
@@ -220,39 +219,39 @@ c10::IValue ToIValue(const ValuePtr& v) {
 
 // ---- Saving. ----
 
-ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g) {
-  const OptimizerConfig& o = e.runtime->optimizer_config(g);
+ckpt::AdamHparams SavedHparams(const CheckpointState& e, size_t g) {
+  const OptimizerConfig& o = e.runtime.optimizer_config(g);
   return ckpt::AdamHparams{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
 }
 
-ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, ValuePtr> params,
+ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, ValuePtr> params,
                                 std::vector<std::pair<std::string, ValuePtr>> client) {
   ckpt::ModelStates m;
   m.stage = e.stage();
-  for (const auto& b : e.buffers) params.emplace(b.name, TensorValue(b.tensor));
-  for (const auto& [alias, owner] : e.aliases) params[alias] = params.at(owner);
+  for (const auto& b : e.module.buffers) params.emplace(b.name, TensorValue(b.tensor));
+  for (const auto& [alias, owner] : e.module.aliases) params[alias] = params.at(owner);
   std::set<std::string> left_out;  // exclude_frozen_parameters: DeepSpeed deletes their names (not their aliases)
   if (e.save_without_frozen)
-    for (const auto& p : e.frozen) left_out.insert(p.name);
-  for (const auto& name : e.state_names)
+    for (const auto& p : e.module.frozen) left_out.insert(p.name);
+  for (const auto& name : e.module.state_names)
     if (!left_out.count(name)) m.module.emplace_back(name, params.at(name));
-  for (const PartitionSlot& slot : e.runtime->Slots()) {  // per group (stage 3: per sub-group)
+  for (const PartitionSlot& slot : e.runtime.Slots()) {  // per group (stage 3: per sub-group)
     m.param_shapes.emplace_back();
     for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
   }
-  m.module_prefixes = e.module_prefixes;
+  m.module_prefixes = e.module.module_prefixes;
   m.frozen_excluded = e.save_without_frozen;
-  for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
-  m.shared_params = e.aliases;
+  for (const auto& b : e.module.buffers) m.buffer_names.push_back(b.name);
+  m.shared_params = e.module.aliases;
   if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
-  m.global_steps = e.global_steps;
-  m.global_samples = e.global_samples;
-  m.skipped_steps = e.skipped_steps;
-  m.dp_world_size = e.comm->world_size();
+  m.global_steps = e.counters.global_steps;
+  m.global_samples = e.counters.global_samples;
+  m.skipped_steps = e.counters.skipped_steps;
+  m.dp_world_size = e.comm.world_size();
   m.ds_config = ckpt::JsonToValue(e.config.raw);
   // uckpt's own: the data position and the lr, then the client's keys.
   ValuePtr ours = Value::Dict();
-  ours->set("data_samples", Value::Int(e.global_samples));
+  ours->set("data_samples", Value::Int(e.counters.global_samples));
   ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
   ours->set("lr", Value::Float(e.schedule.current_lr()));
   m.extra.emplace_back("uckpt", ours);
@@ -308,13 +307,13 @@ ckpt::AdamState NamedStateOf(const PartitionState& s, const std::vector<std::sha
 // Stage 0: the torch optimizer's own state_dict (Adam's, or the client's
 // element-wise optimizer's with its own keys and param groups), one state
 // per parameter, numbered over all groups.
-ValuePtr Stage0Optimizer(const Engine::Impl& e) {
+ValuePtr Stage0Optimizer(const CheckpointState& e) {
   std::vector<ckpt::AdamState> states;
   std::vector<ckpt::AdamHparams> hparams;
   std::vector<ValuePtr> entries;
-  std::vector<std::vector<int64_t>> ids(e.groups.size());
-  const std::vector<PartitionSlot> slots = e.runtime->Slots();  // one per group
-  for (size_t g = 0; g < e.groups.size(); ++g) {
+  std::vector<std::vector<int64_t>> ids(e.module.groups.size());
+  const std::vector<PartitionSlot> slots = e.runtime.Slots();  // one per group
+  for (size_t g = 0; g < e.module.groups.size(); ++g) {
     const PartitionState& s = *slots.at(g).state;
     std::shared_ptr<Storage> avg, sq;
     if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
@@ -322,7 +321,7 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
     for (const auto& kv : s.named)
       flat.push_back(kv.second.defined() && kv.second.dim() == 1 ? StorageOf(kv.second) : nullptr);
     int64_t at = 0;
-    for (const auto& p : e.groups[g]) {
+    for (const auto& p : e.module.groups[g]) {
       ids[g].push_back(static_cast<int64_t>(states.size()));
       states.push_back(e.client_optimizer ? NamedStateOf(s, flat, p.tensor.sizes().vec(), at)
                                           : AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at));
@@ -338,20 +337,20 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
 // storage per group's flat buffer (as DeepSpeed's state_dict of flat-buffer
 // views saves them), frozen parameters whole, each also as its flattened
 // fragment (a view of the module entry's storage).
-ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
+ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client) {
   std::map<std::string, ValuePtr> params;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    const at::Tensor weights = e.runtime->group_weights(g);
+  for (size_t g = 0; g < e.module.groups.size(); ++g) {
+    const at::Tensor weights = e.runtime.group_weights(g);
     auto flat = StorageOf(weights);
     int64_t off = 0;
-    for (const auto& p : e.groups[g]) {
+    for (const auto& p : e.module.groups[g]) {
       params[p.name] = View(flat, FromScalarType(weights.scalar_type()), p.tensor.sizes().vec(), off);
       off += p.tensor.numel();
     }
   }
-  for (const auto& p : e.frozen) params[p.name] = TensorValue(p.tensor);
+  for (const auto& p : e.module.frozen) params[p.name] = TensorValue(p.tensor);
   std::vector<std::pair<std::string, const Tensor*>> frozen;
-  for (const auto& p : e.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
+  for (const auto& p : e.module.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
   for (const auto& [name, whole] : frozen) {
     if (e.save_without_frozen) break;
@@ -362,22 +361,22 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
     m.stage0_optimizer = Stage0Optimizer(e);
     // Which parameter each state id is (DeepSpeed's stage-0 file does not say): for convert and resume.
     ValuePtr names = Value::List();
-    for (const auto& group : e.groups)
+    for (const auto& group : e.module.groups)
       for (const auto& p : group) names->items.push_back(Value::Str(p.name));
     m.extra.front().second->set(ckpt::kStage0ParamNames, names);
   }
   return ckpt::ModelStatesValue(m);
 }
 
-ValuePtr OptimStatesValue(const Engine::Impl& e) {
-  const ShardedRuntime& z = *e.runtime;
+ValuePtr OptimStatesValue(const CheckpointState& e) {
+  const ShardedRuntime& z = e.runtime;
   ckpt::RankOptimStates r;
   r.stage = e.stage();
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.clip_grad = e.config.gradient_clipping;
   r.ds_config = ckpt::JsonToValue(e.config.raw);
-  for (const PartitionSlot& slot : e.runtime->Slots()) {
+  for (const PartitionSlot& slot : e.runtime.Slots()) {
     const PartitionState& s = *slot.state;
     ckpt::OptimGroupState gs;
     int64_t real = 0;  // the partition's elements before its padding
@@ -405,13 +404,13 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
 // (async_save.h). A crash or error at any point leaves the previous
 // checkpoint and `latest` as they were. With `async` the files are written in
 // the background and published at a later call.
-std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
                                  const ClientState& client_state, bool async) {
   const auto start = std::chrono::steady_clock::now();
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
   if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2");
-  Comm& comm = *e.comm;
+  Comm& comm = e.comm;
   Env& env = Env::Current();
   const bool rank0 = comm.rank() == 0;
   const std::string folder = dir + "/" + tag;
@@ -483,7 +482,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   // are published.
   const auto writing = std::chrono::steady_clock::now();
   try {
-    PendingStateFingerprint state(e);
+    PendingStateFingerprint state(e.fingerprint());
     e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, sync_after_publish, marker);
     e.writer->SetStateFingerprint(state.Finish(comm));
     e.last_save.fingerprint_s = state.hash_seconds();
@@ -518,20 +517,20 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
 namespace {
 
 // The counters and the lr schedule's position.
-void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
-  e.global_steps = m.global_steps;
-  e.skipped_steps = m.skipped_steps;
-  e.global_samples = m.global_samples ? *m.global_samples : e.global_steps * e.batch.train_batch_size;
-  e.micro_steps = e.global_steps * e.batch.gradient_accumulation_steps;
+void RestoreCounters(const CheckpointState& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
+  e.counters.global_steps = m.global_steps;
+  e.counters.skipped_steps = m.skipped_steps;
+  e.counters.global_samples = m.global_samples ? *m.global_samples : e.counters.global_steps * e.batch.train_batch_size;
+  e.counters.micro_steps = e.counters.global_steps * e.batch.gradient_accumulation_steps;
   // DeepSpeed's load_state_dict sets the position only: the lr follows from
   // it now when the saved optimizer groups come with it, else at the next step.
   // Not loading the scheduler's state keeps its position, as DeepSpeed's.
   const bool set_lr = o.load_optimizer_states;
   if (o.load_lr_scheduler_states && m.last_batch_iteration) {
     e.schedule.Restore(*m.last_batch_iteration, set_lr);
-  } else if (o.load_lr_scheduler_states && e.global_steps > 0 && !e.config.scheduler.type.empty()) {
+  } else if (o.load_lr_scheduler_states && e.counters.global_steps > 0 && !e.config.scheduler.type.empty()) {
     // No saved scheduler: continue the schedule where the step count says.
-    e.schedule.Restore(e.global_steps - 1 - e.skipped_steps, set_lr);
+    e.schedule.Restore(e.counters.global_steps - 1 - e.counters.skipped_steps, set_lr);
   }
 }
 
@@ -540,11 +539,12 @@ void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const Load
 // step (a configured scheduler sets the lr again from its own config and the
 // restored position after that step, as DeepSpeed's does), and betas, eps and
 // weight_decay for the rest of the run.
-void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o) {
+void ApplySavedHparams(const CheckpointState& e, const std::string& path, const ValuePtr& groups,
+                       const LoadCheckpointOptions& o) {
   if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
-  const size_t n = e.runtime->num_groups();
+  const size_t n = e.runtime.num_groups();
   for (size_t g = 0; g < n && g < groups->items.size(); ++g) {
-    OptimizerConfig c = e.runtime->optimizer_config(g);
+    OptimizerConfig c = e.runtime.optimizer_config(g);
     const ckpt::AdamHparams h =
         ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(g), c.beta1, c.beta2, c.eps, c.weight_decay},
                               path + ": param_groups[" + std::to_string(g) + "]");
@@ -553,7 +553,7 @@ void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr&
     c.beta2 = h.beta2;
     c.eps = h.eps;
     c.weight_decay = h.weight_decay;
-    e.runtime->set_optimizer_config(g, c);
+    e.runtime.set_optimizer_config(g, c);
   }
 }
 
@@ -661,14 +661,14 @@ ModelStatesFile ReadModelStatesFile(const ckpt::TagFolder& folder, int rank, boo
 }
 
 // param_shapes must name this engine's groups and parameters in order.
-void CheckParamShapes(const Engine::Impl& e, const std::string& path, const ValuePtr& root) {
+void CheckParamShapes(const CheckpointState& e, const std::string& path, const ValuePtr& root) {
   const auto saved = ckpt::ReadParamShapes(root, path);
   if (saved.empty()) return;
-  if (saved.size() != e.groups.size())
+  if (saved.size() != e.module.groups.size())
     throw FormatError(path + ": param_shapes has " + std::to_string(saved.size()) +
-                      " parameter groups, this engine has " + std::to_string(e.groups.size()));
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    const auto& params = e.groups[g];
+                      " parameter groups, this engine has " + std::to_string(e.module.groups.size()));
+  for (size_t g = 0; g < e.module.groups.size(); ++g) {
+    const auto& params = e.module.groups[g];
     if (saved[g].size() != params.size())
       throw FormatError(path + ": param_shapes[" + std::to_string(g) + "] has " + std::to_string(saved[g].size()) +
                         " parameters, this model's group has " + std::to_string(params.size()) +
@@ -718,16 +718,17 @@ at::Tensor WholeFrozen(const std::vector<TorchFile>& ranks, const std::string& n
 // is put together from every rank's frozen_param_fragments. A missing name
 // or another shape is an error naming the file, unless !strict (DeepSpeed's
 // load_module_strict=False): a missing one keeps the model's value.
-void LoadFixedParams(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model, bool strict) {
-  std::vector<NamedParam> fixed = e.frozen;
-  fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
+void LoadFixedParams(const CheckpointState& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
+                     bool strict) {
+  std::vector<NamedParam> fixed = e.module.frozen;
+  fixed.insert(fixed.end(), e.module.buffers.begin(), e.module.buffers.end());
   std::optional<std::vector<TorchFile>> ranks;
   for (const auto& p : fixed) {
     auto it = model.view.module.find(p.name);
     if (it == model.view.module.end() && !strict) continue;
     if (it == model.view.module.end())
       throw FormatError(model.path + ": module has no tensor '" + p.name + "'" +
-                        (e.frozen.empty() ? ""
+                        (e.module.frozen.empty() ? ""
                                           : " (saved with exclude_frozen_parameters? load with "
                                             "load_module_strict=False)"));
     if (it->second->numel() == 0 && p.tensor.numel() > 0) {
@@ -749,19 +750,19 @@ void LoadFixedParams(const Engine::Impl& e, const ckpt::TagFolder& folder, const
 // any stage; stage 0 resumes a ZeRO 1/2 folder from its rank files). A
 // ZeRO-3 folder's module holds no trainable weights; stage 3 reads its
 // partitions' masters.
-bool WeightsFromModule(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
+bool WeightsFromModule(const CheckpointState& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
                        const LoadCheckpointOptions& o) {
   if (!model.stage12) return false;
   const bool rank_files = !folder.rank_files.empty();
   // A stage-0 folder (torch's optimizer state in the model states, no rank files) into any stage.
   if (model.view.stage0_param_groups && !rank_files) return true;
-  if (e.runtime->partitions_parameters()) return false;
+  if (e.runtime.partitions_parameters()) return false;
   if (o.load_module_only || !o.load_optimizer_states) return true;
   return e.stage() == 0 && (model.view.stage0_param_groups || !rank_files);
 }
 
 // The planner's source, chosen by what the folder is.
-LoadSource OpenSource(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
+LoadSource OpenSource(const CheckpointState& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
                       const std::vector<PartitionSlot>& slots, const LoadCheckpointOptions& o, bool moments) {
   if (o.universal) return OpenUniversalFolder(folder, slots, moments);
   if (WeightsFromModule(e, folder, model, o)) return ModelStatesSource(model.view, model.path, slots, moments);
@@ -773,27 +774,28 @@ LoadSource OpenSource(const Engine::Impl& e, const ckpt::TagFolder& folder, cons
 // the weights from them; with the optimizer state, the loss scaler and the
 // saved hyper-parameters. Weights-only loads leave Adam's state, the loss
 // scale and the hyper-parameters as they were.
-void LoadPartitions(Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
+void LoadPartitions(const CheckpointState& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
                     const LoadCheckpointOptions& o, FingerprintCheck& proof) {
-  std::vector<PartitionSlot> slots = e.runtime->Slots();
+  std::vector<PartitionSlot> slots = e.runtime.Slots();
   const bool moments = o.load_optimizer_states && !o.load_module_only;
   const LoadSource source = OpenSource(e, folder, model, slots, o, moments);
   std::vector<TensorReads> reads =
-      PlanSlotLoads(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps), e.client_optimizer);
+      PlanSlotLoads(source, slots, moments, static_cast<double>(e.counters.global_steps - e.counters.skipped_steps),
+                    e.client_optimizer);
   StagedOptions read_options;
   read_options.reads.read = source.release;
   const uint64_t bytes = FillFromReads(reads, read_options);
-  HashLoadedState(e, proof, source, reads);
-  e.runtime->WeightsFromMasters();
+  HashLoadedState(e.fingerprint(), proof, source, reads);
+  e.runtime.WeightsFromMasters();
   if (o.load_module_only) {
     // Whole weights (stages 0-2) give the masters their 16-bit values, as
     // DeepSpeed refreshes its fp32 copies from the loaded module; stage 3's
     // masters stay the checkpoint's fp32.
-    if (!e.runtime->partitions_parameters()) e.runtime->MastersFromWeights();
+    if (!e.runtime.partitions_parameters()) e.runtime.MastersFromWeights();
     return;
   }
-  static_cast<ckpt::LossScalerState&>(e.runtime->loss_scaler()) =
-      ckpt::ReadLossScaler(source.loss_scaler, e.runtime->loss_scaler());
+  static_cast<ckpt::LossScalerState&>(e.runtime.loss_scaler()) =
+      ckpt::ReadLossScaler(source.loss_scaler, e.runtime.loss_scaler());
   ApplySavedHparams(e, source.optimizer_file, source.param_groups, o);
   // For a client optimizer's own keys (SGD's momentum, ...): the caller restores them into its groups.
   if (moments && source.param_groups) e.last_load.optimizer_param_groups = ToIValue(source.param_groups);
@@ -819,7 +821,7 @@ class ScopedPicklePolicy {
   PicklePolicy saved_;
 };
 
-LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, const std::string& tag,
+LoadResult LoadEngineCheckpointFiles(const CheckpointState& e, const std::string& dir, const std::string& tag,
                                      const LoadCheckpointOptions& o);
 
 }  // namespace
@@ -827,7 +829,7 @@ LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, co
 // DeepSpeed pickles any object a script puts in client_state (torch.save); uckpt's reader names only its
 // allow-list unless the caller trusts the checkpoint: then every file of the load is read naming any class (still
 // never running one), and the client keys' objects come back as PickledObject capsules.
-LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+LoadResult LoadEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
                                 const LoadCheckpointOptions& o) {
   std::optional<ScopedPicklePolicy> lenient;
   if (o.trust_pickled_client_state) lenient.emplace(PicklePolicy::kLenient);
@@ -848,20 +850,21 @@ namespace {
 
 // Open, check, plan, read, verify: the folder is listed once and its
 // manifest read once (ckpt/tag_folder.h); every step works from that.
-LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, const std::string& tag,
+LoadResult LoadEngineCheckpointFiles(const CheckpointState& e, const std::string& dir, const std::string& tag,
                                      const LoadCheckpointOptions& o) {
   const std::string path = TagFolderPath(dir, tag, o.universal);
   if (path.empty()) return LoadResult{"", c10::IValue()};
   ckpt::TagFolder folder = ckpt::OpenTagFolder(path);
-  CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
-  FingerprintCheck proof = StartStateFingerprintCheck(e, folder, o);  // the resume proof
-  const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
-  if (model.stage12 && !e.runtime->partitions_parameters()) CheckParamShapes(e, model.path, model.file.root);
+  CheckManifestOnEveryRank(e.comm, folder, o.verify_hashes);
+  FingerprintCheck proof = StartStateFingerprintCheck(folder, o);  // the resume proof
+  const ModelStatesFile model = ReadModelStatesFile(folder, e.comm.rank(), o.universal);
+  if (model.stage12 && !e.runtime.partitions_parameters()) CheckParamShapes(e, model.path, model.file.root);
   c10::NoGradGuard no_grad;
   LoadFixedParams(e, folder, model, o.load_module_strict);
   if (!o.load_module_only) RestoreCounters(e, model.view, o);
   LoadPartitions(e, folder, model, o, proof);
-  FinishStateFingerprintCheck(e, proof, o);
+  FinishStateFingerprintCheck(e.fingerprint(), !e.config.fp16.enabled && !e.config.bf16, proof, o,
+                              e.last_load);
   if (model.view.lr_scheduler) e.last_load.lr_scheduler_state = ToIValue(model.view.lr_scheduler);
   return LoadResult{path, ClientStateOf(model.view)};
 }

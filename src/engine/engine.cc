@@ -13,10 +13,12 @@
 
 #include "ckpt/state_keys.h"
 #include "engine/async_save.h"
+#include "engine/checkpoint.h"
 #include "engine/dist/agree.h"
 #include "engine/engine_impl.h"
 #include "engine/fingerprint.h"
 #include "engine/host_threads.h"
+#include "engine/runtime_setup.h"
 
 namespace uckpt {
 
@@ -72,18 +74,6 @@ int LocalRankFromEnvironment() {
   if (v && *v) return std::atoi(v);
   auto env = DistEnv::FromEnvironment();  // an MPI or Slurm launcher's
   return env ? env->local_rank : 0;
-}
-
-// OneCycle's betas, written into every group with its lr (lr_schedule.h).
-void ApplyScheduledBetas(Engine::Impl& e) {
-  const auto& b = e.schedule.current_betas();
-  if (!b) return;
-  for (size_t g = 0; g < e.runtime->num_groups(); ++g) {
-    engine::OptimizerConfig o = e.runtime->optimizer_config(g);
-    o.beta1 = b->first;
-    o.beta2 = b->second;
-    e.runtime->set_optimizer_config(g, o);
-  }
 }
 
 engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, const ParamGroup& g) {
@@ -221,7 +211,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   e.model = std::move(model);
   // Before any communicator is made: a ZeroInit scope's partitions not handed
   // over would otherwise meet a second communicator on the same port first.
-  engine::RefuseTensorsWithoutValues(e, options);
+  engine::RefuseTensorsWithoutValues(*e.model, options);
   const TrainConfig& c = e.config;
   const bool cuda = options.device == "cuda";
   if (!cuda && options.device != "cpu")
@@ -249,7 +239,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     }
   }
   engine::CheckZeroStage(c.zero.stage, "uckpt::Engine");  // a TrainConfig made by hand
-  engine::PreparePartitionedParameters(e, options);
+  engine::PreparePartitionedParameters({*e.comm, e.config, e.device, e}, options);
   e.model->to(e.device);
   CastFloatingTensors(*e.model, engine::ModelDtype(c));
 
@@ -271,7 +261,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     for (auto& spec : specs) spec.optimizer.beta1 = b->first, spec.optimizer.beta2 = b->second;
   e.client_optimizer = static_cast<bool>(options.optimizer_step);
   e.client_param_group = options.optimizer_param_group;
-  e.runtime = engine::MakeShardedRuntime(e, std::move(specs), options);
+  e.runtime = engine::MakeShardedRuntime({*e.comm, e.config, e.device, e}, std::move(specs), options);
   e.model->train(true);
 }
 
@@ -315,7 +305,7 @@ void Engine::Step(const StepOptions& options) {
     const engine::StepResult r = e.runtime->Step(lrs);
     if (!r.skipped) {
       e.schedule.Step(options.lr_schedule_iteration);
-      ApplyScheduledBetas(e);
+      e.ApplyScheduledBetas();
     }
     e.last = StepInfo{r.grad_norm, r.skipped, r.loss_scale};
     ++e.global_steps;
@@ -350,14 +340,24 @@ void Engine::SetTrainBatchSize(int64_t train_batch_size) {
   b.gradient_accumulation_steps = train_batch_size / per_step;
 }
 
+namespace {
+
+// What the checkpoint code takes of the engine's state (checkpoint.h).
+engine::CheckpointState CheckpointStateOf(Engine::Impl& e, bool save_without_frozen) {
+  return {*e.comm, e.config, e, *e.runtime, e, e.schedule, e.batch, e.client_optimizer, e.client_param_group,
+          save_without_frozen, e.writer, e.last_save, e.last_load};
+}
+
+}  // namespace
+
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
   WaitForUpdate();
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint",
                                                  impl_->config.checkpoint_tag_validation == "FAIL");
   impl_->schedule.client_state_to_save = options.lr_scheduler_state;
-  impl_->save_without_frozen = options.exclude_frozen_parameters;
-  return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
+  const std::string tag_or_step = at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag;
+  return engine::SaveEngineCheckpoint(CheckpointStateOf(*impl_, options.exclude_frozen_parameters), at.dir, tag_or_step,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }
 
@@ -377,10 +377,10 @@ LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
-  LoadResult r = engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
+  LoadResult r = engine::LoadEngineCheckpoint(CheckpointStateOf(*impl_, false), at.dir, at.tag, options);
   // The restored scheduler position's betas (OneCycle), unless the saved ones are kept.
   if (!r.path.empty() && options.load_optimizer_states && !options.keep_saved_hparams && !options.load_module_only)
-    ApplyScheduledBetas(*impl_);
+    impl_->ApplyScheduledBetas();
   return r;
 }
 
@@ -484,7 +484,7 @@ double Engine::ScheduledLr(int64_t iteration, size_t group) const { return impl_
 void Engine::StepLrSchedule(std::optional<int64_t> iteration) {
   if (!has_lr_schedule()) throw std::logic_error("uckpt::Engine::StepLrSchedule: the config has no 'scheduler'");
   impl_->schedule.Step(iteration);
-  ApplyScheduledBetas(*impl_);
+  impl_->ApplyScheduledBetas();
 }
 int64_t Engine::global_steps() const { return impl_->global_steps; }
 int64_t Engine::global_samples() const { return impl_->global_samples; }
