@@ -15,6 +15,7 @@
 #include "engine/async_save.h"
 #include "engine/checkpoint.h"
 #include "engine/dist/agree.h"
+#include "engine/engine_access.h"
 #include "engine/engine_impl.h"
 #include "engine/fingerprint.h"
 #include "engine/host_threads.h"
@@ -200,9 +201,15 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, E
   Init(std::move(model), std::move(options));
 }
 
-Engine::Engine(std::shared_ptr<torch::nn::Module> model, const engine::TrainConfig& config, EngineOptions options)
-    : impl_(std::make_unique<Impl>(config)) {
+Engine::Engine(std::shared_ptr<torch::nn::Module> model, std::unique_ptr<Impl> state, EngineOptions options)
+    : impl_(std::move(state)) {
   Init(std::move(model), std::move(options));
+}
+
+std::unique_ptr<Engine> engine::EngineAccess::Make(std::shared_ptr<torch::nn::Module> model, const TrainConfig& config,
+                                                   EngineOptions options) {
+  return std::unique_ptr<Engine>(
+      new Engine(std::move(model), std::make_unique<Engine::Impl>(config), std::move(options)));
 }
 
 void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions options) {
@@ -283,7 +290,7 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   const int64_t ga = e.batch.gradient_accumulation_steps;
   e.runtime->WaitForUpdate();
   at::Tensor scaled = ga > 1 && options.scale_wrt_gas ? loss / ga : loss;
-  scaled = scaled * loss_scale();
+  scaled = scaled * e.runtime->loss_scale();
   e.runtime->BeginMicroStep(e.boundary());
   e.runtime->PrepareBackward();
   scaled.backward({}, options.retain_graph);
@@ -326,19 +333,6 @@ void Engine::WaitForUpdate() { impl_->runtime->WaitForUpdate(); }
 
 bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); }
 void Engine::SetGradientAccumulationBoundary(std::optional<bool> is_boundary) { impl_->boundary_override = is_boundary; }
-bool Engine::last_step_applied() const { return impl_->step_applied; }
-
-void Engine::SetTrainBatchSize(int64_t train_batch_size) {
-  engine::BatchSizes& b = impl_->batch;
-  const int64_t per_step = b.micro_batch * impl_->comm->world_size();
-  if (train_batch_size <= 0 || train_batch_size % per_step != 0)
-    throw std::invalid_argument("set_train_batch_size: " + std::to_string(train_batch_size) +
-                                " is not a multiple of train_micro_batch_size_per_gpu " +
-                                std::to_string(b.micro_batch) + " * world size " +
-                                std::to_string(impl_->comm->world_size()));
-  b.train_batch_size = train_batch_size;
-  b.gradient_accumulation_steps = train_batch_size / per_step;
-}
 
 namespace {
 
@@ -365,9 +359,6 @@ void Engine::WaitForCheckpoint() {
   if (impl_->writer) impl_->writer->Publish(*impl_->comm);
 }
 
-const SaveStats& Engine::last_save() const { return impl_->last_save; }
-const LoadStats& Engine::last_load() const { return impl_->last_load; }
-
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
   // A load of weights and optimizer state replaces what a failed overlapped update left partly stepped.
   if (options.load_optimizer_states && !options.load_module_only)
@@ -388,114 +379,8 @@ void Engine::Train(bool on) {
   WaitForUpdate();  // (evaluation code may read weights outside the units)
   impl_->model->train(on);
 }
-size_t Engine::num_param_groups() const { return impl_->schedule.num_groups(); }
-double Engine::learning_rate(size_t group) const { return impl_->schedule.current_lr(group); }
-void Engine::SetLearningRate(size_t group, double lr) {
-  if (!(lr >= 0)) throw std::invalid_argument("uckpt::Engine: param group " + std::to_string(group) + ": lr must be >= 0");
-  impl_->schedule.set_current_lr(group, lr);
-}
-GroupHparams Engine::group_hparams(size_t group) const {
-  const engine::OptimizerConfig& o = impl_->runtime->optimizer_config(group);
-  return {o.beta1, o.beta2, o.eps, o.weight_decay};
-}
-void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
-  const std::string where = "uckpt::Engine: param group " + std::to_string(group) + ": ";
-  if (!(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1))
-    throw std::invalid_argument(where + "betas must be in [0, 1)");
-  if (!(h.eps >= 0)) throw std::invalid_argument(where + "eps must be >= 0");
-  engine::OptimizerConfig o = impl_->runtime->optimizer_config(group);
-  o.beta1 = h.beta1;
-  o.beta2 = h.beta2;
-  o.eps = h.eps;
-  o.weight_decay = h.weight_decay;
-  impl_->runtime->set_optimizer_config(group, o);
-}
-namespace {
-
-// Param group g's optimizer state at stage 0, where a rank holds it whole.
-engine::PartitionState& Stage0State(Engine::Impl& e, size_t group, const char* call) {
-  const std::string where = std::string("uckpt::Engine::") + call + ": ";
-  if (e.stage() != 0)
-    throw std::logic_error(where + "the optimizer state is partitioned at ZeRO stage " + std::to_string(e.stage()) +
-                           " (stage 0 only; use SaveCheckpoint)");
-  if (group >= e.groups.size())
-    throw std::out_of_range(where + "no param group " + std::to_string(group) + " (there are " +
-                            std::to_string(e.groups.size()) + ")");
-  for (const engine::PartitionSlot& slot : e.runtime->Slots())
-    if (slot.group == group) return *slot.state;
-  throw std::logic_error(where + "param group " + std::to_string(group) + " has no optimizer state");
-}
-
-// A copy of `state` on the group's device: element states full length (padding zero), scalars as they are.
-std::vector<std::pair<std::string, at::Tensor>> Stage0Copy(const engine::PartitionState& st, int64_t numel,
-                                                           const std::vector<std::pair<std::string, at::Tensor>>& state,
-                                                           const std::string& where) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  std::set<std::string> keys;
-  for (const auto& [key, t] : state) {
-    if (!keys.insert(key).second) throw std::invalid_argument(where + "state '" + key + "' given twice");
-    if (!t.defined()) {
-      out.emplace_back(key, at::Tensor());
-    } else if (t.dim() == 0) {
-      out.emplace_back(key, t.detach().to(st.master.device()).clone());
-    } else if (t.dim() == 1 && t.numel() >= numel && t.numel() <= st.master.numel()) {
-      at::Tensor flat = at::zeros_like(st.master);
-      flat.narrow(0, 0, t.numel()).copy_(t.detach());
-      out.emplace_back(key, flat);
-    } else {
-      throw std::invalid_argument(where + "state '" + key + "' has shape " + c10::str(t.sizes()) +
-                                  ", not a scalar or the group's flat " + std::to_string(numel) + " elements");
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-std::vector<std::pair<std::string, at::Tensor>> Engine::stage0_optimizer_state(size_t group) const {
-  const engine::PartitionState& st = Stage0State(*impl_, group, "stage0_optimizer_state");
-  return impl_->client_optimizer ? st.named : engine::OptimizerStates(st);
-}
-
-void Engine::SetStage0OptimizerState(size_t group, const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  engine::PartitionState& st = Stage0State(*impl_, group, "SetStage0OptimizerState");
-  const std::string where = "uckpt::Engine::SetStage0OptimizerState: param group " + std::to_string(group) + ": ";
-  int64_t numel = 0;
-  for (const auto& p : impl_->groups[group]) numel += p.tensor.numel();
-  auto copied = Stage0Copy(st, numel, state, where);
-  if (impl_->client_optimizer) {
-    st.named = std::move(copied);
-    return;
-  }
-  // The engine's own Adam: torch Adam's keys, or no state at all.
-  std::map<std::string, at::Tensor> by_key(copied.begin(), copied.end());
-  const auto has = [&](const char* key, int64_t dim) { return by_key.count(key) && by_key[key].defined() && by_key[key].dim() == dim; };
-  using ckpt::kExpAvg, ckpt::kExpAvgSq, ckpt::kStep;
-  if (!by_key.empty() && (by_key.size() != 3 || !has(kStep, 0) || !has(kExpAvg, 1) || !has(kExpAvgSq, 1)))
-    throw std::invalid_argument(where + "the state is not torch Adam's (step, exp_avg, exp_avg_sq)");
-  st.step = by_key.empty() ? at::Tensor() : by_key[kStep].to(st.master.options()).reshape({});
-  st.exp_avg = by_key.empty() ? at::Tensor() : by_key[kExpAvg];
-  st.exp_avg_sq = by_key.empty() ? at::Tensor() : by_key[kExpAvgSq];
-}
-
-bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }
-int64_t Engine::lr_schedule_iteration() const { return impl_->schedule.last_batch_iteration(); }
-double Engine::ScheduledLr(int64_t iteration, size_t group) const { return impl_->schedule.LrAt(iteration, group); }
-void Engine::StepLrSchedule(std::optional<int64_t> iteration) {
-  if (!has_lr_schedule()) throw std::logic_error("uckpt::Engine::StepLrSchedule: the config has no 'scheduler'");
-  impl_->schedule.Step(iteration);
-  impl_->ApplyScheduledBetas();
-}
-int64_t Engine::global_steps() const { return impl_->global_steps; }
-int64_t Engine::global_samples() const { return impl_->global_samples; }
-int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
-int64_t Engine::micro_steps() const { return impl_->micro_steps; }
-const StepInfo& Engine::last_step() const { return impl_->last; }
-double Engine::loss_scale() const { return impl_->runtime->loss_scale(); }
-
 at::Tensor Engine::EnterUnit(size_t unit, const at::Tensor& input) { return impl_->runtime->EnterUnit(unit, input); }
 at::Tensor Engine::ExitUnit(size_t unit, const at::Tensor& output) { return impl_->runtime->ExitUnit(unit, output); }
-size_t Engine::num_gather_units() const { return impl_->runtime->num_gather_units(); }
 UnitCalls Engine::unit_calls() {
   if (!impl_->runtime->uses_unit_calls()) return {};
   std::weak_ptr<int> alive = impl_->alive;
@@ -518,9 +403,6 @@ void Engine::GatherParameters() {
   impl_->runtime->GatherAll();
 }
 
-std::vector<std::pair<at::Tensor, at::Tensor>> Engine::ParameterPartitions() const {
-  return impl_->runtime->ParameterPartitions();
-}
 void Engine::ReleaseParameters() { impl_->runtime->ReleaseAll(); }
 
 namespace {
@@ -572,27 +454,7 @@ void Engine::ReleaseParameters(const std::vector<at::Tensor>& params, int modifi
   }
 }
 
-int Engine::rank() const { return impl_->comm->rank(); }
-int Engine::world_size() const { return impl_->comm->world_size(); }
-int Engine::local_rank() const { return impl_->local_rank; }
-at::Device Engine::device() const { return impl_->device; }
-Comm& Engine::comm() { return *impl_->comm; }
-int Engine::zero_stage() const { return impl_->stage(); }
-int64_t Engine::train_batch_size() const { return impl_->batch.train_batch_size; }
-int64_t Engine::train_micro_batch_size_per_gpu() const { return impl_->batch.micro_batch; }
-int64_t Engine::gradient_accumulation_steps() const { return impl_->batch.gradient_accumulation_steps; }
-bool Engine::fp16_enabled() const { return impl_->config.fp16.enabled; }
-bool Engine::bf16_enabled() const { return impl_->config.bf16; }
 std::shared_ptr<torch::nn::Module> Engine::module() const { return impl_->model; }
-const std::vector<std::string>& Engine::warnings() const { return impl_->config.warnings; }
-
-std::vector<std::vector<std::pair<std::string, at::Tensor>>> Engine::param_groups() const {
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> out;
-  for (const auto& g : impl_->groups) {
-    out.emplace_back();
-    for (const auto& p : g) out.back().emplace_back(p.name, p.tensor);
-  }
-  return out;
-}
+Comm& Engine::comm() { return *impl_->comm; }
 
 }  // namespace uckpt
