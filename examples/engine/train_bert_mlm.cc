@@ -92,6 +92,7 @@ int main(int argc, char** argv) try {
   uckpt::EngineOptions options;
   options.device = gpu ? "cuda" : "cpu";
   uckpt::Engine engine(model.ptr(), uckpt::Config::FromJson(DeepSpeedConfig(gpu), "the tutorial's config"), options);
+  const uckpt::Engine::Settings& settings = engine.settings();  // rank, batch sizes, device
 
   // 3. Resume if there is a checkpoint: the client state says where we were.
   uckpt::LoadCheckpointOptions load;
@@ -100,27 +101,30 @@ int main(int argc, char** argv) try {
   int64_t step = 0;
   if (!path.empty()) {
     step = client_state.toGenericDict().at(std::string("checkpoint_step")).toInt();
-    if (engine.rank() == 0) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step));
+    if (settings.rank() == 0)
+      std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step));
   }
 
   // 4. The loop: each rank takes its micro-batches of the global batch.
-  const int64_t micro = engine.train_micro_batch_size_per_gpu();
+  const int64_t micro = settings.train_micro_batch_size_per_gpu();
   for (; step < args.steps; ++step) {
     double loss_sum = 0;
-    for (int64_t m = 0; m < engine.gradient_accumulation_steps(); ++m) {
-      const int64_t first = step * engine.train_batch_size() + (m * engine.world_size() + engine.rank()) * micro;
+    for (int64_t m = 0; m < settings.gradient_accumulation_steps(); ++m) {
+      const int64_t first = step * settings.train_batch_size() +
+                            (m * settings.world_size() + settings.rank()) * micro;
       std::vector<torch::Tensor> rows;
       for (int64_t i = 0; i < micro; ++i) rows.push_back(Sample(bytes, first + i, cfg.seq_len));
       auto batch = uckpt::models::MaskBatch(torch::stack(rows), first, /*seed=*/1234);
       torch::Tensor loss =
-          model->Loss(batch.input_ids.to(engine.device()), batch.labels.to(engine.device()));
+          model->Loss(batch.input_ids.to(settings.device()), batch.labels.to(settings.device()));
       engine.Backward(loss);
       engine.Step();
       loss_sum += loss.item<double>();
     }
-    if (engine.rank() == 0 && (step + 1) % 10 == 0)
+    if (settings.rank() == 0 && (step + 1) % 10 == 0)
       std::printf("step %lld  loss %.4f  lr %.3g\n", static_cast<long long>(step + 1),
-                  loss_sum / static_cast<double>(engine.gradient_accumulation_steps()), engine.lr());
+                  loss_sum / static_cast<double>(settings.gradient_accumulation_steps()),
+                  engine.optimizer().lr());
     if ((step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps) {
       c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
       state.insert(std::string("checkpoint_step"), step + 1);

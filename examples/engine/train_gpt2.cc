@@ -76,35 +76,38 @@ int main(int argc, char** argv) try {
   uckpt::EngineOptions options;
   options.device = gpu ? "cuda" : "cpu";
   uckpt::Engine engine(model, uckpt::Config::FromJson(config, "train_gpt2's config"), options);
+  const uckpt::Engine::Settings& settings = engine.settings();  // rank, batch sizes, device
 
   // 3. Resume if there is a checkpoint (none yet: path is empty).
   uckpt::LoadCheckpointOptions load;
   load.universal = args.universal;
   auto [path, client_state] = engine.LoadCheckpoint(args.checkpoint_dir, "", load);
   int64_t step = path.empty() ? 0 : client_state.toGenericDict().at(std::string("checkpoint_step")).toInt();
-  if (!path.empty() && engine.rank() == 0)
+  if (!path.empty() && settings.rank() == 0)
     std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step));
 
   // 4. The loop. Sample n is seq_len bytes of the text; step s trains on
   // samples [s*B, (s+1)*B), each rank on its own micro-batches of them.
-  const int64_t micro = engine.train_micro_batch_size_per_gpu();
+  const int64_t micro = settings.train_micro_batch_size_per_gpu();
   const int64_t rows = static_cast<int64_t>(bytes.size()) / seq_len;
   for (; step < args.steps; ++step) {
     double loss_sum = 0;
-    for (int64_t m = 0; m < engine.gradient_accumulation_steps(); ++m) {
-      const int64_t first = step * engine.train_batch_size() + (m * engine.world_size() + engine.rank()) * micro;
+    for (int64_t m = 0; m < settings.gradient_accumulation_steps(); ++m) {
+      const int64_t first = step * settings.train_batch_size() +
+                            (m * settings.world_size() + settings.rank()) * micro;
       torch::Tensor ids = torch::empty({micro, seq_len}, torch::kLong);
       for (int64_t i = 0; i < micro; ++i)
         for (int64_t t = 0; t < seq_len; ++t)
           ids[i][t] = static_cast<uint8_t>(bytes[((first + i) % rows) * seq_len + t]);
-      torch::Tensor loss = model->Loss(ids.to(engine.device()));
+      torch::Tensor loss = model->Loss(ids.to(settings.device()));
       engine.Backward(loss);
       engine.Step();
       loss_sum += loss.item<double>();
     }
-    if (engine.rank() == 0 && (step + 1) % 10 == 0)
+    if (settings.rank() == 0 && (step + 1) % 10 == 0)
       std::printf("step %lld  loss %.4f  lr %.3g\n", static_cast<long long>(step + 1),
-                  loss_sum / static_cast<double>(engine.gradient_accumulation_steps()), engine.lr());
+                  loss_sum / static_cast<double>(settings.gradient_accumulation_steps()),
+                  engine.optimizer().lr());
     if ((step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps) {
       c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
       state.insert(std::string("checkpoint_step"), step + 1);

@@ -77,20 +77,22 @@ int main(int argc, char** argv) try {
   }
   options.gather_units.assign(net->blocks.begin(), net->blocks.end());
   uckpt::Engine engine(net, config, std::move(options));
+  const uckpt::Engine::Settings& settings = engine.settings();  // rank, batch sizes, device
   int64_t whole_bytes = 0;
   for (const auto& p : net->parameters()) whole_bytes += p.numel() * static_cast<int64_t>(p.element_size());
-  if (engine.rank() == 0 && !whole)
+  if (settings.rank() == 0 && !whole)
     std::printf("built partitioned: rank 0 held %lld bytes of partitions; the whole model is %lld bytes\n",
                 static_cast<long long>(held), static_cast<long long>(whole_bytes));
 
   const uckpt::UnitCalls calls = engine.unit_calls();
   // One batch per rank, fitted step after step (the loss falls).
-  at::Generator data = at::make_generator<at::CPUGeneratorImpl>(100 + engine.rank());
+  at::Generator data = at::make_generator<at::CPUGeneratorImpl>(100 + settings.rank());
   const at::Tensor x = at::randn({8, kWidth}, data), y = at::randn({8, 1}, data);
   for (int64_t step = 0; step < kSteps; ++step) {
     at::Tensor loss = net->Loss(x, y, calls);
     // Rank 0's loss of its own micro-batch, every digit.
-    if (engine.rank() == 0) std::printf("step %lld loss %.17g\n", static_cast<long long>(step), loss.item<double>());
+    if (settings.rank() == 0)
+      std::printf("step %lld loss %.17g\n", static_cast<long long>(step), loss.item<double>());
     engine.Backward(loss);
     engine.Step();
   }

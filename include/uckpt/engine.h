@@ -36,7 +36,7 @@
 namespace uckpt {
 
 namespace engine {
-struct TrainConfig;  // a parsed configuration (src/engine/config.h)
+struct EngineAccess;  // src/engine/engine_access.h, not installed
 }
 
 // A DeepSpeed JSON configuration (the subset uckpt implements; unknown keys
@@ -58,7 +58,7 @@ struct ParamGroup {
   std::optional<double> lr, weight_decay, beta1, beta2, eps;
 };
 
-// A param group's Adam hyper-parameters other than the lr (Engine::SetGroupHparams).
+// A param group's Adam hyper-parameters other than the lr (Engine::Optimizer::SetGroupHparams).
 struct GroupHparams {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
 };
@@ -219,7 +219,7 @@ struct LoadResult {
   ClientState client_state;  // a dict of the keys the saver added
 };
 
-// What the last LoadCheckpoint did (Engine::last_load()).
+// What the last LoadCheckpoint did (Engine::Stats::last_load()).
 struct LoadStats {
   // Optimizer-state bytes this rank read from the ZeRO rank files: those of
   // its own partition only, at any world size (resharded while loading); 0
@@ -243,7 +243,7 @@ struct LoadStats {
   ClientState optimizer_param_groups;
 };
 
-// Engine::LoadWeights: how a file's tensor names become the model's.
+// Engine::Weights::LoadWeights: how a file's tensor names become the model's.
 struct LoadWeightsOptions {
   // A file's tensor name -> the model's state_dict name; std::nullopt skips
   // the tensor. Unset: the prefix rule below.
@@ -298,7 +298,7 @@ struct StepInfo {
 };
 
 // What ZeRO stage 3's gathers and reduce-scatters did on this rank since the
-// engine was made (Engine::stage3_stats()); all zero at stages 0-2.
+// engine was made (Engine::Stats::stage3_stats()); all zero at stages 0-2.
 struct Stage3Stats {
   int64_t gathered_elements = 0;       // elements of gather units' parameters whole (or being gathered) now
   int64_t peak_gathered_elements = 0;  // the most at once
@@ -307,7 +307,7 @@ struct Stage3Stats {
   int64_t unused_prefetches = 0;       // prefetched units dropped before being entered
   int64_t reduce_buckets = 0;          // reduce-scatters of gradient buckets (reduce_bucket_size)
   int64_t overlapped_buckets = 0;      // of them, started during backward and left running (overlap_comm)
-  // Timing on (Engine::SetTiming): seconds Backward spent at its end on the
+  // Timing on (Engine::Stats::SetTiming): seconds Backward spent at its end on the
   // last reduce-scatters and waiting for the others; 0 while timing is off.
   double reduce_wait_s = 0;
 };
@@ -322,8 +322,6 @@ class Engine {
   // Throws std::invalid_argument / std::runtime_error on a bad config or
   // parameter groups (naming the parameter).
   Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, EngineOptions options = {});
-  // For uckpt's own tools: a configuration already parsed, overrides applied.
-  Engine(std::shared_ptr<torch::nn::Module> model, const engine::TrainConfig& config, EngineOptions options = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -349,12 +347,6 @@ class Engine {
   // is `is_boundary` (for the next Backward's reduction and Step's update),
   // not the micro-step count; nullopt returns to the count.
   void SetGradientAccumulationBoundary(std::optional<bool> is_boundary);
-  // Whether the last Step updated the weights (a boundary without overflow).
-  bool last_step_applied() const;
-  // DeepSpeed's set_train_batch_size: the accumulation steps become
-  // train_batch_size / (micro batch * world size), the micro batch stays;
-  // std::invalid_argument unless it divides.
-  void SetTrainBatchSize(int64_t train_batch_size);
 
   // ---- ZeRO stage 3 gather units (identities at stages 0-2, where under
   // EngineOptions::overlap_update_with_forward EnterUnit(i) waits for unit
@@ -377,7 +369,6 @@ class Engine {
   // tensor argument) and ExitUnit from a forward hook (on the output).
   at::Tensor EnterUnit(size_t unit, const at::Tensor& input);
   at::Tensor ExitUnit(size_t unit, const at::Tensor& output);
-  size_t num_gather_units() const;
   UnitCalls unit_calls();  // EnterUnit/ExitUnit bound to this engine
   // Stage 3: gathers every parameter (to read or evaluate whole weights),
   // until ReleaseParameters(). Collective. No-ops at stages 0-2.
@@ -392,10 +383,6 @@ class Engine {
   // writes made meanwhile. Collective. No-ops at stages 0-2.
   void GatherParameters(const std::vector<at::Tensor>& params);
   void ReleaseParameters(const std::vector<at::Tensor>& params, int modifier_rank);
-  // Stage 3: each partitioned parameter with this rank's partition of it (the
-  // runtime's own tensor, model dtype: DeepSpeed's ds_tensor). Empty at stages 0-2.
-  std::vector<std::pair<at::Tensor, at::Tensor>> ParameterPartitions() const;
-
   // Saves <dir>/<tag>/ in DeepSpeed's layout (tag "" = "global_step<N>") with
   // client_state's keys at the top of the model-states file, then points
   // <dir>/latest at it. Crash-safe: until it returns, `latest` names the
@@ -417,133 +404,207 @@ class Engine {
   // it before the end of training: the destructor also waits, but can only
   // report an error on stderr.
   void WaitForCheckpoint();
-  const SaveStats& last_save() const;
-  const LoadStats& last_load() const;
   // Loads <dir>/<tag> (tag "" = what `latest`, or `latest_universal`, names).
   // A missing `latest` is not an error: nothing is loaded and path is "".
   LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "", const LoadCheckpointOptions& options = {});
 
-  // ---- Weights alone (docs/safetensors.md). ----
-  // Loads pretrained weights into the running engine at any stage: a
-  // .safetensors file, a sharded model.safetensors.index.json (Hugging
-  // Face's layout), or a folder holding either. Each rank reads, through a
-  // memory map, only the bytes of the partitions it owns (the whole tensors
-  // at stage 0); the fp32 masters and the model's weights become the file's
-  // values converted to their dtypes (F32, F16, BF16, F64 and the integer
-  // types; frozen parameters and buffers are read whole). Adam's moments
-  // and the counters are left as they are. Names map as `options` says;
-  // a shape that differs is always an error (naming every one). Collective;
-  // not between Backward and Step. Throws FormatError / IoError naming the
-  // file (and the tensor).
-  LoadWeightsResult LoadWeights(const std::string& path, const LoadWeightsOptions& options = {});
-  // DeepSpeed's save_16bit_model: the module's state_dict (tied weights
-  // under each name, persistent buffers) in the model's dtype, written by
-  // rank 0 to <save_dir>/<save_filename>: a safetensors file when the name
-  // ends in ".safetensors" (tied weights stored once, their other names in
-  // its metadata, as safetensors' save_model does), else torch.save's
-  // format. At stage 3 each parameter is gathered, written and freed in
-  // turn, so no rank holds more than one whole parameter; and, as
-  // DeepSpeed, only with zero_optimization.stage3_gather_16bit_weights_on_model_save:
-  // without it nothing is saved and it returns false. Crash-safe (a
-  // temporary file renamed into place). Collective.
-  bool Save16bitModel(const std::string& save_dir, const std::string& save_filename = "pytorch_model.bin",
-                      bool exclude_frozen_parameters = false);
-  // The config's stage3_gather_16bit_weights_on_model_save.
-  bool zero_gather_16bit_weights_on_model_save() const;
-  // DeepSpeed's _zero3_consolidated_16bit_state_dict: on rank 0 the whole
-  // state_dict on the CPU (tied names sharing one tensor), gathered one
-  // parameter at a time; empty on the other ranks. Stage 3 only (else
-  // std::invalid_argument, as DeepSpeed's ValueError). Collective.
-  std::vector<std::pair<std::string, at::Tensor>> Zero3Consolidated16bitStateDict(bool exclude_frozen_parameters = false);
-
   void Train(bool on = true);  // module train/eval mode
   void Eval() { Train(false); }
-
-  // ---- Per-group hyper-parameters (DeepSpeed's optimizer.param_groups). ----
-  // Contract: at each optimizer step, group g (param_groups()[g]) updates
-  // with learning_rate(g) and group_hparams(g). learning_rate(g) starts as
-  // the group's ParamGroup::lr, else the config's optimizer lr. A configured
-  // scheduler writes its value into every group after each applied step (as
-  // DeepSpeed's scheduler.step() writes param_groups[g]['lr']); without one
-  // nothing changes it but SetLearningRate. SetLearningRate/SetGroupHparams
-  // between steps take effect at the next optimizer step, as writes to
-  // DeepSpeed's param_groups[g] do; a scheduler step overwrites the lr again.
-  // Checkpoints save each group's learning_rate(g) and hyper-parameters as
-  // param_groups[g] of the optimizer state. Not collective, but every rank
-  // must set the same values. Throws std::out_of_range for a bad group.
-  size_t num_param_groups() const;
-  double learning_rate(size_t group) const;
-  void SetLearningRate(size_t group, double lr);
-  GroupHparams group_hparams(size_t group) const;
-  void SetGroupHparams(size_t group, const GroupHparams& hparams);
-  double lr() const { return learning_rate(0); }  // group 0's
-  // ---- The optimizer's state at ZeRO stage 0 (DeepSpeed's basic optimizer's). ----
-  // Contract: at stage 0 every rank holds param group g's whole state, under
-  // the keys of the optimizer that made it: the config's Adam's step,
-  // exp_avg, exp_avg_sq; a client optimizer's (EngineOptions::optimizer_step)
-  // own, in its order, a state torch keeps as None as an undefined tensor.
-  // Element states are flat fp32 tensors over param_groups()[g] in order
-  // (past the parameters' numel: padding), scalars are 0-d. Empty before the
-  // first step. stage0_optimizer_state returns the engine's own tensors:
-  // writes to them reach the next step. SetStage0OptimizerState replaces the
-  // group's state by a copy of `state` in that form (element states of the
-  // parameters' numel, padding optional: zeros); an empty one drops it (the
-  // next step starts afresh). Adam's must be its three keys. Throws std::logic_error at stages 1-3, std::out_of_range for a bad
-  // group, std::invalid_argument for a state not in that form. Not collective.
-  std::vector<std::pair<std::string, at::Tensor>> stage0_optimizer_state(size_t group) const;
-  void SetStage0OptimizerState(size_t group, const std::vector<std::pair<std::string, at::Tensor>>& state);
-  // The configured scheduler (config "scheduler"): whether there is one, its
-  // last_batch_iteration (-1 before its first step), its value at an
-  // iteration, and one step of it outside Step() (DeepSpeed's
-  // lr_scheduler.step(last_batch_iteration)): every group's lr is set to its
-  // value. StepLrSchedule throws std::logic_error without a scheduler.
-  bool has_lr_schedule() const;
-  int64_t lr_schedule_iteration() const;
-  double ScheduledLr(int64_t iteration, size_t group = 0) const;  // group: WarmupCosineLR scales each group's own lr
-  void StepLrSchedule(std::optional<int64_t> iteration = std::nullopt);
-  int64_t global_steps() const;
-  int64_t global_samples() const;
-  int64_t skipped_steps() const;
-  int64_t micro_steps() const;
-  const StepInfo& last_step() const;  // of the last update
-  double loss_scale() const;
-
-  // ---- Statistics, for tools and benchmarks (uckpt train's UCKPT_TIMERS). ----
-  // Stage 3's gather and reduce-scatter counters of this rank, summed since
-  // construction; all zero at stages 0-2. Not collective.
-  Stage3Stats stage3_stats() const;
-  // Whether the engine times what only it can see: stage 3's wait for its
-  // reduce-scatters at the end of Backward (Stage3Stats::reduce_wait_s). The
-  // device is synchronised around it, which costs throughput. Off by
-  // default; a no-op at stages 0-2. Not collective.
-  void SetTiming(bool on);
-
-  int rank() const;
-  int world_size() const;
-  int local_rank() const;
-  at::Device device() const;
-  Comm& comm();
-  int zero_stage() const;
-  int64_t train_batch_size() const;
-  int64_t train_micro_batch_size_per_gpu() const;
-  int64_t gradient_accumulation_steps() const;
-  bool fp16_enabled() const;
-  bool bf16_enabled() const;
   std::shared_ptr<torch::nn::Module> module() const;
-  // Trainable parameters by group, flat order (names as in the checkpoint).
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> param_groups() const;
-  // What the config said that uckpt ignores or does differently.
-  const std::vector<std::string>& warnings() const;
+  Comm& comm();
 
-  // The engine's state (src/engine/engine_impl.h, not installed), for the
-  // engine's tests; programs, `uckpt train` included, use the calls above.
+  // ---- The rest, by role: engine.optimizer().SetLearningRate(0, 1e-4),
+  // engine.settings().zero_stage(), engine.stats().global_steps(),
+  // engine.weights().LoadWeights(path). Each is a view of this engine (not
+  // copyable, alive as long as the engine). ----
+
+  // The param groups, their hyper-parameters, the lr schedule and the
+  // optimizer's state at stage 0 (DeepSpeed's engine.optimizer and
+  // engine.lr_scheduler).
+  class Optimizer {
+   public:
+    // Trainable parameters by group, flat order (names as in the checkpoint).
+    std::vector<std::vector<std::pair<std::string, at::Tensor>>> param_groups() const;
+    // Contract: at each optimizer step, group g (param_groups()[g]) updates
+    // with learning_rate(g) and group_hparams(g). learning_rate(g) starts as
+    // the group's ParamGroup::lr, else the config's optimizer lr. A configured
+    // scheduler writes its value into every group after each applied step (as
+    // DeepSpeed's scheduler.step() writes param_groups[g]['lr']); without one
+    // nothing changes it but SetLearningRate. SetLearningRate/SetGroupHparams
+    // between steps take effect at the next optimizer step, as writes to
+    // DeepSpeed's param_groups[g] do; a scheduler step overwrites the lr again.
+    // Checkpoints save each group's learning_rate(g) and hyper-parameters as
+    // param_groups[g] of the optimizer state. Not collective, but every rank
+    // must set the same values. Throws std::out_of_range for a bad group.
+    size_t num_param_groups() const;
+    double learning_rate(size_t group) const;
+    void SetLearningRate(size_t group, double lr);
+    GroupHparams group_hparams(size_t group) const;
+    void SetGroupHparams(size_t group, const GroupHparams& hparams);
+    double lr() const { return learning_rate(0); }  // group 0's
+    // The optimizer's state at ZeRO stage 0 (DeepSpeed's basic optimizer's).
+    // Contract: at stage 0 every rank holds param group g's whole state, under
+    // the keys of the optimizer that made it: the config's Adam's step,
+    // exp_avg, exp_avg_sq; a client optimizer's (EngineOptions::optimizer_step)
+    // own, in its order, a state torch keeps as None as an undefined tensor.
+    // Element states are flat fp32 tensors over param_groups()[g] in order
+    // (past the parameters' numel: padding), scalars are 0-d. Empty before the
+    // first step. stage0_optimizer_state returns the engine's own tensors:
+    // writes to them reach the next step. SetStage0OptimizerState replaces the
+    // group's state by a copy of `state` in that form (element states of the
+    // parameters' numel, padding optional: zeros); an empty one drops it (the
+    // next step starts afresh). Adam's must be its three keys. Throws
+    // std::logic_error at stages 1-3, std::out_of_range for a bad group,
+    // std::invalid_argument for a state not in that form. Not collective.
+    std::vector<std::pair<std::string, at::Tensor>> stage0_optimizer_state(size_t group) const;
+    void SetStage0OptimizerState(size_t group, const std::vector<std::pair<std::string, at::Tensor>>& state);
+    // The configured scheduler (config "scheduler"): whether there is one, its
+    // last_batch_iteration (-1 before its first step), its value at an
+    // iteration, and one step of it outside Step() (DeepSpeed's
+    // lr_scheduler.step(last_batch_iteration)): every group's lr is set to its
+    // value. StepLrSchedule throws std::logic_error without a scheduler.
+    bool has_lr_schedule() const;
+    int64_t lr_schedule_iteration() const;
+    double ScheduledLr(int64_t iteration, size_t group = 0) const;  // group: WarmupCosineLR scales each group's own lr
+    void StepLrSchedule(std::optional<int64_t> iteration = std::nullopt);
+    double loss_scale() const;  // the fp16 loss scale (1 otherwise)
+
+   private:
+    friend class Engine;
+    explicit Optimizer(Engine& e) : e_(e) {}
+    Optimizer(const Optimizer&) = delete;
+    Engine& e_;
+  };
+
+  // What the config and the environment resolved to (DeepSpeed's engine
+  // properties), and the one of them a script may change.
+  class Settings {
+   public:
+    int rank() const;
+    int world_size() const;
+    int local_rank() const;
+    at::Device device() const;
+    int zero_stage() const;
+    int64_t train_batch_size() const;
+    int64_t train_micro_batch_size_per_gpu() const;
+    int64_t gradient_accumulation_steps() const;
+    bool fp16_enabled() const;
+    bool bf16_enabled() const;
+    // The config's stage3_gather_16bit_weights_on_model_save.
+    bool zero_gather_16bit_weights_on_model_save() const;
+    size_t num_gather_units() const;  // EngineOptions::gather_units' (0 at stages 0-2 without overlap)
+    // What the config said that uckpt ignores or does differently.
+    const std::vector<std::string>& warnings() const;
+    // DeepSpeed's set_train_batch_size: the accumulation steps become
+    // train_batch_size / (micro batch * world size), the micro batch stays;
+    // std::invalid_argument unless it divides.
+    void SetTrainBatchSize(int64_t train_batch_size);
+
+   private:
+    friend class Engine;
+    explicit Settings(Engine& e) : e_(e) {}
+    Settings(const Settings&) = delete;
+    Engine& e_;
+  };
+
+  // The counters and what the last calls did, for tools and benchmarks
+  // (uckpt train's UCKPT_TIMERS). Not collective.
+  class Stats {
+   public:
+    int64_t global_steps() const;
+    int64_t global_samples() const;
+    int64_t skipped_steps() const;
+    int64_t micro_steps() const;
+    const StepInfo& last_step() const;  // of the last update
+    // Whether the last Step updated the weights (a boundary without overflow).
+    bool last_step_applied() const;
+    const SaveStats& last_save() const;
+    const LoadStats& last_load() const;
+    // Stage 3's gather and reduce-scatter counters of this rank, summed since
+    // construction; all zero at stages 0-2. Not collective.
+    Stage3Stats stage3_stats() const;
+    // Whether the engine times what only it can see: stage 3's wait for its
+    // reduce-scatters at the end of Backward (Stage3Stats::reduce_wait_s). The
+    // device is synchronised around it, which costs throughput. Off by
+    // default; a no-op at stages 0-2. Not collective.
+    void SetTiming(bool on);
+
+   private:
+    friend class Engine;
+    explicit Stats(Engine& e) : e_(e) {}
+    Stats(const Stats&) = delete;
+    Engine& e_;
+  };
+
+  // Weights alone, in and out of the running engine (docs/safetensors.md),
+  // and stage 3's partitions of them.
+  class Weights {
+   public:
+    // Loads pretrained weights into the running engine at any stage: a
+    // .safetensors file, a sharded model.safetensors.index.json (Hugging
+    // Face's layout), or a folder holding either. Each rank reads, through a
+    // memory map, only the bytes of the partitions it owns (the whole tensors
+    // at stage 0); the fp32 masters and the model's weights become the file's
+    // values converted to their dtypes (F32, F16, BF16, F64 and the integer
+    // types; frozen parameters and buffers are read whole). Adam's moments
+    // and the counters are left as they are. Names map as `options` says;
+    // a shape that differs is always an error (naming every one). Collective;
+    // not between Backward and Step. Throws FormatError / IoError naming the
+    // file (and the tensor).
+    LoadWeightsResult LoadWeights(const std::string& path, const LoadWeightsOptions& options = {});
+    // DeepSpeed's save_16bit_model: the module's state_dict (tied weights
+    // under each name, persistent buffers) in the model's dtype, written by
+    // rank 0 to <save_dir>/<save_filename>: a safetensors file when the name
+    // ends in ".safetensors" (tied weights stored once, their other names in
+    // its metadata, as safetensors' save_model does), else torch.save's
+    // format. At stage 3 each parameter is gathered, written and freed in
+    // turn, so no rank holds more than one whole parameter; and, as
+    // DeepSpeed, only with zero_optimization.stage3_gather_16bit_weights_on_model_save:
+    // without it nothing is saved and it returns false. Crash-safe (a
+    // temporary file renamed into place). Collective.
+    bool Save16bitModel(const std::string& save_dir, const std::string& save_filename = "pytorch_model.bin",
+                        bool exclude_frozen_parameters = false);
+    // DeepSpeed's _zero3_consolidated_16bit_state_dict: on rank 0 the whole
+    // state_dict on the CPU (tied names sharing one tensor), gathered one
+    // parameter at a time; empty on the other ranks. Stage 3 only (else
+    // std::invalid_argument, as DeepSpeed's ValueError). Collective.
+    std::vector<std::pair<std::string, at::Tensor>> Zero3Consolidated16bitStateDict(bool exclude_frozen_parameters = false);
+
+    // Stage 3: each partitioned parameter with this rank's partition of it (the
+    // runtime's own tensor, model dtype: DeepSpeed's ds_tensor). Empty at stages 0-2.
+    std::vector<std::pair<at::Tensor, at::Tensor>> ParameterPartitions() const;
+
+   private:
+    friend class Engine;
+    explicit Weights(Engine& e) : e_(e) {}
+    Weights(const Weights&) = delete;
+    Engine& e_;
+  };
+
+  Optimizer& optimizer() { return optimizer_; }
+  const Optimizer& optimizer() const { return optimizer_; }
+  Settings& settings() { return settings_; }
+  const Settings& settings() const { return settings_; }
+  Stats& stats() { return stats_; }
+  const Stats& stats() const { return stats_; }
+  Weights& weights() { return weights_; }
+  const Weights& weights() const { return weights_; }
+
+  // The engine's state (src/engine/engine_impl.h, not installed): opaque
+  // here; the engine's tests reach it through engine/engine_access.h.
   struct Impl;
-  Impl& impl() { return *impl_; }
-  const Impl& impl() const { return *impl_; }
 
  private:
+  // uckpt's own tools build an engine from a configuration already parsed
+  // (engine/engine_access.h, not installed).
+  friend struct engine::EngineAccess;
+  Engine(std::shared_ptr<torch::nn::Module> model, std::unique_ptr<Impl> state, EngineOptions options);
   void Init(std::shared_ptr<torch::nn::Module> model, EngineOptions options);
   std::unique_ptr<Impl> impl_;
+  Optimizer optimizer_{*this};
+  Settings settings_{*this};
+  Stats stats_{*this};
+  Weights weights_{*this};
 };
 
 }  // namespace uckpt

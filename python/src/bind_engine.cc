@@ -15,27 +15,31 @@ namespace {
 using Core = py::class_<PyEngine, std::shared_ptr<PyEngine>>;
 
 void BindTraining(Core& c) {
-  c.def("backward",
-        [](PyEngine& e, py::object loss, bool retain_graph, bool scale_wrt_gas) {
-          BackwardOptions o;
-          o.retain_graph = retain_graph;
-          o.scale_wrt_gas = scale_wrt_gas;
-          return e.Backward(loss, o);
-        },
-        "loss"_a, "retain_graph"_a, "scale_wrt_gas"_a)
+  c.def(
+       "backward",
+       [](PyEngine& e, py::object loss, bool retain_graph, bool scale_wrt_gas) {
+         BackwardOptions o;
+         o.retain_graph = retain_graph;
+         o.scale_wrt_gas = scale_wrt_gas;
+         return e.Backward(loss, o);
+       },
+       "loss"_a, "retain_graph"_a, "scale_wrt_gas"_a)
       .def("step", &PyEngine::Step, "lr_kwargs"_a)
       .def("is_gradient_accumulation_boundary",
            [](const PyEngine& e) { return e.engine().IsGradientAccumulationBoundary(); })
-      .def("set_gradient_accumulation_boundary",
-           [](PyEngine& e, py::object is_boundary) {  // None: the micro-step count decides again
-             e.engine().SetGradientAccumulationBoundary(
-                 is_boundary.is_none() ? std::nullopt : std::optional<bool>(py::bool_(is_boundary)));
-           },
-           "is_boundary"_a)
-      .def("was_step_applied", [](const PyEngine& e) { return e.engine().last_step_applied(); })
+      .def(
+          "set_gradient_accumulation_boundary",
+          [](PyEngine& e, py::object is_boundary) {  // None: the micro-step count decides again
+            e.engine().SetGradientAccumulationBoundary(
+                is_boundary.is_none() ? std::nullopt : std::optional<bool>(py::bool_(is_boundary)));
+          },
+          "is_boundary"_a)
+      .def("was_step_applied", [](const PyEngine& e) { return e.engine().stats().last_step_applied(); })
       .def("train", &PyEngine::Train, "mode"_a)
-      .def("set_train_batch_size", [](PyEngine& e, int64_t n) { e.engine().SetTrainBatchSize(n); }, "train_batch_size"_a)
-      .def("parameter_partitions", [](const PyEngine& e) { return e.engine().ParameterPartitions(); });
+      .def(
+          "set_train_batch_size", [](PyEngine& e, int64_t n) { e.engine().settings().SetTrainBatchSize(n); },
+          "train_batch_size"_a)
+      .def("parameter_partitions", [](const PyEngine& e) { return e.engine().weights().ParameterPartitions(); });
 }
 
 void BindCheckpoints(Core& c) {
@@ -45,7 +49,7 @@ void BindCheckpoints(Core& c) {
            "load_optimizer_states"_a, "load_lr_scheduler_states"_a, "load_module_only"_a)
       .def("last_load",  // what the last load_checkpoint did (uckpt's own)
            [](const PyEngine& e) {
-             const LoadStats& l = e.engine().last_load();
+             const LoadStats& l = e.engine().stats().last_load();
              py::dict d;
              d["fingerprint"] = l.fingerprint;
              d["fingerprint_s"] = l.fingerprint_s;
@@ -55,26 +59,27 @@ void BindCheckpoints(Core& c) {
       .def("load_weights", &LoadWeights, "path"_a, "name_map"_a, "strict"_a, "strip_prefix"_a, "add_prefix"_a)
       .def("save_16bit_model", &Save16bitModel, "save_dir"_a, "save_filename"_a, "exclude_frozen_parameters"_a)
       .def("zero_gather_16bit_weights_on_model_save",
-           [](const PyEngine& e) { return e.engine().zero_gather_16bit_weights_on_model_save(); })
+           [](const PyEngine& e) { return e.engine().settings().zero_gather_16bit_weights_on_model_save(); })
       .def("consolidated_16bit_state_dict", &Consolidated, "exclude_frozen_parameters"_a);
 }
 
 void BindState(Core& c) {
   c.def("parsed_config", [](const PyEngine& e) { return e.settings().config; })
-      .def("device", [](const PyEngine& e) { return e.engine().device().str(); })
-      .def("local_rank", [](const PyEngine& e) { return e.engine().local_rank(); })
-      .def("global_rank", [](const PyEngine& e) { return e.engine().rank(); })
-      .def("world_size", [](const PyEngine& e) { return e.engine().world_size(); })
-      .def("global_steps", [](const PyEngine& e) { return e.engine().global_steps(); })
-      .def("global_samples", [](const PyEngine& e) { return e.engine().global_samples(); })
-      .def("micro_steps", [](const PyEngine& e) { return e.engine().micro_steps(); })
-      .def("skipped_steps", [](const PyEngine& e) { return e.engine().skipped_steps(); })
+      .def("device", [](const PyEngine& e) { return e.engine().settings().device().str(); })
+      .def("local_rank", [](const PyEngine& e) { return e.engine().settings().local_rank(); })
+      .def("global_rank", [](const PyEngine& e) { return e.engine().settings().rank(); })
+      .def("world_size", [](const PyEngine& e) { return e.engine().settings().world_size(); })
+      .def("global_steps", [](const PyEngine& e) { return e.engine().stats().global_steps(); })
+      .def("global_samples", [](const PyEngine& e) { return e.engine().stats().global_samples(); })
+      .def("micro_steps", [](const PyEngine& e) { return e.engine().stats().micro_steps(); })
+      .def("skipped_steps", [](const PyEngine& e) { return e.engine().stats().skipped_steps(); })
       .def("get_lr", &PyEngine::GetLr)
       .def("get_global_grad_norm", &PyEngine::GlobalGradNorm)
-      .def("gradient_accumulation_steps", [](const PyEngine& e) { return e.engine().gradient_accumulation_steps(); })
-      .def("train_batch_size", [](const PyEngine& e) { return e.engine().train_batch_size(); })
+      .def("gradient_accumulation_steps",
+           [](const PyEngine& e) { return e.engine().settings().gradient_accumulation_steps(); })
+      .def("train_batch_size", [](const PyEngine& e) { return e.engine().settings().train_batch_size(); })
       .def("train_micro_batch_size_per_gpu",
-           [](const PyEngine& e) { return e.engine().train_micro_batch_size_per_gpu(); })
+           [](const PyEngine& e) { return e.engine().settings().train_micro_batch_size_per_gpu(); })
       // initialize's optimizer= after a callable built it ("" if none).
       .def("client_optimizer_class", [](const PyEngine& e) { return e.settings().client_optimizer; });
 }
@@ -93,14 +98,15 @@ void BindOptimizerView(Core& c) {
 }
 
 void BindSchedulerView(Core& c) {
-  c.def("client_scheduler",
-        [](const PyEngine& e) -> py::object { return e.client_scheduler(); })
-      .def("has_config_scheduler", [](const PyEngine& e) { return e.settings().has_optimizer && e.settings().has_scheduler(); })
+  c.def("client_scheduler", [](const PyEngine& e) -> py::object { return e.client_scheduler(); })
+      .def("has_config_scheduler",
+           [](const PyEngine& e) { return e.settings().has_optimizer && e.settings().has_scheduler(); })
       .def("scheduler_get_lr", &PyEngine::SchedulerLr)
       .def("scheduler_get_last_lr", &PyEngine::SchedulerLastLr)
       .def("scheduler_state_dict", &PyEngine::SchedulerState)
       .def("scheduler_step", &PyEngine::StepScheduler)
-      .def("scheduler_last_batch_iteration", [](const PyEngine& e) { return e.engine().lr_schedule_iteration(); })
+      .def("scheduler_last_batch_iteration",
+           [](const PyEngine& e) { return e.engine().optimizer().lr_schedule_iteration(); })
       .def("scheduler_type", [](const PyEngine& e) { return e.settings().scheduler_type(); });
 }
 

@@ -59,7 +59,7 @@ py::object PyEngine::Backward(py::object loss, const BackwardOptions& options) {
     engine_->Backward(t, options);
   }
   // DeepSpeed returns the loss it scaled by 1/GA (in fp32).
-  const int64_t ga = engine_->gradient_accumulation_steps();
+  const int64_t ga = engine_->settings().gradient_accumulation_steps();
   if (ga > 1 && options.scale_wrt_gas)
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(t.to(at::kFloat) / static_cast<double>(ga)));
   return loss;
@@ -81,7 +81,7 @@ void PyEngine::Step(py::object lr_kwargs) {
   // pass them to without one. The config's schedulers take their iteration
   // (last_batch_iteration, or batch_iteration for OneCycle and LRRangeTest); a
   // client scheduler gets them as they are.
-  if (!lr_kwargs.is_none() && engine_->has_lr_schedule()) {
+  if (!lr_kwargs.is_none() && engine_->optimizer().has_lr_schedule()) {
     const std::string name = settings_.scheduler_type() == "OneCycle" || settings_.scheduler_type() == "LRRangeTest"
                                  ? "batch_iteration"
                                  : "last_batch_iteration";
@@ -95,14 +95,14 @@ void PyEngine::Step(py::object lr_kwargs) {
   }
   const bool boundary = engine_->IsGradientAccumulationBoundary();
   if (boundary) PushGroups();
-  const int64_t skipped = engine_->skipped_steps();
+  const int64_t skipped = engine_->stats().skipped_steps();
   {
     py::gil_scoped_release no_gil;
     engine_->Step(options);
   }
-  if (!boundary || engine_->skipped_steps() != skipped) return;
+  if (!boundary || engine_->stats().skipped_steps() != skipped) return;
   // The config scheduler stepped after the applied update: its lr (and OneCycle's betas) is every group's now.
-  if (engine_->has_lr_schedule()) {
+  if (engine_->optimizer().has_lr_schedule()) {
     PullGroups(settings_.scheduler_sets_betas());
     config_scheduler_stepped_ = true;
   }
@@ -127,7 +127,7 @@ void PyEngine::StepClientScheduler(py::object lr_kwargs) {
     client_scheduler_.attr("step")(**kwargs);
   } catch (py::error_already_set& e) {
     if (!e.matches(PyExc_TypeError)) throw;
-    client_scheduler_.attr("step")(engine_->train_batch_size());
+    client_scheduler_.attr("step")(engine_->settings().train_batch_size());
   }
 }
 
@@ -154,8 +154,8 @@ class EngineBasicOptimizer(torch.optim.Optimizer):
 void PyEngine::UseClientScheduler(py::object scheduler) {
   basic_optimizer_ = client_optimizer_;
   if (basic_optimizer_.is_none()) {
-    const GroupHparams h = engine_->group_hparams(0);
-    basic_optimizer_ = MakeBasicOptimizer(own_groups_, py::dict("lr"_a = engine_->learning_rate(0),
+    const GroupHparams h = engine_->optimizer().group_hparams(0);
+    basic_optimizer_ = MakeBasicOptimizer(own_groups_, py::dict("lr"_a = engine_->optimizer().learning_rate(0),
                                                                 "betas"_a = py::make_tuple(h.beta1, h.beta2),
                                                                 "eps"_a = h.eps, "weight_decay"_a = h.weight_decay));
     own_groups_ = basic_optimizer_.attr("param_groups").cast<py::list>();  // the same dicts
@@ -180,7 +180,7 @@ void PyEngine::UseClientScheduler(py::object scheduler) {
 }
 
 void PyEngine::UseParamGroups(py::object client_optimizer, std::vector<int> engine_group_of) {
-  const size_t groups = engine_->num_param_groups();
+  const size_t groups = engine_->optimizer().num_param_groups();
   if (!client_optimizer.is_none()) {
     // DeepSpeed drops the client's groups that have no params at all.
     py::list dicts = py::list(client_optimizer.attr("param_groups"));
@@ -198,13 +198,13 @@ void PyEngine::UseParamGroups(py::object client_optimizer, std::vector<int> engi
     if (settings_.scheduler_type() == "OneCycle" || settings_.scheduler_type() == "LRRangeTest") PullGroups(true);
     return;
   }
-  const auto params = engine_->param_groups();
+  const auto params = engine_->optimizer().param_groups();
   engine_group_of_.clear();
   for (size_t g = 0; g < groups; ++g) {
     py::list ps;
     for (const auto& p : params[g]) ps.append(p.second);
-    const GroupHparams h = engine_->group_hparams(g);
-    own_groups_.append(py::dict("params"_a = ps, "lr"_a = engine_->learning_rate(g),
+    const GroupHparams h = engine_->optimizer().group_hparams(g);
+    own_groups_.append(py::dict("params"_a = ps, "lr"_a = engine_->optimizer().learning_rate(g),
                                 "betas"_a = py::make_tuple(h.beta1, h.beta2), "eps"_a = h.eps,
                                 "weight_decay"_a = h.weight_decay));
     engine_group_of_.push_back(static_cast<int>(g));
@@ -225,8 +225,8 @@ void PyEngine::PushGroups() {
     if (engine_group_of_[i] < 0) continue;
     const auto g = static_cast<size_t>(engine_group_of_[i]);
     const GroupOptionals h = ReadGroup(dicts[i], "optimizer.param_groups[" + std::to_string(i) + "]", !settings_.client_step);
-    if (h.lr && *h.lr != engine_->learning_rate(g)) engine_->SetLearningRate(g, *h.lr);
-    const GroupHparams now = engine_->group_hparams(g);
+    if (h.lr && *h.lr != engine_->optimizer().learning_rate(g)) engine_->optimizer().SetLearningRate(g, *h.lr);
+    const GroupHparams now = engine_->optimizer().group_hparams(g);
     GroupHparams want = now;
     if (h.beta1) {
       want.beta1 = *h.beta1;
@@ -236,7 +236,7 @@ void PyEngine::PushGroups() {
     if (h.weight_decay) want.weight_decay = *h.weight_decay;
     if (want.beta1 != now.beta1 || want.beta2 != now.beta2 || want.eps != now.eps ||
         want.weight_decay != now.weight_decay)
-      engine_->SetGroupHparams(g, want);
+      engine_->optimizer().SetGroupHparams(g, want);
   }
 }
 
@@ -245,9 +245,9 @@ void PyEngine::PullGroups(bool hparams) {
   for (size_t i = 0; i < dicts.size() && i < engine_group_of_.size(); ++i) {
     // A group with nothing trainable takes the schedule's value too, as DeepSpeed's scheduler writes every group.
     const size_t g = engine_group_of_[i] < 0 ? 0 : static_cast<size_t>(engine_group_of_[i]);
-    dicts[i]["lr"] = py::float_(engine_->learning_rate(g));
+    dicts[i]["lr"] = py::float_(engine_->optimizer().learning_rate(g));
     if (!hparams || engine_group_of_[i] < 0) continue;
-    const GroupHparams h = engine_->group_hparams(g);
+    const GroupHparams h = engine_->optimizer().group_hparams(g);
     py::dict d = dicts[i];
     if (d.contains("betas")) d["betas"] = py::make_tuple(h.beta1, h.beta2);
     if (d.contains("eps")) d["eps"] = py::float_(h.eps);
@@ -258,7 +258,7 @@ void PyEngine::PullGroups(bool hparams) {
 void PyEngine::OptimizerStep() {
   RequireOptimizer("optimizer.step()");
   const std::string cls = DeepSpeedOptimizerClass(*this);
-  if (cls != "torch" || engine_->fp16_enabled() || settings_.config.zero.offload_optimizer_cpu)
+  if (cls != "torch" || engine_->settings().fp16_enabled() || settings_.config.zero.offload_optimizer_cpu)
     throw py::value_error(
         "engine.optimizer.step() is not supported by uckpt here: DeepSpeed's optimizer is its " +
         (cls == "torch" ? std::string("fp16 wrapper") : cls) +
@@ -311,20 +311,21 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   if (!load_module_only && load_optimizer_states) RestoreClientGroups();
   if (!load_module_only) PullGroups(load_optimizer_states);  // the restored lrs (and hyper-parameters)
   if (!load_module_only && load_lr_scheduler_states && !client_scheduler_.is_none()) {
-    if (engine_->last_load().lr_scheduler_state.isNone())
+    if (engine_->stats().last_load().lr_scheduler_state.isNone())
       throw py::value_error("engine.load_checkpoint: " + r.path + " holds no lr_scheduler state (saved without a "
                             "scheduler) for " + TypeName(client_scheduler_) +
                             ".load_state_dict(); pass load_lr_scheduler_states=False to keep the scheduler as it is");
-    client_scheduler_.attr("load_state_dict")(FromIValue(engine_->last_load().lr_scheduler_state));
+    client_scheduler_.attr("load_state_dict")(FromIValue(engine_->stats().last_load().lr_scheduler_state));
   }
   py::object cs = r.client_state.isNone() ? py::dict() : FromIValue(r.client_state);
   // DeepSpeed hands back the checkpoint's 'lr_scheduler' with the client state when it does not load it.
-  if (!load_lr_scheduler_states && py::isinstance<py::dict>(cs)) cs["lr_scheduler"] = FromIValue(engine_->last_load().lr_scheduler_state);
+  if (!load_lr_scheduler_states && py::isinstance<py::dict>(cs))
+    cs["lr_scheduler"] = FromIValue(engine_->stats().last_load().lr_scheduler_state);
   return py::make_tuple(py::str(r.path), cs);
 }
 
 void PyEngine::RestoreClientGroups() {
-  const c10::IValue& saved = engine_->last_load().optimizer_param_groups;
+  const c10::IValue& saved = engine_->stats().last_load().optimizer_param_groups;
   if (!settings_.client_step || !saved.isList()) return;
   py::list groups = FromIValue(saved);
   py::list dicts = py::list(ParamGroups());
@@ -352,11 +353,12 @@ py::list PyEngine::GetLr() const {
 py::list PyEngine::SchedulerLr() const {
   // The config scheduler's get_lr() at its position: WarmupLR, WarmupDecayLR and WarmupCosineLR
   // give [0.0] before their first step; otherwise one value per group.
-  const int64_t it = engine_->lr_schedule_iteration();
+  const int64_t it = engine_->optimizer().lr_schedule_iteration();
   if (it < 0 && settings_.scheduler_type().rfind("Warmup", 0) == 0) return py::cast(std::vector<double>{0.0});
   std::vector<double> lrs;
   for (size_t i = 0; i < engine_group_of_.size(); ++i)
-    lrs.push_back(engine_->ScheduledLr(it, engine_group_of_[i] < 0 ? 0 : static_cast<size_t>(engine_group_of_[i])));
+    lrs.push_back(
+        engine_->optimizer().ScheduledLr(it, engine_group_of_[i] < 0 ? 0 : static_cast<size_t>(engine_group_of_[i])));
   return py::cast(lrs);
 }
 
@@ -385,19 +387,19 @@ void PyEngine::StepScheduler(py::args args, py::kwargs kwargs) {
     throw py::type_error("lr_scheduler.step() of " + settings_.scheduler_type() + " takes one argument, " + name);
   std::optional<int64_t> iteration;
   if (!it.is_none()) iteration = it.cast<int64_t>();
-  engine_->StepLrSchedule(iteration);
+  engine_->optimizer().StepLrSchedule(iteration);
   config_scheduler_stepped_ = true;
   PullGroups(settings_.scheduler_sets_betas());
 }
 
 py::object PyEngine::GlobalGradNorm() const {
-  if (engine_->global_steps() == 0) return py::none();
-  return py::float_(engine_->last_step().grad_norm);
+  if (engine_->stats().global_steps() == 0) return py::none();
+  return py::float_(engine_->stats().last_step().grad_norm);
 }
 
 py::dict PyEngine::SchedulerState() const {
   // DeepSpeed's schedulers count updates from -1 (before the first step).
-  return py::dict("last_batch_iteration"_a = engine_->lr_schedule_iteration());
+  return py::dict("last_batch_iteration"_a = engine_->optimizer().lr_schedule_iteration());
 }
 
 }  // namespace uckpt::python

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <map>
 
+#include "engine/engine_access.h"
 #include "engine/host_threads.h"
 #include "module_shell.h"
 #include "py_config.h"
@@ -59,9 +60,11 @@ void RefuseUnsupported(py::handle model, py::handle mpu, const nlohmann::json& c
 py::object MakeDataLoader(py::handle data, const Engine& e, py::handle collate_fn, bool drop_last) {
   py::module_ data_mod = py::module_::import("torch.utils.data");
   py::object sampler = py::module_::import("torch.utils.data.distributed")
-                           .attr("DistributedSampler")(data, "num_replicas"_a = e.world_size(), "rank"_a = e.rank());
+                           .attr("DistributedSampler")(data, "num_replicas"_a = e.settings().world_size(),
+                                                       "rank"_a = e.settings().rank());
   // The config's dataloader_drop_last, as DeepSpeed's loader passes it on.
-  py::dict kw("batch_size"_a = e.train_micro_batch_size_per_gpu(), "sampler"_a = sampler, "drop_last"_a = drop_last);
+  py::dict kw("batch_size"_a = e.settings().train_micro_batch_size_per_gpu(), "sampler"_a = sampler,
+              "drop_last"_a = drop_last);
   if (!collate_fn.is_none()) kw["collate_fn"] = collate_fn;
   return data_mod.attr("DataLoader")(data, **kw);
 }
@@ -141,10 +144,10 @@ void RegisterUnitHooks(const std::shared_ptr<PyEngine>& engine, const std::vecto
 // (floating ones only; at fp32 nothing is cast).
 void MoveNonPersistentBuffers(py::handle model, const Engine& e) {
   py::module_ torch = py::module_::import("torch");
-  py::object device = torch.attr("device")(e.device().str());
+  py::object device = torch.attr("device")(e.settings().device().str());
   py::object dtype = py::none();
-  if (e.fp16_enabled()) dtype = torch.attr("float16");
-  if (e.bf16_enabled()) dtype = torch.attr("bfloat16");
+  if (e.settings().fp16_enabled()) dtype = torch.attr("float16");
+  if (e.settings().bf16_enabled()) dtype = torch.attr("bfloat16");
   for (auto m : model.attr("modules")()) {
     if (!py::hasattr(m, "_non_persistent_buffers_set")) continue;
     py::dict buffers = m.attr("_buffers");
@@ -271,11 +274,11 @@ py::tuple Initialize(py::object model, py::object optimizer, py::object model_pa
   std::unique_ptr<Engine> engine;
   {
     py::gil_scoped_release no_gil;
-    engine = std::make_unique<Engine>(shell, settings.config, std::move(options));
+    engine = engine::MakeEngine(shell, settings.config, std::move(options));
   }
   MoveNonPersistentBuffers(model, *engine);
-  if (engine->rank() == 0) {
-    for (const auto& w : engine->warnings()) std::cerr << "uckpt: " << w << "\n";
+  if (engine->settings().rank() == 0) {
+    for (const auto& w : engine->settings().warnings()) std::cerr << "uckpt: " << w << "\n";
     if (!plan.warning.empty()) std::cerr << "uckpt: " << plan.warning << "\n";
     for (const auto& n : notes) std::cerr << "uckpt: " << n << "\n";
   }

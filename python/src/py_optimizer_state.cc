@@ -28,9 +28,11 @@ std::string PyEngine::StateDictRefusal(const char* call) const {
   if (settings_.config.zero.stage != 0)
     return head + "at ZeRO stage " + std::to_string(settings_.config.zero.stage) + " (DeepSpeed's is its ZeRO optimizer's, "
            "what this rank's *_optim_states.pt holds): use engine.save_checkpoint() / load_checkpoint()";
-  if (engine_->fp16_enabled() || engine_->bf16_enabled())
-    return head + "at ZeRO stage 0 in " + (engine_->bf16_enabled() ? "bf16" : "fp16") + " (DeepSpeed's is its " +
-           (engine_->bf16_enabled() ? "BF16_Optimizer" : "FP16 optimizer wrapper") + "'s): use engine.save_checkpoint()";
+  if (engine_->settings().fp16_enabled() || engine_->settings().bf16_enabled())
+    return head + "at ZeRO stage 0 in " + (engine_->settings().bf16_enabled() ? "bf16" : "fp16") +
+           " (DeepSpeed's is its " +
+           (engine_->settings().bf16_enabled() ? "BF16_Optimizer" : "FP16 optimizer wrapper") +
+           "'s): use engine.save_checkpoint()";
   if (client_optimizer_.is_none())
     return head + "for the optimizer the config's 'optimizer' section made (DeepSpeed's is that class's, e.g. "
            "FusedAdam's): pass a torch.optim optimizer to initialize, or use engine.save_checkpoint()";
@@ -50,11 +52,11 @@ void PyEngine::RequireStateDict(const char* call) const {
 py::object PyEngine::OptimizerStateDict() {
   RequireStateDict("state_dict()");
   PushGroups();  // the dicts as the next step would use them
-  const auto groups = engine_->param_groups();
+  const auto groups = engine_->optimizer().param_groups();
   py::list pairs;
   for (size_t g = 0; g < groups.size(); ++g) {
     // A client optimizer's own (its None states included), else Adam's.
-    const auto states = engine_->stage0_optimizer_state(g);
+    const auto states = engine_->optimizer().stage0_optimizer_state(g);
     int64_t at = 0;
     for (const auto& [name, param] : groups[g]) {
       py::dict st;
@@ -82,7 +84,7 @@ void PyEngine::TakeClientState() {
 }
 
 void PyEngine::TakeParamStates(py::list loaded) {
-  const auto groups = engine_->param_groups();
+  const auto groups = engine_->optimizer().param_groups();
   std::map<const void*, FlatPlace> place;
   std::vector<int64_t> group_numel(groups.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g)
@@ -138,7 +140,7 @@ void PyEngine::TakeParamStates(py::list loaded) {
                             "must be alike)");
   for (size_t g = 0; g < named.size(); ++g) {
     try {
-      engine_->SetStage0OptimizerState(g, named[g]);
+      engine_->optimizer().SetStage0OptimizerState(g, named[g]);
     } catch (const std::invalid_argument& e) {
       throw py::value_error(std::string("optimizer.load_state_dict: ") + e.what());
     }

@@ -34,10 +34,10 @@ py::object LoadWeights(PyEngine& e, py::object path, py::object name_map, bool s
   const std::string p = FsPath(path, "load_weights: path");
   LoadWeightsResult r;
   if (o.name_map) {
-    r = e.engine().LoadWeights(p, o);  // the map is Python: keep the GIL
+    r = e.engine().weights().LoadWeights(p, o);  // the map is Python: keep the GIL
   } else {
     py::gil_scoped_release no_gil;
-    r = e.engine().LoadWeights(p, o);
+    r = e.engine().weights().LoadWeights(p, o);
   }
   py::object keys = py::module_::import("torch.nn.modules.module").attr("_IncompatibleKeys");
   return keys("missing_keys"_a = py::cast(r.missing_keys), "unexpected_keys"_a = py::cast(r.unexpected_keys));
@@ -47,16 +47,16 @@ bool Save16bitModel(PyEngine& e, py::object save_dir, py::object save_filename, 
   const std::string dir = FsPath(save_dir, "save_16bit_model: save_dir");
   const std::string name = FsPath(save_filename, "save_16bit_model: save_filename");
   py::gil_scoped_release no_gil;
-  return e.engine().Save16bitModel(dir, name, exclude_frozen);
+  return e.engine().weights().Save16bitModel(dir, name, exclude_frozen);
 }
 
 py::object Consolidated(PyEngine& e, bool exclude_frozen) {
   std::vector<std::pair<std::string, at::Tensor>> sd;
   {
     py::gil_scoped_release no_gil;
-    sd = e.engine().Zero3Consolidated16bitStateDict(exclude_frozen);
+    sd = e.engine().weights().Zero3Consolidated16bitStateDict(exclude_frozen);
   }
-  if (e.engine().rank() != 0) return py::none();
+  if (e.engine().settings().rank() != 0) return py::none();
   py::object dict = py::module_::import("collections").attr("OrderedDict")();
   for (const auto& [name, t] : sd) dict[py::str(name)] = py::cast(t);  // tied names: one tensor object
   return dict;

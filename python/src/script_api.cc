@@ -52,9 +52,10 @@ void CheckZeroOptimizer(py::handle optimizer, const engine::TrainConfig& config,
 }
 
 std::string DeepSpeedOptimizerClass(const PyEngine& e) {
-  const int stage = e.engine().zero_stage();
-  if (e.engine().bf16_enabled() && stage <= 1 && !e.settings().config.zero.offload_optimizer_cpu) return "BF16_Optimizer";
-  if (stage == 0 && e.engine().fp16_enabled()) {  // DeepSpeed's wrapper: FP16_Optimizer around its FusedAdam
+  const int stage = e.engine().settings().zero_stage();
+  if (e.engine().settings().bf16_enabled() && stage <= 1 && !e.settings().config.zero.offload_optimizer_cpu)
+    return "BF16_Optimizer";
+  if (stage == 0 && e.engine().settings().fp16_enabled()) {  // DeepSpeed's wrapper: FP16_Optimizer around its FusedAdam
     const engine::TrainConfig& c = e.settings().config;
     return e.settings().client_step || c.optimizer.torch_adam ? "FP16_UnfusedOptimizer" : "FP16_Optimizer";
   }
@@ -77,12 +78,12 @@ void RequireZeroOptimizer(const PyEngine& e, const char* attribute) {
 
 py::object OptimizerOverflow(const PyEngine& e) {
   RequireZeroOptimizer(e, "overflow");
-  return py::bool_(e.engine().last_step().skipped);
+  return py::bool_(e.engine().stats().last_step().skipped);
 }
 
 py::object OptimizerLossScale(const PyEngine& e, const char* attribute) {
   RequireZeroOptimizer(e, attribute);
-  return py::float_(e.engine().loss_scale());
+  return py::float_(e.engine().optimizer().loss_scale());
 }
 
 void BindScriptFunctions(py::module_& m) {

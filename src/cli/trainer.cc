@@ -15,6 +15,7 @@
 #include "ckpt/deepspeed_names.h"
 #include "format/error.h"
 #include "models/bert.h"
+#include "engine/engine_access.h"
 #include "engine/torch_bridge.h"
 #include "cli/init_weights.h"
 
@@ -87,8 +88,8 @@ Trainer::Trainer(Comm& comm, TrainOptions options) : comm_(comm), opt_(std::move
   // under offload at one rank the host update runs alongside the next forward
   // on the GPU (on the CPU both would share the same cores).
   eo.overlap_update_with_forward = opt_.overlap_update && opt_.device == "cuda";
-  engine_ = std::make_unique<Engine>(module_, opt_.config, std::move(eo));
-  engine_->SetTiming(timers_.enabled);
+  engine_ = engine::MakeEngine(module_, opt_.config, std::move(eo));
+  engine_->stats().SetTiming(timers_.enabled);
   if (set_unit_calls_) set_unit_calls_(engine_->unit_calls());
 }
 
@@ -137,7 +138,7 @@ void Trainer::MakeBert() {
 }
 
 Counters Trainer::counters() const {
-  return Counters{engine_->global_steps(), engine_->global_samples(), engine_->skipped_steps()};
+  return Counters{engine_->stats().global_steps(), engine_->stats().global_samples(), engine_->stats().skipped_steps()};
 }
 
 void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) { engine_->SaveCheckpoint(dir, tag); }
@@ -155,9 +156,10 @@ void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag, boo
 }
 
 at::Tensor Trainer::MicroBatchIds(int64_t step, int64_t samples_before, int64_t first_row) const {
-  const int64_t mb = engine_->train_micro_batch_size_per_gpu(), T = opt_.seq_len;
+  const int64_t mb = engine_->settings().train_micro_batch_size_per_gpu(), T = opt_.seq_len;
   auto rows = GatherRows(*data_, step, samples_before, first_row, mb, T);
-  return at::from_blob(rows.data(), {mb, T}, at::kLong).to(engine_->device(), /*non_blocking=*/false, /*copy=*/true);
+  return at::from_blob(rows.data(), {mb, T}, at::kLong)
+      .to(engine_->settings().device(), /*non_blocking=*/false, /*copy=*/true);
 }
 
 namespace {
@@ -174,26 +176,27 @@ void AddStage3Counts(PhaseTimes& t, const Stage3Stats& before, const Stage3Stats
 
 StepMetrics Trainer::TrainStep() {
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t step = engine_->global_steps() + 1;
+  const int64_t step = engine_->stats().global_steps() + 1;
   comm_.SetActivity("step " + std::to_string(step));  // named if a rank fails now
-  const int64_t ga = engine_->gradient_accumulation_steps();
-  const double lr = engine_->lr();
+  const int64_t ga = engine_->settings().gradient_accumulation_steps();
+  const double lr = engine_->optimizer().lr();
 
   // Micro-batches: rank r's slice of the global batch, one after the other.
   // The micro losses are summed on the device (in fp64, as before on the
   // host), so the GPU never waits for the host between forward and backward.
-  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(engine_->device()));
-  PhaseClock clock(engine_->device(), timers_.enabled);
-  const Stage3Stats stage3_before = engine_->stage3_stats();
-  const int64_t samples_before = engine_->global_samples();
+  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(engine_->settings().device()));
+  PhaseClock clock(engine_->settings().device(), timers_.enabled);
+  const Stage3Stats stage3_before = engine_->stats().stage3_stats();
+  const int64_t samples_before = engine_->stats().global_samples();
   for (int64_t m = 0; m < ga; ++m) {
-    const int64_t first_row = engine::FirstRow(m, comm_.rank(), comm_.world_size(), engine_->train_micro_batch_size_per_gpu());
+    const int64_t first_row =
+        engine::FirstRow(m, comm_.rank(), comm_.world_size(), engine_->settings().train_micro_batch_size_per_gpu());
     at::Tensor loss = loss_(MicroBatchIds(step, samples_before, first_row), step, samples_before + first_row, first_row);
     loss_sum.add_(loss.detach().to(at::kDouble));
     timers_.forward += clock.Lap();
-    const double wait_before = engine_->stage3_stats().reduce_wait_s;
+    const double wait_before = engine_->stats().stage3_stats().reduce_wait_s;
     engine_->Backward(loss);
-    const double wait = engine_->stage3_stats().reduce_wait_s - wait_before;  // stage 3: reduce-scatters waited
+    const double wait = engine_->stats().stage3_stats().reduce_wait_s - wait_before;  // stage 3: reduce-scatters waited
     timers_.backward += clock.Lap() - wait;
     timers_.reduce += wait;
     if (m < ga - 1) engine_->Step();  // not a boundary: nothing but the micro-step count
@@ -202,13 +205,13 @@ StepMetrics Trainer::TrainStep() {
   engine_->Step();
   timers_.step += clock.Lap();
   ++timers_.steps;
-  AddStage3Counts(timers_, stage3_before, engine_->stage3_stats());
+  AddStage3Counts(timers_, stage3_before, engine_->stats().stage3_stats());
   if (++steps_run_ == 1) timers_ = PhaseTimes{timers_.enabled};  // the first step warms up
 
   // The step's loss: the mean over all W*GA micro-batches (equal token counts).
   at::Tensor total = loss_sum;
   comm_.AllReduceSum(total);
-  const StepInfo& r = engine_->last_step();
+  const StepInfo& r = engine_->stats().last_step();
   StepMetrics s;
   s.step = step;
   s.loss = total.item<double>() / static_cast<double>(ga * comm_.world_size());
@@ -216,7 +219,7 @@ StepMetrics Trainer::TrainStep() {
   s.grad_norm = r.grad_norm;
   s.loss_scale = r.loss_scale;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  s.tokens_per_s = secs > 0 ? static_cast<double>(engine_->train_batch_size() * opt_.seq_len) / secs : 0;
+  s.tokens_per_s = secs > 0 ? static_cast<double>(engine_->settings().train_batch_size() * opt_.seq_len) / secs : 0;
   return s;
 }
 
@@ -244,7 +247,7 @@ void ResumeIfAsked(Trainer& trainer) {
   if (!rank0) return;
   std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
                static_cast<long long>(trainer.counters().global_steps), SecondsSince(t0));
-  if (const LoadStats& l = trainer.engine().last_load(); !l.fingerprint.empty())
+  if (const LoadStats& l = trainer.engine().stats().last_load(); !l.fingerprint.empty())
     std::fprintf(stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it for the files' value)\n",
                  l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str()
                                                           : ("checked (" + l.fingerprint + ")").c_str(),
@@ -257,9 +260,9 @@ void PrintRunHeader(const Trainer& trainer) {
   const Engine& e = trainer.engine();
   const Comm& comm = trainer.comm();
   std::cerr << "uckpt train: world size " << comm.world_size() << " (" << comm.backend() << "), " << o.model_name
-            << ", ZeRO stage " << o.config.zero.stage << ", batch " << e.train_batch_size() << " = micro "
-            << e.train_micro_batch_size_per_gpu() << " x GA " << e.gradient_accumulation_steps() << " x "
-            << comm.world_size() << " ranks, " << trainer.num_parameters() << " parameters, steps "
+            << ", ZeRO stage " << o.config.zero.stage << ", batch " << e.settings().train_batch_size() << " = micro "
+            << e.settings().train_micro_batch_size_per_gpu() << " x GA " << e.settings().gradient_accumulation_steps()
+            << " x " << comm.world_size() << " ranks, " << trainer.num_parameters() << " parameters, steps "
             << trainer.counters().global_steps + 1 << ".." << o.steps << "\n";
   for (const auto& w : o.config.warnings) std::cerr << "uckpt train: warning: " << w << "\n";
   // DeepSpeed applies it to the dataloader initialize() builds; this data has no last batch.
@@ -289,7 +292,7 @@ void SaveStep(Trainer& trainer) {
   trainer.comm().SetActivity("saving checkpoint " + tag);
   const auto t0 = Clock::now();
   trainer.SaveCheckpoint(o.checkpoint_dir, tag);
-  const SaveStats& s = trainer.engine().last_save();
+  const SaveStats& s = trainer.engine().stats().last_save();
   if (!rank0) return;
   if (s.async)
     std::fprintf(stderr, "uckpt train: snapshot of %s/%s in %.3f s (%.1f MiB of host memory), writing in the background\n",
@@ -308,7 +311,7 @@ void PrintPhaseTimes(const Trainer& trainer) {
                "uckpt timers (rank 0, mean of %lld steps after the first, ms): forward %.2f, backward %.2f, "
                "reduce %.2f, optimizer step + all-gather %.2f\n",
                static_cast<long long>(t.steps), t.forward * k, t.backward * k, t.reduce * k, t.step * k);
-  if (trainer.engine().zero_stage() == 3)
+  if (trainer.engine().settings().zero_stage() == 3)
     std::fprintf(stderr,
                  "uckpt timers, stage 3: reduce = waiting after backward for the reduce-scatters; per step "
                  "%.1f of %.1f buckets reduced during backward (overlap_comm), %.1f of %.1f unit all-gathers "
@@ -338,7 +341,7 @@ void FinishBackgroundSave(Trainer& trainer) {
   trainer.comm().SetActivity("finishing a background checkpoint save");
   const auto t0 = Clock::now();
   trainer.engine().WaitForCheckpoint();
-  if (trainer.comm().rank() == 0 && trainer.engine().last_save().async)
+  if (trainer.comm().rank() == 0 && trainer.engine().stats().last_save().async)
     std::fprintf(stderr, "uckpt train: background save published after %.3f s more\n", SecondsSince(t0));
   // A synchronous save of a new tag returned before it was durable (docs/reliability.md).
   else if (trainer.comm().rank() == 0 && !trainer.options().checkpoint_dir.empty())

@@ -88,7 +88,7 @@ class Trainer {
   const TrainOptions& options() const { return opt_; }
   Comm& comm() { return comm_; }
   const Comm& comm() const { return comm_; }
-  at::Device device() const { return engine_->device(); }
+  at::Device device() const { return engine_->settings().device(); }
   Engine& engine() { return *engine_; }
   const Engine& engine() const { return *engine_; }
   // name -> the model's parameter, flat order (at stage 3 a gather unit's

@@ -30,7 +30,6 @@
 #include "engine/fingerprint.h"
 #include "engine/resharded_load.h"
 #include "engine/torch_bridge.h"
-#include "engine/engine_impl.h"
 
 namespace uckpt::engine {
 namespace fs = std::filesystem;
@@ -222,8 +221,8 @@ c10::IValue ToIValue(const ValuePtr& v) {
 
 // ---- Saving. ----
 
-ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g) {
-  const OptimizerConfig& o = e.runtime->optimizer_config(g);
+ckpt::AdamHparams SavedHparams(const CheckpointState& e, size_t g) {
+  const OptimizerConfig& o = e.runtime.optimizer_config(g);
   ckpt::AdamHparams h{e.schedule.current_lr(g), o.beta1, o.beta2, o.eps, o.weight_decay};
   h.bias_correction = o.bias_correction;
   // The class DeepSpeed 0.14.5 builds for the config's Adam, so that its own load finds its keys. A client
@@ -234,34 +233,34 @@ ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g) {
   return h;
 }
 
-ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, ValuePtr> params,
+ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, ValuePtr> params,
                                 std::vector<std::pair<std::string, ValuePtr>> client) {
   ckpt::ModelStates m;
   m.stage = e.stage();
-  for (const auto& b : e.buffers) params.emplace(b.name, TensorValue(b.tensor));
-  for (const auto& [alias, owner] : e.aliases) params[alias] = params.at(owner);
+  for (const auto& b : e.module.buffers) params.emplace(b.name, TensorValue(b.tensor));
+  for (const auto& [alias, owner] : e.module.aliases) params[alias] = params.at(owner);
   std::set<std::string> left_out;  // exclude_frozen_parameters: DeepSpeed deletes their names (not their aliases)
   if (e.save_without_frozen)
-    for (const auto& p : e.frozen) left_out.insert(p.name);
-  for (const auto& name : e.state_names)
+    for (const auto& p : e.module.frozen) left_out.insert(p.name);
+  for (const auto& name : e.module.state_names)
     if (!left_out.count(name)) m.module.emplace_back(name, params.at(name));
-  for (const PartitionSlot& slot : e.runtime->Slots()) {  // per group (stage 3: per sub-group)
+  for (const PartitionSlot& slot : e.runtime.Slots()) {  // per group (stage 3: per sub-group)
     m.param_shapes.emplace_back();
     for (const auto& p : slot.target.params) m.param_shapes.back().push_back({p.name, p.shape});
   }
-  m.module_prefixes = e.module_prefixes;
+  m.module_prefixes = e.module.module_prefixes;
   m.frozen_excluded = e.save_without_frozen;
-  for (const auto& b : e.buffers) m.buffer_names.push_back(b.name);
-  m.shared_params = e.aliases;
+  for (const auto& b : e.module.buffers) m.buffer_names.push_back(b.name);
+  m.shared_params = e.module.aliases;
   if (!e.config.scheduler.type.empty()) m.last_batch_iteration = e.schedule.last_batch_iteration();
-  m.global_steps = e.global_steps;
-  m.global_samples = e.global_samples;
-  m.skipped_steps = e.skipped_steps;
-  m.dp_world_size = e.comm->world_size();
+  m.global_steps = e.counters.global_steps;
+  m.global_samples = e.counters.global_samples;
+  m.skipped_steps = e.counters.skipped_steps;
+  m.dp_world_size = e.comm.world_size();
   m.ds_config = ckpt::JsonToValue(e.config.raw);
   // uckpt's own: the data position and the lr, then the client's keys.
   ValuePtr ours = Value::Dict();
-  ours->set("data_samples", Value::Int(e.global_samples));
+  ours->set("data_samples", Value::Int(e.counters.global_samples));
   ours->set("train_batch_size", Value::Int(e.batch.train_batch_size));
   ours->set("lr", Value::Float(e.schedule.current_lr()));
   m.extra.emplace_back("uckpt", ours);
@@ -317,13 +316,13 @@ ckpt::AdamState NamedStateOf(const PartitionState& s, const std::vector<std::sha
 // Stage 0: the torch optimizer's own state_dict (Adam's, or the client's
 // element-wise optimizer's with its own keys and param groups), one state
 // per parameter, numbered over all groups.
-ValuePtr Stage0Optimizer(const Engine::Impl& e) {
+ValuePtr Stage0Optimizer(const CheckpointState& e) {
   std::vector<ckpt::AdamState> states;
   std::vector<ckpt::AdamHparams> hparams;
   std::vector<ValuePtr> entries;
-  std::vector<std::vector<int64_t>> ids(e.groups.size());
-  const std::vector<PartitionSlot> slots = e.runtime->Slots();  // one per group
-  for (size_t g = 0; g < e.groups.size(); ++g) {
+  std::vector<std::vector<int64_t>> ids(e.module.groups.size());
+  const std::vector<PartitionSlot> slots = e.runtime.Slots();  // one per group
+  for (size_t g = 0; g < e.module.groups.size(); ++g) {
     const PartitionState& s = *slots.at(g).state;
     std::shared_ptr<Storage> avg, sq;
     if (s.step.defined()) avg = StorageOf(s.exp_avg), sq = StorageOf(s.exp_avg_sq);
@@ -333,7 +332,7 @@ ValuePtr Stage0Optimizer(const Engine::Impl& e) {
     int64_t at = 0;
     hparams.push_back(SavedHparams(e, g));
     const int64_t step = s.step.defined() ? std::llround(s.step.item<double>()) : 0;
-    for (const auto& p : e.groups[g]) {
+    for (const auto& p : e.module.groups[g]) {
       ids[g].push_back(static_cast<int64_t>(states.size()));
       states.push_back(e.client_optimizer ? NamedStateOf(s, flat, p.tensor.sizes().vec(), at)
                                           : ckpt::AdamStateOfClass(AdamStateOf(s, avg, sq, p.tensor.sizes().vec(), at),
@@ -351,7 +350,7 @@ ValuePtr PythonNumber(double v, bool integral) {
 }
 
 // Whether the config writes `key` (at the top level, or in `section`) as a JSON integer.
-bool ConfigInteger(const Engine::Impl& e, const char* section, const char* key) {
+bool ConfigInteger(const CheckpointState& e, const char* section, const char* key) {
   const nlohmann::json& raw = e.config.raw;
   const nlohmann::json* at = &raw;
   if (section) {
@@ -364,7 +363,7 @@ bool ConfigInteger(const Engine::Impl& e, const char* section, const char* key) 
 
 // FP16_Optimizer's wrapped FusedAdam state_dict: one state per param group, over
 // its flat master (state step an int), and FusedAdam's group keys.
-ValuePtr FusedAdamState(const Engine::Impl& e, const std::vector<PartitionSlot>& slots) {
+ValuePtr FusedAdamState(const CheckpointState& e, const std::vector<PartitionSlot>& slots) {
   ValuePtr state = Value::Dict(), groups = Value::List();
   const bool betas_listed = e.config.raw.is_object() && e.config.raw.contains("optimizer") &&
                             e.config.raw["optimizer"].is_object() && e.config.raw["optimizer"].contains("params") &&
@@ -372,7 +371,7 @@ ValuePtr FusedAdamState(const Engine::Impl& e, const std::vector<PartitionSlot>&
   for (size_t g = 0; g < slots.size(); ++g) {
     const PartitionState& s = *slots[g].state;
     int64_t numel = 0;
-    for (const auto& p : e.groups[g]) numel += p.tensor.numel();
+    for (const auto& p : e.module.groups[g]) numel += p.tensor.numel();
     if (s.step.defined()) {
       ValuePtr st = Value::Dict();
       st->set(ckpt::kStep, Value::Int(static_cast<int64_t>(s.step.item<double>())));
@@ -381,7 +380,7 @@ ValuePtr FusedAdamState(const Engine::Impl& e, const std::vector<PartitionSlot>&
       state->set(Value::Int(static_cast<int64_t>(g)), st);
     }
     const ckpt::AdamHparams h = SavedHparams(e, g);
-    const OptimizerConfig& o = e.runtime->optimizer_config(g);
+    const OptimizerConfig& o = e.runtime.optimizer_config(g);
     ValuePtr group = Value::Dict();
     group->set("lr", Value::Float(h.lr));
     group->set("bias_correction", Value::Bool(o.bias_correction));
@@ -402,8 +401,8 @@ ValuePtr FusedAdamState(const Engine::Impl& e, const std::vector<PartitionSlot>&
 // Stage 0 in fp16: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer
 // state_dict (ckpt/fp16_optimizer_state.h): the loss scale, the wrapped
 // optimizer's state_dict and the fp32 masters (flat per group, or per parameter).
-ValuePtr Fp16WrapperOptimizer(const Engine::Impl& e) {
-  const LossScaler& ls = e.runtime->loss_scaler();
+ValuePtr Fp16WrapperOptimizer(const CheckpointState& e) {
+  const LossScaler& ls = e.runtime.loss_scaler();
   ckpt::Fp16OptimizerState w;
   w.fused = e.stage0_fp16 == Stage0Fp16::kFused;
   w.dynamic = ls.dynamic;
@@ -413,12 +412,12 @@ ValuePtr Fp16WrapperOptimizer(const Engine::Impl& e) {
   w.last_overflow_iter = ls.last_overflow_iter;
   w.scale_window = ls.scale_window;
   w.clip_grad = PythonNumber(e.config.gradient_clipping, ConfigInteger(e, nullptr, "gradient_clipping"));
-  const std::vector<PartitionSlot> slots = e.runtime->Slots();  // one per group
+  const std::vector<PartitionSlot> slots = e.runtime.Slots();  // one per group
   for (size_t g = 0; g < slots.size(); ++g) {
     auto master = StorageOf(slots[g].state->master);
     w.fp32.emplace_back();
     int64_t at = 0;
-    for (const auto& p : e.groups[g]) {
+    for (const auto& p : e.module.groups[g]) {
       if (!w.fused) w.fp32.back().push_back(View(master, DType::kFloat32, p.tensor.sizes().vec(), at, true));
       at += p.tensor.numel();
     }
@@ -432,20 +431,20 @@ ValuePtr Fp16WrapperOptimizer(const Engine::Impl& e) {
 // storage per group's flat buffer (as DeepSpeed's state_dict of flat-buffer
 // views saves them), frozen parameters whole, each also as its flattened
 // fragment (a view of the module entry's storage).
-ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
+ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client) {
   std::map<std::string, ValuePtr> params;
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    const at::Tensor weights = e.runtime->group_weights(g);
+  for (size_t g = 0; g < e.module.groups.size(); ++g) {
+    const at::Tensor weights = e.runtime.group_weights(g);
     auto flat = StorageOf(weights);
     int64_t off = 0;
-    for (const auto& p : e.groups[g]) {
+    for (const auto& p : e.module.groups[g]) {
       params[p.name] = View(flat, FromScalarType(weights.scalar_type()), p.tensor.sizes().vec(), off);
       off += p.tensor.numel();
     }
   }
-  for (const auto& p : e.frozen) params[p.name] = TensorValue(p.tensor);
+  for (const auto& p : e.module.frozen) params[p.name] = TensorValue(p.tensor);
   std::vector<std::pair<std::string, const Tensor*>> frozen;
-  for (const auto& p : e.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
+  for (const auto& p : e.module.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
   for (const auto& [name, whole] : frozen) {
     if (e.save_without_frozen) break;
@@ -456,22 +455,22 @@ ValuePtr ModelStatesValue(const Engine::Impl& e, std::vector<std::pair<std::stri
     m.stage0_optimizer = e.stage0_fp16 != Stage0Fp16::kNone ? Fp16WrapperOptimizer(e) : Stage0Optimizer(e);
     // Which parameter each state id is (DeepSpeed's stage-0 file does not say): for convert and resume.
     ValuePtr names = Value::List();
-    for (const auto& group : e.groups)
+    for (const auto& group : e.module.groups)
       for (const auto& p : group) names->items.push_back(Value::Str(p.name));
     m.extra.front().second->set(ckpt::kStage0ParamNames, names);
   }
   return ckpt::ModelStatesValue(m);
 }
 
-ValuePtr OptimStatesValue(const Engine::Impl& e) {
-  const ShardedRuntime& z = *e.runtime;
+ValuePtr OptimStatesValue(const CheckpointState& e) {
+  const ShardedRuntime& z = e.runtime;
   ckpt::RankOptimStates r;
   r.stage = e.stage();
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.clip_grad = e.config.gradient_clipping;
   r.ds_config = ckpt::JsonToValue(e.config.raw);
-  for (const PartitionSlot& slot : e.runtime->Slots()) {
+  for (const PartitionSlot& slot : e.runtime.Slots()) {
     const PartitionState& s = *slot.state;
     ckpt::OptimGroupState gs;
     int64_t real = 0;  // the partition's elements before its padding
@@ -499,14 +498,14 @@ ValuePtr OptimStatesValue(const Engine::Impl& e) {
 // (async_save.h). A crash or error at any point leaves the previous
 // checkpoint and `latest` as they were. With `async` the files are written in
 // the background and published at a later call.
-std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
+std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
                                  const ClientState& client_state, bool async) {
   const auto start = std::chrono::steady_clock::now();
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
   if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat && e.stage0_fp16 == Stage0Fp16::kNone)
     throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2 (or fp16 at stage 0 with an "
                                 "optimizer)");
-  Comm& comm = *e.comm;
+  Comm& comm = e.comm;
   Env& env = Env::Current();
   const bool rank0 = comm.rank() == 0;
   const std::string folder = dir + "/" + tag;
@@ -578,7 +577,7 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   // are published.
   const auto writing = std::chrono::steady_clock::now();
   try {
-    PendingStateFingerprint state(e);
+    PendingStateFingerprint state(e.fingerprint());
     e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, sync_after_publish, marker);
     e.writer->SetStateFingerprint(state.Finish(comm));
     e.last_save.fingerprint_s = state.hash_seconds();
@@ -607,374 +606,5 @@ std::string SaveEngineCheckpoint(Engine::Impl& e, const std::string& dir, const 
   }
   return folder;
 }
-
-// ---- Loading: one path for every stage and every source. ----
-
-namespace {
-
-// The counters and the lr schedule's position.
-void RestoreCounters(Engine::Impl& e, const ckpt::ModelStatesView& m, const LoadCheckpointOptions& o) {
-  e.global_steps = m.global_steps;
-  e.skipped_steps = m.skipped_steps;
-  e.global_samples = m.global_samples ? *m.global_samples : e.global_steps * e.batch.train_batch_size;
-  e.micro_steps = e.global_steps * e.batch.gradient_accumulation_steps;
-  // DeepSpeed's load_state_dict sets the position only: the lr follows from
-  // it now when the saved optimizer groups come with it, else at the next step.
-  // Not loading the scheduler's state keeps its position, as DeepSpeed's.
-  const bool set_lr = o.load_optimizer_states;
-  if (o.load_lr_scheduler_states && m.last_batch_iteration) {
-    e.schedule.Restore(*m.last_batch_iteration, set_lr);
-  } else if (o.load_lr_scheduler_states && e.global_steps > 0 && !e.config.scheduler.type.empty()) {
-    // No saved scheduler: continue the schedule where the step count says.
-    e.schedule.Restore(e.global_steps - 1 - e.skipped_steps, set_lr);
-  }
-}
-
-// The saved param groups' hyper-parameters, kept only on request (as
-// DeepSpeed's torch optimizer load_state_dict keeps them): lr for the next
-// step (a configured scheduler sets the lr again from its own config and the
-// restored position after that step, as DeepSpeed's does), and betas, eps and
-// weight_decay for the rest of the run.
-void ApplySavedHparams(Engine::Impl& e, const std::string& path, const ValuePtr& groups, const LoadCheckpointOptions& o) {
-  if (!o.keep_saved_hparams || !groups || !groups->is_seq()) return;
-  const size_t n = e.runtime->num_groups();
-  for (size_t g = 0; g < n && g < groups->items.size(); ++g) {
-    OptimizerConfig c = e.runtime->optimizer_config(g);
-    const ckpt::AdamHparams h =
-        ckpt::ReadAdamHparams(groups->items[g], {e.schedule.current_lr(g), c.beta1, c.beta2, c.eps, c.weight_decay},
-                              path + ": param_groups[" + std::to_string(g) + "]");
-    e.schedule.set_current_lr(g, h.lr);
-    c.beta1 = h.beta1;
-    c.beta2 = h.beta2;
-    c.eps = h.eps;
-    c.weight_decay = h.weight_decay;
-    e.runtime->set_optimizer_config(g, c);
-  }
-}
-
-// The tag folder a load reads: `tag`, else the one the tag file (`latest`,
-// `latest_universal`) names; empty when there is neither (nothing saved yet).
-std::string TagFolderPath(const std::string& dir, const std::string& tag, bool universal) {
-  const char* tag_file = ckpt::TagFileName(universal);
-  if (tag.empty() && !fs::exists(dir + "/" + tag_file)) return "";
-  return dir + "/" + (tag.empty() ? ReadTagFile(dir, tag_file) : ckpt::CheckTag(tag, "checkpoint tag"));
-}
-
-// Before the hash check of a folder published before it was durable (its
-// save was killed in the sync window, or its sync failed): every rank syncs
-// the filesystem holding it, then drops the folder's files from the page
-// cache, so that the check reads what the disk holds (pages a failed
-// writeback left in the cache would pass it). Returns whether every rank
-// did; if not, the check reads what it can and the marker stays.
-bool SyncAndDropCached(Comm& comm, const ckpt::TagFolder& folder) {
-  std::string error;
-  try {
-    Env::Current().SyncFilesystem(folder.path);
-    for (const ckpt::CheckpointFile& f : folder.files) Env::Current().DropCached(f.path);
-  } catch (const std::exception& ex) {
-    error = ex.what();
-  }
-  error = AgreedError(comm, error);
-  if (!error.empty() && comm.rank() == 0)
-    std::fprintf(stderr, "uckpt: warning: %s (published before its files were on disk) could not be synced: %s; "
-                 "it stays marked\n", folder.path.c_str(), error.c_str());
-  return error.empty();
-}
-
-// After such a folder was synced and every file read back from the disk
-// matched its manifest: rank 0 removes the marker, so that later loads need
-// not hash it again (if it cannot, the marker stays).
-void Unmark(Comm& comm, const std::string& folder) {
-  if (comm.rank() != 0) return;
-  try {
-    ckpt::RemoveUnsyncedMarker(folder);
-  } catch (const std::exception& ex) {
-    std::fprintf(stderr, "uckpt: warning: %s is whole, but %s stays (%s); later loads check it by hash too\n",
-                 folder.c_str(), ckpt::UnsyncedMarkerPath(folder).c_str(), ex.what());
-  }
-}
-
-// Sizes on every rank (cheap, and every rank reaches the same verdict); with
-// verify_hashes the ranks split the hashing (each file is read once, not once
-// per rank) and then agree, so that all of them stop if any file is bad.
-void CheckManifestOnEveryRank(Comm& comm, ckpt::TagFolder& folder, bool hashes) {
-  // A folder published before it was durable is checked by hash
-  // (ckpt/manifest.h), on every rank if any sees the marker. Its manifest
-  // is read again once the folder's pages are dropped, so that both sides
-  // of the check come from the disk (only a marked folder's is read twice).
-  at::Tensor unsynced = at::full({1}, folder.unsynced ? 1.0f : 0.0f);
-  comm.AllReduceMax(unsynced);
-  const bool marked = unsynced.item<float>() > 0;
-  const bool synced = marked && SyncAndDropCached(comm, folder);
-  if (marked) ckpt::ReadManifestAgain(folder);
-  hashes = hashes || marked;
-  if (!hashes) {
-    ckpt::CheckFolderAgainstManifest(folder, false);
-    return;
-  }
-  std::string error;
-  try {
-    ckpt::CheckFolderAgainstManifest(folder, true, comm.rank(), comm.world_size());
-  } catch (const FormatError& ex) {
-    error = ex.what();
-  }
-  // Every rank reports the finder's error (it names the files).
-  if (std::string agreed = AgreedError(comm, error); !agreed.empty()) throw FormatError(agreed);
-  if (synced) Unmark(comm, folder.path);
-}
-
-// The model-states file a rank reads, read.
-struct ModelStatesFile {
-  std::string path;
-  TorchFile file;
-  ckpt::ModelStatesView view;
-  bool stage12 = false;  // mp_rank_00_model_states.pt: its module holds the whole weights
-};
-
-// A ZeRO folder: the one file of stages 0-2; of a ZeRO-3 folder its own
-// rank's, else (saved by fewer ranks) rank 0's. A universal folder: its
-// source's mp_rank_00_model_states.pt, or the lowest rank's ZeRO-3 copy.
-ModelStatesFile ReadModelStatesFile(const ckpt::TagFolder& folder, int rank, bool universal) {
-  ModelStatesFile f;
-  if (universal) {
-    // Listed by kind (stage 0-2 file first), then rank.
-    if (folder.model_states.empty())
-      throw FormatError(folder.path + ": no *model_states.pt file (not a universal checkpoint?)");
-    f.path = folder.model_states.front().path;
-  } else {
-    for (const std::string& name :
-         {ckpt::ModelStatesFileName(), ckpt::Zero3ModelStatesFileName(rank), ckpt::Zero3ModelStatesFileName(0)})
-      if (const ckpt::CheckpointFile* c = folder.Find(name); f.path.empty() && c) f.path = c->path;
-    if (f.path.empty())
-      throw FormatError(folder.path + ": has no " + ckpt::ModelStatesFileName() + " and no " +
-                        ckpt::Zero3ModelStatesFileName(0) + " (not a ZeRO checkpoint folder?)");
-  }
-  f.stage12 = f.path == folder.path + "/" + ckpt::ModelStatesFileName();
-  f.file = LoadTorchFile(f.path);
-  f.view = ckpt::ReadModelStates(f.file.root, f.path);
-  return f;
-}
-
-// param_shapes must name this engine's groups and parameters in order.
-void CheckParamShapes(const Engine::Impl& e, const std::string& path, const ValuePtr& root) {
-  const auto saved = ckpt::ReadParamShapes(root, path);
-  if (saved.empty()) return;
-  if (saved.size() != e.groups.size())
-    throw FormatError(path + ": param_shapes has " + std::to_string(saved.size()) +
-                      " parameter groups, this engine has " + std::to_string(e.groups.size()));
-  for (size_t g = 0; g < e.groups.size(); ++g) {
-    const auto& params = e.groups[g];
-    if (saved[g].size() != params.size())
-      throw FormatError(path + ": param_shapes[" + std::to_string(g) + "] has " + std::to_string(saved[g].size()) +
-                        " parameters, this model's group has " + std::to_string(params.size()) +
-                        " (a different model or model size?)");
-    for (size_t k = 0; k < params.size(); ++k) {
-      const ckpt::NamedShape& ns = saved[g][k];
-      if (ns.name != params[k].name || ns.shape != params[k].tensor.sizes().vec())
-        throw FormatError(path + ": parameter " + std::to_string(k) + " of group " + std::to_string(g) + " is " +
-                          ns.name + " " + c10::str(at::IntArrayRef(ns.shape)) + ", this model has " + params[k].name +
-                          " " + c10::str(params[k].tensor.sizes()));
-    }
-  }
-}
-
-// Every zero_pp_rank_<r>_mp_rank_00_model_states.pt of `folder`, in rank
-// order: `dp` of them (the saving world size), else as many as there are.
-std::vector<TorchFile> Zero3ModelStatesFiles(const ckpt::TagFolder& folder, std::optional<int64_t> dp) {
-  std::map<int, std::string> by_rank;
-  for (const auto& f : folder.model_states)
-    if (f.kind == ckpt::FileKind::kZero3ModelStates) by_rank[f.dp] = f.path;
-  const int n = static_cast<int>(dp.value_or(static_cast<int64_t>(by_rank.size())));
-  std::vector<TorchFile> out;
-  for (int r = 0; r < std::max(n, 1); ++r) {
-    auto it = by_rank.find(r);
-    if (it == by_rank.end())
-      throw FormatError(folder.path + "/" + ckpt::Zero3ModelStatesFileName(r) +
-                        ": missing; frozen parameters saved partitioned by ZeRO-3 need every rank's fragment");
-    out.push_back(LoadTorchFile(it->second));
-  }
-  return out;
-}
-
-// A frozen parameter that ZeRO-3 saved partitioned, whole again.
-at::Tensor WholeFrozen(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel) {
-  const int dp = static_cast<int>(ranks.size());
-  const std::vector<ValuePtr> frags = ckpt::Stage3FrozenFragments(ranks, name, numel);
-  std::vector<at::Tensor> parts;
-  for (int r = 0; r < dp; ++r)
-    if (const int64_t real = ckpt::Stage3RealNumel(numel, dp, r); real > 0)
-      parts.push_back(ToTorch(*frags[r]->tensor).reshape(-1).narrow(0, 0, real));
-  return at::cat(parts);
-}
-
-// Frozen parameters and buffers from the model states (also from a universal
-// checkpoint's copy of them, which DeepSpeed leaves out). One that the file
-// holds empty is a frozen parameter DeepSpeed's ZeRO-3 saved partitioned: it
-// is put together from every rank's frozen_param_fragments. A missing name
-// or another shape is an error naming the file, unless !strict (DeepSpeed's
-// load_module_strict=False): a missing one keeps the model's value.
-void LoadFixedParams(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model, bool strict) {
-  std::vector<NamedParam> fixed = e.frozen;
-  fixed.insert(fixed.end(), e.buffers.begin(), e.buffers.end());
-  std::optional<std::vector<TorchFile>> ranks;
-  for (const auto& p : fixed) {
-    auto it = model.view.module.find(p.name);
-    if (it == model.view.module.end() && !strict) continue;
-    if (it == model.view.module.end())
-      throw FormatError(model.path + ": module has no tensor '" + p.name + "'" +
-                        (e.frozen.empty() ? ""
-                                          : " (saved with exclude_frozen_parameters? load with "
-                                            "load_module_strict=False)"));
-    if (it->second->numel() == 0 && p.tensor.numel() > 0) {
-      if (!ranks) ranks = Zero3ModelStatesFiles(folder, model.view.dp_world_size);
-      p.tensor.copy_(WholeFrozen(*ranks, p.name, p.tensor.numel()).view(p.tensor.sizes()));
-      continue;
-    }
-    if (it->second->shape != p.tensor.sizes().vec())
-      throw FormatError(model.path + ": '" + p.name + "' has shape " + c10::str(at::IntArrayRef(it->second->shape)) +
-                        ", the model needs " + c10::str(p.tensor.sizes()));
-    p.tensor.copy_(ToTorch(*it->second).view(p.tensor.sizes()));
-  }
-}
-
-// Whether the trainable weights come from a stage 0-2 folder's module state
-// (16-bit in fp16/bf16 runs, as DeepSpeed's module load) rather than the
-// fp32 masters of its rank files: where the weights are whole (stages 0-2)
-// for weights-only and no-optimizer loads, and for stage-0 checkpoints (into
-// any stage; stage 0 resumes a ZeRO 1/2 folder from its rank files). A
-// ZeRO-3 folder's module holds no trainable weights; stage 3 reads its
-// partitions' masters.
-bool WeightsFromModule(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
-                       const LoadCheckpointOptions& o) {
-  if (!model.stage12) return false;
-  const bool rank_files = !folder.rank_files.empty();
-  // A stage-0 folder (torch's optimizer state in the model states, no rank files) into any stage.
-  if (model.view.stage0_param_groups && !rank_files) return true;
-  if (e.runtime->partitions_parameters()) return false;
-  if (o.load_module_only || !o.load_optimizer_states) return true;
-  return e.stage() == 0 && (model.view.stage0_param_groups || !rank_files);
-}
-
-// The planner's source, chosen by what the folder is.
-LoadSource OpenSource(const Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
-                      const std::vector<PartitionSlot>& slots, const LoadCheckpointOptions& o, bool moments) {
-  if (o.universal) return OpenUniversalFolder(folder, slots, moments);
-  if (WeightsFromModule(e, folder, model, o)) return ModelStatesSource(model.view, model.path, slots, moments);
-  return OpenRankFiles(folder);
-}
-
-// Every partition this rank owns from the source (resharded_load.h), hashed
-// for the resume proof where the folder has no record, then
-// the weights from them; with the optimizer state, the loss scaler and the
-// saved hyper-parameters. Weights-only loads leave Adam's state, the loss
-// scale and the hyper-parameters as they were.
-void LoadPartitions(Engine::Impl& e, const ckpt::TagFolder& folder, const ModelStatesFile& model,
-                    const LoadCheckpointOptions& o, FingerprintCheck& proof) {
-  std::vector<PartitionSlot> slots = e.runtime->Slots();
-  const bool moments = o.load_optimizer_states && !o.load_module_only;
-  const LoadSource source = OpenSource(e, folder, model, slots, o, moments);
-  std::vector<TensorReads> reads =
-      PlanSlotLoads(source, slots, moments, static_cast<double>(e.global_steps - e.skipped_steps), e.client_optimizer);
-  StagedOptions read_options;
-  read_options.reads.read = source.release;
-  const uint64_t bytes = FillFromReads(reads, read_options);
-  HashLoadedState(e, proof, source, reads);
-  e.runtime->WeightsFromMasters();
-  if (o.load_module_only) {
-    // Whole weights (stages 0-2) give the masters their 16-bit values, as
-    // DeepSpeed refreshes its fp32 copies from the loaded module; stage 3's
-    // masters stay the checkpoint's fp32.
-    if (!e.runtime->partitions_parameters()) e.runtime->MastersFromWeights();
-    return;
-  }
-  static_cast<ckpt::LossScalerState&>(e.runtime->loss_scaler()) =
-      ckpt::ReadLossScaler(source.loss_scaler, e.runtime->loss_scaler());
-  // A stage-0 fp16 file's scale, in its wrapper's entries (FP16_Optimizer.load_state_dict's), into an fp16 run.
-  if (source.kind == SourceKind::kModelStates && model.view.fp16_optimizer && e.config.fp16.enabled) {
-    const ckpt::Fp16OptimizerView& w = *model.view.fp16_optimizer;
-    LossScaler& s = e.runtime->loss_scaler();
-    s.dynamic = w.dynamic;
-    s.cur_scale = w.cur_scale;
-    s.integral_scale = w.cur_scale_integral;
-    s.cur_iter = w.cur_iter;
-    if (w.dynamic) {
-      s.last_overflow_iter = w.last_overflow_iter;
-      s.scale_factor = w.scale_factor;
-      s.scale_window = w.scale_window;
-    }
-  }
-  ApplySavedHparams(e, source.optimizer_file, source.param_groups, o);
-  // For a client optimizer's own keys (SGD's momentum, ...): the caller restores them into its groups.
-  if (moments && source.param_groups) e.last_load.optimizer_param_groups = ToIValue(source.param_groups);
-  if (source.kind == SourceKind::kRankFiles) e.last_load.optimizer_bytes_read = bytes;
-}
-
-// The client's keys: a dict of every top-level key that is not the file's own.
-ClientState ClientStateOf(const ckpt::ModelStatesView& m) {
-  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& [k, v] : m.client) d.insert(k, ToIValue(v));
-  return c10::IValue(d);
-}
-
-// The default pickle policy for the scope of one load (LoadCheckpointOptions::trust_pickled_client_state).
-class ScopedPicklePolicy {
- public:
-  explicit ScopedPicklePolicy(PicklePolicy p) : saved_(DefaultPicklePolicy()) { SetDefaultPicklePolicy(p); }
-  ~ScopedPicklePolicy() { SetDefaultPicklePolicy(saved_); }
-  ScopedPicklePolicy(const ScopedPicklePolicy&) = delete;
-  ScopedPicklePolicy& operator=(const ScopedPicklePolicy&) = delete;
-
- private:
-  PicklePolicy saved_;
-};
-
-LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                     const LoadCheckpointOptions& o);
-
-}  // namespace
-
-// DeepSpeed pickles any object a script puts in client_state (torch.save); uckpt's reader names only its
-// allow-list unless the caller trusts the checkpoint: then every file of the load is read naming any class (still
-// never running one), and the client keys' objects come back as PickledObject capsules.
-LoadResult LoadEngineCheckpoint(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                const LoadCheckpointOptions& o) {
-  std::optional<ScopedPicklePolicy> lenient;
-  if (o.trust_pickled_client_state) lenient.emplace(PicklePolicy::kLenient);
-  try {
-    return LoadEngineCheckpointFiles(e, dir, tag, o);
-  } catch (const FormatError& err) {
-    if (o.trust_pickled_client_state || std::string(err.what()).find("strict mode refuses") == std::string::npos)
-      throw;
-    throw FormatError(std::string(err.what()) +
-                      ". If that is an object the training script saved in client_state and you trust this "
-                      "checkpoint, load it with LoadCheckpointOptions::trust_pickled_client_state (from Python: "
-                      "UCKPT_TRUST_PICKLED_CLIENT_STATE=1, which has Python's pickle rebuild it, as DeepSpeed's "
-                      "torch.load(weights_only=False) does)");
-  }
-}
-
-namespace {
-
-// Open, check, plan, read, verify: the folder is listed once and its
-// manifest read once (ckpt/tag_folder.h); every step works from that.
-LoadResult LoadEngineCheckpointFiles(Engine::Impl& e, const std::string& dir, const std::string& tag,
-                                     const LoadCheckpointOptions& o) {
-  const std::string path = TagFolderPath(dir, tag, o.universal);
-  if (path.empty()) return LoadResult{"", c10::IValue()};
-  ckpt::TagFolder folder = ckpt::OpenTagFolder(path);
-  CheckManifestOnEveryRank(*e.comm, folder, o.verify_hashes);
-  FingerprintCheck proof = StartStateFingerprintCheck(e, folder, o);  // the resume proof
-  const ModelStatesFile model = ReadModelStatesFile(folder, e.comm->rank(), o.universal);
-  if (model.stage12 && !e.runtime->partitions_parameters()) CheckParamShapes(e, model.path, model.file.root);
-  c10::NoGradGuard no_grad;
-  LoadFixedParams(e, folder, model, o.load_module_strict);
-  if (!o.load_module_only) RestoreCounters(e, model.view, o);
-  LoadPartitions(e, folder, model, o, proof);
-  FinishStateFingerprintCheck(e, proof, o);
-  if (model.view.lr_scheduler) e.last_load.lr_scheduler_state = ToIValue(model.view.lr_scheduler);
-  return LoadResult{path, ClientStateOf(model.view)};
-}
-
-}  // namespace
 
 }  // namespace uckpt::engine

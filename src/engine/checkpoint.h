@@ -1,7 +1,7 @@
 // The engine's side of DeepSpeed's checkpoint layout: src/ckpt
 // (deepspeed_state.h) owns the files' names, keys and classes; checkpoint.cc
 // hands it the engine's state and reads it back through one load path
-// (engine_impl.h: LoadEngineCheckpoint; resharded_load.h fills the partitions).
+// (LoadEngineCheckpoint below; resharded_load.h fills the partitions).
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -13,9 +13,47 @@
 
 #include "ckpt/deepspeed_state.h"
 #include "engine/async_save.h"
-#include "engine/engine_impl.h"
+#include "engine/config.h"
+#include "engine/fingerprint.h"
+#include "engine/lr_schedule.h"
+#include "engine/module_tensors.h"
+#include "engine/sharded_runtime.h"
+#include "uckpt/engine.h"
 
 namespace uckpt::engine {
+
+// What saving and loading read and write of the engine (the Engine makes one
+// per call): the communicator, the config, the module's tensors, the
+// runtime, the counters, the lr schedule, the writer of its saves and the
+// stats they report; not the training loop's state.
+struct CheckpointState {
+  Comm& comm;
+  const TrainConfig& config;
+  ModuleTensors& module;
+  ShardedRuntime& runtime;
+  StepCounters& counters;
+  LrSchedule& schedule;
+  const BatchSizes& batch;
+  bool client_optimizer;  // EngineOptions::optimizer_step steps: PartitionState::named holds the state
+  const std::function<c10::IValue(size_t)>& client_param_group;  // EngineOptions::optimizer_param_group
+  Stage0Fp16 stage0_fp16;  // DeepSpeed's fp16 wrapper at stage 0, if any
+  bool save_without_frozen;  // the save under way: SaveCheckpointOptions::exclude_frozen_parameters
+  std::shared_ptr<CheckpointWriter>& writer;  // this rank's files of the last save (async_save.h)
+  SaveStats& last_save;
+  LoadStats& last_load;
+
+  int stage() const { return config.zero.stage; }
+  FingerprintInputs fingerprint() const { return {runtime, comm, counters}; }
+};
+
+// DeepSpeed's files from and into the engine's state. Every load (any
+// stage, any source: ZeRO 1/2/3 files, a universal folder; uckpt's or
+// DeepSpeed's) goes through LoadEngineCheckpoint, the state fingerprint
+// check included.
+std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
+                                 const ClientState& client_state, bool async);
+LoadResult LoadEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
+                                const LoadCheckpointOptions& options);
 
 // Reads <dir>/<name> (`latest` or `latest_universal`): the tag, a folder
 // name inside `dir`. Throws FormatError naming the file if it is missing,
@@ -32,7 +70,7 @@ c10::IValue ToIValue(const ValuePtr& v);
 std::vector<std::pair<std::string, ValuePtr>> ClientEntries(const ClientState& client_state);
 
 // Group g's hyper-parameters as the files save them (the schedule's lr now).
-ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g);
+ckpt::AdamHparams SavedHparams(const CheckpointState& e, size_t g);
 
 // The model-states fields every stage fills alike: the module's state_dict
 // in PyTorch's order (`params`: the parameters' entries by name, as the
@@ -40,7 +78,7 @@ ckpt::AdamHparams SavedHparams(const Engine::Impl& e, size_t g);
 // buffer names, tied names, the partition slots' param_shapes, the schedule's
 // position, the counters, the config, uckpt's own entry and then the
 // client's keys.
-ckpt::ModelStates ModelStatesOf(const Engine::Impl& e, std::map<std::string, ValuePtr> params,
+ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, ValuePtr> params,
                                 std::vector<std::pair<std::string, ValuePtr>> client);
 
 // A tensor as a value for a file being saved: a copy into the save's snapshot
@@ -64,6 +102,7 @@ ValuePtr SavedStateValue(const at::Tensor& t);
 
 // checkpoint_zero3.cc: this rank's files of a ZeRO-3 checkpoint (its model
 // states with the client's keys, and its optimizer states).
-std::vector<SnapshotFile> Zero3RankFiles(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client);
+std::vector<SnapshotFile> Zero3RankFiles(const CheckpointState& e,
+                                         std::vector<std::pair<std::string, ValuePtr>> client);
 
 }  // namespace uckpt::engine

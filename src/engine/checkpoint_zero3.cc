@@ -11,27 +11,26 @@
 
 #include "ckpt/deepspeed_state.h"
 #include "engine/checkpoint.h"
-#include "engine/engine_impl.h"
 #include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {
 
-ValuePtr Zero3ModelStates(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
+ValuePtr Zero3ModelStates(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client) {
   // The parameters' entries are empty, as DeepSpeed's state_dict of released
   // ZeRO-3 parameters (DeepSpeed's load_state_dict needs that shape): each
   // rank's partition is in its optim file, its frozen slot below.
   std::map<std::string, ValuePtr> params;
   auto empty = [](const at::Tensor& t) { return TensorValue(at::empty({0}, t.options().device(at::kCPU))); };
-  for (const auto& g : e.groups)
+  for (const auto& g : e.module.groups)
     for (const auto& p : g) params[p.name] = empty(p.tensor);
-  for (const auto& p : e.frozen) params[p.name] = empty(p.tensor);
+  for (const auto& p : e.module.frozen) params[p.name] = empty(p.tensor);
   ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
   // Frozen parameters: this rank's slot in frozen_param_fragments, as
   // DeepSpeed's ZeRO-3 saves them (the load puts them together); none with
   // exclude_frozen_parameters.
-  const int dp = e.runtime->partition_dp(), rank = e.runtime->partition_rank();
-  for (const auto& p : e.frozen) {
+  const int dp = e.runtime.partition_dp(), rank = e.runtime.partition_rank();
+  for (const auto& p : e.module.frozen) {
     if (e.save_without_frozen) break;
     m.frozen_shapes.push_back({p.name, p.tensor.sizes().vec()});
     m.frozen.emplace_back(p.name, TensorValue(RankSlot(p.tensor, dp, rank).cpu()));
@@ -39,14 +38,14 @@ ValuePtr Zero3ModelStates(const Engine::Impl& e, std::vector<std::pair<std::stri
   return ckpt::ModelStatesValue(m);
 }
 
-ValuePtr Zero3OptimStates(const Engine::Impl& e) {
-  const ShardedRuntime& z = *e.runtime;
+ValuePtr Zero3OptimStates(const CheckpointState& e) {
+  const ShardedRuntime& z = e.runtime;
   ckpt::Stage3RankOptimStates r;
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.ds_config = ckpt::JsonToValue(e.config.raw);
   std::vector<std::vector<int64_t>> ids(z.num_groups());
-  for (const PartitionSlot& slot : e.runtime->Slots()) {  // one per sub-group
+  for (const PartitionSlot& slot : e.runtime.Slots()) {  // one per sub-group
     const PartitionState& st = *slot.state;
     ckpt::Stage3SubGroupState s;
     s.fp32 = TensorValue(st.master, /*requires_grad=*/true);
@@ -63,8 +62,9 @@ ValuePtr Zero3OptimStates(const Engine::Impl& e) {
 
 }  // namespace
 
-std::vector<SnapshotFile> Zero3RankFiles(const Engine::Impl& e, std::vector<std::pair<std::string, ValuePtr>> client) {
-  const int rank = e.comm->rank();
+std::vector<SnapshotFile> Zero3RankFiles(const CheckpointState& e,
+                                         std::vector<std::pair<std::string, ValuePtr>> client) {
+  const int rank = e.comm.rank();
   std::vector<SnapshotFile> files;
   files.push_back({ckpt::OptimStatesFileName(rank, /*bf16=*/false), Zero3OptimStates(e)});
   files.push_back({ckpt::Zero3ModelStatesFileName(rank), Zero3ModelStates(e, std::move(client))});

@@ -13,10 +13,13 @@
 
 #include "ckpt/state_keys.h"
 #include "engine/async_save.h"
+#include "engine/checkpoint.h"
 #include "engine/dist/agree.h"
+#include "engine/engine_access.h"
 #include "engine/engine_impl.h"
 #include "engine/fingerprint.h"
 #include "engine/host_threads.h"
+#include "engine/runtime_setup.h"
 
 namespace uckpt {
 
@@ -72,18 +75,6 @@ int LocalRankFromEnvironment() {
   if (v && *v) return std::atoi(v);
   auto env = DistEnv::FromEnvironment();  // an MPI or Slurm launcher's
   return env ? env->local_rank : 0;
-}
-
-// OneCycle's betas, written into every group with its lr (lr_schedule.h).
-void ApplyScheduledBetas(Engine::Impl& e) {
-  const auto& b = e.schedule.current_betas();
-  if (!b) return;
-  for (size_t g = 0; g < e.runtime->num_groups(); ++g) {
-    engine::OptimizerConfig o = e.runtime->optimizer_config(g);
-    o.beta1 = b->first;
-    o.beta2 = b->second;
-    e.runtime->set_optimizer_config(g, o);
-  }
 }
 
 engine::OptimizerConfig GroupOptimizer(const engine::OptimizerConfig& base, const ParamGroup& g) {
@@ -203,9 +194,15 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const Config& config, E
   Init(std::move(model), std::move(options));
 }
 
-Engine::Engine(std::shared_ptr<torch::nn::Module> model, const engine::TrainConfig& config, EngineOptions options)
-    : impl_(std::make_unique<Impl>(config)) {
+Engine::Engine(std::shared_ptr<torch::nn::Module> model, std::unique_ptr<Impl> state, EngineOptions options)
+    : impl_(std::move(state)) {
   Init(std::move(model), std::move(options));
+}
+
+std::unique_ptr<Engine> engine::EngineAccess::Make(std::shared_ptr<torch::nn::Module> model, const TrainConfig& config,
+                                                   EngineOptions options) {
+  return std::unique_ptr<Engine>(
+      new Engine(std::move(model), std::make_unique<Engine::Impl>(config), std::move(options)));
 }
 
 void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions options) {
@@ -214,7 +211,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   e.model = std::move(model);
   // Before any communicator is made: a ZeroInit scope's partitions not handed
   // over would otherwise meet a second communicator on the same port first.
-  engine::RefuseTensorsWithoutValues(e, options);
+  engine::RefuseTensorsWithoutValues(*e.model, options);
   const TrainConfig& c = e.config;
   const bool cuda = options.device == "cuda";
   if (!cuda && options.device != "cpu")
@@ -242,7 +239,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
     }
   }
   engine::CheckZeroStage(c.zero.stage, "uckpt::Engine");  // a TrainConfig made by hand
-  engine::PreparePartitionedParameters(e, options);
+  engine::PreparePartitionedParameters({*e.comm, e.config, e.device, e}, options);
   e.model->to(e.device);
   CastFloatingTensors(*e.model, engine::ModelDtype(c));
 
@@ -265,7 +262,7 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   e.client_optimizer = static_cast<bool>(options.optimizer_step);
   e.client_param_group = options.optimizer_param_group;
   e.stage0_fp16 = engine::Stage0Fp16Of(c, e.client_optimizer, options.forward_only);
-  e.runtime = engine::MakeShardedRuntime(e, std::move(specs), options);
+  e.runtime = engine::MakeShardedRuntime({*e.comm, e.config, e.device, e}, std::move(specs), options);
   e.model->train(true);
 }
 
@@ -289,7 +286,7 @@ void Engine::Backward(const at::Tensor& loss, const BackwardOptions& options) {
   // In fp16 the loss is scaled in fp32, as DeepSpeed's optimizers take loss.float().
   at::Tensor scaled = e.config.fp16.enabled ? loss.to(at::kFloat) : loss;
   if (ga > 1 && options.scale_wrt_gas) scaled = scaled / ga;
-  scaled = scaled * loss_scale();
+  scaled = scaled * e.runtime->loss_scale();
   e.runtime->BeginMicroStep(e.boundary());
   e.runtime->PrepareBackward();
   scaled.backward({}, options.retain_graph);
@@ -311,7 +308,7 @@ void Engine::Step(const StepOptions& options) {
     const engine::StepResult r = e.runtime->Step(lrs);
     if (!r.skipped) {
       e.schedule.Step(options.lr_schedule_iteration);
-      ApplyScheduledBetas(e);
+      e.ApplyScheduledBetas();
     }
     e.last = StepInfo{r.grad_norm, r.skipped, r.loss_scale};
     ++e.global_steps;
@@ -332,19 +329,17 @@ void Engine::WaitForUpdate() { impl_->runtime->WaitForUpdate(); }
 
 bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); }
 void Engine::SetGradientAccumulationBoundary(std::optional<bool> is_boundary) { impl_->boundary_override = is_boundary; }
-bool Engine::last_step_applied() const { return impl_->step_applied; }
 
-void Engine::SetTrainBatchSize(int64_t train_batch_size) {
-  engine::BatchSizes& b = impl_->batch;
-  const int64_t per_step = b.micro_batch * impl_->comm->world_size();
-  if (train_batch_size <= 0 || train_batch_size % per_step != 0)
-    throw std::invalid_argument("set_train_batch_size: " + std::to_string(train_batch_size) +
-                                " is not a multiple of train_micro_batch_size_per_gpu " +
-                                std::to_string(b.micro_batch) + " * world size " +
-                                std::to_string(impl_->comm->world_size()));
-  b.train_batch_size = train_batch_size;
-  b.gradient_accumulation_steps = train_batch_size / per_step;
+namespace {
+
+// What the checkpoint code takes of the engine's state (checkpoint.h).
+engine::CheckpointState CheckpointStateOf(Engine::Impl& e, bool save_without_frozen) {
+  return {*e.comm,       e.config,           e,         *e.runtime,  e,
+          e.schedule,    e.batch,            e.client_optimizer,     e.client_param_group,
+          e.stage0_fp16, save_without_frozen, e.writer, e.last_save, e.last_load};
 }
+
+}  // namespace
 
 std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& tag, const ClientState& client_state,
                                    const SaveCheckpointOptions& options) {
@@ -352,17 +347,14 @@ std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& ta
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "save_checkpoint",
                                                  impl_->config.checkpoint_tag_validation == "FAIL");
   impl_->schedule.client_state_to_save = options.lr_scheduler_state;
-  impl_->save_without_frozen = options.exclude_frozen_parameters;
-  return engine::SaveEngineCheckpoint(*impl_, at.dir, at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag,
+  const std::string tag_or_step = at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag;
+  return engine::SaveEngineCheckpoint(CheckpointStateOf(*impl_, options.exclude_frozen_parameters), at.dir, tag_or_step,
                                       client_state, options.async_save.value_or(impl_->config.async_save));
 }
 
 void Engine::WaitForCheckpoint() {
   if (impl_->writer) impl_->writer->Publish(*impl_->comm);
 }
-
-const SaveStats& Engine::last_save() const { return impl_->last_save; }
-const LoadStats& Engine::last_load() const { return impl_->last_load; }
 
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
   // A load of weights and optimizer state replaces what a failed overlapped update left partly stepped.
@@ -373,10 +365,10 @@ LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
-  LoadResult r = engine::LoadEngineCheckpoint(*impl_, at.dir, at.tag, options);
+  LoadResult r = engine::LoadEngineCheckpoint(CheckpointStateOf(*impl_, false), at.dir, at.tag, options);
   // The restored scheduler position's betas (OneCycle), unless the saved ones are kept.
   if (!r.path.empty() && options.load_optimizer_states && !options.keep_saved_hparams && !options.load_module_only)
-    ApplyScheduledBetas(*impl_);
+    impl_->ApplyScheduledBetas();
   return r;
 }
 
@@ -384,114 +376,8 @@ void Engine::Train(bool on) {
   WaitForUpdate();  // (evaluation code may read weights outside the units)
   impl_->model->train(on);
 }
-size_t Engine::num_param_groups() const { return impl_->schedule.num_groups(); }
-double Engine::learning_rate(size_t group) const { return impl_->schedule.current_lr(group); }
-void Engine::SetLearningRate(size_t group, double lr) {
-  if (!(lr >= 0)) throw std::invalid_argument("uckpt::Engine: param group " + std::to_string(group) + ": lr must be >= 0");
-  impl_->schedule.set_current_lr(group, lr);
-}
-GroupHparams Engine::group_hparams(size_t group) const {
-  const engine::OptimizerConfig& o = impl_->runtime->optimizer_config(group);
-  return {o.beta1, o.beta2, o.eps, o.weight_decay};
-}
-void Engine::SetGroupHparams(size_t group, const GroupHparams& h) {
-  const std::string where = "uckpt::Engine: param group " + std::to_string(group) + ": ";
-  if (!(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1))
-    throw std::invalid_argument(where + "betas must be in [0, 1)");
-  if (!(h.eps >= 0)) throw std::invalid_argument(where + "eps must be >= 0");
-  engine::OptimizerConfig o = impl_->runtime->optimizer_config(group);
-  o.beta1 = h.beta1;
-  o.beta2 = h.beta2;
-  o.eps = h.eps;
-  o.weight_decay = h.weight_decay;
-  impl_->runtime->set_optimizer_config(group, o);
-}
-namespace {
-
-// Param group g's optimizer state at stage 0, where a rank holds it whole.
-engine::PartitionState& Stage0State(Engine::Impl& e, size_t group, const char* call) {
-  const std::string where = std::string("uckpt::Engine::") + call + ": ";
-  if (e.stage() != 0)
-    throw std::logic_error(where + "the optimizer state is partitioned at ZeRO stage " + std::to_string(e.stage()) +
-                           " (stage 0 only; use SaveCheckpoint)");
-  if (group >= e.groups.size())
-    throw std::out_of_range(where + "no param group " + std::to_string(group) + " (there are " +
-                            std::to_string(e.groups.size()) + ")");
-  for (const engine::PartitionSlot& slot : e.runtime->Slots())
-    if (slot.group == group) return *slot.state;
-  throw std::logic_error(where + "param group " + std::to_string(group) + " has no optimizer state");
-}
-
-// A copy of `state` on the group's device: element states full length (padding zero), scalars as they are.
-std::vector<std::pair<std::string, at::Tensor>> Stage0Copy(const engine::PartitionState& st, int64_t numel,
-                                                           const std::vector<std::pair<std::string, at::Tensor>>& state,
-                                                           const std::string& where) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  std::set<std::string> keys;
-  for (const auto& [key, t] : state) {
-    if (!keys.insert(key).second) throw std::invalid_argument(where + "state '" + key + "' given twice");
-    if (!t.defined()) {
-      out.emplace_back(key, at::Tensor());
-    } else if (t.dim() == 0) {
-      out.emplace_back(key, t.detach().to(st.master.device()).clone());
-    } else if (t.dim() == 1 && t.numel() >= numel && t.numel() <= st.master.numel()) {
-      at::Tensor flat = at::zeros_like(st.master);
-      flat.narrow(0, 0, t.numel()).copy_(t.detach());
-      out.emplace_back(key, flat);
-    } else {
-      throw std::invalid_argument(where + "state '" + key + "' has shape " + c10::str(t.sizes()) +
-                                  ", not a scalar or the group's flat " + std::to_string(numel) + " elements");
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-std::vector<std::pair<std::string, at::Tensor>> Engine::stage0_optimizer_state(size_t group) const {
-  const engine::PartitionState& st = Stage0State(*impl_, group, "stage0_optimizer_state");
-  return impl_->client_optimizer ? st.named : engine::OptimizerStates(st);
-}
-
-void Engine::SetStage0OptimizerState(size_t group, const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  engine::PartitionState& st = Stage0State(*impl_, group, "SetStage0OptimizerState");
-  const std::string where = "uckpt::Engine::SetStage0OptimizerState: param group " + std::to_string(group) + ": ";
-  int64_t numel = 0;
-  for (const auto& p : impl_->groups[group]) numel += p.tensor.numel();
-  auto copied = Stage0Copy(st, numel, state, where);
-  if (impl_->client_optimizer) {
-    st.named = std::move(copied);
-    return;
-  }
-  // The engine's own Adam: torch Adam's keys, or no state at all.
-  std::map<std::string, at::Tensor> by_key(copied.begin(), copied.end());
-  const auto has = [&](const char* key, int64_t dim) { return by_key.count(key) && by_key[key].defined() && by_key[key].dim() == dim; };
-  using ckpt::kExpAvg, ckpt::kExpAvgSq, ckpt::kStep;
-  if (!by_key.empty() && (by_key.size() != 3 || !has(kStep, 0) || !has(kExpAvg, 1) || !has(kExpAvgSq, 1)))
-    throw std::invalid_argument(where + "the state is not torch Adam's (step, exp_avg, exp_avg_sq)");
-  st.step = by_key.empty() ? at::Tensor() : by_key[kStep].to(st.master.options()).reshape({});
-  st.exp_avg = by_key.empty() ? at::Tensor() : by_key[kExpAvg];
-  st.exp_avg_sq = by_key.empty() ? at::Tensor() : by_key[kExpAvgSq];
-}
-
-bool Engine::has_lr_schedule() const { return impl_->schedule.configured(); }
-int64_t Engine::lr_schedule_iteration() const { return impl_->schedule.last_batch_iteration(); }
-double Engine::ScheduledLr(int64_t iteration, size_t group) const { return impl_->schedule.LrAt(iteration, group); }
-void Engine::StepLrSchedule(std::optional<int64_t> iteration) {
-  if (!has_lr_schedule()) throw std::logic_error("uckpt::Engine::StepLrSchedule: the config has no 'scheduler'");
-  impl_->schedule.Step(iteration);
-  ApplyScheduledBetas(*impl_);
-}
-int64_t Engine::global_steps() const { return impl_->global_steps; }
-int64_t Engine::global_samples() const { return impl_->global_samples; }
-int64_t Engine::skipped_steps() const { return impl_->skipped_steps; }
-int64_t Engine::micro_steps() const { return impl_->micro_steps; }
-const StepInfo& Engine::last_step() const { return impl_->last; }
-double Engine::loss_scale() const { return impl_->runtime->loss_scale(); }
-
 at::Tensor Engine::EnterUnit(size_t unit, const at::Tensor& input) { return impl_->runtime->EnterUnit(unit, input); }
 at::Tensor Engine::ExitUnit(size_t unit, const at::Tensor& output) { return impl_->runtime->ExitUnit(unit, output); }
-size_t Engine::num_gather_units() const { return impl_->runtime->num_gather_units(); }
 UnitCalls Engine::unit_calls() {
   if (!impl_->runtime->uses_unit_calls()) return {};
   std::weak_ptr<int> alive = impl_->alive;
@@ -514,9 +400,6 @@ void Engine::GatherParameters() {
   impl_->runtime->GatherAll();
 }
 
-std::vector<std::pair<at::Tensor, at::Tensor>> Engine::ParameterPartitions() const {
-  return impl_->runtime->ParameterPartitions();
-}
 void Engine::ReleaseParameters() { impl_->runtime->ReleaseAll(); }
 
 namespace {
@@ -568,27 +451,7 @@ void Engine::ReleaseParameters(const std::vector<at::Tensor>& params, int modifi
   }
 }
 
-int Engine::rank() const { return impl_->comm->rank(); }
-int Engine::world_size() const { return impl_->comm->world_size(); }
-int Engine::local_rank() const { return impl_->local_rank; }
-at::Device Engine::device() const { return impl_->device; }
-Comm& Engine::comm() { return *impl_->comm; }
-int Engine::zero_stage() const { return impl_->stage(); }
-int64_t Engine::train_batch_size() const { return impl_->batch.train_batch_size; }
-int64_t Engine::train_micro_batch_size_per_gpu() const { return impl_->batch.micro_batch; }
-int64_t Engine::gradient_accumulation_steps() const { return impl_->batch.gradient_accumulation_steps; }
-bool Engine::fp16_enabled() const { return impl_->config.fp16.enabled; }
-bool Engine::bf16_enabled() const { return impl_->config.bf16; }
 std::shared_ptr<torch::nn::Module> Engine::module() const { return impl_->model; }
-const std::vector<std::string>& Engine::warnings() const { return impl_->config.warnings; }
-
-std::vector<std::vector<std::pair<std::string, at::Tensor>>> Engine::param_groups() const {
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> out;
-  for (const auto& g : impl_->groups) {
-    out.emplace_back();
-    for (const auto& p : g) out.back().emplace_back(p.name, p.tensor);
-  }
-  return out;
-}
+Comm& Engine::comm() { return *impl_->comm; }
 
 }  // namespace uckpt

@@ -236,12 +236,12 @@ int FailedRank(Comm& comm, const std::string& error) {
 }
 
 // The fingerprint's parameters and counters, and the pieces this rank hashes.
-ckpt::StateFingerprint Layout(Engine::Impl& e, std::vector<Piece>& pieces) {
+ckpt::StateFingerprint Layout(const FingerprintInputs& in, std::vector<Piece>& pieces) {
   ckpt::StateFingerprint f;
   // The runtime's partition slots, in parameter order at every stage. Where
   // every rank holds the whole state (stage 0), rank 0 alone hashes it.
-  const bool hashes = e.runtime->partition_dp() > 1 || e.comm->rank() == 0;
-  const std::vector<PartitionSlot> slots = e.runtime->Slots();
+  const bool hashes = in.runtime.partition_dp() > 1 || in.comm.rank() == 0;
+  const std::vector<PartitionSlot> slots = in.runtime.Slots();
   for (const PartitionSlot& slot : slots) {
     const size_t base = f.params.size();
     for (const ckpt::TargetParam& p : slot.target.params) f.params.push_back(Entry(p.name, p.numel, *slot.state));
@@ -250,21 +250,23 @@ ckpt::StateFingerprint Layout(Engine::Impl& e, std::vector<Piece>& pieces) {
       pieces.push_back({base + fr.param, slot.state, fr.offset, fr.param_offset, fr.numel});
   }
   if (!slots.empty()) f.counters.optimizer_step = StepOf(*slots.front().state);
-  f.counters.loss_scale = e.runtime->loss_scale();
-  f.counters.global_steps = e.global_steps;
-  f.counters.skipped_steps = e.skipped_steps;
-  f.counters.global_samples = e.global_samples;
+  f.counters.loss_scale = in.runtime.loss_scale();
+  f.counters.global_steps = in.counters.global_steps;
+  f.counters.skipped_steps = in.counters.skipped_steps;
+  f.counters.global_samples = in.counters.global_samples;
   return f;
 }
 
 }  // namespace
 
-ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e) { return PendingStateFingerprint(e).Finish(*e.comm); }
+ckpt::StateFingerprint EngineStateFingerprint(const FingerprintInputs& in) {
+  return PendingStateFingerprint(in).Finish(in.comm);
+}
 
-PendingStateFingerprint::PendingStateFingerprint(Engine::Impl& e) {
+PendingStateFingerprint::PendingStateFingerprint(const FingerprintInputs& in) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<Piece> pieces;
-  f_ = Layout(e, pieces);
+  f_ = Layout(in, pieces);
   std::shared_ptr<Accumulator> acc = Jobs(f_, pieces);
   sums_ = acc->TakeDevice();
   auto hash = [this, acc, start] {
@@ -346,8 +348,7 @@ double Since(std::chrono::steady_clock::time_point t) {
 
 }  // namespace
 
-FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const ckpt::TagFolder& folder,
-                                            const LoadCheckpointOptions& o) {
+FingerprintCheck StartStateFingerprintCheck(const ckpt::TagFolder& folder, const LoadCheckpointOptions& o) {
   const auto start = std::chrono::steady_clock::now();
   FingerprintCheck check;
   check.folder = folder.path;
@@ -358,7 +359,7 @@ FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const ckpt::TagFold
   return check;
 }
 
-void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const LoadSource& source,
+void HashLoadedState(const FingerprintInputs& in, FingerprintCheck& check, const LoadSource& source,
                      const std::vector<TensorReads>& loads) {
   if (check.folder.empty() || check.recorded) return;
   const auto start = std::chrono::steady_clock::now();
@@ -366,7 +367,7 @@ void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const LoadSource&
   try {
     check.files = FilesLayout(source, *check.opened, check.universal);
     // Where every rank read the whole state (stage 0), rank 0's read counts.
-    if (check.files && (e.runtime->partition_dp() > 1 || e.comm->rank() == 0)) {
+    if (check.files && (in.runtime.partition_dp() > 1 || in.comm.rank() == 0)) {
       const ckpt::SourceFingerprintIndex index(source.states);
       Accumulator acc(index.states().size());
       for (const TensorReads& t : loads) {
@@ -388,16 +389,17 @@ void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const LoadSource&
   check.hash_s = Since(start);
 }
 
-void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const LoadCheckpointOptions& o) {
+void FinishStateFingerprintCheck(const FingerprintInputs& in, bool fp32_training, FingerprintCheck& check,
+                                 const LoadCheckpointOptions& o, LoadStats& stats) {
   if (check.folder.empty()) return;  // nothing loaded
   const auto start = std::chrono::steady_clock::now();
   std::optional<ckpt::StateFingerprint> expected = check.recorded;
   if (check.hashed) {
-    expected = FromShares(*e.comm, check);
-    e.last_load.fingerprint_files_s = check.hash_s + Since(start);
+    expected = FromShares(in.comm, check);
+    stats.fingerprint_files_s = check.hash_s + Since(start);
   }
   if (!expected) {
-    e.last_load.fingerprint = "unchecked: a stage-0 checkpoint without a recorded fingerprint";
+    stats.fingerprint = "unchecked: a stage-0 checkpoint without a recorded fingerprint";
     return;
   }
   // What the load set: weights-only and no-optimizer loads leave Adam's state
@@ -407,16 +409,16 @@ void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const
   const bool partial = o.load_module_only || !o.load_optimizer_states;
   scope.optimizer = !partial;
   scope.counters = !o.load_module_only;
-  scope.masters = !partial || e.runtime->partitions_parameters() || (!e.config.fp16.enabled && !e.config.bf16);
-  const ckpt::StateFingerprint held = EngineStateFingerprint(e);
-  e.last_load.fingerprint_s = check.start_s + check.hash_s + Since(start);
+  scope.masters = !partial || in.runtime.partitions_parameters() || fp32_training;
+  const ckpt::StateFingerprint held = EngineStateFingerprint(in);
+  stats.fingerprint_s = check.start_s + check.hash_s + Since(start);
   const bool recorded = check.recorded.has_value();
   if (auto diff = ckpt::FirstFingerprintDifference(*expected, held, scope))
     throw FormatError(check.folder + ": the state after the load is not the saved one (the state fingerprint " +
                       std::string(recorded ? "recorded in " + std::string(ckpt::kManifestName)
                                            : "computed from the checkpoint's files") +
                       "): " + *diff + "; refusing to train on it");
-  e.last_load.fingerprint = recorded ? "recorded" : "computed from the files";
+  stats.fingerprint = recorded ? "recorded" : "computed from the files";
 }
 
 }  // namespace uckpt::engine

@@ -13,7 +13,10 @@
 #include <vector>
 
 #include "ckpt/fingerprint.h"
-#include "engine/engine_impl.h"
+#include "engine/module_tensors.h"
+#include "engine/sharded_runtime.h"
+#include "uckpt/comm.h"
+#include "uckpt/engine.h"
 #include "engine/resharded_load.h"
 #include "engine/staged_upload.h"
 
@@ -33,7 +36,15 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums);
 
 // Collective: the fingerprint of the trainable parameters' fp32 masters and
 // Adam state and of the counters this engine holds now.
-ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e);
+// What the fingerprint reads of the engine: the runtime's partition slots
+// and loss scale, the communicator and the counters.
+struct FingerprintInputs {
+  ShardedRuntime& runtime;
+  Comm& comm;
+  const StepCounters& counters;
+};
+
+ckpt::StateFingerprint EngineStateFingerprint(const FingerprintInputs& in);
 
 // The same in two halves, so that a save hashes while it writes. The
 // constructor (no collective) hashes this rank's device state at once and
@@ -41,7 +52,7 @@ ckpt::StateFingerprint EngineStateFingerprint(Engine::Impl& e);
 // it and adds up the ranks' sums. The state must not change in between.
 class PendingStateFingerprint {
  public:
-  explicit PendingStateFingerprint(Engine::Impl& e);
+  explicit PendingStateFingerprint(const FingerprintInputs& in);
   ~PendingStateFingerprint();  // waits for the thread
   PendingStateFingerprint(const PendingStateFingerprint&) = delete;
   PendingStateFingerprint& operator=(const PendingStateFingerprint&) = delete;
@@ -77,7 +88,7 @@ struct FingerprintCheck {
 // Before a load of `folder` (as opened, ckpt/tag_folder.h; it must outlive
 // the check) reads any state: the fingerprint its manifest recorded, if any.
 // No collective, no I/O.
-FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const ckpt::TagFolder& folder, const LoadCheckpointOptions& o);
+FingerprintCheck StartStateFingerprintCheck(const ckpt::TagFolder& folder, const LoadCheckpointOptions& o);
 
 // Right after the load filled this rank's partitions (`loads`, from
 // `source`), for a checkpoint without a record: what the source's files
@@ -86,14 +97,15 @@ FingerprintCheck StartStateFingerprintCheck(Engine::Impl& e, const ckpt::TagFold
 // (ckpt::SourceFingerprintIndex), not by the partitions the load planned: a
 // piece put in the wrong place, twice, or not at all shows as a difference,
 // and nothing is read from the files a second time. No collective.
-void HashLoadedState(Engine::Impl& e, FingerprintCheck& check, const LoadSource& source,
+void HashLoadedState(const FingerprintInputs& in, FingerprintCheck& check, const LoadSource& source,
                      const std::vector<TensorReads>& loads);
 
 // Collective, after the load: the expected fingerprint (the record, or the
 // files' layout with the loaded shares reduced over the ranks) compared with what the engine now
 // holds, within what `o` loaded. Throws FormatError on every rank, naming the
 // first parameter and state (or counter) that differs. Records what it did
-// in e.last_load.
-void FinishStateFingerprintCheck(Engine::Impl& e, FingerprintCheck& check, const LoadCheckpointOptions& o);
+// in `stats`. fp32_training: stage 1/2 masters are compared after a partial load too.
+void FinishStateFingerprintCheck(const FingerprintInputs& in, bool fp32_training, FingerprintCheck& check,
+                                 const LoadCheckpointOptions& o, LoadStats& stats);
 
 }  // namespace uckpt::engine

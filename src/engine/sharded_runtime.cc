@@ -9,7 +9,7 @@
 
 #include "ckpt/deepspeed_state.h"
 
-#include "engine/engine_impl.h"
+#include "engine/runtime_setup.h"
 #include "engine/flat_runtime.h"
 #include "engine/zero3_runtime.h"
 
@@ -88,9 +88,10 @@ void BroadcastFromRank0(Comm& comm, const at::Tensor& t) {
 
 // Stages 0-2: the parameters become views into their group's flat buffer
 // (their values copied in), then the masters come from them.
-std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupSpec> specs,
+std::unique_ptr<FlatRuntime> MakeFlatRuntime(const RuntimeInputs& in, std::vector<GroupSpec> specs,
                                              const EngineOptions& options) {
-  auto z = std::make_unique<FlatRuntime>(*e.comm, std::move(specs), SettingsOf(e.config, options), e.device);
+  ModuleTensors& e = in.module;
+  auto z = std::make_unique<FlatRuntime>(in.comm, std::move(specs), SettingsOf(in.config, options), in.device);
   std::vector<std::vector<at::Tensor>> bound(e.groups.size());
   {
     c10::NoGradGuard no_grad;
@@ -105,7 +106,7 @@ std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupS
         bound[g].push_back(p.tensor);
         off += n;
       }
-      if (e.comm->world_size() > 1) BroadcastFromRank0(*e.comm, flat);
+      if (in.comm.world_size() > 1) BroadcastFromRank0(in.comm, flat);
     }
   }
   z->MastersFromWeights();
@@ -118,23 +119,25 @@ std::unique_ptr<FlatRuntime> MakeFlatRuntime(Engine::Impl& e, std::vector<GroupS
 
 }  // namespace
 
-std::unique_ptr<ShardedRuntime> MakeShardedRuntime(Engine::Impl& e, std::vector<GroupSpec> specs,
+std::unique_ptr<ShardedRuntime> MakeShardedRuntime(const RuntimeInputs& in, std::vector<GroupSpec> specs,
                                                    const EngineOptions& options) {
-  if (e.comm->world_size() > 1) {
+  const ModuleTensors& e = in.module;
+  const int stage = in.config.zero.stage;
+  if (in.comm.world_size() > 1) {
     c10::NoGradGuard no_grad;
     for (const auto* list : {&e.frozen, &e.buffers})
-      for (const auto& p : *list) BroadcastFromRank0(*e.comm, p.tensor);
+      for (const auto& p : *list) BroadcastFromRank0(in.comm, p.tensor);
     // Stages 0-2 broadcast their flat buffers once the parameters are views
     // into them; parameters that arrived partitioned have no whole value to send.
     std::set<const void*> partitioned;
     for (const auto& p : options.partitioned) partitioned.insert(p.param.unsafeGetTensorImpl());
-    if (e.stage() == 3)
+    if (stage == 3)
       for (const auto& g : e.groups)
         for (const auto& p : g)
-          if (!partitioned.count(p.tensor.unsafeGetTensorImpl())) BroadcastFromRank0(*e.comm, p.tensor);
+          if (!partitioned.count(p.tensor.unsafeGetTensorImpl())) BroadcastFromRank0(in.comm, p.tensor);
   }
-  if (e.stage() == 3) return MakeZero3Runtime(e, specs, SettingsOf(e.config, options), options);
-  return MakeFlatRuntime(e, std::move(specs), options);
+  if (stage == 3) return MakeZero3Runtime(in, specs, SettingsOf(in.config, options), options);
+  return MakeFlatRuntime(in, std::move(specs), options);
 }
 
 }  // namespace uckpt::engine

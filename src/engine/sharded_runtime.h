@@ -116,21 +116,6 @@ struct StepResult {
   double loss_scale = 1;  // the scale the step's gradients carried
 };
 
-// What stage 3's gathers and reduce-scatters did (ShardedRuntime::stats()).
-// Gathered elements count unit parameters only (the root unit and persistent
-// parameters stay gathered) and start at the first EnterUnit. All zero where
-// parameters stay whole (stages 0-2).
-struct Zero3Stats {
-  int64_t gathered_elements = 0;       // unit elements gathered or being gathered now
-  int64_t peak_gathered_elements = 0;  // the most at once
-  int64_t unit_gathers = 0;            // all-gathers of units (prefetched ones included)
-  int64_t prefetched_gathers = 0;      // of them, started before their unit was entered
-  int64_t unused_prefetches = 0;       // prefetched units dropped before being entered
-  int64_t reduce_buckets = 0;          // reduce-scatters of gradient buckets
-  int64_t overlapped_buckets = 0;      // of them, started during backward and left running (overlap_comm)
-  double reduce_tail_s = 0;            // timing on: FinishBackward (final bucket, waits), device synchronised
-};
-
 class ShardedRuntime {
  public:
   virtual ~ShardedRuntime() = default;
@@ -206,7 +191,7 @@ class ShardedRuntime {
   // where parameters are partitioned one by one (stage 3).
   virtual at::Tensor group_weights(size_t g) const { return {}; }
   // What gathering and reducing partitioned parameters did (zero at stages 0-2).
-  virtual Zero3Stats stats() const { return {}; }
+  virtual Stage3Stats stats() const { return {}; }  // uckpt/engine.h; all zero where parameters stay whole
   // Times the end of backward, synchronising the device (UCKPT_TIMERS); a
   // no-op where that end has nothing of its own to time.
   virtual void set_timing(bool on) {}

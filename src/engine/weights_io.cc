@@ -20,7 +20,7 @@
 #include "ckpt/torch_out.h"
 #include "ckpt/weights_plan.h"
 #include "engine/async_save.h"
-#include "engine/engine_impl.h"
+#include "engine/weights_io.h"
 #include "engine/staged_upload.h"
 #include "engine/torch_bridge.h"
 #include "format/error.h"
@@ -37,7 +37,7 @@ constexpr int64_t kWriteBehindBytes = int64_t{256} << 20;
 
 // Every tensor of the module's state_dict by name: trainable parameters
 // (partitioned at stage 3), frozen ones and persistent buffers.
-std::map<std::string, at::Tensor> TensorsByName(const Engine::Impl& e) {
+std::map<std::string, at::Tensor> TensorsByName(const engine::ModuleTensors& e) {
   std::map<std::string, at::Tensor> out;
   for (const auto& g : e.groups)
     for (const auto& p : g) out[p.name] = p.tensor;
@@ -46,13 +46,13 @@ std::map<std::string, at::Tensor> TensorsByName(const Engine::Impl& e) {
   return out;
 }
 
-std::string OwnerOf(const Engine::Impl& e, const std::string& name) {
+std::string OwnerOf(const engine::ModuleTensors& e, const std::string& name) {
   for (const auto& [alias, owner] : e.aliases)
     if (alias == name) return owner;
   return name;
 }
 
-std::vector<ckpt::ModelTensor> ModelTensors(const Engine::Impl& e) {
+std::vector<ckpt::ModelTensor> ModelTensors(const engine::ModuleTensors& e) {
   const auto tensors = TensorsByName(e);
   std::vector<ckpt::ModelTensor> out;
   for (const std::string& name : e.state_names) {
@@ -78,9 +78,10 @@ at::Tensor WholeTensor(const SafetensorsSource& source, const std::string& name)
 
 // The masters of every slot from the file (each rank its own partitions), then
 // the frozen parameters and buffers whole. Returns the bytes read.
-uint64_t FillFromSource(Engine::Impl& e, const SafetensorsSource& source, const ckpt::WeightsMatch& match) {
+uint64_t FillFromSource(const engine::ModuleTensors& e, engine::ShardedRuntime& runtime,
+                        const SafetensorsSource& source, const ckpt::WeightsMatch& match) {
   std::vector<engine::TensorReads> loads;
-  for (engine::PartitionSlot& slot : e.runtime->Slots())
+  for (engine::PartitionSlot& slot : runtime.Slots())
     for (const ckpt::WeightRead& r : ckpt::PlanWeightReads(source, match, slot.target))
       loads.push_back({slot.state->master.narrow(0, r.offset, r.numel), engine::ToScalarType(r.dtype), {{r.from, 0}}});
   uint64_t bytes = engine::FillFromReads(loads);
@@ -105,7 +106,7 @@ struct SavedEntry {
   int same_as = -1;  // index of the entry holding the tensor
 };
 
-std::vector<SavedEntry> SavedEntries(const Engine::Impl& e, bool exclude_frozen) {
+std::vector<SavedEntry> SavedEntries(const engine::ModuleTensors& e, bool exclude_frozen) {
   const auto tensors = TensorsByName(e);
   std::set<std::string> frozen;
   for (const auto& p : e.frozen) frozen.insert(p.name);
@@ -200,17 +201,17 @@ class TorchWeightsWriter : public WeightsWriter {
 // Calls `use` with each entry's whole tensor (on rank 0 a CPU copy; on others
 // undefined), in order, tied names skipped: at stage 3 each parameter is
 // gathered for the call and freed after it. Every rank makes the same calls.
-void ForEachWhole(Engine::Impl& e, const std::vector<SavedEntry>& entries,
+void ForEachWhole(engine::ShardedRuntime& runtime, Comm& comm, const std::vector<SavedEntry>& entries,
                   const std::function<void(size_t, const at::Tensor&)>& use) {
-  const bool rank0 = e.comm->rank() == 0;
+  const bool rank0 = comm.rank() == 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (entries[i].same_as >= 0) continue;
     const at::Tensor& t = entries[i].tensor;
-    e.runtime->GatherParameters({t});  // stage 3 (ignored for tensors it does not partition)
+    runtime.GatherParameters({t});  // stage 3 (ignored for tensors it does not partition)
     at::Tensor whole;  // a copy of its own, also where the tensor is on the CPU already
     if (rank0) whole = t.detach().to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true,
                                       at::MemoryFormat::Contiguous);
-    e.runtime->ReleaseParameters({t}, -1);
+    runtime.ReleaseParameters({t}, -1);
     use(i, whole);
   }
 }
@@ -277,52 +278,45 @@ class WriteBehind {
 
 }  // namespace
 
-LoadWeightsResult Engine::LoadWeights(const std::string& path, const LoadWeightsOptions& options) {
-  WaitForUpdate();
-  Impl& e = *impl_;
-  if (e.backward_pending)
-    throw std::logic_error("LoadWeights: called between Backward and Step; load weights between optimizer steps");
+namespace engine {
+
+LoadWeightsResult LoadWeights(const ModuleTensors& module, ShardedRuntime& runtime, Comm& comm,
+                              const std::string& path, const LoadWeightsOptions& options) {
   std::optional<SafetensorsSource> source;
   ckpt::WeightsMatch match;
   std::string error;
   bool filling = false;
   try {
     source = SafetensorsSource::Open(path);
-    match = ckpt::MatchWeights(*source, ModelTensors(e), NameMapOf(options));
+    match = ckpt::MatchWeights(*source, ModelTensors(module), NameMapOf(options));
     if (options.strict && !(match.missing.empty() && match.unexpected.empty()))
       throw FormatError(source->path() + ": Error(s) in loading state_dict: " + ckpt::MismatchText(match));
     filling = true;
-    FillFromSource(e, *source, match);
+    FillFromSource(module, runtime, *source, match);
   } catch (const std::exception& ex) {
     error = ex.what();
   }
   // One rank's bad file is every rank's error, before the weights' all-gather;
   // masters filled meanwhile go back to the weights' values (a local copy).
-  if (std::string agreed = engine::AgreedError(*e.comm, error); !agreed.empty()) {
-    if (filling) e.runtime->MastersFromWeights();
+  if (std::string agreed = AgreedError(comm, error); !agreed.empty()) {
+    if (filling) runtime.MastersFromWeights();
     throw FormatError(agreed);
   }
-  e.runtime->WeightsFromMasters();
+  runtime.WeightsFromMasters();
   return {match.missing, match.unexpected};
 }
 
-bool Engine::zero_gather_16bit_weights_on_model_save() const {
-  return impl_->config.zero.gather_16bit_weights_on_model_save;
-}
-
-bool Engine::Save16bitModel(const std::string& save_dir, const std::string& save_filename,
-                            bool exclude_frozen_parameters) {
-  WaitForUpdate();
-  Impl& e = *impl_;
+bool Save16bitModel(const ModuleTensors& module, ShardedRuntime& runtime, Comm& comm, int stage, bool gather_on_save,
+                    const std::string& save_dir, const std::string& save_filename, bool exclude_frozen_parameters) {
   const std::string path = (fs::path(save_dir) / save_filename).string();
-  const bool rank0 = e.comm->rank() == 0;
-  if (e.stage() == 3 && !zero_gather_16bit_weights_on_model_save()) {
+  const bool rank0 = comm.rank() == 0;
+  if (stage == 3 && !gather_on_save) {
     if (rank0)
       std::cerr << "uckpt: Did not save the model " << path
                 << " because `stage3_gather_16bit_weights_on_model_save` is False\n";
     return false;
   }
-  const std::vector<SavedEntry> entries = SavedEntries(e, exclude_frozen_parameters);
+  const std::vector<SavedEntry> entries = SavedEntries(module, exclude_frozen_parameters);
   std::unique_ptr<WeightsWriter> writer;
   std::string error;
   if (rank0) try {
@@ -331,7 +325,7 @@ bool Engine::Save16bitModel(const std::string& save_dir, const std::string& save
         writer = std::make_unique<SafetensorsWeightsWriter>(path, entries);
       else
         writer = std::make_unique<TorchWeightsWriter>(path, entries,
-                                                      e.stage() == 3 ? std::vector<std::string>{} : e.module_prefixes);
+                                                      stage == 3 ? std::vector<std::string>{} : module.module_prefixes);
     } catch (const std::exception& ex) {
       error = ex.what();
     }
@@ -342,7 +336,7 @@ bool Engine::Save16bitModel(const std::string& save_dir, const std::string& save
     } catch (const std::exception& ex) {  // no thread: no writes, but rank 0 still gathers with the others
       error = ex.what();
     }
-  ForEachWhole(e, entries, [&](size_t i, const at::Tensor& whole) {
+  ForEachWhole(runtime, comm, entries, [&](size_t i, const at::Tensor& whole) {
     if (behind) behind->Push(i, whole);
   });
   if (behind && error.empty()) error = behind->Finish();
@@ -352,19 +346,19 @@ bool Engine::Save16bitModel(const std::string& save_dir, const std::string& save
       error = ex.what();
     }
   writer.reset();  // an uncommitted temporary file is removed
-  if (std::string agreed = engine::AgreedError(*e.comm, error); !agreed.empty())
+  if (std::string agreed = AgreedError(comm, error); !agreed.empty())
     throw IoError("save_16bit_model: " + path + " not saved: " + agreed);
   return true;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> Engine::Zero3Consolidated16bitStateDict(bool exclude_frozen_parameters) {
-  Impl& e = *impl_;
-  if (e.stage() != 3) throw std::invalid_argument("this function requires ZeRO-3 mode");
-  const std::vector<SavedEntry> entries = SavedEntries(e, exclude_frozen_parameters);
+std::vector<std::pair<std::string, at::Tensor>> Consolidated16bitStateDict(const ModuleTensors& module,
+                                                                           ShardedRuntime& runtime, Comm& comm,
+                                                                           bool exclude_frozen_parameters) {
+  const std::vector<SavedEntry> entries = SavedEntries(module, exclude_frozen_parameters);
   std::vector<at::Tensor> whole(entries.size());
-  ForEachWhole(e, entries, [&](size_t i, const at::Tensor& t) { whole[i] = t; });
+  ForEachWhole(runtime, comm, entries, [&](size_t i, const at::Tensor& t) { whole[i] = t; });
   std::vector<std::pair<std::string, at::Tensor>> out;
-  if (e.comm->rank() != 0) return out;
+  if (comm.rank() != 0) return out;
   for (size_t i = 0; i < entries.size(); ++i) {
     const int same = entries[i].same_as;
     out.emplace_back(entries[i].name, same >= 0 ? whole[static_cast<size_t>(same)] : whole[i]);
@@ -372,4 +366,5 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::Zero3Consolidated16bitSt
   return out;
 }
 
+}  // namespace engine
 }  // namespace uckpt

@@ -100,8 +100,8 @@ void Zero3Runtime::FinishBackwardUntimed() {
   reducer_.FinishTail();
 }
 
-Zero3Stats Zero3Runtime::stats() const {
-  Zero3Stats s;
+Stage3Stats Zero3Runtime::stats() const {
+  Stage3Stats s;
   s.gathered_elements = storage_.gathered_elements();
   s.peak_gathered_elements = storage_.peak_gathered_elements();
   s.unit_gathers = units_.stats().unit_gathers;
@@ -109,7 +109,7 @@ Zero3Stats Zero3Runtime::stats() const {
   s.unused_prefetches = units_.stats().unused_prefetches;
   s.reduce_buckets = reducer_.reduce_buckets();
   s.overlapped_buckets = reducer_.overlapped_buckets();
-  s.reduce_tail_s = reduce_tail_s_;
+  s.reduce_wait_s = reduce_tail_s_;
   return s;
 }
 

@@ -158,7 +158,7 @@ class Zero3Runtime : public ShardedRuntime {
   // re-partitions them; -1: those staying whole are gathered again from the
   // partitions (writes discarded).
   void ReleaseSome(const std::vector<size_t>& ps, int modifier_rank);
-  Zero3Stats stats() const override;
+  Stage3Stats stats() const override;
   // The gather units: their states, for tests and diagnostics.
   const UnitSchedule& units() const { return units_; }
   // Times FinishBackward, synchronising the device (UCKPT_TIMERS).

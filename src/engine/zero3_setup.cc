@@ -5,16 +5,16 @@
 #include <stdexcept>
 
 #include "ckpt/partition.h"
-#include "engine/engine_impl.h"
+#include "engine/runtime_setup.h"
 #include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {
 namespace {
 
 // The prefix ("transformer.h.0") of every declared unit inside the module.
-std::vector<std::string> UnitPrefixes(const Engine::Impl& e, const EngineOptions& options) {
+std::vector<std::string> UnitPrefixes(const torch::nn::Module& model, const EngineOptions& options) {
   std::map<const torch::nn::Module*, std::string> prefix_of;
-  for (const auto& m : e.model->named_modules("", /*include_self=*/true)) prefix_of.emplace(m.value().get(), m.key());
+  for (const auto& m : model.named_modules("", /*include_self=*/true)) prefix_of.emplace(m.value().get(), m.key());
   std::vector<std::string> prefixes;
   for (size_t u = 0; u < options.gather_units.size(); ++u) {
     const auto& unit = options.gather_units[u];
@@ -40,10 +40,10 @@ int UnitOfName(const std::vector<std::string>& prefixes, const std::string& name
 
 }  // namespace
 
-std::vector<std::vector<int>> ParameterUnits(const Engine::Impl& e, const EngineOptions& options) {
+std::vector<std::vector<int>> ParameterUnits(const ModuleTensors& e, const EngineOptions& options) {
   // A parameter's unit: the unit holding all its names (tied aliases
   // included); names in several units or outside any make it the root's.
-  const std::vector<std::string> prefixes = UnitPrefixes(e, options);
+  const std::vector<std::string> prefixes = UnitPrefixes(*e.model, options);
   std::map<std::string, std::vector<std::string>> names_of;  // owner -> alias names
   for (const auto& [alias, owner] : e.aliases) names_of[owner].push_back(alias);
   std::vector<std::vector<int>> unit_of;
@@ -59,9 +59,10 @@ std::vector<std::vector<int>> ParameterUnits(const Engine::Impl& e, const Engine
   return unit_of;
 }
 
-std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vector<GroupSpec>& specs,
-                                                 const ZeroSettings& base, const EngineOptions& options) {
-  const TrainConfig& c = e.config;
+std::unique_ptr<Zero3Runtime> MakeZero3Runtime(const RuntimeInputs& in, const std::vector<GroupSpec>& specs,
+                                               const ZeroSettings& base, const EngineOptions& options) {
+  const TrainConfig& c = in.config;
+  const ModuleTensors& e = in.module;
   std::vector<std::vector<int>> unit_of = ParameterUnits(e, options);
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups;
   std::vector<OptimizerConfig> optimizers;
@@ -79,18 +80,18 @@ std::unique_ptr<Zero3Runtime> MakeZero3Runtime(Engine::Impl& e, const std::vecto
   zs.max_live_parameters = c.zero.max_live_parameters;
   std::map<const void*, at::Tensor> given;
   for (const auto& p : options.partitioned) given[p.param.unsafeGetTensorImpl()] = p.partition;
-  return std::make_unique<Zero3Runtime>(*e.comm, std::move(groups), std::move(optimizers), unit_of,
-                                          static_cast<int>(options.gather_units.size()), zs, e.device, given);
+  return std::make_unique<Zero3Runtime>(in.comm, std::move(groups), std::move(optimizers), unit_of,
+                                        static_cast<int>(options.gather_units.size()), zs, in.device, given);
 }
 
-void RefuseTensorsWithoutValues(const Engine::Impl& e, const EngineOptions& options) {
+void RefuseTensorsWithoutValues(const torch::nn::Module& model, const EngineOptions& options) {
   std::set<const void*> given;
   for (const auto& p : options.partitioned) given.insert(p.param.unsafeGetTensorImpl());
   const std::string build_instead =
       "build the model on the CPU, or, at ZeRO stage 3, unit by unit inside a uckpt::ZeroInit scope (Python: "
       "deepspeed.zero.Init), which partitions each unit as it is built (docs/engine.md, \"Building a model "
       "partitioned\")";
-  for (const auto& p : e.model->named_parameters(/*recurse=*/true)) {
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = p.value();
     if (t.is_meta())
       throw std::invalid_argument("uckpt::Engine: parameter " + p.key() +
@@ -102,17 +103,18 @@ void RefuseTensorsWithoutValues(const Engine::Impl& e, const EngineOptions& opti
                                   "engine) and is not in EngineOptions::partitioned: hand the scope's partitions to the "
                                   "engine with ZeroInit::AddTo(options)");
   }
-  for (const auto& b : e.model->named_buffers(/*recurse=*/true))
+  for (const auto& b : model.named_buffers(/*recurse=*/true))
     if (b.value().is_meta())
       throw std::invalid_argument("uckpt::Engine: buffer " + b.key() + " is on the meta device (no values); " +
                                   build_instead);
 }
 
-void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options) {
+void PreparePartitionedParameters(const RuntimeInputs& in, const EngineOptions& options) {
   if (options.partitioned.empty()) return;
   std::map<const void*, std::string> name_of;
-  for (const auto& p : e.model->named_parameters(/*recurse=*/true)) name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
-  const int stage = e.config.zero.stage;
+  for (const auto& p : in.module.model->named_parameters(/*recurse=*/true))
+    name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  const int stage = in.config.zero.stage;
   if (stage != 3)
     throw std::invalid_argument("uckpt::Engine: " + std::to_string(options.partitioned.size()) +
                                 " parameters arrive partitioned (EngineOptions::partitioned: built under "
@@ -120,8 +122,8 @@ void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options)
                                 std::to_string(stage) +
                                 ": set zero_optimization.stage 3, or build the model whole (without ZeroInit) for "
                                 "stages 0-2");
-  const int dp = e.comm->world_size();
-  const at::ScalarType model_dtype = ModelDtype(e.config);
+  const int dp = in.comm.world_size();
+  const at::ScalarType model_dtype = ModelDtype(in.config);
   c10::NoGradGuard no_grad;
   for (const auto& p : options.partitioned) {
     auto it = name_of.find(p.param.unsafeGetTensorImpl());
@@ -136,7 +138,7 @@ void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options)
                                   " ranks its partition has " + std::to_string(ps) +
                                   " (was it partitioned at another world size?)");
     const at::ScalarType dtype = p.partition.is_floating_point() ? model_dtype : p.partition.scalar_type();
-    const auto options_of = at::TensorOptions().dtype(dtype).device(e.device);
+    const auto options_of = at::TensorOptions().dtype(dtype).device(in.device);
     if (p.param.requires_grad()) {
       p.param.set_data(StoragelessTensor(p.shape, options_of));
       continue;
@@ -144,7 +146,7 @@ void PreparePartitionedParameters(Engine::Impl& e, const EngineOptions& options)
     at::Tensor mine = p.partition.reshape({-1}).to(options_of).contiguous();
     at::Tensor all = at::empty({ps * dp}, options_of);
     if (dp > 1)
-      e.comm->AllGather(mine, all);
+      in.comm.AllGather(mine, all);
     else
       all.copy_(mine);
     p.param.set_data(all.narrow(0, 0, numel).view(p.shape).clone());

@@ -151,7 +151,7 @@ class GatherUnit {
   ParamStorage::Pending prefetch_;  // while Gathering
 };
 
-// What the schedule did (part of Zero3Stats).
+// What the schedule did (part of Stage3Stats).
 struct UnitStats {
   int64_t unit_gathers = 0;        // all-gathers of units (prefetched ones included)
   int64_t prefetched_gathers = 0;  // of them, started before their unit was entered

@@ -63,9 +63,9 @@ TEST_P(AsyncSave, EqualsSyncSaveByteForByte) {
     t.TrainStep();
     t.TrainStep();
     t.engine().SaveCheckpoint(root + "/sync", "global_step2", c10::IValue(), Async(false));
-    EXPECT_FALSE(t.engine().last_save().async);
+    EXPECT_FALSE(t.engine().stats().last_save().async);
     t.engine().SaveCheckpoint(root + "/async", "global_step2", c10::IValue(), Async(true));
-    const SaveStats s = t.engine().last_save();
+    const SaveStats s = t.engine().stats().last_save();
     EXPECT_TRUE(s.async);
     EXPECT_GT(s.snapshot_bytes, 0u);
     snapshot[comm.rank()][0] = s.snapshot_bytes;
@@ -76,7 +76,7 @@ TEST_P(AsyncSave, EqualsSyncSaveByteForByte) {
     EXPECT_EQ(testing::ReadBytes(root + "/async/latest"), "global_step2");
     // A second background save reuses the snapshot buffers.
     t.engine().SaveCheckpoint(root + "/async", "global_step4", c10::IValue(), Async(true));
-    snapshot[comm.rank()][1] = t.engine().last_save().snapshot_bytes;
+    snapshot[comm.rank()][1] = t.engine().stats().last_save().snapshot_bytes;
     t.engine().SaveCheckpoint(root + "/sync", "global_step4", c10::IValue(), Async(false));  // waits for it
   });
   for (const auto& [first, second] : snapshot) EXPECT_EQ(second, first) << "snapshot memory grew between saves";

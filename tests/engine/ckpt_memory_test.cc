@@ -79,12 +79,12 @@ TEST_P(CheckpointMemory, SyncSaveViewsHostStateAndResumeDropsFilePages) {
     sync.async_save = false;
     t.engine().SaveCheckpoint(root + "/sync", "step1", c10::IValue(), sync);
     // The offloaded state is on the host: nothing is copied for the save.
-    EXPECT_EQ(t.engine().last_save().snapshot_bytes, 0u) << "rank " << comm.rank();
+    EXPECT_EQ(t.engine().stats().last_save().snapshot_bytes, 0u) << "rank " << comm.rank();
     SaveCheckpointOptions async;
     async.async_save = true;
     t.engine().SaveCheckpoint(root + "/async", "step1", c10::IValue(), async);
     // A background save keeps its copy of the state: at least the fp32 master and moments.
-    EXPECT_GT(t.engine().last_save().snapshot_bytes, OptimFileBytes(root + "/sync/step1") / 2 * 9 / 10);
+    EXPECT_GT(t.engine().stats().last_save().snapshot_bytes, OptimFileBytes(root + "/sync/step1") / 2 * 9 / 10);
     t.engine().WaitForCheckpoint();
   });
   const std::string folder = root + "/sync/step1";

@@ -143,7 +143,7 @@ TEST(Distributed, UniversalLoadAtWorldSize4EqualsDeepSpeedResharding) {
     EXPECT_EQ(s.step.item<float>(), ToTorch(*state0->get("step")->tensor).item<float>());
     EXPECT_EQ(t.counters().global_steps, 6);
     EXPECT_EQ(t.counters().global_samples, 48);
-    EXPECT_EQ(t.engine().lr_schedule_iteration(), 5);
+    EXPECT_EQ(t.engine().optimizer().lr_schedule_iteration(), 5);
   });
 }
 

@@ -102,19 +102,21 @@ TestRun MakeRun(Comm& comm, int stage, uint64_t seed) {
 std::vector<double> Train(TestRun& r, int64_t steps) {
   Engine& e = *r.engine;
   std::vector<double> losses;
-  while (e.global_steps() < steps) {
-    const int64_t step = e.global_steps() + 1;
+  while (e.stats().global_steps() < steps) {
+    const int64_t step = e.stats().global_steps() + 1;
     double sum = 0;
-    for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
-      const int64_t first = FirstRow(m, e.rank(), e.world_size(), e.train_micro_batch_size_per_gpu());
-      at::Tensor loss = r.net->Loss(Rows(step, first, e.train_micro_batch_size_per_gpu()));
+    for (int64_t m = 0; m < e.settings().gradient_accumulation_steps(); ++m) {
+      const int64_t first =
+          FirstRow(m, e.settings().rank(), e.settings().world_size(), e.settings().train_micro_batch_size_per_gpu());
+      at::Tensor loss = r.net->Loss(Rows(step, first, e.settings().train_micro_batch_size_per_gpu()));
       sum += loss.item<double>();
       e.Backward(loss);
       e.Step();
     }
     at::Tensor total = at::full({1}, sum, at::kDouble);
     e.comm().AllReduceSum(total);
-    losses.push_back(total.item<double>() / static_cast<double>(e.gradient_accumulation_steps() * e.world_size()));
+    losses.push_back(total.item<double>() /
+                     static_cast<double>(e.settings().gradient_accumulation_steps() * e.settings().world_size()));
   }
   return losses;
 }
@@ -213,7 +215,7 @@ TEST_P(EngineApi, SaveResumeAnySizeWithClientStateFrozenAndBuffers) {
       LoadResult lr = again.engine->LoadCheckpoint(dir);
       EXPECT_EQ(lr.path, dir + "/global_step3");
       ExpectClientState(lr.client_state);
-      EXPECT_EQ(again.engine->global_steps(), 3);
+      EXPECT_EQ(again.engine->stats().global_steps(), 3);
       EXPECT_TRUE(again.net->scale.equal(frozen0)) << "frozen parameter not restored";
       EXPECT_TRUE(again.net->shift.equal(shift)) << "buffer not restored";
       std::vector<double> resumed = Train(again, 6);
@@ -274,7 +276,7 @@ TEST(EngineApiErrors, ParamGroupsNameTheParameter) {
       auto other = std::make_shared<TestNet>(1);
       o.param_groups = {ParamGroup{{other->wte}}};
       Engine e(other, TestConfig(2), o);
-      EXPECT_EQ(e.param_groups().at(0).size(), 1u);
+      EXPECT_EQ(e.optimizer().param_groups().at(0).size(), 1u);
       o.param_groups = {ParamGroup{{net->wte}}};
     }
     try {
@@ -303,27 +305,27 @@ TEST(EngineApi, PerGroupLearningRates) {
       no_decay.lr = 0.005;
       o.param_groups = {decay, no_decay};
       Engine e(net, TestConfig(stage), o);
-      ASSERT_EQ(e.num_param_groups(), 2u) << what;
-      EXPECT_EQ(e.learning_rate(0), 0.02) << what;
-      EXPECT_EQ(e.learning_rate(1), 0.005) << what;
+      ASSERT_EQ(e.optimizer().num_param_groups(), 2u) << what;
+      EXPECT_EQ(e.optimizer().learning_rate(0), 0.02) << what;
+      EXPECT_EQ(e.optimizer().learning_rate(1), 0.005) << what;
       auto step = [&] {
-        for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
-          e.Backward(net->Loss(Rows(e.global_steps() + 1, 2 * m, 2)));
+        for (int64_t m = 0; m < e.settings().gradient_accumulation_steps(); ++m) {
+          e.Backward(net->Loss(Rows(e.stats().global_steps() + 1, 2 * m, 2)));
           e.Step();
         }
       };
       step();
       // WarmupLR at iteration 0: warmup_min_lr (0) in every group.
-      EXPECT_EQ(e.learning_rate(0), 0.0) << what;
-      EXPECT_EQ(e.learning_rate(1), 0.0) << what;
-      EXPECT_EQ(e.lr_schedule_iteration(), 0) << what;
-      e.SetLearningRate(1, 0.01);  // group 0 keeps lr 0: its weights must not move
+      EXPECT_EQ(e.optimizer().learning_rate(0), 0.0) << what;
+      EXPECT_EQ(e.optimizer().learning_rate(1), 0.0) << what;
+      EXPECT_EQ(e.optimizer().lr_schedule_iteration(), 0) << what;
+      e.optimizer().SetLearningRate(1, 0.01);  // group 0 keeps lr 0: its weights must not move
       const at::Tensor fc_w = net->fc_w.detach().clone(), fc_b = net->fc_b.detach().clone();
       step();
       EXPECT_TRUE(at::equal(net->fc_w, fc_w)) << what << ": a group at lr 0 changed";
       EXPECT_FALSE(at::equal(net->fc_b, fc_b)) << what << ": a group at lr 0.01 did not change";
-      e.SetLearningRate(0, 0.03);
-      e.SetLearningRate(1, 0.04);
+      e.optimizer().SetLearningRate(0, 0.03);
+      e.optimizer().SetLearningRate(1, 0.04);
       const std::string dir = ::testing::TempDir() + "/per_group_lr_" + std::to_string(stage);
       fs::remove_all(dir);
       e.SaveCheckpoint(dir, "t");
@@ -335,9 +337,9 @@ TEST(EngineApi, PerGroupLearningRates) {
       keep.keep_saved_hparams = true;
       keep.load_lr_scheduler_states = false;
       f.LoadCheckpoint(dir, "t", keep);
-      EXPECT_EQ(f.learning_rate(0), 0.03) << what;
-      EXPECT_EQ(f.learning_rate(1), 0.04) << what;
-      EXPECT_THROW(e.SetLearningRate(2, 0.1), std::out_of_range) << what;
+      EXPECT_EQ(f.optimizer().learning_rate(0), 0.03) << what;
+      EXPECT_EQ(f.optimizer().learning_rate(1), 0.04) << what;
+      EXPECT_THROW(e.optimizer().SetLearningRate(2, 0.1), std::out_of_range) << what;
     }
   });
 }
@@ -355,17 +357,17 @@ TEST(EngineApi, Stage0OptimizerStateReadsAndReplacesEachGroup) {
       return std::make_unique<Engine>(net, TestConfig(stage), o);
     };
     auto step = [](Engine& e, TestNet& net, int64_t batch) {
-      for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
+      for (int64_t m = 0; m < e.settings().gradient_accumulation_steps(); ++m) {
         e.Backward(net.Loss(Rows(batch, 2 * m, 2)));
         e.Step();
       }
     };
     auto net = std::make_shared<TestNet>(4);
     auto e = make(net, 0);
-    EXPECT_TRUE(e->stage0_optimizer_state(1).empty());  // before the first step
+    EXPECT_TRUE(e->optimizer().stage0_optimizer_state(1).empty());  // before the first step
     step(*e, *net, 1);
     const int64_t numel0 = net->wte.numel() + net->fc_w.numel() + net->proj_w.numel();
-    auto state = e->stage0_optimizer_state(0);
+    auto state = e->optimizer().stage0_optimizer_state(0);
     ASSERT_EQ(state.size(), 3u);
     EXPECT_EQ(state[0].first, "step");
     EXPECT_EQ(state[0].second.dim(), 0);
@@ -374,7 +376,7 @@ TEST(EngineApi, Stage0OptimizerStateReadsAndReplacesEachGroup) {
     EXPECT_EQ(state[2].first, "exp_avg_sq");
     EXPECT_GE(state[1].second.numel(), numel0);
     // The engine's own tensors: the same storage on a second read.
-    EXPECT_TRUE(e->stage0_optimizer_state(0)[1].second.is_same(state[1].second));
+    EXPECT_TRUE(e->optimizer().stage0_optimizer_state(0)[1].second.is_same(state[1].second));
 
     // Into a fresh engine with the weights (group 0's state unpadded): the next step is the same.
     auto net2 = std::make_shared<TestNet>(4);
@@ -383,35 +385,35 @@ TEST(EngineApi, Stage0OptimizerStateReadsAndReplacesEachGroup) {
       for (const auto& p : net->named_parameters()) net2->named_parameters()[p.key()].copy_(p.value());
     }
     auto f = make(net2, 0);
-    f->StepLrSchedule(0);  // where e's schedule is
+    f->optimizer().StepLrSchedule(0);  // where e's schedule is
     for (size_t g = 0; g < 2; ++g) {
-      auto s = e->stage0_optimizer_state(g);
+      auto s = e->optimizer().stage0_optimizer_state(g);
       if (g == 0)
         for (auto& [key, t] : s)
           if (t.dim() == 1) t = t.narrow(0, 0, numel0).clone();
-      f->SetStage0OptimizerState(g, s);
+      f->optimizer().SetStage0OptimizerState(g, s);
     }
-    EXPECT_FALSE(f->stage0_optimizer_state(0)[1].second.is_same(state[1].second));  // a copy
+    EXPECT_FALSE(f->optimizer().stage0_optimizer_state(0)[1].second.is_same(state[1].second));  // a copy
     step(*e, *net, 2);
     step(*f, *net2, 2);
     for (const auto& p : net->named_parameters())
       EXPECT_TRUE(at::equal(net2->named_parameters()[p.key()], p.value())) << p.key();
     // Empty: no state, the next step starts afresh.
-    f->SetStage0OptimizerState(1, {});
-    EXPECT_TRUE(f->stage0_optimizer_state(1).empty());
+    f->optimizer().SetStage0OptimizerState(1, {});
+    EXPECT_TRUE(f->optimizer().stage0_optimizer_state(1).empty());
 
     // Refused: not Adam's keys, a wrong length, a bad group, stage 1.
-    auto without_step = e->stage0_optimizer_state(0);
+    auto without_step = e->optimizer().stage0_optimizer_state(0);
     without_step.erase(without_step.begin());
-    EXPECT_THROW(f->SetStage0OptimizerState(0, without_step), std::invalid_argument);
-    auto short_one = e->stage0_optimizer_state(0);
+    EXPECT_THROW(f->optimizer().SetStage0OptimizerState(0, without_step), std::invalid_argument);
+    auto short_one = e->optimizer().stage0_optimizer_state(0);
     short_one[1].second = short_one[1].second.narrow(0, 0, numel0 - 1);
-    EXPECT_THROW(f->SetStage0OptimizerState(0, short_one), std::invalid_argument);
-    EXPECT_THROW(f->stage0_optimizer_state(2), std::out_of_range);
+    EXPECT_THROW(f->optimizer().SetStage0OptimizerState(0, short_one), std::invalid_argument);
+    EXPECT_THROW(f->optimizer().stage0_optimizer_state(2), std::out_of_range);
     auto net3 = std::make_shared<TestNet>(4);
     auto z1 = make(net3, 1);
-    EXPECT_THROW(z1->stage0_optimizer_state(0), std::logic_error);
-    EXPECT_THROW(z1->SetStage0OptimizerState(0, {}), std::logic_error);
+    EXPECT_THROW(z1->optimizer().stage0_optimizer_state(0), std::logic_error);
+    EXPECT_THROW(z1->optimizer().SetStage0OptimizerState(0, {}), std::logic_error);
   });
 }
 
@@ -433,17 +435,19 @@ TEST(EngineApi, Stage3StatsAndTiming) {
       Engine e(net, config, o);
       const UnitCalls units = e.unit_calls();
       auto step = [&] {
-        for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
-          const int64_t first = FirstRow(m, e.rank(), e.world_size(), e.train_micro_batch_size_per_gpu());
-          e.Backward(net->Loss(Rows(e.global_steps() + 1, first, e.train_micro_batch_size_per_gpu()), units));
+        for (int64_t m = 0; m < e.settings().gradient_accumulation_steps(); ++m) {
+          const int64_t first = FirstRow(m, e.settings().rank(), e.settings().world_size(),
+                                         e.settings().train_micro_batch_size_per_gpu());
+          e.Backward(net->Loss(Rows(e.stats().global_steps() + 1, first, e.settings().train_micro_batch_size_per_gpu()),
+                               units));
           e.Step();
         }
       };
       step();  // the first forward finds fc whole, as the model came
-      const Stage3Stats first = e.stage3_stats();
+      const Stage3Stats first = e.stats().stage3_stats();
       step();
-      const Stage3Stats s = e.stage3_stats();
-      const int64_t micro_steps = e.gradient_accumulation_steps();
+      const Stage3Stats s = e.stats().stage3_stats();
+      const int64_t micro_steps = e.settings().gradient_accumulation_steps();
       if (stage == 3) {
         EXPECT_EQ(s.unit_gathers - first.unit_gathers, 2 * micro_steps) << what << ": forward and backward gather fc";
         EXPECT_EQ(s.peak_gathered_elements, net->fc_w.numel() + net->fc_b.numel() + net->proj_w.numel()) << what;
@@ -455,17 +459,17 @@ TEST(EngineApi, Stage3StatsAndTiming) {
         EXPECT_EQ(s.reduce_buckets, 0) << what;
       }
       EXPECT_EQ(s.reduce_wait_s, 0) << what << ": timing is off by default";
-      e.SetTiming(true);
+      e.stats().SetTiming(true);
       step();
-      const double timed = e.stage3_stats().reduce_wait_s;
+      const double timed = e.stats().stage3_stats().reduce_wait_s;
       if (stage == 3) {
         EXPECT_GT(timed, 0) << what;
       } else {
         EXPECT_EQ(timed, 0) << what;
       }
-      e.SetTiming(false);
+      e.stats().SetTiming(false);
       step();
-      EXPECT_EQ(e.stage3_stats().reduce_wait_s, timed) << what << ": timing off again";
+      EXPECT_EQ(e.stats().stage3_stats().reduce_wait_s, timed) << what << ": timing off again";
     }
   });
 }

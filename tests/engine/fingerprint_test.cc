@@ -110,8 +110,8 @@ TEST(StateFingerprint, RecordedAtSaveAndCheckedAtEveryLoad) {
       LoadCheckpointOptions o;
       o.load_module_only = c.module_only;
       t.engine().LoadCheckpoint(dir, "global_step2", o);
-      EXPECT_EQ(t.engine().last_load().fingerprint, "recorded") << c.world << " ranks, stage " << c.stage;
-      EXPECT_GT(t.engine().last_load().fingerprint_s, 0);
+      EXPECT_EQ(t.engine().stats().last_load().fingerprint, "recorded") << c.world << " ranks, stage " << c.stage;
+      EXPECT_GT(t.engine().stats().last_load().fingerprint_s, 0);
     });
 
   // Its universal conversion records the same, and loads checked.
@@ -126,7 +126,7 @@ TEST(StateFingerprint, RecordedAtSaveAndCheckedAtEveryLoad) {
     LoadCheckpointOptions o;
     o.universal = true;
     t.engine().LoadCheckpoint(dir, "global_step2_universal", o);
-    EXPECT_EQ(t.engine().last_load().fingerprint, "recorded");
+    EXPECT_EQ(t.engine().stats().last_load().fingerprint, "recorded");
   });
   fs::remove_all(dir);
 }
@@ -190,7 +190,7 @@ TEST(StateFingerprint, AChangedMasterElementIsRefusedNamingItsParameter) {
     EXPECT_THROW(z3.engine().LoadCheckpoint(dir, "global_step2", o), FormatError);
     Trainer z2(comm, Tiny(2, 2));
     z2.engine().LoadCheckpoint(dir, "global_step2", o);
-    EXPECT_EQ(z2.engine().last_load().fingerprint, "recorded");
+    EXPECT_EQ(z2.engine().stats().last_load().fingerprint, "recorded");
   });
   fs::remove_all(dir);
 }
@@ -209,8 +209,8 @@ TEST(StateFingerprint, DeepSpeedCheckpointsAreCheckedAgainstTheirFiles) {
         LoadCheckpointOptions o;
         o.universal = universal;
         t.engine().LoadCheckpoint(ckpt, universal ? "global_step6_universal" : "global_step6", o);
-        EXPECT_EQ(t.engine().last_load().fingerprint, "computed from the files") << run << " " << universal;
-        EXPECT_GT(t.engine().last_load().fingerprint_files_s, 0);
+        EXPECT_EQ(t.engine().stats().last_load().fingerprint, "computed from the files") << run << " " << universal;
+        EXPECT_GT(t.engine().stats().last_load().fingerprint_files_s, 0);
       });
   }
 }

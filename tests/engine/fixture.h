@@ -8,6 +8,7 @@
 #include <string>
 
 #include "engine/config.h"
+#include "engine/engine_access.h"
 #include "engine/engine_impl.h"
 #include "engine/flat_runtime.h"
 #include "models/gpt2.h"
@@ -60,6 +61,8 @@ inline TrainOptions RefrunOptions(const nlohmann::json& ds, const std::string& r
 // engine's state (engine_impl.h), `uckpt train` does not. Typed, for what
 // only flat buffers have (their layout, the overlapped reducer); throws
 // std::bad_cast at stage 3.
-inline const FlatRuntime& ZeroOf(Trainer& t) { return dynamic_cast<const FlatRuntime&>(*t.engine().impl().runtime); }
+inline const FlatRuntime& ZeroOf(Trainer& t) {
+  return dynamic_cast<const FlatRuntime&>(*engine::EngineAccess::State(t.engine()).runtime);
+}
 
 }  // namespace uckpt::engine::testing

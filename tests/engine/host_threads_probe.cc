@@ -20,7 +20,7 @@ int main() {
     nlohmann::json config = {{"train_micro_batch_size_per_gpu", 1},
                              {"optimizer", {{"type", "Adam"}, {"params", {{"lr", 0.01}}}}}};
     uckpt::Engine engine(model, uckpt::Config::FromJson(config, "probe"));
-    std::printf("rank %d torch %d default %d worker %d load %d\n", engine.rank(), at::get_num_threads(),
+    std::printf("rank %d torch %d default %d worker %d load %d\n", engine.settings().rank(), at::get_num_threads(),
                 uckpt::ckpt::DefaultThreads(), uckpt::ckpt::WorkerThreads(0, 1000),
                 uckpt::engine::DefaultLoadThreads());
     return 0;

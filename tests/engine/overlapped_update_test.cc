@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "engine/engine_access.h"
 #include "engine/engine_impl.h"
 #include "engine/flat_runtime.h"
 #include "ranks.h"
@@ -75,7 +76,9 @@ Config TestConfig(int stage) {
 struct TestRun {
   std::shared_ptr<Net> net;
   std::unique_ptr<Engine> engine;
-  engine::FlatRuntime& runtime() { return dynamic_cast<engine::FlatRuntime&>(*engine->impl().runtime); }
+  engine::FlatRuntime& runtime() {
+    return dynamic_cast<engine::FlatRuntime&>(*engine::EngineAccess::State(*engine).runtime);
+  }
 };
 
 // Two param groups whose parameters interleave the units (a unit's
@@ -255,7 +258,7 @@ TEST(OverlappedUpdate, OnlyWhereItApplies) {
   o.overlap_update_with_forward = true;  // no gather units
   Engine e(net, TestConfig(1), std::move(o));
   EXPECT_FALSE(static_cast<bool>(e.unit_calls().enter));
-  EXPECT_FALSE(dynamic_cast<engine::FlatRuntime&>(*e.impl().runtime).overlaps_update());
+  EXPECT_FALSE(dynamic_cast<engine::FlatRuntime&>(*engine::EngineAccess::State(e).runtime).overlaps_update());
 }
 
 // Across ranks the updated partitions are all-gathered after the update: it

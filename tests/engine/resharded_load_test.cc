@@ -11,6 +11,8 @@
 #include "ckpt/convert.h"
 #include "ckpt/partition.h"
 #include "ckpt/zero_checkpoint.h"
+#include "engine/engine_access.h"
+#include "engine/engine_impl.h"
 #include "engine/zero3_runtime.h"
 #include "format/error.h"
 #include "fixture.h"
@@ -51,11 +53,11 @@ TrainOptions TinyOptions(int stage, bool bf16, int world) {
 std::string TempDir(const std::string& name) { return testing::FreshTempDir("engine_" + name); }
 
 void ExpectSameRun(Trainer& a, Trainer& b, const std::string& what) {
-  EXPECT_EQ(a.engine().loss_scale(), b.engine().loss_scale()) << what;
-  EXPECT_EQ(a.engine().lr(), b.engine().lr()) << what;
+  EXPECT_EQ(a.engine().optimizer().loss_scale(), b.engine().optimizer().loss_scale()) << what;
+  EXPECT_EQ(a.engine().optimizer().lr(), b.engine().optimizer().lr()) << what;
   EXPECT_EQ(a.counters().global_steps, b.counters().global_steps) << what;
   EXPECT_EQ(a.counters().global_samples, b.counters().global_samples) << what;
-  EXPECT_EQ(a.engine().lr_schedule_iteration(), b.engine().lr_schedule_iteration()) << what;
+  EXPECT_EQ(a.engine().optimizer().lr_schedule_iteration(), b.engine().optimizer().lr_schedule_iteration()) << what;
 }
 
 void ExpectSamePartition(const PartitionState& x, const PartitionState& y, const std::string& what) {
@@ -69,7 +71,9 @@ void ExpectSamePartition(const PartitionState& x, const PartitionState& y, const
 }
 
 // Typed, for what only stage 3 has (its sub-groups); null at stages 0-2.
-const Zero3Runtime* Zero3Of(Trainer& t) { return dynamic_cast<const Zero3Runtime*>(t.engine().impl().runtime.get()); }
+const Zero3Runtime* Zero3Of(Trainer& t) {
+  return dynamic_cast<const Zero3Runtime*>(engine::EngineAccess::State(t.engine()).runtime.get());
+}
 
 // Two engines on the same rank hold the same state, bit for bit.
 void ExpectSameState(Trainer& a, Trainer& b, const std::string& what) {
@@ -91,7 +95,8 @@ void ExpectSameState(Trainer& a, Trainer& b, const std::string& what) {
 uint64_t PartitionBytes(Trainer& t) {
   if (const Zero3Runtime* z = Zero3Of(t)) {
     int64_t real = 0;
-    for (const auto& p : z->params()) real += ckpt::Stage3RealNumel(p.numel, z->dp(), t.engine().impl().comm->rank());
+    for (const auto& p : z->params())
+      real += ckpt::Stage3RealNumel(p.numel, z->dp(), engine::EngineAccess::State(t.engine()).comm->rank());
     return static_cast<uint64_t>(real) * 4 * 3;
   }
   const auto& l = testing::ZeroOf(t).layout();
@@ -102,7 +107,7 @@ uint64_t PartitionBytes(Trainer& t) {
 // bytes `direct` read are its partition's, and both hold the same state, also
 // after one more step. Returns those bytes.
 uint64_t ExpectSameAsConverted(Trainer& converted, Trainer& direct, const std::string& what) {
-  const uint64_t bytes = direct.engine().last_load().optimizer_bytes_read;
+  const uint64_t bytes = direct.engine().stats().last_load().optimizer_bytes_read;
   EXPECT_EQ(bytes, PartitionBytes(direct)) << what;
   ExpectSameState(converted, direct, what);
   const StepMetrics a = converted.TrainStep(), b = direct.TrainStep();
@@ -183,7 +188,7 @@ TEST(ReshardedResume, DeepSpeedRefrunCheckpointEqualsItsUniversal) {
       converted.LoadCheckpoint(ckpt, "global_step6_universal", true);
       Trainer direct(comm, testing::RefrunOptions(ds, "z2"));
       direct.engine().LoadCheckpoint(ckpt, "global_step6");
-      EXPECT_EQ(direct.engine().last_load().optimizer_bytes_read, PartitionBytes(direct)) << what;
+      EXPECT_EQ(direct.engine().stats().last_load().optimizer_bytes_read, PartitionBytes(direct)) << what;
       ExpectSameState(converted, direct, what);
       converted.TrainStep();
       direct.TrainStep();
@@ -290,7 +295,7 @@ TEST(ReshardedResume, WithoutOptimizerStatesLoadsTheMastersOnly) {
       ExpectSameState(converted, direct, what);
       const PartitionState& st = Zero3Of(direct) ? Zero3Of(direct)->sub_groups()[0].state : testing::ZeroOf(direct).state();
       EXPECT_FALSE(st.exp_avg.defined()) << what;
-      EXPECT_EQ(direct.engine().last_load().optimizer_bytes_read, PartitionBytes(direct) / 3) << what;
+      EXPECT_EQ(direct.engine().stats().last_load().optimizer_bytes_read, PartitionBytes(direct) / 3) << what;
     });
   }
   fs::remove_all(root);

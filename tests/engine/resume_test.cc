@@ -95,7 +95,7 @@ FullState GatherState(Trainer& t) {
   s.model = z.model_flat().narrow(0, 0, z.layout().numel).clone();
   s.step = z.state().step.defined() ? z.state().step.item<float>() : 0.f;
   s.counters = t.counters();
-  s.last_batch_iteration = t.engine().lr_schedule_iteration();
+  s.last_batch_iteration = t.engine().optimizer().lr_schedule_iteration();
   return s;
 }
 
@@ -122,7 +122,7 @@ void ExpectPartitionOf(Trainer& t, const FullState& want, const std::string& wha
       << what;
   EXPECT_EQ(t.counters().global_steps, want.counters.global_steps) << what;
   EXPECT_EQ(t.counters().global_samples, want.counters.global_samples) << what;
-  EXPECT_EQ(t.engine().lr_schedule_iteration(), want.last_batch_iteration) << what;
+  EXPECT_EQ(t.engine().optimizer().lr_schedule_iteration(), want.last_batch_iteration) << what;
 }
 
 int64_t GaFor(int world, bool accumulate) {
@@ -298,7 +298,7 @@ TEST(Resume, WeightsOnlyLoadsWeightsOnly) {
       EXPECT_FALSE(testing::ZeroOf(t).state().step.defined()) << universal;
       EXPECT_FALSE(testing::ZeroOf(t).state().exp_avg.defined()) << universal;
       EXPECT_EQ(t.counters().global_steps, 2) << universal;
-      EXPECT_EQ(t.engine().lr_schedule_iteration(), 1) << universal;
+      EXPECT_EQ(t.engine().optimizer().lr_schedule_iteration(), 1) << universal;
       t.TrainStep();
       EXPECT_EQ(testing::ZeroOf(t).state().step.item<float>(), 1.0f);  // Adam starts over
     });
@@ -356,7 +356,7 @@ TEST(Resume, ConfigHparamsWinUnlessKeepSavedHparams) {
         Trainer t(comm, options(config, false, keep));
         t.LoadCheckpoint(dir, "", universal);
         ExpectHparams(testing::ZeroOf(t).optimizer_config(), keep ? saved : config, what);
-        EXPECT_DOUBLE_EQ(t.engine().lr(), keep ? 0.01 : 0.02) << what;
+        EXPECT_DOUBLE_EQ(t.engine().optimizer().lr(), keep ? 0.01 : 0.02) << what;
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.02) << what;  // constant lr: the kept one stays
         // What a save records is what the run used.

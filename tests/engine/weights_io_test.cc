@@ -16,6 +16,7 @@
 
 #include "ckpt/weights_plan.h"
 #include "cli/init_weights.h"
+#include "engine/engine_access.h"
 #include "engine/engine_impl.h"
 #include "engine/torch_bridge.h"
 #include "format/error.h"
@@ -124,7 +125,7 @@ std::map<std::string, at::Tensor> EngineWeights(Engine& e, Net& n) {
 
 // Every slot's master fragment equals the file's fp32 value of its parameter.
 void ExpectMastersEqualFile(Engine& e, const std::map<std::string, at::Tensor>& file, const std::string& what) {
-  for (const PartitionSlot& slot : e.impl().runtime->Slots())
+  for (const PartitionSlot& slot : engine::EngineAccess::State(e).runtime->Slots())
     for (const ckpt::TargetFragment& f : slot.target.fragments) {
       const std::string& name = slot.target.params[f.param].name;
       at::Tensor want = file.at(name).to(FileDtype(name)).to(at::kFloat).flatten().narrow(0, f.param_offset, f.numel);
@@ -155,7 +156,7 @@ TEST_P(LoadWeightsTest, WeightsAndMastersEqualTheFile) {
     ASSERT_FALSE(at::equal(r.net->fc_b, file.at("fc.bias").to(r.net->fc_b.scalar_type())));
     LoadWeightsOptions o;
     o.strict = false;  // head.weight, the tie, is not in the file
-    LoadWeightsResult res = r.engine->LoadWeights(dir, o);
+    LoadWeightsResult res = r.engine->weights().LoadWeights(dir, o);
     EXPECT_EQ(res.missing_keys, std::vector<std::string>{"head.weight"}) << what;
     EXPECT_TRUE(res.unexpected_keys.empty()) << what;
     ExpectMastersEqualFile(*r.engine, file, what);
@@ -164,7 +165,7 @@ TEST_P(LoadWeightsTest, WeightsAndMastersEqualTheFile) {
     SafetensorsSource src = SafetensorsSource::Open(dir);
     ckpt::WeightsMatch m;
     for (const auto& [name, t] : file) m.source_of[name] = name;
-    for (const PartitionSlot& slot : r.engine->impl().runtime->Slots()) {
+    for (const PartitionSlot& slot : engine::EngineAccess::State(*r.engine).runtime->Slots()) {
       uint64_t read = 0, real = 0;
       for (const auto& rd : ckpt::PlanWeightReads(src, m, slot.target)) read += rd.numel;
       for (const auto& f : slot.target.fragments) real += f.numel;
@@ -200,7 +201,7 @@ TEST(LoadWeights, ShardedIndexAndPrefixRuleAndNameMap) {
       LoadWeightsOptions o;
       o.strip_prefix = "model.";
       o.strict = false;
-      LoadWeightsResult res = r.engine->LoadWeights(dir + "/model.safetensors.index.json", o);
+      LoadWeightsResult res = r.engine->weights().LoadWeights(dir + "/model.safetensors.index.json", o);
       EXPECT_EQ(res.missing_keys, std::vector<std::string>{"head.weight"}) << what;
       ExpectMastersEqualFile(*r.engine, file, what);
       ExpectWeightsEqualFile(*r.engine, *r.net, file, what);
@@ -209,7 +210,7 @@ TEST(LoadWeights, ShardedIndexAndPrefixRuleAndNameMap) {
       const auto before = EngineWeights(*r2.engine, *r2.net);
       LoadWeightsOptions f;
       f.name_map = [](const std::string& n) -> std::optional<std::string> { return n.substr(6); };
-      EXPECT_THROW(r2.engine->LoadWeights(dir, f), FormatError) << what;
+      EXPECT_THROW(r2.engine->weights().LoadWeights(dir, f), FormatError) << what;
       for (const auto& [name, t] : EngineWeights(*r2.engine, *r2.net))
         EXPECT_TRUE(at::equal(t, before.at(name))) << what << ": " << name << " changed by a refused load";
       // The tie filled through its second name.
@@ -217,7 +218,7 @@ TEST(LoadWeights, ShardedIndexAndPrefixRuleAndNameMap) {
         return n == "model.emb.weight" ? "head.weight" : n.substr(6);
       };
       f.strict = false;
-      res = r2.engine->LoadWeights(dir, f);
+      res = r2.engine->weights().LoadWeights(dir, f);
       EXPECT_EQ(res.missing_keys, std::vector<std::string>{"emb.weight"}) << what;
       EXPECT_TRUE(res.unexpected_keys.empty()) << what;
       ExpectWeightsEqualFile(*r2.engine, *r2.net, file, what);
@@ -247,23 +248,25 @@ TEST(LoadWeights, StrictErrorsNameTheNamesOnEveryRank) {
   WriteFile(dir + "/shape.safetensors", bad);
   RunRanks(2, [&](Comm& comm) {
     TestRun r = MakeRun(comm, 3);
-    std::string err = ErrorOf([&] { r.engine->LoadWeights(dir + "/extra.safetensors"); });
+    std::string err = ErrorOf([&] { r.engine->weights().LoadWeights(dir + "/extra.safetensors"); });
     EXPECT_NE(err.find(dir + "/extra.safetensors"), std::string::npos) << err;
     EXPECT_NE(err.find(R"(Missing key(s) in state_dict: "fc.bias", "head.weight".)"), std::string::npos) << err;
     EXPECT_NE(err.find(R"(Unexpected key(s) in state_dict: "extra.w".)"), std::string::npos) << err;
     LoadWeightsOptions lax;
     lax.strict = false;
-    LoadWeightsResult res = r.engine->LoadWeights(dir + "/extra.safetensors", lax);
+    LoadWeightsResult res = r.engine->weights().LoadWeights(dir + "/extra.safetensors", lax);
     EXPECT_EQ(res.missing_keys, (std::vector<std::string>{"fc.bias", "head.weight"}));
     EXPECT_EQ(res.unexpected_keys, std::vector<std::string>{"extra.w"});
     // A shape that differs is an error whatever strict says.
-    err = ErrorOf([&] { r.engine->LoadWeights(dir + "/shape.safetensors", lax); });
+    err = ErrorOf([&] { r.engine->weights().LoadWeights(dir + "/shape.safetensors", lax); });
     EXPECT_NE(err.find("size mismatch for fc.weight: copying a param with shape [8, 7] from checkpoint, the shape in "
                        "current model is [7, 8]."),
               std::string::npos)
         << err;
     // One rank's missing file is every rank's error.
-    err = ErrorOf([&] { r.engine->LoadWeights(comm.rank() == 1 ? dir + "/absent.safetensors" : dir + "/extra.safetensors", lax); });
+    err = ErrorOf([&] {
+      r.engine->weights().LoadWeights(comm.rank() == 1 ? dir + "/absent.safetensors" : dir + "/extra.safetensors", lax);
+    });
     EXPECT_NE(err.find("absent.safetensors"), std::string::npos) << err;
   });
 }
@@ -292,17 +295,17 @@ TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
   RunRanks(2, [&](Comm& comm) {
     TestRun r = MakeRun(comm, stage, /*seed=*/comm.rank() + 3);  // rank 0's values win at construction
     // Some training first: the weights differ from construction's.
-    for (int64_t m = 0; m < r.engine->gradient_accumulation_steps(); ++m) {
+    for (int64_t m = 0; m < r.engine->settings().gradient_accumulation_steps(); ++m) {
       at::Tensor x = r.engine->EnterUnit(0, r.net->wte * 1.0);
       at::Tensor y = r.engine->ExitUnit(0, at::linear(x, r.net->fc_w, r.net->fc_b));
       at::Tensor loss = (y.square().sum() + r.net->head_b.sum()).to(at::kFloat);
       r.engine->Backward(loss);
       r.engine->Step();
     }
-    ASSERT_EQ(r.engine->global_steps(), 1);
+    ASSERT_EQ(r.engine->stats().global_steps(), 1);
     const auto weights = EngineWeights(*r.engine, *r.net);
-    EXPECT_TRUE(r.engine->Save16bitModel(dir, "model.safetensors"));
-    EXPECT_TRUE(r.engine->Save16bitModel(dir + "/bin"));
+    EXPECT_TRUE(r.engine->weights().Save16bitModel(dir, "model.safetensors"));
+    EXPECT_TRUE(r.engine->weights().Save16bitModel(dir + "/bin"));
     comm.Barrier();
     // safetensors: every tensor once, the tie in the metadata.
     SafetensorsFile f = SafetensorsFile::Open(dir + "/model.safetensors");
@@ -324,20 +327,21 @@ TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
       names.push_back(name);
       EXPECT_TRUE(at::equal(t, weights.at(name))) << name;
     }
-    EXPECT_EQ(names, r.engine->impl().state_names);
+    EXPECT_EQ(names, engine::EngineAccess::State(*r.engine).state_names);
     // exclude_frozen_parameters: the frozen parameter left out, the buffer kept.
-    EXPECT_TRUE(r.engine->Save16bitModel(dir + "/nofrozen", "model.safetensors", /*exclude_frozen_parameters=*/true));
+    EXPECT_TRUE(
+        r.engine->weights().Save16bitModel(dir + "/nofrozen", "model.safetensors", /*exclude_frozen_parameters=*/true));
     comm.Barrier();
     SafetensorsFile nf = SafetensorsFile::Open(dir + "/nofrozen/model.safetensors");
     EXPECT_EQ(nf.Find("scale"), nullptr);
     EXPECT_NE(nf.Find("shift"), nullptr);
     EXPECT_EQ(nf.tensors().size(), f.tensors().size() - 1);
     // Loading our own safetensors back is strict-clean (the tie from the metadata).
-    LoadWeightsResult res = r.engine->LoadWeights(dir + "/model.safetensors");
+    LoadWeightsResult res = r.engine->weights().LoadWeights(dir + "/model.safetensors");
     EXPECT_TRUE(res.missing_keys.empty() && res.unexpected_keys.empty());
     for (const auto& [name, t] : EngineWeights(*r.engine, *r.net)) EXPECT_TRUE(at::equal(t, weights.at(name))) << name;
     if (stage == 3) {
-      const auto sd = r.engine->Zero3Consolidated16bitStateDict();
+      const auto sd = r.engine->weights().Zero3Consolidated16bitStateDict();
       if (comm.rank() == 0) {
         ASSERT_EQ(sd.size(), weights.size());
         for (const auto& [name, t] : sd) EXPECT_TRUE(at::equal(t, weights.at(name))) << name;
@@ -346,7 +350,7 @@ TEST_P(Save16bitTest, FilesReadBackEqualTheWeights) {
         EXPECT_TRUE(sd.empty());
       }
     } else {
-      EXPECT_THROW(r.engine->Zero3Consolidated16bitStateDict(), std::invalid_argument);
+      EXPECT_THROW(r.engine->weights().Zero3Consolidated16bitStateDict(), std::invalid_argument);
     }
   });
 }
@@ -366,11 +370,11 @@ TEST(Save16bit, WriteFailureIsEveryRanksError) {
       ScopedEnv scoped(faults);
       RunRanks(2, [&](Comm& comm) {
         TestRun r = MakeRun(comm, 3);
-        std::string err = ErrorOf([&] { r.engine->Save16bitModel(dir, name); });
+        std::string err = ErrorOf([&] { r.engine->weights().Save16bitModel(dir, name); });
         EXPECT_NE(err.find(dir + "/" + name), std::string::npos) << IoOpName(op) << ": " << err;
         comm.Barrier();
         EXPECT_FALSE(fs::exists(dir + "/" + name)) << IoOpName(op);
-        EXPECT_TRUE(r.engine->Save16bitModel(dir, name));
+        EXPECT_TRUE(r.engine->weights().Save16bitModel(dir, name));
         comm.Barrier();
         EXPECT_TRUE(fs::exists(dir + "/" + name));
       });
@@ -393,8 +397,8 @@ TEST(Save16bit, Stage3WithoutTheGatherKeySavesNothing) {
   const std::string dir = FreshTempDir("save16_nogather");
   RunRanks(2, [&](Comm& comm) {
     TestRun r = MakeRun(comm, 3, 1, /*gather_on_save=*/false);
-    EXPECT_FALSE(r.engine->zero_gather_16bit_weights_on_model_save());
-    EXPECT_FALSE(r.engine->Save16bitModel(dir, "model.safetensors"));
+    EXPECT_FALSE(r.engine->settings().zero_gather_16bit_weights_on_model_save());
+    EXPECT_FALSE(r.engine->weights().Save16bitModel(dir, "model.safetensors"));
     EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
   });
 }

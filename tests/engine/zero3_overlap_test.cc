@@ -59,7 +59,7 @@ Outcome Train(const nlohmann::json& ds, int world, int steps = 12, int n_layer =
       StepMetrics m = t.TrainStep();
       if (comm.rank() == 0) out.losses.push_back(m.loss);
     }
-    const Stage3Stats stats = t.engine().stage3_stats();
+    const Stage3Stats stats = t.engine().stats().stage3_stats();
     t.engine().GatherParameters();
     if (comm.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -232,7 +232,7 @@ std::pair<std::vector<double>, Stage3Stats> TrainSkipping(int64_t prefetch) {
         engine.Backward(loss);
         engine.Step();
       }
-    if (comm.rank() == 0) stats = engine.stage3_stats();
+    if (comm.rank() == 0) stats = engine.stats().stage3_stats();
   });
   return {losses, stats};
 }

@@ -139,7 +139,7 @@ TEST(Zero3, UnitParametersAreFreedOutsideTheirUnit) {
         if (p.name == name) return p.tensor.storage().nbytes();
       throw std::runtime_error("no parameter " + name);
     };
-    EXPECT_EQ(t.engine().num_gather_units(), 2u);
+    EXPECT_EQ(t.engine().settings().num_gather_units(), 2u);
     EXPECT_EQ(bytes("transformer.h.0.attn.c_attn.weight"), 0u);
     EXPECT_EQ(bytes("transformer.h.1.mlp.c_fc.weight"), 0u);
     EXPECT_EQ(bytes("transformer.wte.weight"), 97u * 16 * 4);
@@ -369,7 +369,7 @@ TwoUnitRun RunTwoUnitNet(int stage, int world, int steps, const std::string& sav
       for (const auto& p : o.partitioned) p.param.set_data(at::empty({0}));  // nothing whole left to read
     }
     uckpt::Engine engine(net, uckpt::Config::FromJson(ds), o);
-    if (stage == 3) EXPECT_EQ(engine.num_gather_units(), 2u);
+    if (stage == 3) EXPECT_EQ(engine.settings().num_gather_units(), 2u);
     if (from_partitions) {  // the units start sharded; the root (head, the tied scale) is whole
       EXPECT_EQ(net->w0.storage().nbytes(), 0u);
       EXPECT_EQ(net->w1.storage().nbytes(), 0u);
@@ -380,7 +380,7 @@ TwoUnitRun RunTwoUnitNet(int stage, int world, int steps, const std::string& sav
       auto loaded = GatheredWeights(engine, *net);
       if (comm.rank() == 0) {
         out.loaded = std::move(loaded);
-        out.steps_after_load = engine.global_steps();
+        out.steps_after_load = engine.stats().global_steps();
         out.client_state = r.client_state;
       }
     }

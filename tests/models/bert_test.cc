@@ -428,7 +428,7 @@ TEST(BertMlm, TwentyStepsMatchThePyTorchReference) {
       engine_max_rel = std::max(engine_max_rel, rel);
       EXPECT_LE(rel, 1e-5) << "engine, step " << s + 1 << ": " << loss.item<double>() << " vs PyTorch " << ref[s];
     }
-    EXPECT_EQ(e.global_steps(), steps);
+    EXPECT_EQ(e.stats().global_steps(), steps);
     std::printf("20 steps on uckpt::Engine: max relative difference %.3g\n", engine_max_rel);
   }
 
@@ -474,13 +474,13 @@ BertRun MakeBertRun(Comm& comm) {
 
 std::vector<double> TrainBert(BertRun& r, const engine::TokenSource& source, int64_t steps) {
   Engine& e = *r.engine;
-  const int64_t mb = e.train_micro_batch_size_per_gpu(), T = r.model->config().seq_len;
+  const int64_t mb = e.settings().train_micro_batch_size_per_gpu(), T = r.model->config().seq_len;
   std::vector<double> losses;
-  while (e.global_steps() < steps) {
-    const int64_t step = e.global_steps() + 1, before = e.global_samples();
+  while (e.stats().global_steps() < steps) {
+    const int64_t step = e.stats().global_steps() + 1, before = e.stats().global_samples();
     double sum = 0;
-    for (int64_t m = 0; m < e.gradient_accumulation_steps(); ++m) {
-      const int64_t first = engine::FirstRow(m, e.rank(), e.world_size(), mb);
+    for (int64_t m = 0; m < e.settings().gradient_accumulation_steps(); ++m) {
+      const int64_t first = engine::FirstRow(m, e.settings().rank(), e.settings().world_size(), mb);
       auto rows = engine::GatherRows(source, step, before, first, mb, T);
       torch::Tensor ids = torch::tensor(rows, torch::kLong).view({mb, T});
       MaskedBatch b = MaskBatch(ids, before + first, 99);
@@ -491,7 +491,8 @@ std::vector<double> TrainBert(BertRun& r, const engine::TokenSource& source, int
     }
     torch::Tensor total = torch::full({1}, sum, torch::kDouble);
     e.comm().AllReduceSum(total);
-    losses.push_back(total.item<double>() / static_cast<double>(e.gradient_accumulation_steps() * e.world_size()));
+    losses.push_back(total.item<double>() /
+                     static_cast<double>(e.settings().gradient_accumulation_steps() * e.settings().world_size()));
   }
   return losses;
 }
@@ -527,7 +528,7 @@ TEST(BertMlm, TwoRanksZero1OffloadResumeOnThreeThroughUniversal) {
     o.universal = true;
     LoadResult lr = r.engine->LoadCheckpoint((dir / "ckpt").string(), "", o);
     EXPECT_EQ(lr.client_state.toGenericDict().at(std::string("checkpoint_step")).toInt(), 3);
-    EXPECT_EQ(r.engine->gradient_accumulation_steps(), 2);  // was 3 on 2 ranks
+    EXPECT_EQ(r.engine->settings().gradient_accumulation_steps(), 2);  // was 3 on 2 ranks
     std::vector<double> l = TrainBert(r, source, 6);
     if (comm.rank() == 0) resumed = l;
   });
