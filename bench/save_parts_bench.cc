@@ -86,7 +86,10 @@ int main(int argc, char** argv) {
     else if (a == "--threads") threads = std::stoi(argv[i + 1]);
     else if (a == "--small") small = std::stoi(argv[i + 1]);
     else if (a == "--runs") runs = std::max(1, std::stoi(argv[i + 1]));
-    else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
   }
   // fp32 master, exp_avg, exp_avg_sq of one big flat partition, and `small`
   // tensors of 64 KiB (per-sub-group scalars, small parameters).
@@ -102,21 +105,32 @@ int main(int argc, char** argv) {
   root->set("small", list);
   uint64_t bytes = 0;
   std::vector<std::span<const uint8_t>> storages;
-  for (auto& d : data) storages.push_back({reinterpret_cast<const uint8_t*>(d.data()), d.size() * 4}), bytes += d.size() * 4;
-  for (auto& s : smalls) storages.push_back({reinterpret_cast<const uint8_t*>(s.data()), s.size() * 4}), bytes += s.size() * 4;
+  for (auto& d : data)
+    storages.push_back({reinterpret_cast<const uint8_t*>(d.data()), d.size() * 4}), bytes += d.size() * 4;
+  for (auto& s : smalls)
+    storages.push_back({reinterpret_cast<const uint8_t*>(s.data()), s.size() * 4}), bytes += s.size() * 4;
 
   std::printf("state: %.0f MiB in %zu tensors; %d threads; folder %s\n", bytes / 1048576.0, storages.size(), threads,
               dir.c_str());
   Print("pickle (PickleForTorch)", Time([&] { PickleForTorch(root); }), 0);
   uint32_t crc1 = 0;
-  Print("CRC-32 of the records, 1 thread", Time([&] { for (auto s : storages) crc1 ^= Crc32(s); }), bytes);
+  Print("CRC-32 of the records, 1 thread", Time([&] {
+          for (auto s : storages) crc1 ^= Crc32(s);
+        }),
+        bytes);
   std::vector<uint32_t> crcs;
   Print("CRC-32 of the records, T threads", Time([&] { crcs = ckpt::ParallelCrc32(storages, threads); }), bytes);
   uint32_t crcx = 0;
   for (auto c : crcs) crcx ^= c;
-  if (crcx != crc1) { std::fprintf(stderr, "FAIL: parallel CRC-32 differs\n"); return 1; }
+  if (crcx != crc1) {
+    std::fprintf(stderr, "FAIL: parallel CRC-32 differs\n");
+    return 1;
+  }
   uint64_t h = 0;
-  Print("XXH64 of the data, 1 thread", Time([&] { for (auto s : storages) h ^= XXH64(s.data(), s.size(), 0); }), bytes);
+  Print("XXH64 of the data, 1 thread", Time([&] {
+          for (auto s : storages) h ^= XXH64(s.data(), s.size(), 0);
+        }),
+        bytes);
 
   // 0: one thread, generated front to back (the engine's save with one host
   // thread); 1: laid out, CRCs on T threads, one writer per file while
@@ -160,14 +174,20 @@ int main(int argc, char** argv) {
       const std::string cmd = "cp -r '" + folder + "' '" + copy + "' && sync";
       int rc = 0;
       const Timed c = Time([&] { rc = std::system(cmd.c_str()); });
-      if (rc != 0) { std::fprintf(stderr, "FAIL: %s\n", cmd.c_str()); return 1; }
+      if (rc != 0) {
+        std::fprintf(stderr, "FAIL: %s\n", cmd.c_str());
+        return 1;
+      }
       Print("cp -r + sync of the folder", c, bytes);
       if (cp.wall == 0 || c.wall < cp.wall) cp = c;
       fs::remove_all(copy);
     }
     fs::remove_all(folder);
   }
-  if (hashes[0] != hashes[1] || hashes[0] != hashes[2]) { std::fprintf(stderr, "FAIL: the writes differ\n"); return 1; }
+  if (hashes[0] != hashes[1] || hashes[0] != hashes[2]) {
+    std::fprintf(stderr, "FAIL: the writes differ\n");
+    return 1;
+  }
   for (int mode = 0; mode < 3; ++mode) {
     std::string best = std::string("best: ") + names[mode];
     Print(best.c_str(), writes[mode], bytes);

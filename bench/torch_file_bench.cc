@@ -156,9 +156,8 @@ uint64_t FileSize(const std::string& path) {
 }
 
 void Print(const char* mode, const Best& best, const Touched& t, const std::string& path) {
-  std::printf("%s best_s=%.4f cpu_s=%.4f bytes=%llu file_bytes=%llu tensors=%llu checksum=%016llx\n", mode,
-              best.wall, best.cpu,
-              static_cast<unsigned long long>(t.bytes), static_cast<unsigned long long>(FileSize(path)),
+  std::printf("%s best_s=%.4f cpu_s=%.4f bytes=%llu file_bytes=%llu tensors=%llu checksum=%016llx\n", mode, best.wall,
+              best.cpu, static_cast<unsigned long long>(t.bytes), static_cast<unsigned long long>(FileSize(path)),
               static_cast<unsigned long long>(t.tensors), static_cast<unsigned long long>(t.checksum));
 }
 

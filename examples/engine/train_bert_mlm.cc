@@ -53,7 +53,8 @@ nlohmann::json DeepSpeedConfig(bool gpu) {
       {"train_micro_batch_size_per_gpu", 4},
       {"steps_per_print", 10},
       {"gradient_clipping", 1.0},
-      {"optimizer", {{"type", "Adam"}, {"params", {{"lr", 1e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
+      {"optimizer",
+       {{"type", "Adam"}, {"params", {{"lr", 1e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
       {"zero_optimization", {{"stage", 1}, {"offload_optimizer", {{"device", "cpu"}}}}}};
   if (gpu) c["fp16"] = {{"enabled", true}, {"loss_scale", 0}, {"initial_scale_power", 12}};
   return c;
@@ -83,7 +84,8 @@ int main(int argc, char** argv) try {
   cfg.n_embd = 64;
   cfg.vocab_size = 260;  // 256 bytes + [MASK] (+ spare ids)
   cfg.seq_len = cfg.n_positions = 64;
-  if (static_cast<int64_t>(bytes.size()) < cfg.seq_len) throw std::runtime_error(args.text + ": shorter than one sequence");
+  if (static_cast<int64_t>(bytes.size()) < cfg.seq_len)
+    throw std::runtime_error(args.text + ": shorter than one sequence");
   uckpt::models::BertMlm model(cfg);
   uckpt::models::BertMlmInit(*model, /*seed=*/42);
 
@@ -101,8 +103,7 @@ int main(int argc, char** argv) try {
   int64_t step = 0;
   if (!path.empty()) {
     step = client_state.toGenericDict().at(std::string("checkpoint_step")).toInt();
-    if (settings.rank() == 0)
-      std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step));
+    if (settings.rank() == 0) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step));
   }
 
   // 4. The loop: each rank takes its micro-batches of the global batch.
@@ -110,21 +111,18 @@ int main(int argc, char** argv) try {
   for (; step < args.steps; ++step) {
     double loss_sum = 0;
     for (int64_t m = 0; m < settings.gradient_accumulation_steps(); ++m) {
-      const int64_t first = step * settings.train_batch_size() +
-                            (m * settings.world_size() + settings.rank()) * micro;
+      const int64_t first = step * settings.train_batch_size() + (m * settings.world_size() + settings.rank()) * micro;
       std::vector<torch::Tensor> rows;
       for (int64_t i = 0; i < micro; ++i) rows.push_back(Sample(bytes, first + i, cfg.seq_len));
       auto batch = uckpt::models::MaskBatch(torch::stack(rows), first, /*seed=*/1234);
-      torch::Tensor loss =
-          model->Loss(batch.input_ids.to(settings.device()), batch.labels.to(settings.device()));
+      torch::Tensor loss = model->Loss(batch.input_ids.to(settings.device()), batch.labels.to(settings.device()));
       engine.Backward(loss);
       engine.Step();
       loss_sum += loss.item<double>();
     }
     if (settings.rank() == 0 && (step + 1) % 10 == 0)
       std::printf("step %lld  loss %.4f  lr %.3g\n", static_cast<long long>(step + 1),
-                  loss_sum / static_cast<double>(settings.gradient_accumulation_steps()),
-                  engine.optimizer().lr());
+                  loss_sum / static_cast<double>(settings.gradient_accumulation_steps()), engine.optimizer().lr());
     if ((step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps) {
       c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
       state.insert(std::string("checkpoint_step"), step + 1);

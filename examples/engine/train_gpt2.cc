@@ -70,7 +70,8 @@ int main(int argc, char** argv) try {
       {"train_micro_batch_size_per_gpu", 8},
       {"gradient_clipping", 1.0},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 2e-3}, {"betas", {0.9, 0.95}}, {"weight_decay", 0.01}}}}},
-      {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_min_lr", 0}, {"warmup_max_lr", 2e-3}, {"warmup_num_steps", 10}}}}},
+      {"scheduler",
+       {{"type", "WarmupLR"}, {"params", {{"warmup_min_lr", 0}, {"warmup_max_lr", 2e-3}, {"warmup_num_steps", 10}}}}},
       {"zero_optimization", {{"stage", 2}}},
       {"bf16", {{"enabled", gpu}}}};
   uckpt::EngineOptions options;
@@ -93,8 +94,7 @@ int main(int argc, char** argv) try {
   for (; step < args.steps; ++step) {
     double loss_sum = 0;
     for (int64_t m = 0; m < settings.gradient_accumulation_steps(); ++m) {
-      const int64_t first = step * settings.train_batch_size() +
-                            (m * settings.world_size() + settings.rank()) * micro;
+      const int64_t first = step * settings.train_batch_size() + (m * settings.world_size() + settings.rank()) * micro;
       torch::Tensor ids = torch::empty({micro, seq_len}, torch::kLong);
       for (int64_t i = 0; i < micro; ++i)
         for (int64_t t = 0; t < seq_len; ++t)
@@ -106,8 +106,7 @@ int main(int argc, char** argv) try {
     }
     if (settings.rank() == 0 && (step + 1) % 10 == 0)
       std::printf("step %lld  loss %.4f  lr %.3g\n", static_cast<long long>(step + 1),
-                  loss_sum / static_cast<double>(settings.gradient_accumulation_steps()),
-                  engine.optimizer().lr());
+                  loss_sum / static_cast<double>(settings.gradient_accumulation_steps()), engine.optimizer().lr());
     if ((step + 1) % args.checkpoint_every == 0 || step + 1 == args.steps) {
       c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
       state.insert(std::string("checkpoint_step"), step + 1);

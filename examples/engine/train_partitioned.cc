@@ -70,10 +70,10 @@ int main(int argc, char** argv) try {
   if (whole) {
     net = std::make_shared<Net>();
   } else {
-    uckpt::ZeroInit init(config, options);                     // this thread's construction scope
-    net = uckpt::ZeroInit::Built(std::make_shared<Net>());     // the head partitioned too
+    uckpt::ZeroInit init(config, options);                  // this thread's construction scope
+    net = uckpt::ZeroInit::Built(std::make_shared<Net>());  // the head partitioned too
     held = init.partition_bytes();
-    init.AddTo(options);                                       // partitions + communicator, for the engine
+    init.AddTo(options);  // partitions + communicator, for the engine
   }
   options.gather_units.assign(net->blocks.begin(), net->blocks.end());
   uckpt::Engine engine(net, config, std::move(options));
@@ -91,8 +91,7 @@ int main(int argc, char** argv) try {
   for (int64_t step = 0; step < kSteps; ++step) {
     at::Tensor loss = net->Loss(x, y, calls);
     // Rank 0's loss of its own micro-batch, every digit.
-    if (settings.rank() == 0)
-      std::printf("step %lld loss %.17g\n", static_cast<long long>(step), loss.item<double>());
+    if (settings.rank() == 0) std::printf("step %lld loss %.17g\n", static_cast<long long>(step), loss.item<double>());
     engine.Backward(loss);
     engine.Step();
   }

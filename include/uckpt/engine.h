@@ -19,8 +19,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
-#include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <functional>
@@ -170,8 +170,8 @@ struct EngineOptions {
   // WaitForUpdate() first. The results are the synchronous update's, bit for
   // bit. An exception of the background update is thrown by the next call
   // that waits, and every later one refuses, naming it (the state is partly
-  // stepped), until LoadCheckpoint loads the optimizer states. Elsewhere (other stages, several ranks, no units, a client
-  // optimizer) the update stays synchronous. Off by default; `uckpt train
+  // stepped), until LoadCheckpoint loads the optimizer states. Elsewhere (other stages, several ranks, no units, a
+  // client optimizer) the update stays synchronous. Off by default; `uckpt train
   // --device cuda` turns it on; the Python package does not (a script may
   // read parameters right after step(), as DeepSpeed allows).
   bool overlap_update_with_forward = false;
@@ -199,9 +199,9 @@ struct PickledObject : torch::CustomClassHolder {
 struct LoadCheckpointOptions {
   bool load_optimizer_states = true;
   bool load_lr_scheduler_states = true;
-  bool load_module_only = false;  // weights only, at any stage: counters, optimizer state and schedule are not loaded
-  bool universal = false;         // a universal checkpoint (any world size); tag from `latest_universal`
-  bool verify_hashes = false;     // compare the manifest's XXH64 hashes too (sizes always)
+  bool load_module_only = false;    // weights only, at any stage: counters, optimizer state and schedule are not loaded
+  bool universal = false;           // a universal checkpoint (any world size); tag from `latest_universal`
+  bool verify_hashes = false;       // compare the manifest's XXH64 hashes too (sizes always)
   bool keep_saved_hparams = false;  // lr/betas/eps/weight decay from the checkpoint, not the config
   // The model-states file is read naming any class or function (still never run; its client keys come back as
   // PickledObject capsules), not only the strict reader's allow-list (format/strict_globals.h): for a checkpoint
@@ -230,7 +230,7 @@ struct LoadStats {
   // "computed from the files" (a checkpoint without one, DeepSpeed's), or
   // "unchecked: why"; empty when nothing was loaded.
   std::string fingerprint;
-  double fingerprint_s = 0;        // the whole check, wall time
+  double fingerprint_s = 0;  // the whole check, wall time
   // Of it, a checkpoint without a record: the expected value (the bytes the load
   // read, hashed where they landed by the files' own layout) and its reduction.
   double fingerprint_files_s = 0;
@@ -398,7 +398,8 @@ class Engine {
   // LoadCheckpoint or WaitForCheckpoint call once every rank's files are
   // durable; a failed background write throws there, naming the file.
   std::string SaveCheckpoint(const std::string& dir, const std::string& tag = "",
-                             const ClientState& client_state = c10::IValue(), const SaveCheckpointOptions& options = {});
+                             const ClientState& client_state = c10::IValue(),
+                             const SaveCheckpointOptions& options = {});
   // Waits for a background save and publishes it, or for a published save's
   // files to be durable; throws its error (naming the file). Collective. Call
   // it before the end of training: the destructor also waits, but can only
@@ -406,7 +407,8 @@ class Engine {
   void WaitForCheckpoint();
   // Loads <dir>/<tag> (tag "" = what `latest`, or `latest_universal`, names).
   // A missing `latest` is not an error: nothing is loaded and path is "".
-  LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "", const LoadCheckpointOptions& options = {});
+  LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "",
+                            const LoadCheckpointOptions& options = {});
 
   void Train(bool on = true);  // module train/eval mode
   void Eval() { Train(false); }
@@ -568,7 +570,8 @@ class Engine {
     // state_dict on the CPU (tied names sharing one tensor), gathered one
     // parameter at a time; empty on the other ranks. Stage 3 only (else
     // std::invalid_argument, as DeepSpeed's ValueError). Collective.
-    std::vector<std::pair<std::string, at::Tensor>> Zero3Consolidated16bitStateDict(bool exclude_frozen_parameters = false);
+    std::vector<std::pair<std::string, at::Tensor>> Zero3Consolidated16bitStateDict(
+        bool exclude_frozen_parameters = false);
 
     // Stage 3: each partitioned parameter with this rank's partition of it (the
     // runtime's own tensor, model dtype: DeepSpeed's ds_tensor). Empty at stages 0-2.

@@ -91,9 +91,8 @@ void BindOptimizerView(Core& c) {
       .def("optimizer_state_dict", &PyEngine::OptimizerStateDict)
       .def("load_optimizer_state_dict", &PyEngine::LoadOptimizerStateDict, "state_dict"_a)
       .def("optimizer_overflow", &OptimizerOverflow)
-      .def("optimizer_loss_scale", [](const PyEngine& e, const std::string& name) {
-        return OptimizerLossScale(e, name.c_str());
-      })
+      .def("optimizer_loss_scale",
+           [](const PyEngine& e, const std::string& name) { return OptimizerLossScale(e, name.c_str()); })
       .def("optimizer_class", &DeepSpeedOptimizerClass);
 }
 

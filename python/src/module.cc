@@ -22,10 +22,14 @@ PYBIND11_MODULE(_uckpt, m) {
   // C++ exceptions arrive as pybind11's defaults: invalid_argument -> ValueError, runtime_error -> RuntimeError,
   // except the batch-size check, which DeepSpeed asserts: BatchSizeError is a RuntimeError and an AssertionError.
   // A raw reference kept for the process: a static py::object would be released after the interpreter is gone.
-  static PyObject* batch_error = py::module_::import("builtins").attr("type")(
-      "BatchSizeError", py::make_tuple(py::handle(PyExc_RuntimeError), py::handle(PyExc_AssertionError)),
-      py::dict("__module__"_a = "uckpt._uckpt",
-               "__doc__"_a = "The batch sizes disagree (DeepSpeed 0.14.5 raises AssertionError).")).release().ptr();
+  static PyObject* batch_error =
+      py::module_::import("builtins")
+          .attr("type")("BatchSizeError",
+                        py::make_tuple(py::handle(PyExc_RuntimeError), py::handle(PyExc_AssertionError)),
+                        py::dict("__module__"_a = "uckpt._uckpt",
+                                 "__doc__"_a = "The batch sizes disagree (DeepSpeed 0.14.5 raises AssertionError)."))
+          .release()
+          .ptr();
   m.attr("BatchSizeError") = py::handle(batch_error);
   py::register_exception_translator([](std::exception_ptr p) {
     try {

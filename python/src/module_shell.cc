@@ -84,7 +84,8 @@ std::string FindUnsupportedModule(py::handle module) {
   for (auto item : module.attr("named_modules")()) {
     auto pair = item.cast<py::tuple>();
     const std::string cls = py::str(pair[1].get_type().attr("__name__")).cast<std::string>();
-    const std::string where = pair[0].cast<std::string>().empty() ? "the model" : "submodule " + pair[0].cast<std::string>();
+    const std::string where =
+        pair[0].cast<std::string>().empty() ? "the model" : "submodule " + pair[0].cast<std::string>();
     if (IsDeepSpeedClass(pair[1], kPipeline, {"uckpt.pipe", "deepspeed.pipe", "deepspeed.runtime.pipe"}))
       return where + " is a " + cls + ": pipeline parallelism is not supported by uckpt";
     if (IsDeepSpeedClass(pair[1], kMoE, {"uckpt.moe", "deepspeed.moe"}))

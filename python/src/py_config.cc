@@ -20,15 +20,17 @@ py::object ResolveConfig(py::handle args, py::handle config) {
   if (py::object deprecated = from("deepscale_config"); !deprecated.is_none()) {
     std::cerr << "uckpt: warning: --deepscale_config is deprecated, please use --deepspeed_config\n";
     if (!given.is_none())
-      throw py::value_error("uckpt.initialize: args has both deepscale_config and deepspeed_config; pass one "
-                            "(DeepSpeed 0.14.5 refuses both too)");
+      throw py::value_error(
+          "uckpt.initialize: args has both deepscale_config and deepspeed_config; pass one "
+          "(DeepSpeed 0.14.5 refuses both too)");
     args.attr("deepspeed_config") = deprecated;
     args.attr("deepscale_config") = py::none();
     given = deprecated;
   }
   if (!given.is_none() && !config.is_none())
-    throw py::value_error("uckpt.initialize: a config was given both as config= and as args.deepspeed_config; pass "
-                          "one (DeepSpeed 0.14.5 refuses both too)");
+    throw py::value_error(
+        "uckpt.initialize: a config was given both as config= and as args.deepspeed_config; pass "
+        "one (DeepSpeed 0.14.5 refuses both too)");
   if (!config.is_none()) return py::reinterpret_borrow<py::object>(config);
   if (!given.is_none()) return given;
   throw py::value_error(
@@ -94,13 +96,17 @@ void BindConfig(py::module_& m) {
       .def_property_readonly("zero_force_ds_cpu_optimizer",
                              [](const TrainConfig& c) { return c.zero_force_ds_cpu_optimizer; })
       // DeepSpeed lower-cases the names of its own optimizers (Adam and AdamW are all the parser takes).
-      .def_property_readonly("optimizer_name", [](const TrainConfig& c) -> py::object {
-        return c.has_optimizer_section ? py::object(py::str(c.optimizer.type == "Adam" ? "adam" : "adamw"))
-                                       : py::object(py::none());
-      })
-      .def_property_readonly("scheduler_name", [](const TrainConfig& c) -> py::object {
-        return c.scheduler.type.empty() ? py::object(py::none()) : py::object(py::str(c.scheduler.type));
-      })
+      .def_property_readonly("optimizer_name",
+                             [](const TrainConfig& c) -> py::object {
+                               return c.has_optimizer_section
+                                          ? py::object(py::str(c.optimizer.type == "Adam" ? "adam" : "adamw"))
+                                          : py::object(py::none());
+                             })
+      .def_property_readonly("scheduler_name",
+                             [](const TrainConfig& c) -> py::object {
+                               return c.scheduler.type.empty() ? py::object(py::none())
+                                                               : py::object(py::str(c.scheduler.type));
+                             })
       // uckpt's names, for zero.Init and the pure-Python modules.
       .def_property_readonly("offload_optimizer", [](const TrainConfig& c) { return c.zero.offload_optimizer_cpu; })
       .def_property_readonly("offload_param", [](const TrainConfig& c) { return c.zero.offload_param_cpu; })
@@ -115,27 +121,33 @@ void BindConfig(py::module_& m) {
       .def_property_readonly("gradient_predivide_factor",
                              [](const TrainConfig& c) { return Number(c.gradient_predivide_factor); })
       // DeepSpeed's get_fp16_auto_cast: None when fp16 is off.
-      .def_property_readonly("fp16_auto_cast", [](const TrainConfig& c) -> py::object {
-        return c.fp16.enabled ? py::object(py::bool_(c.fp16.auto_cast)) : py::object(py::none());
-      })
+      .def_property_readonly("fp16_auto_cast",
+                             [](const TrainConfig& c) -> py::object {
+                               return c.fp16.enabled ? py::object(py::bool_(c.fp16.auto_cast)) : py::object(py::none());
+                             })
       // DeepSpeed's get_dynamic_loss_scale_args: set only in fp16 when the config writes one of its keys.
-      .def_property_readonly("dynamic_loss_scale_args", [](const TrainConfig& c) -> py::object {
-        if (!c.fp16.enabled || !c.fp16.dynamic_keys_given) return py::none();
-        py::dict d;
-        d["init_scale"] = Number(std::ldexp(1.0, c.fp16.initial_scale_power));
-        d["scale_window"] = c.fp16.loss_scale_window;
-        d["delayed_shift"] = c.fp16.hysteresis;
-        d["consecutive_hysteresis"] = c.fp16.consecutive_hysteresis;
-        d["min_scale"] = Number(c.fp16.min_loss_scale);
-        return d;
-      })
+      .def_property_readonly("dynamic_loss_scale_args",
+                             [](const TrainConfig& c) -> py::object {
+                               if (!c.fp16.enabled || !c.fp16.dynamic_keys_given) return py::none();
+                               py::dict d;
+                               d["init_scale"] = Number(std::ldexp(1.0, c.fp16.initial_scale_power));
+                               d["scale_window"] = c.fp16.loss_scale_window;
+                               d["delayed_shift"] = c.fp16.hysteresis;
+                               d["consecutive_hysteresis"] = c.fp16.consecutive_hysteresis;
+                               d["min_scale"] = Number(c.fp16.min_loss_scale);
+                               return d;
+                             })
       // (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) at `world_size` ranks.
-      .def("batch_sizes", [](const TrainConfig& c, int world_size) {
-        const engine::BatchSizes b = engine::ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
-                                                               c.gradient_accumulation_steps, world_size);
-        return py::make_tuple(b.train_batch_size, b.micro_batch, b.gradient_accumulation_steps);
-      }, "world_size"_a);
-  m.def("parse_config", &ParseConfigObject, "config"_a, "A config (a dict or a JSON path) parsed as initialize parses it");
+      .def(
+          "batch_sizes",
+          [](const TrainConfig& c, int world_size) {
+            const engine::BatchSizes b = engine::ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
+                                                                   c.gradient_accumulation_steps, world_size);
+            return py::make_tuple(b.train_batch_size, b.micro_batch, b.gradient_accumulation_steps);
+          },
+          "world_size"_a);
+  m.def("parse_config", &ParseConfigObject, "config"_a,
+        "A config (a dict or a JSON path) parsed as initialize parses it");
   m.def("resolve_config", &ResolveConfig, "args"_a, "config"_a);
   m.def("add_config_arguments", &AddConfigArguments, "parser"_a);
 }

@@ -51,7 +51,8 @@ class TorchGroupComm : public Comm {
  private:
   Comm& Group() {
     if (!group_)
-      throw CommError("uckpt: rank " + std::to_string(rank_) + ": a collective after the interpreter's exit began "
+      throw CommError("uckpt: rank " + std::to_string(rank_) +
+                      ": a collective after the interpreter's exit began "
                       "(uckpt ended its use of torch.distributed's process group then)");
     return *group_;
   }
@@ -107,8 +108,10 @@ py::object DefaultTimeout() {
 void CheckCommsConfig(py::handle config) {
   if (config.is_none()) return;
   if (!py::hasattr(config, "comms_config"))
-    throw py::type_error("uckpt.init_distributed: config must be a DeepSpeedConfig (DeepSpeed 0.14.5 reads its "
-                         "comms_config), got " + TypeName(config));
+    throw py::type_error(
+        "uckpt.init_distributed: config must be a DeepSpeedConfig (DeepSpeed 0.14.5 reads its "
+        "comms_config), got " +
+        TypeName(config));
   py::object comms = config.attr("comms_config");
   if (py::hasattr(comms, "enabled") && comms.attr("enabled").cast<bool>())
     std::cerr << "uckpt: warning: init_distributed: the comms logger (comms_config) is not supported; collectives "
@@ -118,10 +121,11 @@ void CheckCommsConfig(py::handle config) {
 // What deepspeed.init_distributed's MPI discovery exports: the world as
 // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
 void ExportWorld(py::object environ, const DistEnv& env, bool overwrite) {
-  const std::pair<const char*, std::string> vars[] = {
-      {"RANK", std::to_string(env.rank)},        {"WORLD_SIZE", std::to_string(env.world_size)},
-      {"LOCAL_RANK", std::to_string(env.local_rank)}, {"MASTER_ADDR", env.master_addr},
-      {"MASTER_PORT", std::to_string(env.master_port)}};
+  const std::pair<const char*, std::string> vars[] = {{"RANK", std::to_string(env.rank)},
+                                                      {"WORLD_SIZE", std::to_string(env.world_size)},
+                                                      {"LOCAL_RANK", std::to_string(env.local_rank)},
+                                                      {"MASTER_ADDR", env.master_addr},
+                                                      {"MASTER_PORT", std::to_string(env.master_port)}};
   for (const auto& [k, v] : vars)
     if (overwrite || !environ.contains(k)) environ[py::str(k)] = v;
 }
@@ -174,20 +178,21 @@ void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distr
   const bool initialized = dist.attr("is_initialized")().cast<bool>();
   const bool required = dist_init_required.is_none() ? !initialized : dist_init_required.cast<bool>();
   if (!required && !initialized)
-    throw py::value_error("uckpt.init_distributed: dist_init_required=False but torch.distributed is not initialized; "
-                          "pass dist_init_required=True or initialize it before calling uckpt.initialize()");
+    throw py::value_error(
+        "uckpt.init_distributed: dist_init_required=False but torch.distributed is not initialized; "
+        "pass dist_init_required=True or initialize it before calling uckpt.initialize()");
   py::module_::import("uckpt.comm").attr("_end_cleanly_at_exit")();
   if (initialized) return;  // the script's own group (or an earlier call's)
   if (timeout.is_none()) timeout = DefaultTimeout();
   if (!py::isinstance(timeout, py::module_::import("datetime").attr("timedelta")))
     throw py::type_error("uckpt.init_distributed: timeout must be a datetime.timedelta, got " + TypeName(timeout));
   if (auto_mpi_discovery) DiscoverWorld(distributed_port, verbose);
-  const std::string backend = !dist_backend.is_none() ? dist_backend.cast<std::string>()
-                                                       : (PickDevice() == "cuda" ? "nccl" : "gloo");
+  const std::string backend =
+      !dist_backend.is_none() ? dist_backend.cast<std::string>() : (PickDevice() == "cuda" ? "nccl" : "gloo");
   py::object environ = py::module_::import("os").attr("environ");
-  const int world = world_size != -1 ? world_size
+  const int world = world_size != -1                 ? world_size
                     : environ.contains("WORLD_SIZE") ? py::int_(environ["WORLD_SIZE"]).cast<int>()
-                                                       : -1;
+                                                     : -1;
   if (init_method.is_none() && world == 1 && rank <= 0) {
     // One process: a group of one on an in-memory store (no port to collide on).
     dist.attr("init_process_group")(backend, "store"_a = dist.attr("HashStore")(), "rank"_a = 0, "world_size"_a = 1,
@@ -198,7 +203,6 @@ void InitDistributed(py::object dist_backend, bool auto_mpi_discovery, int distr
   dist.attr("init_process_group")(backend, "timeout"_a = timeout, "init_method"_a = init_method, "rank"_a = rank,
                                   "world_size"_a = world_size);
 }
-
 
 void BindDistributed(py::module_& m) {
   m.def("init_distributed", &InitDistributed, "dist_backend"_a = py::none(), "auto_mpi_discovery"_a = true,

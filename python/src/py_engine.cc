@@ -8,8 +8,8 @@
 #include <cstdio>
 
 #include "py_param_groups.h"
-#include "script_api.h"
 #include "py_values.h"
+#include "script_api.h"
 
 namespace uckpt::python {
 
@@ -52,7 +52,8 @@ void FinishCheckpointsAtExit() {
 
 py::object PyEngine::Backward(py::object loss, const BackwardOptions& options) {
   RequireOptimizer("backward");
-  if (!THPVariable_Check(loss.ptr())) throw py::type_error("engine.backward: loss must be a tensor, got " + TypeName(loss));
+  if (!THPVariable_Check(loss.ptr()))
+    throw py::type_error("engine.backward: loss must be a tensor, got " + TypeName(loss));
   at::Tensor t = THPVariable_Unpack(loss.ptr());
   {
     py::gil_scoped_release no_gil;  // autograd may run Python functions on its own threads
@@ -68,9 +69,13 @@ py::object PyEngine::Backward(py::object loss, const BackwardOptions& options) {
 void PyEngine::RequireOptimizer(const char* call) const {
   if (settings_.has_optimizer) return;
   // DeepSpeed asserts the same (an AssertionError).
-  PyErr_SetString(PyExc_AssertionError, (std::string("engine.") + call + ": must provide optimizer during init in order "
-                                         "to use " + call + " (initialize got no optimizer and the config has no "
-                                         "'optimizer' section)").c_str());
+  PyErr_SetString(PyExc_AssertionError, (std::string("engine.") + call +
+                                         ": must provide optimizer during init in order "
+                                         "to use " +
+                                         call +
+                                         " (initialize got no optimizer and the config has no "
+                                         "'optimizer' section)")
+                                            .c_str());
   throw py::error_already_set();
 }
 
@@ -145,7 +150,8 @@ class EngineBasicOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         raise RuntimeError("uckpt: this optimizer's step() does not update; the update runs in engine.step()")
-)PY", scope);
+)PY",
+             scope);
     cls = new py::object(scope["EngineBasicOptimizer"]);
   }
   return (*cls)(groups, defaults);
@@ -191,7 +197,8 @@ void PyEngine::UseParamGroups(py::object client_optimizer, std::vector<int> engi
       engine_group_of_.push_back(engine_group_of.at(i));
     }
     if (kept.size() != dicts.size())
-      client_optimizer.attr("param_groups").attr("__setitem__")(py::module_::import("builtins").attr("slice")(py::none()), kept);
+      client_optimizer.attr("param_groups")
+          .attr("__setitem__")(py::module_::import("builtins").attr("slice")(py::none()), kept);
     client_optimizer_ = std::move(client_optimizer);
     basic_optimizer_ = client_optimizer_;  // DeepSpeed steps it at each update: a torch scheduler on it counts them
     // LRRangeTest's and OneCycle's constructors write their first lr (and betas) into the groups.
@@ -224,7 +231,8 @@ void PyEngine::PushGroups() {
   for (size_t i = 0; i < dicts.size(); ++i) {
     if (engine_group_of_[i] < 0) continue;
     const auto g = static_cast<size_t>(engine_group_of_[i]);
-    const GroupOptionals h = ReadGroup(dicts[i], "optimizer.param_groups[" + std::to_string(i) + "]", !settings_.client_step);
+    const GroupOptionals h =
+        ReadGroup(dicts[i], "optimizer.param_groups[" + std::to_string(i) + "]", !settings_.client_step);
     if (h.lr && *h.lr != engine_->optimizer().learning_rate(g)) engine_->optimizer().SetLearningRate(g, *h.lr);
     const GroupHparams now = engine_->optimizer().group_hparams(g);
     GroupHparams want = now;
@@ -312,8 +320,10 @@ py::tuple PyEngine::LoadCheckpoint(py::object load_dir, py::object tag, bool loa
   if (!load_module_only) PullGroups(load_optimizer_states);  // the restored lrs (and hyper-parameters)
   if (!load_module_only && load_lr_scheduler_states && !client_scheduler_.is_none()) {
     if (engine_->stats().last_load().lr_scheduler_state.isNone())
-      throw py::value_error("engine.load_checkpoint: " + r.path + " holds no lr_scheduler state (saved without a "
-                            "scheduler) for " + TypeName(client_scheduler_) +
+      throw py::value_error("engine.load_checkpoint: " + r.path +
+                            " holds no lr_scheduler state (saved without a "
+                            "scheduler) for " +
+                            TypeName(client_scheduler_) +
                             ".load_state_dict(); pass load_lr_scheduler_states=False to keep the scheduler as it is");
     client_scheduler_.attr("load_state_dict")(FromIValue(engine_->stats().last_load().lr_scheduler_state));
   }
@@ -364,8 +374,8 @@ py::list PyEngine::SchedulerLr() const {
 
 py::list PyEngine::SchedulerLastLr() const {
   // DeepSpeed's _last_lr: what its last step wrote into every group (set by a step only, not by a load).
-  if (!config_scheduler_stepped_)
-  {  // DeepSpeed's asserts it: the Trainer catches AssertionError here (fp16 loss-scale warm-up)
+  if (!config_scheduler_stepped_) {  // DeepSpeed's asserts it: the Trainer catches AssertionError here (fp16 loss-scale
+                                     // warm-up)
     PyErr_SetString(PyExc_AssertionError,
                     "lr_scheduler.get_last_lr(): need to call step() first (the scheduler has not stepped)");
     throw py::error_already_set();

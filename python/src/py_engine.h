@@ -26,8 +26,8 @@ struct EngineSettings {
   bool has_scheduler() const { return !config.scheduler.type.empty(); }
   // OneCycle with cycle_momentum writes betas with the lr.
   bool scheduler_sets_betas() const { return config.scheduler.type == "OneCycle" && config.scheduler.cycle_momentum; }
-  bool has_optimizer = true;    // false: initialize got no optimizer and the config has none
-  bool client_step = false;     // the client's optimizer (no Adam the engine runs) steps the partitions
+  bool has_optimizer = true;  // false: initialize got no optimizer and the config has none
+  bool client_step = false;   // the client's optimizer (no Adam the engine runs) steps the partitions
   // The config as the engine took it (parsed once, in initialize), and the
   // class name of initialize's optimizer= ("" if none).
   engine::TrainConfig config;
@@ -103,15 +103,16 @@ class PyEngine {
  private:
   py::object module_;
   std::shared_ptr<torch::nn::Module> shell_;
-  void PushGroups();  // the dicts' hyper-parameters into the engine
+  void PushGroups();              // the dicts' hyper-parameters into the engine
   void PullGroups(bool hparams);  // the engine's lrs (and betas, eps, weight decay) into the dicts
 
   std::unique_ptr<Engine> engine_;
   EngineSettings settings_;
   py::object client_optimizer_ = py::none();  // its param_groups are the dicts
-  py::object basic_optimizer_ = py::none();   // the torch optimizer schedulers step: the client's, or one over own_groups_
+  py::object basic_optimizer_ =
+      py::none();  // the torch optimizer schedulers step: the client's, or one over own_groups_
   py::object client_scheduler_ = py::none();
-  bool config_scheduler_stepped_ = false;     // DeepSpeed's get_last_lr() asserts before a step
+  bool config_scheduler_stepped_ = false;  // DeepSpeed's get_last_lr() asserts before a step
   void StepClientScheduler(py::object lr_kwargs);
   void RequireOptimizer(const char* call) const;
   void RequireStateDict(const char* call) const;
@@ -119,8 +120,8 @@ class PyEngine {
   // After a load with optimizer state: the saved param groups' entries (all of
   // a client optimizer's own keys) into its dicts, as torch's load_state_dict.
   void RestoreClientGroups();
-  py::list own_groups_;                       // the dicts without a client optimizer
-  std::vector<int> engine_group_of_;          // dict i's engine group (-1: nothing trainable)
+  py::list own_groups_;               // the dicts without a client optimizer
+  std::vector<int> engine_group_of_;  // dict i's engine group (-1: nothing trainable)
 };
 
 // At exit, before uckpt.comm's teardown of the default group (unless this

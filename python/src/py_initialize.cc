@@ -37,13 +37,15 @@ void RefuseStage0Unsupported(py::handle optimizer, const engine::TrainConfig& co
     for (auto p : g["params"]) frozen += !p.attr("requires_grad").cast<bool>();
   if (frozen > 0)
     throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 holds " +
-                          std::to_string(frozen) + " frozen parameter(s) (requires_grad=False) in its param groups, "
+                          std::to_string(frozen) +
+                          " frozen parameter(s) (requires_grad=False) in its param groups, "
                           "which DeepSpeed's stage-0 checkpoint numbers among the optimizer's state ids and uckpt "
                           "does not; build it on the trainable parameters only (p for p in model.parameters() if "
                           "p.requires_grad), or use ZeRO stage 1-3");
   // fp16: DeepSpeed's FP16_UnfusedOptimizer around it, which the engine keeps (engine/fp16_stage0.cc).
   if (!config.bf16) return;
-  throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) + " at ZeRO stage 0 in bf16 is not "
+  throw py::value_error("uckpt.initialize: optimizer " + TypeName(optimizer) +
+                        " at ZeRO stage 0 in bf16 is not "
                         "supported by uckpt (DeepSpeed wraps it in its BF16_Optimizer; uckpt runs it at stage 0 in "
                         "fp32 and fp16, and in bf16 at stages 1-3)");
 }
@@ -51,7 +53,8 @@ void RefuseStage0Unsupported(py::handle optimizer, const engine::TrainConfig& co
 void RefuseUnsupported(py::handle model, py::handle mpu, const nlohmann::json& config, const std::string& source) {
   if (!mpu.is_none())
     throw py::value_error("uckpt.initialize: model parallelism (mpu=) is not supported by uckpt (data parallel only)");
-  if (std::string what = FindUnsupportedModule(model); !what.empty()) throw py::value_error("uckpt.initialize: " + what);
+  if (std::string what = FindUnsupportedModule(model); !what.empty())
+    throw py::value_error("uckpt.initialize: " + what);
   for (const char* key : {"pipeline", "moe", "tensor_parallel", "sequence_parallel_size"})
     if (config.contains(key))
       throw py::value_error(source + ": '" + key + "' is not supported by uckpt (data parallel ZeRO only)");
@@ -73,7 +76,8 @@ py::object MakeDataLoader(py::handle data, const Engine& e, py::handle collate_f
 // replaced by f(tensor); TypeError naming `what` when there is none.
 template <typename F>
 py::object WithFirstTensor(py::handle values, const std::string& what, F&& f) {
-  if (THPVariable_Check(values.ptr())) return py::reinterpret_steal<py::object>(THPVariable_Wrap(f(THPVariable_Unpack(values.ptr()))));
+  if (THPVariable_Check(values.ptr()))
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(f(THPVariable_Unpack(values.ptr()))));
   if (py::isinstance<py::tuple>(values) || py::isinstance<py::list>(values)) {
     py::list items = py::list(py::reinterpret_borrow<py::object>(values));
     for (size_t k = 0; k < items.size(); ++k)
@@ -82,7 +86,8 @@ py::object WithFirstTensor(py::handle values, const std::string& what, F&& f) {
         return py::isinstance<py::tuple>(values) ? py::object(py::tuple(items)) : py::object(items);
       }
   }
-  throw py::type_error("uckpt ZeRO stage 3: " + what + " holds no tensor (a gather unit needs its input and output "
+  throw py::type_error("uckpt ZeRO stage 3: " + what +
+                       " holds no tensor (a gather unit needs its input and output "
                        "hidden states as tensors)");
 }
 
@@ -117,25 +122,27 @@ void RegisterUnitHooks(const std::shared_ptr<PyEngine>& engine, const std::vecto
       ++*hooked;
       return r;
     }));
-    units[i].module.attr("register_forward_hook")(py::cpp_function([exit, hooked](py::object, py::object, py::object out) {
-      --*hooked;
-      return exit(out);
-    }));
+    units[i].module.attr("register_forward_hook")(
+        py::cpp_function([exit, hooked](py::object, py::object, py::object out) {
+          --*hooked;
+          return exit(out);
+        }));
     py::object forward = units[i].module.attr("forward");  // the bound method
-    units[i].module.attr("forward") = py::cpp_function([enter, exit, hooked, forward, weak](py::args args, py::kwargs kwargs) {
-      if (*hooked > 0 || weak.expired()) return forward(*args, **kwargs);
-      py::object entered = enter(args);
-      ++*hooked;
-      py::object out;
-      try {
-        out = forward(*entered, **kwargs);
-      } catch (...) {
-        --*hooked;
-        throw;
-      }
-      --*hooked;
-      return exit(out);
-    });
+    units[i].module.attr("forward") =
+        py::cpp_function([enter, exit, hooked, forward, weak](py::args args, py::kwargs kwargs) {
+          if (*hooked > 0 || weak.expired()) return forward(*args, **kwargs);
+          py::object entered = enter(args);
+          ++*hooked;
+          py::object out;
+          try {
+            out = forward(*entered, **kwargs);
+          } catch (...) {
+            --*hooked;
+            throw;
+          }
+          --*hooked;
+          return exit(out);
+        });
   }
 }
 
@@ -180,9 +187,10 @@ void RegisterParameters(const std::shared_ptr<PyEngine>& engine, const torch::nn
 void RefuseFrozenWithoutOptimizer(py::handle model) {
   for (auto p : model.attr("parameters")())
     if (p.attr("requires_grad").cast<bool>()) return;
-  throw py::value_error("uckpt.initialize: without an optimizer uckpt still needs a module with a parameter that "
-                        "requires grad (uckpt's engine does not wrap a fully frozen module; run it as a plain "
-                        "torch module)");
+  throw py::value_error(
+      "uckpt.initialize: without an optimizer uckpt still needs a module with a parameter that "
+      "requires grad (uckpt's engine does not wrap a fully frozen module; run it as a plain "
+      "torch module)");
 }
 
 // zero.Init's (param, ds_shape, ds_tensor) triples (uckpt.zero's
@@ -205,7 +213,8 @@ EngineSettings ParseInitializeConfig(const nlohmann::json& given, const std::str
                                      std::vector<std::string>& notes) {
   engine::SectionOverrides overrides;
   if (!optimizer.is_none()) overrides.optimizer = plan.section;  // null: the client's optimizer steps itself
-  // The scheduler: the client's over the config's, and none without an optimizer (DeepSpeed configures it only with one).
+  // The scheduler: the client's over the config's, and none without an optimizer (DeepSpeed configures it only with
+  // one).
   if (given.contains("scheduler") && (client_scheduler || !plan.has_optimizer)) {
     notes.push_back(std::string("the config's 'scheduler' section is not used: ") +
                     (client_scheduler ? "the lr_scheduler passed to initialize is, as DeepSpeed does"
@@ -250,9 +259,9 @@ EngineOptions MakeEngineOptions(py::handle model, py::handle optimizer, Optimize
 
 }  // namespace
 
-py::tuple Initialize(py::object model, py::object optimizer, py::object model_parameters,
-                     py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
-                     py::object config, py::list partitioned) {
+py::tuple Initialize(py::object model, py::object optimizer, py::object model_parameters, py::object training_data,
+                     py::object lr_scheduler, py::object mpu, py::object collate_fn, py::object config,
+                     py::list partitioned) {
   if (model.is_none()) throw py::value_error("uckpt.initialize: model is required");
   std::string source;
   const nlohmann::json given = ConfigToJson(config, source);
@@ -261,7 +270,8 @@ py::tuple Initialize(py::object model, py::object optimizer, py::object model_pa
   // client optimizer that is not an optimizer object is a callable building one from them.
   if (!model_parameters.is_none()) model_parameters = py::list(model_parameters);
   if (!optimizer.is_none() && !py::hasattr(optimizer, "param_groups") && PyCallable_Check(optimizer.ptr()))
-    optimizer = optimizer(model_parameters.is_none() ? py::object(py::list(model.attr("parameters")())) : model_parameters);
+    optimizer =
+        optimizer(model_parameters.is_none() ? py::object(py::list(model.attr("parameters")())) : model_parameters);
   OptimizerPlan plan = PlanOptimizer(optimizer, model_parameters, given.contains("optimizer"));
   const bool client_scheduler = plan.has_optimizer && PyObject_IsTrue(lr_scheduler.ptr()) == 1;
   std::vector<std::string> notes;
@@ -282,9 +292,9 @@ py::tuple Initialize(py::object model, py::object optimizer, py::object model_pa
     if (!plan.warning.empty()) std::cerr << "uckpt: " << plan.warning << "\n";
     for (const auto& n : notes) std::cerr << "uckpt: " << n << "\n";
   }
-  py::object dataloader = training_data.is_none()
-                              ? py::none()
-                              : MakeDataLoader(training_data, *engine, collate_fn, settings.config.dataloader_drop_last);
+  py::object dataloader = training_data.is_none() ? py::none()
+                                                  : MakeDataLoader(training_data, *engine, collate_fn,
+                                                                   settings.config.dataloader_drop_last);
   auto core = std::make_shared<PyEngine>(model, shell, std::move(engine), std::move(settings));
   core->UseParamGroups(optimizer, std::move(plan.engine_group_of));
   if (!optimizer.is_none()) core->TakeClientState();
@@ -312,13 +322,12 @@ int GatherParameters(py::object params, bool gather, int modifier_rank) {
   int partitioned = 0;
   for (auto& [order, entry] : by_engine) {
     auto& [e, tensors] = entry;
-    if (e->settings().config.zero.stage != 3) continue;  // stages 0-2: parameters are whole, DeepSpeed's context does nothing
+    if (e->settings().config.zero.stage != 3)
+      continue;  // stages 0-2: parameters are whole, DeepSpeed's context does nothing
     partitioned += static_cast<int>(tensors.size());
     py::gil_scoped_release no_gil;
-    if (gather)
-      e->engine().GatherParameters(tensors);
-    else
-      e->engine().ReleaseParameters(tensors, modifier_rank);
+    if (gather) e->engine().GatherParameters(tensors);
+    else e->engine().ReleaseParameters(tensors, modifier_rank);
   }
   return partitioned;
 }

@@ -11,9 +11,9 @@ namespace uckpt::python {
 namespace py = pybind11;
 
 // (engine core, dataloader or None), with the config ResolveConfig gave.
-py::tuple Initialize(py::object model, py::object optimizer, py::object model_parameters,
-                     py::object training_data, py::object lr_scheduler, py::object mpu, py::object collate_fn,
-                     py::object config, py::list partitioned);
+py::tuple Initialize(py::object model, py::object optimizer, py::object model_parameters, py::object training_data,
+                     py::object lr_scheduler, py::object mpu, py::object collate_fn, py::object config,
+                     py::list partitioned);
 
 // uckpt.zero.GatheredParameters: the stage-3 parameters among `params` (an
 // iterable of tensors), each by the engine holding it, gathered (true) or

@@ -26,7 +26,8 @@ std::string PyEngine::StateDictRefusal(const char* call) const {
   const std::string head = std::string("engine.optimizer.") + call + " is not supported by uckpt ";
   if (!settings_.has_optimizer) return head + "without an optimizer";
   if (settings_.config.zero.stage != 0)
-    return head + "at ZeRO stage " + std::to_string(settings_.config.zero.stage) + " (DeepSpeed's is its ZeRO optimizer's, "
+    return head + "at ZeRO stage " + std::to_string(settings_.config.zero.stage) +
+           " (DeepSpeed's is its ZeRO optimizer's, "
            "what this rank's *_optim_states.pt holds): use engine.save_checkpoint() / load_checkpoint()";
   if (engine_->settings().fp16_enabled() || engine_->settings().bf16_enabled())
     return head + "at ZeRO stage 0 in " + (engine_->settings().bf16_enabled() ? "bf16" : "fp16") +
@@ -34,7 +35,8 @@ std::string PyEngine::StateDictRefusal(const char* call) const {
            (engine_->settings().bf16_enabled() ? "BF16_Optimizer" : "FP16 optimizer wrapper") +
            "'s): use engine.save_checkpoint()";
   if (client_optimizer_.is_none())
-    return head + "for the optimizer the config's 'optimizer' section made (DeepSpeed's is that class's, e.g. "
+    return head +
+           "for the optimizer the config's 'optimizer' section made (DeepSpeed's is that class's, e.g. "
            "FusedAdam's): pass a torch.optim optimizer to initialize, or use engine.save_checkpoint()";
   const std::string cls = TypeName(client_optimizer_);
   if (cls == "DeepSpeedCPUAdam" || cls == "FusedAdam")
@@ -61,7 +63,7 @@ py::object PyEngine::OptimizerStateDict() {
     for (const auto& [name, param] : groups[g]) {
       py::dict st;
       for (const auto& [key, t] : states)
-        st[py::str(key)] = !t.defined() ? py::object(py::none())
+        st[py::str(key)] = !t.defined()   ? py::object(py::none())
                            : t.dim() == 0 ? py::cast(t.cpu().clone())  // torch keeps a step on the CPU
                                           : py::cast(t.narrow(0, at, param.numel()).view(param.sizes()));
       pairs.append(py::make_tuple(py::cast(param), st));
@@ -116,8 +118,11 @@ void PyEngine::TakeParamStates(py::list loaded) {
         if (found == group.end()) {
           group.emplace_back(key, t.clone());
         } else if (!found->second.defined() || !at::equal(found->second.cpu(), t.cpu())) {
-          throw py::value_error("optimizer.load_state_dict: state '" + key + "' differs between the parameters of "
-                                "param group " + std::to_string(it->second.group) + " (uckpt keeps one value per "
+          throw py::value_error("optimizer.load_state_dict: state '" + key +
+                                "' differs between the parameters of "
+                                "param group " +
+                                std::to_string(it->second.group) +
+                                " (uckpt keeps one value per "
                                 "group at ZeRO stage 0, as its flat partitions step every parameter together)");
         }
         continue;

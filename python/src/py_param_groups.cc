@@ -10,7 +10,6 @@ namespace uckpt::python {
 
 std::string TypeName(py::handle h) { return py::str(h.get_type().attr("__name__")).cast<std::string>(); }
 
-
 namespace {
 
 // A number (a float, an int or a 0-d tensor, as torch schedulers may write).
@@ -139,8 +138,8 @@ OptimizerPlan PlanOptimizer(py::handle optimizer, py::handle model_parameters, b
     if (config_has_optimizer)  // DeepSpeed uses the client's and says so in its log
       plan.warning = "the config's 'optimizer' section is not used: the optimizer passed to initialize (" +
                      TypeName(optimizer) + ") is, as DeepSpeed does";
-    plan.groups = GroupsFrom(optimizer.attr("param_groups"), "optimizer.param_groups", plan.engine_group_of,
-                             !plan.client_step);
+    plan.groups =
+        GroupsFrom(optimizer.attr("param_groups"), "optimizer.param_groups", plan.engine_group_of, !plan.client_step);
     if (plan.client_step) return plan;
     // The first group's hyper-parameters are the section's; each group keeps its own.
     GroupOptionals first = ReadGroup(py::list(optimizer.attr("param_groups"))[0], "optimizer.param_groups[0]");
@@ -173,7 +172,8 @@ std::shared_ptr<T> HeldWithGil(T value) {
 }  // namespace
 
 OptimizerStepFn ClientOptimizerStep(py::handle optimizer, const std::vector<int>& engine_group_of) {
-  auto held = HeldWithGil(py::module_::import("uckpt._partition_step").attr("PartitionStepper")(optimizer, engine_group_of));
+  auto held =
+      HeldWithGil(py::module_::import("uckpt._partition_step").attr("PartitionStepper")(optimizer, engine_group_of));
   return [held](std::vector<OptimizerPartition>& parts) {
     py::gil_scoped_acquire gil;
     py::list items;
@@ -212,6 +212,5 @@ std::function<c10::IValue(size_t)> ClientParamGroup(py::handle optimizer, const 
     return ToIValue(entries, "optimizer.param_groups");
   };
 }
-
 
 }  // namespace uckpt::python

@@ -17,7 +17,8 @@ ClientState ToIValue(py::handle v, const std::string& what) {
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     for (auto item : v.cast<py::dict>()) {
       if (!py::isinstance<py::str>(item.first))
-        throw py::type_error(what + ": dict keys must be str, got " + py::str(item.first.get_type()).cast<std::string>());
+        throw py::type_error(what + ": dict keys must be str, got " +
+                             py::str(item.first.get_type()).cast<std::string>());
       const std::string key = item.first.cast<std::string>();
       d.insert(key, ToIValue(item.second, what + "['" + key + "']"));
     }
@@ -128,8 +129,6 @@ nlohmann::json ConfigToJson(py::handle config, std::string& source, const std::s
   return PyJsonToJson(json.attr("loads")(json.attr("dumps")(config)));
 }
 
-py::object JsonToPy(const nlohmann::json& j) {
-  return py::module_::import("json").attr("loads")(j.dump());
-}
+py::object JsonToPy(const nlohmann::json& j) { return py::module_::import("json").attr("loads")(j.dump()); }
 
 }  // namespace uckpt::python

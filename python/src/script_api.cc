@@ -68,10 +68,9 @@ namespace {
 void RequireZeroOptimizer(const PyEngine& e, const char* attribute) {
   const std::string cls = DeepSpeedOptimizerClass(e);
   if (cls == "BF16_Optimizer" || cls == "torch")
-    throw py::attribute_error(std::string("the optimizer has no attribute '") + attribute +
-                              "': DeepSpeed's optimizer here is " +
-                              (cls == "torch" ? "the torch optimizer itself" : "its bf16 wrapper (BF16_Optimizer)") +
-                              ", which keeps none");
+    throw py::attribute_error(
+        std::string("the optimizer has no attribute '") + attribute + "': DeepSpeed's optimizer here is " +
+        (cls == "torch" ? "the torch optimizer itself" : "its bf16 wrapper (BF16_Optimizer)") + ", which keeps none");
 }
 
 }  // namespace
@@ -94,7 +93,8 @@ void BindScriptFunctions(py::module_& m) {
         ckpt::ExportSafetensors(checkpoint, out, DType::kFloat32);
       },
       "checkpoint"_a, "out"_a, "The fp32 weights of a ZeRO checkpoint's tag folder as a safetensors file");
-  m.def("scheduler_types", [] { return engine::SchedulerTypes(); }, "The config scheduler types the engine runs");
+  m.def(
+      "scheduler_types", [] { return engine::SchedulerTypes(); }, "The config scheduler types the engine runs");
 }
 
 }  // namespace uckpt::python

@@ -7,8 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -150,9 +150,9 @@ class Converter {
     progress_.bytes_total = ckpt_.total_bytes();
     CopyPlan plan;
     struct Info {
-      size_t param = SIZE_MAX;  // the parameter the file belongs to
-      uint64_t state_bytes = 0; // parameter state bytes it holds
-      uint64_t copied = 0;      // bytes of a whole-file copy
+      size_t param = SIZE_MAX;   // the parameter the file belongs to
+      uint64_t state_bytes = 0;  // parameter state bytes it holds
+      uint64_t copied = 0;       // bytes of a whole-file copy
     };
     std::vector<Info> info;
     auto add = [&](std::string path, uint64_t estimate, std::function<void(OrderedSink&)> gen, Info i) {
@@ -169,8 +169,8 @@ class Converter {
     for (size_t i = 0; i < ckpt_.params.size(); ++i) {
       const ParamPlan& p = ckpt_.params[i];
       if (p.step) {
-        add(UniversalStateFile(tmp_, p.name, kStep), 0, [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); },
-            {i, 0, 0});
+        add(UniversalStateFile(tmp_, p.name, kStep), 0,
+            [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); }, {i, 0, 0});
         ++files_left_[i];
       }
       for (const auto& [key, value] : p.scalars) {  // the optimizer's other scalars, as step.pt
@@ -197,20 +197,25 @@ class Converter {
     // DeepSpeed >= 0.19.8: the module's entries without optimizer state.
     for (const auto& [name, tensor] : ckpt_.module_only) {
       env_.CreateDirs(UniversalParamDir(tmp_, name));
-      add(UniversalStateFile(tmp_, name, kFp32), 0, [this, t = tensor](OrderedSink& out) {
-        ValuePtr d = Value::Dict();
-        d->set(kUniversalParam, AsFloat32(t));
-        WriteTorchFile(out, out.path(), d, {}, release_);
-      }, {});
+      add(UniversalStateFile(tmp_, name, kFp32), 0,
+          [this, t = tensor](OrderedSink& out) {
+            ValuePtr d = Value::Dict();
+            d->set(kUniversalParam, AsFloat32(t));
+            WriteTorchFile(out, out.path(), d, {}, release_);
+          },
+          {});
     }
     // (Stage 3 embeds rank 0's partitions, as DeepSpeed does.)
     add(UniversalOptimizerStateFile(tmp_), 0,
-        [this](OrderedSink& out) { WriteTorchFile(out, out.path(), UniversalOptimizerState(ckpt_), {}, release_); }, {});
+        [this](OrderedSink& out) { WriteTorchFile(out, out.path(), UniversalOptimizerState(ckpt_), {}, release_); },
+        {});
     for (const auto& m : ckpt_.model_files) {
       if (ckpt_.stage == 0) {  // with param_shapes, its optimizer state moved into zero/
-        add(tmp_ + "/" + m.name, 0, [this](OrderedSink& out) {
-          WriteTorchFile(out, out.path(), Stage0UniversalModelStates(ckpt_), {}, release_);
-        }, {});
+        add(tmp_ + "/" + m.name, 0,
+            [this](OrderedSink& out) {
+              WriteTorchFile(out, out.path(), Stage0UniversalModelStates(ckpt_), {}, release_);
+            },
+            {});
         continue;
       }
       PlannedFile f;  // copied as shutil.copy2 does: data, mode, times
@@ -280,8 +285,8 @@ class Converter {
   std::string output_, parent_, base_, tmp_;
   ConvertOptions options_;
   TorchWriteOptions release_;
-  std::vector<size_t> files_left_;        // per parameter: its files not yet written
-  std::vector<ManifestEntry> written_;    // every file the plan wrote, with its hash
+  std::vector<size_t> files_left_;      // per parameter: its files not yet written
+  std::vector<ManifestEntry> written_;  // every file the plan wrote, with its hash
   ConvertStats stats_;
   ConvertProgress progress_;
 };
@@ -310,9 +315,8 @@ std::vector<std::string> StaleConvertTemporaries(const std::string& output) {
     // The suffix is <pid>-<n>; only a pid that is certainly gone counts.
     const std::string suffix = name.substr(prefix.size());
     const size_t dash = suffix.find('-');
-    if (dash == 0 || dash == std::string::npos ||
-        suffix.find_first_not_of("0123456789") != dash || suffix.size() - dash - 1 == 0 ||
-        suffix.find_first_not_of("0123456789", dash + 1) != std::string::npos)
+    if (dash == 0 || dash == std::string::npos || suffix.find_first_not_of("0123456789") != dash ||
+        suffix.size() - dash - 1 == 0 || suffix.find_first_not_of("0123456789", dash + 1) != std::string::npos)
       continue;
     const long pid = std::strtol(suffix.substr(0, dash).c_str(), nullptr, 10);
     if (pid <= 0 || pid == ::getpid()) continue;

@@ -15,14 +15,14 @@
 namespace uckpt::ckpt {
 
 struct ConvertProgress {
-  uint64_t bytes_done = 0, bytes_total = 0;    // parameter state bytes
+  uint64_t bytes_done = 0, bytes_total = 0;  // parameter state bytes
   size_t params_done = 0, params_total = 0;
 };
 
 struct ConvertOptions {
-  int threads = 0;        // worker threads over output files (ckpt/copy_plan.h); 0: DefaultThreads() (ckpt/parallel.h)
-  bool force = false;     // replace an existing output folder
-  bool durable = true;    // sync the output to disk before it is renamed into place
+  int threads = 0;      // worker threads over output files (ckpt/copy_plan.h); 0: DefaultThreads() (ckpt/parallel.h)
+  bool force = false;   // replace an existing output folder
+  bool durable = true;  // sync the output to disk before it is renamed into place
   bool write_manifest = true;  // uckpt-manifest.json (ckpt/manifest.h); off only to benchmark its cost
   // Called after each parameter (from worker threads, one call at a time).
   std::function<void(const ConvertProgress&)> progress;
@@ -43,7 +43,8 @@ struct ConvertStats {
 // Throws FormatError / IoError naming the file; then nothing is left at
 // `output` (an existing one is untouched unless the conversion succeeded with
 // `force`) and the temporary folder is removed.
-ConvertStats ConvertToUniversal(const std::string& input, const std::string& output, const ConvertOptions& options = {});
+ConvertStats ConvertToUniversal(const std::string& input, const std::string& output,
+                                const ConvertOptions& options = {});
 
 // The temporary folders `.<name>.uckpt-tmp-<pid>-<n>` beside `output` whose
 // process <pid> is no longer running on this machine: left by a conversion
@@ -51,7 +52,8 @@ ConvertStats ConvertToUniversal(const std::string& input, const std::string& out
 std::vector<std::string> StaleConvertTemporaries(const std::string& output);
 
 // The same from an already opened checkpoint.
-ConvertStats ConvertToUniversal(const ZeroCheckpoint& ckpt, const std::string& output, const ConvertOptions& options = {});
+ConvertStats ConvertToUniversal(const ZeroCheckpoint& ckpt, const std::string& output,
+                                const ConvertOptions& options = {});
 
 // Rejects parameter names that cannot be folder names ("", ".", "..", "/", NUL):
 // a hostile checkpoint must not write outside the output folder.

@@ -6,9 +6,9 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cstring>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <memory>
@@ -26,7 +26,7 @@ namespace uckpt::ckpt {
 
 namespace {
 
-constexpr size_t kChunk = 1 << 20;              // largest single write; smaller writes are gathered to this
+constexpr size_t kChunk = 1 << 20;                // largest single write; smaller writes are gathered to this
 constexpr uint64_t kWritebackStep = 16ull << 20;  // start writeback after this many new bytes of a file
 
 // Starts writeback (sync_file_range SYNC_FILE_RANGE_WRITE) on a thread of
@@ -392,11 +392,10 @@ uint64_t ExecuteReads(std::span<const ReadBatch> batches, const ReadOptions& opt
       total += p.from.size();
     }
   }
-  ParallelFor(tasks.size(), WorkerThreads(options.threads, tasks.size()),
-              [&](size_t k) {
-                std::memcpy(tasks[k].to, tasks[k].from, tasks[k].size);
-                if (options.read) options.read({tasks[k].from, tasks[k].size});
-              });
+  ParallelFor(tasks.size(), WorkerThreads(options.threads, tasks.size()), [&](size_t k) {
+    std::memcpy(tasks[k].to, tasks[k].from, tasks[k].size);
+    if (options.read) options.read({tasks[k].from, tasks[k].size});
+  });
   return total;
 }
 

@@ -83,13 +83,13 @@ class OrderedSink : public ByteSink {
 };
 
 struct PlannedFile {
-  std::string path;                               // created (or truncated); its folder must exist
-  std::vector<CopyPiece> pieces;                  // a pieces file: these, tiling [0, size)
-  uint64_t size = 0;                              // a pieces file's size; else an estimate for ordering
-  std::function<void(OrderedSink&)> generate;     // a generated file
-  std::string copy_from;                          // a whole-file copy of this file
-  bool hash = true;                               // compute its XXH64
-  std::shared_ptr<const void> keep;               // holds bytes the pieces point into (a laid-out torch file)
+  std::string path;                            // created (or truncated); its folder must exist
+  std::vector<CopyPiece> pieces;               // a pieces file: these, tiling [0, size)
+  uint64_t size = 0;                           // a pieces file's size; else an estimate for ordering
+  std::function<void(OrderedSink&)> generate;  // a generated file
+  std::string copy_from;                       // a whole-file copy of this file
+  bool hash = true;                            // compute its XXH64
+  std::shared_ptr<const void> keep;            // holds bytes the pieces point into (a laid-out torch file)
 };
 
 struct CopyPlan {
@@ -102,9 +102,9 @@ struct CopyResult {
 };
 
 struct CopyOptions {
-  int threads = 0;                    // 0: DefaultThreads() (ckpt/parallel.h)
-  bool durable = true;                // start writeback early (see above); the caller syncs at the end
-  uint64_t split_bytes = 64ull << 20; // pieces files above this are split over threads
+  int threads = 0;                     // 0: DefaultThreads() (ckpt/parallel.h)
+  bool durable = true;                 // start writeback early (see above); the caller syncs at the end
+  uint64_t split_bytes = 64ull << 20;  // pieces files above this are split over threads
   // 0: a split file's ranges (of split_bytes) are written by any number of
   // threads at once; 1: by one thread, front to back, while another hashes
   // it (a hashed file; an unhashed one is then not split).
@@ -116,7 +116,6 @@ struct CopyOptions {
   // a time; may throw to stop the plan (as on an error).
   std::function<void(size_t file, const CopyResult& result)> done;
 };
-
 
 // A torch.save file of `root` at `path` as a pieces file (format/torch_file.h,
 // LayOutTorchFile: the same bytes as SaveTorchFile), its records' CRC-32s
@@ -151,8 +150,8 @@ struct ReadBatch {
 };
 
 struct ReadOptions {
-  int threads = 0;                // 0: min(4, DefaultThreads())
-  uint64_t chunk = 8ull << 20;    // pieces larger than this are split over threads
+  int threads = 0;              // 0: min(4, DefaultThreads())
+  uint64_t chunk = 8ull << 20;  // pieces larger than this are split over threads
   // Called on the reading thread with each source range once it is copied
   // (a load drops the pages it read from memory-mapped files there).
   std::function<void(std::span<const uint8_t>)> read;

@@ -83,8 +83,8 @@ CheckpointFile ClassifyFile(const std::string& folder, const std::string& name) 
   f.path = folder.empty() ? name : folder + "/" + name;
   if (NameScanner n(name); n.Lit("mp_rank_") && n.Digits(&f.mp) && n.Lit("_model_states.pt") && n.End()) {
     f.kind = FileKind::kModelStates;
-  } else if (NameScanner n(name); n.Lit("zero_pp_rank_") && n.Digits(&f.dp) && n.Lit("_mp_rank_") &&
-                                  n.Digits(&f.mp) && n.Lit("_model_states.pt") && n.End()) {
+  } else if (NameScanner n(name); n.Lit("zero_pp_rank_") && n.Digits(&f.dp) && n.Lit("_mp_rank_") && n.Digits(&f.mp) &&
+                                  n.Lit("_model_states.pt") && n.End()) {
     f.kind = FileKind::kZero3ModelStates;
   } else if (IsOptimStates(name, &f)) {
     f.kind = FileKind::kOptimStates;

@@ -36,9 +36,9 @@ struct CheckpointFile {
   std::string name;  // file name inside the folder
   std::string path;  // folder + "/" + name
   FileKind kind = FileKind::kOther;
-  int dp = -1;             // data-parallel rank (zero_pp_rank_D), -1 if none
-  int mp = -1;             // mp_rank_XX, -1 if none
-  std::string prefix;      // optimizer files: "", "bf16_" or "fp16_"
+  int dp = -1;         // data-parallel rank (zero_pp_rank_D), -1 if none
+  int mp = -1;         // mp_rank_XX, -1 if none
+  std::string prefix;  // optimizer files: "", "bf16_" or "fp16_"
 };
 
 // Classifies one file name: the parser of the names above (and of the

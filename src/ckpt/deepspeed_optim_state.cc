@@ -51,8 +51,7 @@ ValuePtr OptimStatesValue(const RankOptimStates& s) {
     fp32->items.push_back(gs.fp32);
     paddings->items.push_back(Value::Int(gs.padding));
     ValuePtr m = Value::Dict(/*ordered=*/true);
-    for (const auto& [name, f] : gs.mappings)
-      m->set(name, FragmentAddressValue(f.numel, f.partition_offset));
+    for (const auto& [name, f] : gs.mappings) m->set(name, FragmentAddressValue(f.numel, f.partition_offset));
     mappings->items.push_back(m);
   }
   ValuePtr osd = Value::Dict();
@@ -109,8 +108,9 @@ RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path)
     for (const auto& group : AsList(pads, pw))
       for (const auto& pad : AsList(group, pw))
         if (!pad || pad->kind != Kind::kInt || pad->i != 0)
-          Fail(pw, "holds padding between parameters (zero_optimization.parameter_alignment); such flat "
-                   "buffers are not supported: save with parameter_alignment false");
+          Fail(pw,
+               "holds padding between parameters (zero_optimization.parameter_alignment); such flat "
+               "buffers are not supported: save with parameter_alignment false");
   }
   if (fp32.size() != maps.size())
     Fail(w, "has " + std::to_string(fp32.size()) + " fp32 partitions but " + std::to_string(maps.size()) +
@@ -178,7 +178,8 @@ RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string&
 
 // ---- zero/optimizer_state.pt ----
 
-ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& path, int stage, size_t groups, int dp) {
+ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& path, int stage, size_t groups,
+                                      int dp) {
   ValuePtr osd = Need(rank0, "optimizer_state_dict", path);
   auto out = Value::Dict();
   if (stage == 3) {
@@ -228,6 +229,5 @@ UniversalOptimizerStateView ReadUniversalOptimizerStateValue(const ValuePtr& roo
   if (first && first->is_dict()) v.zero3_step = first->get(kStep);
   return v;
 }
-
 
 }  // namespace uckpt::ckpt

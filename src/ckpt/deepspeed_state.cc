@@ -129,7 +129,8 @@ ValuePtr StateDict(const AdamState& s) {
 }
 
 bool IsAdamStateKeys(const std::vector<std::string>& keys) {
-  return keys.size() == 2 && ((keys[0] == kExpAvg && keys[1] == kExpAvgSq) || (keys[0] == kExpAvgSq && keys[1] == kExpAvg));
+  return keys.size() == 2 &&
+         ((keys[0] == kExpAvg && keys[1] == kExpAvgSq) || (keys[0] == kExpAvgSq && keys[1] == kExpAvg));
 }
 
 AdamState AdamStateValue(ValuePtr step, ValuePtr exp_avg, ValuePtr exp_avg_sq) {
@@ -145,17 +146,36 @@ AdamState AdamStateOfClass(AdamState s, AdamClass cls, int64_t step) {
 
 double ScalarOf(const ValuePtr& v, const std::string& where) {
   if (v && (v->kind == Kind::kFloat || (v->kind == Kind::kInt && v->big.empty()))) return Number(v, where);
-  if (!v || !v->tensor || v->tensor->numel() != 1) throw FormatError(where + " is not a number or a one-element tensor");
+  if (!v || !v->tensor || v->tensor->numel() != 1)
+    throw FormatError(where + " is not a number or a one-element tensor");
   const Tensor& t = *v->tensor;
   auto bytes = t.contiguous_view();
   if (bytes.size() < DTypeSize(t.dtype)) throw FormatError(where + ": the tensor's bytes are not in the file");
   const uint8_t* p = bytes.data();
   switch (t.dtype) {
-    case DType::kFloat32: { float f; std::memcpy(&f, p, 4); return f; }
-    case DType::kFloat64: { double d; std::memcpy(&d, p, 8); return d; }
-    case DType::kInt64: { int64_t i; std::memcpy(&i, p, 8); return static_cast<double>(i); }
-    case DType::kInt32: { int32_t i; std::memcpy(&i, p, 4); return i; }
-    default: throw FormatError(where + " has dtype " + std::string(DTypeName(t.dtype)) + "; expected float32, float64 or an int");
+    case DType::kFloat32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::kFloat64: {
+      double d;
+      std::memcpy(&d, p, 8);
+      return d;
+    }
+    case DType::kInt64: {
+      int64_t i;
+      std::memcpy(&i, p, 8);
+      return static_cast<double>(i);
+    }
+    case DType::kInt32: {
+      int32_t i;
+      std::memcpy(&i, p, 4);
+      return i;
+    }
+    default:
+      throw FormatError(where + " has dtype " + std::string(DTypeName(t.dtype)) +
+                        "; expected float32, float64 or an int");
   }
 }
 
@@ -306,10 +326,10 @@ LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base) {
 
 ValuePtr ZeroStageValue(int stage) {
   static const char* names[] = {"disabled", "optimizer_states", "gradients", "weights"};
-  return Value::Object("builtins.getattr",
-                       Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                                     Value::Str(names[stage])}),
-                       /*newobj=*/false);
+  return Value::Object(
+      "builtins.getattr",
+      Value::Tuple({Value::Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), Value::Str(names[stage])}),
+      /*newobj=*/false);
 }
 
 int ParseZeroStage(const ValuePtr& v, const std::string& where) {
@@ -342,11 +362,25 @@ FragmentAddress ReadFragmentAddress(const ValuePtr& v, const std::string& where)
 // ---- Model states ----
 
 bool IsModelStatesKey(const std::string& k) {
-  static const std::set<std::string> keys = {
-      "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-      "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-      "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-      "ds_version", "uckpt"};
+  static const std::set<std::string> keys = {"module",
+                                             "buffer_names",
+                                             "optimizer",
+                                             "param_shapes",
+                                             "frozen_param_shapes",
+                                             "shared_params",
+                                             "frozen_param_fragments",
+                                             "lr_scheduler",
+                                             "data_sampler",
+                                             "random_ltd",
+                                             "sparse_tensor_module_names",
+                                             "skipped_steps",
+                                             "global_steps",
+                                             "global_samples",
+                                             "dp_world_size",
+                                             "mp_world_size",
+                                             "ds_config",
+                                             "ds_version",
+                                             "uckpt"};
   return keys.count(k) > 0;
 }
 
@@ -398,9 +432,10 @@ ValuePtr ModelStatesValue(const ModelStates& s) {
   d->set("frozen_param_shapes", record_frozen ? frozen_shapes : Value::None());
   d->set("shared_params", s.stage == 0 ? Value::None() : shared);
   d->set("frozen_param_fragments", record_frozen ? frozen_fragments : Value::None());
-  d->set("lr_scheduler", s.lr_scheduler           ? s.lr_scheduler
-                         : s.last_batch_iteration ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
-                                                  : Value::None());
+  d->set("lr_scheduler", s.lr_scheduler ? s.lr_scheduler
+                         : s.last_batch_iteration
+                             ? Dict({{"last_batch_iteration", Value::Int(*s.last_batch_iteration)}})
+                             : Value::None());
   d->set("data_sampler", Value::None());
   d->set("random_ltd", Value::None());
   d->set("sparse_tensor_module_names", Set());
@@ -546,7 +581,8 @@ ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::v
   return Dict({{"state", state}, {"param_groups", param_groups}});
 }
 
-std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel) {
+std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name,
+                                            int64_t numel) {
   const int dp = static_cast<int>(ranks.size());
   std::vector<ValuePtr> out;
   for (const TorchFile& m : ranks) {

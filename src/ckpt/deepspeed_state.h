@@ -59,10 +59,10 @@ ParamShapes ReadRequiredParamShapes(const ValuePtr& root, const std::string& pat
 // The Adam class DeepSpeed 0.14.5 builds for a config's Adam/AdamW
 // (_configure_basic_optimizer): its param groups and state 'step' differ.
 enum class AdamClass {
-  kTorch,     // torch.optim.Adam/AdamW (torch_adam): torch's keys, step a 0-d tensor
+  kTorch,      // torch.optim.Adam/AdamW (torch_adam): torch's keys, step a 0-d tensor
   kFusedAdam,  // ops.adam.FusedAdam: lr, bias_correction, betas, eps, weight_decay, step 0 (once stepped); step an int
-  kCpuAdam,   // ops.adam.DeepSpeedCPUAdam (offload_optimizer): lr, betas, eps, weight_decay, bias_correction,
-              // amsgrad; step an int
+  kCpuAdam,    // ops.adam.DeepSpeedCPUAdam (offload_optimizer): lr, betas, eps, weight_decay, bias_correction,
+               // amsgrad; step an int
 };
 
 // One Adam/AdamW param group's hyper-parameters (lr is the current one).
@@ -123,9 +123,9 @@ AdamState AdamStateOfClass(AdamState s, AdamClass cls, int64_t step);
 // read back: whichever element-wise optimizer saved it.
 struct Stage0ParamState {
   std::vector<std::pair<std::string, const Tensor*>> tensors;  // per-element states (the parameter's shape), file order
-  ValuePtr step;                                                // 'step' as saved (a 0-d tensor or a number); null if none
-  std::vector<std::pair<std::string, ValuePtr>> scalars;        // its other scalars (NAdam's mu_product)
-  std::vector<std::string> none_states;                         // states kept as None (SGD's momentum_buffer)
+  ValuePtr step;                                          // 'step' as saved (a 0-d tensor or a number); null if none
+  std::vector<std::pair<std::string, ValuePtr>> scalars;  // its other scalars (NAdam's mu_product)
+  std::vector<std::string> none_states;                   // states kept as None (SGD's momentum_buffer)
 };
 
 // ---- mp_rank_00_model_states.pt (ZeRO 0/1/2), and ZeRO 3's
@@ -142,9 +142,9 @@ struct ModelStates {
   std::vector<NamedShape> frozen_shapes;
   bool frozen_excluded = false;  // exclude_frozen_parameters: both frozen keys None, as DeepSpeed's
   std::vector<std::pair<std::string, std::string>> shared_params;  // alias -> owner
-  ValuePtr stage0_optimizer;  // stage 0: torch's optimizer state_dict (Stage0OptimizerValue)
+  ValuePtr stage0_optimizer;                    // stage 0: torch's optimizer state_dict (Stage0OptimizerValue)
   std::optional<int64_t> last_batch_iteration;  // the lr scheduler's, if there is one
-  ValuePtr lr_scheduler;  // a client scheduler's state_dict(), written instead when set
+  ValuePtr lr_scheduler;                        // a client scheduler's state_dict(), written instead when set
   int64_t global_steps = 0, global_samples = 0, skipped_steps = 0;
   int dp_world_size = 1;
   ValuePtr ds_config;
@@ -170,7 +170,8 @@ struct ModelStatesView {
   // Stage 0 in fp16: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer state, whose wrapped
   // optimizer's state_dict is what stage0_state and stage0_param_groups read.
   std::optional<Fp16OptimizerView> fp16_optimizer;
-  std::vector<std::pair<std::string, ValuePtr>> client;  // the client_state: every key not IsModelStatesKey, but uckpt's defaults
+  std::vector<std::pair<std::string, ValuePtr>>
+      client;  // the client_state: every key not IsModelStatesKey, but uckpt's defaults
 };
 ModelStatesView ReadModelStates(const ValuePtr& root, const std::string& path);
 
@@ -192,7 +193,7 @@ ValuePtr ModuleStateDictOf(const ValuePtr& root);
 // What a model-states file says of the module's entries (export): which are
 // buffers, which are tied aliases, and the frozen parameters as recorded.
 struct ModuleEntriesView {
-  ValuePtr module;                        // the state dict; null when None
+  ValuePtr module;  // the state dict; null when None
   std::set<std::string> buffer_names;
   std::vector<std::pair<std::string, std::string>> shared_params;  // alias -> owner
   // frozen_param_shapes; nullopt when None (stage 1, BF16_Optimizer: frozen
@@ -223,7 +224,8 @@ struct Stage0OptimizerEntry {
   std::vector<std::pair<std::string, const Tensor*>> tensors;
 };
 // Null (no optimizer dict: not a stage-0 file) or the entries.
-std::optional<std::vector<Stage0OptimizerEntry>> ReadStage0OptimizerEntries(const ValuePtr& root, const std::string& path);
+std::optional<std::vector<Stage0OptimizerEntry>> ReadStage0OptimizerEntries(const ValuePtr& root,
+                                                                            const std::string& path);
 
 // Stage 0's `optimizer`: the torch optimizer's state_dict: `states[i]` of
 // parameter i (numbered over all groups), `group_params[g]` the ids of group
@@ -241,7 +243,8 @@ ValuePtr Stage0OptimizerValue(const std::vector<AdamState>& states, const std::v
 // checked to hold one slot; FormatError naming the file otherwise. The
 // parameter's elements are the first Stage3RealNumel(numel, dp, r) of each
 // fragment, in rank order.
-std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name, int64_t numel);
+std::vector<ValuePtr> Stage3FrozenFragments(const std::vector<TorchFile>& ranks, const std::string& name,
+                                            int64_t numel);
 
 // ---- [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt: one rank's
 // optimizer state (stage 1/2: DeepSpeedZeroOptimizer or BF16_Optimizer;
@@ -256,15 +259,15 @@ OptimStatesHeader ReadOptimStatesHeader(const ValuePtr& root, const std::string&
 
 // Stage 1/2, one group.
 struct OptimGroupState {
-  ValuePtr fp32;     // the lean fp32 partition (padding cut off)
-  AdamState adam;    // of the padded partition
+  ValuePtr fp32;   // the lean fp32 partition (padding cut off)
+  AdamState adam;  // of the padded partition
   AdamHparams hparams;
   ValuePtr group;  // set: the param group's entries as another optimizer keeps them, saved instead of hparams
   int64_t padding = 0;
   std::vector<std::pair<std::string, Fragment>> mappings;  // param_slice_mappings: name -> fragment
 };
 struct RankOptimStates {
-  int stage = 1;  // 1 or 2
+  int stage = 1;                // 1 or 2
   bool bf16_optimizer = false;  // BF16_Optimizer's files: no loss scaler, overflow or zero_stage
   int dp = 1;
   std::vector<OptimGroupState> groups;
@@ -297,16 +300,16 @@ struct PartitionView {
   const Tensor* fp32 = nullptr;  // the fp32 master partition (stage 1/2: lean, padding cut off)
   ValuePtr state;                // the optimizer's state of it (Adam: step, exp_avg, exp_avg_sq); null when none
   std::vector<std::pair<std::string, FragmentAddress>> mappings;  // stage 1/2: param_slice_mappings
-  std::string fp32_where, state_where, mappings_where;  // their places, for messages
+  std::string fp32_where, state_where, mappings_where;            // their places, for messages
 };
 struct RankOptimView {
-  std::string where;             // "<file>: optimizer_state_dict"
-  std::string partitions_where;  // the place of the list of fp32 partitions, for messages
+  std::string where;                      // "<file>: optimizer_state_dict"
+  std::string partitions_where;           // the place of the list of fp32 partitions, for messages
   std::vector<PartitionView> partitions;  // per group (stage 3: sub-group)
-  ValuePtr param_groups;         // the torch optimizer's param_groups
-  ValuePtr loss_scaler;          // for ReadLossScaler; null in BF16_Optimizer's files
+  ValuePtr param_groups;                  // the torch optimizer's param_groups
+  ValuePtr loss_scaler;                   // for ReadLossScaler; null in BF16_Optimizer's files
 };
-RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path);        // stage 1/2
+RankOptimView ReadRankOptimStates(const ValuePtr& root, const std::string& path);  // stage 1/2
 // The loss scaler an optimizer file (either stage) holds; null when none (BF16_Optimizer).
 ValuePtr ReadOptimStatesLossScaler(const ValuePtr& root, const std::string& path);
 // A pickled loss scaler's current scale; nullopt when `v` is none or has none.

@@ -90,8 +90,7 @@ class Collector {
       return;
     }
     for (const auto& [name, shape] : *m.frozen_shapes) {
-      if (stage == 3)
-        AddStage3Frozen(name, shape, rank_models, dp);
+      if (stage == 3) AddStage3Frozen(name, shape, rank_models, dp);
       else
         AddTensor(name, ReadFrozenFragment(model.root, name, path), path + ": frozen_param_fragments['" + name + "']",
                   shape);
@@ -168,7 +167,8 @@ void WriteConverted(AtomicFile& out, const Pieces& pieces, DType src, DType dst)
     for (size_t at = 0; at < n;) {
       size_t k = std::min<size_t>(n - at, 1 << 16);
       buf.resize(k * ds);
-      for (size_t i = 0; i < k; ++i) FromFloat(dst, static_cast<float>(ElementToDouble(src, p.data() + (at + i) * ss)), buf.data() + i * ds);
+      for (size_t i = 0; i < k; ++i)
+        FromFloat(dst, static_cast<float>(ElementToDouble(src, p.data() + (at + i) * ss)), buf.data() + i * ds);
       out.Write(buf);
       at += k;
     }
@@ -216,8 +216,8 @@ Collector CollectUniversal(const std::string& folder, bool verify_hashes) {
         auto s = std::make_shared<LoadedState>(LoadUniversalState(*u, name, kFp32));
         const std::string where = s->file.file->path();
         if (s->tensor->numel() != numel)
-          Fail(where, "has " + std::to_string(s->tensor->numel()) + " elements, param_shapes says " +
-                          std::to_string(numel));
+          Fail(where,
+               "has " + std::to_string(s->tensor->numel()) + " elements, param_shapes says " + std::to_string(numel));
         std::shared_ptr<const void> copy;
         Pieces pieces = TensorPieces(*s->tensor, where, &copy);
         *hold = copy ? copy : std::static_pointer_cast<const void>(s);  // what the pieces point into
@@ -238,7 +238,7 @@ ExportStats ExportSafetensors(const std::string& checkpoint, const std::string& 
   if (!tag) throw FormatError(checkpoint + ": not a checkpoint folder");
   std::error_code ec;
   Collector c = fs::is_directory(UniversalZeroDir(*tag), ec) ? CollectUniversal(*tag, verify_hashes)
-                                                          : CollectZero(*tag, verify_hashes);
+                                                             : CollectZero(*tag, verify_hashes);
 
   auto out_dtype = [&](DType src) { return DTypeIsFloating(src) ? dtype : src; };
   nlohmann::json header = nlohmann::json::object();

@@ -12,9 +12,9 @@
 namespace uckpt::ckpt {
 
 struct ExportStats {
-  size_t tensors = 0;   // written tensors
-  size_t aliases = 0;   // tied names recorded in the metadata instead
-  uint64_t bytes = 0;   // file size
+  size_t tensors = 0;  // written tensors
+  size_t aliases = 0;  // tied names recorded in the metadata instead
+  uint64_t bytes = 0;  // file size
 };
 
 // Reads the checkpoint at `checkpoint` (tag folder, universal folder, or their

@@ -41,7 +41,8 @@ namespace {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), optimize("O3")))
 #endif
-uint64_t SumTerms(uint64_t seed, uint64_t start, const uint32_t* bits, size_t n) {
+uint64_t
+SumTerms(uint64_t seed, uint64_t start, const uint32_t* bits, size_t n) {
   uint64_t sum = 0;
   for (size_t j = 0; j < n; ++j) {
     sum += FingerprintTerm(seed, start + j, bits[j]);
@@ -57,8 +58,9 @@ uint64_t FingerprintBits(uint64_t seed, int64_t start, std::span<const uint32_t>
 
 uint64_t FingerprintElements(uint64_t seed, int64_t start, DType dtype, std::span<const uint8_t> bytes) {
   const size_t es = DTypeSize(dtype);
-  if (!DTypeIsFloating(dtype)) throw FormatError("state fingerprint: a tensor of " + std::string(DTypeName(dtype)) +
-                                                 " is not a floating-point state");
+  if (!DTypeIsFloating(dtype))
+    throw FormatError("state fingerprint: a tensor of " + std::string(DTypeName(dtype)) +
+                      " is not a floating-point state");
   const size_t n = bytes.size() / es;
   if (dtype == DType::kFloat32 && reinterpret_cast<uintptr_t>(bytes.data()) % alignof(uint32_t) == 0)
     return FingerprintBits(seed, start, {reinterpret_cast<const uint32_t*>(bytes.data()), n});
@@ -137,8 +139,8 @@ json FingerprintToJson(const StateFingerprint& f) {
   if (c.global_samples) counters["global_samples"] = *c.global_samples;
   if (c.optimizer_step) counters["optimizer_step"] = *c.optimizer_step;
   if (c.loss_scale) counters["loss_scale"] = *c.loss_scale;
-  return {{"version", kFingerprintVersion}, {"total", HashToHex(f.total())}, {"counters", counters},
-          {"params", params}};
+  return {
+      {"version", kFingerprintVersion}, {"total", HashToHex(f.total())}, {"counters", counters}, {"params", params}};
 }
 
 StateFingerprint FingerprintFromJson(const json& j, const std::string& where) {
@@ -189,8 +191,8 @@ StateFingerprint FingerprintFromJson(const json& j, const std::string& where) {
   if (j.contains("total")) {
     uint64_t t = 0;
     if (!j["total"].is_string() || !HexToHash(j["total"].get<std::string>(), &t)) throw bad("\"total\" is not hex");
-    if (t != f.total()) throw bad("\"total\" " + HashToHex(t) + " is not the sum of its parameters' (" +
-                                  HashToHex(f.total()) + ")");
+    if (t != f.total())
+      throw bad("\"total\" " + HashToHex(t) + " is not the sum of its parameters' (" + HashToHex(f.total()) + ")");
   }
   return f;
 }
@@ -331,7 +333,8 @@ StateFingerprint FingerprintZeroCheckpoint(const ZeroCheckpoint& z, int shard, i
     const std::vector<std::string> keys = ParamKeys(p);
     for (size_t k = 0; k < keys.size(); ++k) {
       auto s = std::find_if(p.states.begin(), p.states.end(), [&](const StatePlan& s) { return s.key == keys[k]; });
-      if (s == p.states.end()) throw FormatError(z.folder + ": parameter " + p.name + " has no state '" + keys[k] + "'");
+      if (s == p.states.end())
+        throw FormatError(z.folder + ": parameter " + p.name + " has no state '" + keys[k] + "'");
       const uint64_t seed = FingerprintSeed(p.name, keys[k]);
       const size_t elem = DTypeSize(s->dtype), step = kJobBytes / elem * elem;
       int64_t start = 0;  // of the piece, in the parameter's elements
@@ -427,14 +430,16 @@ std::vector<SourceFingerprintIndex::Part> SourceFingerprintIndex::Locate(std::sp
   const uint8_t* const end = bytes.data() + bytes.size();
   while (at < end) {
     // The last range beginning at or before `at`.
-    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), at, [](const uint8_t* p, const Range& r) { return p < r.begin; });
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), at,
+                               [](const uint8_t* p, const Range& r) { return p < r.begin; });
     if (it == ranges_.begin() || (--it)->end <= at)
       throw std::logic_error("state fingerprint: a load read bytes that are no parameter's state");
     const size_t es = DTypeSize(states_[it->state].dtype);
     const size_t into = static_cast<size_t>(at - it->begin);
     const size_t n = static_cast<size_t>(std::min(end, it->end) - at);
     if (into % es || n % es) throw std::logic_error("state fingerprint: a load's read splits an element");
-    parts.push_back({it->state, it->start + static_cast<int64_t>(into / es), static_cast<size_t>(at - bytes.data()), n});
+    parts.push_back(
+        {it->state, it->start + static_cast<int64_t>(into / es), static_cast<size_t>(at - bytes.data()), n});
     at += n;
   }
   return parts;
@@ -443,12 +448,9 @@ std::vector<SourceFingerprintIndex::Part> SourceFingerprintIndex::Locate(std::sp
 StateFingerprint FingerprintFolder(const std::string& folder, int threads) {
   const TagFolder opened = OpenTagFolder(folder);
   switch (opened.kind) {
-    case FolderKind::kZero:
-      return FingerprintZeroCheckpoint(OpenZeroCheckpoint(opened), 0, 1, threads);
-    case FolderKind::kUniversal:
-      return FingerprintUniversalCheckpoint(OpenUniversalCheckpoint(opened), 0, 1, threads);
-    default:
-      throw FormatError(folder + ": not a ZeRO tag folder or a universal checkpoint folder");
+    case FolderKind::kZero: return FingerprintZeroCheckpoint(OpenZeroCheckpoint(opened), 0, 1, threads);
+    case FolderKind::kUniversal: return FingerprintUniversalCheckpoint(OpenUniversalCheckpoint(opened), 0, 1, threads);
+    default: throw FormatError(folder + ": not a ZeRO tag folder or a universal checkpoint folder");
   }
 }
 
@@ -482,15 +484,15 @@ std::optional<std::string> FirstFingerprintDifference(const StateFingerprint& ex
     if (it == held.end()) return "parameter " + want.name + " is in the checkpoint, not " + actual_is;
     const ParamFingerprint& got = *it->second;
     if (got.numel != want.numel)
-      return "parameter " + want.name + " has " + std::to_string(got.numel) + " elements " + actual_is + ", the checkpoint " +
-             std::to_string(want.numel);
+      return "parameter " + want.name + " has " + std::to_string(got.numel) + " elements " + actual_is +
+             ", the checkpoint " + std::to_string(want.numel);
     for (const auto& [key, value] : want.states) {
       if (!in_scope(key)) continue;
       const uint64_t* h = got.find(key);
       if (!h) return "parameter " + want.name + " has no '" + key + "' " + actual_is + ", the checkpoint has one";
       if (*h != value)
-        return "parameter " + want.name + " '" + key + "' differs: fingerprint " + HashToHex(*h) +
-               " " + actual_is + ", the checkpoint's is " + HashToHex(value);
+        return "parameter " + want.name + " '" + key + "' differs: fingerprint " + HashToHex(*h) + " " + actual_is +
+               ", the checkpoint's is " + HashToHex(value);
     }
     for (const auto& [key, value] : got.states)
       if (in_scope(key) && !want.find(key))
@@ -510,8 +512,8 @@ std::optional<std::string> FirstFingerprintDifference(const StateFingerprint& ex
     return d;
   if (scope.optimizer) {
     if (w.optimizer_step.has_value() != g.optimizer_step.has_value() && (w.optimizer_step || g.optimizer_step))
-      return std::string("Adam's step is ") + (g.optimizer_step ? Num(*g.optimizer_step) : "absent") +
-             " " + actual_is + ", the checkpoint's is " + (w.optimizer_step ? Num(*w.optimizer_step) : "absent");
+      return std::string("Adam's step is ") + (g.optimizer_step ? Num(*g.optimizer_step) : "absent") + " " + actual_is +
+             ", the checkpoint's is " + (w.optimizer_step ? Num(*w.optimizer_step) : "absent");
     if ((d = CounterDiff("optimizer_step", w.optimizer_step, g.optimizer_step, actual_is)) ||
         (d = CounterDiff("loss_scale", w.loss_scale, g.loss_scale, actual_is)))
       return d;

@@ -63,7 +63,7 @@ struct FingerprintCounters {
 struct StateFingerprint {
   std::vector<ParamFingerprint> params;  // param_shapes order
   FingerprintCounters counters;
-  uint64_t total() const;   // wrapping sum of every tensor's value
+  uint64_t total() const;  // wrapping sum of every tensor's value
   size_t tensors() const;
   // Every tensor's sum in order (params, then states): what a reduction adds.
   std::vector<uint64_t> sums() const;
@@ -133,9 +133,9 @@ StateFingerprint FingerprintFolder(const std::string& folder, int threads = 0);
 
 // What a comparison covers.
 struct FingerprintScope {
-  bool masters = true;          // the "fp32" tensors
-  bool optimizer = true;        // the other tensors, optimizer_step, loss_scale
-  bool counters = true;         // global_steps, skipped_steps, global_samples
+  bool masters = true;    // the "fp32" tensors
+  bool optimizer = true;  // the other tensors, optimizer_step, loss_scale
+  bool counters = true;   // global_steps, skipped_steps, global_samples
 };
 
 // The first difference between what was recorded (`expected`) and what is

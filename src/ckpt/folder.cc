@@ -55,18 +55,12 @@ FolderKind ClassifyTagFolder(const std::string& path) { return KindOf(ListFolder
 
 std::optional<std::string> TagProblem(const std::string& tag) {
   std::string why;
-  if (tag.empty())
-    why = "it is empty";
-  else if (tag == "." || tag == "..")
-    why = "it is '" + tag + "'";
-  else if (tag.find('\0') != std::string::npos)
-    why = "it contains a NUL byte";
-  else if (tag[0] == '/')
-    why = "it is an absolute path";
-  else if (tag.find('/') != std::string::npos)
-    why = "it contains '/'";
-  else if (tag.size() > 255)
-    why = "it is " + std::to_string(tag.size()) + " bytes long, more than a file name's 255";
+  if (tag.empty()) why = "it is empty";
+  else if (tag == "." || tag == "..") why = "it is '" + tag + "'";
+  else if (tag.find('\0') != std::string::npos) why = "it contains a NUL byte";
+  else if (tag[0] == '/') why = "it is an absolute path";
+  else if (tag.find('/') != std::string::npos) why = "it contains '/'";
+  else if (tag.size() > 255) why = "it is " + std::to_string(tag.size()) + " bytes long, more than a file name's 255";
   if (why.empty()) return std::nullopt;
   // Show the tag readably: control bytes (NUL, newlines) escaped, long ones cut.
   std::string shown;
@@ -121,7 +115,8 @@ std::string ReadLatestTag(const std::string& dir, const std::string& name) {
   std::string problem;
   auto tag = ReadTag(file, &problem);
   if (!tag) {
-    if (problem == "cannot be read") problem = "cannot read the tag file (give the tag explicitly, or check the folder)";
+    if (problem == "cannot be read")
+      problem = "cannot read the tag file (give the tag explicitly, or check the folder)";
     throw FormatError(file + ": " + problem);
   }
   return *tag;

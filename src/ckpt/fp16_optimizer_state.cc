@@ -103,7 +103,7 @@ StatePlan Slice(const std::string& key, const Tensor& t, int64_t first, int64_t 
 struct MasterPlace {
   size_t group = 0, index = 0;  // unfused: the parameter's index within its group
   int64_t offset = 0;
-  int64_t id = 0;               // its state id in the wrapped optimizer's state_dict
+  int64_t id = 0;  // its state id in the wrapped optimizer's state_dict
 };
 
 std::map<std::string, MasterPlace> PlaceMasters(const ModelStatesView& m, const Fp16OptimizerView& w,
@@ -117,8 +117,7 @@ std::map<std::string, MasterPlace> PlaceMasters(const ModelStatesView& m, const 
     if (it == m.module.end()) throw FormatError(path + ": module has no tensor '" + name + "'");
     const int64_t numel = it->second->numel();
     // The next group once this one is used up.
-    while (group < w.fp32.size() &&
-           (w.fused ? offset == w.fp32[group][0]->numel() : index == w.fp32[group].size())) {
+    while (group < w.fp32.size() && (w.fused ? offset == w.fp32[group][0]->numel() : index == w.fp32[group].size())) {
       ++group;
       offset = 0;
       index = 0;
@@ -128,9 +127,9 @@ std::map<std::string, MasterPlace> PlaceMasters(const ModelStatesView& m, const 
     const Tensor& t = *w.fp32[group][w.fused ? 0 : index];
     const int64_t room = w.fused ? t.numel() - offset : t.numel();
     if ((w.fused && numel > room) || (!w.fused && numel != room))
-      Fail(where + "[" + std::to_string(group) + "]",
-           "does not line up with the module's parameter '" + name + "' of " + std::to_string(numel) +
-               " elements (another model, or other param groups?)");
+      Fail(where + "[" + std::to_string(group) + "]", "does not line up with the module's parameter '" + name +
+                                                          "' of " + std::to_string(numel) +
+                                                          " elements (another model, or other param groups?)");
     out[name] = {group, index, offset, w.fused ? static_cast<int64_t>(group) : id};
     offset += numel;
     ++index;

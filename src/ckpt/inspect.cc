@@ -59,7 +59,8 @@ std::string OptimizersWithStates(std::vector<std::string> keys, std::vector<std:
       {{"prev", "step_size"}, {}, "Rprop"},
       {{"ax"}, {"eta", "mu"}, "ASGD"},
   };
-  if (keys.empty() && scalars.empty()) return "none (no optimizer state: before the first step, or SGD without momentum)";
+  if (keys.empty() && scalars.empty())
+    return "none (no optimizer state: before the first step, or SGD without momentum)";
   for (const Known& k : kKnown)
     if (k.keys == keys && k.scalars == scalars) return k.names;
   return "unknown";
@@ -174,7 +175,8 @@ void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
         DType master = LoadUniversalState(u, p.name, kFp32).tensor->dtype;
         state_element_bytes += DTypeSize(master);
         info->master_dtype = std::string(DTypeName(master));
-        if (u.has_step) info->optimizer_step = ValueText(LoadTorchFile(UniversalStateFile(u.folder, p.name, kStep)).root);
+        if (u.has_step)
+          info->optimizer_step = ValueText(LoadTorchFile(UniversalStateFile(u.folder, p.name, kStep)).root);
       }
     }
   info->state_bytes = static_cast<uint64_t>(info->numel) * state_element_bytes;
@@ -189,15 +191,14 @@ CheckpointInfo InspectCheckpoint(const std::string& path) {
   std::error_code ec;
   if (!tag) {
     if (!fs::is_directory(path, ec)) throw IoError(path + " is not a folder");
-    throw FormatError(path + ": not a checkpoint folder (no *_model_states.pt, *_optim_states.pt or zero/, and no "
-                             "latest or latest_universal naming one)");
+    throw FormatError(path +
+                      ": not a checkpoint folder (no *_model_states.pt, *_optim_states.pt or zero/, and no "
+                      "latest or latest_universal naming one)");
   }
   CheckpointInfo info;
   info.path = *tag;
-  if (fs::is_directory(UniversalZeroDir(*tag), ec))
-    InspectUniversal(*tag, &info);
-  else
-    InspectZero(*tag, &info);
+  if (fs::is_directory(UniversalZeroDir(*tag), ec)) InspectUniversal(*tag, &info);
+  else InspectZero(*tag, &info);
   CountFiles(*tag, &info);
   return info;
 }
@@ -236,8 +237,8 @@ void PrintCheckpointInfo(std::ostream& os, const CheckpointInfo& i) {
   std::string states;
   for (const auto& s : i.optimizer_states) states += (states.empty() ? "" : ", ") + s;
   os << "  optimizer:     " << i.optimizer << (states.empty() ? "" : " (" + states + ")") << "\n";
-  os << "  params:        " << i.params << " tensors in " << i.param_groups << " group(s), " << i.numel
-     << " elements, " << HumanBytes(i.state_bytes) << " of master + optimizer state\n";
+  os << "  params:        " << i.params << " tensors in " << i.param_groups << " group(s), " << i.numel << " elements, "
+     << HumanBytes(i.state_bytes) << " of master + optimizer state\n";
   os << "  global step:   " << i.global_steps;
   if (!i.optimizer_step.empty()) os << " (optimizer step " << i.optimizer_step << ")";
   os << "\n";

@@ -141,8 +141,7 @@ Manifest WriteManifest(const std::string& folder, const std::vector<ManifestEntr
   });
 
   json files = json::array();
-  for (const auto& e : m.files)
-    files.push_back({{"path", e.path}, {"size", e.size}, {"xxh64", HashToHex(e.xxh64)}});
+  for (const auto& e : m.files) files.push_back({{"path", e.path}, {"size", e.size}, {"xxh64", HashToHex(e.xxh64)}});
   json doc = {{"format", kManifestFormat}, {"version", kManifestVersion}, {"hash", "xxh64"}, {"files", files}};
   if (state) {
     doc["state_fingerprint"] = FingerprintToJson(*state);
@@ -177,7 +176,8 @@ Manifest ReadManifest(const std::string& folder) {
     throw bad(std::string("is not a uckpt manifest (\"format\" is not \"") + kManifestFormat + "\")");
   if (!doc.contains("version") || !doc["version"].is_number_integer()) throw bad("has no integer \"version\"");
   if (doc["version"].get<int64_t>() > kManifestVersion || doc["version"].get<int64_t>() < 1)
-    throw bad("has version " + doc["version"].dump() + "; this uckpt reads version " + std::to_string(kManifestVersion));
+    throw bad("has version " + doc["version"].dump() + "; this uckpt reads version " +
+              std::to_string(kManifestVersion));
   if (!doc.contains("hash") || doc["hash"] != "xxh64") throw bad("\"hash\" is not \"xxh64\"");
   if (!doc.contains("files") || !doc["files"].is_array()) throw bad("has no \"files\" array");
   Manifest m;
@@ -277,8 +277,8 @@ ManifestCheck CompareWithManifest(const std::string& folder, const Manifest& m, 
       try {
         uint64_t h = HashFile(Join(folder, e.path), options.progress);
         if (h != e.xxh64)
-          results[k] = "content differs from the manifest (xxh64 " + HashToHex(h) + ", expected " +
-                       HashToHex(e.xxh64) + ")";
+          results[k] =
+              "content differs from the manifest (xxh64 " + HashToHex(h) + ", expected " + HashToHex(e.xxh64) + ")";
       } catch (const std::exception& ex) {
         results[k] = ex.what();
       }

@@ -19,7 +19,7 @@ inline constexpr const char* kManifestFormat = "uckpt-manifest";
 inline constexpr int kManifestVersion = 1;
 
 struct ManifestEntry {
-  std::string path;   // relative to the folder, '/'-separated
+  std::string path;  // relative to the folder, '/'-separated
   uint64_t size = 0;
   uint64_t xxh64 = 0;
 };
@@ -70,10 +70,10 @@ struct ManifestProblem {
 };
 
 struct ManifestCheck {
-  bool present = false;        // the folder has a manifest
-  size_t files = 0;            // files listed
-  uint64_t bytes = 0;          // their total size per the manifest
-  bool hashed = false;         // hashes were compared
+  bool present = false;  // the folder has a manifest
+  size_t files = 0;      // files listed
+  uint64_t bytes = 0;    // their total size per the manifest
+  bool hashed = false;   // hashes were compared
   std::vector<ManifestProblem> problems;
   bool ok() const { return problems.empty(); }
 };

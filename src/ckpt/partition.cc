@@ -16,13 +16,9 @@ void CheckDp(int dp) {
 
 }  // namespace
 
-int64_t FlatLayout::padding(int rank) const {
-  return std::clamp(end(rank) - numel, int64_t{0}, partition_size);
-}
+int64_t FlatLayout::padding(int rank) const { return std::clamp(end(rank) - numel, int64_t{0}, partition_size); }
 
-int64_t FlatLayout::legacy_padding(int rank) const {
-  return rank == dp - 1 ? padded_numel - numel : 0;
-}
+int64_t FlatLayout::legacy_padding(int rank) const { return rank == dp - 1 ? padded_numel - numel : 0; }
 
 FlatLayout MakeFlatLayout(int64_t numel, int dp) {
   CheckDp(dp);

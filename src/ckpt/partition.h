@@ -39,10 +39,10 @@ FlatLayout MakeFlatLayout(int64_t numel, int dp);
 
 // A piece of one parameter that lies inside one rank's partition.
 struct Fragment {
-  size_t param = 0;             // index into the group's parameter list
+  size_t param = 0;  // index into the group's parameter list
   int rank = 0;
-  int64_t param_offset = 0;     // first element, in the flattened parameter ("lp" start)
-  int64_t partition_offset = 0; // where it sits in the rank's partition ("hp" start)
+  int64_t param_offset = 0;      // first element, in the flattened parameter ("lp" start)
+  int64_t partition_offset = 0;  // where it sits in the rank's partition ("hp" start)
   int64_t numel = 0;
 };
 

@@ -97,8 +97,7 @@ StateReads PlanReads(std::span<const ParamPlan> params, const std::string& folde
   std::vector<const StatePlan*> states;
   for (const TargetParam& want : target.params) {
     auto it = by_name.find(want.name);
-    if (it == by_name.end())
-      throw FormatError(listed + ": has no parameter '" + want.name + "' (a different model?)");
+    if (it == by_name.end()) throw FormatError(listed + ": has no parameter '" + want.name + "' (a different model?)");
     const ParamPlan& p = *it->second;
     if (p.numel != want.numel || (!want.shape.empty() && p.shape != want.shape))
       throw FormatError(listed + ": parameter '" + p.name + "' is " + ShapeAndCountText(p.shape, p.numel) +
@@ -157,7 +156,8 @@ ReadSource ZeroReadSource(const ZeroCheckpoint& z) {
       for (const auto& k : keys(*first)) a += (a.empty() ? "" : ", ") + k;
       for (const auto& k : keys(p)) b += (b.empty() ? "" : ", ") + k;
       throw FormatError(ListedIn(z) + ": the optimizer keeps {" + a + "} for " + first->name + " but {" + b + "} for " +
-                        p.name + " (DeepSpeed's Muon does: momentum_buffer for matrices, Adam's moments for the "
+                        p.name +
+                        " (DeepSpeed's Muon does: momentum_buffer for matrices, Adam's moments for the "
                         "rest); uckpt's engine has no such optimizer and cannot resume it. `uckpt convert` and "
                         "`uckpt export` read it");
     }

@@ -24,7 +24,9 @@ void ClassifyLayout(TagFolder& f) {
   } else if (!f.model_states.empty()) {
     f.stage = FolderStage::kStage0;
   }
-  f.saved_dp = !f.rank_files.empty() ? static_cast<int>(f.rank_files.size()) : zero3 > 0 ? zero3 : !f.model_states.empty();
+  f.saved_dp = !f.rank_files.empty() ? static_cast<int>(f.rank_files.size())
+               : zero3 > 0           ? zero3
+                                     : !f.model_states.empty();
 }
 
 // The tree a manifest check compares, as the manifest's writer lists it
@@ -53,9 +55,7 @@ void ReadManifestOf(TagFolder& f) {
 
 }  // namespace
 
-std::optional<StateFingerprint> TagFolder::recorded() const {
-  return manifest ? manifest->state : std::nullopt;
-}
+std::optional<StateFingerprint> TagFolder::recorded() const { return manifest ? manifest->state : std::nullopt; }
 
 const CheckpointFile* TagFolder::Find(const std::string& name) const {
   for (const CheckpointFile& c : files)
@@ -107,8 +107,9 @@ void CheckFolderAgainstManifest(const TagFolder& folder, bool hashes, int shard,
     msg = path + " was published before its files were on disk (" + UnsyncedMarkerPath(path) +
           " is still there) and does not match its manifest (" + kManifestName +
           "): the machine probably stopped before they were written. " +
-          (folder.unsynced->empty() ? std::string("No checkpoint was published before it.")
-                                    : "The checkpoint published before it is '" + *folder.unsynced + "' (load that tag).") +
+          (folder.unsynced->empty()
+               ? std::string("No checkpoint was published before it.")
+               : "The checkpoint published before it is '" + *folder.unsynced + "' (load that tag).") +
           " Problems:";
   size_t shown = 0;
   for (const auto& p : check.problems) {

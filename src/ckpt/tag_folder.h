@@ -23,7 +23,7 @@ namespace uckpt::ckpt {
 enum class FolderStage { kNone, kStage0, kStage12, kStage3 };
 
 struct TagFolder {
-  std::string path;  // without trailing slashes
+  std::string path;                        // without trailing slashes
   FolderKind kind = FolderKind::kUnknown;  // folder.h
   FolderStage stage = FolderStage::kNone;
   // The ranks that saved it, as its file names count them (rank files, else

@@ -52,10 +52,8 @@ UniversalCheckpoint OpenUniversalCheckpoint(const TagFolder& folder) {
   for (const Env::DirEntry& e : Env::Current().ListDir(dir)) {
     const std::optional<std::string> key = UniversalStateKey(e.name);
     if (!key) continue;
-    if (*key == kStep)
-      u.has_step = true;
-    else if (*key != kFp32)
-      u.state_keys.push_back(*key);
+    if (*key == kStep) u.has_step = true;
+    else if (*key != kFp32) u.state_keys.push_back(*key);
   }
   std::sort(u.state_keys.begin(), u.state_keys.end());
   // A 0-d file is a scalar of the optimizer's, not a per-element state.
@@ -100,7 +98,8 @@ UniversalStates MapUniversalStates(const UniversalCheckpoint& u, const std::vect
         plan.numel = NumelOf(plan.shape);
       }
       if (s.tensor->numel() != plan.numel)
-        Fail(where, "has " + std::to_string(s.tensor->numel()) + " elements but param_shapes says " + ShapeText(plan.shape));
+        Fail(where,
+             "has " + std::to_string(s.tensor->numel()) + " elements but param_shapes says " + ShapeText(plan.shape));
       plan.states.push_back({key, s.tensor->dtype, {TensorBytes(*s.tensor, where)}});
       out.files.push_back(std::move(s.file));
     }

@@ -23,13 +23,13 @@ struct UniversalParam {
 
 struct UniversalCheckpoint {
   std::string folder;
-  bool zero3 = false;           // per-parameter files are bare 1-D tensors (from ZeRO-3)
-  TorchFile model;              // the first copied model-states file
+  bool zero3 = false;                               // per-parameter files are bare 1-D tensors (from ZeRO-3)
+  TorchFile model;                                  // the first copied model-states file
   std::vector<std::vector<UniversalParam>> groups;  // param_shapes: groups (ZeRO-3: sub-groups)
-  std::vector<std::string> state_keys;  // per-element files of the first parameter, besides fp32 (sorted)
-  bool has_step = false;        // zero/<first param>/step.pt exists
-  std::vector<std::string> scalar_keys;  // the optimizer's other scalar files ("mu_product"; sorted)
-  int source_dp = 0;            // dp_world_size recorded in the model states
+  std::vector<std::string> state_keys;              // per-element files of the first parameter, besides fp32 (sorted)
+  bool has_step = false;                            // zero/<first param>/step.pt exists
+  std::vector<std::string> scalar_keys;             // the optimizer's other scalar files ("mu_product"; sorted)
+  int source_dp = 0;                                // dp_world_size recorded in the model states
   int64_t global_steps = -1;
 };
 

@@ -7,7 +7,8 @@ namespace uckpt::ckpt {
 void Fail(const std::string& where, const std::string& what) { throw FormatError(where + ": " + what); }
 
 ValuePtr Need(const ValuePtr& dict, std::string_view key, const std::string& where) {
-  if (!dict || !dict->is_dict()) Fail(where, "expected a dict, found " + (dict ? KindName(*dict) : std::string("nothing")));
+  if (!dict || !dict->is_dict())
+    Fail(where, "expected a dict, found " + (dict ? KindName(*dict) : std::string("nothing")));
   ValuePtr v = dict->get(key);
   if (!v) Fail(where, "missing key '" + std::string(key) + "'");
   return v;
@@ -81,10 +82,12 @@ std::span<const uint8_t> TensorBytes(const Tensor& t, const std::string& where) 
 }
 
 std::vector<std::pair<std::string, ValuePtr>> NamedEntries(const ValuePtr& dict, const std::string& where) {
-  if (!dict || !dict->is_dict()) Fail(where, "expected a dict, found " + (dict ? KindName(*dict) : std::string("nothing")));
+  if (!dict || !dict->is_dict())
+    Fail(where, "expected a dict, found " + (dict ? KindName(*dict) : std::string("nothing")));
   std::vector<std::pair<std::string, ValuePtr>> out;
   for (const auto& [k, v] : dict->entries) {
-    if (!k || k->kind != Kind::kStr) Fail(where, "expected str keys, found " + (k ? KindName(*k) : std::string("nothing")));
+    if (!k || k->kind != Kind::kStr)
+      Fail(where, "expected str keys, found " + (k ? KindName(*k) : std::string("nothing")));
     out.emplace_back(k->s, v);
   }
   return out;

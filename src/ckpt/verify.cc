@@ -140,8 +140,9 @@ class StructureCheck {
     for (const auto& f : files)
       if (f.kind == FileKind::kModelStates && f.mp == 0) path = f.path;
     if (path.empty())
-      throw FormatError(v_.folder + ": no zero_pp_rank_*_optim_states.pt and no mp_rank_00_model_states.pt files; "
-                                    "not a ZeRO checkpoint tag folder");
+      throw FormatError(v_.folder +
+                        ": no zero_pp_rank_*_optim_states.pt and no mp_rank_00_model_states.pt files; "
+                        "not a ZeRO checkpoint tag folder");
     TorchFile f = LoadTorchFile(path);
     const ValuePtr& root = f.root;
     if (!root || !root->is_dict()) throw FormatError(path + ": is not a DeepSpeed model-states dict");
@@ -165,8 +166,8 @@ class StructureCheck {
         TensorBytes(*t, entry.where + "." + name);
         // Scalars (0-d: step, NAdam's mu_product) are not per-element states.
         if (!t->shape.empty() && !numels.count(t->numel()))
-          Fail(entry.where + "." + name, "has " + std::to_string(t->numel()) +
-                                             " elements, which no tensor of the module has");
+          Fail(entry.where + "." + name,
+               "has " + std::to_string(t->numel()) + " elements, which no tensor of the module has");
       }
     }
   }
@@ -192,8 +193,8 @@ class StructureCheck {
         master_elements += t->numel();
       }
     if (master_elements > module_elements)
-      Fail(path + ": optimizer's fp32 masters", "hold " + std::to_string(master_elements) + " elements, the module " +
-                                                    std::to_string(module_elements));
+      Fail(path + ": optimizer's fp32 masters",
+           "hold " + std::to_string(master_elements) + " elements, the module " + std::to_string(module_elements));
     const auto entries = ReadStage0OptimizerEntries(root, path);  // (kept: the range below views it)
     for (const Stage0OptimizerEntry& entry : *entries)
       for (const auto& [name, t] : entry.tensors) {
@@ -260,8 +261,8 @@ class StructureCheck {
       const std::string path = UniversalStateFile(v_.folder, j.param->name, j.key);
       std::optional<TorchFile> f = Parse(path);
       // Scalars (step, NAdam's mu_product) only parse: they are not per-element states.
-      const bool scalar = j.key == kStep ||
-                          std::find(u.scalar_keys.begin(), u.scalar_keys.end(), j.key) != u.scalar_keys.end();
+      const bool scalar =
+          j.key == kStep || std::find(u.scalar_keys.begin(), u.scalar_keys.end(), j.key) != u.scalar_keys.end();
       if (!f || scalar) return;
       try {
         ValuePtr v = f->root;
@@ -270,8 +271,7 @@ class StructureCheck {
         if (t.numel() != j.param->numel)
           Add({path, "has " + std::to_string(t.numel()) + " elements, param_shapes gives " + j.param->name +
                          " the shape " + ShapeText(j.param->shape)});
-        else
-          TensorBytes(t, path);  // its storage holds all of them
+        else TensorBytes(t, path);  // its storage holds all of them
       } catch (const std::exception& e) {
         Add(ProblemFromError(e.what(), v_.folder, path));
       }
@@ -296,8 +296,10 @@ FolderVerdict VerifyFolder(const std::string& folder, FolderKind kind, const Ver
   // Published before it was durable (ckpt/manifest.h): checked by hash, and only against its manifest.
   const bool unsynced = ReadUnsyncedMarker(folder).has_value();
   if (unsynced && !v.manifest) {
-    v.problems.push_back({folder + "/" + kManifestName, "is missing, and the folder was published before its files "
-                                                        "were on disk (" + UnsyncedMarkerPath(folder) + ")"});
+    v.problems.push_back({folder + "/" + kManifestName,
+                          "is missing, and the folder was published before its files "
+                          "were on disk (" +
+                              UnsyncedMarkerPath(folder) + ")"});
     return v;
   }
   if (v.manifest) {
@@ -355,7 +357,8 @@ VerifyReport VerifyCheckpoint(const std::string& path_in, const VerifyOptions& o
     FolderKind k = ClassifyTagFolder(folder);
     if (k == FolderKind::kUnknown) continue;
     if (name[0] == '.') {
-      r.notes.push_back(folder + ": skipped (a temporary folder of an interrupted save or conversion; "
+      r.notes.push_back(folder +
+                        ": skipped (a temporary folder of an interrupted save or conversion; "
                         "uckpt never loads it)");
       continue;
     }
@@ -376,7 +379,8 @@ VerifyReport VerifyCheckpoint(const std::string& path_in, const VerifyOptions& o
     }
   }
   if (found.empty() && !has_latest)
-    throw FormatError(r.path + ": not a checkpoint (no model/optimizer states, no zero/ folder, no latest file, no "
+    throw FormatError(r.path +
+                      ": not a checkpoint (no model/optimizer states, no zero/ folder, no latest file, no "
                       "checkpoint folders inside)");
   if (options.progress) options.progress->folders_total = found.size();
   for (const auto& [folder, k] : found) run(folder, k);

@@ -22,15 +22,15 @@ const char* FolderKindName(FolderKind k);  // "zero", "universal", "unknown"
 struct FolderVerdict {
   std::string folder;
   FolderKind kind = FolderKind::kUnknown;
-  bool manifest = false;     // had a manifest
-  size_t files = 0;          // files checked (listed in the manifest, or parsed)
-  uint64_t bytes = 0;        // their total size
+  bool manifest = false;                  // had a manifest
+  size_t files = 0;                       // files checked (listed in the manifest, or parsed)
+  uint64_t bytes = 0;                     // their total size
   std::vector<ManifestProblem> problems;  // one per bad file (or folder)
 };
 
 struct VerifyReport {
-  std::string path;                  // what was asked for
-  bool hashes = true;                // contents were read (XXH64 / CRC-32), not only sizes
+  std::string path;    // what was asked for
+  bool hashes = true;  // contents were read (XXH64 / CRC-32), not only sizes
   std::vector<FolderVerdict> folders;
   std::vector<ManifestProblem> problems;  // about the root itself: `latest` naming nothing, ...
   std::vector<std::string> notes;         // worth saying, not wrong (skipped temporary folders)
@@ -44,8 +44,8 @@ struct VerifyProgress {
 };
 
 struct VerifyOptions {
-  bool hashes = true;   // false: sizes and structure only (no file is read whole)
-  int threads = 0;      // hashing threads; 0: min(4, DefaultThreads()) (ckpt/parallel.h)
+  bool hashes = true;  // false: sizes and structure only (no file is read whole)
+  int threads = 0;     // hashing threads; 0: min(4, DefaultThreads()) (ckpt/parallel.h)
   VerifyProgress* progress = nullptr;
 };
 

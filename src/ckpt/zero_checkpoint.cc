@@ -1,12 +1,12 @@
 #include "ckpt/zero_checkpoint.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <optional>
 #include <set>
 #include <tuple>
-#include <cstdio>
 
 #include "ckpt/deepspeed_state.h"
 #include "ckpt/manifest.h"
@@ -34,7 +34,6 @@ uint64_t ZeroCheckpoint::total_bytes() const {
 }
 
 namespace {
-
 
 bool SameValue(const ValuePtr& a, const ValuePtr& b) {
   if (!a || !b) return a == b;
@@ -71,12 +70,15 @@ std::vector<int64_t> Numels(const std::vector<NamedShape>& group) {
 void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, const std::string& folder) {
   for (const auto& f : files) {
     if (f.kind == FileKind::kPipelineLayer)
-      throw FormatError(f.path + ": pipeline-parallel checkpoints (layer_* files) are not supported; "
-                                 "only tensor/pipeline-parallel size 1 (mp_world_size 1) can be converted");
+      throw FormatError(f.path +
+                        ": pipeline-parallel checkpoints (layer_* files) are not supported; "
+                        "only tensor/pipeline-parallel size 1 (mp_world_size 1) can be converted");
     if (f.kind == FileKind::kMoeExpert)
-      throw FormatError(f.path + ": MoE expert checkpoints are not supported (DeepSpeed's converter cannot "
-                                 "handle them either: their model states have no param_shapes)");
-    if ((f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates || f.kind == FileKind::kOptimStates) &&
+      throw FormatError(f.path +
+                        ": MoE expert checkpoints are not supported (DeepSpeed's converter cannot "
+                        "handle them either: their model states have no param_shapes)");
+    if ((f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates ||
+         f.kind == FileKind::kOptimStates) &&
         f.mp != 0)
       throw FormatError(f.path + ": tensor/pipeline-parallel checkpoints (mp_rank " + std::to_string(f.mp) +
                         " > 0) are not supported; only mp_world_size 1 can be converted");
@@ -113,9 +115,10 @@ class Opener {
     ValuePtr opt = m.root && m.root->is_dict() ? m.root->get("optimizer") : nullptr;
     if (!opt || !opt->is_dict()) return false;
     if (IsFp16OptimizerState(opt))
-      Fail(model->path, "a ZeRO stage-0 fp16 checkpoint (DeepSpeed's FP16_Optimizer or FP16_UnfusedOptimizer state in "
-                        "'optimizer'): uckpt's convert, export and inspect do not read it; the engine resumes it at "
-                        "any world size and ZeRO stage (a save from there converts), and `uckpt verify` checks it");
+      Fail(model->path,
+           "a ZeRO stage-0 fp16 checkpoint (DeepSpeed's FP16_Optimizer or FP16_UnfusedOptimizer state in "
+           "'optimizer'): uckpt's convert, export and inspect do not read it; the engine resumes it at "
+           "any world size and ZeRO stage (a save from there converts), and `uckpt verify` checks it");
     c_.stage = 0;
     c_.dp = 1;  // every rank held everything
     c_.model_files.push_back(*model);
@@ -137,9 +140,10 @@ class Opener {
                                        const std::string& path) {
     if (!v.stage0_param_names.empty()) return v.stage0_param_names;
     if (ids.size() != 1)
-      Fail(path, "optimizer.param_groups has " + std::to_string(ids.size()) + " groups, and a stage-0 file that "
-                 "uckpt did not write does not say which parameter each optimizer state id is (only one group is "
-                 "read in the module's parameter order); resume it with the engine, which knows its parameters");
+      Fail(path, "optimizer.param_groups has " + std::to_string(ids.size()) +
+                     " groups, and a stage-0 file that "
+                     "uckpt did not write does not say which parameter each optimizer state id is (only one group is "
+                     "read in the module's parameter order); resume it with the engine, which knows its parameters");
     const ModuleEntriesView entries = ReadModuleEntries(c_.model.root, path);
     std::set<std::string> aliases;
     for (const auto& [alias, owner] : entries.shared_params) aliases.insert(alias);
@@ -147,10 +151,13 @@ class Opener {
     for (const auto& [k, t] : NamedEntries(RequiredModule(c_.model.root, path), path + ": module"))
       if (!entries.buffer_names.count(k) && !aliases.count(k)) names.push_back(k);
     if (names.size() != ids[0].size())
-      Fail(path, "the module has " + std::to_string(names.size()) + " parameters besides buffers and tied aliases, "
-                 "but optimizer.param_groups[0] lists " + std::to_string(ids[0].size()) + " (frozen parameters "
-                 "cannot be told from trainable ones in a stage-0 file uckpt did not write, nor tied parameters: "
-                 "DeepSpeed writes no shared_params at stage 0)");
+      Fail(path, "the module has " + std::to_string(names.size()) +
+                     " parameters besides buffers and tied aliases, "
+                     "but optimizer.param_groups[0] lists " +
+                     std::to_string(ids[0].size()) +
+                     " (frozen parameters "
+                     "cannot be told from trainable ones in a stage-0 file uckpt did not write, nor tied parameters: "
+                     "DeepSpeed writes no shared_params at stage 0)");
     for (size_t k = 0; k < ids[0].size(); ++k)
       if (ids[0][k] != static_cast<int64_t>(k))
         Fail(path, "optimizer.param_groups[0]['params'] is not 0.." + std::to_string(ids[0].size() - 1) + " in order");
@@ -175,8 +182,8 @@ class Opener {
       std::vector<std::pair<std::string, const Tensor*>> group_first;
       for (const int64_t id : ids[g]) {
         if (id < 0 || id >= static_cast<int64_t>(names.size()))
-          Fail(path + ": optimizer.param_groups[" + std::to_string(g) + "]", "names state id " + std::to_string(id) +
-                                                                             " of no recorded parameter");
+          Fail(path + ": optimizer.param_groups[" + std::to_string(g) + "]",
+               "names state id " + std::to_string(id) + " of no recorded parameter");
         ParamPlan p;
         p.name = names[id];
         auto w = v.module.find(p.name);
@@ -185,7 +192,8 @@ class Opener {
         p.numel = w->second->numel();
         p.group = g;
         const std::string where = path + ": optimizer.state[" + std::to_string(id) + "] ('" + p.name + "')";
-        p.states.push_back({kFp32, w->second->dtype, {TensorElements(*w->second, 0, p.numel, path + ": '" + p.name + "'")}});
+        p.states.push_back(
+            {kFp32, w->second->dtype, {TensorElements(*w->second, 0, p.numel, path + ": '" + p.name + "'")}});
         auto st = v.stage0_state.find(id);
         std::vector<std::pair<std::string, const Tensor*>> tensors;
         if (st != v.stage0_state.end()) tensors = st->second.tensors;
@@ -244,8 +252,8 @@ class Opener {
     for (int r = 0; r < c_.dp; ++r)
       if (r >= static_cast<int>(optim.size()) || optim[r].dp != r)
         throw FormatError(c_.folder + "/" + OptimStatesFileNameWithPrefix(r, c_.optim_prefix) +
-                          ": missing rank file (data-parallel size " +
-                          std::to_string(c_.dp) + " recorded in " + optim[0].name + ")");
+                          ": missing rank file (data-parallel size " + std::to_string(c_.dp) + " recorded in " +
+                          optim[0].name + ")");
     c_.optim_files = optim;
   }
 
@@ -285,8 +293,8 @@ class Opener {
       } else {
         for (int r = 0; r < c_.dp; ++r)
           if (r >= static_cast<int>(c_.model_files.size()) || c_.model_files[r].dp != r)
-            throw FormatError(c_.folder + "/" + Zero3ModelStatesFileName(r) + ": missing rank file (data-parallel size " +
-                              std::to_string(c_.dp) + ")");
+            throw FormatError(c_.folder + "/" + Zero3ModelStatesFileName(r) +
+                              ": missing rank file (data-parallel size " + std::to_string(c_.dp) + ")");
       }
     } else if (c_.model_files.empty()) {
       throw FormatError(c_.folder + "/" + ModelStatesFileName() + ": missing model-states file");
@@ -358,8 +366,8 @@ class Opener {
     }
     for (const char* key : {"parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params"})
       if (ValuePtr v = info->get(key); v && v->is_seq() && !v->items.empty())
-        Fail(model.file->path(), "universal_checkpoint_info['" + std::string(key) +
-                                     "'] is set; sub-parameter rules are not supported");
+        Fail(model.file->path(),
+             "universal_checkpoint_info['" + std::string(key) + "'] is set; sub-parameter rules are not supported");
   }
 
   // Per-element states of one (rank, group) state dict. `length` is the
@@ -408,8 +416,9 @@ class Opener {
                      std::to_string(length) +
                      (whole_length >= 0 ? " and the parameters it touches " + std::to_string(whole_length) : "") +
                      " (shapes do not add up)");
-      Fail(kw, "is not a per-element state (" + KindName(*v) + "); only per-element optimizer states and 'step' "
-               "can be converted");
+      Fail(kw, "is not a per-element state (" + KindName(*v) +
+                   "); only per-element optimizer states and 'step' "
+                   "can be converted");
     }
   }
 
@@ -474,8 +483,8 @@ class Opener {
     for (size_t g = 0; g < groups.size(); ++g) {
       const std::vector<int64_t> numels = Numels(groups[g]);
       for (size_t i = 0; i < groups[g].size(); ++i)
-        c_.params.push_back(PlanParam(groups[g][i], g, rg,
-                                      z3 ? Stage3Fragments(numels, i) : ParamFragments(numels, c_.dp, i), numels));
+        c_.params.push_back(
+            PlanParam(groups[g][i], g, rg, z3 ? Stage3Fragments(numels, i) : ParamFragments(numels, c_.dp, i), numels));
     }
   }
 
@@ -530,8 +539,10 @@ class Opener {
     if (c_.stage == 3)
       Fail(v.partitions_where, "has " + std::to_string(v.partitions.size()) + " sub-groups but the model states list " +
                                    std::to_string(groups));
-    Fail(v.where, "has " + std::to_string(v.partitions.size()) + " fp32 partitions and slice mappings but the "
-                  "model states list " + std::to_string(groups) + " param groups");
+    Fail(v.where, "has " + std::to_string(v.partitions.size()) +
+                      " fp32 partitions and slice mappings but the "
+                      "model states list " +
+                      std::to_string(groups) + " param groups");
   }
 
   // The fp32 partition of rank `r`, group `g` must be as long as the layout
@@ -603,8 +614,9 @@ class Opener {
         StatePlan& st = p.states[k];
         const Tensor& t = k == 0 ? *x.fp32 : *x.states[k - 1].second;
         if (t.dtype != st.dtype)
-          Fail(where, "'" + st.key + "' is " + std::string(DTypeName(t.dtype)) + ", but " + std::string(DTypeName(st.dtype)) +
-                          " in " + c_.optim[0].file->path() + ": the ranks' files disagree (files of two checkpoints "
+          Fail(where, "'" + st.key + "' is " + std::string(DTypeName(t.dtype)) + ", but " +
+                          std::string(DTypeName(st.dtype)) + " in " + c_.optim[0].file->path() +
+                          ": the ranks' files disagree (files of two checkpoints "
                           "mixed?)");
         if (k > 0 && x.whole[k - 1]) {  // the whole parameter, from the first rank that holds a piece of it
           if (&f != &frags.front()) continue;
@@ -636,8 +648,9 @@ class Opener {
     const std::string& where = part.mappings_where;
     auto frags = RankFragments(Numels(group), c_.dp, r);
     if (part.mappings.size() != frags.size())
-      Fail(where, "lists " + std::to_string(part.mappings.size()) + " parameters but the flat layout of param_shapes puts " +
-                      std::to_string(frags.size()) + " in this rank's partition (round_robin_gradients is not supported)");
+      Fail(where, "lists " + std::to_string(part.mappings.size()) +
+                      " parameters but the flat layout of param_shapes puts " + std::to_string(frags.size()) +
+                      " in this rank's partition (round_robin_gradients is not supported)");
     for (size_t k = 0; k < frags.size(); ++k) {
       const Fragment& f = frags[k];
       const std::string& name = group[f.param].name;

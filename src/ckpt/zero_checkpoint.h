@@ -39,7 +39,7 @@ struct ParamPlan {
   std::string name;
   std::vector<int64_t> shape;
   int64_t numel = 0;
-  size_t group = 0;             // optimizer param group (stage 3: sub-group)
+  size_t group = 0;               // optimizer param group (stage 3: sub-group)
   std::vector<StatePlan> states;  // "fp32" first, then the optimizer's keys in file order
   // The group's `step` (tensor or int), written as step.pt; null if none.
   // Stage 3: only for optimizers other than Adam (DeepSpeed's converter
@@ -55,11 +55,11 @@ struct ParamPlan {
 
 struct ZeroCheckpoint {
   std::string folder;
-  int stage = 0;                 // 0, 1, 2 or 3 (0: the module's weights and torch's optimizer state in the
-                                 // model states, no rank files; dp 1)
-  bool bf16_optimizer = false;   // BF16_Optimizer (no zero_stage key; counts as stage 1)
-  int dp = 0;                    // data-parallel size
-  std::string optim_prefix;      // "", "bf16_" or "fp16_"
+  int stage = 0;                            // 0, 1, 2 or 3 (0: the module's weights and torch's optimizer state in the
+                                            // model states, no rank files; dp 1)
+  bool bf16_optimizer = false;              // BF16_Optimizer (no zero_stage key; counts as stage 1)
+  int dp = 0;                               // data-parallel size
+  std::string optim_prefix;                 // "", "bf16_" or "fp16_"
   std::vector<CheckpointFile> model_files;  // copied verbatim into a universal output
   std::vector<CheckpointFile> optim_files;  // index = dp rank
   TorchFile model;                          // the first model-states file
@@ -73,8 +73,8 @@ struct ZeroCheckpoint {
   // no optimizer state (frozen parameters, buffers), in module order. That
   // release's converter writes each as zero/<name>/fp32.pt = {'param': t.float()}.
   std::vector<std::pair<std::string, ValuePtr>> module_only;
-  int64_t global_steps = -1;                // from the model states, -1 if absent
-  std::vector<std::string> warnings;        // accepted oddities worth telling the user
+  int64_t global_steps = -1;          // from the model states, -1 if absent
+  std::vector<std::string> warnings;  // accepted oddities worth telling the user
 
   uint64_t total_bytes() const;  // all per-parameter state bytes of the plan
 };

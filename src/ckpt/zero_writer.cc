@@ -39,7 +39,8 @@ ValuePtr FloatScalar(float v) {
 
 // A 1-D float32 tensor of `numel` elements over a storage of `storage_numel`
 // whose bytes are `pieces` (registered in `all`).
-ValuePtr FlatTensor(int64_t numel, int64_t storage_numel, Pieces pieces, StoragePieces* all, bool requires_grad = false) {
+ValuePtr FlatTensor(int64_t numel, int64_t storage_numel, Pieces pieces, StoragePieces* all,
+                    bool requires_grad = false) {
   ValuePtr t = PiecewiseTensor(DType::kFloat32, {storage_numel}, requires_grad);
   t->tensor->shape = {numel};
   t->tensor->stride = {1};
@@ -81,9 +82,7 @@ class Writer {
   }
 
  private:
-  std::string OptimPath(int r) const {
-    return folder_ + "/" + OptimStatesFileNameWithPrefix(r, s_.optim_prefix);
-  }
+  std::string OptimPath(int r) const { return folder_ + "/" + OptimStatesFileNameWithPrefix(r, s_.optim_prefix); }
 
   // Stage 3: the sub-groups of every param group, as (group, first, count).
   void PlanSubGroups() {
@@ -100,7 +99,8 @@ class Writer {
     std::vector<std::vector<NamedShape>> list;
     auto add = [&](size_t g, size_t first, size_t count) {
       list.emplace_back();
-      for (size_t i = first; i < first + count; ++i) list.back().push_back({s_.groups[g][i].name, s_.groups[g][i].shape});
+      for (size_t i = first; i < first + count; ++i)
+        list.back().push_back({s_.groups[g][i].name, s_.groups[g][i].shape});
     };
     if (s_.stage == 3) {
       for (const auto& sg : subs_) add(sg.group, sg.first, sg.count);
@@ -179,7 +179,8 @@ class Writer {
       if (!s_.state_keys.empty()) {
         gs.adam.emplace_back(kStep, FloatScalar(s_.step));
         for (const auto& key : s_.state_keys)
-          gs.adam.emplace_back(key, FlatTensor(l.partition_size, l.partition_size, PartitionPieces(g, r, key, &real), &all));
+          gs.adam.emplace_back(key,
+                               FlatTensor(l.partition_size, l.partition_size, PartitionPieces(g, r, key, &real), &all));
       }
       gs.hparams = kWriterHparams;
       // Stage 1/2 keep partition[:P - pad] (Python slicing: a negative end
@@ -190,7 +191,8 @@ class Writer {
         lean = end >= 0 ? end : std::max<int64_t>(0, l.partition_size + end);
       }
       gs.fp32 = FlatTensor(lean, l.partition_size, PartitionPieces(g, r, kFp32, &real), &all, /*requires_grad=*/true);
-      for (const Fragment& f : RankFragments(numels_[g], s_.dp, r)) gs.mappings.emplace_back(s_.groups[g][f.param].name, f);
+      for (const Fragment& f : RankFragments(numels_[g], s_.dp, r))
+        gs.mappings.emplace_back(s_.groups[g][f.param].name, f);
       o.groups.push_back(std::move(gs));
     }
     WriteTorchFile(OptimPath(r), OptimStatesValue(o), all);

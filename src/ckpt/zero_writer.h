@@ -29,17 +29,17 @@ using StateSource = std::function<void(size_t param, const std::string& key, int
                                        std::vector<std::span<const uint8_t>>* pieces)>;
 
 struct ZeroWriteSpec {
-  int stage = 2;                   // 1, 2 or 3
-  bool bf16_optimizer = false;     // stage 1 only: BF16_Optimizer files (padded fp32 partitions, no zero_stage)
-  std::string optim_prefix;        // "" or "bf16_"
+  int stage = 2;                // 1, 2 or 3
+  bool bf16_optimizer = false;  // stage 1 only: BF16_Optimizer files (padded fp32 partitions, no zero_stage)
+  std::string optim_prefix;     // "" or "bf16_"
   int dp = 2;
   std::vector<std::vector<ZeroParam>> groups;  // optimizer param groups, flat order
   std::vector<std::string> state_keys = {kExpAvg, kExpAvgSq};
-  float step = 5;                  // optimizer step (a 0-dim float32 tensor, as torch Adam keeps it)
+  float step = 5;  // optimizer step (a 0-dim float32 tensor, as torch Adam keeps it)
   int64_t global_steps = 5;
   int64_t sub_group_size = 1000000000;  // stage 3
   bool legacy_group_paddings = true;    // DeepSpeed <= 0.16.3: padding recorded on the last rank only
-  bool write_module = true;        // fp32 weights in `module` (off: an empty OrderedDict)
+  bool write_module = true;             // fp32 weights in `module` (off: an empty OrderedDict)
   StateSource source;
 };
 

@@ -103,11 +103,14 @@ Runner AddConvert(CLI::App& app) {
     bool force = false, quiet = false, no_sync = false, verify = false, no_manifest = false;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("INPUT", args->input, "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100), or the folder whose `latest` names it");
+  cmd->add_option("INPUT", args->input,
+                  "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100), or the folder whose `latest` names it");
   cmd->add_option("OUTPUT", args->output, "The universal checkpoint folder to create");
   cmd->add_option("--input_folder,--input-folder", args->input_flag, "Same as INPUT (ds_to_universal.py's spelling)");
-  cmd->add_option("--output_folder,--output-folder", args->output_flag, "Same as OUTPUT (ds_to_universal.py's spelling)");
-  cmd->add_option("-j,--threads", args->threads, "Worker threads (default: one per core)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--output_folder,--output-folder", args->output_flag,
+                  "Same as OUTPUT (ds_to_universal.py's spelling)");
+  cmd->add_option("-j,--threads", args->threads, "Worker threads (default: one per core)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--force", args->force, "Replace an existing output folder (only once the new one is complete)");
   cmd->add_flag("-q,--quiet", args->quiet, "No progress output");
   AddStrictFlags(cmd, true);

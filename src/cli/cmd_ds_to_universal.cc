@@ -48,8 +48,9 @@ Runner AddDsToUniversal(CLI::App& app) {
       std::cerr << say << "--num_merge_workers " << args->merge_workers
                 << ": no merge phase (each output file is written once, from the rank files)\n";
     if (args->no_strict)
-      std::cerr << say << "--no_strict: nothing to relax (uckpt refuses tensor-parallel pattern rules, the only "
-                          "thing DeepSpeed's strict check is about)\n";
+      std::cerr << say
+                << "--no_strict: nothing to relax (uckpt refuses tensor-parallel pattern rules, the only "
+                   "thing DeepSpeed's strict check is about)\n";
     try {
       ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(args->input);
       for (const auto& w : zc.warnings) std::cerr << say << "warning: " << w << "\n";
@@ -63,7 +64,7 @@ Runner AddDsToUniversal(CLI::App& app) {
       }
       ckpt::ConvertOptions options;
       options.threads = args->extract_workers > 0 ? args->extract_workers : 0;
-      options.force = true;  // DeepSpeed writes into an existing output folder
+      options.force = true;            // DeepSpeed writes into an existing output folder
       options.write_manifest = false;  // only the files DeepSpeed writes
       ckpt::ConvertStats stats = ckpt::ConvertToUniversal(zc, args->output, options);
       std::cout << "*** Done! " << stats.params << " parameters, " << stats.files << " files in " << args->output

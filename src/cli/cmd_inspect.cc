@@ -25,12 +25,12 @@ Runner AddInspect(CLI::App& app) {
     size_t max_items = 50;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("FILE", args->path, "A file written by torch.save (PyTorch >= 1.6), or a checkpoint folder")->required();
+  cmd->add_option("FILE", args->path, "A file written by torch.save (PyTorch >= 1.6), or a checkpoint folder")
+      ->required();
   cmd->add_flag("--json", args->json,
                 "Print the value as JSON: type-tagged nodes; tensors with dtype, shape, stride, offset and the\n"
                 "SHA-256 of their contiguous little-endian bytes (values too when they have <= 64 elements)");
-  cmd->add_option("--max-items", args->max_items, "Items shown per container in the tree view")
-      ->capture_default_str();
+  cmd->add_option("--max-items", args->max_items, "Items shown per container in the tree view")->capture_default_str();
   AddStrictFlags(cmd, false);  // lenient, so that hostile files can be looked at
   return [args] {
     if (std::filesystem::is_directory(args->path)) {  // a checkpoint folder
@@ -38,8 +38,7 @@ Runner AddInspect(CLI::App& app) {
       if (args->json)
         std::cout << ckpt::CheckpointInfoJson(info).dump(1, ' ', false, nlohmann::json::error_handler_t::replace)
                   << "\n";
-      else
-        ckpt::PrintCheckpointInfo(std::cout, info);
+      else ckpt::PrintCheckpointInfo(std::cout, info);
       return 0;
     }
     TorchFile f = LoadTorchFile(args->path);

@@ -68,7 +68,7 @@ std::vector<std::string> WithLocalRankArgument(std::vector<std::string> argv, in
 // What every rank of one launch gets.
 struct RankCommand {
   std::vector<std::string> argv;  // argv[0]: a path or a name on PATH
-  int world_size = 1;  // ranks on this host
+  int world_size = 1;             // ranks on this host
   int nnodes = 1, node_rank = 0;  // hosts, each running world_size ranks; this one's index
   std::string master_addr;
   int master_port = 0;
@@ -159,7 +159,8 @@ std::string NoRestartReason(const LaunchSupervisor& supervisor, int code, int re
     return p.max_restarts == 0 ? "no restarts asked (--max_restarts)"
                                : "--max_restarts " + std::to_string(p.max_restarts) + " used up";
   // Exit code 2 is a usage or input error (uckpt's, argparse's): fewer devices would not mend it.
-  if (code == 2) return "rank " + std::to_string(supervisor.first_failed_rank()) + " exited with 2 (bad usage or input)";
+  if (code == 2)
+    return "rank " + std::to_string(supervisor.first_failed_rank()) + " exited with 2 (bad usage or input)";
   if (static_cast<int>(devices.size()) - 1 < p.min_nproc)
     return std::to_string(devices.size() - 1) + " device(s) would be left, fewer than --min_nproc " +
            std::to_string(p.min_nproc);
@@ -259,7 +260,7 @@ Runner AddLaunch(CLI::App& app) {
   cmd->add_option("command", a->command, "The command after `--`")->required();
 
   return [a] {
-    struct sigaction sa{};
+    struct sigaction sa {};
     sa.sa_handler = OnSignal;
     sigemptyset(&sa.sa_mask);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
@@ -279,15 +280,18 @@ Runner AddLaunch(CLI::App& app) {
       throw std::invalid_argument("launch: --master_port 0 picks a port on one host only; with --nnodes " +
                                   std::to_string(a->nnodes) + " give every host the same port");
     if (a->nnodes > 1 && a->restart.max_restarts > 0)
-      throw std::invalid_argument("launch: --max_restarts restarts the ranks of one host only; across hosts "
-                                  "(--nnodes > 1) it is not supported yet: use torchrun's elastic agent "
-                                  "(--max-restarts), whose restarts uckpt's load_checkpoint/--resume follow");
+      throw std::invalid_argument(
+          "launch: --max_restarts restarts the ranks of one host only; across hosts "
+          "(--nnodes > 1) it is not supported yet: use torchrun's elastic agent "
+          "(--max-restarts), whose restarts uckpt's load_checkpoint/--resume follow");
     const std::string& exe = a->command[0];
-    const bool uckpt_train = exe.substr(exe.find_last_of('/') + 1) == "uckpt" && a->command.size() > 1 && a->command[1] == "train";
+    const bool uckpt_train =
+        exe.substr(exe.find_last_of('/') + 1) == "uckpt" && a->command.size() > 1 && a->command[1] == "train";
     if (a->restart.max_restarts > 0 && uckpt_train &&
         std::find(a->command.begin(), a->command.end(), "--resume") == a->command.end())
-      throw std::invalid_argument("launch: --max_restarts with `uckpt train` needs its --resume (and --checkpoint_dir): "
-                                  "without it a restarted job would start again from step 1");
+      throw std::invalid_argument(
+          "launch: --max_restarts with `uckpt train` needs its --resume (and --checkpoint_dir): "
+          "without it a restarted job would start again from step 1");
     return RunWithRestarts(c, a->master_port, {a->grace_s, a->stop_timeout_s, a->node_rank * a->n}, a->restart);
   };
 }

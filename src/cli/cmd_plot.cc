@@ -35,7 +35,8 @@ void SvgToPng(const std::string& svg_path, const std::string& png_path) {
   int status = 0;
   waitpid(pid, &status, 0);
   if (!WIFEXITED(status) || WEXITSTATUS(status) == 127) {
-    throw IoError(png_path + ": PNG output needs rsvg-convert (Debian package librsvg2-bin; scripts/install-deps.sh); "
+    throw IoError(png_path +
+                  ": PNG output needs rsvg-convert (Debian package librsvg2-bin; scripts/install-deps.sh); "
                   "write .svg instead");
   }
   if (WEXITSTATUS(status) != 0) throw IoError(png_path + ": rsvg-convert failed on " + svg_path);

@@ -5,17 +5,18 @@
 
 #include "cli/commands.h"
 #include "cli/strict_flags.h"
-#include "uckpt/comm.h"
+#include "cli/trainer.h"
 #include "engine/config.h"
 #include "engine/host_threads.h"
-#include "cli/trainer.h"
+#include "uckpt/comm.h"
 
 namespace uckpt::cli {
 
 Runner AddTrain(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "train",
-      "Train GPT-2 (--model gpt2) or a BERT masked LM (--model bert) with ZeRO-0/1/2/3 data parallelism;\ncheckpoints in DeepSpeed's layout.\n\n"
+      "Train GPT-2 (--model gpt2) or a BERT masked LM (--model bert) with ZeRO-0/1/2/3 data parallelism;\ncheckpoints "
+      "in DeepSpeed's layout.\n\n"
       "One process trains alone; several are started by `uckpt launch` or torchrun, which set\n"
       "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (Gloo on CPU).\n\n"
       "Examples:\n"
@@ -42,8 +43,9 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--zero_stage", a->zero_stage, "ZeRO stage 0, 1, 2 or 3 (overrides the config)");
   cmd->add_option("--lr", a->lr, "Optimizer learning rate (overrides the config)");
   cmd->add_option("--gradient_clipping", a->clip, "Global-norm clipping, 0 = off (overrides the config)");
-  cmd->add_flag("--async_save", a->async_save,
-                "Write checkpoints in the background; training blocks only for the snapshot (config: checkpoint.async_save)");
+  cmd->add_flag(
+      "--async_save", a->async_save,
+      "Write checkpoints in the background; training blocks only for the snapshot (config: checkpoint.async_save)");
   cmd->add_flag("--bf16", a->bf16, "bf16 model weights (fp32 masters)");
   cmd->add_flag("--fp16", a->fp16, "fp16 model weights with dynamic loss scaling");
   cmd->add_option("--steps", o.steps, "Train until this global step")->required();
@@ -52,8 +54,9 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_option("--run_name", o.run_name, "Metrics go to <log_dir>/<run_name>/")->capture_default_str();
   cmd->add_option("--log_dir", o.log_dir, "Folder of the per-run metric folders")->capture_default_str();
   AddStrictFlags(cmd, true);  // for the checkpoint and --init files it loads
-  cmd->add_flag("--resume", o.resume, "Resume from --checkpoint_dir (tag from `latest` unless --checkpoint_tag): a ZeRO 1/2/3 checkpoint "
-               "of any world size and stage loads without converting");
+  cmd->add_flag("--resume", o.resume,
+                "Resume from --checkpoint_dir (tag from `latest` unless --checkpoint_tag): a ZeRO 1/2/3 checkpoint "
+                "of any world size and stage loads without converting");
   cmd->add_option("--checkpoint_tag", o.checkpoint_tag, "Tag folder to resume from, e.g. global_step100");
   cmd->add_flag("--universal_checkpoint", o.universal_checkpoint,
                 "Resume from a universal checkpoint (any world size; tag from `latest_universal`)");
@@ -62,8 +65,9 @@ Runner AddTrain(CLI::App& app) {
                 "always compared)");
   cmd->add_flag("--no_load_optimizer_states", a->no_load_optimizer_states,
                 "Resume weights, step and schedule only; fresh optimizer moments");
-  cmd->add_flag("--keep-saved-hparams,--keep_saved_hparams", o.keep_saved_hparams,
-                "Use the checkpoint's lr (for the next step), betas, eps and weight_decay instead of this run's config");
+  cmd->add_flag(
+      "--keep-saved-hparams,--keep_saved_hparams", o.keep_saved_hparams,
+      "Use the checkpoint's lr (for the next step), betas, eps and weight_decay instead of this run's config");
   cmd->add_option("--model", o.model_name,
                   "gpt2 (causal LM, Hugging Face's GPT-2) or bert (masked LM: 15% of positions, 80/10/10); the\n"
                   "size flags below apply to both; bert needs --vocab_size >= 257 (bytes + [MASK])")
@@ -109,7 +113,7 @@ Runner AddTrain(CLI::App& app) {
     TrainOptions o = a->o;
     nlohmann::json raw = nlohmann::json::object();
     if (!a->config.empty()) raw = engine::ReadConfigJson(a->config);  // parsed once, below
-    if (!raw.is_object()) engine::ParseConfig(raw, a->config);          // refused, naming the file
+    if (!raw.is_object()) engine::ParseConfig(raw, a->config);        // refused, naming the file
     // Command-line overrides become part of the config (and of the saved ds_config).
     if (a->train_batch_size) raw["train_batch_size"] = *a->train_batch_size;
     if (a->micro) raw["train_micro_batch_size_per_gpu"] = *a->micro;
@@ -131,13 +135,14 @@ Runner AddTrain(CLI::App& app) {
     const char* port = std::getenv("MASTER_PORT");
     auto env = DistEnv::FromEnvironment(true, port && *port ? std::atoi(port) : 29500);
     // Before the model is built: its initialisation runs on these threads.
-    engine::ApplyHostThreads(o.threads, "--threads", "set OMP_NUM_THREADS or --threads to change", !env || env->rank == 0);
+    engine::ApplyHostThreads(o.threads, "--threads", "set OMP_NUM_THREADS or --threads to change",
+                             !env || env->rank == 0);
     const HeartbeatSettings heartbeat{o.config.heartbeat_interval_s, o.config.heartbeat_timeout_s};
     heartbeat.Validate();
     if (env) o.local_rank = env->local_rank;
-    std::unique_ptr<Comm> comm =
-        env && env->world_size > 1 ? ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
-                                   : MakeSingleProcessComm();
+    std::unique_ptr<Comm> comm = env && env->world_size > 1
+                                     ? ConnectC10d(*env, timeout, /*cuda=*/o.device == "cuda", heartbeat)
+                                     : MakeSingleProcessComm();
     try {
       int code = RunTraining(*comm, o);
       comm->Finish();

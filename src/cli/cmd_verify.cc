@@ -125,8 +125,13 @@ nlohmann::json ReportJson(const ckpt::VerifyReport& r, const std::vector<FolderS
       folders.back()["state_fingerprint_record"] = states[i].record;
     }
   }
-  return {{"path", r.path},  {"ok", r.ok()},       {"contents_checked", r.hashes}, {"problem_count", r.problem_count()},
-          {"folders", folders}, {"problems", problems(r.problems)}, {"notes", r.notes}};
+  return {{"path", r.path},
+          {"ok", r.ok()},
+          {"contents_checked", r.hashes},
+          {"problem_count", r.problem_count()},
+          {"folders", folders},
+          {"problems", problems(r.problems)},
+          {"notes", r.notes}};
 }
 
 }  // namespace
@@ -219,7 +224,8 @@ Runner AddVerify(CLI::App& app) {
       with_manifest += f.manifest;
     }
     char line[512];
-    std::snprintf(line, sizeof line, "verify: %s: %s: %zu problem(s) in %zu folder(s) (%zu with a manifest), %zu files, %s, %s, %.2fs\n",
+    std::snprintf(line, sizeof line,
+                  "verify: %s: %s: %zu problem(s) in %zu folder(s) (%zu with a manifest), %zu files, %s, %s, %.2fs\n",
                   r.path.c_str(), r.ok() ? "OK" : "FAILED", r.problem_count(), r.folders.size(), with_manifest, files,
                   HumanBytes(bytes).c_str(), r.hashes ? "contents read" : "sizes only", secs);
     std::cout << line;

@@ -16,7 +16,7 @@ Runner AddExport(CLI::App& app);
 Runner AddPlot(CLI::App& app);
 Runner AddVerify(CLI::App& app);
 #ifdef UCKPT_HAVE_ENGINE
-Runner AddTrain(CLI::App& app);   // needs libtorch
+Runner AddTrain(CLI::App& app);  // needs libtorch
 Runner AddLaunch(CLI::App& app);
 #endif
 #ifdef UCKPT_ENGINE_EXEC

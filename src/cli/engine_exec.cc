@@ -29,8 +29,8 @@ Runner AddEngineCommand(CLI::App& app, const std::string& name, const std::strin
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     ::execv(engine.c_str(), argv.data());
-    std::cerr << "uckpt: error: `uckpt " << name << "` runs " << engine << ", which cannot be started: "
-              << std::strerror(errno) << "\n";
+    std::cerr << "uckpt: error: `uckpt " << name << "` runs " << engine
+              << ", which cannot be started: " << std::strerror(errno) << "\n";
     return 2;
   };
 }

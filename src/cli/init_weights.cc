@@ -7,11 +7,11 @@
 #include <set>
 
 #include "ckpt/deepspeed_state.h"
+#include "engine/torch_bridge.h"
 #include "format/error.h"
 #include "format/file.h"
 #include "format/safetensors.h"
 #include "format/torch_file.h"
-#include "engine/torch_bridge.h"
 
 namespace uckpt::cli {
 

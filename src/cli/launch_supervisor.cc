@@ -100,8 +100,8 @@ void LaunchSupervisor::OnWaitStatus(pid_t pid, int status) {
     rank.stopped_since = Clock::time_point::max();
     const int code = ExitCode(status);
     if (code != 0 && state_ == State::kRunning) {
-      std::cerr << "uckpt launch: rank " << settings_.first_rank + static_cast<int>(r) << " exited with code " << code << SignalNote(status)
-                << "; stopping the other ranks\n";
+      std::cerr << "uckpt launch: rank " << settings_.first_rank + static_cast<int>(r) << " exited with code " << code
+                << SignalNote(status) << "; stopping the other ranks\n";
       first_failed_rank_ = static_cast<int>(r);
       BeginStopping(code);
     }
@@ -120,8 +120,9 @@ void LaunchSupervisor::FailStoppedRank() {
       continue;
     char secs[32];
     std::snprintf(secs, sizeof secs, "%.1f", settings_.stop_timeout_s);
-    std::cerr << "uckpt launch: rank " << settings_.first_rank + static_cast<int>(r) << " has been stopped (signal " << rank.stop_signal << ": "
-              << strsignal(rank.stop_signal) << ") for " << secs << " s; stopping the job\n";
+    std::cerr << "uckpt launch: rank " << settings_.first_rank + static_cast<int>(r) << " has been stopped (signal "
+              << rank.stop_signal << ": " << strsignal(rank.stop_signal) << ") for " << secs
+              << " s; stopping the job\n";
     first_failed_rank_ = static_cast<int>(r);
     BeginStopping(1);
     return;

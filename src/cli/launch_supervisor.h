@@ -46,7 +46,7 @@ class LaunchSupervisor {
  private:
   using Clock = std::chrono::steady_clock;
   struct Rank {
-    pid_t pid = -1;                                     // -1: not started, or exited
+    pid_t pid = -1;                                              // -1: not started, or exited
     Clock::time_point stopped_since = Clock::time_point::max();  // max: not stopped
     int stop_signal = 0;
   };
@@ -54,9 +54,9 @@ class LaunchSupervisor {
   void StartAll(const StartRank& start);  // Starting -> Running, or Done
   void ForwardSignal(int sig);            // Running -> Stopping
   void OnWaitStatus(pid_t pid, int status);
-  void FailStoppedRank();                 // Running -> Stopping
-  void BeginStopping(int code);           // SIGTERM to the others
-  void Signal(int sig);                   // every rank's process group
+  void FailStoppedRank();        // Running -> Stopping
+  void BeginStopping(int code);  // SIGTERM to the others
+  void Signal(int sig);          // every rank's process group
 
   std::vector<Rank> ranks_;
   Settings settings_;

@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
 #endif
 #ifdef UCKPT_ENGINE_EXEC
   add([](CLI::App& a) {
-    return uckpt::cli::AddEngineCommand(a, "train", "Train GPT-2 or BERT with ZeRO-0/1/2/3 data parallelism (`uckpt train --help`)");
+    return uckpt::cli::AddEngineCommand(
+        a, "train", "Train GPT-2 or BERT with ZeRO-0/1/2/3 data parallelism (`uckpt train --help`)");
   });
   add([](CLI::App& a) {
     return uckpt::cli::AddEngineCommand(a, "launch", "Start N local ranks of a command (`uckpt launch --help`)");

@@ -44,9 +44,7 @@ void Bytes(std::string& out, int field, const std::string& s) {
   out += s;
 }
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double Now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 std::string EventHeader(double wall_time, int64_t step) {
   std::string e;
@@ -118,12 +116,14 @@ MetricsLog::MetricsLog(const std::string& dir) {
 
 void MetricsLog::Write(const StepMetrics& m) {
   char line[512];
-  std::snprintf(line, sizeof(line), "%lld,%.17g,%.17g,%.17g,%.17g,%.6g\n", static_cast<long long>(m.step), m.loss,
-                m.lr, m.grad_norm, m.loss_scale, m.tokens_per_s);
+  std::snprintf(line, sizeof(line), "%lld,%.17g,%.17g,%.17g,%.17g,%.6g\n", static_cast<long long>(m.step), m.loss, m.lr,
+                m.grad_norm, m.loss_scale, m.tokens_per_s);
   csv_ << line << std::flush;
   const double now = Now();
-  for (auto [tag, value] : {std::pair<const char*, double>{"train/loss", m.loss}, {"train/lr", m.lr},
-                            {"train/grad_norm", m.grad_norm}, {"train/loss_scale", m.loss_scale},
+  for (auto [tag, value] : {std::pair<const char*, double>{"train/loss", m.loss},
+                            {"train/lr", m.lr},
+                            {"train/grad_norm", m.grad_norm},
+                            {"train/loss_scale", m.loss_scale},
                             {"train/tokens_per_s", m.tokens_per_s}})
     events_ << TfRecord(ScalarEvent(now, m.step, tag, static_cast<float>(value)));
   events_.flush();

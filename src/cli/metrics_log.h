@@ -12,9 +12,9 @@ namespace uckpt::cli {
 
 struct StepMetrics {
   int64_t step = 0;
-  double loss = 0;        // the global batch's mean token loss
-  double lr = 0;          // the lr this step used
-  double grad_norm = 0;   // pre-clipping global norm
+  double loss = 0;       // the global batch's mean token loss
+  double lr = 0;         // the lr this step used
+  double grad_norm = 0;  // pre-clipping global norm
   double loss_scale = 1;
   double tokens_per_s = 0;
 };

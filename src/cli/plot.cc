@@ -102,7 +102,8 @@ LossCurve ReadLossCurve(const std::string& run_dir) {
   }
   LossCurve curve;
   curve.name = std::filesystem::path(run_dir).lexically_normal().filename().string();
-  if (curve.name.empty()) curve.name = std::filesystem::path(run_dir).lexically_normal().parent_path().filename().string();
+  if (curve.name.empty())
+    curve.name = std::filesystem::path(run_dir).lexically_normal().parent_path().filename().string();
   for (auto [step, loss] : by_step) curve.points.push_back({step, loss});
   return curve;
 }
@@ -139,8 +140,8 @@ std::string RenderLossSvg(const std::vector<LossCurve>& curves, const PlotOption
 
   std::ostringstream svg;
   svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 "
-      << w << " " << h << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 " << w
+      << " " << h << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
       << "<rect x=\"0\" y=\"0\" width=\"" << w << "\" height=\"" << h << "\" fill=\"white\"/>\n";
   if (!options.title.empty()) {
     svg << "<text x=\"" << Num(w / 2) << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">"

@@ -6,18 +6,18 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <set>
 
 #include "ckpt/deepspeed_names.h"
-#include "format/error.h"
-#include "models/bert.h"
+#include "cli/init_weights.h"
 #include "engine/engine_access.h"
 #include "engine/torch_bridge.h"
-#include "cli/init_weights.h"
+#include "format/error.h"
+#include "models/bert.h"
 
 #if __has_include(<torch/csrc/autograd/profiler_kineto.h>)
 #include <torch/csrc/autograd/profiler_kineto.h>
@@ -191,7 +191,8 @@ StepMetrics Trainer::TrainStep() {
   for (int64_t m = 0; m < ga; ++m) {
     const int64_t first_row =
         engine::FirstRow(m, comm_.rank(), comm_.world_size(), engine_->settings().train_micro_batch_size_per_gpu());
-    at::Tensor loss = loss_(MicroBatchIds(step, samples_before, first_row), step, samples_before + first_row, first_row);
+    at::Tensor loss =
+        loss_(MicroBatchIds(step, samples_before, first_row), step, samples_before + first_row, first_row);
     loss_sum.add_(loss.detach().to(at::kDouble));
     timers_.forward += clock.Lap();
     const double wait_before = engine_->stats().stage3_stats().reduce_wait_s;
@@ -248,10 +249,10 @@ void ResumeIfAsked(Trainer& trainer) {
   std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
                static_cast<long long>(trainer.counters().global_steps), SecondsSince(t0));
   if (const LoadStats& l = trainer.engine().stats().last_load(); !l.fingerprint.empty())
-    std::fprintf(stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it for the files' value)\n",
-                 l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str()
-                                                          : ("checked (" + l.fingerprint + ")").c_str(),
-                 l.fingerprint_s, l.fingerprint_files_s);
+    std::fprintf(
+        stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it for the files' value)\n",
+        l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str() : ("checked (" + l.fingerprint + ")").c_str(),
+        l.fingerprint_s, l.fingerprint_files_s);
 }
 
 // Rank 0: world, model, batch split, the steps to run, the config's warnings.
@@ -295,10 +296,12 @@ void SaveStep(Trainer& trainer) {
   const SaveStats& s = trainer.engine().stats().last_save();
   if (!rank0) return;
   if (s.async)
-    std::fprintf(stderr, "uckpt train: snapshot of %s/%s in %.3f s (%.1f MiB of host memory), writing in the background\n",
+    std::fprintf(stderr,
+                 "uckpt train: snapshot of %s/%s in %.3f s (%.1f MiB of host memory), writing in the background\n",
                  o.checkpoint_dir.c_str(), tag.c_str(), s.blocked_s, static_cast<double>(s.snapshot_bytes) / (1 << 20));
   else
-    std::fprintf(stderr, "uckpt train: saved %s/%s in %.3f s\n", o.checkpoint_dir.c_str(), tag.c_str(), SecondsSince(t0));
+    std::fprintf(stderr, "uckpt train: saved %s/%s in %.3f s\n", o.checkpoint_dir.c_str(), tag.c_str(),
+                 SecondsSince(t0));
   std::fprintf(stderr, "uckpt train: state fingerprint of the save in %.3f s\n", s.fingerprint_s);
 }
 

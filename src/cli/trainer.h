@@ -18,16 +18,16 @@
 namespace uckpt::cli {
 
 struct TrainOptions {
-  engine::TrainConfig config;  // DeepSpeed JSON with command-line overrides applied
+  engine::TrainConfig config;       // DeepSpeed JSON with command-line overrides applied
   std::string model_name = "gpt2";  // "gpt2" or "bert" (masked LM); `model` gives the sizes of either
   models::Gpt2Config model;
   int64_t seq_len = 128;
-  uint64_t seed = 42;        // data rule and dropout masks
+  uint64_t seed = 42;         // data rule and dropout masks
   uint64_t init_seed = 1234;  // GPT-2 initialisation
-  std::string init_file;     // state dict (torch or safetensors) instead of the seeded init
-  std::string data_file;     // flat uint16 token ids
-  std::string text_file;     // byte-level tokens of any file
-  int64_t steps = 0;         // train until this global step
+  std::string init_file;      // state dict (torch or safetensors) instead of the seeded init
+  std::string data_file;      // flat uint16 token ids
+  std::string text_file;      // byte-level tokens of any file
+  int64_t steps = 0;          // train until this global step
 
   std::string checkpoint_dir;
   int64_t checkpoint_interval = 0;  // save every N steps (and at the end); 0 = only at the end
@@ -44,7 +44,7 @@ struct TrainOptions {
 
   std::string device = "cpu";  // "cpu", or "cuda" (device LOCAL_RANK; NCCL between ranks)
   int local_rank = 0;
-  int threads = 0;  // host threads per rank (EngineOptions::host_threads)
+  int threads = 0;             // host threads per rank (EngineOptions::host_threads)
   bool overlap_update = true;  // EngineOptions::overlap_update_with_forward
 };
 

@@ -16,12 +16,12 @@
 #include "ckpt/deepspeed_names.h"
 #include "ckpt/manifest.h"
 #include "ckpt/parallel.h"
+#include "engine/torch_bridge.h"
 #include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
 #include "format/pickle_writer.h"
 #include "format/torch_file.h"
-#include "engine/torch_bridge.h"
 
 namespace uckpt::engine {
 
@@ -125,7 +125,8 @@ std::string AgreedError(Comm& comm, const std::string& error) {
   const int bad = FailingRank(comm, error);
   if (bad < 0) return "";
   at::Tensor text = at::zeros({kAgreedErrorBytes}, at::kByte);
-  if (comm.rank() == bad) std::memcpy(text.data_ptr(), error.data(), std::min<size_t>(error.size(), kAgreedErrorBytes - 1));
+  if (comm.rank() == bad)
+    std::memcpy(text.data_ptr(), error.data(), std::min<size_t>(error.size(), kAgreedErrorBytes - 1));
   comm.Broadcast(text, bad);
   return std::string(static_cast<const char*>(text.data_ptr()));
 }
@@ -318,10 +319,8 @@ std::string CheckpointWriter::Publish(Comm& comm) {
     std::memcpy(&e[kNameWords + 1], &written_[k].xxh64, 8);
   }
   at::Tensor all = at::zeros({comm.world_size() * kWords}, at::kLong);
-  if (comm.world_size() > 1)
-    comm.AllGather(mine, all);
-  else
-    all.copy_(mine);
+  if (comm.world_size() > 1) comm.AllGather(mine, all);
+  else all.copy_(mine);
   std::string error;
   if (rank0) {
     try {

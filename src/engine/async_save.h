@@ -143,7 +143,7 @@ class CheckpointWriter {
   double layout_s_ = 0, copy_s_ = 0;
   bool pending_ = false;
   bool sync_after_publish_ = false;
-  bool syncing_ = false;       // published; this rank's syncfs under way or done
+  bool syncing_ = false;              // published; this rank's syncfs under way or done
   bool drop_marker_at_exit_ = false;  // one rank: its own sync makes the folder durable
   uint64_t snapshot_bytes_ = 0;
   std::thread thread_;

@@ -21,34 +21,35 @@ BatchSizes ResolveBatchSizes(std::optional<int64_t> train, std::optional<int64_t
   } else if (train && micro) {
     if (*train % (*micro * w) != 0)
       throw BatchSizeError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
-                        "train_micro_batch_size_per_gpu " + std::to_string(*micro) + " * world size " +
-                        std::to_string(w) + " = " + std::to_string(*micro * w));
+                           "train_micro_batch_size_per_gpu " + std::to_string(*micro) + " * world size " +
+                           std::to_string(w) + " = " + std::to_string(*micro * w));
     b = {*train, *micro, *train / (*micro * w)};
   } else if (train && ga) {
     if (*train % (*ga * w) != 0)
       throw BatchSizeError("train_batch_size " + std::to_string(*train) + " is not a multiple of " +
-                        "gradient_accumulation_steps " + std::to_string(*ga) + " * world size " + std::to_string(w) +
-                        " = " + std::to_string(*ga * w));
+                           "gradient_accumulation_steps " + std::to_string(*ga) + " * world size " + std::to_string(w) +
+                           " = " + std::to_string(*ga * w));
     b = {*train, *train / (*ga * w), *ga};
   } else if (micro && ga) {
     b = {*micro * *ga * w, *micro, *ga};
   } else if (train) {
     if (*train % w != 0)
       throw BatchSizeError("train_batch_size " + std::to_string(*train) + " is not a multiple of world size " +
-                        std::to_string(w));
+                           std::to_string(w));
     b = {*train, *train / w, 1};
   } else if (micro) {
     b = {*micro * w, *micro, 1};
   } else {
-    throw BatchSizeError("give train_batch_size or train_micro_batch_size_per_gpu (any two of train_batch_size, "
-                      "train_micro_batch_size_per_gpu and gradient_accumulation_steps determine the third)");
+    throw BatchSizeError(
+        "give train_batch_size or train_micro_batch_size_per_gpu (any two of train_batch_size, "
+        "train_micro_batch_size_per_gpu and gradient_accumulation_steps determine the third)");
   }
   if (b.train_batch_size != b.micro_batch * b.gradient_accumulation_steps * w)
     throw BatchSizeError("train_batch_size " + std::to_string(b.train_batch_size) +
-                      " != train_micro_batch_size_per_gpu " + std::to_string(b.micro_batch) +
-                      " * gradient_accumulation_steps " + std::to_string(b.gradient_accumulation_steps) +
-                      " * world size " + std::to_string(w) + " = " +
-                      std::to_string(b.micro_batch * b.gradient_accumulation_steps * w));
+                         " != train_micro_batch_size_per_gpu " + std::to_string(b.micro_batch) +
+                         " * gradient_accumulation_steps " + std::to_string(b.gradient_accumulation_steps) +
+                         " * world size " + std::to_string(w) + " = " +
+                         std::to_string(b.micro_batch * b.gradient_accumulation_steps * w));
   return b;
 }
 

@@ -20,16 +20,16 @@
 #include "ckpt/manifest.h"
 #include "ckpt/tag_folder.h"
 #include "ckpt/universal_checkpoint.h"
+#include "engine/async_save.h"
+#include "engine/fingerprint.h"
+#include "engine/resharded_load.h"
+#include "engine/torch_bridge.h"
 #include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
 #include "format/pickle_reader.h"
 #include "format/pickle_writer.h"
 #include "format/torch_file.h"
-#include "engine/async_save.h"
-#include "engine/fingerprint.h"
-#include "engine/resharded_load.h"
-#include "engine/torch_bridge.h"
 
 namespace uckpt::engine {
 namespace fs = std::filesystem;
@@ -59,7 +59,7 @@ ValuePtr View(const std::shared_ptr<Storage>& storage, DType dtype, std::vector<
 // record is written: StreamedStorageOf), and only a non-contiguous host
 // tensor is copied whole, into memory freed once the files are written.
 thread_local SnapshotPool* t_snapshot_pool = nullptr;  // async saves only
-thread_local uint64_t t_copied_bytes = 0;             // a synchronous save's host copies
+thread_local uint64_t t_copied_bytes = 0;              // a synchronous save's host copies
 struct SnapshotScope {
   explicit SnapshotScope(SnapshotPool* pool) : previous(t_snapshot_pool) {
     t_snapshot_pool = pool;
@@ -113,7 +113,8 @@ ckpt::AdamState SavedOptimizerState(const PartitionState& st, ckpt::AdamClass cl
   ckpt::AdamState out;
   // A client optimizer's state as it keeps it, None states included (torch's
   // state_dict, which DeepSpeed's files hold, keeps them), else Adam's.
-  for (const auto& [key, t] : st.named.empty() ? OptimizerStates(st) : st.named) out.emplace_back(key, SavedStateValue(t));
+  for (const auto& [key, t] : st.named.empty() ? OptimizerStates(st) : st.named)
+    out.emplace_back(key, SavedStateValue(t));
   const int64_t step = st.step.defined() ? std::llround(st.step.item<double>()) : 0;
   return ckpt::AdamStateOfClass(std::move(out), cls, step);
 }
@@ -132,7 +133,8 @@ ValuePtr FromIValue(const c10::IValue& v, const std::string& where) {
   if (v.isList()) {
     ValuePtr l = Value::List();
     size_t k = 0;
-    for (const c10::IValue& x : v.toListRef()) l->items.push_back(FromIValue(x, where + "[" + std::to_string(k++) + "]"));
+    for (const c10::IValue& x : v.toListRef())
+      l->items.push_back(FromIValue(x, where + "[" + std::to_string(k++) + "]"));
     return l;
   }
   if (v.isTuple()) {
@@ -147,11 +149,12 @@ ValuePtr FromIValue(const c10::IValue& v, const std::string& where) {
     if (!pickled) throw std::invalid_argument(where + ": a capsule that is not a uckpt::PickledObject cannot be saved");
     const auto* bytes = reinterpret_cast<const uint8_t*>(pickled->pickle.data());
     // Read as any pickle: the classes it names are kept as inert objects and written back, never run.
-    return ReadPickle(std::span<const uint8_t>(bytes, pickled->pickle.size()), where,
-                      [&](const ValuePtr&) -> ValuePtr {
-                        throw std::invalid_argument(where + ": a pickled client_state value holds a tensor");
-                      },
-                      PickleLimits{}, PicklePolicy::kLenient);
+    return ReadPickle(
+        std::span<const uint8_t>(bytes, pickled->pickle.size()), where,
+        [&](const ValuePtr&) -> ValuePtr {
+          throw std::invalid_argument(where + ": a pickled client_state value holds a tensor");
+        },
+        PickleLimits{}, PicklePolicy::kLenient);
   }
   if (v.isGenericDict()) {
     ValuePtr d = Value::Dict();
@@ -215,7 +218,8 @@ c10::IValue ToIValue(const ValuePtr& v) {
       if (p.storages.empty()) return c10::IValue::make_capsule(c10::make_intrusive<PickledObject>(std::move(p.pickle)));
       [[fallthrough]];  // an object holding tensors: inert, as below
     }
-    default: return c10::IValue("<" + (v->s.empty() ? std::string("unsupported value") : v->s) + ">");  // inert, never run
+    default:
+      return c10::IValue("<" + (v->s.empty() ? std::string("unsupported value") : v->s) + ">");  // inert, never run
   }
 }
 
@@ -503,8 +507,9 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   const auto start = std::chrono::steady_clock::now();
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
   if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat && e.stage0_fp16 == Stage0Fp16::kNone)
-    throw std::invalid_argument("checkpoints of fp16/bf16 training need ZeRO stage 1 or 2 (or fp16 at stage 0 with an "
-                                "optimizer)");
+    throw std::invalid_argument(
+        "checkpoints of fp16/bf16 training need ZeRO stage 1 or 2 (or fp16 at stage 0 with an "
+        "optimizer)");
   Comm& comm = e.comm;
   Env& env = Env::Current();
   const bool rank0 = comm.rank() == 0;
@@ -600,7 +605,8 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   if (const char* t = std::getenv("UCKPT_TIMERS"); t != nullptr && *t != '\0' && *t != '0' && !async) {
     const SaveStats& l = e.last_save;
     std::fprintf(stderr,
-                 "uckpt save timers (rank %d): %.2f s: state %.2f, fingerprint %.2f (beside the write), layout %.2f, write %.2f, "
+                 "uckpt save timers (rank %d): %.2f s: state %.2f, fingerprint %.2f (beside the write), layout %.2f, "
+                 "write %.2f, "
                  "publish %.2f\n",
                  comm.rank(), l.blocked_s, l.state_s, l.fingerprint_s, l.layout_s, l.write_s, l.publish_s);
   }

@@ -36,8 +36,8 @@ struct CheckpointState {
   const BatchSizes& batch;
   bool client_optimizer;  // EngineOptions::optimizer_step steps: PartitionState::named holds the state
   const std::function<c10::IValue(size_t)>& client_param_group;  // EngineOptions::optimizer_param_group
-  Stage0Fp16 stage0_fp16;  // DeepSpeed's fp16 wrapper at stage 0, if any
-  bool save_without_frozen;  // the save under way: SaveCheckpointOptions::exclude_frozen_parameters
+  Stage0Fp16 stage0_fp16;                                        // DeepSpeed's fp16 wrapper at stage 0, if any
+  bool save_without_frozen;                   // the save under way: SaveCheckpointOptions::exclude_frozen_parameters
   std::shared_ptr<CheckpointWriter>& writer;  // this rank's files of the last save (async_save.h)
   SaveStats& last_save;
   LoadStats& last_load;

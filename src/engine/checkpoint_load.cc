@@ -20,16 +20,16 @@
 #include "ckpt/manifest.h"
 #include "ckpt/tag_folder.h"
 #include "ckpt/universal_checkpoint.h"
+#include "engine/async_save.h"
+#include "engine/fingerprint.h"
+#include "engine/resharded_load.h"
+#include "engine/torch_bridge.h"
 #include "format/env.h"
 #include "format/error.h"
 #include "format/file.h"
 #include "format/pickle_reader.h"
 #include "format/pickle_writer.h"
 #include "format/torch_file.h"
-#include "engine/async_save.h"
-#include "engine/fingerprint.h"
-#include "engine/resharded_load.h"
-#include "engine/torch_bridge.h"
 
 namespace uckpt::engine {
 namespace fs = std::filesystem;
@@ -103,8 +103,10 @@ bool SyncAndDropCached(Comm& comm, const ckpt::TagFolder& folder) {
   }
   error = AgreedError(comm, error);
   if (!error.empty() && comm.rank() == 0)
-    std::fprintf(stderr, "uckpt: warning: %s (published before its files were on disk) could not be synced: %s; "
-                 "it stays marked\n", folder.path.c_str(), error.c_str());
+    std::fprintf(stderr,
+                 "uckpt: warning: %s (published before its files were on disk) could not be synced: %s; "
+                 "it stays marked\n",
+                 folder.path.c_str(), error.c_str());
   return error.empty();
 }
 
@@ -251,8 +253,8 @@ void LoadFixedParams(const CheckpointState& e, const ckpt::TagFolder& folder, co
     if (it == model.view.module.end())
       throw FormatError(model.path + ": module has no tensor '" + p.name + "'" +
                         (e.module.frozen.empty() ? ""
-                                          : " (saved with exclude_frozen_parameters? load with "
-                                            "load_module_strict=False)"));
+                                                 : " (saved with exclude_frozen_parameters? load with "
+                                                   "load_module_strict=False)"));
     if (it->second->numel() == 0 && p.tensor.numel() > 0) {
       if (!ranks) ranks = Zero3ModelStatesFiles(folder, model.view.dp_world_size);
       p.tensor.copy_(WholeFrozen(*ranks, p.name, p.tensor.numel()).view(p.tensor.sizes()));
@@ -372,8 +374,7 @@ LoadResult LoadEngineCheckpoint(const CheckpointState& e, const std::string& dir
   try {
     return LoadEngineCheckpointFiles(e, dir, tag, o);
   } catch (const FormatError& err) {
-    if (o.trust_pickled_client_state || std::string(err.what()).find("strict mode refuses") == std::string::npos)
-      throw;
+    if (o.trust_pickled_client_state || std::string(err.what()).find("strict mode refuses") == std::string::npos) throw;
     throw FormatError(std::string(err.what()) +
                       ". If that is an object the training script saved in client_state and you trust this "
                       "checkpoint, load it with LoadCheckpointOptions::trust_pickled_client_state (from Python: "
@@ -399,8 +400,7 @@ LoadResult LoadEngineCheckpointFiles(const CheckpointState& e, const std::string
   LoadFixedParams(e, folder, model, o.load_module_strict);
   if (!o.load_module_only) RestoreCounters(e, model.view, o);
   LoadPartitions(e, folder, model, o, proof);
-  FinishStateFingerprintCheck(e.fingerprint(), !e.config.fp16.enabled && !e.config.bf16, proof, o,
-                              e.last_load);
+  FinishStateFingerprintCheck(e.fingerprint(), !e.config.fp16.enabled && !e.config.bf16, proof, o, e.last_load);
   if (model.view.lr_scheduler) e.last_load.lr_scheduler_state = ToIValue(model.view.lr_scheduler);
   return LoadResult{path, ClientStateOf(model.view)};
 }

@@ -55,7 +55,8 @@ ValuePtr Zero3OptimStates(const CheckpointState& e) {
   }
   for (size_t g = 0; g < ids.size(); ++g) {
     r.param_groups.emplace_back(SavedHparams(e, g), ids[g]);
-    if (e.client_param_group) r.param_group_entries.push_back(FromIValue(e.client_param_group(g), "optimizer param group"));
+    if (e.client_param_group)
+      r.param_group_entries.push_back(FromIValue(e.client_param_group(g), "optimizer param group"));
   }
   return ckpt::Stage3OptimStatesValue(r);
 }

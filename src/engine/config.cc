@@ -41,8 +41,8 @@ class Section {
     const auto& v = j_[k];
     if (v.is_number_integer()) {
       out = v.get<int64_t>();
-    } else if (v.is_number_float() && std::isfinite(v.get<double>()) && v.get<double>() == std::floor(v.get<double>()) &&
-               std::fabs(v.get<double>()) < 9e18) {
+    } else if (v.is_number_float() && std::isfinite(v.get<double>()) &&
+               v.get<double>() == std::floor(v.get<double>()) && std::fabs(v.get<double>()) < 9e18) {
       out = static_cast<int64_t>(v.get<double>());  // 5e8 written as a float
     } else {
       Fail(k, "an integer", v);
@@ -113,8 +113,8 @@ class Section {
   // A key that only makes DeepSpeed log or profile (training is the same):
   // one warning when it is switched on.
   void Monitor(const std::string& k, const std::string& what) {
-    if (Enabled(k, false)) Warn("'" + Path(k) + "' is on but ignored: uckpt does not write " + what +
-                         " (training is unchanged)");
+    if (Enabled(k, false))
+      Warn("'" + Path(k) + "' is on but ignored: uckpt does not write " + what + " (training is unchanged)");
   }
   // DeepSpeed's pydantic sections (zero_optimization, offload_*) refuse keys
   // they do not define: so does uckpt, naming the first.
@@ -133,7 +133,8 @@ class Section {
   void RefuseUnknownOwnKeys(const std::string& keys) {
     for (auto& [k, v] : j_.items())
       if (!seen_.count(k))
-        throw ConfigError("'" + Path(k) + "' is not a key of uckpt's section '" + where_ + "' (its keys: " + keys + ")");
+        throw ConfigError("'" + Path(k) + "' is not a key of uckpt's section '" + where_ + "' (its keys: " + keys +
+                          ")");
   }
   std::string Path(const std::string& k) const { return where_.empty() ? k : (k.empty() ? where_ : where_ + "." + k); }
 
@@ -150,7 +151,6 @@ class Section {
     }
     Fail(k, "an object or true/false", v);
   }
-
 
   const nlohmann::json& j_;
   std::string where_;
@@ -192,8 +192,9 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
     weight_decay_given = p->Has("weight_decay");
     p->Double("weight_decay", o.weight_decay);
     if (p->Has("max_grad_norm"))
-      throw ConfigError("optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed refuses it too); "
-                        "use gradient_clipping");
+      throw ConfigError(
+          "optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed refuses it too); "
+          "use gradient_clipping");
     bool amsgrad = false;
     p->Bool("amsgrad", amsgrad);
     if (amsgrad) throw ConfigError("optimizer.params.amsgrad = true is not supported");
@@ -238,8 +239,7 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
 }  // namespace
 
 const std::vector<std::string>& SchedulerTypes() {
-  static const std::vector<std::string> types{"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
-                                              "LRRangeTest"};
+  static const std::vector<std::string> types{"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"};
   return types;
 }
 
@@ -314,14 +314,16 @@ void ParseScheduler(Section& s, SchedulerConfig& c) {
   if (cosine && !total_given) throw ConfigError("scheduler WarmupCosineLR needs params.total_num_steps");
   // DeepSpeed divides by total_num_steps - max(2, warmup_num_steps) after the warmup.
   if (cosine && c.total_num_steps == std::max<int64_t>(2, c.warmup_num_steps))
-    throw ConfigError("scheduler WarmupCosineLR: params.total_num_steps must differ from warmup_num_steps "
-                      "(DeepSpeed 0.14.5 divides by their difference after the warmup)");
+    throw ConfigError(
+        "scheduler WarmupCosineLR: params.total_num_steps must differ from warmup_num_steps "
+        "(DeepSpeed 0.14.5 divides by their difference after the warmup)");
   if (c.warmup_num_steps < 0) throw ConfigError("scheduler.params.warmup_num_steps must be >= 0");
   if (c.type == "OneCycle") {
     const double second = c.cycle_second_step_size.value_or(c.cycle_first_step_size);
     if (!(c.cycle_first_step_size > 0) || !(second >= 0))
-      throw ConfigError("scheduler OneCycle: params.cycle_first_step_size must be > 0 and cycle_second_step_size "
-                        ">= 0 (DeepSpeed divides by them)");
+      throw ConfigError(
+          "scheduler OneCycle: params.cycle_first_step_size must be > 0 and cycle_second_step_size "
+          ">= 0 (DeepSpeed divides by them)");
   }
   if (c.type == "LRRangeTest" && c.lr_range_test_step_size == 0)
     throw ConfigError("scheduler LRRangeTest: params.lr_range_test_step_size must not be 0 (DeepSpeed divides by it)");
@@ -374,8 +376,8 @@ void ParseLegacyOffload(Section& s, ZeroConfig& z) {
   for (const auto& [old_key, section] : aliases) {
     if (!s.Has(old_key)) continue;
     if (s.Has(section))
-      throw ConfigError(std::string("zero_optimization.") + old_key + " (deprecated) and zero_optimization." +
-                        section + " cannot be given together");
+      throw ConfigError(std::string("zero_optimization.") + old_key + " (deprecated) and zero_optimization." + section +
+                        " cannot be given together");
     bool on = false;
     s.Bool(old_key, on);
     (std::string(section) == "offload_optimizer" ? z.offload_optimizer_cpu : z.offload_param_cpu) = on;
@@ -461,11 +463,15 @@ void CheckGradientScaling(TrainConfig& c, const std::string& source) {
   if (!given || c.zero.stage == 0) return;
   const std::string what = c.prescale_gradients ? "prescale_gradients = true" : "gradient_predivide_factor != 1.0";
   if (c.zero.stage == 3 && c.zero.reduce_scatter)
-    throw ConfigError(source + ": " + what + " at ZeRO stage 3 with reduce_scatter (the default) is refused, as "
+    throw ConfigError(source + ": " + what +
+                      " at ZeRO stage 3 with reduce_scatter (the default) is refused, as "
                       "DeepSpeed 0.14.5 asserts it is not supported there");
   if (!c.zero.reduce_scatter)
-    throw ConfigError(source + ": " + what + " with zero_optimization.reduce_scatter = false is not supported by "
-                      "uckpt (its ZeRO " + std::to_string(c.zero.stage) + " averages gradients as DeepSpeed's "
+    throw ConfigError(source + ": " + what +
+                      " with zero_optimization.reduce_scatter = false is not supported by "
+                      "uckpt (its ZeRO " +
+                      std::to_string(c.zero.stage) +
+                      " averages gradients as DeepSpeed's "
                       "reduce_scatter does, which ignores it; set reduce_scatter to true)");
   c.warnings.push_back(source + ": " + what + " changes nothing at ZeRO stage " + std::to_string(c.zero.stage) +
                        " with reduce_scatter (DeepSpeed 0.14.5 ignores it there too)");
@@ -493,8 +499,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
     if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
     if (auto s = top.Sub("fp16")) {
-      for (const char* k : {"initial_scale_power", "loss_scale_window", "min_loss_scale", "hysteresis",
-                            "consecutive_hysteresis"})
+      for (const char* k :
+           {"initial_scale_power", "loss_scale_window", "min_loss_scale", "hysteresis", "consecutive_hysteresis"})
         if (s->Has(k)) c.fp16.dynamic_keys_given = true;
       s->Bool("enabled", c.fp16.enabled);
       s->Double("loss_scale", c.fp16.loss_scale);
@@ -523,8 +529,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
         std::string device = "none";
         o->String("device", device);
         if (device != "none" && device != "cpu")
-          throw ConfigError("zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\", got \"" +
-                            device + "\"");
+          throw ConfigError("zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\", got \"" + device +
+                            "\"");
         c.zero.offload_optimizer_cpu = device == "cpu";
         // How DeepSpeed stages the host copies: uckpt pins and reuses its own buffers.
         o->Ignore({"pin_memory", "buffer_count", "fast_init", "nvme_path", "pipeline_read", "pipeline_write"});
@@ -549,9 +555,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
       s->Bool("reduce_scatter", c.zero.reduce_scatter);
       s->Ignore({"contiguous_gradients", "allgather_partitions", "use_multi_rank_bucket_allreduce",
                  "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
-                 "pipeline_loading_checkpoint", "model_persistence_threshold",
-                 "stage3_model_persistence_threshold", "use_all_reduce_for_fetch_params",
-                 "stage3_use_all_reduce_for_fetch_params"});
+                 "pipeline_loading_checkpoint", "model_persistence_threshold", "stage3_model_persistence_threshold",
+                 "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params"});
       s->RefuseUnless("load_from_fp32_weights", true);
       s->RefuseUnless("legacy_stage1", false);
       s->RefuseUnless("zero_hpz_partition_size", 1);
@@ -615,10 +620,8 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source, cons
   if (!overrides.optimizer && !overrides.drop_scheduler) return ParseConfig(j, source);
   nlohmann::json used = j;
   if (used.is_object() && overrides.optimizer) {
-    if (overrides.optimizer->is_null())
-      used.erase("optimizer");
-    else
-      used["optimizer"] = *overrides.optimizer;
+    if (overrides.optimizer->is_null()) used.erase("optimizer");
+    else used["optimizer"] = *overrides.optimizer;
   }
   if (used.is_object() && overrides.drop_scheduler) used.erase("scheduler");
   return ParseConfig(used, source);

@@ -102,7 +102,7 @@ struct ZeroConfig {
   // Stage 3 (engine/zero3_runtime.h). Parameters of at most this many elements stay
   // gathered (DeepSpeed's stage3_param_persistence_threshold).
   int64_t param_persistence_threshold = 100000;
-  int64_t sub_group_size = 1000000000;  // elements per optimizer sub-group (stage 3's flat partitions)
+  int64_t sub_group_size = 1000000000;       // elements per optimizer sub-group (stage 3's flat partitions)
   int64_t prefetch_bucket_size = 50000000;   // unit elements all-gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // prefetch only while gathered unit elements stay within this
   bool offload_param_cpu = false;            // stage 3: partitions of the 16-bit parameters in host memory
@@ -147,9 +147,9 @@ struct TrainConfig {
   // ranks end the job (engine/dist/rank_monitor.h); timeout 0 turns it off.
   double heartbeat_interval_s = 1.0, heartbeat_timeout_s = 20.0;
   // What Python's engine answers from the config, as DeepSpeed's does.
-  bool has_optimizer_section = false;        // else `optimizer` holds the defaults
-  bool zero_force_ds_cpu_optimizer = true;   // initialize's check of a client optimizer under offload
-  bool wall_clock_breakdown = false;         // wall_clock_breakdown, or an enabled flops_profiler
+  bool has_optimizer_section = false;                       // else `optimizer` holds the defaults
+  bool zero_force_ds_cpu_optimizer = true;                  // initialize's check of a client optimizer under offload
+  bool wall_clock_breakdown = false;                        // wall_clock_breakdown, or an enabled flops_profiler
   nlohmann::json uckpt_section = nlohmann::json::object();  // uckpt's own section, checked
 
   nlohmann::json raw = nlohmann::json::object();  // the JSON as given (saved as ds_config)

@@ -112,7 +112,8 @@ struct HalfGrad {
   static float Load(uint16_t g) {
     const uint32_t w = static_cast<uint32_t>(g) << 16;
     const uint32_t sign = w & UINT32_C(0x80000000), two_w = w + w;
-    const float normalized = FromBits((two_w >> 4) + (UINT32_C(0xE0) << 23)) * FromBits(UINT32_C(0x07800000));  // * 2^-112
+    const float normalized =
+        FromBits((two_w >> 4) + (UINT32_C(0xE0) << 23)) * FromBits(UINT32_C(0x07800000));  // * 2^-112
     const float denormalized = FromBits((two_w >> 17) | (UINT32_C(126) << 23)) - 0.5f;
     // The select as a mask: nothing for the vectoriser to convert.
     const uint32_t subnormal = -static_cast<uint32_t>(two_w < (UINT32_C(1) << 27));
@@ -128,7 +129,7 @@ struct HalfGrad {
 // it is.
 template <typename Format, bool kDecoupled>
 UCKPT_ADAM_CLONES void AdamLoop(const AdamScalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
-              typename Format::Elem* __restrict g, int64_t begin, int64_t end) {
+                                typename Format::Elem* __restrict g, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float grad = Format::Load(g[i]) * s.grad_scale;
     float param = p[i];
@@ -323,8 +324,8 @@ int64_t AdamJobElements(int64_t len, int threads) {
 
 // The update of [begin, end) on `threads` threads, the weights also into `out` if defined.
 template <typename Format>
-void AdamPiece(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t begin,
-               int64_t end, const at::Tensor& out, int threads) {
+void AdamPiece(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t begin, int64_t end,
+               const at::Tensor& out, int threads) {
   const int64_t len = end - begin;
   auto run = [&](const auto& copy) {
     ParallelChunks(
@@ -432,8 +433,7 @@ void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out, int thr
     case at::kHalf:
       return AdamPiece<HalfGrad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::Half>()), begin, end,
                                  out, threads);
-    default:
-      return AdamPiece<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), begin, end, out, threads);
+    default: return AdamPiece<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), begin, end, out, threads);
   }
 }
 

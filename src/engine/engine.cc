@@ -224,7 +224,8 @@ void Engine::Init(std::shared_ptr<torch::nn::Module> model, EngineOptions option
   e.batch = engine::ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
                                       c.gradient_accumulation_steps, e.comm->world_size());
   if (cuda) {
-    if (!at::hasCUDA()) throw std::invalid_argument("uckpt::Engine: device cuda, but this libtorch has no CUDA or no GPU is visible");
+    if (!at::hasCUDA())
+      throw std::invalid_argument("uckpt::Engine: device cuda, but this libtorch has no CUDA or no GPU is visible");
     e.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(e.local_rank));
     // This rank's GPU becomes the current device, as DeepSpeed's engine makes
     // it: tensors the caller creates without an index land there too.
@@ -272,7 +273,8 @@ Engine::~Engine() {
   // (A published save's sync ends in the writer's destructor; its marker may
   // stay, async_save.h.)
   if (impl_ && impl_->writer && impl_->writer->pending() && !impl_->writer->syncing())
-    std::fprintf(stderr, "uckpt: a background checkpoint save was not published (call WaitForCheckpoint before the end)\n");
+    std::fprintf(stderr,
+                 "uckpt: a background checkpoint save was not published (call WaitForCheckpoint before the end)\n");
   // Not while an exception unwinds: the other ranks may be gone.
   if (impl_ && impl_->owns_comm && std::uncaught_exceptions() == 0) impl_->comm->Finish();
 }
@@ -328,15 +330,28 @@ void Engine::OptimizerStep() {
 void Engine::WaitForUpdate() { impl_->runtime->WaitForUpdate(); }
 
 bool Engine::IsGradientAccumulationBoundary() const { return impl_->boundary(); }
-void Engine::SetGradientAccumulationBoundary(std::optional<bool> is_boundary) { impl_->boundary_override = is_boundary; }
+void Engine::SetGradientAccumulationBoundary(std::optional<bool> is_boundary) {
+  impl_->boundary_override = is_boundary;
+}
 
 namespace {
 
 // What the checkpoint code takes of the engine's state (checkpoint.h).
 engine::CheckpointState CheckpointStateOf(Engine::Impl& e, bool save_without_frozen) {
-  return {*e.comm,       e.config,           e,         *e.runtime,  e,
-          e.schedule,    e.batch,            e.client_optimizer,     e.client_param_group,
-          e.stage0_fp16, save_without_frozen, e.writer, e.last_save, e.last_load};
+  return {*e.comm,
+          e.config,
+          e,
+          *e.runtime,
+          e,
+          e.schedule,
+          e.batch,
+          e.client_optimizer,
+          e.client_param_group,
+          e.stage0_fp16,
+          save_without_frozen,
+          e.writer,
+          e.last_save,
+          e.last_load};
 }
 
 }  // namespace
@@ -356,12 +371,11 @@ void Engine::WaitForCheckpoint() {
   if (impl_->writer) impl_->writer->Publish(*impl_->comm);
 }
 
-LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag, const LoadCheckpointOptions& options) {
+LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag,
+                                  const LoadCheckpointOptions& options) {
   // A load of weights and optimizer state replaces what a failed overlapped update left partly stepped.
-  if (options.load_optimizer_states && !options.load_module_only)
-    impl_->runtime->ForgetFailedUpdate();
-  else
-    WaitForUpdate();
+  if (options.load_optimizer_states && !options.load_module_only) impl_->runtime->ForgetFailedUpdate();
+  else WaitForUpdate();
   WaitForCheckpoint();  // a background save first: it may be the one to load
   impl_->last_load = {};
   const auto at = engine::AgreeOnCheckpointPlace(*impl_->comm, dir, tag, "load_checkpoint");
@@ -383,8 +397,9 @@ UnitCalls Engine::unit_calls() {
   std::weak_ptr<int> alive = impl_->alive;
   auto check = [alive] {
     if (alive.expired())
-      throw std::logic_error("uckpt: a ZeRO-3 unit call after its Engine was destroyed (the module's parameters "
-                             "were partitioned by it; keep the Engine alive while the module runs)");
+      throw std::logic_error(
+          "uckpt: a ZeRO-3 unit call after its Engine was destroyed (the module's parameters "
+          "were partitioned by it; keep the Engine alive while the module runs)");
   };
   return UnitCalls{[this, check](size_t u, const at::Tensor& x) {
                      check();

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "engine/config.h"
-#include "engine/module_tensors.h"
 #include "engine/lr_schedule.h"
+#include "engine/module_tensors.h"
 #include "engine/sharded_runtime.h"
 #include "uckpt/engine.h"
 
@@ -35,12 +35,12 @@ struct Engine::Impl : engine::ModuleTensors, engine::StepCounters {
 
   std::unique_ptr<engine::ShardedRuntime> runtime;  // this rank's partitions and the step (sharded_runtime.h)
   bool client_optimizer = false;  // EngineOptions::optimizer_step steps: PartitionState::named holds the state
-  std::function<c10::IValue(size_t)> client_param_group;  // EngineOptions::optimizer_param_group
+  std::function<c10::IValue(size_t)> client_param_group;       // EngineOptions::optimizer_param_group
   engine::Stage0Fp16 stage0_fp16 = engine::Stage0Fp16::kNone;  // DeepSpeed's fp16 wrapper at stage 0, if any
   // Expires with the engine: unit_calls() a model keeps then fail cleanly.
   std::shared_ptr<int> alive = std::make_shared<int>(0);
   engine::LrSchedule schedule;
-  bool backward_pending = false;  // Backward since the last Step
+  bool backward_pending = false;          // Backward since the last Step
   std::optional<bool> boundary_override;  // SetGradientAccumulationBoundary
   bool step_applied = false;              // the last Step updated the weights
   StepInfo last;
@@ -48,8 +48,7 @@ struct Engine::Impl : engine::ModuleTensors, engine::StepCounters {
   SaveStats last_save;
   LoadStats last_load;
 
-  explicit Impl(engine::TrainConfig c)
-      : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
+  explicit Impl(engine::TrainConfig c) : config(std::move(c)), schedule(config.scheduler, config.optimizer.lr) {}
 
   int stage() const { return config.zero.stage; }
   // OneCycle's betas (lr_schedule.h), written into every group with its lr.

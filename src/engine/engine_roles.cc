@@ -17,7 +17,8 @@ namespace uckpt {
 size_t Engine::Optimizer::num_param_groups() const { return e_.impl_->schedule.num_groups(); }
 double Engine::Optimizer::learning_rate(size_t group) const { return e_.impl_->schedule.current_lr(group); }
 void Engine::Optimizer::SetLearningRate(size_t group, double lr) {
-  if (!(lr >= 0)) throw std::invalid_argument("uckpt::Engine: param group " + std::to_string(group) + ": lr must be >= 0");
+  if (!(lr >= 0))
+    throw std::invalid_argument("uckpt::Engine: param group " + std::to_string(group) + ": lr must be >= 0");
   e_.impl_->schedule.set_current_lr(group, lr);
 }
 GroupHparams Engine::Optimizer::group_hparams(size_t group) const {
@@ -80,14 +81,15 @@ std::vector<std::pair<std::string, at::Tensor>> Stage0Copy(const engine::Partiti
 }  // namespace
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::Optimizer::stage0_optimizer_state(size_t group) const {
-  const engine::PartitionState& st = Stage0State(*e_.impl_->runtime, e_.impl_->stage(), e_.impl_->groups.size(), group,
-                                                     "stage0_optimizer_state");
+  const engine::PartitionState& st =
+      Stage0State(*e_.impl_->runtime, e_.impl_->stage(), e_.impl_->groups.size(), group, "stage0_optimizer_state");
   return e_.impl_->client_optimizer ? st.named : engine::OptimizerStates(st);
 }
 
-void Engine::Optimizer::SetStage0OptimizerState(size_t group, const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  engine::PartitionState& st = Stage0State(*e_.impl_->runtime, e_.impl_->stage(), e_.impl_->groups.size(), group,
-                                               "SetStage0OptimizerState");
+void Engine::Optimizer::SetStage0OptimizerState(size_t group,
+                                                const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  engine::PartitionState& st =
+      Stage0State(*e_.impl_->runtime, e_.impl_->stage(), e_.impl_->groups.size(), group, "SetStage0OptimizerState");
   const std::string where = "uckpt::Engine::SetStage0OptimizerState: param group " + std::to_string(group) + ": ";
   int64_t numel = 0;
   for (const auto& p : e_.impl_->groups[group]) numel += p.tensor.numel();
@@ -98,7 +100,9 @@ void Engine::Optimizer::SetStage0OptimizerState(size_t group, const std::vector<
   }
   // The engine's own Adam: torch Adam's keys, or no state at all.
   std::map<std::string, at::Tensor> by_key(copied.begin(), copied.end());
-  const auto has = [&](const char* key, int64_t dim) { return by_key.count(key) && by_key[key].defined() && by_key[key].dim() == dim; };
+  const auto has = [&](const char* key, int64_t dim) {
+    return by_key.count(key) && by_key[key].defined() && by_key[key].dim() == dim;
+  };
   using ckpt::kExpAvg, ckpt::kExpAvgSq, ckpt::kStep;
   if (!by_key.empty() && (by_key.size() != 3 || !has(kStep, 0) || !has(kExpAvg, 1) || !has(kExpAvgSq, 1)))
     throw std::invalid_argument(where + "the state is not torch Adam's (step, exp_avg, exp_avg_sq)");
@@ -109,7 +113,9 @@ void Engine::Optimizer::SetStage0OptimizerState(size_t group, const std::vector<
 
 bool Engine::Optimizer::has_lr_schedule() const { return e_.impl_->schedule.configured(); }
 int64_t Engine::Optimizer::lr_schedule_iteration() const { return e_.impl_->schedule.last_batch_iteration(); }
-double Engine::Optimizer::ScheduledLr(int64_t iteration, size_t group) const { return e_.impl_->schedule.LrAt(iteration, group); }
+double Engine::Optimizer::ScheduledLr(int64_t iteration, size_t group) const {
+  return e_.impl_->schedule.LrAt(iteration, group);
+}
 void Engine::Optimizer::StepLrSchedule(std::optional<int64_t> iteration) {
   if (!has_lr_schedule()) throw std::logic_error("uckpt::Engine::StepLrSchedule: the config has no 'scheduler'");
   e_.impl_->schedule.Step(iteration);
@@ -158,7 +164,6 @@ bool Engine::Settings::fp16_enabled() const { return e_.impl_->config.fp16.enabl
 bool Engine::Settings::bf16_enabled() const { return e_.impl_->config.bf16; }
 const std::vector<std::string>& Engine::Settings::warnings() const { return e_.impl_->config.warnings; }
 
-
 void Engine::Settings::SetTrainBatchSize(int64_t train_batch_size) {
   engine::BatchSizes& b = e_.impl_->batch;
   const int64_t per_step = b.micro_batch * e_.impl_->comm->world_size();
@@ -170,7 +175,6 @@ void Engine::Settings::SetTrainBatchSize(int64_t train_batch_size) {
   b.train_batch_size = train_batch_size;
   b.gradient_accumulation_steps = train_batch_size / per_step;
 }
-
 
 // ---- Weights (weights_io.h). ----
 

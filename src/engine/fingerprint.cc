@@ -222,8 +222,7 @@ void AllReduceWrapping(Comm& comm, std::vector<uint64_t>& sums) {
   comm.AllReduceSum(halves);
   halves = halves.cpu();
   h = halves.data_ptr<int64_t>();
-  for (int64_t k = 0; k < n; ++k)
-    sums[k] = static_cast<uint64_t>(h[k]) + (static_cast<uint64_t>(h[n + k]) << 32);
+  for (int64_t k = 0; k < n; ++k) sums[k] = static_cast<uint64_t>(h[k]) + (static_cast<uint64_t>(h[n + k]) << 32);
 }
 
 namespace {

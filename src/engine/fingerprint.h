@@ -14,11 +14,11 @@
 
 #include "ckpt/fingerprint.h"
 #include "engine/module_tensors.h"
+#include "engine/resharded_load.h"
 #include "engine/sharded_runtime.h"
+#include "engine/staged_upload.h"
 #include "uckpt/comm.h"
 #include "uckpt/engine.h"
-#include "engine/resharded_load.h"
-#include "engine/staged_upload.h"
 
 namespace uckpt::engine {
 

@@ -15,7 +15,8 @@ constexpr int kThreads = 256;
 __global__ void FingerprintChunks(const FingerprintChunk* chunks, unsigned long long* sums) {
   const FingerprintChunk c = chunks[blockIdx.x];
   uint64_t sum = 0;
-  for (uint32_t j = threadIdx.x; j < c.n; j += kThreads) sum += ckpt::FingerprintTerm(c.seed, c.start + j, __ldg(c.bits + j));
+  for (uint32_t j = threadIdx.x; j < c.n; j += kThreads)
+    sum += ckpt::FingerprintTerm(c.seed, c.start + j, __ldg(c.bits + j));
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
   __shared__ uint64_t warps[kThreads / 32];
   if ((threadIdx.x & 31) == 0) warps[threadIdx.x / 32] = sum;

@@ -15,7 +15,7 @@ struct FingerprintChunk {
   const uint32_t* bits;
   uint64_t seed;
   uint64_t start;
-  uint32_t n;    // at most kFingerprintChunkElements
+  uint32_t n;  // at most kFingerprintChunkElements
   uint32_t out;
 };
 

@@ -42,9 +42,9 @@ void FlatRuntime::BindGradients(const std::vector<std::vector<at::Tensor>>& para
     }
     if (g.host_copy) g.host_copy->Hook(ps);
     if (overlap)
-      g.overlap = std::make_unique<OverlappedGradReducer>(comm_, ps, g.numels, g.grad_flat,
-                                                          g.layout.begin(partition_rank()), g.layout.partition_size,
-                                                          s_.reduce_bucket_size);
+      g.overlap =
+          std::make_unique<OverlappedGradReducer>(comm_, ps, g.numels, g.grad_flat, g.layout.begin(partition_rank()),
+                                                  g.layout.partition_size, s_.reduce_bucket_size);
     if (deepspeed_order_ && s_.stage == 2) {
       for (size_t k = 0; k < ps.size(); ++k) {
         at::Tensor p = ps[k];

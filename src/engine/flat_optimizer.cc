@@ -48,7 +48,8 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
 void FlatRuntime::StepFromParameterGradients(const std::vector<double>& group_lrs) {
   if (s_.stage != 0 || s_.model_dtype != at::kFloat || s_.offload_optimizer_cpu)
     throw std::logic_error("optimizer.step(): the optimizer steps itself at ZeRO stage 0 in fp32 without offload only");
-  if (group_lrs.size() != groups_.size()) throw std::logic_error("FlatRuntime::StepFromParameterGradients: one lr per group");
+  if (group_lrs.size() != groups_.size())
+    throw std::logic_error("FlatRuntime::StepFromParameterGradients: one lr per group");
   AwaitUpdate();
   c10::NoGradGuard no_grad;
   MastersFromWeights();  // the module's parameters are where the torch optimizer steps from
@@ -73,7 +74,9 @@ void FlatRuntime::StepFromParameterGradients(const std::vector<double>& group_lr
   WeightsFromMasters();
 }
 
-void FlatRuntime::AdamStep(Group& g, const at::Tensor& grad, double lr) { TorchAdamStep(g.state, grad, g.optimizer, lr); }
+void FlatRuntime::AdamStep(Group& g, const at::Tensor& grad, double lr) {
+  TorchAdamStep(g.state, grad, g.optimizer, lr);
+}
 
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const OptimizerConfig& o, double lr) {
   // torch.optim.Adam/AdamW, single-tensor path (PyTorch 2.x), on the partition.

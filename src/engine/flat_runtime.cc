@@ -86,7 +86,7 @@ at::Tensor FragmentNorms(const std::vector<ckpt::Fragment>& fragments, const at:
 
 FlatRuntime::FlatRuntime(Comm& comm, std::vector<int64_t> numels, ZeroSettings settings, at::Device device)
     : FlatRuntime(comm, std::vector<GroupSpec>{GroupSpec{std::move(numels), settings.optimizer, {}, {}}}, settings,
-                    device) {}
+                  device) {}
 
 FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings settings, at::Device device)
     : comm_(comm), s_(std::move(settings)) {
@@ -113,12 +113,13 @@ FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings 
     g.grad_flat = at::zeros({g.layout.padded_numel}, model_opts);
     // One rank holds the whole gradient: nothing to reduce, so it goes to the host during backward.
     if (s_.offload_optimizer_cpu && comm_.world_size() == 1)
-      g.host_copy = std::make_unique<BucketedHostCopy>(g.numels, g.grad_flat,
-                                                       std::min(kHostCopyBucket, s_.reduce_bucket_size));
+      g.host_copy =
+          std::make_unique<BucketedHostCopy>(g.numels, g.grad_flat, std::min(kHostCopyBucket, s_.reduce_bucket_size));
     // Pinned under offload to a GPU: the updated weights go up straight from it.
-    g.state.master = s_.offload_optimizer_cpu && !device.is_cpu()
-                         ? PinnedHostZeros({g.layout.partition_size}, at::kFloat)
-                         : at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device));
+    g.state.master =
+        s_.offload_optimizer_cpu && !device.is_cpu()
+            ? PinnedHostZeros({g.layout.partition_size}, at::kFloat)
+            : at::zeros({g.layout.partition_size}, at::TensorOptions().dtype(at::kFloat).device(opt_device));
   }
   if (s_.model_dtype == at::kHalf) scaler_ = LossScaler::FromConfig(s_.fp16);
   if (s_.stage0_fp16 != Stage0Fp16::kNone)
@@ -131,7 +132,7 @@ FlatRuntime::FlatRuntime(Comm& comm, std::vector<GroupSpec> specs, ZeroSettings 
 struct FlatRuntime::Uploads {
   at::Device device;
   std::vector<c10::Stream> streams;
-  std::vector<at::Tensor> staging;  // [kCopyChunk], model dtype, pinned; slot k on streams[k]
+  std::vector<at::Tensor> staging;                  // [kCopyChunk], model dtype, pinned; slot k on streams[k]
   std::vector<std::unique_ptr<c10::Event>> events;  // unit u: 2u (stream 0), 2u + 1 (stream 1)
   c10::Event compute_done;
   size_t next_slot = 0;
@@ -319,7 +320,6 @@ void FlatRuntime::UpdateUnit(size_t u) {
     for (int k = 0; k < 2; ++k) uploads_->events[2 * u + k]->record(uploads_->streams[k]);
 }
 
-
 std::vector<PartitionSlot> FlatRuntime::Slots() {
   AwaitUpdate();
   std::vector<PartitionSlot> slots;
@@ -327,8 +327,8 @@ std::vector<PartitionSlot> FlatRuntime::Slots() {
     Group& g = groups_[gi];
     std::vector<ckpt::TargetParam> params;
     for (size_t k = 0; k < g.numels.size(); ++k) params.push_back({g.names[k], g.numels[k], g.shapes[k]});
-    slots.push_back({gi, ckpt::FlatPartitionTarget(std::move(params), g.layout.dp, partition_rank()), &g.state,
-                     g.names.front()});
+    slots.push_back(
+        {gi, ckpt::FlatPartitionTarget(std::move(params), g.layout.dp, partition_rank()), &g.state, g.names.front()});
   }
   return slots;
 }
@@ -403,7 +403,8 @@ at::Tensor FlatRuntime::HostFloatBuffer(int64_t n) const {
 
 void FlatRuntime::TakeHostCopy(Group& g, bool boundary) {
   c10::NoGradGuard no_grad;
-  if (g.in_host_copy) KeepHostCopyAsSum(g);  // (unarmed, the hooks copied nothing over it: PrepareBackward was not called)
+  if (g.in_host_copy)
+    KeepHostCopyAsSum(g);  // (unarmed, the hooks copied nothing over it: PrepareBackward was not called)
   // The step's gradient alone, unconverted: its norms as DeepSpeed's offload
   // takes them, on the device, from the gradient before it is zeroed (model
   // dtype -> fp64 gives the values fp32 -> fp64 gives).
@@ -451,8 +452,8 @@ at::Tensor FlatRuntime::GlobalNorm() {
   std::vector<at::Tensor> group_norms;
   for (const Group& g : groups_) {
     const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
-    group_norms.push_back(GroupGradNormStacked(comm_, norms, at::kFloat, norms.device(),
-                                        s_.stage != 0 && comm_.world_size() > 1));
+    group_norms.push_back(
+        GroupGradNormStacked(comm_, norms, at::kFloat, norms.device(), s_.stage != 0 && comm_.world_size() > 1));
   }
   bool finite = true;
   at::Tensor norm = GlobalGradNorm(group_norms, &finite);
@@ -519,8 +520,7 @@ FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) 
 void FlatRuntime::AddToHostGradient(Group& g, const at::Tensor& part) {
   c10::NoGradGuard no_grad;
   const int64_t P = part.numel();
-  if (!g.grad_partition.defined() || !g.grad_partition.is_pinned())
-    g.grad_partition = PinnedHostZeros({P}, at::kFloat);
+  if (!g.grad_partition.defined() || !g.grad_partition.is_pinned()) g.grad_partition = PinnedHostZeros({P}, at::kFloat);
   if (!g.have_grad_partition || P == 0) {
     g.grad_partition.copy_(part);  // one copy straight into pinned memory
     g.have_grad_partition = true;

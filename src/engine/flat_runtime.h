@@ -85,7 +85,7 @@ class FlatRuntime : public ShardedRuntime {
     AwaitUpdate();
     return model_flat(g);
   }
-  at::Tensor grad_flat(size_t g = 0) const { return groups_.at(g).grad_flat; }    // [Npad], model dtype
+  at::Tensor grad_flat(size_t g = 0) const { return groups_.at(g).grad_flat; }  // [Npad], model dtype
   PartitionState& state(size_t g = 0) {
     AwaitUpdate();
     return groups_.at(g).state;
@@ -104,7 +104,9 @@ class FlatRuntime : public ShardedRuntime {
   // Binds each parameter's .grad to its slice of its group's grad_flat.
   // `params[g]` are views into model_flat(g) in flat order.
   void BindGradients(const std::vector<std::vector<at::Tensor>>& params);
-  void BindGradients(const std::vector<at::Tensor>& params) { BindGradients(std::vector<std::vector<at::Tensor>>{params}); }
+  void BindGradients(const std::vector<at::Tensor>& params) {
+    BindGradients(std::vector<std::vector<at::Tensor>>{params});
+  }
   // Before each backward (PrepareBackward): a parameter whose .grad is no longer its view (the
   // caller set it to None, as module.zero_grad() does, or to another tensor)
   // gets the view back. Its gradient since the last reduction is dropped at
@@ -158,7 +160,7 @@ class FlatRuntime : public ShardedRuntime {
     ckpt::FlatLayout layout;
     std::vector<int64_t> offsets;           // each parameter's start in the flat buffers
     std::vector<ckpt::Fragment> fragments;  // of this rank's partition
-    std::vector<int> fragment_of;  // per parameter: its index in fragments, or -1 (none on this rank)
+    std::vector<int> fragment_of;           // per parameter: its index in fragments, or -1 (none on this rank)
     at::Tensor model_flat, grad_flat;
     at::Tensor grad_partition;  // [P] fp32, the averaged gradient being accumulated
     bool have_grad_partition = false;

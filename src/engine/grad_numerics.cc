@@ -37,7 +37,7 @@ at::Tensor PieceNorms(const at::Tensor& grad, const std::vector<GradPiece>& piec
 }
 
 at::Tensor GroupGradNormStacked(Comm& comm, const at::Tensor& piece_norms, at::ScalarType dtype, at::Device device,
-                         bool all_reduce) {
+                                bool all_reduce) {
   at::Tensor total = piece_norms.numel() == 0 ? at::zeros({}, at::TensorOptions().dtype(dtype).device(device))
                                               : piece_norms.square().sum().to(device, dtype);
   if (all_reduce) {

@@ -49,7 +49,8 @@ BucketedHostCopy::~BucketedHostCopy() {
 
 void BucketedHostCopy::Hook(const std::vector<at::Tensor>& params) {
   if (params.size() != bucket_of_.size()) throw std::invalid_argument("BucketedHostCopy: wrong parameter count");
-  hooks_.Set(params, [this](size_t k) { OnGradReady(k); }, "BucketedHostCopy");
+  hooks_.Set(
+      params, [this](size_t k) { OnGradReady(k); }, "BucketedHostCopy");
 }
 
 void BucketedHostCopy::Unhook() { hooks_.Clear(); }

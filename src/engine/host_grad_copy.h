@@ -74,18 +74,18 @@ class BucketedHostCopy {
   };
   void OnGradReady(size_t param);
   void Unhook();
-  void Rearm();  // with mu_ held: ready for the next backward
+  void Rearm();          // with mu_ held: ready for the next backward
   void Copy(Bucket& b);  // with mu_ held
   bool on_device() const { return stream_.has_value(); }
 
   at::Tensor grad_flat_, host_;
   std::vector<Bucket> buckets_;
-  std::vector<size_t> bucket_of_;  // per parameter
-  std::vector<uint8_t> fired_;     // per parameter: its gradient was accumulated this backward
+  std::vector<size_t> bucket_of_;      // per parameter
+  std::vector<uint8_t> fired_;         // per parameter: its gradient was accumulated this backward
   bool copy_during_backward_ = false;  // armed by Arm for one backward
   int64_t copied_during_backward_ = 0;
-  std::optional<c10::Stream> stream_;           // the copies' side stream (a GPU's)
-  std::optional<c10::Event> ready_, copied_;    // compute -> copies, copies -> compute
+  std::optional<c10::Stream> stream_;         // the copies' side stream (a GPU's)
+  std::optional<c10::Event> ready_, copied_;  // compute -> copies, copies -> compute
   std::mutex mu_;
   GradAccumulatedHooks hooks_;
 };

@@ -22,9 +22,7 @@ std::atomic<int> g_ours{0};     // libtorch's count as uckpt set it by its own c
 std::mutex g_print_mu;
 int g_printed = 0;  // the count last printed
 
-std::string Plural(int n, const char* one, const char* many) {
-  return std::to_string(n) + " " + (n == 1 ? one : many);
-}
+std::string Plural(int n, const char* one, const char* many) { return std::to_string(n) + " " + (n == 1 ? one : many); }
 
 std::string Share(const HostThreadInputs& in) {
   return Plural(in.cores, "core", "cores") + " / " + Plural(in.local_ranks, "local rank", "local ranks");
@@ -93,10 +91,11 @@ HostThreadChoice ChooseHostThreads(const HostThreadInputs& in) {
   if (in.requested > 0)
     return {in.requested, in.requested_by + " " + std::to_string(in.requested) + above_share(in.requested)};
   if (in.program_threads > 0)
-    return {in.program_threads, "set by the program (torch.set_num_threads / at::set_num_threads)" +
-                                    above_share(in.program_threads)};
+    return {in.program_threads,
+            "set by the program (torch.set_num_threads / at::set_num_threads)" + above_share(in.program_threads)};
   if (in.omp_num_threads > 0)
-    return {in.omp_num_threads, "OMP_NUM_THREADS=" + std::to_string(in.omp_num_threads) + above_share(in.omp_num_threads)};
+    return {in.omp_num_threads,
+            "OMP_NUM_THREADS=" + std::to_string(in.omp_num_threads) + above_share(in.omp_num_threads)};
   const std::string bound = bounded ? ", at most libtorch's default of " + std::to_string(share) : "";
   return {share, Share(in) + bound + "; " + in.how_to_change};
 }

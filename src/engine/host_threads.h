@@ -25,19 +25,19 @@ namespace uckpt::engine {
 
 // What the choice is made from; 0 means "not given" for every count but cores.
 struct HostThreadInputs {
-  int cores = 1;          // CPUs this process may run on
-  int local_ranks = 1;    // ranks on this host
-  int requested = 0;      // explicit request
-  std::string requested_by;  // names it in the message, e.g. "--threads"
-  int program_threads = 0;   // set by the program through libtorch
-  int omp_num_threads = 0;   // OMP_NUM_THREADS
-  int libtorch_default = 0;  // libtorch's own default count; 0: no bound
+  int cores = 1;                                                // CPUs this process may run on
+  int local_ranks = 1;                                          // ranks on this host
+  int requested = 0;                                            // explicit request
+  std::string requested_by;                                     // names it in the message, e.g. "--threads"
+  int program_threads = 0;                                      // set by the program through libtorch
+  int omp_num_threads = 0;                                      // OMP_NUM_THREADS
+  int libtorch_default = 0;                                     // libtorch's own default count; 0: no bound
   std::string how_to_change = "set OMP_NUM_THREADS to change";  // the message's hint for the default
 };
 
 struct HostThreadChoice {
   int threads = 1;
-  std::string why;  // e.g. "32 cores / 4 local ranks; set OMP_NUM_THREADS or --threads to change"
+  std::string why;              // e.g. "32 cores / 4 local ranks; set OMP_NUM_THREADS or --threads to change"
   std::string Message() const;  // "uckpt: 8 host threads per rank (<why>)"
 };
 

@@ -88,8 +88,7 @@ double LrSchedule::LrAt(int64_t it, size_t group) const {
   }
   if (s.type == "OneCycle") {
     const double total = CycleSize(s);
-    if (static_cast<double>(it) < total)
-      return s.cycle_min_lr + (s.cycle_max_lr - s.cycle_min_lr) * OneCycleScale(it);
+    if (static_cast<double>(it) < total) return s.cycle_min_lr + (s.cycle_max_lr - s.cycle_min_lr) * OneCycleScale(it);
     if (s.decay_step_size == 0 || s.decay_lr_rate == 0) return s.cycle_min_lr;
     const double decay_interval = (static_cast<double>(it) - total + 1) / s.decay_step_size;
     return s.cycle_min_lr / (1 + s.decay_lr_rate * decay_interval);

@@ -24,7 +24,9 @@ OverlappedGradReducer::OverlappedGradReducer(Comm& comm, const std::vector<at::T
     buckets_.back().params = p.params;
   }
   for (auto& b : buckets_) b.pending = b.params;
-  hooks_.Set(params, [this, bucket_of = std::move(plan.bucket_of)](size_t k) { OnGradReady(bucket_of[k]); }, "OverlappedGradReducer");
+  hooks_.Set(
+      params, [this, bucket_of = std::move(plan.bucket_of)](size_t k) { OnGradReady(bucket_of[k]); },
+      "OverlappedGradReducer");
 }
 
 OverlappedGradReducer::~OverlappedGradReducer() = default;

@@ -36,7 +36,8 @@ void TouchPages(char* p, size_t bytes) {
   const size_t pages = (bytes + page - 1) / page;
   const size_t threads = std::clamp<size_t>(pages / 4096, 1, static_cast<size_t>(std::max(1, at::get_num_threads())));
   auto touch = [&](size_t t) {
-    for (size_t i = pages * t / threads; i < pages * (t + 1) / threads; ++i) static_cast<volatile char*>(p)[i * page] = 0;
+    for (size_t i = pages * t / threads; i < pages * (t + 1) / threads; ++i)
+      static_cast<volatile char*>(p)[i * page] = 0;
   };
   std::vector<std::thread> helpers;
   for (size_t t = 1; t < threads; ++t) helpers.emplace_back(touch, t);

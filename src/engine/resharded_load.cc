@@ -149,8 +149,8 @@ LoadSource OpenUniversalFolder(const ckpt::TagFolder& folder, const std::vector<
   s.kind = SourceKind::kUniversal;
   // Saved before any applied step (fp16 can skip the first steps): no moments.
   const auto& keys = u.state_keys;
-  s.has_moments =
-      moments && std::count(keys.begin(), keys.end(), ckpt::kExpAvg) && std::count(keys.begin(), keys.end(), ckpt::kExpAvgSq);
+  s.has_moments = moments && std::count(keys.begin(), keys.end(), ckpt::kExpAvg) &&
+                  std::count(keys.begin(), keys.end(), ckpt::kExpAvgSq);
   std::vector<std::string> states{ckpt::kFp32};
   if (moments) {
     s.state_keys = keys;
@@ -211,8 +211,7 @@ std::vector<TensorReads> PlanSlotLoads(const LoadSource& source, std::vector<Par
   for (PartitionSlot& slot : slots) {
     const ckpt::PartitionTarget& target = slot.target;
     PartitionState& st = *slot.state;
-    if (target.length != st.master.numel())
-      throw std::logic_error("load: partition sizes differ from the optimizer's");
+    if (target.length != st.master.numel()) throw std::logic_error("load: partition sizes differ from the optimizer's");
     loads.push_back(PlanLoad(source.states, target, ckpt::kFp32, st.master));
     if (!moments) continue;
     if (named) {

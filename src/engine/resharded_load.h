@@ -38,17 +38,17 @@ enum class SourceKind {
 struct LoadSource {
   SourceKind kind = SourceKind::kRankFiles;
   ckpt::ReadSource states;
-  bool has_moments = false;     // Adam's moments are there (none before the first applied step)
+  bool has_moments = false;  // Adam's moments are there (none before the first applied step)
   // The optimizer's per-element states the files hold besides fp32, in file
   // order (Adam's exp_avg, exp_avg_sq; another optimizer's own keys).
   std::vector<std::string> state_keys;
-  bool steps_applied = false;   // no saved step: Adam's step is the applied steps (ZeRO-3's files)
+  bool steps_applied = false;          // no saved step: Adam's step is the applied steps (ZeRO-3's files)
   ValuePtr loss_scaler, param_groups;  // null when the source has none
   std::string optimizer_file;          // the file they come from, for messages
   // What the files cover for the resume proof (ckpt::FingerprintLayout);
   // empty for a model-states source.
   std::function<ckpt::StateFingerprint()> files_layout;
-  std::shared_ptr<const void> maps;    // what `states` points into
+  std::shared_ptr<const void> maps;  // what `states` points into
   // Drops from this process the pages of the memory-mapped files that a read
   // has copied (ckpt::ReadOptions::read): a load's resident memory is its
   // partitions, not the files too. Null for a source of other memory.

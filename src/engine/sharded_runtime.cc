@@ -9,8 +9,8 @@
 
 #include "ckpt/deepspeed_state.h"
 
-#include "engine/runtime_setup.h"
 #include "engine/flat_runtime.h"
+#include "engine/runtime_setup.h"
 #include "engine/zero3_runtime.h"
 
 namespace uckpt::engine {

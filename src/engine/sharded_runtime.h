@@ -19,8 +19,8 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ckpt/reshard.h"

@@ -27,9 +27,9 @@ constexpr uint64_t kAlign = 64;  // where a destination's bytes start in a chunk
 // One target, checked, with its pieces sorted.
 struct Target {
   TensorReads* reads;
-  uint64_t bytes = 0;                 // dst.numel() elements of the source dtype
+  uint64_t bytes = 0;  // dst.numel() elements of the source dtype
   std::vector<ckpt::ReadPiece> sorted;
-  at::Tensor flat;                    // what the chunks fill: dst, or a contiguous stand-in
+  at::Tensor flat;  // what the chunks fill: dst, or a contiguous stand-in
 };
 
 // Bytes [begin, begin + size) of a target, at `offset` of a chunk.

@@ -32,8 +32,8 @@ struct TensorReads {
 struct StagedOptions {
   // Bytes per staging chunk; 0: $UCKPT_LOAD_CHUNK_BYTES, else 32 MiB.
   uint64_t chunk_bytes = 0;
-  int chunks = 3;            // chunks in flight (host memory: chunks x chunk_bytes)
-  bool stage_cpu = false;    // stage CPU destinations a direct read could fill too (tests)
+  int chunks = 3;          // chunks in flight (host memory: chunks x chunk_bytes)
+  bool stage_cpu = false;  // stage CPU destinations a direct read could fill too (tests)
   // Reading threads; 0: $UCKPT_LOAD_THREADS, else min(8, this rank's host
   // threads): a load from the page cache is bound by memory copies, not by one disk.
   // reads.chunk 0: each staging chunk is split over the threads.

@@ -20,9 +20,9 @@
 #include "ckpt/torch_out.h"
 #include "ckpt/weights_plan.h"
 #include "engine/async_save.h"
-#include "engine/weights_io.h"
 #include "engine/staged_upload.h"
 #include "engine/torch_bridge.h"
+#include "engine/weights_io.h"
 #include "format/error.h"
 #include "format/safetensors.h"
 
@@ -140,7 +140,8 @@ class SafetensorsWeightsWriter : public WeightsWriter {
   static std::vector<SafetensorsWriter::Entry> Header(const std::vector<SavedEntry>& entries) {
     std::vector<SafetensorsWriter::Entry> out;
     for (const auto& s : entries)
-      if (s.same_as < 0) out.push_back({s.name, engine::FromScalarType(s.tensor.scalar_type()), s.tensor.sizes().vec()});
+      if (s.same_as < 0)
+        out.push_back({s.name, engine::FromScalarType(s.tensor.scalar_type()), s.tensor.sizes().vec()});
     return out;
   }
   // Tied names -> the name their tensor is stored under (safetensors' save_model convention).
@@ -208,9 +209,10 @@ void ForEachWhole(engine::ShardedRuntime& runtime, Comm& comm, const std::vector
     if (entries[i].same_as >= 0) continue;
     const at::Tensor& t = entries[i].tensor;
     runtime.GatherParameters({t});  // stage 3 (ignored for tensors it does not partition)
-    at::Tensor whole;  // a copy of its own, also where the tensor is on the CPU already
-    if (rank0) whole = t.detach().to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true,
-                                      at::MemoryFormat::Contiguous);
+    at::Tensor whole;               // a copy of its own, also where the tensor is on the CPU already
+    if (rank0)
+      whole = t.detach().to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true,
+                            at::MemoryFormat::Contiguous);
     runtime.ReleaseParameters({t}, -1);
     use(i, whole);
   }
@@ -227,7 +229,8 @@ class WriteBehind {
 
   void Push(size_t entry, at::Tensor whole) {
     std::unique_lock lock(mu_);
-    space_.wait(lock, [&] { return waiting_bytes_ == 0 || waiting_bytes_ + static_cast<int64_t>(whole.nbytes()) <= limit_; });
+    space_.wait(lock,
+                [&] { return waiting_bytes_ == 0 || waiting_bytes_ + static_cast<int64_t>(whole.nbytes()) <= limit_; });
     waiting_bytes_ += static_cast<int64_t>(whole.nbytes());
     queue_.emplace_back(entry, std::move(whole));
     ready_.notify_one();
@@ -280,8 +283,8 @@ class WriteBehind {
 
 namespace engine {
 
-LoadWeightsResult LoadWeights(const ModuleTensors& module, ShardedRuntime& runtime, Comm& comm,
-                              const std::string& path, const LoadWeightsOptions& options) {
+LoadWeightsResult LoadWeights(const ModuleTensors& module, ShardedRuntime& runtime, Comm& comm, const std::string& path,
+                              const LoadWeightsOptions& options) {
   std::optional<SafetensorsSource> source;
   ckpt::WeightsMatch match;
   std::string error;
@@ -321,8 +324,7 @@ bool Save16bitModel(const ModuleTensors& module, ShardedRuntime& runtime, Comm& 
   std::string error;
   if (rank0) try {
       Env::Current().CreateDirs(save_dir);
-      if (save_filename.ends_with(".safetensors"))
-        writer = std::make_unique<SafetensorsWeightsWriter>(path, entries);
+      if (save_filename.ends_with(".safetensors")) writer = std::make_unique<SafetensorsWeightsWriter>(path, entries);
       else
         writer = std::make_unique<TorchWeightsWriter>(path, entries,
                                                       stage == 3 ? std::vector<std::string>{} : module.module_prefixes);

@@ -17,8 +17,8 @@ namespace uckpt::engine {
 
 // Fills this rank's slots (masters) from a safetensors source, then the
 // weights from the masters; frozen parameters and buffers whole.
-LoadWeightsResult LoadWeights(const ModuleTensors& module, ShardedRuntime& runtime, Comm& comm,
-                              const std::string& path, const LoadWeightsOptions& options);
+LoadWeightsResult LoadWeights(const ModuleTensors& module, ShardedRuntime& runtime, Comm& comm, const std::string& path,
+                              const LoadWeightsOptions& options);
 // DeepSpeed's save_16bit_model at ZeRO `stage` (3: only when
 // gather_on_save, stage3_gather_16bit_weights_on_model_save; else false).
 bool Save16bitModel(const ModuleTensors& module, ShardedRuntime& runtime, Comm& comm, int stage, bool gather_on_save,

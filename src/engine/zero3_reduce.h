@@ -39,7 +39,7 @@ class GradientReducer {
   // Every gradient left, the last bucket, and every reduce-scatter finished.
   void FinishTail();
 
-  int64_t reduce_buckets() const { return reduce_buckets_; }        // reduce-scatters of buckets
+  int64_t reduce_buckets() const { return reduce_buckets_; }          // reduce-scatters of buckets
   int64_t overlapped_buckets() const { return overlapped_buckets_; }  // of them, left running during backward
 
  private:

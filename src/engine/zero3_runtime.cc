@@ -23,9 +23,9 @@ at::Tensor HostOrDevice(at::IntArrayRef sizes, at::ScalarType dtype, at::Device 
 }  // namespace
 
 Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
-                               std::vector<OptimizerConfig> group_optimizers,
-                               const std::vector<std::vector<int>>& unit_of, int num_units, Zero3Settings settings,
-                               at::Device device, const std::map<const void*, at::Tensor>& given)
+                           std::vector<OptimizerConfig> group_optimizers, const std::vector<std::vector<int>>& unit_of,
+                           int num_units, Zero3Settings settings, at::Device device,
+                           const std::map<const void*, at::Tensor>& given)
     : comm_(comm), s_(std::move(settings)), device_(device), group_optimizers_(std::move(group_optimizers)) {
   if (groups.empty() || groups.size() != group_optimizers_.size() || unit_of.size() != groups.size())
     throw std::invalid_argument("Zero3Runtime: parameter groups, optimizers and units do not match");
@@ -56,10 +56,10 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
         p.partition = HostOrDevice({p.partition_size}, dtype, device_, s_.offload_param_cpu);
         if (auto it = given.find(p.tensor.unsafeGetTensorImpl()); it != given.end()) {
           if (it->second.numel() != p.partition_size)
-            throw std::invalid_argument("uckpt::Engine: " + p.name + " arrived partitioned with " +
-                                        std::to_string(it->second.numel()) + " elements per rank; at " +
-                                        std::to_string(dp) + " ranks its partition has " +
-                                        std::to_string(p.partition_size) + " (was it partitioned at another world size?)");
+            throw std::invalid_argument(
+                "uckpt::Engine: " + p.name + " arrived partitioned with " + std::to_string(it->second.numel()) +
+                " elements per rank; at " + std::to_string(dp) + " ranks its partition has " +
+                std::to_string(p.partition_size) + " (was it partitioned at another world size?)");
           p.partition.copy_(it->second.reshape({-1}));
           p.live = 0;  // no bytes (StoragelessTensor)
         } else {
@@ -161,10 +161,8 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
 
 void Zero3Runtime::ClearGrads() {
   for (Zero3SubGroup& sg : subs_) {
-    if (s_.base.offload_optimizer_cpu)
-      sg.grad.zero_();
-    else
-      sg.grad = at::Tensor();  // Grad() makes zeros at the next step's first reduce
+    if (s_.base.offload_optimizer_cpu) sg.grad.zero_();
+    else sg.grad = at::Tensor();  // Grad() makes zeros at the next step's first reduce
   }
 }
 

@@ -40,9 +40,9 @@
 #include <vector>
 
 #include "engine/config.h"
+#include "engine/flat_runtime.h"
 #include "engine/loss_scaler.h"
 #include "engine/sharded_runtime.h"
-#include "engine/flat_runtime.h"
 #include "engine/zero3_reduce.h"
 #include "engine/zero3_unit.h"
 #include "uckpt/comm.h"
@@ -65,7 +65,7 @@ struct Zero3Settings {
   ZeroSettings base;  // clipping, optimizer, dtype, fp16, offload_optimizer_cpu, reduce_bucket_size
   int64_t persistence_threshold = 100000;
   int64_t sub_group_size = 1000000000;
-  bool offload_param_cpu = false;  // the 16-bit partitions in host memory
+  bool offload_param_cpu = false;            // the 16-bit partitions in host memory
   int64_t prefetch_bucket_size = 50000000;   // unit elements gathered ahead of use; 0: no prefetch
   int64_t max_live_parameters = 1000000000;  // cap on gathered unit elements for prefetching
   // offload_optimizer: a reduced bucket's share reaches the host gradient
@@ -113,9 +113,9 @@ class Zero3Runtime : public ShardedRuntime {
   // With any given, every unit starts sharded and only the root and
   // persistent parameters are gathered; the whole values are never formed.
   Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups,
-                 std::vector<OptimizerConfig> group_optimizers, const std::vector<std::vector<int>>& unit_of,
-                 int num_units, Zero3Settings settings, at::Device device,
-                 const std::map<const void*, at::Tensor>& given = {});
+               std::vector<OptimizerConfig> group_optimizers, const std::vector<std::vector<int>>& unit_of,
+               int num_units, Zero3Settings settings, at::Device device,
+               const std::map<const void*, at::Tensor>& given = {});
 
   // One slot per sub-group: its parameters' partitions one after another.
   std::vector<PartitionSlot> Slots() override;

@@ -20,7 +20,8 @@ std::vector<std::string> UnitPrefixes(const torch::nn::Module& model, const Engi
     const auto& unit = options.gather_units[u];
     auto it = unit ? prefix_of.find(unit.get()) : prefix_of.end();
     if (it == prefix_of.end())
-      throw std::invalid_argument("uckpt::Engine: gather_units[" + std::to_string(u) + "] is not a submodule of the model");
+      throw std::invalid_argument("uckpt::Engine: gather_units[" + std::to_string(u) +
+                                  "] is not a submodule of the model");
     prefixes.push_back(it->second);
   }
   return prefixes;
@@ -96,12 +97,14 @@ void RefuseTensorsWithoutValues(const torch::nn::Module& model, const EngineOpti
     if (t.is_meta())
       throw std::invalid_argument("uckpt::Engine: parameter " + p.key() +
                                   " is on the meta device: it has a shape but no values, and libtorch can neither "
-                                  "copy it out nor turn it into a tensor of another device in place; " + build_instead);
+                                  "copy it out nor turn it into a tensor of another device in place; " +
+                                  build_instead);
     if (!given.count(t.unsafeGetTensorImpl()) && t.numel() > 0 && (!t.has_storage() || t.storage().nbytes() == 0))
-      throw std::invalid_argument("uckpt::Engine: parameter " + p.key() +
-                                  " has no storage (partitioned by a uckpt::ZeroInit scope or by another stage-3 "
-                                  "engine) and is not in EngineOptions::partitioned: hand the scope's partitions to the "
-                                  "engine with ZeroInit::AddTo(options)");
+      throw std::invalid_argument(
+          "uckpt::Engine: parameter " + p.key() +
+          " has no storage (partitioned by a uckpt::ZeroInit scope or by another stage-3 "
+          "engine) and is not in EngineOptions::partitioned: hand the scope's partitions to the "
+          "engine with ZeroInit::AddTo(options)");
   }
   for (const auto& b : model.named_buffers(/*recurse=*/true))
     if (b.value().is_meta())
@@ -145,10 +148,8 @@ void PreparePartitionedParameters(const RuntimeInputs& in, const EngineOptions& 
     }
     at::Tensor mine = p.partition.reshape({-1}).to(options_of).contiguous();
     at::Tensor all = at::empty({ps * dp}, options_of);
-    if (dp > 1)
-      in.comm.AllGather(mine, all);
-    else
-      all.copy_(mine);
+    if (dp > 1) in.comm.AllGather(mine, all);
+    else all.copy_(mine);
     p.param.set_data(all.narrow(0, 0, numel).view(p.shape).clone());
   }
 }

@@ -117,10 +117,8 @@ void UnitSchedule::Build(const std::vector<Zero3Param>& params, int num_units, b
     if (p.unit < 0 || p.persistent) continue;
     members[static_cast<size_t>(p.unit)].push_back(i);
     numel[static_cast<size_t>(p.unit)] += p.numel;
-    if (start_whole)
-      storage_.TrackWhole(i);
-    else
-      storage_.StartSharded(i);
+    if (start_whole) storage_.TrackWhole(i);
+    else storage_.StartSharded(i);
   }
   units_.clear();
   for (size_t u = 0; u < members.size(); ++u) units_.emplace_back(u, std::move(members[u]), numel[u], start_whole);

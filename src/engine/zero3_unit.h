@@ -105,7 +105,10 @@ class GatherUnit {
 
   // whole: Gathered with the initial hold; else Sharded with none.
   GatherUnit(size_t index, std::vector<size_t> params, int64_t numel, bool whole = true)
-      : index_(index), params_(std::move(params)), numel_(numel), state_(whole ? State::kGathered : State::kSharded),
+      : index_(index),
+        params_(std::move(params)),
+        numel_(numel),
+        state_(whole ? State::kGathered : State::kSharded),
         holds_(whole ? 1 : 0) {}
 
   size_t index() const { return index_; }

@@ -91,7 +91,8 @@ void ZeroInit::Partition(torch::nn::Module& module) {
 }
 
 void ZeroInit::AddTo(EngineOptions& options) {
-  if (handed_over_) throw std::logic_error("uckpt::ZeroInit: AddTo called twice (the partitions went to the engine already)");
+  if (handed_over_)
+    throw std::logic_error("uckpt::ZeroInit: AddTo called twice (the partitions went to the engine already)");
   handed_over_ = true;
   for (auto& p : partitions_) options.partitioned.push_back(std::move(p));
   partitions_.clear();

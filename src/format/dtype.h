@@ -9,13 +9,27 @@
 namespace uckpt {
 
 enum class DType : uint8_t {
-  kFloat32, kFloat64, kFloat16, kBFloat16,
-  kInt64, kInt32, kInt16, kInt8, kUInt8, kBool,
-  kComplex64, kComplex128,
+  kFloat32,
+  kFloat64,
+  kFloat16,
+  kBFloat16,
+  kInt64,
+  kInt32,
+  kInt16,
+  kInt8,
+  kUInt8,
+  kBool,
+  kComplex64,
+  kComplex128,
   // Types without a legacy storage class: saved through UntypedStorage and
   // torch._utils._rebuild_tensor_v3.
-  kUInt16, kUInt32, kUInt64,
-  kFloat8E4M3FN, kFloat8E5M2, kFloat8E4M3FNUZ, kFloat8E5M2FNUZ,
+  kUInt16,
+  kUInt32,
+  kUInt64,
+  kFloat8E4M3FN,
+  kFloat8E5M2,
+  kFloat8E4M3FNUZ,
+  kFloat8E5M2FNUZ,
 };
 
 // "float32", "bfloat16", ... (torch's canonical name without "torch.").

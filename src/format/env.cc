@@ -51,8 +51,7 @@ class PosixWritableFile : public WritableFile {
   void Allocate(uint64_t size) override {
     if (size == 0) return;
     int r;
-    while ((r = ::fallocate(fd_, 0, 0, static_cast<off_t>(size))) != 0 && errno == EINTR) {
-    }
+    while ((r = ::fallocate(fd_, 0, 0, static_cast<off_t>(size))) != 0 && errno == EINTR) {}
     if (r == 0) return;
     if (errno != EOPNOTSUPP && errno != ENOSYS) ThrowErrno("cannot allocate space for", path_);
     if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) ThrowErrno("cannot set the size of", path_);
@@ -197,7 +196,7 @@ class PosixEnv : public Env {
   void SyncDir(const std::string& dir) override {
     const std::string d = dir.empty() ? "." : dir;
     int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return;  // best effort: some filesystems refuse directory opens
+    if (fd < 0) return;                         // best effort: some filesystems refuse directory opens
     if (::fsync(fd) != 0 && errno != EINVAL) {  // EINVAL: the filesystem does not sync folders
       int e = errno;
       ::close(fd);

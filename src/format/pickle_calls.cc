@@ -109,15 +109,12 @@ void Machine::Build(Value& target, ValuePtr state) {
   switch (target.kind) {
     case Kind::kOrderedDict:
     case Kind::kObject:
-    case Kind::kParameter:
-      target.state = std::move(state);
-      return;
+    case Kind::kParameter: target.state = std::move(state); return;
     case Kind::kTensor:
       // torch restores Python attributes of a tensor this way.
       target.tensor->attrs = std::move(state);
       return;
-    default:
-      Fail("BUILD on a " + KindName(target));
+    default: Fail("BUILD on a " + KindName(target));
   }
 }
 
@@ -194,8 +191,7 @@ ValuePtr Machine::RebuildTensor(const std::string& fn, const std::vector<ValuePt
 // values (each Call* returns null when the arguments do not fit it); any
 // other call becomes an inert object.
 ValuePtr Machine::Call(const ValuePtr& callable, const ValuePtr& args) {
-  if (callable->kind != Kind::kGlobal)
-    Fail("call of a " + KindName(*callable) + ", which is not a class or function");
+  if (callable->kind != Kind::kGlobal) Fail("call of a " + KindName(*callable) + ", which is not a class or function");
   if (args->kind != Kind::kTuple) Fail("call arguments are a " + KindName(*args) + ", not a tuple");
   const std::string& path = callable->s;
   const std::string mod = callable->module(), fn = callable->name();
@@ -315,8 +311,7 @@ ValuePtr Machine::CallOther(const std::string& path, const std::vector<ValuePtr>
 // Strict mode takes getattr only as getattr(ZeroStageEnum, member).
 void Machine::CheckStrictGetattr(const ValuePtr& args) {
   const auto& a = args->items;
-  if (a.size() == 2 && a[0]->kind == Kind::kGlobal && a[1]->kind == Kind::kStr &&
-      StrictAllowsGetattr(a[0]->s, a[1]->s))
+  if (a.size() == 2 && a[0]->kind == Kind::kGlobal && a[1]->kind == Kind::kStr && StrictAllowsGetattr(a[0]->s, a[1]->s))
     return;
   std::string what = "builtins.getattr";
   if (a.size() == 2 && a[0]->kind == Kind::kGlobal && a[1]->kind == Kind::kStr)

@@ -76,9 +76,9 @@ class Machine {
   }
 
   ValuePtr Track(ValuePtr v) {
-    if (v->kind == Kind::kList || v->kind == Kind::kTuple || v->kind == Kind::kDict ||
-        v->kind == Kind::kOrderedDict || v->kind == Kind::kSet || v->kind == Kind::kFrozenSet ||
-        v->kind == Kind::kObject || v->kind == Kind::kParameter || v->kind == Kind::kTensor)
+    if (v->kind == Kind::kList || v->kind == Kind::kTuple || v->kind == Kind::kDict || v->kind == Kind::kOrderedDict ||
+        v->kind == Kind::kSet || v->kind == Kind::kFrozenSet || v->kind == Kind::kObject ||
+        v->kind == Kind::kParameter || v->kind == Kind::kTensor)
       created_.push_back(v);
     return v;
   }

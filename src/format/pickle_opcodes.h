@@ -265,26 +265,52 @@ constexpr bool ReaderRefuses(Group g) { return g == Group::kExtension || g == Gr
 // kinds, the length field for length-prefixed ones, 0 for line kinds and kNone.
 constexpr size_t FixedArgSize(Arg a) {
   switch (a) {
-    case Arg::kU1: case Arg::kLong1: case Arg::kStr1: case Arg::kBytes1: case Arg::kUtf8_1: return 1;
+    case Arg::kU1:
+    case Arg::kLong1:
+    case Arg::kStr1:
+    case Arg::kBytes1:
+    case Arg::kUtf8_1: return 1;
     case Arg::kU2: return 2;
-    case Arg::kU4: case Arg::kI4: case Arg::kLong4: case Arg::kStr4: case Arg::kBytes4: case Arg::kUtf8_4: return 4;
-    case Arg::kU8: case Arg::kF8: case Arg::kBytes8: case Arg::kByteArray8: case Arg::kUtf8_8: return 8;
+    case Arg::kU4:
+    case Arg::kI4:
+    case Arg::kLong4:
+    case Arg::kStr4:
+    case Arg::kBytes4:
+    case Arg::kUtf8_4: return 4;
+    case Arg::kU8:
+    case Arg::kF8:
+    case Arg::kBytes8:
+    case Arg::kByteArray8:
+    case Arg::kUtf8_8: return 8;
     default: return 0;
   }
 }
 // The fixed part is a length of the bytes that follow it.
 constexpr bool IsLengthPrefixed(Arg a) {
   switch (a) {
-    case Arg::kLong1: case Arg::kLong4: case Arg::kStr1: case Arg::kStr4: case Arg::kBytes1: case Arg::kBytes4:
-    case Arg::kBytes8: case Arg::kByteArray8: case Arg::kUtf8_1: case Arg::kUtf8_4: case Arg::kUtf8_8: return true;
+    case Arg::kLong1:
+    case Arg::kLong4:
+    case Arg::kStr1:
+    case Arg::kStr4:
+    case Arg::kBytes1:
+    case Arg::kBytes4:
+    case Arg::kBytes8:
+    case Arg::kByteArray8:
+    case Arg::kUtf8_1:
+    case Arg::kUtf8_4:
+    case Arg::kUtf8_8: return true;
     default: return false;
   }
 }
 // Newline-terminated lines follow the opcode (2 for kTwoLines).
 constexpr int ArgLines(Arg a) {
   switch (a) {
-    case Arg::kDecimalLine: case Arg::kLongLine: case Arg::kFloatLine: case Arg::kQuotedLine:
-    case Arg::kRawUnicodeLine: case Arg::kLine: return 1;
+    case Arg::kDecimalLine:
+    case Arg::kLongLine:
+    case Arg::kFloatLine:
+    case Arg::kQuotedLine:
+    case Arg::kRawUnicodeLine:
+    case Arg::kLine: return 1;
     case Arg::kTwoLines: return 2;
     default: return 0;
   }

@@ -10,8 +10,8 @@
 #include <unordered_set>
 
 #include "format/error.h"
-#include "format/pickle_opcodes.h"
 #include "format/pickle_machine.h"
+#include "format/pickle_opcodes.h"
 
 namespace uckpt {
 namespace pickle_vm {
@@ -194,7 +194,8 @@ void Machine::Integer(uint8_t op) {
     case pickle::kLong4: {
       int32_t n = static_cast<int32_t>(U32());
       if (n < 0) Fail("negative LONG4 length");
-      if (static_cast<size_t>(n) > limits_.max_int_bytes) Fail("integer of " + std::to_string(n) + " bytes exceeds the limit");
+      if (static_cast<size_t>(n) > limits_.max_int_bytes)
+        Fail("integer of " + std::to_string(n) + " bytes exceeds the limit");
       Push(IntFromBytes(Take(static_cast<size_t>(n)), static_cast<size_t>(n)));
       return;
     }
@@ -257,7 +258,10 @@ void Machine::String(uint8_t op) {
 
 namespace {
 int HexDigit(char h) {
-  return (h >= '0' && h <= '9') ? h - '0' : (h >= 'a' && h <= 'f') ? h - 'a' + 10 : (h >= 'A' && h <= 'F') ? h - 'A' + 10 : -1;
+  return (h >= '0' && h <= '9')   ? h - '0'
+         : (h >= 'a' && h <= 'f') ? h - 'a' + 10
+         : (h >= 'A' && h <= 'F') ? h - 'A' + 10
+                                  : -1;
 }
 }  // namespace
 
@@ -486,8 +490,8 @@ std::atomic<PicklePolicy> g_default_policy{PicklePolicy::kStrict};
 PicklePolicy DefaultPicklePolicy() { return g_default_policy.load(std::memory_order_relaxed); }
 void SetDefaultPicklePolicy(PicklePolicy policy) { g_default_policy.store(policy, std::memory_order_relaxed); }
 
-ValuePtr ReadPickle(std::span<const uint8_t> data, const std::string& where,
-                    const PersistentLoader& persistent_load, const PickleLimits& limits, PicklePolicy policy) {
+ValuePtr ReadPickle(std::span<const uint8_t> data, const std::string& where, const PersistentLoader& persistent_load,
+                    const PickleLimits& limits, PicklePolicy policy) {
   pickle_vm::Machine m(data, where, persistent_load, limits, policy);
   return m.Run();
 }

@@ -15,10 +15,10 @@
 namespace uckpt {
 
 struct PickleLimits {
-  size_t max_depth = 1000;           // nesting of containers in the result
-  size_t max_stack = 1u << 24;       // values on the VM stack
-  size_t max_memo = 1u << 24;        // memo entries
-  size_t max_int_bytes = 1u << 14;   // LONG1/LONG4 payload
+  size_t max_depth = 1000;          // nesting of containers in the result
+  size_t max_stack = 1u << 24;      // values on the VM stack
+  size_t max_memo = 1u << 24;       // memo entries
+  size_t max_int_bytes = 1u << 14;  // LONG1/LONG4 payload
 };
 
 // Which classes and functions a pickle may name.
@@ -38,8 +38,7 @@ using PersistentLoader = std::function<ValuePtr(const ValuePtr& pid)>;
 // Decodes `data`. `where` names the file/record in error messages. Throws
 // FormatError (with the byte offset) on malformed or over-limit input, and in
 // strict mode on a global outside the allow-list.
-ValuePtr ReadPickle(std::span<const uint8_t> data, const std::string& where,
-                    const PersistentLoader& persistent_load, const PickleLimits& limits = {},
-                    PicklePolicy policy = DefaultPicklePolicy());
+ValuePtr ReadPickle(std::span<const uint8_t> data, const std::string& where, const PersistentLoader& persistent_load,
+                    const PickleLimits& limits = {}, PicklePolicy policy = DefaultPicklePolicy());
 
 }  // namespace uckpt

@@ -275,7 +275,8 @@ class Pickler {
     if (Memoized(vp.get())) return;
     switch (v.kind) {
       case Kind::kStr: Str(v.s); break;
-      case Kind::kBytes: case Kind::kByteArray: SaveBytes(v); break;
+      case Kind::kBytes:
+      case Kind::kByteArray: SaveBytes(v); break;
       case Kind::kComplex:
         Global("builtins", "complex");
         Float(v.f);
@@ -299,7 +300,8 @@ class Pickler {
         Entries(v.entries);
         if (v.state) Build(v.state);
         return;
-      case Kind::kSet: case Kind::kFrozenSet: SaveSet(v); break;
+      case Kind::kSet:
+      case Kind::kFrozenSet: SaveSet(v); break;
       case Kind::kTorchSize: SaveSize(v); break;
       case Kind::kTorchDevice: SaveDevice(v); break;
       case Kind::kTorchDtype: Global("torch", v.s); return;

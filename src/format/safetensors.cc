@@ -17,12 +17,14 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr std::pair<std::string_view, DType> kNames[] = {
-    {"F32", DType::kFloat32},     {"F64", DType::kFloat64},        {"F16", DType::kFloat16},
-    {"BF16", DType::kBFloat16},   {"I64", DType::kInt64},          {"I32", DType::kInt32},
-    {"I16", DType::kInt16},       {"I8", DType::kInt8},            {"U8", DType::kUInt8},
-    {"BOOL", DType::kBool},       {"U16", DType::kUInt16},         {"U32", DType::kUInt32},
-    {"U64", DType::kUInt64},      {"F8_E4M3", DType::kFloat8E4M3FN}, {"F8_E5M2", DType::kFloat8E5M2},
-    {"C64", DType::kComplex64},
+    {"F32", DType::kFloat32},        {"F64", DType::kFloat64},
+    {"F16", DType::kFloat16},        {"BF16", DType::kBFloat16},
+    {"I64", DType::kInt64},          {"I32", DType::kInt32},
+    {"I16", DType::kInt16},          {"I8", DType::kInt8},
+    {"U8", DType::kUInt8},           {"BOOL", DType::kBool},
+    {"U16", DType::kUInt16},         {"U32", DType::kUInt32},
+    {"U64", DType::kUInt64},         {"F8_E4M3", DType::kFloat8E4M3FN},
+    {"F8_E5M2", DType::kFloat8E5M2}, {"C64", DType::kComplex64},
 };
 
 [[noreturn]] void Bad(const std::string& path, const std::string& what) {
@@ -85,9 +87,12 @@ SafetensorsTensor ParseEntry(const std::string& path, const std::string& name, c
   if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
     Bad(path, where + ": \"data_offsets\" is not a pair of non-negative integers");
   const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
-  if (b > e) Bad(path, where + " has data_offsets [" + std::to_string(b) + ", " + std::to_string(e) + "] that end before they begin");
+  if (b > e)
+    Bad(path,
+        where + " has data_offsets [" + std::to_string(b) + ", " + std::to_string(e) + "] that end before they begin");
   const uint64_t size = DTypeSize(t.dtype);
-  if (static_cast<uint64_t>(t.numel) > std::numeric_limits<uint64_t>::max() / size || e - b != static_cast<uint64_t>(t.numel) * size)
+  if (static_cast<uint64_t>(t.numel) > std::numeric_limits<uint64_t>::max() / size ||
+      e - b != static_cast<uint64_t>(t.numel) * size)
     Bad(path, where + " spans " + std::to_string(e - b) + " bytes, its shape and dtype need " +
                   std::to_string(static_cast<uint64_t>(t.numel) * size));
   if (e > std::numeric_limits<uint64_t>::max() - data_start) Bad(path, where + " lies past the file's end");
@@ -154,7 +159,8 @@ SafetensorsFile SafetensorsFile::Parse(std::shared_ptr<const MappedFile> file) {
   uint64_t at = data_start;
   for (const SafetensorsTensor& t : out.tensors_) {
     if (t.begin < at) Bad(path, "tensor '" + t.name + "' overlaps the tensor before it");
-    if (t.begin > at) Bad(path, "a gap of " + std::to_string(t.begin - at) + " bytes lies before tensor '" + t.name + "'");
+    if (t.begin > at)
+      Bad(path, "a gap of " + std::to_string(t.begin - at) + " bytes lies before tensor '" + t.name + "'");
     if (t.end > b.size()) Bad(path, "tensor '" + t.name + "' runs past the file's end (the file is cut short?)");
     at = t.end;
   }
@@ -196,7 +202,8 @@ SafetensorsIndex ReadSafetensorsIndex(const std::string& path) {
   for (const auto& [name, f] : wm->items()) {
     if (!f.is_string()) bad("the weight_map entry of '" + name + "' is not a file name");
     const fs::path listed(f.get<std::string>());
-    if (listed.empty() || listed.is_absolute()) bad("'" + name + "' is in '" + listed.string() + "', not a file beside the index");
+    if (listed.empty() || listed.is_absolute())
+      bad("'" + name + "' is in '" + listed.string() + "', not a file beside the index");
     for (const auto& part : listed)
       if (part == "..") bad("'" + name + "' is in '" + listed.string() + "', outside the index's folder");
     const std::string resolved = (folder / listed).string();
@@ -264,7 +271,8 @@ SafetensorsWriter::Header SafetensorsWriter::MakeHeader(const std::string& path,
     if (header.contains(e.name)) throw FormatError(path + ": tensor '" + e.name + "' is written twice");
     const int64_t numel = CheckedNumel(path, e.name, e.shape);
     const uint64_t n = static_cast<uint64_t>(numel) * DTypeSize(e.dtype);
-    header[e.name] = {{"dtype", SafetensorsDTypeName(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + n}}};
+    header[e.name] = {
+        {"dtype", SafetensorsDTypeName(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
   }
   Header h;

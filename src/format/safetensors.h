@@ -136,7 +136,7 @@ class SafetensorsWriter {
 
  private:
   struct Header {
-    std::string text;       // the JSON, padded
+    std::string text;        // the JSON, padded
     uint64_t file_size = 0;  // once every tensor is written
   };
   static Header MakeHeader(const std::string& path, const std::vector<Entry>& entries,

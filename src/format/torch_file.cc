@@ -17,8 +17,8 @@ namespace {
 
 // A legacy torch.save file starts with a pickle of its magic number: PROTO 2,
 // then LONG1 of the 10-byte integer 0x1950a86a20f9469cfc6c.
-constexpr uint8_t kLegacyMagic[] = {pickle::kProto, 0x02, pickle::kLong1, 0x0A,
-                                    0x6C, 0xFC, 0x9C, 0x46, 0xF9, 0x20, 0x6A, 0xA8, 0x50, 0x19};
+constexpr uint8_t kLegacyMagic[] = {pickle::kProto, 0x02, pickle::kLong1, 0x0A, 0x6C, 0xFC, 0x9C,
+                                    0x46,           0xF9, 0x20,           0x6A, 0xA8, 0x50, 0x19};
 
 void CheckKind(const MappedFile& f) {
   auto b = f.bytes();
@@ -48,9 +48,10 @@ class StorageLoader {
     const auto& key = pid->items[2];
     const auto& loc = pid->items[3];
     const auto& numel = pid->items[4];
-    if (cls->kind != Kind::kGlobal || key->kind != Kind::kStr || loc->kind != Kind::kStr ||
-        numel->kind != Kind::kInt || !numel->big.empty() || numel->i < 0)
-      throw FormatError(path + ": malformed persistent id for storage '" + (key->kind == Kind::kStr ? key->s : "?") + "'");
+    if (cls->kind != Kind::kGlobal || key->kind != Kind::kStr || loc->kind != Kind::kStr || numel->kind != Kind::kInt ||
+        !numel->big.empty() || numel->i < 0)
+      throw FormatError(path + ": malformed persistent id for storage '" + (key->kind == Kind::kStr ? key->s : "?") +
+                        "'");
     std::string cls_path = cls->s;
     if (cls_path == "torch.UntypedStorage") cls_path = "torch.storage.UntypedStorage";
     size_t elem = 1;
@@ -130,7 +131,8 @@ TorchFile LoadTorchFile(std::shared_ptr<const MappedFile> file, const LoadOption
   for (const auto& e : zip.entries()) {
     if (e.name.compare(0, prefix.size(), prefix) != 0)
       throw FormatError(path + ": record '" + e.name + "' is outside the archive folder '" + prefix + "'");
-    if (options.verify_crc && !zip.CrcMatches(e)) throw FormatError(path + ": record '" + e.name + "' fails its CRC-32 check");
+    if (options.verify_crc && !zip.CrcMatches(e))
+      throw FormatError(path + ": record '" + e.name + "' fails its CRC-32 check");
   }
   if (zip.Find(prefix + "constants.pkl") || zip.Find(prefix + "code/"))
     throw FormatError(path + ": this is a TorchScript archive (torch.jit.save), not a torch.save file");
@@ -144,7 +146,8 @@ TorchFile LoadTorchFile(std::shared_ptr<const MappedFile> file, const LoadOption
   TorchFile out;
   out.file = file;
   out.archive = prefix.substr(0, prefix.size() - 1);
-  out.root = ReadPickle(zip.Data(*pkl), path + ": " + prefix + "data.pkl", std::ref(loader), options.limits, options.policy);
+  out.root =
+      ReadPickle(zip.Data(*pkl), path + ": " + prefix + "data.pkl", std::ref(loader), options.limits, options.policy);
   return out;
 }
 
@@ -180,8 +183,8 @@ std::string TorchSerializationId(const std::vector<ZipEntry>& records, const std
   for (size_t i = 0; i < records.size(); ++i) {
     const auto& head = leading[i];
     if (head.size() >= 8 && head[0] == 'P' && head[1] == 'K' && head[2] == 7 && head[3] == 8)
-      crc_hash = HashCombine(crc_hash, uint32_t(head[4]) | uint32_t(head[5]) << 8 | uint32_t(head[6]) << 16 |
-                                           uint32_t(head[7]) << 24);
+      crc_hash = HashCombine(
+          crc_hash, uint32_t(head[4]) | uint32_t(head[5]) << 8 | uint32_t(head[6]) << 16 | uint32_t(head[7]) << 24);
     if (records[i].size > 0) crc_hash = HashCombine(crc_hash, records[i].crc32);
   }
   char id[41];
@@ -228,7 +231,8 @@ void WriteTorchRecords(ByteSink& out, const std::string& path, const PickledValu
     if (st.streamed()) {
       std::span<uint8_t> buffer = options.stream_buffer;
       if (buffer.empty()) {
-        if (own_buffer.empty()) own_buffer.resize(static_cast<size_t>(std::min<uint64_t>(kStreamBuffer, StreamedBytes(p))));
+        if (own_buffer.empty())
+          own_buffer.resize(static_cast<size_t>(std::min<uint64_t>(kStreamBuffer, StreamedBytes(p))));
         buffer = own_buffer;
       }
       zip.AddStreamedRecord(name, st.stream_size, st.fill, buffer);

@@ -12,8 +12,7 @@ std::shared_ptr<Storage> Storage::Owned(std::vector<uint8_t> data, DType dtype) 
   return View(*holder, dtype, holder);
 }
 
-std::shared_ptr<Storage> Storage::View(std::span<const uint8_t> data, DType dtype,
-                                       std::shared_ptr<const void> owner) {
+std::shared_ptr<Storage> Storage::View(std::span<const uint8_t> data, DType dtype, std::shared_ptr<const void> owner) {
   auto s = std::make_shared<Storage>();
   auto cls = DTypeStorageClass(dtype);
   if (cls.empty()) {
@@ -31,9 +30,8 @@ std::shared_ptr<Storage> Storage::View(std::span<const uint8_t> data, DType dtyp
 std::shared_ptr<Storage> Storage::Streamed(uint64_t size, DType dtype,
                                            std::function<void(uint64_t offset, std::span<uint8_t> into)> fill) {
   auto s = View({}, dtype, nullptr);
-  s->numel = static_cast<int64_t>(size / std::max<size_t>(1, s->storage_class == "torch.storage.UntypedStorage"
-                                                                     ? 1
-                                                                     : DTypeSize(dtype)));
+  s->numel = static_cast<int64_t>(
+      size / std::max<size_t>(1, s->storage_class == "torch.storage.UntypedStorage" ? 1 : DTypeSize(dtype)));
   s->stream_size = size;
   s->fill = std::move(fill);
   return s;

@@ -38,8 +38,7 @@ struct Storage {
   // A storage that owns a copy of `data`.
   static std::shared_ptr<Storage> Owned(std::vector<uint8_t> data, DType dtype);
   // A storage viewing memory kept alive by `owner`.
-  static std::shared_ptr<Storage> View(std::span<const uint8_t> data, DType dtype,
-                                       std::shared_ptr<const void> owner);
+  static std::shared_ptr<Storage> View(std::span<const uint8_t> data, DType dtype, std::shared_ptr<const void> owner);
   // A streamed storage of `size` bytes.
   static std::shared_ptr<Storage> Streamed(uint64_t size, DType dtype,
                                            std::function<void(uint64_t offset, std::span<uint8_t> into)> fill);
@@ -69,10 +68,25 @@ struct Tensor {
 };
 
 enum class Kind : uint8_t {
-  kNone, kBool, kInt, kFloat, kComplex, kStr, kBytes, kByteArray,
-  kList, kTuple, kDict, kOrderedDict, kSet, kFrozenSet,
-  kTensor, kParameter,
-  kTorchSize, kTorchDevice, kTorchDtype,
+  kNone,
+  kBool,
+  kInt,
+  kFloat,
+  kComplex,
+  kStr,
+  kBytes,
+  kByteArray,
+  kList,
+  kTuple,
+  kDict,
+  kOrderedDict,
+  kSet,
+  kFrozenSet,
+  kTensor,
+  kParameter,
+  kTorchSize,
+  kTorchDevice,
+  kTorchDtype,
   kGlobal,   // a class or function used as a value, not called
   kObject,   // an opaque call result: class path + how it was built
   kStorage,  // a storage not wrapped in a tensor (a bare persistent id)

@@ -90,9 +90,12 @@ json ElementJson(DType dt, const uint8_t* p) {
       std::memcpy(&v, p, 8);
       return v;
     }
-    case DType::kInt32: case DType::kInt16: case DType::kInt8:
-    case DType::kUInt8: case DType::kUInt16: case DType::kUInt32:
-      return static_cast<int64_t>(ElementToDouble(dt, p));
+    case DType::kInt32:
+    case DType::kInt16:
+    case DType::kInt8:
+    case DType::kUInt8:
+    case DType::kUInt16:
+    case DType::kUInt32: return static_cast<int64_t>(ElementToDouble(dt, p));
     case DType::kComplex64: {
       float re, im;
       std::memcpy(&re, p, 4);
@@ -165,7 +168,9 @@ class Renderer {
       case Kind::kTorchDtype: return {{"type", "torch.dtype"}, {"value", v.s}};
       case Kind::kGlobal: return {{"type", "global"}, {"value", v.s}};
       case Kind::kObject: {
-        json j = {{"type", "object"}, {"class", v.s}, {"construct", v.newobj ? "newobj" : "reduce"},
+        json j = {{"type", "object"},
+                  {"class", v.s},
+                  {"construct", v.newobj ? "newobj" : "reduce"},
                   {"args", Render(*v.items.at(0))}};
         if (v.state) j["state"] = Render(*v.state);
         if (v.kwargs) j["kwargs"] = Render(*v.kwargs);
@@ -180,8 +185,11 @@ class Renderer {
       }
       case Kind::kTensor: return TensorJson(*v.tensor);
       case Kind::kStorage:
-        return {{"type", "storage"}, {"storage_key", v.storage->key}, {"storage_class", v.storage->storage_class},
-                {"storage_numel", v.storage->numel}, {"storage_location", v.storage->location},
+        return {{"type", "storage"},
+                {"storage_key", v.storage->key},
+                {"storage_class", v.storage->storage_class},
+                {"storage_numel", v.storage->numel},
+                {"storage_location", v.storage->location},
                 {"sha256", Sha256Hex(v.storage->bytes)}};
     }
     return {};

@@ -11,8 +11,8 @@
 namespace uckpt {
 
 struct JsonOptions {
-  size_t values_limit = 64;      // tensors with at most this many elements list their values
-  size_t max_nodes = 10000000;   // shared references can expand a tree; stop past this
+  size_t values_limit = 64;     // tensors with at most this many elements list their values
+  size_t max_nodes = 10000000;  // shared references can expand a tree; stop past this
   // Non-contiguous tensors are copied into C order to be hashed; an expanded
   // view (stride 0) can claim far more elements than its storage holds.
   size_t max_gather_bytes = size_t{1} << 30;

@@ -97,7 +97,9 @@ uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
 
 namespace {
 
-[[noreturn]] void Fail(const MappedFile& file, const std::string& what) { throw FormatError(file.path() + ": " + what); }
+[[noreturn]] void Fail(const MappedFile& file, const std::string& what) {
+  throw FormatError(file.path() + ": " + what);
+}
 
 // Where the central directory lies and how many records it claims.
 struct DirectoryLocation {
@@ -142,8 +144,8 @@ DirectoryLocation LocateCentralDirectory(const MappedFile& file) {
     Fail(file, "central directory (offset " + std::to_string(cd.offset) + ", size " + std::to_string(cd.size) +
                    ") lies outside the file");
   if (cd.count > cd.size / 46)
-    Fail(file, "central directory claims " + std::to_string(cd.count) + " records in " + std::to_string(cd.size) +
-                   " bytes");
+    Fail(file,
+         "central directory claims " + std::to_string(cd.count) + " records in " + std::to_string(cd.size) + " bytes");
   return cd;
 }
 
@@ -173,8 +175,8 @@ void DecodeZip64Extra(const MappedFile& file, const std::string& where, const ui
 
 // Where a record's data starts, from its local header (whose name and extra
 // lengths decide it), checked to end before the central directory.
-uint64_t DataOffset(const MappedFile& file, const std::string& where, const DirectoryLocation& cd,
-                    const RecordSizes& s, const uint8_t* name, uint16_t name_len) {
+uint64_t DataOffset(const MappedFile& file, const std::string& where, const DirectoryLocation& cd, const RecordSizes& s,
+                    const uint8_t* name, uint16_t name_len) {
   const uint64_t size = file.bytes().size();
   if (s.offset > size || size - s.offset < 30)
     Fail(file, where + ": local header offset " + std::to_string(s.offset) + " is outside the file");
@@ -232,8 +234,8 @@ void CheckNoOverlap(const MappedFile& file, std::vector<RecordSpan> spans, const
   std::sort(spans.begin(), spans.end(), [](const RecordSpan& a, const RecordSpan& b) { return a.begin < b.begin; });
   for (size_t k = 1; k < spans.size(); ++k)
     if (spans[k].begin < spans[k - 1].end)
-      Fail(file, "records '" + entries[spans[k - 1].index].name + "' and '" + entries[spans[k].index].name +
-                     "' overlap");
+      Fail(file,
+           "records '" + entries[spans[k - 1].index].name + "' and '" + entries[spans[k].index].name + "' overlap");
 }
 
 }  // namespace
@@ -245,7 +247,8 @@ ZipReader::ZipReader(std::shared_ptr<const MappedFile> file) : file_(std::move(f
   uint64_t pos = cd.offset;
   for (uint64_t k = 0; k < cd.count; ++k) {
     DirectoryRecord r = DecodeDirectoryRecord(*file_, cd, pos, k);
-    if (!index_.emplace(r.entry.name, entries_.size()).second) Fail(*file_, "record '" + r.entry.name + "' appears twice");
+    if (!index_.emplace(r.entry.name, entries_.size()).second)
+      Fail(*file_, "record '" + r.entry.name + "' appears twice");
     spans.push_back({r.local_offset, r.entry.data_offset + r.entry.size, entries_.size()});
     entries_.push_back(std::move(r.entry));
     pos = r.next;
@@ -347,7 +350,8 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const std::span<con
 void ZipWriter::AddStreamedRecord(const std::string& name, uint64_t size,
                                   const std::function<void(uint64_t offset, std::span<uint8_t> into)>& fill,
                                   std::span<uint8_t> buffer) {
-  if (size > 0 && buffer.empty()) throw std::invalid_argument("ZipWriter::AddStreamedRecord: no buffer for '" + name + "'");
+  if (size > 0 && buffer.empty())
+    throw std::invalid_argument("ZipWriter::AddStreamedRecord: no buffer for '" + name + "'");
   const uint64_t cursor = out_.offset();
   const uint64_t data_offset = WriteHeader(name, size);
   uint32_t crc = 0;

@@ -22,8 +22,7 @@ nn::Linear Linear(nn::Module& parent, const std::string& name, int64_t in, int64
 }
 
 nn::LayerNorm LayerNorm(nn::Module& parent, const BertConfig& cfg) {
-  return parent.register_module("LayerNorm",
-                                nn::LayerNorm(nn::LayerNormOptions({cfg.n_embd}).eps(cfg.layer_norm_eps)));
+  return parent.register_module("LayerNorm", nn::LayerNorm(nn::LayerNormOptions({cfg.n_embd}).eps(cfg.layer_norm_eps)));
 }
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
@@ -38,7 +37,8 @@ double Unit(uint64_t x) { return static_cast<double>(x >> 11) * 0x1.0p-53; }
 
 void ValidateBertConfig(const BertConfig& cfg) {
   auto positive = [](int64_t v, const char* name) {
-    if (v <= 0) throw std::invalid_argument(std::string("BERT: ") + name + " must be positive, got " + std::to_string(v));
+    if (v <= 0)
+      throw std::invalid_argument(std::string("BERT: ") + name + " must be positive, got " + std::to_string(v));
   };
   positive(cfg.n_layer, "n_layer");
   positive(cfg.n_head, "n_head");
@@ -75,7 +75,8 @@ BertMlmImpl::BertMlmImpl(const BertConfig& cfg) : cfg_(cfg) {
   position_embeddings =
       embeddings->register_module("position_embeddings", nn::Embedding(nn::EmbeddingOptions(cfg_.n_positions, C)));
   embeddings_ln = LayerNorm(*embeddings, cfg_);
-  position_ids = embeddings->register_buffer("position_ids", torch::arange(cfg_.n_positions, torch::kLong).unsqueeze(0));
+  position_ids =
+      embeddings->register_buffer("position_ids", torch::arange(cfg_.n_positions, torch::kLong).unsqueeze(0));
 
   auto encoder = Container(*bert, "encoder");
   auto layer_list = encoder->register_module("layer", nn::ModuleList());
@@ -121,8 +122,8 @@ torch::Tensor BertMlmImpl::Encode(const torch::Tensor& input_ids) {
     throw std::invalid_argument("BERT: input_ids must be int64 [B, T]");
   const int64_t B = input_ids.size(0), T = input_ids.size(1);
   if (T < 1 || T > cfg_.n_positions)
-    throw std::invalid_argument("BERT: sequence length " + std::to_string(T) + " is not in [1, n_positions = " +
-                                std::to_string(cfg_.n_positions) + "]");
+    throw std::invalid_argument("BERT: sequence length " + std::to_string(T) +
+                                " is not in [1, n_positions = " + std::to_string(cfg_.n_positions) + "]");
   const int64_t C = cfg_.n_embd, H = cfg_.n_head, D = C / H;
   const double scale = std::sqrt(static_cast<double>(D));
 
@@ -186,7 +187,8 @@ void BertMlmImpl::Cast(const std::optional<torch::Device>& device, torch::Dtype 
     t.set_data(device ? t.to(*device, type, non_blocking) : t.to(type, non_blocking));
   };
   for (auto& [name, p] : unique_named_parameters()) cast(p, dtype);
-  for (auto& item : named_buffers()) cast(item.value(), item.value().is_floating_point() ? dtype : item.value().scalar_type());
+  for (auto& item : named_buffers())
+    cast(item.value(), item.value().is_floating_point() ? dtype : item.value().scalar_type());
 }
 
 void BertMlmImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) { Cast(device, dtype, non_blocking); }
@@ -239,8 +241,7 @@ MaskedBatch MaskBatch(const torch::Tensor& ids, int64_t first_global_sample_inde
       const uint64_t k = 3 * static_cast<uint64_t>(t);
       lab[i] = in[i];
       const double u = Unit(r(k + 1));
-      if (u < options.mask_prob)
-        out[i] = options.mask_token;
+      if (u < options.mask_prob) out[i] = options.mask_token;
       else if (u < options.mask_prob + options.random_prob)
         out[i] = static_cast<int64_t>(r(k + 2) % static_cast<uint64_t>(options.num_random_tokens));
     };

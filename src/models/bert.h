@@ -29,8 +29,8 @@ inline constexpr int64_t kBertIgnoreLabel = -100;
 struct BertConfig {
   int64_t n_layer = 2;
   int64_t n_head = 2;
-  int64_t n_embd = 64;  // the feed-forward is 4 * n_embd wide
-  int64_t vocab_size = 260;  // >= kBertNumByteTokens + kBertNumSpecialTokens
+  int64_t n_embd = 64;        // the feed-forward is 4 * n_embd wide
+  int64_t vocab_size = 260;   // >= kBertNumByteTokens + kBertNumSpecialTokens
   int64_t n_positions = 128;  // longest sequence the position table covers
   int64_t seq_len = 128;      // training sequence length, <= n_positions
   double layer_norm_eps = 1e-12;

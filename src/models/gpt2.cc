@@ -134,11 +134,12 @@ Gpt2::Gpt2(Gpt2Config cfg, std::vector<NamedTensor> params) : cfg_(cfg), params_
                                 std::to_string(params_.size()));
   for (size_t k = 0; k < shapes.size(); ++k) {
     if (params_[k].name != shapes[k].first || params_[k].tensor.sizes().vec() != shapes[k].second)
-      throw std::invalid_argument("GPT-2 parameter " + std::to_string(k) + " should be " + shapes[k].first +
-                                  ", got " + params_[k].name);
+      throw std::invalid_argument("GPT-2 parameter " + std::to_string(k) + " should be " + shapes[k].first + ", got " +
+                                  params_[k].name);
   }
   if (cfg_.fused_kernels && cfg_.dropout > 0)
-    throw std::invalid_argument("--fused_kernels needs --dropout 0 (dropout masks are drawn per sample outside the kernels)");
+    throw std::invalid_argument(
+        "--fused_kernels needs --dropout 0 (dropout masks are drawn per sample outside the kernels)");
   size_t k = 0;
   auto next = [&] { return params_[k++].tensor; };
   wte_ = next();
@@ -195,10 +196,11 @@ at::Tensor Gpt2::Dropout(const at::Tensor& x, const DropoutKey* dk, int64_t site
   // One generator per row, so a row's mask is the same whichever rank runs it.
   std::vector<at::Tensor> rows;
   for (int64_t b = 0; b < x.size(0); ++b) {
-    uint64_t s = SplitMix64(dk->seed ^ SplitMix64(static_cast<uint64_t>(dk->step) * 1000003u +
-                                                  static_cast<uint64_t>(dk->first_row + b)));
+    uint64_t s = SplitMix64(
+        dk->seed ^ SplitMix64(static_cast<uint64_t>(dk->step) * 1000003u + static_cast<uint64_t>(dk->first_row + b)));
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(SplitMix64(s + static_cast<uint64_t>(site)));
-    rows.push_back(at::empty(x.sizes().slice(1), x.options().dtype(at::kFloat).device(at::kCPU)).bernoulli_(1 - p, gen));
+    rows.push_back(
+        at::empty(x.sizes().slice(1), x.options().dtype(at::kFloat).device(at::kCPU)).bernoulli_(1 - p, gen));
   }
   at::Tensor noise = at::stack(rows).div_(1 - p).to(x.options());
   return x * noise;

@@ -19,6 +19,7 @@ namespace uckpt::models {
 // logits [B, T, V] (any float dtype, requires grad or not), input_ids int64
 // [B, T]. A chunk holds whole sequences, about `chunk_elements` fp32 values
 // (at least one sequence). Differentiable in `logits`.
-at::Tensor NextTokenLoss(const at::Tensor& logits, const at::Tensor& input_ids, int64_t chunk_elements = int64_t{1} << 26);
+at::Tensor NextTokenLoss(const at::Tensor& logits, const at::Tensor& input_ids,
+                         int64_t chunk_elements = int64_t{1} << 26);
 
 }  // namespace uckpt::models

@@ -25,7 +25,8 @@ using testing::TempDir;
 std::string CopyTag(const TempDir& tmp, const std::string& fixture, const std::string& name = "in") {
   const std::string dst = tmp / name;
   fs::copy(DsFixture(fixture) + "/ckpt/global_step5", dst);
-  for (const auto& e : fs::directory_iterator(dst)) fs::permissions(e.path(), fs::perms::owner_write, fs::perm_options::add);
+  for (const auto& e : fs::directory_iterator(dst))
+    fs::permissions(e.path(), fs::perms::owner_write, fs::perm_options::add);
   return dst;
 }
 
@@ -97,8 +98,9 @@ TEST(ConvertErrors, MixedSteps) {
   TorchFile f = LoadTorchFile(rank1);
   ValuePtr st = f.root->get("optimizer_state_dict")->get("base_optimizer_state")->get("state")->entries[0].second;
   float four = 4.0f;
-  st->set("step", Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {}, {reinterpret_cast<uint8_t*>(&four),
-                                                                             reinterpret_cast<uint8_t*>(&four) + 4})));
+  st->set("step",
+          Value::FromTensor(Tensor::FromBytes(
+              DType::kFloat32, {}, {reinterpret_cast<uint8_t*>(&four), reinterpret_cast<uint8_t*>(&four) + 4})));
   SaveTorchFile(rank1 + ".new", f.root);
   fs::rename(rank1 + ".new", rank1);
   ExpectRefused(tmp, in, {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "mixed steps", "4"});
@@ -121,7 +123,8 @@ void MakeRankOneExpAvgBf16(const std::string& in, bool zero3) {
   const std::string rank1 = in + "/zero_pp_rank_1_mp_rank_00_optim_states.pt";
   TorchFile f = LoadTorchFile(rank1);
   ValuePtr osd = f.root->get("optimizer_state_dict");
-  ValuePtr st = (zero3 ? osd->get("optimizer_state_dict") : osd->get("base_optimizer_state"))->get("state")->entries[0].second;
+  ValuePtr st =
+      (zero3 ? osd->get("optimizer_state_dict") : osd->get("base_optimizer_state"))->get("state")->entries[0].second;
   const Tensor& t = *st->get("exp_avg")->tensor;
   st->set("exp_avg", Value::FromTensor(Tensor::FromBytes(DType::kBFloat16, t.shape,
                                                          std::vector<uint8_t>(static_cast<size_t>(t.numel()) * 2, 0))));
@@ -135,16 +138,18 @@ TEST(ConvertErrors, MixedDtypesZero3) {
   TempDir tmp;
   std::string in = CopyTag(tmp, "z3_ws2_fp32");
   MakeRankOneExpAvgBf16(in, true);
-  ExpectRefused(tmp, in, {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                          "'exp_avg' is bfloat16", "float32"});
+  ExpectRefused(tmp, in,
+                {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "'exp_avg' is bfloat16", "float32"});
 }
 
 TEST(ConvertErrors, MixedDtypesZero2) {
   TempDir tmp;
   std::string in = CopyTag(tmp, "z2_ws2_fp32");
   MakeRankOneExpAvgBf16(in, false);
-  ExpectRefused(tmp, in, {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                          "'exp_avg' is bfloat16", "float32"});
+  ExpectRefused(tmp, in,
+                {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "'exp_avg' is bfloat16", "float32"});
 }
 
 // param_shapes that disagree with the partitions (one parameter grown by 2).
@@ -274,7 +279,8 @@ TEST(ConvertErrors, StaleTemporaryOfAKilledConversionIsRemoved) {
 TEST(ConvertErrors, WriteFailureLeavesNothing) {
   TempDir tmp;
   fs::create_directories(tmp / "out");
-  struct sigaction ignore {}, old {};
+  struct sigaction ignore {
+  }, old{};
   ignore.sa_handler = SIG_IGN;
   sigaction(SIGXFSZ, &ignore, &old);
   struct rlimit saved;

@@ -20,7 +20,7 @@ using testing::ListFiles;
 using testing::ReadFile;
 using testing::TempDir;
 
-const char* kFixtures[] = {"z1_ws2_bf16", "z1_ws2_fp16", "z1_ws2_fp32", "z2_ws2_fp32",
+const char* kFixtures[] = {"z1_ws2_bf16",      "z1_ws2_fp16", "z1_ws2_fp32", "z2_ws2_fp32",
                            "z2_ws2_gas2_fp32", "z2_ws3_fp32", "z3_ws2_fp32"};
 
 ConvertOptions Quiet(int threads = 2) {

@@ -199,7 +199,8 @@ TEST(CopyPlan, WriteFailureInOneRangeThreadFailsThePlan) {
 TEST(CopyPlan, TorchFilePlanEqualsSaveTorchFile) {
   TempDir tmp;
   std::vector<std::vector<uint8_t>> data;
-  for (size_t n : {0u, 4u, 1000u, 3u << 20, 64u, (1u << 20) + 12}) data.push_back(RandomBytes(n, static_cast<uint32_t>(n)));
+  for (size_t n : {0u, 4u, 1000u, 3u << 20, 64u, (1u << 20) + 12})
+    data.push_back(RandomBytes(n, static_cast<uint32_t>(n)));
   ValuePtr root = Value::Dict();
   ValuePtr list = Value::List();
   for (auto& d : data)
@@ -245,7 +246,8 @@ TEST(CopyPlan, GeneratedAndWholeFileCopies) {
       out.Write(s);
     }
   };
-  for (size_t n : {0u, 1u, 1000u, 1u << 20, (1u << 20) + 3, 5u, 3u << 20}) want.append(n, static_cast<char>('a' + n % 26));
+  for (size_t n : {0u, 1u, 1000u, 1u << 20, (1u << 20) + 3, 5u, 3u << 20})
+    want.append(n, static_cast<char>('a' + n % 26));
   plan.files.push_back(gen);
   PlannedFile copy;
   copy.path = tmp / "copy.bin";
@@ -308,8 +310,8 @@ TEST(CopyPlan, IoErrorNamesTheFile) {
     const char* victim;
     bool hash;
   };
-  for (const Case& c : {Case{IoOp::kWrite, "f3", true}, Case{IoOp::kWrite, "f5", false}, Case{IoOp::kCreate, "f2", true},
-                        Case{IoOp::kCopy, "whole", true}}) {
+  for (const Case& c : {Case{IoOp::kWrite, "f3", true}, Case{IoOp::kWrite, "f5", false},
+                        Case{IoOp::kCreate, "f2", true}, Case{IoOp::kCopy, "whole", true}}) {
     TempDir tmp;
     std::vector<std::string> expected;
     CopyPlan plan = RandomPlan(source, tmp.path(), 8, c.hash, 7, &expected);

@@ -66,11 +66,11 @@ namespace fs = std::filesystem;
 enum class FixtureKind { kTorchFile, kZero, kUniversal };
 
 struct Fixture {
-  std::string name;      // relative to shared/fixtures
+  std::string name;  // relative to shared/fixtures
   FixtureKind kind;
   fs::path source;
-  fs::path plain, with_manifest;  // working copies (folders: both; torch files: plain only)
-  std::vector<std::string> files; // relative paths of the files that get corrupted
+  fs::path plain, with_manifest;   // working copies (folders: both; torch files: plain only)
+  std::vector<std::string> files;  // relative paths of the files that get corrupted
 };
 
 enum class Corruption { kTruncate, kFlip, kMissing, kSwap };
@@ -196,10 +196,8 @@ std::string RunOps(const Fixture& fx, const fs::path& target, bool manifest, con
   // Without --verify, a reader still compares sizes with the manifest.
   if (manifest)
     out += Run([&] {
-      if (fx.kind == FixtureKind::kZero)
-        (void)OpenZeroCheckpoint(dir, false);
-      else
-        (void)OpenUniversalCheckpoint(dir, false);
+      if (fx.kind == FixtureKind::kZero) (void)OpenZeroCheckpoint(dir, false);
+      else (void)OpenUniversalCheckpoint(dir, false);
     });
   return out;
 }
@@ -265,8 +263,9 @@ void RunCase(const Fixture& fx, bool manifest, const Case& c, bool changed, Tall
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     ++t.crashes;
-    std::cout << "CRASH (" << (WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
-                                                    : "exit " + std::to_string(WEXITSTATUS(status)))
+    std::cout << "CRASH ("
+              << (WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
+                                      : "exit " + std::to_string(WEXITSTATUS(status)))
               << "): " << where << "\n";
     return;
   }
@@ -280,7 +279,8 @@ void RunCase(const Fixture& fx, bool manifest, const Case& c, bool changed, Tall
     if (r[k] == 'P') ++t.partial, report("PARTIAL OUTPUT", k);
   }
   // The primary reader: strict load / open (with --verify when there is a manifest).
-  if (r[0] == 'A') ++t.accepted; else ++t.rejected;
+  if (r[0] == 'A') ++t.accepted;
+  else ++t.rejected;
   if (manifest && changed) {
     // open, export and verify check hashes here; sizes alone catch a truncation.
     bool silent = r[0] == 'A' || r[2] == 'A' || r[4] == 'A';
@@ -292,8 +292,8 @@ void RunCase(const Fixture& fx, bool manifest, const Case& c, bool changed, Tall
 
 // Applies `c` to the copy at `root`, runs the case, and puts the bytes back.
 void ApplyAndRun(const Fixture& fx, bool manifest, const Case& c, Tally& t) {
-  const fs::path root = fx.kind == FixtureKind::kTorchFile ? fx.plain.parent_path()
-                                                           : (manifest ? fx.with_manifest : fx.plain);
+  const fs::path root =
+      fx.kind == FixtureKind::kTorchFile ? fx.plain.parent_path() : (manifest ? fx.with_manifest : fx.plain);
   const fs::path file = fx.kind == FixtureKind::kTorchFile ? fx.plain : root / c.file;
   const auto original = ReadAll(file);
   bool changed = true;
@@ -312,9 +312,7 @@ void ApplyAndRun(const Fixture& fx, bool manifest, const Case& c, Tally& t) {
       WriteAll(file, b);
       break;
     }
-    case Corruption::kMissing:
-      fs::remove(file);
-      break;
+    case Corruption::kMissing: fs::remove(file); break;
     case Corruption::kSwap: {
       const auto other = ReadAll(root / c.other);
       changed = other != original;
@@ -352,8 +350,12 @@ std::vector<Fixture> FindFixtures(const fs::path& shared) {
         zero = zero || f.path().filename().string().find("_optim_states.pt") != std::string::npos;
       bool universal = fs::exists(e.path() / "zero" / "optimizer_state.pt");
       if (zero || universal)
-        out.push_back({fs::relative(e.path(), fixtures).string(), zero ? FixtureKind::kZero : FixtureKind::kUniversal,
-                       e.path(), {}, {}, {}});
+        out.push_back({fs::relative(e.path(), fixtures).string(),
+                       zero ? FixtureKind::kZero : FixtureKind::kUniversal,
+                       e.path(),
+                       {},
+                       {},
+                       {}});
     }
   std::sort(out.begin(), out.end(), [](const Fixture& a, const Fixture& b) { return a.name < b.name; });
   return out;
@@ -402,7 +404,8 @@ void RunFixtures(std::vector<Fixture>& fixtures, size_t worker, size_t jobs, siz
       fs::copy_file(fx.source, fx.plain);
       fx.files = {fx.source.filename().string()};
       const uint64_t size = fs::file_size(fx.plain);
-      for (size_t k = 0; k < truncations; ++k) cases.push_back({Corruption::kTruncate, fx.files[0], "", size * k / truncations});
+      for (size_t k = 0; k < truncations; ++k)
+        cases.push_back({Corruption::kTruncate, fx.files[0], "", size * k / truncations});
       for (size_t k = 0; k < flips; ++k)
         cases.push_back({Corruption::kFlip, fx.files[0], "", rng() % size, static_cast<uint8_t>(1 + rng() % 255)});
     } else {

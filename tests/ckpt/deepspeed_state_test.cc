@@ -78,7 +78,8 @@ class Codec : public ::testing::Test {
 ValuePtr Floats(const std::vector<float>& v, bool requires_grad = false) {
   std::vector<uint8_t> bytes(v.size() * 4);
   if (!v.empty()) std::memcpy(bytes.data(), v.data(), bytes.size());
-  ValuePtr t = Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {static_cast<int64_t>(v.size())}, std::move(bytes)));
+  ValuePtr t =
+      Value::FromTensor(Tensor::FromBytes(DType::kFloat32, {static_cast<int64_t>(v.size())}, std::move(bytes)));
   t->tensor->requires_grad = requires_grad;
   return t;
 }
@@ -156,8 +157,8 @@ TEST_F(Codec, ParamGroupsAndStepAsEachAdamClassKeepsThem) {
   h.bias_correction = false;
   using Keys = std::vector<std::string>;
   const std::vector<std::pair<AdamClass, Keys>> classes{
-      {AdamClass::kTorch, {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
-                           "params"}},
+      {AdamClass::kTorch,
+       {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable", "params"}},
       {AdamClass::kFusedAdam, {"lr", "bias_correction", "betas", "eps", "weight_decay", "step", "params"}},
       {AdamClass::kCpuAdam, {"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad", "params"}}};
   for (const auto& [cls, keys] : classes) {
@@ -185,8 +186,8 @@ TEST_F(Codec, ParamGroupsAndStepAsEachAdamClassKeepsThem) {
   o.stage = 2;
   OptimGroupState gs;
   gs.fp32 = Floats({1, 2}, true);
-  gs.adam = AdamStateOfClass({{"step", Floats({5})}, {"exp_avg", Floats({0, 0})}, {"exp_avg_sq", Floats({1, 1})}},
-                             h.cls, 5);
+  gs.adam =
+      AdamStateOfClass({{"step", Floats({5})}, {"exp_avg", Floats({0, 0})}, {"exp_avg_sq", Floats({1, 1})}}, h.cls, 5);
   gs.hparams = h;
   o.groups.push_back(gs);
   RankOptimView v = ReadRankOptimStates(Reload(OptimStatesValue(o)), Path());

@@ -39,7 +39,8 @@ Safetensors ReadSafetensors(const std::string& path) {
   Safetensors s{nlohmann::json::parse(b.substr(8, n)), b.substr(8 + n)};
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (const auto& [k, v] : s.header.items())
-    if (k != "__metadata__") ranges.emplace_back(v["data_offsets"][0].get<uint64_t>(), v["data_offsets"][1].get<uint64_t>());
+    if (k != "__metadata__")
+      ranges.emplace_back(v["data_offsets"][0].get<uint64_t>(), v["data_offsets"][1].get<uint64_t>());
   std::sort(ranges.begin(), ranges.end());
   uint64_t at = 0;
   for (auto [b0, e0] : ranges) {
@@ -50,7 +51,7 @@ Safetensors ReadSafetensors(const std::string& path) {
   return s;
 }
 
-const char* kFixtures[] = {"z1_ws2_bf16", "z1_ws2_fp16", "z1_ws2_fp32", "z2_ws2_fp32",
+const char* kFixtures[] = {"z1_ws2_bf16",      "z1_ws2_fp16", "z1_ws2_fp32", "z2_ws2_fp32",
                            "z2_ws2_gas2_fp32", "z2_ws3_fp32", "z3_ws2_fp32"};
 
 class ExportFixture : public ::testing::TestWithParam<const char*> {};

@@ -93,17 +93,16 @@ TEST_P(ConvertUnderFault, OldOutputAndLatestUniversalIntact) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Faults, ConvertUnderFault,
-    ::testing::Values(ConvertFault{"input_eio", IoOp::kMap, "zero_pp_rank_1", 1, EIO},
-                      ConvertFault{"param_folder", IoOp::kCreateDir, "zero/", 3, EACCES},
-                      ConvertFault{"create", IoOp::kCreate, "fp32.pt", 2, ENOSPC},
-                      ConvertFault{"write_enospc", IoOp::kWrite, "exp_avg", 3, ENOSPC},
-                      ConvertFault{"write_eio", IoOp::kWrite, "optimizer_state.pt", 1, EIO},
-                      ConvertFault{"copy_model_states", IoOp::kCopy, "model_states", 1, ENOSPC},
-                      ConvertFault{"syncfs", IoOp::kSyncDir, "uckpt-tmp", 1, EIO},
-                      ConvertFault{"folder_rename", IoOp::kRename, "<out>", 1, EXDEV}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Faults, ConvertUnderFault,
+                         ::testing::Values(ConvertFault{"input_eio", IoOp::kMap, "zero_pp_rank_1", 1, EIO},
+                                           ConvertFault{"param_folder", IoOp::kCreateDir, "zero/", 3, EACCES},
+                                           ConvertFault{"create", IoOp::kCreate, "fp32.pt", 2, ENOSPC},
+                                           ConvertFault{"write_enospc", IoOp::kWrite, "exp_avg", 3, ENOSPC},
+                                           ConvertFault{"write_eio", IoOp::kWrite, "optimizer_state.pt", 1, EIO},
+                                           ConvertFault{"copy_model_states", IoOp::kCopy, "model_states", 1, ENOSPC},
+                                           ConvertFault{"syncfs", IoOp::kSyncDir, "uckpt-tmp", 1, EIO},
+                                           ConvertFault{"folder_rename", IoOp::kRename, "<out>", 1, EXDEV}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST(ConvertUnderFault, ShortWritesGiveTheSameOutput) {
   TempDir tmp;
@@ -141,9 +140,10 @@ TEST(ExportUnderFault, OldFileIntact) {
     std::string path;
     int nth, error;
   };
-  for (const Case& c : {Case{IoOp::kMap, "zero_pp_rank_0", 1, EIO}, Case{IoOp::kCreate, "model.safetensors", 1, ENOSPC},
-                        Case{IoOp::kWrite, "model.safetensors", 1, ENOSPC}, Case{IoOp::kSync, "model.safetensors", 1, EIO},
-                        Case{IoOp::kRename, "model.safetensors", 1, EXDEV}}) {
+  for (const Case& c :
+       {Case{IoOp::kMap, "zero_pp_rank_0", 1, EIO}, Case{IoOp::kCreate, "model.safetensors", 1, ENOSPC},
+        Case{IoOp::kWrite, "model.safetensors", 1, ENOSPC}, Case{IoOp::kSync, "model.safetensors", 1, EIO},
+        Case{IoOp::kRename, "model.safetensors", 1, EXDEV}}) {
     SCOPED_TRACE(IoOpName(c.op));
     FaultEnv env;
     env.Add({c.op, c.path, c.nth, c.error});

@@ -65,7 +65,8 @@ TEST(Fingerprint, IsTheDocumentedSumAndCombinesOverPieces) {
   const uint64_t whole = OfFloats(seed, 0, xs, 0, xs.size());
   EXPECT_EQ(whole, Reference("h.0.mlp.c_fc.weight", "exp_avg", 0, xs));
   // Pieces hashed with their global element indices add up to the whole.
-  EXPECT_EQ(OfFloats(seed, 0, xs, 0, 333) + OfFloats(seed, 333, xs, 333, 600) + OfFloats(seed, 933, xs, 933, 67), whole);
+  EXPECT_EQ(OfFloats(seed, 0, xs, 0, 333) + OfFloats(seed, 333, xs, 333, 600) + OfFloats(seed, 933, xs, 933, 67),
+            whole);
   // One element changed, two swapped, another name or key: another value.
   std::vector<float> changed = xs;
   changed[500] = std::nextafter(changed[500], 1e9f);
@@ -221,9 +222,9 @@ TEST(Fingerprint, ReadsHashedByTheFilesLayoutAgreeOnlyWithACorrectLoad) {
           }
         for (const TargetFragment& f : target.fragments) {
           const std::string& name = target.params[f.param].name;
-          sums.second[sum_at(name, key)] += FingerprintElements(
-              FingerprintSeed(name, key), f.param_offset, DType::kFloat32,
-              {buffer.data() + f.offset * 4, static_cast<size_t>(f.numel) * 4});
+          sums.second[sum_at(name, key)] +=
+              FingerprintElements(FingerprintSeed(name, key), f.param_offset, DType::kFloat32,
+                                  {buffer.data() + f.offset * 4, static_cast<size_t>(f.numel) * 4});
         }
       }
     }
@@ -235,8 +236,15 @@ TEST(Fingerprint, ReadsHashedByTheFilesLayoutAgreeOnlyWithACorrectLoad) {
     EXPECT_EQ(held, whole.sums()) << dp << " ranks";
   }
   const std::vector<std::pair<const char*, std::function<void(Pieces&)>>> bugs = {
-      {"one element later", [](Pieces& p) { p[0].from = p[0].from.subspan(0, p[0].from.size() - 4); p[0].to += 4; }},
-      {"from the wrong bytes", [](Pieces& p) { p[0].from = {p[0].from.data() + 4, p[0].from.size() - 4}; }},
+      {"one element later",
+       [](Pieces& p) {
+         p[0].from = p[0].from.subspan(0, p[0].from.size() - 4);
+         p[0].to += 4;
+       }},
+      {"from the wrong bytes",
+       [](Pieces& p) {
+         p[0].from = {p[0].from.data() + 4, p[0].from.size() - 4};
+       }},
       {"left out", [](Pieces& p) { p.erase(p.begin()); }},
   };
   for (const auto& [what, bug] : bugs) {

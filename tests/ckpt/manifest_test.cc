@@ -115,8 +115,8 @@ TEST(Manifest, ShardsSplitTheHashing) {
   WriteBytes(dir + "/zero/b/fp32.pt", "bbbb");
   WriteBytes(dir + "/zero/c/fp32.pt", "cc");
   WriteManifest(dir, false);
-  for (const std::string& rel : {"mp_rank_00_model_states.pt", "zero/optimizer_state.pt", "zero/b/fp32.pt",
-                                 "zero/h.0.attn.weight/fp32.pt"}) {
+  for (const std::string& rel :
+       {"mp_rank_00_model_states.pt", "zero/optimizer_state.pt", "zero/b/fp32.pt", "zero/h.0.attn.weight/fp32.pt"}) {
     const std::string victim = dir + "/" + rel;
     std::string bytes;
     {
@@ -183,8 +183,9 @@ TEST(Manifest, UnsyncedMarkerMeansHashesAndAManifest) {
   EXPECT_EQ(UnsyncedMarkerPath("ckpt/global_step8"), "ckpt/.global_step8.uckpt-unsynced");
   EXPECT_EQ(UnsyncedMarkerPath("ckpt/global_step8/"), "ckpt/.global_step8.uckpt-unsynced");
   EXPECT_EQ(UnsyncedMarkerPath("ckpt/./global_step8/."), "ckpt/.global_step8.uckpt-unsynced");
-  EXPECT_EQ(UnsyncedMarkerPath("."), (fs::current_path().parent_path() /
-                                      ("." + fs::current_path().filename().string() + ".uckpt-unsynced")).string());
+  EXPECT_EQ(
+      UnsyncedMarkerPath("."),
+      (fs::current_path().parent_path() / ("." + fs::current_path().filename().string() + ".uckpt-unsynced")).string());
   const std::string dir = tmp / "global_step8";
   MakeFolder(dir);
   WriteManifest(dir, false);

@@ -76,8 +76,8 @@ void ExpectFlatReshardMatchesConvert(const std::string& folder) {
         const PartitionTarget target = FlatPartitionTarget(params, dp, rank);
         const FlatLayout layout = MakeFlatLayout(Total(params), dp);
         for (const auto& key : keys) {
-          const std::string what = key + " group " + std::to_string(g) + " at " + std::to_string(dp) + " rank " +
-                                   std::to_string(rank);
+          const std::string what =
+              key + " group " + std::to_string(g) + " at " + std::to_string(dp) + " rank " + std::to_string(rank);
           uint64_t bytes = 0;
           DType dtype{};
           std::vector<uint8_t> got = Read(zero, target, key, &bytes, &dtype);

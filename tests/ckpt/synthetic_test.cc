@@ -148,8 +148,8 @@ TEST(Synthetic, Stage12RoundTripWorldSizes1To8) {
     UniversalCheckpoint u = OpenUniversalCheckpoint(tmp / "u5");
     for (int dp = 1; dp <= 8; ++dp) {
       for (int r = 0; r < dp; ++r) {
-        TorchFile f = LoadTorchFile(tmp / ("z" + std::to_string(dp) + "/zero_pp_rank_" + std::to_string(r) +
-                                           "_mp_rank_00_optim_states.pt"));
+        TorchFile f = LoadTorchFile(
+            tmp / ("z" + std::to_string(dp) + "/zero_pp_rank_" + std::to_string(r) + "_mp_rank_00_optim_states.pt"));
         ValuePtr osd = f.root->get("optimizer_state_dict");
         for (size_t g = 0; g < 3; ++g) {
           ValuePtr st = GetIntKey(osd->get("base_optimizer_state")->get("state"), static_cast<int64_t>(g));

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 
+#include "../format/counting_env.h"
 #include "ckpt/convert.h"
 #include "ckpt/manifest.h"
 #include "ckpt/tag_folder.h"
@@ -16,7 +17,6 @@
 #include "ckpt/zero_checkpoint.h"
 #include "format/env.h"
 #include "format/error.h"
-#include "../format/counting_env.h"
 #include "test_util.h"
 
 namespace uckpt::ckpt {
@@ -31,7 +31,8 @@ using uckpt::testing::CountingEnv;
 std::string CopyTag(const TempDir& tmp, const std::string& fixture) {
   const std::string dst = tmp / "in";
   fs::copy(DsFixture(fixture) + "/ckpt/global_step5", dst);
-  for (const auto& e : fs::directory_iterator(dst)) fs::permissions(e.path(), fs::perms::owner_write, fs::perm_options::add);
+  for (const auto& e : fs::directory_iterator(dst))
+    fs::permissions(e.path(), fs::perms::owner_write, fs::perm_options::add);
   return dst;
 }
 

@@ -16,13 +16,11 @@ namespace {
 
 using testing::TempDir;
 
-void Write(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void Write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 TEST(TagResolver, PlainNamesPass) {
   for (const std::string& tag : std::vector<std::string>{"global_step5", "global_step5_universal", "a", "..a", "a..",
-                                                        "x y", std::string(255, 'a')})
+                                                         "x y", std::string(255, 'a')})
     EXPECT_EQ(TagProblem(tag), std::nullopt) << tag;
   EXPECT_EQ(CheckTag("global_step5", "--checkpoint_tag"), "global_step5");
 }
@@ -55,8 +53,8 @@ TEST(TagResolver, ReadLatestTagNamesTheFile) {
   TempDir d;
   Write(d / "latest", "  global_step7\n");
   EXPECT_EQ(ReadLatestTag(d.path(), "latest"), "global_step7");  // whitespace stripped, as DeepSpeed
-  for (const std::string& content : std::vector<std::string>{"../victim/global_step5\n", "", " \n",
-                                                       "/abs", std::string("a\0b", 3), std::string(300, 'x')}) {
+  for (const std::string& content : std::vector<std::string>{"../victim/global_step5\n", "", " \n", "/abs",
+                                                             std::string("a\0b", 3), std::string(300, 'x')}) {
     Write(d / "latest", content);
     try {
       ReadLatestTag(d.path(), "latest");

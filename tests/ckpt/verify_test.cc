@@ -25,7 +25,7 @@ using testing::DsFixture;
 using testing::Shared;
 using testing::TempDir;
 
-const char* kFixtures[] = {"z1_ws2_bf16", "z1_ws2_fp16", "z1_ws2_fp32", "z2_ws2_fp32",
+const char* kFixtures[] = {"z1_ws2_bf16",      "z1_ws2_fp16", "z1_ws2_fp32", "z2_ws2_fp32",
                            "z2_ws2_gas2_fp32", "z2_ws3_fp32", "z3_ws2_fp32"};
 
 std::string Describe(const VerifyReport& r) {
@@ -100,7 +100,7 @@ TEST(Verify, ConvertOutputHasAManifestAndPasses) {
   ASSERT_TRUE(HasManifest(u));
   Manifest m = ReadManifest(u);
   EXPECT_EQ(m.files.size(), testing::ListFiles(u).size() - 1);  // all but the manifest
-  VerifyReport r = VerifyCheckpoint(tmp / "ckpt");  // the root: latest_universal names it
+  VerifyReport r = VerifyCheckpoint(tmp / "ckpt");              // the root: latest_universal names it
   EXPECT_TRUE(r.ok()) << Describe(r);
   ASSERT_EQ(r.folders.size(), 1u);
   EXPECT_TRUE(r.folders[0].manifest);

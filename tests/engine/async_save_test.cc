@@ -14,21 +14,21 @@
 #include <tuple>
 
 #include "ckpt/parallel.h"
+#include "cli/trainer.h"
 #include "engine/async_save.h"
 #include "engine/checkpoint.h"
 #include "engine/torch_bridge.h"
-#include "format/torch_file.h"
 #include "format/error.h"
 #include "format/fault_env.h"
+#include "format/torch_file.h"
 #include "ranks.h"
 #include "tiny.h"
-#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {
 
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 namespace fs = std::filesystem;
 using testing::RunRanks;
@@ -95,8 +95,8 @@ INSTANTIATE_TEST_SUITE_P(WorldStageDtype, AsyncSave,
                          ::testing::Values(Variant{1, 2, false}, Variant{2, 2, false}, Variant{2, 1, true},
                                            Variant{1, 0, false}, Variant{2, 3, false}, Variant{2, 3, true}),
                          [](const auto& info) {
-                           return "ws" + std::to_string(info.param.world) + "_stage" + std::to_string(info.param.stage) +
-                                  (info.param.bf16 ? "_bf16" : "_fp32");
+                           return "ws" + std::to_string(info.param.world) + "_stage" +
+                                  std::to_string(info.param.stage) + (info.param.bf16 ? "_bf16" : "_fp32");
                          });
 
 // A tensor's bytes streamed to the writer a buffer at a time (what a
@@ -137,8 +137,9 @@ TEST(StreamedStorage, FileEqualsViewedBytes) {
     SaveTorchFile(dir + "/streamed/x.pt", value(true), o);
     EXPECT_TRUE(testing::ReadBytes(dir + "/streamed/x.pt") == want) << "buffer of " << buffer << " bytes";
   }
-  EXPECT_THROW(LayOutTorchFile(dir + "/x.pt", value(true), [](const auto& s) { return std::vector<uint32_t>(s.size()); }),
-               std::invalid_argument);
+  EXPECT_THROW(
+      LayOutTorchFile(dir + "/x.pt", value(true), [](const auto& s) { return std::vector<uint32_t>(s.size()); }),
+      std::invalid_argument);
   if (!HasFailure()) fs::remove_all(dir);
 }
 

@@ -9,9 +9,9 @@
 #include <map>
 #include <mutex>
 
+#include "../format/counting_env.h"
 #include "ckpt/convert.h"
 #include "ckpt/manifest.h"
-#include "../format/counting_env.h"
 #include "format/env.h"
 #include "ranks.h"
 #include "tiny.h"

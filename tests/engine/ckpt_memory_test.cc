@@ -17,8 +17,8 @@
 namespace uckpt::engine {
 namespace {
 
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 namespace fs = std::filesystem;
 
 // A GPT-2 of 2.9M parameters: its fp32 optimizer state (master, exp_avg,
@@ -100,7 +100,8 @@ TEST_P(CheckpointMemory, SyncSaveViewsHostStateAndResumeDropsFilePages) {
     // A synchronous save of a world of 1 adds no more than its file buffers.
     SaveCheckpointOptions sync;
     sync.async_save = false;
-    const int64_t save_extra = ExtraPeakBytes([&] { t.engine().SaveCheckpoint(root + "/again", "step1", c10::IValue(), sync); });
+    const int64_t save_extra =
+        ExtraPeakBytes([&] { t.engine().SaveCheckpoint(root + "/again", "step1", c10::IValue(), sync); });
     EXPECT_LT(save_extra, static_cast<int64_t>(file_bytes / 4 + (8 << 20)))
         << "the synchronous save's peak RSS rose by " << save_extra << " bytes; its state is " << file_bytes;
   });

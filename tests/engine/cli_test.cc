@@ -8,9 +8,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "cli/metrics_log.h"
 #include "fixture.h"
 #include "ranks.h"
-#include "cli/metrics_log.h"
 
 namespace uckpt::engine {
 namespace {
@@ -51,8 +51,8 @@ class Cli : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("uckpt_cli_" + std::to_string(getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    std::ofstream(dir_ / "ds.json")
-        << ReadFile(RefrunDir() + "/runs/z2_ws2_baseline/config.json", "ds_config_as_passed");
+    std::ofstream(dir_ / "ds.json") << ReadFile(RefrunDir() + "/runs/z2_ws2_baseline/config.json",
+                                                "ds_config_as_passed");
   }
   void TearDown() override { fs::remove_all(dir_); }
   static std::string ReadFile(const std::string& path, const std::string& key) {
@@ -61,15 +61,15 @@ class Cli : public ::testing::Test {
   std::string Train(const std::string& extra) const {
     return std::string(UCKPT_BIN) + " train --config " + (dir_ / "ds.json").string() +
            " --n_layer 2 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16 --init " + RefrunDir() +
-           "/init.pt --checkpoint_dir " + (dir_ / "ckpt").string() + " --log_dir " + (dir_ / "logs").string() +
-           " " + extra;
+           "/init.pt --checkpoint_dir " + (dir_ / "ckpt").string() + " --log_dir " + (dir_ / "logs").string() + " " +
+           extra;
   }
   fs::path dir_;
 };
 
 TEST_F(Cli, LaunchTrainResumeAndLogs) {
-  Result a = Shell(std::string(UCKPT_BIN) + " launch -n 2 --master_port 0 -- " +
-                 Train("--steps 4 --run_name r --timeout 60"));
+  Result a =
+      Shell(std::string(UCKPT_BIN) + " launch -n 2 --master_port 0 -- " + Train("--steps 4 --run_name r --timeout 60"));
   ASSERT_EQ(a.code, 0) << a.output;
   EXPECT_EQ(Slurp(dir_ / "ckpt" / "latest"), "global_step4");
   EXPECT_TRUE(fs::exists(dir_ / "ckpt" / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"));
@@ -78,7 +78,7 @@ TEST_F(Cli, LaunchTrainResumeAndLogs) {
   ASSERT_EQ(direct.code, 0) << direct.output;
   // Convert, then resume at world size 1 from the universal checkpoint.
   Result c = Shell(std::string(UCKPT_BIN) + " convert " + (dir_ / "ckpt" / "global_step4").string() + " " +
-                 (dir_ / "ckpt" / "global_step4_universal").string());
+                   (dir_ / "ckpt" / "global_step4_universal").string());
   ASSERT_EQ(c.code, 0) << c.output;
   Result b = Shell(Train("--steps 6 --run_name r --resume --universal_checkpoint --gradient_accumulation_steps 4"));
   ASSERT_EQ(b.code, 0) << b.output;
@@ -141,7 +141,7 @@ TEST_F(Cli, LaunchTrainResumeAndLogs) {
 
 TEST_F(Cli, LaunchStopsEveryRankWhenOneFails) {
   Result r = Shell(std::string(UCKPT_BIN) +
-                 " launch -n 3 --grace 2 -- sh -c 'if [ \"$RANK\" = 1 ]; then exit 7; fi; sleep 60'");
+                   " launch -n 3 --grace 2 -- sh -c 'if [ \"$RANK\" = 1 ]; then exit 7; fi; sleep 60'");
   EXPECT_EQ(r.code, 7) << r.output;
   EXPECT_LT(r.seconds, 20);
   EXPECT_NE(r.output.find("rank 1 exited with code 7"), std::string::npos) << r.output;
@@ -150,7 +150,7 @@ TEST_F(Cli, LaunchStopsEveryRankWhenOneFails) {
 TEST_F(Cli, MissingRankEndsWithAClearMessageNotAHang) {
   int port = uckpt::engine::testing::FreePort();
   Result r = Shell("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
-                 Train("--steps 2 --timeout 3"));
+                   Train("--steps 2 --timeout 3"));
   EXPECT_NE(r.code, 0);
   EXPECT_LT(r.seconds, 60);
   EXPECT_NE(r.output.find("rank 0 of 2"), std::string::npos) << r.output;

@@ -10,17 +10,17 @@
 #include <fstream>
 
 #include "ckpt/convert.h"
+#include "cli/trainer.h"
+#include "engine/torch_bridge.h"
 #include "fixture.h"
 #include "format/torch_file.h"
 #include "ranks.h"
-#include "engine/torch_bridge.h"
-#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {
 
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 namespace fs = std::filesystem;
 using testing::ReadJson;
@@ -73,9 +73,7 @@ void ExpectSameTree(const Value& a, const Value& b, const std::string& where, do
         ExpectSameTree(*a.state, *b.state, where + "(state)", atol, skip);
       }
       return;
-    default:
-      EXPECT_EQ(HashKey(a), HashKey(b)) << where;
-      EXPECT_EQ(a.s, b.s) << where;
+    default: EXPECT_EQ(HashKey(a), HashKey(b)) << where; EXPECT_EQ(a.s, b.s) << where;
   }
 }
 

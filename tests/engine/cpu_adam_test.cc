@@ -13,8 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <iterator>
-#include <thread>
 #include <limits>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -65,8 +65,7 @@ TEST_P(CpuAdam, FollowsTorchAdamWithinRounding) {
   EXPECT_GT((fused_state.master - fused_state.master.clone().zero_()).abs().max().item<double>(), 0.1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, CpuAdam,
-                         ::testing::Values(Case{true, 0.01}, Case{false, 0.01}, Case{true, 0.0}),
+INSTANTIATE_TEST_SUITE_P(Kinds, CpuAdam, ::testing::Values(Case{true, 0.01}, Case{false, 0.01}, Case{true, 0.0}),
                          [](const auto& info) {
                            return std::string(info.param.decoupled ? "AdamW" : "Adam") +
                                   (info.param.weight_decay != 0 ? "_decay" : "_nodecay");
@@ -124,8 +123,9 @@ TEST(CpuAdam, RangesCopyTheUpdatedWeightsAsToRoundsThem) {
       plain.master = at::randn({n}) * 100;
       // Values that round to nearest even, overflow fp16, are fp16 subnormals, inf and NaN.
       auto m = plain.master.accessor<float, 1>();
-      const float specials[] = {1.00390625f, 1.01171875f, -1.00048828125f, 70000.f, 1e-6f, -3e-7f,
-                                std::numeric_limits<float>::infinity(), 3.4e38f, std::nanf("")};
+      const float specials[] = {
+          1.00390625f, 1.01171875f,  -1.00048828125f, 70000.f, 1e-6f, -3e-7f, std::numeric_limits<float>::infinity(),
+          3.4e38f,     std::nanf("")};
       for (size_t i = 0; i < sizeof specials / sizeof specials[0]; ++i) m[static_cast<int64_t>(i) * 1001] = specials[i];
       ranged.master = plain.master.clone();
       at::Tensor grad = at::randn({n}) * 1e-2, g1 = grad.clone(), g2 = grad.clone();
@@ -139,20 +139,21 @@ TEST(CpuAdam, RangesCopyTheUpdatedWeightsAsToRoundsThem) {
       EXPECT_TRUE(at::equal(ranged.master.nan_to_num(0), plain.master.nan_to_num(0))) << dtype << " lr " << lr;
       EXPECT_TRUE(at::equal(ranged.exp_avg_sq, plain.exp_avg_sq));
       // The copies went into fresh tensors above; now into views of one tensor, to compare bits.
-      CpuAdamStep(ranged, g2.zero_(), 0.5, o, lr, range, [&](int64_t b, int64_t e) { return copies.narrow(0, b, e - b); },
-                  [](int64_t, int64_t) {});
+      CpuAdamStep(
+          ranged, g2.zero_(), 0.5, o, lr, range, [&](int64_t b, int64_t e) { return copies.narrow(0, b, e - b); },
+          [](int64_t, int64_t) {});
       CpuAdamStep(plain, g1.zero_(), 0.5, o, lr);
       const at::Tensor want = plain.master.to(dtype);
       const at::Tensor same = (copies.view(at::kShort) == want.view(at::kShort)) | (copies.isnan() & want.isnan());
-      EXPECT_TRUE(same.all().item<bool>()) << dtype << " lr " << lr << ": " << (~same).sum().item<int64_t>()
-                                           << " elements differ from .to()";
+      EXPECT_TRUE(same.all().item<bool>())
+          << dtype << " lr " << lr << ": " << (~same).sum().item<int64_t>() << " elements differ from .to()";
     }
   }
   PartitionState st;
   st.master = at::zeros({8});
   at::Tensor g = at::zeros({8});
-  EXPECT_THROW(CpuAdamStep(st, g, 1.0, o, 1e-3, 4, [](int64_t, int64_t) { return at::zeros({4}); },
-                           [](int64_t, int64_t) {}),
+  EXPECT_THROW(CpuAdamStep(
+                   st, g, 1.0, o, 1e-3, 4, [](int64_t, int64_t) { return at::zeros({4}); }, [](int64_t, int64_t) {}),
                std::invalid_argument);  // fp32 is not a copy's dtype
 }
 
@@ -215,9 +216,7 @@ TEST(CpuAdam, EqualsTheFormulaElementByElement) {
 // offloaded step runs ~30 ranged passes a step), and end with that thread.
 TEST(CpuAdam, PassesReuseTheirThreads) {
   namespace fs = std::filesystem;
-  auto threads_now = [] {
-    return std::distance(fs::directory_iterator("/proc/self/task"), fs::directory_iterator{});
-  };
+  auto threads_now = [] { return std::distance(fs::directory_iterator("/proc/self/task"), fs::directory_iterator{}); };
   OptimizerConfig o;
   PartitionState st;
   st.master = at::randn({1 << 21});  // 8 chunks
@@ -298,7 +297,8 @@ TEST(CpuAdam, APassOverPiecesIsTheWholeStep) {
     EXPECT_TRUE(at::equal(st.master, want.master)) << step;
     EXPECT_TRUE(at::equal(st.exp_avg_sq, want.exp_avg_sq)) << step;
     EXPECT_TRUE(at::equal(st.step, want.step)) << step;
-    EXPECT_TRUE(at::equal(weights.narrow(0, 300000, n - 300000), want.master.narrow(0, 300000, n - 300000).to(at::kBFloat16)));
+    EXPECT_TRUE(
+        at::equal(weights.narrow(0, 300000, n - 300000), want.master.narrow(0, 300000, n - 300000).to(at::kBFloat16)));
     EXPECT_TRUE(at::equal(weights.narrow(0, 0, 7), want.master.narrow(0, 0, 7).to(at::kBFloat16)));
   }
   const CpuAdamPass pass(st, g, 0.5, o, 1e-3);
@@ -329,8 +329,8 @@ TEST(CpuAdam, ModelDtypeGradientStepsAsItsFp32Copy) {
   for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
     for (bool ranged : {false, true}) {
       at::manual_seed(9);
-      at::Tensor grad = at::cat({at::arange(65536, at::kInt).to(at::kShort).view(dtype),
-                                 (at::randn({n - 65536}) * 1e-2).to(dtype)});
+      at::Tensor grad =
+          at::cat({at::arange(65536, at::kInt).to(at::kShort).view(dtype), (at::randn({n - 65536}) * 1e-2).to(dtype)});
       const at::Tensor before = grad.clone();
       PartitionState narrow, wide;
       narrow.master = at::randn({n});
@@ -340,10 +340,12 @@ TEST(CpuAdam, ModelDtypeGradientStepsAsItsFp32Copy) {
         const double lr = 1e-3 * step;
         if (ranged) {
           at::Tensor a = at::empty({n}, dtype), b = at::empty({n}, dtype);
-          CpuAdamStep(narrow, grad, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return a.narrow(0, s, e - s); },
-                      [](int64_t, int64_t) {});
-          CpuAdamStep(wide, g32, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return b.narrow(0, s, e - s); },
-                      [](int64_t, int64_t) {});
+          CpuAdamStep(
+              narrow, grad, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return a.narrow(0, s, e - s); },
+              [](int64_t, int64_t) {});
+          CpuAdamStep(
+              wide, g32, 0.5, o, lr, 70000, [&](int64_t s, int64_t e) { return b.narrow(0, s, e - s); },
+              [](int64_t, int64_t) {});
           EXPECT_TRUE(at::equal(a.view(at::kShort), b.view(at::kShort))) << dtype;
         } else {
           CpuAdamStep(narrow, grad, 0.5, o, lr);

@@ -3,12 +3,12 @@
 #include <filesystem>
 #include <fstream>
 
-#include "fixture.h"
-#include "format/error.h"
 #include "engine/config.h"
 #include "engine/data/data.h"
 #include "engine/loss_scaler.h"
 #include "engine/lr_schedule.h"
+#include "fixture.h"
+#include "format/error.h"
 
 namespace uckpt::engine {
 namespace {
@@ -85,8 +85,8 @@ TEST(Data, LlmCTokenFilesSkipTheirHeader) {
 }
 
 TEST(Config, FixtureConfigsAreAcceptedAsIs) {
-  for (auto run : {"z2_ws2_baseline", "z1_ws2_baseline", "z2_univ_ws4_resume", "z2_univ_ws1_resume",
-                   "z2_ws2_baseline_clip0.5"}) {
+  for (auto run :
+       {"z2_ws2_baseline", "z1_ws2_baseline", "z2_univ_ws4_resume", "z2_univ_ws1_resume", "z2_ws2_baseline_clip0.5"}) {
     auto spec = ReadJson(RefrunDir() + "/runs/" + run + "/config.json");
     TrainConfig c = ParseConfig(spec["ds_config_as_passed"], run);
     EXPECT_TRUE(c.warnings.empty()) << run << ": " << c.warnings.front();
@@ -99,8 +99,8 @@ TEST(Config, FixtureConfigsAreAcceptedAsIs) {
     EXPECT_EQ(c.scheduler.type, "WarmupLR");
     EXPECT_EQ(c.scheduler.warmup_type, "linear");
     EXPECT_EQ(c.scheduler.warmup_num_steps, 4);
-    auto b = ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu,
-                               c.gradient_accumulation_steps, spec["world_size"].get<int>());
+    auto b = ResolveBatchSizes(c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
+                               spec["world_size"].get<int>());
     EXPECT_EQ(b.train_batch_size, 8);
     EXPECT_EQ(b.gradient_accumulation_steps, spec["gradient_accumulation_steps"].get<int64_t>());
   }
@@ -130,7 +130,8 @@ TEST(Config, UnknownKeysWarnWrongTypesFail) {
   fails(R"({"zero_optimization": {"stage": 4}})", "stage 4");
   // offload_param below stage 3: ignored with a warning, as DeepSpeed 0.14.5 ignores it (issue 40).
   TrainConfig below3 = ParseConfig(nlohmann::json::parse(R"({"zero_optimization": {"stage": 2, "offload_param":
-      {"device": "cpu"}}})"), "cfg.json");
+      {"device": "cpu"}}})"),
+                                   "cfg.json");
   EXPECT_FALSE(below3.zero.offload_param_cpu);
   ASSERT_EQ(below3.warnings.size(), 1u);
   EXPECT_NE(below3.warnings[0].find("offload_param applies to stage 3 only"), std::string::npos) << below3.warnings[0];
@@ -140,7 +141,8 @@ TEST(Config, UnknownKeysWarnWrongTypesFail) {
   fails(R"({"train_micro_batch_size_per_gpu": "auto"})", "Hugging Face");
   fails(R"([1, 2])", "object");
   auto big = ParseConfig(nlohmann::json::parse(R"({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8,
-      "offload_optimizer": {"device": "cpu"}}})"), "x");
+      "offload_optimizer": {"device": "cpu"}}})"),
+                         "x");
   EXPECT_EQ(big.zero.reduce_bucket_size, 500000000);
   EXPECT_TRUE(big.zero.offload_optimizer_cpu);
 }
@@ -159,14 +161,22 @@ TEST(Config, AdamModeFollowsDeepSpeedForEveryCombination) {
     double default_weight_decay;
   };
   const Row rows[] = {
-      {"Adam", "", "", true, 0.0},           {"Adam", "", "true", true, 0.0},
-      {"Adam", "", "false", false, 0.0},     {"Adam", "false", "", true, 0.0},
-      {"Adam", "false", "false", false, 0.0}, {"Adam", "true", "", true, 0.01},
-      {"Adam", "true", "true", true, 0.01},  {"Adam", "true", "false", false, 0.0},
-      {"adam", "true", "", true, 0.01},      {"adam", "", "false", false, 0.0},
-      {"ADAM", "true", "false", false, 0.0}, {"AdamW", "", "", true, 0.0},
-      {"AdamW", "", "false", true, 0.0},     {"adamw", "true", "false", true, 0.01},
-      {"ADAMW", "false", "false", true, 0.0}, {"AdamW", "true", "", true, 0.01},
+      {"Adam", "", "", true, 0.0},
+      {"Adam", "", "true", true, 0.0},
+      {"Adam", "", "false", false, 0.0},
+      {"Adam", "false", "", true, 0.0},
+      {"Adam", "false", "false", false, 0.0},
+      {"Adam", "true", "", true, 0.01},
+      {"Adam", "true", "true", true, 0.01},
+      {"Adam", "true", "false", false, 0.0},
+      {"adam", "true", "", true, 0.01},
+      {"adam", "", "false", false, 0.0},
+      {"ADAM", "true", "false", false, 0.0},
+      {"AdamW", "", "", true, 0.0},
+      {"AdamW", "", "false", true, 0.0},
+      {"adamw", "true", "false", true, 0.01},
+      {"ADAMW", "false", "false", true, 0.0},
+      {"AdamW", "true", "", true, 0.01},
   };
   for (const Row& r : rows) {
     nlohmann::json params = nlohmann::json::object();
@@ -188,9 +198,8 @@ TEST(Config, AdamModeFollowsDeepSpeedForEveryCombination) {
 // optimizer constructors refuse the other implementation's keywords).
 TEST(Config, AdamKeywordsHonouredOrRefused) {
   auto adam = [](const char* params) {
-    return ParseConfig(nlohmann::json::parse(std::string(R"({"optimizer": {"type": "Adam", "params": )") + params +
-                                             "}}"),
-                       "cfg.json");
+    return ParseConfig(
+        nlohmann::json::parse(std::string(R"({"optimizer": {"type": "Adam", "params": )") + params + "}}"), "cfg.json");
   };
   EXPECT_TRUE(adam("{}").optimizer.bias_correction);
   EXPECT_FALSE(adam(R"({"bias_correction": false})").optimizer.bias_correction);
@@ -280,7 +289,8 @@ TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
     EXPECT_EQ(n, 1) << key;
   }
   EXPECT_TRUE(parse(R"({"tensorboard": {"enabled": false}, "wandb": {"project": "x"}, "wall_clock_breakdown": false,
-      "flops_profiler": {"enabled": false}, "comms_logger": {"enabled": false}})").warnings.empty());
+      "flops_profiler": {"enabled": false}, "comms_logger": {"enabled": false}})")
+                  .warnings.empty());
 }
 
 // DeepSpeed 0.14.5's ZeRO optimizers: get_dynamic_loss_scale_args gives None unless
@@ -301,8 +311,10 @@ TEST(Config, Fp16LossScalerStartsAsDeepSpeedsZeroOptimizers) {
     EXPECT_EQ(s.min_scale, 1.0) << none;
   }
   for (const char* key : {"initial_scale_power", "loss_scale_window", "min_loss_scale", "hysteresis"}) {
-    const std::string value = std::string(key) == "initial_scale_power" ? "16" : std::string(key) == "hysteresis" ? "2"
-                              : std::string(key) == "loss_scale_window" ? "1000" : "1";
+    const std::string value = std::string(key) == "initial_scale_power" ? "16"
+                              : std::string(key) == "hysteresis"        ? "2"
+                              : std::string(key) == "loss_scale_window" ? "1000"
+                                                                        : "1";
     const LossScaler s = scaler(std::string(R"({"enabled": true, ")") + key + "\": " + value + "}");
     EXPECT_EQ(s.cur_scale, 65536.0) << key;
     EXPECT_EQ(s.delayed_shift, 2) << key;
@@ -311,7 +323,8 @@ TEST(Config, Fp16LossScalerStartsAsDeepSpeedsZeroOptimizers) {
   const LossScaler c = scaler(R"({"enabled": true, "consecutive_hysteresis": false})");
   EXPECT_EQ(c.cur_scale, 65536.0);
   EXPECT_EQ(c.delayed_shift, 2);
-  const LossScaler w = scaler(R"({"enabled": true, "initial_scale_power": 12, "hysteresis": 3, "loss_scale_window": 50})");
+  const LossScaler w =
+      scaler(R"({"enabled": true, "initial_scale_power": 12, "hysteresis": 3, "loss_scale_window": 50})");
   EXPECT_EQ(w.cur_scale, 4096.0);
   EXPECT_EQ(w.delayed_shift, 3);
   EXPECT_EQ(w.scale_window, 50);
@@ -344,7 +357,8 @@ TEST(Config, Fp16OptimizerLossScaleAtStage0) {
 
   // Window 2, hysteresis 2 (ignored): overflow at iteration 0 halves at once.
   LossScaler s = LossScaler::ForFp16Optimizer(
-      fp16(R"({"enabled": true, "initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 4})"),
+      fp16(
+          R"({"enabled": true, "initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 4})"),
       true);
   EXPECT_EQ(s.cur_scale, 16.0);
   s.Update(true);  // iter 0

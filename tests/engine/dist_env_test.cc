@@ -29,12 +29,30 @@ class LauncherEnv {
   }
 
  private:
-  static constexpr const char* kNames[] = {
-      "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
-      "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-      "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
-      "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMIX_RANK", "SLURM_PROCID",
-      "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_NUM_NODES", "SLURM_NTASKS"};
+  static constexpr const char* kNames[] = {"RANK",
+                                           "WORLD_SIZE",
+                                           "LOCAL_RANK",
+                                           "MASTER_ADDR",
+                                           "MASTER_PORT",
+                                           "TORCHELASTIC_USE_AGENT_STORE",
+                                           "OMPI_COMM_WORLD_RANK",
+                                           "OMPI_COMM_WORLD_SIZE",
+                                           "OMPI_COMM_WORLD_LOCAL_RANK",
+                                           "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                           "MV2_COMM_WORLD_RANK",
+                                           "MV2_COMM_WORLD_SIZE",
+                                           "MV2_COMM_WORLD_LOCAL_RANK",
+                                           "MV2_COMM_WORLD_LOCAL_SIZE",
+                                           "PMI_RANK",
+                                           "PMI_SIZE",
+                                           "MPI_LOCALRANKID",
+                                           "MPI_LOCALNRANKS",
+                                           "PMIX_RANK",
+                                           "SLURM_PROCID",
+                                           "SLURM_STEP_NUM_TASKS",
+                                           "SLURM_LOCALID",
+                                           "SLURM_STEP_NUM_NODES",
+                                           "SLURM_NTASKS"};
   std::map<std::string, std::string> saved_;
 };
 
@@ -54,8 +72,13 @@ TEST(DistEnv, NoLauncherIsOneProcess) {
 }
 
 TEST(DistEnv, TorchrunVariables) {
-  LauncherEnv env({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"MASTER_ADDR", "10.0.0.2"},
-                   {"MASTER_PORT", "1234"}, {"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "8"}});
+  LauncherEnv env({{"RANK", "1"},
+                   {"WORLD_SIZE", "4"},
+                   {"LOCAL_RANK", "1"},
+                   {"MASTER_ADDR", "10.0.0.2"},
+                   {"MASTER_PORT", "1234"},
+                   {"OMPI_COMM_WORLD_RANK", "3"},
+                   {"OMPI_COMM_WORLD_SIZE", "8"}});
   auto e = DistEnv::FromEnvironment(true, 29600);
   ASSERT_TRUE(e);
   EXPECT_EQ(e->rank, 1);
@@ -66,8 +89,11 @@ TEST(DistEnv, TorchrunVariables) {
 }
 
 TEST(DistEnv, OpenMpiOnOneHost) {
-  LauncherEnv env({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
-                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"MASTER_PORT", "1"}});
+  LauncherEnv env({{"OMPI_COMM_WORLD_RANK", "1"},
+                   {"OMPI_COMM_WORLD_SIZE", "2"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                   {"MASTER_PORT", "1"}});
   auto e = DistEnv::FromEnvironment(true, 29600);
   ASSERT_TRUE(e);
   EXPECT_EQ(e->launcher, "Open MPI");
@@ -79,7 +105,8 @@ TEST(DistEnv, OpenMpiOnOneHost) {
 }
 
 TEST(DistEnv, MpiOverSeveralHostsNeedsMasterAddr) {
-  const std::map<std::string, std::string> two_hosts = {{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+  const std::map<std::string, std::string> two_hosts = {{"OMPI_COMM_WORLD_RANK", "2"},
+                                                        {"OMPI_COMM_WORLD_SIZE", "4"},
                                                         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
                                                         {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
   EXPECT_NE(Refusal(two_hosts).find("MASTER_ADDR is not set"), std::string::npos) << Refusal(two_hosts);
@@ -102,7 +129,9 @@ TEST(DistEnv, MpichAndMvapich) {
     EXPECT_EQ(e->local_rank, 3);
   }
   {
-    LauncherEnv env({{"MV2_COMM_WORLD_RANK", "0"}, {"MV2_COMM_WORLD_SIZE", "2"}, {"MV2_COMM_WORLD_LOCAL_RANK", "0"},
+    LauncherEnv env({{"MV2_COMM_WORLD_RANK", "0"},
+                     {"MV2_COMM_WORLD_SIZE", "2"},
+                     {"MV2_COMM_WORLD_LOCAL_RANK", "0"},
                      {"MV2_COMM_WORLD_LOCAL_SIZE", "2"}});
     auto e = DistEnv::FromEnvironment();
     ASSERT_TRUE(e);
@@ -115,8 +144,11 @@ TEST(DistEnv, MpichAndMvapich) {
 
 TEST(DistEnv, SlurmStepAndBatchScript) {
   {
-    LauncherEnv env({{"SLURM_PROCID", "1"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_NTASKS", "2"},
-                     {"SLURM_LOCALID", "1"}, {"SLURM_STEP_NUM_NODES", "1"}});
+    LauncherEnv env({{"SLURM_PROCID", "1"},
+                     {"SLURM_STEP_NUM_TASKS", "2"},
+                     {"SLURM_NTASKS", "2"},
+                     {"SLURM_LOCALID", "1"},
+                     {"SLURM_STEP_NUM_NODES", "1"}});
     auto e = DistEnv::FromEnvironment();
     ASSERT_TRUE(e);
     EXPECT_EQ(e->launcher, "Slurm");
@@ -124,15 +156,16 @@ TEST(DistEnv, SlurmStepAndBatchScript) {
     EXPECT_EQ(e->local_rank, 1);
     EXPECT_EQ(e->master_addr, "127.0.0.1");
   }
-  EXPECT_NE(Refusal({{"SLURM_PROCID", "1"}, {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_LOCALID", "1"},
-                     {"SLURM_STEP_NUM_NODES", "2"}}).find("scontrol show hostnames"),
-            std::string::npos);
+  EXPECT_NE(
+      Refusal(
+          {{"SLURM_PROCID", "1"}, {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_LOCALID", "1"}, {"SLURM_STEP_NUM_NODES", "2"}})
+          .find("scontrol show hostnames"),
+      std::string::npos);
   EXPECT_NE(Refusal({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}).find("not started by srun"), std::string::npos);
 }
 
 TEST(DistEnv, HalfSeenLaunchersAreRefused) {
-  EXPECT_NE(Refusal({{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}).find("RANK"),
-            std::string::npos);
+  EXPECT_NE(Refusal({{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}).find("RANK"), std::string::npos);
   EXPECT_NE(Refusal({{"RANK", "1"}}).find("WORLD_SIZE is not set"), std::string::npos);
   EXPECT_NE(Refusal({{"OMPI_COMM_WORLD_RANK", "1"}}).find("OMPI_COMM_WORLD_SIZE"), std::string::npos);
   EXPECT_NE(Refusal({{"PMIX_RANK", "1"}}).find("PMIX_RANK"), std::string::npos);
@@ -153,8 +186,7 @@ TEST(AgreeOnCheckpointPlace, RanksUseRank0sFolderAndTagAndTheOthersWarn) {
     EXPECT_EQ(p.dir, "/runs/exp_0");
     EXPECT_EQ(p.tag, "");
   }
-  EXPECT_NE(err.find("rank 1 was given folder '/runs/exp_1' tag 't1', rank 0 folder '/runs/exp_0'"),
-            std::string::npos)
+  EXPECT_NE(err.find("rank 1 was given folder '/runs/exp_1' tag 't1', rank 0 folder '/runs/exp_0'"), std::string::npos)
       << err;
   EXPECT_EQ(err.find("rank 0 was given"), std::string::npos) << err;
 }

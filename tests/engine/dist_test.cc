@@ -6,20 +6,20 @@
 #include <filesystem>
 #include <mutex>
 
+#include "cli/init_weights.h"
+#include "cli/trainer.h"
+#include "engine/torch_bridge.h"
 #include "fixture.h"
 #include "format/torch_file.h"
 #include "ranks.h"
-#include "engine/torch_bridge.h"
-#include "cli/trainer.h"
-#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {
 
 using cli::LoadStateDictFile;
 using cli::StepMetrics;
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 using testing::ReadJson;
 using testing::RefrunDir;
@@ -157,7 +157,8 @@ TEST(Distributed, ZeroCheckpointOfAnotherWorldSizeLoadsLikeItsUniversal) {
     Trainer universal(comm, RunOptions("z2_univ_ws4_resume"));
     universal.LoadCheckpoint(RefrunDir() + "/ckpt", "global_step6_universal", true);
     const PartitionState &a = testing::ZeroOf(direct).state(), &b = testing::ZeroOf(universal).state();
-    EXPECT_TRUE(at::equal(a.master, b.master) && at::equal(a.exp_avg, b.exp_avg) && at::equal(a.exp_avg_sq, b.exp_avg_sq))
+    EXPECT_TRUE(at::equal(a.master, b.master) && at::equal(a.exp_avg, b.exp_avg) &&
+                at::equal(a.exp_avg_sq, b.exp_avg_sq))
         << "rank " << comm.rank();
     EXPECT_EQ(direct.counters().global_steps, 6);
   });

@@ -5,8 +5,8 @@
 // files (bit-identical losses) and at every other size through `uckpt
 // convert` (within 1e-6 relative); client_state, frozen parameter and buffer
 // come back; `uckpt verify` passes and `uckpt export` gives the weights.
-#include <gtest/gtest.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <unistd.h>
@@ -66,7 +66,8 @@ Config TestConfig(int stage) {
     "train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 3}},
-    "zero_optimization": {"stage": )" + std::to_string(stage) + "}}"),
+    "zero_optimization": {"stage": )" + std::to_string(stage) +
+                                                "}}"),
                           "test config");
 }
 
@@ -219,7 +220,8 @@ TEST_P(EngineApi, SaveResumeAnySizeWithClientStateFrozenAndBuffers) {
       EXPECT_TRUE(again.net->scale.equal(frozen0)) << "frozen parameter not restored";
       EXPECT_TRUE(again.net->shift.equal(shift)) << "buffer not restored";
       std::vector<double> resumed = Train(again, 6);
-      if (comm.rank() == 0) ExpectNear(resumed, {first.begin() + 3, first.end()}, 0, "same size w=" + std::to_string(w));
+      if (comm.rank() == 0)
+        ExpectNear(resumed, {first.begin() + 3, first.end()}, 0, "same size w=" + std::to_string(w));
     });
     const std::string tag = dir + "/global_step3";
     ckpt::VerifyReport v = ckpt::VerifyCheckpoint(tag);
@@ -272,7 +274,7 @@ TEST(EngineApiErrors, ParamGroupsNameTheParameter) {
     EngineOptions o;
     o.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
     o.param_groups = {ParamGroup{{net->wte}}};  // the biases are in no group
-    {  // stages 0-2: never updated, as DeepSpeed leaves them
+    {                                           // stages 0-2: never updated, as DeepSpeed leaves them
       auto other = std::make_shared<TestNet>(1);
       o.param_groups = {ParamGroup{{other->wte}}};
       Engine e(other, TestConfig(2), o);
@@ -283,7 +285,8 @@ TEST(EngineApiErrors, ParamGroupsNameTheParameter) {
       Engine e(net, TestConfig(3), o);  // stage 3 refuses them
       FAIL() << "expected an error";
     } catch (const std::invalid_argument& ex) {
-      EXPECT_NE(std::string(ex.what()).find("trainable parameter fc.weight is in no param group"), std::string::npos) << ex.what();
+      EXPECT_NE(std::string(ex.what()).find("trainable parameter fc.weight is in no param group"), std::string::npos)
+          << ex.what();
     }
     o.param_groups = {ParamGroup{{net->wte, net->fc_w, net->proj_w, net->fc_b, net->head_b, net->scale}}};
     EXPECT_THROW(Engine(net, TestConfig(2), o), std::invalid_argument);  // frozen in a group

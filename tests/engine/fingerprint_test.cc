@@ -24,19 +24,18 @@
 namespace uckpt::engine {
 namespace {
 
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 namespace fs = std::filesystem;
 using testing::RunRanks;
 
 TrainOptions Tiny(int stage, int world, bool bf16 = false) {
-  nlohmann::json ds = {
-      {"train_batch_size", 12},
-      {"gradient_accumulation_steps", 12 % (world * 2) == 0 ? 2 : 1},
-      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}, {"weight_decay", 0.1}}}}},
-      {"zero_optimization", {{"stage", stage}}},
-      {"bf16", {{"enabled", bf16}}}};
+  nlohmann::json ds = {{"train_batch_size", 12},
+                       {"gradient_accumulation_steps", 12 % (world * 2) == 0 ? 2 : 1},
+                       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}, {"weight_decay", 0.1}}}}},
+                       {"zero_optimization", {{"stage", stage}}},
+                       {"bf16", {{"enabled", bf16}}}};
   if (stage == 3) ds["zero_optimization"]["sub_group_size"] = 300;
   TrainOptions o = testing::TinyGpt2(ds);
   o.seed = 7;
@@ -71,8 +70,8 @@ TEST(StateFingerprint, OnACudaDeviceEqualsTheHostFunction) {
   for (int64_t off : {int64_t{0}, int64_t{3}, int64_t{65537}}) {
     const at::Tensor v = t.narrow(0, off, t.numel() - off);
     EXPECT_EQ(FingerprintTensor(v.cuda(), seed, off + 9), FingerprintTensor(v, seed, off + 9)) << off;
-    EXPECT_EQ(FingerprintTensor(t.cuda().narrow(0, off, t.numel() - off), seed, off),
-              FingerprintTensor(v, seed, off)) << off;
+    EXPECT_EQ(FingerprintTensor(t.cuda().narrow(0, off, t.numel() - off), seed, off), FingerprintTensor(v, seed, off))
+        << off;
   }
 }
 

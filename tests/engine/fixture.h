@@ -7,17 +7,17 @@
 #include <fstream>
 #include <string>
 
+#include "cli/trainer.h"
 #include "engine/config.h"
 #include "engine/engine_access.h"
 #include "engine/engine_impl.h"
 #include "engine/flat_runtime.h"
 #include "models/gpt2.h"
-#include "cli/trainer.h"
 
 namespace uckpt::engine::testing {
 
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 inline std::string RefrunDir() { return UCKPT_REFRUN; }
 

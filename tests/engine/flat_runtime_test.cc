@@ -5,11 +5,11 @@
 
 #include <torch/autograd.h>
 
-#include "uckpt/comm.h"
 #include "engine/cpu_adam.h"
 #include "engine/flat_runtime.h"
 #include "engine/grad_numerics.h"
 #include "engine/host_grad_copy.h"
+#include "uckpt/comm.h"
 
 namespace uckpt::engine {
 namespace {
@@ -137,7 +137,6 @@ TEST(FlatRuntime, OffloadedStagesOneAndTwoStepWithTheFusedHostAdam) {
   }
 }
 
-
 // sum(p * x) whose backward accumulates p's gradient by a backward of its own
 // (reentrant, as activation checkpointing's recomputation does): a parameter
 // also used outside it has its gradient accumulated twice in one backward.
@@ -248,7 +247,8 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
             const at::Device measured = stage == 1 || ga == 1 ? device : at::Device(at::kCPU);
             const at::Tensor norms = PieceNorms(sum.to(measured), pieces, measured, int64_t{1} << 25);
             bool finite = false;
-            const at::Tensor norm = GlobalGradNorm({GroupGradNormStacked(*comm, norms, at::kFloat, measured, false)}, &finite);
+            const at::Tensor norm =
+                GlobalGradNorm({GroupGradNormStacked(*comm, norms, at::kFloat, measured, false)}, &finite);
             ASSERT_TRUE(finite);
             EXPECT_EQ(r.grad_norm, static_cast<float>(norm.item<float>() / r.loss_scale)) << where << " step " << step;
             const UnscaleAndClip unscale(norm, r.loss_scale, s.gradient_clipping);
@@ -265,7 +265,6 @@ TEST(FlatRuntime, OffloadAtOneRankCopiesGradientsDuringBackwardAndStepsAsFromFp3
               << where;
         }
 }
-
 
 // Stage 2, offload_optimizer, bf16: the one-rank offload's host copy.
 ZeroSettings OffloadedBf16Settings() {

@@ -89,16 +89,12 @@ class ScopedVar {
  public:
   ScopedVar(const char* name, std::optional<std::string> value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old;
-    if (value)
-      setenv(name, value->c_str(), 1);
-    else
-      unsetenv(name);
+    if (value) setenv(name, value->c_str(), 1);
+    else unsetenv(name);
   }
   ~ScopedVar() {
-    if (old_)
-      setenv(name_, old_->c_str(), 1);
-    else
-      unsetenv(name_);
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
   }
 
  private:
@@ -136,7 +132,7 @@ TEST(HostThreads, InputsFromTheEnvironment) {
     ScopedVar cores("UCKPT_HOST_CORES", "8"), ls("LOCAL_SIZE", "3"), omp("OMP_NUM_THREADS", " 4,2");
     HostThreadInputs in = HostThreadInputsFromProcess(0, "", "");
     EXPECT_EQ(in.cores, 8);
-    EXPECT_EQ(in.local_ranks, 3);  // DeepSpeed's launcher's name
+    EXPECT_EQ(in.local_ranks, 3);      // DeepSpeed's launcher's name
     EXPECT_EQ(in.omp_num_threads, 4);  // the outer level of a nested list
     ScopedVar lws("LOCAL_WORLD_SIZE", "2");
     EXPECT_EQ(HostThreadInputsFromProcess(0, "", "").local_ranks, 2);  // torchrun's wins

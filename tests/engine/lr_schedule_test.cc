@@ -82,7 +82,7 @@ TEST(LrScheduleValues, LRRangeTest) {
   LrSchedule s(c, 0.3);
   s.set_group_lrs({0.3, 0.2});
   EXPECT_EQ(s.current_lrs(), (std::vector<double>{0.01, 0.01}));  // not the optimizer's 0.3
-  s.Step();  // iteration 0: 0.01 * (1 + 0.5 * 1/4)
+  s.Step();                                                       // iteration 0: 0.01 * (1 + 0.5 * 1/4)
   EXPECT_DOUBLE_EQ(s.current_lr(1), 0.01125);
   s.Step(7);  // 0.01 * (1 + 0.5 * 2)
   EXPECT_DOUBLE_EQ(s.current_lr(0), 0.02);
@@ -122,7 +122,7 @@ TEST(LrScheduleValues, OneCycle) {
   s.Step(6);  // x = 0.7: (0.7 - 1) / (0.4 - 1) = 0.5
   EXPECT_DOUBLE_EQ(s.current_lr(), 0.55);
   EXPECT_DOUBLE_EQ(s.LrAt(9), 0.1);  // x = 0 of the next cycle
-  s.Step(10);  // decay: d = 1, interval 0.5
+  s.Step(10);                        // decay: d = 1, interval 0.5
   EXPECT_DOUBLE_EQ(s.current_lr(), 0.1 / 1.25);
   EXPECT_DOUBLE_EQ(s.current_betas()->first, 0.9 * 1.05);
   EXPECT_DOUBLE_EQ(s.LrAt(13), 0.1 / 2.0);  // d = 4

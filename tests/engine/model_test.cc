@@ -3,12 +3,12 @@
 
 #include <cmath>
 
+#include "cli/init_weights.h"
+#include "engine/data/data.h"
 #include "fixture.h"
 #include "format/error.h"
-#include "engine/data/data.h"
 #include "models/gpt2.h"
 #include "models/next_token_loss.h"
-#include "cli/init_weights.h"
 
 namespace uckpt::models {
 namespace {
@@ -22,7 +22,8 @@ using engine::testing::RefrunModel;
 struct Model {
   at::Tensor flat;
   std::vector<NamedTensor> params;
-  explicit Model(const Gpt2Config& cfg) : flat(at::zeros({Gpt2NumParameters(cfg)})), params(Gpt2ParametersIn(cfg, flat)) {}
+  explicit Model(const Gpt2Config& cfg)
+      : flat(at::zeros({Gpt2NumParameters(cfg)})), params(Gpt2ParametersIn(cfg, flat)) {}
 };
 
 at::Tensor GlobalBatch(const nlohmann::json& rows) {
@@ -136,8 +137,8 @@ TEST(NextTokenLoss, EqualsHfLossAndGradientForEveryChunking) {
     EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-6 * ref.item<double>()) << "chunk " << chunk;
     (loss * 2).backward();  // the incoming gradient scales the result
     // cross_entropy's own backward, chunk by chunk: the same bits.
-    EXPECT_TRUE(at::equal(in.grad(), ref_in.grad() * 2)) << "chunk " << chunk << ": max diff "
-        << (in.grad() - ref_in.grad() * 2).abs().max().item<double>();
+    EXPECT_TRUE(at::equal(in.grad(), ref_in.grad() * 2))
+        << "chunk " << chunk << ": max diff " << (in.grad() - ref_in.grad() * 2).abs().max().item<double>();
     EXPECT_EQ(in.grad().narrow(1, T - 1, 1).abs().max().item<double>(), 0.0);
   }
   // bf16 logits: the loss is still computed in fp32, the gradient comes back in bf16.

@@ -5,18 +5,18 @@
 #include <map>
 #include <mutex>
 
-#include "fixture.h"
-#include "ranks.h"
+#include "cli/trainer.h"
 #include "engine/host_grad_copy.h"
 #include "engine/overlap_reducer.h"
-#include "cli/trainer.h"
+#include "fixture.h"
+#include "ranks.h"
 
 namespace uckpt::engine {
 namespace {
 
 using cli::StepMetrics;
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 struct OverlapRun {
   std::map<int64_t, double> losses;
@@ -59,7 +59,6 @@ TEST(OverlapComm, SameLossesAsReduceScatterAfterBackward) {
     EXPECT_EQ(overlapped.started_during_backward, overlapped.buckets * micro_steps) << world;
   }
 }
-
 
 // offload_optimizer at one rank through the engine (GPT-2, GA 4): the
 // gradients go to the host during backward, in each backward at stage 2 and

@@ -51,7 +51,8 @@ struct Job {
             if (*down) throw std::runtime_error("Connection refused");
             return c10::make_intrusive<SwitchableStore>(store, down);
           },
-          r, world, hs, "test-store", [this, r](const std::string& m) {
+          r, world, hs, "test-store",
+          [this, r](const std::string& m) {
             std::lock_guard<std::mutex> lock(mu);
             exits[r] = m;
           }));
@@ -120,8 +121,9 @@ TEST(RankMonitor, AbandonNamesTheRankAtOnce) {
   double s = job.AwaitExits({0, 2});
   EXPECT_LT(s, 1.0);
   for (int r : {0, 2})
-    EXPECT_NE(job.Exit(r).find("rank 1 failed: cannot open ckpt/global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt;"),
-              std::string::npos)
+    EXPECT_NE(
+        job.Exit(r).find("rank 1 failed: cannot open ckpt/global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt;"),
+        std::string::npos)
         << job.Exit(r);
   EXPECT_EQ(job.Exit(1), "");  // it reports its own error itself
 }

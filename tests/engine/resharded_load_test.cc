@@ -11,21 +11,21 @@
 #include "ckpt/convert.h"
 #include "ckpt/partition.h"
 #include "ckpt/zero_checkpoint.h"
+#include "cli/trainer.h"
 #include "engine/engine_access.h"
 #include "engine/engine_impl.h"
 #include "engine/zero3_runtime.h"
-#include "format/error.h"
 #include "fixture.h"
+#include "format/error.h"
 #include "ranks.h"
 #include "tiny.h"
-#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {
 
 using cli::StepMetrics;
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 namespace fs = std::filesystem;
 using testing::RunRanks;
@@ -40,7 +40,8 @@ TrainOptions TinyOptions(int stage, bool bf16, int world) {
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}, {"weight_decay", 0.1}}}}},
       {"scheduler",
        {{"type", "WarmupLR"},
-        {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 3}, {"warmup_type", "linear"}}}}},
+        {"params",
+         {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 3}, {"warmup_type", "linear"}}}}},
       {"zero_optimization", {{"stage", stage}}},
       {"bf16", {{"enabled", bf16}}}};
   if (stage == 3) ds["zero_optimization"]["sub_group_size"] = 300;
@@ -212,8 +213,8 @@ TEST(ReshardedResume, DeepSpeedRefrunZero3CheckpointEqualsItsUniversal) {
         ds["gradient_accumulation_steps"] = 1;
         ds["zero_optimization"]["stage"] = stage;
         if (offload) ds["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
-        const std::string what =
-            "stage " + std::to_string(stage) + (offload ? " offload" : "") + " 2->" + std::to_string(m) + " rank " + std::to_string(comm.rank());
+        const std::string what = "stage " + std::to_string(stage) + (offload ? " offload" : "") + " 2->" +
+                                 std::to_string(m) + " rank " + std::to_string(comm.rank());
         Trainer converted(comm, testing::RefrunOptions(ds, "z3"));
         converted.LoadCheckpoint(ckpt, "global_step6_universal", true);
         Trainer direct(comm, testing::RefrunOptions(ds, "z3"));
@@ -284,7 +285,8 @@ TEST(ReshardedResume, WithoutOptimizerStatesLoadsTheMastersOnly) {
     co.durable = false;
     ckpt::ConvertToUniversal(dir + "/global_step1", dir + "/global_step1_universal", co);
     RunRanks(3, [&](Comm& comm) {
-      const std::string what = std::to_string(from) + "->" + std::to_string(to) + " rank " + std::to_string(comm.rank());
+      const std::string what =
+          std::to_string(from) + "->" + std::to_string(to) + " rank " + std::to_string(comm.rank());
       LoadCheckpointOptions lo;
       lo.load_optimizer_states = false;
       Trainer direct(comm, TinyOptions(to, false, 3));
@@ -293,7 +295,8 @@ TEST(ReshardedResume, WithoutOptimizerStatesLoadsTheMastersOnly) {
       Trainer converted(comm, TinyOptions(to, false, 3));
       converted.engine().LoadCheckpoint(dir, "global_step1_universal", lo);
       ExpectSameState(converted, direct, what);
-      const PartitionState& st = Zero3Of(direct) ? Zero3Of(direct)->sub_groups()[0].state : testing::ZeroOf(direct).state();
+      const PartitionState& st =
+          Zero3Of(direct) ? Zero3Of(direct)->sub_groups()[0].state : testing::ZeroOf(direct).state();
       EXPECT_FALSE(st.exp_avg.defined()) << what;
       EXPECT_EQ(direct.engine().stats().last_load().optimizer_bytes_read, PartitionBytes(direct) / 3) << what;
     });

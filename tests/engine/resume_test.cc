@@ -10,6 +10,8 @@
 #include "ckpt/convert.h"
 #include "ckpt/manifest.h"
 #include "ckpt/verify.h"
+#include "cli/trainer.h"
+#include "engine/checkpoint.h"
 #include "fixture.h"
 #include "format/env.h"
 #include "format/error.h"
@@ -18,16 +20,14 @@
 #include "format/zip.h"
 #include "ranks.h"
 #include "tiny.h"
-#include "engine/checkpoint.h"
-#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {
 
 using cli::Counters;
 using cli::StepMetrics;
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 namespace fs = std::filesystem;
 using testing::RunRanks;
@@ -51,7 +51,8 @@ TrainOptions TinyOptions(int stage, bool bf16, int64_t ga, int64_t gb = 12) {
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}, {"weight_decay", 0.1}}}}},
       {"scheduler",
        {{"type", "WarmupLR"},
-        {"params", {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 3}, {"warmup_type", "linear"}}}}},
+        {"params",
+         {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 3}, {"warmup_type", "linear"}}}}},
       {"zero_optimization", {{"stage", stage}}},
       {"bf16", {{"enabled", bf16}}}};
   TrainOptions o;
@@ -378,7 +379,7 @@ TEST(Resume, ConfigHparamsWinUnlessKeepSavedHparams) {
         t.LoadCheckpoint(dir, "", universal);
         ExpectHparams(testing::ZeroOf(t).optimizer_config(), keep ? saved : config, what + ", scheduled");
         EXPECT_DOUBLE_EQ(t.TrainStep().lr, keep ? 0.01 : 0.001) << what;  // WarmupLR at iteration 0
-        EXPECT_DOUBLE_EQ(t.TrainStep().lr, 0.001 + 0.019 / 4) << what;   // iteration 1, either way
+        EXPECT_DOUBLE_EQ(t.TrainStep().lr, 0.001 + 0.019 / 4) << what;    // iteration 1, either way
       });
     }
   }
@@ -480,8 +481,9 @@ TEST(Resume, ChecksTheManifest) {
 
   fs::resize_file(victim, size - 1);
   for (const std::string& e : resume(false))
-    EXPECT_NE(e.find(victim + ": size " + std::to_string(size - 1) + " bytes, the manifest says " + std::to_string(size)),
-              std::string::npos)
+    EXPECT_NE(
+        e.find(victim + ": size " + std::to_string(size - 1) + " bytes, the manifest says " + std::to_string(size)),
+        std::string::npos)
         << e;
   fs::remove_all(dir);
 }

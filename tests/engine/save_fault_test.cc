@@ -14,18 +14,18 @@
 #include <sstream>
 
 #include "ckpt/manifest.h"
+#include "cli/trainer.h"
+#include "engine/checkpoint.h"
 #include "format/error.h"
 #include "format/fault_env.h"
 #include "ranks.h"
 #include "tiny.h"
-#include "engine/checkpoint.h"
-#include "cli/trainer.h"
 
 namespace uckpt::engine {
 namespace {
 
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 namespace fs = std::filesystem;
 using testing::RunRanks;
@@ -54,8 +54,9 @@ class SaveUnderFault : public ::testing::TestWithParam<bool> {};
 
 TEST_P(SaveUnderFault, PreviousCheckpointAndLatestSurvive) {
   const bool async = GetParam();
-  const std::string dir = (fs::temp_directory_path() / ("uckpt_save_fault_" + std::to_string(::getpid()) +
-                                                        (async ? "_async" : ""))).string();
+  const std::string dir =
+      (fs::temp_directory_path() / ("uckpt_save_fault_" + std::to_string(::getpid()) + (async ? "_async" : "")))
+          .string();
   fs::remove_all(dir);
   std::vector<SaveFault> faults = {
       {"prepare_mkdir", IoOp::kCreateDir, ".global_step2.uckpt-tmp", EACCES},

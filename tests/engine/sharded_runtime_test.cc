@@ -5,8 +5,8 @@
 #include <cmath>
 #include <limits>
 
-#include "engine/grad_numerics.h"
 #include "engine/flat_runtime.h"
+#include "engine/grad_numerics.h"
 #include "engine/zero3_runtime.h"
 #include "uckpt/comm.h"
 
@@ -17,7 +17,8 @@ TEST(ShardedRuntime, FlatSlotsAreTheGroupsPartitions) {
   auto comm = MakeSingleProcessComm();
   ZeroSettings s;
   s.stage = 2;
-  std::vector<GroupSpec> specs = {{{3, 5}, s.optimizer, {"a.w", "a.b"}, {{3}, {5}}}, {{4}, s.optimizer, {"b"}, {{2, 2}}}};
+  std::vector<GroupSpec> specs = {{{3, 5}, s.optimizer, {"a.w", "a.b"}, {{3}, {5}}},
+                                  {{4}, s.optimizer, {"b"}, {{2, 2}}}};
   FlatRuntime z(*comm, specs, s);
   ShardedRuntime& r = z;
   const std::vector<PartitionSlot> slots = r.Slots();
@@ -115,7 +116,8 @@ TEST(ShardedRuntime, Stage3ReducedGradientsArriveInPiecesAtTheirPlaces) {
   for (int64_t piece : {1, 3, 4, 7}) {
     const std::vector<at::Tensor> pieces = grads_after_backward(piece);
     ASSERT_EQ(pieces.size(), whole.size());
-    for (size_t g = 0; g < whole.size(); ++g) EXPECT_TRUE(at::equal(pieces[g], whole[g])) << "piece " << piece << " sub-group " << g;
+    for (size_t g = 0; g < whole.size(); ++g)
+      EXPECT_TRUE(at::equal(pieces[g], whole[g])) << "piece " << piece << " sub-group " << g;
   }
 }
 

@@ -3,18 +3,18 @@
 
 #include <cmath>
 
+#include "cli/init_weights.h"
+#include "cli/trainer.h"
 #include "fixture.h"
 #include "uckpt/comm.h"
-#include "cli/trainer.h"
-#include "cli/init_weights.h"
 
 namespace uckpt::engine {
 namespace {
 
 using cli::LoadStateDictFile;
 using cli::StepMetrics;
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 using testing::ReadJson;
 using testing::RefrunDir;
@@ -61,7 +61,9 @@ void ExpectMatchesRun(const std::string& run, int64_t micro, const std::string& 
       }
     }
     worst = std::max(worst, std::fabs(m.loss - want) / want);
-    if (getenv("UCKPT_DEBUG")) std::printf("step %d loss %.17g want %.17g gn %.17g want %.17g\n", step, m.loss, want, m.grad_norm, r["grad_norm"].get<double>());
+    if (getenv("UCKPT_DEBUG"))
+      std::printf("step %d loss %.17g want %.17g gn %.17g want %.17g\n", step, m.loss, want, m.grad_norm,
+                  r["grad_norm"].get<double>());
   }
   EXPECT_EQ(t.counters().global_steps, 12);
   EXPECT_EQ(t.counters().global_samples, 96);
@@ -74,7 +76,9 @@ void ExpectMatchesRun(const std::string& run, int64_t micro, const std::string& 
             << ", max final weight diff " << wd << "\n";
 }
 
-TEST(TrainerSingleProcess, MatchesDeepSpeedZero2BaselineGA4) { ExpectMatchesRun("z2_ws2_baseline", 2, "z2_ws2_baseline"); }
+TEST(TrainerSingleProcess, MatchesDeepSpeedZero2BaselineGA4) {
+  ExpectMatchesRun("z2_ws2_baseline", 2, "z2_ws2_baseline");
+}
 TEST(TrainerSingleProcess, MatchesDeepSpeedZero2BaselineFullBatch) {
   ExpectMatchesRun("z2_ws2_baseline", 8, "z2_ws2_baseline");
 }

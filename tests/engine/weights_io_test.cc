@@ -4,8 +4,8 @@
 // values exactly; each rank's reads are its own partitions), names mapped,
 // strict errors that name the names; Save16bitModel's safetensors and torch
 // files read back equal to the engine's weights at stages 2 and 3.
-#include <gtest/gtest.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <unistd.h>
@@ -88,8 +88,8 @@ TestRun MakeRun(Comm& comm, int stage, uint64_t seed = 1, bool gather_on_save = 
 // The values a file holds: seed 7's model under the file's names.
 std::map<std::string, at::Tensor> FileValues() {
   Net n(7);
-  return {{"emb.weight", n.wte},    {"fc.weight", n.fc_w}, {"fc.bias", n.fc_b},
-          {"head.bias", n.head_b},  {"scale", n.scale},    {"shift", n.shift}};
+  return {{"emb.weight", n.wte},   {"fc.weight", n.fc_w}, {"fc.bias", n.fc_b},
+          {"head.bias", n.head_b}, {"scale", n.scale},    {"shift", n.shift}};
 }
 
 at::ScalarType FileDtype(const std::string& name) {
@@ -192,7 +192,8 @@ TEST(LoadWeights, ShardedIndexAndPrefixRuleAndNameMap) {
   WriteFile(dir + "/model-00002-of-00002.safetensors", b, prefixed);
   nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
   for (const auto& [name, t] : file)
-    index["weight_map"]["model." + name] = name < "g" ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    index["weight_map"]["model." + name] =
+        name < "g" ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   std::ofstream(dir + "/model.safetensors.index.json") << index.dump();
   RunRanks(2, [&](Comm& comm) {
     for (int stage : {2, 3}) {

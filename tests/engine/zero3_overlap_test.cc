@@ -18,16 +18,16 @@ namespace uckpt::engine {
 namespace {
 
 using cli::StepMetrics;
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 using testing::RunRanks;
 
 struct Outcome {
-  std::vector<double> losses;          // rank 0's, per step
-  std::vector<models::NamedTensor> weights;    // rank 0's, gathered after the last step
-  Stage3Stats stats;                   // rank 0's
-  int64_t unit_numel = 0;              // elements of block 0's parameters
+  std::vector<double> losses;                // rank 0's, per step
+  std::vector<models::NamedTensor> weights;  // rank 0's, gathered after the last step
+  Stage3Stats stats;                         // rank 0's
+  int64_t unit_numel = 0;                    // elements of block 0's parameters
 };
 
 // The fixture's GPT-2 at stage 3 with every block parameter gathered and
@@ -104,8 +104,8 @@ TEST(Zero3Overlap, OverlapAndPrefetchOnAndOffBitwiseEqual) {
         for (int64_t prefetch : {int64_t{0}, int64_t{50000000}}) {
           if (!overlap && prefetch == 0) continue;
           const Outcome r = Train(config(overlap, prefetch), world);
-          const std::string what = where + ", overlap " + std::to_string(overlap) + ", prefetch " +
-                                   std::to_string(prefetch);
+          const std::string what =
+              where + ", overlap " + std::to_string(overlap) + ", prefetch " + std::to_string(prefetch);
           ExpectBitwiseEqual(r, plain, what);
           EXPECT_EQ(r.stats.overlapped_buckets > 0, overlap) << what;
           EXPECT_EQ(r.stats.prefetched_gathers > 0, prefetch > 0) << what;
@@ -155,12 +155,12 @@ TEST(Zero3Overlap, MaxLiveParametersBoundsGatheredElements) {
   struct Case {
     int64_t prefetch, max_live, want_peak;
   };
-  for (const Case& c : {Case{1000000, 1000000000, 4 * unit},  // everything ahead fits
-                        Case{1000000, 3 * unit, 3 * unit},     // capped by max_live
-                        Case{1000000, 2 * unit, 2 * unit},
-                        Case{1000000, 2 * unit - 1, unit},     // no room for a second unit: no prefetch
-                        Case{1, 1000000000, 2 * unit},         // one unit ahead
-                        Case{unit + 1, 1000000000, 3 * unit}}) {
+  for (const Case& c :
+       {Case{1000000, 1000000000, 4 * unit},                                   // everything ahead fits
+        Case{1000000, 3 * unit, 3 * unit},                                     // capped by max_live
+        Case{1000000, 2 * unit, 2 * unit}, Case{1000000, 2 * unit - 1, unit},  // no room for a second unit: no prefetch
+        Case{1, 1000000000, 2 * unit},                                         // one unit ahead
+        Case{unit + 1, 1000000000, 3 * unit}}) {
     const Outcome r = run(c.prefetch, c.max_live);
     const std::string what = "prefetch " + std::to_string(c.prefetch) + ", max_live " + std::to_string(c.max_live);
     EXPECT_EQ(r.stats.peak_gathered_elements, c.want_peak) << what;

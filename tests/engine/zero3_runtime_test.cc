@@ -13,24 +13,24 @@
 
 #include <unistd.h>
 
-#include "cli/trainer.h"
-#include "uckpt/engine.h"
 #include "ckpt/convert.h"
 #include "ckpt/export.h"
 #include "ckpt/verify.h"
-#include "engine/zero3_runtime.h"
-#include "format/torch_file.h"
 #include "cli/init_weights.h"
+#include "cli/trainer.h"
+#include "engine/zero3_runtime.h"
 #include "fixture.h"
+#include "format/torch_file.h"
 #include "ranks.h"
+#include "uckpt/engine.h"
 
 namespace uckpt::engine {
 namespace {
 
 using cli::LoadStateDictFile;
 using cli::StepMetrics;
-using cli::TrainOptions;
 using cli::Trainer;
+using cli::TrainOptions;
 
 using testing::ReadJson;
 using testing::RefrunDir;
@@ -50,7 +50,7 @@ struct Z3Run {
 // Trains `ds` at `world` ranks to step 12 (from `load_dir` when given); one
 // intra-op thread per rank, as DeepSpeed ran.
 Z3Run Train(const nlohmann::json& ds, int world, const std::string& load_dir = "", bool universal = false,
-          const std::string& save_dir = "", int save_at = 0) {
+            const std::string& save_dir = "", int save_at = 0) {
   Z3Run out;
   std::mutex mu;
   RunRanks(world, [&](Comm& comm) {
@@ -119,10 +119,10 @@ TEST(Zero3, BaselineAtWorldSize2EqualsDeepSpeedBitwise) {
 // fixture's parameters are all below DeepSpeed's default threshold of 1e5,
 // which keeps them whole); small buckets and sub-groups change no number at ws 2.
 TEST(Zero3, GatherPerUnitSmallBucketsAndSubGroupsSameLosses) {
-  Z3Run r = Train(Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0},
-                                             {"reduce_bucket_size", 300},
-                                             {"sub_group_size", 1000}}),
-                2);
+  Z3Run r = Train(
+      Z3Config("z3_ws2_baseline",
+               {{"stage3_param_persistence_threshold", 0}, {"reduce_bucket_size", 300}, {"sub_group_size", 1000}}),
+      2);
   ASSERT_EQ(r.steps.size(), 12u);
   CompareLosses(r, "z3_ws2_baseline", true);
   EXPECT_EQ(FinalWeightDiff(r, "z3_ws2_baseline"), 0.0);
@@ -132,7 +132,8 @@ TEST(Zero3, GatherPerUnitSmallBucketsAndSubGroupsSameLosses) {
 // embedding, used before and after the blocks) and GatherParameters' do.
 TEST(Zero3, UnitParametersAreFreedOutsideTheirUnit) {
   RunRanks(2, [&](Comm& comm) {
-    Trainer t(comm, testing::RefrunOptions(Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}}), "z3"));
+    Trainer t(comm,
+              testing::RefrunOptions(Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}}), "z3"));
     t.TrainStep();
     auto bytes = [&](const std::string& name) {
       for (const auto& p : t.parameters())
@@ -166,9 +167,9 @@ TEST(Zero3, WorldSize4And1WithinToleranceOfTheBaseline) {
 TEST(Zero3, OffloadOnAndOffSameLosses) {
   Z3Run off = Train(Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}}), 2);
   Z3Run on = Train(Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0},
-                                             {"offload_param", {{"device", "cpu"}, {"pin_memory", true}}},
-                                             {"offload_optimizer", {{"device", "cpu"}, {"pin_memory", true}}}}),
-                 2);
+                                                {"offload_param", {{"device", "cpu"}, {"pin_memory", true}}},
+                                                {"offload_optimizer", {{"device", "cpu"}, {"pin_memory", true}}}}),
+                   2);
   ASSERT_EQ(on.steps.size(), 12u);
   for (const auto& [step, m] : on.steps) EXPECT_NEAR(m.loss, off.steps.at(step).loss, 1e-6 * m.loss) << step;
 }
@@ -252,8 +253,8 @@ TEST(Zero3, StageSwitchesThroughUniversalContinueTheRun) {
   Z3Run down = Train(z2, 4, RefrunDir() + "/ckpt_zero3", /*universal=*/true);
   ASSERT_EQ(down.steps.size(), 6u);
   const double worst_down = CompareLosses(down, "z3_univ_ws4_resume", false);
-  std::cout << "[ measured ] stage 2 -> 3 at ws4: max rel loss diff " << worst_up << "; stage 3 -> 2 at ws4: "
-            << worst_down << "\n";
+  std::cout << "[ measured ] stage 2 -> 3 at ws4: max rel loss diff " << worst_up
+            << "; stage 3 -> 2 at ws4: " << worst_down << "\n";
 }
 
 // Ours end to end: a stage-3 checkpoint at 2 ranks passes verify, converts
@@ -295,7 +296,8 @@ TEST(Zero3, Bf16SaveAndResumeBitwise) {
   ASSERT_EQ(resumed.steps.size(), 6u);
   for (const auto& [step, m] : resumed.steps) EXPECT_EQ(m.loss, whole.steps.at(step).loss) << step;
   for (size_t i = 0; i < whole.final_weights.size(); ++i)
-    EXPECT_TRUE(at::equal(whole.final_weights[i].tensor, resumed.final_weights[i].tensor)) << whole.final_weights[i].name;
+    EXPECT_TRUE(at::equal(whole.final_weights[i].tensor, resumed.final_weights[i].tensor))
+        << whole.final_weights[i].name;
 }
 
 // Any module through the public API: two units sharing a tied tensor (so it
@@ -327,9 +329,9 @@ struct TwoUnitNet : torch::nn::Module {
 };
 
 struct TwoUnitRun {
-  std::vector<double> losses;                  // rank 0's, per step
-  std::map<std::string, at::Tensor> loaded;    // rank 0's weights right after the load, gathered
-  std::map<std::string, at::Tensor> weights;   // rank 0's final weights, gathered
+  std::vector<double> losses;                 // rank 0's, per step
+  std::map<std::string, at::Tensor> loaded;   // rank 0's weights right after the load, gathered
+  std::map<std::string, at::Tensor> weights;  // rank 0's final weights, gathered
   int64_t steps_after_load = -1;
   ClientState client_state;
 };
@@ -479,7 +481,8 @@ struct FrozenNet : torch::nn::Module {
     auto fc1 = register_module("fc1", std::make_shared<torch::nn::Module>());
     w1 = fc1->register_parameter("weight", at::randn({5, 6}, gen));
     b1 = fc1->register_parameter("bias", at::randn({5}, gen));
-    w2 = register_module("fc2", std::make_shared<torch::nn::Module>())->register_parameter("weight", at::randn({3, 5}, gen));
+    w2 = register_module("fc2", std::make_shared<torch::nn::Module>())
+             ->register_parameter("weight", at::randn({3, 5}, gen));
   }
   at::Tensor Loss(const at::Tensor& ids) {
     return at::tanh(at::embedding(emb, ids).matmul(w1.t()) + b1).matmul(w2.t()).pow(2).mean();
@@ -533,8 +536,9 @@ TEST(Zero3, FrozenParametersDeepSpeedSavedPartitionedLoadAtAnyStageAndSize) {
   for (int stage : {3, 2})
     for (int world : {1, 2, 3})
       for (bool universal : {false, true})
-        expect_equal(LoadFrozenNet(stage, world, work + "/ds", universal),
-                     "stage " + std::to_string(stage) + " at " + std::to_string(world) + (universal ? ", universal" : ""));
+        expect_equal(
+            LoadFrozenNet(stage, world, work + "/ds", universal),
+            "stage " + std::to_string(stage) + " at " + std::to_string(world) + (universal ? ", universal" : ""));
 
   // Ours, saved at 3 ranks, as DeepSpeed's: slots of 26 of the 78 elements
   // (the last 0-padded), an empty module entry; export and a load at 2 ranks

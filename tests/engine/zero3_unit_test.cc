@@ -30,7 +30,7 @@ std::unique_ptr<Zero3Runtime> TwoUnits(Comm& comm) {
   s.persistence_threshold = 0;
   s.prefetch_bucket_size = 1;
   return std::make_unique<Zero3Runtime>(comm, groups, std::vector<OptimizerConfig>(1),
-                                          std::vector<std::vector<int>>{{0, 1}}, 2, s, at::Device(at::kCPU));
+                                        std::vector<std::vector<int>>{{0, 1}}, 2, s, at::Device(at::kCPU));
 }
 
 // What a unit is at one point: "state/pass/holds".

@@ -49,8 +49,7 @@ struct Net : torch::nn::Module {
     offset = register_buffer("offset", at::randn({kDim}, gen) * 0.01);
     for (int i = 0; i < 3; ++i) {
       at::Tensor shared = i == 1 ? blocks[0]->b : at::Tensor();
-      blocks.push_back(register_module("h" + std::to_string(i),
-                                       ZeroInit::Built(std::make_shared<Block>(gen, shared))));
+      blocks.push_back(register_module("h" + std::to_string(i), ZeroInit::Built(std::make_shared<Block>(gen, shared))));
       if (after_unit) after_unit(*this);
     }
     head = register_parameter("head", at::randn({kDim, 3}, gen));
@@ -71,7 +70,9 @@ nlohmann::json Ds(int stage, bool bf16 = false) {
           {"zero_optimization", {{"stage", stage}, {"stage3_param_persistence_threshold", 0}}}};
 }
 
-std::shared_ptr<Comm> Borrowed(Comm& comm) { return std::shared_ptr<Comm>(&comm, [](Comm*) {}); }
+std::shared_ptr<Comm> Borrowed(Comm& comm) {
+  return std::shared_ptr<Comm>(&comm, [](Comm*) {});
+}
 
 // The bytes of one partition of each of the blocks' parameters (a shared one once).
 int64_t PartitionBytes(const std::vector<std::shared_ptr<Block>>& blocks, int world) {
@@ -113,7 +114,7 @@ BuildRun Train(int world, bool partitioned, bool bf16 = false) {
         EXPECT_EQ(init.partition_bytes(), PartitionBytes(n.blocks, world));
       };
       net = ZeroInit::Built(std::make_shared<Net>(seed, check));
-      EXPECT_EQ(net->emb.storage().nbytes(), 0u);  // the root's parameters too
+      EXPECT_EQ(net->emb.storage().nbytes(), 0u);       // the root's parameters too
       EXPECT_EQ(init.num_partitioned(), 3u * 3u + 2u);  // 3 per unit (the tied one once), emb, head
       init.AddTo(o);
       EXPECT_EQ(o.partitioned.size(), 11u);
@@ -209,7 +210,8 @@ TEST(ZeroInit, PartitionsAreInTheConfigsDtype) {
       EXPECT_EQ(o.partitioned[0].partition.scalar_type(), dtype);
       EXPECT_EQ(o.partitioned[1].partition.scalar_type(), dtype);
       EXPECT_EQ(o.partitioned[2].partition.scalar_type(), at::kLong);
-      const std::vector<int64_t> mine = comm.rank() == 0 ? std::vector<int64_t>{0, 1, 2} : std::vector<int64_t>{3, 4, 0};
+      const std::vector<int64_t> mine =
+          comm.rank() == 0 ? std::vector<int64_t>{0, 1, 2} : std::vector<int64_t>{3, 4, 0};
       EXPECT_TRUE(at::equal(o.partitioned[2].partition, at::tensor(mine)));
     }
   });

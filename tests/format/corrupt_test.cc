@@ -102,7 +102,7 @@ Regions FindRegions(const std::vector<uint8_t>& bytes) {
 std::vector<uint64_t> TruncationPoints(const std::vector<uint8_t>& bytes, const Regions& r) {
   const uint64_t n = bytes.size();
   std::set<uint64_t> at;
-  for (uint64_t k = 0; k < 24; ++k) at.insert(n * k / 24);  // spread over the file
+  for (uint64_t k = 0; k < 24; ++k) at.insert(n * k / 24);        // spread over the file
   for (uint64_t k = 1; k <= 30 && k <= n; ++k) at.insert(n - k);  // the end records
   for (int64_t d : {-2, -1, 0, 1, 4, 12, 30, 46, 60, 100, 200}) at.insert(r.cd_offset + d);
   for (auto [b, e] : r.pickle)

@@ -135,18 +135,18 @@ TEST_P(AtomicFileFault, ErrorNamesTheFileAndTheOldFileStays) {
   EXPECT_EQ(Entries(), std::set<std::string>{"out.bin"}) << "the temporary file was not removed";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Faults, AtomicFileFault,
-    ::testing::Values(FaultCase{"create_enospc", {IoOp::kCreate, "out.bin", 1, ENOSPC}},
-                      FaultCase{"first_write_enospc", {IoOp::kWrite, "out.bin", 1, ENOSPC}},
-                      FaultCase{"third_write_enospc", {IoOp::kWrite, "out.bin", 3, ENOSPC}},
-                      // A short write, then the disk is full.
-                      FaultCase{"short_write_then_enospc", {IoOp::kWrite, "out.bin", 2, ENOSPC}, true},
-                      FaultCase{"write_eio", {IoOp::kWrite, "out.bin", 2, EIO}},
-                      FaultCase{"fsync_eio", {IoOp::kSync, "out.bin", 1, EIO}},
-                      FaultCase{"rename_exdev", {IoOp::kRename, "out.bin", 1, EXDEV}},
-                      FaultCase{"rename_eacces", {IoOp::kRename, "out.bin", 1, EACCES}}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Faults, AtomicFileFault,
+                         ::testing::Values(FaultCase{"create_enospc", {IoOp::kCreate, "out.bin", 1, ENOSPC}},
+                                           FaultCase{"first_write_enospc", {IoOp::kWrite, "out.bin", 1, ENOSPC}},
+                                           FaultCase{"third_write_enospc", {IoOp::kWrite, "out.bin", 3, ENOSPC}},
+                                           // A short write, then the disk is full.
+                                           FaultCase{
+                                               "short_write_then_enospc", {IoOp::kWrite, "out.bin", 2, ENOSPC}, true},
+                                           FaultCase{"write_eio", {IoOp::kWrite, "out.bin", 2, EIO}},
+                                           FaultCase{"fsync_eio", {IoOp::kSync, "out.bin", 1, EIO}},
+                                           FaultCase{"rename_exdev", {IoOp::kRename, "out.bin", 1, EXDEV}},
+                                           FaultCase{"rename_eacces", {IoOp::kRename, "out.bin", 1, EACCES}}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST_F(EnvTest, FailedFolderSyncAfterTheRenameIsReported) {
   // The rename has happened: the new file is complete under its name, but

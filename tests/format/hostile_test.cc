@@ -34,10 +34,26 @@ struct HostileCase {
 };
 
 std::string OsSystemReduce(const std::string& cmd) {
-  return PickleBuilder().Proto(2).Global("os", "system").Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
+  return PickleBuilder()
+      .Proto(2)
+      .Global("os", "system")
+      .Str(cmd)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Stop()
+      .bytes();
 }
 std::string PosixSystemStackGlobal(const std::string& cmd) {
-  return PickleBuilder().Proto(4).ShortStr("posix").ShortStr("system").Op(pickle::kStackGlobal).Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
+  return PickleBuilder()
+      .Proto(4)
+      .ShortStr("posix")
+      .ShortStr("system")
+      .Op(pickle::kStackGlobal)
+      .Str(cmd)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Stop()
+      .bytes();
 }
 std::string InstOsSystem(const std::string& cmd) {
   // Protocol 0: INST calls without a REDUCE.
@@ -49,24 +65,57 @@ std::string InstSubprocessGetoutput(const std::string& cmd) {
 std::string MemoIndirect(const std::string& cmd) {
   // The callable is memoized and popped, then fetched back by BINGET inside a list.
   return PickleBuilder()
-      .Proto(2).Global("os", "system").Put(0).Op(pickle::kPop)
-      .Op(pickle::kEmptyList).Get(0).Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Op(pickle::kAppend).Stop().bytes();
+      .Proto(2)
+      .Global("os", "system")
+      .Put(0)
+      .Op(pickle::kPop)
+      .Op(pickle::kEmptyList)
+      .Get(0)
+      .Str(cmd)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Op(pickle::kAppend)
+      .Stop()
+      .bytes();
 }
 std::string BuiltinsEval(const std::string& cmd) {
   return PickleBuilder()
-      .Proto(2).Global("__builtin__", "eval").Str("__import__('os').system('" + cmd + "')").Op(pickle::kTuple1).Op(pickle::kReduce).Stop()
+      .Proto(2)
+      .Global("__builtin__", "eval")
+      .Str("__import__('os').system('" + cmd + "')")
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Stop()
       .bytes();
 }
 std::string SubprocessPopen(const std::string& cmd) {
   return PickleBuilder()
-      .Proto(2).Global("subprocess", "Popen").Mark().Str("/bin/sh").Str("-c").Str(cmd).Op(pickle::kList).Op(pickle::kTuple1).Op(pickle::kReduce).Stop()
+      .Proto(2)
+      .Global("subprocess", "Popen")
+      .Mark()
+      .Str("/bin/sh")
+      .Str("-c")
+      .Str(cmd)
+      .Op(pickle::kList)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Stop()
       .bytes();
 }
 std::string PopenNewobj(const std::string& cmd) {
   // NEWOBJ: cls.__new__(cls, *args) does not run __init__, so Python does not
   // run the command either; the reader must still keep it inert.
   return PickleBuilder()
-      .Proto(2).Global("subprocess", "Popen").Mark().Str("/bin/sh").Str("-c").Str(cmd).Op(pickle::kList).Op(pickle::kTuple1).Op(pickle::kNewObj).Stop()
+      .Proto(2)
+      .Global("subprocess", "Popen")
+      .Mark()
+      .Str("/bin/sh")
+      .Str("-c")
+      .Str(cmd)
+      .Op(pickle::kList)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kNewObj)
+      .Stop()
       .bytes();
 }
 std::string ObjOpcode(const std::string& cmd) {
@@ -74,31 +123,66 @@ std::string ObjOpcode(const std::string& cmd) {
 }
 std::string EvalInDictWithTensor(const std::string& cmd) {
   return PickleBuilder()
-      .Proto(2).Op(pickle::kEmptyDict).Mark()
-      .Str("weight").Tensor("FloatStorage", "0", 2, 0, {2}, {1})
-      .Str("config").Global("__builtin__", "eval").Str("__import__('os').system('" + cmd + "')").Op(pickle::kTuple1).Op(pickle::kReduce)
-      .Op(pickle::kSetItems).Stop().bytes();
+      .Proto(2)
+      .Op(pickle::kEmptyDict)
+      .Mark()
+      .Str("weight")
+      .Tensor("FloatStorage", "0", 2, 0, {2}, {1})
+      .Str("config")
+      .Global("__builtin__", "eval")
+      .Str("__import__('os').system('" + cmd + "')")
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Op(pickle::kSetItems)
+      .Stop()
+      .bytes();
 }
 std::string GetattrChain(const std::string& cmd) {
   // getattr(__import__('os'), 'system')(cmd): the outer call's callable is
   // itself a call result.
   return PickleBuilder()
-      .Proto(2).Global("__builtin__", "getattr")
-      .Global("__builtin__", "__import__").Str("os").Op(pickle::kTuple1).Op(pickle::kReduce)
-      .Str("system").Op(pickle::kTuple2).Op(pickle::kReduce)
-      .Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
+      .Proto(2)
+      .Global("__builtin__", "getattr")
+      .Global("__builtin__", "__import__")
+      .Str("os")
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Str("system")
+      .Op(pickle::kTuple2)
+      .Op(pickle::kReduce)
+      .Str(cmd)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Stop()
+      .bytes();
 }
 std::string BuildSetstate(const std::string& cmd) {
   // An object whose BUILD state would feed a __setstate__ / __dict__ update.
   return PickleBuilder()
-      .Proto(2).Global("os", "system").Str(cmd).Op(pickle::kTuple1).Op(pickle::kReduce)
-      .Op(pickle::kEmptyDict).Str("__setstate__").Global("os", "system").Op(pickle::kSetItem).Op(pickle::kBuild).Stop().bytes();
+      .Proto(2)
+      .Global("os", "system")
+      .Str(cmd)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Op(pickle::kEmptyDict)
+      .Str("__setstate__")
+      .Global("os", "system")
+      .Op(pickle::kSetItem)
+      .Op(pickle::kBuild)
+      .Stop()
+      .bytes();
 }
 std::string NestedPickleLoads(const std::string& cmd) {
   // pickle.loads(<bytes of a pickle that calls os.system>)
   std::string inner = OsSystemReduce(cmd);
   return PickleBuilder()
-      .Proto(3).Global("pickle", "loads").Bytes(inner).Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
+      .Proto(3)
+      .Global("pickle", "loads")
+      .Bytes(inner)
+      .Op(pickle::kTuple1)
+      .Op(pickle::kReduce)
+      .Stop()
+      .bytes();
 }
 
 const HostileCase kCases[] = {
@@ -159,7 +243,9 @@ TEST_P(HostileTest, LoadsInertAndRunsNothing) {
     SaveOptions so;
     so.durable = false;
     SaveTorchFile(dir_.File("again.pt"), root, so);
-    auto diffs = JsonDiff(j, ValueToJson(*LoadTorchFile(dir_.File("again.pt"), {.policy = PicklePolicy::kLenient}).root), {.map_storage_keys = true});
+    auto diffs =
+        JsonDiff(j, ValueToJson(*LoadTorchFile(dir_.File("again.pt"), {.policy = PicklePolicy::kLenient}).root),
+                 {.map_storage_keys = true});
     EXPECT_TRUE(diffs.empty()) << DiffText(diffs);
   }
   EXPECT_FALSE(FileExists(marker_)) << "the payload ran";
@@ -225,7 +311,8 @@ std::string DoublingLists(int levels) {
   // x0 = None; x(k+1) = [x(k), x(k)]
   PickleBuilder p;
   p.Proto(2).Op(pickle::kNone);
-  for (int k = 0; k < levels; ++k) p.Put(0).Op(pickle::kPop).Op(pickle::kEmptyList).Mark().Get(0).Get(0).Op(pickle::kAppends);
+  for (int k = 0; k < levels; ++k)
+    p.Put(0).Op(pickle::kPop).Op(pickle::kEmptyList).Mark().Get(0).Get(0).Op(pickle::kAppends);
   return p.Stop().bytes();
 }
 
@@ -267,8 +354,7 @@ TEST(ResourceBombs, SharedReferencesDoNotExplodePrint) {
   const auto start = std::chrono::steady_clock::now();
   try {
     PrintValue(out, *v);
-  } catch (const FormatError&) {
-  }
+  } catch (const FormatError&) {}
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 10.0) << "printing 60 levels of shared lists";
   EXPECT_LT(out.str().size(), 100u << 20) << "printed " << out.str().size() << " bytes";

@@ -69,7 +69,8 @@ TEST_P(ManifestTest, LoadMatchesManifest) {
       FAIL() << "a legacy (pre-1.6) file was accepted";
     } catch (const FormatError& e) {
       EXPECT_NE(std::string(e.what()).find("legacy"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(fx.path), std::string::npos) << "message does not name the file: " << e.what();
+      EXPECT_NE(std::string(e.what()).find(fx.path), std::string::npos)
+          << "message does not name the file: " << e.what();
     }
     return;
   }

@@ -162,12 +162,21 @@ std::string SampleArg(const OpInfo& op) {
     case Arg::kNone: break;
     case Arg::kU1: b.U8(op.code == pickle::kProto ? 2 : 1); break;
     case Arg::kU2: b.U8(1).U8(0); break;
-    case Arg::kU4: case Arg::kI4: b.U32(1); break;
+    case Arg::kU4:
+    case Arg::kI4: b.U32(1); break;
     case Arg::kU8: b.U32(1).U32(0); break;
     case Arg::kF8: b.Raw(std::string("\x3f\xf8\0\0\0\0\0\0", 8)); break;  // 1.5
-    case Arg::kLong1: case Arg::kStr1: case Arg::kBytes1: case Arg::kUtf8_1: b.U8(1).Raw("a"); break;
-    case Arg::kLong4: case Arg::kStr4: case Arg::kBytes4: case Arg::kUtf8_4: b.U32(1).Raw("a"); break;
-    case Arg::kBytes8: case Arg::kByteArray8: case Arg::kUtf8_8: b.U32(1).U32(0).Raw("a"); break;
+    case Arg::kLong1:
+    case Arg::kStr1:
+    case Arg::kBytes1:
+    case Arg::kUtf8_1: b.U8(1).Raw("a"); break;
+    case Arg::kLong4:
+    case Arg::kStr4:
+    case Arg::kBytes4:
+    case Arg::kUtf8_4: b.U32(1).Raw("a"); break;
+    case Arg::kBytes8:
+    case Arg::kByteArray8:
+    case Arg::kUtf8_8: b.U32(1).U32(0).Raw("a"); break;
     case Arg::kDecimalLine: b.Line("1"); break;
     case Arg::kLongLine: b.Line("1L"); break;
     case Arg::kFloatLine: b.Line("1.5"); break;
@@ -186,23 +195,38 @@ PickleBuilder Before(pickle::Opcode op) {
   PickleBuilder b;
   auto od = [&]() -> PickleBuilder& { return b.Global("collections", "OrderedDict"); };
   switch (op) {
-    case kPop: case kDup: case kBinPersId: case kTuple1: case kPut: case kBinPut: case kLongBinPut: case kMemoize:
-    case kStop:
-      b.Op(kNone);
-      break;
+    case kPop:
+    case kDup:
+    case kBinPersId:
+    case kTuple1:
+    case kPut:
+    case kBinPut:
+    case kLongBinPut:
+    case kMemoize:
+    case kStop: b.Op(kNone); break;
     case kTuple2: b.Op(kNone).Op(kNone); break;
     case kTuple3: b.Op(kNone).Op(kNone).Op(kNone); break;
-    case kPopMark: case kList: case kTuple: case kDict: case kInst: b.Mark(); break;
+    case kPopMark:
+    case kList:
+    case kTuple:
+    case kDict:
+    case kInst: b.Mark(); break;
     case kFrozenSet: b.Mark().Op(kNone); break;
-    case kGet: case kBinGet: case kLongBinGet: b.Op(kNone).Put(1); break;
+    case kGet:
+    case kBinGet:
+    case kLongBinGet: b.Op(kNone).Put(1); break;
     case kAppend: b.Op(kEmptyList).Op(kNone); break;
     case kAppends: b.Op(kEmptyList).Mark().Op(kNone); break;
     case kAddItems: b.Op(kEmptySet).Mark().Op(kNone); break;
     case kSetItem: b.Op(kEmptyDict).Str("k").Op(kNone); break;
     case kSetItems: b.Op(kEmptyDict).Mark().Str("k").Op(kNone); break;
-    case kReduce: case kNewObj: od().Op(kEmptyTuple); break;
+    case kReduce:
+    case kNewObj: od().Op(kEmptyTuple); break;
     case kNewObjEx: od().Op(kEmptyTuple).Op(kEmptyDict); break;
-    case kObj: b.Mark(); od(); break;
+    case kObj:
+      b.Mark();
+      od();
+      break;
     case kBuild: od().Op(kEmptyTuple).Op(kReduce).Op(kEmptyDict); break;
     case kStackGlobal: b.Str("collections").Str("OrderedDict"); break;
     default: break;
@@ -269,8 +293,7 @@ TEST(OpcodeTable, ReaderRefusesEveryCutArgument) {
       try {
         ReadPickle(exact, "t.pkl", AnyPid, {}, PicklePolicy::kLenient);
         ADD_FAILURE() << op.name << " cut to " << cut - arg_start << " argument bytes was accepted";
-      } catch (const FormatError&) {
-      }
+      } catch (const FormatError&) {}
     }
   }
 }
@@ -322,12 +345,37 @@ ValuePtr EverythingTheWriterWrites() {
   small_dict->set("one", Value::None());
 
   return Value::List({
-      Value::None(), Value::Bool(true), Value::Bool(false), Value::Int(7), Value::Int(4000), Value::Int(-5),
-      Value::Int(int64_t{1} << 40), big, Value::Float(0.5), Value::Str("text"), bytes_value, Value::Bytes(""),
-      bytearray, Value::Tuple(), Value::Tuple({Value::None()}), Value::Tuple({Value::None(), Value::None()}),
-      Value::Tuple({Value::None(), Value::None(), Value::None()}), Value::Tuple(many->items), Value::List({Value::None()}),
-      many, dict, small_dict, ordered, set, Value::Size({2, 3}), device, tensor(DType::kFloat32, false),
-      tensor(DType::kFloat32, true), param, object, Value::Object("m.D", Value::Tuple(), false),
+      Value::None(),
+      Value::Bool(true),
+      Value::Bool(false),
+      Value::Int(7),
+      Value::Int(4000),
+      Value::Int(-5),
+      Value::Int(int64_t{1} << 40),
+      big,
+      Value::Float(0.5),
+      Value::Str("text"),
+      bytes_value,
+      Value::Bytes(""),
+      bytearray,
+      Value::Tuple(),
+      Value::Tuple({Value::None()}),
+      Value::Tuple({Value::None(), Value::None()}),
+      Value::Tuple({Value::None(), Value::None(), Value::None()}),
+      Value::Tuple(many->items),
+      Value::List({Value::None()}),
+      many,
+      dict,
+      small_dict,
+      ordered,
+      set,
+      Value::Size({2, 3}),
+      device,
+      tensor(DType::kFloat32, false),
+      tensor(DType::kFloat32, true),
+      param,
+      object,
+      Value::Object("m.D", Value::Tuple(), false),
   });
 }
 
@@ -347,14 +395,15 @@ TEST(OpcodeTable, WriterEmitsOnlyWhatTheTableAllows) {
     }
   }
   // What it writes must load again.
-  ASSERT_NO_THROW(ReadPickle({reinterpret_cast<const uint8_t*>(out.pickle.data()), out.pickle.size()}, "t.pkl",
-                             [&](const ValuePtr&) {
-                               auto v = std::make_shared<Value>();
-                               v->kind = Kind::kStorage;
-                               v->storage = out.storages.at(0);
-                               return v;
-                             },
-                             {}, PicklePolicy::kLenient));
+  ASSERT_NO_THROW(ReadPickle(
+      {reinterpret_cast<const uint8_t*>(out.pickle.data()), out.pickle.size()}, "t.pkl",
+      [&](const ValuePtr&) {
+        auto v = std::make_shared<Value>();
+        v->kind = Kind::kStorage;
+        v->storage = out.storages.at(0);
+        return v;
+      },
+      {}, PicklePolicy::kLenient));
 }
 
 // The writer's opcodes are the torch.load(weights_only=True) subset, except
@@ -402,7 +451,8 @@ TEST(OpcodeTable, FuzzDictionaryTokensAreWholeOpcodes) {
     const std::string token = Unescape(line.substr(eq + 2, line.size() - eq - 3));
     const OpInfo* named = nullptr;
     for (const OpInfo& op : kOpcodeTable)
-      if (name.rfind(std::string(op.name) + "_", 0) == 0 && (!named || op.name.size() > named->name.size())) named = &op;
+      if (name.rfind(std::string(op.name) + "_", 0) == 0 && (!named || op.name.size() > named->name.size()))
+        named = &op;
     if (!named) continue;
     ++pickle_tokens;
     auto ops = Disassemble(token);

@@ -61,9 +61,10 @@ TEST_F(SafetensorsTest, WrittenFileReadsBackWithElementRanges) {
   const std::vector<float> a = {1, 2, 3, 4, 5, 6};
   const std::vector<uint16_t> b = {0x3f80, 0x4000, 0x4040};  // bf16 1, 2, 3
   {
-    SafetensorsWriter w(Path("m.safetensors"),
-                        {{"a.weight", DType::kFloat32, {2, 3}}, {"b", DType::kBFloat16, {3}}, {"empty", DType::kFloat16, {0, 4}}},
-                        {{"format", "pt"}});
+    SafetensorsWriter w(
+        Path("m.safetensors"),
+        {{"a.weight", DType::kFloat32, {2, 3}}, {"b", DType::kBFloat16, {3}}, {"empty", DType::kFloat16, {0, 4}}},
+        {{"format", "pt"}});
     w.Write(Bytes(a).subspan(0, 10));  // any pieces
     w.Write(Bytes(a).subspan(10));
     w.Write({reinterpret_cast<const uint8_t*>(b.data()), 6});
@@ -128,15 +129,20 @@ TEST_F(SafetensorsTest, BrokenHeadersNameTheFileAndTensor) {
       {"dtype", R"({"w":{"dtype":"F31","shape":[1],"data_offsets":[0,4]}})", 4, "tensor 'w' has dtype 'F31'"},
       {"size", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4, "tensor 'w' spans 4 bytes"},
       {"order", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", 4, "end before they begin"},
-      {"overlap", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8, "overlaps"},
-      {"gap", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8, "a gap of 4 bytes lies before tensor 'a'"},
+      {"overlap",
+       R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+       8, "overlaps"},
+      {"gap", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8,
+       "a gap of 4 bytes lies before tensor 'a'"},
       {"past", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8, "tensor 'a' runs past the file's end"},
       {"trailing", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8, "4 bytes follow the last tensor"},
       {"negative", R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}})", 0, "negative dimension"},
       {"shape", R"({"a":{"dtype":"F32","shape":"x","data_offsets":[0,4]}})", 4, "\"shape\" is not a list"},
       {"offsets", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", 4, "\"data_offsets\" is not a pair"},
       {"field", R"({"a":{"dtype":"F32","shape":[1]}})", 4, "tensor 'a' has no \"data_offsets\""},
-      {"twice", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4, "names 'a' twice"},
+      {"twice",
+       R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       4, "names 'a' twice"},
       {"meta", R"({"__metadata__":{"k":1}})", 0, "\"__metadata__\" value of 'k' is not a string"},
       {"json", R"({"a":)", 0, "not JSON"},
       {"array", R"([1])", 0, "not a JSON object"},
@@ -148,7 +154,8 @@ TEST_F(SafetensorsTest, BrokenHeadersNameTheFileAndTensor) {
     EXPECT_NE(err.find(c.expect), std::string::npos) << c.what << ": " << err;
   }
   EXPECT_NE(OpenError(Raw("len.safetensors", "{}", 0, 1000)).find("runs past the file's end"), std::string::npos);
-  EXPECT_NE(OpenError(Raw("huge.safetensors", "{}", 0, uint64_t{1} << 40)).find("over safetensors' limit"), std::string::npos);
+  EXPECT_NE(OpenError(Raw("huge.safetensors", "{}", 0, uint64_t{1} << 40)).find("over safetensors' limit"),
+            std::string::npos);
   std::ofstream(Path("tiny.safetensors")) << "abc";
   EXPECT_NE(OpenError(Path("tiny.safetensors")).find("8-byte header length"), std::string::npos);
   EXPECT_THROW(SafetensorsFile::Open(Path("absent.safetensors")), IoError);
@@ -156,7 +163,8 @@ TEST_F(SafetensorsTest, BrokenHeadersNameTheFileAndTensor) {
 
 TEST_F(SafetensorsTest, IndexNamesEachTensorsFile) {
   const std::vector<float> one = {1}, two = {2, 3};
-  for (auto [name, tensor, values] : {std::tuple{"s1.safetensors", "x", &one}, std::tuple{"s2.safetensors", "y", &two}}) {
+  for (auto [name, tensor, values] :
+       {std::tuple{"s1.safetensors", "x", &one}, std::tuple{"s2.safetensors", "y", &two}}) {
     SafetensorsWriter w(Path(name), {{tensor, DType::kFloat32, {static_cast<int64_t>(values->size())}}});
     w.Write(Bytes(*values));
     w.Commit();
@@ -177,7 +185,8 @@ TEST_F(SafetensorsTest, IndexNamesEachTensorsFile) {
     SafetensorsSource::Open(Path("bad.index.json"));
     ADD_FAILURE() << "accepted";
   } catch (const FormatError& e) {
-    EXPECT_NE(std::string(e.what()).find("lists tensor 'x' in " + Path("s2.safetensors")), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("lists tensor 'x' in " + Path("s2.safetensors")), std::string::npos)
+        << e.what();
   }
   std::ofstream(Path("escape.index.json")) << R"({"weight_map":{"x":"../s1.safetensors"}})";
   EXPECT_THROW(ReadSafetensorsIndex(Path("escape.index.json")), FormatError);

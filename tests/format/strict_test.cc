@@ -94,8 +94,15 @@ TEST(StrictFixtures, DeepSpeedCheckpointsLoad) {
 
 TEST(StrictGetattr, OnlyZeroStageEnumMembers) {
   auto getattr = [](const std::string& cls_module, const std::string& cls, const std::string& attr) {
-    return PickleBuilder().Proto(2).Global("__builtin__", "getattr").Global(cls_module, cls).Str(attr)
-        .Op(pickle::kTuple2).Op(pickle::kReduce).Stop().bytes();
+    return PickleBuilder()
+        .Proto(2)
+        .Global("__builtin__", "getattr")
+        .Global(cls_module, cls)
+        .Str(attr)
+        .Op(pickle::kTuple2)
+        .Op(pickle::kReduce)
+        .Stop()
+        .bytes();
   };
   // DeepSpeed's zero_stage.
   ValuePtr v = ReadStrict(getattr("deepspeed.runtime.zero.config", "ZeroStageEnum", "gradients"));
@@ -108,18 +115,39 @@ TEST(StrictGetattr, OnlyZeroStageEnumMembers) {
   EXPECT_NE(StrictError(getattr("collections", "OrderedDict", "fromkeys")).find("refuses global builtins.getattr"),
             std::string::npos);
   // getattr kept as a value (through the memo) instead of being called.
-  std::string bare = PickleBuilder().Proto(2).Global("__builtin__", "getattr").Put(0).Op(pickle::kPop)
-                         .Op(pickle::kEmptyList).Get(0).Op(pickle::kAppend).Stop().bytes();
+  std::string bare = PickleBuilder()
+                         .Proto(2)
+                         .Global("__builtin__", "getattr")
+                         .Put(0)
+                         .Op(pickle::kPop)
+                         .Op(pickle::kEmptyList)
+                         .Get(0)
+                         .Op(pickle::kAppend)
+                         .Stop()
+                         .bytes();
   EXPECT_NE(StrictError(bare).find("refuses global builtins.getattr"), std::string::npos);
   EXPECT_NO_THROW(ReadPickle({reinterpret_cast<const uint8_t*>(bare.data()), bare.size()}, "t.pkl", {}, {},
                              PicklePolicy::kLenient));
   // NEWOBJ with getattr as the class.
-  std::string newobj = PickleBuilder().Proto(2).Global("__builtin__", "getattr").Op(pickle::kEmptyTuple).Op(pickle::kNewObj).Stop().bytes();
+  std::string newobj = PickleBuilder()
+                           .Proto(2)
+                           .Global("__builtin__", "getattr")
+                           .Op(pickle::kEmptyTuple)
+                           .Op(pickle::kNewObj)
+                           .Stop()
+                           .bytes();
   EXPECT_NE(StrictError(newobj).find("refuses global builtins.getattr"), std::string::npos);
 }
 
 TEST(StrictGlobals, RefusalNamesTheGlobalAsWrittenAndRenamed) {
-  std::string p = PickleBuilder().Proto(2).Global("__builtin__", "eval").Str("1").Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
+  std::string p = PickleBuilder()
+                      .Proto(2)
+                      .Global("__builtin__", "eval")
+                      .Str("1")
+                      .Op(pickle::kTuple1)
+                      .Op(pickle::kReduce)
+                      .Stop()
+                      .bytes();
   const std::string what = StrictError(p);
   EXPECT_NE(what.find("t.pkl"), std::string::npos) << what;
   EXPECT_NE(what.find("strict mode refuses global builtins.eval (written __builtin__.eval)"), std::string::npos)
@@ -128,10 +156,22 @@ TEST(StrictGlobals, RefusalNamesTheGlobalAsWrittenAndRenamed) {
   std::string bare = PickleBuilder().Proto(2).Global("os", "system").Stop().bytes();
   EXPECT_NE(StrictError(bare).find("refuses global os.system"), std::string::npos);
   // Allowed names build the same values as in lenient mode.
-  std::string ok = PickleBuilder().Proto(2).Global("collections", "OrderedDict").Op(pickle::kEmptyTuple).Op(pickle::kReduce).Stop().bytes();
+  std::string ok = PickleBuilder()
+                       .Proto(2)
+                       .Global("collections", "OrderedDict")
+                       .Op(pickle::kEmptyTuple)
+                       .Op(pickle::kReduce)
+                       .Stop()
+                       .bytes();
   EXPECT_EQ(ReadStrict(ok)->kind, Kind::kOrderedDict);
-  std::string ds = PickleBuilder().Proto(2).Global("deepspeed.runtime.zero.config", "ZeroStageEnum").Int(2)
-                       .Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes();
+  std::string ds = PickleBuilder()
+                       .Proto(2)
+                       .Global("deepspeed.runtime.zero.config", "ZeroStageEnum")
+                       .Int(2)
+                       .Op(pickle::kTuple1)
+                       .Op(pickle::kReduce)
+                       .Stop()
+                       .bytes();
   EXPECT_EQ(ReadStrict(ds)->kind, Kind::kObject);
 }
 
@@ -139,20 +179,20 @@ TEST(StrictGlobals, RefusalNamesTheGlobalAsWrittenAndRenamed) {
 TEST(StrictGlobals, AllowListHoldsOnlyDataModules) {
   const auto list = StrictAllowList();
   EXPECT_GT(list.size(), 100u);
-  const std::vector<std::string> prefixes = {"torch.", "collections.", "_codecs.encode", "deepspeed.",
-                                             "argparse.Namespace", "numpy."};
+  const std::vector<std::string> prefixes = {"torch.",     "collections.",       "_codecs.encode",
+                                             "deepspeed.", "argparse.Namespace", "numpy."};
   const std::vector<std::string> builtins = {"builtins.set", "builtins.frozenset", "builtins.bytes",
                                              "builtins.bytearray", "builtins.complex"};
   for (const auto& g : list) {
     bool ok = std::find(builtins.begin(), builtins.end(), g) != builtins.end();
     for (const auto& p : prefixes) ok = ok || g.rfind(p, 0) == 0;
     EXPECT_TRUE(ok) << g;
-    for (const char* bad : {"os.", "sys.", "posix.", "nt.", "subprocess.", "pickle.", "torch.load",
-                            "torch.jit", "torch.hub", "torch.ops", "torch.classes"})
+    for (const char* bad : {"os.", "sys.", "posix.", "nt.", "subprocess.", "pickle.", "torch.load", "torch.jit",
+                            "torch.hub", "torch.ops", "torch.classes"})
       EXPECT_NE(g.rfind(bad, 0), 0u) << g;
   }
-  for (const char* g : {"builtins.getattr", "builtins.eval", "builtins.exec", "builtins.__import__",
-                        "os.system", "posix.system", "subprocess.Popen", "copyreg._reconstructor"})
+  for (const char* g : {"builtins.getattr", "builtins.eval", "builtins.exec", "builtins.__import__", "os.system",
+                        "posix.system", "subprocess.Popen", "copyreg._reconstructor"})
     EXPECT_FALSE(StrictAllowsGlobal(g)) << g;
   EXPECT_TRUE(StrictAllowsGlobal("torch._utils._rebuild_tensor_v2"));
   EXPECT_TRUE(StrictAllowsGlobal("deepspeed.utils.tensor_fragment.fragment_address"));
@@ -163,7 +203,15 @@ TEST(StrictDefault, DefaultIsStrictAndCanBeChanged) {
   ASSERT_EQ(DefaultPicklePolicy(), PicklePolicy::kStrict);
   TempDir dir;
   const std::string path = dir.File("bad.pt");
-  WriteTorchZip(path, "bad", PickleBuilder().Proto(2).Global("os", "system").Str("true").Op(pickle::kTuple1).Op(pickle::kReduce).Stop().bytes());
+  WriteTorchZip(path, "bad",
+                PickleBuilder()
+                    .Proto(2)
+                    .Global("os", "system")
+                    .Str("true")
+                    .Op(pickle::kTuple1)
+                    .Op(pickle::kReduce)
+                    .Stop()
+                    .bytes());
   EXPECT_THROW(LoadTorchFile(path), FormatError);
   SetDefaultPicklePolicy(PicklePolicy::kLenient);
   ValuePtr root;

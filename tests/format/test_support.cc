@@ -139,7 +139,8 @@ class Differ {
       return;
     }
     auto wide = [](const json& j) -> __int128 {
-      return j.is_number_unsigned() ? static_cast<__int128>(j.get<uint64_t>()) : static_cast<__int128>(j.get<int64_t>());
+      return j.is_number_unsigned() ? static_cast<__int128>(j.get<uint64_t>())
+                                    : static_cast<__int128>(j.get<int64_t>());
     };
     if (wide(want) != wide(got)) Report(path, "want " + Short(want) + ", got " + Short(got));
   }
@@ -155,7 +156,8 @@ class Differ {
       const std::string sub = path + "." + it.key();
       if (is_set && it.key() == "items") {
         SetItems(it.value(), got["items"], sub);
-      } else if (it.key() == "storage_key" && o_.map_storage_keys && it.value().is_string() && got["storage_key"].is_string()) {
+      } else if (it.key() == "storage_key" && o_.map_storage_keys && it.value().is_string() &&
+                 got["storage_key"].is_string()) {
         MapKey(it.value(), got["storage_key"], sub);
       } else {
         Compare(it.value(), got[it.key()], sub);
@@ -295,7 +297,8 @@ PickleBuilder& PickleBuilder::Bytes(const std::string& s) {
 }
 PickleBuilder& PickleBuilder::Int(int64_t v) {
   if (v >= 0 && v < 256) return Op(pickle::kBinInt1).U8(static_cast<uint8_t>(v));
-  if (v >= 0 && v < 65536) return Op(pickle::kBinInt2).U8(static_cast<uint8_t>(v & 0xff)).U8(static_cast<uint8_t>(v >> 8));
+  if (v >= 0 && v < 65536)
+    return Op(pickle::kBinInt2).U8(static_cast<uint8_t>(v & 0xff)).U8(static_cast<uint8_t>(v >> 8));
   if (v >= INT32_MIN && v <= INT32_MAX) return Op(pickle::kBinInt).U32(static_cast<uint32_t>(static_cast<int32_t>(v)));
   Op(pickle::kLong1).U8(8);
   for (int k = 0; k < 8; ++k) U8(static_cast<uint8_t>((static_cast<uint64_t>(v) >> (8 * k)) & 0xff));
@@ -308,7 +311,14 @@ PickleBuilder& PickleBuilder::Tensor(const std::string& storage_class, const std
                                      const std::vector<int64_t>& stride) {
   Global("torch._utils", "_rebuild_tensor_v2");
   Mark();
-  Mark().Str("storage").Global("torch", storage_class).Str(key).Str("cpu").Int(storage_numel).Op(pickle::kTuple).Op(pickle::kBinPersId);
+  Mark()
+      .Str("storage")
+      .Global("torch", storage_class)
+      .Str(key)
+      .Str("cpu")
+      .Int(storage_numel)
+      .Op(pickle::kTuple)
+      .Op(pickle::kBinPersId);
   Int(offset);
   Mark();
   for (int64_t d : shape) Int(d);

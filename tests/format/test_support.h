@@ -5,8 +5,8 @@
 
 #include <cstdint>
 #include <map>
-#include <ostream>
 #include <nlohmann/json.hpp>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -78,25 +78,25 @@ std::vector<std::string> ObjectClasses(const Value& root);
 class PickleBuilder {
  public:
   PickleBuilder& Proto(int v);
-  PickleBuilder& Op(pickle::Opcode op);  // the opcode byte alone; its argument follows with the calls below
-  PickleBuilder& U8(uint8_t v);          // a 1-byte argument
-  PickleBuilder& U32(uint32_t v);        // a 4-byte little-endian argument
+  PickleBuilder& Op(pickle::Opcode op);          // the opcode byte alone; its argument follows with the calls below
+  PickleBuilder& U8(uint8_t v);                  // a 1-byte argument
+  PickleBuilder& U32(uint32_t v);                // a 4-byte little-endian argument
   PickleBuilder& Line(const std::string& text);  // a text argument and its newline
   PickleBuilder& Raw(const std::string& bytes);
   PickleBuilder& Global(const std::string& module, const std::string& name);  // GLOBAL
   PickleBuilder& Inst(const std::string& module, const std::string& name);    // INST (after a MARK)
-  PickleBuilder& Str(const std::string& s);       // BINUNICODE
-  PickleBuilder& ShortStr(const std::string& s);  // SHORT_BINUNICODE (protocol 4)
-  PickleBuilder& Bytes(const std::string& s);     // BINBYTES (protocol 3)
-  PickleBuilder& Int(int64_t v);                  // BININT1 / BININT2 / BININT / LONG1
+  PickleBuilder& Str(const std::string& s);                                   // BINUNICODE
+  PickleBuilder& ShortStr(const std::string& s);                              // SHORT_BINUNICODE (protocol 4)
+  PickleBuilder& Bytes(const std::string& s);                                 // BINBYTES (protocol 3)
+  PickleBuilder& Int(int64_t v);                                              // BININT1 / BININT2 / BININT / LONG1
   PickleBuilder& Mark() { return Op(pickle::kMark); }
   PickleBuilder& Put(uint8_t idx);  // BINPUT
   PickleBuilder& Get(uint8_t idx);  // BINGET
   PickleBuilder& Stop() { return Op(pickle::kStop); }
   // A tensor over ('storage', torch.<cls>, key, 'cpu', numel) with
   // _rebuild_tensor_v2; leaves the tensor on the stack.
-  PickleBuilder& Tensor(const std::string& storage_class, const std::string& key, int64_t storage_numel,
-                        int64_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& stride);
+  PickleBuilder& Tensor(const std::string& storage_class, const std::string& key, int64_t storage_numel, int64_t offset,
+                        const std::vector<int64_t>& shape, const std::vector<int64_t>& stride);
   const std::string& bytes() const { return b_; }
 
  private:

@@ -139,9 +139,9 @@ TEST(IntToDecimal, PowersOfTwo) {
 
 // Text LONG opcodes parse decimals of any size; IntToDecimal gives them back.
 TEST(IntToDecimal, RoundTripsThroughPickleLongText) {
-  for (const std::string& dec : {std::string("123456789012345678901234567890"), std::string("-1"),
-                                  std::string("-98765432109876543210987654321098765432109876543210"),
-                                  PowerOfTwo(2100), "-" + PowerOfTwo(640)}) {
+  for (const std::string& dec :
+       {std::string("123456789012345678901234567890"), std::string("-1"),
+        std::string("-98765432109876543210987654321098765432109876543210"), PowerOfTwo(2100), "-" + PowerOfTwo(640)}) {
     std::string p = "L" + dec + "L\n.";
     auto v = ReadPickle({reinterpret_cast<const uint8_t*>(p.data()), p.size()}, "long.pkl", {});
     ASSERT_EQ(v->kind, Kind::kInt);
@@ -278,7 +278,8 @@ TEST(ZipReader, LocalNameDiffersFromCentral) {
 
 TEST(ZipReader, TruncatedFile) {
   SampleZip z = MakeSampleZip();
-  for (size_t keep : {z.bytes.size() - 1, z.bytes.size() - 22, z.cd_offset + 10, z.cd_offset, size_t{100}, size_t{21}}) {
+  for (size_t keep :
+       {z.bytes.size() - 1, z.bytes.size() - 22, z.cd_offset + 10, z.cd_offset, size_t{100}, size_t{21}}) {
     std::vector<uint8_t> b(z.bytes.begin(), z.bytes.begin() + static_cast<ptrdiff_t>(keep));
     std::string msg = ZipError(b);
     EXPECT_NE(msg.find("broken.pt"), std::string::npos) << keep << ": " << msg;

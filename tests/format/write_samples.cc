@@ -80,8 +80,8 @@ ValuePtr PowerOfTwo(int n, bool negative) {
       if (++b != 0) break;
   }
   // Minimal length, as the pickler writes it.
-  while (mag.size() > 1 && ((mag.back() == 0 && !(mag[mag.size() - 2] & 0x80)) ||
-                            (mag.back() == 0xff && (mag[mag.size() - 2] & 0x80))))
+  while (mag.size() > 1 &&
+         ((mag.back() == 0 && !(mag[mag.size() - 2] & 0x80)) || (mag.back() == 0xff && (mag[mag.size() - 2] & 0x80))))
     mag.pop_back();
   auto v = Value::Int(0);
   if (mag.size() <= 8) {
@@ -99,7 +99,8 @@ ValuePtr PowerOfTwo(int n, bool negative) {
 ValuePtr Int128(__int128 x) {
   std::vector<uint8_t> b;
   for (int k = 0; k < 16; ++k) b.push_back(static_cast<uint8_t>(static_cast<unsigned __int128>(x) >> (8 * k)));
-  while (b.size() > 1 && ((b.back() == 0 && !(b[b.size() - 2] & 0x80)) || (b.back() == 0xff && (b[b.size() - 2] & 0x80))))
+  while (b.size() > 1 &&
+         ((b.back() == 0 && !(b[b.size() - 2] & 0x80)) || (b.back() == 0xff && (b[b.size() - 2] & 0x80))))
     b.pop_back();
   if (b.size() <= 8) return Value::Int(static_cast<int64_t>(x));
   auto v = Value::Int(0);
@@ -161,11 +162,12 @@ ValuePtr Dtypes() {
                                        {0x0000, 0x8000, 0x3c00, 0x7bff, 0x0001, 0x7c00, 0xfc00, 0x7e00, 0x3555})},
       {"bfloat16", MakeTensor<uint16_t>(DType::kBFloat16, {3, 3},
                                         {0x0000, 0x8000, 0x3f80, 0x7f7f, 0x0001, 0x7f80, 0xff80, 0x7fc0, 0x3eab})},
-      {"int64", MakeTensor<int64_t>(DType::kInt64, {5},
-                                    {std::numeric_limits<int64_t>::min(), -1, 0, 1, std::numeric_limits<int64_t>::max()})},
-      {"int32", MakeTensor<int32_t>(DType::kInt32, {2, 3},
-                                    {std::numeric_limits<int32_t>::min(), -1, 0, 1, 65536,
-                                     std::numeric_limits<int32_t>::max()})},
+      {"int64",
+       MakeTensor<int64_t>(DType::kInt64, {5},
+                           {std::numeric_limits<int64_t>::min(), -1, 0, 1, std::numeric_limits<int64_t>::max()})},
+      {"int32", MakeTensor<int32_t>(
+                    DType::kInt32, {2, 3},
+                    {std::numeric_limits<int32_t>::min(), -1, 0, 1, 65536, std::numeric_limits<int32_t>::max()})},
       {"int16", MakeTensor<int16_t>(DType::kInt16, {4}, {-32768, -1, 0, 32767})},
       {"int8", MakeTensor<int8_t>(DType::kInt8, {4}, {-128, -1, 0, 127})},
       {"uint8", MakeTensor<uint8_t>(DType::kUInt8, {5}, {0, 1, 127, 128, 255})},
@@ -186,20 +188,21 @@ ValuePtr DtypesV3() {
       // 0, -0, 1, 448 (max), min subnormal, nan
       {"float8_e4m3fn", MakeTensor<uint8_t>(DType::kFloat8E4M3FN, {6}, {0x00, 0x80, 0x38, 0x7e, 0x01, 0x7f})},
       // 0, -0, 1, 57344 (max), inf, -inf, nan, min subnormal
-      {"float8_e5m2", MakeTensor<uint8_t>(DType::kFloat8E5M2, {2, 4}, {0x00, 0x80, 0x3c, 0x7b, 0x7c, 0xfc, 0x7e, 0x01})},
+      {"float8_e5m2",
+       MakeTensor<uint8_t>(DType::kFloat8E5M2, {2, 4}, {0x00, 0x80, 0x3c, 0x7b, 0x7c, 0xfc, 0x7e, 0x01})},
   });
 }
 
 ValuePtr ViewsAndSharing() {
   auto base = F32Range({3, 4});
   auto transposed = View(base, {4, 3}, {1, 4}, 0);
-  auto block = View(base, {2, 2}, {4, 1}, 5);       // base[1:, 1:3]
-  auto every_third = View(base, {4}, {3}, 0);       // base.view(-1)[::3]
+  auto block = View(base, {2, 2}, {4, 1}, 5);  // base[1:, 1:3]
+  auto every_third = View(base, {4}, {3}, 0);  // base.view(-1)[::3]
   auto expanded = MakeTensor<int64_t>(DType::kInt64, {2}, {1, 2});
-  expanded = View(expanded, {3, 2}, {0, 1}, 0);     // tensor([1, 2]).expand(3, 2)
+  expanded = View(expanded, {3, 2}, {0, 1}, 0);          // tensor([1, 2]).expand(3, 2)
   auto slice_alone = View(F32Range({10}), {3}, {1}, 2);  // arange(10)[2:5], whole storage saved
   auto big = F32Range({16, 24}, 0.5f);
-  auto big_t = View(big, {24, 16}, {1, 24}, 0);     // > 64 elements, not contiguous: hashed only
+  auto big_t = View(big, {24, 16}, {1, 24}, 0);  // > 64 elements, not contiguous: hashed only
   auto other = MakeTensor<int32_t>(DType::kInt32, {2}, {7, 8});
   return Value::List({base, transposed, block, every_third, expanded, slice_alone, big_t, other, base, big});
 }
@@ -227,10 +230,10 @@ ValuePtr Nested() {
   int_keys->set(Value::None(), Value::Bool(true));
   return Dict({
       {"deep", Value::List({Value::Int(1), Value::List({Value::Int(2), Value::List({Value::Int(3), inner})})})},
-      {"tuples", Value::List({Value::Tuple(), Value::Tuple({Value::Str("x")}),
-                              Value::Tuple({Value::Int(1), Value::Int(2)}),
-                              Value::Tuple({Value::Int(1), Value::Int(2), Value::Int(3)}),
-                              Value::Tuple({Value::Int(1), Value::Int(2), Value::Int(3), Value::Int(4)})})},
+      {"tuples",
+       Value::List({Value::Tuple(), Value::Tuple({Value::Str("x")}), Value::Tuple({Value::Int(1), Value::Int(2)}),
+                    Value::Tuple({Value::Int(1), Value::Int(2), Value::Int(3)}),
+                    Value::Tuple({Value::Int(1), Value::Int(2), Value::Int(3), Value::Int(4)})})},
       {"tensors", Dict({{"w", Value::List({w, Value::Tuple({F32Range({3}), Value::None()})})}, {"again", w}})},
       {"flags", Value::List({Value::Bool(true), Value::Bool(false), Value::None()})},
       {"empty", Dict({{"list", Value::List()}, {"dict", Value::Dict()}, {"tuple", Value::Tuple()}})},
@@ -246,18 +249,18 @@ ValuePtr Ints() {
                     std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()})
     v.push_back(Value::Int(x));
   const __int128 two63 = static_cast<__int128>(1) << 63;
-  v.push_back(Int128(two63));            // 2^63: LONG1 of 9 bytes
-  v.push_back(Int128(2 * two63 - 1));    // 2^64 - 1
-  v.push_back(Int128(2 * two63));        // 2^64
+  v.push_back(Int128(two63));          // 2^63: LONG1 of 9 bytes
+  v.push_back(Int128(2 * two63 - 1));  // 2^64 - 1
+  v.push_back(Int128(2 * two63));      // 2^64
   v.push_back(Int128(-two63 - 1));
   v.push_back(PowerOfTwo(100, false));
   v.push_back(PowerOfTwo(100, true));
-  v.push_back(PowerOfTwo(2000, false));      // 251 bytes: still LONG1
+  v.push_back(PowerOfTwo(2000, false));  // 251 bytes: still LONG1
   return Dict({{"ints", Value::List(v)}, {"as_key", [] {
-                  auto d = Value::Dict();
-                  d->set(PowerOfTwo(70, false), Value::Str("2^70"));
-                  return d;
-                }()}});
+                                            auto d = Value::Dict();
+                                            d->set(PowerOfTwo(70, false), Value::Str("2^70"));
+                                            return d;
+                                          }()}});
 }
 
 ValuePtr Long4() { return Dict({{"two_pow_2100", PowerOfTwo(2100, false)}, {"minus", PowerOfTwo(2100, true)}}); }
@@ -265,12 +268,13 @@ ValuePtr Long4() { return Dict({{"two_pow_2100", PowerOfTwo(2100, false)}, {"min
 ValuePtr Strings() {
   std::vector<ValuePtr> v;
   for (const std::string& s : {std::string(""), std::string("ascii"), std::string("h\xc3\xa9llo"),
-                               std::string("\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e"), std::string("emoji \xf0\x9f\x8e\x89"),
-                               std::string("nul\0inside", 10), std::string("quote'\"\\"), std::string("line\n\ttab\r"),
-                               std::string("\xc3\xbf")})
+                               std::string("\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e"),
+                               std::string("emoji \xf0\x9f\x8e\x89"), std::string("nul\0inside", 10),
+                               std::string("quote'\"\\"), std::string("line\n\ttab\r"), std::string("\xc3\xbf")})
     v.push_back(Value::Str(s));
   auto d = Value::Dict();
-  d->set("\xd0\xba\xd0\xbb\xd1\x8e\xd1\x87", Value::Str("\xd0\xb7\xd0\xbd\xd0\xb0\xd1\x87\xd0\xb5\xd0\xbd\xd0\xb8\xd0\xb5"));
+  d->set("\xd0\xba\xd0\xbb\xd1\x8e\xd1\x87",
+         Value::Str("\xd0\xb7\xd0\xbd\xd0\xb0\xd1\x87\xd0\xb5\xd0\xbd\xd0\xb8\xd0\xb5"));
   d->set("k", Value::Str("v"));
   return Dict({{"strings", Value::List(v)}, {"unicode_keys", d}});
 }
@@ -310,7 +314,8 @@ ValuePtr TorchObjects() {
   return Dict({
       {"size", Value::Size({2, 3})},
       {"size0", Value::Size({})},
-      {"dtypes", Value::List({Value::Dtype(DType::kFloat32), Value::Dtype(DType::kInt64), Value::Dtype(DType::kFloat16)})},
+      {"dtypes",
+       Value::List({Value::Dtype(DType::kFloat32), Value::Dtype(DType::kInt64), Value::Dtype(DType::kFloat16)})},
   });
 }
 
@@ -318,7 +323,8 @@ ValuePtr DevicesAndDtypes() {
   return Dict({
       {"cpu", Device("cpu")},
       {"cuda1", Device("cuda:1")},
-      {"dtypes", Value::List({Value::Dtype(DType::kBFloat16), Value::Dtype(DType::kBool), Value::Dtype(DType::kUInt8)})},
+      {"dtypes",
+       Value::List({Value::Dtype(DType::kBFloat16), Value::Dtype(DType::kBool), Value::Dtype(DType::kUInt8)})},
   });
 }
 
@@ -484,7 +490,10 @@ int Run(int argc, char** argv) {
       const std::string file = "roundtrip/" + version + "/" + name + ".pt";
       SaveTorchFile((out / file).string(), t.root, so);
       const bool opaque = f.value("malicious", false) || f.value("custom_classes", false);
-      roundtrip.push_back({{"name", name}, {"version", version}, {"file", file}, {"unpickle", !opaque},
+      roundtrip.push_back({{"name", name},
+                           {"version", version},
+                           {"file", file},
+                           {"unpickle", !opaque},
                            {"expected", opaque ? json() : f["expected"]}});
     }
   }

@@ -136,8 +136,7 @@ bool Try(F&& step) {
     step();
     return true;
   } catch (const FormatError&) {
-  } catch (const IoError&) {
-  }
+  } catch (const IoError&) {}
   return false;
 }
 
@@ -179,10 +178,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fs::remove_all(work, ec);
   fs::create_directories(dir.parent_path());
   fs::copy(seed.folder, dir, fs::copy_options::recursive);
-  if (remove)
-    fs::remove(dir / file);
-  else
-    WriteAll(dir / file, data + 3, size - 3);
+  if (remove) fs::remove(dir / file);
+  else WriteAll(dir / file, data + 3, size - 3);
 
   if (seed.universal) {
     ReadUniversal(dir.string());
@@ -194,10 +191,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       o.durable = false;
       const fs::path out = work / "out" / "universal";
       fs::create_directories(out.parent_path());
-      if (Try([&] { ConvertToUniversal(z, out.string(), o); }))
-        ReadUniversal(out.string());
-      else if (fs::exists(out))
-        __builtin_trap();  // a failed conversion left its output behind
+      if (Try([&] { ConvertToUniversal(z, out.string(), o); })) ReadUniversal(out.string());
+      else if (fs::exists(out)) __builtin_trap();  // a failed conversion left its output behind
     }
   }
   const fs::path st = work / "model.safetensors";

@@ -30,8 +30,8 @@ class FakeStorages {
     const auto& key = pid->items[2];
     const auto& loc = pid->items[3];
     const auto& numel = pid->items[4];
-    if (cls->kind != Kind::kGlobal || key->kind != Kind::kStr || loc->kind != Kind::kStr ||
-        numel->kind != Kind::kInt || !numel->big.empty() || numel->i < 0)
+    if (cls->kind != Kind::kGlobal || key->kind != Kind::kStr || loc->kind != Kind::kStr || numel->kind != Kind::kInt ||
+        !numel->big.empty() || numel->i < 0)
       throw FormatError("fuzz: malformed storage tuple");
     auto it = cache_.find(key->s);
     if (it != cache_.end()) return it->second;
@@ -66,8 +66,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     FakeStorages storages;
     strict_root = ReadPickle({data, size}, "fuzz.pkl", std::ref(storages), {}, PicklePolicy::kStrict);
-  } catch (const FormatError&) {
-  }
+  } catch (const FormatError&) {}
   try {
     FakeStorages storages;
     root = ReadPickle({data, size}, "fuzz.pkl", std::ref(storages), {}, PicklePolicy::kLenient);
@@ -79,22 +78,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string a, b;
     try {
       a = ValueToJson(*strict_root).dump();
-    } catch (const std::exception&) {
-    }
+    } catch (const std::exception&) {}
     try {
       b = ValueToJson(*root).dump();
-    } catch (const std::exception&) {
-    }
+    } catch (const std::exception&) {}
     if (a != b) __builtin_trap();  // the policy changed the value, not only the verdict
   }
   try {
     (void)ValueToJson(*root).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);  // as `inspect --json`
-  } catch (const FormatError&) {
-  }
+  } catch (const FormatError&) {}
   try {
     // The writer may refuse a value torch cannot represent, but must not crash.
     (void)PickleForTorch(root);
-  } catch (const FormatError&) {
-  }
+  } catch (const FormatError&) {}
   return 0;
 }

@@ -15,14 +15,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     uckpt::SafetensorsFile f = uckpt::SafetensorsFile::Parse(file);
     uint64_t end = 0;
     for (const auto& t : f.tensors()) {
-      if (t.begin < end || t.end > size || t.end - t.begin != static_cast<uint64_t>(t.numel) * uckpt::DTypeSize(t.dtype))
+      if (t.begin < end || t.end > size ||
+          t.end - t.begin != static_cast<uint64_t>(t.numel) * uckpt::DTypeSize(t.dtype))
         __builtin_trap();
       end = t.end;
       if (f.Elements(t, 0, t.numel).size() != t.end - t.begin) __builtin_trap();
       if (f.Find(t.name) == nullptr) __builtin_trap();
     }
     if (!f.tensors().empty() && end != size) __builtin_trap();
-  } catch (const uckpt::FormatError&) {
-  }
+  } catch (const uckpt::FormatError&) {}
   return 0;
 }

@@ -43,7 +43,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     volatile uint64_t sink = sum;
     (void)sink;
   } catch (const FormatError&) {
-  } catch (const IoError&) {
-  }
+  } catch (const IoError&) {}
   return 0;
 }

@@ -73,20 +73,21 @@ TEST(BertConfig, RejectsBadSizesWithClearErrors) {
 
 TEST(BertMlm, HuggingFaceNamesInDeterministicOrder) {
   BertMlm m(Tiny());
-  std::vector<std::string> want = {"bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
-                                   "bert.embeddings.LayerNorm.weight", "bert.embeddings.LayerNorm.bias"};
+  std::vector<std::string> want = {"bert.embeddings.word_embeddings.weight",
+                                   "bert.embeddings.position_embeddings.weight", "bert.embeddings.LayerNorm.weight",
+                                   "bert.embeddings.LayerNorm.bias"};
   for (int i = 0; i < 2; ++i) {
     const std::string p = "bert.encoder.layer." + std::to_string(i) + ".";
-    for (const char* s : {"attention.self.query", "attention.self.key", "attention.self.value",
-                          "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
-                          "output.dense", "output.LayerNorm"}) {
+    for (const char* s :
+         {"attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+          "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"}) {
       want.push_back(p + s + ".weight");
       want.push_back(p + s + ".bias");
     }
   }
-  for (const char* s : {"cls.predictions.bias", "cls.predictions.transform.dense.weight",
-                        "cls.predictions.transform.dense.bias", "cls.predictions.transform.LayerNorm.weight",
-                        "cls.predictions.transform.LayerNorm.bias"})
+  for (const char* s :
+       {"cls.predictions.bias", "cls.predictions.transform.dense.weight", "cls.predictions.transform.dense.bias",
+        "cls.predictions.transform.LayerNorm.weight", "cls.predictions.transform.LayerNorm.bias"})
     want.push_back(s);
   std::vector<std::string> unique;
   for (auto& [name, t] : m->unique_named_parameters()) unique.push_back(name);
@@ -212,7 +213,8 @@ TEST(MaskBatch, Statistics) {
   // Every row has a label; labels are the original ids; unselected positions are unchanged.
   EXPECT_TRUE(selected.any(1).all().item<bool>());
   EXPECT_TRUE(torch::equal(mb.labels.masked_select(selected), ids.masked_select(selected)));
-  EXPECT_TRUE(torch::equal(mb.input_ids.masked_select(selected.logical_not()), ids.masked_select(selected.logical_not())));
+  EXPECT_TRUE(
+      torch::equal(mb.input_ids.masked_select(selected.logical_not()), ids.masked_select(selected.logical_not())));
   torch::Tensor in_sel = mb.input_ids.masked_select(selected), orig_sel = ids.masked_select(selected);
   const double masked = in_sel.eq(kBertMaskToken).sum().item<double>() / n_sel;
   const double changed = (in_sel.ne(kBertMaskToken) & in_sel.ne(orig_sel)).sum().item<double>() / n_sel;
@@ -308,7 +310,8 @@ std::string TextBytes(size_t n) {
 // the buffers) as a torch.save file.
 void SaveStateDict(BertMlmImpl& m, const std::string& path) {
   ValuePtr d = Value::Dict(/*ordered=*/true);
-  for (const auto& item : m.named_parameters()) d->set(item.key(), Value::FromTensor(engine::FromTorch(item.value().detach())));
+  for (const auto& item : m.named_parameters())
+    d->set(item.key(), Value::FromTensor(engine::FromTorch(item.value().detach())));
   for (const auto& item : m.named_buffers()) d->set(item.key(), Value::FromTensor(engine::FromTorch(item.value())));
   SaveTorchFile(path, d);
 }
@@ -376,7 +379,8 @@ TEST(BertMlm, TwentyStepsMatchThePyTorchReference) {
   engine::TokenFileSource source(data, engine::TokenFileSource::Encoding::kBytes, T, cfg.vocab_size);
   std::ifstream mask_file(masks, std::ios::binary);
   auto params = model->unique_parameters();
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(weight_decay));
+  torch::optim::AdamW opt(params,
+                          torch::optim::AdamWOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(weight_decay));
   model->train();
   double max_rel = 0;
   for (int64_t s = 0; s < steps; ++s) {
@@ -460,12 +464,11 @@ BertRun MakeBertRun(Comm& comm) {
   BertRun r;
   r.model = BertMlm(cfg);
   BertMlmInit(*r.model, 7);
-  const nlohmann::json ds = {
-      {"train_batch_size", 12},
-      {"train_micro_batch_size_per_gpu", 2},
-      {"gradient_clipping", 1.0},
-      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 2e-3}, {"weight_decay", 0.01}}}}},
-      {"zero_optimization", {{"stage", 1}, {"offload_optimizer", {{"device", "cpu"}}}}}};
+  const nlohmann::json ds = {{"train_batch_size", 12},
+                             {"train_micro_batch_size_per_gpu", 2},
+                             {"gradient_clipping", 1.0},
+                             {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 2e-3}, {"weight_decay", 0.01}}}}},
+                             {"zero_optimization", {{"stage", 1}, {"offload_optimizer", {{"device", "cpu"}}}}}};
   EngineOptions eo;
   eo.comm = std::shared_ptr<Comm>(&comm, [](Comm*) {});
   r.engine = std::make_unique<Engine>(r.model.ptr(), Config::FromJson(ds, "bert ranks test"), eo);
@@ -520,7 +523,8 @@ TEST(BertMlm, TwoRanksZero1OffloadResumeOnThreeThroughUniversal) {
     l.insert(l.end(), rest.begin(), rest.end());
     if (comm.rank() == 0) uninterrupted = l;
   });
-  ckpt::ConvertToUniversal((dir / "ckpt" / "global_step3").string(), (dir / "ckpt" / "global_step3_universal").string());
+  ckpt::ConvertToUniversal((dir / "ckpt" / "global_step3").string(),
+                           (dir / "ckpt" / "global_step3_universal").string());
   std::vector<double> resumed;
   engine::testing::RunRanks(3, [&](Comm& comm) {
     BertRun r = MakeBertRun(comm);

@@ -23,8 +23,8 @@ Result ForwardBackward(bool fused, at::ScalarType dtype, at::Device device, int6
   at::Tensor labels = at::randint(0, vocab, {N}, at::kLong);
   labels.index_put_({at::tensor({2, 5, 30}, at::kLong)}, -100);  // ignored, as cross_entropy's default
   labels = labels.to(device);
-  at::Tensor loss = fused ? LmHeadCrossEntropy(h, w, labels)
-                          : at::cross_entropy_loss(at::linear(h, w).to(at::kFloat), labels);
+  at::Tensor loss =
+      fused ? LmHeadCrossEntropy(h, w, labels) : at::cross_entropy_loss(at::linear(h, w).to(at::kFloat), labels);
   (loss * 0.7).backward();
   return {loss.detach(), h.grad(), w.grad()};
 }
@@ -39,7 +39,8 @@ void ExpectSame(const Result& want, const Result& got, at::ScalarType dtype, dou
   EXPECT_EQ(got.grad_w.sizes(), want.grad_w.sizes());
   const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
   for (const auto& [a, b] : {std::pair{want.grad_h, got.grad_h}, std::pair{want.grad_w, got.grad_w}}) {
-    const double rel = (a.to(at::kFloat) - b.to(at::kFloat)).norm().item<double>() / a.to(at::kFloat).norm().item<double>();
+    const double rel =
+        (a.to(at::kFloat) - b.to(at::kFloat)).norm().item<double>() / a.to(at::kFloat).norm().item<double>();
     EXPECT_LT(rel, tol);
   }
 }
@@ -65,9 +66,11 @@ TEST(LmHeadCrossEntropy, AlignedRowsOnCudaGiveTheSameLossAndGradients) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a GPU";
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     SCOPED_TRACE(c10::toString(dtype));
-    const Result want = ForwardBackward(false, dtype, at::kCUDA, 50257 % 64), got = ForwardBackward(true, dtype, at::kCUDA, 50257 % 64);
+    const Result want = ForwardBackward(false, dtype, at::kCUDA, 50257 % 64),
+                 got = ForwardBackward(true, dtype, at::kCUDA, 50257 % 64);
     ExpectSame(want, got, dtype, 1e-5);
-    const Result want_v = ForwardBackward(false, dtype, at::kCUDA, 1001), got_v = ForwardBackward(true, dtype, at::kCUDA, 1001);
+    const Result want_v = ForwardBackward(false, dtype, at::kCUDA, 1001),
+                 got_v = ForwardBackward(true, dtype, at::kCUDA, 1001);
     ExpectSame(want_v, got_v, dtype, 1e-5);
   }
 }

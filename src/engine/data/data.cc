@@ -49,9 +49,8 @@ TokenFileSource::TokenFileSource(const std::string& path, Encoding encoding, int
                       std::to_string(seq_len));
   auto it = std::max_element(tokens_.begin(), tokens_.end());
   if (*it >= vocab_size)
-    throw FormatError(path + ": token " + std::to_string(*it) + " at position " +
-                      std::to_string(it - tokens_.begin()) + " is not below the vocabulary size " +
-                      std::to_string(vocab_size));
+    throw FormatError(path + ": token " + std::to_string(*it) + " at position " + std::to_string(it - tokens_.begin()) +
+                      " is not below the vocabulary size " + std::to_string(vocab_size));
 }
 
 void TokenFileSource::Row(int64_t, int64_t samples_before, int64_t row, std::span<int64_t> out) const {

@@ -40,8 +40,8 @@ class SyntheticSource : public TokenSource {
  public:
   SyntheticSource(uint64_t seed, int64_t vocab_size) : seed_(seed), vocab_(vocab_size) {}
   static int64_t Token(uint64_t seed, int64_t vocab, int64_t step, int64_t row, int64_t t) {
-    uint64_t x = seed + static_cast<uint64_t>(step) * 1000003u + static_cast<uint64_t>(row) * 1009u +
-                 static_cast<uint64_t>(t);
+    uint64_t x =
+        seed + static_cast<uint64_t>(step) * 1000003u + static_cast<uint64_t>(row) * 1009u + static_cast<uint64_t>(t);
     return static_cast<int64_t>(SplitMix64(x) % static_cast<uint64_t>(vocab));
   }
   void Row(int64_t step, int64_t samples_before, int64_t row, std::span<int64_t> out) const override;
@@ -78,7 +78,7 @@ class TokenFileSource : public TokenSource {
 };
 
 // `rows` consecutive rows starting at `first_row`, row-major [rows, seq_len].
-std::vector<int64_t> GatherRows(const TokenSource& source, int64_t step, int64_t samples_before,
-                                int64_t first_row, int64_t rows, int64_t seq_len);
+std::vector<int64_t> GatherRows(const TokenSource& source, int64_t step, int64_t samples_before, int64_t first_row,
+                                int64_t rows, int64_t seq_len);
 
 }  // namespace uckpt::engine

@@ -40,8 +40,8 @@ CheckpointPlace AgreeOnCheckpointPlace(Comm& comm, const std::string& dir, const
     comm.AllReduceMax(differs);
     if (differs.item<float>() > 0)
       throw std::invalid_argument(what + ": the checkpoint tag is not the same on every rank (rank " +
-                                  std::to_string(comm.rank()) + ": " + Quoted(tag) + ", rank 0: " +
-                                  Quoted(agreed.tag) + "), and the config's checkpoint.tag_validation is \"Fail\"");
+                                  std::to_string(comm.rank()) + ": " + Quoted(tag) + ", rank 0: " + Quoted(agreed.tag) +
+                                  "), and the config's checkpoint.tag_validation is \"Fail\"");
   }
   if (agreed.dir != dir || agreed.tag != tag) {
     std::cerr << "uckpt: warning: " << what << ": rank " << comm.rank() << " was given folder " << Quoted(dir)

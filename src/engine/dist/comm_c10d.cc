@@ -9,9 +9,9 @@
 //    from them).
 //  - Gloo knows no bfloat16: all-gathers move its bits as fp16, reductions go
 //    through fp32.
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/version.h>
 
 #if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>) && __has_include(<gloo/algorithm.h>) && \
     !defined(UCKPT_NO_GLOO)
@@ -26,12 +26,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <thread>
 #include <functional>
+#include <thread>
 
+#include "engine/dist/rank_monitor.h"
 #include "uckpt/comm.h"
 #include "uckpt/process_group.h"
-#include "engine/dist/rank_monitor.h"
 
 namespace uckpt {
 namespace {
@@ -69,10 +69,16 @@ void OnDevice(at::Device device, std::initializer_list<at::Tensor*> ts, F&& f) {
 template <typename PG>
 class C10dComm : public Comm {
  public:
-  C10dComm(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<PG> pg, int rank, int world,
-           std::string backend, std::chrono::milliseconds timeout, at::Device device, bool owns_pg = true)
-      : store_(std::move(store)), pg_(std::move(pg)), rank_(rank), world_(world), backend_(std::move(backend)),
-        timeout_(timeout), device_(device), owns_pg_(owns_pg) {}
+  C10dComm(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<PG> pg, int rank, int world, std::string backend,
+           std::chrono::milliseconds timeout, at::Device device, bool owns_pg = true)
+      : store_(std::move(store)),
+        pg_(std::move(pg)),
+        rank_(rank),
+        world_(world),
+        backend_(std::move(backend)),
+        timeout_(timeout),
+        device_(device),
+        owns_pg_(owns_pg) {}
 
   ~C10dComm() override {
     // A group borrowed from the caller (Python's) is the caller's to end.
@@ -113,8 +119,9 @@ class C10dComm : public Comm {
     } else {  // an all-reduce, then this rank's chunk once it is done
       std::vector<at::Tensor> ts{in};
       const int64_t begin = rank_ * out.numel();
-      return Start("reduce-scatter (overlapped all-reduce)", [&] { return pg_->allreduce(ts); }, {in, out},
-                   [in, out, begin]() mutable { out.copy_(in.view(-1).narrow(0, begin, out.numel()).view_as(out)); });
+      return Start(
+          "reduce-scatter (overlapped all-reduce)", [&] { return pg_->allreduce(ts); }, {in, out},
+          [in, out, begin]() mutable { out.copy_(in.view(-1).narrow(0, begin, out.numel()).view_as(out)); });
     }
   }
 
@@ -243,8 +250,7 @@ class C10dComm : public Comm {
     if constexpr (kFlatCollectives) {
       try {
         pg_->shutdown();
-      } catch (...) {
-      }
+      } catch (...) {}
     }
   }
 
@@ -286,10 +292,8 @@ class C10dComm : public Comm {
       // collective, so the host runs ahead (with one it spins until the GPU is
       // done, after every collective: stage 3 has dozens per step). The group's
       // own timeout (its watchdog) and the rank monitor still end a hung job.
-      if (backend_ == "nccl")
-        work->wait();
-      else
-        work->wait(timeout_);
+      if (backend_ == "nccl") work->wait();
+      else work->wait(timeout_);
       if (monitor_) monitor_->LeaveCollective();
     } catch (const std::exception& e) {
       const std::string msg = Brief(e);
@@ -335,14 +339,13 @@ std::unique_ptr<Comm> Monitored(std::unique_ptr<C10dComm<PG>> comm, c10::intrusi
     so.timeout = timeout;
     return WithPrefix(c10::make_intrusive<c10d::TCPStore>(addr, so), prefix);
   };
-  auto monitor = std::make_unique<engine::RankMonitor>(connect, env.rank, env.world_size, hs,
-                                               addr + ":" + std::to_string(env.master_port), engine::RankMonitor::Exit{},
-                                               env.agent_store ? "torchrun's agent" : "rank 0");
-  if constexpr (requires(PG& p) { p.abort(); }) monitor->SetAbortHook([pg] { pg->abort(); });
+  auto monitor = std::make_unique<engine::RankMonitor>(
+      connect, env.rank, env.world_size, hs, addr + ":" + std::to_string(env.master_port), engine::RankMonitor::Exit{},
+      env.agent_store ? "torchrun's agent" : "rank 0");
+  if constexpr (requires(PG & p) { p.abort(); }) monitor->SetAbortHook([pg] { pg->abort(); });
   comm->Watch(std::move(monitor));
   return comm;
 }
-
 
 }  // namespace
 
@@ -359,9 +362,8 @@ std::unique_ptr<Comm> ConnectC10d(const DistEnv& env, std::chrono::milliseconds 
   try {
     store = WithPrefix(c10::make_intrusive<c10d::TCPStore>(env.master_addr, so), env.store_prefix);
   } catch (const std::exception& e) {
-    throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
-                    ": rendezvous at " + env.master_addr + ":" + std::to_string(env.master_port) +
-                    " failed: " + Brief(e));
+    throw CommError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + ": rendezvous at " +
+                    env.master_addr + ":" + std::to_string(env.master_port) + " failed: " + Brief(e));
   }
   if (cuda) {
 #ifdef USE_C10D_NCCL
@@ -407,8 +409,8 @@ std::unique_ptr<Comm> CommOnProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> 
   if (!pg) throw std::invalid_argument("CommOnProcessGroup: no process group");
   const int rank = pg->getRank(), world = pg->getSize();
   std::string backend = pg->getBackendName();
-  return std::make_unique<C10dComm<c10d::ProcessGroup>>(c10::intrusive_ptr<c10d::Store>(), std::move(pg), rank, world, std::move(backend),
-                                                        timeout, device, /*owns_pg=*/false);
+  return std::make_unique<C10dComm<c10d::ProcessGroup>>(c10::intrusive_ptr<c10d::Store>(), std::move(pg), rank, world,
+                                                        std::move(backend), timeout, device, /*owns_pg=*/false);
 }
 
 }  // namespace uckpt

@@ -61,8 +61,8 @@ struct LauncherVars {
 constexpr LauncherVars kLaunchers[] = {
     {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE", nullptr},
-    {"MVAPICH2", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
-     "MV2_COMM_WORLD_LOCAL_SIZE", nullptr},
+    {"MVAPICH2", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
+     nullptr},
     {"MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", nullptr},
     // SLURM_STEP_NUM_TASKS: set by srun only (a batch script has SLURM_NTASKS but runs one process).
     {"Slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", nullptr, "SLURM_STEP_NUM_NODES"},
@@ -99,7 +99,8 @@ DistEnv FromLauncher(const LauncherVars& l, int port) {
         who + " started " + std::to_string(e.world_size) +
         " ranks that are not all on this host, and MASTER_ADDR is not set: set it to rank 0's host address "
         "for every rank (mpirun -x MASTER_ADDR=<host>; under Slurm: export MASTER_ADDR=$(scontrol show hostnames "
-        "\"$SLURM_JOB_NODELIST\" | head -n 1) before srun), or " + kSetTorchrunVariables);
+        "\"$SLURM_JOB_NODELIST\" | head -n 1) before srun), or " +
+        kSetTorchrunVariables);
   }
   return e;
 }

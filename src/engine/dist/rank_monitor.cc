@@ -5,9 +5,9 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -34,9 +34,7 @@ std::string Seconds(double s) {
   return buf;
 }
 
-std::chrono::milliseconds Ms(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
+std::chrono::milliseconds Ms(double seconds) { return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)); }
 
 }  // namespace
 
@@ -185,8 +183,7 @@ void RankMonitor::State::Die(std::unique_lock<std::mutex>& lock, const std::stri
     std::thread([abort_hook, done] {
       try {
         abort_hook();
-      } catch (...) {
-      }
+      } catch (...) {}
       *done = true;
     }).detach();
     for (int i = 0; i < 200 && !*done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -272,7 +269,8 @@ void RankMonitor::Abandon(const std::string& why) {
   StopThreads(*s_, lock);
   lock.unlock();
   std::string line = why.substr(0, why.find('\n'));
-  if (line.size() > 400) line.replace(400, std::string::npos, "...");  // not substr + "...": a GCC 12 -Warray-bounds false positive
+  if (line.size() > 400)
+    line.replace(400, std::string::npos, "...");  // not substr + "...": a GCC 12 -Warray-bounds false positive
   std::unique_lock<std::timed_mutex> cl(s_->client_mu, std::defer_lock);
   if (!cl.try_lock_for(Ms(s_->hs.interval_s))) return;
   try {
