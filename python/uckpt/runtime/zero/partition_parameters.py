@@ -191,6 +191,15 @@ def _comm_device():
     return torch.device("cpu")
 
 
+def _compute_device():
+    """Where whole values live while gathered, as DeepSpeed's: this rank's GPU when CUDA is used, even when the
+    partitions are offloaded to the CPU (so initialisation inside GatheredParameters draws from the GPU's
+    generator, as in a build without offload)."""
+    if os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def _is_unowned_partition(p):
     """A parameter partitioned by zero.Init that no engine holds yet."""
     return isinstance(p, _Stage3Parameter) and getattr(p, "_uckpt_unowned", False)
@@ -238,9 +247,9 @@ def _gather_whole(p):
             _dist().all_gather([_movable(t) for t in pieces], _movable(mine))
             flat = torch.cat(pieces)
             del pieces
-        p.data = flat[:p.ds_numel].view(p.ds_shape).to(part.device)
-        if world == 1:
-            p.data = p.data.clone()  # not the partition itself
+        whole = flat[:p.ds_numel].view(p.ds_shape)
+        device = _compute_device()
+        p.data = whole.to(device) if whole.device != device else whole.clone() if world == 1 else whole
 
 
 class _FreedMemory:
@@ -532,11 +541,7 @@ class Init:
 
     @staticmethod
     def _partition_device(remote_device):
-        if remote_device == "cpu":
-            return torch.device("cpu")
-        if os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
+        return torch.device("cpu") if remote_device == "cpu" else _compute_device()
 
     def _partition_module(self, module):
         for p in module._parameters.values():
