@@ -186,9 +186,10 @@ def worker_uckpt(deepspeed, torch, work, variant, mode):
             fail(f"{variant}: engine.optimizer stands for {optimizer._deepspeed_class}, DeepSpeed's is {want}")
         out = []
         uckpt_steps(torch, engine, 0, STEPS, rank, ga, out)
-        engine.save_checkpoint(os.path.join(work, "end"), tag="end")
+        end = os.path.join(work, f"end_{variant}")
+        engine.save_checkpoint(end, tag="end")
         if rank == 0:
-            out.append({"masters": masters_of(os.path.join(work, "end", "end", "mp_rank_00_model_states.pt"))})
+            out.append({"masters": masters_of(os.path.join(end, "end", "mp_rank_00_model_states.pt"))})
             json.dump(out, open(os.path.join(work, f"uckpt_{variant}_{world}.json"), "w"))
         return
     # "save": steps 0..SAVE_AT, a save, on to STEPS; "resume:<folder>:<stage>:<ga>:<label>": a load, then on.
@@ -361,19 +362,22 @@ def compare_runs(what, got, want, exact=True, rtol=0.02):
 
 # ---------------------------------------------------------------- cases
 
-def case_vs(pypath, work, variant):
+def case_vs(pypath, work, variants):
+    """Each variant's run against DeepSpeed's wrapper at 1 and 2 ranks; one process group runs every variant
+    (a group's start, importing torch and DeepSpeed, costs more than a variant's steps)."""
     for world in (1, 2):
-        launch(pypath, world, [work, variant, ""], reference=True)
-        launch(pypath, world, [work, variant, "run"])
-        got = load(os.path.join(work, f"uckpt_{variant}_{world}.json"))
-        want = load(os.path.join(work, f"ref_{variant}_{world}.json"))
-        compare_runs(f"{variant} at {world} rank(s)", got, want)
-        if not any(r.get("overflow") for r in got):
-            fail(f"{variant}: no step overflowed; the test does not test the skip")
-        if got[-1]["masters"] != want[-1]["masters"]:
-            diff = max(abs(a - b) for a, b in zip(got[-1]["masters"], want[-1]["masters"]))
-            fail(f"{variant} at {world}: the fp32 masters differ from DeepSpeed's (max {diff:.3e})")
-        print(f"ok   {variant} at {world} rank(s): the fp32 masters are DeepSpeed's")
+        launch(pypath, world, [work, ",".join(variants), ""], reference=True)
+        launch(pypath, world, [work, ",".join(variants), "run"])
+        for variant in variants:
+            got = load(os.path.join(work, f"uckpt_{variant}_{world}.json"))
+            want = load(os.path.join(work, f"ref_{variant}_{world}.json"))
+            compare_runs(f"{variant} at {world} rank(s)", got, want)
+            if not any(r.get("overflow") for r in got):
+                fail(f"{variant}: no step overflowed; the test does not test the skip")
+            if got[-1]["masters"] != want[-1]["masters"]:
+                diff = max(abs(a - b) for a, b in zip(got[-1]["masters"], want[-1]["masters"]))
+                fail(f"{variant} at {world}: the fp32 masters differ from DeepSpeed's (max {diff:.3e})")
+            print(f"ok   {variant} at {world} rank(s): the fp32 masters are DeepSpeed's")
 
 
 def check_layout(variant, ours, ref):
@@ -544,13 +548,15 @@ def worker_main():
     kind = sys.argv[2]
     import torch
     if kind == "reference":
-        work, variant, save_dir = sys.argv[3:6]
-        worker_reference(torch, work, variant, save_dir or None)
+        work, variants, save_dir = sys.argv[3:6]
+        for variant in variants.split(","):
+            worker_reference(torch, work, variant, save_dir or None)
         return
-    work, variant, mode = sys.argv[3:6]
+    work, variants, mode = sys.argv[3:6]
     import uckpt as deepspeed
     deepspeed.init_distributed()
-    worker_uckpt(deepspeed, torch, work, variant, mode)
+    for variant in variants.split(","):
+        worker_uckpt(deepspeed, torch, work, variant, mode)
 
 
 def main():
@@ -563,8 +569,10 @@ def main():
     if case != "tools" and not have_deepspeed():
         print("SKIPPED: DeepSpeed 0.14.5 is not installed beside torch; nothing was compared.")
         sys.exit(SKIP)
-    if case.startswith("vs_"):
-        case_vs(pypath, work, case[len("vs_"):])
+    if case == "vs":
+        case_vs(pypath, work, list(VARIANTS))
+    elif case.startswith("vs_"):
+        case_vs(pypath, work, case[len("vs_"):].split(","))
     elif case.startswith("checkpoint_"):
         case_checkpoint(pypath, work, case[len("checkpoint_"):])
     elif case == "from_stage1":
