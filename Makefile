@@ -38,6 +38,10 @@ demo:
 # Every test: the normal build, then the layers without libtorch under ASan/UBSan and their
 # fuzz targets for TEST_FUZZ_SECONDS each.
 test: build
+	@# A fresh build has no test timings: seed them so that ctest starts the longest tests first
+	@# (tests/ctest-costs.txt: the tests over 5 s of a full run's Testing/Temporary/CTestCostData.txt).
+	@mkdir -p $(BUILD)/Testing/Temporary
+	@[ -f $(BUILD)/Testing/Temporary/CTestCostData.txt ] || cp tests/ctest-costs.txt $(BUILD)/Testing/Temporary/CTestCostData.txt
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	$(MAKE) test-asan
 
