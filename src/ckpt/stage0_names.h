@@ -25,9 +25,9 @@ struct ModelStatesView;
 // FormatError naming `path`, the shape and the groups when the shapes leave
 // more than one reading (a shape in two groups, frozen and trainable
 // parameters of one shape, tied parameters).
-std::vector<std::string> Stage0NamesByShape(
-    const std::vector<std::pair<std::string, std::vector<int64_t>>>& module,
-    const std::vector<std::vector<std::vector<int64_t>>>& group_shapes, const std::string& path);
+std::vector<std::string> Stage0NamesByShape(const std::vector<std::pair<std::string, std::vector<int64_t>>>& module,
+                                            const std::vector<std::vector<std::vector<int64_t>>>& group_shapes,
+                                            const std::string& path);
 
 // The same for a file's view: the shapes of the ids are those of their
 // per-element states (fp32), or of FP16_UnfusedOptimizer's fp32 masters
