@@ -130,9 +130,8 @@ class Opener {
     return true;
   }
 
-  // Which parameter each stage-0 state id is: uckpt's record; else (DeepSpeed's
-  // file) with one param group over every parameter, the module's in order
-  // (how torch numbers model.parameters()); else by shape (stage0_names.h).
+  // Which parameter each stage-0 state id is: uckpt's record; else (DeepSpeed's file) with one group
+  // over every parameter, the module's in order (as torch numbers them); else by shape (stage0_names.h).
   std::vector<std::string> Stage0Names(const ModelStatesView& v, const std::vector<std::vector<int64_t>>& ids,
                                        const std::string& path) {
     if (!v.stage0_param_names.empty()) return v.stage0_param_names;
@@ -147,7 +146,7 @@ class Opener {
     for (size_t k = 0; in_order && k < ids[0].size(); ++k) in_order = ids[0][k] == static_cast<int64_t>(k);
     if (!in_order || v.fp16_optimizer) return Stage0NamesOfFile(v, params, ids, path);
     std::vector<std::string> names;
-    for (const auto& [name, shape] : params) names.push_back(name);
+    for (const auto& param : params) names.push_back(param.first);
     return names;
   }
 
@@ -165,8 +164,11 @@ class Opener {
     const std::vector<std::string> names = Stage0Names(v, ids, path);
     if (v.fp16_optimizer) {  // the masters and states are the fp16/bf16 wrapper's
       c_.params = Fp16OptimizerReadSource(v, path, names).params;
-      for (const ParamPlan& p : c_.params)
+      for (const ParamPlan& p : c_.params) {
         if (p.group >= c_.steps.size()) c_.steps.push_back(p.step);
+        if (c_.state_keys.empty())  // the first parameter's keys (the wrapper's optimizer has one set)
+          for (size_t k = 1; k < p.states.size(); ++k) c_.state_keys.push_back(p.states[k].key);
+      }
       return;
     }
     for (size_t g = 0; g < ids.size(); ++g) {

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """uckpt's engine resumes a newer DeepSpeed release's ZeRO checkpoint at another world size, unconverted.
 
-usage: ds_release_resume.py PYTHONPATH_OF_UCKPT CASE_DIR WORLD
+usage: ds_release_resume.py PYTHONPATH_OF_UCKPT CASE_DIR WORLD [UCKPT]
+
+With UCKPT (the CLI), the case is first converted with `uckpt convert` and the engine loads that
+universal folder (`"checkpoint": {"load_universal": true}`) instead: the same checks hold.
 
 CASE_DIR is a fixture of tests/fixtures/deepspeed-releases (ds<release>/z<stage>_<dtype>[_<optimizer>],
 saved by that release at 2 ranks). WORLD ranks (`import uckpt as deepspeed`, Gloo on the CPU) build the
@@ -124,8 +127,11 @@ def worker(case_dir):
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model, kwargs, args = build(case_dir, name, world)
-    engine, _, _, _ = deepspeed.initialize(model=model, **kwargs)
     ckpt = os.path.join(case_dir, "ckpt")
+    if os.environ.get("RESUME_UNIVERSAL"):  # uckpt's conversion of the case (main)
+        ckpt = os.environ["RESUME_UNIVERSAL"]
+        kwargs["config"] = dict(kwargs["config"], checkpoint={"load_universal": True})
+    engine, _, _, _ = deepspeed.initialize(model=model, **kwargs)
     if args.optimizer in ("Muon", "Lion"):  # uckpt's engine has neither: AdamW given their state
         try:
             engine.load_checkpoint(ckpt)
@@ -155,7 +161,7 @@ def worker(case_dir):
             fail(f"{n} after the load differs from DeepSpeed's fp32 master (max |diff| "
                  f"{(p.float() - want.float()).abs().max().item()})")
     if args.stage < 3 and "frozen.weight" in params:
-        module = torch_load(os.path.join(ckpt, "global_step3", "mp_rank_00_model_states.pt"))["module"]
+        module = torch_load(os.path.join(case_dir, "ckpt", "global_step3", "mp_rank_00_model_states.pt"))["module"]
         if not torch.equal(params["frozen.weight"], module["frozen.weight"]):
             fail("the frozen parameter differs from the checkpoint's module")
     if args.optimizer == "hf":
@@ -178,12 +184,19 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return worker(sys.argv[2])
     pypath, case_dir, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    extra = {}
+    if len(sys.argv) > 4:  # load uckpt's universal conversion of the case
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="ds_release_resume_")
+        subprocess.run([sys.argv[4], "convert", os.path.join(case_dir, "ckpt", "global_step3"),
+                        os.path.join(folder, "global_step3_universal"), "-q"], check=True)
+        extra["RESUME_UNIVERSAL"] = folder
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     procs = []
     for r in range(world):
-        env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
+        env = dict(os.environ, **extra, PYTHONPATH=pypath, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
                    WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", case_dir], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
