@@ -77,6 +77,9 @@ std::string OptimizerLabel(const std::string& config_type, const std::vector<std
   const bool adam_keys = keys.size() >= 2 && IsAdamStateKeys({keys[0], keys[1]});
   const bool adam_type = lower.find("adam") != std::string::npos || lower.find("lamb") != std::string::npos;
   if (keys.empty() || (adam_type && adam_keys && scalars.empty())) return config_type;
+  std::string by_state_lower = by_state;  // the config names what the state says ("Adagrad")
+  for (char& c : by_state_lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (by_state_lower.find(lower) != std::string::npos) return config_type;
   // DeepSpeed's Muon: momentum_buffer in its Muon group, Adam's moments in the
   // group of the parameters it leaves to Adam (either may be absent).
   const bool muon_keys = std::all_of(keys.begin(), keys.end(), [](const std::string& k) {

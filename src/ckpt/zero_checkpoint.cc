@@ -9,7 +9,9 @@
 #include <tuple>
 
 #include "ckpt/deepspeed_state.h"
+#include "ckpt/fp16_optimizer_state.h"
 #include "ckpt/manifest.h"
+#include "ckpt/stage0_names.h"
 #include "ckpt/values.h"
 #include "format/error.h"
 
@@ -114,11 +116,6 @@ class Opener {
     TorchFile m = LoadTorchFile(model->path);
     ValuePtr opt = m.root && m.root->is_dict() ? m.root->get("optimizer") : nullptr;
     if (!opt || !opt->is_dict()) return false;
-    if (IsFp16OptimizerState(opt))
-      Fail(model->path,
-           "a ZeRO stage-0 fp16 checkpoint (DeepSpeed's FP16_Optimizer or FP16_UnfusedOptimizer state in "
-           "'optimizer'): uckpt's convert, export and inspect do not read it; the engine resumes it at "
-           "any world size and ZeRO stage (a save from there converts), and `uckpt verify` checks it");
     c_.stage = 0;
     c_.dp = 1;  // every rank held everything
     c_.model_files.push_back(*model);
@@ -133,34 +130,23 @@ class Opener {
     return true;
   }
 
-  // Which parameter each stage-0 state id is: uckpt's record, else (DeepSpeed's
-  // file, one param group) the module's parameters in order, which is how
-  // torch numbers model.parameters().
+  // Which parameter each stage-0 state id is: uckpt's record; else (DeepSpeed's file) with one group
+  // over every parameter, the module's in order (as torch numbers them); else by shape (stage0_names.h).
   std::vector<std::string> Stage0Names(const ModelStatesView& v, const std::vector<std::vector<int64_t>>& ids,
                                        const std::string& path) {
     if (!v.stage0_param_names.empty()) return v.stage0_param_names;
-    if (ids.size() != 1)
-      Fail(path, "optimizer.param_groups has " + std::to_string(ids.size()) +
-                     " groups, and a stage-0 file that "
-                     "uckpt did not write does not say which parameter each optimizer state id is (only one group is "
-                     "read in the module's parameter order); resume it with the engine, which knows its parameters");
     const ModuleEntriesView entries = ReadModuleEntries(c_.model.root, path);
     std::set<std::string> aliases;
     for (const auto& [alias, owner] : entries.shared_params) aliases.insert(alias);
-    std::vector<std::string> names;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> params;
     for (const auto& [k, t] : NamedEntries(RequiredModule(c_.model.root, path), path + ": module"))
-      if (!entries.buffer_names.count(k) && !aliases.count(k)) names.push_back(k);
-    if (names.size() != ids[0].size())
-      Fail(path, "the module has " + std::to_string(names.size()) +
-                     " parameters besides buffers and tied aliases, "
-                     "but optimizer.param_groups[0] lists " +
-                     std::to_string(ids[0].size()) +
-                     " (frozen parameters "
-                     "cannot be told from trainable ones in a stage-0 file uckpt did not write, nor tied parameters: "
-                     "DeepSpeed writes no shared_params at stage 0)");
-    for (size_t k = 0; k < ids[0].size(); ++k)
-      if (ids[0][k] != static_cast<int64_t>(k))
-        Fail(path, "optimizer.param_groups[0]['params'] is not 0.." + std::to_string(ids[0].size() - 1) + " in order");
+      if (!entries.buffer_names.count(k) && !aliases.count(k))
+        params.emplace_back(k, AsTensor(t, path + ": module['" + k + "']").shape);
+    bool in_order = ids.size() == 1 && ids[0].size() == params.size();
+    for (size_t k = 0; in_order && k < ids[0].size(); ++k) in_order = ids[0][k] == static_cast<int64_t>(k);
+    if (!in_order || v.fp16_optimizer) return Stage0NamesOfFile(v, params, ids, path);
+    std::vector<std::string> names;
+    for (const auto& param : params) names.push_back(param.first);
     return names;
   }
 
@@ -176,6 +162,15 @@ class Opener {
       }
     }
     const std::vector<std::string> names = Stage0Names(v, ids, path);
+    if (v.fp16_optimizer) {  // the masters and states are the fp16/bf16 wrapper's
+      c_.params = Fp16OptimizerReadSource(v, path, names).params;
+      for (const ParamPlan& p : c_.params) {
+        if (p.group >= c_.steps.size()) c_.steps.push_back(p.step);
+        if (c_.state_keys.empty())  // the first parameter's keys (the wrapper's optimizer has one set)
+          for (size_t k = 1; k < p.states.size(); ++k) c_.state_keys.push_back(p.states[k].key);
+      }
+      return;
+    }
     for (size_t g = 0; g < ids.size(); ++g) {
       ValuePtr group_step;
       bool first = true;  // a group's parameters share their optimizer's state keys
@@ -691,8 +686,9 @@ ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes,
 ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder) { return Opener(folder).Open(folder.files); }
 
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
-  if (ckpt.stage == 0) {  // the torch optimizer's param groups (no loss scaler: stage 0 files are fp32)
+  if (ckpt.stage == 0) {  // the torch optimizer's param groups (an fp16/bf16 wrapper's: its optimizer's)
     ValuePtr opt = Need(ckpt.model.root, "optimizer", ckpt.model.file->path());
+    if (IsFp16OptimizerState(opt)) opt = Need(opt, "optimizer_state_dict", ckpt.model.file->path() + ": optimizer");
     ValuePtr out = Value::Dict();
     out->set("param_groups", Need(opt, "param_groups", ckpt.model.file->path() + ": optimizer"));
     return out;

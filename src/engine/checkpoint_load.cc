@@ -79,6 +79,22 @@ void ApplySavedHparams(const CheckpointState& e, const std::string& path, const 
   }
 }
 
+// The engine's own optimizer is Adam: a state whose param groups have Adam's
+// betas but no eps was saved by another optimizer with Adam's state names
+// (DeepSpeed's CPU Lion keeps exp_avg and exp_avg_sq); refused before any read.
+// DeepSpeed's torch Adam would take it and fail at its step (KeyError: 'eps').
+void RefuseOtherThanAdam(const LoadSource& source) {
+  if (!source.param_groups || !source.param_groups->is_seq() || source.state_keys.empty()) return;
+  for (size_t g = 0; g < source.param_groups->items.size(); ++g) {
+    const ValuePtr& group = source.param_groups->items[g];
+    if (group && group->is_dict() && group->get("betas") && !group->get("eps"))
+      throw FormatError(source.optimizer_file + ": param_groups[" + std::to_string(g) +
+                        "] has betas but no 'eps': its state was saved by an optimizer other than Adam with "
+                        "Adam's state names (DeepSpeed's Lion: lr, betas, weight_decay); the engine's optimizer is "
+                        "Adam and cannot resume it (`uckpt convert` and `uckpt export` read it)");
+  }
+}
+
 // The tag folder a load reads: `tag`, else the one the tag file (`latest`,
 // `latest_universal`) names; empty when there is neither (nothing saved yet).
 std::string TagFolderPath(const std::string& dir, const std::string& tag, bool universal) {
@@ -303,6 +319,7 @@ void LoadPartitions(const CheckpointState& e, const ckpt::TagFolder& folder, con
   std::vector<PartitionSlot> slots = e.runtime.Slots();
   const bool moments = o.load_optimizer_states && !o.load_module_only;
   const LoadSource source = OpenSource(e, folder, model, slots, o, moments);
+  if (moments && !e.client_optimizer) RefuseOtherThanAdam(source);
   std::vector<TensorReads> reads =
       PlanSlotLoads(source, slots, moments, static_cast<double>(e.counters.global_steps - e.counters.skipped_steps),
                     e.client_optimizer);

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""uckpt converts DeepSpeed's Muon checkpoints (which DeepSpeed's own converter cannot: #8608).
+"""uckpt converts DeepSpeed's Muon and Adagrad checkpoints (which DeepSpeed's own converter cannot: #8608).
 
 usage: ds_release_muon_check.py UCKPT CASE_DIR WORKDIR
 
-CASE_DIR: a Muon fixture of tests/fixtures/deepspeed-releases (z<stage>_<dtype>_muon, 2 ranks).
+CASE_DIR: a Muon or Adagrad fixture of tests/fixtures/deepspeed-releases (z<stage>_<dtype>_muon|_adagrad,
+2 ranks); an Adagrad one must give each parameter its own `sum.pt`.
 `uckpt convert` must write, per parameter, the states of its own group: `momentum_buffer.pt` for
 the parameters Muon treats as matrices, `exp_avg.pt`/`exp_avg_sq.pt` (+ `step.pt` at ZeRO 1/2)
 for those it leaves to Adam; every tensor equal to the rank files' values, read here with torch

@@ -46,7 +46,19 @@ for rel in $releases; do
     check "$rel/$case: verify of the converted folder exit 0" test $? -eq 0
     "$UCKPT" export "$out/u" "$out/m.safetensors" -q
     check "$rel/$case: export exit 0" test $? -eq 0
-    check "$rel/$case: export holds fc1.weight" grep -q '"fc1.weight"' "$out/m.safetensors"
+    param=fc1.weight
+    [[ $case == *_hf ]] && param=transformer.h.0.mlp.c_fc.weight  # the Trainer's GPT-2
+    check "$rel/$case: export holds $param" grep -q "\"$param\"" "$out/m.safetensors"
+    "$UCKPT" export "$in" "$out/direct.safetensors" -q
+    check "$rel/$case: export of the ZeRO folder exit 0" test $? -eq 0
+
+    if [ "$stage" = 0 ]; then
+      # DeepSpeed's script has no stage 0 (#7200: it finds no *_optim_states.pt, exit 1); the
+      # drop-in writes the folder convert writes.
+      "$UCKPT" ds_to_universal --input_folder "$in" --output_folder "$out/d/u" >/dev/null 2>"$T/d.err"
+      check "$rel/$case: ds_to_universal of stage 0 exit 0" test $? -eq 0
+      check "$rel/$case: ... the files convert writes" same_files "$out/d/u" "$out/u" manifest
+    fi
 
     # The drop-in, as a framework calls it.
     [ -d "$ref" ] || continue

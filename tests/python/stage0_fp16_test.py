@@ -30,8 +30,8 @@ CASE:
   fixture       (needs SHARED: ../shared/fixtures/deepspeed/stage0_fp16_ws2 made on a GPU by
                 tests/fixtures/deepspeed_stage0_fp16.py, else exit 77) uckpt's saved 'optimizer' has the structure
                 of real DeepSpeed's (FusedAdam's included), and uckpt resumes DeepSpeed's folders on the CPU.
-  tools         `uckpt verify` accepts the stage-0 fp16 folders; `uckpt convert` and `uckpt inspect` read them or
-                refuse them naming FP16_Optimizer.
+  tools         `uckpt verify` accepts the stage-0 fp16 folders; `uckpt convert`, `inspect` and `export` read
+                them (uckpt records which parameter each state id is), and the converted folder verifies.
 """
 import json
 import os
@@ -535,13 +535,19 @@ def case_tools(pypath, uckpt_bin, work):
         if r.returncode != 0:
             fail(f"uckpt verify {folder}: {r.stdout}{r.stderr}")
         print(f"ok   uckpt verify accepts the {variant} stage-0 fp16 folder")
-        for cmd in (["convert", folder, os.path.join(work, f"universal_{variant}")], ["inspect", folder]):
+        # uckpt's folder records which parameter each state id is: convert, inspect and export read it.
+        universal = os.path.join(work, f"universal_{variant}")
+        for cmd in (["convert", folder, universal], ["inspect", folder], ["verify", universal],
+                    ["export", folder, os.path.join(work, f"{variant}.safetensors")]):
             r = subprocess.run([uckpt_bin, *cmd], capture_output=True, text=True)
-            if r.returncode == 0 and cmd[0] == "convert":
-                fail(f"uckpt convert accepted a stage-0 fp16 folder: {r.stdout}")
-            if r.returncode != 0 and ("FP16_Optimizer" not in r.stderr or "stage-0 fp16" not in r.stderr):
-                fail(f"uckpt {cmd[0]} refused {folder} without naming it: {r.stderr}")
-            print(f"ok   uckpt {cmd[0]}: " + (r.stderr.strip().splitlines()[-1] if r.returncode else "reads it"))
+            if r.returncode != 0:
+                fail(f"uckpt {cmd[0]} of uckpt's stage-0 fp16 folder: {r.stdout}{r.stderr}")
+            print(f"ok   uckpt {cmd[0]} reads uckpt's {variant} stage-0 fp16 folder")
+        names = sorted(os.listdir(os.path.join(universal, "zero")))
+        if "optimizer_state.pt" not in names or len(names) < 2 or not all(
+                os.path.exists(os.path.join(universal, "zero", n, "fp32.pt")) for n in names
+                if n != "optimizer_state.pt"):
+            fail(f"uckpt convert of the {variant} folder wrote {names}")
 
 
 def worker_main():
