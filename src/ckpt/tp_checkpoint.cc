@@ -114,7 +114,8 @@ class TpMerger {
   // (names and groups; shapes are the shards'), optimizer states and step.
   void CheckRanksAgree() {
     const ZeroCheckpoint& a = ranks_[0];
-    if (a.stage == 0) Fail(where_, "is a ZeRO stage-0 checkpoint with tensor-parallel ranks, which uckpt does not read");
+    if (a.stage == 0)
+      Fail(where_, "is a ZeRO stage-0 checkpoint with tensor-parallel ranks, which uckpt does not read");
     if (ValuePtr dims = a.model.root->get("checkpoint_parallel_dimensions"); dims && dims->is_dict()) {
       const std::string at = where_ + ": checkpoint_parallel_dimensions";
       if (ValuePtr pp = dims->get("pp_degree"); pp && AsInt(pp, at) != 1)
@@ -240,9 +241,9 @@ class TpMerger {
       merged.Append(r.out_start * elem, r.length * elem, &mine);
       shards[r.rank].Append(r.shard_start * elem, r.length * elem, &theirs);
       if (!TpSameBytes(mine, theirs))
-        Fail(where, "is " + m.rule + " but TP rank " + std::to_string(r.rank) +
-                        " holds other values than the rank it was taken from (element " +
-                        std::to_string(r.out_start) + " on)");
+        Fail(where, "TP rank " + std::to_string(r.rank) + " holds other values than the rank it is taken from, for " +
+                        "elements replicated across TP ranks (rule: " + m.rule + "), from element " +
+                        std::to_string(r.out_start) + " on; DeepSpeed's converter refuses it too");
     }
     TpSplitAt(out.pieces, static_cast<uint64_t>(NumelOf(m.shape)) * elem, tail);
     return out;
@@ -267,6 +268,20 @@ int TensorParallelDegree(const TagFolder& folder) {
 
 ZeroCheckpoint OpenTensorParallelCheckpoint(const TagFolder& folder, int tp_degree) {
   return TpMerger(folder, tp_degree).Merge();
+}
+
+std::string TensorParallelLoadRefusal(const TagFolder& folder, const ValuePtr& model_root) {
+  int tp = TensorParallelDegree(folder);
+  if (const ModelStatesRun run = ReadModelStatesRun(model_root); run.mp_world_size)
+    tp = std::max<int>(tp, static_cast<int>(*run.mp_world_size));
+  if (tp <= 1) return "";
+  const std::string kind = folder.kind == FolderKind::kUniversal ? "a universal folder converted from a " : "a ";
+  return folder.path + ": " + kind + "tensor-parallel checkpoint (TP degree " + std::to_string(tp) +
+         ", mp_world_size in its model states; DeepSpeed AutoTP): uckpt's engine has no tensor parallelism and "
+         "cannot load it. Convert it (`uckpt convert " +
+         folder.path +
+         " OUT`: a universal folder with whole parameters, which DeepSpeed's load_universal resumes at another TP x DP "
+         "size), then export the whole weights (`uckpt export OUT model.safetensors`) to start a uckpt run from them";
 }
 
 }  // namespace uckpt::ckpt

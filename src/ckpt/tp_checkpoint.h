@@ -27,4 +27,10 @@ int TensorParallelDegree(const TagFolder& folder);
 // pipeline parallelism, sub-parameters without an affine map).
 ZeroCheckpoint OpenTensorParallelCheckpoint(const TagFolder& folder, int tp_degree);
 
+// Why a training engine without tensor parallelism cannot load `folder`
+// (a tag folder with TP ranks, or a universal folder converted from one,
+// whose first model states `model_root` record mp_world_size > 1): the TP
+// degree and what to do instead. Empty when it can.
+std::string TensorParallelLoadRefusal(const TagFolder& folder, const ValuePtr& model_root);
+
 }  // namespace uckpt::ckpt

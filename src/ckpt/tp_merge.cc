@@ -152,7 +152,6 @@ TpRules ReadTpRules(const ValuePtr& info, const std::string& where) {
   return r;
 }
 
-
 namespace {
 
 // Appends `r`, merged into the previous run when it continues it on both sides.
@@ -224,7 +223,7 @@ void TpCheckCoverage(std::vector<TpRun>& runs, int64_t numel, const std::string&
 }
 
 void TpAffineMerge(const TpAffineMap& m, const std::vector<std::vector<int64_t>>& rank_shapes, const std::string& where,
-                 TpParamMerge* out) {
+                   TpParamMerge* out) {
   const int tp = static_cast<int>(rank_shapes.size());
   if (static_cast<int>(m.shard_shapes.size()) != tp)
     Fail(where, "describes " + std::to_string(m.shard_shapes.size()) + " ranks, the checkpoint has " +
@@ -243,8 +242,7 @@ void TpAffineMerge(const TpAffineMap& m, const std::vector<std::vector<int64_t>>
     int64_t held = 0;
     for (const TpAffinePiece& p : pieces) {
       if (p.scale != 1.0)
-        Fail(where, "has a piece scaled by " + std::to_string(p.scale) +
-                        " on rank " + std::to_string(rank) +
+        Fail(where, "has a piece scaled by " + std::to_string(p.scale) + " on rank " + std::to_string(rank) +
                         "; scaled pieces are not supported (DeepSpeed 0.19.8 cannot convert their optimizer "
                         "states either)");
       const int64_t src = TpReach(p.shape, p.source_strides), dst = TpReach(p.shape, p.dest_strides);
@@ -270,7 +268,7 @@ void TpAffineMerge(const TpAffineMap& m, const std::vector<std::vector<int64_t>>
 
 // The shards concatenated on `dim` (torch.cat), every other size equal.
 void TpCatMerge(const std::vector<std::vector<int64_t>>& rank_shapes, size_t dim, const std::string& where,
-              TpParamMerge* out) {
+                TpParamMerge* out) {
   const std::vector<int64_t>& first = rank_shapes[0];
   if (dim >= first.size())
     Fail(where, "is merged on dim " + std::to_string(dim) + " but its shards have " + std::to_string(first.size()) +
@@ -281,8 +279,9 @@ void TpCatMerge(const std::vector<std::vector<int64_t>>& rank_shapes, size_t dim
   for (const auto& s : rank_shapes) {
     bool fits = s.size() == first.size();
     for (size_t a = 0; fits && a < s.size(); ++a) fits = a == dim || s[a] == first[a];
-    if (!fits) Fail(where, "has shards of shapes " + ShapeText(first) + " and " + ShapeText(s) +
-                               ", which cannot be concatenated on dim " + std::to_string(dim));
+    if (!fits)
+      Fail(where, "has shards of shapes " + ShapeText(first) + " and " + ShapeText(s) +
+                      ", which cannot be concatenated on dim " + std::to_string(dim));
     width += s[dim];
   }
   for (int64_t o = 0; o < outer; ++o) {
@@ -301,7 +300,7 @@ void TpCatMerge(const std::vector<std::vector<int64_t>>& rank_shapes, size_t dim
 
 // Every rank holds it whole; rank 0's is written, the others must agree.
 void TpReplicatedMerge(const std::vector<std::vector<int64_t>>& rank_shapes, const std::string& where,
-                     TpParamMerge* out) {
+                       TpParamMerge* out) {
   const int64_t numel = NumelOf(rank_shapes[0]);
   for (size_t r = 0; r < rank_shapes.size(); ++r) {
     if (rank_shapes[r] != rank_shapes[0])
@@ -340,8 +339,8 @@ TpParamMerge PlanTpMerge(const TpRules& rules, const std::string& name,
   const bool sub_params = match(rules.sub_params);
   if (affine) {
     // The map supersedes the categories; their patterns count as used.
-    for (const auto* list : {&rules.replicated, &rules.average, &rules.row_parallel, &rules.vocabulary,
-                             &rules.two_sub_params_cat_dim_0})
+    for (const auto* list :
+         {&rules.replicated, &rules.average, &rules.row_parallel, &rules.vocabulary, &rules.two_sub_params_cat_dim_0})
       match(*list);
     TpAffineMerge(*affine, rank_shapes, where + " (affine_map)", &out);
   } else if (match(rules.replicated)) {

@@ -62,8 +62,8 @@ struct TpRules {
   double version = 0;
   std::vector<TpPattern> replicated, average, row_parallel, vocabulary, two_sub_params_cat_dim_0, sub_params;
   std::optional<int64_t> original_vocab_size;
-  std::vector<std::pair<TpPattern, TpAffineMap>> affine;            // pattern -> map
-  std::vector<std::pair<std::string, std::string>> unsupported;     // pattern -> reason (AutoTP's own refusals)
+  std::vector<std::pair<TpPattern, TpAffineMap>> affine;         // pattern -> map
+  std::vector<std::pair<std::string, std::string>> unsupported;  // pattern -> reason (AutoTP's own refusals)
   // The category patterns DeepSpeed's strict check requires every one of to
   // match some parameter (affine patterns are not among them).
   std::set<std::string> CategoryPatterns() const;

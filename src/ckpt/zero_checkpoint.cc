@@ -36,31 +36,6 @@ uint64_t ZeroCheckpoint::total_bytes() const {
 
 namespace {
 
-bool SameValue(const ValuePtr& a, const ValuePtr& b) {
-  if (!a || !b) return a == b;
-  if (a->kind != b->kind) return false;
-  if (a->kind == Kind::kTensor) {
-    const Tensor &x = *a->tensor, &y = *b->tensor;
-    if (x.dtype != y.dtype || x.shape != y.shape) return false;
-    auto bx = x.contiguous_bytes(), by = y.contiguous_bytes();
-    return bx == by;
-  }
-  if (a->kind == Kind::kInt) return a->i == b->i && a->big == b->big;
-  if (a->kind == Kind::kFloat) return a->f == b->f;
-  return HashKey(*a) == HashKey(*b) && !HashKey(*a).empty();
-}
-
-std::string StepText(const ValuePtr& v) {
-  if (!v) return "none";
-  if (v->kind == Kind::kTensor && v->tensor && v->tensor->numel() == 1) {
-    auto b = v->tensor->contiguous_bytes();
-    return std::to_string(ElementToDouble(v->tensor->dtype, b.data()));
-  }
-  if (v->kind == Kind::kInt) return std::to_string(v->i);
-  if (v->kind == Kind::kFloat) return std::to_string(v->f);
-  return KindName(*v);
-}
-
 std::vector<int64_t> Numels(const std::vector<NamedShape>& group) {
   std::vector<int64_t> numels;
   for (const auto& p : group) numels.push_back(p.numel());
@@ -257,7 +232,7 @@ class Opener {
                           std::to_string(c_.dp) + ", so ranks are 0.." + std::to_string(c_.dp - 1));
     for (int r = 0; r < c_.dp; ++r)
       if (r >= static_cast<int>(optim.size()) || optim[r].dp != r)
-        throw FormatError(c_.folder + "/" + OptimStatesFileNameWithPrefix(r, c_.optim_prefix) +
+        throw FormatError(c_.folder + "/" + OptimStatesFileNameWithPrefix(r, c_.optim_prefix, tp_rank_) +
                           ": missing rank file (data-parallel size " + std::to_string(c_.dp) + " recorded in " +
                           optim[0].name + ")");
     c_.optim_files = optim;
@@ -299,11 +274,11 @@ class Opener {
       } else {
         for (int r = 0; r < c_.dp; ++r)
           if (r >= static_cast<int>(c_.model_files.size()) || c_.model_files[r].dp != r)
-            throw FormatError(c_.folder + "/" + Zero3ModelStatesFileName(r) +
+            throw FormatError(c_.folder + "/" + Zero3ModelStatesFileName(r, tp_rank_) +
                               ": missing rank file (data-parallel size " + std::to_string(c_.dp) + ")");
       }
     } else if (c_.model_files.empty()) {
-      throw FormatError(c_.folder + "/" + ModelStatesFileName() + ": missing model-states file");
+      throw FormatError(c_.folder + "/" + ModelStatesFileName(tp_rank_) + ": missing model-states file");
     }
     c_.model = LoadTorchFile(c_.model_files[0].path);
     if (c_.stage != 3 && tp_degree_ == 1) RefusePatterns(c_.model);
