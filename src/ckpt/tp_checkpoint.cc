@@ -267,6 +267,23 @@ int TensorParallelDegree(const TagFolder& folder) {
 }
 
 ZeroCheckpoint OpenTensorParallelCheckpoint(const TagFolder& folder, int tp_degree) {
+  // Files of mp_rank > 0 beside model states that do not record that many
+  // TP ranks are not one AutoTP run's (another parallelism, or files mixed).
+  const CheckpointFile* last = nullptr;
+  const CheckpointFile* model = nullptr;
+  for (const CheckpointFile& f : folder.files) {
+    const bool states = f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates;
+    if (states || f.kind == FileKind::kOptimStates)
+      if (!last || f.mp > last->mp) last = &f;
+    if (states && f.mp == 0 && !model) model = &f;
+  }
+  if (model && last) {
+    const ModelStatesRun run = ReadModelStatesRun(LoadTorchFile(model->path).root);
+    if (run.mp_world_size && *run.mp_world_size != tp_degree)
+      Fail(last->path, "is a file of tensor-parallel rank " + std::to_string(last->mp) + " but " + model->name +
+                           " records mp_world_size " + std::to_string(*run.mp_world_size) +
+                           ": tensor/pipeline-parallel files that are not one AutoTP run's are not supported");
+  }
   return TpMerger(folder, tp_degree).Merge();
 }
 
@@ -275,13 +292,15 @@ std::string TensorParallelLoadRefusal(const TagFolder& folder, const ValuePtr& m
   if (const ModelStatesRun run = ReadModelStatesRun(model_root); run.mp_world_size)
     tp = std::max<int>(tp, static_cast<int>(*run.mp_world_size));
   if (tp <= 1) return "";
-  const std::string kind = folder.kind == FolderKind::kUniversal ? "a universal folder converted from a " : "a ";
-  return folder.path + ": " + kind + "tensor-parallel checkpoint (TP degree " + std::to_string(tp) +
-         ", mp_world_size in its model states; DeepSpeed AutoTP): uckpt's engine has no tensor parallelism and "
-         "cannot load it. Convert it (`uckpt convert " +
-         folder.path +
-         " OUT`: a universal folder with whole parameters, which DeepSpeed's load_universal resumes at another TP x DP "
-         "size), then export the whole weights (`uckpt export OUT model.safetensors`) to start a uckpt run from them";
+  const std::string what = " (DeepSpeed AutoTP, TP degree " + std::to_string(tp) +
+                           "): uckpt's engine has no tensor parallelism and cannot load it";
+  if (folder.kind == FolderKind::kUniversal)
+    return folder.path + ": a universal folder converted from a tensor-parallel checkpoint" + what +
+           " (DeepSpeed's load_universal can, at any TP x DP size). Export its whole weights (`uckpt export " +
+           folder.path + " model.safetensors`) to start a uckpt run from them";
+  return folder.path + ": a tensor-parallel checkpoint" + what + ". Convert it (`uckpt convert " + folder.path +
+         " OUT`: whole parameters, which DeepSpeed's load_universal resumes at any TP x DP size), then export the "
+         "whole weights (`uckpt export OUT model.safetensors`) to start a uckpt run from them";
 }
 
 }  // namespace uckpt::ckpt

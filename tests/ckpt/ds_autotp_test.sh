@@ -47,6 +47,9 @@ for dir in "$FXR"/ds*/*/; do
   check "$case: convert byte-identical to DeepSpeed's ds_to_universal" same_files "$ref" "$out/u" manifest
   "$UCKPT" verify "$out/u" >"$T/verify_u.out" 2>&1
   check "$case: verify of the converted folder exit 0" test $? -eq 0
+  fp_in=$("$UCKPT" verify --state "$in" 2>&1 | grep -o "state fingerprint [0-9a-f]*")
+  fp_out=$("$UCKPT" verify --state "$out/u" 2>&1 | grep -o "state fingerprint [0-9a-f]*")
+  check "$case: the TP folder's state fingerprint is its conversion's" test -n "$fp_in" -a "$fp_in" = "$fp_out"
   # The drop-in, as a framework calls it: AutoTP writes universal_checkpoint_info, no flag needed.
   "$UCKPT" ds_to_universal --input_folder "$in" --output_folder "$out/d/global_step3_universal" \
     --num_extract_workers 1 --num_merge_workers 1 >"$T/d.out" 2>"$T/d.err"
@@ -87,6 +90,26 @@ PY
 check "TP ranks disagreeing on a replicated parameter: convert fails" test $? -ne 0
 check "... naming the parameter and the rank" grep -q "model.embed_tokens.weight.*TP rank 1 holds other values" "$T/tampered.err"
 check "... and writing nothing" test ! -e "$T/tampered_u"
+
+# uckpt's engine has no tensor parallelism: a resume of a TP checkpoint, or of its universal
+# conversion, is refused naming the TP degree and the remedy.
+if "$UCKPT" train --help >/dev/null 2>&1; then
+  mkdir -p "$T/engine"
+  cp -r "$FXR/ds0.19.8/tp2dp1_z1_fp32/ckpt" "$T/engine/ckpt"
+  echo '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}' >"$T/engine/ds.json"
+  train=("$UCKPT" train --config "$T/engine/ds.json" --steps 4 --checkpoint_dir "$T/engine/ckpt" --resume
+         --n_layer 1 --n_embd 16 --n_head 2 --vocab_size 67 --threads 1 --log_dir "$T/engine/logs")
+  "${train[@]}" >"$T/engine/out" 2>&1
+  check "engine resume of a TP checkpoint: refused" test $? -ne 0
+  check "... naming the TP degree and the remedy" grep -q "tensor-parallel checkpoint (DeepSpeed AutoTP, TP degree 2).*uckpt convert.*uckpt export" "$T/engine/out"
+  # (The fixture's ckpt/ holds DeepSpeed's conversion and latest_universal.)
+  "${train[@]}" --universal_checkpoint >"$T/engine/out_u" 2>&1
+  check "engine resume of its universal conversion: refused" test $? -ne 0
+  check "... naming the TP degree and export" grep -q "converted from a tensor-parallel checkpoint (DeepSpeed AutoTP, TP degree 2).*uckpt export" "$T/engine/out_u"
+else
+  echo "skip engine refusals: this uckpt has no engine (uckpt train)"
+fi
 
 echo "$fails failure(s)"
 exit $((fails > 0))
