@@ -55,6 +55,7 @@ for dir in "$FXR"/ds*/*/; do
     --num_extract_workers 1 --num_merge_workers 1 >"$T/d.out" 2>"$T/d.err"
   check "$case: ds_to_universal exit 0" test $? -eq 0
   check "$case: ds_to_universal writes DeepSpeed's files, byte for byte" same_files "$ref" "$out/d/global_step3_universal"
+  check "$case: ds_to_universal writes latest_universal" test "$(cat "$out/d/latest_universal")" = global_step3_universal
 done
 check "found the fixtures" test "$cases" -ge 4
 
