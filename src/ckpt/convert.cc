@@ -78,6 +78,26 @@ ValuePtr CatDimDict(ValuePtr tensor) {
   return d;
 }
 
+// The dict DeepSpeed writes for a state merged across TP ranks: its rule's
+// keys ({'cat_dim': 1}, {'vocab_tensor': True}, none), then 'param'.
+ValuePtr TpMergedDict(const TpUniversalFile& f, ValuePtr tensor) {
+  auto d = Value::Dict();
+  for (const auto& [k, v] : f.keys) d->set(k, v);
+  d->set(kUniversalParam, std::move(tensor));
+  return d;
+}
+
+// A tensor of `shape` whose storage holds `tail` more bytes after it: the
+// rows DeepSpeed cut from a TP vocabulary parameter (a view it saves whole).
+ValuePtr TensorWithTail(const StatePlan& s, const std::vector<std::span<const uint8_t>>& storage_tail,
+                        const std::vector<int64_t>& shape, bool requires_grad) {
+  ValuePtr t = PiecewiseTensor(s.dtype, shape, requires_grad);
+  uint64_t tail = 0;
+  for (auto piece : storage_tail) tail += piece.size();
+  if (tail > 0) t->tensor->storage = PiecewiseStorage(s.dtype, s.bytes() + tail);
+  return t;
+}
+
 class Converter {
  public:
   Converter(const ZeroCheckpoint& ckpt, std::string output, const ConvertOptions& options)
@@ -102,6 +122,11 @@ class Converter {
   }
 
   ConvertStats Run() {
+    if (!ckpt_.unused_tp_patterns.empty() && options_.strict)
+      throw FormatError(ckpt_.model.file->path() + ": universal_checkpoint_info pattern '" +
+                        ckpt_.unused_tp_patterns[0] + "' matches no trained parameter (" +
+                        std::to_string(ckpt_.unused_tp_patterns.size()) +
+                        " unused); DeepSpeed's converter refuses it unless --no_strict");
     for (const auto& p : ckpt_.params) CheckParamName(p.name, ckpt_.folder + ": param_shapes");
     for (const auto& [name, t] : ckpt_.module_only) CheckParamName(name, ckpt_.folder + ": module");
     std::error_code ec;
@@ -178,14 +203,24 @@ class Converter {
             [this, v = value](OrderedSink& out) { WriteTorchFile(out, out.path(), v, {}, release_); }, {i, 0, 0});
         ++files_left_[i];
       }
-      for (const StatePlan& s : p.states) {
+      for (size_t k = 0; k < p.states.size(); ++k) {
+        const StatePlan& s = p.states[k];
         uint64_t bytes = 0;
         for (auto piece : s.pieces) bytes += piece.size();
         // Stage 1/2: the parameter's shape inside {'cat_dim', 'param'}; stage
         // 3: a bare 1-D tensor. fp32 masters are saved with requires_grad, as
         // DeepSpeed's clones of the partitions are.
         add(UniversalStateFile(tmp_, p.name, s.key), bytes,
-            [this, &p, &s, stage3](OrderedSink& out) {
+            [this, &p, &s, stage3, i, k](OrderedSink& out) {
+              if (!ckpt_.tp_files.empty()) {  // merged across TP ranks (ZeRO-3 too: DeepSpeed writes dicts then)
+                const TpUniversalFile& f = ckpt_.tp_files[i];
+                ValuePtr t = TensorWithTail(s, f.storage_tails[k], p.shape, s.key == kFp32);
+                std::vector<std::span<const uint8_t>> all = s.pieces;
+                all.insert(all.end(), f.storage_tails[k].begin(), f.storage_tails[k].end());
+                StoragePieces pieces{{t->tensor->storage.get(), all}};
+                WriteTorchFile(out, out.path(), TpMergedDict(f, t), pieces, release_);
+                return;
+              }
               ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == kFp32);
               StoragePieces pieces{{t->tensor->storage.get(), s.pieces}};
               WriteTorchFile(out, out.path(), stage3 ? t : CatDimDict(t), pieces, release_);

@@ -24,6 +24,10 @@ struct ConvertOptions {
   bool force = false;   // replace an existing output folder
   bool durable = true;  // sync the output to disk before it is renamed into place
   bool write_manifest = true;  // uckpt-manifest.json (ckpt/manifest.h); off only to benchmark its cost
+  // A tensor-parallel checkpoint whose universal_checkpoint_info has patterns
+  // no parameter matched is refused, as DeepSpeed's converter does unless
+  // told --no_strict (false).
+  bool strict = true;
   // Called after each parameter (from worker threads, one call at a time).
   std::function<void(const ConvertProgress&)> progress;
   // Called with a one-line notice: a stale temporary folder of an earlier

@@ -4,14 +4,22 @@
 
 namespace uckpt::ckpt {
 
-std::string ModelStatesFileName() { return "mp_rank_00_model_states.pt"; }
+namespace {
+// "mp_rank_07": DeepSpeed's two-digit model-parallel rank.
+std::string MpRank(int mp_rank) {
+  std::string digits = std::to_string(mp_rank);
+  return "mp_rank_" + std::string(digits.size() < 2 ? 2 - digits.size() : 0, '0') + digits;
+}
+}  // namespace
 
-std::string Zero3ModelStatesFileName(int dp_rank) {
-  return "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_model_states.pt";
+std::string ModelStatesFileName(int mp_rank) { return MpRank(mp_rank) + "_model_states.pt"; }
+
+std::string Zero3ModelStatesFileName(int dp_rank, int mp_rank) {
+  return "zero_pp_rank_" + std::to_string(dp_rank) + "_" + MpRank(mp_rank) + "_model_states.pt";
 }
 
-std::string OptimStatesFileNameWithPrefix(int dp_rank, const std::string& prefix) {
-  return prefix + "zero_pp_rank_" + std::to_string(dp_rank) + "_mp_rank_00_optim_states.pt";
+std::string OptimStatesFileNameWithPrefix(int dp_rank, const std::string& prefix, int mp_rank) {
+  return prefix + "zero_pp_rank_" + std::to_string(dp_rank) + "_" + MpRank(mp_rank) + "_optim_states.pt";
 }
 
 std::string OptimStatesFileName(int dp_rank, bool bf16) {

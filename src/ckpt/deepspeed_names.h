@@ -14,12 +14,13 @@ namespace uckpt::ckpt {
 // ---- The files of a tag folder (ckpt/global_step5) ----
 
 // mp_rank_00_model_states.pt: the model states of ZeRO 0/1/2 (rank 0 writes it).
-std::string ModelStatesFileName();
+// `mp_rank`: a tensor-parallel rank's (DeepSpeed AutoTP), mp_rank_01, ...
+std::string ModelStatesFileName(int mp_rank = 0);
 // zero_pp_rank_<r>_mp_rank_00_model_states.pt: ZeRO 3's model states, one per rank.
-std::string Zero3ModelStatesFileName(int dp_rank);
+std::string Zero3ModelStatesFileName(int dp_rank, int mp_rank = 0);
 // <prefix>zero_pp_rank_<r>_mp_rank_00_optim_states.pt, prefix "" (ZeRO 1/2/3),
 // "bf16_" (BF16_Optimizer) or "fp16_" (older DeepSpeed).
-std::string OptimStatesFileNameWithPrefix(int dp_rank, const std::string& prefix);
+std::string OptimStatesFileNameWithPrefix(int dp_rank, const std::string& prefix, int mp_rank = 0);
 // The name a run writes: prefix "bf16_" for BF16_Optimizer's files, else "".
 std::string OptimStatesFileName(int dp_rank, bool bf16);
 

@@ -369,9 +369,10 @@ StateFingerprint FingerprintLayout(const UniversalCheckpoint& u) {
   if (!u.state_keys.empty() && !f.params.empty()) {
     if (u.has_step) {
       f.counters.optimizer_step = ReadUniversalStep(u, f.params[0].name);
-    } else if (u.zero3) {
+    } else if (u.zero3 || saved.zero3_step) {
       // ZeRO-3's optimizer_state.pt: the whole stage-3 optimizer state; Adam's
-      // step per sub-group (the first parameter is in sub-group 0).
+      // step per sub-group (the first parameter is in sub-group 0). (A folder
+      // converted from ZeRO-3 with TP ranks has dict files, and this step too.)
       if (saved.zero3_step)
         f.counters.optimizer_step = ScalarOf(saved.zero3_step, UniversalOptimizerStateFile(u.folder) + ": step");
     }

@@ -118,6 +118,7 @@ void InspectZero(const std::string& folder, CheckpointInfo* info) {
   info->zero_stage = z.stage;
   info->bf16_optimizer = z.bf16_optimizer;
   info->world_size = z.dp;
+  info->tensor_parallel = z.tp;
   info->dtype = ModuleDtype(z.model);
   info->master_dtype = z.params.empty() ? "" : std::string(DTypeName(z.params[0].states[0].dtype));
   info->optimizer_states = z.state_keys;
@@ -143,6 +144,7 @@ void InspectUniversal(const std::string& folder, CheckpointInfo* info) {
   UniversalCheckpoint u = OpenUniversalCheckpoint(folder);
   info->kind = "universal";
   info->world_size = u.source_dp;
+  info->tensor_parallel = u.source_tp;
   info->dtype = ModuleDtype(u.model);
   info->optimizer_states = u.state_keys;
   info->optimizer = OptimizerLabel(ConfigOptimizer(u.model), u.state_keys, u.scalar_keys);
@@ -212,6 +214,7 @@ nlohmann::json CheckpointInfoJson(const CheckpointInfo& i) {
                       {"zero_stage", i.zero_stage},
                       {"bf16_optimizer", i.bf16_optimizer},
                       {"world_size", i.world_size},
+                      {"tensor_parallel", i.tensor_parallel},
                       {"dtype", i.dtype},
                       {"master_dtype", i.master_dtype},
                       {"optimizer", i.optimizer},
@@ -235,6 +238,8 @@ void PrintCheckpointInfo(std::ostream& os, const CheckpointInfo& i) {
   os << i.path << "\n";
   os << "  kind:          " << kind << "\n";
   os << "  world size:    " << i.world_size << (i.kind == "universal" ? " (saved at; loads at any)" : "") << "\n";
+  if (i.tensor_parallel > 1)
+    os << "  tensor-parallel: " << i.tensor_parallel << " (AutoTP; parameters counted whole)\n";
   os << "  dtype:         " << (i.dtype.empty() ? "?" : i.dtype) << " weights, "
      << (i.master_dtype.empty() ? "?" : i.master_dtype) << " master\n";
   std::string states;

@@ -16,6 +16,7 @@ struct CheckpointInfo {
   int zero_stage = 0;           // 1..3 (universal: of the checkpoint it came from); 0 unknown
   bool bf16_optimizer = false;  // BF16_Optimizer files (no zero_stage)
   int world_size = 0;           // data-parallel size it was saved at
+  int tensor_parallel = 1;      // tensor-parallel (AutoTP) size it was saved at
   std::string dtype;            // model weights (module) dtype, "" if unknown
   std::string master_dtype;     // fp32 master weights dtype
   std::string

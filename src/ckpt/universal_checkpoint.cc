@@ -39,6 +39,17 @@ UniversalCheckpoint OpenUniversalCheckpoint(const TagFolder& folder) {
   const ModelStatesRun run = ReadModelStatesRun(u.model.root);
   if (run.dp_world_size) u.source_dp = static_cast<int>(*run.dp_world_size);
   if (run.global_steps) u.global_steps = *run.global_steps;
+  if (run.mp_world_size && *run.mp_world_size > 1) {
+    u.source_tp = static_cast<int>(*run.mp_world_size);
+    for (auto& g : u.groups)
+      for (auto& p : g) {
+        const std::string path = UniversalStateFile(u.folder, p.name, kFp32);
+        TorchFile f = LoadTorchFile(path);
+        ValuePtr v = f.root && f.root->is_dict() ? Need(f.root, kUniversalParam, path) : f.root;
+        p.shape = AsTensor(v, path).shape;
+        p.numel = NumelOf(p.shape);
+      }
+  }
   const UniversalParam* first = nullptr;
   for (const auto& g : u.groups)
     if (!g.empty()) {

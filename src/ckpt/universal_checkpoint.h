@@ -30,6 +30,10 @@ struct UniversalCheckpoint {
   bool has_step = false;                            // zero/<first param>/step.pt exists
   std::vector<std::string> scalar_keys;             // the optimizer's other scalar files ("mu_product"; sorted)
   int source_dp = 0;                                // dp_world_size recorded in the model states
+  // mp_world_size recorded in the model states: > 1 for a folder converted
+  // from tensor-parallel (AutoTP) ranks, whose model states hold rank 0's
+  // shard shapes; `groups` then has the whole shapes of zero/<name>/fp32.pt.
+  int source_tp = 1;
   int64_t global_steps = -1;
 };
 

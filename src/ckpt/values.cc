@@ -99,4 +99,29 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+bool SameValue(const ValuePtr& a, const ValuePtr& b) {
+  if (!a || !b) return a == b;
+  if (a->kind != b->kind) return false;
+  if (a->kind == Kind::kTensor) {
+    const Tensor &x = *a->tensor, &y = *b->tensor;
+    if (x.dtype != y.dtype || x.shape != y.shape) return false;
+    auto bx = x.contiguous_bytes(), by = y.contiguous_bytes();
+    return bx == by;
+  }
+  if (a->kind == Kind::kInt) return a->i == b->i && a->big == b->big;
+  if (a->kind == Kind::kFloat) return a->f == b->f;
+  return HashKey(*a) == HashKey(*b) && !HashKey(*a).empty();
+}
+
+std::string StepText(const ValuePtr& v) {
+  if (!v) return "none";
+  if (v->kind == Kind::kTensor && v->tensor && v->tensor->numel() == 1) {
+    auto b = v->tensor->contiguous_bytes();
+    return std::to_string(ElementToDouble(v->tensor->dtype, b.data()));
+  }
+  if (v->kind == Kind::kInt) return std::to_string(v->i);
+  if (v->kind == Kind::kFloat) return std::to_string(v->f);
+  return KindName(*v);
+}
+
 }  // namespace uckpt::ckpt

@@ -40,4 +40,9 @@ std::vector<std::pair<std::string, ValuePtr>> NamedEntries(const ValuePtr& dict,
 // "1, 2, 3" style shape text: "[37, 11]".
 std::string ShapeText(const std::vector<int64_t>& shape);
 
+// The same value: tensors of equal dtype, shape and bytes; equal numbers; else equal HashKey texts.
+bool SameValue(const ValuePtr& a, const ValuePtr& b);
+// A step as text for messages: a one-element tensor's or a number's value, "none" for null.
+std::string StepText(const ValuePtr& v);
+
 }  // namespace uckpt::ckpt

@@ -12,6 +12,7 @@
 #include "ckpt/fp16_optimizer_state.h"
 #include "ckpt/manifest.h"
 #include "ckpt/stage0_names.h"
+#include "ckpt/tp_checkpoint.h"
 #include "ckpt/values.h"
 #include "format/error.h"
 
@@ -37,31 +38,6 @@ uint64_t ZeroCheckpoint::total_bytes() const {
 
 namespace {
 
-bool SameValue(const ValuePtr& a, const ValuePtr& b) {
-  if (!a || !b) return a == b;
-  if (a->kind != b->kind) return false;
-  if (a->kind == Kind::kTensor) {
-    const Tensor &x = *a->tensor, &y = *b->tensor;
-    if (x.dtype != y.dtype || x.shape != y.shape) return false;
-    auto bx = x.contiguous_bytes(), by = y.contiguous_bytes();
-    return bx == by;
-  }
-  if (a->kind == Kind::kInt) return a->i == b->i && a->big == b->big;
-  if (a->kind == Kind::kFloat) return a->f == b->f;
-  return HashKey(*a) == HashKey(*b) && !HashKey(*a).empty();
-}
-
-std::string StepText(const ValuePtr& v) {
-  if (!v) return "none";
-  if (v->kind == Kind::kTensor && v->tensor && v->tensor->numel() == 1) {
-    auto b = v->tensor->contiguous_bytes();
-    return std::to_string(ElementToDouble(v->tensor->dtype, b.data()));
-  }
-  if (v->kind == Kind::kInt) return std::to_string(v->i);
-  if (v->kind == Kind::kFloat) return std::to_string(v->f);
-  return KindName(*v);
-}
-
 std::vector<int64_t> Numels(const std::vector<NamedShape>& group) {
   std::vector<int64_t> numels;
   for (const auto& p : group) numels.push_back(p.numel());
@@ -69,7 +45,8 @@ std::vector<int64_t> Numels(const std::vector<NamedShape>& group) {
 }
 
 // Refuses what this converter does not handle, naming the first such file.
-void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, const std::string& folder) {
+// `tp_rank`: the tensor-parallel rank whose files are opened (ckpt/tp_checkpoint.h).
+void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, int tp_rank) {
   for (const auto& f : files) {
     if (f.kind == FileKind::kPipelineLayer)
       throw FormatError(f.path +
@@ -81,7 +58,7 @@ void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, const std:
                         "handle them either: their model states have no param_shapes)");
     if ((f.kind == FileKind::kModelStates || f.kind == FileKind::kZero3ModelStates ||
          f.kind == FileKind::kOptimStates) &&
-        f.mp != 0)
+        f.mp != tp_rank)
       throw FormatError(f.path + ": tensor/pipeline-parallel checkpoints (mp_rank " + std::to_string(f.mp) +
                         " > 0) are not supported; only mp_world_size 1 can be converted");
   }
@@ -89,10 +66,14 @@ void RefuseUnsupportedFiles(const std::vector<CheckpointFile>& files, const std:
 
 class Opener {
  public:
-  explicit Opener(const TagFolder& folder) { c_.folder = folder.path; }
+  // `tp_rank` of `tp_degree`: one tensor-parallel rank's files (AutoTP), whose
+  // patterns the caller applies (ckpt/tp_checkpoint.h).
+  Opener(const TagFolder& folder, int tp_rank, int tp_degree) : tp_rank_(tp_rank), tp_degree_(tp_degree) {
+    c_.folder = folder.path;
+  }
 
   ZeroCheckpoint Open(const std::vector<CheckpointFile>& files) {
-    RefuseUnsupportedFiles(files, c_.folder);
+    RefuseUnsupportedFiles(files, tp_rank_);
     if (OpenStage0(files)) return std::move(c_);
     FindOptimFiles(files);
     LoadOptimFiles();
@@ -122,7 +103,7 @@ class Opener {
     c_.model = std::move(m);
     RefusePatterns(c_.model);
     const ModelStatesRun run = ReadModelStatesRun(c_.model.root);
-    if (run.mp_world_size && *run.mp_world_size != 1)
+    if (run.mp_world_size && *run.mp_world_size != tp_degree_)
       Fail(model->path, "tensor/pipeline-parallel checkpoints (mp_world_size " + std::to_string(*run.mp_world_size) +
                             ") are not supported; only mp_world_size 1 can be converted");
     c_.global_steps = run.global_steps.value_or(-1);
@@ -246,7 +227,7 @@ class Opener {
                           std::to_string(c_.dp) + ", so ranks are 0.." + std::to_string(c_.dp - 1));
     for (int r = 0; r < c_.dp; ++r)
       if (r >= static_cast<int>(optim.size()) || optim[r].dp != r)
-        throw FormatError(c_.folder + "/" + OptimStatesFileNameWithPrefix(r, c_.optim_prefix) +
+        throw FormatError(c_.folder + "/" + OptimStatesFileNameWithPrefix(r, c_.optim_prefix, tp_rank_) +
                           ": missing rank file (data-parallel size " + std::to_string(c_.dp) + " recorded in " +
                           optim[0].name + ")");
     c_.optim_files = optim;
@@ -288,14 +269,14 @@ class Opener {
       } else {
         for (int r = 0; r < c_.dp; ++r)
           if (r >= static_cast<int>(c_.model_files.size()) || c_.model_files[r].dp != r)
-            throw FormatError(c_.folder + "/" + Zero3ModelStatesFileName(r) +
+            throw FormatError(c_.folder + "/" + Zero3ModelStatesFileName(r, tp_rank_) +
                               ": missing rank file (data-parallel size " + std::to_string(c_.dp) + ")");
       }
     } else if (c_.model_files.empty()) {
-      throw FormatError(c_.folder + "/" + ModelStatesFileName() + ": missing model-states file");
+      throw FormatError(c_.folder + "/" + ModelStatesFileName(tp_rank_) + ": missing model-states file");
     }
     c_.model = LoadTorchFile(c_.model_files[0].path);
-    if (c_.stage != 3) RefusePatterns(c_.model);
+    if (c_.stage != 3 && tp_degree_ == 1) RefusePatterns(c_.model);
     for (size_t i = 0; i < c_.model_files.size(); ++i) {
       TorchFile m = i == 0 ? c_.model : LoadTorchFile(c_.model_files[i].path);
       const std::string& path = m.file->path();
@@ -303,7 +284,7 @@ class Opener {
       if (run.dp_world_size && *run.dp_world_size != c_.dp)
         Fail(path, "mixed world sizes: dp_world_size is " + std::to_string(*run.dp_world_size) + " but there are " +
                        std::to_string(c_.dp) + " optimizer rank files");
-      if (run.mp_world_size && *run.mp_world_size != 1)
+      if (run.mp_world_size && *run.mp_world_size != tp_degree_)
         Fail(path, "tensor/pipeline-parallel checkpoints (mp_world_size " + std::to_string(*run.mp_world_size) +
                        ") are not supported; only mp_world_size 1 can be converted");
       const int64_t steps = run.global_steps.value_or(-1);
@@ -659,6 +640,7 @@ class Opener {
   }
 
   std::optional<ParamShapes> shapes_;
+  int tp_rank_ = 0, tp_degree_ = 1;
   ZeroCheckpoint c_;
 };
 
@@ -683,7 +665,17 @@ ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes,
   return OpenZeroCheckpoint(opened);
 }
 
-ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder) { return Opener(folder).Open(folder.files); }
+ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder) {
+  if (const int tp = TensorParallelDegree(folder); tp > 1) return OpenTensorParallelCheckpoint(folder, tp);
+  return Opener(folder, 0, 1).Open(folder.files);
+}
+
+ZeroCheckpoint OpenTensorParallelRank(const TagFolder& folder, int tp_rank, int tp_degree) {
+  std::vector<CheckpointFile> files;
+  for (const CheckpointFile& f : folder.files)
+    if (f.mp < 0 || f.mp == tp_rank) files.push_back(f);
+  return Opener(folder, tp_rank, tp_degree).Open(files);
+}
 
 ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
   if (ckpt.stage == 0) {  // the torch optimizer's param groups (an fp16/bf16 wrapper's: its optimizer's)

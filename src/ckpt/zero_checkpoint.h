@@ -6,8 +6,10 @@
 // Supported: ZeRO 1/2 (DeepSpeedZeroOptimizer, fp32/fp16/bf16 file names),
 // BF16_Optimizer, ZeRO 3; any data-parallel size; several parameter groups
 // (stage-3 sub-groups); any optimizer whose per-parameter state is stored per
-// element. Refused with a message saying what is unsupported: tensor/pipeline
-// parallel (mp_rank > 0, layer_* files), MoE, elastic checkpoints, NVMe-offloaded
+// element; AutoTP tensor parallelism at ZeRO 1/2 (ckpt/tp_checkpoint.h: each
+// parameter's plan is then the whole parameter, merged across TP ranks).
+// Refused with a message saying what is unsupported: pipeline
+// parallel (layer_* files), MoE, elastic checkpoints, NVMe-offloaded
 // stage-3 partitions, mappings that do not match the flat layout
 // (round_robin_gradients).
 #pragma once
@@ -53,17 +55,31 @@ struct ParamPlan {
   uint64_t bytes() const;
 };
 
+// A parameter merged across tensor-parallel ranks (ZeroCheckpoint::tp > 1):
+// what its universal files hold beyond its plan, as DeepSpeed's converter
+// writes them for its TP rule (ckpt/tp_merge.h).
+struct TpUniversalFile {
+  // The keys of each file's dict before 'param': {'cat_dim': 1},
+  // {'vocab_tensor': True}, or none.
+  std::vector<std::pair<std::string, ValuePtr>> keys;
+  // Per state (as ParamPlan::states): bytes the file's storage holds after
+  // the tensor's (the rows a vocabulary parameter is cut by: DeepSpeed saves
+  // the cut view with its whole storage); empty otherwise.
+  std::vector<std::vector<std::span<const uint8_t>>> storage_tails;
+};
+
 struct ZeroCheckpoint {
   std::string folder;
   int stage = 0;                            // 0, 1, 2 or 3 (0: the module's weights and torch's optimizer state in the
                                             // model states, no rank files; dp 1)
   bool bf16_optimizer = false;              // BF16_Optimizer (no zero_stage key; counts as stage 1)
   int dp = 0;                               // data-parallel size
+  int tp = 1;                               // tensor-parallel size (AutoTP; params are then merged over it)
   std::string optim_prefix;                 // "", "bf16_" or "fp16_"
   std::vector<CheckpointFile> model_files;  // copied verbatim into a universal output
-  std::vector<CheckpointFile> optim_files;  // index = dp rank
+  std::vector<CheckpointFile> optim_files;  // index = dp rank (tp > 1: tp * dp + dp rank)
   TorchFile model;                          // the first model-states file
-  std::vector<TorchFile> optim;             // index = dp rank; the plan points into these maps
+  std::vector<TorchFile> optim;             // index = dp rank (as optim_files); the plan points into these maps
   std::vector<FlatLayout> layouts;          // stage 1/2: per param group
   std::vector<ParamPlan> params;            // trainable parameters, param_shapes order
   std::vector<std::string> state_keys;      // per-element optimizer states, e.g. exp_avg, exp_avg_sq
@@ -73,8 +89,12 @@ struct ZeroCheckpoint {
   // no optimizer state (frozen parameters, buffers), in module order. That
   // release's converter writes each as zero/<name>/fp32.pt = {'param': t.float()}.
   std::vector<std::pair<std::string, ValuePtr>> module_only;
-  int64_t global_steps = -1;          // from the model states, -1 if absent
-  std::vector<std::string> warnings;  // accepted oddities worth telling the user
+  int64_t global_steps = -1;  // from the model states, -1 if absent
+  // tp > 1: universal_checkpoint_info's category patterns no parameter
+  // matched (DeepSpeed's converter refuses them unless --no_strict).
+  std::vector<std::string> unused_tp_patterns;
+  std::vector<TpUniversalFile> tp_files;  // tp > 1: per parameter, as `params`
+  std::vector<std::string> warnings;      // accepted oddities worth telling the user
 
   uint64_t total_bytes() const;  // all per-parameter state bytes of the plan
 };
@@ -89,8 +109,15 @@ struct ZeroCheckpoint {
 // `check_manifest` false (the caller just did, as `uckpt verify`).
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes = false, bool check_manifest = true);
 // The same from the folder as opened (ckpt/tag_folder.h): its listing, no
-// manifest check (the caller's, from the same value).
+// manifest check (the caller's, from the same value). A folder with
+// tensor-parallel ranks (mp_rank_01, ...) is opened by
+// OpenTensorParallelCheckpoint (ckpt/tp_checkpoint.h).
 ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder);
+// The files of one tensor-parallel rank of `folder` (mp_rank_<tp_rank>) as a
+// checkpoint of its own: its shards, unmerged; model states recording
+// mp_world_size `tp_degree`; universal_checkpoint_info's patterns not refused
+// (the caller applies them).
+ZeroCheckpoint OpenTensorParallelRank(const TagFolder& folder, int tp_rank, int tp_degree);
 
 // The `zero/optimizer_state.pt` value DeepSpeed's converter writes
 // (universal spec §3.3): stage 1/2 — rank 0's optimizer_state_dict without the

@@ -47,13 +47,17 @@ Runner AddDsToUniversal(CLI::App& app) {
     if (args->merge_workers != 2)
       std::cerr << say << "--num_merge_workers " << args->merge_workers
                 << ": no merge phase (each output file is written once, from the rank files)\n";
-    if (args->no_strict)
-      std::cerr << say
-                << "--no_strict: nothing to relax (uckpt refuses tensor-parallel pattern rules, the only "
-                   "thing DeepSpeed's strict check is about)\n";
     try {
       ckpt::ZeroCheckpoint zc = ckpt::OpenZeroCheckpoint(args->input);
       for (const auto& w : zc.warnings) std::cerr << say << "warning: " << w << "\n";
+      // DeepSpeed's strict check: every tensor-parallel pattern of universal_checkpoint_info is used.
+      if (args->no_strict && zc.tp == 1)
+        std::cerr << say
+                  << "--no_strict: nothing to relax (no tensor-parallel ranks; DeepSpeed's strict check is about "
+                     "their pattern rules)\n";
+      if (args->no_strict)
+        for (const std::string& p : zc.unused_tp_patterns)
+          std::cerr << say << "warning: unused pattern '" << p << "' while merging tp slices (--no_strict)\n";
       // DeepSpeed's _check_for_required_state (stage 1/2; its stage-3 path reads no such info).
       const bool has_info = zc.model.root && zc.model.root->get("universal_checkpoint_info");
       if (zc.stage >= 1 && zc.stage <= 2 && !has_info && !args->inject) {
@@ -66,6 +70,7 @@ Runner AddDsToUniversal(CLI::App& app) {
       options.threads = args->extract_workers > 0 ? args->extract_workers : 0;
       options.force = true;            // DeepSpeed writes into an existing output folder
       options.write_manifest = false;  // only the files DeepSpeed writes
+      options.strict = !args->no_strict;
       ckpt::ConvertStats stats = ckpt::ConvertToUniversal(zc, args->output, options);
       std::cout << "*** Done! " << stats.params << " parameters, " << stats.files << " files in " << args->output
                 << "\n";

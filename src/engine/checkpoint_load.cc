@@ -19,6 +19,7 @@
 #include "ckpt/folder.h"
 #include "ckpt/manifest.h"
 #include "ckpt/tag_folder.h"
+#include "ckpt/tp_checkpoint.h"
 #include "ckpt/universal_checkpoint.h"
 #include "engine/async_save.h"
 #include "engine/fingerprint.h"
@@ -412,6 +413,8 @@ LoadResult LoadEngineCheckpointFiles(const CheckpointState& e, const std::string
   CheckManifestOnEveryRank(e.comm, folder, o.verify_hashes);
   FingerprintCheck proof = StartStateFingerprintCheck(folder, o);  // the resume proof
   const ModelStatesFile model = ReadModelStatesFile(folder, e.comm.rank(), o.universal);
+  if (const std::string why = ckpt::TensorParallelLoadRefusal(folder, model.file.root); !why.empty())
+    throw FormatError(why);
   if (model.stage12 && !e.runtime.partitions_parameters()) CheckParamShapes(e, model.path, model.file.root);
   c10::NoGradGuard no_grad;
   LoadFixedParams(e, folder, model, o.load_module_strict);
