@@ -222,7 +222,8 @@ ParamShapes ReadRequiredParamShapes(const ValuePtr& root, const std::string& pat
 
 ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids, bool stepped) {
   ValuePtr g = Value::Dict();
-  ValuePtr betas = Value::List({Value::Float(h.beta1), Value::Float(h.beta2)});
+  std::vector<ValuePtr> pair{Value::Float(h.beta1), Value::Float(h.beta2)};
+  ValuePtr betas = h.betas_given ? Value::List(pair) : Value::Tuple(pair);
   switch (h.cls) {
     case AdamClass::kFusedAdam:  // its defaults' order; its step() adds 'step' (0: the count is per parameter)
       g->set("lr", Value::Float(h.lr));

@@ -70,6 +70,9 @@ struct AdamHparams {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
   AdamClass cls = AdamClass::kTorch;  // whose keys the group is saved with
   bool bias_correction = true;
+  // Whether the config gave the betas: a JSON list reaches the group as a list; otherwise
+  // the optimizer's default, the tuple (0.9, 0.999).
+  bool betas_given = true;
 };
 // The param group as `h.cls` keeps it; `stepped`: the optimizer has stepped
 // (FusedAdam adds its group's 'step' at its first step).

@@ -365,13 +365,17 @@ bool ConfigInteger(const CheckpointState& e, const char* section, const char* ke
   return at->is_object() && at->contains(key) && (*at)[key].is_number_integer();
 }
 
+// Whether the config lists the optimizer's betas (a JSON list stays one in the group).
+bool BetasListed(const CheckpointState& e) {
+  const nlohmann::json& raw = e.config.raw;
+  return raw.is_object() && raw.contains("optimizer") && raw["optimizer"].is_object() &&
+         raw["optimizer"].contains("params") && raw["optimizer"]["params"].contains("betas");
+}
+
 // FP16_Optimizer's wrapped FusedAdam state_dict: one state per param group, over
 // its flat master (state step an int), and FusedAdam's group keys.
 ValuePtr FusedAdamState(const CheckpointState& e, const std::vector<PartitionSlot>& slots) {
   ValuePtr state = Value::Dict(), groups = Value::List();
-  const bool betas_listed = e.config.raw.is_object() && e.config.raw.contains("optimizer") &&
-                            e.config.raw["optimizer"].is_object() && e.config.raw["optimizer"].contains("params") &&
-                            e.config.raw["optimizer"]["params"].contains("betas");  // a JSON list stays one
   for (size_t g = 0; g < slots.size(); ++g) {
     const PartitionState& s = *slots[g].state;
     int64_t numel = 0;
@@ -383,18 +387,11 @@ ValuePtr FusedAdamState(const CheckpointState& e, const std::vector<PartitionSlo
       st->set(ckpt::kExpAvgSq, View(StorageOf(s.exp_avg_sq), DType::kFloat32, {numel}, 0));
       state->set(Value::Int(static_cast<int64_t>(g)), st);
     }
-    const ckpt::AdamHparams h = SavedHparams(e, g);
-    const OptimizerConfig& o = e.runtime.optimizer_config(g);
-    ValuePtr group = Value::Dict();
-    group->set("lr", Value::Float(h.lr));
-    group->set("bias_correction", Value::Bool(o.bias_correction));
-    std::vector<ValuePtr> betas{Value::Float(h.beta1), Value::Float(h.beta2)};
-    group->set("betas", betas_listed ? Value::List(betas) : Value::Tuple(betas));
-    group->set("eps", Value::Float(h.eps));
-    group->set("weight_decay", Value::Float(h.weight_decay));
-    group->set("step", Value::Int(0));  // FusedAdam sets it in the group and counts in the state
-    group->set("params", Value::List({Value::Int(static_cast<int64_t>(g))}));
-    groups->items.push_back(group);
+    ckpt::AdamHparams h = SavedHparams(e, g);
+    h.cls = ckpt::AdamClass::kFusedAdam;  // what FP16_Optimizer wraps, config section or not
+    h.betas_given = BetasListed(e);
+    // FP16_Optimizer steps its FusedAdam once when built, so the group always has its 'step'.
+    groups->items.push_back(ckpt::ParamGroupValue(h, {static_cast<int64_t>(g)}, /*stepped=*/true));
   }
   ValuePtr d = Value::Dict();
   d->set("state", state);

@@ -180,6 +180,13 @@ TEST_F(Codec, ParamGroupsAndStepAsEachAdamClassKeepsThem) {
   }
   h.cls = AdamClass::kFusedAdam;  // FusedAdam adds its group's 'step' at its first step
   EXPECT_FALSE(ParamGroupValue(h, {0}, /*stepped=*/false)->get("step"));
+  // Betas the config listed stay a list; otherwise the optimizer's default tuple.
+  EXPECT_EQ(Reload(Root("g", ParamGroupValue(h, {0})))->get("g")->get("betas")->kind, Kind::kList);
+  h.betas_given = false;
+  ValuePtr defaults = Reload(Root("g", ParamGroupValue(h, {0})))->get("g");
+  EXPECT_EQ(defaults->get("betas")->kind, Kind::kTuple);
+  EXPECT_EQ(ReadAdamHparams(defaults, AdamHparams{}, "g").beta2, h.beta2);
+  h.betas_given = true;
 
   // The stage 1/2 writer: DeepSpeed's FusedAdam group and an int step, read back as uckpt reads them.
   RankOptimStates o;
