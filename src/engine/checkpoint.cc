@@ -353,25 +353,6 @@ ValuePtr PythonNumber(double v, bool integral) {
   return integral ? Value::Int(static_cast<int64_t>(v)) : Value::Float(v);
 }
 
-// Whether the config writes `key` (at the top level, or in `section`) as a JSON integer.
-bool ConfigInteger(const CheckpointState& e, const char* section, const char* key) {
-  const nlohmann::json& raw = e.config.raw;
-  const nlohmann::json* at = &raw;
-  if (section) {
-    if (!raw.is_object() || !raw.contains(section) || !raw[section].is_object()) return false;
-    at = &raw[section];
-    if (at->contains("params")) at = &(*at)["params"];
-  }
-  return at->is_object() && at->contains(key) && (*at)[key].is_number_integer();
-}
-
-// Whether the config lists the optimizer's betas (a JSON list stays one in the group).
-bool BetasListed(const CheckpointState& e) {
-  const nlohmann::json& raw = e.config.raw;
-  return raw.is_object() && raw.contains("optimizer") && raw["optimizer"].is_object() &&
-         raw["optimizer"].contains("params") && raw["optimizer"]["params"].contains("betas");
-}
-
 // FP16_Optimizer's wrapped FusedAdam state_dict: one state per param group, over
 // its flat master (state step an int), and FusedAdam's group keys.
 ValuePtr FusedAdamState(const CheckpointState& e, const std::vector<PartitionSlot>& slots) {
@@ -389,7 +370,7 @@ ValuePtr FusedAdamState(const CheckpointState& e, const std::vector<PartitionSlo
     }
     ckpt::AdamHparams h = SavedHparams(e, g);
     h.cls = ckpt::AdamClass::kFusedAdam;  // what FP16_Optimizer wraps, config section or not
-    h.betas_given = BetasListed(e);
+    h.betas_given = e.config.optimizer.betas_given;
     // FP16_Optimizer steps its FusedAdam once when built, so the group always has its 'step'.
     groups->items.push_back(ckpt::ParamGroupValue(h, {static_cast<int64_t>(g)}, /*stepped=*/true));
   }
@@ -412,7 +393,7 @@ ValuePtr Fp16WrapperOptimizer(const CheckpointState& e) {
   w.cur_iter = ls.cur_iter;
   w.last_overflow_iter = ls.last_overflow_iter;
   w.scale_window = ls.scale_window;
-  w.clip_grad = PythonNumber(e.config.gradient_clipping, ConfigInteger(e, nullptr, "gradient_clipping"));
+  w.clip_grad = PythonNumber(e.config.gradient_clipping, e.config.gradient_clipping_integral);
   const std::vector<PartitionSlot> slots = e.runtime.Slots();  // one per group
   for (size_t g = 0; g < slots.size(); ++g) {
     auto master = StorageOf(slots[g].state->master);

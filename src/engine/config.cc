@@ -181,7 +181,8 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
     p->Bool("torch_adam", torch_adam);
     p->Bool("adam_w_mode", adam_w_mode);
     p->Double("lr", o.lr);
-    if (p->Has("betas")) {
+    o.betas_given = p->Has("betas");
+    if (o.betas_given) {
       const auto& b = p->json("betas");
       if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number())
         p->Fail("betas", "a list of two numbers", b);
@@ -487,6 +488,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     top.Int("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
     top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
     top.Double("gradient_clipping", c.gradient_clipping);
+    c.gradient_clipping_integral = top.Has("gradient_clipping") && top.json("gradient_clipping").is_number_integer();
     top.Bool("prescale_gradients", c.prescale_gradients);
     top.Double("gradient_predivide_factor", c.gradient_predivide_factor);
     ParseStepsPerPrint(top, c);
