@@ -325,6 +325,19 @@ LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base) {
   return s;
 }
 
+LossScalerState ReadLossScaler(const Fp16OptimizerView& w, const LossScalerState& base) {
+  LossScalerState s = base;
+  s.dynamic = w.dynamic;
+  s.cur_scale = w.cur_scale;
+  s.cur_iter = w.cur_iter;
+  if (w.dynamic) {
+    s.last_overflow_iter = w.last_overflow_iter;
+    s.scale_factor = w.scale_factor;
+    s.scale_window = w.scale_window;
+  }
+  return s;
+}
+
 ValuePtr ZeroStageValue(int stage) {
   static const char* names[] = {"disabled", "optimizer_states", "gradients", "weights"};
   return Value::Object(

@@ -98,6 +98,10 @@ struct LossScalerState {
 ValuePtr LossScalerValue(const LossScalerState& s);
 // A loss scaler object as pickled; fields missing from it keep `base`'s.
 LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base);
+// The scale a stage-0 fp16 file keeps in its FP16_Optimizer's own entries, as its
+// load_state_dict takes it back: dynamic, cur_scale and cur_iter, and when dynamic
+// last_overflow_iter, scale_factor and scale_window; the rest keep `base`'s.
+LossScalerState ReadLossScaler(const Fp16OptimizerView& w, const LossScalerState& base);
 
 // zero_stage: getattr(ZeroStageEnum, name).
 ValuePtr ZeroStageValue(int stage);
