@@ -238,7 +238,7 @@ ckpt::AdamHparams SavedHparams(const CheckpointState& e, size_t g) {
 }
 
 ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, ValuePtr> params,
-                                std::vector<std::pair<std::string, ValuePtr>> client) {
+                                std::vector<std::pair<std::string, ValuePtr>> client, const ValuePtr& ds_config) {
   ckpt::ModelStates m;
   m.stage = e.stage();
   for (const auto& b : e.module.buffers) params.emplace(b.name, TensorValue(b.tensor));
@@ -261,7 +261,7 @@ ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, 
   m.global_samples = e.counters.global_samples;
   m.skipped_steps = e.counters.skipped_steps;
   m.dp_world_size = e.comm.world_size();
-  m.ds_config = ckpt::JsonToValue(e.config.raw);
+  m.ds_config = ds_config;
   // uckpt's own: the data position and the lr, then the client's keys.
   ValuePtr ours = Value::Dict();
   ours->set("data_samples", Value::Int(e.counters.global_samples));
@@ -413,7 +413,8 @@ ValuePtr Fp16WrapperOptimizer(const CheckpointState& e) {
 // storage per group's flat buffer (as DeepSpeed's state_dict of flat-buffer
 // views saves them), frozen parameters whole, each also as its flattened
 // fragment (a view of the module entry's storage).
-ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client) {
+ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                          const ValuePtr& ds_config) {
   std::map<std::string, ValuePtr> params;
   for (size_t g = 0; g < e.module.groups.size(); ++g) {
     const at::Tensor weights = e.runtime.group_weights(g);
@@ -427,7 +428,7 @@ ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::s
   for (const auto& p : e.module.frozen) params[p.name] = TensorValue(p.tensor);
   std::vector<std::pair<std::string, const Tensor*>> frozen;
   for (const auto& p : e.module.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
-  ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
+  ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client), ds_config);
   for (const auto& [name, whole] : frozen) {
     if (e.save_without_frozen) break;
     m.frozen_shapes.push_back({name, whole->shape});
@@ -444,14 +445,14 @@ ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::s
   return ckpt::ModelStatesValue(m);
 }
 
-ValuePtr OptimStatesValue(const CheckpointState& e) {
+ValuePtr OptimStatesValue(const CheckpointState& e, const ValuePtr& ds_config) {
   const ShardedRuntime& z = e.runtime;
   ckpt::RankOptimStates r;
   r.stage = e.stage();
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.clip_grad = e.config.gradient_clipping;
-  r.ds_config = ckpt::JsonToValue(e.config.raw);
+  r.ds_config = ds_config;
   for (const PartitionSlot& slot : e.runtime.Slots()) {
     const PartitionState& s = *slot.state;
     ckpt::OptimGroupState gs;
@@ -539,11 +540,13 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   uint64_t snapshot_bytes = 0;
   try {
     SnapshotScope scope(async ? &e.writer->pool() : nullptr);
-    if (e.stage() == 3) {  // DeepSpeed's ZeRO-3 files
-      files = Zero3RankFiles(e, std::move(client));
+    const ValuePtr ds_config = ckpt::JsonToValue(e.config.raw);  // the same in every file
+    if (e.stage() == 3) {                                        // DeepSpeed's ZeRO-3 files
+      files = Zero3RankFiles(e, std::move(client), ds_config);
     } else {
-      if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
-      if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client))});
+      if (e.stage() > 0)
+        files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e, ds_config)});
+      if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client), ds_config)});
     }
     snapshot_bytes = async ? e.writer->pool().bytes() : t_copied_bytes;
   } catch (const std::exception& ex) {
