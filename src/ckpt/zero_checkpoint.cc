@@ -669,19 +669,6 @@ class Opener {
 
 }  // namespace
 
-ValuePtr Stage0UniversalModelStates(const ZeroCheckpoint& ckpt) {
-  ParamShapes groups;
-  for (const ParamPlan& p : ckpt.params) {
-    if (p.group >= groups.size()) groups.resize(p.group + 1);
-    groups[p.group].push_back({p.name, p.shape});
-  }
-  ValuePtr out = Value::Dict();
-  for (const auto& [k, v] : ckpt.model.root->entries) out->entries.emplace_back(k, v);
-  out->set("param_shapes", ParamShapesValue(groups));
-  out->set("optimizer", Value::None());
-  return out;
-}
-
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
   const TagFolder opened = OpenTagFolder(folder);
   if (check_manifest) CheckFolderAgainstManifest(opened, verify_hashes);
@@ -689,16 +676,5 @@ ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes,
 }
 
 ZeroCheckpoint OpenZeroCheckpoint(const TagFolder& folder) { return Opener(folder).Open(folder.files); }
-
-ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
-  if (ckpt.stage == 0) {  // the torch optimizer's param groups (no loss scaler: stage 0 files are fp32)
-    ValuePtr opt = Need(ckpt.model.root, "optimizer", ckpt.model.file->path());
-    ValuePtr out = Value::Dict();
-    out->set("param_groups", Need(opt, "param_groups", ckpt.model.file->path() + ": optimizer"));
-    return out;
-  }
-  return UniversalOptimizerStateValue(ckpt.optim[0].root, ckpt.optim[0].file->path(), ckpt.stage, ckpt.layouts.size(),
-                                      ckpt.dp);
-}
 
 }  // namespace uckpt::ckpt
