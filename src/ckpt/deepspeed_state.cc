@@ -222,7 +222,8 @@ ParamShapes ReadRequiredParamShapes(const ValuePtr& root, const std::string& pat
 
 ValuePtr ParamGroupValue(const AdamHparams& h, const std::vector<int64_t>& ids, bool stepped) {
   ValuePtr g = Value::Dict();
-  ValuePtr betas = Value::List({Value::Float(h.beta1), Value::Float(h.beta2)});
+  std::vector<ValuePtr> pair{Value::Float(h.beta1), Value::Float(h.beta2)};
+  ValuePtr betas = h.betas_given ? Value::List(pair) : Value::Tuple(pair);
   switch (h.cls) {
     case AdamClass::kFusedAdam:  // its defaults' order; its step() adds 'step' (0: the count is per parameter)
       g->set("lr", Value::Float(h.lr));
@@ -321,6 +322,19 @@ LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base) {
   getb("raise_error_at_min_scale", s.raise_error_at_min_scale);
   num("scale_factor", s.scale_factor);
   num("min_scale", s.min_scale);
+  return s;
+}
+
+LossScalerState ReadLossScaler(const Fp16OptimizerView& w, const LossScalerState& base) {
+  LossScalerState s = base;
+  s.dynamic = w.dynamic;
+  s.cur_scale = w.cur_scale;
+  s.cur_iter = w.cur_iter;
+  if (w.dynamic) {
+    s.last_overflow_iter = w.last_overflow_iter;
+    s.scale_factor = w.scale_factor;
+    s.scale_window = w.scale_window;
+  }
   return s;
 }
 

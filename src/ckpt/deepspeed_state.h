@@ -70,6 +70,9 @@ struct AdamHparams {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
   AdamClass cls = AdamClass::kTorch;  // whose keys the group is saved with
   bool bias_correction = true;
+  // Whether the config gave the betas: a JSON list reaches the group as a list; otherwise
+  // the optimizer's default, the tuple (0.9, 0.999).
+  bool betas_given = true;
 };
 // The param group as `h.cls` keeps it; `stepped`: the optimizer has stepped
 // (FusedAdam adds its group's 'step' at its first step).
@@ -95,6 +98,10 @@ struct LossScalerState {
 ValuePtr LossScalerValue(const LossScalerState& s);
 // A loss scaler object as pickled; fields missing from it keep `base`'s.
 LossScalerState ReadLossScaler(const ValuePtr& v, const LossScalerState& base);
+// The scale a stage-0 fp16 file keeps in its FP16_Optimizer's own entries, as its
+// load_state_dict takes it back: dynamic, cur_scale and cur_iter, and when dynamic
+// last_overflow_iter, scale_factor and scale_window; the rest keep `base`'s.
+LossScalerState ReadLossScaler(const Fp16OptimizerView& w, const LossScalerState& base);
 
 // zero_stage: getattr(ZeroStageEnum, name).
 ValuePtr ZeroStageValue(int stage);

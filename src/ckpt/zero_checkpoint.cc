@@ -646,19 +646,6 @@ class Opener {
 
 }  // namespace
 
-ValuePtr Stage0UniversalModelStates(const ZeroCheckpoint& ckpt) {
-  ParamShapes groups;
-  for (const ParamPlan& p : ckpt.params) {
-    if (p.group >= groups.size()) groups.resize(p.group + 1);
-    groups[p.group].push_back({p.name, p.shape});
-  }
-  ValuePtr out = Value::Dict();
-  for (const auto& [k, v] : ckpt.model.root->entries) out->entries.emplace_back(k, v);
-  out->set("param_shapes", ParamShapesValue(groups));
-  out->set("optimizer", Value::None());
-  return out;
-}
-
 ZeroCheckpoint OpenZeroCheckpoint(const std::string& folder, bool verify_hashes, bool check_manifest) {
   const TagFolder opened = OpenTagFolder(folder);
   if (check_manifest) CheckFolderAgainstManifest(opened, verify_hashes);
@@ -675,18 +662,6 @@ ZeroCheckpoint OpenTensorParallelRank(const TagFolder& folder, int tp_rank, int 
   for (const CheckpointFile& f : folder.files)
     if (f.mp < 0 || f.mp == tp_rank) files.push_back(f);
   return Opener(folder, tp_rank, tp_degree).Open(files);
-}
-
-ValuePtr UniversalOptimizerState(const ZeroCheckpoint& ckpt) {
-  if (ckpt.stage == 0) {  // the torch optimizer's param groups (an fp16/bf16 wrapper's: its optimizer's)
-    ValuePtr opt = Need(ckpt.model.root, "optimizer", ckpt.model.file->path());
-    if (IsFp16OptimizerState(opt)) opt = Need(opt, "optimizer_state_dict", ckpt.model.file->path() + ": optimizer");
-    ValuePtr out = Value::Dict();
-    out->set("param_groups", Need(opt, "param_groups", ckpt.model.file->path() + ": optimizer"));
-    return out;
-  }
-  return UniversalOptimizerStateValue(ckpt.optim[0].root, ckpt.optim[0].file->path(), ckpt.stage, ckpt.layouts.size(),
-                                      ckpt.dp);
 }
 
 }  // namespace uckpt::ckpt

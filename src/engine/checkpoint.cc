@@ -238,7 +238,7 @@ ckpt::AdamHparams SavedHparams(const CheckpointState& e, size_t g) {
 }
 
 ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, ValuePtr> params,
-                                std::vector<std::pair<std::string, ValuePtr>> client) {
+                                std::vector<std::pair<std::string, ValuePtr>> client, const ValuePtr& ds_config) {
   ckpt::ModelStates m;
   m.stage = e.stage();
   for (const auto& b : e.module.buffers) params.emplace(b.name, TensorValue(b.tensor));
@@ -261,7 +261,7 @@ ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, 
   m.global_samples = e.counters.global_samples;
   m.skipped_steps = e.counters.skipped_steps;
   m.dp_world_size = e.comm.world_size();
-  m.ds_config = ckpt::JsonToValue(e.config.raw);
+  m.ds_config = ds_config;
   // uckpt's own: the data position and the lr, then the client's keys.
   ValuePtr ours = Value::Dict();
   ours->set("data_samples", Value::Int(e.counters.global_samples));
@@ -353,25 +353,10 @@ ValuePtr PythonNumber(double v, bool integral) {
   return integral ? Value::Int(static_cast<int64_t>(v)) : Value::Float(v);
 }
 
-// Whether the config writes `key` (at the top level, or in `section`) as a JSON integer.
-bool ConfigInteger(const CheckpointState& e, const char* section, const char* key) {
-  const nlohmann::json& raw = e.config.raw;
-  const nlohmann::json* at = &raw;
-  if (section) {
-    if (!raw.is_object() || !raw.contains(section) || !raw[section].is_object()) return false;
-    at = &raw[section];
-    if (at->contains("params")) at = &(*at)["params"];
-  }
-  return at->is_object() && at->contains(key) && (*at)[key].is_number_integer();
-}
-
 // FP16_Optimizer's wrapped FusedAdam state_dict: one state per param group, over
 // its flat master (state step an int), and FusedAdam's group keys.
 ValuePtr FusedAdamState(const CheckpointState& e, const std::vector<PartitionSlot>& slots) {
   ValuePtr state = Value::Dict(), groups = Value::List();
-  const bool betas_listed = e.config.raw.is_object() && e.config.raw.contains("optimizer") &&
-                            e.config.raw["optimizer"].is_object() && e.config.raw["optimizer"].contains("params") &&
-                            e.config.raw["optimizer"]["params"].contains("betas");  // a JSON list stays one
   for (size_t g = 0; g < slots.size(); ++g) {
     const PartitionState& s = *slots[g].state;
     int64_t numel = 0;
@@ -383,18 +368,11 @@ ValuePtr FusedAdamState(const CheckpointState& e, const std::vector<PartitionSlo
       st->set(ckpt::kExpAvgSq, View(StorageOf(s.exp_avg_sq), DType::kFloat32, {numel}, 0));
       state->set(Value::Int(static_cast<int64_t>(g)), st);
     }
-    const ckpt::AdamHparams h = SavedHparams(e, g);
-    const OptimizerConfig& o = e.runtime.optimizer_config(g);
-    ValuePtr group = Value::Dict();
-    group->set("lr", Value::Float(h.lr));
-    group->set("bias_correction", Value::Bool(o.bias_correction));
-    std::vector<ValuePtr> betas{Value::Float(h.beta1), Value::Float(h.beta2)};
-    group->set("betas", betas_listed ? Value::List(betas) : Value::Tuple(betas));
-    group->set("eps", Value::Float(h.eps));
-    group->set("weight_decay", Value::Float(h.weight_decay));
-    group->set("step", Value::Int(0));  // FusedAdam sets it in the group and counts in the state
-    group->set("params", Value::List({Value::Int(static_cast<int64_t>(g))}));
-    groups->items.push_back(group);
+    ckpt::AdamHparams h = SavedHparams(e, g);
+    h.cls = ckpt::AdamClass::kFusedAdam;  // what FP16_Optimizer wraps, config section or not
+    h.betas_given = e.config.optimizer.betas_given;
+    // FP16_Optimizer steps its FusedAdam once when built, so the group always has its 'step'.
+    groups->items.push_back(ckpt::ParamGroupValue(h, {static_cast<int64_t>(g)}, /*stepped=*/true));
   }
   ValuePtr d = Value::Dict();
   d->set("state", state);
@@ -415,7 +393,7 @@ ValuePtr Fp16WrapperOptimizer(const CheckpointState& e) {
   w.cur_iter = ls.cur_iter;
   w.last_overflow_iter = ls.last_overflow_iter;
   w.scale_window = ls.scale_window;
-  w.clip_grad = PythonNumber(e.config.gradient_clipping, ConfigInteger(e, nullptr, "gradient_clipping"));
+  w.clip_grad = PythonNumber(e.config.gradient_clipping, e.config.gradient_clipping_integral);
   const std::vector<PartitionSlot> slots = e.runtime.Slots();  // one per group
   for (size_t g = 0; g < slots.size(); ++g) {
     auto master = StorageOf(slots[g].state->master);
@@ -435,7 +413,8 @@ ValuePtr Fp16WrapperOptimizer(const CheckpointState& e) {
 // storage per group's flat buffer (as DeepSpeed's state_dict of flat-buffer
 // views saves them), frozen parameters whole, each also as its flattened
 // fragment (a view of the module entry's storage).
-ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client) {
+ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                          const ValuePtr& ds_config) {
   std::map<std::string, ValuePtr> params;
   for (size_t g = 0; g < e.module.groups.size(); ++g) {
     const at::Tensor weights = e.runtime.group_weights(g);
@@ -449,7 +428,7 @@ ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::s
   for (const auto& p : e.module.frozen) params[p.name] = TensorValue(p.tensor);
   std::vector<std::pair<std::string, const Tensor*>> frozen;
   for (const auto& p : e.module.frozen) frozen.emplace_back(p.name, params.at(p.name)->tensor.get());
-  ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
+  ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client), ds_config);
   for (const auto& [name, whole] : frozen) {
     if (e.save_without_frozen) break;
     m.frozen_shapes.push_back({name, whole->shape});
@@ -466,14 +445,14 @@ ValuePtr ModelStatesValue(const CheckpointState& e, std::vector<std::pair<std::s
   return ckpt::ModelStatesValue(m);
 }
 
-ValuePtr OptimStatesValue(const CheckpointState& e) {
+ValuePtr OptimStatesValue(const CheckpointState& e, const ValuePtr& ds_config) {
   const ShardedRuntime& z = e.runtime;
   ckpt::RankOptimStates r;
   r.stage = e.stage();
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
   r.clip_grad = e.config.gradient_clipping;
-  r.ds_config = ckpt::JsonToValue(e.config.raw);
+  r.ds_config = ds_config;
   for (const PartitionSlot& slot : e.runtime.Slots()) {
     const PartitionState& s = *slot.state;
     ckpt::OptimGroupState gs;
@@ -561,11 +540,13 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   uint64_t snapshot_bytes = 0;
   try {
     SnapshotScope scope(async ? &e.writer->pool() : nullptr);
-    if (e.stage() == 3) {  // DeepSpeed's ZeRO-3 files
-      files = Zero3RankFiles(e, std::move(client));
+    const ValuePtr ds_config = ckpt::JsonToValue(e.config.raw);  // the same in every file
+    if (e.stage() == 3) {                                        // DeepSpeed's ZeRO-3 files
+      files = Zero3RankFiles(e, std::move(client), ds_config);
     } else {
-      if (e.stage() > 0) files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e)});
-      if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client))});
+      if (e.stage() > 0)
+        files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e, ds_config)});
+      if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client), ds_config)});
     }
     snapshot_bytes = async ? e.writer->pool().bytes() : t_copied_bytes;
   } catch (const std::exception& ex) {

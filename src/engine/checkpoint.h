@@ -76,10 +76,10 @@ ckpt::AdamHparams SavedHparams(const CheckpointState& e, size_t g);
 // in PyTorch's order (`params`: the parameters' entries by name, as the
 // stage saves them; buffers whole, aliases their owner's), its prefixes and
 // buffer names, tied names, the partition slots' param_shapes, the schedule's
-// position, the counters, the config, uckpt's own entry and then the
-// client's keys.
+// position, the counters, the config (`ds_config`: converted once per save),
+// uckpt's own entry and then the client's keys.
 ckpt::ModelStates ModelStatesOf(const CheckpointState& e, std::map<std::string, ValuePtr> params,
-                                std::vector<std::pair<std::string, ValuePtr>> client);
+                                std::vector<std::pair<std::string, ValuePtr>> client, const ValuePtr& ds_config);
 
 // A tensor as a value for a file being saved: a copy into the save's snapshot
 // pool during an async save; during a synchronous one a view of a
@@ -101,8 +101,8 @@ ckpt::AdamState SavedOptimizerState(const PartitionState& st, ckpt::AdamClass cl
 ValuePtr SavedStateValue(const at::Tensor& t);
 
 // checkpoint_zero3.cc: this rank's files of a ZeRO-3 checkpoint (its model
-// states with the client's keys, and its optimizer states).
-std::vector<SnapshotFile> Zero3RankFiles(const CheckpointState& e,
-                                         std::vector<std::pair<std::string, ValuePtr>> client);
+// states with the client's keys, and its optimizer states), both with `ds_config`.
+std::vector<SnapshotFile> Zero3RankFiles(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                                         const ValuePtr& ds_config);
 
 }  // namespace uckpt::engine

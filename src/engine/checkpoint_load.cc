@@ -310,6 +310,20 @@ LoadSource OpenSource(const CheckpointState& e, const ckpt::TagFolder& folder, c
   return OpenRankFiles(folder);
 }
 
+// The saved loss scale into the run's, from either layout: the scaler object a ZeRO
+// optimizer file (or a universal folder) pickles, or the entries of a stage-0 fp16 file's
+// FP16_Optimizer, which only an fp16 run takes back.
+void LoadLossScaler(LossScaler& s, const LoadSource& source, const ckpt::ModelStatesView& m, bool fp16) {
+  ckpt::LossScalerState& state = s;
+  if (source.kind == SourceKind::kModelStates && m.fp16_optimizer) {
+    if (!fp16) return;
+    state = ckpt::ReadLossScaler(*m.fp16_optimizer, state);
+    s.integral_scale = m.fp16_optimizer->cur_scale_integral;  // FP16_Optimizer pickles an int scale as one
+    return;
+  }
+  state = ckpt::ReadLossScaler(source.loss_scaler, state);
+}
+
 // Every partition this rank owns from the source (resharded_load.h), hashed
 // for the resume proof where the folder has no record, then
 // the weights from them; with the optimizer state, the loss scaler and the
@@ -336,22 +350,7 @@ void LoadPartitions(const CheckpointState& e, const ckpt::TagFolder& folder, con
     if (!e.runtime.partitions_parameters()) e.runtime.MastersFromWeights();
     return;
   }
-  static_cast<ckpt::LossScalerState&>(e.runtime.loss_scaler()) =
-      ckpt::ReadLossScaler(source.loss_scaler, e.runtime.loss_scaler());
-  // A stage-0 fp16 file's scale, in its wrapper's entries (FP16_Optimizer.load_state_dict's), into an fp16 run.
-  if (source.kind == SourceKind::kModelStates && model.view.fp16_optimizer && e.config.fp16.enabled) {
-    const ckpt::Fp16OptimizerView& w = *model.view.fp16_optimizer;
-    LossScaler& s = e.runtime.loss_scaler();
-    s.dynamic = w.dynamic;
-    s.cur_scale = w.cur_scale;
-    s.integral_scale = w.cur_scale_integral;
-    s.cur_iter = w.cur_iter;
-    if (w.dynamic) {
-      s.last_overflow_iter = w.last_overflow_iter;
-      s.scale_factor = w.scale_factor;
-      s.scale_window = w.scale_window;
-    }
-  }
+  LoadLossScaler(e.runtime.loss_scaler(), source, model.view, e.config.fp16.enabled);
   ApplySavedHparams(e, source.optimizer_file, source.param_groups, o);
   // For a client optimizer's own keys (SGD's momentum, ...): the caller restores them into its groups.
   if (moments && source.param_groups) e.last_load.optimizer_param_groups = ToIValue(source.param_groups);

@@ -16,7 +16,8 @@
 namespace uckpt::engine {
 namespace {
 
-ValuePtr Zero3ModelStates(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client) {
+ValuePtr Zero3ModelStates(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                          const ValuePtr& ds_config) {
   // The parameters' entries are empty, as DeepSpeed's state_dict of released
   // ZeRO-3 parameters (DeepSpeed's load_state_dict needs that shape): each
   // rank's partition is in its optim file, its frozen slot below.
@@ -25,7 +26,7 @@ ValuePtr Zero3ModelStates(const CheckpointState& e, std::vector<std::pair<std::s
   for (const auto& g : e.module.groups)
     for (const auto& p : g) params[p.name] = empty(p.tensor);
   for (const auto& p : e.module.frozen) params[p.name] = empty(p.tensor);
-  ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client));
+  ckpt::ModelStates m = ModelStatesOf(e, std::move(params), std::move(client), ds_config);
   // Frozen parameters: this rank's slot in frozen_param_fragments, as
   // DeepSpeed's ZeRO-3 saves them (the load puts them together); none with
   // exclude_frozen_parameters.
@@ -38,12 +39,12 @@ ValuePtr Zero3ModelStates(const CheckpointState& e, std::vector<std::pair<std::s
   return ckpt::ModelStatesValue(m);
 }
 
-ValuePtr Zero3OptimStates(const CheckpointState& e) {
+ValuePtr Zero3OptimStates(const CheckpointState& e, const ValuePtr& ds_config) {
   const ShardedRuntime& z = e.runtime;
   ckpt::Stage3RankOptimStates r;
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
-  r.ds_config = ckpt::JsonToValue(e.config.raw);
+  r.ds_config = ds_config;
   std::vector<std::vector<int64_t>> ids(z.num_groups());
   for (const PartitionSlot& slot : e.runtime.Slots()) {  // one per sub-group
     const PartitionState& st = *slot.state;
@@ -63,12 +64,12 @@ ValuePtr Zero3OptimStates(const CheckpointState& e) {
 
 }  // namespace
 
-std::vector<SnapshotFile> Zero3RankFiles(const CheckpointState& e,
-                                         std::vector<std::pair<std::string, ValuePtr>> client) {
+std::vector<SnapshotFile> Zero3RankFiles(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                                         const ValuePtr& ds_config) {
   const int rank = e.comm.rank();
   std::vector<SnapshotFile> files;
-  files.push_back({ckpt::OptimStatesFileName(rank, /*bf16=*/false), Zero3OptimStates(e)});
-  files.push_back({ckpt::Zero3ModelStatesFileName(rank), Zero3ModelStates(e, std::move(client))});
+  files.push_back({ckpt::OptimStatesFileName(rank, /*bf16=*/false), Zero3OptimStates(e, ds_config)});
+  files.push_back({ckpt::Zero3ModelStatesFileName(rank), Zero3ModelStates(e, std::move(client), ds_config)});
   return files;
 }
 

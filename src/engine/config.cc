@@ -181,7 +181,8 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
     p->Bool("torch_adam", torch_adam);
     p->Bool("adam_w_mode", adam_w_mode);
     p->Double("lr", o.lr);
-    if (p->Has("betas")) {
+    o.betas_given = p->Has("betas");
+    if (o.betas_given) {
       const auto& b = p->json("betas");
       if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number())
         p->Fail("betas", "a list of two numbers", b);
@@ -477,123 +478,130 @@ void CheckGradientScaling(TrainConfig& c, const std::string& source) {
                        " with reduce_scatter (DeepSpeed 0.14.5 ignores it there too)");
 }
 
-TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
-  TrainConfig c;
-  c.raw = j;
-  std::string offload_param_device = "none";
-  try {
-    Section top(j, "", source, &c.warnings);
-    top.Int("train_batch_size", c.train_batch_size);
-    top.Int("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
-    top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
-    top.Double("gradient_clipping", c.gradient_clipping);
-    top.Bool("prescale_gradients", c.prescale_gradients);
-    top.Double("gradient_predivide_factor", c.gradient_predivide_factor);
-    ParseStepsPerPrint(top, c);
-    top.Bool("dataloader_drop_last", c.dataloader_drop_last);
-    top.Bool("zero_allow_untested_optimizer", c.zero_allow_untested_optimizer);
-    top.Bool("zero_force_ds_cpu_optimizer", c.zero_force_ds_cpu_optimizer);
-    ParseTopLevelAudit(top);
-    c.wall_clock_breakdown = top.IsEnabled("wall_clock_breakdown") || top.IsEnabled("flops_profiler");
-    c.has_optimizer_section = top.Has("optimizer");
-    if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
-    if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
-    if (auto s = top.Sub("fp16")) {
-      for (const char* k :
-           {"initial_scale_power", "loss_scale_window", "min_loss_scale", "hysteresis", "consecutive_hysteresis"})
-        if (s->Has(k)) c.fp16.dynamic_keys_given = true;
-      s->Bool("enabled", c.fp16.enabled);
-      s->Double("loss_scale", c.fp16.loss_scale);
-      s->Int("initial_scale_power", c.fp16.initial_scale_power);
-      s->Int("loss_scale_window", c.fp16.loss_scale_window);
-      s->Int("hysteresis", c.fp16.hysteresis);
-      s->Bool("consecutive_hysteresis", c.fp16.consecutive_hysteresis);
-      s->Double("min_loss_scale", c.fp16.min_loss_scale);
-      s->Bool("auto_cast", c.fp16.auto_cast);
-      if (s->Has("loss_scale")) c.fp16.loss_scale_integral = s->json("loss_scale").is_number_integer();
-      if (s->Has("min_loss_scale")) c.fp16.min_loss_scale_integral = s->json("min_loss_scale").is_number_integer();
-      s->RefuseUnless("fp16_master_weights_and_grads", false);
+namespace {
+
+// The top level's own numbers and switches: the batch sizes, clipping, the gradients' averaging,
+// printing, the loader's last batch and the checks of a client optimizer.
+void ParseTopLevelScalars(Section& top, TrainConfig& c) {
+  top.Int("train_batch_size", c.train_batch_size);
+  top.Int("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu);
+  top.Int("gradient_accumulation_steps", c.gradient_accumulation_steps);
+  top.Double("gradient_clipping", c.gradient_clipping);
+  c.gradient_clipping_integral = top.Has("gradient_clipping") && top.json("gradient_clipping").is_number_integer();
+  top.Bool("prescale_gradients", c.prescale_gradients);
+  top.Double("gradient_predivide_factor", c.gradient_predivide_factor);
+  ParseStepsPerPrint(top, c);
+  top.Bool("dataloader_drop_last", c.dataloader_drop_last);
+  top.Bool("zero_allow_untested_optimizer", c.zero_allow_untested_optimizer);
+  top.Bool("zero_force_ds_cpu_optimizer", c.zero_force_ds_cpu_optimizer);
+}
+
+void ParseFp16(Section& s, Fp16Config& f) {
+  for (const char* k :
+       {"initial_scale_power", "loss_scale_window", "min_loss_scale", "hysteresis", "consecutive_hysteresis"})
+    if (s.Has(k)) f.dynamic_keys_given = true;
+  s.Bool("enabled", f.enabled);
+  s.Double("loss_scale", f.loss_scale);
+  s.Int("initial_scale_power", f.initial_scale_power);
+  s.Int("loss_scale_window", f.loss_scale_window);
+  s.Int("hysteresis", f.hysteresis);
+  s.Bool("consecutive_hysteresis", f.consecutive_hysteresis);
+  s.Double("min_loss_scale", f.min_loss_scale);
+  s.Bool("auto_cast", f.auto_cast);
+  if (s.Has("loss_scale")) f.loss_scale_integral = s.json("loss_scale").is_number_integer();
+  if (s.Has("min_loss_scale")) f.min_loss_scale_integral = s.json("min_loss_scale").is_number_integer();
+  s.RefuseUnless("fp16_master_weights_and_grads", false);
+}
+
+// "bf16", or its older name "bfloat16".
+void ParseBf16(Section& top, TrainConfig& c) {
+  for (const char* key : {"bf16", "bfloat16"}) {
+    if (auto s = top.Sub(key)) {
+      s->Bool("enabled", c.bf16);
+      s->RefuseUnless("immediate_grad_update", false);
     }
-    for (const char* key : {"bf16", "bfloat16"}) {
-      if (auto s = top.Sub(key)) {
-        s->Bool("enabled", c.bf16);
-        s->RefuseUnless("immediate_grad_update", false);
-      }
-    }
-    if (auto s = top.Sub("zero_optimization")) {
-      s->DropAuto();
-      s->Int("stage", c.zero.stage);
-      s->Int("reduce_bucket_size", c.zero.reduce_bucket_size);
-      s->Int("allgather_bucket_size", c.zero.allgather_bucket_size);
-      if (auto o = s->Sub("offload_optimizer")) {
-        std::string device = "none";
-        o->String("device", device);
-        if (device != "none" && device != "cpu")
-          throw ConfigError("zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\", got \"" + device +
-                            "\"");
-        c.zero.offload_optimizer_cpu = device == "cpu";
-        // How DeepSpeed stages the host copies: uckpt pins and reuses its own buffers.
-        o->Ignore({"pin_memory", "buffer_count", "fast_init", "nvme_path", "pipeline_read", "pipeline_write"});
-        o->RefuseUnless("ratio", 1.0);
-        o->RefuseUnknownKeys();
-      }
-      if (auto o = s->Sub("offload_param")) {
-        o->String("device", offload_param_device);
-        c.zero.offload_param_cpu = offload_param_device == "cpu";
-        o->Bool("pin_memory", c.zero.offload_param_pin_memory);
-        o->Ignore({"buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
-        o->RefuseUnknownKeys();
-      }
-      ParseLegacyOffload(*s, c.zero);
-      ParseStage3Knobs(*s, c);
-      bool round_robin = false;
-      s->Bool("round_robin_gradients", round_robin);
-      if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
-      s->Bool("overlap_comm", c.zero.overlap_comm);
-      s->Bool("override_module_apply", c.zero.override_module_apply);
-      // How DeepSpeed lays out and schedules its buffers: uckpt's own layout gives the same values.
-      s->Bool("reduce_scatter", c.zero.reduce_scatter);
-      s->Ignore({"contiguous_gradients", "allgather_partitions", "use_multi_rank_bucket_allreduce",
-                 "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
-                 "pipeline_loading_checkpoint", "model_persistence_threshold", "stage3_model_persistence_threshold",
-                 "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params"});
-      s->RefuseUnless("load_from_fp32_weights", true);
-      s->RefuseUnless("legacy_stage1", false);
-      s->RefuseUnless("zero_hpz_partition_size", 1);
-      s->RefuseUnless("zero_quantized_weights", false);
-      s->RefuseUnless("zero_quantized_nontrainable_weights", false);
-      s->RefuseUnless("zero_quantized_gradients", false);
-      s->RefuseUnless("mics_shard_size", -1);
-      s->RefuseUnless("mics_hierarchical_params_gather", false);
-      s->RefuseUnknownKeys();
-    }
-    if (auto s = top.Sub("uckpt")) {
-      CheckUckptSection(*s);
-      c.uckpt_section = j["uckpt"];
-    }
-    if (auto s = top.Sub("heartbeat")) {
-      s->Double("interval", c.heartbeat_interval_s);
-      s->Double("timeout", c.heartbeat_timeout_s);
-    }
-    if (auto s = top.Sub("checkpoint")) {
-      s->Bool("load_universal", c.load_universal);
-      s->Bool("async_save", c.async_save);
-      s->String("tag_validation", c.checkpoint_tag_validation);
-      for (auto& ch : c.checkpoint_tag_validation) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
-      if (c.checkpoint_tag_validation != "WARN" && c.checkpoint_tag_validation != "IGNORE" &&
-          c.checkpoint_tag_validation != "FAIL")
-        throw ConfigError("checkpoint.tag_validation must be \"Warn\", \"Ignore\" or \"Fail\", got \"" +
-                          c.checkpoint_tag_validation + "\"");
-      s->Ignore({"parallel_write"});
-      s->RefuseUnless("use_node_local_storage", false);  // DeepSpeed would then save per node
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw ConfigError(source + ": " + e.what());
-  } catch (const ConfigError& e) {
-    std::string m = e.what();
-    if (m.rfind(source + ": ", 0) == 0) throw;
-    throw ConfigError(source + ": " + m);
   }
+}
+
+void ParseOffloadOptimizer(Section& o, ZeroConfig& z) {
+  std::string device = "none";
+  o.String("device", device);
+  if (device != "none" && device != "cpu")
+    throw ConfigError("zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\", got \"" + device + "\"");
+  z.offload_optimizer_cpu = device == "cpu";
+  // How DeepSpeed stages the host copies: uckpt pins and reuses its own buffers.
+  o.Ignore({"pin_memory", "buffer_count", "fast_init", "nvme_path", "pipeline_read", "pipeline_write"});
+  o.RefuseUnless("ratio", 1.0);
+  o.RefuseUnknownKeys();
+}
+
+// `device` as given: checked once the stage is known (CheckParsedConfig).
+void ParseOffloadParam(Section& o, ZeroConfig& z, std::string& device) {
+  o.String("device", device);
+  z.offload_param_cpu = device == "cpu";
+  o.Bool("pin_memory", z.offload_param_pin_memory);
+  o.Ignore({"buffer_count", "buffer_size", "max_in_cpu", "nvme_path"});
+  o.RefuseUnknownKeys();
+}
+
+void ParseZeroOptimization(Section& s, TrainConfig& c, std::string& offload_param_device) {
+  s.DropAuto();
+  s.Int("stage", c.zero.stage);
+  s.Int("reduce_bucket_size", c.zero.reduce_bucket_size);
+  s.Int("allgather_bucket_size", c.zero.allgather_bucket_size);
+  if (auto o = s.Sub("offload_optimizer")) ParseOffloadOptimizer(*o, c.zero);
+  if (auto o = s.Sub("offload_param")) ParseOffloadParam(*o, c.zero, offload_param_device);
+  ParseLegacyOffload(s, c.zero);
+  ParseStage3Knobs(s, c);
+  bool round_robin = false;
+  s.Bool("round_robin_gradients", round_robin);
+  if (round_robin) throw ConfigError("zero_optimization.round_robin_gradients = true is not supported");
+  s.Bool("overlap_comm", c.zero.overlap_comm);
+  s.Bool("override_module_apply", c.zero.override_module_apply);
+  // How DeepSpeed lays out and schedules its buffers: uckpt's own layout gives the same values.
+  s.Bool("reduce_scatter", c.zero.reduce_scatter);
+  s.Ignore({"contiguous_gradients", "allgather_partitions", "use_multi_rank_bucket_allreduce", "elastic_checkpoint",
+            "ignore_unused_parameters", "memory_efficient_linear", "pipeline_loading_checkpoint",
+            "model_persistence_threshold", "stage3_model_persistence_threshold", "use_all_reduce_for_fetch_params",
+            "stage3_use_all_reduce_for_fetch_params"});
+  s.RefuseUnless("load_from_fp32_weights", true);
+  s.RefuseUnless("legacy_stage1", false);
+  s.RefuseUnless("zero_hpz_partition_size", 1);
+  s.RefuseUnless("zero_quantized_weights", false);
+  s.RefuseUnless("zero_quantized_nontrainable_weights", false);
+  s.RefuseUnless("zero_quantized_gradients", false);
+  s.RefuseUnless("mics_shard_size", -1);
+  s.RefuseUnless("mics_hierarchical_params_gather", false);
+  s.RefuseUnknownKeys();
+}
+
+// uckpt's own sections: "uckpt" (checked, kept for the Python package) and "heartbeat".
+void ParseOwnSections(Section& top, TrainConfig& c) {
+  if (auto s = top.Sub("uckpt")) {
+    CheckUckptSection(*s);
+    c.uckpt_section = top.json("uckpt");
+  }
+  if (auto s = top.Sub("heartbeat")) {
+    s->Double("interval", c.heartbeat_interval_s);
+    s->Double("timeout", c.heartbeat_timeout_s);
+  }
+}
+
+void ParseCheckpointSection(Section& s, TrainConfig& c) {
+  s.Bool("load_universal", c.load_universal);
+  s.Bool("async_save", c.async_save);
+  s.String("tag_validation", c.checkpoint_tag_validation);
+  for (auto& ch : c.checkpoint_tag_validation) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  if (c.checkpoint_tag_validation != "WARN" && c.checkpoint_tag_validation != "IGNORE" &&
+      c.checkpoint_tag_validation != "FAIL")
+    throw ConfigError("checkpoint.tag_validation must be \"Warn\", \"Ignore\" or \"Fail\", got \"" +
+                      c.checkpoint_tag_validation + "\"");
+  s.Ignore({"parallel_write"});
+  s.RefuseUnless("use_node_local_storage", false);  // DeepSpeed would then save per node
+}
+
+// The rules across sections, once every section is read.
+void CheckParsedConfig(TrainConfig& c, const std::string& source, const std::string& offload_param_device) {
   CheckZeroStage(c.zero.stage, source);
   // DeepSpeed reads offload_param at stage 3 only (DeepSpeed-Chat's --offload sets it at every stage).
   if (c.zero.stage != 3 && (offload_param_device != "none" || c.zero.offload_param_cpu)) {
@@ -607,6 +615,35 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
   CheckGradientScaling(c, source);
   if (c.fp16.enabled && c.bf16) throw ConfigError(source + ": fp16 and bf16 cannot both be enabled");
   if (c.gradient_clipping < 0) throw ConfigError(source + ": gradient_clipping must be >= 0");
+}
+
+}  // namespace
+
+TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
+  TrainConfig c;
+  c.raw = j;
+  std::string offload_param_device = "none";
+  try {
+    Section top(j, "", source, &c.warnings);
+    ParseTopLevelScalars(top, c);
+    ParseTopLevelAudit(top);
+    c.wall_clock_breakdown = top.IsEnabled("wall_clock_breakdown") || top.IsEnabled("flops_profiler");
+    c.has_optimizer_section = top.Has("optimizer");
+    if (auto s = top.Sub("optimizer")) ParseOptimizer(*s, c.optimizer);
+    if (auto s = top.Sub("scheduler")) ParseScheduler(*s, c.scheduler);
+    if (auto s = top.Sub("fp16")) ParseFp16(*s, c.fp16);
+    ParseBf16(top, c);
+    if (auto s = top.Sub("zero_optimization")) ParseZeroOptimization(*s, c, offload_param_device);
+    ParseOwnSections(top, c);
+    if (auto s = top.Sub("checkpoint")) ParseCheckpointSection(*s, c);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(source + ": " + e.what());
+  } catch (const ConfigError& e) {
+    std::string m = e.what();
+    if (m.rfind(source + ": ", 0) == 0) throw;
+    throw ConfigError(source + ": " + m);
+  }
+  CheckParsedConfig(c, source, offload_param_device);
   return c;
 }
 

@@ -42,6 +42,9 @@ struct OptimizerConfig {
   // (whose checkpoints keep other param-group keys: ckpt::AdamClass; ZeRO
   // stage 0 in fp16 wraps it in FP16_Optimizer, torch's in FP16_UnfusedOptimizer).
   bool torch_adam = false;
+  // Whether params lists the betas: the optimizer's param groups then keep that list, else its
+  // default tuple (a checkpoint pickles which one it is).
+  bool betas_given = false;
 };
 
 // DeepSpeed 0.14.5's config schedulers (runtime/lr_schedules.py), each with
@@ -120,6 +123,8 @@ struct TrainConfig {
   // Any two of the three batch sizes determine the third (ResolveBatchSizes).
   std::optional<int64_t> train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps;
   double gradient_clipping = 0.0;  // 0 = off
+  // Whether it is a JSON integer: DeepSpeed keeps the Python number it came from (FP16_Optimizer's clip_grad).
+  bool gradient_clipping_integral = false;
   // How the gradients are averaged over the ranks at ZeRO stage 0 (DeepSpeed's engine.allreduce_bucket):
   // prescale: each rank's gradient times 1/world, then summed; otherwise (post-scale, the default) times
   // 1/predivide, summed, times predivide/world. At stages 1-3 see ZeroConfig::reduce_scatter.

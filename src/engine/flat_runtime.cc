@@ -486,7 +486,10 @@ FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) 
   }
   const at::Tensor scaled_norm = GlobalNorm();  // fp32
   r.grad_norm = static_cast<float>(scaled_norm.item<float>() / prev_scale);
-  const UnscaleAndClip unscale(scaled_norm, prev_scale, s_.gradient_clipping);
+  // DeepSpeed 0.14.5 unscales and clips by the scale it has just updated (stage_1_and_2.py step():
+  // _update_scale, then unscale_and_clip_grads over self.loss_scale): on a step where the scale
+  // grows, the gradients are divided by the grown one. Its reported norm keeps the previous scale.
+  const UnscaleAndClip unscale(scaled_norm, scaler_.cur_scale, s_.gradient_clipping);
   // Stage 0 in fp32: DeepSpeed's optimizer steps the module's parameters
   // themselves, so a write to one (p.data) is where the step starts.
   if (s_.stage == 0 && s_.model_dtype == at::kFloat) MastersFromWeights();

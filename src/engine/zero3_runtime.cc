@@ -135,8 +135,10 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
   }
   bool finite = true;
   at::Tensor norm = GlobalNorm(&finite);  // fp64, of the scaled gradients
-  r.grad_norm = finite ? norm.item<double>() / prev_scale : -1;
-  const UnscaleAndClip unscale(norm, prev_scale, s_.base.gradient_clipping);
+  // DeepSpeed 0.14.5's stage3.py divides the norm and the gradients by the scale it has just
+  // updated (a grown one on a step where the scale grows), as its stage 1-2 do the gradients.
+  r.grad_norm = finite ? norm.item<double>() / scaler_.cur_scale : -1;
+  const UnscaleAndClip unscale(norm, scaler_.cur_scale, s_.base.gradient_clipping);
   if (s_.base.optimizer_step) {
     ClientStep(unscale, group_lrs);
     return r;

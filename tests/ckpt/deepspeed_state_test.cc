@@ -141,6 +141,30 @@ TEST_F(Codec, ZeroStageFragmentAddressHparamsLossScaler) {
   EXPECT_EQ(r.last_overflow_iter, 3);
   EXPECT_EQ(r.scale_window, 50);
   EXPECT_EQ(r.cur_hysteresis, 2);
+
+  // The same scaler from a stage-0 fp16 file's FP16_Optimizer entries: a static one keeps the
+  // growth fields it does not save.
+  Fp16OptimizerView w;
+  w.dynamic = true;
+  w.cur_scale = 256;
+  w.cur_iter = 12;
+  w.last_overflow_iter = 7;
+  w.scale_factor = 4;
+  w.scale_window = 3;
+  LossScalerState from_wrapper = ReadLossScaler(w, s);
+  EXPECT_TRUE(from_wrapper.dynamic);
+  EXPECT_EQ(from_wrapper.cur_scale, 256);
+  EXPECT_EQ(from_wrapper.cur_iter, 12);
+  EXPECT_EQ(from_wrapper.last_overflow_iter, 7);
+  EXPECT_EQ(from_wrapper.scale_factor, 4);
+  EXPECT_EQ(from_wrapper.scale_window, 3);
+  EXPECT_EQ(from_wrapper.cur_hysteresis, 2);  // not the wrapper's: base's
+  w.dynamic = false;
+  LossScalerState static_scale = ReadLossScaler(w, s);
+  EXPECT_FALSE(static_scale.dynamic);
+  EXPECT_EQ(static_scale.cur_scale, 256);
+  EXPECT_EQ(static_scale.last_overflow_iter, 3);
+  EXPECT_EQ(static_scale.scale_window, 50);
 }
 
 std::vector<std::string> KeysOf(const ValuePtr& dict) {
@@ -180,6 +204,13 @@ TEST_F(Codec, ParamGroupsAndStepAsEachAdamClassKeepsThem) {
   }
   h.cls = AdamClass::kFusedAdam;  // FusedAdam adds its group's 'step' at its first step
   EXPECT_FALSE(ParamGroupValue(h, {0}, /*stepped=*/false)->get("step"));
+  // Betas the config listed stay a list; otherwise the optimizer's default tuple.
+  EXPECT_EQ(Reload(Root("g", ParamGroupValue(h, {0})))->get("g")->get("betas")->kind, Kind::kList);
+  h.betas_given = false;
+  ValuePtr defaults = Reload(Root("g", ParamGroupValue(h, {0})))->get("g");
+  EXPECT_EQ(defaults->get("betas")->kind, Kind::kTuple);
+  EXPECT_EQ(ReadAdamHparams(defaults, AdamHparams{}, "g").beta2, h.beta2);
+  h.betas_given = true;
 
   // The stage 1/2 writer: DeepSpeed's FusedAdam group and an int step, read back as uckpt reads them.
   RankOptimStates o;

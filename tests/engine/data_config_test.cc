@@ -205,6 +205,15 @@ TEST(Config, AdamKeywordsHonouredOrRefused) {
   EXPECT_FALSE(adam(R"({"bias_correction": false})").optimizer.bias_correction);
   EXPECT_TRUE(adam(R"({"torch_adam": true, "foreach": true, "fused": false})").warnings.empty());
   EXPECT_TRUE(adam(R"({"set_grad_none": false})").warnings.empty());
+  // What the checkpoint writes as DeepSpeed pickles it: listed betas stay a list, a whole clip an int.
+  EXPECT_FALSE(adam("{}").optimizer.betas_given);
+  EXPECT_TRUE(adam(R"({"betas": [0.8, 0.9]})").optimizer.betas_given);
+  auto clip = [](const char* v) {
+    return ParseConfig(nlohmann::json::parse(std::string(R"({"gradient_clipping": )") + v + "}"), "cfg.json");
+  };
+  EXPECT_TRUE(clip("1").gradient_clipping_integral);
+  EXPECT_FALSE(clip("1.0").gradient_clipping_integral);
+  EXPECT_FALSE(ParseConfig(nlohmann::json::object(), "cfg.json").gradient_clipping_integral);
   auto refused = [&](const char* params, const char* needle) {
     try {
       adam(params);

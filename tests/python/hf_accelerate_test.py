@@ -9,20 +9,19 @@ this file's worker: `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=…
 The losses are printed; exit 0 when both launches finish, every loss is finite and the resumed losses equal the
 uninterrupted run's, else 1 with the first error (ctest: python_hf_accelerate_zero2; ZeRO-3 unregistered).
 """
-import argparse
 import json
 import math
 import os
-import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from hf_env import (cpu_data_parallel, fail_run, fresh_work, harness_parser, harness_venv, torchrun,  # noqa: E402
+                    worker_args)
 UPDATES, SAVE = 6, 3
 
 
 def worker(args):
-    sys.path.insert(0, HERE)
-    from hf_env import cpu_data_parallel
     cpu_data_parallel()
     import torch
     from accelerate import Accelerator
@@ -63,17 +62,10 @@ def worker(args):
 
 
 def main():
-    sys.path.insert(0, HERE)
-    from hf_env import fail_run, harness_venv, torchrun
-    p = argparse.ArgumentParser()
-    p.add_argument("pypath")
-    p.add_argument("work")
-    p.add_argument("--against", choices=["uckpt", "deepspeed"], default="uckpt")
+    p = harness_parser()
     p.add_argument("--stage", type=int, default=2)
     args = p.parse_args()
-    work = os.path.join(os.path.abspath(args.work), f"accelerate-{args.against}-zero{args.stage}")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    work = fresh_work(args.work, f"accelerate-{args.against}-zero{args.stage}")
     python, pypath = harness_venv(args.against, work, args.pypath)
     results = {}
     for phase in ("train", "resume"):
@@ -96,11 +88,6 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        wp = argparse.ArgumentParser()
-        wp.add_argument("--worker", action="store_true")
-        wp.add_argument("--phase")
-        wp.add_argument("--work")
-        wp.add_argument("--stage", type=int)
-        worker(wp.parse_args())
+        worker(worker_args(strings=("--phase", "--work"), ints=("--stage",)))
     else:
         main()

@@ -6,6 +6,8 @@ Python's packages through a .pth file: all of them (`with_deepspeed=True`, a Pyt
 installed), or all but DeepSpeed (a folder of links to every entry except deepspeed/ and its dist-info), so
 that the alias can be installed into the venv's own site-packages and `import deepspeed` is then uckpt.
 """
+import argparse
+import json
 import os
 import re
 import shutil
@@ -68,7 +70,85 @@ def cpu_data_parallel(half=False):
     return {"accelerator_config": {"use_configured_state": True}, **({"use_cpu": True} if half else {})}
 
 
-# ---- What the harnesses (hf_trainer_test, hf_accelerate_test, hf_trl_test) share: their venvs, torchrun, errors.
+# ---- What the harnesses (hf_trainer_test, hf_accelerate_test, hf_trl_test, hf_zero3_test) share: the Trainer's
+# config, their arguments, venvs, torchrun, errors.
+
+# The config a Hugging Face Trainer run passes as `deepspeed=`, with the "auto" values the Trainer fills in.
+TRAINER_DS_CONFIG = {
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                          "reduce_bucket_size": "auto", "allgather_bucket_size": 2e8},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def trainer_ds_config(stage, offload=False):
+    """TRAINER_DS_CONFIG at ZeRO `stage` (a fresh copy); `offload`: offload_optimizer to the CPU (DeepSpeed's
+    optimizer is then its DeepSpeedCPUAdam, not FusedAdam)."""
+    cfg = json.loads(json.dumps(TRAINER_DS_CONFIG))
+    cfg["zero_optimization"]["stage"] = stage
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:  # the keys Hugging Face's ZeRO-3 examples set, "auto" where the Trainer fills them
+        cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": "auto",
+                                         "stage3_param_persistence_threshold": "auto",
+                                         "stage3_gather_16bit_weights_on_model_save": True})
+    return cfg
+
+
+def tiny_gpt2_config(**overrides):
+    """The tests' tiny GPT-2 (2 layers of 32, no dropout), built from a config: nothing downloaded."""
+    from transformers import GPT2Config
+    kw = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+              attn_pdrop=0.0)
+    kw.update(overrides)
+    return GPT2Config(**kw)
+
+
+def harness_parser(against=("uckpt", "deepspeed"), **against_kw):
+    """A harness's argument parser: PYPATH, WORK_DIR and --against (who runs it: uckpt through the alias, or
+    real DeepSpeed 0.14.5); the harness adds its own options."""
+    p = argparse.ArgumentParser()
+    p.add_argument("pypath")
+    p.add_argument("work")
+    p.add_argument("--against", choices=list(against), default="uckpt", **against_kw)
+    return p
+
+
+def fresh_work(work, name):
+    """WORK/NAME, emptied: the folder of one harness run."""
+    path = os.path.join(os.path.abspath(work), name)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def worker_args(strings=(), ints=(), flags=(), worker=None, **defaults):
+    """The options main() hands a torchrun worker, parsed: `--worker` (a flag, or one of `worker`'s choices),
+    each of `strings` and `ints` a value, each of `flags` a switch; `defaults` by destination."""
+    p = argparse.ArgumentParser()
+    if worker:
+        p.add_argument("--worker", choices=list(worker))
+    else:
+        p.add_argument("--worker", action="store_true")
+    for k in strings:
+        p.add_argument(k)
+    for k in ints:
+        p.add_argument(k, type=int)
+    for k in flags:
+        p.add_argument(k, action="store_true")
+    p.set_defaults(**defaults)
+    return p.parse_args()
+
 
 def harness_venv(which, work, pypath):
     """(python, PYTHONPATH) of a fresh venv at WORK/venv-WHICH where `deepspeed` is uckpt through the alias

@@ -40,44 +40,17 @@ import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from hf_env import (cpu_data_parallel, fail_run, harness_parser, harness_venv, tiny_gpt2_config,  # noqa: E402
+                    torchrun, trainer_ds_config, worker_args)
+from hf_env import run as run_python  # noqa: E402  (beside the Run objects below)
 GLOBAL_BATCH, MICRO = 8, 2
 # Absolute, after a change of world size or stage (#39): fp32 at every resumed step; bf16/fp16 after the first.
 RESIZE_TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2, "fp16": 1e-2}
 
-DS_CONFIG = {
-    "bf16": {"enabled": "auto"},
-    "fp16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW",
-                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR",
-                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                          "reduce_bucket_size": "auto", "allgather_bucket_size": 2e8},
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
-
-
-def ds_config(stage, offload=False):
-    cfg = json.loads(json.dumps(DS_CONFIG))
-    cfg["zero_optimization"]["stage"] = stage
-    if offload:  # ZeRO-Offload: DeepSpeed's optimizer is then its DeepSpeedCPUAdam, not FusedAdam
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    if stage == 3:  # the keys Hugging Face's ZeRO-3 examples set, "auto" where the Trainer fills them
-        cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": "auto",
-                                         "stage3_param_persistence_threshold": "auto",
-                                         "stage3_gather_16bit_weights_on_model_save": True})
-    return cfg
-
-
 def worker(args):
-    sys.path.insert(0, HERE)
-    from hf_env import cpu_data_parallel
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
@@ -96,9 +69,7 @@ def worker(args):
         # From the config through from_config, after TrainingArguments: at ZeRO-3 transformers builds it under
         # deepspeed.zero.Init and initialises it through GatheredParameters, as for from_pretrained.
         torch.manual_seed(0)
-        cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0)
-        m = AutoModelForCausalLM.from_config(cfg)
+        m = AutoModelForCausalLM.from_config(tiny_gpt2_config())
         if args.lora:  # PEFT's LoRA on the attention: the base weights frozen (requires_grad False)
             from peft import LoraConfig, get_peft_model
             m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
@@ -178,9 +149,7 @@ class Run:
         os.makedirs(self.work)
         config = os.path.join(self.work, "ds_config.json")
         with open(config, "w") as f:
-            json.dump(ds_config(self.stage, self.offload), f, indent=1)
-        sys.path.insert(0, HERE)
-        from hf_env import fail_run, torchrun
+            json.dump(trainer_ds_config(self.stage, self.offload), f, indent=1)
         log = os.path.join(self.work, "run.log")
         cmd = [os.path.abspath(__file__), "--worker", "--work", self.work, "--ds_config", config, "--steps",
                str(steps), "--save_at", str(save_at), "--ga", str(self.ga), "--dtype", self.dtype]
@@ -225,9 +194,7 @@ class Run:
         if not os.access(script, os.X_OK):
             print(f"FAIL: {self.name}: {script} is missing or not executable")
             sys.exit(1)
-        sys.path.insert(0, HERE)
-        from hf_env import run
-        done = run(python, [script, folder, out] + (["--exclude_frozen_parameters"] if self.lora else []), pypath)
+        done = run_python(python, [script, folder, out] + (["--exclude_frozen_parameters"] if self.lora else []), pypath)
         if done.returncode != 0:
             print(done.stdout + done.stderr + f"\nFAIL: {self.name}: {script} {folder} {out}: exit {done.returncode}")
             sys.exit(1)
@@ -241,7 +208,7 @@ class Run:
                  "print(f'{len(got)} tensors; missing {missing}; differ {differ}')\n"
                  "sys.exit(1 if (missing or differ) else 0)\n")
         saved = "adapter_model.safetensors" if self.lora else "model.safetensors"
-        done = run(python, ["-c", check, out, os.path.join(folder, saved), "lora" if self.lora else "-"], pypath)
+        done = run_python(python, ["-c", check, out, os.path.join(folder, saved), "lora" if self.lora else "-"], pypath)
         print(f"{self.name}: zero_to_fp32.py against {saved}: {done.stdout.strip()}", flush=True)
         if done.returncode != 0:
             print(done.stderr + f"FAIL: {self.name}: zero_to_fp32.py's weights are not the checkpoint's")
@@ -311,13 +278,8 @@ def resume_spec(text):
 
 
 def main():
-    sys.path.insert(0, HERE)
-    from hf_env import harness_venv
-    p = argparse.ArgumentParser()
-    p.add_argument("pypath")
-    p.add_argument("work")
-    p.add_argument("--against", choices=["uckpt", "deepspeed", "both"], default="uckpt",
-                   help="who resumes (both: each, from its own run unless --writer)")
+    p = harness_parser(against=("uckpt", "deepspeed", "both"),
+                       help="who resumes (both: each, from its own run unless --writer)")
     p.add_argument("--writer", choices=["uckpt", "deepspeed"], help="who makes the run that is resumed")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
@@ -376,15 +338,7 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        wp = argparse.ArgumentParser()
-        wp.add_argument("--worker", action="store_true")
-        for k in ("--work", "--ds_config", "--resume_from"):
-            wp.add_argument(k)
-        for k in ("--steps", "--save_at", "--ga"):
-            wp.add_argument(k, type=int)
-        wp.add_argument("--lora", action="store_true")
-        wp.add_argument("--uckpt_data", action="store_true")
-        wp.add_argument("--dtype", default="fp32")
-        worker(wp.parse_args())
+        worker(worker_args(strings=("--work", "--ds_config", "--resume_from", "--dtype"),
+                           ints=("--steps", "--save_at", "--ga"), flags=("--lora", "--uckpt_data"), dtype="fp32"))
     else:
         main()

@@ -9,20 +9,19 @@ engine without an optimizer), the ZeRO config of hf_trainer_test.py, 4 steps wit
 the run finishes with positive finite losses and finite gradient norms, else 1 with the first error (ctest:
 python_hf_trl_dpo, python_hf_trl_sft).
 """
-import argparse
 import json
 import math
 import os
-import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from hf_env import (cpu_data_parallel, fail_run, fresh_work, harness_parser, harness_venv, torchrun,  # noqa: E402
+                    trainer_ds_config, worker_args)
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,")
 
 
 def worker(args):
-    sys.path.insert(0, HERE)
-    from hf_env import cpu_data_parallel
     import torch
     from datasets import Dataset
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
@@ -72,21 +71,13 @@ def worker(args):
 
 
 def main():
-    sys.path.insert(0, HERE)
-    from hf_env import fail_run, harness_venv, torchrun
-    from hf_trainer_test import ds_config
-    p = argparse.ArgumentParser()
-    p.add_argument("pypath")
-    p.add_argument("work")
+    p = harness_parser()
     p.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
-    p.add_argument("--against", choices=["uckpt", "deepspeed"], default="uckpt")
     p.add_argument("--stage", type=int, default=2)
     args = p.parse_args()
-    work = os.path.join(os.path.abspath(args.work), f"trl-{args.trainer}-{args.against}-zero{args.stage}")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    work = fresh_work(args.work, f"trl-{args.trainer}-{args.against}-zero{args.stage}")
     with open(os.path.join(work, "ds_config.json"), "w") as f:
-        json.dump(ds_config(args.stage), f, indent=1)
+        json.dump(trainer_ds_config(args.stage), f, indent=1)
     python, pypath = harness_venv(args.against, work, args.pypath)
     log = os.path.join(work, "train.log")
     rc, out = torchrun(python, pypath, 2, [os.path.abspath(__file__), "--worker", "--trainer", args.trainer, "--work",
@@ -105,11 +96,6 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        wp = argparse.ArgumentParser()
-        wp.add_argument("--worker", action="store_true")
-        wp.add_argument("--trainer")
-        wp.add_argument("--work")
-        wp.add_argument("--ds_config")
-        worker(wp.parse_args())
+        worker(worker_args(strings=("--trainer", "--work", "--ds_config")))
     else:
         main()

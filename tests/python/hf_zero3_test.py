@@ -22,42 +22,19 @@ Trainer fills in, stage3_gather_16bit_weights_on_model_save true), evaluating an
     loaded with from_pretrained under ZeRO-3 again, evaluates to the same loss.
 Exit 0 when all hold, else 1 with the first failure.
 """
-import argparse
 import json
 import os
-import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from hf_env import (cpu_data_parallel, fail_run, fresh_work, harness_parser, harness_venv,  # noqa: E402
+                    tiny_gpt2_config, torchrun, trainer_ds_config, worker_args)
 STEPS, EVERY = 6, 2
-
-DS_CONFIG = {
-    "bf16": {"enabled": "auto"},
-    "fp16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW",
-                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR",
-                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto",
-                          "stage3_gather_16bit_weights_on_model_save": True},
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-}
-
 
 def fail(msg):
     print(f"FAIL: rank {os.environ.get('RANK', '0')}: {msg}", flush=True)
     sys.exit(1)
-
-
-def tiny_gpt2_config():
-    from transformers import GPT2Config
-    return GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def gathered(model, deepspeed, torch):
@@ -128,8 +105,6 @@ def plain_eval_loss(model, rows, torch):
 
 
 def worker(args):
-    sys.path.insert(0, HERE)
-    from hf_env import cpu_data_parallel
     import deepspeed
     import torch
     from safetensors.torch import load_file
@@ -211,8 +186,6 @@ def worker_eval(args):
     takes one DeepSpeed plugin a process): the Trainer's deepspeed_init(inference=True), an engine without
     optimizer. Its loss is the training run's last evaluate()'s. (Evaluating before train() in a Trainer that
     then trains fails under real DeepSpeed 0.14.5 too: Accelerate's engine wrapper is left None.)"""
-    sys.path.insert(0, HERE)
-    from hf_env import cpu_data_parallel
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     rows = eval_rows(torch)
@@ -232,23 +205,15 @@ def worker_eval(args):
 
 
 def main():
-    sys.path.insert(0, HERE)
-    from hf_env import fail_run, harness_venv, torchrun
-    p = argparse.ArgumentParser()
-    p.add_argument("pypath")
-    p.add_argument("work")
-    p.add_argument("--against", choices=["uckpt", "deepspeed"], default="uckpt")
-    args = p.parse_args()
-    work = os.path.join(os.path.abspath(args.work), f"zero3-calls-{args.against}")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    args = harness_parser().parse_args()
+    work = fresh_work(args.work, f"zero3-calls-{args.against}")
     import torch
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_gpt2_config()).save_pretrained(os.path.join(work, "pretrained"))
     config = os.path.join(work, "ds_config.json")
     with open(config, "w") as f:
-        json.dump(DS_CONFIG, f, indent=1)
+        json.dump(trainer_ds_config(3), f, indent=1)
     python, pypath = harness_venv(args.against, work, args.pypath)
     for phase in ("train", "eval"):
         log = os.path.join(work, f"{phase}.log")
@@ -262,11 +227,7 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        wp = argparse.ArgumentParser()
-        wp.add_argument("--worker", choices=["train", "eval"])
-        wp.add_argument("--work")
-        wp.add_argument("--ds_config")
-        worker_args = wp.parse_args()
-        (worker if worker_args.worker == "train" else worker_eval)(worker_args)
+        parsed = worker_args(strings=("--work", "--ds_config"), worker=("train", "eval"))
+        (worker if parsed.worker == "train" else worker_eval)(parsed)
     else:
         main()
