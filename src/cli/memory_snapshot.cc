@@ -174,26 +174,31 @@ void MemorySnapshots::RemoveOlder() const {
   }
 }
 
-void MemorySnapshots::AfterStep(int64_t step) {
-  if (step % interval_ != 0) return;
+void MemorySnapshots::AfterStep(int64_t step, bool saved) {
   // Agreed on every rank (Engine::Stats::save_pending), so all skip alike.
-  if (engine_.stats().save_pending(/*memory_snapshot=*/true)) {
+  const bool pending = engine_.stats().save_pending(/*memory_snapshot=*/true);
+  if (unpublished_ && !pending) {  // published at this step: the one before can go
+    if (comm_.rank() == 0) RemoveOlder();
+    unpublished_ = false;
+  }
+  if (saved || step % interval_ != 0) return;
+  if (pending) {
     ++skipped_;
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  if (comm_.rank() == 0) {
-    ClaimFolder();
-    RemoveOlder();  // the last published snapshot stays until the next replaces it
-  }
+  if (comm_.rank() == 0) ClaimFolder();
   SaveCheckpointOptions options;
   options.memory_snapshot = true;
   engine_.SaveCheckpoint(folder_, kTagPrefix + std::to_string(step), c10::IValue(), options);
   const double blocked = ElapsedSince(t0);
+  unpublished_ = true;
   ++taken_;
   blocked_sum_ += blocked;
   blocked_max_ = std::max(blocked_max_, blocked);
   copy_bytes_ = std::max(copy_bytes_, engine_.stats().last_save().snapshot_bytes);
+  state_sum_ += engine_.stats().last_save().state_s;
+  fingerprint_sum_ += engine_.stats().last_save().fingerprint_s;
 }
 
 uint64_t MemorySnapshots::FolderBytes() const {
@@ -209,15 +214,18 @@ void MemorySnapshots::Finish() {
   at::Tensor copies = at::full({1}, static_cast<double>(copy_bytes_), at::kDouble);
   comm_.AllReduceSum(copies);
   if (comm_.rank() != 0) return;
+  RemoveOlder();
   const uint64_t folder_bytes = FolderBytes();
   const double mib = 1 << 20;
+  const double n = taken_ ? static_cast<double>(taken_) : 1.0;
   std::fprintf(stderr,
                "uckpt train: snapshots every %lld step(s): %lld taken, %lld skipped (the previous one still being "
-               "written); training blocked %.4f s per snapshot on rank 0 (mean; max %.4f s); host memory held: "
-               "%llu bytes (%.1f MiB) in %s (one snapshot; two while the next is written) + %llu bytes (%.1f MiB) "
-               "of the ranks' copies\n",
+               "written); training blocked %.4f s per snapshot on rank 0 (mean, %.4f s of it until the state was "
+               "copied, then %.4f s hashing its fingerprint; max %.4f s); host memory held: %llu bytes (%.1f MiB) in "
+               "%s (one snapshot; two while the next "
+               "is written) + %llu bytes (%.1f MiB) of the ranks' copies\n",
                static_cast<long long>(interval_), static_cast<long long>(taken_), static_cast<long long>(skipped_),
-               taken_ ? blocked_sum_ / static_cast<double>(taken_) : 0.0, blocked_max_,
+               blocked_sum_ / n, state_sum_ / n, fingerprint_sum_ / n, blocked_max_,
                static_cast<unsigned long long>(folder_bytes), static_cast<double>(folder_bytes) / mib, folder_.c_str(),
                static_cast<unsigned long long>(copies.item<double>()), copies.item<double>() / mib);
   RemoveWithWarning(folder_);

@@ -10,7 +10,8 @@
 // folder, the manifest with the state fingerprint, the rename, then
 // `latest`. So a snapshot cut short by a kill is never named by `latest`, and
 // the previous one stays whole until the next is published (two generations
-// at most). A snapshot due while the previous one is still being written is
+// at most, while one is written; once it is published, the one before is
+// removed). A snapshot due while the previous one is still being written is
 // skipped, and counted.
 //
 // A restart of the same job (`uckpt launch --max_restarts`, torchrun's
@@ -56,8 +57,9 @@ class MemorySnapshots {
   std::string NewerThanDurable();
 
   // Collective. After optimizer step `step`: a snapshot when one is due,
-  // skipped (and counted) while the previous one is still being written.
-  void AfterStep(int64_t step);
+  // skipped (and counted) while the previous one is still being written;
+  // none after a step saved to disk (`saved`).
+  void AfterStep(int64_t step, bool saved);
 
   // Collective, at the end of a clean run: the last snapshot is waited for,
   // the counts and costs printed (rank 0), and the folder removed.
@@ -76,9 +78,12 @@ class MemorySnapshots {
   std::string job_id_;
   std::string folder_;
   bool claimed_ = false;
+  bool unpublished_ = false;  // the last snapshot may not be published yet
   int64_t taken_ = 0, skipped_ = 0;
   double blocked_sum_ = 0, blocked_max_ = 0;
-  uint64_t copy_bytes_ = 0;  // this rank's host copy (the engine's snapshot buffers), the largest seen
+  double state_sum_ = 0;        // of blocked_sum_: until the state was copied (SaveStats::state_s)
+  double fingerprint_sum_ = 0;  // hashing the state for the manifest's fingerprint (SaveStats::fingerprint_s)
+  uint64_t copy_bytes_ = 0;     // this rank's host copy (the engine's snapshot buffers), the largest seen
 };
 
 }  // namespace uckpt::cli

@@ -472,12 +472,12 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     trace.After(m.step);
     if (log) log->Write(m);
     if (rank0) PrintStep(o, tty, m);
-    if (o.checkpoint_interval > 0 && m.step % o.checkpoint_interval == 0) {
+    const bool save = o.checkpoint_interval > 0 && m.step % o.checkpoint_interval == 0;
+    if (save) {
       SaveStep(trainer);
       last_saved = m.step;
-    } else if (snapshots) {
-      snapshots->AfterStep(m.step);
     }
+    if (snapshots) snapshots->AfterStep(m.step, save);
   }
   if (tty) std::fprintf(stderr, "\n");
   PrintRunSummary(trainer);
