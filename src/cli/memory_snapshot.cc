@@ -1,5 +1,6 @@
 #include "cli/memory_snapshot.h"
 
+#include <cctype>
 #include <chrono>
 #include <climits>
 #include <cstdio>
