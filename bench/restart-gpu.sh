@@ -5,7 +5,9 @@
 # rank 2's process killed (SIGKILL) after KILL_AFTER steps, then rank 1 of the 3 left. Prints the
 # seconds from each kill to the first step on the new world, the steps run again, and the loss
 # check against an uninterrupted 4-GPU run (the test's tolerances).
-# usage: bench/restart-gpu.sh UCKPT [WORK_DIR]   (env: STEPS=40 INTERVAL=5 KILL_AFTER=12 STAGE=2)
+# SNAPSHOT_EVERY=N adds a snapshot in host memory every N steps (docs/reliability.md): the restarts
+# then load the newest snapshot, and the run's snapshot cost (blocked seconds, host memory) is printed.
+# usage: bench/restart-gpu.sh UCKPT [WORK_DIR]   (env: STEPS=40 INTERVAL=5 KILL_AFTER=12 STAGE=2 SNAPSHOT_EVERY=)
 set -euo pipefail
 uckpt=$(realpath "${1:?usage: bench/restart-gpu.sh UCKPT [WORK_DIR]}")
 work=$(realpath -m "${2:-/tmp/restart-gpu}")
@@ -14,6 +16,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUDA_VISIBLE_DEVICES=0,1,2,3
 export BATCH=48 MICRO=4 STEPS=${STEPS:-40} INTERVAL=${INTERVAL:-5} KILL_AFTER=${KILL_AFTER:-12}
 export MODEL_FLAGS="--n_layer 12 --n_head 12 --n_embd 768 --vocab_size 50257 --n_positions 1024 --seq_len 1024"
-export TRAIN_FLAGS="--device cuda"
+export TRAIN_FLAGS="--device cuda${SNAPSHOT_EVERY:+ --snapshot-every $SNAPSHOT_EVERY}"
 export DS_EXTRA='"bf16": {"enabled": true}' ASYNC_SAVE=1 LOSS_TOL=1e-2  # the demo's bf16 tolerance after a resize
-exec "$(dirname "$(realpath "$0")")/../tests/engine/restart_test.sh" "$uckpt" "$work"
+"$(dirname "$(realpath "$0")")/../tests/engine/restart_test.sh" "$uckpt" "$work"
+if [ -n "${SNAPSHOT_EVERY:-}" ]; then
+  echo "snapshots (the kills' runs, then the last):"
+  grep -E "from the snapshot in host memory|uckpt train: snapshots every" "$work/r.log" || true
+fi

@@ -277,6 +277,14 @@ struct SaveCheckpointOptions {
   // frozen_param_shapes/frozen_param_fragments. A load then needs
   // load_module_strict = false.
   bool exclude_frozen_parameters = false;
+  // A snapshot for a quick restart (uckpt train's checkpoint.snapshot_interval,
+  // docs/reliability.md): always written in the background, by a writer of
+  // its own with its own host buffers, so that it neither waits for a save
+  // to disk nor delays one. Published as any background save (at a later
+  // Step, SaveCheckpoint, LoadCheckpoint or WaitForCheckpoint); the next
+  // snapshot waits for it (Stats::save_pending(true) says whether it is
+  // still being written).
+  bool memory_snapshot = false;
 };
 
 // What the last SaveCheckpoint cost the caller.
@@ -521,6 +529,11 @@ class Engine {
     // Whether the last Step updated the weights (a boundary without overflow).
     bool last_step_applied() const;
     const SaveStats& last_save() const;
+    // Whether a save (memory_snapshot: a SaveCheckpointOptions::memory_snapshot
+    // one) is still being written or made durable. Every rank gives the same
+    // answer between the calls that agree on it: Step at a boundary,
+    // SaveCheckpoint, LoadCheckpoint, WaitForCheckpoint.
+    bool save_pending(bool memory_snapshot = false) const;
     const LoadStats& last_load() const;
     // Stage 3's gather and reduce-scatter counters of this rank, summed since
     // construction; all zero at stages 0-2. Not collective.

@@ -225,6 +225,10 @@ EngineSettings ParseInitializeConfig(const nlohmann::json& given, const std::str
     notes.push_back("lr_scheduler is not used: there is no optimizer (DeepSpeed ignores it then too)");
   EngineSettings settings;
   settings.config = engine::ParseConfig(given, source, overrides);
+  if (settings.config.snapshot_interval > 0)
+    throw py::value_error(source +
+                          ": checkpoint.snapshot_interval (snapshots in host memory) is read by `uckpt train` only, "
+                          "not yet by initialize(); remove the key (docs/reliability.md)");
   if (!optimizer.is_none()) settings.client_optimizer = TypeName(optimizer);
   settings.has_optimizer = plan.has_optimizer;
   settings.client_step = plan.client_step;

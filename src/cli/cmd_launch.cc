@@ -9,13 +9,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "cli/commands.h"
 #include "cli/launch_supervisor.h"
+#include "cli/memory_snapshot.h"
 
 namespace uckpt::cli {
 namespace {
@@ -141,6 +145,44 @@ std::string Join(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& d : items) out += (out.empty() ? "" : ",") + d;
   return out;
+}
+
+// When a process started: /proc/<pid>/stat's starttime (clock ticks since
+// boot); -1 when it does not run. With the pid, it names one process of this boot.
+long long ProcessStartTime(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t comm_end = stat.rfind(')');  // the command name may hold spaces
+  if (comm_end == std::string::npos) return -1;
+  std::istringstream fields(stat.substr(comm_end + 2));
+  std::string field;
+  for (int k = 3; k <= 22 && fields >> field; ++k)
+    if (k == 22) return std::atoll(field.c_str());
+  return -1;
+}
+
+// The job id of this launch's ranks (UCKPT_JOB_ID, the name of their
+// snapshots in host memory, cli/memory_snapshot.h): the caller's, else one
+// made here from this launcher's pid and start time, kept across restarts.
+// Returns the id this launcher made ("" when the caller gave one). Snapshot
+// folders whose launcher made their id and no longer runs (killed before it
+// could remove them) are removed first.
+std::string SetJobId() {
+  if (const char* given = std::getenv("UCKPT_JOB_ID"); given != nullptr && *given != '\0') return "";
+  const std::string prefix = "uckpt-snapshots-launch-";
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(SnapshotRoot(), ec)) {
+    const std::string name = entry.path().filename().string();
+    long long pid = 0, start = 0;
+    if (name.rfind(prefix, 0) != 0 || std::sscanf(name.c_str() + prefix.size(), "%lld-%lld", &pid, &start) != 2)
+      continue;
+    if (ProcessStartTime(static_cast<pid_t>(pid)) == start) continue;  // its launcher still runs
+    std::filesystem::remove_all(entry.path(), ec);
+    std::cerr << "uckpt launch: removed " << entry.path().string() << ", left by a launcher that no longer runs\n";
+  }
+  const std::string id = "launch-" + std::to_string(getpid()) + "-" + std::to_string(ProcessStartTime(getpid()));
+  setenv("UCKPT_JOB_ID", id.c_str(), 1);
+  return id;
 }
 
 struct RestartPolicy {
@@ -292,7 +334,13 @@ Runner AddLaunch(CLI::App& app) {
       throw std::invalid_argument(
           "launch: --max_restarts with `uckpt train` needs its --resume (and --checkpoint_dir): "
           "without it a restarted job would start again from step 1");
-    return RunWithRestarts(c, a->master_port, {a->grace_s, a->stop_timeout_s, a->node_rank * a->n}, a->restart);
+    // Only this launch's ranks could read snapshots under the id it made: they go when it ends.
+    const std::string made_id = SetJobId();
+    const int code =
+        RunWithRestarts(c, a->master_port, {a->grace_s, a->stop_timeout_s, a->node_rank * a->n}, a->restart);
+    std::error_code ec;
+    if (!made_id.empty()) std::filesystem::remove_all(SnapshotFolder(SnapshotRoot(), made_id), ec);
+    return code;
   };
 }
 

@@ -30,6 +30,7 @@ Runner AddTrain(CLI::App& app) {
     std::optional<int> zero_stage;
     std::optional<double> lr, clip, heartbeat_interval, heartbeat_timeout;
     bool bf16 = false, fp16 = false, async_save = false;
+    std::optional<int64_t> snapshot_every;
     TrainOptions o;
     bool no_load_optimizer_states = false;
     double timeout_s = 300;
@@ -46,6 +47,11 @@ Runner AddTrain(CLI::App& app) {
   cmd->add_flag(
       "--async_save", a->async_save,
       "Write checkpoints in the background; training blocks only for the snapshot (config: checkpoint.async_save)");
+  cmd->add_option("--snapshot-every,--snapshot_every", a->snapshot_every,
+                  "Every N steps, a snapshot of the training state in this host's shared memory (/dev/shm), read by "
+                  "a restart of the job (uckpt launch --max_restarts) when newer than the durable checkpoint; "
+                  "0: none (config: checkpoint.snapshot_interval; docs/reliability.md)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--bf16", a->bf16, "bf16 model weights (fp32 masters)");
   cmd->add_flag("--fp16", a->fp16, "fp16 model weights with dynamic loss scaling");
   cmd->add_option("--steps", o.steps, "Train until this global step")->required();
@@ -124,6 +130,7 @@ Runner AddTrain(CLI::App& app) {
     if (a->bf16) raw["bf16"]["enabled"] = true;
     if (a->fp16) raw["fp16"]["enabled"] = true;
     if (a->async_save) raw["checkpoint"]["async_save"] = true;
+    if (a->snapshot_every) raw["checkpoint"]["snapshot_interval"] = *a->snapshot_every;
     o.config = engine::ParseConfig(raw, a->config.empty() ? "command line" : a->config);
     o.load_optimizer_states = !a->no_load_optimizer_states;
     // Not training state: kept out of the saved ds_config.

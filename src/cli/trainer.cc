@@ -14,6 +14,7 @@
 
 #include "ckpt/deepspeed_names.h"
 #include "cli/init_weights.h"
+#include "cli/memory_snapshot.h"
 #include "engine/engine_access.h"
 #include "engine/torch_bridge.h"
 #include "format/error.h"
@@ -143,11 +144,11 @@ Counters Trainer::counters() const {
 
 void Trainer::SaveCheckpoint(const std::string& dir, const std::string& tag) { engine_->SaveCheckpoint(dir, tag); }
 
-void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal) {
+void Trainer::LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal, bool verify_hashes) {
   LoadCheckpointOptions lo;
   lo.universal = universal;
   lo.load_optimizer_states = opt_.load_optimizer_states;
-  lo.verify_hashes = opt_.verify_checkpoint;
+  lo.verify_hashes = opt_.verify_checkpoint || verify_hashes;
   lo.keep_saved_hparams = opt_.keep_saved_hparams;
   // Unlike the API (nothing to load is no error), --resume with a tag file that is missing is one.
   if (engine_->LoadCheckpoint(dir, tag, lo).path.empty())
@@ -229,13 +230,54 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// --resume: loads the checkpoint the options name. Nothing to resume (no tag
-// file and no tag given) is a warning, as in DeepSpeed's load_checkpoint.
-void ResumeIfAsked(Trainer& trainer) {
+// Rank 0: what the load just done read and how its state was checked.
+void PrintLoaded(Trainer& trainer, const std::string& path, const char* from, double seconds) {
+  if (trainer.comm().rank() != 0) return;
+  std::fprintf(stderr, "uckpt train: loaded %s (step %lld)%s in %.3f s\n", path.c_str(),
+               static_cast<long long>(trainer.counters().global_steps), from, seconds);
+  if (const LoadStats& l = trainer.engine().stats().last_load(); !l.fingerprint.empty())
+    std::fprintf(
+        stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it for the files' value)\n",
+        l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str() : ("checked (" + l.fingerprint + ")").c_str(),
+        l.fingerprint_s, l.fingerprint_files_s);
+}
+
+// With snapshots, a resume of `latest` first tries this job's snapshot in
+// host memory when it is newer than the durable checkpoint (its files
+// checked by hash: memory speed). Returns whether it loaded one; if its
+// load fails, says so and returns false: the durable checkpoint is loaded
+// over whatever the failed load left.
+bool ResumeFromSnapshot(Trainer& trainer, MemorySnapshots& snapshots) {
+  const std::string tag = snapshots.NewerThanDurable();
+  if (tag.empty()) return false;
+  trainer.comm().SetActivity("loading the snapshot " + snapshots.folder() + "/" + tag);
+  const auto t0 = Clock::now();
+  try {
+    trainer.LoadCheckpoint(snapshots.folder(), tag, /*universal=*/false, /*verify_hashes=*/true);
+  } catch (const std::exception& ex) {
+    const std::string what =
+        "the snapshot " + snapshots.folder() + "/" + tag + " could not be loaded (" + ex.what() + ")";
+    // The failed load may have changed some of the state: only a whole load may follow.
+    if (!std::filesystem::exists(trainer.options().checkpoint_dir + "/" + ckpt::kLatestFile))
+      throw std::runtime_error(what + ", and " + trainer.options().checkpoint_dir +
+                               " holds no durable checkpoint to fall back to");
+    if (trainer.comm().rank() == 0)
+      std::fprintf(stderr, "uckpt train: %s; loading the durable checkpoint\n", what.c_str());
+    return false;
+  }
+  PrintLoaded(trainer, snapshots.folder() + "/" + tag, " from the snapshot in host memory", SecondsSince(t0));
+  return true;
+}
+
+// --resume: loads the checkpoint the options name (or a newer snapshot).
+// Nothing to resume (no tag file and no tag given) is a warning, as in
+// DeepSpeed's load_checkpoint.
+void ResumeIfAsked(Trainer& trainer, MemorySnapshots* snapshots) {
   const TrainOptions& o = trainer.options();
   if (!o.resume) return;
   const bool rank0 = trainer.comm().rank() == 0;
   const bool universal = o.universal_checkpoint || o.config.load_universal;
+  if (snapshots && o.checkpoint_tag.empty() && !universal && ResumeFromSnapshot(trainer, *snapshots)) return;
   const std::string tag_file = o.checkpoint_dir + "/" + ckpt::TagFileName(universal);
   if (o.checkpoint_tag.empty() && !o.checkpoint_dir.empty() && !std::filesystem::exists(tag_file)) {
     if (rank0) std::cerr << "uckpt train: warning: " << tag_file << " does not exist; starting from step 1\n";
@@ -245,14 +287,7 @@ void ResumeIfAsked(Trainer& trainer) {
   trainer.comm().SetActivity("loading a checkpoint from " + o.checkpoint_dir);
   const auto t0 = Clock::now();
   trainer.LoadCheckpoint(o.checkpoint_dir, o.checkpoint_tag, universal);
-  if (!rank0) return;
-  std::fprintf(stderr, "uckpt train: loaded %s (step %lld) in %.3f s\n", o.checkpoint_dir.c_str(),
-               static_cast<long long>(trainer.counters().global_steps), SecondsSince(t0));
-  if (const LoadStats& l = trainer.engine().stats().last_load(); !l.fingerprint.empty())
-    std::fprintf(
-        stderr, "uckpt train: state fingerprint %s in %.3f s (%.3f s of it for the files' value)\n",
-        l.fingerprint.rfind("unchecked", 0) == 0 ? l.fingerprint.c_str() : ("checked (" + l.fingerprint + ")").c_str(),
-        l.fingerprint_s, l.fingerprint_files_s);
+  PrintLoaded(trainer, o.checkpoint_dir, "", SecondsSince(t0));
 }
 
 // Rank 0: world, model, batch split, the steps to run, the config's warnings.
@@ -420,7 +455,10 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
   const TrainOptions& o = trainer.options();
   const bool rank0 = comm.rank() == 0;
   StepTrace trace(comm.rank(), o.steps);  // refused before a resume, not after
-  ResumeIfAsked(trainer);
+  std::unique_ptr<MemorySnapshots> snapshots;
+  if (o.config.snapshot_interval > 0)
+    snapshots = std::make_unique<MemorySnapshots>(trainer.engine(), comm, o.config.snapshot_interval, o.checkpoint_dir);
+  ResumeIfAsked(trainer, snapshots.get());
   std::unique_ptr<MetricsLog> log = rank0 ? std::make_unique<MetricsLog>(o.log_dir + "/" + o.run_name) : nullptr;
   if (rank0) PrintRunHeader(trainer);
   const bool tty = rank0 && o.progress && isatty(fileno(stderr));
@@ -434,15 +472,18 @@ int RunTraining(Comm& comm, const TrainOptions& options) {
     trace.After(m.step);
     if (log) log->Write(m);
     if (rank0) PrintStep(o, tty, m);
-    if (o.checkpoint_interval > 0 && m.step % o.checkpoint_interval == 0) {
+    const bool save = o.checkpoint_interval > 0 && m.step % o.checkpoint_interval == 0;
+    if (save) {
       SaveStep(trainer);
       last_saved = m.step;
     }
+    if (snapshots) snapshots->AfterStep(m.step, save);
   }
   if (tty) std::fprintf(stderr, "\n");
   PrintRunSummary(trainer);
   if (last_saved != trainer.counters().global_steps) SaveStep(trainer);
   FinishBackgroundSave(trainer);
+  if (snapshots) snapshots->Finish();
   return 0;
 }
 

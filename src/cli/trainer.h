@@ -82,7 +82,8 @@ class Trainer {
   // From a ZeRO checkpoint of any stage and world size (resharded while it
   // loads), or (universal) from a universal checkpoint folder. Empty tag: the `latest`
   // (or `latest_universal`) file, which must exist.
-  void LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal);
+  // `verify_hashes`: every file against its manifest's hash, as --verify.
+  void LoadCheckpoint(const std::string& dir, const std::string& tag, bool universal, bool verify_hashes = false);
 
   Counters counters() const;
   const TrainOptions& options() const { return opt_; }

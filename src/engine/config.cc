@@ -590,6 +590,10 @@ void ParseOwnSections(Section& top, TrainConfig& c) {
 void ParseCheckpointSection(Section& s, TrainConfig& c) {
   s.Bool("load_universal", c.load_universal);
   s.Bool("async_save", c.async_save);
+  s.Int("snapshot_interval", c.snapshot_interval);
+  if (c.snapshot_interval < 0)
+    throw ConfigError("checkpoint.snapshot_interval must be a number of steps >= 0 (0: no snapshots), got " +
+                      std::to_string(c.snapshot_interval));
   s.String("tag_validation", c.checkpoint_tag_validation);
   for (auto& ch : c.checkpoint_tag_validation) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
   if (c.checkpoint_tag_validation != "WARN" && c.checkpoint_tag_validation != "IGNORE" &&

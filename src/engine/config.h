@@ -148,6 +148,10 @@ struct TrainConfig {
   // "checkpoint": {"async_save": true}: SaveCheckpoint returns once the state
   // is snapshotted; background threads write the files (engine/async_save.h).
   bool async_save = false;
+  // "checkpoint": {"snapshot_interval": N} (uckpt's own key, not DeepSpeed's):
+  // `uckpt train` keeps a snapshot of the state in host shared memory every N
+  // steps for a restart on this host (cli/memory_snapshot.h); 0: none.
+  int64_t snapshot_interval = 0;
   // uckpt's own section "heartbeat": {"interval": s, "timeout": s}: failing
   // ranks end the job (engine/dist/rank_monitor.h); timeout 0 turns it off.
   double heartbeat_interval_s = 1.0, heartbeat_timeout_s = 20.0;

@@ -305,7 +305,8 @@ void Engine::Step(const StepOptions& options) {
   if (e.boundary()) {
     // A background save: published once every rank's files are durable;
     // its failure stops the run here, naming the file.
-    if (e.writer && e.writer->pending()) e.writer->PublishIfDone(*e.comm);
+    for (auto* w : {&e.writer, &e.snapshot_writer})
+      if (*w && (*w)->pending()) (*w)->PublishIfDone(*e.comm);
     const std::vector<double>& lrs = e.schedule.current_lrs();
     const engine::StepResult r = e.runtime->Step(lrs);
     if (!r.skipped) {
@@ -337,7 +338,7 @@ void Engine::SetGradientAccumulationBoundary(std::optional<bool> is_boundary) {
 namespace {
 
 // What the checkpoint code takes of the engine's state (checkpoint.h).
-engine::CheckpointState CheckpointStateOf(Engine::Impl& e, bool save_without_frozen) {
+engine::CheckpointState CheckpointStateOf(Engine::Impl& e, bool save_without_frozen, bool memory_snapshot = false) {
   return {*e.comm,
           e.config,
           e,
@@ -349,7 +350,7 @@ engine::CheckpointState CheckpointStateOf(Engine::Impl& e, bool save_without_fro
           e.client_param_group,
           e.stage0_fp16,
           save_without_frozen,
-          e.writer,
+          memory_snapshot ? e.snapshot_writer : e.writer,
           e.last_save,
           e.last_load};
 }
@@ -363,12 +364,15 @@ std::string Engine::SaveCheckpoint(const std::string& dir, const std::string& ta
                                                  impl_->config.checkpoint_tag_validation == "FAIL");
   impl_->schedule.client_state_to_save = options.lr_scheduler_state;
   const std::string tag_or_step = at.tag.empty() ? "global_step" + std::to_string(impl_->global_steps) : at.tag;
-  return engine::SaveEngineCheckpoint(CheckpointStateOf(*impl_, options.exclude_frozen_parameters), at.dir, tag_or_step,
-                                      client_state, options.async_save.value_or(impl_->config.async_save));
+  const bool async = options.memory_snapshot || options.async_save.value_or(impl_->config.async_save);
+  return engine::SaveEngineCheckpoint(
+      CheckpointStateOf(*impl_, options.exclude_frozen_parameters, options.memory_snapshot), at.dir, tag_or_step,
+      client_state, async);
 }
 
 void Engine::WaitForCheckpoint() {
-  if (impl_->writer) impl_->writer->Publish(*impl_->comm);
+  for (auto* w : {&impl_->writer, &impl_->snapshot_writer})
+    if (*w) (*w)->Publish(*impl_->comm);
 }
 
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag,

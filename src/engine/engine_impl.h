@@ -45,6 +45,9 @@ struct Engine::Impl : engine::ModuleTensors, engine::StepCounters {
   bool step_applied = false;              // the last Step updated the weights
   StepInfo last;
   std::shared_ptr<engine::CheckpointWriter> writer;  // this rank's files of the last save (async_save.h)
+  // SaveCheckpointOptions::memory_snapshot's saves: a writer of their own, so
+  // that a snapshot neither waits for a save to disk nor delays one.
+  std::shared_ptr<engine::CheckpointWriter> snapshot_writer;
   SaveStats last_save;
   LoadStats last_load;
 

@@ -142,6 +142,10 @@ const StepInfo& Engine::Stats::last_step() const { return e_.impl_->last; }
 
 bool Engine::Stats::last_step_applied() const { return e_.impl_->step_applied; }
 const SaveStats& Engine::Stats::last_save() const { return e_.impl_->last_save; }
+bool Engine::Stats::save_pending(bool memory_snapshot) const {
+  const auto& w = memory_snapshot ? e_.impl_->snapshot_writer : e_.impl_->writer;
+  return w && w->pending();
+}
 const LoadStats& Engine::Stats::last_load() const { return e_.impl_->last_load; }
 Stage3Stats Engine::Stats::stage3_stats() const { return e_.impl_->runtime->stats(); }
 void Engine::Stats::SetTiming(bool on) { e_.impl_->runtime->set_timing(on); }

@@ -341,6 +341,9 @@ cases = [
                                                                          "bf16": {"enabled": True}}),
      "SGD at ZeRO stage 0 in bf16"),
     ("pipeline config", dict(model=net(), config=cfg(pipeline={"stages": 2})), "'pipeline'"),
+    # uckpt's own key, read by `uckpt train` only so far (docs/reliability.md).
+    ("checkpoint.snapshot_interval", dict(model=net(), config=cfg(checkpoint={"snapshot_interval": 1})),
+     "checkpoint.snapshot_interval (snapshots in host memory) is read by `uckpt train` only"),
     # DeepSpeed asserts on a config from two places; uckpt used config= and dropped the other.
     ("config= and args.deepspeed_config", dict(model=net(), config=cfg(),
                                                args=argparse.Namespace(deepspeed_config="other.json")),
