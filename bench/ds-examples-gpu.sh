@@ -35,9 +35,19 @@
 #   BUILD_DIR     uckpt built with the Python package (default /tmp/uckpt-gpu; built here with
 #                 scripts/build-gpu.sh BUILD_DIR $UCKPT_GPU_DEPS (default build-gpu-deps) when it has none)
 #   WORK_DIR      default /tmp/ds-examples
+#
+# More cases (issue 40; bench/ds_examples/cases.sh, one function each, with the stand-ins of
+# bench/ds_examples/site and make_hub_models.py; docs/ds-examples.md has the table of what they gave):
+#   imagenet_fp16 imagenet_fp16_z1 hello pipeline gan offload_states domino moq compress_cifar compress_bert
+#   compress_gpt2 de_gpt de_vit_cifar de_vit_imagenet visualchat chat_rm chat_dpo chat_rlhf bing_bert
+#   bing_bert_glue bingbertglue squad autotuning stable_diffusion
+#
 # env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300),
+#      NPROC (ranks per run, default 1), RESUME_NPROC (ranks of a resume, default 2 when NPROC is 1, else 1),
 #      DS_ACCELERATOR=cpu runs on the CPU (chat in bf16; for testing this script).
-# Exit status: the number of failed cases. Logs: WORK_DIR/<case>.log.
+# One line per case: PASS, REFUSED (uckpt named a DeepSpeed feature it lacks), GPU-ONLY (on the CPU: the script
+# itself needs CUDA), N/A (the script does not use DeepSpeed) or FAIL, with the reason.
+# Exit status: the number of FAIL cases. Logs: WORK_DIR/<case>.log.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 dse=$(realpath "${1:?usage: bench/ds-examples-gpu.sh DSE_CHECKOUT [BUILD_DIR] [WORK_DIR]}")
@@ -73,7 +83,8 @@ uckpt_imports() {  # FILE...: rewrite the deepspeed imports; print the changed l
     cp "$f" "$f.orig"
     sed -E -i -e 's/^([[:space:]]*)import deepspeed(\r?)$/\1import uckpt as deepspeed\2/' \
               -e 's/^([[:space:]]*)import deepspeed\.([A-Za-z0-9_.]+) as /\1import uckpt.\2 as /' \
-              -e 's/^([[:space:]]*)from deepspeed(\.[A-Za-z0-9_.]+)? import /\1from uckpt\2 import /' "$f"
+              -e 's/^([[:space:]]*)from deepspeed(\.[A-Za-z0-9_.]+)? import /\1from uckpt\2 import /' \
+              -e 's/^([[:space:]]*)from deepspeed(\.[A-Za-z0-9_.]+)?([[:space:]]*\\\r?)$/\1from uckpt\2\3/' "$f"
     diff "$f.orig" "$f" | sed -n "s|^> |   $(basename "$f"): |p"
     rm "$f.orig"
     if grep -nE $'^[[:space:]]*(import|from)[[:space:]]+deepspeed([. \r]|$)' "$f"; then
@@ -292,18 +303,23 @@ PY
 
 # ---- the runs
 failures=0
-result() {  # result CASE PASS|FAIL REASON
-  echo "$2 $1: $3"
-  [ "$2" = PASS ] || failures=$((failures + 1))
+NPROC=${NPROC:-1} RESUME_NPROC=${RESUME_NPROC:-$((NPROC == 1 ? 2 : 1))}
+source "$here/bench/ds_examples/cases.sh"
+result() {  # result CASE PASS|REFUSED|GPU-ONLY|FAIL REASON (REFUSED: uckpt named a DeepSpeed feature it lacks;
+  echo "$2 $1: $3"                         # GPU-ONLY: on the CPU, the script itself needs CUDA)
+  case $2 in PASS|REFUSED|GPU-ONLY|N/A) ;; *) failures=$((failures + 1)) ;; esac
 }
 reason() {  # the last error line of a log
   grep -E '(Error|Exception|refused|not supported|Traceback)' "$1" | grep -v '^\s*File ' | tail -1 | cut -c1-300
 }
-launch() {  # launch CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...: 1 process, DeepSpeed's --local_rank, time limit
-  local name=$1 dir=$2 extra=$3; shift 3
-  local t0=$SECONDS
-  (cd "$dir" && CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONPATH="$extra:$build/python${PYTHONPATH:+:$PYTHONPATH}" \
-     timeout "$TIMEOUT_S" "$U" launch -n 1 --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
+launch() {  # launch CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...: NPROC processes, DeepSpeed's --local_rank, time limit
+  launch_n "$NPROC" "$@"
+}
+launch_n() {  # launch_n N CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...
+  local n=$1 name=$2 dir=$3 extra=$4; shift 4
+  local t0=$SECONDS visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))}
+  (cd "$dir" && CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$build/python${PYTHONPATH:+:$PYTHONPATH}" \
+     timeout "$TIMEOUT_S" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
   local rc=$?
   elapsed=$((SECONDS - t0))
   return $rc
@@ -342,7 +358,7 @@ for c in $CASES; do
       fi
       DSX_FAKEDATA_SIZE=${DSX_FAKEDATA_SIZE:-512} launch imagenet "$work/imagenet" "$work/shim-imagenet" main.py \
         --dummy -a resnet18 -b 64 --epochs 1 -j 2 -p 4 --deepspeed --deepspeed_config config/ds_config.json; rc=$?
-      ran imagenet $rc "$(grep -m1 'Acc@1' "$work/imagenet.log" | cut -c1-120)" ;;
+      classify imagenet $rc "$(grep -m1 'Acc@1' "$work/imagenet.log" | cut -c1-120)" ;;
     chat_z0|chat_z2|chat_z3)
       stage=${c#chat_z}
       if ! $PY -c 'import transformers, tokenizers' 2> /dev/null; then
@@ -356,8 +372,8 @@ for c in $CASES; do
       dtype=(); $cpu && [ "$stage" != 0 ] && dtype=(--dtype bf16)
       [ "$stage" = 0 ] && dtype+=(--lora_dim 8)
       out=$work/chat/out_z$stage
-      extra=$work/chat:$work/alias; [ -d "$work/shim-chat" ] && extra+=:$work/shim-chat
-      launch "$c" "$work/chat" "$extra" main.py \
+      extra=$site:$work/chat:$work/alias; [ -d "$work/shim-chat" ] && extra+=:$work/shim-chat
+      DSX_TRANSFORMERS4=1 launch "$c" "$work/chat" "$extra" main.py \
         --data_path local/jsonfile --data_split 2,4,4 --model_name_or_path "$work/chat/tiny-opt" \
         --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --max_seq_len 64 --learning_rate 1e-3 \
         --num_train_epochs 1 --zero_stage "$stage" "${dtype[@]}" --data_output_path "$work/chat/data_files_z$stage" \
@@ -373,7 +389,16 @@ PY
 ) || { result "$c" FAIL "pytorch_model.bin: $check"; continue; }
         ran "$c" 0 "$(grep 'ppl:' "$work/$c.log" | tr '\n' ' ' | cut -c1-120)pytorch_model.bin $check"
       else ran "$c" $rc; fi ;;
-    *) echo "ds-examples: unknown case $c" >&2; failures=$((failures + 1)) ;;
+    imagenet_fp16|imagenet_fp16_z1)  # its other configs (run_ds_fp16.sh, ds_fp16_z1_config.json)
+      if ! $PY -c 'import torchvision.models' 2> /dev/null; then
+        result $c FAIL "torchvision is not installed"; continue
+      fi
+      config=config/ds_fp16_config.json; [ $c = imagenet_fp16_z1 ] && config=config/ds_fp16_z1_config.json
+      DSX_FAKEDATA_SIZE=${DSX_FAKEDATA_SIZE:-512} launch $c "$work/imagenet" "$site:$work/shim-imagenet" main.py \
+        --dummy -a resnet18 -b 64 --epochs 1 -j 2 -p 4 --deepspeed --deepspeed_config $config; rc=$?
+      classify $c $rc "$(grep -m1 'Acc@1' "$work/$c.log" | cut -c1-120)" ;;
+    *) if declare -F "case_$c" > /dev/null; then "case_$c"
+       else echo "ds-examples: unknown case $c" >&2; failures=$((failures + 1)); fi ;;
   esac
 done
 echo "== ds-examples: $failures failed of $(echo $CASES | wc -w)"

@@ -238,6 +238,59 @@ int RunWithRestarts(RankCommand c, int fixed_port, const LaunchSupervisor::Setti
   }
 }
 
+// DeepSpeed's launcher's options (`deepspeed --num_gpus 2 train.py`): accepted by the parser only to be refused by
+// name, with uckpt launch's counterpart where it has one, instead of CLI11's "argument not expected" about the next
+// word. {option, takes a value, what to say}.
+struct DeepSpeedLauncherOption {
+  const char* name;
+  bool takes_value;
+  const char* remedy;
+};
+constexpr DeepSpeedLauncherOption kDeepSpeedLauncherOptions[] = {
+    {"--num_gpus", true, "give the ranks on this host with -n (and the devices with CUDA_VISIBLE_DEVICES)"},
+    {"--num_accelerators", true, "give the ranks on this host with -n (and the devices with CUDA_VISIBLE_DEVICES)"},
+    {"--num_nodes", true, "give the hosts with --nnodes, one `uckpt launch` per host"},
+    {"--hostfile", true, "run one `uckpt launch` per host with --nnodes, --node_rank and --master_addr"},
+    {"--include", true, "choose the devices with CUDA_VISIBLE_DEVICES"},
+    {"--exclude", true, "choose the devices with CUDA_VISIBLE_DEVICES"},
+    {"--launcher", true, "run one `uckpt launch` per host (or torchrun, srun, mpirun: init_distributed reads them)"},
+    {"--launcher_args", true, "run one `uckpt launch` per host"},
+    {"--autotuning", true, "DeepSpeed's autotuner is not supported by uckpt"},
+    {"--elastic_training", false, "DeepSpeed's elastic training is not supported by uckpt (see --max_restarts)"},
+    {"--min_elastic_nodes", true, "DeepSpeed's elastic training is not supported by uckpt (see --max_restarts)"},
+    {"--max_elastic_nodes", true, "DeepSpeed's elastic training is not supported by uckpt (see --max_restarts)"},
+    {"--bind_cores_to_rank", false,
+     "binding ranks to cores is not supported by uckpt launch (it sets each rank's "
+     "host threads; see OMP_NUM_THREADS)"},
+    {"--bind_core_list", true, "binding ranks to cores is not supported by uckpt launch"},
+    {"--module", false, "put `python -m MODULE` after `--`"},
+    {"--no_python", false, "the command after `--` is run as given: put the executable there"},
+    {"--no_ssh_check", false, "uckpt launch uses no ssh: run one per host"},
+    {"--force_multi", false, "run one `uckpt launch` per host with --nnodes"},
+    {"--ssh_port", true, "uckpt launch uses no ssh: run one per host"},
+    {"--save_pid", false, "the launcher's pid is $! of the shell that starts it"},
+    {"--enable_each_rank_log", true, "redirect the launcher's output; each line of a rank's is its own"},
+};
+
+// Registers DeepSpeed's launcher options on `cmd`; the names given land in `given`.
+void AddDeepSpeedLauncherOptions(CLI::App* cmd, std::vector<std::string>& given) {
+  for (const auto& o : kDeepSpeedLauncherOptions) {
+    std::string name = o.name;
+    if (o.takes_value)
+      cmd->add_option_function<std::string>(name, [&given, name](const std::string&) { given.push_back(name); })
+          ->group("");  // hidden from --help
+    else cmd->add_flag_function(name, [&given, name](std::int64_t) { given.push_back(name); })->group("");
+  }
+}
+
+void RefuseDeepSpeedLauncherOptions(const std::vector<std::string>& given) {
+  if (given.empty()) return;
+  for (const auto& o : kDeepSpeedLauncherOptions)
+    if (given.front() == o.name)
+      throw std::invalid_argument("launch: " + given.front() + " is an option of DeepSpeed's launcher (`deepspeed`), " +
+                                  "not of uckpt launch: " + o.remedy + " (uckpt launch --help)");
+}
+
 }  // namespace
 
 Runner AddLaunch(CLI::App& app) {
@@ -265,6 +318,7 @@ Runner AddLaunch(CLI::App& app) {
     bool no_local_rank = false;
     RestartPolicy restart;
     std::vector<std::string> command;
+    std::vector<std::string> deepspeed_options;  // DeepSpeed launcher options given: refused
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("-n,--nproc", a->n, "Number of ranks")->required()->check(CLI::Range(1, 4096));
@@ -300,8 +354,10 @@ Runner AddLaunch(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(1, 4096));
   cmd->add_option("command", a->command, "The command after `--`")->required();
+  AddDeepSpeedLauncherOptions(cmd, a->deepspeed_options);
 
   return [a] {
+    RefuseDeepSpeedLauncherOptions(a->deepspeed_options);
     struct sigaction sa {};
     sa.sa_handler = OnSignal;
     sigemptyset(&sa.sa_mask);

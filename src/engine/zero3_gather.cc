@@ -45,6 +45,17 @@ at::Tensor StoragelessTensor(at::IntArrayRef shape, const at::TensorOptions& opt
   return t;
 }
 
+namespace {
+// GatheredParameters' exit as DeepSpeed's release (`param.data = torch.empty(0)`): a tensor that still shares
+// the parameter's bytes (`v.data.cpu()` on the CPU, kept past the block, as DeepSpeed-Chat's
+// save_zero_three_model does) keeps them; the parameter gets a storage of its own, the one freed and gathered
+// into from now on. Not done in the module hooks, whose saved views must see the bytes again.
+void KeepBytesForOtherUsers(at::Tensor& t) {
+  if (t.storage().use_count() <= 1) return;
+  t.set_data(StoragelessTensor(t.sizes(), t.options()));  // freed by Unhold; the old storage stays with its users
+}
+}  // namespace
+
 void ParamStorage::TrackWhole(size_t i) { gathered_elements_ += params_[i].numel; }
 
 void ParamStorage::StartSharded(size_t i) {
@@ -147,6 +158,7 @@ void ParamStorage::ReleaseSome(const std::vector<size_t>& ps, int modifier_rank)
   }
   std::vector<size_t> still_whole;
   for (size_t i : ps) {
+    if (params_[i].live == 1) KeepBytesForOtherUsers(params_[i].tensor);
     Unhold(i);
     if (params_[i].live > 0 && modifier_rank < 0) still_whole.push_back(i);
   }

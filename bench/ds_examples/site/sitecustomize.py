@@ -1,0 +1,103 @@
+"""Offline stand-ins for what DeepSpeedExamples' scripts would download, switched on by environment variables
+(bench/ds-examples-gpu.sh sets them per case); nothing here changes a script.
+
+  DSX_FAKEDATA_SIZE  caps torchvision.datasets.FakeData (imagenet's --dummy asks for ImageNet's 1,281,167 images)
+  DSX_CIFAR          torchvision.datasets.CIFAR10 / CIFAR100 give N synthetic 32x32 RGB PIL images (labels
+                     cycling over the classes) instead of downloading; DSX_CIFAR_TEST for the test split
+  DSX_HUB_DATASETS   datasets.load_dataset(NAME, ...) for a hub data set gives synthetic text rows of its shape
+                     (see dsx_datasets.py); a local loader ("json", "csv", a path) is the real one
+  DSX_TRANSFORMERS4  three names of transformers 4 that transformers 5 dropped, which the scripts import (the
+                     environment's transformers is newer than they are; nothing here stands in for DeepSpeed):
+                     transformers.modeling_utils.no_init_weights (now transformers.initialization's; DeepSpeed-Chat)
+                     transformers.modeling_utils.Conv1D (now transformers.pytorch_utils'; compression/gpt2)
+                     and transformers.AdamW (its own AdamW, deprecated in 4 for torch.optim.AdamW: the same update
+                     with its defaults, eps=1e-6 and correct_bias=True; VisualChat, compression/gpt2)
+"""
+import os
+
+
+def _patch_fakedata():
+    import torchvision.datasets as datasets
+    init = datasets.FakeData.__init__
+
+    def capped(self, size=1000, *args, **kwargs):
+        init(self, min(size, int(os.environ["DSX_FAKEDATA_SIZE"])), *args, **kwargs)
+
+    datasets.FakeData.__init__ = capped
+
+
+def _synthetic_cifar(num_classes):
+    import numpy as np
+    import torch.utils.data
+    from PIL import Image
+
+    class SyntheticCIFAR(torch.utils.data.Dataset):
+        """CIFAR-%d's shape: HxWxC uint8 images as PIL images, integer labels; seeded, no download.""" % num_classes
+
+        def __init__(self, root=None, train=True, transform=None, target_transform=None, download=False):
+            n = int(os.environ.get("DSX_CIFAR" if train else "DSX_CIFAR_TEST", 512 if train else 64))
+            rng = np.random.default_rng(0 if train else 1)
+            self.data = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+            self.targets = [i % num_classes for i in range(n)]
+            self.classes = [f"class{i}" for i in range(num_classes)]
+            self.root, self.train = root, train
+            self.transform, self.target_transform = transform, target_transform
+
+        def __len__(self):
+            return len(self.targets)
+
+        def __getitem__(self, i):
+            img, target = Image.fromarray(self.data[i]), self.targets[i]
+            if self.transform is not None:
+                img = self.transform(img)
+            if self.target_transform is not None:
+                target = self.target_transform(target)
+            return img, target
+
+    return SyntheticCIFAR
+
+
+def _patch_cifar():
+    import torchvision.datasets as datasets
+    datasets.CIFAR10 = _synthetic_cifar(10)
+    datasets.CIFAR100 = _synthetic_cifar(100)
+
+
+def _patch_hub_datasets():
+    import dsx_datasets
+    dsx_datasets.install()
+
+
+def _transformers4_names():
+    import transformers.initialization
+    import transformers.modeling_utils
+    if not hasattr(transformers.modeling_utils, "no_init_weights"):
+        transformers.modeling_utils.no_init_weights = transformers.initialization.no_init_weights
+    import transformers.pytorch_utils
+    if not hasattr(transformers.modeling_utils, "Conv1D"):
+        transformers.modeling_utils.Conv1D = transformers.pytorch_utils.Conv1D
+    try:
+        transformers.AdamW
+    except (AttributeError, ImportError):
+        import torch
+
+        class AdamW(torch.optim.AdamW):
+            """transformers 4's AdamW: torch's with eps=1e-6 by default; correct_bias=False (no bias correction) has
+            no torch counterpart and is refused."""
+
+            def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, correct_bias=True,
+                         no_deprecation_warning=False):
+                if not correct_bias:
+                    raise NotImplementedError("the transformers.AdamW stand-in has no correct_bias=False")
+                super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+        transformers.AdamW = AdamW
+
+
+for var, patch in (("DSX_TRANSFORMERS4", _transformers4_names), ("DSX_FAKEDATA_SIZE", _patch_fakedata), ("DSX_CIFAR", _patch_cifar),
+                   ("DSX_HUB_DATASETS", _patch_hub_datasets)):
+    if os.environ.get(var):
+        try:
+            patch()
+        except ImportError as e:  # the script then fails on the import itself, naming it
+            print(f"sitecustomize: {var} stand-in not installed: {e}")
