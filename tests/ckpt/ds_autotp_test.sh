@@ -5,30 +5,8 @@
 # refusals that name what is wrong. export is checked against the model's whole weights by
 # ds_autotp_export_check.py.
 # Usage: ds_autotp_test.sh UCKPT FIXTURES_DIR   (FIXTURES_DIR: .../deepspeed-releases/autotp)
-set -u
-UCKPT=$1
+source "$(dirname "$(realpath "$0")")/cli_lib.sh"
 FXR=$2
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-fails=0
-check() {  # check DESCRIPTION COMMAND...
-  if "${@:2}"; then echo "ok   $1"; else echo "FAIL $1"; fails=$((fails + 1)); fi
-}
-
-# Every file of the reference folder $1 is in $2 with the same bytes, and $2 has no other
-# (but the manifest, when $3 is "manifest").
-same_files() {
-  local ref=$1 ours=$2 extra=${3:-} f bad=0
-  (cd "$ref" && find . -type f | sort) >"$T/ref.list"
-  (cd "$ours" && find . -type f | sort) | { [ "$extra" = manifest ] && grep -v '^./uckpt-manifest.json$' || cat; } >"$T/ours.list"
-  if ! diff "$T/ref.list" "$T/ours.list" >"$T/list.diff"; then
-    echo "    file lists differ:"; sed 's/^/      /' "$T/list.diff" | head -n 20; bad=1
-  fi
-  while read -r f; do
-    [ -f "$ours/$f" ] && ! cmp -s "$ref/$f" "$ours/$f" && { echo "    bytes differ: $f"; bad=1; }
-  done <"$T/ref.list"
-  return $bad
-}
 
 cases=0
 for dir in "$FXR"/ds*/*/; do

@@ -9,21 +9,6 @@ source "$(dirname "$(realpath "$0")")/cli_lib.sh"
 FXR=$2
 releases=${3:-$(cd "$FXR" && ls -d ds*)}
 
-# Every file of the reference folder $1 is in $2 with the same bytes, and $2 has no other
-# (but the manifest, when $3 is "manifest").
-same_files() {
-  local ref=$1 ours=$2 extra=${3:-} f bad=0
-  (cd "$ref" && find . -type f | sort) >"$T/ref.list"
-  (cd "$ours" && find . -type f | sort) | { [ "$extra" = manifest ] && grep -v '^./uckpt-manifest.json$' || cat; } >"$T/ours.list"
-  if ! diff "$T/ref.list" "$T/ours.list" >"$T/list.diff"; then
-    echo "    file lists differ:"; sed 's/^/      /' "$T/list.diff" | head -n 20; bad=1
-  fi
-  while read -r f; do
-    [ -f "$ours/$f" ] && ! cmp -s "$ref/$f" "$ours/$f" && { echo "    bytes differ: $f"; bad=1; }
-  done <"$T/ref.list"
-  return $bad
-}
-
 for rel in $releases; do
   for dir in "$FXR/$rel"/*/; do
     case=$(basename "$dir")
