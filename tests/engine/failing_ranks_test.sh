@@ -26,7 +26,6 @@ elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
 tiny_gpt2 12 --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout 3 --device "$DEVICE"
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
 
 # A complete checkpoint to start from: 5 steps on N ranks.
 "$U" launch -n $N --master_port 0 -- "$U" train $F --steps 5 --checkpoint_dir base --run_name base > base.log 2>&1 ||

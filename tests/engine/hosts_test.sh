@@ -12,7 +12,6 @@
 set -euo pipefail
 source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
 
 tiny_gpt2 8 --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout 3
 # Host k of 2: `uckpt launch` for 2 local ranks, started in the background; sets HOST_PID.

@@ -19,7 +19,6 @@ now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 within() { awk -v s="$1" -v m="$2" 'BEGIN { exit !(s < m) }'; }
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
 # A live process (not a zombie waiting for its parent).
 alive() { [ -r "/proc/$1/stat" ] && ! sed 's/.*) //' "/proc/$1/stat" 2> /dev/null | grep -q '^Z'; }
 

@@ -22,15 +22,6 @@ set -euo pipefail
 source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 
 now() { date +%s.%N; }
-steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
-last_step() { [ -f "logs/$1/metrics.csv" ] && tail -n 1 "logs/$1/metrics.csv" | cut -d, -f1 || echo 0; }
-# The pid of the rank with RANK=$2 among the launcher $1's children.
-rank_pid() {
-  local p
-  for p in $(pgrep -P "$1"); do
-    tr '\0' '\n' < "/proc/$p/environ" 2> /dev/null | grep -qx "RANK=$2" && { echo "$p"; return; }
-  done
-}
 # Waits until the run's metrics.csv has more than $2 rows; $3 seconds at most,
 # and no longer than the launcher $LPID lives.
 wait_rows() {

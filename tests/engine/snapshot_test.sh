@@ -32,14 +32,6 @@ trap 'rm -rf "$ROOT"' EXIT
 export UCKPT_SNAPSHOT_ROOT=$ROOT
 unset UCKPT_JOB_ID TORCHELASTIC_RUN_ID
 
-steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
-last_step() { [ -f "logs/$1/metrics.csv" ] && tail -n 1 "logs/$1/metrics.csv" | cut -d, -f1 || echo 0; }
-rank_pid() {
-  local p
-  for p in $(pgrep -P "$1"); do
-    tr '\0' '\n' < "/proc/$p/environ" 2> /dev/null | grep -qx "RANK=$2" && { echo "$p"; return; }
-  done
-}
 wait_rows() {  # wait_rows RUN ROWS SECONDS: more than ROWS rows, while $LPID lives
   local i
   for i in $(seq $(($3 * 10))); do

@@ -24,3 +24,14 @@ JSON
   F="--config ds.json ${MODEL_FLAGS:---n_layer 1 --n_head 2 --n_embd 16 --vocab_size 97 --n_positions 16 --seq_len 16
    --threads 1} --log_dir logs --no_progress $*"
 }
+
+# The run $1's logged steps so far, and its last step (0 before the first).
+steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
+last_step() { [ -f "logs/$1/metrics.csv" ] && tail -n 1 "logs/$1/metrics.csv" | cut -d, -f1 || echo 0; }
+# The pid of the rank with RANK=$2 among the launcher $1's children.
+rank_pid() {
+  local p
+  for p in $(pgrep -P "$1"); do
+    tr '\0' '\n' < "/proc/$p/environ" 2> /dev/null | grep -qx "RANK=$2" && { echo "$p"; return; }
+  done
+}
