@@ -12,7 +12,8 @@
 #
 # usage: bench/hf-trainer-gpu.sh BUILD_DIR DEEPSPEED_SRC [OUT_DIR]
 # env: MODEL (llama1b | gpt2, default llama1b), CASES ("z2 z3 z3off", default all), GPU_COUNTS ("1 2"),
-#      STEPS (20), WARMUP (5), SEQ (2048), GLOBAL_BATCH (4), IMPLS ("deepspeed uckpt"), RESUME ("")
+#      STEPS (20), WARMUP (5), SEQ (2048), GLOBAL_BATCH (4), IMPLS ("deepspeed uckpt"), RESUME (""),
+#      PHASES (1: each run also times the engine's forward/backward/step calls, in results.jsonl's phase_ms)
 set -uo pipefail
 build=$(realpath "${1:?usage: bench/hf-trainer-gpu.sh BUILD_DIR DEEPSPEED_SRC [OUT_DIR]}")
 ds=$(realpath "${2:?usage: bench/hf-trainer-gpu.sh BUILD_DIR DEEPSPEED_SRC [OUT_DIR]}")
@@ -44,6 +45,7 @@ run() {  # run IMPL CASE N LABEL [extra args]
   local python=python3 pypath=$ds:$out/ds-meta extra_env=(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
   [ "$impl" = uckpt ] && { python=$venv/bin/python; pypath=$build/python; extra_env=(); }
   local stage=${case:1:1} flags=(); [[ $case == *off ]] && flags+=(--offload)
+  [ "${PHASES:-0}" = 1 ] && flags+=(--phase_times)
   local work=$out/$label log=$out/$label.log t0=$SECONDS
   env "${extra_env[@]}" CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) PYTHONPATH=$pypath \
     timeout 900 "$python" -m torch.distributed.run --nproc_per_node "$n" --master_port $((29500 + RANDOM % 1000)) \

@@ -55,6 +55,9 @@ def main():
     p.add_argument("--work", required=True)
     p.add_argument("--label", required=True)
     p.add_argument("--results", required=True, help="the JSON-lines file rank 0 appends its row to")
+    p.add_argument("--phase_times", action="store_true",
+                   help="also time the engine's forward, backward and step calls after --warmup (each call's end "
+                        "waits for the device, which slows the run a little): mean ms per call in the row")
     args = p.parse_args()
 
     import deepspeed
@@ -78,9 +81,32 @@ def main():
         def __getitem__(self, i):
             return {"input_ids": tokens[i], "labels": tokens[i].clone()}
 
-    ends, losses = {}, {}
+    ends, losses, phases = {}, {}, {}
+
+    def timed_calls(engine, state):
+        """Wraps the engine's forward, backward and step with wall clocks that wait for the device (after the
+        warm-up steps only), summing ms per call name into `phases`."""
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        for name in ("forward", "backward", "step"):
+            call = getattr(engine, name)
+
+            def clocked(*a, _call=call, _name=name, **k):
+                if state.global_step < args.warmup:
+                    return _call(*a, **k)
+                sync()
+                t0 = time.perf_counter()
+                out = _call(*a, **k)
+                sync()
+                total, n = phases.get(_name, (0.0, 0))
+                phases[_name] = (total + (time.perf_counter() - t0) * 1e3, n + 1)
+                return out
+            setattr(engine, name, clocked)
 
     class Clock(TrainerCallback):
+        def on_train_begin(self, a, state, control, model=None, **kw):
+            if args.phase_times:
+                timed_calls(trainer.model_wrapped, state)
+
         def on_step_end(self, a, state, control, **kw):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -117,7 +143,8 @@ def main():
                    s_per_step=span / max(len(timed), 1),
                    tokens_per_s=len(timed) * args.global_batch * args.seq / span if timed else 0.0,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0, deepspeed=deepspeed.__version__,
-                   resumed_from=args.resume_from, losses={str(k): v for k, v in sorted(losses.items())})
+                   resumed_from=args.resume_from,
+                   phase_ms={k: [round(t / n, 2), n] for k, (t, n) in phases.items()}, losses={str(k): v for k, v in sorted(losses.items())})
         with open(args.results, "a") as f:
             f.write(json.dumps(row) + "\n")
         print("RESULT " + json.dumps(row), flush=True)
