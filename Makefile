@@ -42,7 +42,7 @@ test: build
 	@# (tests/ctest-costs.txt: the tests over 5 s of a full run's Testing/Temporary/CTestCostData.txt).
 	@mkdir -p $(BUILD)/Testing/Temporary
 	@[ -f $(BUILD)/Testing/Temporary/CTestCostData.txt ] || cp tests/ctest-costs.txt $(BUILD)/Testing/Temporary/CTestCostData.txt
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS); rc=$$?; bash $(CURDIR)/scripts/sweep-deepspeed-shm.sh; exit $$rc
 	$(MAKE) test-asan
 
 # One clang build serves the sanitizer tests and the fuzz targets (the libraries carry

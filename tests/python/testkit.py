@@ -3,6 +3,7 @@ script's worker at N ranks on the CPU with the environment torchrun gives
 (RANK, LOCAL_RANK, WORLD_SIZE, a free MASTER_PORT; each rank's output
 prefixed with its rank), the main() of a test made of worker_<case>
 functions, and a toy model."""
+import glob
 import os
 import socket
 import subprocess
@@ -20,6 +21,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def sweep_deepspeed_shm(port):
+    """Removes the /dev/shm buffers real DeepSpeed's CPU all-reduce made for the run on MASTER_PORT `port`
+    (deepspeed_allreduce_buffer_<n>_<addr>_<port>_<rank>, 64 MiB each): DeepSpeed 0.14.5 never unlinks them, so
+    a test run would leave gigabytes of host memory behind. Call it once every rank of that run has exited."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def launch(script, case, pypath, world, extra=(), env=None):
     """`script --worker case *extra` at `world` ranks; fails when any rank does."""
     port = str(free_port())
@@ -35,6 +47,7 @@ def launch(script, case, pypath, world, extra=(), env=None):
         out, _ = p.communicate(timeout=300)
         sys.stdout.write("".join(f"[{r}/{world}] {line}\n" for line in out.splitlines()))
         failed |= p.returncode != 0
+    sweep_deepspeed_shm(port)
     if failed:
         fail(f"{case} at {world} rank(s): a rank failed (output above)")
 
