@@ -13,9 +13,12 @@
 # JIT-built once, first), and PY_HF (default build-gpu-deps/py-hf: TRL, datasets, dill, multiprocess, made here
 # by scripts/gpu-py-hf.sh). Exits 0 with a message where there are fewer than 2 GPUs.
 #
+# OUT_DIR gets text only: the summary's sources (NAME.log, the harnesses' output) and rank-logs/ (every
+# launch's output); venvs, checkpoints and DeepSpeed's build go to WORK.
+#
 # usage: bench/hf-stack-gpu.sh BUILD_DIR DEEPSPEED_SRC OUT_DIR
 # env: GPU_COUNT (default: nvidia-smi's count), DTYPE (bf16 | fp32, default bf16), RUN_TIMEOUT (s, default 400),
-#      PY_HF, PYTHON (python3), PARALLEL (1; 0 runs them one after another)
+#      PY_HF, PYTHON (python3), PARALLEL (1; 0 runs them one after another), WORK (default a new /tmp folder)
 set -uo pipefail
 usage="usage: bench/hf-stack-gpu.sh BUILD_DIR DEEPSPEED_SRC OUT_DIR"
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,10 +33,12 @@ PYTHON=${PYTHON:-python3} DTYPE=${DTYPE:-bf16} RUN_TIMEOUT=${RUN_TIMEOUT:-400} P
 [ -d "$build/python/uckpt" ] || { echo "hf-stack-gpu: $build/python/uckpt is missing (cmake --build $build --target python)"; exit 1; }
 [ -d "$ds/deepspeed" ] || { echo "hf-stack-gpu: $ds holds no deepspeed/ (DeepSpeed 0.14.5's source)"; exit 1; }
 [ -d "$py_hf/trl" ] || { echo "hf-stack-gpu: $py_hf holds no trl/ (make it with scripts/gpu-py-hf.sh and carry it)"; exit 1; }
-mkdir -p "$out"
+mkdir -p "$out/rank-logs"
+work=${WORK:-$(mktemp -d /tmp/hf-stack-work.XXXXXX)}
+mkdir -p "$work"
 export UCKPT_TEST_GPU=1 UCKPT_TEST_DEEPSPEED=$ds UCKPT_TEST_SITE=$py_hf CUDA_VISIBLE_DEVICES=0,1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCH_EXTENSIONS_DIR=$out/torch-extensions
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TORCH_EXTENSIONS_DIR=$work/torch-extensions
 unset DS_ACCELERATOR
 
 # DeepSpeed JIT-builds FusedAdam (the config's AdamW on a GPU) on first use; its runs wait on the build's lock.
@@ -45,7 +50,7 @@ build_pid=$!
 run_case() {  # NAME HARNESS ARGS...: the harness under RUN_TIMEOUT; its output in OUT/NAME.log
   local name=$1 script=$2; shift 2
   local log=$out/$name.log start=$SECONDS rc
-  timeout -k 15 "$RUN_TIMEOUT" "$PYTHON" "$repo/tests/python/$script" "$build/python" "$out/$name" "$@" \
+  timeout -k 15 "$RUN_TIMEOUT" "$PYTHON" "$repo/tests/python/$script" "$build/python" "$work/$name" "$@" \
     > "$log" 2>&1
   rc=$?
   echo "$rc $((SECONDS - start))" > "$out/$name.rc"
@@ -63,7 +68,8 @@ for entry in "${cases[@]}"; do
 done
 wait
 wait "$build_pid" 2> /dev/null
-echo "hf-stack-gpu: $GPU_COUNT GPUs (2 used), $DTYPE, $((SECONDS - t0)) s in all; logs in $out"
+(cd "$work" && find . -name '*.log' -not -path '*/venv-*' -exec cp --parents {} "$out/rank-logs/" \;) 2> /dev/null
+echo "hf-stack-gpu: $GPU_COUNT GPUs (2 used), $DTYPE, $((SECONDS - t0)) s in all; logs in $out, work in $work"
 grep -q "Error" "$out/ds-fused-adam-build.log" && { echo "  DeepSpeed's FusedAdam build:"; tail -3 "$out/ds-fused-adam-build.log"; }
 
 failed=0
