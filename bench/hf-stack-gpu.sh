@@ -75,7 +75,7 @@ grep -q "Error" "$out/ds-fused-adam-build.log" && { echo "  DeepSpeed's FusedAda
 failed=0
 for entry in "${cases[@]}"; do
   name=${entry%%|*} log=$out/${entry%%|*}.log
-  read -r rc secs < "$out/$name.rc" 2> /dev/null || { rc=1 secs=?; }
+  read -r rc secs < "$out/$name.rc" 2> /dev/null || { rc=1 secs="?"; }
   if [ "$rc" = 0 ]; then verdict=PASS; elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then verdict=TIMEOUT; else verdict=FAIL; fi
   [ "$verdict" = PASS ] || failed=1
   # The first failure and the exception under it, on one line.
