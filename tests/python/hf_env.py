@@ -5,6 +5,16 @@ test may install into it. make_venv() makes a venv (without pip of its own) whos
 Python's packages through a .pth file: all of them (`with_deepspeed=True`, a Python where DeepSpeed is
 installed), or all but DeepSpeed (a folder of links to every entry except deepspeed/ and its dist-info), so
 that the alias can be installed into the venv's own site-packages and `import deepspeed` is then uckpt.
+
+GPU mode (the harnesses hf_trainer_test, hf_accelerate_test, hf_trl_test; bench/hf-stack-gpu.sh): set
+UCKPT_TEST_GPU=1. Their ranks then run on `cuda:LOCAL_RANK` with NCCL (DeepSpeed's and uckpt's accelerator
+found as on any GPU machine: no DS_ACCELERATOR=cpu, no Gloo state of our own), NVLink multicast off in every
+launched process (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1). Without it they
+run on CPU ranks with Gloo, as in CI. Two more variables, for a machine where packages cannot be installed:
+  UCKPT_TEST_DEEPSPEED=DIR  real DeepSpeed 0.14.5 from its source folder DIR (holding deepspeed/), a dist-info
+                            made beside it in the venv, instead of the one installed in the tests' Python;
+  UCKPT_TEST_SITE=DIR[:DIR] folders of carried pure-Python packages (TRL, datasets, ...) that every venv sees
+                            after the tests' Python's own.
 """
 import argparse
 import json
@@ -20,8 +30,46 @@ def _site_packages():
     return sysconfig.get_paths()["purelib"]
 
 
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpu_mode():
+    """True when UCKPT_TEST_GPU=1: the harnesses' ranks on GPUs (NCCL); unset or 0: CPU ranks (Gloo)."""
+    value = os.environ.get("UCKPT_TEST_GPU", "0")
+    if value not in ("0", "1", ""):
+        raise SystemExit(f"UCKPT_TEST_GPU={value!r}: set it to 1 (ranks on GPUs) or 0 / unset (CPU ranks)")
+    return value == "1"
+
+
+def _env_dirs(name, must_hold=None):
+    """The folders listed (":"-separated) in environment variable `name`, each checked to exist (and to hold
+    `must_hold`)."""
+    dirs = [os.path.abspath(d) for d in os.environ.get(name, "").split(":") if d]
+    for d in dirs:
+        if not os.path.isdir(os.path.join(d, must_hold or "")):
+            raise SystemExit(f"{name}: {d} is not a folder{' holding ' + must_hold if must_hold else ''}")
+    return dirs
+
+
+def _deepspeed_source_dirs(venv):
+    """[source, metadata folder] when UCKPT_TEST_DEEPSPEED names DeepSpeed's source (transformers and Accelerate
+    check the package metadata too, so a dist-info with the source's version.txt is made in the venv), else []."""
+    found = _env_dirs("UCKPT_TEST_DEEPSPEED", must_hold="deepspeed")
+    if not found:
+        return []
+    source = found[0]
+    version_file = os.path.join(source, "version.txt")
+    version = open(version_file).read().strip() if os.path.exists(version_file) else "0.14.5"
+    meta = os.path.join(venv, "deepspeed-metadata")
+    os.makedirs(os.path.join(meta, f"deepspeed-{version}.dist-info"))
+    with open(os.path.join(meta, f"deepspeed-{version}.dist-info", "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {version}\n")
+    return [source, meta]
+
+
 def make_venv(path, with_deepspeed=False):
-    """A fresh venv at `path` over this Python's packages; returns its python."""
+    """A fresh venv at `path` over this Python's packages; returns its python. With `with_deepspeed` and
+    UCKPT_TEST_DEEPSPEED set, DeepSpeed's source goes first; UCKPT_TEST_SITE's folders go last."""
     if os.path.exists(path):
         shutil.rmtree(path)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True)
@@ -38,15 +86,17 @@ def make_venv(path, with_deepspeed=False):
                 continue
             os.symlink(os.path.join(base, entry), os.path.join(farm, entry))
         base = farm
+    dirs = (_deepspeed_source_dirs(path) if with_deepspeed else []) + [base] + _env_dirs("UCKPT_TEST_SITE")
     # site.addsitedir also runs the base's own .pth files (setuptools' distutils shim).
     with open(os.path.join(venv_site, "zz-uckpt-test-base.pth"), "w") as f:
-        f.write(f"import site; site.addsitedir({base!r})\n")
+        f.writelines(f"import site; site.addsitedir({d!r})\n" for d in dirs)
     return python
 
 
 def run(python, args, pypath, env=None, check=False, **kw):
     """`python *args` with PYTHONPATH=pypath; returns the CompletedProcess (stdout and stderr as text)."""
-    full_env = dict(os.environ, PYTHONPATH=pypath, **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=pypath)
+    full_env.update({**(GPU_ENV if gpu_mode() else {}), **(env or {})})
     full_env.pop("PYTHONHOME", None)
     done = subprocess.run([python, *args], env=full_env, capture_output=True, text=True, **kw)
     if check and done.returncode != 0:
@@ -62,6 +112,8 @@ def cpu_data_parallel(half=False):
     counts the ranks. `half` (bf16=True or fp16=True): use_cpu=True too, without which TrainingArguments refuses
     bf16 where no GPU has it. Nothing on a GPU machine."""
     import torch
+    if gpu_mode() and not torch.cuda.is_available():
+        raise SystemExit("UCKPT_TEST_GPU=1 but torch sees no GPU (torch.cuda.is_available() is False)")
     if torch.cuda.is_available():
         return {}
     from accelerate import PartialState
@@ -165,15 +217,25 @@ def harness_venv(which, work, pypath):
 
 
 def torchrun(python, pypath, nproc, script_args, log, timeout=900):
-    """`python -m torch.distributed.run` of `script_args` at `nproc` CPU ranks (Gloo, a free port, nothing
-    downloaded; TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for real DeepSpeed's own loads, which call torch.load without
-    weights_only). The output is also written to `log`. Returns (exit code, output)."""
+    """`python -m torch.distributed.run` of `script_args` at `nproc` CPU ranks (Gloo), or GPUs in GPU mode
+    (NCCL, NVLink multicast off); a free port, nothing downloaded, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for real
+    DeepSpeed's own loads (which call torch.load without weights_only). The output is also written to `log`.
+    Returns (exit code, output)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from testkit import free_port
-    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               LOCAL_SIZE=str(nproc),  # DeepSpeed's CPU device count (else it asks numactl)
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=pypath, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if gpu_mode():
+        import torch
+        if torch.cuda.device_count() < nproc:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise SystemExit(f"UCKPT_TEST_GPU=1: {nproc} ranks need {nproc} GPUs, torch sees "
+                             f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={visible})")
+        env.update(GPU_ENV)
+        env.pop("DS_ACCELERATOR", None)
+    else:
+        env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                   LOCAL_SIZE=str(nproc))  # DeepSpeed's CPU device count (else it asks numactl)
     env.pop("PYTHONHOME", None)
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), *script_args]

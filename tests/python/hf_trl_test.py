@@ -1,13 +1,17 @@
-"""TRL's SFTTrainer and DPOTrainer with `deepspeed=ds_config.json` on uckpt (#39), on the CPU at 2 ranks.
+"""TRL's SFTTrainer and DPOTrainer with `deepspeed=ds_config.json` on uckpt (#39), on the CPU at 2 ranks (Gloo),
+or on 2 GPUs (NCCL) with UCKPT_TEST_GPU=1 (tests/python/hf_env.py: GPU mode).
 
-    hf_trl_test.py PYPATH WORK_DIR [--trainer sft|dpo] [--against uckpt|deepspeed] [--stage 2|3]
+    hf_trl_test.py PYPATH WORK_DIR [--trainer sft|dpo] [--against uckpt|deepspeed|both] [--stage 2|3]
+                   [--dtype fp32|bf16]
 
 In a venv where `deepspeed` is uckpt through the alias (or real DeepSpeed 0.14.5), torchrun starts 2 ranks of
 this file's worker: a character-level tokenizer and a tiny GPT-2 made here (nothing downloaded), a few lines of
 text (SFT) or prompt/chosen/rejected triples (DPO, whose reference model TRL prepares as a second DeepSpeed
-engine without an optimizer), the ZeRO config of hf_trainer_test.py, 4 steps with a save at step 2. Exit 0 when
-the run finishes with positive finite losses and finite gradient norms, else 1 with the first error (ctest:
-python_hf_trl_dpo, python_hf_trl_sft).
+engine without an optimizer), the ZeRO config of hf_trainer_test.py, 4 steps with a save at step 2, in fp32 or
+(`--dtype bf16`) the config's "auto" taking the trainer's bf16=True (TRL's own default, on a GPU). Exit 0 when
+the run finishes with positive finite losses and finite gradient norms (`both`: each package's run, and uckpt's
+losses within 1e-5 relative of real DeepSpeed's in fp32, 1e-2 absolute in bf16), else 1 with the first error
+(ctest: python_hf_trl_dpo, python_hf_trl_sft).
 """
 import json
 import math
@@ -19,6 +23,7 @@ sys.path.insert(0, HERE)
 from hf_env import (cpu_data_parallel, fail_run, fresh_work, harness_parser, harness_venv, torchrun,  # noqa: E402
                     trainer_ds_config, worker_args)
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,")
+PACKAGE_TOLERANCE = {"fp32": ("relative", 1e-5), "bf16": ("absolute", 1e-2)}  # uckpt's losses against DeepSpeed's
 
 
 def worker(args):
@@ -43,9 +48,10 @@ def worker(args):
                 with open(os.path.join(args.work, "losses.json"), "w") as f:
                     json.dump(logged, f)
 
-    common = dict(**cpu_data_parallel(), output_dir=os.path.join(args.work, "out"), per_device_train_batch_size=2, max_steps=4,
-                  save_steps=2, logging_steps=1, learning_rate=1e-3, deepspeed=args.ds_config, report_to="none",
-                  seed=0, disable_tqdm=True, bf16=False)  # (TRL defaults to bf16, which needs a GPU here)
+    bf16 = args.dtype == "bf16"  # (TRL defaults to bf16; fp32 unless asked, as on the CPU)
+    common = dict(**cpu_data_parallel(half=bf16), output_dir=os.path.join(args.work, "out"),
+                  per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1, learning_rate=1e-3,
+                  deepspeed=args.ds_config, report_to="none", seed=0, disable_tqdm=True, bf16=bf16)
 
     def model():
         torch.manual_seed(0)
@@ -70,32 +76,51 @@ def worker(args):
     print(f"ENGINE {type(trainer.model_wrapped).__module__}.{type(trainer.model_wrapped).__name__}", flush=True)
 
 
-def main():
-    p = harness_parser()
-    p.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
-    p.add_argument("--stage", type=int, default=2)
-    args = p.parse_args()
-    work = fresh_work(args.work, f"trl-{args.trainer}-{args.against}-zero{args.stage}")
+def train(args, which):
+    """One launch of the worker on `which`'s venv; exits 1 unless it logs 4 steps of positive finite losses and
+    finite gradient norms. Returns {step: [loss, grad_norm]}."""
+    work = fresh_work(args.work, f"trl-{args.trainer}-{which}-zero{args.stage}"
+                                 f"{'' if args.dtype == 'fp32' else '-' + args.dtype}")
     with open(os.path.join(work, "ds_config.json"), "w") as f:
         json.dump(trainer_ds_config(args.stage), f, indent=1)
-    python, pypath = harness_venv(args.against, work, args.pypath)
+    python, pypath = harness_venv(which, work, args.pypath)
     log = os.path.join(work, "train.log")
     rc, out = torchrun(python, pypath, 2, [os.path.abspath(__file__), "--worker", "--trainer", args.trainer, "--work",
-                                           work, "--ds_config", os.path.join(work, "ds_config.json")], log)
+                                           work, "--ds_config", os.path.join(work, "ds_config.json"),
+                                           "--dtype", args.dtype], log)
     if rc != 0:
-        fail_run(f"{args.trainer} on {args.against}", rc, out, log)
+        fail_run(f"{args.trainer} on {which}", rc, out, log)
     with open(os.path.join(work, "losses.json")) as f:
         losses = {int(k): v for k, v in json.load(f).items()}
-    print(f"{args.trainer} on {args.against}: " + " ".join(f"{k}:{v[0]:.9g}" for k, v in sorted(losses.items())))
+    print(f"{args.trainer} on {which}: " + " ".join(f"{k}:{v[0]:.9g}" for k, v in sorted(losses.items())))
     if sorted(losses) != [1, 2, 3, 4] or not all(math.isfinite(v[0]) and v[0] > 0 and math.isfinite(v[1])
                                                  for v in losses.values()):
         print(f"FAIL: the logged steps, losses or gradient norms are not a training run's: {losses}")
         sys.exit(1)
+    return losses
+
+
+def main():
+    p = harness_parser(against=("uckpt", "deepspeed", "both"))
+    p.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the trainer's bf16=True")
+    args = p.parse_args()
+    runs = {which: train(args, which) for which in
+            (["uckpt", "deepspeed"] if args.against == "both" else [args.against])}
+    if args.against == "both":
+        a, b = runs["uckpt"], runs["deepspeed"]
+        what, tolerance = PACKAGE_TOLERANCE[args.dtype]
+        worst = max(abs(a[k][0] - b[k][0]) / (max(abs(b[k][0]), 1e-12) if what == "relative" else 1) for k in a)
+        print(f"max {what} loss difference uckpt vs DeepSpeed {worst:.3g}")
+        if worst > tolerance:
+            print(f"FAIL: uckpt's {args.trainer} losses differ from real DeepSpeed's beyond {tolerance:g} {what}")
+            sys.exit(1)
     print("PASS")
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(worker_args(strings=("--trainer", "--work", "--ds_config")))
+        worker(worker_args(strings=("--trainer", "--work", "--ds_config", "--dtype"), dtype="fp32"))
     else:
         main()
