@@ -222,7 +222,7 @@ def torchrun(python, pypath, nproc, script_args, log, timeout=900):
     DeepSpeed's own loads (which call torch.load without weights_only). The output is also written to `log`.
     Returns (exit code, output)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from testkit import free_port
+    from testkit import free_port, sweep_deepspeed_shm
     env = dict(os.environ, PYTHONPATH=pypath, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if gpu_mode():
@@ -237,8 +237,9 @@ def torchrun(python, pypath, nproc, script_args, log, timeout=900):
         env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    LOCAL_SIZE=str(nproc))  # DeepSpeed's CPU device count (else it asks numactl)
     env.pop("PYTHONHOME", None)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), *script_args]
+    port = free_port()
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           *script_args]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         rc, out = done.returncode, done.stdout + done.stderr
@@ -246,6 +247,7 @@ def torchrun(python, pypath, nproc, script_args, log, timeout=900):
         rc = 124
         out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
         out += f"\n(timed out after {timeout} s)"
+    sweep_deepspeed_shm(port)
     with open(log, "w") as f:
         f.write(out)
     return rc, out
