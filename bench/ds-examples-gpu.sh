@@ -45,6 +45,9 @@
 # env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300),
 #      NPROC (ranks per run, default 1), RESUME_NPROC (ranks of a resume, default 2 when NPROC is 1, else 1),
 #      DS_ACCELERATOR=cpu runs on the CPU (chat in bf16; for testing this script).
+#      IMPL=deepspeed runs the scripts unchanged on real DeepSpeed (its source in DEEPSPEED_SRC, package metadata
+#      for 0.14.5 written beside it here; TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for its own loads), under the same
+#      launcher, stand-ins and arguments, for the losses beside uckpt's (bench/ds-examples-both-gpu.sh).
 # One line per case: PASS, REFUSED (uckpt named a DeepSpeed feature it lacks), GPU-ONLY (on the CPU: the script
 # itself needs CUDA), N/A (the script does not use DeepSpeed) or FAIL, with the reason.
 # Exit status: the number of FAIL cases. Logs: WORK_DIR/<case>.log.
@@ -60,6 +63,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: never wait for one
 export PYTHONFAULTHANDLER=1  # a crash in native code prints the Python stack it came from
 cpu=false; [ "${DS_ACCELERATOR:-}" = cpu ] && cpu=true
+IMPL=${IMPL:-uckpt}
+case $IMPL in
+  uckpt) ;;
+  deepspeed) ds_src=$(realpath "${DEEPSPEED_SRC:?IMPL=deepspeed needs DEEPSPEED_SRC (the source of DeepSpeed 0.14.5)}")
+             [ -f "$ds_src/deepspeed/__init__.py" ] || { echo "ds-examples: no deepspeed/ in $ds_src" >&2; exit 2; } ;;
+  *) echo "ds-examples: IMPL is uckpt or deepspeed, not $IMPL" >&2; exit 2 ;;
+esac
 
 for f in training/cifar/cifar10_deepspeed.py training/imagenet/main.py \
          applications/DeepSpeed-Chat/training/step1_supervised_finetuning/main.py applications/DeepSpeed-Chat/dschat; do
@@ -74,11 +84,13 @@ fi
 U=$build/src/cli/uckpt
 [ -x "$U" ] || { echo "ds-examples: no $U" >&2; exit 2; }
 rm -rf "$work"; mkdir -p "$work"
-echo "== DeepSpeedExamples $(git -C "$dse" log -1 --format=%h 2>/dev/null || echo '(not a git checkout)') on uckpt ($build), work in $work"
+on="uckpt ($build)"; [ "$IMPL" = deepspeed ] && on="DeepSpeed ($ds_src)"
+echo "== DeepSpeedExamples $(git -C "$dse" log -1 --format=%h 2>/dev/null || echo '(not a git checkout)') on $on, work in $work"
 
 # ---- the scripts, changed in their import lines only
 uckpt_imports() {  # FILE...: rewrite the deepspeed imports; print the changed lines; fail if one is left
   local f
+  [ "$IMPL" = deepspeed ] && return 0  # real DeepSpeed: the scripts as shipped
   for f in "$@"; do
     cp "$f" "$f.orig"
     sed -E -i -e 's/^([[:space:]]*)import deepspeed(\r?)$/\1import uckpt as deepspeed\2/' \
@@ -204,8 +216,9 @@ class Workbook:
 PY
   echo "   (openpyxl is not installed: a stub writes main.py's table as text)"
 fi
-mkdir -p "$work/alias/deepspeed" "$work/alias/deepspeed-0.14.5.dist-info"
-cat > "$work/alias/deepspeed/__init__.py" <<'PY'
+mkdir -p "$work/alias/deepspeed-0.14.5.dist-info"
+# IMPL=deepspeed: only the package metadata (transformers checks DeepSpeed's version); the package is DEEPSPEED_SRC
+[ "$IMPL" = uckpt ] && mkdir -p "$work/alias/deepspeed" && cat > "$work/alias/deepspeed/__init__.py" <<'PY'
 """`deepspeed` for libraries that import it themselves (transformers' DeepSpeed integration): uckpt, and
 deepspeed.X is uckpt.X (the same module objects)."""
 import importlib
@@ -317,8 +330,9 @@ launch() {  # launch CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...: NPROC processes, 
 }
 launch_n() {  # launch_n N CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...
   local n=$1 name=$2 dir=$3 extra=$4; shift 4
-  local t0=$SECONDS visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))}
-  (cd "$dir" && CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$build/python${PYTHONPATH:+:$PYTHONPATH}" \
+  local t0=$SECONDS visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} pkg=$build/python impl_env=()
+  [ "$IMPL" = deepspeed ] && pkg=$ds_src:$work/alias && impl_env=(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
+  (cd "$dir" && env "${impl_env[@]}" CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
      timeout "$TIMEOUT_S" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
   local rc=$?
   elapsed=$((SECONDS - t0))
