@@ -14,7 +14,8 @@
 #   DSE_CHECKOUT   DeepSpeedExamples (all of it, or the folders the cases use: build-gpu-deps/dsx/dse)
 #   BUILD_DIR      uckpt built with its Python package (target python)
 #   DEEPSPEED_SRC  DeepSpeed 0.14.5's source (.ds)
-#   OUT_DIR        gets summary.txt and logs.tgz (the cases' logs; no checkpoints or models)
+#   OUT_DIR        gets summary.txt, losses.txt (every loss printed, uckpt's beside DeepSpeed's) and logs.tgz (the
+#                  cases' logs; no checkpoints or models)
 # env: CASES (in order of value, default below), DS_CASES (the cases DeepSpeed runs too: those uckpt runs),
 #      RESUME_NPROC (hello's resume: as bench/ds-examples-gpu.sh, but 1 on a machine of one GPU),
 #      DEADLINE_S (420), TIMEOUT_S (per case, 150), MIN_START_S (45), PARALLEL (3), NPROC (1),
@@ -47,9 +48,18 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 rm -rf "$work"; mkdir -p "$work" "$out"
 start=$SECONDS
 summary=$out/summary.txt
-: > "$summary"
+: > "$summary"; : > "$out/losses.txt"
 say() { echo "$*" | tee -a "$summary"; }
 say "== DeepSpeedExamples on uckpt ($build) and DeepSpeed ($ds), $NPROC GPU(s) a run, deadline ${DEADLINE_S} s"
+say "   $("$PYTHON" -c '
+import importlib
+def version(name):
+    try:
+        return getattr(importlib.import_module(name), "__version__", "?")
+    except Exception as e:
+        return f"not importable ({type(e).__name__}: {str(e)[:80]})"
+print(", ".join(f"{n} {version(n)}" for n in ("torch", "torchvision", "transformers", "datasets", "pyarrow", "fsspec",
+                                              "tensorboardX", "timm")))' 2>&1 | tail -1)"
 
 # DeepSpeed JIT-builds its fused Adam (cifar, imagenet, squad, chat) and CPU Adam (hello): build them now, beside
 # the first cases, so that its runs find them built (a run that needs one waits on torch's build lock meanwhile).
@@ -75,12 +85,16 @@ losses() {  # losses CASE LOG: the losses the script printed, one a line (gan: D
     squad) re='bert_squad_progress: .*loss=([0-9.]+(e[-+][0-9]+)?)' ;;
     hello) re='Loss: ([0-9.]+)' ;;
     chat_z*) re='loss = ([0-9.]+)' ;;
+    compress_cifar)  # tqdm's running mean, refreshed on a clock: only its last value (the epoch's mean) compares
+      grep -oE 'loss=[0-9.]+' "$2" | tail -1 | cut -d= -f2; return ;;
     gan) grep -oE 'Loss_D: [0-9.]+ Loss_G: [0-9.]+' "$2" | awk '{print $2 "/" $4}'; return ;;
   esac
   grep -oE "$re" "$2" | grep -oE '[0-9]+\.[0-9]+(e[-+][0-9]+)?$'
 }
-compare() {  # compare CASE UCKPT_LOG DS_LOG: counts, first and last losses, the largest difference step by step
-  "$PYTHON" - "$1" <(losses "$1" "$2" 2> /dev/null) <(losses "$1" "$3" 2> /dev/null) <<'PY'
+compare() {  # compare CASE UCKPT_LOG DS_LOG: counts, first and last losses, the largest difference step by step;
+  # every loss of both, side by side, into OUT_DIR/losses.txt
+  "$PYTHON" - "$1" <(losses "$1" "$2" 2> /dev/null) <(losses "$1" "$3" 2> /dev/null) "$out/losses.txt" <<'PY'
+import itertools
 import sys
 def read(path):
     return [[float(x) for x in l.split("/")] for l in open(path) if l.strip()]
@@ -93,6 +107,11 @@ if both:
     diff = max(abs(a - b) for i in range(both) for a, b in zip(u[i], d[i]))
     text += f", max |diff| {diff:.3g} over {both}"
 print(text)
+if u or d:
+    with open(sys.argv[4], "a") as f:
+        f.write(f"== {sys.argv[1]}: uckpt | DeepSpeed\n")
+        for a, b in itertools.zip_longest(u, d):
+            f.write(f"{'/'.join(map(str, a)) if a else '-':>24} {'/'.join(map(str, b)) if b else '-':>24}\n")
 PY
 }
 

@@ -84,6 +84,7 @@ fi
 U=$build/src/cli/uckpt
 [ -x "$U" ] || { echo "ds-examples: no $U" >&2; exit 2; }
 rm -rf "$work"; mkdir -p "$work"
+export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$work/hf-datasets}  # runs beside each other share no cache
 on="uckpt ($build)"; [ "$IMPL" = deepspeed ] && on="DeepSpeed ($ds_src)"
 echo "== DeepSpeedExamples $(git -C "$dse" log -1 --format=%h 2>/dev/null || echo '(not a git checkout)') on $on, work in $work"
 
