@@ -286,6 +286,7 @@ for split, n in (("train", 160), ("eval", 40)):
             f.write(json.dumps({"prompt": "Human: " + sentence(8) + " Assistant:", "chosen": sentence(10),
                                 "rejected": sentence(10)}) + "\n")
 from tokenizers import ByteLevelBPETokenizer
+import torch
 from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 texts = [json.loads(l)[k] for s in ("train", "eval") for l in open(os.path.join(chat, "data", f"{s}.json"))
          for k in ("prompt", "chosen", "rejected")]
@@ -307,6 +308,7 @@ eos = tok.convert_tokens_to_ids("</s>")
 config = OPTConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
                    max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=eos, eos_token_id=eos,
                    pad_token_id=eos)
+torch.manual_seed(0)  # the same tiny OPT in every run: uckpt's and DeepSpeed's losses start from one model
 OPTForCausalLM(config).save_pretrained(model_dir)
 # dschat's load_hf_tokenizer loads the tokenizer named by config.json's _name_or_path: this folder.
 path = os.path.join(model_dir, "config.json")
