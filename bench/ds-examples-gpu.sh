@@ -42,7 +42,8 @@
 #   compress_gpt2 de_gpt de_vit_cifar de_vit_imagenet visualchat chat_rm chat_dpo chat_rlhf bing_bert
 #   bing_bert_glue bingbertglue squad autotuning stable_diffusion
 #
-# env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300),
+# env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300;
+#      DSX_END_EPOCH, a time in seconds since the epoch, cuts it so that every launch ends by then),
 #      NPROC (ranks per run, default 1), RESUME_NPROC (ranks of a resume, default 2 when NPROC is 1, else 1),
 #      DS_ACCELERATOR=cpu runs on the CPU (chat in bf16; for testing this script).
 #      IMPL=deepspeed runs the scripts unchanged on real DeepSpeed (its source in DEEPSPEED_SRC, package metadata
@@ -334,9 +335,13 @@ launch() {  # launch CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...: NPROC processes, 
 launch_n() {  # launch_n N CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...
   local n=$1 name=$2 dir=$3 extra=$4; shift 4
   local t0=$SECONDS visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} pkg=$build/python impl_env=()
+  local limit=$TIMEOUT_S rest  # DSX_END_EPOCH: every launch of the case ends by then (a case may launch twice)
+  if [ -n "${DSX_END_EPOCH:-}" ]; then
+    rest=$((DSX_END_EPOCH - $(date +%s))); [ "$rest" -lt "$limit" ] && limit=$((rest > 1 ? rest : 1))
+  fi
   [ "$IMPL" = deepspeed ] && pkg=$ds_src:$work/alias && impl_env=(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
   (cd "$dir" && env "${impl_env[@]}" CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
-     timeout "$TIMEOUT_S" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
+     timeout "$limit" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
   local rc=$?
   elapsed=$((SECONDS - t0))
   return $rc
