@@ -18,7 +18,8 @@
 #                  cases' logs; no checkpoints or models)
 # env: CASES (in order of value, default below), DS_CASES (the cases DeepSpeed runs too: those uckpt runs),
 #      RESUME_NPROC (hello's resume: as bench/ds-examples-gpu.sh, but 1 on a machine of one GPU),
-#      DEADLINE_S (420), TIMEOUT_S (per case, 150), MIN_START_S (45), PARALLEL (3), NPROC (1),
+#      DS_PREBUILD (DeepSpeed's ops JIT-built at the start, default "fused_adam cpu_adam"), DEADLINE_S (420),
+#      TIMEOUT_S (per case, 150), MIN_START_S (45), PARALLEL (3), NPROC (1),
 #      DSX_SITE (packages the scripts import that the machine lacks, put on PYTHONPATH; default
 #      build-gpu-deps/dsx/site), DSX_S3_SITE (boto3 and botocore, for squad only: accelerate imports boto3 where
 #      it finds it; default build-gpu-deps/dsx/site-s3), WORK_DIR (/tmp/ds-examples-both), PYTHON (python3)
@@ -74,7 +75,7 @@ from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 if [ -n "$DS_CASES" ]; then
   mkdir -p "$work/ds-meta/deepspeed-0.14.5.dist-info"
   printf 'Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.14.5\n' > "$work/ds-meta/deepspeed-0.14.5.dist-info/METADATA"
-  ds_build fused_adam & ds_build cpu_adam &
+  for op in ${DS_PREBUILD-fused_adam cpu_adam}; do ds_build "$op" & done
 fi
 
 losses() {  # losses CASE LOG: the losses the script printed, one a line (gan: D and G as D/G)
