@@ -120,8 +120,8 @@ run_case() {  # run_case CASE LIMIT_S: uckpt (and DeepSpeed) on it at once; one 
   local c=$1 limit=$2 impl t0=$SECONDS
   local impls=(uckpt); [[ " $DS_CASES " == *" $c "* ]] && impls+=(deepspeed)
   for impl in "${impls[@]}"; do
-    IMPL=$impl CASES=$c TIMEOUT_S=$limit DSX_END_EPOCH=$(($(date +%s) + limit)) bash "$here/bench/ds-examples-gpu.sh" "$dse" "$build" "$work/$impl-$c" \
-      > "$work/$impl-$c.out" 2>&1 &
+    IMPL=$impl CASES=$c TIMEOUT_S=$limit DSX_END_EPOCH=$(($(date +%s) + limit)) \
+      bash "$here/bench/ds-examples-gpu.sh" "$dse" "$build" "$work/$impl-$c" > "$work/$impl-$c.out" 2>&1 &
   done
   wait
   local u d="not run" line
