@@ -241,7 +241,8 @@ case_squad() {  # BingBertSquad run_squad_deepspeed.sh 1 MODEL SQUAD_DIR OUT (1 
     > "$work/squad-inputs.log" 2>&1 || { result squad FAIL "stand-ins: $(reason "$work/squad-inputs.log")"; return; }
   local ngpu=$NPROC per_gpu accum
   per_gpu=$((24 / ngpu)); accum=1; [ $per_gpu -ge 3 ] && accum=$((per_gpu / 3))  # as run_squad_deepspeed.sh
-  DSX_S3_BERT=$work/squad/s3 PYTORCH_PRETRAINED_BERT_CACHE=$work/squad/cache launch_n "$NPROC" squad "$work/squad" "$site${DSX_S3_SITE:+:$DSX_S3_SITE}" \
+  DSX_S3_BERT=$work/squad/s3 PYTORCH_PRETRAINED_BERT_CACHE=$work/squad/cache \
+    launch_n "$NPROC" squad "$work/squad" "$site${DSX_S3_SITE:+:$DSX_S3_SITE}" \
     nvidia_run_squad_deepspeed.py --bert_model bert-large-uncased --do_train \
     --do_lower_case --predict_batch_size 3 --do_predict --train_file data/train-v1.1.json \
     --predict_file data/dev-v1.1.json --train_batch_size $per_gpu --learning_rate 3e-5 --num_train_epochs 2.0 \

@@ -22,7 +22,8 @@ folders=(training/cifar training/imagenet training/HelloDeepSpeed training/pipel
          training/BingBertSquad training/data_efficiency/gpt_finetuning compression/cifar compression/gpt2
          applications/DeepSpeed-Chat/dschat applications/DeepSpeed-Chat/training)
 rm -rf "$dest"; mkdir -p "$dest/dse"
-git --git-dir="$(git -C "$git_dir" rev-parse --absolute-git-dir 2> /dev/null || echo "$git_dir")" archive "$commit" -- "${folders[@]}" \
+git_dir=$(git -C "$git_dir" rev-parse --absolute-git-dir 2> /dev/null || echo "$git_dir")
+git --git-dir="$git_dir" archive "$commit" -- "${folders[@]}" \
   ':(exclude)**/training_log_output/**' ':(exclude)**/*.png' ':(exclude)**/*.jpg' | tar -x -C "$dest/dse"
 echo "$commit" > "$dest/dse/COMMIT"
 

@@ -42,7 +42,8 @@ def main(s3_dir, data_dir, train_questions, dev_questions):
     os.makedirs(s3_dir, exist_ok=True)
     os.makedirs(data_dir, exist_ok=True)
     with open(os.path.join(s3_dir, "bert-large-uncased-vocab.txt"), "w") as f:
-        f.write("\n".join(SPECIAL + sorted(set(WORDS)) + ["?", "."] + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]) + "\n")
+        pieces = [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+        f.write("\n".join(SPECIAL + sorted(set(WORDS)) + ["?", "."] + pieces) + "\n")
     rng = random.Random(0)
     for name, n, prefix in (("train-v1.1.json", train_questions, "t"), ("dev-v1.1.json", dev_questions, "d")):
         with open(os.path.join(data_dir, name), "w") as f:

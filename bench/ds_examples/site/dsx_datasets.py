@@ -67,7 +67,8 @@ class _Metric:
         if self.task == "stsb":
             def ranks(x):
                 return np.argsort(np.argsort(x)).astype(float)
-            return {"pearson": float(np.corrcoef(p, r)[0, 1]), "spearmanr": float(np.corrcoef(ranks(p), ranks(r))[0, 1])}
+            return {"pearson": float(np.corrcoef(p, r)[0, 1]),
+                    "spearmanr": float(np.corrcoef(ranks(p), ranks(r))[0, 1])}
         if self.task == "cola":
             tp, tn = np.sum((p == 1) & (r == 1)), np.sum((p == 0) & (r == 0))
             fp, fn = np.sum((p == 1) & (r == 0)), np.sum((p == 0) & (r == 1))
