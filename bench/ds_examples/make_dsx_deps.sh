@@ -25,6 +25,10 @@ rm -rf "$dest"; mkdir -p "$dest/dse"
 git_dir=$(git -C "$git_dir" rev-parse --absolute-git-dir 2> /dev/null || echo "$git_dir")
 git --git-dir="$git_dir" archive "$commit" -- "${folders[@]}" \
   ':(exclude)**/training_log_output/**' ':(exclude)**/*.png' ':(exclude)**/*.jpg' | tar -x -C "$dest/dse"
+# (a partial mirror may lack large files elsewhere in the tree; git names them but archives these folders whole)
+want=$(git --git-dir="$git_dir" ls-tree -r --name-only "$commit" -- "${folders[@]}" | grep -cvE '/training_log_output/|\.(png|jpg)$')
+got=$(cd "$dest/dse" && find . -type f | wc -l)
+[ "$want" = "$got" ] || { echo "make_dsx_deps: $got files of DeepSpeedExamples' $want in $dest/dse" >&2; exit 1; }
 echo "$commit" > "$dest/dse/COMMIT"
 
 wheels=$(mktemp -d)
@@ -43,4 +47,4 @@ for d in "$dest"/site-s3/botocore/data/*/; do case $d in */s3/ | */sts/) ;; *) r
 for d in "$dest"/site-s3/boto3/data/*/; do case $d in */s3/) ;; *) rm -rf "$d" ;; esac; done
 find "$dest" -name __pycache__ -prune -exec rm -rf {} +
 rm -rf "$wheels"
-du -sh "$dest" "$dest"/*
+du -sh "$dest"/* "$dest"
