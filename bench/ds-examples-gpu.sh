@@ -42,9 +42,13 @@
 #   compress_gpt2 de_gpt de_vit_cifar de_vit_imagenet visualchat chat_rm chat_dpo chat_rlhf bing_bert
 #   bing_bert_glue bingbertglue squad autotuning stable_diffusion
 #
-# env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300),
+# env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300;
+#      DSX_END_EPOCH, a time in seconds since the epoch, cuts it so that every launch ends by then),
 #      NPROC (ranks per run, default 1), RESUME_NPROC (ranks of a resume, default 2 when NPROC is 1, else 1),
 #      DS_ACCELERATOR=cpu runs on the CPU (chat in bf16; for testing this script).
+#      IMPL=deepspeed runs the scripts unchanged on real DeepSpeed (its source in DEEPSPEED_SRC, package metadata
+#      for 0.14.5 written beside it here; TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for its own loads), under the same
+#      launcher, stand-ins and arguments, for the losses beside uckpt's (bench/ds-examples-both-gpu.sh).
 # One line per case: PASS, REFUSED (uckpt named a DeepSpeed feature it lacks), GPU-ONLY (on the CPU: the script
 # itself needs CUDA), N/A (the script does not use DeepSpeed) or FAIL, with the reason.
 # Exit status: the number of FAIL cases. Logs: WORK_DIR/<case>.log.
@@ -60,6 +64,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: never wait for one
 export PYTHONFAULTHANDLER=1  # a crash in native code prints the Python stack it came from
 cpu=false; [ "${DS_ACCELERATOR:-}" = cpu ] && cpu=true
+IMPL=${IMPL:-uckpt}
+case $IMPL in
+  uckpt) ;;
+  deepspeed) ds_src=$(realpath "${DEEPSPEED_SRC:?IMPL=deepspeed needs DEEPSPEED_SRC (the source of DeepSpeed 0.14.5)}")
+             [ -f "$ds_src/deepspeed/__init__.py" ] || { echo "ds-examples: no deepspeed/ in $ds_src" >&2; exit 2; } ;;
+  *) echo "ds-examples: IMPL is uckpt or deepspeed, not $IMPL" >&2; exit 2 ;;
+esac
 
 for f in training/cifar/cifar10_deepspeed.py training/imagenet/main.py \
          applications/DeepSpeed-Chat/training/step1_supervised_finetuning/main.py applications/DeepSpeed-Chat/dschat; do
@@ -74,11 +85,14 @@ fi
 U=$build/src/cli/uckpt
 [ -x "$U" ] || { echo "ds-examples: no $U" >&2; exit 2; }
 rm -rf "$work"; mkdir -p "$work"
-echo "== DeepSpeedExamples $(git -C "$dse" log -1 --format=%h 2>/dev/null || echo '(not a git checkout)') on uckpt ($build), work in $work"
+export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$work/hf-datasets}  # runs beside each other share no cache
+on="uckpt ($build)"; [ "$IMPL" = deepspeed ] && on="DeepSpeed ($ds_src)"
+echo "== DeepSpeedExamples $(git -C "$dse" log -1 --format=%h 2>/dev/null || echo '(not a git checkout)') on $on, work in $work"
 
 # ---- the scripts, changed in their import lines only
 uckpt_imports() {  # FILE...: rewrite the deepspeed imports; print the changed lines; fail if one is left
   local f
+  [ "$IMPL" = deepspeed ] && return 0  # real DeepSpeed: the scripts as shipped
   for f in "$@"; do
     cp "$f" "$f.orig"
     sed -E -i -e 's/^([[:space:]]*)import deepspeed(\r?)$/\1import uckpt as deepspeed\2/' \
@@ -204,8 +218,9 @@ class Workbook:
 PY
   echo "   (openpyxl is not installed: a stub writes main.py's table as text)"
 fi
-mkdir -p "$work/alias/deepspeed" "$work/alias/deepspeed-0.14.5.dist-info"
-cat > "$work/alias/deepspeed/__init__.py" <<'PY'
+mkdir -p "$work/alias/deepspeed-0.14.5.dist-info"
+# IMPL=deepspeed: only the package metadata (transformers checks DeepSpeed's version); the package is DEEPSPEED_SRC
+[ "$IMPL" = uckpt ] && mkdir -p "$work/alias/deepspeed" && cat > "$work/alias/deepspeed/__init__.py" <<'PY'
 """`deepspeed` for libraries that import it themselves (transformers' DeepSpeed integration): uckpt, and
 deepspeed.X is uckpt.X (the same module objects)."""
 import importlib
@@ -272,6 +287,7 @@ for split, n in (("train", 160), ("eval", 40)):
             f.write(json.dumps({"prompt": "Human: " + sentence(8) + " Assistant:", "chosen": sentence(10),
                                 "rejected": sentence(10)}) + "\n")
 from tokenizers import ByteLevelBPETokenizer
+import torch
 from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 texts = [json.loads(l)[k] for s in ("train", "eval") for l in open(os.path.join(chat, "data", f"{s}.json"))
          for k in ("prompt", "chosen", "rejected")]
@@ -293,6 +309,7 @@ eos = tok.convert_tokens_to_ids("</s>")
 config = OPTConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
                    max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=eos, eos_token_id=eos,
                    pad_token_id=eos)
+torch.manual_seed(0)  # the same tiny OPT in every run: uckpt's and DeepSpeed's losses start from one model
 OPTForCausalLM(config).save_pretrained(model_dir)
 # dschat's load_hf_tokenizer loads the tokenizer named by config.json's _name_or_path: this folder.
 path = os.path.join(model_dir, "config.json")
@@ -317,9 +334,14 @@ launch() {  # launch CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...: NPROC processes, 
 }
 launch_n() {  # launch_n N CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...
   local n=$1 name=$2 dir=$3 extra=$4; shift 4
-  local t0=$SECONDS visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))}
-  (cd "$dir" && CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$build/python${PYTHONPATH:+:$PYTHONPATH}" \
-     timeout "$TIMEOUT_S" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
+  local t0=$SECONDS visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))} pkg=$build/python impl_env=()
+  local limit=$TIMEOUT_S rest  # DSX_END_EPOCH: every launch of the case ends by then (a case may launch twice)
+  if [ -n "${DSX_END_EPOCH:-}" ]; then
+    rest=$((DSX_END_EPOCH - $(date +%s))); [ "$rest" -lt "$limit" ] && limit=$((rest > 1 ? rest : 1))
+  fi
+  [ "$IMPL" = deepspeed ] && pkg=$ds_src:$work/alias && impl_env=(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
+  (cd "$dir" && env "${impl_env[@]}" CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
+     timeout "$limit" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
   local rc=$?
   elapsed=$((SECONDS - t0))
   return $rc

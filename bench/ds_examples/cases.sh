@@ -202,9 +202,9 @@ case_chat_rlhf() {  # step 3 (single_gpu/run_1.3b.sh's arguments: hybrid engine,
   classify chat_rlhf $chat_rc
 }
 
-# The BERT scripts of bing_bert, BingBertGlue and BingBertSquad, with their run scripts' arguments. They read
-# data sets given as folders (made empty here: no stand-in yet) and their own copy of pytorch_pretrained_bert
-# downloads the vocabulary (and SQuAD the weights) from S3 with no offline path: where they stop is the result.
+# The BERT scripts of bing_bert and BingBertGlue, with their run scripts' arguments. They read data sets given as
+# folders (made empty here: no stand-in yet) and their own copy of pytorch_pretrained_bert downloads the
+# vocabulary from S3 with no offline path: where they stop is the result. BingBertSquad (case_squad) has stand-ins.
 bert_case() {  # bert_case CASE SUBDIR SCRIPT ARGS...
   local name=$1 sub=$2; shift 2
   copy_example "training/$sub" "$name" || { result "$name" FAIL "imports"; return; }
@@ -233,12 +233,23 @@ case_bingbertglue() {  # BingBertGlue run_glue_bert_base_finetune.sh (RTE; its c
     --learning_rate 2e-5 --num_train_epochs 3 --output_dir out --model_file data/model.pt
 }
 case_squad() {  # BingBertSquad run_squad_deepspeed.sh 1 MODEL SQUAD_DIR OUT (1 GPU: batch 24 = 3 x 8 accumulated)
-  bert_case squad BingBertSquad nvidia_run_squad_deepspeed.py --bert_model bert-large-uncased --do_train \
+  # Stand-ins (make_squad_inputs.py): its S3 vocabulary served offline (DSX_S3_BERT), SQuAD-format data of
+  # SQUAD_QUESTIONS training questions (240: 10 steps an epoch at 1 GPU), an empty --model_file checkpoint.
+  # Its file_utils imports boto3 (and botocore) at the start: DSX_S3_SITE, a folder holding them, joins its path.
+  copy_example training/BingBertSquad squad || { result squad FAIL "imports"; return; }
+  $PY "$here/bench/ds_examples/make_squad_inputs.py" "$work/squad/s3" "$work/squad/data" "${SQUAD_QUESTIONS:-240}" 24 \
+    > "$work/squad-inputs.log" 2>&1 || { result squad FAIL "stand-ins: $(reason "$work/squad-inputs.log")"; return; }
+  local ngpu=$NPROC per_gpu accum
+  per_gpu=$((24 / ngpu)); accum=1; [ $per_gpu -ge 3 ] && accum=$((per_gpu / 3))  # as run_squad_deepspeed.sh
+  DSX_S3_BERT=$work/squad/s3 PYTORCH_PRETRAINED_BERT_CACHE=$work/squad/cache \
+    launch_n "$NPROC" squad "$work/squad" "$site${DSX_S3_SITE:+:$DSX_S3_SITE}" \
+    nvidia_run_squad_deepspeed.py --bert_model bert-large-uncased --do_train \
     --do_lower_case --predict_batch_size 3 --do_predict --train_file data/train-v1.1.json \
-    --predict_file data/dev-v1.1.json --train_batch_size 24 --learning_rate 3e-5 --num_train_epochs 2.0 \
-    --max_seq_length 384 --doc_stride 128 --output_dir out --job_name deepspeed_1GPUs_24batch_size \
-    --gradient_accumulation_steps 8 --fp16 --deepspeed --deepspeed_config deepspeed_bsz24_config.json \
+    --predict_file data/dev-v1.1.json --train_batch_size $per_gpu --learning_rate 3e-5 --num_train_epochs 2.0 \
+    --max_seq_length 384 --doc_stride 128 --output_dir out --job_name deepspeed_${ngpu}GPUs_24batch_size \
+    --gradient_accumulation_steps $accum --fp16 --deepspeed --deepspeed_config deepspeed_bsz24_config.json \
     --dropout 0.1 --model_file data/model.pt --seed 12345 --preln
+  classify squad $? "$(grep -o 'bert_squad_progress: .*' "$work/squad.log" | tail -1)"
 }
 
 case_autotuning() {  # autotuning/hf: `deepspeed --autotuning run ... run_glue.py --deepspeed ds_config_tune.json`

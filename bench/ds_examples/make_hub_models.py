@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import torch
 from tokenizers import ByteLevelBPETokenizer, BertWordPieceTokenizer
 import transformers as tf
 
@@ -40,6 +41,7 @@ def wordpiece_tokenizer(lower):
 
 
 def make(cache, name):
+    torch.manual_seed(0)  # the same weights in every run (uckpt's and DeepSpeed's compare from one model)
     out = snapshot_dir(cache, name)
     if name == "roberta-base":
         bpe, tok = bpe_tokenizer(["<s>", "<pad>", "</s>", "<unk>", "<mask>"], bos_token="<s>", eos_token="</s>",

@@ -1,6 +1,10 @@
 """datasets.load_dataset for the hub data sets DeepSpeedExamples' scripts name, offline: synthetic rows with the
 columns and splits the real ones have (text of a few words from a small vocabulary, labels cycling). Any other
-call (a local "json"/"csv" loader, a path) goes to the real datasets.load_dataset."""
+call (a local "json"/"csv" loader, a path) goes to the real datasets.load_dataset.
+
+And datasets.load_metric, which datasets 3 removed (its metrics moved to the `evaluate` package, which downloads
+them), where datasets has none: "accuracy" and "glue" with a task, computing what GLUE's metric script returns
+(accuracy; F1 too for mrpc and qqp; Matthews correlation for cola; Pearson and Spearman for stsb)."""
 import os
 import random
 
@@ -22,6 +26,8 @@ def _text(rng, n):
 def _rows(name, config, split, rng):
     if name == "wikitext":
         return {"text": [(" " + _text(rng, rng.randint(8, 40)) + " \n") if i % 4 else "" for i in range(ROWS)]}
+    if name == "ptb_text_only":  # one lower-case sentence a row, as Penn Treebank's text-only data set
+        return {"sentence": [_text(rng, rng.randint(8, 30)) for _ in range(ROWS)]}
     if name == "glue":
         columns, labels = GLUE[config]
         rows = {c: [_text(rng, rng.randint(4, 16)) for _ in range(ROWS)] for c in columns}
@@ -37,12 +43,58 @@ def _splits(name, config):
     return ("train", "validation", "test")
 
 
+class _Metric:
+    """add_batch / compute as datasets' Metric, for "accuracy" and GLUE's tasks."""
+
+    def __init__(self, name, config):
+        if name not in ("accuracy", "glue") or (name == "glue" and config not in GLUE and config != "mnli_matched"
+                                                 and config != "mnli_mismatched"):
+            raise NotImplementedError(f"the load_metric stand-in has accuracy and glue's tasks, not {name}/{config}")
+        self.task = config if name == "glue" else "accuracy"
+        self.predictions, self.references = [], []
+
+    def add_batch(self, predictions=None, references=None):
+        import numpy as np
+        self.predictions += np.asarray(_numpy(predictions)).reshape(-1).tolist()
+        self.references += np.asarray(_numpy(references)).reshape(-1).tolist()
+
+    def compute(self, predictions=None, references=None):
+        import numpy as np
+        if predictions is not None:
+            self.add_batch(predictions, references)
+        p, r = np.asarray(self.predictions, dtype=float), np.asarray(self.references, dtype=float)
+        self.predictions, self.references = [], []
+        if self.task == "stsb":
+            def ranks(x):
+                return np.argsort(np.argsort(x)).astype(float)
+            return {"pearson": float(np.corrcoef(p, r)[0, 1]),
+                    "spearmanr": float(np.corrcoef(ranks(p), ranks(r))[0, 1])}
+        if self.task == "cola":
+            tp, tn = np.sum((p == 1) & (r == 1)), np.sum((p == 0) & (r == 0))
+            fp, fn = np.sum((p == 1) & (r == 0)), np.sum((p == 0) & (r == 1))
+            den = np.sqrt(float((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn)))
+            return {"matthews_correlation": float((tp * tn - fp * fn) / den) if den else 0.0}
+        out = {"accuracy": float(np.mean(p == r)) if len(p) else 0.0}
+        if self.task in ("mrpc", "qqp"):
+            tp, fp, fn = np.sum((p == 1) & (r == 1)), np.sum((p == 1) & (r == 0)), np.sum((p == 0) & (r == 1))
+            out["f1"] = float(2 * tp / (2 * tp + fp + fn)) if tp else 0.0
+        return out
+
+
+def _numpy(x):
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else x
+
+
+def load_metric(path, config_name=None, *args, **kwargs):
+    return _Metric(path, config_name)
+
+
 def install():
     import datasets
     real = datasets.load_dataset
 
     def load_dataset(path, name=None, *args, split=None, **kwargs):
-        if path not in ("wikitext", "glue"):
+        if path not in ("wikitext", "glue", "ptb_text_only"):
             return real(path, name, *args, split=split, **kwargs)
         seed = sum(map(ord, f"{path}/{name}"))
         built = {s: datasets.Dataset.from_dict(_rows(path, name, s, random.Random(seed + i)))
@@ -52,3 +104,5 @@ def install():
         return datasets.DatasetDict(built)
 
     datasets.load_dataset = load_dataset
+    if not hasattr(datasets, "load_metric"):
+        datasets.load_metric = load_metric

@@ -6,6 +6,10 @@
                      cycling over the classes) instead of downloading; DSX_CIFAR_TEST for the test split
   DSX_HUB_DATASETS   datasets.load_dataset(NAME, ...) for a hub data set gives synthetic text rows of its shape
                      (see dsx_datasets.py); a local loader ("json", "csv", a path) is the real one
+  DSX_S3_BERT        a folder: pytorch_pretrained_bert's downloads from BERT's S3 folder
+                     (https://s3.amazonaws.com/models.huggingface.co/bert/NAME: a HEAD for its ETag, then a GET) are
+                     answered with the folder's file NAME where it has one (BingBertSquad's vocabulary); any other
+                     request goes to the network as before
   DSX_TRANSFORMERS4  three names of transformers 4 that transformers 5 dropped, which the scripts import (the
                      environment's transformers is newer than they are; nothing here stands in for DeepSpeed):
                      transformers.modeling_utils.no_init_weights (now transformers.initialization's; DeepSpeed-Chat)
@@ -63,6 +67,32 @@ def _patch_cifar():
     datasets.CIFAR100 = _synthetic_cifar(100)
 
 
+def _serve_s3_bert():
+    import io
+
+    import requests.adapters
+    import requests.structures
+
+    prefix = "https://s3.amazonaws.com/models.huggingface.co/bert/"
+    folder = os.environ["DSX_S3_BERT"]
+    send = requests.adapters.HTTPAdapter.send
+
+    def send_local(self, request, **kwargs):
+        path = os.path.join(folder, request.url[len(prefix):]) if request.url.startswith(prefix) else None
+        if path is None or not os.path.isfile(path):
+            return send(self, request, **kwargs)
+        with open(path, "rb") as f:
+            body = f.read()
+        response = requests.Response()
+        response.status_code, response.reason, response.url, response.request = 200, "OK", request.url, request
+        response.headers = requests.structures.CaseInsensitiveDict(
+            {"ETag": '"dsx-stand-in"', "Content-Length": str(len(body))})
+        response.raw = io.BytesIO(b"" if request.method == "HEAD" else body)
+        return response
+
+    requests.adapters.HTTPAdapter.send = send_local
+
+
 def _patch_hub_datasets():
     import dsx_datasets
     dsx_datasets.install()
@@ -95,7 +125,7 @@ def _transformers4_names():
 
 
 for var, patch in (("DSX_TRANSFORMERS4", _transformers4_names), ("DSX_FAKEDATA_SIZE", _patch_fakedata), ("DSX_CIFAR", _patch_cifar),
-                   ("DSX_HUB_DATASETS", _patch_hub_datasets)):
+                   ("DSX_HUB_DATASETS", _patch_hub_datasets), ("DSX_S3_BERT", _serve_s3_bert)):
     if os.environ.get(var):
         try:
             patch()
