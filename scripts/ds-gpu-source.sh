@@ -31,6 +31,18 @@ else
 fi
 grep -qx "0.14.5" "$tmp/version.txt" || { echo "ds-gpu-source: $src is not DeepSpeed 0.14.5 ($(cat "$tmp/version.txt" 2>/dev/null))" >&2; exit 1; }
 cp "$shim" "$tmp/"
+# Imported from a source tree, DeepSpeed reads its version from ./version.txt of the working directory,
+# else says 0.0.0, and then writes 0.0.0 into its checkpoints and refuses to load them (ZeRO-1's
+# "Old version" check): give it what its setup.py would install.
+cat > "$tmp/deepspeed/git_version_info_installed.py" <<'PY'
+version = '0.14.5'
+git_hash = '[none]'
+git_branch = '[none]'
+from .ops.op_builder.all_ops import ALL_OPS  # noqa: E402
+installed_ops = dict.fromkeys(ALL_OPS.keys(), False)
+accelerator_name = ""
+torch_info = {'version': "0.0", "cuda_version": "0.0", "hip_version": "0.0"}
+PY
 cp -r /usr/lib/python3/dist-packages/pydantic /usr/lib/python3/dist-packages/cpuinfo "$tmp/"
 find "$tmp/pydantic" -name "*.so" -delete
 rm -rf "$dir"
