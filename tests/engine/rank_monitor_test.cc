@@ -31,8 +31,11 @@ class SwitchableStore : public c10d::Store {
   void wait(const std::vector<std::string>& ks, const std::chrono::milliseconds& t) override {
     Up(), inner_->wait(ks, t);
   }
-  // PyTorch 2.x stores clone themselves (a client of its own per thread); this one shares state.
-  c10::intrusive_ptr<c10d::Store> clone() override { return c10::make_intrusive<SwitchableStore>(inner_, down_); }
+  // Newer PyTorch stores clone themselves (a client of its own per thread); this one shares state.
+  // Without `override`: PyTorch 2.7's Store has no clone() to override.
+  c10::intrusive_ptr<c10d::Store> clone() {  // NOLINT(modernize-use-override)
+    return c10::make_intrusive<SwitchableStore>(inner_, down_);
+  }
 
  private:
   void Up() const {
