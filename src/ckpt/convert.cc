@@ -163,6 +163,17 @@ class Converter {
     return std::to_string(::getpid()) + "-" + std::to_string(rd() % 1000000);
   }
 
+  // What the copy plan's files are, for its completion callback.
+  struct FileRole {
+    size_t param = SIZE_MAX;   // the parameter the file belongs to
+    uint64_t state_bytes = 0;  // parameter state bytes it holds
+    uint64_t copied = 0;       // bytes of a whole-file copy
+  };
+  struct FilePlan {
+    CopyPlan copy;
+    std::vector<FileRole> roles;  // one per file of `copy`
+  };
+
   // Every output file but the manifest and latest_universal, as one copy
   // plan (ckpt/copy_plan.h) run on the worker threads, largest file first:
   // per parameter step.pt and one torch file per optimizer state, written
@@ -170,87 +181,109 @@ class Converter {
   // model-states files copied whole. Each file's XXH64 is computed as it is
   // written, for the manifest.
   void WriteFiles() {
-    for (const auto& p : ckpt_.params) env_.CreateDirs(UniversalParamDir(tmp_, p.name));
+    CreateParamDirs();
     progress_.params_total = ckpt_.params.size();
     progress_.bytes_total = ckpt_.total_bytes();
-    CopyPlan plan;
-    struct Info {
-      size_t param = SIZE_MAX;   // the parameter the file belongs to
-      uint64_t state_bytes = 0;  // parameter state bytes it holds
-      uint64_t copied = 0;       // bytes of a whole-file copy
-    };
-    std::vector<Info> info;
-    auto add = [&](std::string path, uint64_t estimate, std::function<void(OrderedSink&)> gen, Info i) {
-      PlannedFile f;
-      f.path = std::move(path);
-      f.size = estimate;
-      f.generate = std::move(gen);
-      f.hash = options_.write_manifest;
-      plan.files.push_back(std::move(f));
-      info.push_back(i);
-    };
+    FilePlan plan;
     files_left_.assign(ckpt_.params.size(), 0);
+    for (size_t i = 0; i < ckpt_.params.size(); ++i) PlanParamFiles(plan, i);
+    PlanModuleOnlyFiles(plan);
+    PlanTopLevelFiles(plan);
+    for (size_t i = 0; i < ckpt_.params.size(); ++i)
+      if (files_left_[i] == 0) FinishParam(i);  // (a parameter without state files)
+    RunFilePlan(plan);
+  }
+
+  // One folder per parameter, with or without optimizer state.
+  void CreateParamDirs() {
+    for (const auto& p : ckpt_.params) env_.CreateDirs(UniversalParamDir(tmp_, p.name));
+    for (const auto& entry : ckpt_.module_only) env_.CreateDirs(UniversalParamDir(tmp_, entry.first));
+  }
+
+  void AddGenerated(FilePlan& plan, std::string path, uint64_t estimate, std::function<void(OrderedSink&)> generate,
+                    FileRole role) {
+    PlannedFile f;
+    f.path = std::move(path);
+    f.size = estimate;
+    f.generate = std::move(generate);
+    f.hash = options_.write_manifest;
+    plan.copy.files.push_back(std::move(f));
+    plan.roles.push_back(role);
+  }
+
+  // Parameter i's files: step.pt, the optimizer's other scalars (as step.pt)
+  // and one file per optimizer state.
+  void PlanParamFiles(FilePlan& plan, size_t i) {
+    const ParamPlan& p = ckpt_.params[i];
+    if (p.step) {
+      AddGenerated(plan, UniversalStateFile(tmp_, p.name, kStep), 0,
+                   [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); }, {i, 0, 0});
+      ++files_left_[i];
+    }
+    for (const auto& [key, value] : p.scalars) {
+      AddGenerated(plan, UniversalStateFile(tmp_, p.name, key), 0,
+                   [this, v = value](OrderedSink& out) { WriteTorchFile(out, out.path(), v, {}, release_); },
+                   {i, 0, 0});
+      ++files_left_[i];
+    }
+    for (size_t k = 0; k < p.states.size(); ++k) {
+      const StatePlan& s = p.states[k];
+      uint64_t bytes = 0;
+      for (auto piece : s.pieces) bytes += piece.size();
+      AddGenerated(plan, UniversalStateFile(tmp_, p.name, s.key), bytes,
+                   [this, i, k](OrderedSink& out) { WriteStateFile(out, i, k); }, {i, bytes, 0});
+      ++files_left_[i];
+    }
+  }
+
+  // Stage 1/2: the parameter's shape inside {'cat_dim', 'param'}; stage 3: a
+  // bare 1-D tensor. fp32 masters are saved with requires_grad, as
+  // DeepSpeed's clones of the partitions are.
+  void WriteStateFile(OrderedSink& out, size_t i, size_t k) {
+    const ParamPlan& p = ckpt_.params[i];
+    const StatePlan& s = p.states[k];
     const bool stage3 = ckpt_.stage == 3;
-    for (size_t i = 0; i < ckpt_.params.size(); ++i) {
-      const ParamPlan& p = ckpt_.params[i];
-      if (p.step) {
-        add(UniversalStateFile(tmp_, p.name, kStep), 0,
-            [this, &p](OrderedSink& out) { WriteTorchFile(out, out.path(), p.step, {}, release_); }, {i, 0, 0});
-        ++files_left_[i];
-      }
-      for (const auto& [key, value] : p.scalars) {  // the optimizer's other scalars, as step.pt
-        add(UniversalStateFile(tmp_, p.name, key), 0,
-            [this, v = value](OrderedSink& out) { WriteTorchFile(out, out.path(), v, {}, release_); }, {i, 0, 0});
-        ++files_left_[i];
-      }
-      for (size_t k = 0; k < p.states.size(); ++k) {
-        const StatePlan& s = p.states[k];
-        uint64_t bytes = 0;
-        for (auto piece : s.pieces) bytes += piece.size();
-        // Stage 1/2: the parameter's shape inside {'cat_dim', 'param'}; stage
-        // 3: a bare 1-D tensor. fp32 masters are saved with requires_grad, as
-        // DeepSpeed's clones of the partitions are.
-        add(UniversalStateFile(tmp_, p.name, s.key), bytes,
-            [this, &p, &s, stage3, i, k](OrderedSink& out) {
-              if (!ckpt_.tp_files.empty()) {  // merged across TP ranks (ZeRO-3 too: DeepSpeed writes dicts then)
-                const TpUniversalFile& f = ckpt_.tp_files[i];
-                ValuePtr t = TensorWithTail(s, f.storage_tails[k], p.shape, s.key == kFp32);
-                std::vector<std::span<const uint8_t>> all = s.pieces;
-                all.insert(all.end(), f.storage_tails[k].begin(), f.storage_tails[k].end());
-                StoragePieces pieces{{t->tensor->storage.get(), all}};
-                WriteTorchFile(out, out.path(), TpMergedDict(f, t), pieces, release_);
-                return;
-              }
-              ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == kFp32);
-              StoragePieces pieces{{t->tensor->storage.get(), s.pieces}};
-              WriteTorchFile(out, out.path(), stage3 ? t : CatDimDict(t), pieces, release_);
-            },
-            {i, bytes, 0});
-        ++files_left_[i];
-      }
+    if (!ckpt_.tp_files.empty()) {  // merged across TP ranks (ZeRO-3 too: DeepSpeed writes dicts then)
+      const TpUniversalFile& f = ckpt_.tp_files[i];
+      ValuePtr t = TensorWithTail(s, f.storage_tails[k], p.shape, s.key == kFp32);
+      std::vector<std::span<const uint8_t>> all = s.pieces;
+      all.insert(all.end(), f.storage_tails[k].begin(), f.storage_tails[k].end());
+      StoragePieces pieces{{t->tensor->storage.get(), all}};
+      WriteTorchFile(out, out.path(), TpMergedDict(f, t), pieces, release_);
+      return;
     }
-    // DeepSpeed >= 0.19.8: the module's entries without optimizer state.
+    ValuePtr t = PiecewiseTensor(s.dtype, stage3 ? std::vector<int64_t>{p.numel} : p.shape, s.key == kFp32);
+    StoragePieces pieces{{t->tensor->storage.get(), s.pieces}};
+    WriteTorchFile(out, out.path(), stage3 ? t : CatDimDict(t), pieces, release_);
+  }
+
+  // DeepSpeed >= 0.19.8: the module's entries without optimizer state.
+  void PlanModuleOnlyFiles(FilePlan& plan) {
     for (const auto& [name, tensor] : ckpt_.module_only) {
-      env_.CreateDirs(UniversalParamDir(tmp_, name));
-      add(UniversalStateFile(tmp_, name, kFp32), 0,
-          [this, t = tensor](OrderedSink& out) {
-            ValuePtr d = Value::Dict();
-            d->set(kUniversalParam, AsFloat32(t));
-            WriteTorchFile(out, out.path(), d, {}, release_);
-          },
-          {});
+      AddGenerated(plan, UniversalStateFile(tmp_, name, kFp32), 0,
+                   [this, t = tensor](OrderedSink& out) {
+                     ValuePtr d = Value::Dict();
+                     d->set(kUniversalParam, AsFloat32(t));
+                     WriteTorchFile(out, out.path(), d, {}, release_);
+                   },
+                   {});
     }
+  }
+
+  // zero/optimizer_state.pt and the model-states files.
+  void PlanTopLevelFiles(FilePlan& plan) {
     // (Stage 3 embeds rank 0's partitions, as DeepSpeed does.)
-    add(UniversalOptimizerStateFile(tmp_), 0,
+    AddGenerated(
+        plan, UniversalOptimizerStateFile(tmp_), 0,
         [this](OrderedSink& out) { WriteTorchFile(out, out.path(), UniversalOptimizerState(ckpt_), {}, release_); },
         {});
     for (const auto& m : ckpt_.model_files) {
       if (ckpt_.stage == 0) {  // with param_shapes, its optimizer state moved into zero/
-        add(tmp_ + "/" + m.name, 0,
-            [this](OrderedSink& out) {
-              WriteTorchFile(out, out.path(), Stage0UniversalModelStates(ckpt_), {}, release_);
-            },
-            {});
+        AddGenerated(plan, tmp_ + "/" + m.name, 0,
+                     [this](OrderedSink& out) {
+                       WriteTorchFile(out, out.path(), Stage0UniversalModelStates(ckpt_), {}, release_);
+                     },
+                     {});
         continue;
       }
       PlannedFile f;  // copied as shutil.copy2 does: data, mode, times
@@ -259,28 +292,29 @@ class Converter {
       std::error_code ec;
       f.size = fs::file_size(m.path, ec);
       f.hash = options_.write_manifest;
-      plan.files.push_back(std::move(f));
-      info.push_back({});
-      info.back().copied = 1;
+      plan.copy.files.push_back(std::move(f));
+      plan.roles.push_back({});
+      plan.roles.back().copied = 1;
     }
-    for (size_t i = 0; i < ckpt_.params.size(); ++i)
-      if (files_left_[i] == 0) FinishParam(i);  // (a parameter without state files)
+  }
 
+  // Runs the plan on the worker threads, counting what each file finishes.
+  void RunFilePlan(const FilePlan& plan) {
     CopyOptions copy;
     copy.threads = options_.threads;
     copy.durable = options_.durable;
     copy.done = [&](size_t k, const CopyResult& r) {  // one call at a time
-      const Info& in = info[k];
-      if (in.copied) stats_.bytes_read += r.size;
+      const FileRole& role = plan.roles[k];
+      if (role.copied) stats_.bytes_read += r.size;
       stats_.files += 1;
       stats_.bytes_written += r.size;
-      if (in.param == SIZE_MAX) return;
-      progress_.bytes_done += in.state_bytes;
-      if (--files_left_[in.param] == 0) FinishParam(in.param);
+      if (role.param == SIZE_MAX) return;
+      progress_.bytes_done += role.state_bytes;
+      if (--files_left_[role.param] == 0) FinishParam(role.param);
     };
-    std::vector<CopyResult> results = ExecuteCopyPlan(plan, copy);
-    for (size_t k = 0; k < plan.files.size(); ++k)
-      written_.push_back({plan.files[k].path.substr(tmp_.size() + 1), results[k].size, results[k].xxh64});
+    std::vector<CopyResult> results = ExecuteCopyPlan(plan.copy, copy);
+    for (size_t k = 0; k < plan.copy.files.size(); ++k)
+      written_.push_back({plan.copy.files[k].path.substr(tmp_.size() + 1), results[k].size, results[k].xxh64});
   }
 
   void FinishParam(size_t i) {

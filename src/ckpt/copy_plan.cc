@@ -248,17 +248,13 @@ uint64_t HashPieces(const std::vector<CopyPiece>& sorted) {
   return XXH64_digest(hash.get());
 }
 
-}  // namespace
-
-std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions& options) {
-  const size_t n = plan.files.size();
-  std::vector<CopyResult> results(n);
-  int threads = options.threads > 0 ? options.threads : DefaultThreads();
-  threads = std::max(1, threads);
-
+// The plan's jobs, largest first: a file is one job, or, when several threads
+// write it or one hashes it beside its writer, one job per range (its
+// SplitFile in `split`) and a hash job.
+std::vector<Job> PlanJobs(const CopyPlan& plan, const CopyOptions& options, int threads,
+                          std::vector<std::unique_ptr<SplitFile>>& split) {
   std::vector<Job> jobs;
-  std::vector<std::unique_ptr<SplitFile>> split(n);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < plan.files.size(); ++i) {
     const PlannedFile& f = plan.files[i];
     const int kinds = (f.generate ? 1 : 0) + (f.copy_from.empty() ? 0 : 1);
     if (kinds > 1 || (kinds == 1 && !f.pieces.empty()))
@@ -285,57 +281,72 @@ std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions&
     }
   }
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.bytes > b.bytes; });
+  return jobs;
+}
+
+// One job of a split file: a range written, or the whole file hashed.
+// Returns whether it was the file's last (then the file is closed).
+bool RunSplitJob(const Job& job, const PlannedFile& f, SplitFile& s, const CopyOptions& options, WritebackThread* wb) {
+  if (job.hash) {
+    s.xxh64 = HashPieces(s.pieces);
+  } else {
+    std::call_once(s.open, [&] {
+      s.file = Env::Current().NewWritableFile(f.path);
+      // Several writers need the file's whole size first; one writing it
+      // front to back appends, as the sequential writer does.
+      if (!s.one_writer) s.file->Allocate(f.size);
+    });
+    if (!s.file) throw IoError("cannot write " + f.path + ": it could not be created");
+    WriteRange(*s.file, s.pieces, job.begin, job.end, options, wb, f.path);
+  }
+  if (--s.left != 0) return false;  // a failed range never counts down
+  s.file->Close();
+  return true;
+}
+
+// A file one job writes: copied whole, generated, or its pieces in order.
+CopyResult WriteWholeFile(const PlannedFile& f, const CopyOptions& options, WritebackThread* wb) {
+  if (!f.copy_from.empty()) return CopyWhole(f, wb);
+  SequentialWriter out(f.path, f.hash, wb);
+  if (f.generate) {
+    f.generate(out);
+  } else {
+    for (const CopyPiece& p : SortedPieces(f))
+      for (size_t at = 0; at < p.data.size(); at += kChunk) {
+        auto chunk = p.data.subspan(at, std::min(kChunk, p.data.size() - at));
+        out.Write(chunk);
+        if (options.written) options.written(chunk);
+      }
+  }
+  return out.Finish();
+}
+
+}  // namespace
+
+std::vector<CopyResult> ExecuteCopyPlan(const CopyPlan& plan, const CopyOptions& options) {
+  const size_t n = plan.files.size();
+  std::vector<CopyResult> results(n);
+  int threads = options.threads > 0 ? options.threads : DefaultThreads();
+  threads = std::max(1, threads);
+  std::vector<std::unique_ptr<SplitFile>> split(n);
+  const std::vector<Job> jobs = PlanJobs(plan, options, threads, split);
   threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), std::max<size_t>(1, jobs.size())));
 
   WritebackThread writeback(options.durable);
   WritebackThread* wb = options.durable ? &writeback : nullptr;
   std::mutex done_mu;
-  auto finished = [&](size_t i) {
-    if (!options.done) return;
-    std::lock_guard<std::mutex> lock(done_mu);
-    options.done(i, results[i]);
-  };
   auto run = [&](const Job& job) {
     const PlannedFile& f = plan.files[job.file];
     if (SplitFile* s = split[job.file].get()) {
-      if (job.hash) {
-        s->xxh64 = HashPieces(s->pieces);
-      } else {
-        std::call_once(s->open, [&] {
-          s->file = Env::Current().NewWritableFile(f.path);
-          // Several writers need the file's whole size first; one writing it
-          // front to back appends, as the sequential writer does.
-          if (!s->one_writer) s->file->Allocate(f.size);
-        });
-        if (!s->file) throw IoError("cannot write " + f.path + ": it could not be created");
-        WriteRange(*s->file, s->pieces, job.begin, job.end, options, wb, f.path);
-      }
-      if (--s->left == 0) {  // every range written (a failed one never counts down) and hashed
-        s->file->Close();
-        results[job.file] = {f.size, s->xxh64};
-        finished(job.file);
-      }
-      return;
-    }
-    if (!f.copy_from.empty()) {
-      results[job.file] = CopyWhole(f, wb);
+      if (!RunSplitJob(job, f, *s, options, wb)) return;
+      results[job.file] = {f.size, s->xxh64};
     } else {
-      SequentialWriter out(f.path, f.hash, wb);
-      if (f.generate) {
-        f.generate(out);
-      } else {
-        for (const CopyPiece& p : SortedPieces(f))
-          for (size_t at = 0; at < p.data.size(); at += kChunk) {
-            auto chunk = p.data.subspan(at, std::min(kChunk, p.data.size() - at));
-            out.Write(chunk);
-            if (options.written) options.written(chunk);
-          }
-      }
-      results[job.file] = out.Finish();
+      results[job.file] = WriteWholeFile(f, options, wb);
     }
-    finished(job.file);
+    if (!options.done) return;
+    std::lock_guard<std::mutex> lock(done_mu);
+    options.done(job.file, results[job.file]);
   };
-
   ParallelFor(jobs.size(), threads, [&](size_t k) { run(jobs[k]); });
   return results;
 }

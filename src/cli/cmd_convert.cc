@@ -8,6 +8,9 @@
 #include <cstring>
 #include <iostream>
 #include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "ckpt/convert.h"
 #include "ckpt/folder.h"
@@ -86,6 +89,60 @@ class ProgressReporter {
   Clock::time_point start_, last_;
 };
 
+// What `uckpt convert` parses.
+struct ConvertArgs {
+  std::string input, output, input_flag, output_flag;
+  int threads = 0;
+  bool force = false, quiet = false, no_sync = false, verify = false, no_manifest = false;
+};
+
+void AddConvertFlags(CLI::App* cmd, ConvertArgs& args) {
+  cmd->add_option("INPUT", args.input,
+                  "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100), or the folder whose `latest` names it");
+  cmd->add_option("OUTPUT", args.output, "The universal checkpoint folder to create");
+  cmd->add_option("--input_folder,--input-folder", args.input_flag, "Same as INPUT (ds_to_universal.py's spelling)");
+  cmd->add_option("--output_folder,--output-folder", args.output_flag,
+                  "Same as OUTPUT (ds_to_universal.py's spelling)");
+  cmd->add_option("-j,--threads", args.threads, "Worker threads (default: one per core)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--force", args.force, "Replace an existing output folder (only once the new one is complete)");
+  cmd->add_flag("-q,--quiet", args.quiet, "No progress output");
+  AddStrictFlags(cmd, true);
+  cmd->add_flag("--no-sync", args.no_sync, "Do not sync the output to disk before renaming it into place");
+  cmd->add_flag("--verify", args.verify,
+                "If the input has a manifest (uckpt-manifest.json), compare every file's hash with it, not only its "
+                "size");
+  // Hidden: only bench/manifest.sh uses it, to measure what the manifest costs.
+  cmd->add_flag("--no-manifest", args.no_manifest, "Write no uckpt-manifest.json")->group("");
+}
+
+// INPUT and OUTPUT, each given once: as an argument or as ds_to_universal.py's flag.
+std::pair<std::string, std::string> InputAndOutput(const ConvertArgs& args) {
+  std::string input = !args.input_flag.empty() ? args.input_flag : args.input;
+  std::string output = !args.output_flag.empty() ? args.output_flag : args.output;
+  if (!args.input_flag.empty() && !args.input.empty() && args.input != args.input_flag)
+    throw CLI::ValidationError("give the input folder once (INPUT or --input_folder)");
+  if (!args.output_flag.empty() && !args.output.empty() && args.output != args.output_flag)
+    throw CLI::ValidationError("give the output folder once (OUTPUT or --output_folder)");
+  if (input.empty() || output.empty()) throw CLI::ValidationError("convert needs an input and an output folder");
+  return {input, output};
+}
+
+// What was written, how fast and at what peak memory.
+void PrintConvertSummary(const std::string& output, const ckpt::ConvertStats& stats, double secs) {
+  struct rusage ru {};
+  ::getrusage(RUSAGE_SELF, &ru);
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "convert: wrote %s: %zu parameters, %zu files, read %s (%llu bytes), wrote %s (%llu bytes) in "
+                "%.2fs, peak RSS %s\n",
+                output.c_str(), stats.params, stats.files, HumanBytes(stats.bytes_read).c_str(),
+                static_cast<unsigned long long>(stats.bytes_read), HumanBytes(stats.bytes_written).c_str(),
+                static_cast<unsigned long long>(stats.bytes_written), secs,
+                HumanBytes(static_cast<uint64_t>(ru.ru_maxrss) * 1024).c_str());
+  std::cerr << line;
+}
+
 }  // namespace
 
 Runner AddConvert(CLI::App& app) {
@@ -97,37 +154,11 @@ Runner AddConvert(CLI::App& app) {
       "Examples:\n"
       "  uckpt convert ckpt/global_step100 ckpt/global_step100_universal\n"
       "  uckpt convert --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal -j 8");
-  struct Args {
-    std::string input, output, input_flag, output_flag;
-    int threads = 0;
-    bool force = false, quiet = false, no_sync = false, verify = false, no_manifest = false;
-  };
-  auto args = std::make_shared<Args>();
-  cmd->add_option("INPUT", args->input,
-                  "The ZeRO checkpoint's tag folder (e.g. ckpt/global_step100), or the folder whose `latest` names it");
-  cmd->add_option("OUTPUT", args->output, "The universal checkpoint folder to create");
-  cmd->add_option("--input_folder,--input-folder", args->input_flag, "Same as INPUT (ds_to_universal.py's spelling)");
-  cmd->add_option("--output_folder,--output-folder", args->output_flag,
-                  "Same as OUTPUT (ds_to_universal.py's spelling)");
-  cmd->add_option("-j,--threads", args->threads, "Worker threads (default: one per core)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_flag("--force", args->force, "Replace an existing output folder (only once the new one is complete)");
-  cmd->add_flag("-q,--quiet", args->quiet, "No progress output");
-  AddStrictFlags(cmd, true);
-  cmd->add_flag("--no-sync", args->no_sync, "Do not sync the output to disk before renaming it into place");
-  cmd->add_flag("--verify", args->verify,
-                "If the input has a manifest (uckpt-manifest.json), compare every file's hash with it, not only its "
-                "size");
-  // Hidden: only bench/manifest.sh uses it, to measure what the manifest costs.
-  cmd->add_flag("--no-manifest", args->no_manifest, "Write no uckpt-manifest.json")->group("");
+  auto args = std::make_shared<ConvertArgs>();
+  AddConvertFlags(cmd, *args);
   return [args] {
-    std::string input = !args->input_flag.empty() ? args->input_flag : args->input;
-    std::string output = !args->output_flag.empty() ? args->output_flag : args->output;
-    if (!args->input_flag.empty() && !args->input.empty() && args->input != args->input_flag)
-      throw CLI::ValidationError("give the input folder once (INPUT or --input_folder)");
-    if (!args->output_flag.empty() && !args->output.empty() && args->output != args->output_flag)
-      throw CLI::ValidationError("give the output folder once (OUTPUT or --output_folder)");
-    if (input.empty() || output.empty()) throw CLI::ValidationError("convert needs an input and an output folder");
+    std::string input, output;
+    std::tie(input, output) = InputAndOutput(*args);
     ckpt::ConvertOptions options;
     options.threads = args->threads;
     options.force = args->force;
@@ -163,19 +194,7 @@ Runner AddConvert(CLI::App& app) {
     }
     ckpt::ConvertStats stats = ckpt::ConvertToUniversal(zc, output, options);
     double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    if (!args->quiet) {
-      struct rusage ru {};
-      ::getrusage(RUSAGE_SELF, &ru);
-      char line[512];
-      std::snprintf(line, sizeof line,
-                    "convert: wrote %s: %zu parameters, %zu files, read %s (%llu bytes), wrote %s (%llu bytes) in "
-                    "%.2fs, peak RSS %s\n",
-                    output.c_str(), stats.params, stats.files, HumanBytes(stats.bytes_read).c_str(),
-                    static_cast<unsigned long long>(stats.bytes_read), HumanBytes(stats.bytes_written).c_str(),
-                    static_cast<unsigned long long>(stats.bytes_written), secs,
-                    HumanBytes(static_cast<uint64_t>(ru.ru_maxrss) * 1024).c_str());
-      std::cerr << line;
-    }
+    if (!args->quiet) PrintConvertSummary(output, stats, secs);
     return 0;
   };
 }

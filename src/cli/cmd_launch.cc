@@ -291,6 +291,100 @@ void RefuseDeepSpeedLauncherOptions(const std::vector<std::string>& given) {
                                   "not of uckpt launch: " + o.remedy + " (uckpt launch --help)");
 }
 
+// What `uckpt launch` parses.
+struct LaunchArgs {
+  int n = 1;
+  int nnodes = 1, node_rank = 0;
+  int master_port = 29500;
+  std::string master_addr = "127.0.0.1";
+  double grace_s = 10;
+  double stop_timeout_s = 20;
+  bool no_local_rank = false;
+  RestartPolicy restart;
+  std::vector<std::string> command;
+  std::vector<std::string> deepspeed_options;  // DeepSpeed launcher options given: refused
+};
+
+// The launcher's own flags and the command after `--`.
+void AddLaunchFlags(CLI::App* cmd, LaunchArgs& a) {
+  cmd->add_option("-n,--nproc", a.n, "Number of ranks")->required()->check(CLI::Range(1, 4096));
+  cmd->add_option("--nnodes", a.nnodes,
+                  "Hosts in the job, each running its own `uckpt launch` with the same -n, --nnodes, --master_addr "
+                  "(the host of --node_rank 0) and --master_port")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--node_rank", a.node_rank, "This host's index, 0..nnodes-1: its ranks are node_rank * n + 0..n-1")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--master_port", a.master_port, "Rendezvous port; 0 picks a free one (for parallel jobs)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--master_addr", a.master_addr, "Rendezvous address")->capture_default_str();
+  cmd->add_option("--grace", a.grace_s, "Seconds ranks get to exit after SIGTERM before SIGKILL")
+      ->capture_default_str();
+  cmd->add_option("--stop_timeout", a.stop_timeout_s,
+                  "A rank stopped (SIGSTOP, SIGTSTP) this many seconds fails the job, as a dead one does; 0: wait "
+                  "(default: the heartbeat timeout's default)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--no_local_rank", a.no_local_rank,
+                "Do not pass --local_rank=N to a Python script (passed by default, as DeepSpeed's launcher does)");
+  cmd->add_option("--max_restarts", a.restart.max_restarts,
+                  "When a rank fails, stop the others and start again up to this many times on the devices left "
+                  "(the failed rank's device left out, CUDA_VISIBLE_DEVICES set to the rest, UCKPT_RESTART_COUNT to "
+                  "the count). The command must resume itself (uckpt train --resume; load_checkpoint in a script). "
+                  "Not restarted: a signal to the launcher, a rank exiting with 2 (bad usage or input)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000));
+  cmd->add_option("--min_nproc", a.restart.min_nproc, "With --max_restarts: never restart on fewer ranks than this")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("command", a.command, "The command after `--`")->required();
+}
+
+// Refuses what the flags cannot do together, naming them.
+void CheckLaunchArgs(const LaunchArgs& a) {
+  if (a.node_rank >= a.nnodes)
+    throw std::invalid_argument("launch: --node_rank " + std::to_string(a.node_rank) + " is not below --nnodes " +
+                                std::to_string(a.nnodes));
+  if (a.nnodes > 1 && a.master_port == 0)
+    throw std::invalid_argument("launch: --master_port 0 picks a port on one host only; with --nnodes " +
+                                std::to_string(a.nnodes) + " give every host the same port");
+  if (a.nnodes > 1 && a.restart.max_restarts > 0)
+    throw std::invalid_argument(
+        "launch: --max_restarts restarts the ranks of one host only; across hosts "
+        "(--nnodes > 1) it is not supported yet: use torchrun's elastic agent "
+        "(--max-restarts), whose restarts uckpt's load_checkpoint/--resume follow");
+  const std::string& exe = a.command[0];
+  const bool uckpt_train =
+      exe.substr(exe.find_last_of('/') + 1) == "uckpt" && a.command.size() > 1 && a.command[1] == "train";
+  if (a.restart.max_restarts > 0 && uckpt_train &&
+      std::find(a.command.begin(), a.command.end(), "--resume") == a.command.end())
+    throw std::invalid_argument(
+        "launch: --max_restarts with `uckpt train` needs its --resume (and --checkpoint_dir): "
+        "without it a restarted job would start again from step 1");
+}
+
+// SIGINT, SIGTERM and SIGHUP are recorded and passed on to the ranks.
+void ForwardStopSignals() {
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+}
+
+RankCommand RankCommandOf(const LaunchArgs& a) {
+  RankCommand c;
+  c.argv = a.command;
+  c.argv[0] = ResolveSelf(c.argv[0]);
+  c.world_size = a.n;
+  c.master_addr = a.master_addr;
+  c.local_rank_argument = !a.no_local_rank;
+  c.nnodes = a.nnodes;
+  c.node_rank = a.node_rank;
+  return c;
+}
+
 }  // namespace
 
 Runner AddLaunch(CLI::App& app) {
@@ -308,88 +402,15 @@ Runner AddLaunch(CLI::App& app) {
       "  uckpt launch -n 4 --max_restarts 2 -- uckpt train --config ds.json --steps 100 --checkpoint_dir ck --resume\n"
       "  uckpt launch -n 2 -- python3 train.py --deepspeed_config ds.json   (gets --local_rank=N, as from deepspeed)\n"
       "  torchrun --no-python --nproc-per-node 2 uckpt train --config ds.json --steps 100   (the same)");
-  struct Args {
-    int n = 1;
-    int nnodes = 1, node_rank = 0;
-    int master_port = 29500;
-    std::string master_addr = "127.0.0.1";
-    double grace_s = 10;
-    double stop_timeout_s = 20;
-    bool no_local_rank = false;
-    RestartPolicy restart;
-    std::vector<std::string> command;
-    std::vector<std::string> deepspeed_options;  // DeepSpeed launcher options given: refused
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("-n,--nproc", a->n, "Number of ranks")->required()->check(CLI::Range(1, 4096));
-  cmd->add_option("--nnodes", a->nnodes,
-                  "Hosts in the job, each running its own `uckpt launch` with the same -n, --nnodes, --master_addr "
-                  "(the host of --node_rank 0) and --master_port")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  cmd->add_option("--node_rank", a->node_rank, "This host's index, 0..nnodes-1: its ranks are node_rank * n + 0..n-1")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--master_port", a->master_port, "Rendezvous port; 0 picks a free one (for parallel jobs)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 65535));
-  cmd->add_option("--master_addr", a->master_addr, "Rendezvous address")->capture_default_str();
-  cmd->add_option("--grace", a->grace_s, "Seconds ranks get to exit after SIGTERM before SIGKILL")
-      ->capture_default_str();
-  cmd->add_option("--stop_timeout", a->stop_timeout_s,
-                  "A rank stopped (SIGSTOP, SIGTSTP) this many seconds fails the job, as a dead one does; 0: wait "
-                  "(default: the heartbeat timeout's default)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_flag("--no_local_rank", a->no_local_rank,
-                "Do not pass --local_rank=N to a Python script (passed by default, as DeepSpeed's launcher does)");
-  cmd->add_option("--max_restarts", a->restart.max_restarts,
-                  "When a rank fails, stop the others and start again up to this many times on the devices left "
-                  "(the failed rank's device left out, CUDA_VISIBLE_DEVICES set to the rest, UCKPT_RESTART_COUNT to "
-                  "the count). The command must resume itself (uckpt train --resume; load_checkpoint in a script). "
-                  "Not restarted: a signal to the launcher, a rank exiting with 2 (bad usage or input)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 1000));
-  cmd->add_option("--min_nproc", a->restart.min_nproc, "With --max_restarts: never restart on fewer ranks than this")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  cmd->add_option("command", a->command, "The command after `--`")->required();
+  auto a = std::make_shared<LaunchArgs>();
+  AddLaunchFlags(cmd, *a);
   AddDeepSpeedLauncherOptions(cmd, a->deepspeed_options);
 
   return [a] {
     RefuseDeepSpeedLauncherOptions(a->deepspeed_options);
-    struct sigaction sa {};
-    sa.sa_handler = OnSignal;
-    sigemptyset(&sa.sa_mask);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
-
-    RankCommand c;
-    c.argv = a->command;
-    c.argv[0] = ResolveSelf(c.argv[0]);
-    c.world_size = a->n;
-    c.master_addr = a->master_addr;
-    c.local_rank_argument = !a->no_local_rank;
-    c.nnodes = a->nnodes;
-    c.node_rank = a->node_rank;
-    if (a->node_rank >= a->nnodes)
-      throw std::invalid_argument("launch: --node_rank " + std::to_string(a->node_rank) + " is not below --nnodes " +
-                                  std::to_string(a->nnodes));
-    if (a->nnodes > 1 && a->master_port == 0)
-      throw std::invalid_argument("launch: --master_port 0 picks a port on one host only; with --nnodes " +
-                                  std::to_string(a->nnodes) + " give every host the same port");
-    if (a->nnodes > 1 && a->restart.max_restarts > 0)
-      throw std::invalid_argument(
-          "launch: --max_restarts restarts the ranks of one host only; across hosts "
-          "(--nnodes > 1) it is not supported yet: use torchrun's elastic agent "
-          "(--max-restarts), whose restarts uckpt's load_checkpoint/--resume follow");
-    const std::string& exe = a->command[0];
-    const bool uckpt_train =
-        exe.substr(exe.find_last_of('/') + 1) == "uckpt" && a->command.size() > 1 && a->command[1] == "train";
-    if (a->restart.max_restarts > 0 && uckpt_train &&
-        std::find(a->command.begin(), a->command.end(), "--resume") == a->command.end())
-      throw std::invalid_argument(
-          "launch: --max_restarts with `uckpt train` needs its --resume (and --checkpoint_dir): "
-          "without it a restarted job would start again from step 1");
+    ForwardStopSignals();
+    const RankCommand c = RankCommandOf(*a);
+    CheckLaunchArgs(*a);
     // Only this launch's ranks could read snapshots under the id it made: they go when it ends.
     const std::string made_id = SetJobId();
     const int code =

@@ -134,6 +134,66 @@ nlohmann::json ReportJson(const ckpt::VerifyReport& r, const std::vector<FolderS
           {"notes", r.notes}};
 }
 
+// What `uckpt verify` parses.
+struct VerifyArgs {
+  std::string dir;
+  bool sizes_only = false, json = false, quiet = false, state = false, verbose = false;
+  int threads = 0;
+};
+
+// The verification, with a progress line on a terminal unless told to be quiet.
+ckpt::VerifyReport VerifyWithProgress(const VerifyArgs& args) {
+  ckpt::VerifyProgress progress;
+  ckpt::VerifyOptions options;
+  options.hashes = !args.sizes_only;
+  options.threads = args.threads;
+  options.progress = &progress;
+  std::unique_ptr<ProgressLine> line;
+  if (!args.quiet && !args.json && ::isatty(2)) line = std::make_unique<ProgressLine>(progress);
+  return ckpt::VerifyCheckpoint(args.dir, options);
+}
+
+// One line per problem: "FILE: what is wrong".
+void PrintProblems(const ckpt::VerifyReport& r) {
+  for (const auto& p : r.problems) std::cout << p.file << ": " << p.what << "\n";
+  for (const auto& f : r.folders)
+    for (const auto& p : f.problems) std::cout << p.file << ": " << p.what << "\n";
+}
+
+// Each folder's state fingerprint and how it compares with the record; with
+// `verbose`, every parameter's.
+void PrintStates(const ckpt::VerifyReport& r, const std::vector<FolderState>& states, bool verbose) {
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (!states[i].computed) continue;
+    const ckpt::StateFingerprint& s = states[i].state;
+    std::cout << r.folders[i].folder << ": state fingerprint " << ckpt::HashToHex(s.total()) << " (" << s.params.size()
+              << " parameters, " << s.tensors() << " tensors; " << CountersText(s.counters) << "); " << states[i].record
+              << "\n";
+    if (!verbose) continue;
+    for (const auto& p : s.params) {
+      std::cout << "  " << p.name << " (" << p.numel << ")";
+      for (const auto& [k, v] : p.states) std::cout << " " << k << "=" << ckpt::HashToHex(v);
+      std::cout << "\n";
+    }
+  }
+}
+
+void PrintSummary(const ckpt::VerifyReport& r, double secs) {
+  size_t files = 0, with_manifest = 0;
+  uint64_t bytes = 0;
+  for (const auto& f : r.folders) {
+    files += f.files;
+    bytes += f.bytes;
+    with_manifest += f.manifest;
+  }
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "verify: %s: %s: %zu problem(s) in %zu folder(s) (%zu with a manifest), %zu files, %s, %s, %.2fs\n",
+                r.path.c_str(), r.ok() ? "OK" : "FAILED", r.problem_count(), r.folders.size(), with_manifest, files,
+                HumanBytes(bytes).c_str(), r.hashes ? "contents read" : "sizes only", secs);
+  std::cout << line;
+}
+
 }  // namespace
 
 Runner AddVerify(CLI::App& app) {
@@ -160,12 +220,7 @@ Runner AddVerify(CLI::App& app) {
       "                                            and its universal conversion (-v: per parameter)\n"
       "Loading checks too: resume, convert and export compare sizes with the manifest always, hashes\n"
       "with --verify.");
-  struct Args {
-    std::string dir;
-    bool sizes_only = false, json = false, quiet = false, state = false, verbose = false;
-    int threads = 0;
-  };
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<VerifyArgs>();
   cmd->add_option("DIR", args->dir, "Tag folder, universal folder, or checkpoint root")->required();
   cmd->add_flag("--sizes-only,--sizes_only", args->sizes_only,
                 "Compare sizes and structure only; do not read whole files (much faster, misses flipped bytes)");
@@ -177,18 +232,8 @@ Runner AddVerify(CLI::App& app) {
   cmd->add_flag("-q,--quiet", args->quiet, "Print only problems (no summary, no progress)");
   cmd->add_option("-j,--threads", args->threads, "Hashing threads (default: up to 4)")->check(CLI::NonNegativeNumber);
   return [args] {
-    ckpt::VerifyProgress progress;
-    ckpt::VerifyOptions options;
-    options.hashes = !args->sizes_only;
-    options.threads = args->threads;
-    options.progress = &progress;
     auto start = std::chrono::steady_clock::now();
-    ckpt::VerifyReport r;
-    {
-      std::unique_ptr<ProgressLine> line;
-      if (!args->quiet && !args->json && ::isatty(2)) line = std::make_unique<ProgressLine>(progress);
-      r = ckpt::VerifyCheckpoint(args->dir, options);
-    }
+    ckpt::VerifyReport r = VerifyWithProgress(*args);
     std::vector<FolderState> states;
     if (args->state)
       for (auto& f : r.folders) states.push_back(ComputeState(f, args->threads, r.notes));
@@ -198,37 +243,11 @@ Runner AddVerify(CLI::App& app) {
       std::cout << ReportJson(r, states).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
       return r.ok() ? 0 : 1;
     }
-    for (const auto& p : r.problems) std::cout << p.file << ": " << p.what << "\n";
-    for (const auto& f : r.folders)
-      for (const auto& p : f.problems) std::cout << p.file << ": " << p.what << "\n";
+    PrintProblems(r);
     if (args->quiet) return r.ok() ? 0 : 1;
-    for (size_t i = 0; i < states.size(); ++i) {
-      if (!states[i].computed) continue;
-      const ckpt::StateFingerprint& s = states[i].state;
-      std::cout << r.folders[i].folder << ": state fingerprint " << ckpt::HashToHex(s.total()) << " ("
-                << s.params.size() << " parameters, " << s.tensors() << " tensors; " << CountersText(s.counters)
-                << "); " << states[i].record << "\n";
-      if (!args->verbose) continue;
-      for (const auto& p : s.params) {
-        std::cout << "  " << p.name << " (" << p.numel << ")";
-        for (const auto& [k, v] : p.states) std::cout << " " << k << "=" << ckpt::HashToHex(v);
-        std::cout << "\n";
-      }
-    }
+    PrintStates(r, states, args->verbose);
     for (const auto& n : r.notes) std::cerr << "verify: note: " << n << "\n";
-    size_t files = 0, with_manifest = 0;
-    uint64_t bytes = 0;
-    for (const auto& f : r.folders) {
-      files += f.files;
-      bytes += f.bytes;
-      with_manifest += f.manifest;
-    }
-    char line[512];
-    std::snprintf(line, sizeof line,
-                  "verify: %s: %s: %zu problem(s) in %zu folder(s) (%zu with a manifest), %zu files, %s, %s, %.2fs\n",
-                  r.path.c_str(), r.ok() ? "OK" : "FAILED", r.problem_count(), r.folders.size(), with_manifest, files,
-                  HumanBytes(bytes).c_str(), r.hashes ? "contents read" : "sizes only", secs);
-    std::cout << line;
+    PrintSummary(r, secs);
     return r.ok() ? 0 : 1;
   };
 }

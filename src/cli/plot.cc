@@ -108,10 +108,25 @@ LossCurve ReadLossCurve(const std::string& run_dir) {
   return curve;
 }
 
-std::string RenderLossSvg(const std::vector<LossCurve>& curves, const PlotOptions& options) {
-  const double left = 70, right = 20, top = options.title.empty() ? 20 : 40, bottom = 50;
-  const double w = options.width, h = options.height;
-  const double plot_w = w - left - right, plot_h = h - top - bottom;
+namespace {
+
+// Where the plot area lies in the picture and which steps and losses it spans.
+struct PlotFrame {
+  double w = 0, h = 0;                    // the picture
+  double left = 70, top = 20;             // the plot area's corner
+  double plot_w = 0, plot_h = 0;          // and its size
+  double x0 = 0, x1 = 1, y0 = 0, y1 = 1;  // steps and losses at its edges
+  double X(double x) const { return left + (x - x0) / (x1 - x0) * plot_w; }
+  double Y(double y) const { return top + (y1 - y) / (y1 - y0) * plot_h; }
+};
+
+// The frame that holds every curve and resume step.
+PlotFrame FrameFor(const std::vector<LossCurve>& curves, const PlotOptions& options) {
+  PlotFrame f;
+  const double right = 20, bottom = 50;
+  f.top = options.title.empty() ? 20 : 40;
+  f.w = options.width, f.h = options.height;
+  f.plot_w = f.w - f.left - right, f.plot_h = f.h - f.top - bottom;
 
   // Data range (finite losses only; NaN/inf points break the line).
   double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
@@ -135,87 +150,108 @@ std::string RenderLossSvg(const std::vector<LossCurve>& curves, const PlotOption
   if (y1 == y0) y0 -= 0.5, y1 += 0.5;
   double pad = (y1 - y0) * 0.05;
   y0 -= pad, y1 += pad;
-  auto X = [&](double x) { return left + (x - x0) / (x1 - x0) * plot_w; };
-  auto Y = [&](double y) { return top + (y1 - y) / (y1 - y0) * plot_h; };
+  f.x0 = x0, f.x1 = x1, f.y0 = y0, f.y1 = y1;
+  return f;
+}
 
-  std::ostringstream svg;
-  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 " << w
-      << " " << h << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      << "<rect x=\"0\" y=\"0\" width=\"" << w << "\" height=\"" << h << "\" fill=\"white\"/>\n";
-  if (!options.title.empty()) {
-    svg << "<text x=\"" << Num(w / 2) << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">"
-        << XmlEscape(options.title) << "</text>\n";
+// The picture's background, title, grid, tick labels and axis names.
+void WriteAxes(std::ostream& out, const PlotFrame& f, const std::string& title) {
+  out << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << f.w << "\" height=\"" << f.h << "\" viewBox=\"0 0 "
+      << f.w << " " << f.h << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      << "<rect x=\"0\" y=\"0\" width=\"" << f.w << "\" height=\"" << f.h << "\" fill=\"white\"/>\n";
+  if (!title.empty()) {
+    out << "<text x=\"" << Num(f.w / 2) << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">" << XmlEscape(title)
+        << "</text>\n";
   }
 
   // Grid and ticks.
-  svg << "<g class=\"axes\" stroke=\"#dddddd\" stroke-width=\"1\">\n";
-  double ys = NiceStep(y1 - y0, 6);
-  for (double v = std::ceil(y0 / ys) * ys; v <= y1 + 1e-12; v += ys) {
-    svg << "<line x1=\"" << Num(left) << "\" y1=\"" << Num(Y(v)) << "\" x2=\"" << Num(left + plot_w) << "\" y2=\""
-        << Num(Y(v)) << "\"/>\n";
-    svg << "<text x=\"" << Num(left - 6) << "\" y=\"" << Num(Y(v) + 4)
+  out << "<g class=\"axes\" stroke=\"#dddddd\" stroke-width=\"1\">\n";
+  double ys = NiceStep(f.y1 - f.y0, 6);
+  for (double v = std::ceil(f.y0 / ys) * ys; v <= f.y1 + 1e-12; v += ys) {
+    out << "<line x1=\"" << Num(f.left) << "\" y1=\"" << Num(f.Y(v)) << "\" x2=\"" << Num(f.left + f.plot_w)
+        << "\" y2=\"" << Num(f.Y(v)) << "\"/>\n";
+    out << "<text x=\"" << Num(f.left - 6) << "\" y=\"" << Num(f.Y(v) + 4)
         << "\" text-anchor=\"end\" stroke=\"none\" fill=\"#333333\">" << TickLabel(v, ys) << "</text>\n";
   }
-  double xs = std::max(1.0, NiceStep(x1 - x0, 8));
-  for (double v = std::ceil(x0 / xs) * xs; v <= x1 + 1e-12; v += xs) {
-    svg << "<line x1=\"" << Num(X(v)) << "\" y1=\"" << Num(top) << "\" x2=\"" << Num(X(v)) << "\" y2=\""
-        << Num(top + plot_h) << "\"/>\n";
-    svg << "<text x=\"" << Num(X(v)) << "\" y=\"" << Num(top + plot_h + 16)
+  double xs = std::max(1.0, NiceStep(f.x1 - f.x0, 8));
+  for (double v = std::ceil(f.x0 / xs) * xs; v <= f.x1 + 1e-12; v += xs) {
+    out << "<line x1=\"" << Num(f.X(v)) << "\" y1=\"" << Num(f.top) << "\" x2=\"" << Num(f.X(v)) << "\" y2=\""
+        << Num(f.top + f.plot_h) << "\"/>\n";
+    out << "<text x=\"" << Num(f.X(v)) << "\" y=\"" << Num(f.top + f.plot_h + 16)
         << "\" text-anchor=\"middle\" stroke=\"none\" fill=\"#333333\">" << TickLabel(v, xs) << "</text>\n";
   }
-  svg << "</g>\n"
-      << "<rect x=\"" << Num(left) << "\" y=\"" << Num(top) << "\" width=\"" << Num(plot_w) << "\" height=\""
-      << Num(plot_h) << "\" fill=\"none\" stroke=\"#333333\"/>\n"
-      << "<text x=\"" << Num(left + plot_w / 2) << "\" y=\"" << Num(h - 12) << "\" text-anchor=\"middle\">step</text>\n"
-      << "<text x=\"16\" y=\"" << Num(top + plot_h / 2) << "\" text-anchor=\"middle\" transform=\"rotate(-90 16 "
-      << Num(top + plot_h / 2) << ")\">loss</text>\n";
+  out << "</g>\n"
+      << "<rect x=\"" << Num(f.left) << "\" y=\"" << Num(f.top) << "\" width=\"" << Num(f.plot_w) << "\" height=\""
+      << Num(f.plot_h) << "\" fill=\"none\" stroke=\"#333333\"/>\n"
+      << "<text x=\"" << Num(f.left + f.plot_w / 2) << "\" y=\"" << Num(f.h - 12)
+      << "\" text-anchor=\"middle\">step</text>\n"
+      << "<text x=\"16\" y=\"" << Num(f.top + f.plot_h / 2) << "\" text-anchor=\"middle\" transform=\"rotate(-90 16 "
+      << Num(f.top + f.plot_h / 2) << ")\">loss</text>\n";
+}
 
-  // Resume markers: a dashed vertical line after step K.
-  for (int64_t s : options.resume_steps) {
-    svg << "<g class=\"resume\" data-step=\"" << s << "\">"
-        << "<line x1=\"" << Num(X(s)) << "\" y1=\"" << Num(top) << "\" x2=\"" << Num(X(s)) << "\" y2=\""
-        << Num(top + plot_h) << "\" stroke=\"#888888\" stroke-dasharray=\"5,4\"/>"
-        << "<text x=\"" << Num(X(s) + 4) << "\" y=\"" << Num(top + 14) << "\" fill=\"#555555\">resume @" << s
+// Resume markers: a dashed vertical line after step K.
+void WriteResumeMarkers(std::ostream& out, const PlotFrame& f, const std::vector<int64_t>& resume_steps) {
+  for (int64_t s : resume_steps) {
+    out << "<g class=\"resume\" data-step=\"" << s << "\">"
+        << "<line x1=\"" << Num(f.X(s)) << "\" y1=\"" << Num(f.top) << "\" x2=\"" << Num(f.X(s)) << "\" y2=\""
+        << Num(f.top + f.plot_h) << "\" stroke=\"#888888\" stroke-dasharray=\"5,4\"/>"
+        << "<text x=\"" << Num(f.X(s) + 4) << "\" y=\"" << Num(f.top + 14) << "\" fill=\"#555555\">resume @" << s
         << "</text></g>\n";
   }
+}
 
-  // Curves, drawn so that later (resumed) runs stay visible over the baseline:
-  // each is wider than the next.
+// Curves, drawn so that later (resumed) runs stay visible over the baseline:
+// each is wider than the next.
+void WriteCurves(std::ostream& out, const PlotFrame& f, const std::vector<LossCurve>& curves) {
   const size_t n = curves.size();
   for (size_t i = 0; i < n; ++i) {
     const auto& c = curves[i];
     double width = 1.5 + 1.5 * static_cast<double>(n - 1 - i);
-    svg << "<polyline class=\"curve\" data-run=\"" << XmlEscape(c.name) << "\" fill=\"none\" stroke=\""
+    out << "<polyline class=\"curve\" data-run=\"" << XmlEscape(c.name) << "\" fill=\"none\" stroke=\""
         << kColours[i % 8] << "\" stroke-width=\"" << Num(width) << "\" stroke-opacity=\"0.85\" points=\"";
     bool first = true;
     for (const auto& p : c.points) {
-      double y = std::isfinite(p.loss) ? p.loss : (p.loss > 0 ? y1 : y0);
-      svg << (first ? "" : " ") << Num(X(p.step)) << "," << Num(Y(y));
+      double y = std::isfinite(p.loss) ? p.loss : (p.loss > 0 ? f.y1 : f.y0);
+      out << (first ? "" : " ") << Num(f.X(p.step)) << "," << Num(f.Y(y));
       first = false;
     }
-    svg << "\"/>\n";
+    out << "\"/>\n";
     // A run that starts later than the others was resumed: mark its first point.
-    if (!c.points.empty() && c.points.front().step > x0 && std::isfinite(c.points.front().loss)) {
-      svg << "<circle class=\"resume-point\" cx=\"" << Num(X(c.points.front().step)) << "\" cy=\""
-          << Num(Y(c.points.front().loss)) << "\" r=\"4\" fill=\"" << kColours[i % 8] << "\"/>\n";
+    if (!c.points.empty() && c.points.front().step > f.x0 && std::isfinite(c.points.front().loss)) {
+      out << "<circle class=\"resume-point\" cx=\"" << Num(f.X(c.points.front().step)) << "\" cy=\""
+          << Num(f.Y(c.points.front().loss)) << "\" r=\"4\" fill=\"" << kColours[i % 8] << "\"/>\n";
     }
   }
+}
 
-  // Legend, top right.
-  double lx = left + plot_w - 10, ly = top + 10;
+// The legend, top right.
+void WriteLegend(std::ostream& out, const PlotFrame& f, const std::vector<LossCurve>& curves) {
+  const size_t n = curves.size();
+  double lx = f.left + f.plot_w - 10, ly = f.top + 10;
   size_t longest = 0;
   for (const auto& c : curves) longest = std::max(longest, c.name.size());
   double box_w = 40 + 7.0 * longest;
-  svg << "<g class=\"legend\"><rect x=\"" << Num(lx - box_w) << "\" y=\"" << Num(ly) << "\" width=\"" << Num(box_w)
+  out << "<g class=\"legend\"><rect x=\"" << Num(lx - box_w) << "\" y=\"" << Num(ly) << "\" width=\"" << Num(box_w)
       << "\" height=\"" << Num(8 + 18.0 * n) << "\" fill=\"white\" fill-opacity=\"0.85\" stroke=\"#bbbbbb\"/>\n";
   for (size_t i = 0; i < n; ++i) {
     double y = ly + 16 + 18.0 * i;
-    svg << "<line x1=\"" << Num(lx - box_w + 8) << "\" y1=\"" << Num(y - 4) << "\" x2=\"" << Num(lx - box_w + 30)
+    out << "<line x1=\"" << Num(lx - box_w + 8) << "\" y1=\"" << Num(y - 4) << "\" x2=\"" << Num(lx - box_w + 30)
         << "\" y2=\"" << Num(y - 4) << "\" stroke=\"" << kColours[i % 8] << "\" stroke-width=\"3\"/>"
         << "<text x=\"" << Num(lx - box_w + 36) << "\" y=\"" << Num(y) << "\">" << XmlEscape(curves[i].name)
         << "</text>\n";
   }
+}
+
+}  // namespace
+
+std::string RenderLossSvg(const std::vector<LossCurve>& curves, const PlotOptions& options) {
+  const PlotFrame frame = FrameFor(curves, options);
+  std::ostringstream svg;
+  WriteAxes(svg, frame, options.title);
+  WriteResumeMarkers(svg, frame, options.resume_steps);
+  WriteCurves(svg, frame, curves);
+  WriteLegend(svg, frame, curves);
   svg << "</g>\n</svg>\n";
   return svg.str();
 }

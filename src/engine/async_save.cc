@@ -274,6 +274,71 @@ bool CheckpointWriter::PublishIfDone(Comm& comm) {
   return true;
 }
 
+// Rank 0, after a failed save: the temporary folder, and the marker unless
+// the folder was renamed into place already (then the marker stays: the
+// folder is not known durable on every rank, and a reader checks it by hash).
+void CheckpointWriter::DiscardFailed(const std::string& folder) const {
+  RemoveQuietly(tmp_);
+  std::error_code ec;
+  if (marker_.empty() || !sync_after_publish_ || fs::exists(folder, ec) || ec) return;
+  RemoveQuietly(marker_);
+}
+
+// Collective: every rank's file names, sizes and hashes, packed kWords to a
+// rank, on every rank.
+at::Tensor CheckpointWriter::GatherWritten(Comm& comm) const {
+  at::Tensor mine = at::zeros({kWords}, at::kLong);
+  int64_t* w = mine.data_ptr<int64_t>();
+  for (size_t k = 0; k < written_.size(); ++k) {
+    int64_t* e = w + k * (kNameWords + 2);
+    std::memcpy(e, written_[k].name.data(), written_[k].name.size());
+    e[kNameWords] = static_cast<int64_t>(written_[k].size);
+    std::memcpy(&e[kNameWords + 1], &written_[k].xxh64, 8);
+  }
+  at::Tensor all = at::zeros({comm.world_size() * kWords}, at::kLong);
+  if (comm.world_size() > 1) comm.AllGather(mine, all);
+  else all.copy_(mine);
+  return all;
+}
+
+namespace {
+
+// The manifest's entries from GatherWritten's tensor.
+std::vector<ckpt::ManifestEntry> UnpackWritten(const at::Tensor& all, int world_size) {
+  std::vector<ckpt::ManifestEntry> known;
+  const int64_t* a = all.data_ptr<int64_t>();
+  for (int64_t k = 0; k < world_size * kMaxFiles; ++k) {
+    const int64_t* e = a + k * (kNameWords + 2);
+    const char* name = reinterpret_cast<const char*>(e);
+    if (name[0] == 0) continue;
+    ckpt::ManifestEntry m;
+    m.path = std::string(name, strnlen(name, kNameWords * 8));
+    m.size = static_cast<uint64_t>(e[kNameWords]);
+    std::memcpy(&m.xxh64, &e[kNameWords + 1], 8);
+    known.push_back(std::move(m));
+  }
+  return known;
+}
+
+}  // namespace
+
+// Rank 0: the manifest into the temporary folder, the folder renamed to the
+// tag, then `latest`.
+void CheckpointWriter::PublishFolder(const std::vector<ckpt::ManifestEntry>& known, const std::string& folder) {
+  const bool later = sync_after_publish_;
+  Env& env = Env::Current();
+  // durable: its commit fsyncs `tmp` too. Published before durable, no
+  // fsync at all: each would wait for the files' data (ext4's ordered mode).
+  ckpt::WriteManifest(tmp_, known, /*durable=*/!later, state_ ? &*state_ : nullptr);
+  ReplaceFolder(env, tmp_, folder);
+  if (!later) env.SyncDir(dir_);
+  AtomicFile latest(dir_ + "/" + ckpt::kLatestFile, /*durable=*/!later);
+  latest.Write(tag_);
+  latest.Commit();
+  // A marker an interrupted earlier save of this tag left: this folder is durable.
+  if (!later && !marker_.empty() && fs::exists(marker_)) ckpt::RemoveUnsyncedMarker(folder);
+}
+
 std::string CheckpointWriter::Publish(Comm& comm) {
   const std::string folder = dir_ + "/" + tag_;
   if (!pending_) return folder;
@@ -294,62 +359,20 @@ std::string CheckpointWriter::Publish(Comm& comm) {
       w.files_.clear();
     }
   } reset{*this};
-  // A failed save leaves no marker unless its folder was renamed into place
-  // already (then the marker stays: the folder is not known durable on every
-  // rank, and a reader checks it by hash).
-  auto discard = [&] {
-    RemoveQuietly(tmp_);
-    std::error_code ec;
-    if (marker_.empty() || !later || fs::exists(folder, ec) || ec) return;
-    RemoveQuietly(marker_);
-  };
   try {
     AgreeOrThrow(comm, folder, error_);
   } catch (...) {
-    if (rank0) discard();
+    if (rank0) DiscardFailed(folder);
     throw;
   }
-  // Every rank's file sizes and hashes, to rank 0 for the manifest.
-  at::Tensor mine = at::zeros({kWords}, at::kLong);
-  int64_t* w = mine.data_ptr<int64_t>();
-  for (size_t k = 0; k < written_.size(); ++k) {
-    int64_t* e = w + k * (kNameWords + 2);
-    std::memcpy(e, written_[k].name.data(), written_[k].name.size());
-    e[kNameWords] = static_cast<int64_t>(written_[k].size);
-    std::memcpy(&e[kNameWords + 1], &written_[k].xxh64, 8);
-  }
-  at::Tensor all = at::zeros({comm.world_size() * kWords}, at::kLong);
-  if (comm.world_size() > 1) comm.AllGather(mine, all);
-  else all.copy_(mine);
+  const at::Tensor all = GatherWritten(comm);  // to rank 0, for the manifest
   std::string error;
   if (rank0) {
     try {
-      std::vector<ckpt::ManifestEntry> known;
-      const int64_t* a = all.data_ptr<int64_t>();
-      for (int64_t k = 0; k < comm.world_size() * kMaxFiles; ++k) {
-        const int64_t* e = a + k * (kNameWords + 2);
-        const char* name = reinterpret_cast<const char*>(e);
-        if (name[0] == 0) continue;
-        ckpt::ManifestEntry m;
-        m.path = std::string(name, strnlen(name, kNameWords * 8));
-        m.size = static_cast<uint64_t>(e[kNameWords]);
-        std::memcpy(&m.xxh64, &e[kNameWords + 1], 8);
-        known.push_back(std::move(m));
-      }
-      Env& env = Env::Current();
-      // durable: its commit fsyncs `tmp` too. Published before durable, no
-      // fsync at all: each would wait for the files' data (ext4's ordered mode).
-      ckpt::WriteManifest(tmp_, known, /*durable=*/!later, state_ ? &*state_ : nullptr);
-      ReplaceFolder(env, tmp_, folder);
-      if (!later) env.SyncDir(dir_);
-      AtomicFile latest(dir_ + "/" + ckpt::kLatestFile, /*durable=*/!later);
-      latest.Write(tag_);
-      latest.Commit();
-      // A marker an interrupted earlier save of this tag left: this folder is durable.
-      if (!later && !marker_.empty() && fs::exists(marker_)) ckpt::RemoveUnsyncedMarker(folder);
+      PublishFolder(UnpackWritten(all, comm.world_size()), folder);
     } catch (const std::exception& ex) {
       error = ex.what();
-      discard();
+      DiscardFailed(folder);
     }
   }
   AgreeOrThrow(comm, folder, error);

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "ckpt/fingerprint.h"
+#include "ckpt/manifest.h"
 #include "format/value.h"
 #include "uckpt/comm.h"
 
@@ -128,6 +129,10 @@ class CheckpointWriter {
   void Join();
   void StartSync();
   void FinishSync(Comm& comm);
+  // Publish's steps.
+  void DiscardFailed(const std::string& folder) const;
+  at::Tensor GatherWritten(Comm& comm) const;
+  void PublishFolder(const std::vector<ckpt::ManifestEntry>& known, const std::string& folder);
 
   // A buffer for file k's streamed storages, sized for the largest.
   std::span<uint8_t> StreamBuffer(size_t k, uint64_t largest);

@@ -473,108 +473,111 @@ ValuePtr OptimStatesValue(const CheckpointState& e, const ValuePtr& ds_config) {
   return ckpt::OptimStatesValue(r);
 }
 
-}  // namespace
+// Where one save writes: the same names on every rank.
+struct SaveTarget {
+  std::string dir, tag, folder;
+  std::string tmp;     // the temporary folder beside the tag
+  std::string marker;  // rank 0's: the unsynced marker of a save published before durable
+  bool rank0 = false;
+  bool sync_after_publish = false;
+  // Rank 0, after a failure: the temporary folder and this save's marker.
+  void Discard() const {
+    if (!rank0) return;
+    RemoveQuietly(tmp);
+    if (sync_after_publish) RemoveQuietly(marker);
+  }
+};
 
-// Crash-safe save (docs/reliability.md): every rank writes into one temporary
-// folder beside the tag; only when every rank's files are durable does rank 0
-// add the manifest, rename the folder to the tag and then replace `latest`
-// (async_save.h). A crash or error at any point leaves the previous
-// checkpoint and `latest` as they were. With `async` the files are written in
-// the background and published at a later call.
-std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
-                                 const ClientState& client_state, bool async) {
-  const auto start = std::chrono::steady_clock::now();
+void CheckSaveRequest(const CheckpointState& e, const std::string& tag) {
   if (auto problem = ckpt::TagProblem(tag)) throw std::invalid_argument("SaveCheckpoint: tag " + *problem);
   if (e.stage() == 0 && ModelDtype(e.config) != at::kFloat && e.stage0_fp16 == Stage0Fp16::kNone)
     throw std::invalid_argument(
         "checkpoints of fp16/bf16 training need ZeRO stage 1 or 2 (or fp16 at stage 0 with an "
         "optimizer)");
-  Comm& comm = e.comm;
-  Env& env = Env::Current();
+}
+
+// A synchronous save of a new tag is published before its files are
+// durable, as DeepSpeed's returns (async_save.h); over an existing tag it
+// waits for the disk, so that the folder it replaces is never lost first.
+// Rank 0 decides for all.
+bool PublishesBeforeDurable(Comm& comm, const std::string& folder, bool async) {
   const bool rank0 = comm.rank() == 0;
-  const std::string folder = dir + "/" + tag;
-  const std::string tmp = dir + "/." + tag + ".uckpt-tmp";  // the same name on every rank
-  if (!e.writer) e.writer = std::make_shared<CheckpointWriter>();
-  e.writer->Publish(comm);  // the previous save first
-  // The client state is checked on every rank before anything is written;
-  // only rank 0 copies the weights out for the model-states file.
-  auto client = ClientEntries(client_state);
-  std::string error;
-  // A synchronous save of a new tag is published before its files are
-  // durable, as DeepSpeed's returns (async_save.h); over an existing tag it
-  // waits for the disk, so that the folder it replaces is never lost first.
-  // Rank 0 decides for all.
   std::error_code exists_error;  // (not thrown here, on rank 0 alone: step 1 reports it to all)
   const bool exists = fs::exists(folder, exists_error) || exists_error;
   at::Tensor later = at::full({1}, !async && rank0 && !exists ? 1.0f : 0.0f);
   comm.Broadcast(later, 0);
-  const bool sync_after_publish = later.item<float>() > 0;
-  const std::string marker = rank0 ? ckpt::UnsyncedMarkerPath(folder) : "";
-  auto discard = [&] {  // rank 0, after a failure: the temporary folder and this save's marker
-    RemoveQuietly(tmp);
-    if (sync_after_publish) RemoveQuietly(marker);
-  };
-  // 1. Rank 0 makes a fresh temporary folder (one a killed save left is
-  // removed) and, for a save published before durable, the durable marker
-  // that says so, holding the tag `latest` names now.
-  if (rank0) {
-    try {
-      env.CreateDirs(dir);
-      env.RemoveAll(tmp);
-      if (sync_after_publish) {
-        AtomicFile m(marker);
-        m.Write(ckpt::ReadTag(dir + "/" + ckpt::kLatestFile).value_or(""));
-        m.Commit();
-      }
-      env.CreateDirs(tmp);
-    } catch (const std::exception& ex) {
-      error = ex.what();
-      discard();
-    }
-  }
-  AgreeOrThrow(comm, folder, error);
-  // 2. The state as values: an async save copies every tensor into reused
-  // (pinned) host buffers; a synchronous one views host tensors in place and
-  // copies only device tensors (StorageOf).
-  std::vector<SnapshotFile> files;
-  uint64_t snapshot_bytes = 0;
+  return later.item<float>() > 0;
+}
+
+// 1. Rank 0 makes a fresh temporary folder (one a killed save left is
+// removed) and, for a save published before durable, the durable marker
+// that says so, holding the tag `latest` names now. Returns the error, if any.
+std::string MakeTempFolder(const SaveTarget& t) {
+  if (!t.rank0) return "";
+  Env& env = Env::Current();
   try {
-    SnapshotScope scope(async ? &e.writer->pool() : nullptr);
-    const ValuePtr ds_config = ckpt::JsonToValue(e.config.raw);  // the same in every file
-    if (e.stage() == 3) {                                        // DeepSpeed's ZeRO-3 files
-      files = Zero3RankFiles(e, std::move(client), ds_config);
-    } else {
-      if (e.stage() > 0)
-        files.push_back({ckpt::OptimStatesFileName(comm.rank(), e.config.bf16), OptimStatesValue(e, ds_config)});
-      if (rank0) files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client), ds_config)});
+    env.CreateDirs(t.dir);
+    env.RemoveAll(t.tmp);
+    if (t.sync_after_publish) {
+      AtomicFile m(t.marker);
+      m.Write(ckpt::ReadTag(t.dir + "/" + ckpt::kLatestFile).value_or(""));
+      m.Commit();
     }
-    snapshot_bytes = async ? e.writer->pool().bytes() : t_copied_bytes;
+    env.CreateDirs(t.tmp);
   } catch (const std::exception& ex) {
-    error = ex.what();
+    t.Discard();
+    return ex.what();
   }
-  try {
-    AgreeOrThrow(comm, folder, error);
-  } catch (...) {
-    if (rank0) discard();
-    throw;
+  return "";
+}
+
+struct RankSnapshot {
+  std::vector<SnapshotFile> files;
+  uint64_t bytes = 0;  // what the snapshot copied
+};
+
+// 2. The state as values: an async save copies every tensor into reused
+// (pinned) host buffers; a synchronous one views host tensors in place and
+// copies only device tensors (StorageOf).
+RankSnapshot SnapshotRankFiles(const CheckpointState& e, std::vector<std::pair<std::string, ValuePtr>> client,
+                               bool async) {
+  RankSnapshot out;
+  SnapshotScope scope(async ? &e.writer->pool() : nullptr);
+  const ValuePtr ds_config = ckpt::JsonToValue(e.config.raw);  // the same in every file
+  if (e.stage() == 3) {                                        // DeepSpeed's ZeRO-3 files
+    out.files = Zero3RankFiles(e, std::move(client), ds_config);
+  } else {
+    if (e.stage() > 0)
+      out.files.push_back({ckpt::OptimStatesFileName(e.comm.rank(), e.config.bf16), OptimStatesValue(e, ds_config)});
+    if (e.comm.rank() == 0)
+      out.files.push_back({ckpt::ModelStatesFileName(), ModelStatesValue(e, std::move(client), ds_config)});
   }
-  // 3. Every rank writes its files while another thread hashes the state
-  // for the manifest's fingerprint (then added up over the ranks); then they
-  // are published.
-  const auto writing = std::chrono::steady_clock::now();
+  out.bytes = async ? e.writer->pool().bytes() : t_copied_bytes;
+  return out;
+}
+
+// 3. Every rank writes its files while another thread hashes the state for
+// the manifest's fingerprint (then added up over the ranks).
+void WriteRankFiles(const CheckpointState& e, const SaveTarget& t, RankSnapshot snapshot, bool async) {
   try {
     PendingStateFingerprint state(e.fingerprint());
-    e.writer->Start(dir, tag, tmp, std::move(files), async, snapshot_bytes, sync_after_publish, marker);
-    e.writer->SetStateFingerprint(state.Finish(comm));
+    e.writer->Start(t.dir, t.tag, t.tmp, std::move(snapshot.files), async, snapshot.bytes, t.sync_after_publish,
+                    t.marker);
+    e.writer->SetStateFingerprint(state.Finish(e.comm));
     e.last_save.fingerprint_s = state.hash_seconds();
   } catch (...) {
     e.writer->Abandon();
-    if (rank0) discard();
+    t.Discard();
     throw;
   }
-  const auto written = std::chrono::steady_clock::now();
-  if (!async) e.writer->Publish(comm);
-  const auto end = std::chrono::steady_clock::now();
+}
+
+using SaveClock = std::chrono::steady_clock;
+
+// The save's phases into e.last_save; with UCKPT_TIMERS set, a synchronous
+// save also prints them.
+void RecordSaveTimes(const CheckpointState& e, bool async, uint64_t snapshot_bytes, SaveClock::time_point start,
+                     SaveClock::time_point writing, SaveClock::time_point written, SaveClock::time_point end) {
   e.last_save.async = async;
   e.last_save.state_s = std::chrono::duration<double>(writing - start).count();
   e.last_save.layout_s = async ? 0 : e.writer->layout_seconds();
@@ -589,9 +592,57 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
                  "uckpt save timers (rank %d): %.2f s: state %.2f, fingerprint %.2f (beside the write), layout %.2f, "
                  "write %.2f, "
                  "publish %.2f\n",
-                 comm.rank(), l.blocked_s, l.state_s, l.fingerprint_s, l.layout_s, l.write_s, l.publish_s);
+                 e.comm.rank(), l.blocked_s, l.state_s, l.fingerprint_s, l.layout_s, l.write_s, l.publish_s);
   }
-  return folder;
+}
+
+}  // namespace
+
+// Crash-safe save (docs/reliability.md): every rank writes into one temporary
+// folder beside the tag; only when every rank's files are durable does rank 0
+// add the manifest, rename the folder to the tag and then replace `latest`
+// (async_save.h). A crash or error at any point leaves the previous
+// checkpoint and `latest` as they were. With `async` the files are written in
+// the background and published at a later call.
+std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
+                                 const ClientState& client_state, bool async) {
+  const auto start = SaveClock::now();
+  CheckSaveRequest(e, tag);
+  Comm& comm = e.comm;
+  SaveTarget target;
+  target.dir = dir;
+  target.tag = tag;
+  target.folder = dir + "/" + tag;
+  target.tmp = dir + "/." + tag + ".uckpt-tmp";  // the same name on every rank
+  target.rank0 = comm.rank() == 0;
+  if (!e.writer) e.writer = std::make_shared<CheckpointWriter>();
+  e.writer->Publish(comm);  // the previous save first
+  // The client state is checked on every rank before anything is written;
+  // only rank 0 copies the weights out for the model-states file.
+  auto client = ClientEntries(client_state);
+  target.sync_after_publish = PublishesBeforeDurable(comm, target.folder, async);
+  if (target.rank0) target.marker = ckpt::UnsyncedMarkerPath(target.folder);
+  AgreeOrThrow(comm, target.folder, MakeTempFolder(target));
+  RankSnapshot snapshot;
+  std::string error;
+  try {
+    snapshot = SnapshotRankFiles(e, std::move(client), async);
+  } catch (const std::exception& ex) {
+    error = ex.what();
+  }
+  try {
+    AgreeOrThrow(comm, target.folder, error);
+  } catch (...) {
+    target.Discard();
+    throw;
+  }
+  const auto writing = SaveClock::now();
+  const uint64_t snapshot_bytes = snapshot.bytes;
+  WriteRankFiles(e, target, std::move(snapshot), async);
+  const auto written = SaveClock::now();
+  if (!async) e.writer->Publish(comm);  // (an async save is published at a later call)
+  RecordSaveTimes(e, async, snapshot_bytes, start, writing, written, SaveClock::now());
+  return target.folder;
 }
 
 }  // namespace uckpt::engine

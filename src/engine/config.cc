@@ -249,6 +249,59 @@ namespace {
 // DeepSpeed 0.14.5 builds the scheduler as lr_schedules.<type>(optimizer,
 // **params): the type is matched as written, a parameter the class does not
 // take is a TypeError there and refused here, naming it.
+// OneCycle's params; returns whether both cycle_min_lr and cycle_max_lr were given.
+bool ParseOneCycleParams(Section& p, SchedulerConfig& c) {
+  const bool bounds = p.Has("cycle_min_lr") && p.Has("cycle_max_lr");
+  p.Double("cycle_min_lr", c.cycle_min_lr);
+  p.Double("cycle_max_lr", c.cycle_max_lr);
+  p.Double("decay_lr_rate", c.decay_lr_rate);
+  p.Double("cycle_first_step_size", c.cycle_first_step_size);
+  if (p.Has("cycle_second_step_size")) {
+    double second = 0;
+    p.Double("cycle_second_step_size", second);
+    c.cycle_second_step_size = second;
+  }
+  int64_t stairs = 0;  // DeepSpeed keeps them and never reads them
+  p.Int("cycle_first_stair_count", stairs);
+  p.Int("cycle_second_stair_count", stairs);
+  p.Double("decay_step_size", c.decay_step_size);
+  p.Bool("cycle_momentum", c.cycle_momentum);
+  p.Double("cycle_min_mom", c.cycle_min_mom);
+  p.Double("cycle_max_mom", c.cycle_max_mom);
+  p.Double("decay_mom_rate", c.decay_mom_rate);
+  return bounds;
+}
+
+// The rules DeepSpeed's schedulers need (it divides by several of these).
+void CheckScheduler(const SchedulerConfig& c, bool total_given, bool cycle_bounds) {
+  const bool warmup = c.type == "WarmupLR" || c.type == "WarmupDecayLR";
+  const bool cosine = c.type == "WarmupCosineLR";
+  if (c.type == "OneCycle" && !cycle_bounds)
+    throw ConfigError("scheduler OneCycle needs params.cycle_min_lr and params.cycle_max_lr");
+  if (c.last_batch_iteration < -1)
+    throw ConfigError("scheduler.params.last_batch_iteration must be >= -1 (-1: from the start)");
+  if ((warmup || cosine) && c.warmup_type != "log" && c.warmup_type != "linear")
+    throw ConfigError("scheduler.params.warmup_type must be \"log\" or \"linear\", got \"" + c.warmup_type + "\"");
+  if (c.type == "WarmupDecayLR" && c.total_num_steps <= 0)
+    throw ConfigError("scheduler WarmupDecayLR needs params.total_num_steps > 0");
+  if (cosine && !total_given) throw ConfigError("scheduler WarmupCosineLR needs params.total_num_steps");
+  // DeepSpeed divides by total_num_steps - max(2, warmup_num_steps) after the warmup.
+  if (cosine && c.total_num_steps == std::max<int64_t>(2, c.warmup_num_steps))
+    throw ConfigError(
+        "scheduler WarmupCosineLR: params.total_num_steps must differ from warmup_num_steps "
+        "(DeepSpeed 0.14.5 divides by their difference after the warmup)");
+  if (c.warmup_num_steps < 0) throw ConfigError("scheduler.params.warmup_num_steps must be >= 0");
+  if (c.type == "OneCycle") {
+    const double second = c.cycle_second_step_size.value_or(c.cycle_first_step_size);
+    if (!(c.cycle_first_step_size > 0) || !(second >= 0))
+      throw ConfigError(
+          "scheduler OneCycle: params.cycle_first_step_size must be > 0 and cycle_second_step_size "
+          ">= 0 (DeepSpeed divides by them)");
+  }
+  if (c.type == "LRRangeTest" && c.lr_range_test_step_size == 0)
+    throw ConfigError("scheduler LRRangeTest: params.lr_range_test_step_size must not be 0 (DeepSpeed divides by it)");
+}
+
 void ParseScheduler(Section& s, SchedulerConfig& c) {
   s.String("type", c.type);
   if (std::find(SchedulerTypes().begin(), SchedulerTypes().end(), c.type) == SchedulerTypes().end())
@@ -276,26 +329,7 @@ void ParseScheduler(Section& s, SchedulerConfig& c) {
       p->Double("warmup_min_ratio", c.warmup_min_ratio);
       p->Double("cos_min_ratio", c.cos_min_ratio);
     }
-    if (c.type == "OneCycle") {
-      cycle_bounds = p->Has("cycle_min_lr") && p->Has("cycle_max_lr");
-      p->Double("cycle_min_lr", c.cycle_min_lr);
-      p->Double("cycle_max_lr", c.cycle_max_lr);
-      p->Double("decay_lr_rate", c.decay_lr_rate);
-      p->Double("cycle_first_step_size", c.cycle_first_step_size);
-      if (p->Has("cycle_second_step_size")) {
-        double second = 0;
-        p->Double("cycle_second_step_size", second);
-        c.cycle_second_step_size = second;
-      }
-      int64_t stairs = 0;  // DeepSpeed keeps them and never reads them
-      p->Int("cycle_first_stair_count", stairs);
-      p->Int("cycle_second_stair_count", stairs);
-      p->Double("decay_step_size", c.decay_step_size);
-      p->Bool("cycle_momentum", c.cycle_momentum);
-      p->Double("cycle_min_mom", c.cycle_min_mom);
-      p->Double("cycle_max_mom", c.cycle_max_mom);
-      p->Double("decay_mom_rate", c.decay_mom_rate);
-    }
+    if (c.type == "OneCycle") cycle_bounds = ParseOneCycleParams(*p, c);
     if (c.type == "LRRangeTest") {
       p->Double("lr_range_test_min_lr", c.lr_range_test_min_lr);
       p->Double("lr_range_test_step_size", c.lr_range_test_step_size);
@@ -304,30 +338,7 @@ void ParseScheduler(Section& s, SchedulerConfig& c) {
     }
     p->RefuseUnknownKeys("a parameter of DeepSpeed's " + c.type);
   }
-  if (c.type == "OneCycle" && !cycle_bounds)
-    throw ConfigError("scheduler OneCycle needs params.cycle_min_lr and params.cycle_max_lr");
-  if (c.last_batch_iteration < -1)
-    throw ConfigError("scheduler.params.last_batch_iteration must be >= -1 (-1: from the start)");
-  if ((warmup || cosine) && c.warmup_type != "log" && c.warmup_type != "linear")
-    throw ConfigError("scheduler.params.warmup_type must be \"log\" or \"linear\", got \"" + c.warmup_type + "\"");
-  if (c.type == "WarmupDecayLR" && c.total_num_steps <= 0)
-    throw ConfigError("scheduler WarmupDecayLR needs params.total_num_steps > 0");
-  if (cosine && !total_given) throw ConfigError("scheduler WarmupCosineLR needs params.total_num_steps");
-  // DeepSpeed divides by total_num_steps - max(2, warmup_num_steps) after the warmup.
-  if (cosine && c.total_num_steps == std::max<int64_t>(2, c.warmup_num_steps))
-    throw ConfigError(
-        "scheduler WarmupCosineLR: params.total_num_steps must differ from warmup_num_steps "
-        "(DeepSpeed 0.14.5 divides by their difference after the warmup)");
-  if (c.warmup_num_steps < 0) throw ConfigError("scheduler.params.warmup_num_steps must be >= 0");
-  if (c.type == "OneCycle") {
-    const double second = c.cycle_second_step_size.value_or(c.cycle_first_step_size);
-    if (!(c.cycle_first_step_size > 0) || !(second >= 0))
-      throw ConfigError(
-          "scheduler OneCycle: params.cycle_first_step_size must be > 0 and cycle_second_step_size "
-          ">= 0 (DeepSpeed divides by them)");
-  }
-  if (c.type == "LRRangeTest" && c.lr_range_test_step_size == 0)
-    throw ConfigError("scheduler LRRangeTest: params.lr_range_test_step_size must not be 0 (DeepSpeed divides by it)");
+  CheckScheduler(c, total_given, cycle_bounds);
 }
 
 // DeepSpeed's stage-3 knobs: honoured where uckpt's stage 3 has the

@@ -22,17 +22,6 @@ set -euo pipefail
 source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 
 now() { date +%s.%N; }
-# Waits until the run's metrics.csv has more than $2 rows; $3 seconds at most,
-# and no longer than the launcher $LPID lives.
-wait_rows() {
-  local i
-  for i in $(seq $(($3 * 10))); do
-    [ "$(steps_done "$1")" -gt "$2" ] && return 0
-    kill -0 "$LPID" 2> /dev/null || return 1
-    sleep 0.1
-  done
-  return 1
-}
 
 LPID=$$
 # The tiny GPT-2 on CPU ranks by default; bench/restart-gpu.sh sets these for GPT-2 124M on 4 GPUs.

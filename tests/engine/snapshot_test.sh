@@ -32,15 +32,6 @@ trap 'rm -rf "$ROOT"' EXIT
 export UCKPT_SNAPSHOT_ROOT=$ROOT
 unset UCKPT_JOB_ID TORCHELASTIC_RUN_ID
 
-wait_rows() {  # wait_rows RUN ROWS SECONDS: more than ROWS rows, while $LPID lives
-  local i
-  for i in $(seq $(($3 * 10))); do
-    [ "$(steps_done "$1")" -gt "$2" ] && return 0
-    kill -0 "$LPID" 2> /dev/null || return 1
-    sleep 0.1
-  done
-  return 1
-}
 # The losses of run $2 against run $1's (an uninterrupted run), on the steps
 # both logged: the first after the resume at step $3 within 1e-6 relative.
 compare_losses() {

@@ -28,6 +28,17 @@ JSON
 # The run $1's logged steps so far, and its last step (0 before the first).
 steps_done() { [ -f "logs/$1/metrics.csv" ] && tail -n +2 "logs/$1/metrics.csv" | wc -l || echo 0; }
 last_step() { [ -f "logs/$1/metrics.csv" ] && tail -n 1 "logs/$1/metrics.csv" | cut -d, -f1 || echo 0; }
+# Waits until run $1's metrics.csv has more than $2 rows: $3 seconds at most,
+# and no longer than the launcher $LPID lives.
+wait_rows() {
+  local i
+  for i in $(seq $(($3 * 10))); do
+    [ "$(steps_done "$1")" -gt "$2" ] && return 0
+    kill -0 "$LPID" 2> /dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
 # The pid of the rank with RANK=$2 among the launcher $1's children.
 rank_pid() {
   local p

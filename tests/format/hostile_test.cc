@@ -34,14 +34,7 @@ struct HostileCase {
 };
 
 std::string OsSystemReduce(const std::string& cmd) {
-  return PickleBuilder()
-      .Proto(2)
-      .Global("os", "system")
-      .Str(cmd)
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
-      .Stop()
-      .bytes();
+  return PickleBuilder().Proto(2).Global("os", "system").CallWithStr(cmd).Stop().bytes();
 }
 std::string PosixSystemStackGlobal(const std::string& cmd) {
   return PickleBuilder()
@@ -49,9 +42,7 @@ std::string PosixSystemStackGlobal(const std::string& cmd) {
       .ShortStr("posix")
       .ShortStr("system")
       .Op(pickle::kStackGlobal)
-      .Str(cmd)
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
+      .CallWithStr(cmd)
       .Stop()
       .bytes();
 }
@@ -71,24 +62,18 @@ std::string MemoIndirect(const std::string& cmd) {
       .Op(pickle::kPop)
       .Op(pickle::kEmptyList)
       .Get(0)
-      .Str(cmd)
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
+      .CallWithStr(cmd)
       .Op(pickle::kAppend)
       .Stop()
       .bytes();
 }
+// Python source that runs `cmd`, for builtins.eval.
+std::string EvalSource(const std::string& cmd) { return "__import__('os').system('" + cmd + "')"; }
 std::string BuiltinsEval(const std::string& cmd) {
-  return PickleBuilder()
-      .Proto(2)
-      .Global("__builtin__", "eval")
-      .Str("__import__('os').system('" + cmd + "')")
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
-      .Stop()
-      .bytes();
+  return PickleBuilder().Proto(2).Global("__builtin__", "eval").CallWithStr(EvalSource(cmd)).Stop().bytes();
 }
-std::string SubprocessPopen(const std::string& cmd) {
+// subprocess.Popen(['/bin/sh', '-c', cmd]), called with `call` (REDUCE or NEWOBJ).
+std::string PopenShell(const std::string& cmd, pickle::Opcode call) {
   return PickleBuilder()
       .Proto(2)
       .Global("subprocess", "Popen")
@@ -98,26 +83,14 @@ std::string SubprocessPopen(const std::string& cmd) {
       .Str(cmd)
       .Op(pickle::kList)
       .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
+      .Op(call)
       .Stop()
       .bytes();
 }
-std::string PopenNewobj(const std::string& cmd) {
-  // NEWOBJ: cls.__new__(cls, *args) does not run __init__, so Python does not
-  // run the command either; the reader must still keep it inert.
-  return PickleBuilder()
-      .Proto(2)
-      .Global("subprocess", "Popen")
-      .Mark()
-      .Str("/bin/sh")
-      .Str("-c")
-      .Str(cmd)
-      .Op(pickle::kList)
-      .Op(pickle::kTuple1)
-      .Op(pickle::kNewObj)
-      .Stop()
-      .bytes();
-}
+std::string SubprocessPopen(const std::string& cmd) { return PopenShell(cmd, pickle::kReduce); }
+// NEWOBJ: cls.__new__(cls, *args) does not run __init__, so Python does not
+// run the command either; the reader must still keep it inert.
+std::string PopenNewobj(const std::string& cmd) { return PopenShell(cmd, pickle::kNewObj); }
 std::string ObjOpcode(const std::string& cmd) {
   return PickleBuilder().Mark().Global("os", "system").Str(cmd).Op(pickle::kObj).Stop().bytes();
 }
@@ -130,9 +103,7 @@ std::string EvalInDictWithTensor(const std::string& cmd) {
       .Tensor("FloatStorage", "0", 2, 0, {2}, {1})
       .Str("config")
       .Global("__builtin__", "eval")
-      .Str("__import__('os').system('" + cmd + "')")
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
+      .CallWithStr(EvalSource(cmd))
       .Op(pickle::kSetItems)
       .Stop()
       .bytes();
@@ -144,15 +115,11 @@ std::string GetattrChain(const std::string& cmd) {
       .Proto(2)
       .Global("__builtin__", "getattr")
       .Global("__builtin__", "__import__")
-      .Str("os")
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
+      .CallWithStr("os")
       .Str("system")
       .Op(pickle::kTuple2)
       .Op(pickle::kReduce)
-      .Str(cmd)
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
+      .CallWithStr(cmd)
       .Stop()
       .bytes();
 }
@@ -161,9 +128,7 @@ std::string BuildSetstate(const std::string& cmd) {
   return PickleBuilder()
       .Proto(2)
       .Global("os", "system")
-      .Str(cmd)
-      .Op(pickle::kTuple1)
-      .Op(pickle::kReduce)
+      .CallWithStr(cmd)
       .Op(pickle::kEmptyDict)
       .Str("__setstate__")
       .Global("os", "system")
@@ -206,6 +171,14 @@ class HostileTest : public ::testing::TestWithParam<HostileCase> {
   TempDir dir_;
   std::string marker_ = dir_.File("pwned");
   std::string Command() const { return "touch " + marker_; }
+  // The case's torch file, with its tensor record where it has one.
+  std::string WriteCaseFile(const HostileCase& c) {
+    const std::string path = dir_.File(c.name + ".pt");
+    std::map<std::string, std::vector<uint8_t>> storages;
+    if (c.needs_storage) storages["0"] = std::vector<uint8_t>(8, 0);
+    WriteTorchZip(path, c.name, c.pickle(Command()), storages);
+    return path;
+  }
 };
 
 const Value* At(const ValuePtr& root, const std::string& where) {
@@ -217,10 +190,7 @@ const Value* At(const ValuePtr& root, const std::string& where) {
 
 TEST_P(HostileTest, LoadsInertAndRunsNothing) {
   const HostileCase& c = GetParam();
-  const std::string path = dir_.File(c.name + ".pt");
-  std::map<std::string, std::vector<uint8_t>> storages;
-  if (c.needs_storage) storages["0"] = std::vector<uint8_t>(8, 0);
-  WriteTorchZip(path, c.name, c.pickle(Command()), storages);
+  const std::string path = WriteCaseFile(c);
 
   ValuePtr root;
   try {
@@ -255,10 +225,7 @@ TEST_P(HostileTest, LoadsInertAndRunsNothing) {
 // naming the global, and runs nothing either.
 TEST_P(HostileTest, StrictRefusesNamingTheGlobal) {
   const HostileCase& c = GetParam();
-  const std::string path = dir_.File(c.name + ".pt");
-  std::map<std::string, std::vector<uint8_t>> storages;
-  if (c.needs_storage) storages["0"] = std::vector<uint8_t>(8, 0);
-  WriteTorchZip(path, c.name, c.pickle(Command()), storages);
+  const std::string path = WriteCaseFile(c);
   // getattr_chain: getattr waits for its call; __import__ is refused first.
   const std::string global = c.object_class.empty() ? "builtins.__import__" : c.object_class;
   try {
@@ -307,6 +274,10 @@ INSTANTIATE_TEST_SUITE_P(Pickles, HostileControlTest, ::testing::ValuesIn(LiveCa
 
 // ---- Resource bombs: valid-looking input that would take unbounded time or memory
 
+ValuePtr ReadPickleBytes(const std::string& pickle, const std::string& name) {
+  return ReadPickle({reinterpret_cast<const uint8_t*>(pickle.data()), pickle.size()}, name, {});
+}
+
 std::string DoublingLists(int levels) {
   // x0 = None; x(k+1) = [x(k), x(k)]
   PickleBuilder p;
@@ -318,7 +289,7 @@ std::string DoublingLists(int levels) {
 
 TEST(ResourceBombs, SharedReferencesDoNotExplodeJson) {
   const std::string p = DoublingLists(60);
-  auto v = ReadPickle({reinterpret_cast<const uint8_t*>(p.data()), p.size()}, "bomb.pkl", {});
+  auto v = ReadPickleBytes(p, "bomb.pkl");
   JsonOptions o;
   o.max_nodes = 100000;
   EXPECT_THROW(ValueToJson(*v, o), FormatError);
@@ -328,14 +299,14 @@ TEST(ResourceBombs, SharedReferencesDoNotExplodeJson) {
 // instead of after minutes and gigabytes of JSON.
 TEST(ResourceBombs, SharedReferencesRefusedBeforeRendering) {
   const std::string p = DoublingLists(60);
-  auto v = ReadPickle({reinterpret_cast<const uint8_t*>(p.data()), p.size()}, "bomb.pkl", {});
+  auto v = ReadPickleBytes(p, "bomb.pkl");
   const auto start = std::chrono::steady_clock::now();
   EXPECT_THROW(ValueToJson(*v), FormatError);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 5.0);
   // Sharing that stays under the limit renders every reference in full.
   const std::string small = DoublingLists(10);
-  auto w = ReadPickle({reinterpret_cast<const uint8_t*>(small.data()), small.size()}, "small.pkl", {});
+  auto w = ReadPickleBytes(small, "small.pkl");
   json j = ValueToJson(*w);
   size_t leaves = 0;
   std::function<void(const json&)> count = [&](const json& n) {
@@ -349,7 +320,7 @@ TEST(ResourceBombs, SharedReferencesRefusedBeforeRendering) {
 
 TEST(ResourceBombs, SharedReferencesDoNotExplodePrint) {
   const std::string p = DoublingLists(60);
-  auto v = ReadPickle({reinterpret_cast<const uint8_t*>(p.data()), p.size()}, "bomb.pkl", {});
+  auto v = ReadPickleBytes(p, "bomb.pkl");
   std::ostringstream out;
   const auto start = std::chrono::steady_clock::now();
   try {

@@ -93,6 +93,8 @@ class PickleBuilder {
   PickleBuilder& Put(uint8_t idx);  // BINPUT
   PickleBuilder& Get(uint8_t idx);  // BINGET
   PickleBuilder& Stop() { return Op(pickle::kStop); }
+  // Calls the callable on the stack with one string: `arg`, TUPLE1, REDUCE.
+  PickleBuilder& CallWithStr(const std::string& arg) { return Str(arg).Op(pickle::kTuple1).Op(pickle::kReduce); }
   // A tensor over ('storage', torch.<cls>, key, 'cpu', numel) with
   // _rebuild_tensor_v2; leaves the tensor on the stack.
   PickleBuilder& Tensor(const std::string& storage_class, const std::string& key, int64_t storage_numel, int64_t offset,
