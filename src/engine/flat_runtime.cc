@@ -369,7 +369,9 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
     at::Tensor by_rank = g.grad_flat.view({dp, P});
     for (int64_t o = 0; o < P; o += b_max) {
       const int64_t b = std::min(b_max, P - o);
-      at::Tensor bucket = by_rank.narrow(1, o, b).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      // Flat [dp * b] (Gloo's reduce-scatter checks the first dimension; NCCL's the elements).
+      at::Tensor bucket =
+          by_rank.narrow(1, o, b).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous().view({-1});
       bucket.div_(static_cast<double>(dp));
       at::Tensor out = add_in_place ? at::empty({b}, fp32) : part.narrow(0, o, b);
       comm_.ReduceScatterSum(bucket, out);
