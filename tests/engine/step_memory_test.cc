@@ -17,12 +17,14 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "engine/flat_runtime.h"
 #include "engine/overlap_reducer.h"
 #include "engine/zero3_runtime.h"
+#include "ranks.h"
 #include "uckpt/comm.h"
 
 namespace uckpt::engine {
@@ -265,6 +267,45 @@ TEST(StepMemory, OverlappedReductionHoldsTwoBucketsAndAddsIntoTheSum) {
   const at::Tensor second = reducer.Finish();  // no destination: a new partition
   EXPECT_FALSE(second.is_same(sum));
   EXPECT_TRUE(at::equal(sum, first + second));
+}
+
+// Stage 2 without overlap_comm, two ranks, bucketed reduce-scatter (NCCL's
+// path; on Gloo only a runtime whose gradients were not bound takes it):
+// each later micro-step's reduced buckets are added into the sum, which is
+// the micro-steps' averages summed in fp32.
+TEST(StepMemory, BucketedReduceScatterAddsEachMicroStepIntoTheSum) {
+  const std::vector<int64_t> numels = {1000, 37, 2500};
+  const int64_t n = ckpt::MakeFlatLayout(3537, 2).padded_numel, half = n / 2;
+  auto grad_of = [&](int rank, int micro) {
+    return at::sin(at::arange(n, at::kFloat) * (0.01 * (micro + 1)) + rank).to(at::kBFloat16);
+  };
+  std::vector<at::Tensor> got(2);
+  std::mutex mu;
+  testing::RunRanks(2, [&](Comm& comm) {
+    ZeroSettings s = Bf16Stage2();
+    s.reduce_bucket_size = 500;  // several buckets per partition
+    s.optimizer_step = [&](std::vector<OptimizerPartition>& parts) {
+      std::lock_guard<std::mutex> lock(mu);
+      got[comm.rank()] = parts[0].grad.clone();
+    };
+    s.gradient_clipping = 0;
+    FlatRuntime z(comm, numels, s);
+    for (int micro = 0; micro < 3; ++micro) {
+      z.grad_flat().copy_(grad_of(comm.rank(), micro));
+      z.FinishBackward(micro == 2);
+    }
+    z.Step(1e-3);
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    at::Tensor want;
+    for (int micro = 0; micro < 3; ++micro) {
+      const at::Tensor avg =
+          (grad_of(0, micro).to(at::kFloat) / 2 + grad_of(1, micro).to(at::kFloat) / 2).narrow(0, rank * half, half);
+      want = micro == 0 ? avg : want + avg;
+    }
+    ASSERT_TRUE(got[rank].defined()) << "rank " << rank;
+    EXPECT_TRUE(at::equal(got[rank], want)) << "rank " << rank;
+  }
 }
 
 }  // namespace
