@@ -72,6 +72,10 @@ void FlatRuntime::PrepareBackward() {
       if (grad.defined()) g.grad_views[k].add_(grad);
       grad = g.grad_views[k];
     }
+  // Overlapped reduction while accumulating: each bucket's share is added into the sum as it completes.
+  for (Group& g : groups_)
+    if (g.overlap)
+      g.overlap->SetDestination(g.have_grad_partition && !s_.offload_optimizer_cpu ? g.grad_partition : at::Tensor());
 }
 
 at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {

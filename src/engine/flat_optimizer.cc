@@ -75,10 +75,11 @@ void FlatRuntime::StepFromParameterGradients(const std::vector<double>& group_lr
 }
 
 void FlatRuntime::AdamStep(Group& g, const at::Tensor& grad, double lr) {
-  TorchAdamStep(g.state, grad, g.optimizer, lr);
+  TorchAdamStep(g.state, grad, g.optimizer, lr, s_.step_chunk_elements);
 }
 
-void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const OptimizerConfig& o, double lr) {
+void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const OptimizerConfig& o, double lr,
+                   int64_t chunk_elements) {
   // torch.optim.Adam/AdamW, single-tensor path (PyTorch 2.x), on the partition.
   c10::NoGradGuard no_grad;
   at::Tensor& p = st.master;
@@ -87,23 +88,37 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
     st.exp_avg = at::zeros_like(p);
     st.exp_avg_sq = at::zeros_like(p);
   }
-  at::Tensor grad = grad_in;
   st.step.add_(1);
-  if (o.decoupled_weight_decay) {
-    p.mul_(1 - lr * o.weight_decay);
-  } else if (o.weight_decay != 0) {
-    grad = grad.add(p, o.weight_decay);
-  }
-  st.exp_avg.lerp_(grad, 1 - o.beta1);  // as PyTorch 2.x (1.13 took mul_ + add_, rounding otherwise)
-  st.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
   const double step = st.step.item<float>();
   // bias_correction false (DeepSpeed's Adam): step size lr, denominator sqrt(v) + eps.
   const double bias_correction1 = o.bias_correction ? 1 - std::pow(o.beta1, step) : 1.0;
   const double bias_correction2 = o.bias_correction ? 1 - std::pow(o.beta2, step) : 1.0;
   const double step_size = lr / bias_correction1;
   const double bias_correction2_sqrt = std::sqrt(bias_correction2);
-  at::Tensor denom = (st.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
-  p.addcdiv_(st.exp_avg, denom, -step_size);
+  // Every element goes through torch's operations in torch's order, a chunk at
+  // a time: the temporaries (the denominator; Adam's weight-decayed gradient)
+  // are a chunk's, not the partition's (8 bytes per element over 1B elements).
+  const bool flat = p.is_contiguous() && grad_in.is_contiguous() && grad_in.numel() == p.numel();
+  const int64_t n = p.numel(), chunk = flat && chunk_elements > 0 ? chunk_elements : std::max<int64_t>(n, 1);
+  const at::Tensor p_all = flat ? p.view({-1}) : p, g_all = flat ? grad_in.view({-1}) : grad_in;
+  const at::Tensor m_all = flat ? st.exp_avg.view({-1}) : st.exp_avg;
+  const at::Tensor v_all = flat ? st.exp_avg_sq.view({-1}) : st.exp_avg_sq;
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    const int64_t len = std::min(chunk, n - begin);
+    auto piece = [&](const at::Tensor& t) { return chunk >= n ? t : t.narrow(0, begin, len); };
+    at::Tensor param = piece(p_all), grad = piece(g_all), exp_avg = piece(m_all), exp_avg_sq = piece(v_all);
+    if (o.decoupled_weight_decay) {
+      param.mul_(1 - lr * o.weight_decay);
+    } else if (o.weight_decay != 0) {
+      grad = grad.add(param, o.weight_decay);
+    }
+    exp_avg.lerp_(grad, 1 - o.beta1);  // as PyTorch 2.x (1.13 took mul_ + add_, rounding otherwise)
+    exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
+    // (sqrt(v) / bias_correction2_sqrt) + eps, in place on sqrt's result: the same kernels as torch's expression.
+    at::Tensor denom = exp_avg_sq.sqrt();
+    denom.div_(bias_correction2_sqrt).add_(o.eps);
+    param.addcdiv_(exp_avg, denom, -step_size);
+  }
 }
 
 void FlatRuntime::MastersFromWeights() {

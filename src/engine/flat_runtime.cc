@@ -68,18 +68,25 @@ void EnsureStaging(std::vector<at::Tensor>& slots, int64_t n, at::ScalarType dty
     slots.push_back(at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(true)));
 }
 
-// Elements of a partition converted to fp64 at once for the fragments'
-// norms (256 MiB; a larger fragment alone): few conversions, bounded
-// temporary memory.
-constexpr int64_t kNormSpan = int64_t{1} << 25;
-
 // DeepSpeed's per-fragment gradient norms of `partition`, on its device
-// (grad_numerics.h); empty when this rank holds no fragment.
-at::Tensor FragmentNorms(const std::vector<ckpt::Fragment>& fragments, const at::Tensor& partition) {
+// (grad_numerics.h), converting up to `span` elements to fp64 at once; empty
+// when this rank holds no fragment.
+at::Tensor FragmentNorms(const std::vector<ckpt::Fragment>& fragments, const at::Tensor& partition, int64_t span) {
   std::vector<GradPiece> pieces;
   pieces.reserve(fragments.size());
   for (const ckpt::Fragment& f : fragments) pieces.push_back({f.partition_offset, f.numel});
-  return PieceNorms(partition, pieces, partition.device(), kNormSpan);
+  return PieceNorms(partition, pieces, partition.device(), span);
+}
+
+// sum += part (a 16-bit or fp32 tensor as long), `chunk` elements at a time:
+// each piece widened exactly and added, as a whole fp32 copy of `part` would
+// be, with a piece's temporary at most (on the CPU the widening is a copy).
+void AddWidened(const at::Tensor& sum, const at::Tensor& part, int64_t chunk) {
+  const int64_t n = sum.numel(), c = chunk > 0 ? chunk : std::max<int64_t>(n, 1);
+  for (int64_t begin = 0; begin < n; begin += c) {
+    const int64_t len = std::min(c, n - begin);
+    sum.narrow(0, begin, len).add_(part.narrow(0, begin, len));
+  }
 }
 
 }  // namespace
@@ -341,8 +348,15 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
   if (g.host_copy) return TakeHostCopy(g, boundary);
   // DeepSpeed's average_tensor: divide by dp, then sum over ranks.
   at::Tensor part;
+  // Accumulating on the device: this micro-step's average is added into the
+  // sum piece by piece, the values a whole fp32 copy would add, without it.
+  const bool add_in_place = g.have_grad_partition && !s_.offload_optimizer_cpu;
   if (g.overlap) {
     part = g.overlap->Finish();
+    if (part.is_same(g.grad_partition)) {  // added bucket by bucket (PrepareBackward set it)
+      g.grad_flat.zero_();
+      return;
+    }
   } else if (deepspeed_order_) {
     part = AllReduceInDeepSpeedOrder(g);
   } else if (g.layout.dp > 1) {
@@ -350,14 +364,22 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
     // one reduce-scatter hands each owner its own columns.
     const int64_t dp = g.layout.dp, P = g.layout.partition_size;
     const int64_t b_max = std::max<int64_t>(1, s_.reduce_bucket_size / dp);
-    part = at::empty({P}, g.grad_flat.options().dtype(at::kFloat));
+    const auto fp32 = g.grad_flat.options().dtype(at::kFloat);
+    if (!add_in_place) part = at::empty({P}, fp32);
     at::Tensor by_rank = g.grad_flat.view({dp, P});
     for (int64_t o = 0; o < P; o += b_max) {
       const int64_t b = std::min(b_max, P - o);
-      at::Tensor bucket = by_rank.narrow(1, o, b).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      // Flat [dp * b] (Gloo's reduce-scatter checks the first dimension; NCCL's the elements).
+      at::Tensor bucket =
+          by_rank.narrow(1, o, b).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous().view({-1});
       bucket.div_(static_cast<double>(dp));
-      at::Tensor out = part.narrow(0, o, b);
+      at::Tensor out = add_in_place ? at::empty({b}, fp32) : part.narrow(0, o, b);
       comm_.ReduceScatterSum(bucket, out);
+      if (add_in_place) g.grad_partition.narrow(0, o, b).add_(out);
+    }
+    if (add_in_place) {
+      g.grad_flat.zero_();
+      return;
     }
   } else if (s_.stage0_fp16 != Stage0Fp16::kNone) {
     part = Fp16WrapperAllReduce(g);
@@ -376,12 +398,16 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
       if (f != world) grad.mul_(f / world);
     }
     part = grad;
+  } else if (add_in_place) {
+    AddWidened(g.grad_partition, g.grad_flat, s_.step_chunk_elements);
+    g.grad_flat.zero_();
+    return;
   } else {
     part = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   }
   if (s_.offload_optimizer_cpu && !part.device().is_cpu()) {
     // As DeepSpeed's offload: the norms on the device, not over the host copy.
-    g.device_norms = g.have_grad_partition ? at::Tensor() : FragmentNorms(g.fragments, part);
+    g.device_norms = g.have_grad_partition ? at::Tensor() : FragmentNorms(g.fragments, part, s_.norm_span_elements);
     AddToHostGradient(g, part);
     g.grad_flat.zero_();
     return;
@@ -409,7 +435,8 @@ void FlatRuntime::TakeHostCopy(Group& g, bool boundary) {
   // takes them, on the device, from the gradient before it is zeroed (model
   // dtype -> fp64 gives the values fp32 -> fp64 gives).
   const bool alone = boundary && !g.have_grad_partition;
-  g.device_norms = alone ? FragmentNorms(g.fragments, PartitionOf(g, g.grad_flat)) : at::Tensor();
+  g.device_norms =
+      alone ? FragmentNorms(g.fragments, PartitionOf(g, g.grad_flat), s_.norm_span_elements) : at::Tensor();
   g.host_copy->Finish();
   g.grad_flat.zero_();  // queued after the copies
   if (alone) {
@@ -451,7 +478,8 @@ void FlatRuntime::DropGradient(Group& g) {
 at::Tensor FlatRuntime::GlobalNorm() {
   std::vector<at::Tensor> group_norms;
   for (const Group& g : groups_) {
-    const at::Tensor norms = g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition);
+    const at::Tensor norms =
+        g.device_norms.defined() ? g.device_norms : FragmentNorms(g.fragments, g.grad_partition, s_.norm_span_elements);
     group_norms.push_back(
         GroupGradNormStacked(comm_, norms, at::kFloat, norms.device(), s_.stage != 0 && comm_.world_size() > 1));
   }

@@ -54,8 +54,10 @@ class UnitPipeline;
 class UnscaleAndClip;
 
 // torch.optim.Adam/AdamW's single-tensor step (PyTorch 2.x) on one partition:
-// `st.master` updated with `grad` (moments created on the first step).
-void TorchAdamStep(PartitionState& st, const at::Tensor& grad, const OptimizerConfig& o, double lr);
+// `st.master` updated with `grad` (moments created on the first step), in
+// pieces of `chunk_elements` so that its temporaries are a piece's (0: at once).
+void TorchAdamStep(PartitionState& st, const at::Tensor& grad, const OptimizerConfig& o, double lr,
+                   int64_t chunk_elements = kStepChunkElements);
 
 class FlatRuntime : public ShardedRuntime {
  public:

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <utility>
 
 #include "ckpt/partition.h"
 
@@ -42,6 +43,7 @@ size_t OverlappedGradReducer::StartReadyBuckets() {
   const double dp = comm_.world_size();
   const size_t first = next_;
   while (next_ < buckets_.size() && buckets_[next_].pending <= 0) {
+    while (next_ - retired_ >= kInFlight) Retire(buckets_[retired_++]);
     Bucket& b = buckets_[next_++];
     // DeepSpeed's average_tensor: divide by dp, then sum over ranks (in fp32).
     b.fp32 = grad_flat_.narrow(0, b.begin, b.numel).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
@@ -51,24 +53,47 @@ size_t OverlappedGradReducer::StartReadyBuckets() {
   return next_ - first;
 }
 
-at::Tensor OverlappedGradReducer::Finish() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& b : buckets_) b.pending = 0;  // a parameter without gradient leaves its bucket short
-    StartReadyBuckets();
-  }
+void OverlappedGradReducer::Retire(Bucket& b) {
   c10::NoGradGuard no_grad;
-  at::Tensor part = at::zeros({part_size_}, grad_flat_.options().dtype(at::kFloat));
-  for (Bucket& b : buckets_) {
-    b.work->Wait();
-    const int64_t lo = std::max(b.begin, part_begin_), hi = std::min(b.begin + b.numel, part_begin_ + part_size_);
-    if (lo < hi) part.narrow(0, lo - part_begin_, hi - lo).copy_(b.fp32.narrow(0, lo - b.begin, hi - lo));
-    b.fp32 = at::Tensor();
-    b.work.reset();
-    b.pending = b.params;
+  b.work->Wait();
+  if (!part_.defined()) {
+    part_ = at::zeros({part_size_}, grad_flat_.options().dtype(at::kFloat));
+    add_ = false;
   }
+  const int64_t lo = std::max(b.begin, part_begin_), hi = std::min(b.begin + b.numel, part_begin_ + part_size_);
+  if (lo < hi) {
+    at::Tensor dst = part_.narrow(0, lo - part_begin_, hi - lo);
+    const at::Tensor src = b.fp32.narrow(0, lo - b.begin, hi - lo);
+    // (Added: the same sum as the caller adding a partition of these values afterwards.)
+    if (add_) {
+      dst.add_(src);
+    } else {
+      dst.copy_(src);
+    }
+  }
+  b.fp32 = at::Tensor();
+  b.work.reset();
+}
+
+void OverlappedGradReducer::SetDestination(at::Tensor sum) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sum.defined() && (sum.numel() != part_size_ || sum.scalar_type() != at::kFloat))
+    throw std::invalid_argument("OverlappedGradReducer::SetDestination: not an fp32 partition of this rank");
+  part_ = std::move(sum);
+  add_ = part_.defined();
+}
+
+at::Tensor OverlappedGradReducer::Finish() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& b : buckets_) b.pending = 0;  // a parameter without gradient leaves its bucket short
+  StartReadyBuckets();
+  while (retired_ < buckets_.size()) Retire(buckets_[retired_++]);
+  if (!part_.defined()) part_ = at::zeros({part_size_}, grad_flat_.options().dtype(at::kFloat));  // no bucket
+  for (Bucket& b : buckets_) b.pending = b.params;
   next_ = 0;
-  return part;
+  retired_ = 0;
+  add_ = false;
+  return std::exchange(part_, at::Tensor());
 }
 
 }  // namespace uckpt::engine

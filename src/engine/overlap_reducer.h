@@ -9,6 +9,12 @@
 // bucket order, so every rank issues the same collectives in the same order.
 // A range may span several ranks' partitions, hence an all-reduce (not a
 // reduce-scatter); each rank then keeps the part of its own partition.
+//
+// At most kInFlight buckets hold their fp32 copy at once (DeepSpeed keeps two
+// IPG buffers): starting a bucket first retires the oldest one still held —
+// waits for its all-reduce, puts this rank's share into the partition, frees
+// the copy. Held to the end of backward, the copies would be the whole fp32
+// gradient, not this rank's partition of it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -33,10 +39,18 @@ class OverlappedGradReducer {
   OverlappedGradReducer(const OverlappedGradReducer&) = delete;
   OverlappedGradReducer& operator=(const OverlappedGradReducer&) = delete;
 
+  // Before a backward: the fp32 partition [partition_size] this backward's
+  // averaged gradient is added into (the sum of the step's earlier
+  // micro-steps), or undefined: a new one, zeros and then this backward's
+  // average. Finish() forgets it.
+  void SetDestination(at::Tensor sum);
   // After backward: starts any bucket whose hooks did not all fire, waits for
-  // all of them and returns this rank's partition of the averaged gradient
-  // (fp32, [partition_size]). The caller zeroes grad_flat afterwards.
+  // all of them and returns this rank's partition of the averaged gradient:
+  // the destination with it added, else a new fp32 [partition_size]. The
+  // caller zeroes grad_flat afterwards.
   at::Tensor Finish();
+
+  static constexpr size_t kInFlight = 2;
 
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   // Buckets started by the hooks (during backward) rather than by Finish(), over all steps.
@@ -52,12 +66,16 @@ class OverlappedGradReducer {
   };
   void OnGradReady(size_t bucket);
   size_t StartReadyBuckets();  // with mu_ held; returns how many it started
+  void Retire(Bucket& b);      // with mu_ held: waits, adds this rank's share, frees the copy
 
   Comm& comm_;
   at::Tensor grad_flat_;
   int64_t part_begin_, part_size_;
   std::vector<Bucket> buckets_;
-  size_t next_ = 0;  // the next bucket to start
+  size_t next_ = 0;     // the next bucket to start
+  size_t retired_ = 0;  // buckets before it are in the partition
+  at::Tensor part_;     // this backward's destination (undefined until set or needed)
+  bool add_ = false;    // part_ is a sum to add to (else it was made zero here)
   int64_t started_during_backward_ = 0;
   std::mutex mu_;
   GradAccumulatedHooks hooks_;

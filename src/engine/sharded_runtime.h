@@ -64,6 +64,11 @@ std::optional<double> StepOf(const PartitionState& st);
 enum class Stage0Fp16 { kNone, kFused, kUnfused };
 Stage0Fp16 Stage0Fp16Of(const TrainConfig& c, bool client_optimizer, bool forward_only);
 
+// Elements per piece of the step's whole-partition element-wise work (Adam's
+// update; a 16-bit gradient added into the fp32 sum): the temporaries are a
+// piece's, not the partition's. 64 MiB of fp32: few kernel launches.
+constexpr int64_t kStepChunkElements = int64_t{1} << 24;
+
 // What either runtime is built with (stage 3 adds its own: Zero3Settings).
 struct ZeroSettings {
   int stage = 1;
@@ -80,6 +85,12 @@ struct ZeroSettings {
   // Set: the update of every step instead of Adam (EngineOptions::optimizer_step).
   OptimizerStepFn optimizer_step;
   Stage0Fp16 stage0_fp16 = Stage0Fp16::kNone;
+  // Bounds on the step's temporaries (no config key; tests shrink them to
+  // measure memory at small sizes): the pieces of kStepChunkElements above,
+  // and the elements of a stage 1/2 gradient partition converted to fp64 at
+  // once for its fragments' norms (256 MiB; a larger fragment alone).
+  int64_t step_chunk_elements = kStepChunkElements;
+  int64_t norm_span_elements = int64_t{1} << 25;
 };
 
 // Hands every partition with its gradient to settings.optimizer_step:

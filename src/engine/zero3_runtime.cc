@@ -154,7 +154,7 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
   for (Zero3SubGroup& sg : subs_) {
     at::Tensor grad = sg.Grad();
     unscale.Apply(grad);
-    TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group]);
+    TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group], s_.base.step_chunk_elements);
   }
   ClearGrads();
   WeightsFromMasters();
