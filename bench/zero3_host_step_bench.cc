@@ -166,13 +166,17 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
-    const char* names[6] = {"before: norms, SumOfSquares each", "before: CpuAdamStep", "before: grad.zero_()",
-                            "before: bf16 partitions copy_", "after:  norms, PieceSumsOfSquares",
+    const char* names[6] = {"before: norms, SumOfSquares each",
+                            "before: CpuAdamStep",
+                            "before: grad.zero_()",
+                            "before: bf16 partitions copy_",
+                            "after:  norms, PieceSumsOfSquares",
                             "after:  RunInto (update + bf16)"};
     for (int k = 0; k < 6; ++k) {
       report(threads, names[k], t[k]);
-      if (k == 3) report(threads, "before: total", {t[0].wall + t[1].wall + t[2].wall + t[3].wall,
-                                                    t[0].cpu + t[1].cpu + t[2].cpu + t[3].cpu});
+      if (k == 3)
+        report(threads, "before: total",
+               {t[0].wall + t[1].wall + t[2].wall + t[3].wall, t[0].cpu + t[1].cpu + t[2].cpu + t[3].cpu});
     }
     report(threads, "after:  total", {t[4].wall + t[5].wall, t[4].cpu + t[5].cpu});
   }
