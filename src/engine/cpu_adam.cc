@@ -93,6 +93,26 @@ struct ConvertingCopy {
 using BFloat16Copy = ConvertingCopy<ToBFloat16Bits>;
 using HalfCopy = ConvertingCopy<ToHalfBits>;
 
+// The same conversion into several outputs, each holding the weights of one
+// piece of the partition (CpuAdamPass::RunInto): a chunk of the update may
+// span pieces, or fall in a gap between them (no copy there).
+template <uint16_t (*Convert)(float)>
+struct PiecewiseCopy {
+  const std::vector<CpuAdamPass::WeightOut>* pieces;  // sorted by begin, not overlapping
+  std::vector<uint16_t*> outs;                        // each piece's bits
+  void operator()(const float* p, int64_t begin, int64_t end) const {
+    const auto& ps = *pieces;
+    auto k =
+        static_cast<size_t>(std::upper_bound(ps.begin(), ps.end(), begin,
+                                             [](int64_t at, const CpuAdamPass::WeightOut& w) { return at < w.begin; }) -
+                            ps.begin());
+    for (k = k > 0 ? k - 1 : 0; k < ps.size() && ps[k].begin < end; ++k) {
+      const int64_t a = std::max(begin, ps[k].begin), b = std::min(end, ps[k].begin + ps[k].out.numel());
+      if (b > a) ConvertRange<Convert>(p + a, outs[k] + (a - ps[k].begin), b - a);
+    }
+  }
+};
+
 // How the update reads a gradient element (Format::Load): fp32 as it is, or
 // the model's bf16 or fp16 bits widened to fp32 (exact), branch-free so the
 // loop vectorises.
@@ -148,16 +168,24 @@ UCKPT_ADAM_CLONES void AdamLoop(const AdamScalars& s, float* __restrict p, float
   }
 }
 
-// The update of [begin, end); then `copy` receives the new weights in the model dtype.
+// The update of [begin, end); then `copy` receives the new weights in the
+// model dtype. With a copy, in blocks of kCopyBlock elements, each converted
+// right after its update: a job's whole range (up to 4 MiB over the four
+// arrays) would have left the core's cache by the time the copy read it back.
+constexpr int64_t kCopyBlock = 8192;
 template <typename Format, typename Copy>
 void AdamRange(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, const Copy& copy,
                int64_t begin, int64_t end) {
-  if (s.decoupled) {
-    AdamLoop<Format, true>(s, p, m, v, g, begin, end);
-  } else {
-    AdamLoop<Format, false>(s, p, m, v, g, begin, end);
+  const int64_t block = std::is_same_v<Copy, NoCopy> ? end - begin : kCopyBlock;
+  for (int64_t b = begin; b < end; b += block) {
+    const int64_t e = std::min(end, b + block);
+    if (s.decoupled) {
+      AdamLoop<Format, true>(s, p, m, v, g, b, e);
+    } else {
+      AdamLoop<Format, false>(s, p, m, v, g, b, e);
+    }
+    copy(p, b, e);
   }
-  copy(p, begin, end);
 }
 
 void CheckHostFloat(const at::Tensor& t, const char* what, int64_t n) {
@@ -322,16 +350,22 @@ int64_t AdamJobElements(int64_t len, int threads) {
   return std::min(kChunk, std::max<int64_t>(int64_t{1} << 14, (per_job + 63) / 64 * 64));
 }
 
+// The update of [begin, end) on `threads` threads, each job's new weights then to `copy`.
+template <typename Format, typename Copy>
+void AdamParallel(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t begin,
+                  int64_t end, const Copy& copy, int threads) {
+  const int64_t len = end - begin;
+  ParallelChunks(
+      len, [&](int64_t b, int64_t e) { AdamRange<Format>(s, p, m, v, g, copy, begin + b, begin + e); }, threads,
+      AdamJobElements(len, threads));
+}
+
 // The update of [begin, end) on `threads` threads, the weights also into `out` if defined.
 template <typename Format>
 void AdamPiece(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t begin, int64_t end,
                const at::Tensor& out, int threads) {
   const int64_t len = end - begin;
-  auto run = [&](const auto& copy) {
-    ParallelChunks(
-        len, [&](int64_t b, int64_t e) { AdamRange<Format>(s, p, m, v, g, copy, begin + b, begin + e); }, threads,
-        AdamJobElements(len, threads));
-  };
+  auto run = [&](const auto& copy) { AdamParallel<Format>(s, p, m, v, g, begin, end, copy, threads); };
   const bool fits = out.defined() && out.device().is_cpu() && out.is_contiguous() && out.numel() == len;
   if (!out.defined()) {
     run(NoCopy{});
@@ -343,6 +377,38 @@ void AdamPiece(const AdamScalars& s, float* p, float* m, float* v, typename Form
     throw std::invalid_argument("CpuAdamStep: a range's copy must be a contiguous host bf16 or fp16 tensor of " +
                                 std::to_string(len) + " elements");
   }
+}
+
+// The whole partition on `threads` threads, each piece's weights into its `out`.
+template <typename Format>
+void AdamPieces(const AdamScalars& s, float* p, float* m, float* v, typename Format::Elem* g, int64_t n,
+                const std::vector<CpuAdamPass::WeightOut>& pieces, at::ScalarType dtype, int threads) {
+  auto run = [&](auto copy) {
+    for (const CpuAdamPass::WeightOut& w : pieces) copy.outs.push_back(reinterpret_cast<uint16_t*>(w.out.data_ptr()));
+    AdamParallel<Format>(s, p, m, v, g, 0, n, copy, threads);
+  };
+  if (dtype == at::kBFloat16) return run(PiecewiseCopy<ToBFloat16Bits>{&pieces, {}});
+  run(PiecewiseCopy<ToHalfBits>{&pieces, {}});
+}
+
+// RunInto's pieces: host tensors of one 16-bit dtype, in order, inside [0, n).
+at::ScalarType CheckWeightOuts(const std::vector<CpuAdamPass::WeightOut>& pieces, int64_t n) {
+  const at::ScalarType dtype = pieces.empty() ? at::kBFloat16 : pieces[0].out.scalar_type();
+  int64_t done = 0;
+  for (const CpuAdamPass::WeightOut& w : pieces) {
+    const at::Tensor& t = w.out;
+    if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.scalar_type() != dtype ||
+        (dtype != at::kBFloat16 && dtype != at::kHalf))
+      throw std::invalid_argument(
+          "CpuAdamPass::RunInto: every piece's weights must be a contiguous host tensor, "
+          "all bf16 or all fp16");
+    if (w.begin < done || w.begin + t.numel() > n)
+      throw std::invalid_argument("CpuAdamPass::RunInto: piece [" + std::to_string(w.begin) + ", " +
+                                  std::to_string(w.begin + t.numel()) + ") overlaps the one before it or ends past " +
+                                  std::to_string(n) + " (pieces must be in order)");
+    done = w.begin + t.numel();
+  }
+  return dtype;
 }
 
 }  // namespace
@@ -361,6 +427,57 @@ double SumOfSquares(const at::Tensor& t) {
   double total = 0;
   for (double s : partial) total += s;  // in chunk order: the same on every run
   return total;
+}
+
+std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
+  if (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous())
+    throw std::invalid_argument("PieceSumsOfSquares: needs a contiguous host fp32 tensor");
+  // SumOfSquares's chunks of every piece, in one list: each summed alone,
+  // in order, as SumOfSquares sums it; a job takes up to kWays chunks side
+  // by side (independent sums: the adds' latency overlaps, the bits stay).
+  struct Chunk {
+    const float* x;
+    int64_t n;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<size_t> first_chunk;  // per piece, then the end
+  const float* base = t.data_ptr<float>();
+  for (const auto& [offset, numel] : pieces) {
+    if (offset < 0 || numel < 0 || offset + numel > t.numel())
+      throw std::out_of_range("PieceSumsOfSquares: piece [" + std::to_string(offset) + ", " +
+                              std::to_string(offset + numel) + ") outside " + std::to_string(t.numel()) + " elements");
+    first_chunk.push_back(chunks.size());
+    for (int64_t b = 0; b < numel; b += kChunk) chunks.push_back({base + offset + b, std::min(kChunk, numel - b)});
+  }
+  first_chunk.push_back(chunks.size());
+  constexpr int64_t kWays = 8;
+  std::vector<double> partial(chunks.size(), 0.0);
+  const int64_t count = static_cast<int64_t>(chunks.size());
+  ParallelChunks(
+      count,
+      [&](int64_t begin, int64_t end) {
+        double acc[kWays] = {};
+        int64_t common = kChunk;
+        for (int64_t k = begin; k < end; ++k) common = std::min(common, chunks[k].n);
+        if (end - begin == kWays) {
+          const float* x[kWays];
+          for (int64_t w = 0; w < kWays; ++w) x[w] = chunks[begin + w].x;
+          for (int64_t i = 0; i < common; ++i)
+            for (int64_t w = 0; w < kWays; ++w) acc[w] += static_cast<double>(x[w][i]) * x[w][i];
+        } else {
+          common = 0;
+        }
+        for (int64_t k = begin; k < end; ++k) {
+          double& a = acc[k - begin];
+          for (int64_t i = common; i < chunks[k].n; ++i) a += static_cast<double>(chunks[k].x[i]) * chunks[k].x[i];
+          partial[k] = a;
+        }
+      },
+      at::get_num_threads(), kWays);
+  std::vector<double> sums(pieces.size(), 0.0);
+  for (size_t p = 0; p < pieces.size(); ++p)
+    for (size_t k = first_chunk[p]; k < first_chunk[p + 1]; ++k) sums[p] += partial[k];  // SumOfSquares's order
+  return sums;
 }
 
 void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
@@ -434,6 +551,20 @@ void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out, int thr
       return AdamPiece<HalfGrad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::Half>()), begin, end,
                                  out, threads);
     default: return AdamPiece<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), begin, end, out, threads);
+  }
+}
+
+void CpuAdamPass::RunInto(const std::vector<WeightOut>& pieces, int threads) const {
+  const at::ScalarType dtype = CheckWeightOuts(pieces, n_);
+  if (threads <= 0) threads = threads_;
+  switch (grad_.scalar_type()) {
+    case at::kBFloat16:
+      return AdamPieces<BFloat16Grad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::BFloat16>()), n_,
+                                      pieces, dtype, threads);
+    case at::kHalf:
+      return AdamPieces<HalfGrad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::Half>()), n_, pieces,
+                                  dtype, threads);
+    default: return AdamPieces<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), n_, pieces, dtype, threads);
   }
 }
 

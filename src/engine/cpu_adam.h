@@ -11,7 +11,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "engine/flat_runtime.h"
 
@@ -54,6 +57,16 @@ class CpuAdamPass {
   // new weights rounded as .to() rounds. `threads` > 0: on that many
   // threads instead of the pass's own count (the same bits either way).
   void Run(int64_t begin, int64_t end, const at::Tensor& out = at::Tensor(), int threads = 0) const;
+  // Where a piece of the partition's new weights go: elements [begin,
+  // begin + out.numel()) into `out`, a contiguous host bf16 or fp16 tensor.
+  struct WeightOut {
+    int64_t begin = 0;
+    at::Tensor out;
+  };
+  // Updates the whole partition in one pass (one wait for the threads), each
+  // of `pieces` (in order, not overlapping; gaps get no copy) receiving its
+  // new weights as Run's `out` does; the same bits as Run over the pieces.
+  void RunInto(const std::vector<WeightOut>& pieces, int threads = 0) const;
   int64_t numel() const { return n_; }
   int threads() const { return threads_; }
 
@@ -74,5 +87,10 @@ class CpuAdamPass {
 // The sum of the squares of a host fp32 tensor, accumulated in fp64 (the
 // squared L2 norm, for the global gradient norm without fp64 copies).
 double SumOfSquares(const at::Tensor& t);
+
+// SumOfSquares of each piece (offset, numel) of a host fp32 tensor, bit for
+// bit, in one parallel pass over all of them (a gradient partition's
+// per-parameter norms without a wait for the threads per parameter).
+std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<std::pair<int64_t, int64_t>>& pieces);
 
 }  // namespace uckpt::engine

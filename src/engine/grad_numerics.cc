@@ -19,8 +19,9 @@ at::Tensor PieceNorms(const at::Tensor& grad, const std::vector<GradPiece>& piec
   if (pieces.empty()) return at::empty({0}, at::TensorOptions().dtype(at::kDouble).device(device));
   std::vector<at::Tensor> norms;
   if (grad.device().is_cpu() && !device.is_cpu()) {
-    for (const GradPiece& p : pieces)
-      norms.push_back(at::scalar_tensor(std::sqrt(SumOfSquares(grad.narrow(0, p.offset, p.numel))), at::kDouble));
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const GradPiece& p : pieces) ranges.emplace_back(p.offset, p.numel);
+    for (double sum : PieceSumsOfSquares(grad, ranges)) norms.push_back(at::scalar_tensor(std::sqrt(sum), at::kDouble));
     return at::stack(norms);
   }
   for (size_t i = 0; i < pieces.size();) {

@@ -144,11 +144,7 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
     return r;
   }
   if (s_.base.offload_optimizer_cpu) {
-    // The same factor, applied inside one fused host pass.
-    for (Zero3SubGroup& sg : subs_)
-      CpuAdamStep(sg.state, sg.Grad(), unscale.host_factor(), group_optimizers_[sg.group], group_lrs[sg.group]);
-    ClearGrads();
-    WeightsFromMasters();
+    HostStep(unscale.host_factor(), group_lrs);
     return r;
   }
   for (Zero3SubGroup& sg : subs_) {
@@ -159,6 +155,36 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
   ClearGrads();
   WeightsFromMasters();
   return r;
+}
+
+// offload_optimizer: the same factor, applied inside one fused host pass per
+// sub-group, which also zeroes the fp32 gradient (ready for the next
+// accumulation) and, where the 16-bit partitions are in host memory
+// (offload_param) in bf16 or fp16, writes each parameter's new partition
+// from the chunk it has just updated (WeightsFromMasters's copy, the same
+// bits, without a second pass over the masters).
+void Zero3Runtime::HostStep(double grad_scale, const std::vector<double>& group_lrs) {
+  units_.DropPrefetches();  // gathered from the old partitions
+  bool partitions_written = true;
+  for (Zero3SubGroup& sg : subs_) {
+    const CpuAdamPass pass(sg.state, sg.Grad(), grad_scale, group_optimizers_[sg.group], group_lrs[sg.group]);
+    std::vector<CpuAdamPass::WeightOut> outs;
+    for (size_t i : sg.params) {
+      const Zero3Param& p = params_[i];
+      const at::ScalarType dtype = p.partition.scalar_type();
+      if (p.partition.device().is_cpu() && p.partition.is_contiguous() &&
+          (dtype == at::kBFloat16 || dtype == at::kHalf))
+        outs.push_back({p.offset, p.partition});
+    }
+    if (outs.size() == sg.params.size()) {
+      pass.RunInto(outs);
+    } else {
+      pass.Run(0, pass.numel());
+      partitions_written = false;
+    }
+  }
+  if (!partitions_written) return WeightsFromMasters();
+  storage_.RefetchWhole();
 }
 
 void Zero3Runtime::ClearGrads() {

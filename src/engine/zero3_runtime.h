@@ -188,6 +188,8 @@ class Zero3Runtime : public ShardedRuntime {
   Zero3Runtime& operator=(const Zero3Runtime&) = delete;
   void FinishBackwardUntimed();
   void ClearGrads();  // after an update or a skipped step
+  // offload_optimizer's update: the fused host pass per sub-group.
+  void HostStep(double grad_scale, const std::vector<double>& group_lrs);
   void StartFromPartitions();
   at::Tensor GlobalNorm(bool* finite);
   // settings.optimizer_step over every sub-group's partition.

@@ -305,6 +305,57 @@ TEST(CpuAdam, APassOverPiecesIsTheWholeStep) {
   EXPECT_THROW(pass.Run(0, n + 1), std::out_of_range);
 }
 
+// RunInto: one pass whose pieces get what Run's `out` gets over each piece
+// (chunks spanning pieces, a gap left unwritten), and the same update.
+TEST(CpuAdam, RunIntoWritesEachPieceAsRunDoes) {
+  OptimizerConfig o;
+  o.weight_decay = 0.01;
+  o.decoupled_weight_decay = true;
+  const int64_t n = (1 << 20) + 12345;  // several jobs and a ragged end
+  // [begin, end) of each piece; 300000 .. 300100 is a gap.
+  const std::vector<std::pair<int64_t, int64_t>> ranges{
+      {0, 5}, {5, 300000}, {300100, 300101}, {300101, 700000}, {700000, n}};
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    at::manual_seed(5);
+    PartitionState want, st;
+    want.master = at::randn({n});
+    st.master = want.master.clone();
+    for (int step = 1; step <= 2; ++step) {
+      const at::Tensor g = at::randn({n}) * 1e-2;
+      at::Tensor g_want = g.clone(), g_into = g.clone();
+      const CpuAdamPass by_range(want, g_want, 0.5, o, 1e-3 * step), into(st, g_into, 0.5, o, 1e-3 * step);
+      std::vector<at::Tensor> a, b;
+      std::vector<CpuAdamPass::WeightOut> outs;
+      by_range.Run(300000, 300100);
+      for (const auto& [begin, end] : ranges) {
+        a.push_back(at::full({end - begin}, 7, dtype));
+        by_range.Run(begin, end, a.back(), 2);
+        b.push_back(at::full({end - begin}, 7, dtype));
+        outs.push_back({begin, b.back()});
+      }
+      into.RunInto(outs, 2);
+      EXPECT_TRUE(at::equal(st.master.view(at::kInt), want.master.view(at::kInt))) << dtype << step;
+      EXPECT_TRUE(at::equal(st.exp_avg.view(at::kInt), want.exp_avg.view(at::kInt))) << dtype << step;
+      EXPECT_TRUE(at::equal(st.exp_avg_sq.view(at::kInt), want.exp_avg_sq.view(at::kInt))) << dtype << step;
+      EXPECT_EQ(g_into.abs().max().item<float>(), 0.0f) << "the whole fp32 gradient is zeroed, the gap's too";
+      for (size_t k = 0; k < ranges.size(); ++k) {
+        EXPECT_TRUE(at::equal(a[k].view(at::kShort), b[k].view(at::kShort))) << dtype << " piece " << k;
+        const auto [begin, end] = ranges[k];
+        EXPECT_TRUE(at::equal(b[k], st.master.narrow(0, begin, end - begin).to(dtype))) << dtype << " piece " << k;
+      }
+    }
+  }
+  PartitionState st;
+  st.master = at::zeros({100});
+  const at::Tensor g = at::zeros({100});
+  const CpuAdamPass pass(st, g, 1.0, o, 1e-3);
+  const at::Tensor w = at::zeros({60}, at::kBFloat16);
+  EXPECT_THROW(pass.RunInto({{0, w}, {50, w}}), std::invalid_argument);                           // overlapping
+  EXPECT_THROW(pass.RunInto({{50, w}}), std::invalid_argument);                                   // past the end
+  EXPECT_THROW(pass.RunInto({{0, w}, {60, at::zeros({10}, at::kHalf)}}), std::invalid_argument);  // mixed dtypes
+  EXPECT_THROW(pass.RunInto({{0, at::zeros({10})}}), std::invalid_argument);                      // fp32
+}
+
 TEST(CpuAdam, RefusesTensorsItCannotUpdateInPlace) {
   PartitionState st;
   st.master = at::zeros({8});
@@ -375,6 +426,32 @@ TEST(SumOfSquares, EqualsTheSquaredNormInDouble) {
   EXPECT_NEAR(SumOfSquares(x), want, want * 1e-12);
   EXPECT_EQ(SumOfSquares(at::zeros({5})), 0.0);
   EXPECT_THROW(SumOfSquares(x.to(at::kDouble)), std::invalid_argument);
+}
+
+// PieceSumsOfSquares: each piece's sum as SumOfSquares gives it alone, bit
+// for bit (the norms' summation order is kept); values over many decades
+// make any other order round differently.
+TEST(SumOfSquares, PiecesSumAsEachAlone) {
+  at::manual_seed(4);
+  const int64_t chunk = 1 << 18;
+  const int64_t n = 20 * chunk + 777;
+  const at::Tensor x = at::randn({n}) * at::exp(at::randn({n}) * 4);
+  const std::vector<std::pair<int64_t, int64_t>> pieces{{0, 3 * chunk + 5},
+                                                        {3 * chunk + 5, 0},
+                                                        {3 * chunk + 5, 7},
+                                                        {100, 8 * chunk},  // overlapping is fine
+                                                        {4 * chunk, 9 * chunk + 1},
+                                                        {13 * chunk + 1, n - 13 * chunk - 1},
+                                                        {n - 1, 1}};
+  const std::vector<double> sums = PieceSumsOfSquares(x, pieces);
+  ASSERT_EQ(sums.size(), pieces.size());
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const double alone = SumOfSquares(x.narrow(0, pieces[k].first, pieces[k].second));
+    EXPECT_EQ(std::memcmp(&sums[k], &alone, sizeof alone), 0) << "piece " << k << ": " << sums[k] << " " << alone;
+  }
+  EXPECT_TRUE(PieceSumsOfSquares(x, {}).empty());
+  EXPECT_THROW(PieceSumsOfSquares(x, {{n - 1, 2}}), std::out_of_range);
+  EXPECT_THROW(PieceSumsOfSquares(x.to(at::kDouble), {{0, 1}}), std::invalid_argument);
 }
 
 }  // namespace
