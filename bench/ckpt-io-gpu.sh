@@ -5,7 +5,9 @@
 # async_save (blocked, and until done + sync) and load on the same model and
 # disk, and `cp -r` + `sync` of uckpt's tag folder. uckpt's times are its own
 # ("saved ... in", "snapshot ... in", "background save published after",
-# "loaded ... in"); each figure is the best of RUNS.
+# "loaded ... in"); each figure is the best of RUNS. The timed sync save's parts
+# (UCKPT_TIMERS=1, rank 0; "previous save": waiting for the step-1 save's
+# background syncfs) are printed for every run after the table.
 # Targets (issue: checkpoints at the speed of the disk): async blocked <= 0.2x
 # DCP async_save's blocked time; sync save GB/s >= DCP save's; load >= 5x DCP
 # load's speed.
@@ -40,11 +42,12 @@ JSON
 done
 train() { "$uckpt" launch -n "$NGPU" --master_port 0 -- "$uckpt" train --config "cfg_$1.json" $model --device cuda --log_dir logs --no_progress "${@:2}" 2>&1; }
 pick() { sed -n "s/^uckpt train: $1.* in \([0-9.]*\) s.*/\1/p" | tail -1; }
-save=() blocked=() total=() load=() cps=()
+save=() blocked=() total=() load=() cps=() parts=()
 for ((i = 0; i < runs; i++)); do
   rm -rf s a cp_copy; sync
   # Saves at steps 1 and 2; the second (buffers warm) is the one timed.
-  out=$(train false --steps 2 --checkpoint_interval 1 --checkpoint_dir s --run_name s$i)
+  out=$(UCKPT_TIMERS=1 train false --steps 2 --checkpoint_interval 1 --checkpoint_dir s --run_name s$i)
+  parts+=("$(echo "$out" | sed -n 's/^uckpt save timers (rank 0): //p' | tail -1)")
   # returned ("saved ... in"), then durable (a new tag is synced after the save returns)
   durable=$(echo "$out" | sed -n 's/^uckpt train: last save durable after \([0-9.]*\) s.*/\1/p')
   save+=("$(python3 -c "print($(echo "$out" | pick saved) + ${durable:-0})")")
@@ -104,3 +107,4 @@ print(f"targets: async blocked <= 0.2x DCP's: {blocked / dab:.2f}x; sync save GB
       f"{(nb / save) / (d['bytes'] / ds):.2f}x; load speed >= 5x DCP's: {(nb / load) / (d['bytes'] / dl):.2f}x; "
       f"sync save / (cp -r + sync): {save / cps:.2f}")
 PY
+for p in "${parts[@]}"; do echo "sync save parts (rank 0): $p"; done

@@ -293,10 +293,11 @@ struct SaveStats {
   double blocked_s = 0;         // time SaveCheckpoint blocked (async: waiting for the previous save + snapshot)
   uint64_t snapshot_bytes = 0;  // host memory the snapshot holds until its files are written
   double fingerprint_s = 0;     // hashing the state for the manifest's state fingerprint (while the files are written)
-  // Synchronous saves, this rank (parts of blocked_s): the state gathered as
-  // values; its files laid out (CRCs) and written; waiting for the other
-  // ranks and publishing.
-  double state_s = 0, layout_s = 0, write_s = 0, publish_s = 0;
+  // Synchronous saves, this rank (parts of blocked_s): waiting for the
+  // previous save (its files written, or made durable after it was
+  // published); the state gathered as values; its files laid out (CRCs) and
+  // written; waiting for the other ranks and publishing.
+  double previous_s = 0, state_s = 0, layout_s = 0, write_s = 0, publish_s = 0;
 };
 
 struct StepInfo {

@@ -42,8 +42,9 @@
 // each file back as soon as a stretch of it is written
 // (sync_file_range(SYNC_FILE_RANGE_WRITE)), so the disk works while the CPUs
 // copy; the caller then makes the whole folder durable with one
-// Env::SyncFilesystem (syncfs) before renaming it into place, which by then
-// has little left to wait for. No file is fsynced on its own. Those requests
+// Env::SyncFilesystem (syncfs) before renaming it into place (a synchronous
+// engine save of a new tag: after publishing it, engine/async_save.h), which
+// by then has little left to wait for. No file is fsynced on its own. Those requests
 // are made by a thread of their own, because sync_file_range can wait (for
 // the device's queue, or for ext4 reading block bitmaps to allocate the
 // blocks): the copying threads do not (measured 8-10% faster wall time on

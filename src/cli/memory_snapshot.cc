@@ -198,7 +198,7 @@ void MemorySnapshots::AfterStep(int64_t step, bool saved) {
   blocked_sum_ += blocked;
   blocked_max_ = std::max(blocked_max_, blocked);
   copy_bytes_ = std::max(copy_bytes_, engine_.stats().last_save().snapshot_bytes);
-  state_sum_ += engine_.stats().last_save().state_s;
+  state_sum_ += engine_.stats().last_save().previous_s + engine_.stats().last_save().state_s;
   fingerprint_sum_ += engine_.stats().last_save().fingerprint_s;
 }
 

@@ -25,8 +25,9 @@
 // A synchronous save of a new tag is published as soon as its files are
 // written, as DeepSpeed's is, and made durable after: rank 0 first makes an
 // "unsynced" marker durable beside the folder (ckpt::UnsyncedMarkerPath),
-// the files are written without waiting for the disk, the folder is
-// published, and every rank then runs syncfs on a background thread. The
+// the files are written without waiting for the disk (their writeback
+// started early all the same), the folder is published, and every rank then
+// runs syncfs on a background thread. The
 // next collective call that waits for the writer (Publish, PublishIfDone)
 // agrees that every rank's sync is done and rank 0 removes the marker (or,
 // when every rank runs on its host, rank 0's writer does when it is

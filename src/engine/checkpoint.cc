@@ -577,9 +577,11 @@ using SaveClock = std::chrono::steady_clock;
 // The save's phases into e.last_save; with UCKPT_TIMERS set, a synchronous
 // save also prints them.
 void RecordSaveTimes(const CheckpointState& e, bool async, uint64_t snapshot_bytes, SaveClock::time_point start,
-                     SaveClock::time_point writing, SaveClock::time_point written, SaveClock::time_point end) {
+                     SaveClock::time_point previous, SaveClock::time_point writing, SaveClock::time_point written,
+                     SaveClock::time_point end) {
   e.last_save.async = async;
-  e.last_save.state_s = std::chrono::duration<double>(writing - start).count();
+  e.last_save.previous_s = std::chrono::duration<double>(previous - start).count();
+  e.last_save.state_s = std::chrono::duration<double>(writing - previous).count();
   e.last_save.layout_s = async ? 0 : e.writer->layout_seconds();
   e.last_save.write_s = async ? 0 : e.writer->copy_seconds();
   e.last_save.publish_s = async ? 0 : std::chrono::duration<double>(end - written).count();
@@ -589,10 +591,10 @@ void RecordSaveTimes(const CheckpointState& e, bool async, uint64_t snapshot_byt
   if (const char* t = std::getenv("UCKPT_TIMERS"); t != nullptr && *t != '\0' && *t != '0' && !async) {
     const SaveStats& l = e.last_save;
     std::fprintf(stderr,
-                 "uckpt save timers (rank %d): %.2f s: state %.2f, fingerprint %.2f (beside the write), layout %.2f, "
-                 "write %.2f, "
-                 "publish %.2f\n",
-                 e.comm.rank(), l.blocked_s, l.state_s, l.fingerprint_s, l.layout_s, l.write_s, l.publish_s);
+                 "uckpt save timers (rank %d): %.2f s: previous save %.2f, state %.2f, fingerprint %.2f (beside the "
+                 "write), layout %.2f, write %.2f, publish %.2f\n",
+                 e.comm.rank(), l.blocked_s, l.previous_s, l.state_s, l.fingerprint_s, l.layout_s, l.write_s,
+                 l.publish_s);
   }
 }
 
@@ -617,6 +619,7 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   target.rank0 = comm.rank() == 0;
   if (!e.writer) e.writer = std::make_shared<CheckpointWriter>();
   e.writer->Publish(comm);  // the previous save first
+  const auto previous = SaveClock::now();
   // The client state is checked on every rank before anything is written;
   // only rank 0 copies the weights out for the model-states file.
   auto client = ClientEntries(client_state);
@@ -641,7 +644,7 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   WriteRankFiles(e, target, std::move(snapshot), async);
   const auto written = SaveClock::now();
   if (!async) e.writer->Publish(comm);  // (an async save is published at a later call)
-  RecordSaveTimes(e, async, snapshot_bytes, start, writing, written, SaveClock::now());
+  RecordSaveTimes(e, async, snapshot_bytes, start, previous, writing, written, SaveClock::now());
   return target.folder;
 }
 

@@ -64,7 +64,10 @@ class ZipWriter {
   void AddKeptRecord(const std::string& name, std::span<const uint8_t> data, uint32_t crc32);
   // The same bytes as AddRecord for a record of `size` bytes that are not in
   // memory: fill(offset, into) puts bytes [offset, offset + into.size()) into
-  // `buffer` (or a prefix of it), which is CRC'd and written before the next fill.
+  // `buffer` (or a prefix of it), which is CRC'd and written before it is
+  // filled again. With a buffer of at least 2 MiB, its halves take turns:
+  // fill (and the CRC) runs on another thread for one while the other is
+  // written, so fill must be safe to call from any thread (one call at a time).
   void AddStreamedRecord(const std::string& name, uint64_t size,
                          const std::function<void(uint64_t offset, std::span<uint8_t> into)>& fill,
                          std::span<uint8_t> buffer);

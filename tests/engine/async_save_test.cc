@@ -102,11 +102,14 @@ INSTANTIATE_TEST_SUITE_P(WorldStageDtype, AsyncSave,
 // A tensor's bytes streamed to the writer a buffer at a time (what a
 // synchronous save does with device tensors; here host tensors stand in)
 // give the file its bytes viewed in place give, whatever the buffer's size.
+// From 2 MiB on the buffer's halves take turns, one filled (and CRC'd) on
+// another thread while the other is written: the 9 MB tensor spans several
+// halves, the 2 MiB one exactly two of a 2 MiB buffer.
 TEST(StreamedStorage, FileEqualsViewedBytes) {
   const std::string dir = TempDir("streamed");
   fs::create_directories(dir);
-  const std::vector<at::Tensor> tensors = {at::randn({1000, 3}), at::arange(7, at::kLong), at::empty({0}),
-                                           at::randn({33}).to(at::kBFloat16), at::randn({4, 5}).t()};
+  std::vector<at::Tensor> tensors = {at::randn({1000, 3}), at::arange(7, at::kLong), at::empty({0}),
+                                     at::randn({33}).to(at::kBFloat16), at::randn({4, 5}).t()};
   auto value = [&](bool streamed) {
     ValuePtr list = Value::List();
     for (const at::Tensor& t : tensors) {
@@ -127,16 +130,23 @@ TEST(StreamedStorage, FileEqualsViewedBytes) {
   // The same file name (the archive's name inside the zip comes from it), in two folders.
   fs::create_directories(dir + "/viewed");
   fs::create_directories(dir + "/streamed");
-  SaveTorchFile(dir + "/viewed/x.pt", value(false), plain);
-  const std::string want = testing::ReadBytes(dir + "/viewed/x.pt");
-  for (size_t buffer : {0u, 1u, 1000u, 4096u, 1u << 20}) {
-    std::vector<uint8_t> b(buffer);
-    SaveOptions o;
-    o.durable = false;
-    o.stream_buffer = b;
-    SaveTorchFile(dir + "/streamed/x.pt", value(true), o);
-    EXPECT_TRUE(testing::ReadBytes(dir + "/streamed/x.pt") == want) << "buffer of " << buffer << " bytes";
-  }
+  auto check = [&](std::vector<size_t> buffers) {
+    SaveTorchFile(dir + "/viewed/x.pt", value(false), plain);
+    const std::string want = testing::ReadBytes(dir + "/viewed/x.pt");
+    for (size_t buffer : buffers) {
+      std::vector<uint8_t> b(buffer);
+      SaveOptions o;
+      o.durable = false;
+      o.stream_buffer = b;
+      SaveTorchFile(dir + "/streamed/x.pt", value(true), o);
+      EXPECT_TRUE(testing::ReadBytes(dir + "/streamed/x.pt") == want) << "buffer of " << buffer << " bytes";
+    }
+  };
+  check({0, 1, 1000, 4096, 1 << 20});
+  tensors.push_back(at::randn({2250001}));
+  tensors.push_back(at::randn({1 << 19}));  // 2 MiB
+  tensors.push_back(at::randn({7}));
+  check({0, 1 << 20, 2 << 20, (3 << 20) + 5});
   EXPECT_THROW(
       LayOutTorchFile(dir + "/x.pt", value(true), [](const auto& s) { return std::vector<uint32_t>(s.size()); }),
       std::invalid_argument);
