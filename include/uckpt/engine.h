@@ -414,6 +414,15 @@ class Engine {
   // it before the end of training: the destructor also waits, but can only
   // report an error on stderr.
   void WaitForCheckpoint();
+  // engine.optimizer.state_dict() as DeepSpeed 0.14.5's optimizer for this
+  // run returns it, made by the encoders a save writes with: at stage 0 in
+  // fp16 its FP16_Optimizer's / FP16_UnfusedOptimizer's (the model-states
+  // file's 'optimizer'), at ZeRO 1-2 this rank's ZeRO optimizer's (its
+  // optim-states file's 'optimizer_state_dict'). Tensors are host copies;
+  // DeepSpeed's objects (loss scaler, ZeroStageEnum, fragment_address) come
+  // as their pickles. Not collective. std::invalid_argument naming the run
+  // elsewhere.
+  c10::IValue OptimizerStateDict();
   // Loads <dir>/<tag> (tag "" = what `latest`, or `latest_universal`, names).
   // A missing `latest` is not an error: nothing is loaded and path is "".
   LoadResult LoadCheckpoint(const std::string& dir, const std::string& tag = "",

@@ -76,12 +76,15 @@ class PyEngine {
   // optimizer is that optimizer itself: its state_dict() holds the engine's
   // state per parameter in torch's format, and load_state_dict() puts a state
   // dict's state into the engine and its groups' entries into the client's
-  // dicts. Every other case raises, naming it (StateDictRefusal: "" when supported).
+  // dicts. At stage 0 in fp16 and at ZeRO 1-2 state_dict() is DeepSpeed's
+  // wrapper's (WrapperStateDict: Engine::OptimizerStateDict). Every other
+  // case raises, naming it (StateDictRefusal: "" when supported).
   // The script's own optimizer.step() where DeepSpeed's optimizer is the torch optimizer (stage 0, fp32).
   void OptimizerStep();
   py::object OptimizerStateDict();
   void LoadOptimizerStateDict(py::object state_dict);
   std::string StateDictRefusal(const char* call) const;
+  bool WrapperStateDict() const;
   // At initialize, where state_dict() is the client's: the state the client
   // optimizer already holds (a script's load_state_dict before initialize)
   // goes into the engine, as DeepSpeed's stage 0 steps that optimizer with it.

@@ -22,9 +22,18 @@ struct FlatPlace {
 
 }  // namespace
 
+bool PyEngine::WrapperStateDict() const {
+  const int stage = settings_.config.zero.stage;
+  return settings_.has_optimizer && (stage == 1 || stage == 2 || (stage == 0 && engine_->settings().fp16_enabled()));
+}
+
 std::string PyEngine::StateDictRefusal(const char* call) const {
   const std::string head = std::string("engine.optimizer.") + call + " is not supported by uckpt ";
   if (!settings_.has_optimizer) return head + "without an optimizer";
+  if (settings_.config.zero.stage == 3)
+    return head +
+           "at ZeRO stage 3 (DeepSpeed's is its DeepSpeedZeroOptimizer_Stage3's, what this rank's "
+           "*_optim_states.pt holds): use engine.save_checkpoint() / load_checkpoint()";
   if (settings_.config.zero.stage != 0)
     return head + "at ZeRO stage " + std::to_string(settings_.config.zero.stage) +
            " (DeepSpeed's is its ZeRO optimizer's, "
@@ -52,6 +61,9 @@ void PyEngine::RequireStateDict(const char* call) const {
 // itself, so its state_dict() is torch's: each parameter's state (views of
 // the engine's flat state, scalars copied per parameter) and the groups.
 py::object PyEngine::OptimizerStateDict() {
+  // DeepSpeed's wrappers' (FP16_Optimizer / FP16_UnfusedOptimizer, the ZeRO optimizer): what the engine's
+  // checkpoint writer saves for them.
+  if (WrapperStateDict()) return FromIValue(engine_->OptimizerStateDict());
   RequireStateDict("state_dict()");
   PushGroups();  // the dicts as the next step would use them
   const auto groups = engine_->optimizer().param_groups();
@@ -74,6 +86,17 @@ py::object PyEngine::OptimizerStateDict() {
 }
 
 void PyEngine::LoadOptimizerStateDict(py::object state_dict) {
+  if (WrapperStateDict()) {
+    const int stage = settings_.config.zero.stage;
+    throw std::runtime_error(
+        "engine.optimizer.load_state_dict() is not supported by uckpt " +
+        (stage == 0 ? std::string("at ZeRO stage 0 in fp16 (DeepSpeed's restores its FP16 optimizer wrapper's "
+                                  "state_dict())")
+                    : "at ZeRO stage " + std::to_string(stage) +
+                          " (DeepSpeed's restores this rank's partition from the list of every rank's state_dict())") +
+        ": engine.optimizer.state_dict() is DeepSpeed's, but only engine.load_checkpoint() loads it back "
+        "(save with engine.save_checkpoint())");
+  }
   RequireStateDict("load_state_dict()");
   TakeParamStates(
       py::module_::import("uckpt._partition_step").attr("stage0_load_state_dict")(client_optimizer_, state_dict));

@@ -2,7 +2,10 @@
 dataclass, np.random.get_state()'s array): saved as DeepSpeed saves them, pickled into the model-states file
 (torch.save's protocol 2), and given back on load as follows:
 
-* numpy arrays, numpy dtypes and numpy scalars are rebuilt by a restricted unpickler that can make nothing else;
+* numpy arrays, numpy dtypes and numpy scalars are rebuilt by a restricted unpickler that can make nothing else
+  but the DeepSpeed state objects uckpt itself writes (the loss scalers, ZeroStageEnum, fragment_address of
+  engine.optimizer.state_dict() and the optimizer files), rebuilt as uckpt's classes of DeepSpeed's names, and torch
+  dtypes;
 * any other object is refused, naming its class, unless the environment sets UCKPT_TRUST_PICKLED_CLIENT_STATE=1:
   then Python's own pickle rebuilds it, running whatever code the checkpoint names (what torch.load with
   weights_only=False does under DeepSpeed). Set it only for checkpoints you trust.
@@ -26,6 +29,27 @@ _NUMPY = {
 _PLAIN = {("_codecs", "encode"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
           ("builtins", "complex"), ("collections", "OrderedDict"), ("__builtin__", "set"),
           ("__builtin__", "frozenset"), ("__builtin__", "bytearray"), ("__builtin__", "complex")}
+
+# DeepSpeed's classes whose objects uckpt's optimizer state holds (src/ckpt/deepspeed_state.cc writes them): plain
+# data, rebuilt as uckpt's classes of the same DeepSpeed names (python/uckpt/_deepspeed_tree.py).
+_DEEPSPEED_STATE = {
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"),
+}
+
+
+def _deepspeed_class(module, name):
+    import importlib
+    from uckpt._deepspeed_api import uckpt_name
+    return getattr(importlib.import_module(uckpt_name(module)), name)
+
+
+def _enum_member(cls, name):
+    """getattr(ZeroStageEnum, 'gradients'), as DeepSpeed's pickles name an enum member, and nothing else."""
+    import enum
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+        raise pickle.UnpicklingError(f"a pickle calls getattr on {cls!r}, which uckpt does not rebuild")
+    return cls[name]
 
 
 def trusted():
@@ -76,6 +100,12 @@ class _Restricted(pickle.Unpickler):
             return super().find_class(module, name)
         if (module, name) in _PLAIN:
             return super().find_class(module, name)
+        if (module, name) in _DEEPSPEED_STATE:
+            return _deepspeed_class(module, name)
+        if (module, name) in (("builtins", "getattr"), ("__builtin__", "getattr")):
+            return _enum_member
+        if module == "torch" and isinstance(getattr(__import__("torch"), name, None), __import__("torch").dtype):
+            return getattr(__import__("torch"), name)
         raise pickle.UnpicklingError(
             f"{self._where} holds a {module}.{name}, which uckpt does not rebuild from a checkpoint: only numpy "
             f"arrays, dtypes and scalars are rebuilt safely. If you trust this checkpoint, set {TRUST_ENV}=1 to have "

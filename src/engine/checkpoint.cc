@@ -186,8 +186,10 @@ c10::IValue ToIValue(const ValuePtr& v) {
     case Kind::kStr: return c10::IValue(v->s);
     case Kind::kTensor:
     case Kind::kParameter:
-      if (v->tensor) return c10::IValue(ToTorch(*v->tensor));
-      return c10::IValue();
+      if (!v->tensor) return c10::IValue();
+      // requires_grad as torch.load gives it back (DeepSpeed's fp32 masters have it).
+      if (v->tensor->requires_grad) return c10::IValue(ToTorch(*v->tensor).requires_grad_(true));
+      return c10::IValue(ToTorch(*v->tensor));
     case Kind::kList:
     case Kind::kTuple: {
       c10::impl::GenericList l(c10::AnyType::get());
@@ -599,6 +601,25 @@ void RecordSaveTimes(const CheckpointState& e, bool async, uint64_t snapshot_byt
 }
 
 }  // namespace
+
+c10::IValue OptimizerStateDict(const CheckpointState& e) {
+  SnapshotPool pool;  // every tensor copied to the host, as an async save's snapshot
+  ValuePtr value;
+  {
+    SnapshotScope scope(&pool);
+    if (e.stage() == 0 && e.stage0_fp16 != Stage0Fp16::kNone) {
+      value = Fp16WrapperOptimizer(e);
+    } else if (e.stage() == 1 || e.stage() == 2) {
+      value = OptimStatesValue(e, Value::Dict())->get("optimizer_state_dict");
+    } else {
+      throw std::invalid_argument(
+          "engine.optimizer.state_dict(): uckpt makes DeepSpeed's only at ZeRO stage 0 in "
+          "fp16 and at stages 1-2, not at stage " +
+          std::to_string(e.stage()) + (e.stage() == 0 ? " in bf16" : ""));
+    }
+  }
+  return ToIValue(value);
+}
 
 // Crash-safe save (docs/reliability.md): every rank writes into one temporary
 // folder beside the tag; only when every rank's files are durable does rank 0

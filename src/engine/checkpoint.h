@@ -55,6 +55,11 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
 LoadResult LoadEngineCheckpoint(const CheckpointState& e, const std::string& dir, const std::string& tag,
                                 const LoadCheckpointOptions& options);
 
+// Engine::OptimizerStateDict: the value a save writes for this run's
+// optimizer (stage 0 in fp16: the model states' 'optimizer'; ZeRO 1-2: the
+// optim-states file's 'optimizer_state_dict'), its tensors copied to the host.
+c10::IValue OptimizerStateDict(const CheckpointState& e);
+
 // Reads <dir>/<name> (`latest` or `latest_universal`): the tag, a folder
 // name inside `dir`. Throws FormatError naming the file if it is missing,
 // empty or names anything else.

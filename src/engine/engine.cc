@@ -375,6 +375,11 @@ void Engine::WaitForCheckpoint() {
     if (*w) (*w)->Publish(*impl_->comm);
 }
 
+c10::IValue Engine::OptimizerStateDict() {
+  WaitForUpdate();  // the partitions as the last step left them
+  return engine::OptimizerStateDict(CheckpointStateOf(*impl_, false));
+}
+
 LoadResult Engine::LoadCheckpoint(const std::string& dir, const std::string& tag,
                                   const LoadCheckpointOptions& options) {
   // A load of weights and optimizer state replaces what a failed overlapped update left partly stepped.

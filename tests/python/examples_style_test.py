@@ -16,6 +16,10 @@ CASE:
             DistributedSampler with set_epoch, and state_dict() of the engine and optimizer.state_dict() saved
             with the epoch: losses equal a plain PyTorch loop's (1e-5 relative), the lr following the StepLR, the
             saved weights named module.<name>, the saved optimizer state the plain loop's SGD state_dict().
+  imagenet_fp16  the same with main.py's ds_fp16_config.json (fp16 at ZeRO 0, auto_cast) and
+            ds_fp16_z1_config.json (ZeRO 1): 3 epochs train, and the epoch's saved optimizer.state_dict() has
+            DeepSpeed's keys (FP16_UnfusedOptimizer's, DeepSpeedZeroOptimizer's) and reads back with torch.load's
+            weights_only default (DeepSpeed's state classes allowed).
   chat      DeepSpeed-Chat step 1's way: its ds config (hybrid_engine and tensorboard sections switched off, the
             stage-3 knobs as floats, offload devices "none"), its optimizer groups (the empty one dropped),
             FusedAdam with a cosine LambdaLR as lr_scheduler=, model(**batch, use_cache=False).loss, evaluation
@@ -161,14 +165,14 @@ def imagenet_data(torch):
     return torch.utils.data.TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.arange(32) % 5)
 
 
-def imagenet_worker(work):
+def imagenet_worker(work, config_file="ds_config.json"):
     import argparse
     import torch
     import uckpt as deepspeed
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
-    args = parser.parse_args(["--deepspeed", "--deepspeed_config", os.path.join(work, "ds_config.json")])
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", os.path.join(work, config_file)])
     model = imagenet_model(torch)
     optimizer = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9, weight_decay=1e-4)  # as main.py's
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # not given to initialize
@@ -195,7 +199,13 @@ def imagenet_worker(work):
         state = {"epoch": epoch + 1, "state_dict": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict()}
         if rank == 0:
-            torch.save(state, os.path.join(work, "checkpoint.pth.tar"))
+            torch.save(state, os.path.join(work, config_file + ".pth.tar" if config_file != "ds_config.json"
+                                           else "checkpoint.pth.tar"))
+    if config_file != "ds_config.json":
+        if rank == 0:
+            with open(os.path.join(work, config_file + ".losses"), "w") as f:
+                json.dump(losses, f)
+        return
     if rank == 0:  # the client optimizer's step count: DeepSpeed steps it at each update (torch schedulers read it)
         with open(os.path.join(work, "imagenet.json"), "w") as f:
             # PyTorch < 2.7 counts the steps on the optimizer; later ones mark the optimizer the scheduler
@@ -233,6 +243,46 @@ def imagenet_reference(torch, work, world):
             losses.append(total / world)
         scheduler.step()
     return losses, model.state_dict(), optimizer.state_dict()
+
+
+# main.py's ds_fp16_config.json (fp16 at ZeRO 0: FP16_UnfusedOptimizer around the SGD) and ds_fp16_z1_config.json
+# (ZeRO 1): optimizer.state_dict() in the epoch's torch.save is DeepSpeed's optimizer's, with its keys.
+IMAGENET_FP16 = {
+    "ds_fp16_config.json": (0, ["dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor",
+                                "scale_window", "optimizer_state_dict", "fp32_groups"]),
+    "ds_fp16_z1_config.json": (1, ["loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
+                                   "base_optimizer_state", "single_partition_of_fp32_groups", "zero_stage",
+                                   "group_paddings", "partition_count", "ds_version", "param_slice_mappings"]),
+}
+
+
+def case_imagenet_fp16(pypath, work):
+    import torch
+    sys.path.insert(0, pypath)
+    from uckpt.runtime.fp16.loss_scaler import DynamicLossScaler
+    from uckpt.runtime.zero.config import ZeroStageEnum
+    from uckpt.utils.tensor_fragment import fragment_address
+    for name, (stage, keys) in IMAGENET_FP16.items():
+        config = dict(IMAGENET_CONFIG, zero_optimization={"stage": stage}, fp16={"enabled": True, "auto_cast": True})
+        with open(os.path.join(work, name), "w") as f:
+            json.dump(config, f)
+        testkit.launch(__file__, "imagenet", pypath, 2, [work, name])
+        losses = json.load(open(os.path.join(work, name + ".losses")))
+        if len(losses) != 12 or not all(math.isfinite(x) for x in losses):
+            fail(f"{name}: losses {losses}")
+        with torch.serialization.safe_globals([DynamicLossScaler, ZeroStageEnum, fragment_address]):
+            saved = torch.load(os.path.join(work, name + ".pth.tar"), weights_only=True)
+        opt = saved["optimizer"]
+        if list(opt) != keys:
+            fail(f"{name}: the saved optimizer.state_dict() has keys {list(opt)}, DeepSpeed's {keys}")
+        inner = opt["optimizer_state_dict"] if stage == 0 else opt["base_optimizer_state"]
+        # ZeRO's DynamicLossScaler starts at 2^32 without fp16 scale keys (DeepSpeed's default), so all 12 steps
+        # overflow: halved 12 times, no SGD step yet. FP16_UnfusedOptimizer's starts at 2^16 and steps.
+        stepped = opt["cur_scale"] < 2.0 ** 16 if stage == 0 else opt["loss_scaler"].cur_scale == 2.0 ** 20
+        if inner["param_groups"][0]["momentum"] != 0.9 or bool(inner["state"]) != (stage == 0) or not stepped:
+            fail(f"{name}: the wrapped SGD's state_dict {inner}, the scale {opt.get('cur_scale', opt.get('loss_scaler'))}")
+        print(f"ok   imagenet style, {name}: {len(losses)} fp16 steps, optimizer.state_dict() saved with DeepSpeed's "
+              f"keys and read back with weights_only=True")
 
 
 def case_imagenet(pypath, work):
@@ -447,13 +497,14 @@ def main():
         if case == "cifar":
             cifar_worker(rest[0], int(rest[1]), rest[2] == "1")
         elif case == "imagenet":
-            imagenet_worker(rest[0])
+            imagenet_worker(*rest)
         else:
             chat_worker(rest[0], int(rest[1]))
         return
     case, pypath, work = sys.argv[1:4]
     os.makedirs(work, exist_ok=True)
-    {"cifar": case_cifar, "imagenet": case_imagenet, "chat": case_chat}[case](pypath, work)
+    {"cifar": case_cifar, "imagenet": case_imagenet, "imagenet_fp16": case_imagenet_fp16,
+     "chat": case_chat}[case](pypath, work)
 
 
 if __name__ == "__main__":

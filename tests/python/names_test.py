@@ -263,7 +263,8 @@ def worker_surface(deepspeed, torch):
         engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg(1))
         loss = engine(torch.randn(2, 4))
         expect_error(RuntimeError, "engine.backward", lambda: opt.backward(loss), "optimizer.backward")
-        expect_error(RuntimeError, "save_checkpoint", lambda: opt.state_dict(), "optimizer.state_dict")
+        expect_error(RuntimeError, "load_checkpoint", lambda: opt.load_state_dict([opt.state_dict()]),
+                     "optimizer.load_state_dict")
         for bf16_cfg, has in ((cfg(0), False), (cfg(1, bf16={"enabled": True}), False),
                               (cfg(2, bf16={"enabled": True}, gradient_clipping=0.5), True)):
             m = toy(torch)

@@ -22,7 +22,8 @@ CASE:
   checkpoint_<variant> (fused, sgd)  saved at step 6 on 2 ranks: model_states['optimizer'] has FP16_Optimizer's /
                 FP16_UnfusedOptimizer's keys in their order, the numbers' Python types and the masters of
                 DeepSpeed's state_dict() (unfused: the wrapped torch state_dict equal to DeepSpeed's; fused:
-                FusedAdam's keys as its source has them); resumed at stage 0 on 2 ranks the run continues bit for
+                FusedAdam's keys as its source has them), and so has engine.optimizer.state_dict() torch.saved and
+                read back with weights_only=True (imagenet's main.py); resumed at stage 0 on 2 ranks the run continues bit for
                 bit, and so does a DeepSpeed-layout folder made of the reference's state_dict(); resumed at 1 rank
                 (GA 2) at stage 0 and at 2 ranks at stage 1 (and 3: fused) the loss continues (5%), the scale
                 carried over.
@@ -201,6 +202,8 @@ def worker_uckpt(deepspeed, torch, work, variant, mode):
         out = []
         uckpt_steps(torch, engine, 0, SAVE_AT, rank, ga, out)
         engine.save_checkpoint(os.path.join(work, f"ckpt_{variant}" + ("_s1" if stage else "")), tag="s0")
+        if rank == 0 and not stage:  # what imagenet's main.py torch.saves: DeepSpeed's wrapper's state_dict()
+            torch.save(engine.optimizer.state_dict(), os.path.join(work, f"state_dict_{variant}.pt"))
         uckpt_steps(torch, engine, SAVE_AT, STEPS, rank, ga, out)
     else:
         _, folder, stage, ga, label = mode.split(":")
@@ -380,8 +383,8 @@ def case_vs(pypath, work, variants):
             print(f"ok   {variant} at {world} rank(s): the fp32 masters are DeepSpeed's")
 
 
-def check_layout(variant, ours, ref):
-    """The saved 'optimizer' against DeepSpeed's state_dict() of the same run."""
+def check_layout(variant, ours, ref, what="model_states['optimizer']"):
+    """The saved 'optimizer' (or engine.optimizer.state_dict()) against DeepSpeed's state_dict() of the same run."""
     import torch
     if list(ours) != list(ref):
         fail(f"{variant}: 'optimizer' keys {list(ours)}, DeepSpeed's {list(ref)}")
@@ -415,7 +418,7 @@ def check_layout(variant, ours, ref):
             ref_st = ref_inner["state"][i]
             if st["step"] != int(ref_st["step"]) or not torch.equal(st["exp_avg"], ref_st["exp_avg"]):
                 fail(f"{variant}: state[{i}] differs from the reference's")
-    print(f"ok   {variant}: model_states['optimizer'] is {'FP16_Optimizer' if masters != 'fp32_groups' else 'FP16_UnfusedOptimizer'}'s state_dict")
+    print(f"ok   {variant}: {what} is {'FP16_Optimizer' if masters != 'fp32_groups' else 'FP16_UnfusedOptimizer'}'s state_dict")
 
 
 def case_checkpoint(pypath, work, variant):
@@ -425,8 +428,11 @@ def case_checkpoint(pypath, work, variant):
     launch(pypath, 2, [work, variant, "save"])
     ckpt = os.path.join(work, f"ckpt_{variant}")
     saved = torch.load(os.path.join(ckpt, "s0", "mp_rank_00_model_states.pt"), weights_only=True)
-    check_layout(variant, saved["optimizer"],
-                 torch.load(os.path.join(work, f"ref_state_{variant}.pt"), weights_only=False))
+    ref_state = torch.load(os.path.join(work, f"ref_state_{variant}.pt"), weights_only=False)
+    check_layout(variant, saved["optimizer"], ref_state)
+    # engine.optimizer.state_dict(), torch.saved and read back with weights_only=True, is the same.
+    check_layout(variant, torch.load(os.path.join(work, f"state_dict_{variant}.pt"), weights_only=True), ref_state,
+                 "engine.optimizer.state_dict()")
     whole = load(os.path.join(work, f"ck_{variant}_save.json"))
     ref = load(os.path.join(work, f"ref_{variant}_2.json"))
     compare_runs(f"{variant}: the saving run against DeepSpeed's", whole, ref)

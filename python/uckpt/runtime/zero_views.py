@@ -63,7 +63,9 @@ class EngineOptimizer:
                            "also reduces the gradients across ranks, as DeepSpeed's engine.backward does)")
 
     def state_dict(self):
-        """ZeRO stage 0 in fp32 with a client torch optimizer: that optimizer's own; elsewhere refused by name."""
+        """DeepSpeed's optimizer's: at ZeRO stage 0 in fp32 with a client torch optimizer that optimizer's own, at
+        stage 0 in fp16 the FP16 wrapper's, at stages 1-2 the ZeRO optimizer's (this rank's); elsewhere refused by
+        name."""
         return self._core.optimizer_state_dict()
 
     def load_state_dict(self, state_dict):
