@@ -41,7 +41,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from testkit import fail, free_port  # noqa: E402
+from testkit import fail, free_port, have_deepspeed  # noqa: E402
 
 SKIP = 77
 STEPS = 12
@@ -328,14 +328,6 @@ def launch(pypath, world, args, reference=False):
         failed |= p.returncode != 0
     if failed:
         fail(f"{'reference' if reference else 'uckpt'} {args} at {world} rank(s): a rank failed (output above)")
-
-
-def have_deepspeed():
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    env.pop("PYTHONPATH", None)
-    r = subprocess.run([sys.executable, "-c", "import deepspeed, sys; sys.exit(deepspeed.__version__ != '0.14.5')"],
-                       env=env, capture_output=True)
-    return r.returncode == 0
 
 
 def load(path):

@@ -32,6 +32,16 @@ def sweep_deepspeed_shm(port):
             pass
 
 
+def have_deepspeed():
+    """Whether this Python, without PYTHONPATH, imports real DeepSpeed 0.14.5 (the tests comparing with it skip
+    otherwise)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run([sys.executable, "-c", "import deepspeed, sys; sys.exit(deepspeed.__version__ != '0.14.5')"],
+                       env=env, capture_output=True)
+    return r.returncode == 0
+
+
 def launch(script, case, pypath, world, extra=(), env=None):
     """`script --worker case *extra` at `world` ranks; fails when any rank does."""
     port = str(free_port())

@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from testkit import fail, free_port, sweep_deepspeed_shm  # noqa: E402
+from testkit import fail, free_port, have_deepspeed, sweep_deepspeed_shm  # noqa: E402
 
 SKIP = 77
 STEPS = 3
@@ -138,14 +138,6 @@ def launch(pypath, impl, stage, work, fp16=False):
     sweep_deepspeed_shm(port)
     if failed:
         fail(f"{impl} at stage {stage}: a rank failed (output above)")
-
-
-def have_deepspeed():
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    env.pop("PYTHONPATH", None)
-    r = subprocess.run([sys.executable, "-c", "import deepspeed, sys; sys.exit(deepspeed.__version__ != '0.14.5')"],
-                       env=env, capture_output=True)
-    return r.returncode == 0
 
 
 def first_difference(a, b, where="state_dict()"):
