@@ -16,11 +16,11 @@ CASE: stage1, stage2   fp32, a client torch.optim.SGD with momentum (imagenet's)
         fp32 masters and SGD's state, and reads back with weights_only=True.
 """
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from testkit import fail, free_port, have_deepspeed, sweep_deepspeed_shm  # noqa: E402
+import testkit  # noqa: E402
+from testkit import fail, have_deepspeed  # noqa: E402
 
 SKIP = 77
 STEPS = 3
@@ -118,26 +118,8 @@ def worker(impl, stage, work, fp16=False):
 
 
 def launch(pypath, impl, stage, work, fp16=False):
-    port = str(free_port())
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu")
-        env.pop("PYTHONPATH", None)
-        if impl == "uckpt":
-            env["PYTHONPATH"] = pypath
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", impl, str(stage), work, str(int(fp16))],
-                                     env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    failed = False
-    for r, p in enumerate(procs):
-        out, _ = p.communicate(timeout=300)
-        if p.returncode != 0 or os.environ.get("VERBOSE"):
-            sys.stdout.write("".join(f"[{impl} {r}/2] {line}\n" for line in out.splitlines()[-40:]))
-        failed |= p.returncode != 0
-    sweep_deepspeed_shm(port)
-    if failed:
-        fail(f"{impl} at stage {stage}: a rank failed (output above)")
+    """This file's worker at 2 ranks on `impl`: uckpt from PYTHONPATH, or the real DeepSpeed this Python has."""
+    testkit.launch(__file__, impl, pypath if impl == "uckpt" else "", 2, extra=[str(stage), work, str(int(fp16))])
 
 
 def first_difference(a, b, where="state_dict()"):
