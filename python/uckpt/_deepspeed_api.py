@@ -208,9 +208,19 @@ def refusal(qualname, ds_module):
             f"{VERSION} has the name, so it imports; using it is refused)")
 
 
+def _refused_member(self, name):
+    """An object of a refused class (rebuilt from DeepSpeed's pickles: optimizer state's loss scalers) holds
+    DeepSpeed's fields; any other attribute, its methods, is refused naming the class and the member."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    cls = type(self)
+    raise NotImplementedError(f"{cls._uckpt_refusal} [{cls.__name__}.{name}]")
+
+
 class _RefusedClassMeta(type):
     """A DeepSpeed class uckpt does not implement: it imports and can be named (isinstance is False); making one,
-    or reading its attributes, raises NotImplementedError naming it."""
+    or reading its attributes, raises NotImplementedError naming it. Its objects (rebuilt from a pickle, never
+    made by calling it) give their fields and refuse the rest."""
 
     def __call__(cls, *args, **kwargs):
         raise NotImplementedError(cls._uckpt_refusal)
@@ -222,7 +232,7 @@ class _RefusedClassMeta(type):
 
 
 def _refused_class(name, ds_module, module):
-    return _RefusedClassMeta(name, (), {"__module__": module, "__qualname__": name,
+    return _RefusedClassMeta(name, (), {"__module__": module, "__qualname__": name, "__getattr__": _refused_member,
                                         "_uckpt_refusal": refusal(f"{ds_module}.{name}", ds_module),
                                         "__doc__": f"Refused by uckpt: {ds_module}.{name} ({feature(ds_module)})."})
 

@@ -108,6 +108,12 @@ def worker(impl, stage, work, fp16=False):
             back = torch.load(path, weights_only=True)["optimizer"]
         if neutral(torch, back) != neutral(torch, sd):
             fail("state_dict() changed through torch.save / torch.load(weights_only=True)")
+        try:  # the loss scaler holds DeepSpeed's fields; its methods are refused by name
+            sd["loss_scaler"].update_scale(False)
+            fail("the loss scaler's update_scale() was accepted")
+        except NotImplementedError as e:
+            if "update_scale" not in str(e):
+                fail(f"the loss scaler's update_scale(): the refusal names nothing: {e}")
         try:
             optimizer.load_state_dict([sd] * dist.get_world_size())
             fail("optimizer.load_state_dict() was accepted")
