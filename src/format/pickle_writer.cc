@@ -111,6 +111,9 @@ class Pickler {
     // Protocol 2 writes Python 2 module names.
     if (m == "builtins") m = "__builtin__";
     else if (m == "copyreg") m = "copy_reg";
+    // GLOBAL ends each name at a newline; one inside a name would corrupt the file.
+    if (m.find('\n') != std::string::npos || n.find('\n') != std::string::npos)
+      throw FormatError("cannot save the class '" + m + "." + n + "': its name holds a newline");
     std::string key = m + "\n" + n + "\n";
     auto it = global_memo_.find(key);
     if (it != global_memo_.end()) {

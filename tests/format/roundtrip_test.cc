@@ -231,5 +231,16 @@ TEST(RoundTrip, StorageWithTwoDtypesIsRefused) {
   EXPECT_FALSE(FileExists(dir.File("x.pt"))) << "a failed save must not leave the file behind";
 }
 
+// GLOBAL ends a name at a newline, so a class read from STACK_GLOBAL whose name
+// holds one must be refused, not written as a file that cannot be read back.
+TEST(RoundTrip, ClassNameWithNewlineIsRefused) {
+  auto root = Value::List({Value::Global("mod", "na\nme")});
+  TempDir dir;
+  SaveOptions so;
+  so.durable = false;
+  EXPECT_THROW(SaveTorchFile(dir.File("x.pt"), root, so), FormatError);
+  EXPECT_FALSE(FileExists(dir.File("x.pt")));
+}
+
 }  // namespace
 }  // namespace uckpt::test
