@@ -58,7 +58,7 @@ ValuePtr OptimStatesValue(const RankOptimStates& s) {
   if (!s.bf16_optimizer) {
     osd->set("loss_scaler", LossScalerValue(s.scaler));
     osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
-    osd->set("overflow", Value::Bool(false));
+    osd->set("overflow", Value::Bool(s.overflow));
   }
   osd->set("clip_grad", Value::Float(s.clip_grad));
   osd->set("base_optimizer_state", Dict({{"state", state}, {"param_groups", param_groups}}));
@@ -151,7 +151,7 @@ ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s) {
   osd->set("zero_stage", ZeroStageValue(3));
   osd->set("loss_scaler", LossScalerValue(s.scaler));
   osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
-  osd->set("overflow", Value::Bool(false));
+  osd->set("overflow", Value::Bool(s.overflow));
   osd->set("partition_count", Value::Int(s.dp));
   osd->set("optimizer_state_dict", inner);
   osd->set("fp32_flat_groups", flat);

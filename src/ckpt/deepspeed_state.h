@@ -279,6 +279,7 @@ struct RankOptimStates {
   int dp = 1;
   std::vector<OptimGroupState> groups;
   LossScalerState scaler;
+  bool overflow = false;  // the optimizer's `overflow`: the last step was skipped
   double clip_grad = 0;
   ValuePtr ds_config;
 };
@@ -297,6 +298,7 @@ struct Stage3RankOptimStates {
   std::vector<std::pair<AdamHparams, std::vector<int64_t>>> param_groups;
   std::vector<ValuePtr> param_group_entries;  // per param group, when set: saved instead of its AdamHparams
   LossScalerState scaler;
+  bool overflow = false;  // the optimizer's `overflow`: the last step was skipped
   ValuePtr ds_config;
 };
 ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s);

@@ -453,6 +453,7 @@ ValuePtr OptimStatesValue(const CheckpointState& e, const ValuePtr& ds_config) {
   r.stage = e.stage();
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
+  r.overflow = e.counters.last_step_skipped;
   r.clip_grad = e.config.gradient_clipping;
   r.ds_config = ds_config;
   for (const PartitionSlot& slot : e.runtime.Slots()) {

@@ -44,6 +44,7 @@ ValuePtr Zero3OptimStates(const CheckpointState& e, const ValuePtr& ds_config) {
   ckpt::Stage3RankOptimStates r;
   r.dp = z.partition_dp();
   r.scaler = z.loss_scaler();
+  r.overflow = e.counters.last_step_skipped;
   r.ds_config = ds_config;
   std::vector<std::vector<int64_t>> ids(z.num_groups());
   for (const PartitionSlot& slot : e.runtime.Slots()) {  // one per sub-group

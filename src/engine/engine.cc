@@ -317,6 +317,7 @@ void Engine::Step(const StepOptions& options) {
     ++e.global_steps;
     e.global_samples += e.batch.train_batch_size;
     if (r.skipped) ++e.skipped_steps;
+    e.last_step_skipped = r.skipped;
     e.step_applied = !r.skipped;
   }
   ++e.micro_steps;

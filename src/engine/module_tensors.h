@@ -40,6 +40,7 @@ struct ModuleTensors {
 // DeepSpeed's engine counters (saved in the model-states file).
 struct StepCounters {
   int64_t global_steps = 0, global_samples = 0, skipped_steps = 0, micro_steps = 0;
+  bool last_step_skipped = false;  // the optimizer's `overflow` in its state_dict
 };
 
 }  // namespace engine

@@ -13,7 +13,8 @@ CASE: stage1, stage2   fp32, a client torch.optim.SGD with momentum (imagenet's)
         DeepSpeed's needs them allowed); load_state_dict() is refused naming DeepSpeed's call.
   stage1_fp16  uckpt alone (DeepSpeed's engine refuses fp16 on the CPU), imagenet's ds_fp16_z1_config.json case:
         the dict torch.saves as main.py saves it, holds DeepSpeed's DynamicLossScaler at the engine's scale, the
-        fp32 masters and SGD's state, and reads back with weights_only=True.
+        fp32 masters and SGD's state, and reads back with weights_only=True; its last step overflows, so
+        'overflow' is True (DeepSpeed's optimizer saves its own `overflow`).
 """
 import os
 import sys
@@ -67,6 +68,9 @@ def check_fp16(engine, sd):
     parts = sd["single_partition_of_fp32_groups"]
     if any(t.dtype != torch.float32 or not t.requires_grad for t in parts):
         fail(f"fp16: single_partition_of_fp32_groups are not fp32 masters: {parts}")
+    if sd["overflow"] is not True or engine.optimizer.overflow is not True:
+        fail(f"fp16: the last step overflowed, but state_dict()['overflow'] is {sd['overflow']!r} "
+             f"and optimizer.overflow {engine.optimizer.overflow!r}")
     if "momentum_buffer" not in sd["base_optimizer_state"]["state"][0]:
         fail(f"fp16: base_optimizer_state has no SGD state: {sd['base_optimizer_state']}")
 
@@ -87,6 +91,8 @@ def worker(impl, stage, work, fp16=False):
     for step in range(STEPS):
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * step + rank))
         loss = engine(x.half() if fp16 else x).float().pow(2).mean()
+        if fp16 and step == STEPS - 1:
+            loss = loss * float("inf")  # an overflow: the step is skipped
         engine.backward(loss)
         engine.step()
     sd = optimizer.state_dict()
