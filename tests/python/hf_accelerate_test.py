@@ -12,7 +12,7 @@ mixed_precision="bf16"), a torch AdamW, `accelerator.prepare(model, optimizer, l
 loader batch of 8 / ranks, which Accelerate hands out round-robin). The losses are printed; exit 0 when both
 launches finish, every loss is finite and the resumed losses equal the uninterrupted run's (at M = N), or are
 within 1e-3 absolute (fp32) or within 1e-2 after the first resumed step (bf16) at M != N, else 1 with the first
-error (ctest: python_hf_accelerate_zero2; ZeRO-3 unregistered).
+error (ctest: python_hf_accelerate_zero2, and python_hf_accelerate_zero3_4to2 at 4 -> 2 ranks).
 """
 import json
 import math
