@@ -125,10 +125,10 @@ run_case() {  # run_case CASE LIMIT_S: uckpt (and DeepSpeed) on it at once; one 
   done
   wait
   local u d="not run" line
-  u=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|FAIL) ' "$work/uckpt-$c.out" | tail -1 | cut -c1-240)
+  u=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|AS-DEEPSPEED|FAIL) ' "$work/uckpt-$c.out" | tail -1 | cut -c1-240)
   [ -n "$u" ] || u="no result ($(tail -1 "$work/uckpt-$c.out" | cut -c1-200))"
   if [ "${#impls[@]}" = 2 ]; then
-    d=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|FAIL) ' "$work/deepspeed-$c.out" | tail -1 | cut -c1-240)
+    d=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|AS-DEEPSPEED|FAIL) ' "$work/deepspeed-$c.out" | tail -1 | cut -c1-240)
     [ -n "$d" ] || d="no result ($(tail -1 "$work/deepspeed-$c.out" | cut -c1-200))"
   fi
   local ulog=$work/uckpt-$c/$c.log dlog=$work/deepspeed-$c/$c.log
