@@ -40,7 +40,10 @@
 # bench/ds_examples/site and make_hub_models.py; docs/ds-examples.md has the table of what they gave):
 #   imagenet_fp16 imagenet_fp16_z1 hello pipeline gan offload_states domino moq compress_cifar compress_bert
 #   compress_gpt2 de_gpt de_vit_cifar de_vit_imagenet visualchat chat_rm chat_dpo chat_rlhf bing_bert
-#   bing_bert_glue bingbertglue squad autotuning stable_diffusion
+#   bing_bert_glue bingbertglue squad autotuning stable_diffusion visualchat_api
+# DSX_LEGACY_SITE: the folder bench/ds_examples/make_legacy_site.sh makes (transformers 4, datasets 2, timm 0.6,
+#   scipy, ...), put on the path of the cases written for those versions (bing_bert*, bingbertglue, de_vit_*, moq,
+#   compress_bert, visualchat, visualchat_api); unset, they get the environment's packages.
 #
 # env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300;
 #      DSX_END_EPOCH, a time in seconds since the epoch, cuts it so that every launch ends by then),
@@ -341,6 +344,8 @@ launch_n() {  # launch_n N CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...
     rest=$((DSX_END_EPOCH - $(date +%s))); [ "$rest" -lt "$limit" ] && limit=$((rest > 1 ? rest : 1))
   fi
   [ "$IMPL" = deepspeed ] && pkg=$ds_src:$work/alias && impl_env=(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
+  # DeepSpeed's CPU accelerator counts devices with numactl unless LOCAL_SIZE says how many (ZeRO-3 asks)
+  [ "$IMPL" = deepspeed ] && $cpu && impl_env+=(LOCAL_SIZE=$n)
   (cd "$dir" && env "${impl_env[@]}" CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
      timeout "$limit" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
   local rc=$?

@@ -177,6 +177,26 @@ case_visualchat() {  # DeepSpeed-VisualChat training/training_scripts/run_7b.sh'
   classify visualchat $?
 }
 
+case_visualchat_api() {  # VisualChat's DeepSpeed calls, directly (bench/ds_examples/visualchat_api.py), tiny Llama
+  # First with its four param groups as main.py builds them (two are empty for a Llama), then without the empty ones:
+  # NPROC ranks for 8 steps and a save, then a resume at NPROC (DeepSpeed 0.14.5 resumes ZeRO-3 at its own size
+  # only) for 4 more. PASS: both ran; the first run's end is in the reason.
+  [ -n "${DSX_LEGACY_SITE:-}" ] || { result visualchat_api FAIL "needs DSX_LEGACY_SITE (transformers 4's AdamW)"; return; }
+  local vc=$dse/applications/DeepSpeed-VisualChat py=$here/bench/ds_examples/visualchat_api.py out=$work/visualchat_api
+  local prec=(--precision fp16)  # its default; DeepSpeed's CPU accelerator refuses fp16: bf16 there
+  $cpu && prec=(--precision bf16)
+  rm -rf "$out"; mkdir -p "$out"
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/as_shipped" "${prec[@]}"
+  local shipped="as shipped: exit $? ($(grep -m1 -oE "zip\(\) argument 2 is longer than argument 1|^saved" "$work/visualchat_api.log"))"
+  mv "$work/visualchat_api.log" "$work/visualchat_api.shipped.log"
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
+    "${prec[@]}" || { classify visualchat_api $?; return; }
+  mv "$work/visualchat_api.log" "$work/visualchat_api.train.log"
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
+    --resume --steps 4 "${prec[@]}"
+  classify visualchat_api $? "$shipped; $(grep -m1 '^step 7 ' "$work/visualchat_api.train.log"), resumed: $(grep -m1 '^step 8 ' "$work/visualchat_api.log")"
+}
+
 chat_step() {  # chat_step CASE DIR ARGS...: a DeepSpeed-Chat main.py with the tiny OPT and local/jsonfile data
   local name=$1 dir=$2; shift 2; chat_rc=1
   if [ ! -d "$work/chat/tiny-opt" ]; then
