@@ -236,9 +236,8 @@ case_chat_rlhf() {  # step 3 (single_gpu/run_1.3b.sh's arguments: hybrid engine,
   classify chat_rlhf $chat_rc
 }
 
-# The BERT scripts of bing_bert and BingBertGlue, with their run scripts' arguments. They read data sets given as
-# folders (made empty here: no stand-in yet) and their own copy of pytorch_pretrained_bert downloads the
-# vocabulary from S3 with no offline path: where they stop is the result. BingBertSquad (case_squad) has stand-ins.
+# The BERT scripts of bing_bert and BingBertGlue, with their run scripts' arguments (bing_bert's pre-training data
+# folder is left empty: no stand-in; on the CPU it stops before reading it). BingBertSquad: case_squad.
 # Stand-ins: the S3 vocabulary served offline (DSX_S3_BERT: make_squad_inputs.py's vocabulary, under each BERT's
 # name), data/RTE in GLUE RTE's format (make_bert_inputs.py), data/model.pt an empty checkpoint (the model keeps its
 # seeded initialisation). DSX_LEGACY_SITE brings scipy and scikit-learn (the GLUE metrics).
