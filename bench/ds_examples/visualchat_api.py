@@ -31,6 +31,7 @@ parser.add_argument("--resume", action="store_true")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--precision", default="bf16")
 parser.add_argument("--nonempty_groups", action="store_true")
+parser.add_argument("--zero_stage", type=int, default=3)  # its run scripts' ZERO_STAGE
 parser.add_argument("--enable_tensorboard", action="store_true")
 parser.add_argument("--output_dir", default=".")
 parser = deepspeed.add_config_arguments(parser)
@@ -42,7 +43,7 @@ from utils.utils import get_optimizer_grouped_parameters  # noqa: E402
 
 deepspeed.init_distributed()
 world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-ds_config = get_train_ds_config(args, offload=False, stage=3)
+ds_config = get_train_ds_config(args, offload=False, stage=args.zero_stage)
 ds_config["train_micro_batch_size_per_gpu"] = 2  # as its main.py sets them, from --per_device_train_batch_size 2
 ds_config["train_batch_size"] = 2 * world
 torch.manual_seed(0)
