@@ -32,6 +32,7 @@ parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--precision", default="bf16")
 parser.add_argument("--nonempty_groups", action="store_true")
 parser.add_argument("--zero_stage", type=int, default=3)  # its run scripts' ZERO_STAGE
+parser.add_argument("--gradient_accumulation_steps", type=int, default=1)  # its option (1 in its run scripts)
 parser.add_argument("--enable_tensorboard", action="store_true")
 parser.add_argument("--output_dir", default=".")
 parser = deepspeed.add_config_arguments(parser)
@@ -45,7 +46,7 @@ deepspeed.init_distributed()
 world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
 ds_config = get_train_ds_config(args, offload=False, stage=args.zero_stage)
 ds_config["train_micro_batch_size_per_gpu"] = 2  # as its main.py sets them, from --per_device_train_batch_size 2
-ds_config["train_batch_size"] = 2 * world
+ds_config["train_batch_size"] = 2 * world * args.gradient_accumulation_steps
 torch.manual_seed(0)
 random.seed(0)
 np.random.seed(0)
