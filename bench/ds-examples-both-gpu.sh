@@ -22,7 +22,9 @@
 #      TIMEOUT_S (per case, 150), MIN_START_S (45), PARALLEL (3), NPROC (1),
 #      DSX_SITE (packages the scripts import that the machine lacks, put on PYTHONPATH; default
 #      build-gpu-deps/dsx/site), DSX_S3_SITE (boto3 and botocore, for squad only: accelerate imports boto3 where
-#      it finds it; default build-gpu-deps/dsx/site-s3), WORK_DIR (/tmp/ds-examples-both), PYTHON (python3)
+#      it finds it; default build-gpu-deps/dsx/site-s3), DSX_LEGACY_SITE (the older packages of
+#      bench/ds_examples/make_legacy_site.sh; default build-gpu-deps/dsx/legacy), WORK_DIR (/tmp/ds-examples-both),
+#      PYTHON (python3)
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 usage="usage: bench/ds-examples-both-gpu.sh DSE_CHECKOUT BUILD_DIR DEEPSPEED_SRC OUT_DIR"
@@ -37,6 +39,8 @@ work=$(realpath -m "${WORK_DIR:-/tmp/ds-examples-both}")
 site=$(realpath -m "${DSX_SITE:-$here/build-gpu-deps/dsx/site}")
 s3_site=$(realpath -m "${DSX_S3_SITE:-$here/build-gpu-deps/dsx/site-s3}")
 [ -d "$s3_site" ] && export DSX_S3_SITE=$s3_site
+legacy_site=$(realpath -m "${DSX_LEGACY_SITE:-$here/build-gpu-deps/dsx/legacy}")  # make_dsx_deps.sh with LEGACY=1
+[ -d "$legacy_site" ] && export DSX_LEGACY_SITE=$legacy_site
 export PYTHON=${PYTHON:-python3} NPROC=${NPROC:-1} DEEPSPEED_SRC=$ds
 gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
 # hello resumes at another rank count (RESUME_NPROC, 2 from 1): on a machine of one GPU, at 1 again
@@ -125,10 +129,10 @@ run_case() {  # run_case CASE LIMIT_S: uckpt (and DeepSpeed) on it at once; one 
   done
   wait
   local u d="not run" line
-  u=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|FAIL) ' "$work/uckpt-$c.out" | tail -1 | cut -c1-240)
+  u=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|AS-DEEPSPEED|FAIL) ' "$work/uckpt-$c.out" | tail -1 | cut -c1-240)
   [ -n "$u" ] || u="no result ($(tail -1 "$work/uckpt-$c.out" | cut -c1-200))"
   if [ "${#impls[@]}" = 2 ]; then
-    d=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|FAIL) ' "$work/deepspeed-$c.out" | tail -1 | cut -c1-240)
+    d=$(grep -E '^(PASS|REFUSED|GPU-ONLY|N/A|AS-DEEPSPEED|FAIL) ' "$work/deepspeed-$c.out" | tail -1 | cut -c1-240)
     [ -n "$d" ] || d="no result ($(tail -1 "$work/deepspeed-$c.out" | cut -c1-200))"
   fi
   local ulog=$work/uckpt-$c/$c.log dlog=$work/deepspeed-$c/$c.log

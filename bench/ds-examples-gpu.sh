@@ -40,7 +40,10 @@
 # bench/ds_examples/site and make_hub_models.py; docs/ds-examples.md has the table of what they gave):
 #   imagenet_fp16 imagenet_fp16_z1 hello pipeline gan offload_states domino moq compress_cifar compress_bert
 #   compress_gpt2 de_gpt de_vit_cifar de_vit_imagenet visualchat chat_rm chat_dpo chat_rlhf bing_bert
-#   bing_bert_glue bingbertglue squad autotuning stable_diffusion
+#   bing_bert_glue bingbertglue squad autotuning stable_diffusion visualchat_api
+# DSX_LEGACY_SITE: the folder bench/ds_examples/make_legacy_site.sh makes (transformers 4, datasets 2, timm 0.6,
+#   scipy, ...), put on the path of the cases written for those versions (bing_bert*, bingbertglue, de_vit_*, moq,
+#   compress_bert, visualchat, visualchat_api); unset, they get the environment's packages.
 #
 # env: CASES (default "cifar cifar_z1 cifar_moe imagenet chat_z0 chat_z2 chat_z3"), TIMEOUT_S (per case, default 300;
 #      DSX_END_EPOCH, a time in seconds since the epoch, cuts it so that every launch ends by then),
@@ -50,7 +53,8 @@
 #      for 0.14.5 written beside it here; TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for its own loads), under the same
 #      launcher, stand-ins and arguments, for the losses beside uckpt's (bench/ds-examples-both-gpu.sh).
 # One line per case: PASS, REFUSED (uckpt named a DeepSpeed feature it lacks), GPU-ONLY (on the CPU: the script
-# itself needs CUDA), N/A (the script does not use DeepSpeed) or FAIL, with the reason.
+# itself needs CUDA), N/A (the script does not use DeepSpeed), AS-DEEPSPEED (the script stops before training with
+# the error it gives on DeepSpeed 0.14.5 itself, seen with IMPL=deepspeed) or FAIL, with the reason.
 # Exit status: the number of FAIL cases. Logs: WORK_DIR/<case>.log.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -324,7 +328,7 @@ NPROC=${NPROC:-1} RESUME_NPROC=${RESUME_NPROC:-$((NPROC == 1 ? 2 : 1))}
 source "$here/bench/ds_examples/cases.sh"
 result() {  # result CASE PASS|REFUSED|GPU-ONLY|FAIL REASON (REFUSED: uckpt named a DeepSpeed feature it lacks;
   echo "$2 $1: $3"                         # GPU-ONLY: on the CPU, the script itself needs CUDA)
-  case $2 in PASS|REFUSED|GPU-ONLY|N/A) ;; *) failures=$((failures + 1)) ;; esac
+  case $2 in PASS|REFUSED|GPU-ONLY|N/A|AS-DEEPSPEED) ;; *) failures=$((failures + 1)) ;; esac
 }
 reason() {  # the last error line of a log
   grep -E '(Error|Exception|refused|not supported|Traceback)' "$1" | grep -v '^\s*File ' | tail -1 | cut -c1-300
@@ -340,6 +344,8 @@ launch_n() {  # launch_n N CASE DIR PYTHONPATH_EXTRA SCRIPT ARGS...
     rest=$((DSX_END_EPOCH - $(date +%s))); [ "$rest" -lt "$limit" ] && limit=$((rest > 1 ? rest : 1))
   fi
   [ "$IMPL" = deepspeed ] && pkg=$ds_src:$work/alias && impl_env=(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
+  # DeepSpeed's CPU accelerator counts devices with numactl unless LOCAL_SIZE says how many (ZeRO-3 asks)
+  [ "$IMPL" = deepspeed ] && $cpu && impl_env+=(LOCAL_SIZE=$n)
   (cd "$dir" && env "${impl_env[@]}" CUDA_VISIBLE_DEVICES=$visible PYTHONPATH="$extra${extra:+:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
      timeout "$limit" "$U" launch -n "$n" --master_port 0 -- "$PY" "$@") > "$work/$name.log" 2>&1
   local rc=$?

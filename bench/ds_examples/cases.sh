@@ -5,6 +5,10 @@
 
 site=$here/bench/ds_examples/site
 hub=$work/hub  # HF_HUB_CACHE with the stand-in models (make_hub_models.py)
+# DSX_LEGACY_SITE: the older packages (transformers 4, datasets 2, huggingface_hub 0.x, timm 0.6, scipy) of
+# bench/ds_examples/make_legacy_site.sh, on the path of the eight cases written for them; unset, they get the
+# environment's own (and stop on it, FAIL (env)).
+legacy=${DSX_LEGACY_SITE:+:$DSX_LEGACY_SITE}
 
 copy_example() {  # copy_example SUBDIR NAME: $work/NAME is a copy of $dse/SUBDIR, its imports changed
   rm -rf "$work/$2"; cp -r "$dse/$1" "$work/$2"
@@ -25,7 +29,7 @@ classify() {
   elif [ "$rc" = 124 ]; then result "$name" FAIL "timed out after ${TIMEOUT_S} s"
   elif grep -qE "(is not supported by uckpt|which uckpt does not support|uckpt does not (have|support)|is not in DeepSpeed 0\.14\.5, whose API uckpt follows)" "$log"; then
     result "$name" REFUSED "$(grep -hoE '[^:]*(is not supported by uckpt|which uckpt does not support|uckpt does not (have|support)|is not in DeepSpeed 0\.14\.5, whose API uckpt follows)[^"]*' "$log" | head -1 | cut -c1-300)"
-  elif $cpu && grep -qE "(Found no NVIDIA driver|No CUDA GPUs|ProcessGroupNCCL is only supported with GPUs|Torch not compiled with CUDA|Input type \(torch.FloatTensor\) and weight type \(torch.HalfTensor\))" "$log"; then
+  elif $cpu && grep -qE "(Found no NVIDIA driver|No CUDA GPUs|ProcessGroupNCCL is only supported with GPUs|Torch not compiled with CUDA|Input type \(torch.FloatTensor\) and weight type \(torch.HalfTensor\)|can only be used on CUDA devices)" "$log"; then
     result "$name" GPU-ONLY "exit $rc: $why"
   else result "$name" FAIL "exit $rc: $why"; fi
 }
@@ -84,7 +88,8 @@ case_domino() {  # DeepSpeed-Domino pretrain_gpt.py (needs Megatron-LM's megatro
 case_moq() {  # MoQ run_glue.py (run.sh: bert-base-cased, qnli, --fp16, test.json with quantize_training)
   copy_example training/MoQ moq || { result moq FAIL "imports"; return; }
   hub_models bert-base-cased || { result moq FAIL "stand-ins: $(reason "$work/hub.log")"; return; }
-  HF_HUB_CACHE=$hub DSX_HUB_DATASETS=1 launch_n "$NPROC" moq "$work/moq" "$site:$work/alias" run_glue.py \
+  local moq_site=; [ -n "${DSX_LEGACY_SITE:-}" ] && [ -d "$DSX_LEGACY_SITE/moq" ] && moq_site=:$DSX_LEGACY_SITE/moq
+  HF_HUB_CACHE=$hub TRANSFORMERS_CACHE=$hub DSX_HUB_DATASETS=1 launch_n "$NPROC" moq "$work/moq" "$site$moq_site$legacy:$work/alias" run_glue.py \
     --model_name_or_path bert-base-cased --task_name qnli --do_train --do_eval --max_seq_length 128 \
     --per_device_train_batch_size 32 --learning_rate 2e-5 --num_train_epochs 3 --output_dir ./output/qnli/ --fp16 \
     --warmup_steps 2 --deepspeed test.json
@@ -109,11 +114,11 @@ case_compress_cifar() {  # compression/cifar run_compress.sh's first step (train
 case_compress_bert() {  # compression/bert bash_script/quant_weight.sh's command (run_glue_no_trainer.py)
   copy_example compression/bert compress_bert || { result compress_bert FAIL "imports"; return; }
   hub_models bert-base-uncased
-  HF_HUB_CACHE=$hub DSX_HUB_DATASETS=1 launch_n "$NPROC" compress_bert "$work/compress_bert" "$site" \
+  HF_HUB_CACHE=$hub DSX_HUB_DATASETS=1 launch_n "$NPROC" compress_bert "$work/compress_bert" "$site$legacy" \
     run_glue_no_trainer.py --seed 42 --distill_method one_stage --model_name_or_path bert-base-uncased \
     --task_name mnli --max_length 128 --pad_to_max_length --per_device_train_batch_size 32 \
     --per_device_eval_batch_size 64 --learning_rate 2e-5 --num_train_epochs 1 --num_warmup_epochs 1 --eval_step 1000 \
-    --deepspeed_config config/ds_config_W1or2A8_Qgroup64_fp32.json --deepspeed --save_best_model \
+    --deepspeed_config config/ds_config_W1A8_Qgroup64_fp32.json --deepspeed --save_best_model \
     --clean_best_model --gradient_accumulation_steps 1 --output_dir out
   classify compress_bert $?
 }
@@ -141,7 +146,7 @@ case_de_gpt() {  # data_efficiency/gpt_finetuning run_base_random_ltd.sh (ptb_te
 
 case_de_vit_cifar() {  # data_efficiency/vit_finetuning run_cifar_random_ltd.sh, 1 epoch
   copy_example training/data_efficiency/vit_finetuning de_vit_cifar || { result de_vit_cifar FAIL "imports"; return; }
-  DSX_CIFAR=256 DSX_CIFAR_TEST=64 launch_n "$NPROC" de_vit_cifar "$work/de_vit_cifar" "$site" main_cifar.py \
+  DSX_TIMM_SEEDED=1 DSX_CIFAR=256 DSX_CIFAR_TEST=64 launch_n "$NPROC" de_vit_cifar "$work/de_vit_cifar" "$site$legacy" main_cifar.py \
     --deepspeed_config config/ds_config_cifar_random_ltd.json --deepspeed --random_ltd --dataset cifar10vit224 \
     --seed 1234 --printfreq 400 --arch vits16r224 --optimizer sgd --lr 0.0001 --seq_len 197 --scheduler constant \
     --epochs 1 --batchsize 128 --data_outdir out/cifar/
@@ -151,16 +156,45 @@ case_de_vit_cifar() {  # data_efficiency/vit_finetuning run_cifar_random_ltd.sh,
 case_de_vit_imagenet() {  # data_efficiency/vit_finetuning run_imagenet_random_ltd.sh, with the --dummy data its notes offer
   copy_example training/data_efficiency/vit_finetuning de_vit_imagenet || { result de_vit_imagenet FAIL "imports"; return; }
   mkdir -p "$work/de_vit_imagenet/out/imagenet"
-  DSX_FAKEDATA_SIZE=256 launch_n "$NPROC" de_vit_imagenet "$work/de_vit_imagenet" "$site" main_imagenet.py data --dummy \
+  DSX_TIMM_SEEDED=1 DSX_FAKEDATA_SIZE=256 launch_n "$NPROC" de_vit_imagenet "$work/de_vit_imagenet" "$site$legacy" main_imagenet.py data --dummy \
     --seed 2345 --deepspeed_config config/ds_config_imagenet_random_ltd.json --deepspeed --random_ltd -a vits16r224 \
     --img_size 224 --print-freq 100 --batch-size 256 --lr 5e-05 --scheduler constant --epochs 1 --out_dir out/imagenet
   classify de_vit_imagenet $?
 }
 
-case_visualchat() {  # DeepSpeed-VisualChat training/main.py (imports transformers.AdamW first)
+case_visualchat() {  # DeepSpeed-VisualChat training/training_scripts/run_7b.sh's arguments, 1 epoch, its first data set
+  # Its models (Llama-2-7b, CLIP ViT-L/14) and image data sets have no stand-ins here: on the CPU the script stops at
+  # its own torch.cuda.set_device before it reads them; elsewhere it stops at the first model it cannot find.
   copy_example applications/DeepSpeed-VisualChat visualchat || { result visualchat FAIL "imports"; return; }
-  DSX_TRANSFORMERS4=1 launch_n "$NPROC" visualchat "$work/visualchat/training" "$site:$work/visualchat:$work/alias" main.py --help
+  mkdir -p "$work/visualchat/training/out"
+  launch_n "$NPROC" visualchat "$work/visualchat/training" "$site$legacy:$work/visualchat:$work/alias" main.py \
+    --max_seq_len 4096 --data_path ./data --dataset_names llava --dataset_samples all \
+    --dataset_concatenate_samples 3 --max_num_image_per_sample 8 --lm_model_name_or_path meta-llama/Llama-2-7b \
+    --vision_model_name_or_path openai/clip-vit-large-patch14 --gradient_checkpointing --vis_proj baseline \
+    --gradient_accumulation_steps 1 --zero_stage 3 --learning_rate 1e-3 --num_warmup_steps 0.1 \
+    --per_device_train_batch_size 1 --per_device_eval_batch_size 2 --deepspeed --output_dir out --num_train_epochs 1 \
+    --enable_mmca_attention --enable_tensorboard
   classify visualchat $?
+}
+
+case_visualchat_api() {  # VisualChat's DeepSpeed calls, directly (bench/ds_examples/visualchat_api.py), tiny Llama
+  # First with its four param groups as main.py builds them (two are empty for a Llama), then without the empty ones:
+  # NPROC ranks for 8 steps and a save, then a resume at NPROC (DeepSpeed 0.14.5 resumes ZeRO-3 at its own size
+  # only) for 4 more. PASS: both ran; the first run's end is in the reason.
+  [ -n "${DSX_LEGACY_SITE:-}" ] || { result visualchat_api FAIL "needs DSX_LEGACY_SITE (transformers 4's AdamW)"; return; }
+  local vc=$dse/applications/DeepSpeed-VisualChat py=$here/bench/ds_examples/visualchat_api.py out=$work/visualchat_api
+  local prec=(--precision fp16)  # its default; DeepSpeed's CPU accelerator refuses fp16: bf16 there
+  $cpu && prec=(--precision bf16)
+  rm -rf "$out"; mkdir -p "$out"
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/as_shipped" "${prec[@]}"
+  local shipped="as shipped: exit $? ($(grep -m1 -oE "zip\(\) argument 2 is longer than argument 1|^saved" "$work/visualchat_api.log"))"
+  mv "$work/visualchat_api.log" "$work/visualchat_api.shipped.log"
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
+    "${prec[@]}" || { classify visualchat_api $?; return; }
+  mv "$work/visualchat_api.log" "$work/visualchat_api.train.log"
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
+    --resume --steps 4 "${prec[@]}"
+  classify visualchat_api $? "$shipped; $(grep -m1 '^step 7 ' "$work/visualchat_api.train.log"), resumed: $(grep -m1 '^step 8 ' "$work/visualchat_api.log")"
 }
 
 chat_step() {  # chat_step CASE DIR ARGS...: a DeepSpeed-Chat main.py with the tiny OPT and local/jsonfile data
@@ -202,16 +236,26 @@ case_chat_rlhf() {  # step 3 (single_gpu/run_1.3b.sh's arguments: hybrid engine,
   classify chat_rlhf $chat_rc
 }
 
-# The BERT scripts of bing_bert and BingBertGlue, with their run scripts' arguments. They read data sets given as
-# folders (made empty here: no stand-in yet) and their own copy of pytorch_pretrained_bert downloads the
-# vocabulary from S3 with no offline path: where they stop is the result. BingBertSquad (case_squad) has stand-ins.
+# The BERT scripts of bing_bert and BingBertGlue, with their run scripts' arguments (bing_bert's pre-training data
+# folder is left empty: no stand-in; on the CPU it stops before reading it). BingBertSquad: case_squad.
+# Stand-ins: the S3 vocabulary served offline (DSX_S3_BERT: make_squad_inputs.py's vocabulary, under each BERT's
+# name), data/RTE in GLUE RTE's format (make_bert_inputs.py), data/model.pt an empty checkpoint (the model keeps its
+# seeded initialisation). DSX_LEGACY_SITE brings scipy and scikit-learn (the GLUE metrics).
 bert_case() {  # bert_case CASE SUBDIR SCRIPT ARGS...
   local name=$1 sub=$2; shift 2
   copy_example "training/$sub" "$name" || { result "$name" FAIL "imports"; return; }
   mkdir -p "$work/$name/data" "$work/$name/out"
-  launch_n "$NPROC" "$name" "$work/$name" "" "$@"
+  { $PY "$here/bench/ds_examples/make_squad_inputs.py" "$work/$name/s3" "$work/$name/squad" 4 4 &&
+    cp "$work/$name/s3/bert-large-uncased-vocab.txt" "$work/$name/s3/bert-base-uncased-vocab.txt" &&
+    cp "$work/$name/squad/model.pt" "$work/$name/data/model.pt" &&
+    $PY "$here/bench/ds_examples/make_bert_inputs.py" "$work/$name/data/RTE" 64 16; } > "$work/$name-inputs.log" 2>&1 ||
+    { result "$name" FAIL "stand-ins: $(reason "$work/$name-inputs.log")"; return; }
+  DSX_S3_BERT=$work/$name/s3 PYTORCH_PRETRAINED_BERT_CACHE=$work/$name/cache \
+    launch_n "$NPROC" "$name" "$work/$name" "$site$legacy${DSX_S3_SITE:+:$DSX_S3_SITE}" "$@"
   local rc=$?
-  if [ $rc != 0 ] && grep -q "Failed to resolve\|NameResolutionError\|Max retries exceeded" "$work/$name.log"; then
+  if [ $rc != 0 ] && grep -q "argument --deepscale: conflicting option string" "$work/$name.log"; then
+    result "$name" AS-DEEPSPEED "exit $rc: its own --deepscale option collides with add_config_arguments' (argparse), as on DeepSpeed 0.14.5"
+  elif [ $rc != 0 ] && grep -q "Failed to resolve\|NameResolutionError\|Max retries exceeded" "$work/$name.log"; then
     result "$name" FAIL "exit $rc: stops at a download (no stand-in yet): $(grep -m1 -o "url: [^ ]*" "$work/$name.log")"
   else classify "$name" $rc; fi
 }
@@ -221,6 +265,8 @@ case_bing_bert() {  # bing_bert ds_train_bert_bsz64k_seq128.sh
     --job_name lamb_64k_seq128 --deepspeed_config deepspeed_bsz64k_lamb_config_seq128.json --data_path_prefix data
 }
 case_bing_bert_glue() {  # bing_bert run_glue_bert_base_finetune.sh (RTE; its model file: none here)
+  # It adds its own --deepscale option and then calls add_config_arguments, which adds DeepSpeed's --deepscale:
+  # argparse refuses the second, on DeepSpeed 0.14.5 as on uckpt (seen with IMPL=deepspeed): AS-DEEPSPEED.
   bert_case bing_bert_glue bing_bert run_glue_classifier_bert_base.py --task_name RTE --do_train --do_eval \
     --deepspeed --deepspeed_config glue_bert_base.json --do_lower_case --data_dir data/RTE/ \
     --bert_model bert-large-uncased --max_seq_length 128 --train_batch_size 2 --gradient_accumulation_steps 1 \

@@ -3,7 +3,7 @@ columns and splits the real ones have (text of a few words from a small vocabula
 call (a local "json"/"csv" loader, a path) goes to the real datasets.load_dataset.
 
 And datasets.load_metric, which datasets 3 removed (its metrics moved to the `evaluate` package, which downloads
-them), where datasets has none: "accuracy" and "glue" with a task, computing what GLUE's metric script returns
+them) and which datasets 2 downloads: "accuracy" and "glue" with a task, computing what GLUE's metric script returns
 (accuracy; F1 too for mrpc and qqp; Matthews correlation for cola; Pearson and Spearman for stsb)."""
 import os
 import random
@@ -12,11 +12,14 @@ WORDS = ("the a model data train step loss rank shard save load weight learn tok
          "movie film great dull").split()
 ROWS = int(os.environ.get("DSX_HUB_DATASETS_ROWS", "256"))
 
-# GLUE's tasks: (text columns, number of labels; 0 = a float score), as the hub's glue data set has them
-GLUE = {"cola": (("sentence",), 2), "sst2": (("sentence",), 2), "mrpc": (("sentence1", "sentence2"), 2),
-        "qqp": (("question1", "question2"), 2), "stsb": (("sentence1", "sentence2"), 0),
-        "mnli": (("premise", "hypothesis"), 3), "qnli": (("question", "sentence"), 2),
-        "rte": (("sentence1", "sentence2"), 2), "wnli": (("sentence1", "sentence2"), 2)}
+# GLUE's tasks: (text columns, label names; () = a float score), as the hub's glue data set has them
+GLUE = {"cola": (("sentence",), ("unacceptable", "acceptable")), "sst2": (("sentence",), ("negative", "positive")),
+        "mrpc": (("sentence1", "sentence2"), ("not_equivalent", "equivalent")),
+        "qqp": (("question1", "question2"), ("not_duplicate", "duplicate")), "stsb": (("sentence1", "sentence2"), ()),
+        "mnli": (("premise", "hypothesis"), ("entailment", "neutral", "contradiction")),
+        "qnli": (("question", "sentence"), ("entailment", "not_entailment")),
+        "rte": (("sentence1", "sentence2"), ("entailment", "not_entailment")),
+        "wnli": (("sentence1", "sentence2"), ("not_entailment", "entailment"))}
 
 
 def _text(rng, n):
@@ -31,7 +34,7 @@ def _rows(name, config, split, rng):
     if name == "glue":
         columns, labels = GLUE[config]
         rows = {c: [_text(rng, rng.randint(4, 16)) for _ in range(ROWS)] for c in columns}
-        rows["label"] = [float(i % 5) if labels == 0 else i % labels for i in range(ROWS)]
+        rows["label"] = [float(i % 5) if not labels else i % len(labels) for i in range(ROWS)]
         rows["idx"] = list(range(ROWS))
         return rows
     raise KeyError(name)
@@ -89,6 +92,18 @@ def load_metric(path, config_name=None, *args, **kwargs):
     return _Metric(path, config_name)
 
 
+def _features(path, name):
+    """GLUE's columns as the hub's: labels a ClassLabel with the task's names (scripts read .names); else inferred."""
+    if path != "glue":
+        return None
+    import datasets
+    columns, labels = GLUE[name]
+    features = {c: datasets.Value("string") for c in columns}
+    features["label"] = datasets.ClassLabel(names=list(labels)) if labels else datasets.Value("float32")
+    features["idx"] = datasets.Value("int32")
+    return datasets.Features(features)
+
+
 def install():
     import datasets
     real = datasets.load_dataset
@@ -97,12 +112,12 @@ def install():
         if path not in ("wikitext", "glue", "ptb_text_only"):
             return real(path, name, *args, split=split, **kwargs)
         seed = sum(map(ord, f"{path}/{name}"))
-        built = {s: datasets.Dataset.from_dict(_rows(path, name, s, random.Random(seed + i)))
+        built = {s: datasets.Dataset.from_dict(_rows(path, name, s, random.Random(seed + i)), features=_features(path, name))
                  for i, s in enumerate(_splits(path, name))}
         if split is not None:
             return built[split]
         return datasets.DatasetDict(built)
 
     datasets.load_dataset = load_dataset
-    if not hasattr(datasets, "load_metric"):
-        datasets.load_metric = load_metric
+    # datasets 2's own load_metric downloads the metric's script: replaced too
+    datasets.load_metric = load_metric

@@ -10,6 +10,8 @@
                      (https://s3.amazonaws.com/models.huggingface.co/bert/NAME: a HEAD for its ETag, then a GET) are
                      answered with the folder's file NAME where it has one (BingBertSquad's vocabulary); any other
                      request goes to the network as before
+  DSX_TIMM_SEEDED    timm 0.x's pretrained weights (create_model(..., pretrained=True), a download) are not loaded:
+                     the model keeps its own seeded initialisation (data_efficiency/vit_finetuning's ViT-B/16)
   DSX_TRANSFORMERS4  three names of transformers 4 that transformers 5 dropped, which the scripts import (the
                      environment's transformers is newer than they are; nothing here stands in for DeepSpeed):
                      transformers.modeling_utils.no_init_weights (now transformers.initialization's; DeepSpeed-Chat)
@@ -93,6 +95,16 @@ def _serve_s3_bert():
     requests.adapters.HTTPAdapter.send = send_local
 
 
+def _timm_seeded():
+    import timm.models.helpers as helpers
+
+    def skip(model, *args, **kwargs):
+        print(f"sitecustomize: DSX_TIMM_SEEDED: no pretrained weights for {type(model).__name__} (seeded init kept)")
+
+    helpers.load_pretrained = skip
+    helpers.load_custom_pretrained = skip
+
+
 def _patch_hub_datasets():
     import dsx_datasets
     dsx_datasets.install()
@@ -125,7 +137,8 @@ def _transformers4_names():
 
 
 for var, patch in (("DSX_TRANSFORMERS4", _transformers4_names), ("DSX_FAKEDATA_SIZE", _patch_fakedata), ("DSX_CIFAR", _patch_cifar),
-                   ("DSX_HUB_DATASETS", _patch_hub_datasets), ("DSX_S3_BERT", _serve_s3_bert)):
+                   ("DSX_HUB_DATASETS", _patch_hub_datasets), ("DSX_S3_BERT", _serve_s3_bert),
+                   ("DSX_TIMM_SEEDED", _timm_seeded)):
     if os.environ.get(var):
         try:
             patch()
