@@ -28,12 +28,11 @@ py=$(bash scripts/python-env.sh "$@")
 if [ -f "$cache" ] && grep -qx "Python3_EXECUTABLE:FILEPATH=$py" "$cache"; then
   exit 0
 fi
-torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 # A folder begun --without-torch: now with libtorch, the tests and the benchmarks (the defaults).
 if [ -f "$cache" ] && grep -qx "UCKPT_LIBTORCH:BOOL=OFF" "$cache"; then
   opts+=(-DUCKPT_LIBTORCH=ON -DUCKPT_TESTS=ON -DUCKPT_BENCH=ON)
 fi
 # With CUDA's compiler here (CI's machines have it, and no GPU), the GPU paths must compile.
 command -v nvcc > /dev/null || [ -x /usr/local/cuda/bin/nvcc ] && opts+=(-DUCKPT_REQUIRE_CUDA=ON)
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE="$py" \
-  -DCMAKE_PREFIX_PATH="$torch_prefix" "${opts[@]}"
+# CMake finds libtorch's CMake package in that Python's torch itself.
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE="$py" "${opts[@]}"
