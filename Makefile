@@ -29,10 +29,9 @@ python:
 	cmake --build $(BUILD) --target python -j $(JOBS)
 
 # The demo needs the `uckpt` program only: the tests and benchmarks compile under `make test`.
+# On a fresh machine the parts without libtorch compile while PyTorch installs (scripts/build-demo.sh).
 demo:
-	bash scripts/configure.sh $(BUILD)
-	@echo "make demo: compiling the uckpt program (the tests compile under make test)"
-	cmake --build $(BUILD) --target uckpt -j $(JOBS)
+	bash scripts/build-demo.sh $(BUILD) $(JOBS)
 	bash scripts/demo.sh $(BUILD)
 
 # Every test: the normal build, then the layers without libtorch under ASan/UBSan and their

@@ -6,6 +6,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config
+  ninja-build                       # Ninja: a library's units compile while the ones it links build
   clang libclang-rt-14-dev          # libFuzzer and the sanitizer runtimes
   zlib1g-dev libssl-dev             # CRC-32 (zlib), SHA-256 (OpenSSL)
   libcli11-dev nlohmann-json3-dev libfmt-dev libxxhash-dev

@@ -4,6 +4,7 @@
 #
 #   scripts/python-env.sh          PyTorch (requirements/torch.txt): `make demo`, `make python`
 #   scripts/python-env.sh --test   also the test libraries (requirements/test.txt, DeepSpeed 0.14.5)
+#   scripts/python-env.sh --ready  installs nothing; exits 0 when the plain call would install nothing
 #
 # UCKPT_PYTHON=/path/to/python: use that Python and its own PyTorch (2.7 or newer); nothing is
 # installed into it. Otherwise a virtual environment in $UCKPT_VENV (default: .venv in the
@@ -13,6 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 level=torch
 [ "${1:-}" = --test ] && level=test
+ready_query=false
+[ "${1:-}" = --ready ] && ready_query=true
 say() { echo "python-env: $*" >&2; }
 
 check_torch() {  # PYTHON: torch imports and is 2.7 or newer (older wheels use the old C++ ABI)
@@ -28,7 +31,10 @@ if (major, minor) < (2, 7):
 PY
 }
 
+requirements_hash() { cat requirements/*.txt | sha256sum | cut -c1-16; }
+
 if [ -n "${UCKPT_PYTHON:-}" ]; then
+  $ready_query && exit 0
   py=$(command -v "$UCKPT_PYTHON" || true)
   [ -x "$py" ] || { say "UCKPT_PYTHON=$UCKPT_PYTHON is not an executable"; exit 1; }
   check_torch "$py"
@@ -38,6 +44,10 @@ fi
 
 venv=${UCKPT_VENV:-$PWD/.venv}
 py=$venv/bin/python
+if $ready_query; then
+  [ -x "$py" ] && [ "$(cat "$venv/uckpt-torch.stamp" 2>/dev/null)" = "$(requirements_hash)" ]
+  exit
+fi
 if [ ! -x "$py" ]; then
   base=$(command -v python3) || { say "no python3 on PATH to make $venv with"; exit 1; }
   say "making a virtual environment in $venv ($("$base" --version 2>&1))"
@@ -48,7 +58,7 @@ fi
 install() {
   local name=$1; shift
   local want have=""
-  want=$(cat requirements/*.txt | sha256sum | cut -c1-16)
+  want=$(requirements_hash)
   [ -f "$venv/uckpt-$name.stamp" ] && have=$(cat "$venv/uckpt-$name.stamp")
   [ "$have" = "$want" ] && return 0
   local t0=$SECONDS
@@ -57,7 +67,9 @@ install() {
   say "pip install $*$note"
   # Progress: pip's own lines naming each package, not its progress bars.
   set +e
-  "$py" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+  # --no-compile: Python compiles the modules it imports when it first imports them; compiling
+  # the 5,900 files of PyTorch's install at once took 20 s of CPU on 2 cores.
+  "$py" -m pip install --disable-pip-version-check --progress-bar off --no-compile "$@" 2>&1 \
     | tee "$venv/pip-$name.log" | grep --line-buffered -E '^(Collecting|Successfully|ERROR)' >&2
   local rc=${PIPESTATUS[0]}
   set -e
