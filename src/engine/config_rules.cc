@@ -80,8 +80,9 @@ void CheckGradAccumDtype(const TrainConfig& c, const std::string& source) {
   } else if (stage == 1 && model == "bf16" && given == "fp32" && !c.zero.offload_optimizer_cpu) {
     why = "DeepSpeed 0.14.5 runs its BF16_Optimizer there, which uckpt does not implement";
   } else if (stage == 1) {
-    why = "DeepSpeed 0.14.5's ZeRO-1 then steps each rank's partition on that rank's unreduced gradient (its "
-          "reduced bucket is never copied back into the separate accumulation)";
+    why =
+        "DeepSpeed 0.14.5's ZeRO-1 then steps each rank's partition on that rank's unreduced gradient (its "
+        "reduced bucket is never copied back into the separate accumulation)";
   } else if (model != "fp32" && given == "fp32") {
     return;  // stage 2: DeepSpeed sums in the model dtype all the same; stage 3: fp32 sums, honoured
   } else {

@@ -24,10 +24,10 @@ namespace uckpt::engine {
 
 void FlatRuntime::BindGradients(const std::vector<std::vector<at::Tensor>>& params) {
   if (params.size() != groups_.size()) throw std::invalid_argument("BindGradients: wrong group count");
-  // On Gloo a reduce-scatter is an all-reduce anyway (1.13 has no
-  // reduce-scatter), so all-reduce the buffer DeepSpeed all-reduces: its ring
-  // adds an element's dp terms in an order set by the element's position, and
-  // the same layout gives DeepSpeed's sums bit for bit at any dp.
+  // On Gloo, all-reduce the buffer DeepSpeed all-reduces (its
+  // use_multi_rank_bucket_allreduce, the default): Gloo adds an element's dp
+  // terms in an order set by the element's position, and the same layout
+  // gives DeepSpeed's sums bit for bit at any dp, in bf16 and fp16 too.
   const bool overlap = s_.overlap_comm && s_.stage == 2 && groups_[0].layout.dp > 1;
   deepspeed_order_ = !overlap && groups_[0].layout.dp > 1 && comm_.backend() == "gloo";
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
