@@ -89,7 +89,8 @@ void CheckGradAccumDtype(const TrainConfig& c, const std::string& source) {
     why = model == "fp32" ? "uckpt sums an fp32 model's gradients in fp32 only"
                           : "uckpt sums a " + model + " model's gradients in " + model + " or fp32 only";
   }
-  throw ConfigError(source + ": 'data_types.grad_accum_dtype' = \"" + given + "\" with a " + model +
+  const std::string article = model == "bf16" ? "a " : "an ";
+  throw ConfigError(source + ": 'data_types.grad_accum_dtype' = \"" + given + "\" with " + article + model +
                     " model at ZeRO stage " + std::to_string(stage) + " is refused: " + why +
                     "; leave it out (DeepSpeed's default there is \"" + fallback + "\")");
 }

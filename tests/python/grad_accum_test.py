@@ -17,8 +17,7 @@ CASE (each run is one launch of each implementation, its engines one after anoth
   fp16                  fp16 at ZeRO stages 1, 2 and 3, 2 ranks: DeepSpeed's engine refuses fp16 on the CPU, its ZeRO
                         optimizers do not (the engine's check is patched in DeepSpeed's worker, as
                         zero_fp16_growth_test does)
-  bf16_w4               bf16 at ZeRO stages 1 and 2, 4 ranks (stage 3 of DeepSpeed on the CPU at 4 ranks gave wrong
-                        losses in some runs, so it is not a reference there)
+  bf16_w4               bf16 at ZeRO stages 1, 2 and 3, 4 ranks
   <dtype>_z<S>[_w<N>][_<accum>]   one run: dtype at stage S, N ranks (2), grad_accum_dtype accum
   refused               every (stage, model dtype, grad_accum_dtype) that DeepSpeed 0.14.5 refuses, or that uckpt
                         refuses (named in docs/engine.md): uckpt's initialize raises naming the key, the value and
@@ -160,7 +159,7 @@ def refusals(impl, out):
 GROUPS = {
     "bf16": (2, ["bf16_z1", "bf16_z2", "bf16_z3", "bf16_z2_fp32", "bf16_z3_fp32"]),
     "fp16": (2, ["fp16_z1", "fp16_z2", "fp16_z3"]),
-    "bf16_w4": (4, ["bf16_z1", "bf16_z2"]),
+    "bf16_w4": (4, ["bf16_z1", "bf16_z2", "bf16_z3"]),
 }
 
 
