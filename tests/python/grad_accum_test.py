@@ -43,6 +43,11 @@ def config(stage, dtype, accum=None, offload=False):
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 6}
+    if stage == 3:
+        # DeepSpeed's stage-3 prefetch on the CPU: from step 4 on (its trace recorded) a forward sometimes read
+        # parameters whose all-gather had not finished (losses inf or wrong, then NaN). uckpt's prefetch changes
+        # no number; without it DeepSpeed's runs are repeatable.
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     if accum is not None:
         cfg["data_types"] = {"grad_accum_dtype": accum}
     if offload:
