@@ -57,9 +57,8 @@ def config(stage, dtype, accum=None, offload=False):
 
 def net(torch):
     torch.manual_seed(0)
-    # 4*8+8 + 8*8+8 + 8*4+4 = 148 elements: the flat partitions of stages 1-2 are padded at 2 and 4 ranks. Every
-    # parameter's numel divides by 4: DeepSpeed's stage-3 reduce-scatter pads a short chunk with torch.empty, whose
-    # garbage reached its gradients on the CPU (NaN, 1e30) in runs with padded parameters.
+    # 4*8+8 + 8*8+8 + 8*4+4 = 148 elements: the flat partitions of stages 1-2 are padded at 2 and 4 ranks; every
+    # parameter's numel divides by 4 (stage 3's chunks are whole; DeepSpeed pads short ones with torch.empty).
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
                                torch.nn.Linear(8, 4))
 
