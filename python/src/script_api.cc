@@ -53,8 +53,9 @@ void CheckZeroOptimizer(py::handle optimizer, const engine::TrainConfig& config,
 
 std::string DeepSpeedOptimizerClass(const PyEngine& e) {
   const int stage = e.engine().settings().zero_stage();
-  if (e.engine().settings().bf16_enabled() && stage <= 1 && !e.settings().config.zero.offload_optimizer_cpu)
-    return "BF16_Optimizer";
+  // DeepSpeed 0.14.5 wraps bf16 in BF16_Optimizer at stage 0 only (get_data_types: bf16 accumulation under
+  // ZeRO; stage 1's BF16_Optimizer needs grad_accum_dtype fp32, which uckpt refuses).
+  if (e.engine().settings().bf16_enabled() && stage == 0) return "BF16_Optimizer";
   if (stage == 0 && e.engine().settings().fp16_enabled()) {  // DeepSpeed's wrapper: FP16_Optimizer around its FusedAdam
     const engine::TrainConfig& c = e.settings().config;
     return e.settings().client_step || c.optimizer.torch_adam ? "FP16_UnfusedOptimizer" : "FP16_Optimizer";

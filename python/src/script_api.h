@@ -23,7 +23,7 @@ void CheckZeroOptimizer(py::handle optimizer, const engine::TrainConfig& config,
 class PyEngine;
 // The class of the optimizer DeepSpeed's initialize returns for this run:
 // "DeepSpeedZeroOptimizer" (stages 1-2), "DeepSpeedZeroOptimizer_Stage3",
-// "BF16_Optimizer" (bf16 at stages 0-1 without offload), or "torch" (the
+// "BF16_Optimizer" (bf16 at stage 0), or "torch" (the
 // torch optimizer itself, at stage 0 otherwise).
 std::string DeepSpeedOptimizerClass(const PyEngine& engine);
 

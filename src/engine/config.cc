@@ -411,7 +411,6 @@ void ParseTopLevelAudit(Section& top) {
   top.RefuseUnless("seq_parallel_comm_data_type", "fp32");
   top.RefuseUnless("graph_harvesting", false);
   top.RefuseUnless("use_data_before_expert_parallelism", false);
-  if (auto d = top.Sub("data_types")) d->RefuseUnless("grad_accum_dtype", nullptr);
   for (const char* key : {"amp", "elasticity", "eigenvalue", "progressive_layer_drop", "curriculum_learning",
                           "data_efficiency", "hybrid_engine", "nebula", "autotuning"})
     top.RefuseEnabled(key);
@@ -463,30 +462,6 @@ static void ParseStepsPerPrint(Section& top, TrainConfig& c) {
     return;
   }
   top.Int("steps_per_print", c.steps_per_print);
-}
-
-// prescale_gradients and gradient_predivide_factor as DeepSpeed 0.14.5 takes them: honoured at stage 0 (its
-// engine's allreduce); at stages 1-2 its reduce_scatter averaging (the default) ignores them, and its averaging
-// without reduce_scatter, which uses them, is not uckpt's; at stage 3 with reduce_scatter it refuses them.
-void CheckGradientScaling(TrainConfig& c, const std::string& source) {
-  const bool given = c.prescale_gradients || c.gradient_predivide_factor != 1.0;
-  if (!(c.gradient_predivide_factor > 0))
-    throw ConfigError(source + ": gradient_predivide_factor must be > 0 (DeepSpeed divides the gradients by it)");
-  if (!given || c.zero.stage == 0) return;
-  const std::string what = c.prescale_gradients ? "prescale_gradients = true" : "gradient_predivide_factor != 1.0";
-  if (c.zero.stage == 3 && c.zero.reduce_scatter)
-    throw ConfigError(source + ": " + what +
-                      " at ZeRO stage 3 with reduce_scatter (the default) is refused, as "
-                      "DeepSpeed 0.14.5 asserts it is not supported there");
-  if (!c.zero.reduce_scatter)
-    throw ConfigError(source + ": " + what +
-                      " with zero_optimization.reduce_scatter = false is not supported by "
-                      "uckpt (its ZeRO " +
-                      std::to_string(c.zero.stage) +
-                      " averages gradients as DeepSpeed's "
-                      "reduce_scatter does, which ignores it; set reduce_scatter to true)");
-  c.warnings.push_back(source + ": " + what + " changes nothing at ZeRO stage " + std::to_string(c.zero.stage) +
-                       " with reduce_scatter (DeepSpeed 0.14.5 ignores it there too)");
 }
 
 namespace {
@@ -615,6 +590,13 @@ void ParseCheckpointSection(Section& s, TrainConfig& c) {
   s.RefuseUnless("use_node_local_storage", false);  // DeepSpeed would then save per node
 }
 
+// "data_types": {"grad_accum_dtype": ...} (CheckGradAccumDtype decides what it does).
+void ParseDataTypes(Section& s, TrainConfig& c) {
+  std::string v;
+  s.String("grad_accum_dtype", v);
+  if (s.Has("grad_accum_dtype")) c.grad_accum_dtype = GradAccumDtypeName(v);
+}
+
 // The rules across sections, once every section is read.
 void CheckParsedConfig(TrainConfig& c, const std::string& source, const std::string& offload_param_device) {
   CheckZeroStage(c.zero.stage, source);
@@ -629,6 +611,7 @@ void CheckParsedConfig(TrainConfig& c, const std::string& source, const std::str
   }
   CheckGradientScaling(c, source);
   if (c.fp16.enabled && c.bf16) throw ConfigError(source + ": fp16 and bf16 cannot both be enabled");
+  CheckGradAccumDtype(c, source);
   if (c.gradient_clipping < 0) throw ConfigError(source + ": gradient_clipping must be >= 0");
 }
 
@@ -651,6 +634,7 @@ TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source) {
     if (auto s = top.Sub("zero_optimization")) ParseZeroOptimization(*s, c, offload_param_device);
     ParseOwnSections(top, c);
     if (auto s = top.Sub("checkpoint")) ParseCheckpointSection(*s, c);
+    if (auto s = top.Sub("data_types")) ParseDataTypes(*s, c);
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(source + ": " + e.what());
   } catch (const ConfigError& e) {

@@ -138,6 +138,8 @@ struct TrainConfig {
   SchedulerConfig scheduler;
   Fp16Config fp16;
   bool bf16 = false;
+  // data_types.grad_accum_dtype: "" (not given), "fp32", "fp16", "bf16" or "int8" (config_rules.cc).
+  std::string grad_accum_dtype;
   ZeroConfig zero;
   bool load_universal = false;
   // "checkpoint": {"tag_validation": ...}, upper-cased: WARN (DeepSpeed's
@@ -186,6 +188,17 @@ struct SectionOverrides {
   bool drop_scheduler = false;  // the "scheduler" section is not read
 };
 TrainConfig ParseConfig(const nlohmann::json& j, const std::string& source, const SectionOverrides& overrides);
+
+// prescale_gradients and gradient_predivide_factor against the stage (config_rules.cc).
+void CheckGradientScaling(TrainConfig& c, const std::string& source);
+// data_types.grad_accum_dtype: DeepSpeed 0.14.5's spellings to "fp32", "fp16", "bf16" or "int8"
+// (ConfigError otherwise); checked against the stage and the model's dtype, refused naming why
+// where DeepSpeed refuses it or uckpt does not do what DeepSpeed does.
+std::string GradAccumDtypeName(const std::string& given);
+void CheckGradAccumDtype(const TrainConfig& c, const std::string& source);
+// The dtype the micro-steps' gradients are summed in at stages 2-3 (DeepSpeed's get_data_types):
+// the key's, else fp32 for bf16 at stage 0 and the model's otherwise.
+std::string EffectiveGradAccumDtype(const TrainConfig& c);
 
 // The one check of zero_optimization.stage (0 to 3); ConfigError naming `source` otherwise.
 void CheckZeroStage(int stage, const std::string& source);

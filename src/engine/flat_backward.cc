@@ -24,10 +24,10 @@ namespace uckpt::engine {
 
 void FlatRuntime::BindGradients(const std::vector<std::vector<at::Tensor>>& params) {
   if (params.size() != groups_.size()) throw std::invalid_argument("BindGradients: wrong group count");
-  // On Gloo a reduce-scatter is an all-reduce anyway (1.13 has no
-  // reduce-scatter), so all-reduce the buffer DeepSpeed all-reduces: its ring
-  // adds an element's dp terms in an order set by the element's position, and
-  // the same layout gives DeepSpeed's sums bit for bit at any dp.
+  // On Gloo, all-reduce the buffer DeepSpeed all-reduces (its
+  // use_multi_rank_bucket_allreduce, the default): Gloo adds an element's dp
+  // terms in an order set by the element's position, and the same layout
+  // gives DeepSpeed's sums bit for bit at any dp, in bf16 and fp16 too.
   const bool overlap = s_.overlap_comm && s_.stage == 2 && groups_[0].layout.dp > 1;
   deepspeed_order_ = !overlap && groups_[0].layout.dp > 1 && comm_.backend() == "gloo";
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -81,8 +81,8 @@ void FlatRuntime::PrepareBackward() {
 at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {
   // DeepSpeed's stage-2 IPG buckets (stage 1: the same, in parameter order):
   // whole parameters in order, a bucket reduced when the next parameter would
-  // overflow reduce_bucket_size, each divided by dp and all-reduced; the
-  // owner keeps its slice.
+  // overflow reduce_bucket_size, each divided by dp and all-reduced in the
+  // model dtype (DeepSpeed's communication_data_type); the owner keeps its slice.
   std::vector<int> order;
   if (s_.stage == 2) {
     order = std::move(g.ready_order);
@@ -97,7 +97,7 @@ at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {
     order.resize(g.numels.size());
     std::iota(order.begin(), order.end(), 0);
   }
-  at::Tensor part = at::zeros({g.layout.partition_size}, g.grad_flat.options().dtype(at::kFloat));
+  at::Tensor part = at::zeros({g.layout.partition_size}, g.grad_flat.options());
   size_t first = 0;
   while (first < order.size()) {
     size_t last = first;
@@ -107,7 +107,7 @@ at::Tensor FlatRuntime::AllReduceInDeepSpeedOrder(Group& g) {
     std::vector<at::Tensor> pieces;
     for (size_t i = first; i < last; ++i)
       pieces.push_back(g.grad_flat.narrow(0, g.offsets[order[i]], g.numels[order[i]]));
-    at::Tensor bucket = at::cat(pieces).to(at::kFloat);  // cat made a new tensor: converting is enough
+    at::Tensor bucket = at::cat(pieces);  // a new tensor
     bucket.div_(static_cast<double>(g.layout.dp));
     comm_.AllReduceSum(bucket);
     int64_t at_bucket = 0;

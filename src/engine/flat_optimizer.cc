@@ -30,7 +30,8 @@ void FlatRuntime::ClientStep(const UnscaleAndClip& unscale, const std::vector<do
   for (Group& g : groups_) {
     // The host copy widened to fp32 (exact) into the reused host buffer: what the fused pass would read.
     if (g.in_host_copy) KeepHostCopyAsSum(g);
-    at::Tensor grad = g.grad_partition;
+    // A model-dtype sum (stages 1-2) widened, as DeepSpeed hands its optimizer an fp32 copy.
+    at::Tensor grad = g.grad_partition.to(at::kFloat);
     DropGradient(g);
     // Offloaded, the gradient is a host tensor: the same factor as the fused host pass takes.
     if (s_.offload_optimizer_cpu && !grad.device().is_cpu()) grad = grad.cpu();
@@ -79,7 +80,7 @@ void FlatRuntime::AdamStep(Group& g, const at::Tensor& grad, double lr) {
 }
 
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const OptimizerConfig& o, double lr,
-                   int64_t chunk_elements) {
+                   int64_t chunk_elements, const UnscaleAndClip* unscale) {
   // torch.optim.Adam/AdamW, single-tensor path (PyTorch 2.x), on the partition.
   c10::NoGradGuard no_grad;
   at::Tensor& p = st.master;
@@ -107,6 +108,10 @@ void TorchAdamStep(PartitionState& st, const at::Tensor& grad_in, const Optimize
     const int64_t len = std::min(chunk, n - begin);
     auto piece = [&](const at::Tensor& t) { return chunk >= n ? t : t.narrow(0, begin, len); };
     at::Tensor param = piece(p_all), grad = piece(g_all), exp_avg = piece(m_all), exp_avg_sq = piece(v_all);
+    if (grad.scalar_type() != param.scalar_type()) {
+      grad = grad.to(param.scalar_type());
+      if (unscale != nullptr) unscale->Apply(grad);
+    }
     if (o.decoupled_weight_decay) {
       param.mul_(1 - lr * o.weight_decay);
     } else if (o.weight_decay != 0) {

@@ -346,7 +346,9 @@ at::Tensor FlatRuntime::PartitionOf(const Group& g, const at::Tensor& flat) cons
 
 void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
   if (g.host_copy) return TakeHostCopy(g, boundary);
-  // DeepSpeed's average_tensor: divide by dp, then sum over ranks.
+  // DeepSpeed's average_tensor: divide by dp, then sum over ranks, in the model
+  // dtype at stages 1-2 (its communication_data_type), where the micro-steps'
+  // averages are summed in the model dtype too (its averaged_gradients).
   at::Tensor part;
   // Accumulating on the device: this micro-step's average is added into the
   // sum piece by piece, the values a whole fp32 copy would add, without it.
@@ -364,16 +366,15 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
     // one reduce-scatter hands each owner its own columns.
     const int64_t dp = g.layout.dp, P = g.layout.partition_size;
     const int64_t b_max = std::max<int64_t>(1, s_.reduce_bucket_size / dp);
-    const auto fp32 = g.grad_flat.options().dtype(at::kFloat);
-    if (!add_in_place) part = at::empty({P}, fp32);
+    const auto model = g.grad_flat.options();
+    if (!add_in_place) part = at::empty({P}, model);
     at::Tensor by_rank = g.grad_flat.view({dp, P});
     for (int64_t o = 0; o < P; o += b_max) {
       const int64_t b = std::min(b_max, P - o);
       // Flat [dp * b] (Gloo's reduce-scatter checks the first dimension; NCCL's the elements).
-      at::Tensor bucket =
-          by_rank.narrow(1, o, b).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous().view({-1});
+      at::Tensor bucket = by_rank.narrow(1, o, b).clone(at::MemoryFormat::Contiguous).view({-1});
       bucket.div_(static_cast<double>(dp));
-      at::Tensor out = add_in_place ? at::empty({b}, fp32) : part.narrow(0, o, b);
+      at::Tensor out = add_in_place ? at::empty({b}, model) : part.narrow(0, o, b);
       comm_.ReduceScatterSum(bucket, out);
       if (add_in_place) g.grad_partition.narrow(0, o, b).add_(out);
     }
@@ -402,9 +403,14 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
     AddWidened(g.grad_partition, g.grad_flat, s_.step_chunk_elements);
     g.grad_flat.zero_();
     return;
-  } else {
+  } else if (s_.stage == 0) {
     part = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  } else {
+    part = g.grad_flat.clone();  // one rank: the average is the gradient, kept in the model dtype
   }
+  // offload_optimizer: the host sums in fp32 (DeepSpeed 0.14.5's offload sums in the model dtype:
+  // docs/engine.md says so).
+  if (s_.offload_optimizer_cpu) part = part.to(at::kFloat);
   if (s_.offload_optimizer_cpu && !part.device().is_cpu()) {
     // As DeepSpeed's offload: the norms on the device, not over the host copy.
     g.device_norms = g.have_grad_partition ? at::Tensor() : FragmentNorms(g.fragments, part, s_.norm_span_elements);
@@ -540,8 +546,12 @@ FlatRuntime::StepResult FlatRuntime::Step(const std::vector<double>& group_lrs) 
       OffloadedAdamStep(g, static_cast<float>(unscale.host_factor()), lr);
       continue;
     }
-    unscale.Apply(grad);
-    AdamStep(g, grad, lr);
+    if (grad.scalar_type() == at::kFloat) {
+      unscale.Apply(grad);
+      AdamStep(g, grad, lr);
+    } else {  // the model-dtype sum: each piece widened and unscaled (DeepSpeed: one fp32 copy of it)
+      TorchAdamStep(g.state, grad, g.optimizer, lr, s_.step_chunk_elements, &unscale);
+    }
     g.grad_partition = at::Tensor();
   }
   if (!s_.offload_optimizer_cpu) WeightsFromMasters();

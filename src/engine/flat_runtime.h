@@ -56,8 +56,11 @@ class UnscaleAndClip;
 // torch.optim.Adam/AdamW's single-tensor step (PyTorch 2.x) on one partition:
 // `st.master` updated with `grad` (moments created on the first step), in
 // pieces of `chunk_elements` so that its temporaries are a piece's (0: at once).
+// A 16-bit `grad` (a sum in the model dtype) is widened piece by piece and
+// each piece unscaled and clipped by `unscale` (when given): the values of
+// an fp32 copy unscaled as a whole, without that copy.
 void TorchAdamStep(PartitionState& st, const at::Tensor& grad, const OptimizerConfig& o, double lr,
-                   int64_t chunk_elements = kStepChunkElements);
+                   int64_t chunk_elements = kStepChunkElements, const UnscaleAndClip* unscale = nullptr);
 
 class FlatRuntime : public ShardedRuntime {
  public:

@@ -45,10 +45,10 @@ size_t OverlappedGradReducer::StartReadyBuckets() {
   while (next_ < buckets_.size() && buckets_[next_].pending <= 0) {
     while (next_ - retired_ >= kInFlight) Retire(buckets_[retired_++]);
     Bucket& b = buckets_[next_++];
-    // DeepSpeed's average_tensor: divide by dp, then sum over ranks (in fp32).
-    b.fp32 = grad_flat_.narrow(0, b.begin, b.numel).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    b.fp32.div_(dp);
-    b.work = comm_.StartAllReduceSum(b.fp32);
+    // DeepSpeed's average_tensor: divide by dp, then sum over ranks (in the model dtype).
+    b.copy = grad_flat_.narrow(0, b.begin, b.numel).clone();
+    b.copy.div_(dp);
+    b.work = comm_.StartAllReduceSum(b.copy);
   }
   return next_ - first;
 }
@@ -57,13 +57,13 @@ void OverlappedGradReducer::Retire(Bucket& b) {
   c10::NoGradGuard no_grad;
   b.work->Wait();
   if (!part_.defined()) {
-    part_ = at::zeros({part_size_}, grad_flat_.options().dtype(at::kFloat));
+    part_ = at::zeros({part_size_}, grad_flat_.options());
     add_ = false;
   }
   const int64_t lo = std::max(b.begin, part_begin_), hi = std::min(b.begin + b.numel, part_begin_ + part_size_);
   if (lo < hi) {
     at::Tensor dst = part_.narrow(0, lo - part_begin_, hi - lo);
-    const at::Tensor src = b.fp32.narrow(0, lo - b.begin, hi - lo);
+    const at::Tensor src = b.copy.narrow(0, lo - b.begin, hi - lo);
     // (Added: the same sum as the caller adding a partition of these values afterwards.)
     if (add_) {
       dst.add_(src);
@@ -71,14 +71,15 @@ void OverlappedGradReducer::Retire(Bucket& b) {
       dst.copy_(src);
     }
   }
-  b.fp32 = at::Tensor();
+  b.copy = at::Tensor();
   b.work.reset();
 }
 
 void OverlappedGradReducer::SetDestination(at::Tensor sum) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (sum.defined() && (sum.numel() != part_size_ || sum.scalar_type() != at::kFloat))
-    throw std::invalid_argument("OverlappedGradReducer::SetDestination: not an fp32 partition of this rank");
+  if (sum.defined() && (sum.numel() != part_size_ || sum.scalar_type() != grad_flat_.scalar_type()))
+    throw std::invalid_argument(
+        "OverlappedGradReducer::SetDestination: not a partition of this rank in the model dtype");
   part_ = std::move(sum);
   add_ = part_.defined();
 }
@@ -88,7 +89,7 @@ at::Tensor OverlappedGradReducer::Finish() {
   for (auto& b : buckets_) b.pending = 0;  // a parameter without gradient leaves its bucket short
   StartReadyBuckets();
   while (retired_ < buckets_.size()) Retire(buckets_[retired_++]);
-  if (!part_.defined()) part_ = at::zeros({part_size_}, grad_flat_.options().dtype(at::kFloat));  // no bucket
+  if (!part_.defined()) part_ = at::zeros({part_size_}, grad_flat_.options());  // no bucket
   for (Bucket& b : buckets_) b.pending = b.params;
   next_ = 0;
   retired_ = 0;

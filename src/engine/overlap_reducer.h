@@ -4,16 +4,15 @@
 // Buckets are contiguous ranges of the flat gradient buffer in reverse
 // parameter order (the order backward produces them), whole parameters, about
 // `bucket_numel` elements each (ckpt::PlanReverseBuckets). A post-hook on each parameter's gradient
-// accumulator counts the bucket down; a complete bucket is copied to fp32,
-// divided by dp and all-reduced asynchronously. Buckets start strictly in
-// bucket order, so every rank issues the same collectives in the same order.
-// A range may span several ranks' partitions, hence an all-reduce (not a
-// reduce-scatter); each rank then keeps the part of its own partition.
+// accumulator counts the bucket down; a complete bucket is copied (in the
+// model dtype, DeepSpeed's communication_data_type), divided by dp and all-reduced asynchronously. Buckets start
+// strictly in bucket order, so every rank issues the same collectives in the same order. A range may span several
+// ranks' partitions, hence an all-reduce (not a reduce-scatter); each rank then keeps the part of its own partition.
 //
-// At most kInFlight buckets hold their fp32 copy at once (DeepSpeed keeps two
+// At most kInFlight buckets hold their copy at once (DeepSpeed keeps two
 // IPG buffers): starting a bucket first retires the oldest one still held —
 // waits for its all-reduce, puts this rank's share into the partition, frees
-// the copy. Held to the end of backward, the copies would be the whole fp32
+// the copy. Held to the end of backward, the copies would be the whole
 // gradient, not this rank's partition of it.
 #pragma once
 
@@ -39,14 +38,14 @@ class OverlappedGradReducer {
   OverlappedGradReducer(const OverlappedGradReducer&) = delete;
   OverlappedGradReducer& operator=(const OverlappedGradReducer&) = delete;
 
-  // Before a backward: the fp32 partition [partition_size] this backward's
+  // Before a backward: the partition [partition_size] (grad_flat's dtype) this backward's
   // averaged gradient is added into (the sum of the step's earlier
   // micro-steps), or undefined: a new one, zeros and then this backward's
   // average. Finish() forgets it.
   void SetDestination(at::Tensor sum);
   // After backward: starts any bucket whose hooks did not all fire, waits for
   // all of them and returns this rank's partition of the averaged gradient:
-  // the destination with it added, else a new fp32 [partition_size]. The
+  // the destination with it added, else a new [partition_size] in grad_flat's dtype. The
   // caller zeroes grad_flat afterwards.
   at::Tensor Finish();
 
@@ -61,7 +60,7 @@ class OverlappedGradReducer {
     int64_t begin = 0, numel = 0;  // range of the flat buffer
     int params = 0;                // hooks to wait for
     int pending = 0;               // hooks still to fire; <= 0: ready to start
-    at::Tensor fp32;               // the averaged values once started
+    at::Tensor copy;               // the averaged values once started
     std::unique_ptr<Comm::Pending> work;
   };
   void OnGradReady(size_t bucket);

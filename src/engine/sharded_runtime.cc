@@ -68,6 +68,8 @@ ZeroSettings SettingsOf(const TrainConfig& c, const EngineOptions& options) {
   s.gradient_clipping = c.gradient_clipping;
   s.optimizer = c.optimizer;
   s.model_dtype = ModelDtype(c);
+  const std::string accum = EffectiveGradAccumDtype(c);
+  s.grad_accum_dtype = accum == "bf16" ? at::kBFloat16 : accum == "fp16" ? at::kHalf : at::kFloat;
   s.fp16 = c.fp16;
   s.offload_optimizer_cpu = c.zero.offload_optimizer_cpu;
   s.reduce_bucket_size = c.zero.reduce_bucket_size;

@@ -75,10 +75,14 @@ struct ZeroSettings {
   double gradient_clipping = 0.0;
   OptimizerConfig optimizer;
   at::ScalarType model_dtype = at::kFloat;  // kFloat, kBFloat16 or kHalf
-  Fp16Config fp16;                          // used when model_dtype is kHalf
-  bool offload_optimizer_cpu = false;       // master + moments in host memory
-  int64_t reduce_bucket_size = 500000000;   // elements reduced per collective
-  bool overlap_comm = false;                // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
+  // What a stage-3 rank sums its micro-steps' reduced gradients in (DeepSpeed's grad_accum_dtype:
+  // the model's unless the config says fp32). Stages 1-2 sum in the model dtype whatever it says,
+  // as DeepSpeed 0.14.5 does. The reductions themselves are in the model dtype at stages 1-3.
+  at::ScalarType grad_accum_dtype = at::kFloat;
+  Fp16Config fp16;                         // used when model_dtype is kHalf
+  bool offload_optimizer_cpu = false;      // master + moments in host memory
+  int64_t reduce_bucket_size = 500000000;  // elements reduced per collective
+  bool overlap_comm = false;               // stage 2: overlap_reducer.h; stage 3: zero3_reduce.cc
   // Stage 0's averaging over the ranks (TrainConfig::prescale_gradients, gradient_predivide_factor).
   bool prescale_gradients = false;
   double gradient_predivide_factor = 1.0;

@@ -15,7 +15,7 @@ namespace uckpt::engine {
 namespace {
 
 // Reduce-scatters left running at once under overlap_comm: each holds a
-// bucket's fp32 buffer (dp * its elements), so this bounds the extra memory.
+// bucket's buffer (dp * its elements, model dtype), so this bounds the extra memory.
 constexpr size_t kMaxReducesInFlight = 2;
 
 }  // namespace
@@ -75,6 +75,7 @@ void GradientReducer::Flush() {
 
 // DeepSpeed sorts the bucket by parameter id, then lays out per rank each
 // parameter's chunk (padded to ps); that layout sets Gloo's summation order.
+// Divided and reduced in the model dtype (DeepSpeed's communication_data_type).
 GradientReducer::Reducing GradientReducer::Pack() {
   c10::NoGradGuard no_grad;
   const int dp = this->dp();
@@ -84,7 +85,7 @@ GradientReducer::Reducing GradientReducer::Pack() {
   int64_t total = 0;
   for (size_t i : bucket_) total += params_[i].partition_size;
   Reducing r;
-  r.buffer = at::zeros({dp, total}, bucket_grads_[0].options().dtype(at::kFloat));
+  r.buffer = at::zeros({dp, total}, bucket_grads_[0].options());
   int64_t off = 0;
   for (size_t j : order) {
     const Zero3Param& p = params_[bucket_[j]];

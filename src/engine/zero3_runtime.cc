@@ -76,7 +76,8 @@ Zero3Runtime::Zero3Runtime(Comm& comm, std::vector<std::vector<std::pair<std::st
       sg.state.master = HostOrDevice({total}, at::kFloat, device_, host);
       for (size_t i : sg.params)
         sg.state.master.narrow(0, params_[i].offset, params_[i].partition_size).copy_(params_[i].partition);
-      if (host) sg.grad = HostOrDevice({total}, at::kFloat, device_, host);
+      sg.grad_dtype = s_.base.grad_accum_dtype;
+      if (host) sg.grad = HostOrDevice({total}, sg.grad_dtype, device_, host);
       subs_.push_back(std::move(sg));
     }
   }
@@ -149,8 +150,13 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
   }
   for (Zero3SubGroup& sg : subs_) {
     at::Tensor grad = sg.Grad();
-    unscale.Apply(grad);
-    TorchAdamStep(sg.state, grad, group_optimizers_[sg.group], group_lrs[sg.group], s_.base.step_chunk_elements);
+    const OptimizerConfig& o = group_optimizers_[sg.group];
+    if (grad.scalar_type() == at::kFloat) {
+      unscale.Apply(grad);
+      TorchAdamStep(sg.state, grad, o, group_lrs[sg.group], s_.base.step_chunk_elements);
+    } else {  // the model-dtype sum: each piece widened and unscaled (DeepSpeed: one fp32 copy of it)
+      TorchAdamStep(sg.state, grad, o, group_lrs[sg.group], s_.base.step_chunk_elements, &unscale);
+    }
   }
   ClearGrads();
   WeightsFromMasters();
@@ -199,7 +205,7 @@ void Zero3Runtime::ClientStep(const UnscaleAndClip& unscale, const std::vector<d
   std::vector<at::Tensor> grads;
   std::vector<size_t> groups;
   for (Zero3SubGroup& sg : subs_) {
-    at::Tensor grad = sg.Grad();
+    at::Tensor grad = sg.Grad().to(at::kFloat);  // DeepSpeed hands its optimizer an fp32 copy
     unscale.ApplyForClientStep(grad, s_.base.offload_optimizer_cpu);
     states.push_back(&sg.state);
     grads.push_back(grad);

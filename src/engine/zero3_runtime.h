@@ -93,13 +93,15 @@ struct Zero3SubGroup {
   size_t group = 0;
   std::vector<size_t> params;  // indices into Zero3Runtime::params()
   PartitionState state;        // master [sum ps] fp32 + Adam moments and step
-  // [sum ps] fp32: the averaged gradient being accumulated. Where the master
+  // [sum ps] in grad_dtype (DeepSpeed's grad_accum_dtype: the model's unless
+  // the config says fp32): the averaged gradient being accumulated. Where the master
   // is on the device it is held only from a step's first reduce to its update
   // (torch's zero_grad(set_to_none)), so the forward's activation peak does
   // not carry it; in host memory (offload_optimizer) it stays.
   at::Tensor grad;
+  at::ScalarType grad_dtype = at::kFloat;
   at::Tensor& Grad() {  // grad, zeros where not held
-    if (!grad.defined()) grad = at::zeros_like(state.master);
+    if (!grad.defined()) grad = at::zeros_like(state.master, state.master.options().dtype(grad_dtype));
     return grad;
   }
 };

@@ -272,7 +272,33 @@ TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
   EXPECT_TRUE(parse(R"({"fp16": {"enabled": true, "auto_cast": false}})").fp16.enabled);
   refused(R"({"fp16": {"enabled": true, "fp16_master_weights_and_grads": true}})", "fp16_master_weights_and_grads");
   refused(R"({"bf16": {"enabled": true, "immediate_grad_update": true}})", "bf16.immediate_grad_update");
-  refused(R"({"data_types": {"grad_accum_dtype": "fp32"}})", "data_types.grad_accum_dtype");
+  // data_types.grad_accum_dtype (config_rules.cc): DeepSpeed's default and fp32 at stages 2-3 taken, the rest
+  // refused naming the key, the value and the stage.
+  EXPECT_EQ(parse(R"({"data_types": {"grad_accum_dtype": "float32"}})").grad_accum_dtype, "fp32");
+  EXPECT_EQ(EffectiveGradAccumDtype(parse(R"({"bf16": {"enabled": true}})")), "fp32");  // stage 0: BF16_Optimizer
+  EXPECT_EQ(EffectiveGradAccumDtype(parse(R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 2}})")),
+            "bf16");
+  EXPECT_EQ(
+      EffectiveGradAccumDtype(parse(
+          R"({"fp16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 3}})")),
+      "fp32");
+  EXPECT_EQ(
+      parse(
+          R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}, "zero_optimization": {"stage": 1}})")
+          .grad_accum_dtype,
+      "bf16");
+  refused(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}})",
+          "'data_types.grad_accum_dtype' = \"bf16\" with a bf16 model at ZeRO stage 0 is refused");
+  refused(
+      R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}})",
+      "BF16_Optimizer");
+  refused(
+      R"({"fp16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}})",
+      "unreduced");
+  refused(
+      R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp16"}, "zero_optimization": {"stage": 3}})",
+      "ZeRO stage 3");
+  refused(R"({"data_types": {"grad_accum_dtype": "fp8"}})", "\"fp8\" is not a dtype");
   refused(R"({"amp": {"enabled": true}})", "amp");
   EXPECT_TRUE(parse(R"({"amp": {"enabled": false}, "elasticity": {"enabled": false}})").warnings.empty());
   refused(R"({"sparse_attention": {"mode": "fixed"}})", "sparse_attention");

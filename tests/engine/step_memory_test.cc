@@ -7,8 +7,9 @@
 // at the step the bf16 averaged_gradients (2) flattened (a bf16 copy, 2) and
 // widened to the fp32 gradient of the step (4): 22 bytes at its peak, 18 while
 // FusedAdam runs. uckpt holds its bf16 gradient buffer (2, the parameters'
-// .grad views) and an fp32 gradient partition (4) instead: 20 bytes, with
-// the step's element-wise temporaries bounded by a chunk.
+// .grad views) and the bf16 gradient partition the micro-steps are summed in
+// (2, as DeepSpeed sums them) instead: 18 bytes, with the step's element-wise
+// temporaries (each chunk widened to fp32) bounded by a chunk.
 #include <gtest/gtest.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -84,6 +85,7 @@ ZeroSettings Bf16Stage2() {
   ZeroSettings s;
   s.stage = 2;
   s.model_dtype = at::kBFloat16;
+  s.grad_accum_dtype = at::kBFloat16;  // DeepSpeed's default under ZeRO (stage 3 sums in it)
   s.optimizer.weight_decay = 0.01;
   s.gradient_clipping = 1.0;
   s.step_chunk_elements = kChunk;
@@ -109,9 +111,9 @@ int64_t PaddedNumel() {
 }
 
 // ZeRO-2, bf16, one rank, gradient accumulation 4: at no point of the micro-steps
-// and the step does the runtime hold more than 20 bytes per parameter
-// (DeepSpeed: 22), i.e. beyond its resident buffers only the fp32 gradient
-// partition (4 bytes) and chunk-sized temporaries.
+// and the step does the runtime hold more than 18 bytes per parameter
+// (DeepSpeed: 22), i.e. beyond its resident buffers only the bf16 gradient
+// partition (2 bytes) and chunk-sized temporaries.
 TEST(StepMemory, Zero2Bf16WithAccumulationHoldsAtMostDeepSpeedsBytes) {
   CountingCpuAllocator counter;
   const int64_t n = PaddedNumel();
@@ -141,13 +143,14 @@ TEST(StepMemory, Zero2Bf16WithAccumulationHoldsAtMostDeepSpeedsBytes) {
   const int64_t largest_fp64 = 8 * *std::max_element(numels.begin(), numels.end());
   std::printf("ZeRO-2 bf16, GA 4, one rank: resident %.2f, peak %.2f bytes per parameter\n",
               static_cast<double>(resident) / static_cast<double>(n), per_param);
-  EXPECT_LE(peak, 20 * n + largest_fp64 + kSlack) << "peak " << per_param << " bytes per parameter (DeepSpeed: 22)";
-  EXPECT_LE(peak - resident, 4 * n + largest_fp64 + kSlack)
-      << "beyond the resident buffers: more than the fp32 gradient partition";
+  EXPECT_LE(peak, 18 * n + largest_fp64 + kSlack) << "peak " << per_param << " bytes per parameter (DeepSpeed: 22)";
+  EXPECT_LE(peak - resident, 2 * n + largest_fp64 + kSlack)
+      << "beyond the resident buffers: more than the bf16 gradient partition";
 }
 
 // ZeRO-3 at one rank: the step itself (norms, clipping, Adam) adds only
-// chunk-sized temporaries to the fp32 gradient partitions it steps on.
+// chunk-sized temporaries (each widened to fp32) to the bf16 gradient
+// partitions it steps on.
 TEST(StepMemory, Zero3StepAddsOnlyChunkSizedTemporaries) {
   CountingCpuAllocator counter;
   auto comm = MakeSingleProcessComm();
@@ -229,8 +232,8 @@ TEST(StepMemory, ChunkedAccumulationIsTheWholeOne) {
 }
 
 // ZeRO-2's overlapped reduction (overlap_reducer.h): at the end of backward
-// it holds at most kInFlight buckets' fp32 copies, not one per bucket (the
-// whole gradient in fp32), and a destination sum gets exactly the values the
+// it holds at most kInFlight buckets' bf16 copies, not one per bucket (the
+// whole gradient), and a destination sum gets exactly the values the
 // caller would have added from a new partition.
 TEST(StepMemory, OverlappedReductionHoldsTwoBucketsAndAddsIntoTheSum) {
   const int64_t k = 8, numel = 10000, n = k * numel;
@@ -257,8 +260,8 @@ TEST(StepMemory, OverlappedReductionHoldsTwoBucketsAndAddsIntoTheSum) {
   const int64_t before = counter.live();
   backward(0.25);
   const int64_t held = counter.live() - before;
-  EXPECT_LE(held, static_cast<int64_t>(OverlappedGradReducer::kInFlight) * numel * 4 + (int64_t{1} << 12))
-      << "bytes held after backward: " << held << ", one bucket's fp32 copy " << numel * 4;
+  EXPECT_LE(held, static_cast<int64_t>(OverlappedGradReducer::kInFlight) * numel * 2 + (int64_t{1} << 12))
+      << "bytes held after backward: " << held << ", one bucket's bf16 copy " << numel * 2;
   const at::Tensor out = reducer.Finish();
   EXPECT_TRUE(out.is_same(sum));
   EXPECT_EQ(reducer.started_during_backward(), 2 * k);
@@ -272,7 +275,8 @@ TEST(StepMemory, OverlappedReductionHoldsTwoBucketsAndAddsIntoTheSum) {
 // Stage 2 without overlap_comm, two ranks, bucketed reduce-scatter (NCCL's
 // path; on Gloo only a runtime whose gradients were not bound takes it):
 // each later micro-step's reduced buckets are added into the sum, which is
-// the micro-steps' averages summed in fp32.
+// the micro-steps' averages (divided and summed over the ranks in bf16)
+// summed in bf16, as DeepSpeed's stage 2 sums them.
 TEST(StepMemory, BucketedReduceScatterAddsEachMicroStepIntoTheSum) {
   const std::vector<int64_t> numels = {1000, 37, 2500};
   const int64_t n = ckpt::MakeFlatLayout(3537, 2).padded_numel, half = n / 2;
@@ -299,12 +303,11 @@ TEST(StepMemory, BucketedReduceScatterAddsEachMicroStepIntoTheSum) {
   for (int rank = 0; rank < 2; ++rank) {
     at::Tensor want;
     for (int micro = 0; micro < 3; ++micro) {
-      const at::Tensor avg =
-          (grad_of(0, micro).to(at::kFloat) / 2 + grad_of(1, micro).to(at::kFloat) / 2).narrow(0, rank * half, half);
+      const at::Tensor avg = (grad_of(0, micro) / 2 + grad_of(1, micro) / 2).narrow(0, rank * half, half);
       want = micro == 0 ? avg : want + avg;
     }
     ASSERT_TRUE(got[rank].defined()) << "rank " << rank;
-    EXPECT_TRUE(at::equal(got[rank], want)) << "rank " << rank;
+    EXPECT_TRUE(at::equal(got[rank], want.to(at::kFloat))) << "rank " << rank;
   }
 }
 

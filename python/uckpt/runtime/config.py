@@ -94,6 +94,8 @@ class DeepSpeedConfig:
         self.use_data_before_expert_parallel_ = False
         self.mics_shard_size = -1
         self.mics_hierarchial_params_gather = False
+        # data_types.grad_accum_dtype as given (None: DeepSpeed's default; parse_config checked it).
+        self.grad_accum_dtype = _get(_get(d, "data_types", {}), "grad_accum_dtype", None)
 
     def print_user_config(self):
         import json

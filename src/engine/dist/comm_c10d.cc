@@ -7,8 +7,10 @@
 //    have Gloo but not Gloo's headers: Debian's libgloo-dev declares the types
 //    ProcessGroupGloo.hpp names (only through pointers, so no layout is taken
 //    from them).
-//  - Gloo knows no bfloat16: all-gathers move its bits as fp16, reductions go
-//    through fp32.
+//  - Gloo of libtorch 1.13 knows no bfloat16: all-gathers move its bits as
+//    fp16, reductions go through fp32. From 2.x on its reductions are in bf16
+//    (as torch.distributed's, which DeepSpeed calls: at more than 2 ranks an
+//    fp32 sum rounded once is another number).
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -196,7 +198,7 @@ class C10dComm : public Comm {
 
  private:
   void AllReduce(at::Tensor& t, c10d::ReduceOp op, const char* what) {
-    if (backend_ == "gloo" && t.scalar_type() == at::kBFloat16) {  // Gloo (1.13) has no bf16
+    if (!kFlatCollectives && backend_ == "gloo" && t.scalar_type() == at::kBFloat16) {  // Gloo (1.13) has no bf16
       at::Tensor f = t.to(at::kFloat);
       AllReduce(f, op, what);
       t.copy_(f);
