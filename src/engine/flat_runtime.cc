@@ -344,6 +344,45 @@ at::Tensor FlatRuntime::PartitionOf(const Group& g, const at::Tensor& flat) cons
   return flat.narrow(0, g.layout.begin(partition_rank()), g.layout.partition_size);
 }
 
+// Stages 1-2 at dp > 1, bucketed: bucket k holds columns [o, o+b) of every
+// rank's partition, so one reduce-scatter hands each owner its own columns.
+// Returns this rank's averaged partition, or, with `add_in_place`, adds it
+// into the sum bucket by bucket and returns an undefined tensor.
+at::Tensor FlatRuntime::ReduceScatterInBuckets(Group& g, bool add_in_place) {
+  const int64_t dp = g.layout.dp, P = g.layout.partition_size;
+  const int64_t b_max = std::max<int64_t>(1, s_.reduce_bucket_size / dp);
+  const auto model = g.grad_flat.options();
+  at::Tensor part = add_in_place ? at::Tensor() : at::empty({P}, model);
+  at::Tensor by_rank = g.grad_flat.view({dp, P});
+  for (int64_t o = 0; o < P; o += b_max) {
+    const int64_t b = std::min(b_max, P - o);
+    // Flat [dp * b] (Gloo's reduce-scatter checks the first dimension; NCCL's the elements).
+    at::Tensor bucket = by_rank.narrow(1, o, b).clone(at::MemoryFormat::Contiguous).view({-1});
+    bucket.div_(static_cast<double>(dp));
+    at::Tensor out = add_in_place ? at::empty({b}, model) : part.narrow(0, o, b);
+    comm_.ReduceScatterSum(bucket, out);
+    if (add_in_place) g.grad_partition.narrow(0, o, b).add_(out);
+  }
+  return part;
+}
+
+// Stage 0: every rank steps the whole model on the averaged gradient, averaged as DeepSpeed's
+// engine.allreduce_bucket does (at one rank too): prescale_gradients scales before the sum; otherwise (the
+// default) the sum is of the gradients over gradient_predivide_factor, scaled by predivide/world after it.
+at::Tensor FlatRuntime::Stage0AllReduce(Group& g) {
+  at::Tensor grad = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  const double world = comm_.world_size(), f = s_.gradient_predivide_factor;
+  if (s_.prescale_gradients) {
+    grad.mul_(1.0 / world);
+    if (world > 1) comm_.AllReduceSum(grad);
+  } else {
+    if (f != 1.0) grad.mul_(1.0 / f);
+    if (world > 1) comm_.AllReduceSum(grad);
+    if (f != world) grad.mul_(f / world);
+  }
+  return grad;
+}
+
 void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
   if (g.host_copy) return TakeHostCopy(g, boundary);
   // DeepSpeed's average_tensor: divide by dp, then sum over ranks, in the model
@@ -362,43 +401,15 @@ void FlatRuntime::ReduceIntoPartition(Group& g, bool boundary) {
   } else if (deepspeed_order_) {
     part = AllReduceInDeepSpeedOrder(g);
   } else if (g.layout.dp > 1) {
-    // Bucketed: bucket k holds columns [o, o+b) of every rank's partition, so
-    // one reduce-scatter hands each owner its own columns.
-    const int64_t dp = g.layout.dp, P = g.layout.partition_size;
-    const int64_t b_max = std::max<int64_t>(1, s_.reduce_bucket_size / dp);
-    const auto model = g.grad_flat.options();
-    if (!add_in_place) part = at::empty({P}, model);
-    at::Tensor by_rank = g.grad_flat.view({dp, P});
-    for (int64_t o = 0; o < P; o += b_max) {
-      const int64_t b = std::min(b_max, P - o);
-      // Flat [dp * b] (Gloo's reduce-scatter checks the first dimension; NCCL's the elements).
-      at::Tensor bucket = by_rank.narrow(1, o, b).clone(at::MemoryFormat::Contiguous).view({-1});
-      bucket.div_(static_cast<double>(dp));
-      at::Tensor out = add_in_place ? at::empty({b}, model) : part.narrow(0, o, b);
-      comm_.ReduceScatterSum(bucket, out);
-      if (add_in_place) g.grad_partition.narrow(0, o, b).add_(out);
-    }
-    if (add_in_place) {
+    part = ReduceScatterInBuckets(g, add_in_place);
+    if (!part.defined()) {  // added into the sum bucket by bucket
       g.grad_flat.zero_();
       return;
     }
   } else if (s_.stage0_fp16 != Stage0Fp16::kNone) {
     part = Fp16WrapperAllReduce(g);
   } else if (s_.stage == 0 && (comm_.world_size() > 1 || s_.gradient_predivide_factor != 1.0)) {
-    at::Tensor grad = g.grad_flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    // Stage 0: every rank steps the whole model on the averaged gradient, averaged as DeepSpeed's
-    // engine.allreduce_bucket does (at one rank too): prescale_gradients scales before the sum; otherwise (the
-    // default) the sum is of the gradients over gradient_predivide_factor, scaled by predivide/world after it.
-    const double world = comm_.world_size(), f = s_.gradient_predivide_factor;
-    if (s_.prescale_gradients) {
-      grad.mul_(1.0 / world);
-      if (world > 1) comm_.AllReduceSum(grad);
-    } else {
-      if (f != 1.0) grad.mul_(1.0 / f);
-      if (world > 1) comm_.AllReduceSum(grad);
-      if (f != world) grad.mul_(f / world);
-    }
-    part = grad;
+    part = Stage0AllReduce(g);
   } else if (add_in_place) {
     AddWidened(g.grad_partition, g.grad_flat, s_.step_chunk_elements);
     g.grad_flat.zero_();

@@ -194,6 +194,8 @@ class FlatRuntime : public ShardedRuntime {
   };
   at::Tensor PartitionOf(const Group& g, const at::Tensor& flat) const;
   void ReduceIntoPartition(Group& g, bool boundary);
+  at::Tensor ReduceScatterInBuckets(Group& g, bool add_in_place);
+  at::Tensor Stage0AllReduce(Group& g);
   at::Tensor AllReduceInDeepSpeedOrder(Group& g);
   at::Tensor GlobalNorm();
   void AdamStep(Group& g, const at::Tensor& grad, double lr);
