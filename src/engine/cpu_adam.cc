@@ -116,12 +116,15 @@ struct PiecewiseCopy {
 // How the update reads a gradient element (Format::Load): fp32 as it is, or
 // the model's bf16 or fp16 bits widened to fp32 (exact), branch-free so the
 // loop vectorises.
+// kZeroAfter: the gradient is an accumulation buffer, zeroed behind the update.
 struct Fp32Grad {
   using Elem = float;
+  static constexpr bool kZeroAfter = true;
   static float Load(float g) { return g; }
 };
 struct BFloat16Grad {
   using Elem = uint16_t;
+  static constexpr bool kZeroAfter = false;
   static float Load(uint16_t g) { return FromBits(static_cast<uint32_t>(g) << 16); }
 };
 // IEEE fp16 -> fp32 (c10::Half's conversion): normal numbers rebias the
@@ -129,6 +132,7 @@ struct BFloat16Grad {
 // infinity and NaN keep their payload.
 struct HalfGrad {
   using Elem = uint16_t;
+  static constexpr bool kZeroAfter = false;
   static float Load(uint16_t g) {
     const uint32_t w = static_cast<uint32_t>(g) << 16;
     const uint32_t sign = w & UINT32_C(0x80000000), two_w = w + w;
@@ -139,6 +143,12 @@ struct HalfGrad {
     const uint32_t subnormal = -static_cast<uint32_t>(two_w < (UINT32_C(1) << 27));
     return FromBits(sign | (Bits(denormalized) & subnormal) | (Bits(normalized) & ~subnormal));
   }
+};
+// A 16-bit accumulation buffer (ZeRO-3's host gradient under offload_optimizer,
+// in grad_accum_dtype): read as the model's bits, zeroed behind the update.
+template <typename Grad16>
+struct Zeroed : Grad16 {
+  static constexpr bool kZeroAfter = true;
 };
 
 // The element loop, kept free of aliasing and branches so the compiler
@@ -164,7 +174,7 @@ UCKPT_ADAM_CLONES void AdamLoop(const AdamScalars& s, float* __restrict p, float
     p[i] = param + (s.neg_step_size * mi) / denom;  // addcdiv: (value * t1) / t2
     m[i] = mi;
     v[i] = vi;
-    if constexpr (std::is_same_v<Format, Fp32Grad>) g[i] = 0.0f;
+    if constexpr (Format::kZeroAfter) g[i] = 0;
   }
 }
 
@@ -429,23 +439,27 @@ double SumOfSquares(const at::Tensor& t) {
   return total;
 }
 
-std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
-  if (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous())
-    throw std::invalid_argument("PieceSumsOfSquares: needs a contiguous host fp32 tensor");
+namespace {
+
+// PieceSumsOfSquares over elements read as Format::Load widens them (exact), so
+// a 16-bit gradient's sums are those of its fp32 copy, without the copy.
+template <typename Format>
+std::vector<double> PieceSums(const typename Format::Elem* base, int64_t size,
+                              const std::vector<std::pair<int64_t, int64_t>>& pieces) {
   // SumOfSquares's chunks of every piece, in one list: each summed alone,
   // in order, as SumOfSquares sums it; a job takes up to kWays chunks side
   // by side (independent sums: the adds' latency overlaps, the bits stay).
+  using Elem = typename Format::Elem;
   struct Chunk {
-    const float* x;
+    const Elem* x;
     int64_t n;
   };
   std::vector<Chunk> chunks;
   std::vector<size_t> first_chunk;  // per piece, then the end
-  const float* base = t.data_ptr<float>();
   for (const auto& [offset, numel] : pieces) {
-    if (offset < 0 || numel < 0 || offset + numel > t.numel())
+    if (offset < 0 || numel < 0 || offset + numel > size)
       throw std::out_of_range("PieceSumsOfSquares: piece [" + std::to_string(offset) + ", " +
-                              std::to_string(offset + numel) + ") outside " + std::to_string(t.numel()) + " elements");
+                              std::to_string(offset + numel) + ") outside " + std::to_string(size) + " elements");
     first_chunk.push_back(chunks.size());
     for (int64_t b = 0; b < numel; b += kChunk) chunks.push_back({base + offset + b, std::min(kChunk, numel - b)});
   }
@@ -453,6 +467,10 @@ std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<st
   constexpr int64_t kWays = 8;
   std::vector<double> partial(chunks.size(), 0.0);
   const int64_t count = static_cast<int64_t>(chunks.size());
+  auto square = [](Elem e) {
+    const double v = Format::Load(e);
+    return v * v;
+  };
   ParallelChunks(
       count,
       [&](int64_t begin, int64_t end) {
@@ -460,16 +478,16 @@ std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<st
         int64_t common = kChunk;
         for (int64_t k = begin; k < end; ++k) common = std::min(common, chunks[k].n);
         if (end - begin == kWays) {
-          const float* x[kWays];
+          const Elem* x[kWays];
           for (int64_t w = 0; w < kWays; ++w) x[w] = chunks[begin + w].x;
           for (int64_t i = 0; i < common; ++i)
-            for (int64_t w = 0; w < kWays; ++w) acc[w] += static_cast<double>(x[w][i]) * x[w][i];
+            for (int64_t w = 0; w < kWays; ++w) acc[w] += square(x[w][i]);
         } else {
           common = 0;
         }
         for (int64_t k = begin; k < end; ++k) {
           double& a = acc[k - begin];
-          for (int64_t i = common; i < chunks[k].n; ++i) a += static_cast<double>(chunks[k].x[i]) * chunks[k].x[i];
+          for (int64_t i = common; i < chunks[k].n; ++i) a += square(chunks[k].x[i]);
           partial[k] = a;
         }
       },
@@ -478,6 +496,25 @@ std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<st
   for (size_t p = 0; p < pieces.size(); ++p)
     for (size_t k = first_chunk[p]; k < first_chunk[p + 1]; ++k) sums[p] += partial[k];  // SumOfSquares's order
   return sums;
+}
+
+}  // namespace
+
+std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
+  if (!t.device().is_cpu() || !t.is_contiguous())
+    throw std::invalid_argument("PieceSumsOfSquares: needs a contiguous host tensor, got one on " +
+                                t.device().str());
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return PieceSums<Fp32Grad>(t.data_ptr<float>(), t.numel(), pieces);
+    case at::kBFloat16:
+      return PieceSums<BFloat16Grad>(reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.numel(), pieces);
+    case at::kHalf:
+      return PieceSums<HalfGrad>(reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()), t.numel(), pieces);
+    default:
+      throw std::invalid_argument(std::string("PieceSumsOfSquares: needs fp32, bf16 or fp16 elements, got ") +
+                                  c10::toString(t.scalar_type()));
+  }
 }
 
 void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
@@ -503,8 +540,8 @@ void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, 
 }
 
 CpuAdamPass::CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o,
-                         double lr)
-    : grad_(grad), n_(st.master.numel()), threads_(at::get_num_threads()) {
+                         double lr, bool zero_16bit_grad)
+    : grad_(grad), n_(st.master.numel()), threads_(at::get_num_threads()), zero_16bit_grad_(zero_16bit_grad) {
   c10::NoGradGuard no_grad;
   CheckHostFloat(st.master, "the master", n_);
   CheckHostGradient(grad, n_);
@@ -538,33 +575,34 @@ CpuAdamPass::CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad
   v_ = st.exp_avg_sq.data_ptr<float>();
 }
 
+uint16_t* CpuAdamPass::Grad16() const {
+  if (grad_.element_size() != 2) return nullptr;
+  return static_cast<uint16_t*>(grad_.data_ptr());
+}
+
 void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out, int threads) const {
   if (begin < 0 || end > n_ || begin > end)
     throw std::out_of_range("CpuAdamPass: range [" + std::to_string(begin) + ", " + std::to_string(end) +
                             ") outside the partition of " + std::to_string(n_));
   if (threads <= 0) threads = threads_;
+  auto run = [&]<typename Format>(Format, auto* g) { AdamPiece<Format>(s_, p_, m_, v_, g, begin, end, out, threads); };
+  uint16_t* g16 = Grad16();
   switch (grad_.scalar_type()) {
-    case at::kBFloat16:
-      return AdamPiece<BFloat16Grad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::BFloat16>()), begin,
-                                     end, out, threads);
-    case at::kHalf:
-      return AdamPiece<HalfGrad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::Half>()), begin, end,
-                                 out, threads);
-    default: return AdamPiece<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), begin, end, out, threads);
+    case at::kBFloat16: return zero_16bit_grad_ ? run(Zeroed<BFloat16Grad>{}, g16) : run(BFloat16Grad{}, g16);
+    case at::kHalf: return zero_16bit_grad_ ? run(Zeroed<HalfGrad>{}, g16) : run(HalfGrad{}, g16);
+    default: return run(Fp32Grad{}, grad_.data_ptr<float>());
   }
 }
 
 void CpuAdamPass::RunInto(const std::vector<WeightOut>& pieces, int threads) const {
   const at::ScalarType dtype = CheckWeightOuts(pieces, n_);
   if (threads <= 0) threads = threads_;
+  auto run = [&]<typename Format>(Format, auto* g) { AdamPieces<Format>(s_, p_, m_, v_, g, n_, pieces, dtype, threads); };
+  uint16_t* g16 = Grad16();
   switch (grad_.scalar_type()) {
-    case at::kBFloat16:
-      return AdamPieces<BFloat16Grad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::BFloat16>()), n_,
-                                      pieces, dtype, threads);
-    case at::kHalf:
-      return AdamPieces<HalfGrad>(s_, p_, m_, v_, reinterpret_cast<uint16_t*>(grad_.data_ptr<at::Half>()), n_, pieces,
-                                  dtype, threads);
-    default: return AdamPieces<Fp32Grad>(s_, p_, m_, v_, grad_.data_ptr<float>(), n_, pieces, dtype, threads);
+    case at::kBFloat16: return zero_16bit_grad_ ? run(Zeroed<BFloat16Grad>{}, g16) : run(BFloat16Grad{}, g16);
+    case at::kHalf: return zero_16bit_grad_ ? run(Zeroed<HalfGrad>{}, g16) : run(HalfGrad{}, g16);
+    default: return run(Fp32Grad{}, grad_.data_ptr<float>());
   }
 }
 

@@ -51,7 +51,10 @@ void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, 
 // `grad` must outlive the pass and not be touched by others while it runs.
 class CpuAdamPass {
  public:
-  CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr);
+  // An fp32 `grad` is zeroed behind the update (an accumulation buffer); a
+  // bf16/fp16 one only with zero_16bit_grad (else it may be the model's, only read).
+  CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr,
+              bool zero_16bit_grad = false);
   // Updates [begin, end) of the partition; `out`, when defined, a contiguous
   // host bf16 or fp16 tensor of end - begin elements, receives the range's
   // new weights rounded as .to() rounds. `threads` > 0: on that many
@@ -78,17 +81,20 @@ class CpuAdamPass {
 
  private:
   Scalars s_{};
+  uint16_t* Grad16() const;  // a 16-bit gradient's bits, else null
   float *p_, *m_, *v_;
   at::Tensor grad_;
   int64_t n_;
   int threads_;
+  bool zero_16bit_grad_;
 };
 
 // The sum of the squares of a host fp32 tensor, accumulated in fp64 (the
 // squared L2 norm, for the global gradient norm without fp64 copies).
 double SumOfSquares(const at::Tensor& t);
 
-// SumOfSquares of each piece (offset, numel) of a host fp32 tensor, bit for
+// SumOfSquares of each piece (offset, numel) of a host fp32, bf16 or fp16
+// tensor (16-bit elements widened exactly: the sums of its fp32 copy), bit for
 // bit, in one parallel pass over all of them (a gradient partition's
 // per-parameter norms without a wait for the threads per parameter).
 std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<std::pair<int64_t, int64_t>>& pieces);

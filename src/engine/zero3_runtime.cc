@@ -164,8 +164,8 @@ Zero3Runtime::StepResult Zero3Runtime::Step(const std::vector<double>& group_lrs
 }
 
 // offload_optimizer: the same factor, applied inside one fused host pass per
-// sub-group, which also zeroes the fp32 gradient (ready for the next
-// accumulation) and, where the 16-bit partitions are in host memory
+// sub-group, which also zeroes the gradient, fp32 or grad_accum_dtype (ready
+// for the next accumulation) and, where the 16-bit partitions are in host memory
 // (offload_param) in bf16 or fp16, writes each parameter's new partition
 // from the chunk it has just updated (WeightsFromMasters's copy, the same
 // bits, without a second pass over the masters).
@@ -173,7 +173,8 @@ void Zero3Runtime::HostStep(double grad_scale, const std::vector<double>& group_
   units_.DropPrefetches();  // gathered from the old partitions
   bool partitions_written = true;
   for (Zero3SubGroup& sg : subs_) {
-    const CpuAdamPass pass(sg.state, sg.Grad(), grad_scale, group_optimizers_[sg.group], group_lrs[sg.group]);
+    const CpuAdamPass pass(sg.state, sg.Grad(), grad_scale, group_optimizers_[sg.group], group_lrs[sg.group],
+                           /*zero_16bit_grad=*/true);
     std::vector<CpuAdamPass::WeightOut> outs;
     for (size_t i : sg.params) {
       const Zero3Param& p = params_[i];

@@ -413,6 +413,38 @@ TEST(CpuAdam, ModelDtypeGradientStepsAsItsFp32Copy) {
   }
 }
 
+// ZeRO-3's host gradient under offload_optimizer is a grad_accum_dtype (16-bit)
+// accumulation buffer: with zero_16bit_grad the pass zeroes it behind the
+// update (Run and RunInto), stepping as from the kept copy.
+TEST(CpuAdam, SixteenBitAccumulationBufferIsZeroedBehindTheUpdate) {
+  OptimizerConfig o;
+  const int64_t n = 200003;
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    for (bool into : {false, true}) {
+      at::manual_seed(10);
+      at::Tensor grad = (at::randn({n}) * 1e-2).to(dtype);
+      at::Tensor kept = grad.clone();
+      PartitionState zeroed, reference;
+      zeroed.master = at::randn({n});
+      reference.master = zeroed.master.clone();
+      const CpuAdamPass a(zeroed, grad, 0.5, o, 1e-3, /*zero_16bit_grad=*/true);
+      const CpuAdamPass b(reference, kept, 0.5, o, 1e-3);
+      if (into) {
+        at::Tensor wa = at::empty({n}, dtype), wb = at::empty({n}, dtype);
+        a.RunInto({{0, wa}});
+        b.RunInto({{0, wb}});
+        EXPECT_TRUE(at::equal(wa.view(at::kShort), wb.view(at::kShort))) << dtype;
+      } else {
+        a.Run(0, n);
+        b.Run(0, n);
+      }
+      EXPECT_EQ(grad.to(at::kFloat).abs().max().item<float>(), 0.0f) << dtype << " " << into << ": zeroed";
+      EXPECT_GT(kept.to(at::kFloat).abs().max().item<float>(), 0.0f) << dtype << ": without the flag, only read";
+      EXPECT_TRUE(at::equal(zeroed.master.view(at::kInt), reference.master.view(at::kInt))) << dtype << " " << into;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace uckpt::engine
 
@@ -452,6 +484,28 @@ TEST(SumOfSquares, PiecesSumAsEachAlone) {
   EXPECT_TRUE(PieceSumsOfSquares(x, {}).empty());
   EXPECT_THROW(PieceSumsOfSquares(x, {{n - 1, 2}}), std::out_of_range);
   EXPECT_THROW(PieceSumsOfSquares(x.to(at::kDouble), {{0, 1}}), std::invalid_argument);
+}
+
+// A 16-bit gradient (stage 3's host accumulation buffer under offload_optimizer,
+// in grad_accum_dtype) gives the sums of its exact fp32 copy, bit for bit, and
+// fp16's subnormals and infinities widen as c10::Half's do.
+TEST(SumOfSquares, SixteenBitPiecesSumAsTheirFp32Copy) {
+  at::manual_seed(5);
+  const int64_t n = 3 * (1 << 18) + 321;
+  const at::Tensor x = at::randn({n}) * at::exp(at::randn({n}) * 3);
+  const std::vector<std::pair<int64_t, int64_t>> pieces{{0, 1000}, {1000, n - 2000}, {n - 1000, 1000}, {5, 0}};
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    at::Tensor half = x.to(dtype);
+    if (dtype == at::kHalf) {  // subnormals and an infinity among the values
+      half.narrow(0, 0, 4).copy_(at::tensor({1e-7f, -3e-6f, 6e-8f, INFINITY}).to(dtype));
+    }
+    const std::vector<double> got = PieceSumsOfSquares(half, pieces);
+    const std::vector<double> want = PieceSumsOfSquares(half.to(at::kFloat), pieces);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t k = 0; k < pieces.size(); ++k)
+      EXPECT_EQ(std::memcmp(&got[k], &want[k], sizeof want[k]), 0)
+          << c10::toString(dtype) << " piece " << k << ": " << got[k] << " " << want[k];
+  }
 }
 
 }  // namespace

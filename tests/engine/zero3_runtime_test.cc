@@ -174,6 +174,23 @@ TEST(Zero3, OffloadOnAndOffSameLosses) {
   for (const auto& [step, m] : on.steps) EXPECT_NEAR(m.loss, off.steps.at(step).loss, 1e-6 * m.loss) << step;
 }
 
+// bf16: under offload_optimizer the host gradient is a bf16 (grad_accum_dtype)
+// accumulation buffer, which each step must leave zeroed: the losses and norms
+// are those of the run without offload (a buffer left full adds the last
+// step's gradients into the next).
+TEST(Zero3, Bf16OffloadOnAndOffSameLosses) {
+  nlohmann::json ds = Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}});
+  ds["bf16"] = {{"enabled", true}};
+  Z3Run off = Train(ds, 2);
+  ds["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  Z3Run on = Train(ds, 2);
+  ASSERT_EQ(on.steps.size(), 12u);
+  for (const auto& [step, m] : on.steps) {
+    EXPECT_NEAR(m.loss, off.steps.at(step).loss, 1e-6 * m.loss) << step;
+    EXPECT_NEAR(m.grad_norm, off.steps.at(step).grad_norm, 1e-6 * m.grad_norm) << step;
+  }
+}
+
 TEST(Zero3, Bf16TrainsAndUnitsMatchTheRootOnlyRun) {
   // bf16 with units gathered and freed against bf16 with everything in the
   // root unit: the same arithmetic, so the same losses.
