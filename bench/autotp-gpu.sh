@@ -62,7 +62,6 @@ for case in $cases; do
   check "$case: uckpt convert" "$uckpt" convert "$in" "$d/ours/global_step3_universal" -q
   check "$case: uckpt's folder equals DeepSpeed's, byte for byte" same_files "$d/ref/global_step3_universal" \
     "$d/ours/global_step3_universal"
-  [ "$stage" = 3 ] && continue  # resume_autotp_universal.py loads stages 1 and 2 (its README)
   for rtp in 2 1; do
     check "$case: DeepSpeed 0.19.8 resumes uckpt's folder at tp $rtp x dp $((2 / rtp))" \
       ranks 2 $((port + rtp)) "$d/resume-tp$rtp" python3 "$fx/resume_autotp_universal.py" --stage "$stage" \

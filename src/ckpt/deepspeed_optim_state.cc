@@ -178,6 +178,8 @@ RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string&
 
 // ---- zero/optimizer_state.pt ----
 
+// DeepSpeed's converter reads the rank file with map_location="cpu" and saves what
+// it keeps: a GPU run's tensors (stage 3 keeps rank 0's partitions) say "cpu".
 ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& path, int stage, size_t groups,
                                       int dp) {
   ValuePtr osd = Need(rank0, "optimizer_state_dict", path);
@@ -186,7 +188,7 @@ ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& 
     for (const auto& [k, v] : osd->entries) out->entries.emplace_back(k, v);
     ValuePtr inner = Need(osd, "optimizer_state_dict", path + ": optimizer_state_dict");
     out->set("param_groups", Need(inner, "param_groups", path + ": optimizer_state_dict.optimizer_state_dict"));
-    return out;
+    return WithStorageLocation(out, "cpu");
   }
   for (const auto& [k, v] : osd->entries) {
     const std::string key = k && k->kind == Kind::kStr ? k->s : std::string();
@@ -206,7 +208,7 @@ ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& 
   }
   ValuePtr bos = Need(osd, "base_optimizer_state", path + ": optimizer_state_dict");
   out->set("param_groups", Need(bos, "param_groups", path + ": optimizer_state_dict.base_optimizer_state"));
-  return out;
+  return WithStorageLocation(out, "cpu");
 }
 
 ValuePtr ReadOptimStatesLossScaler(const ValuePtr& root, const std::string& path) {

@@ -331,6 +331,7 @@ RankOptimView ReadStage3RankOptimStates(const ValuePtr& root, const std::string&
 // optimizer file `rank0` (at `path`): stage 1/2 — its optimizer_state_dict
 // without the sharded entries, group_paddings all 0, partition_count [dp]*groups,
 // plus param_groups; stage 3 — its whole optimizer_state_dict plus param_groups.
+// Every storage in it says "cpu", as DeepSpeed reads the rank file with map_location="cpu".
 ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& path, int stage, size_t groups, int dp);
 // Its parts, null when absent.
 struct UniversalOptimizerStateView {

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstring>
 #include <stdexcept>
+#include <unordered_map>
 
 namespace uckpt {
 
@@ -312,6 +313,60 @@ std::string IntToDecimal(const Value& v) {
     digits.insert(0, chunk);
   }
   return neg ? "-" + digits : digits;
+}
+
+}  // namespace uckpt
+
+namespace uckpt {
+namespace {
+
+class StorageRelocator {
+ public:
+  explicit StorageRelocator(const std::string& location) : location_(location) {}
+
+  ValuePtr Copy(const ValuePtr& v) {
+    if (!v) return v;
+    if (auto it = values_.find(v.get()); it != values_.end()) return it->second;
+    auto out = std::make_shared<Value>(*v);
+    values_[v.get()] = out;  // before the children: a cycle meets the copy
+    for (ValuePtr& item : out->items) item = Copy(item);
+    for (ValuePtr& item : out->listitems) item = Copy(item);
+    for (auto& [key, value] : out->entries) {
+      key = Copy(key);
+      value = Copy(value);
+    }
+    out->state = Copy(out->state);
+    out->kwargs = Copy(out->kwargs);
+    if (out->tensor) {
+      out->tensor = std::make_shared<Tensor>(*out->tensor);
+      out->tensor->storage = Relocated(out->tensor->storage);
+      out->tensor->attrs = Copy(out->tensor->attrs);
+      out->tensor->metadata = Copy(out->tensor->metadata);
+    }
+    out->storage = Relocated(out->storage);
+    return out;
+  }
+
+ private:
+  std::shared_ptr<Storage> Relocated(const std::shared_ptr<Storage>& s) {
+    if (!s) return s;
+    auto [it, fresh] = storages_.emplace(s.get(), nullptr);
+    if (fresh) {
+      it->second = std::make_shared<Storage>(*s);  // the bytes stay where they are (owner shared)
+      it->second->location = location_;
+    }
+    return it->second;
+  }
+
+  std::string location_;
+  std::unordered_map<const Value*, ValuePtr> values_;
+  std::unordered_map<const Storage*, std::shared_ptr<Storage>> storages_;
+};
+
+}  // namespace
+
+ValuePtr WithStorageLocation(const ValuePtr& v, const std::string& location) {
+  return StorageRelocator(location).Copy(v);
 }
 
 }  // namespace uckpt

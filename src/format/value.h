@@ -164,4 +164,9 @@ std::string HashKey(const Value& v);
 // Decimal text of an int value (any size).
 std::string IntToDecimal(const Value& v);
 
+// A copy of the tree `v` whose storages all say `location`, as torch.save writes
+// what torch.load(map_location=location) read: nodes and storages are copied once
+// each (what was shared stays shared), the tensors' bytes not at all.
+ValuePtr WithStorageLocation(const ValuePtr& v, const std::string& location);
+
 }  // namespace uckpt

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -299,6 +300,51 @@ TEST_F(Codec, Stage3OptimStatesAndUniversalOptimizerState) {
   EXPECT_EQ(ParseZeroStage(uv.zero_stage, "zero_stage"), 3);
   ASSERT_TRUE(uv.zero3_step);
   EXPECT_EQ(ScalarOf(uv.zero3_step, "step"), 6);
+}
+
+// Where a tree's storages say they live, each distinct storage once.
+std::multiset<std::string> StorageLocations(const ValuePtr& v, std::set<const Storage*>* seen) {
+  std::multiset<std::string> out;
+  if (!v) return out;
+  auto add = [&](const std::shared_ptr<Storage>& s) {
+    if (s && seen->insert(s.get()).second) out.insert(s->location);
+  };
+  if (v->tensor) add(v->tensor->storage);
+  add(v->storage);
+  auto merge = [&](const ValuePtr& c) { out.merge(StorageLocations(c, seen)); };
+  for (const ValuePtr& c : v->items) merge(c);
+  for (const auto& [k, c] : v->entries) merge(c);
+  merge(v->state);
+  return out;
+}
+std::multiset<std::string> StorageLocations(const ValuePtr& v) {
+  std::set<const Storage*> seen;
+  return StorageLocations(v, &seen);
+}
+
+// A GPU run's rank file (storages at "cuda:0"): the universal optimizer_state.pt
+// says "cpu" for every tensor, as DeepSpeed's converter (map_location="cpu")
+// writes it, at stage 3 (which keeps rank 0's partitions) and 1/2; the rank
+// file's own tree is left as it was.
+TEST_F(Codec, UniversalOptimizerStateIsOnTheCpu) {
+  Stage3RankOptimStates o;
+  o.dp = 2;
+  ValuePtr shared = Floats({4, 5});  // one storage under two keys stays one
+  o.sub_groups.push_back({Floats({1, 2}, true), {{"exp_avg", shared}, {"exp_avg_sq", shared}}});
+  o.param_groups.push_back({AdamHparams{}, {0}});
+  ValuePtr gpu = WithStorageLocation(Reload(Stage3OptimStatesValue(o)), "cuda:0");
+  ASSERT_GE(StorageLocations(gpu).count("cuda:0"), 2u);
+  ValuePtr u = UniversalOptimizerStateValue(gpu, Path(), 3, 1, 2);
+  const std::multiset<std::string> where = StorageLocations(u);
+  EXPECT_EQ(where.count("cuda:0"), 0u);
+  EXPECT_EQ(where.count("cpu"), StorageLocations(gpu).size());
+  EXPECT_EQ(StorageLocations(gpu).count("cpu"), 0u);  // the input is not changed
+  // Reloaded, exp_avg and exp_avg_sq still share their one storage.
+  ValuePtr state = Reload(u)->get("optimizer_state_dict")->get("state");
+  ASSERT_TRUE(state && state->is_dict() && !state->entries.empty());
+  ValuePtr s0 = state->entries[0].second;
+  ASSERT_TRUE(s0->get("exp_avg") && s0->get("exp_avg_sq"));
+  EXPECT_EQ(s0->get("exp_avg")->tensor->storage, s0->get("exp_avg_sq")->tensor->storage);
 }
 
 }  // namespace
