@@ -502,11 +502,9 @@ std::vector<double> PieceSums(const typename Format::Elem* base, int64_t size,
 
 std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
   if (!t.device().is_cpu() || !t.is_contiguous())
-    throw std::invalid_argument("PieceSumsOfSquares: needs a contiguous host tensor, got one on " +
-                                t.device().str());
+    throw std::invalid_argument("PieceSumsOfSquares: needs a contiguous host tensor, got one on " + t.device().str());
   switch (t.scalar_type()) {
-    case at::kFloat:
-      return PieceSums<Fp32Grad>(t.data_ptr<float>(), t.numel(), pieces);
+    case at::kFloat: return PieceSums<Fp32Grad>(t.data_ptr<float>(), t.numel(), pieces);
     case at::kBFloat16:
       return PieceSums<BFloat16Grad>(reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.numel(), pieces);
     case at::kHalf:
@@ -597,7 +595,9 @@ void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out, int thr
 void CpuAdamPass::RunInto(const std::vector<WeightOut>& pieces, int threads) const {
   const at::ScalarType dtype = CheckWeightOuts(pieces, n_);
   if (threads <= 0) threads = threads_;
-  auto run = [&]<typename Format>(Format, auto* g) { AdamPieces<Format>(s_, p_, m_, v_, g, n_, pieces, dtype, threads); };
+  auto run = [&]<typename Format>(Format, auto* g) {
+    AdamPieces<Format>(s_, p_, m_, v_, g, n_, pieces, dtype, threads);
+  };
   uint16_t* g16 = Grad16();
   switch (grad_.scalar_type()) {
     case at::kBFloat16: return zero_16bit_grad_ ? run(Zeroed<BFloat16Grad>{}, g16) : run(BFloat16Grad{}, g16);
