@@ -21,10 +21,15 @@ if [[ ${1:-} == --fix ]]; then
   "$cf" -i "${files[@]}"
   exit 0
 fi
-bad=()
-for f in "${files[@]}"; do
-  "$cf" --dry-run -Werror "$f" >/dev/null 2>&1 || bad+=("$f")
-done
+# One clang-format for all files (one per file cost 45 s of process start-up in CI); each
+# violation is reported as FILE:LINE:COL: error: ..., from which the files are listed.
+out=$("$cf" --dry-run -Werror "${files[@]}" 2>&1) && rc=0 || rc=$?
+mapfile -t bad < <(grep -oE '^[^:]+:[0-9]+:[0-9]+: error' <<<"$out" | cut -d: -f1 | sort -u)
+if ((rc != 0 && ${#bad[@]} == 0)); then
+  printf '%s\n' "$out" | tail -n 5
+  echo "check-format: clang-format failed (exit $rc) without naming a file"
+  exit 1
+fi
 if ((${#bad[@]})); then
   printf 'check-format: not formatted as .clang-format says: %s\n' "${bad[@]}"
   echo "check-format: run scripts/check-format.sh --fix"
