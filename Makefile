@@ -9,7 +9,7 @@ ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
 # `make fuzz`: 5 minutes per target; `make test` runs each for TEST_FUZZ_SECONDS.
 FUZZ_SECONDS ?= 300
-TEST_FUZZ_SECONDS ?= 45
+TEST_FUZZ_SECONDS ?= 20
 
 .PHONY: all deps build python demo test test-unit test-asan fuzz fuzz-keep bench clean
 
