@@ -19,9 +19,10 @@ deps:
 	@bash scripts/install-deps.sh
 
 # Everything, with the test libraries (transformers, Accelerate, PEFT, TRL, DeepSpeed 0.14.5).
+# On a fresh machine the parts without libtorch, and their tests, compile while the Python packages
+# install (scripts/build.sh).
 build:
-	bash scripts/configure.sh $(BUILD) --test
-	cmake --build $(BUILD) -j $(JOBS)
+	bash scripts/build.sh $(BUILD) $(JOBS) test
 
 # The Python package: build/python/uckpt (PYTHONPATH=build/python .venv/bin/python -c 'import uckpt').
 python:
@@ -29,9 +30,9 @@ python:
 	cmake --build $(BUILD) --target python -j $(JOBS)
 
 # The demo needs the `uckpt` program only: the tests and benchmarks compile under `make test`.
-# On a fresh machine the parts without libtorch compile while PyTorch installs (scripts/build-demo.sh).
+# On a fresh machine the parts without libtorch compile while PyTorch installs (scripts/build.sh).
 demo:
-	bash scripts/build-demo.sh $(BUILD) $(JOBS)
+	bash scripts/build.sh $(BUILD) $(JOBS) demo
 	bash scripts/demo.sh $(BUILD)
 
 # Every test: the normal build, then the layers without libtorch under ASan/UBSan and their

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Installs what is missing and configures a build folder against the Python's PyTorch.
 #   scripts/configure.sh BUILD_DIR [--test]
-#   scripts/configure.sh BUILD_DIR --without-torch
+#   scripts/configure.sh BUILD_DIR --without-torch [--test]
 # Debian's packages (scripts/install-deps.sh), the Python (scripts/python-env.sh: a virtual
 # environment with PyTorch from PyPI, or $UCKPT_PYTHON), then CMake, which finds libtorch in
 # that Python's torch. A build folder configured for another Python is configured again.
-# --without-torch: a new folder only, configured for the layers without libtorch and nothing
-# installed into Python (scripts/build-demo.sh compiles them while PyTorch installs); the
-# next plain configure adds the rest.
+# --without-torch: a new folder only, configured for the layers without libtorch (with --test,
+# and their tests) and nothing installed into Python (scripts/build.sh compiles them while
+# PyTorch installs); the next plain configure adds the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:?usage: scripts/configure.sh BUILD_DIR [--test|--without-torch]}
@@ -21,7 +21,9 @@ command -v ccache > /dev/null && opts+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 [ ! -f "$cache" ] && command -v ninja > /dev/null && opts+=(-G Ninja)
 if [ "${1:-}" = --without-torch ]; then
   [ -f "$cache" ] && exit 0
-  exec cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DUCKPT_LIBTORCH=OFF -DUCKPT_TESTS=OFF \
+  tests=OFF
+  [ "${2:-}" = --test ] && tests=ON
+  exec cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DUCKPT_LIBTORCH=OFF -DUCKPT_TESTS=$tests \
     -DUCKPT_BENCH=OFF "${opts[@]}"
 fi
 py=$(bash scripts/python-env.sh "$@")

@@ -4,7 +4,8 @@
 #
 #   scripts/python-env.sh          PyTorch (requirements/torch.txt): `make demo`, `make python`
 #   scripts/python-env.sh --test   also the test libraries (requirements/test.txt, DeepSpeed 0.14.5)
-#   scripts/python-env.sh --ready  installs nothing; exits 0 when the plain call would install nothing
+#   scripts/python-env.sh --ready [--test]  installs nothing; exits 0 when the call with the same
+#                                           level would install nothing
 #
 # UCKPT_PYTHON=/path/to/python: use that Python and its own PyTorch (2.7 or newer); nothing is
 # installed into it. Otherwise a virtual environment in $UCKPT_VENV (default: .venv in the
@@ -13,9 +14,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 level=torch
-[ "${1:-}" = --test ] && level=test
 ready_query=false
-[ "${1:-}" = --ready ] && ready_query=true
+for arg in "$@"; do
+  case $arg in
+    --test) level=test ;;
+    --ready) ready_query=true ;;
+    *) echo "python-env: unknown option $arg (--test, --ready)" >&2; exit 2 ;;
+  esac
+done
 say() { echo "python-env: $*" >&2; }
 
 check_torch() {  # PYTHON: torch imports and is 2.7 or newer (older wheels use the old C++ ABI)
@@ -45,8 +51,13 @@ fi
 venv=${UCKPT_VENV:-$PWD/.venv}
 py=$venv/bin/python
 if $ready_query; then
-  [ -x "$py" ] && [ "$(cat "$venv/uckpt-torch.stamp" 2>/dev/null)" = "$(requirements_hash)" ]
-  exit
+  stamps=(torch)
+  [ "$level" = test ] && stamps+=(test deepspeed)
+  [ -x "$py" ] || exit 1
+  for name in "${stamps[@]}"; do
+    [ "$(cat "$venv/uckpt-$name.stamp" 2>/dev/null)" = "$(requirements_hash)" ] || exit 1
+  done
+  exit 0
 fi
 if [ ! -x "$py" ]; then
   base=$(command -v python3) || { say "no python3 on PATH to make $venv with"; exit 1; }
