@@ -151,6 +151,18 @@ struct Zeroed : Grad16 {
   static constexpr bool kZeroAfter = true;
 };
 
+// Calls f(Format{}, elements) with the Format that reads `grad`'s dtype (fp32,
+// bf16, fp16; a 16-bit one Zeroed when zero_16bit); CheckHostGradient's dtypes.
+template <typename F>
+decltype(auto) WithGradFormat(const at::Tensor& grad, bool zero_16bit, F&& f) {
+  if (grad.scalar_type() == at::kFloat) return f(Fp32Grad{}, grad.data_ptr<float>());
+  auto* g16 = static_cast<uint16_t*>(grad.data_ptr());
+  if (grad.scalar_type() == at::kBFloat16) return zero_16bit ? f(Zeroed<BFloat16Grad>{}, g16) : f(BFloat16Grad{}, g16);
+  if (grad.scalar_type() == at::kHalf) return zero_16bit ? f(Zeroed<HalfGrad>{}, g16) : f(HalfGrad{}, g16);
+  throw std::invalid_argument(std::string("cpu_adam: needs fp32, bf16 or fp16 elements, got ") +
+                              c10::toString(grad.scalar_type()));
+}
+
 // The element loop, kept free of aliasing and branches so the compiler
 // vectorises it (no -ffast-math: the order of operations is torch's); the
 // weight-decay form is a template argument, not a branch the compiler would
@@ -503,16 +515,8 @@ std::vector<double> PieceSums(const typename Format::Elem* base, int64_t size,
 std::vector<double> PieceSumsOfSquares(const at::Tensor& t, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
   if (!t.device().is_cpu() || !t.is_contiguous())
     throw std::invalid_argument("PieceSumsOfSquares: needs a contiguous host tensor, got one on " + t.device().str());
-  switch (t.scalar_type()) {
-    case at::kFloat: return PieceSums<Fp32Grad>(t.data_ptr<float>(), t.numel(), pieces);
-    case at::kBFloat16:
-      return PieceSums<BFloat16Grad>(reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.numel(), pieces);
-    case at::kHalf:
-      return PieceSums<HalfGrad>(reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()), t.numel(), pieces);
-    default:
-      throw std::invalid_argument(std::string("PieceSumsOfSquares: needs fp32, bf16 or fp16 elements, got ") +
-                                  c10::toString(t.scalar_type()));
-  }
+  return WithGradFormat(t, /*zero_16bit=*/false,
+                        [&]<typename Format>(Format, auto* x) { return PieceSums<Format>(x, t.numel(), pieces); });
 }
 
 void CpuAdamStep(PartitionState& st, const at::Tensor& grad, double grad_scale, const OptimizerConfig& o, double lr) {
@@ -573,37 +577,22 @@ CpuAdamPass::CpuAdamPass(PartitionState& st, const at::Tensor& grad, double grad
   v_ = st.exp_avg_sq.data_ptr<float>();
 }
 
-uint16_t* CpuAdamPass::Grad16() const {
-  if (grad_.element_size() != 2) return nullptr;
-  return static_cast<uint16_t*>(grad_.data_ptr());
-}
-
 void CpuAdamPass::Run(int64_t begin, int64_t end, const at::Tensor& out, int threads) const {
   if (begin < 0 || end > n_ || begin > end)
     throw std::out_of_range("CpuAdamPass: range [" + std::to_string(begin) + ", " + std::to_string(end) +
                             ") outside the partition of " + std::to_string(n_));
   if (threads <= 0) threads = threads_;
-  auto run = [&]<typename Format>(Format, auto* g) { AdamPiece<Format>(s_, p_, m_, v_, g, begin, end, out, threads); };
-  uint16_t* g16 = Grad16();
-  switch (grad_.scalar_type()) {
-    case at::kBFloat16: return zero_16bit_grad_ ? run(Zeroed<BFloat16Grad>{}, g16) : run(BFloat16Grad{}, g16);
-    case at::kHalf: return zero_16bit_grad_ ? run(Zeroed<HalfGrad>{}, g16) : run(HalfGrad{}, g16);
-    default: return run(Fp32Grad{}, grad_.data_ptr<float>());
-  }
+  WithGradFormat(grad_, zero_16bit_grad_, [&]<typename Format>(Format, auto* g) {
+    AdamPiece<Format>(s_, p_, m_, v_, g, begin, end, out, threads);
+  });
 }
 
 void CpuAdamPass::RunInto(const std::vector<WeightOut>& pieces, int threads) const {
   const at::ScalarType dtype = CheckWeightOuts(pieces, n_);
   if (threads <= 0) threads = threads_;
-  auto run = [&]<typename Format>(Format, auto* g) {
+  WithGradFormat(grad_, zero_16bit_grad_, [&]<typename Format>(Format, auto* g) {
     AdamPieces<Format>(s_, p_, m_, v_, g, n_, pieces, dtype, threads);
-  };
-  uint16_t* g16 = Grad16();
-  switch (grad_.scalar_type()) {
-    case at::kBFloat16: return zero_16bit_grad_ ? run(Zeroed<BFloat16Grad>{}, g16) : run(BFloat16Grad{}, g16);
-    case at::kHalf: return zero_16bit_grad_ ? run(Zeroed<HalfGrad>{}, g16) : run(HalfGrad{}, g16);
-    default: return run(Fp32Grad{}, grad_.data_ptr<float>());
-  }
+  });
 }
 
 }  // namespace uckpt::engine

@@ -81,7 +81,6 @@ class CpuAdamPass {
 
  private:
   Scalars s_{};
-  uint16_t* Grad16() const;  // a 16-bit gradient's bits, else null
   float *p_, *m_, *v_;
   at::Tensor grad_;
   int64_t n_;
