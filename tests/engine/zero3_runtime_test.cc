@@ -179,15 +179,21 @@ TEST(Zero3, OffloadOnAndOffSameLosses) {
 // are those of the run without offload (a buffer left full adds the last
 // step's gradients into the next).
 TEST(Zero3, Bf16OffloadOnAndOffSameLosses) {
-  nlohmann::json ds = Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}});
-  ds["bf16"] = {{"enabled", true}};
-  Z3Run off = Train(ds, 2);
-  ds["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
-  Z3Run on = Train(ds, 2);
-  ASSERT_EQ(on.steps.size(), 12u);
-  for (const auto& [step, m] : on.steps) {
-    EXPECT_NEAR(m.loss, off.steps.at(step).loss, 1e-6 * m.loss) << step;
-    EXPECT_NEAR(m.grad_norm, off.steps.at(step).grad_norm, 1e-6 * m.grad_norm) << step;
+  // The same global batch of 8: GA 2 at 2 ranks, 1 at 4. The fused host Adam may differ from
+  // torch's AdamW in an element's last bit (docs/engine.md), which bf16 grows by step 10 at 4 ranks
+  // to 2e-5 of the norm: 1e-4 there, still far below a buffer left full (0.3-0.7 from step 2).
+  for (auto [world, tol] : {std::pair{2, 1e-6}, std::pair{4, 1e-4}}) {
+    nlohmann::json ds = Z3Config("z3_ws2_baseline", {{"stage3_param_persistence_threshold", 0}});
+    ds["bf16"] = {{"enabled", true}};
+    ds["gradient_accumulation_steps"] = 4 / world;
+    Z3Run off = Train(ds, world);
+    ds["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+    Z3Run on = Train(ds, world);
+    ASSERT_EQ(on.steps.size(), 12u) << world;
+    for (const auto& [step, m] : on.steps) {
+      EXPECT_NEAR(m.loss, off.steps.at(step).loss, tol * m.loss) << world << " ranks, step " << step;
+      EXPECT_NEAR(m.grad_norm, off.steps.at(step).grad_norm, tol * m.grad_norm) << world << " ranks, step " << step;
+    }
   }
 }
 
