@@ -38,7 +38,9 @@ def _adagrad_update(p, grad, exp_avg_sq, lr, eps, weight_decay):
     g32 = grad.float()
     g = param * weight_decay + g32 if weight_decay > 0 else g32
     variance = exp_avg_sq.float() + g * g  # two roundings, as the kernel's scalar loop (addcmul may fuse them)
-    update = g32 / (variance.sqrt() + eps)
+    # Correctly rounded, as the kernel's sqrt: PyTorch's float sqrt goes through MKL's vector math, which is
+    # 1 ulp off on some CPUs (AMD's); the double's sqrt rounded to float is the float's exact one.
+    update = g32 / (variance.double().sqrt().float() + eps)
     param = update * (-lr) + param
     p.copy_(param)
     exp_avg_sq.copy_(variance)
