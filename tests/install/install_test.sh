@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# `cmake --install` and find_package(uckpt) from another project: every
-# installed header compiles on its own, the examples build against the
-# package, train a few steps, save with client_state and resume.
-# usage: install_test.sh SOURCE_DIR BUILD_DIR WORK_DIR [headers]
-# With `headers`: only that every installed header compiles on its own (one translation unit each).
+# `cmake --install` and find_package(uckpt) from another project.
+#   examples (default): the examples build against the package, train a few steps, save with
+#                       client_state and resume
+#   headers:            every installed header compiles on its own (one translation unit each)
+# usage: install_test.sh SOURCE_DIR BUILD_DIR WORK_DIR [examples|headers]
 set -euo pipefail
 src=$(realpath "$1") build=$(realpath "$2") work=$3 what=${4:-examples}
-rm -rf "$work"; mkdir -p "$work"; work=$(realpath "$work")
 fail() { echo "FAIL: $*" >&2; exit 1; }
+case $what in
+  examples) project=$src/examples/engine ;;
+  headers) project=$src/tests/install/headers ;;
+  *) fail "unknown part '$what': examples or headers" ;;
+esac
+rm -rf "$work"; mkdir -p "$work"; work=$(realpath "$work")
 
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
 test -f "$work/prefix/lib/cmake/uckpt/uckptConfig.cmake" || fail "no package config installed"
@@ -16,14 +21,10 @@ test -f "$work/prefix/include/uckpt/models/bert.h" || fail "no model header inst
 
 launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-projects=("$src/examples/engine")
-[ "$what" = headers ] && projects=("$src/tests/install/headers")
-for project in "${projects[@]}"; do
-  name=$(basename "$project")
-  cmake -S "$project" -B "$work/build-$name" -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release \
-        "${launcher[@]}" > "$work/configure-$name.log" 2>&1 || { cat "$work/configure-$name.log"; fail "configure $name"; }
-  cmake --build "$work/build-$name" -j 2 > "$work/build-$name.log" 2>&1 || { tail -50 "$work/build-$name.log"; fail "build $name"; }
-done
+name=$(basename "$project")
+cmake -S "$project" -B "$work/build-$name" -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release \
+      "${launcher[@]}" > "$work/configure-$name.log" 2>&1 || { cat "$work/configure-$name.log"; fail "configure $name"; }
+cmake --build "$work/build-$name" -j 2 > "$work/build-$name.log" 2>&1 || { tail -50 "$work/build-$name.log"; fail "build $name"; }
 if [ "$what" = headers ]; then
   echo "install test: every installed header compiles on its own"
   exit 0
