@@ -10,6 +10,7 @@ CUDA, so the fused reference wraps torch's single-tensor AdamW, the formula uckp
 installed the cases needing it exit 77 (skipped).
 
 CASE:
+  vs, vs1      every variant at 2 ranks (vs) or at 1 (vs1; `make test-full` only);
   vs_<variant>  the variant at 1 and 2 ranks, 12 steps, against the reference: per step the loss,
                 engine.optimizer.cur_scale and loss_scale, overflow, skipped_steps and get_global_grad_norm() equal
                 DeepSpeed's exactly, and so do the fp32 masters after the run; engine.optimizer names DeepSpeed's
@@ -357,10 +358,10 @@ def compare_runs(what, got, want, exact=True, rtol=0.02):
 
 # ---------------------------------------------------------------- cases
 
-def case_vs(pypath, work, variants):
+def case_vs(pypath, work, variants, worlds=(1, 2)):
     """Each variant's run against DeepSpeed's wrapper at 1 and 2 ranks; one process group runs every variant
     (a group's start, importing torch and DeepSpeed, costs more than a variant's steps)."""
-    for world in (1, 2):
+    for world in worlds:
         launch(pypath, world, [work, ",".join(variants), ""], reference=True)
         launch(pypath, world, [work, ",".join(variants), "run"])
         for variant in variants:
@@ -573,8 +574,8 @@ def main():
     if case != "tools" and not have_deepspeed():
         print("SKIPPED: DeepSpeed 0.14.5 is not installed beside torch; nothing was compared.")
         sys.exit(SKIP)
-    if case == "vs":
-        case_vs(pypath, work, list(VARIANTS))
+    if case in ("vs", "vs1"):
+        case_vs(pypath, work, list(VARIANTS), worlds=(2,) if case == "vs" else (1,))
     elif case.startswith("vs_"):
         case_vs(pypath, work, case[len("vs_"):].split(","))
     elif case.startswith("checkpoint_"):
