@@ -9,7 +9,7 @@ ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
 # `make fuzz`: 5 minutes per target; `make test` runs each for TEST_FUZZ_SECONDS.
 FUZZ_SECONDS ?= 300
-TEST_FUZZ_SECONDS ?= 20
+TEST_FUZZ_SECONDS ?= 10
 
 .PHONY: all deps build python demo test test-full test-asan fuzz fuzz-keep bench clean
 
@@ -53,7 +53,7 @@ test test-full: build
 # One clang build serves the sanitizer tests and the fuzz targets (the libraries carry
 # libFuzzer's coverage instrumentation, which the sanitizer runtime accepts unused).
 test-asan: deps
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" \
 	  -DUCKPT_SANITIZE=ON -DUCKPT_FUZZ=ON -DUCKPT_BENCH=OFF \
 	  -DCMAKE_CXX_COMPILER=clang++ -DUCKPT_ASAN_ONLY_FORMAT=ON -DPython3_EXECUTABLE=$$(bash scripts/python-env.sh)
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
