@@ -25,6 +25,7 @@ checkpoint-3, hf_trainer.py) build the model from the folder's config.json and t
 saved ds_config, as the Trainer does.
 """
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -205,6 +206,8 @@ def main():
         out, _ = p.communicate(timeout=240)
         sys.stdout.write("".join(f"[{r}/{world}] {line}\n" for line in out.splitlines()))
         failed |= p.returncode != 0
+    if "RESUME_UNIVERSAL" in extra:
+        shutil.rmtree(extra["RESUME_UNIVERSAL"], ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -21,6 +21,7 @@
 #include "ckpt/verify.h"
 #include "engine/data/data.h"
 #include "ranks.h"
+#include "tiny.h"
 #include "uckpt/engine.h"
 
 namespace uckpt::engine::testing {
@@ -193,9 +194,7 @@ class EngineApi : public ::testing::TestWithParam<int> {};
 
 TEST_P(EngineApi, SaveResumeAnySizeWithClientStateFrozenAndBuffers) {
   const int stage = GetParam();
-  const fs::path root =
-      fs::path(::testing::TempDir()) / ("engine_api_" + std::to_string(stage) + "_" + std::to_string(getpid()));
-  fs::remove_all(root);
+  const fs::path root = testing::FreshTempDir("engine_api_" + std::to_string(stage));
   std::map<int, std::vector<double>> uninterrupted;
   for (int w = 1; w <= 4; ++w) {
     const std::string dir = (root / ("w" + std::to_string(w))).string();
@@ -329,8 +328,7 @@ TEST(EngineApi, PerGroupLearningRates) {
       EXPECT_FALSE(at::equal(net->fc_b, fc_b)) << what << ": a group at lr 0.01 did not change";
       e.optimizer().SetLearningRate(0, 0.03);
       e.optimizer().SetLearningRate(1, 0.04);
-      const std::string dir = ::testing::TempDir() + "/per_group_lr_" + std::to_string(stage);
-      fs::remove_all(dir);
+      const std::string dir = testing::FreshTempDir("per_group_lr_" + std::to_string(stage));
       e.SaveCheckpoint(dir, "t");
       auto net2 = std::make_shared<TestNet>(5);
       EngineOptions o2 = o;

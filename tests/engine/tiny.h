@@ -10,8 +10,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <system_error>
+#include <vector>
 
 #include "cli/trainer.h"
 
@@ -63,12 +66,26 @@ inline std::map<std::string, std::string> FolderBytes(const std::string& folder)
   return out;
 }
 
-// A fresh, empty folder for one test (named by it and the process).
+// A fresh, empty folder for one test (named by it and the process), removed when the process that
+// made it exits (not a forked child's exit).
 inline std::string FreshTempDir(const std::string& name) {
   namespace fs = std::filesystem;
+  struct Sweeper {
+    pid_t owner = getpid();
+    std::mutex mu;  // ranks on threads make folders too
+    std::vector<fs::path> dirs;
+    ~Sweeper() {
+      std::error_code ec;
+      if (getpid() == owner)
+        for (const auto& d : dirs) fs::remove_all(d, ec);
+    }
+  };
+  static Sweeper sweeper;
   auto d = fs::temp_directory_path() / ("uckpt_" + name + "_" + std::to_string(getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
+  std::lock_guard<std::mutex> lock(sweeper.mu);
+  sweeper.dirs.push_back(d);
   return d.string();
 }
 

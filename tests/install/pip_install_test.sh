@@ -59,7 +59,7 @@ PY
 for what in train resume; do
   port=$("$vpy" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   env -u PYTHONPATH OMP_NUM_THREADS=1 timeout 300 "$vpy" -m torch.distributed.run --nproc_per_node 2 \
-    --master_addr 127.0.0.1 --master_port "$port" train.py $what > "$what.log" 2>&1 ||
+    --master_addr 127.0.0.1 --master_port "$port" --log_dir "$work/torchelastic" train.py $what > "$what.log" 2>&1 ||
     { cat "$what.log"; fail "2 ranks ($what) with the installed package"; }
 done
 grep -q "rank 0 step 6 " resume.log || { cat resume.log; fail "the resumed run did not reach step 6"; }

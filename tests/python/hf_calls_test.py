@@ -29,6 +29,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import tempfile
 
 import testkit
@@ -193,6 +194,7 @@ def worker_frozen(deepspeed, torch):
         train_step(engine2, torch)
         print(f"ok   stage {stage}: load_checkpoint refuses it with load_module_strict=True ({got.splitlines()[0]}); "
               f"with False the model's frozen values stay, the trainable ones and counters are restored")
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def worker_zero_init(deepspeed, torch):
@@ -206,6 +208,7 @@ def worker_zero_init(deepspeed, torch):
         json.dump(c, f)
     with deepspeed.zero.Init(config_dict_or_path=path):
         testkit.toy_net(torch)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     if net.inp.weight.ds_status.name != "NOT_AVAILABLE":
         fail("zero.Init did not partition")
     print("ok   zero.Init takes the Trainer's config with \"auto\" in scheduler.params and optimizer.params "
