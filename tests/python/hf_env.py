@@ -240,18 +240,17 @@ def torchrun(python, pypath, nproc, script_args, log, timeout=900):
     env.pop("PYTHONHOME", None)
     port = free_port()
     # torchrun's own log folder (else a /tmp/torchelastic_* it never removes).
-    logs = tempfile.mkdtemp(prefix="torchelastic_")
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           "--log-dir", logs, *script_args]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, out = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = 124
-        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-        out += f"\n(timed out after {timeout} s)"
+    with tempfile.TemporaryDirectory(prefix="torchelastic_") as logs:
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+               "--log-dir", logs, *script_args]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            rc, out = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as e:
+            rc = 124
+            out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            out += f"\n(timed out after {timeout} s)"
     sweep_deepspeed_shm(port)
-    shutil.rmtree(logs, ignore_errors=True)
     with open(log, "w") as f:
         f.write(out)
     return rc, out
