@@ -89,10 +89,11 @@ install() {
   say "installed in $((SECONDS - t0)) s"
 }
 
-# The bytecode of every installed module, once after each install. Python caches what it compiles
-# on import only where it may write, and not at all under PYTHONDONTWRITEBYTECODE=1 (which some
-# machines set, this project's among them): then every process compiled PyTorch's modules again, 3 s of CPU,
-# and transformers' Trainer 16 s more. About 70 s of CPU once, for torch and the test libraries.
+# For the tests, the bytecode of every installed module, once after each install. Python caches
+# what it compiles on import only where it may write, and not at all under PYTHONDONTWRITEBYTECODE=1
+# (which some machines set, this project's among them): then each of the tests' hundreds of
+# processes compiled PyTorch's modules again, 3 s of CPU, and transformers' Trainer 16 s more.
+# About 70 s of CPU once. `make demo` imports torch twice, less than compiling it would cost.
 compile_bytecode() {
   [ -f "$venv/uckpt-bytecode.stamp" ] && return 0
   local t0=$SECONDS site
@@ -110,7 +111,7 @@ install torch -r requirements/torch.txt
 if [ "$level" = test ]; then
   install test -r requirements/test.txt
   install deepspeed --no-build-isolation -r requirements/deepspeed.txt
+  compile_bytecode
 fi
-compile_bytecode
 check_torch "$py"
 echo "$py"
