@@ -202,7 +202,9 @@ TEST_F(Codec, ParamGroupsAndStepAsEachAdamClassKeepsThem) {
     EXPECT_EQ(back.lr, h.lr);
     EXPECT_EQ(back.beta2, h.beta2);
     EXPECT_EQ(back.weight_decay, h.weight_decay);
-    if (cls != AdamClass::kTorch) EXPECT_FALSE(g->get("bias_correction")->b);
+    if (cls != AdamClass::kTorch) {
+      EXPECT_FALSE(g->get("bias_correction")->b);
+    }
     AdamState s = AdamStateOfClass({{"step", Floats({3})}, {"exp_avg", Floats({0, 0})}}, cls, 3);
     if (cls == AdamClass::kTorch) {
       EXPECT_TRUE(s[0].second->tensor);

@@ -128,7 +128,9 @@ TEST(KillEveryWritePoint, Convert) {
         EXPECT_EQ(latest, "u");
       } else {
         EXPECT_TRUE(Snapshot(work + "/u") == old_files) << "the old output changed";
-        if (fs::exists(out)) EXPECT_TRUE(Snapshot(out) == new_files) << "a partial output under its final name";
+        if (fs::exists(out)) {
+          EXPECT_TRUE(Snapshot(out) == new_files) << "a partial output under its final name";
+        }
         EXPECT_TRUE(latest == "u" || (latest == "v" && fs::exists(out))) << "latest_universal: " << latest;
       }
     }
@@ -162,7 +164,9 @@ TEST(KillEveryWritePoint, Export) {
     const std::string now = ReadFile(out);
     EXPECT_TRUE(now == old_bytes || now == new_bytes) << "neither the old nor the new file";
     // Killed before the rename (the second-last point) the old file stays.
-    if (k + 1 < points) EXPECT_TRUE(now == old_bytes);
+    if (k + 1 < points) {
+      EXPECT_TRUE(now == old_bytes);
+    }
   }
   std::printf("export: killed at %llu write points\n", static_cast<unsigned long long>(points));
 }

@@ -115,7 +115,7 @@ TEST(Manifest, ShardsSplitTheHashing) {
   WriteBytes(dir + "/zero/b/fp32.pt", "bbbb");
   WriteBytes(dir + "/zero/c/fp32.pt", "cc");
   WriteManifest(dir, false);
-  for (const std::string& rel :
+  for (const char* rel :
        {"mp_rank_00_model_states.pt", "zero/optimizer_state.pt", "zero/b/fp32.pt", "zero/h.0.attn.weight/fp32.pt"}) {
     const std::string victim = dir + "/" + rel;
     std::string bytes;
@@ -132,7 +132,9 @@ TEST(Manifest, ShardsSplitTheHashing) {
         ManifestCheckOptions o{.hashes = true, .shard = shard, .shards = shards};
         ManifestCheck c = CheckManifest(dir, o);
         caught += static_cast<int>(c.problems.size());
-        if (!c.problems.empty()) EXPECT_EQ(c.problems[0].file, victim);
+        if (!c.problems.empty()) {
+          EXPECT_EQ(c.problems[0].file, victim);
+        }
       }
       EXPECT_EQ(caught, 1) << rel << " with " << shards << " shards";
     }

@@ -147,8 +147,9 @@ TEST(Convert, OurStep6CheckpointConvertsLikeDeepSpeeds) {
       ExpectSameTree(*a.root, *b.root, rel.string(), atol);
       // Byte for byte where DeepSpeed ran on PyTorch 1.x, whose record layout uckpt writes
       // (PyTorch 2.x's torch.save writes the same values with other records and alignment).
-      if (written_by_torch_1)
+      if (written_by_torch_1) {
         EXPECT_TRUE(ReadBytes(e.path()) == ReadBytes(got / rel)) << rel << " is not byte-identical to DeepSpeed's";
+      }
     }
     ++files;
   }

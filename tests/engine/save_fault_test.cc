@@ -193,7 +193,9 @@ TEST(SaveDurability, PublishedAtOnceAndMarkedUntilDurable) {
     t.TrainStep();
     t.SaveCheckpoint(dir, "global_step2");
     comm.Barrier();
-    if (comm.rank() == 0) EXPECT_EQ(ckpt::ReadUnsyncedMarker(dir + "/global_step2").value_or("none"), "global_step1");
+    if (comm.rank() == 0) {
+      EXPECT_EQ(ckpt::ReadUnsyncedMarker(dir + "/global_step2").value_or("none"), "global_step1");
+    }
     comm.Barrier();
     t.engine().WaitForCheckpoint();
     comm.Barrier();

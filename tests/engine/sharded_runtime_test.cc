@@ -80,7 +80,9 @@ TEST(ShardedRuntime, Stage3GradientPartitionsAreNotHeldBetweenSteps) {
       EXPECT_TRUE(at::equal(z.sub_groups()[0].grad, at::full({6}, 0.5f))) << "step " << step << ": accumulated once";
       z.Step({1e-3});
       EXPECT_EQ(z.sub_groups()[0].grad.defined(), offload) << "offload " << offload << " step " << step;
-      if (offload) EXPECT_EQ(z.sub_groups()[0].grad.abs().sum().item<float>(), 0.f);
+      if (offload) {
+        EXPECT_EQ(z.sub_groups()[0].grad.abs().sum().item<float>(), 0.f);
+      }
     }
   }
 }

@@ -174,10 +174,11 @@ TEST(StepMemory, Zero3StepAddsOnlyChunkSizedTemporaries) {
     const int64_t held = counter.live();
     ASSERT_FALSE(z.Step({1e-3}).skipped);
     const int64_t largest_fp64_norm = 8 * Numels()[0];  // stage 3 measures each parameter's piece alone
-    if (step == 1)                                      // (the first step makes the moments)
+    if (step == 1) {                                    // (the first step makes the moments)
       EXPECT_LE(counter.peak() - held, largest_fp64_norm + kSlack)
           << "the step's temporaries: " << static_cast<double>(counter.peak() - held) / static_cast<double>(n)
           << " bytes per parameter";
+    }
   }
 }
 

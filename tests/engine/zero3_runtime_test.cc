@@ -82,7 +82,9 @@ double CompareLosses(const Z3Run& r, const std::string& run, bool bitwise) {
     const auto& s = ref[std::to_string(step)];
     const double want = s["loss"].get<double>();
     EXPECT_NEAR(m.loss, want, 1e-6 * want) << run << " step " << step;
-    if (bitwise) EXPECT_EQ(m.loss, want) << run << " step " << step;
+    if (bitwise) {
+      EXPECT_EQ(m.loss, want) << run << " step " << step;
+    }
     worst = std::max(worst, std::fabs(m.loss - want) / want);
   }
   return worst;
@@ -394,7 +396,9 @@ TwoUnitRun RunTwoUnitNet(int stage, int world, int steps, const std::string& sav
       for (const auto& p : o.partitioned) p.param.set_data(at::empty({0}));  // nothing whole left to read
     }
     uckpt::Engine engine(net, uckpt::Config::FromJson(ds), o);
-    if (stage == 3) EXPECT_EQ(engine.settings().num_gather_units(), 2u);
+    if (stage == 3) {
+      EXPECT_EQ(engine.settings().num_gather_units(), 2u);
+    }
     if (from_partitions) {  // the units start sharded; the root (head, the tied scale) is whole
       EXPECT_EQ(net->w0.storage().nbytes(), 0u);
       EXPECT_EQ(net->w1.storage().nbytes(), 0u);
