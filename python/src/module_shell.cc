@@ -11,7 +11,8 @@ namespace {
 bool IsTensor(py::handle h) { return THPVariable_Check(h.ptr()); }
 
 std::shared_ptr<torch::nn::Module> Shell(py::handle m, const std::string& path) {
-  auto shell = std::make_shared<torch::nn::Module>(py::str(m.get_type().attr("__name__")).cast<std::string>());
+  auto shell =
+      std::make_shared<torch::nn::Module>(py::str(py::type::handle_of(m).attr("__name__")).cast<std::string>());
   for (auto item : m.attr("_parameters").cast<py::dict>()) {
     if (item.second.is_none()) continue;  // bias=None and the like: not in state_dict
     at::Tensor t = THPVariable_Unpack(item.second.ptr());
@@ -39,7 +40,7 @@ std::shared_ptr<torch::nn::Module> BuildModuleShell(py::handle module) {
   py::module_ nn = py::module_::import("torch.nn");
   if (!py::isinstance(module, nn.attr("Module")))
     throw py::type_error("uckpt.initialize: model must be a torch.nn.Module, got " +
-                         py::str(module.get_type()).cast<std::string>());
+                         py::str(py::type::handle_of(module)).cast<std::string>());
   return Shell(module, "");
 }
 
@@ -68,7 +69,7 @@ namespace {
 // DeepSpeed's own class (uckpt's stand-in, or DeepSpeed's if a script
 // imports both) by its module path: a user's class of the same name is not.
 bool IsDeepSpeedClass(py::handle obj, const std::set<std::string>& names, const std::vector<std::string>& packages) {
-  py::handle type = obj.get_type();
+  py::handle type = py::type::handle_of(obj);
   if (!names.count(py::str(type.attr("__name__")).cast<std::string>())) return false;
   const std::string where = py::str(type.attr("__module__")).cast<std::string>();
   for (const auto& p : packages)
@@ -83,7 +84,7 @@ std::string FindUnsupportedModule(py::handle module) {
   static const std::set<std::string> kMoE = {"MoE", "MOELayer", "TopKGate", "Experts"};
   for (auto item : module.attr("named_modules")()) {
     auto pair = item.cast<py::tuple>();
-    const std::string cls = py::str(pair[1].get_type().attr("__name__")).cast<std::string>();
+    const std::string cls = py::str(py::type::handle_of(pair[1]).attr("__name__")).cast<std::string>();
     const std::string where =
         pair[0].cast<std::string>().empty() ? "the model" : "submodule " + pair[0].cast<std::string>();
     if (IsDeepSpeedClass(pair[1], kPipeline, {"uckpt.pipe", "deepspeed.pipe", "deepspeed.runtime.pipe"}))

@@ -41,11 +41,11 @@ py::object AddConfigArguments(py::object parser) {
   py::object group = parser.attr("add_argument_group")("DeepSpeed", "DeepSpeed configurations");
   group.attr("add_argument")("--deepspeed", "default"_a = false, "action"_a = "store_true",
                              "help"_a = "Enable DeepSpeed (uckpt)");
-  group.attr("add_argument")("--deepspeed_config", "default"_a = py::none(), "type"_a = py::str().get_type(),
+  group.attr("add_argument")("--deepspeed_config", "default"_a = py::none(), "type"_a = py::type::handle_of(py::str()),
                              "help"_a = "DeepSpeed json configuration file.");
   group.attr("add_argument")("--deepscale", "default"_a = false, "action"_a = "store_true",
                              "help"_a = "Deprecated: --deepspeed");
-  group.attr("add_argument")("--deepscale_config", "default"_a = py::none(), "type"_a = py::str().get_type(),
+  group.attr("add_argument")("--deepscale_config", "default"_a = py::none(), "type"_a = py::type::handle_of(py::str()),
                              "help"_a = "Deprecated: --deepspeed_config");
   return parser;
 }

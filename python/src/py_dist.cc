@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "py_param_groups.h"
+#include "py_values.h"
 #include "uckpt/process_group.h"
 
 namespace uckpt::python {

@@ -12,8 +12,6 @@ namespace uckpt::python {
 
 namespace {
 
-std::string TypeName(py::handle h) { return py::str(h.get_type().attr("__name__")).cast<std::string>(); }
-
 // Where a trainable parameter lies in its group's flat state.
 struct FlatPlace {
   size_t group = 0;

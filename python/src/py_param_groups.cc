@@ -8,8 +8,6 @@
 
 namespace uckpt::python {
 
-std::string TypeName(py::handle h) { return py::str(h.get_type().attr("__name__")).cast<std::string>(); }
-
 namespace {
 
 // A number (a float, an int or a 0-d tensor, as torch schedulers may write).

@@ -15,9 +15,6 @@ namespace uckpt::python {
 
 namespace py = pybind11;
 
-// The name of an object's class ("AdamW").
-std::string TypeName(py::handle h);
-
 // The hyper-parameters a param-group dict gives (the others keep the engine's).
 struct GroupOptionals {
   std::optional<double> lr, weight_decay, beta1, beta2, eps;

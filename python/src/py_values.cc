@@ -18,7 +18,7 @@ ClientState ToIValue(py::handle v, const std::string& what) {
     for (auto item : v.cast<py::dict>()) {
       if (!py::isinstance<py::str>(item.first))
         throw py::type_error(what + ": dict keys must be str, got " +
-                             py::str(item.first.get_type()).cast<std::string>());
+                             py::str(py::type::handle_of(item.first)).cast<std::string>());
       const std::string key = item.first.cast<std::string>();
       d.insert(key, ToIValue(item.second, what + "['" + key + "']"));
     }
@@ -34,7 +34,7 @@ ClientState ToIValue(py::handle v, const std::string& what) {
     return l;
   }
   // numpy scalars (numpy.generic: np.float64(1.5), np.int64(3)): as int or float where Python can say which.
-  const std::string type_module = py::str(v.get_type().attr("__module__")).cast<std::string>();
+  const std::string type_module = py::str(py::type::handle_of(v).attr("__module__")).cast<std::string>();
   if (type_module == "numpy" && py::isinstance(v, py::module_::import("numpy").attr("generic")))
     return ToIValue(v.attr("item")(), what);
   // Anything else (a numpy array, an object of the script's): its pickle, as DeepSpeed's torch.save writes it.
@@ -75,9 +75,12 @@ py::object FromIValue(const c10::IValue& v) {
   throw py::type_error(std::string("client_state holds a value of kind ") + v.tagKind() + " that Python cannot take");
 }
 
+std::string TypeName(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")).cast<std::string>(); }
+
 std::string FsPath(py::handle path, const std::string& what) {
   if (!py::isinstance<py::str>(path) && !py::hasattr(path, "__fspath__"))
-    throw py::type_error(what + " must be a str or a path, got " + py::str(path.get_type()).cast<std::string>());
+    throw py::type_error(what + " must be a str or a path, got " +
+                         py::str(py::type::handle_of(path)).cast<std::string>());
   return py::str(py::module_::import("os").attr("fspath")(path)).cast<std::string>();
 }
 
@@ -121,7 +124,7 @@ nlohmann::json ConfigToJson(py::handle config, std::string& source, const std::s
   }
   if (!py::isinstance<py::dict>(config))
     throw py::type_error(caller + ": config must be a dict or the path of a JSON file, got " +
-                         py::str(config.get_type()).cast<std::string>());
+                         py::str(py::type::handle_of(config)).cast<std::string>());
   source = "config";
   // json's round trip normalizes as DeepSpeed's dict use would see it (keys to str, tuples to lists); the
   // numbers go over as Python floats: JSON text has no inf/NaN, which Accelerate puts in (steps_per_print).

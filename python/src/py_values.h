@@ -12,6 +12,9 @@ namespace uckpt::python {
 
 namespace py = pybind11;
 
+// The name of an object's class ("AdamW").
+std::string TypeName(py::handle h);
+
 // dicts with str keys, lists, tuples, int, float, bool, str, None, tensors;
 // anything else is a TypeError naming its path in `what` ("client_state['x'][2]").
 ClientState ToIValue(py::handle v, const std::string& what);

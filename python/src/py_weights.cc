@@ -27,7 +27,8 @@ py::object LoadWeights(PyEngine& e, py::object path, py::object name_map, bool s
       if (to.is_none()) return std::nullopt;
       if (!py::isinstance<py::str>(to))
         throw std::invalid_argument("load_weights: name_map('" + name + "') returned a " +
-                                    std::string(py::str(to.get_type().attr("__name__"))) + ", not a str or None");
+                                    std::string(py::str(py::type::handle_of(to).attr("__name__"))) +
+                                    ", not a str or None");
       return to.cast<std::string>();
     };
   }

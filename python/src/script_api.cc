@@ -14,8 +14,6 @@ using namespace pybind11::literals;
 
 namespace {
 
-std::string ClassName(py::handle obj) { return py::str(obj.get_type().attr("__name__")).cast<std::string>(); }
-
 // A class of DeepSpeed's ops, uckpt's or DeepSpeed's own copy: matched by name and package.
 bool IsOpsClass(py::handle cls, const std::set<std::string>& names) {
   const std::string module = py::str(cls.attr("__module__")).cast<std::string>();
@@ -25,7 +23,7 @@ bool IsOpsClass(py::handle cls, const std::set<std::string>& names) {
 
 // deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS: matched by exact type, as DeepSpeed does.
 bool ZeroTestedClientOptimizer(py::handle optimizer) {
-  py::handle cls = optimizer.get_type();
+  py::handle cls = py::type::handle_of(optimizer);
   py::module_ optim = py::module_::import("torch.optim");
   for (const char* name : {"Adam", "AdamW", "Adagrad"})
     if (cls.is(optim.attr(name))) return true;
@@ -38,14 +36,14 @@ void CheckZeroOptimizer(py::handle optimizer, const engine::TrainConfig& config,
   // The config's optimizer is Adam or AdamW (the parser refuses other types): DeepSpeed tests both with ZeRO.
   if (optimizer.is_none()) return;
   if (config.zero.offload_optimizer_cpu && config.zero_force_ds_cpu_optimizer &&
-      !IsOpsClass(optimizer.get_type(), {"DeepSpeedCPUAdam"}))
+      !IsOpsClass(py::type::handle_of(optimizer), {"DeepSpeedCPUAdam"}))
     throw py::value_error(
-        "uckpt.initialize: ZeRO-Offload with a client optimizer (" + ClassName(optimizer) +
+        "uckpt.initialize: ZeRO-Offload with a client optimizer (" + TypeName(optimizer) +
         ") is refused, as DeepSpeed 0.14.5 refuses it: pass uckpt.ops.adam.DeepSpeedCPUAdam, give the config an "
         "'optimizer' section, or set \"zero_force_ds_cpu_optimizer\": false");
   if (config.zero.stage == 0 || ZeroTestedClientOptimizer(optimizer)) return;
   if (!config.zero_allow_untested_optimizer)
-    throw py::value_error("uckpt.initialize: You are using an untested ZeRO Optimizer (" + ClassName(optimizer) +
+    throw py::value_error("uckpt.initialize: You are using an untested ZeRO Optimizer (" + TypeName(optimizer) +
                           "). Please add <\"zero_allow_untested_optimizer\": true> in the configuration file to use "
                           "it (DeepSpeed 0.14.5 refuses it too)");
   if (rank0) std::cerr << "uckpt: **** You are using ZeRO with an untested optimizer, proceed with caution *****\n";
