@@ -155,10 +155,10 @@ ValuePtr ByteTensor(std::span<const uint8_t> bytes, std::shared_ptr<const void> 
 // more than 4 GiB followed by records whose offsets pass 4 GiB. The big
 // storage is untouched anonymous memory (zero pages, nothing allocated).
 TEST(RoundTrip, LayOutEqualsSaveTorchFile) {
-  const size_t big = (4ull << 30) + 4096;
+  constexpr size_t big = (4ull << 30) + 4096;
   void* p = ::mmap(nullptr, big, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   ASSERT_NE(p, MAP_FAILED);
-  std::shared_ptr<const void> zeros(p, [big](const void* q) { ::munmap(const_cast<void*>(q), big); });
+  std::shared_ptr<const void> zeros(p, [](const void* q) { ::munmap(const_cast<void*>(q), big); });
   std::vector<uint8_t> small(1000);
   for (size_t k = 0; k < small.size(); ++k) small[k] = static_cast<uint8_t>(k * 7);
   for (bool with_big : {false, true}) {
