@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <iostream>
 
-#include "py_param_groups.h"
 #include "py_values.h"
 #include "uckpt/process_group.h"
 
