@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine/flat_runtime.h"
+#include "engine/host_adam_kernel.h"
 
 namespace uckpt::engine {
 
@@ -73,14 +74,8 @@ class CpuAdamPass {
   int64_t numel() const { return n_; }
   int threads() const { return threads_; }
 
-  struct Scalars {
-    float grad_scale, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2;
-    float bias_correction2_sqrt, eps, neg_step_size;
-    bool decoupled;
-  };
-
  private:
-  Scalars s_{};
+  host_adam::Scalars s_{};
   float *p_, *m_, *v_;
   at::Tensor grad_;
   int64_t n_;

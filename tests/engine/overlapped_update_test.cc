@@ -26,7 +26,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// kDim * kDim: two chunks of the host Adam's threads (cpu_adam.cc's kChunk).
+// kDim * kDim: two chunks of the host Adam's threads (host_adam_kernel.cc's kChunk).
 constexpr int64_t kVocab = 64, kDim = 640, kBlocks = 3;
 
 struct Block : torch::nn::Module {
