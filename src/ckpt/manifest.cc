@@ -32,7 +32,7 @@ namespace {
 
 // Hash this much at a time, then drop those pages from our page tables so the
 // resident set stays small however large the file (the page cache keeps them).
-constexpr size_t kChunk = 16 << 20;
+constexpr size_t kHashChunk = 16 << 20;
 
 std::string Join(const std::string& folder, const std::string& rel) { return folder + "/" + rel; }
 
@@ -97,10 +97,10 @@ uint64_t HashFile(const std::string& path, std::atomic<uint64_t>* progress, uint
   if (!state) throw std::bad_alloc();
   XXH64_reset(state.get(), 0);
   if (!bytes.empty()) ::madvise(const_cast<uint8_t*>(bytes.data()), bytes.size(), MADV_SEQUENTIAL);
-  for (size_t off = 0; off < bytes.size(); off += kChunk) {
-    size_t n = std::min(kChunk, bytes.size() - off);
+  for (size_t off = 0; off < bytes.size(); off += kHashChunk) {
+    size_t n = std::min(kHashChunk, bytes.size() - off);
     XXH64_update(state.get(), bytes.data() + off, n);
-    // Chunks start at multiples of kChunk from the page-aligned map.
+    // Chunks start at multiples of kHashChunk from the page-aligned map.
     ::madvise(const_cast<uint8_t*>(bytes.data() + off), n, MADV_DONTNEED);
     if (progress) *progress += n;
   }
