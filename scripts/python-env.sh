@@ -85,6 +85,9 @@ install() {
   local rc=${PIPESTATUS[0]}
   set -e
   [ "$rc" = 0 ] || { say "pip failed; its log: $venv/pip-$name.log"; exit 1; }
+  # The stamp says "installed and imports": checked once here, not on every call (an import of
+  # torch costs 6 s of CPU without bytecode, on the way to the build's configure).
+  [ "$name" = torch ] && check_torch "$py"
   echo "$want" > "$venv/uckpt-$name.stamp"
   say "installed in $((SECONDS - t0)) s"
 }
@@ -113,5 +116,4 @@ if [ "$level" = test ]; then
   install deepspeed --no-build-isolation -r requirements/deepspeed.txt
   compile_bytecode
 fi
-check_torch "$py"
 echo "$py"
