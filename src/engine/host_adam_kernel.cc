@@ -99,10 +99,9 @@ struct PiecewiseCopy {
   const std::vector<WeightPiece>* pieces;  // sorted by begin, not overlapping
   void operator()(const float* p, int64_t begin, int64_t end) const {
     const auto& ps = *pieces;
-    auto k =
-        static_cast<size_t>(std::upper_bound(ps.begin(), ps.end(), begin,
-                                             [](int64_t at, const WeightPiece& w) { return at < w.begin; }) -
-                            ps.begin());
+    auto k = static_cast<size_t>(
+        std::upper_bound(ps.begin(), ps.end(), begin, [](int64_t at, const WeightPiece& w) { return at < w.begin; }) -
+        ps.begin());
     for (k = k > 0 ? k - 1 : 0; k < ps.size() && ps[k].begin < end; ++k) {
       const int64_t a = std::max(begin, ps[k].begin), b = std::min(end, ps[k].begin + ps[k].numel);
       if (b > a) ConvertRange<Convert>(p + a, ps[k].bits + (a - ps[k].begin), b - a);
@@ -153,12 +152,9 @@ template <typename F>
 decltype(auto) WithFormat(const Grad& g, F&& f) {
   auto* g16 = static_cast<uint16_t*>(g.data);
   switch (g.elems) {
-    case GradElems::kFloat:
-      return f(Fp32Grad{}, static_cast<float*>(g.data));
-    case GradElems::kBFloat16:
-      return g.zero_after ? f(Zeroed<BFloat16Grad>{}, g16) : f(BFloat16Grad{}, g16);
-    case GradElems::kHalf:
-      return g.zero_after ? f(Zeroed<HalfGrad>{}, g16) : f(HalfGrad{}, g16);
+    case GradElems::kFloat: return f(Fp32Grad{}, static_cast<float*>(g.data));
+    case GradElems::kBFloat16: return g.zero_after ? f(Zeroed<BFloat16Grad>{}, g16) : f(BFloat16Grad{}, g16);
+    case GradElems::kHalf: return g.zero_after ? f(Zeroed<HalfGrad>{}, g16) : f(HalfGrad{}, g16);
   }
   throw std::invalid_argument("host_adam: unknown gradient element type");
 }
