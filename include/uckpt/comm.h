@@ -107,6 +107,24 @@ struct DistEnv {
   static std::optional<DistEnv> FromEnvironment(bool discover = true, int discovery_port = 29500);
 };
 
+// A TCP port on this host for a TCPStore to serve, chosen by the kernel and
+// held until destroyed: no other socket's bind(0) or connect() is given it
+// meanwhile, yet the store may bind it (both set SO_REUSEADDR). Choosing a
+// free port and closing it let another job's ranks take it first and join
+// the wrong store. The socket is not inherited across exec.
+class ReservedPort {
+ public:
+  ReservedPort();  // throws CommError naming the system's error
+  ~ReservedPort();
+  ReservedPort(ReservedPort&& other) noexcept;
+  ReservedPort& operator=(ReservedPort&& other) noexcept;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
 // Rendezvous through a TCPStore on master_addr:master_port (rank 0 serves it,
 // or torchrun's agent: DistEnv::agent_store)
 // and a Gloo (CPU) or NCCL (CUDA) process group. `timeout` bounds the

@@ -1,9 +1,6 @@
 // `uckpt launch -n N -- CMD...`: N local ranks with torchrun's variables.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,36 +12,19 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "cli/commands.h"
 #include "cli/launch_supervisor.h"
 #include "cli/memory_snapshot.h"
+#include "uckpt/comm.h"
 
 namespace uckpt::cli {
 namespace {
 
 std::atomic<int> g_signal{0};
 void OnSignal(int sig) { g_signal = sig; }
-
-// A TCP port that is free now: the kernel picks it for a socket bound to
-// port 0. (Another process could take it before rank 0 binds it; far less
-// likely than a collision between fixed or derived port numbers.)
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error(std::string("launch: cannot create a socket: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
-    port = ntohs(addr.sin_port);
-  ::close(fd);
-  if (port <= 0) throw std::runtime_error(std::string("launch: cannot find a free port: ") + std::strerror(errno));
-  return port;
-}
 
 // Where DeepSpeed's launcher puts `--local_rank=N`: right after the script
 // (or `-m module`) of a Python command, before the script's own arguments.
@@ -218,7 +198,10 @@ int RunWithRestarts(RankCommand c, int fixed_port, const LaunchSupervisor::Setti
   std::vector<std::string> devices = InitialDevices(c.world_size);
   for (int restarts = 0;; ++restarts) {
     c.world_size = static_cast<int>(devices.size());
-    c.master_port = fixed_port == 0 ? FreePort() : fixed_port;
+    // Held until the ranks end, so no other job's ranks can take the port first.
+    std::optional<ReservedPort> reserved;
+    if (fixed_port == 0) reserved.emplace();
+    c.master_port = reserved ? reserved->port() : fixed_port;
     c.restart_count = restarts;
     LaunchSupervisor supervisor(c.world_size, settings);
     const int code = supervisor.Run([&c](int r) { return StartRank(c, r); }, g_signal);

@@ -192,9 +192,12 @@ def main():
         subprocess.run([sys.argv[4], "convert", os.path.join(case_dir, "ckpt", "global_step3"),
                         os.path.join(folder, "global_step3_universal"), "-q"], check=True)
         extra["RESUME_UNIVERSAL"] = folder
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    # The store's port stays held by this process while the ranks run (they bind it: both set
+    # SO_REUSEADDR), so a concurrent test cannot take it first.
+    reserved = socket.socket()
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reserved.bind(("127.0.0.1", 0))
+    port = str(reserved.getsockname()[1])
     procs = []
     for r in range(world):
         env = dict(os.environ, **extra, PYTHONPATH=pypath, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
@@ -206,6 +209,7 @@ def main():
         out, _ = p.communicate(timeout=240)
         sys.stdout.write("".join(f"[{r}/{world}] {line}\n" for line in out.splitlines()))
         failed |= p.returncode != 0
+    reserved.close()
     if "RESUME_UNIVERSAL" in extra:
         shutil.rmtree(extra["RESUME_UNIVERSAL"], ignore_errors=True)
     return 1 if failed else 0

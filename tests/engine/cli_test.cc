@@ -147,8 +147,19 @@ TEST_F(Cli, LaunchStopsEveryRankWhenOneFails) {
   EXPECT_NE(r.output.find("rank 1 exited with code 7"), std::string::npos) << r.output;
 }
 
+TEST_F(Cli, LaunchHoldsTheRendezvousPortWhileItsRanksRun) {
+  // Another program binding MASTER_PORT during the run must fail: had the launcher let the port go,
+  // a concurrent job could take it and the ranks would join that job's store.
+  Result r = Shell(std::string(UCKPT_BIN) +
+                   " launch -n 1 --master_port 0 -- /usr/bin/python3 -c 'import os, socket; "
+                   "socket.socket().bind((\"127.0.0.1\", int(os.environ[\"MASTER_PORT\"])))'");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("Address already in use"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, MissingRankEndsWithAClearMessageNotAHang) {
-  int port = uckpt::engine::testing::FreePort();
+  const ReservedPort reserved;
+  const int port = reserved.port();
   Result r = Shell("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " +
                    Train("--steps 2 --timeout 3"));
   EXPECT_NE(r.code, 0);

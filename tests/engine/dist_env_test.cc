@@ -1,7 +1,11 @@
 // Where the ranks come from (DistEnv::FromEnvironment: torchrun's, MPI's and
 // srun's variables, and the refusals) and ranks agreeing on a checkpoint folder.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -199,6 +203,38 @@ TEST(AgreeOnCheckpointPlace, RanksThatAgreeSayNothing) {
     EXPECT_EQ(p.tag, "global_step3");
   });
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+// Binds 127.0.0.1:port as any other program would (no SO_REUSEADDR); the errno, 0 on success.
+int PlainBind(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const int err = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 ? 0 : errno;
+  ::close(fd);
+  return err;
+}
+
+TEST(ReservedPort, NoOtherSocketGetsThePortUntilItIsReleased) {
+  int port = 0;
+  {
+    const ReservedPort reserved;
+    port = reserved.port();
+    ASSERT_GT(port, 0);
+    EXPECT_EQ(PlainBind(port), EADDRINUSE) << "port " << port << " was free to take while reserved";
+    ReservedPort moved = ReservedPort();
+    EXPECT_NE(moved.port(), port);
+  }
+  EXPECT_EQ(PlainBind(port), 0) << "port " << port << " still held after the reservation ended";
+}
+
+TEST(ReservedPort, TheStoreOfTheRanksBindsIt) {
+  // RunRanks reserves its port; rank 0's TCPStore serves on it while it is held.
+  std::vector<int> ranks(2, -1);
+  testing::RunRanks(2, [&](Comm& comm) { ranks[static_cast<size_t>(comm.rank())] = comm.rank(); });
+  EXPECT_EQ(ranks, (std::vector<int>{0, 1}));
 }
 
 }  // namespace

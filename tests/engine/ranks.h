@@ -3,10 +3,7 @@
 // without processes).
 #pragma once
 
-#include <netinet/in.h>
 #include <stdlib.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <exception>
 #include <functional>
@@ -17,19 +14,6 @@
 #include "uckpt/comm.h"
 
 namespace uckpt::engine::testing {
-
-inline int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t n = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 // Calls fn(comm) on `world` ranks; world 1 uses the single-process comm.
 // Rethrows the first exception a rank threw.
@@ -44,7 +28,8 @@ inline void RunRanks(int world, const std::function<void(Comm&)>& fn,
   // every group's enqueue without guarding against groups on other threads (a map insert
   // crashed under load). Each real rank is a process of its own; here the recorder is off.
   ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
-  const int port = FreePort();
+  const ReservedPort reserved;  // held until every rank is done: no concurrent test can join this store
+  const int port = reserved.port();
   std::exception_ptr error;
   std::mutex mu;
   std::vector<std::thread> threads;

@@ -34,6 +34,8 @@ import shutil
 import subprocess
 import sys
 
+from testkit import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, SAVE = 8, 4
 
@@ -65,13 +67,6 @@ class Ctx:
         if rc != 0:
             fail(f"{name} exited {rc}; its log {log} ends with:\n" + "".join(open(log).readlines()[-25:]))
         return open(log).read()
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fail(msg):

@@ -20,10 +20,11 @@ CASE:
 """
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
+
+from testkit import free_port
 
 CASE, PYPATH, WORK = sys.argv[1:4]
 
@@ -31,12 +32,6 @@ CASE, PYPATH, WORK = sys.argv[1:4]
 def fail(msg):
     print("FAIL: " + msg)
     sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env():

@@ -3,15 +3,14 @@
 `v.data.cpu()` from inside the block, which on the CPU is the parameter's own storage. The parameter is
 partitioned again after the block and trains on. Usage: gathered_alias_test.py PYTHONPATH (1 rank, seconds)."""
 import os
-import socket
 import sys
+
+from testkit import free_port
 
 
 def main():
     sys.path.insert(0, sys.argv[1])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import uckpt as deepspeed

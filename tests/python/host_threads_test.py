@@ -12,9 +12,10 @@ usage: host_threads_test.py UCKPT PYPATH LAUNCH_PY WORK_DIR
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
+
+from testkit import free_port
 
 PROBE = r'''
 import os, torch
@@ -28,12 +29,6 @@ os.write(1, f"rank {engine.global_rank} torch {torch.get_num_threads()}\n".encod
 torch.distributed.barrier()
 '''
 HINT = "set OMP_NUM_THREADS or call torch.set_num_threads before initialize to change"
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def fail(msg, out=""):

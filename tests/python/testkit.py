@@ -15,10 +15,18 @@ def fail(msg):
     sys.exit(1)
 
 
+_reserved_ports = []
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for the ranks' store, held by this process until it exits: closing it at once let a
+    concurrent test's ranks take it and join the wrong store. The store binds it all the same
+    (c10d sets SO_REUSEADDR, as this socket does)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _reserved_ports.append(s)
+    return s.getsockname()[1]
 
 
 def sweep_deepspeed_shm(port):

@@ -1,6 +1,14 @@
 // DistEnv::FromEnvironment: the one place that reads a launcher's variables,
-// for the C++ engine, `uckpt train` and the Python package's init_distributed.
+// for the C++ engine, `uckpt train` and the Python package's init_distributed;
+// and ReservedPort, the port a launcher hands its ranks.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -133,6 +141,40 @@ std::optional<DistEnv> DistEnv::FromEnvironment(bool discover, int discovery_por
     if (NonEmptyEnv(l.rank) != nullptr && NonEmptyEnv(l.size) != nullptr) return FromLauncher(l, discovery_port);
   RefuseHalfSeenLauncher();
   return std::nullopt;
+}
+
+ReservedPort::ReservedPort() {
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) throw CommError(std::string("cannot create a socket to reserve a port: ") + std::strerror(errno));
+  const int on = 1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) != 0 ||
+      ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    throw CommError(std::string("cannot reserve a free TCP port on 127.0.0.1: ") + std::strerror(err));
+  }
+  port_ = ntohs(addr.sin_port);
+}
+
+ReservedPort::~ReservedPort() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+ReservedPort::ReservedPort(ReservedPort&& other) noexcept : fd_(other.fd_), port_(other.port_) { other.fd_ = -1; }
+
+ReservedPort& ReservedPort::operator=(ReservedPort&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    port_ = other.port_;
+    other.fd_ = -1;
+  }
+  return *this;
 }
 
 }  // namespace uckpt
