@@ -85,6 +85,7 @@ use_uv() {
       find-links) read -r -a links <<< "$value" ;;
       cert) export SSL_CERT_FILE=$value ;;
       timeout | default-timeout) export UV_HTTP_TIMEOUT=${value%.*} ;;
+      cache-dir) uv_args+=(--cache-dir "$value") ;;
       no-cache-dir) [[ ${value,,} =~ ^(1|true|yes|on)$ ]] && uv_args+=(--no-cache) ;;
       disable-pip-version-check | progress-bar | no-compile | quiet | verbose) ;;
       *) say "pip's setting ${line%%=*} has no uv counterpart here: installing with pip"; return 1 ;;
