@@ -17,10 +17,11 @@ tiny_gpt2 4 --heartbeat_interval 0.25 --heartbeat_timeout 5
 # The agent: a store server on a free port until stop/ exists; then it checks
 # the keys the ranks left and exits 0 (found) or 3.
 cat > agent.py <<'PY'
-import datetime, os, socket, sys, time
+import datetime, os, sys, time
 import torch.distributed as dist
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+# Port 0: the server binds a port the kernel picks (a port chosen first could be taken meanwhile).
+store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+port = store.port
 open("port", "w").write(str(port))
 while not os.path.exists("stop"):
     time.sleep(0.1)

@@ -11,7 +11,7 @@
 set -euo pipefail
 source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 tiny_gpt2 4
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source "$(dirname "$(realpath "$0")")/ports.sh"
 clean() {  # the log has no sign of a crash
   if grep -nE 'Traceback|Exception|HeartbeatMonitor|TCPStore|terminate called|Aborted' "$1"; then
     fail "$2: the output above is in $1"
@@ -24,7 +24,7 @@ unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
 clean launched.log "uckpt launch -n 2 uckpt train"
 echo "ok   uckpt launch -n 2 uckpt train: exit 0, no stack trace"
 
-port=$(free_port)
+reserve_port port
 for r in 0 1; do
   env OMPI_COMM_WORLD_RANK=$r OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=$r OMPI_COMM_WORLD_LOCAL_SIZE=2 \
     MASTER_PORT=$port "$U" train $F --steps 3 --checkpoint_dir mpi --run_name mpi > mpi_$r.log 2>&1 &

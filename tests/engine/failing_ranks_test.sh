@@ -25,7 +25,7 @@ now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
 tiny_gpt2 12 --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout 3 --device "$DEVICE"
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source "$(dirname "$(realpath "$0")")/ports.sh"
 
 # A complete checkpoint to start from: 5 steps on N ranks.
 "$U" launch -n $N --master_port 0 -- "$U" train $F --steps 5 --checkpoint_dir base --run_name base > base.log 2>&1 ||
@@ -62,7 +62,7 @@ independent() {
   shift 4
   cp -a base "$dir"
   local port r pids=() i
-  port=$(free_port)
+  reserve_port port
   for r in $RANK_IDS; do
     env "$@" RANK=$r LOCAL_RANK=$r WORLD_SIZE=$N LOCAL_WORLD_SIZE=$N MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
       "$U" train $F --steps 100000 --checkpoint_dir "$dir" --checkpoint_interval 5 --resume --run_name "$dir" \

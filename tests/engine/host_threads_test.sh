@@ -16,17 +16,18 @@ rm -rf "$W"
 mkdir -p "$W"
 cd "$W"
 fail() { echo "FAIL: $*" >&2; exit 1; }
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source "$(dirname "$(realpath "$0")")/ports.sh"
 unset OMP_NUM_THREADS UCKPT_HOST_CORES UCKPT_LOAD_THREADS LOCAL_WORLD_SIZE LOCAL_SIZE
 
 # probe NAME LAUNCHER [ENV...]: host_threads_probe at 2 ranks; output in NAME.log.
 probe() {
-  local name=$1 launcher=$2
+  local name=$1 launcher=$2 port
   shift 2
   if [ "$launcher" = uckpt ]; then
     env "$@" "$U" launch -n 2 --master_port 0 -- "$PROBE" > "$name.log" 2>&1 || { cat "$name.log"; fail "$name: exit $?"; }
   else
-    env "$@" /usr/bin/python3 "$LAUNCH_PY" 2 "$(free_port)" -c 'import os, sys; os.execv(sys.argv[1], sys.argv[1:])' \
+    reserve_port port
+    env "$@" /usr/bin/python3 "$LAUNCH_PY" 2 "$port" -c 'import os, sys; os.execv(sys.argv[1], sys.argv[1:])' \
       "$PROBE" > "$name.log" 2>&1 || { cat "$name.log"; fail "$name: exit $?"; }
   fi
 }

@@ -11,7 +11,7 @@
 # usage: hosts_test.sh UCKPT WORK_DIR
 set -euo pipefail
 source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
-port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source "$(dirname "$(realpath "$0")")/ports.sh"
 
 tiny_gpt2 8 --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout 3
 # Host k of 2: `uckpt launch` for 2 local ranks, started in the background; sets HOST_PID.
@@ -24,7 +24,7 @@ host() {
 }
 
 echo "1. two hosts of 2 ranks: one world of 4"
-P=$(port)
+reserve_port P
 host 0 "$P" two --steps 6; H0=$HOST_PID
 host 1 "$P" two --steps 6; H1=$HOST_PID
 wait "$H0" || { cat two.host*.log; fail "host 0 exited non-zero"; }
@@ -34,7 +34,7 @@ grep -q "world size 4 (gloo)" two.host0.log || { cat two.host0.log; fail "not on
 echo "  6 steps in one world of 4 ranks, latest global_step6"
 
 echo "2. host 1 lost mid-training"
-P=$(port)
+reserve_port P
 host 0 "$P" lost --steps 100000; H0=$HOST_PID
 host 1 "$P" lost --steps 100000; H1=$HOST_PID
 for i in $(seq 600); do [ "$(steps_done lost)" -ge 4 ] && break; sleep 0.1; done

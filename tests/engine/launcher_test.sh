@@ -18,7 +18,7 @@ source "$(dirname "$(realpath "$0")")/tiny_gpt2.sh"
 now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 within() { awk -v s="$1" -v m="$2" 'BEGIN { exit !(s < m) }'; }
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source "$(dirname "$(realpath "$0")")/ports.sh"
 # A live process (not a zombie waiting for its parent).
 alive() { [ -r "/proc/$1/stat" ] && ! sed 's/.*) //' "/proc/$1/stat" 2> /dev/null | grep -q '^Z'; }
 
@@ -28,7 +28,7 @@ want() { [[ " ${CASES:-1 2 3 4 5} " == *" $1 "* ]]; }
 LPID= RANKS=
 trap 'rc=$?; set +e; if [ -n "$LPID$RANKS" ]; then kill -CONT $LPID $RANKS; kill -9 $LPID $RANKS; fi 2> /dev/null; exit $rc' EXIT
 tiny_gpt2 8 --timeout 120 --heartbeat_interval 0.25 --heartbeat_timeout $HB_TIMEOUT
-PORT=$(free_port)
+reserve_port PORT
 
 # start NAME [LAUNCH FLAGS...]: a 2-rank launch (in a session and process
 # group of its own) saving every step; waits for 3 steps; sets LPID, RANKS.
