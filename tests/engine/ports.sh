@@ -15,7 +15,10 @@ print(s.getsockname()[1], flush=True)
 parent = os.getppid()
 while os.getppid() == parent:
     time.sleep(0.5)' < /dev/null > "$f" 2> /dev/null &
-  until [ -s "$f" ]; do sleep 0.05; done
+  local i
+  for i in $(seq 200); do [ -s "$f" ] && break; sleep 0.05; done
+  # A holder that could not bind (or no python3) would leave the file empty: fail, never wait forever.
+  [ -s "$f" ] || { rm -f "$f"; echo "reserve_port: /usr/bin/python3 reserved no port within 10 s" >&2; return 1; }
   printf -v "$1" '%s' "$(cat "$f")"
   rm -f "$f"
 }
