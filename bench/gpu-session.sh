@@ -15,7 +15,8 @@
 # python (the BERT tutorial's masked LM through the Python API against real DeepSpeed, bench/python-gpu.sh;
 # DeepSpeed's source in DEEPSPEED_PATH, default .ds, carried), offload3 / offload12 (ZeRO-3 with parameters
 # and optimizer offloaded, ZeRO-1 and ZeRO-2 with the optimizer offloaded: uckpt against DeepSpeed's same
-# configuration on 1 and NG GPUs, bench/train-gpu.sh).
+# configuration on 1 and NG GPUs, bench/train-gpu.sh), restart / restartsnap (a rank killed, the job going on
+# on the GPUs left, without and with a snapshot every step: bench/restart-gpu.sh on 4 GPUs, or 2 where fewer).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +75,8 @@ for p in ${PARTS:-check matrix train ckpt}; do
                  ZERO=$z OFFLOAD=1 GPU_COUNTS=${GPU_COUNTS:-"1 $NG"} EXTRA=0 DEEPSPEED_PATH=$(realpath "${DEEPSPEED_PATH:-.ds}") \
                    part offload12-z$z ${LIMIT_offload12:-300} bench/train-gpu.sh "$U" /tmp/offload12-z$z
                done ;;
+    restart) part restart ${LIMIT_restart:-240} bench/restart-gpu.sh "$U" /tmp/restart-gpu ;;
+    restartsnap) SNAPSHOT_EVERY=1 part restartsnap ${LIMIT_restart:-240} bench/restart-gpu.sh "$U" /tmp/restart-snap ;;
     dbg) part dbg ${LIMIT_dbg:-200} .dsuc/dbg.sh ;;
     ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ${RUNS:-3} ;;
     convert16) part convert16 ${LIMIT_convert16:-300} taskset -c 0-15 bench/convert-vs-cp.sh --uckpt "$U" \
