@@ -488,6 +488,9 @@ class Engine {
     double ScheduledLr(int64_t iteration, size_t group = 0) const;  // group: WarmupCosineLR scales each group's own lr
     void StepLrSchedule(std::optional<int64_t> iteration = std::nullopt);
     double loss_scale() const;  // the fp16 loss scale (1 otherwise)
+    // DeepSpeed's `optimizer.overflow`: the last step was skipped (an fp16 overflow); a
+    // load of a ZeRO checkpoint restores it, as DeepSpeed's ZeRO optimizers do.
+    bool overflow() const;
 
    private:
     friend class Engine;

@@ -76,7 +76,7 @@ void RequireZeroOptimizer(const PyEngine& e, const char* attribute) {
 
 py::object OptimizerOverflow(const PyEngine& e) {
   RequireZeroOptimizer(e, "overflow");
-  return py::bool_(e.engine().stats().last_step().skipped);
+  return py::bool_(e.engine().optimizer().overflow());
 }
 
 py::object OptimizerLossScale(const PyEngine& e, const char* attribute) {

@@ -12,6 +12,9 @@
 
 namespace uckpt::ckpt {
 
+// The ZeRO optimizers' flag that their last step was skipped (fp16 overflow).
+constexpr const char* kOverflowKey = "overflow";
+
 // ---- Optimizer states ----
 
 OptimStatesHeader ReadOptimStatesHeader(const ValuePtr& root, const std::string& path) {
@@ -58,7 +61,7 @@ ValuePtr OptimStatesValue(const RankOptimStates& s) {
   if (!s.bf16_optimizer) {
     osd->set("loss_scaler", LossScalerValue(s.scaler));
     osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
-    osd->set("overflow", Value::Bool(s.overflow));
+    osd->set(kOverflowKey, Value::Bool(s.overflow));
   }
   osd->set("clip_grad", Value::Float(s.clip_grad));
   osd->set("base_optimizer_state", Dict({{"state", state}, {"param_groups", param_groups}}));
@@ -151,7 +154,7 @@ ValuePtr Stage3OptimStatesValue(const Stage3RankOptimStates& s) {
   osd->set("zero_stage", ZeroStageValue(3));
   osd->set("loss_scaler", LossScalerValue(s.scaler));
   osd->set("dynamic_loss_scale", Value::Bool(s.scaler.dynamic));
-  osd->set("overflow", Value::Bool(s.overflow));
+  osd->set(kOverflowKey, Value::Bool(s.overflow));
   osd->set("partition_count", Value::Int(s.dp));
   osd->set("optimizer_state_dict", inner);
   osd->set("fp32_flat_groups", flat);
@@ -224,7 +227,12 @@ std::optional<double> ReadLossScale(const ValuePtr& v) {
 
 UniversalOptimizerStateView ReadUniversalOptimizerStateValue(const ValuePtr& root, const std::string& path) {
   if (!root || !root->is_dict()) throw FormatError(path + ": is not a dict");
-  UniversalOptimizerStateView v{root->get("loss_scaler"), root->get("param_groups"), root->get("zero_stage"), nullptr};
+  UniversalOptimizerStateView v{root->get("loss_scaler"), root->get("param_groups"), std::nullopt,
+                                root->get("zero_stage"), nullptr};
+  if (ValuePtr overflow = root->get(kOverflowKey)) {
+    if (overflow->kind != Kind::kBool) throw FormatError(path + ": '" + kOverflowKey + "' is not a bool");
+    v.overflow = overflow->b;
+  }
   ValuePtr inner = root->get("optimizer_state_dict");
   ValuePtr state = inner && inner->is_dict() ? inner->get("state") : nullptr;
   ValuePtr first = GetIntKey(state, 0);

@@ -336,6 +336,7 @@ ValuePtr UniversalOptimizerStateValue(const ValuePtr& rank0, const std::string& 
 // Its parts, null when absent.
 struct UniversalOptimizerStateView {
   ValuePtr loss_scaler, param_groups;  // what a resume needs
+  std::optional<bool> overflow;        // the optimizer's `overflow` (a resume restores it); none in BF16_Optimizer's
   ValuePtr zero_stage;                 // as pickled (ParseZeroStage)
   ValuePtr zero3_step;                 // ZeRO-3's: Adam's step of sub-group 0 (no step.pt files there)
 };

@@ -165,6 +165,7 @@ UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u)
   s.param_groups = v.param_groups;
   s.zero_stage = v.zero_stage;
   s.zero3_step = v.zero3_step;
+  s.overflow = v.overflow;
   return s;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,7 @@ UniversalStates MapUniversalStates(const UniversalCheckpoint& u, const std::vect
 struct UniversalOptimizerFile {
   TorchFile file;
   ValuePtr loss_scaler, param_groups, zero_stage, zero3_step;
+  std::optional<bool> overflow;
 };
 UniversalOptimizerFile ReadUniversalOptimizerState(const UniversalCheckpoint& u);
 

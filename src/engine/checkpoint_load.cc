@@ -351,6 +351,8 @@ void LoadPartitions(const CheckpointState& e, const ckpt::TagFolder& folder, con
     return;
   }
   LoadLossScaler(e.runtime.loss_scaler(), source, model.view, e.config.fp16.enabled);
+  // DeepSpeed's ZeRO optimizers take their `overflow` back with the loss scaler.
+  if (source.overflow) e.counters.last_step_skipped = *source.overflow;
   ApplySavedHparams(e, source.optimizer_file, source.param_groups, o);
   // For a client optimizer's own keys (SGD's momentum, ...): the caller restores them into its groups.
   if (moments && source.param_groups) e.last_load.optimizer_param_groups = ToIValue(source.param_groups);

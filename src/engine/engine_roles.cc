@@ -122,6 +122,7 @@ void Engine::Optimizer::StepLrSchedule(std::optional<int64_t> iteration) {
   e_.impl_->ApplyScheduledBetas();
 }
 double Engine::Optimizer::loss_scale() const { return e_.impl_->runtime->loss_scale(); }
+bool Engine::Optimizer::overflow() const { return e_.impl_->last_step_skipped; }
 
 std::vector<std::vector<std::pair<std::string, at::Tensor>>> Engine::Optimizer::param_groups() const {
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> out;

@@ -129,6 +129,7 @@ LoadSource OpenRankFiles(const ckpt::TagFolder& folder) {
       ckpt::ReadUniversalOptimizerStateValue(ckpt::UniversalOptimizerState(*z), s.optimizer_file);
   s.loss_scaler = saved.loss_scaler;
   s.param_groups = saved.param_groups;
+  s.overflow = saved.overflow;
   s.maps = z;
   s.release = PageDropper(z->optim);
   return s;
@@ -176,6 +177,7 @@ LoadSource OpenUniversalFolder(const ckpt::TagFolder& folder, const std::vector<
       }
   s.loss_scaler = maps->optimizer.loss_scaler;
   s.param_groups = maps->optimizer.param_groups;
+  s.overflow = maps->optimizer.overflow;
   s.optimizer_file = ckpt::UniversalOptimizerStateFile(u.folder);
   s.files_layout = [maps] { return ckpt::FingerprintLayout(maps->u); };
   s.maps = maps;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -44,6 +45,7 @@ struct LoadSource {
   std::vector<std::string> state_keys;
   bool steps_applied = false;          // no saved step: Adam's step is the applied steps (ZeRO-3's files)
   ValuePtr loss_scaler, param_groups;  // null when the source has none
+  std::optional<bool> overflow;        // the ZeRO optimizer's `overflow`, where saved
   std::string optimizer_file;          // the file they come from, for messages
   // What the files cover for the resume proof (ckpt::FingerprintLayout);
   // empty for a model-states source.

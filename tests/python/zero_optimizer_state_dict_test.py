@@ -14,7 +14,8 @@ CASE: stage1, stage2   fp32, a client torch.optim.SGD with momentum (imagenet's)
   stage1_fp16  uckpt alone (DeepSpeed's engine refuses fp16 on the CPU), imagenet's ds_fp16_z1_config.json case:
         the dict torch.saves as main.py saves it, holds DeepSpeed's DynamicLossScaler at the engine's scale, the
         fp32 masters and SGD's state, and reads back with weights_only=True; its last step overflows, so
-        'overflow' is True (DeepSpeed's optimizer saves its own `overflow`).
+        'overflow' is True (DeepSpeed's optimizer saves its own `overflow`), and a fresh engine that
+        load_checkpoint()s it has optimizer.overflow True again (DeepSpeed's takes it back with the loss scaler).
 """
 import os
 import sys
@@ -75,6 +76,21 @@ def check_fp16(engine, sd):
         fail(f"fp16: base_optimizer_state has no SGD state: {sd['base_optimizer_state']}")
 
 
+def check_overflow_restored(deepspeed, torch, engine, stage, work):
+    """DeepSpeed's ZeRO optimizers take their `overflow` back from the checkpoint with the loss scaler."""
+    folder = os.path.join(work, f"overflow_s{stage}")
+    engine.save_checkpoint(folder)
+    model = net(torch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    fresh, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage, True))
+    if fresh.optimizer.overflow is not False:
+        fail(f"fp16: a fresh engine's optimizer.overflow is {fresh.optimizer.overflow!r}")
+    fresh.load_checkpoint(folder)
+    if fresh.optimizer.overflow is not True or fresh.optimizer.state_dict()["overflow"] is not True:
+        fail(f"fp16: loaded a checkpoint saved after an overflow, but optimizer.overflow is "
+             f"{fresh.optimizer.overflow!r} and state_dict()['overflow'] {fresh.optimizer.state_dict()['overflow']!r}")
+
+
 def worker(impl, stage, work, fp16=False):
     import torch
     import torch.distributed as dist
@@ -98,6 +114,7 @@ def worker(impl, stage, work, fp16=False):
     sd = optimizer.state_dict()
     if fp16:
         check_fp16(engine, sd)
+        check_overflow_restored(deepspeed, torch, engine, stage, work)
     path = os.path.join(work, f"{impl}_s{stage}_r{rank}.pt")
     torch.save({"optimizer": sd}, path)  # as imagenet's main.py saves it
     if impl == "uckpt":
