@@ -25,6 +25,7 @@ export TRAIN_FLAGS="--device cuda${SNAPSHOT_EVERY:+ --snapshot-every $SNAPSHOT_E
 export DS_EXTRA='"bf16": {"enabled": true}' ASYNC_SAVE=1 LOSS_TOL=1e-2  # the demo's bf16 tolerance after a resize
 "$(dirname "$(realpath "$0")")/../tests/engine/restart_test.sh" "$uckpt" "$work"
 if [ -n "${SNAPSHOT_EVERY:-}" ]; then
-  echo "snapshots (the kills' runs, then the last):"
+  echo "snapshots: the uninterrupted $NGPU-GPU run's; the restarted run's loads, and its last world's:"
+  grep -E "uckpt train: snapshots every" "$work/ref.log" || true
   grep -E "from the snapshot in host memory|uckpt train: snapshots every" "$work/r.log" || true
 fi

@@ -194,12 +194,16 @@ void MemorySnapshots::AfterStep(int64_t step, bool saved) {
   engine_.SaveCheckpoint(folder_, kTagPrefix + std::to_string(step), c10::IValue(), options);
   const double blocked = ElapsedSince(t0);
   unpublished_ = true;
-  ++taken_;
+  const auto& save = engine_.stats().last_save();
+  copy_bytes_ = std::max(copy_bytes_, save.snapshot_bytes);
+  if (taken_++ == 0) {
+    first_blocked_ = blocked;
+    return;
+  }
   blocked_sum_ += blocked;
   blocked_max_ = std::max(blocked_max_, blocked);
-  copy_bytes_ = std::max(copy_bytes_, engine_.stats().last_save().snapshot_bytes);
-  state_sum_ += engine_.stats().last_save().previous_s + engine_.stats().last_save().state_s;
-  fingerprint_sum_ += engine_.stats().last_save().fingerprint_s;
+  state_sum_ += save.previous_s + save.state_s;
+  fingerprint_sum_ += save.fingerprint_s;
 }
 
 uint64_t MemorySnapshots::FolderBytes() const {
@@ -218,15 +222,16 @@ void MemorySnapshots::Finish() {
   RemoveOlder();
   const uint64_t folder_bytes = FolderBytes();
   const double mib = 1 << 20;
-  const double n = taken_ ? static_cast<double>(taken_) : 1.0;
+  const double n = taken_ > 1 ? static_cast<double>(taken_ - 1) : 1.0;
   std::fprintf(stderr,
                "uckpt train: snapshots every %lld step(s): %lld taken, %lld skipped (the previous one still being "
-               "written); training blocked %.4f s per snapshot on rank 0 (mean, %.4f s of it until the state was "
-               "copied, then %.4f s hashing its fingerprint; max %.4f s); host memory held: %llu bytes (%.1f MiB) in "
+               "written); training blocked %.4f s per snapshot on rank 0 (mean of those after the first, %.4f s of it "
+               "until the state was copied, then %.4f s hashing its fingerprint; max %.4f s; the first, which "
+               "allocates the host copies, %.4f s); host memory held: %llu bytes (%.1f MiB) in "
                "%s (one snapshot; two while the next "
                "is written) + %llu bytes (%.1f MiB) of the ranks' copies\n",
                static_cast<long long>(interval_), static_cast<long long>(taken_), static_cast<long long>(skipped_),
-               blocked_sum_ / n, state_sum_ / n, fingerprint_sum_ / n, blocked_max_,
+               blocked_sum_ / n, state_sum_ / n, fingerprint_sum_ / n, blocked_max_, first_blocked_,
                static_cast<unsigned long long>(folder_bytes), static_cast<double>(folder_bytes) / mib, folder_.c_str(),
                static_cast<unsigned long long>(copies.item<double>()), copies.item<double>() / mib);
   RemoveWithWarning(folder_);

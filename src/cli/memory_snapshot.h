@@ -80,6 +80,9 @@ class MemorySnapshots {
   bool claimed_ = false;
   bool unpublished_ = false;  // the last snapshot may not be published yet
   int64_t taken_ = 0, skipped_ = 0;
+  // The first snapshot allocates the host copies (pinned on a GPU: slow), so
+  // it is reported apart; the sums and the max are of the snapshots after it.
+  double first_blocked_ = 0;
   double blocked_sum_ = 0, blocked_max_ = 0;
   double state_sum_ = 0;        // of blocked_sum_: until the state was copied (SaveStats::state_s)
   double fingerprint_sum_ = 0;  // hashing the state for the manifest's fingerprint (SaveStats::fingerprint_s)
