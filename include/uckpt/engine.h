@@ -283,8 +283,14 @@ struct SaveCheckpointOptions {
   // to disk nor delays one. Published as any background save (at a later
   // Step, SaveCheckpoint, LoadCheckpoint or WaitForCheckpoint); the next
   // snapshot waits for it (Stats::save_pending(true) says whether it is
-  // still being written).
+  // still being written). A folder `kReusedSnapshotFolder` in `dir`, which the
+  // caller moves an older snapshot of this engine's to, becomes the new one's
+  // temporary folder and its files are written over in place: on /dev/shm
+  // the pages are reused instead of freed and allocated again, which halves
+  // the write. Its files the new snapshot does not write are removed before
+  // it is published.
   bool memory_snapshot = false;
+  static constexpr const char* kReusedSnapshotFolder = ".uckpt-reuse";
 };
 
 // What the last SaveCheckpoint cost the caller.

@@ -103,8 +103,11 @@ HashState NewHash(bool on) {
 // writeback every kWritebackStep bytes when durable.
 class SequentialWriter final : public OrderedSink {
  public:
-  SequentialWriter(const std::string& path, bool hash, WritebackThread* writeback)
-      : path_(path), file_(Env::Current().NewWritableFile(path)), hash_(NewHash(hash)), wb_(writeback) {}
+  SequentialWriter(const std::string& path, bool hash, WritebackThread* writeback, bool overwrite)
+      : path_(path),
+        file_(overwrite ? Env::Current().OverwriteFile(path) : Env::Current().NewWritableFile(path)),
+        hash_(NewHash(hash)),
+        wb_(writeback) {}
 
   void Write(std::span<const uint8_t> data) override {
     if (data.empty()) return;
@@ -291,7 +294,8 @@ bool RunSplitJob(const Job& job, const PlannedFile& f, SplitFile& s, const CopyO
     s.xxh64 = HashPieces(s.pieces);
   } else {
     std::call_once(s.open, [&] {
-      s.file = Env::Current().NewWritableFile(f.path);
+      s.file =
+          options.overwrite_in_place ? Env::Current().OverwriteFile(f.path) : Env::Current().NewWritableFile(f.path);
       // Several writers need the file's whole size first; one writing it
       // front to back appends, as the sequential writer does.
       if (!s.one_writer) s.file->Allocate(f.size);
@@ -307,7 +311,7 @@ bool RunSplitJob(const Job& job, const PlannedFile& f, SplitFile& s, const CopyO
 // A file one job writes: copied whole, generated, or its pieces in order.
 CopyResult WriteWholeFile(const PlannedFile& f, const CopyOptions& options, WritebackThread* wb) {
   if (!f.copy_from.empty()) return CopyWhole(f, wb);
-  SequentialWriter out(f.path, f.hash, wb);
+  SequentialWriter out(f.path, f.hash, wb, options.overwrite_in_place);
   if (f.generate) {
     f.generate(out);
   } else {

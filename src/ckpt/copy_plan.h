@@ -110,6 +110,9 @@ struct CopyOptions {
   // threads at once; 1: by one thread, front to back, while another hashes
   // it (a hashed file; an unhashed one is then not split).
   int writers_per_file = 0;
+  // Files that exist are written over in place (Env::OverwriteFile: a reused
+  // folder's pages kept), not truncated first; the bytes in the end are the same.
+  bool overwrite_in_place = false;
   // Called with each range of piece data (at most 1 MiB) once written, from
   // the writing thread (the converter drops memory-mapped input pages there).
   std::function<void(std::span<const uint8_t>)> written;

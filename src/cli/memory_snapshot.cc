@@ -161,17 +161,35 @@ void MemorySnapshots::ClaimFolder() {
   claimed_ = true;
 }
 
-void MemorySnapshots::RemoveOlder() const {
+void MemorySnapshots::RemoveOlder() {
   std::string keep;
   try {
     keep = ckpt::ReadLatestTag(folder_, ckpt::kLatestFile);
   } catch (const std::exception&) {
     // none published yet: nothing to keep but the owner
   }
+  const std::string reuse = folder_ + "/" + SaveCheckpointOptions::kReusedSnapshotFolder;
   std::error_code ec;
+  std::vector<fs::path> older;
   for (const auto& entry : fs::directory_iterator(folder_, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name != ckpt::kLatestFile && name != kOwnerFile && name != keep) RemoveWithWarning(entry.path().string());
+    if (name != ckpt::kLatestFile && name != kOwnerFile && name != keep && entry.path() != reuse)
+      older.push_back(entry.path());
+  }
+  for (const fs::path& path : older) {
+    // This run's previous snapshot becomes the next one's folder, its files
+    // written over in place (same world, same files; SaveCheckpointOptions::memory_snapshot).
+    const std::string name = path.filename().string();
+    if (name == previous_tag_ && !fs::exists(reuse, ec)) {
+      try {
+        Env::Current().Rename(path.string(), reuse);
+        continue;
+      } catch (const std::exception& ex) {
+        std::fprintf(stderr, "uckpt train: warning: cannot keep %s for the next snapshot: %s\n", name.c_str(),
+                     ex.what());
+      }
+    }
+    RemoveWithWarning(path.string());
   }
 }
 
@@ -191,8 +209,11 @@ void MemorySnapshots::AfterStep(int64_t step, bool saved) {
   if (comm_.rank() == 0) ClaimFolder();
   SaveCheckpointOptions options;
   options.memory_snapshot = true;
-  engine_.SaveCheckpoint(folder_, kTagPrefix + std::to_string(step), c10::IValue(), options);
+  const std::string tag = kTagPrefix + std::to_string(step);
+  engine_.SaveCheckpoint(folder_, tag, c10::IValue(), options);
   const double blocked = ElapsedSince(t0);
+  previous_tag_ = latest_tag_;
+  latest_tag_ = tag;
   unpublished_ = true;
   const auto& save = engine_.stats().last_save();
   copy_bytes_ = std::max(copy_bytes_, save.snapshot_bytes);
@@ -228,8 +249,8 @@ void MemorySnapshots::Finish() {
                "written); training blocked %.4f s per snapshot on rank 0 (mean of those after the first, %.4f s of it "
                "until the state was copied, then %.4f s hashing its fingerprint; max %.4f s; the first, which "
                "allocates the host copies, %.4f s); host memory held: %llu bytes (%.1f MiB) in "
-               "%s (one snapshot; two while the next "
-               "is written) + %llu bytes (%.1f MiB) of the ranks' copies\n",
+               "%s (two snapshots: the newest, and the one the next is written over) + %llu bytes (%.1f MiB) of the "
+               "ranks' copies\n",
                static_cast<long long>(interval_), static_cast<long long>(taken_), static_cast<long long>(skipped_),
                blocked_sum_ / n, state_sum_ / n, fingerprint_sum_ / n, blocked_max_, first_blocked_,
                static_cast<unsigned long long>(folder_bytes), static_cast<double>(folder_bytes) / mib, folder_.c_str(),

@@ -66,8 +66,10 @@ class MemorySnapshots {
   void Finish();
 
  private:
-  void ClaimFolder();        // rank 0: the folder ours, with its owner file
-  void RemoveOlder() const;  // rank 0: every entry but `latest` and the folder it names
+  void ClaimFolder();  // rank 0: the folder ours, with its owner file
+  // Rank 0: every entry but `latest` and the folder it names; this run's
+  // snapshot before that is kept as the next one's folder to write over.
+  void RemoveOlder();
   std::string OwnerText() const;
   uint64_t FolderBytes() const;
 
@@ -78,7 +80,8 @@ class MemorySnapshots {
   std::string job_id_;
   std::string folder_;
   bool claimed_ = false;
-  bool unpublished_ = false;  // the last snapshot may not be published yet
+  std::string latest_tag_, previous_tag_;  // this run's last two snapshots
+  bool unpublished_ = false;               // the last snapshot may not be published yet
   int64_t taken_ = 0, skipped_ = 0;
   // The first snapshot allocates the host copies (pinned on a GPU: slow), so
   // it is reported apart; the sums and the max are of the snapshots after it.

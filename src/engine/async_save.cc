@@ -227,6 +227,7 @@ void CheckpointWriter::Write() {
     const uint64_t ranges = g_range_bytes;
     options.split_bytes = ranges > 0 ? ranges : kSplitBytes;
     options.writers_per_file = ranges > 0 ? 0 : 1;
+    options.overwrite_in_place = overwrite_in_place_;
     // Writeback started early for every save, published before durable
     // too: the disk works while the files are copied (on its own thread, the
     // copying threads never wait for it), so the syncfs after publishing has
@@ -327,6 +328,11 @@ std::vector<ckpt::ManifestEntry> UnpackWritten(const at::Tensor& all, int world_
 void CheckpointWriter::PublishFolder(const std::vector<ckpt::ManifestEntry>& known, const std::string& folder) {
   const bool later = sync_after_publish_;
   Env& env = Env::Current();
+  // A reused folder (overwrite_in_place_) holds only this save's files once published.
+  if (overwrite_in_place_)
+    for (const std::string& path : ListTree(env, tmp_))
+      if (std::none_of(known.begin(), known.end(), [&](const ckpt::ManifestEntry& k) { return k.path == path; }))
+        env.RemoveAll(tmp_ + "/" + path);
   // durable: its commit fsyncs `tmp` too. Published before durable, no
   // fsync at all: each would wait for the files' data (ext4's ordered mode).
   ckpt::WriteManifest(tmp_, known, /*durable=*/!later, state_ ? &*state_ : nullptr);

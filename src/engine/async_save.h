@@ -74,7 +74,10 @@ struct SnapshotFile {
 
 class CheckpointWriter {
  public:
-  CheckpointWriter() = default;
+  // `overwrite_in_place`: files already in the temporary folder (a reused
+  // folder's, SaveCheckpointOptions::memory_snapshot) are written over, their
+  // pages kept (ckpt::CopyOptions::overwrite_in_place).
+  explicit CheckpointWriter(bool overwrite_in_place = false) : overwrite_in_place_(overwrite_in_place) {}
   ~CheckpointWriter();  // joins a background write (its result is dropped)
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -147,6 +150,7 @@ class CheckpointWriter {
   std::string error_;
   std::string marker_;  // rank 0: the unsynced marker beside the tag folder
   double layout_s_ = 0, copy_s_ = 0;
+  bool overwrite_in_place_ = false;
   bool pending_ = false;
   bool sync_after_publish_ = false;
   bool syncing_ = false;              // published; this rank's syncfs under way or done

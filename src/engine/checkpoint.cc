@@ -481,6 +481,7 @@ struct SaveTarget {
   std::string dir, tag, folder;
   std::string tmp;     // the temporary folder beside the tag
   std::string marker;  // rank 0's: the unsynced marker of a save published before durable
+  std::string reuse;   // rank 0's: a folder that becomes `tmp`, its files written over (memory snapshots)
   bool rank0 = false;
   bool sync_after_publish = false;
   // Rank 0, after a failure: the temporary folder and this save's marker.
@@ -513,8 +514,9 @@ bool PublishesBeforeDurable(Comm& comm, const std::string& folder, bool async) {
 }
 
 // 1. Rank 0 makes a fresh temporary folder (one a killed save left is
-// removed) and, for a save published before durable, the durable marker
-// that says so, holding the tag `latest` names now. Returns the error, if any.
+// removed; a memory snapshot's reused folder is renamed to it) and, for a
+// save published before durable, the durable marker that says so, holding
+// the tag `latest` names now. Returns the error, if any.
 std::string MakeTempFolder(const SaveTarget& t) {
   if (!t.rank0) return "";
   Env& env = Env::Current();
@@ -526,7 +528,12 @@ std::string MakeTempFolder(const SaveTarget& t) {
       m.Write(ckpt::ReadTag(t.dir + "/" + ckpt::kLatestFile).value_or(""));
       m.Commit();
     }
-    env.CreateDirs(t.tmp);
+    std::error_code ec;
+    if (!t.reuse.empty() && fs::is_directory(t.reuse, ec)) {
+      env.Rename(t.reuse, t.tmp);
+    } else {
+      env.CreateDirs(t.tmp);
+    }
   } catch (const std::exception& ex) {
     t.Discard();
     return ex.what();
@@ -639,7 +646,7 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   target.folder = dir + "/" + tag;
   target.tmp = dir + "/." + tag + ".uckpt-tmp";  // the same name on every rank
   target.rank0 = comm.rank() == 0;
-  if (!e.writer) e.writer = std::make_shared<CheckpointWriter>();
+  if (!e.writer) e.writer = std::make_shared<CheckpointWriter>(/*overwrite_in_place=*/e.memory_snapshot);
   e.writer->Publish(comm);  // the previous save first
   const auto previous = SaveClock::now();
   // The client state is checked on every rank before anything is written;
@@ -647,6 +654,7 @@ std::string SaveEngineCheckpoint(const CheckpointState& e, const std::string& di
   auto client = ClientEntries(client_state);
   target.sync_after_publish = PublishesBeforeDurable(comm, target.folder, async);
   if (target.rank0) target.marker = ckpt::UnsyncedMarkerPath(target.folder);
+  if (target.rank0 && e.memory_snapshot) target.reuse = dir + "/" + SaveCheckpointOptions::kReusedSnapshotFolder;
   AgreeOrThrow(comm, target.folder, MakeTempFolder(target));
   RankSnapshot snapshot;
   std::string error;

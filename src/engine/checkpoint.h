@@ -38,6 +38,7 @@ struct CheckpointState {
   const std::function<c10::IValue(size_t)>& client_param_group;  // EngineOptions::optimizer_param_group
   Stage0Fp16 stage0_fp16;                                        // DeepSpeed's fp16 wrapper at stage 0, if any
   bool save_without_frozen;                   // the save under way: SaveCheckpointOptions::exclude_frozen_parameters
+  bool memory_snapshot;                       // the save under way: SaveCheckpointOptions::memory_snapshot
   std::shared_ptr<CheckpointWriter>& writer;  // this rank's files of the last save (async_save.h)
   SaveStats& last_save;
   LoadStats& last_load;

@@ -351,6 +351,7 @@ engine::CheckpointState CheckpointStateOf(Engine::Impl& e, bool save_without_fro
           e.client_param_group,
           e.stage0_fp16,
           save_without_frozen,
+          memory_snapshot,
           memory_snapshot ? e.snapshot_writer : e.writer,
           e.last_save,
           e.last_load};

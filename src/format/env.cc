@@ -23,7 +23,10 @@ namespace fs = std::filesystem;
 
 class PosixWritableFile : public WritableFile {
  public:
-  PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  // `cut_at_close`: opened over an existing file (Env::OverwriteFile), cut at
+  // Close() to the end of what was written.
+  PosixWritableFile(std::string path, int fd, bool cut_at_close = false)
+      : path_(std::move(path)), fd_(fd), cut_at_close_(cut_at_close) {}
   ~PosixWritableFile() override {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -32,7 +35,11 @@ class PosixWritableFile : public WritableFile {
     if (data.empty()) return 0;
     for (;;) {
       ssize_t w = ::write(fd_, data.data(), data.size());
-      if (w > 0) return static_cast<size_t>(w);
+      if (w > 0) {
+        position_ += static_cast<uint64_t>(w);
+        Reached(position_);
+        return static_cast<size_t>(w);
+      }
       if (w < 0 && errno == EINTR) continue;
       ThrowErrno("cannot write", path_, w == 0 ? ENOSPC : errno);
     }
@@ -42,7 +49,10 @@ class PosixWritableFile : public WritableFile {
     if (data.empty()) return 0;
     for (;;) {
       ssize_t w = ::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset));
-      if (w > 0) return static_cast<size_t>(w);
+      if (w > 0) {
+        Reached(offset + static_cast<uint64_t>(w));
+        return static_cast<size_t>(w);
+      }
       if (w < 0 && errno == EINTR) continue;
       ThrowErrno("cannot write", path_, w == 0 ? ENOSPC : errno);
     }
@@ -50,6 +60,7 @@ class PosixWritableFile : public WritableFile {
 
   void Allocate(uint64_t size) override {
     if (size == 0) return;
+    Reached(size);
     int r;
     while ((r = ::fallocate(fd_, 0, 0, static_cast<off_t>(size))) != 0 && errno == EINTR) {}
     if (r == 0) return;
@@ -65,14 +76,28 @@ class PosixWritableFile : public WritableFile {
     if (fd_ < 0) return;
     int fd = fd_;
     fd_ = -1;
+    if (cut_at_close_ && ::ftruncate(fd, static_cast<off_t>(end_.load())) != 0) {
+      int e = errno;
+      ::close(fd);
+      ThrowErrno("cannot set the size of", path_, e);
+    }
     if (::close(fd) != 0) ThrowErrno("cannot close", path_);
   }
 
   const std::string& path() const override { return path_; }
 
  private:
+  // The file reaches at least `end` (WriteAt may run on several threads).
+  void Reached(uint64_t end) {
+    uint64_t seen = end_.load();
+    while (seen < end && !end_.compare_exchange_weak(seen, end)) {}
+  }
+
   std::string path_;
   int fd_;
+  bool cut_at_close_;
+  uint64_t position_ = 0;  // of Write (one thread)
+  std::atomic<uint64_t> end_{0};
 };
 
 class PosixEnv : public Env {
@@ -102,6 +127,12 @@ class PosixEnv : public Env {
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
     if (fd < 0) ThrowErrno("cannot create", path);
     return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
+  std::unique_ptr<WritableFile> OverwriteFile(const std::string& path, unsigned mode) override {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, mode);
+    if (fd < 0) ThrowErrno("cannot create", path);
+    return std::make_unique<PosixWritableFile>(path, fd, /*cut_at_close=*/true);
   }
 
   uint64_t CopyFile(const std::string& from, const std::string& to, const CopySeen& seen) override {

@@ -59,6 +59,14 @@ class Env {
   // Writing. Each of these is a "write point" for the crash hook.
   // Creates (or truncates) `path` for writing with permission bits `mode`.
   virtual std::unique_ptr<WritableFile> NewWritableFile(const std::string& path, unsigned mode = 0644) = 0;
+  // As NewWritableFile for a file the caller writes whole, but an existing
+  // `path` is written over in place and cut at Close() to the end of what was
+  // written (or Allocate'd), so its pages are reused, not freed and allocated
+  // again (on tmpfs that is half the cost of writing). By default it
+  // truncates (the same bytes in the end); the operating system's Env reuses.
+  virtual std::unique_ptr<WritableFile> OverwriteFile(const std::string& path, unsigned mode = 0644) {
+    return NewWritableFile(path, mode);
+  }
   // Copies a file's bytes, permission bits and times (as cp -p); returns the size.
   // Without `seen`, the data is copied inside the kernel (copy_file_range)
   // where it can be. With `seen`, it goes through a 1 MiB buffer instead

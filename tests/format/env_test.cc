@@ -2,6 +2,7 @@
 // EIO, a failing fsync or rename. Each must surface as an IoError naming the
 // file, and leave nothing under the final name but what was there before.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "format/error.h"
 #include "format/fault_env.h"
@@ -81,6 +83,50 @@ TEST_F(EnvTest, ShortWritesStillWriteEverything) {
   // Each 1 MiB flush took ~20 halvings: many more write calls than without.
   EXPECT_GT(env.write_points(), 40u);
   EXPECT_EQ(Entries(), std::set<std::string>{"out.bin"});
+}
+
+ino_t Inode(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st.st_ino;
+}
+
+// OverwriteFile writes over a longer file in place: the same inode, and in
+// the end exactly the new bytes (cut at Close), written front to back or in
+// ranges by several threads after Allocate.
+TEST_F(EnvTest, OverwriteFileKeepsTheFileAndEndsWithTheNewBytes) {
+  const auto old_bytes = Payload();
+  std::vector<uint8_t> data(old_bytes.size() / 2 + 7);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(255 - i % 251);
+  for (bool ranges : {false, true}) {
+    const std::string path = Path(ranges ? "ranges.bin" : "sequential.bin");
+    WriteAtomically(path, old_bytes);
+    const ino_t inode = Inode(path);
+    auto f = Env::Posix().OverwriteFile(path);
+    EXPECT_EQ(fs::file_size(path), old_bytes.size()) << "opened truncated: its pages were freed";
+    if (ranges) {
+      f->Allocate(data.size());
+      const size_t half = data.size() / 2;
+      std::thread second([&] { f->WriteAt(half, std::span<const uint8_t>(data).subspan(half)); });
+      f->WriteAt(0, std::span<const uint8_t>(data).first(half));
+      second.join();
+    } else {
+      for (size_t at = 0; at < data.size();) at += f->Write(std::span<const uint8_t>(data).subspan(at));
+    }
+    f->Close();
+    EXPECT_EQ(Inode(path), inode) << "the file was not written over in place";
+    const std::string got = Read(path);
+    ASSERT_EQ(got.size(), data.size()) << (ranges ? "ranges" : "sequential");
+    EXPECT_TRUE(std::equal(data.begin(), data.end(), reinterpret_cast<const uint8_t*>(got.data())));
+  }
+  // A new file, and an Env without its own (a wrapper): as NewWritableFile.
+  FaultEnv env;
+  ScopedEnv use(env);
+  auto f = Env::Current().OverwriteFile(Path("new.bin"));
+  for (size_t at = 0; at < data.size();) at += f->Write(std::span<const uint8_t>(data).subspan(at));
+  f->Close();
+  EXPECT_EQ(Read(Path("new.bin")).size(), data.size());
+  EXPECT_GE(env.write_points(), 2u);  // the wrapper's create and write: its faults apply
 }
 
 TEST_F(EnvTest, WritePointsOfOneSmallDurableFile) {
