@@ -16,7 +16,8 @@
 # DeepSpeed's source in DEEPSPEED_PATH, default .ds, carried), offload3 / offload12 (ZeRO-3 with parameters
 # and optimizer offloaded, ZeRO-1 and ZeRO-2 with the optimizer offloaded: uckpt against DeepSpeed's same
 # configuration on 1 and NG GPUs, bench/train-gpu.sh), restart / restartsnap (a rank killed, the job going on
-# on the GPUs left, without and with a snapshot every step: bench/restart-gpu.sh on 4 GPUs, or 2 where fewer).
+# on the GPUs left, without and with a snapshot every step: bench/restart-gpu.sh on 4 GPUs, or 2 where fewer),
+# snapcost (training's seconds per step without and with a snapshot every step, bench/snapshot-cost-gpu.sh).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +78,7 @@ for p in ${PARTS:-check matrix train ckpt}; do
                done ;;
     restart) part restart ${LIMIT_restart:-240} bench/restart-gpu.sh "$U" /tmp/restart-gpu ;;
     restartsnap) SNAPSHOT_EVERY=1 part restartsnap ${LIMIT_restart:-240} bench/restart-gpu.sh "$U" /tmp/restart-snap ;;
+    snapcost) part snapcost ${LIMIT_snapcost:-360} bench/snapshot-cost-gpu.sh "$U" /tmp/snapcost ;;
     dbg) part dbg ${LIMIT_dbg:-200} .dsuc/dbg.sh ;;
     ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ${RUNS:-3} ;;
     convert16) part convert16 ${LIMIT_convert16:-300} taskset -c 0-15 bench/convert-vs-cp.sh --uckpt "$U" \
