@@ -17,7 +17,10 @@
 # and optimizer offloaded, ZeRO-1 and ZeRO-2 with the optimizer offloaded: uckpt against DeepSpeed's same
 # configuration on 1 and NG GPUs, bench/train-gpu.sh), restart / restartsnap (a rank killed, the job going on
 # on the GPUs left, without and with a snapshot every step: bench/restart-gpu.sh on 4 GPUs, or 2 where fewer),
-# snapcost (training's seconds per step without and with a snapshot every step, bench/snapshot-cost-gpu.sh).
+# snapcost (training's seconds per step without and with a snapshot every step, bench/snapshot-cost-gpu.sh),
+# dsx (DeepSpeedExamples' cases DSX_CASES, default hello, at NG GPUs beside real DeepSpeed 0.14.5:
+# bench/ds-examples-both-gpu.sh; build-gpu-deps/dsx and .ds carried), hftrainer (the Hugging Face Trainer
+# against DeepSpeed at NG GPUs, bench/hf-trainer-gpu.sh with its MODEL, CASES, RESUME; .ds carried).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +36,7 @@ t0=$SECONDS
 U=$(scripts/build-gpu.sh /tmp/uckpt-gpu build-gpu-deps) || { echo "build failed"; exit 1; }
 echo "built $U in $((SECONDS - t0)) s"
 NG=$(nvidia-smi -L | wc -l)
-case " ${PARTS:-} " in *" dsuc "*|*" convert16 "*|*" dbg "*|*" python "*)
+case " ${PARTS:-} " in *" dsuc "*|*" convert16 "*|*" dbg "*|*" python "*|*" dsx "*|*" hftrainer "*)
   cmake -DUCKPT_BENCH=ON /tmp/uckpt-gpu > /dev/null && cmake --build /tmp/uckpt-gpu -j"$(nproc)" --target python convert_gen \
     > "$OUT/build-extra.log" 2>&1 || tail -20 "$OUT/build-extra.log"
   echo "built the Python package and convert_gen after $((SECONDS - t0)) s" ;;
@@ -78,6 +81,11 @@ for p in ${PARTS:-check matrix train ckpt}; do
                done ;;
     restart) part restart ${LIMIT_restart:-240} bench/restart-gpu.sh "$U" /tmp/restart-gpu ;;
     restartsnap) SNAPSHOT_EVERY=1 part restartsnap ${LIMIT_restart:-240} bench/restart-gpu.sh "$U" /tmp/restart-snap ;;
+    dsx) CASES=${DSX_CASES:-hello} NPROC=$NG DEADLINE_S=${DEADLINE_dsx:-300} part dsx ${LIMIT_dsx:-330} \
+           bench/ds-examples-both-gpu.sh build-gpu-deps/dsx/dse /tmp/uckpt-gpu "${DEEPSPEED_PATH:-.ds}" "$OUT/dsx" ;;
+    hftrainer) GPU_COUNTS=${GPU_COUNTS:-$NG} part hftrainer ${LIMIT_hftrainer:-500} \
+                 bench/hf-trainer-gpu.sh /tmp/uckpt-gpu "${DEEPSPEED_PATH:-.ds}" /tmp/hftrainer
+               cp /tmp/hftrainer/results.jsonl "$OUT/hftrainer-results.jsonl" 2> /dev/null ;;
     snapcost) part snapcost ${LIMIT_snapcost:-360} bench/snapshot-cost-gpu.sh "$U" /tmp/snapcost ;;
     dbg) part dbg ${LIMIT_dbg:-200} .dsuc/dbg.sh ;;
     ckptio2) NGPU=$NG part ckptio2 ${LIMIT_ckptio2:-300} bench/ckpt-io-gpu.sh "$U" /tmp/ckpt-io-gpu2 ${RUNS:-3} ;;
