@@ -161,7 +161,7 @@ void MemorySnapshots::ClaimFolder() {
   claimed_ = true;
 }
 
-void MemorySnapshots::RemoveOlder() {
+void MemorySnapshots::RemoveOlder() const {
   std::string keep;
   try {
     keep = ckpt::ReadLatestTag(folder_, ckpt::kLatestFile);
@@ -170,19 +170,22 @@ void MemorySnapshots::RemoveOlder() {
   }
   const std::string reuse = folder_ + "/" + SaveCheckpointOptions::kReusedSnapshotFolder;
   std::error_code ec;
-  std::vector<fs::path> older;
+  bool reusing = fs::exists(reuse, ec);
+  std::vector<fs::path> older;  // (not renamed while the folder is listed)
   for (const auto& entry : fs::directory_iterator(folder_, ec)) {
     const std::string name = entry.path().filename().string();
     if (name != ckpt::kLatestFile && name != kOwnerFile && name != keep && entry.path() != reuse)
       older.push_back(entry.path());
   }
   for (const fs::path& path : older) {
-    // This run's previous snapshot becomes the next one's folder, its files
-    // written over in place (same world, same files; SaveCheckpointOptions::memory_snapshot).
+    // An older snapshot becomes the next one's folder, its files written over
+    // in place; the engine removes those the next one does not write (another
+    // world's, from a run before a restart). SaveCheckpointOptions::memory_snapshot.
     const std::string name = path.filename().string();
-    if (name == previous_tag_ && !fs::exists(reuse, ec)) {
+    if (!reusing && StepOfTag(name)) {
       try {
         Env::Current().Rename(path.string(), reuse);
+        reusing = true;
         continue;
       } catch (const std::exception& ex) {
         std::fprintf(stderr, "uckpt train: warning: cannot keep %s for the next snapshot: %s\n", name.c_str(),
@@ -209,11 +212,8 @@ void MemorySnapshots::AfterStep(int64_t step, bool saved) {
   if (comm_.rank() == 0) ClaimFolder();
   SaveCheckpointOptions options;
   options.memory_snapshot = true;
-  const std::string tag = kTagPrefix + std::to_string(step);
-  engine_.SaveCheckpoint(folder_, tag, c10::IValue(), options);
+  engine_.SaveCheckpoint(folder_, kTagPrefix + std::to_string(step), c10::IValue(), options);
   const double blocked = ElapsedSince(t0);
-  previous_tag_ = latest_tag_;
-  latest_tag_ = tag;
   unpublished_ = true;
   const auto& save = engine_.stats().last_save();
   copy_bytes_ = std::max(copy_bytes_, save.snapshot_bytes);

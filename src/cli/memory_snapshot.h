@@ -67,9 +67,9 @@ class MemorySnapshots {
 
  private:
   void ClaimFolder();  // rank 0: the folder ours, with its owner file
-  // Rank 0: every entry but `latest` and the folder it names; this run's
-  // snapshot before that is kept as the next one's folder to write over.
-  void RemoveOlder();
+  // Rank 0: every entry but `latest` and the folder it names; one older
+  // snapshot is kept as the next one's folder to write over.
+  void RemoveOlder() const;
   std::string OwnerText() const;
   uint64_t FolderBytes() const;
 
@@ -80,8 +80,7 @@ class MemorySnapshots {
   std::string job_id_;
   std::string folder_;
   bool claimed_ = false;
-  std::string latest_tag_, previous_tag_;  // this run's last two snapshots
-  bool unpublished_ = false;               // the last snapshot may not be published yet
+  bool unpublished_ = false;  // the last snapshot may not be published yet
   int64_t taken_ = 0, skipped_ = 0;
   // The first snapshot allocates the host copies (pinned on a GPU: slow), so
   // it is reported apart; the sums and the max are of the snapshots after it.
