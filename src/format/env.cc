@@ -36,8 +36,7 @@ class PosixWritableFile : public WritableFile {
     for (;;) {
       ssize_t w = ::write(fd_, data.data(), data.size());
       if (w > 0) {
-        position_ += static_cast<uint64_t>(w);
-        Reached(position_);
+        if (cut_at_close_) Reached(position_ += static_cast<uint64_t>(w));
         return static_cast<size_t>(w);
       }
       if (w < 0 && errno == EINTR) continue;
@@ -50,7 +49,7 @@ class PosixWritableFile : public WritableFile {
     for (;;) {
       ssize_t w = ::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset));
       if (w > 0) {
-        Reached(offset + static_cast<uint64_t>(w));
+        if (cut_at_close_) Reached(offset + static_cast<uint64_t>(w));
         return static_cast<size_t>(w);
       }
       if (w < 0 && errno == EINTR) continue;
@@ -60,7 +59,7 @@ class PosixWritableFile : public WritableFile {
 
   void Allocate(uint64_t size) override {
     if (size == 0) return;
-    Reached(size);
+    if (cut_at_close_) Reached(size);
     int r;
     while ((r = ::fallocate(fd_, 0, 0, static_cast<off_t>(size))) != 0 && errno == EINTR) {}
     if (r == 0) return;
@@ -96,7 +95,8 @@ class PosixWritableFile : public WritableFile {
   std::string path_;
   int fd_;
   bool cut_at_close_;
-  uint64_t position_ = 0;  // of Write (one thread)
+  // With cut_at_close_: Write's position (one thread), and the end any write reached.
+  uint64_t position_ = 0;
   std::atomic<uint64_t> end_{0};
 };
 
