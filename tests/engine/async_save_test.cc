@@ -4,7 +4,6 @@
 // snapshot buffers are reused, `latest` moves only once published, and a
 // failed background write stops the run at a later step naming the file.
 #include <gtest/gtest.h>
-#include <sys/stat.h>
 
 #include <array>
 #include <filesystem>
@@ -94,23 +93,19 @@ TEST_P(AsyncSave, EqualsSyncSaveByteForByte) {
   fs::remove_all(root);
 }
 
-ino_t Inode(const std::string& path) {
-  struct stat st {};
-  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
-  return st.st_ino;
-}
-
 // A memory snapshot takes the folder SaveCheckpointOptions::kReusedSnapshotFolder
-// for its own and writes its files over in place (the same inodes), and in the
-// end the folder is byte for byte a synchronous save's of the same state: a
-// file grown longer is cut, a file the save does not write is gone.
+// for its own and writes its files over in place (the same files as hard links
+// taken before: fs::equivalent), and in the end the folder is byte for byte a
+// synchronous save's of the same state: a file grown longer is cut, a file the
+// save does not write is gone.
 TEST_P(AsyncSave, MemorySnapshotWritesOverTheReusedFolder) {
   const Variant v = GetParam();
   const std::string root = TempDir("reuse");
   const std::string snap = root + "/snap", reuse = snap + "/" + SaveCheckpointOptions::kReusedSnapshotFolder;
+  const std::string links = root + "/links";
   SaveCheckpointOptions memory;
   memory.memory_snapshot = true;
-  std::map<std::string, ino_t> inodes;
+  std::vector<std::string> names;
   RunRanks(v.world, [&](Comm& comm) {
     Trainer t(comm, Tiny(v.stage, v.bf16));
     t.TrainStep();
@@ -118,10 +113,13 @@ TEST_P(AsyncSave, MemorySnapshotWritesOverTheReusedFolder) {
     t.engine().WaitForCheckpoint();
     if (comm.rank() == 0) {  // what cli::MemorySnapshots does with an older snapshot of the run
       fs::rename(snap + "/global_step1", reuse);
+      fs::create_directories(links);
       for (const auto& f : fs::directory_iterator(reuse)) {
         const std::string name = f.path().filename().string();
-        if (name != ckpt::kManifestName) std::ofstream(f.path(), std::ios::app) << std::string(1000, 'x');
-        inodes[name] = Inode(f.path());
+        if (name == ckpt::kManifestName) continue;
+        std::ofstream(f.path(), std::ios::app) << std::string(1000, 'x');
+        fs::create_hard_link(f.path(), links + "/" + name);
+        names.push_back(name);
       }
       std::ofstream(reuse + "/stray.pt") << "not this save's";
     }
@@ -135,26 +133,24 @@ TEST_P(AsyncSave, MemorySnapshotWritesOverTheReusedFolder) {
              want = testing::FolderBytes(root + "/sync/global_step2");
   EXPECT_TRUE(got == want) << "the snapshot written over the reused folder differs from a synchronous save";
   EXPECT_FALSE(fs::exists(snap + "/global_step2/stray.pt"));
-  size_t kept = 0;
-  for (const auto& [name, inode] : inodes)
-    if (name != ckpt::kManifestName) {
-      EXPECT_EQ(Inode(snap + "/global_step2/" + name), inode) << name << " was not written over in place";
-      ++kept;
-    }
-  EXPECT_EQ(kept, want.size() - 1) << "every file but the manifest written over";
+  for (const std::string& name : names)
+    EXPECT_TRUE(fs::equivalent(links + "/" + name, snap + "/global_step2/" + name))
+        << name << " was not written over in place";
+  EXPECT_EQ(names.size(), want.size() - 1) << "every file but the manifest written over";
   fs::remove_all(root);
 }
 
 // cli::MemorySnapshots: each snapshot is written over the run's snapshot two
-// before it (the files keep their inodes; hard links taken of the older files
-// keep them alive, so an inode seen again cannot be a new file's); a folder to
-// reuse that an earlier run left with another world's file is written over
-// by the first, and that file is not in it.
+// before it, at 4 ranks (the same files as hard links taken of the older ones:
+// fs::equivalent; the links keep the old files alive, so a match cannot be a
+// new file given a freed inode); a folder to reuse that an earlier run left
+// with another world's file is written over by the first, and that file is not in it.
 TEST(MemorySnapshots, EachIsWrittenOverTheRunsOneTwoBefore) {
   const std::string root = TempDir("snapshots"), ckdir = root + "/ck", links = root + "/links";
   ::setenv("UCKPT_JOB_ID", "reuse-test", 1);
   ::setenv("UCKPT_SNAPSHOT_ROOT", root.c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+  constexpr int kWorld = 4;
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(kWorld).c_str(), 1);
   const std::string folder = cli::SnapshotFolder(root, "reuse-test");
   const std::string earlier = folder + "/" + SaveCheckpointOptions::kReusedSnapshotFolder;
   fs::create_directories(earlier);
@@ -163,8 +159,9 @@ TEST(MemorySnapshots, EachIsWrittenOverTheRunsOneTwoBefore) {
                                    << fs::absolute(ckdir).lexically_normal().string() << "\n";
   fs::create_directories(links);
   bool stray_gone = false;
-  std::map<std::string, std::pair<ino_t, ino_t>> inodes;  // file: step 1's (its link), step 3's
-  RunRanks(2, [&](Comm& comm) {
+  std::vector<std::string> names;  // step 1's files, linked into `links`
+  std::map<std::string, bool> step3_is_step1;
+  RunRanks(kWorld, [&](Comm& comm) {
     Trainer t(comm, Tiny(2, false));
     cli::MemorySnapshots snapshots(t.engine(), comm, 1, ckdir);
     for (int64_t step = 1; step <= 3; ++step) {
@@ -178,9 +175,11 @@ TEST(MemorySnapshots, EachIsWrittenOverTheRunsOneTwoBefore) {
       for (const auto& f : fs::directory_iterator(folder + "/global_step" + std::to_string(step))) {
         const std::string name = f.path().filename().string();
         if (name == ckpt::kManifestName) continue;
-        if (step == 1) fs::create_hard_link(f.path(), links + "/" + name);
-        if (step == 1) inodes[name].first = Inode(links + "/" + name);
-        if (step == 3) inodes[name].second = Inode(f.path());
+        if (step == 1) {
+          fs::create_hard_link(f.path(), links + "/" + name);
+          names.push_back(name);
+        }
+        if (step == 3) step3_is_step1[name] = fs::equivalent(links + "/" + name, f.path());
       }
     }
     snapshots.Finish();
@@ -189,8 +188,8 @@ TEST(MemorySnapshots, EachIsWrittenOverTheRunsOneTwoBefore) {
   ::unsetenv("UCKPT_SNAPSHOT_ROOT");
   ::unsetenv("LOCAL_WORLD_SIZE");
   EXPECT_TRUE(stray_gone) << "the earlier run's file is in the first snapshot";
-  ASSERT_EQ(inodes.size(), 3u);  // 2 optimizer files, the model states
-  for (const auto& [name, inode] : inodes) EXPECT_EQ(inode.second, inode.first) << name << ": not written over";
+  ASSERT_EQ(names.size(), kWorld + 1u);  // the optimizer files, the model states
+  for (const std::string& name : names) EXPECT_TRUE(step3_is_step1[name]) << name << ": not written over";
   EXPECT_FALSE(fs::exists(folder)) << "Finish leaves nothing";
   fs::remove_all(root);
 }

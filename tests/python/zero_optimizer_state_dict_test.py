@@ -11,7 +11,7 @@ CASE: stage1, stage2   fp32, a client torch.optim.SGD with momentum (imagenet's)
         for bit), group_paddings, partition_count, ds_version and param_slice_mappings equal DeepSpeed's; uckpt's
         dict survives torch.save + torch.load(weights_only=True) with DeepSpeed's three state classes allowed (as
         DeepSpeed's needs them allowed); load_state_dict() is refused naming DeepSpeed's call.
-  stage1_fp16  uckpt alone (DeepSpeed's engine refuses fp16 on the CPU), imagenet's ds_fp16_z1_config.json case:
+  stage1_fp16  uckpt alone at 4 ranks (DeepSpeed's engine refuses fp16 on the CPU), imagenet's ds_fp16_z1_config.json case:
         the dict torch.saves as main.py saves it, holds DeepSpeed's DynamicLossScaler at the engine's scale, the
         fp32 masters and SGD's state, and reads back with weights_only=True; its last step overflows, so
         'overflow' is True (DeepSpeed's optimizer saves its own `overflow`), and a fresh engine that
@@ -146,9 +146,9 @@ def worker(impl, stage, work, fp16=False):
     torch.save(neutral(torch, sd), path + ".neutral")
 
 
-def launch(pypath, impl, stage, work, fp16=False):
-    """This file's worker at 2 ranks on `impl`: uckpt from PYTHONPATH, or the real DeepSpeed this Python has."""
-    testkit.launch(__file__, impl, pypath if impl == "uckpt" else "", 2, extra=[str(stage), work, str(int(fp16))])
+def launch(pypath, impl, stage, work, fp16=False, ranks=2):
+    """This file's worker at `ranks` ranks on `impl`: uckpt from PYTHONPATH, or the real DeepSpeed this Python has."""
+    testkit.launch(__file__, impl, pypath if impl == "uckpt" else "", ranks, extra=[str(stage), work, str(int(fp16))])
 
 
 def first_difference(a, b, where="state_dict()"):
@@ -172,7 +172,7 @@ def main():
     case, pypath, work = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(work, exist_ok=True)
     if case == "stage1_fp16":
-        launch(pypath, "uckpt", 1, work, fp16=True)
+        launch(pypath, "uckpt", 1, work, fp16=True, ranks=4)
         print(f"PASS {case}")
         return
     stage = {"stage1": 1, "stage2": 2}[case]
