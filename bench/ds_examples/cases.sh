@@ -146,6 +146,7 @@ case_de_gpt() {  # data_efficiency/gpt_finetuning run_base_random_ltd.sh (ptb_te
 
 case_de_vit_cifar() {  # data_efficiency/vit_finetuning run_cifar_random_ltd.sh, 1 epoch
   copy_example training/data_efficiency/vit_finetuning de_vit_cifar || { result de_vit_cifar FAIL "imports"; return; }
+  mkdir -p "$work/de_vit_cifar/out/cifar"  # as its run script does first
   DSX_TIMM_SEEDED=1 DSX_CIFAR=256 DSX_CIFAR_TEST=64 launch_n "$NPROC" de_vit_cifar "$work/de_vit_cifar" "$site$legacy" main_cifar.py \
     --deepspeed_config config/ds_config_cifar_random_ltd.json --deepspeed --random_ltd --dataset cifar10vit224 \
     --seed 1234 --printfreq 400 --arch vits16r224 --optimizer sgd --lr 0.0001 --seq_len 197 --scheduler constant \
@@ -183,16 +184,18 @@ case_visualchat_api() {  # VisualChat's DeepSpeed calls, directly (bench/ds_exam
   # only) for 4 more. PASS: both ran; the first run's end is in the reason.
   [ -n "${DSX_LEGACY_SITE:-}" ] || { result visualchat_api FAIL "needs DSX_LEGACY_SITE (transformers 4's AdamW)"; return; }
   local vc=$dse/applications/DeepSpeed-VisualChat py=$here/bench/ds_examples/visualchat_api.py out=$work/visualchat_api
+  # its utils/utils.py imports deepspeed itself: under IMPL=uckpt the alias answers it (no real DeepSpeed reached)
+  local path=$DSX_LEGACY_SITE:$work/alias
   local prec=(--precision fp16)  # its default; DeepSpeed's CPU accelerator refuses fp16: bf16 there
   $cpu && prec=(--precision bf16)
   rm -rf "$out"; mkdir -p "$out"
-  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/as_shipped" "${prec[@]}"
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$path" "$py" --visualchat "$vc" --out "$out/as_shipped" "${prec[@]}"
   local shipped="as shipped: exit $? ($(grep -m1 -oE "zip\(\) argument 2 is longer than argument 1|^saved" "$work/visualchat_api.log"))"
   mv "$work/visualchat_api.log" "$work/visualchat_api.shipped.log"
-  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$path" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
     "${prec[@]}" || { classify visualchat_api $?; return; }
   mv "$work/visualchat_api.log" "$work/visualchat_api.train.log"
-  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$DSX_LEGACY_SITE" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
+  IMPL=$IMPL launch_n "$NPROC" visualchat_api "$out" "$path" "$py" --visualchat "$vc" --out "$out/ckpt" --nonempty_groups \
     --resume --steps 4 "${prec[@]}"
   classify visualchat_api $? "$shipped; $(grep -m1 '^step 7 ' "$work/visualchat_api.train.log"), resumed: $(grep -m1 '^step 8 ' "$work/visualchat_api.log")"
 }

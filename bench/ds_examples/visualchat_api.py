@@ -4,7 +4,8 @@ and get_optimizer_grouped_parameters (four groups, as its main.py builds them), 
 betas, get_scheduler, deepspeed.initialize(model, optimizer, args, config, lr_scheduler, dist_init_required),
 engine.gradient_checkpointing_enable(), engine.backward / step, engine.tput_timer.update_epoch_count(), and
 save_checkpoint / load_checkpoint with its client_state (random's, numpy's and torch's RNG states, epoch,
-best_loss; not its torch.cuda RNG state: the CPU has none), restored as its main.py restores them. Prints "step N loss X lr Y" for each step.
+best_loss; not its torch.cuda RNG state: the CPU has none), restored as its main.py restores them. Each batch goes to
+the engine's device, as its main.py moves its batches. Prints "step N loss X lr Y" for each step.
 
 usage (under a launcher): visualchat_api.py --visualchat DIR --out CKPT_DIR [--resume] [--steps N]
        [--precision bf16|fp16] [--nonempty_groups] [--deepspeed]     env: IMPL=uckpt|deepspeed
@@ -73,6 +74,7 @@ data = torch.Generator().manual_seed(1234 + start)
 for step in range(start, start + args.steps):
     ids = torch.randint(0, 128, (world, 2, 16), generator=data)[rank]
     ids = (ids + int(np.random.randint(0, 3)) + random.randint(0, 2)) % 128  # the restored RNG states count
+    ids = ids.to(engine.device)
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
