@@ -398,6 +398,20 @@ void ParseLegacyOffload(Section& s, ZeroConfig& z) {
   s.Bool("cpu_offload_use_pin_memory", pin);  // uckpt pins its offload buffers anyway
 }
 
+// sparse_attention: DeepSpeed's engine only parses it, checking its mode, for
+// the scripts that build its sparse attention modules from
+// DeepSpeedConfig.sparse_attention; uckpt refuses those modules by name.
+void ParseSparseAttention(Section& s) {
+  static const std::set<std::string> kModes = {"dense", "fixed", "variable", "bigbird", "bslongformer"};
+  if (s.Has("mode") && !(s.Raw("mode").is_string() && kModes.count(s.Raw("mode").get<std::string>())))
+    throw ConfigError("'sparse_attention.mode' = " + s.Raw("mode").dump() +
+                      " is not a sparsity mode of DeepSpeed 0.14.5 (dense, fixed, variable, bigbird, bslongformer)");
+  // What each mode reads (DeepSpeed's get_sparse_*_config); the others a mode ignores, as DeepSpeed does.
+  s.Ignore({"block", "different_layout_per_head", "num_local_blocks", "num_global_blocks", "attention",
+            "horizontal_global_attention", "num_different_global_patterns", "num_random_blocks", "local_window_blocks",
+            "global_block_indices", "global_block_end_indices", "num_sliding_window_blocks"});
+}
+
 // The top-level keys of DeepSpeed 0.14.5's config that uckpt does not
 // implement: those that change training are refused at any value but
 // DeepSpeed's default; those that only log or profile warn once.
@@ -414,8 +428,8 @@ void ParseTopLevelAudit(Section& top) {
   for (const char* key : {"amp", "elasticity", "eigenvalue", "progressive_layer_drop", "curriculum_learning",
                           "data_efficiency", "hybrid_engine", "nebula", "autotuning"})
     top.RefuseEnabled(key);
-  for (const char* key : {"compression_training", "sparse_attention", "weight_quantization"})
-    top.RefuseEnabled(key, /*bare=*/true);
+  for (const char* key : {"compression_training", "weight_quantization"}) top.RefuseEnabled(key, /*bare=*/true);
+  if (auto s = top.Sub("sparse_attention")) ParseSparseAttention(*s);
   // MoQ's quantize training (DeepSpeed's quantize_training.enabled, default false).
   top.RefuseEnabled("quantize_training");
   top.Monitor("tensorboard", "TensorBoard logs");

@@ -301,7 +301,14 @@ TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
   refused(R"({"data_types": {"grad_accum_dtype": "fp8"}})", "\"fp8\" is not a dtype");
   refused(R"({"amp": {"enabled": true}})", "amp");
   EXPECT_TRUE(parse(R"({"amp": {"enabled": false}, "elasticity": {"enabled": false}})").warnings.empty());
-  refused(R"({"sparse_attention": {"mode": "fixed"}})", "sparse_attention");
+  // sparse_attention is parsed only (scripts build DeepSpeed's sparse attention from it; uckpt refuses those
+  // modules): accepted without a warning, its mode checked as DeepSpeed 0.14.5 checks it.
+  EXPECT_TRUE(parse(R"({"sparse_attention": {"mode": "variable", "block": 16, "local_window_blocks": [4],
+                        "global_block_indices": [0], "attention": "unidirectional"}})")
+                  .warnings.empty());
+  EXPECT_TRUE(parse(R"({"sparse_attention": {}})").warnings.empty());
+  refused(R"({"sparse_attention": {"mode": "sliding"}})", "sparse_attention.mode");
+  refused(R"({"sparse_attention": {"mode": 3}})", "sparse_attention.mode");
   refused(R"({"zero_optimization": {"stage": 2, "zero_quantized_gradients": true}})",
           "zero_optimization.zero_quantized_gradients");
   refused(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",

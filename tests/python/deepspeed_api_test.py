@@ -133,6 +133,10 @@ def worker_names(deepspeed, torch, work):
     c = deepspeed.runtime.config
     if (c.LAMB_OPTIMIZER, c.ONEBIT_LAMB_OPTIMIZER, c.TRAIN_BATCH_SIZE) != ("lamb", "onebitlamb", "train_batch_size"):
         fail("deepspeed.runtime.config's constants are not DeepSpeed's values")
+    # Assigned twice in a row (the last counts) and from another constant (bing_bert reads both).
+    from uckpt.runtime.constants import SPARSE_MODE_DEFAULT, TRAIN_MICRO_BATCH_SIZE_PER_GPU
+    if (TRAIN_MICRO_BATCH_SIZE_PER_GPU, SPARSE_MODE_DEFAULT) != ("train_micro_batch_size_per_gpu", "fixed"):
+        fail("deepspeed.runtime.constants' reassigned and aliased constants are not DeepSpeed's values")
     import uckpt.module_inject
     expect_error(NotImplementedError, ["replace_transformer_layer", "kernel injection"],
                  lambda: uckpt.module_inject.replace_transformer_layer(None, None), "module_inject")
@@ -190,6 +194,14 @@ CONFIGS = [
      "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "gradient_predivide_factor": 2.0,
      "dataloader_drop_last": True},
     {"train_batch_size": 16, "fp16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+    # sparse_attention: each mode's keys, defaults filled in (bing_bert reads them from DeepSpeedConfig)
+    {"train_batch_size": 8, "sparse_attention": {"mode": "fixed", "block": 32, "num_local_blocks": 8}},
+    {"train_batch_size": 8, "sparse_attention": {}},
+    {"train_batch_size": 8, "sparse_attention": {"mode": "variable", "local_window_blocks": [2, 4],
+                                                 "global_block_end_indices": [1], "num_local_blocks": 9}},
+    {"train_batch_size": 8, "sparse_attention": {"mode": "bigbird", "num_random_blocks": 2}},
+    {"train_batch_size": 8, "sparse_attention": {"mode": "bslongformer"}},
+    {"train_batch_size": 8, "sparse_attention": {"mode": "dense", "block": 64}},
 ]
 CONFIG_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
                "gradient_clipping", "fp16_enabled", "bfloat16_enabled", "fp16_auto_cast", "loss_scale",

@@ -9,6 +9,7 @@ import copy
 
 from uckpt import _uckpt
 from uckpt.runtime import _deepspeed_names
+from uckpt.runtime import constants as C
 
 
 class DeepSpeedConfigError(Exception):
@@ -18,6 +19,36 @@ class DeepSpeedConfigError(Exception):
 def _get(d, key, default):
     """DeepSpeed's get_scalar_param: the value when the key is there, else the default."""
     return d.get(key, default) if isinstance(d, dict) else default
+
+
+# The keys each sparse attention mode reads (DeepSpeed's get_sparse_*_config), besides "mode".
+_SPARSE_KEYS = {
+    C.SPARSE_DENSE_MODE: ("BLOCK",),
+    C.SPARSE_FIXED_MODE: ("BLOCK", "DIFFERENT_LAYOUT_PER_HEAD", "NUM_LOCAL_BLOCKS", "NUM_GLOBAL_BLOCKS",
+                          "ATTENTION_TYPE", "HORIZONTAL_GLOBAL_ATTENTION", "NUM_DIFFERENT_GLOBAL_PATTERNS"),
+    C.SPARSE_VARIABLE_MODE: ("BLOCK", "DIFFERENT_LAYOUT_PER_HEAD", "NUM_RANDOM_BLOCKS", "LOCAL_WINDOW_BLOCKS",
+                             "GLOBAL_BLOCK_INDICES", "GLOBAL_BLOCK_END_INDICES", "ATTENTION_TYPE",
+                             "HORIZONTAL_GLOBAL_ATTENTION"),
+    C.SPARSE_BIGBIRD_MODE: ("BLOCK", "DIFFERENT_LAYOUT_PER_HEAD", "NUM_RANDOM_BLOCKS", "NUM_SLIDING_WINDOW_BLOCKS",
+                            "NUM_GLOBAL_BLOCKS"),
+    C.SPARSE_BSLONGFORMER_MODE: ("BLOCK", "DIFFERENT_LAYOUT_PER_HEAD", "NUM_SLIDING_WINDOW_BLOCKS",
+                                 "GLOBAL_BLOCK_INDICES", "GLOBAL_BLOCK_END_INDICES"),
+}
+
+
+def _sparse_attention(d):
+    """DeepSpeed's DeepSpeedConfig.sparse_attention: the section's mode and the keys that mode reads, defaults
+    filled in; None without the section (the parser has checked the mode). Only scripts read it, to build DeepSpeed's
+    sparse attention modules, which uckpt refuses by name."""
+    section = _get(d, C.SPARSE_ATTENTION, None)
+    if section is None:
+        return None
+    mode = section.get(C.SPARSE_MODE, C.SPARSE_MODE_DEFAULT)
+    out = {C.SPARSE_MODE: mode}
+    for name in _SPARSE_KEYS[mode]:
+        key = getattr(C, "SPARSE_" + name)
+        out[key] = copy.deepcopy(section.get(key, getattr(C, "SPARSE_" + name + "_DEFAULT")))
+    return out
 
 
 class DeepSpeedConfig:
@@ -76,7 +107,7 @@ class DeepSpeedConfig:
         self.scheduler_params = copy.deepcopy(_get(scheduler, "params", None)) if scheduler else None
         self.wall_clock_breakdown = parsed.wall_clock_breakdown
         self.memory_breakdown = _get(d, "memory_breakdown", False)
-        self.sparse_attention = None  # (a sparse_attention section is refused by the parser)
+        self.sparse_attention = _sparse_attention(d)
         self.pipeline = copy.deepcopy(_get(d, "pipeline", {}))
         self.pld_enabled, self.pld_params = False, False
         self.curriculum_enabled_legacy, self.curriculum_params_legacy = False, False
