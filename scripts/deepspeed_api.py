@@ -11,7 +11,8 @@ need CUDA, Triton or a compiler are read as well as the others.
 What is recorded, per module of the package (every .py file, every folder of them):
   its public names (not starting with "_") defined at its top level (also inside top-level if/try/with blocks):
     "c"  a class                    "f"  a function
-    ("k", value)  a constant whose value is a literal (ast.literal_eval), the same in every assignment
+    ("k", value)  a constant whose value is a literal (ast.literal_eval) or another such constant of the module,
+                  the same in every branch (in straight-line code the last assignment counts, as at import)
     ("e", mixin, ((member, value), ...))  an Enum class whose body is only literal members
     "v"  any other value
     ("m", module)  a DeepSpeed module bound to the name (`import deepspeed.comm as dist`, `from . import ops`)
@@ -163,10 +164,11 @@ def module_names(source, module, is_pkg, tree_modules):
     except SyntaxError:
         return {}, []
     names, stars = {}, []
+    straight = {id(node) for node in tree.body}  # run in order: a later binding replaces an earlier one
 
     def bind(name, entry):
         if not name.startswith("_"):
-            names[name] = _merge(names.get(name), entry)
+            names[name] = entry if id(node) in straight else _merge(names.get(name), entry)
 
     for node in _top_statements(tree.body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -177,6 +179,9 @@ def module_names(source, module, is_pkg, tree_modules):
             if isinstance(node, ast.AnnAssign) and node.value is None:
                 continue
             value, ok = _literal(node.value)
+            if isinstance(node.value, ast.Name) and isinstance(names.get(node.value.id), tuple) and \
+                    names[node.value.id][0] == "k":
+                value, ok = names[node.value.id][1], True  # `A_DEFAULT = A_MODE`: another constant's value
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 simple = isinstance(t, ast.Name)

@@ -140,8 +140,8 @@ MODULES = {
     },
     'deepspeed.autotuning.constants': {
         'v': (
-            'AUTOTUNING_METRIC_DEFAULT AUTOTUNING_TUNER_TYPE_DEFAULT DEFAULT_TEMPLATE_PATH_ZERO_0 DEFAULT_TEMPLATE_PATH_ZERO_1 '
-            'DEFAULT_TEMPLATE_PATH_ZERO_2 DEFAULT_TEMPLATE_PATH_ZERO_3 MODEL_INFO_KEY_DEFAULT_DICT'
+            'DEFAULT_TEMPLATE_PATH_ZERO_0 DEFAULT_TEMPLATE_PATH_ZERO_1 DEFAULT_TEMPLATE_PATH_ZERO_2 DEFAULT_TEMPLATE_PATH_ZERO_3 '
+            'MODEL_INFO_KEY_DEFAULT_DICT'
         ),
         'k': {
             'AUTOTUNING': 'autotuning',
@@ -162,6 +162,7 @@ MODULES = {
             'AUTOTUNING_MAX_TRAIN_MICRO_BATCH_SIZE_PER_GPU_DEFAULT': 1024,
             'AUTOTUNING_METRIC': 'metric',
             'AUTOTUNING_METRIC_BACKWRAD': 'flops',
+            'AUTOTUNING_METRIC_DEFAULT': 'throughput',
             'AUTOTUNING_METRIC_FLOPS': 'flops',
             'AUTOTUNING_METRIC_FORWARD': 'forward',
             'AUTOTUNING_METRIC_LATENCY': 'latency',
@@ -193,6 +194,7 @@ MODULES = {
             'AUTOTUNING_TUNER_NUM_TRIALS_DEFAULT': 50,
             'AUTOTUNING_TUNER_RANDOM': 'random',
             'AUTOTUNING_TUNER_TYPE': 'tuner_type',
+            'AUTOTUNING_TUNER_TYPE_DEFAULT': 'gridsearch',
             'BUFSIZE': 1,
             'DEFAULT_HF_CONFIG': {'train_batch_size': 'auto', 'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_steps': 'auto'},
             'DEFAULT_MIN_MEM_CONFIG': {'train_micro_batch_size_per_gpu': 1, 'zero_optimization': {'stage': 3}, 'memory_break_down': False},
@@ -605,14 +607,9 @@ MODULES = {
         '*': ('deepspeed.compression.constants',),
     },
     'deepspeed.compression.constants': {
-        'v': (
-            'ACTIVATION_QUANTIZATION_ENABLED ACTIVATION_QUANTIZE_SCHEDULE_OFFSET CHANNEL_PRUNING_ENABLED '
-            'CHANNEL_PRUNING_SCHEDULE_OFFSET HEAD_PRUNING_ENABLED HEAD_PRUNING_SCHEDULE_OFFSET ROW_PRUNING_ENABLED '
-            'ROW_PRUNING_SCHEDULE_OFFSET SPARSE_PRUNING_ENABLED SPARSE_PRUNING_SCHEDULE_OFFSET SPARSE_PRUNING_SCHEDULE_OFFSET_END '
-            'SPARSE_PRUNING_SCHEDULE_OFFSET_END_DEFAULT WEIGHT_QUANTIZE_ENABLED WEIGHT_QUANTIZE_SCHEDULE_OFFSET'
-        ),
         'k': {
             'ACTIVATION_QUANTIZATION': 'activation_quantization',
+            'ACTIVATION_QUANTIZATION_ENABLED': 'enabled',
             'ACTIVATION_QUANTIZATION_ENABLED_DEFAULT': False,
             'ACTIVATION_QUANTIZE_ASYMMETRIC': 'asymmetric',
             'ACTIVATION_QUANTIZE_BITS': 'bits',
@@ -620,17 +617,20 @@ MODULES = {
             'ACTIVATION_QUANTIZE_RANGE_DEFAULT': 'dynamic',
             'ACTIVATION_QUANTIZE_RANGE_DYNAMIC': 'dynamic',
             'ACTIVATION_QUANTIZE_RANGE_STATIC': 'static',
+            'ACTIVATION_QUANTIZE_SCHEDULE_OFFSET': 'schedule_offset',
             'ACTIVATION_QUANTIZE_SCHEDULE_OFFSET_DEFAULT': 1000,
             'ACTIVATION_QUANTIZE_SYMMETRIC': 'symmetric',
             'ACTIVATION_QUANTIZE_TYPE': 'quantization_type',
             'ACTIVATION_QUANTIZE_TYPE_DEFAULT': 'symmetric',
             'CHANNEL_PRUNING': 'channel_pruning',
             'CHANNEL_PRUNING_DENSE_RATIO': 'dense_ratio',
+            'CHANNEL_PRUNING_ENABLED': 'enabled',
             'CHANNEL_PRUNING_ENABLED_DEFAULT': False,
             'CHANNEL_PRUNING_METHOD': 'method',
             'CHANNEL_PRUNING_METHOD_DEFAULT': 'l1',
             'CHANNEL_PRUNING_METHOD_L1': 'l1',
             'CHANNEL_PRUNING_METHOD_TOPK': 'topk',
+            'CHANNEL_PRUNING_SCHEDULE_OFFSET': 'schedule_offset',
             'CHANNEL_PRUNING_SCHEDULE_OFFSET_DEFAULT': 1000,
             'COMPRESSION_TRAINING': 'compression_training',
             'DIFFERENT_GROUPS': 'different_groups',
@@ -641,12 +641,14 @@ MODULES = {
             'DIFFERENT_GROUPS_RELATED_MODULE_SCOPE_DEFAULT': None,
             'HEAD_PRUNING': 'head_pruning',
             'HEAD_PRUNING_DENSE_RATIO': 'dense_ratio',
+            'HEAD_PRUNING_ENABLED': 'enabled',
             'HEAD_PRUNING_ENABLED_DEFAULT': False,
             'HEAD_PRUNING_METHOD': 'method',
             'HEAD_PRUNING_METHOD_DEFAULT': 'topk',
             'HEAD_PRUNING_METHOD_L1': 'l1',
             'HEAD_PRUNING_METHOD_TOPK': 'topk',
             'HEAD_PRUNING_NUM_HEADS': 'num_heads',
+            'HEAD_PRUNING_SCHEDULE_OFFSET': 'schedule_offset',
             'HEAD_PRUNING_SCHEDULE_OFFSET_DEFAULT': 1000,
             'KEEP_NUMBER_LAYER': 'keep_number_layer',
             'LAYER_REDUCTION': 'layer_reduction',
@@ -656,11 +658,13 @@ MODULES = {
             'OTHER_MODULE_NAME': 'other_module_name',
             'ROW_PRUNING': 'row_pruning',
             'ROW_PRUNING_DENSE_RATIO': 'dense_ratio',
+            'ROW_PRUNING_ENABLED': 'enabled',
             'ROW_PRUNING_ENABLED_DEFAULT': False,
             'ROW_PRUNING_METHOD': 'method',
             'ROW_PRUNING_METHOD_DEFAULT': 'l1',
             'ROW_PRUNING_METHOD_L1': 'l1',
             'ROW_PRUNING_METHOD_TOPK': 'topk',
+            'ROW_PRUNING_SCHEDULE_OFFSET': 'schedule_offset',
             'ROW_PRUNING_SCHEDULE_OFFSET_DEFAULT': 1000,
             'SHARED_PARAMETERS': 'shared_parameters',
             'SPARSE_PRUNING': 'sparse_pruning',
@@ -668,6 +672,7 @@ MODULES = {
             'SPARSE_PRUNING_BLOCK_PATTERN_DEFAULT': '4x1',
             'SPARSE_PRUNING_DENSE_RATIO': 'dense_ratio',
             'SPARSE_PRUNING_DENSE_RATIO_DEFAULT': 0.1,
+            'SPARSE_PRUNING_ENABLED': 'enabled',
             'SPARSE_PRUNING_ENABLED_DEFAULT': False,
             'SPARSE_PRUNING_EXCLUDED_MODULES': 'excluded_modules',
             'SPARSE_PRUNING_EXCLUDED_MODULES_DEFAULT': [],
@@ -676,7 +681,10 @@ MODULES = {
             'SPARSE_PRUNING_METHOD_L1': 'l1',
             'SPARSE_PRUNING_METHOD_SNIP_MOMENTUM': 'snip_momentum',
             'SPARSE_PRUNING_METHOD_TOPK': 'topk',
+            'SPARSE_PRUNING_SCHEDULE_OFFSET': 'schedule_offset',
             'SPARSE_PRUNING_SCHEDULE_OFFSET_DEFAULT': 1000,
+            'SPARSE_PRUNING_SCHEDULE_OFFSET_END': 'schedule_offset_end',
+            'SPARSE_PRUNING_SCHEDULE_OFFSET_END_DEFAULT': 1000,
             'SPARSE_PRUNING_SCHEDULE_OFFSET_STRIDE': 'schedule_offset_stride',
             'SPARSE_PRUNING_SCHEDULE_OFFSET_STRIDE_DEFAULT': 1,
             'TEACHER_LAYER': 'teacher_layer',
@@ -689,6 +697,7 @@ MODULES = {
             'WEIGHT_QUANTIZE_ASYMMETRIC': 'asymmetric',
             'WEIGHT_QUANTIZE_CHANGE_RATIO': 'quantize_change_ratio',
             'WEIGHT_QUANTIZE_CHANGE_RATIO_DEFAULT': 0.001,
+            'WEIGHT_QUANTIZE_ENABLED': 'enabled',
             'WEIGHT_QUANTIZE_ENABLED_DEFAULT': False,
             'WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE': 'fp16_mixed_quantize',
             'WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE_ENABLED': 'enabled',
@@ -702,6 +711,7 @@ MODULES = {
             'WEIGHT_QUANTIZE_NEAREST_ROUNDING': 'nearest',
             'WEIGHT_QUANTIZE_ROUNDING': 'rounding',
             'WEIGHT_QUANTIZE_ROUNDING_DEFAULT': 'nearest',
+            'WEIGHT_QUANTIZE_SCHEDULE_OFFSET': 'schedule_offset',
             'WEIGHT_QUANTIZE_SCHEDULE_OFFSET_DEFAULT': 0,
             'WEIGHT_QUANTIZE_START_BITS': 'start_bits',
             'WEIGHT_QUANTIZE_STOCHASTIC_ROUNDING': 'stochastic',
@@ -760,7 +770,6 @@ MODULES = {
         '*': ('deepspeed.elasticity.constants',),
     },
     'deepspeed.elasticity.constants': {
-        'v': 'VERSION_DEFAULT',
         'k': {
             'DEEPSPEED_ELASTICITY_CONFIG': 'DEEPSPEED_ELASTICITY_CONFIG',
             'ELASTICITY': 'elasticity',
@@ -788,6 +797,7 @@ MODULES = {
             'PREFER_LARGER_BATCH': 'prefer_larger_batch',
             'PREFER_LARGER_BATCH_DEFAULT': True,
             'VERSION': 'version',
+            'VERSION_DEFAULT': 0.2,
         },
     },
     'deepspeed.elasticity.elastic_agent': {
@@ -4122,7 +4132,7 @@ MODULES = {
     },
     'deepspeed.runtime.constants': {
         'c': 'ValidationMode',
-        'v': 'CHECKPOINT_TAG_VALIDATION_DEFAULT CHECKPOINT_TAG_VALIDATION_MODES SPARSE_MODE_DEFAULT TRAIN_MICRO_BATCH_SIZE_PER_GPU',
+        'v': 'CHECKPOINT_TAG_VALIDATION_DEFAULT CHECKPOINT_TAG_VALIDATION_MODES',
         'k': {
             'AMP': 'amp',
             'AMP_ENABLED': 'enabled',
@@ -4260,6 +4270,7 @@ MODULES = {
             'SPARSE_LOCAL_WINDOW_BLOCKS': 'local_window_blocks',
             'SPARSE_LOCAL_WINDOW_BLOCKS_DEFAULT': [4],
             'SPARSE_MODE': 'mode',
+            'SPARSE_MODE_DEFAULT': 'fixed',
             'SPARSE_NUM_DIFFERENT_GLOBAL_PATTERNS': 'num_different_global_patterns',
             'SPARSE_NUM_DIFFERENT_GLOBAL_PATTERNS_DEFAULT': 1,
             'SPARSE_NUM_GLOBAL_BLOCKS': 'num_global_blocks',
@@ -4275,6 +4286,7 @@ MODULES = {
             'STEPS_PER_PRINT_DEFAULT': 10,
             'TRAIN_BATCH_SIZE': 'train_batch_size',
             'TRAIN_BATCH_SIZE_DEFAULT': None,
+            'TRAIN_MICRO_BATCH_SIZE_PER_GPU': 'train_micro_batch_size_per_gpu',
             'TRAIN_MICRO_BATCH_SIZE_PER_GPU_DEFAULT': None,
             'TYPE': 'type',
             'USE_DATA_BEFORE_EXPERT_PARALLEL': 'use_data_before_expert_parallelism',
