@@ -170,11 +170,11 @@ void ParseOptimizer(Section& s, OptimizerConfig& o) {
   std::string lower = o.type;
   for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   if (lower != "adam" && lower != "adamw")
-    throw ConfigError("optimizer.type '" + o.type + "' is not supported (use Adam or AdamW)");
+    throw ConfigError("optimizer.type '" + o.type + "' is not supported by uckpt (its config optimizers: Adam, AdamW)");
   o.type = lower == "adam" ? "Adam" : "AdamW";
   bool legacy_fusion = false;
   s.Bool("legacy_fusion", legacy_fusion);
-  if (legacy_fusion) throw ConfigError("optimizer.legacy_fusion = true is not supported");
+  if (legacy_fusion) throw ConfigError("optimizer.legacy_fusion = true is not supported by uckpt");
   bool torch_adam = false, adam_w_mode = true;
   bool weight_decay_given = false;
   if (auto p = s.Sub("params")) {

@@ -308,6 +308,9 @@ TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
                   .warnings.empty());
   EXPECT_TRUE(parse(R"({"sparse_attention": {}})").warnings.empty());
   refused(R"({"sparse_attention": {"mode": "sliding"}})", "sparse_attention.mode");
+  // DeepSpeed's other config optimizers (bing_bert's Lamb): refused saying it is uckpt that lacks them.
+  refused(R"({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})",
+          "optimizer.type 'Lamb' is not supported by uckpt");
   refused(R"({"sparse_attention": {"mode": 3}})", "sparse_attention.mode");
   refused(R"({"zero_optimization": {"stage": 2, "zero_quantized_gradients": true}})",
           "zero_optimization.zero_quantized_gradients");
