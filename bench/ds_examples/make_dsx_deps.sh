@@ -23,7 +23,8 @@ commit=${DSE_COMMIT:-45b4b715}
 pip=${PIP:-python3 -m pip}
 folders=(training/cifar training/imagenet training/HelloDeepSpeed training/pipeline_parallelism training/gan
          training/BingBertSquad training/data_efficiency/gpt_finetuning compression/cifar compression/gpt2
-         applications/DeepSpeed-Chat/dschat applications/DeepSpeed-Chat/training)
+         applications/DeepSpeed-Chat/dschat applications/DeepSpeed-Chat/training
+         training/offload_states training/DeepSpeed-Domino training/autotuning training/stable_diffusion training/MoQ)
 [ -n "${LEGACY:-}" ] && folders+=(training/data_efficiency/vit_finetuning compression/bert applications/DeepSpeed-VisualChat
                                   training/bing_bert training/BingBertGlue)
 rm -rf "$dest"; mkdir -p "$dest/dse"
@@ -31,7 +32,9 @@ git_dir=$(git -C "$git_dir" rev-parse --absolute-git-dir 2> /dev/null || echo "$
 git --git-dir="$git_dir" archive "$commit" -- "${folders[@]}" \
   ':(exclude)**/training_log_output/**' ':(exclude)**/*.png' ':(exclude)**/*.jpg' | tar -x -C "$dest/dse"
 # (a partial mirror may lack large files elsewhere in the tree; git names them but archives these folders whole)
-want=$(git --git-dir="$git_dir" ls-tree -r --name-only "$commit" -- "${folders[@]}" | grep -cvE '/training_log_output/|\.(png|jpg)$')
+# (files only: DeepSpeed-Domino's Megatron-LM is a submodule, which git archive leaves out)
+want=$(git --git-dir="$git_dir" ls-tree -r "$commit" -- "${folders[@]}" | awk -F'\t' '$1 ~ / blob / {print $2}' |
+         grep -cvE '/training_log_output/|\.(png|jpg)$')
 got=$(cd "$dest/dse" && find . -type f | wc -l)
 [ "$want" = "$got" ] || { echo "make_dsx_deps: $got files of DeepSpeedExamples' $want in $dest/dse" >&2; exit 1; }
 echo "$commit" > "$dest/dse/COMMIT"
