@@ -16,10 +16,10 @@
 #   DEEPSPEED_SRC  DeepSpeed 0.14.5's source (.ds)
 #   OUT_DIR        gets summary.txt, losses.txt (every loss printed, uckpt's beside DeepSpeed's) and logs.tgz (the
 #                  cases' logs; no checkpoints or models)
-# env: CASES (in order of value, default below), DS_CASES (the cases DeepSpeed runs too: those uckpt runs),
+# env: CASES (in order of value, default below), DS_CASES (the cases DeepSpeed runs too: those it can run here),
 #      RESUME_NPROC (hello's resume: as bench/ds-examples-gpu.sh, but 1 on a machine of one GPU),
 #      DS_PREBUILD (DeepSpeed's ops JIT-built at the start, default "fused_adam cpu_adam"), DEADLINE_S (420),
-#      TIMEOUT_S (per case, 150), MIN_START_S (45), PARALLEL (3), NPROC (1),
+#      TIMEOUT_S (per case, 150), MIN_START_S (45), PARALLEL (4), NPROC (1),
 #      DSX_SITE (packages the scripts import that the machine lacks, put on PYTHONPATH; default
 #      build-gpu-deps/dsx/site), DSX_S3_SITE (boto3 and botocore, for squad only: accelerate imports boto3 where
 #      it finds it; default build-gpu-deps/dsx/site-s3), DSX_LEGACY_SITE (the older packages of
@@ -30,11 +30,13 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 usage="usage: bench/ds-examples-both-gpu.sh DSE_CHECKOUT BUILD_DIR DEEPSPEED_SRC OUT_DIR"
 dse=$(realpath "${1:?$usage}") build=$(realpath "${2:?$usage}") ds=$(realpath "${3:?$usage}")
 out=$(realpath -m "${4:?$usage}")
-CASES=${CASES:-imagenet imagenet_fp16 imagenet_fp16_z1 gan squad compress_cifar de_gpt compress_gpt2 pipeline cifar hello \
-chat_z0 chat_z2 chat_z3 chat_rm chat_dpo chat_rlhf}
+CASES=${CASES:-imagenet imagenet_fp16 imagenet_fp16_z1 gan squad compress_cifar cifar hello chat_z0 chat_z2 chat_z3 \
+chat_rm chat_dpo visualchat_api bing_bert de_vit_cifar de_vit_imagenet compress_bert bingbertglue bing_bert_glue \
+offload_states cifar_moe visualchat moq autotuning domino stable_diffusion de_gpt compress_gpt2 pipeline chat_rlhf}
 DS_CASES=${DS_CASES:-imagenet imagenet_fp16 imagenet_fp16_z1 gan squad compress_cifar cifar hello chat_z0 chat_z2 chat_z3 \
-chat_rm chat_dpo}
-DEADLINE_S=${DEADLINE_S:-420} TIMEOUT_S=${TIMEOUT_S:-150} MIN_START_S=${MIN_START_S:-45} PARALLEL=${PARALLEL:-3}
+chat_rm chat_dpo visualchat_api bing_bert de_vit_cifar de_vit_imagenet compress_bert bingbertglue bing_bert_glue \
+offload_states cifar_moe}
+DEADLINE_S=${DEADLINE_S:-420} TIMEOUT_S=${TIMEOUT_S:-150} MIN_START_S=${MIN_START_S:-45} PARALLEL=${PARALLEL:-4}
 work=$(realpath -m "${WORK_DIR:-/tmp/ds-examples-both}")
 site=$(realpath -m "${DSX_SITE:-$here/build-gpu-deps/dsx/site}")
 s3_site=$(realpath -m "${DSX_S3_SITE:-$here/build-gpu-deps/dsx/site-s3}")
