@@ -12,7 +12,8 @@ What is recorded, per module of the package (every .py file, every folder of the
   its public names (not starting with "_") defined at its top level (also inside top-level if/try/with blocks):
     "c"  a class                    "f"  a function
     ("k", value)  a constant whose value is a literal (ast.literal_eval) or another such constant of the module,
-                  the same in every branch (in straight-line code the last assignment counts, as at import)
+                  the same in every branch (in straight-line code the last assignment counts, as at import), and
+                  that the module's code neither rebinds (`global`) nor changes in place; else "v"
     ("e", mixin, ((member, value), ...))  an Enum class whose body is only literal members
     "v"  any other value
     ("m", module)  a DeepSpeed module bound to the name (`import deepspeed.comm as dist`, `from . import ops`)
@@ -147,14 +148,43 @@ def _targets(target):
         yield from _targets(target.value)
 
 
+FOREIGN = "x"  # a name bound by an import from another package: not recorded, but it makes a constant unknown
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "remove", "add",
+            "discard"}
+
+
 def _merge(old, new):
     """Two bindings of one name (an if/else, a try/except): the same entry, else the more general one."""
     if old is None or old == new:
         return new
+    if FOREIGN in (old, new):
+        other = new if old == FOREIGN else old
+        # `try: import x / except ImportError: x = None`: the value depends on the machine; but a class, function
+        # or DeepSpeed import beside another package's (`from op_builder.builder import OpBuilder` in a source tree,
+        # functools' cached_property or its own) is still that
+        return other if other in ("c", "f") or other[0] in ("i", "m") else "v"
     for kind in ("c", "f"):
         if kind in (old, new):
             return kind
     return "v"
+
+
+def _changed_at_run_time(tree):
+    """The names the module's code rebinds through `global` or changes in place (`N[k] = v`, `del N[k]`,
+    `N.append(...)`, `N += ...`), anywhere in it: their import-time value is not the one a script reads."""
+    changed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            changed.update(node.names)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            changed.add(node.target.id)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) and \
+                isinstance(node.value, ast.Name):
+            changed.add(node.value.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in MUTATORS and isinstance(node.func.value, ast.Name):
+            changed.add(node.func.value.id)
+    return changed
 
 
 def module_names(source, module, is_pkg, tree_modules):
@@ -165,10 +195,13 @@ def module_names(source, module, is_pkg, tree_modules):
         return {}, []
     names, stars = {}, []
     straight = {id(node) for node in tree.body}  # run in order: a later binding replaces an earlier one
+    star_in_branch, in_branch = False, set()  # `try: from .x import *` / `except: A = 1`: A is either
 
     def bind(name, entry):
         if not name.startswith("_"):
             names[name] = entry if id(node) in straight else _merge(names.get(name), entry)
+            if id(node) not in straight:
+                in_branch.add(name)
 
     for node in _top_statements(tree.body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -189,22 +222,33 @@ def module_names(source, module, is_pkg, tree_modules):
                     bind(n, ("k", value) if ok and simple else "v")
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name == "deepspeed" or not a.name.startswith("deepspeed."):
-                    continue  # another package's module, or `import deepspeed` itself
-                if a.asname:
+                if a.name == "deepspeed":
+                    continue  # `import deepspeed` itself
+                if not a.name.startswith("deepspeed."):
+                    bind(a.asname or a.name.split(".")[0], FOREIGN)
+                elif a.asname:
                     bind(a.asname, ("m", a.name))
         elif isinstance(node, ast.ImportFrom):
             source_module = _resolve(module, is_pkg, node.level, node.module)
             if source_module != "deepspeed" and not source_module.startswith("deepspeed."):
+                for a in node.names:
+                    if a.name != "*":
+                        bind(a.asname or a.name, FOREIGN)
                 continue
             for a in node.names:
                 if a.name == "*":
                     stars.append(source_module)
+                    star_in_branch |= id(node) not in straight
                     continue
                 sub = source_module + "." + a.name
                 bind(a.asname or a.name, ("m", sub) if sub in tree_modules else ("i", source_module, a.name))
-        elif isinstance(node, (ast.AugAssign,)):
-            continue
+    changed = _changed_at_run_time(tree)
+    for name, entry in list(names.items()):
+        if entry == FOREIGN:
+            del names[name]
+        elif (name in changed or (star_in_branch and name in in_branch)) and isinstance(entry, tuple) and \
+                entry[0] == "k":
+            names[name] = "v"
     return names, stars
 
 

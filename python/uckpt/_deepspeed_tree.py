@@ -18,10 +18,7 @@ VERSION = '0.14.5'
 MODULES = {
     'deepspeed': {
         'f': 'add_config_arguments default_inference_config init_inference initialize',
-        'v': 'HAS_TRITON',
-        'k': {
-            'dist': None,
-        },
+        'v': 'HAS_TRITON dist',
         'm': {
             'checkpointing': 'deepspeed.runtime.activation_checkpointing.checkpointing',
             'module_inject': 'deepspeed.module_inject',
@@ -65,9 +62,7 @@ MODULES = {
     },
     'deepspeed.accelerator.cuda_accelerator': {
         'c': 'CUDA_Accelerator',
-        'k': {
-            'pynvml': None,
-        },
+        'v': 'pynvml',
         'i': {
             'deepspeed.accelerator.abstract_accelerator': 'DeepSpeedAccelerator',
         },
@@ -92,11 +87,9 @@ MODULES = {
     },
     'deepspeed.accelerator.real_accelerator': {
         'f': 'get_accelerator is_current_accelerator_supported set_accelerator',
-        'v': 'accel_logger dsa2',
+        'v': 'accel_logger ds_accelerator dsa1 dsa2',
         'k': {
             'SUPPORTED_ACCELERATOR_LIST': ['cuda', 'cpu', 'xpu', 'xpu.external', 'npu', 'mps', 'hpu'],
-            'ds_accelerator': None,
-            'dsa1': None,
         },
     },
     'deepspeed.accelerator.xpu_accelerator': {
@@ -112,12 +105,11 @@ MODULES = {
     },
     'deepspeed.autotuning.autotuner': {
         'c': 'Autotuner',
-        'v': 'ZERO_OPTIMIZATION_STAGE_DEFAULT has_mlflow',
+        'v': 'ZERO_OPTIMIZATION_STAGE_DEFAULT has_mlflow tabulate',
         'k': {
             'OFFLOAD_OPTIMIZER': 'offload_optimizer',
             'OFFLOAD_PARAM': 'offload_param',
             'ZERO_OPTIMIZATION_STAGE': 'stage',
-            'tabulate': None,
         },
         'i': {
             'deepspeed.accelerator': 'get_accelerator',
@@ -250,9 +242,7 @@ MODULES = {
     },
     'deepspeed.autotuning.tuner.cost_model': {
         'c': 'XGBoostCostModel',
-        'k': {
-            'xgb': None,
-        },
+        'v': 'xgb',
         '*': ('deepspeed.autotuning.tuner.utils',),
     },
     'deepspeed.autotuning.tuner.index_based_tuner': {
@@ -373,10 +363,7 @@ MODULES = {
             'atoi dp_index_to_str dump_param_fragment extract_zero_shards extract_zero_shards_stage3 main merge_tp_slices '
             'merge_zero3_slices natural_keys parse_arguments'
         ),
-        'v': 'args',
-        'k': {
-            'cnt': 0,
-        },
+        'v': 'args cnt',
         'i': {
             'deepspeed.checkpoint': 'BASE_OPTIMIZER_STATE CAT_DIM DeepSpeedCheckpoint OPTIMIZER_STATE_DICT PARAM PARAMETER_TO_AVERAGE_PATTERNS PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 PARAMETER_WITH_ROW_PARALLELISM_PATTERNS PARAMETER_WITH_SUB_PARAMS PARAM_GROUPS PARAM_N_SUB_PARAMS PARAM_SHAPES PARAM_SLICE_MAPPINGS PIPELINE_REPLICATED_PARAMETER_PATTERNS SINGLE_PARTITION_OF_FP32_GROUPS SUB_PARAM_SHAPE SubparamShape TP_REPLICATED_PARAMETER_PATTERNS UNIVERSAL_CHECKPOINT_INFO UNIVERSAL_CHECKPOINT_VERSION_KEY UNIVERSAL_CHECKPOINT_VERSION_VALUE VOCABULARY_PARAMETER_PATTERNS VOCAB_TENSOR ZERO_STAGE',
         },
@@ -462,13 +449,8 @@ MODULES = {
             'patch_aml_env_for_torch_nccl_backend patch_aws_sm_env_for_torch_nccl_backend recv reduce reduce_scatter '
             'reduce_scatter_fn reduce_scatter_tensor scatter send set_backend timed_op'
         ),
-        'v': 'comms_logger timers',
+        'v': 'ccl_backend cdb comms_logger hccl_backend mpi_backend nccl_backend timers',
         'k': {
-            'ccl_backend': None,
-            'cdb': None,
-            'hccl_backend': None,
-            'mpi_backend': None,
-            'nccl_backend': None,
             'timer_summary': {},
         },
         'm': {
@@ -527,13 +509,7 @@ MODULES = {
             'all_gather_comm_off all_reduce_comm_off backward_comm_off broadcast_comm_off build_shm_op get_coalescing_manager '
             'has_all_reduce_coalesced has_coalescing_manager reduce_comm_off reduce_scatter_comm_off'
         ),
-        'k': {
-            'DS_COMM_ALL_GATHER_OFF': False,
-            'DS_COMM_ALL_REDUCE_OFF': False,
-            'DS_COMM_BROADCAST_OFF': False,
-            'DS_COMM_REDUCE_OFF': False,
-            'DS_COMM_REDUCE_SCATTER_OFF': False,
-        },
+        'v': 'DS_COMM_ALL_GATHER_OFF DS_COMM_ALL_REDUCE_OFF DS_COMM_BROADCAST_OFF DS_COMM_REDUCE_OFF DS_COMM_REDUCE_SCATTER_OFF',
         'm': {
             'compiler': 'deepspeed.runtime.compiler',
             'utils': 'deepspeed.utils',
@@ -568,9 +544,7 @@ MODULES = {
             'copy_to_model_parallel_region gather_from_model_parallel_region reduce_from_model_parallel_region '
             'scatter_to_model_parallel_region split_tensor_along_last_dim'
         ),
-        'k': {
-            'g_mpu': None,
-        },
+        'v': 'g_mpu',
         'm': {
             'dist': 'deepspeed.comm',
         },
@@ -581,9 +555,7 @@ MODULES = {
     },
     'deepspeed.compression.compress': {
         'f': 'check_deepspeed_config get_compress_methods get_module_name init_compression redundancy_clean student_initialization',
-        'k': {
-            'nc': None,
-        },
+        'v': 'nc',
         'i': {
             'deepspeed.compression.config': 'get_compression_config',
             'deepspeed.compression.helper': 'compression_preparation fix_compression is_module_compressible recursive_getattr',
@@ -728,9 +700,7 @@ MODULES = {
             'compression_preparation convert_conv1d_to_linear fix_compression generate_pruners is_module_compressible '
             'module_replacement recursive_getattr recursive_setattr register_on_step_begin rewrite_optimizer_step'
         ),
-        'k': {
-            'nc_pruner': None,
-        },
+        'v': 'nc_pruner',
         'i': {
             'deepspeed.compression.basic_layer': 'BNLayer_Compress ColumnParallelLinear_Compress Conv2dLayer_Compress Embedding_Compress LinearLayer_Compress RowParallelLinear_Compress',
             'deepspeed.utils': 'logger',
@@ -844,13 +814,7 @@ MODULES = {
         },
     },
     'deepspeed.git_version_info': {
-        'v': 'compatible_ops installed_ops version',
-        'k': {
-            'accelerator_name': '',
-            'git_branch': '[none]',
-            'git_hash': '[none]',
-            'torch_info': {'version': '0.0', 'cuda_version': '0.0', 'hip_version': '0.0'},
-        },
+        'v': 'accelerator_name compatible_ops git_branch git_hash installed_ops torch_info version',
         'i': {
             'deepspeed.ops.op_builder.all_ops': 'ALL_OPS',
         },
@@ -889,8 +853,8 @@ MODULES = {
     },
     'deepspeed.inference.engine': {
         'c': 'InferenceEngine',
+        'v': 'DS_INFERENCE_ENABLED',
         'k': {
-            'DS_INFERENCE_ENABLED': False,
             'INFERENCE_MODEL_TIMER': 'model-forward-inference',
         },
         'm': {
@@ -921,10 +885,9 @@ MODULES = {
     'deepspeed.inference.quantization.layers': {
         'c': 'QuantizedEmbedding QuantizedLinear',
         'f': 'get_quantize_weight_fn get_quantized_weight_wrapper',
-        'v': 'QUANTIZATION_LAYER_MAPPINGS',
+        'v': 'QUANTIZATION_LAYER_MAPPINGS quantized_weight_registry',
         'k': {
             'is_zero3_enabled': False,
-            'quantized_weight_registry': {},
         },
         'i': {
             'deepspeed.inference.quantization.utils': 'DeQuantizer Quantizer concat_to_compat_param',
@@ -957,10 +920,7 @@ MODULES = {
             'concat_to_compat_param get_AsyncPartitionedParameterSwapper get_quantizer_module recursive_setattr tensor_clamp '
             'tensor_round wrap_load_from_state_dict wrap_quantized_functional'
         ),
-        'v': 'WEIGHT_QUANTIZATION_LAYERS device',
-        'k': {
-            'quantizer_module': None,
-        },
+        'v': 'WEIGHT_QUANTIZATION_LAYERS device quantizer_module',
         'i': {
             'deepspeed.accelerator': 'get_accelerator',
         },
@@ -1328,9 +1288,7 @@ MODULES = {
     },
     'deepspeed.inference.v2.logging': {
         'f': 'inference_logger',
-        'k': {
-            'inf_logger': None,
-        },
+        'v': 'inf_logger',
         'i': {
             'deepspeed.utils.logging': 'LoggerFactory',
         },
@@ -1461,9 +1419,7 @@ MODULES = {
     },
     'deepspeed.inference.v2.model_implementations.inference_policy_base': {
         'c': 'ContainerMap InferenceV2Policy PolicyMeta',
-        'k': {
-            'POLICIES': {},
-        },
+        'v': 'POLICIES',
         'i': {
             'deepspeed.inference.v2.checkpoint': 'CheckpointEngineBase',
             'deepspeed.inference.v2.config_v2': 'RaggedInferenceEngineConfig',
@@ -2328,11 +2284,10 @@ MODULES = {
             'encode_world_info fetch_hostfile main parse_args parse_inclusion_exclusion parse_num_nodes parse_resource_filter '
             'run_autotuning'
         ),
-        'v': 'DEEPSPEED_ENVIRONMENT_NAME DEEPSPEED_ENVIRONMENT_PATHS',
+        'v': 'DEEPSPEED_ENVIRONMENT_NAME DEEPSPEED_ENVIRONMENT_PATHS EXPORT_ENVS',
         'k': {
             'DLTS_HOSTFILE': '/job/hostfile',
             'EXCLUDE_ENVS': {'AISC_JOB_NAME': ['NCCL_IB_HCA', 'UCX_NET_DEVICES']},
-            'EXPORT_ENVS': ['MLFLOW', 'PYTHON', 'MV2', 'UCX'],
             'PDSH_MAX_FAN_OUT': 1024,
         },
         'i': {
@@ -2358,9 +2313,7 @@ MODULES = {
     'deepspeed.linear.context_manager': {
         'c': 'Init',
         'f': 'init_lora',
-        'k': {
-            'transformers': None,
-        },
+        'v': 'transformers',
         'i': {
             'deepspeed.linear.optimized_linear': 'LoRAOptimizedLinear OptimizedLinear',
         },
@@ -2467,9 +2420,7 @@ MODULES = {
     },
     'deepspeed.model_implementations.transformers.ds_transformer': {
         'c': 'DeepSpeedTransformerInference',
-        'k': {
-            'inference_module': None,
-        },
+        'v': 'inference_module',
         'm': {
             'dist': 'deepspeed.comm',
         },
@@ -2799,9 +2750,7 @@ MODULES = {
             'generic_injection get_transformer_name replace_module replace_transformer_layer revert_transformer_layer '
             'skip_level_0_prefix'
         ),
-        'k': {
-            'container_g': None,
-        },
+        'v': 'container_g',
         'm': {
             'dist': 'deepspeed.comm',
             'transformer_inference': 'deepspeed.ops.transformer',
@@ -2866,16 +2815,13 @@ MODULES = {
     'deepspeed.moe.sharded_moe': {
         'c': 'MOELayer TopKGate',
         'f': 'einsum gumbel_rsample multiplicative_jitter top1gating top2gating',
-        'v': 'Base TUTEL_INSTALLED',
+        'v': 'Base TUTEL_INSTALLED exp_selection_uniform_map gumbel_map uniform_map',
         'k': {
             'FIRST_ALLTOALL_TIMER': '1st_a2a',
             'MOE_TIMER': 'moe',
             'SECOND_ALLTOALL_TIMER': '2nd_a2a',
             'TOPK_GATE_TIMER': 'topk_gate',
             'USE_EINSUM': True,
-            'exp_selection_uniform_map': {},
-            'gumbel_map': {},
-            'uniform_map': {},
         },
         'm': {
             'dist': 'deepspeed.comm',
@@ -3058,9 +3004,7 @@ MODULES = {
     'deepspeed.ops.deepspeed4science.evoformer_attn': {
         'c': 'EvoformerFusedAttention',
         'f': 'DS4Sci_EvoformerAttention attention_bwd',
-        'k': {
-            'kernel_': None,
-        },
+        'v': 'kernel_',
         'i': {
             'deepspeed.accelerator': 'get_accelerator',
             'deepspeed.ops.op_builder': 'EvoformerAttnBuilder',
@@ -3077,9 +3021,7 @@ MODULES = {
     },
     'deepspeed.ops.fp_quantizer.quantize': {
         'c': 'FP_Quantize Quantizer',
-        'k': {
-            'fp_quant_module': None,
-        },
+        'v': 'fp_quant_module',
         'i': {
             'deepspeed.accelerator': 'get_accelerator',
             'deepspeed.ops.op_builder': 'FPQuantizerBuilder',
@@ -3217,9 +3159,7 @@ MODULES = {
     },
     'deepspeed.ops.op_builder.fp_quantizer': {
         'c': 'FPQuantizerBuilder',
-        'k': {
-            'pkg_version': None,
-        },
+        'v': 'pkg_version',
         'i': {
             'deepspeed.ops.op_builder.builder': 'CUDAOpBuilder installed_cuda_version',
         },
@@ -3373,9 +3313,7 @@ MODULES = {
     },
     'deepspeed.ops.op_builder.sparse_attn': {
         'c': 'SparseAttnBuilder',
-        'k': {
-            'pkg_version': None,
-        },
+        'v': 'pkg_version',
         'i': {
             'deepspeed.ops.op_builder.builder': 'OpBuilder',
         },
@@ -3477,9 +3415,7 @@ MODULES = {
     },
     'deepspeed.ops.quantizer.quantizer': {
         'f': 'ds_quantizer',
-        'k': {
-            'quantizer_cuda_module': None,
-        },
+        'v': 'quantizer_cuda_module',
         'i': {
             'deepspeed.ops.op_builder': 'QuantizerBuilder',
         },
@@ -3492,9 +3428,7 @@ MODULES = {
     'deepspeed.ops.random_ltd.dropping_utils': {
         'c': 'GatherTokens ScatterTokens',
         'f': 'bert_sample_tokens gpt_sample_tokens',
-        'k': {
-            'random_ltd_module': None,
-        },
+        'v': 'random_ltd_module',
         'i': {
             'deepspeed.ops.op_builder': 'RandomLTDBuilder',
         },
@@ -3560,9 +3494,7 @@ MODULES = {
     },
     'deepspeed.ops.transformer.inference.bias_add': {
         'f': 'nhwc_bias_add',
-        'k': {
-            'spatial_cuda_module': None,
-        },
+        'v': 'spatial_cuda_module',
         'i': {
             'deepspeed.ops.op_builder': 'SpatialInferenceBuilder',
         },
@@ -3579,10 +3511,9 @@ MODULES = {
     'deepspeed.ops.transformer.inference.diffusers_attention': {
         'c': 'DeepSpeedDiffusersAttention DeepSpeedDiffusersAttentionFunction',
         'f': 'load_triton_flash_attn',
+        'v': 'inference_module triton_flash_attn',
         'k': {
-            'inference_module': None,
             'minus_inf': -10000.0,
-            'triton_flash_attn': None,
         },
         'i': {
             'deepspeed.accelerator': 'get_accelerator',
@@ -3593,10 +3524,7 @@ MODULES = {
     'deepspeed.ops.transformer.inference.diffusers_transformer_block': {
         'c': 'DeepSpeedDiffusersTransformerBlock',
         'f': 'load_spatial_module load_transformer_module',
-        'k': {
-            'spatial_cuda_module': None,
-            'transformer_cuda_module': None,
-        },
+        'v': 'spatial_cuda_module transformer_cuda_module',
         'm': {
             'module_inject': 'deepspeed.module_inject',
         },
@@ -3634,10 +3562,7 @@ MODULES = {
     },
     'deepspeed.ops.transformer.inference.moe_inference': {
         'c': 'DeepSpeedMLPFunction DeepSpeedMoEInference DeepSpeedMoEInferenceConfig DeepSpeedMoEMLP',
-        'k': {
-            'inference_module': None,
-            'specialized_mode': None,
-        },
+        'v': 'inference_module specialized_mode',
         'm': {
             'dist': 'deepspeed.comm',
         },
@@ -3783,9 +3708,7 @@ MODULES = {
     },
     'deepspeed.ops.transformer.inference.triton.ops': {
         'f': 'fused_gemm_gelu linear_func mlp_gemm_func qkv_gemm_func vector_matmul_func',
-        'k': {
-            'inference_module': None,
-        },
+        'v': 'inference_module',
         'm': {
             'matmul_ext': 'deepspeed.ops.transformer.inference.triton.matmul_ext',
         },
@@ -3818,10 +3741,7 @@ MODULES = {
     },
     'deepspeed.ops.transformer.transformer': {
         'c': 'DeepSpeedTransformerConfig DeepSpeedTransformerFunction DeepSpeedTransformerLayer TransformerConfig',
-        'k': {
-            'stochastic_transformer_cuda_module': None,
-            'transformer_cuda_module': None,
-        },
+        'v': 'stochastic_transformer_cuda_module transformer_cuda_module',
         'i': {
             'deepspeed.accelerator': 'get_accelerator',
             'deepspeed.ops.op_builder': 'StochasticTransformerBuilder TransformerBuilder',
@@ -3870,12 +3790,9 @@ MODULES = {
             'bytes_to_string duration_to_string flops_to_string get_model_profile get_module_duration get_module_flops '
             'get_module_macs macs_to_string number_to_string params_to_string wrapFunc'
         ),
-        'v': 'MODULE_HOOK_MAPPING Tensor',
+        'v': 'MODULE_HOOK_MAPPING Tensor module_flop_count module_mac_count old_functions',
         'k': {
             'DEFAULT_PRECISION': 2,
-            'module_flop_count': [],
-            'module_mac_count': [],
-            'old_functions': {},
         },
         'i': {
             'deepspeed.accelerator': 'get_accelerator',
@@ -3899,26 +3816,11 @@ MODULES = {
             'model_parallel_reconfigure_tp_seed non_reentrant_checkpoint partition_activations partition_activations_in_checkpoint '
             'reset set_num_layers'
         ),
-        'k': {
-            'CONTIGUOUS_CHECKPOINTING': False,
-            'CPU_CHECKPOINT': False,
-            'PARTITION_ACTIVATIONS': False,
-            'PROFILE_TIME': False,
-            'SYNCHRONIZE': False,
-            'contiguous_data_buffers': [],
-            'contiguous_size_buffers': [],
-            'cuda_device': None,
-            'data_offsets': [],
-            'deepspeed_checkpointing_enabled': False,
-            'mp_group': None,
-            'mp_rank': None,
-            'mp_size': None,
-            'mpu': None,
-            'num_layers': None,
-            'size_offsets': [],
-            'timers': None,
-            'transport_stream': None,
-        },
+        'v': (
+            'CONTIGUOUS_CHECKPOINTING CPU_CHECKPOINT PARTITION_ACTIVATIONS PROFILE_TIME SYNCHRONIZE contiguous_data_buffers '
+            'contiguous_size_buffers cuda_device data_offsets deepspeed_checkpointing_enabled mp_group mp_rank mp_size mpu '
+            'num_layers size_offsets timers transport_stream'
+        ),
         'm': {
             'compiler': 'deepspeed.runtime.compiler',
             'dist': 'deepspeed.comm',
@@ -4006,9 +3908,7 @@ MODULES = {
     },
     'deepspeed.runtime.comm.coalesced_collectives': {
         'f': 'all_to_all_quant_reduce reduce_scatter_coalesced',
-        'k': {
-            'quantizer_module': None,
-        },
+        'v': 'quantizer_module',
         'm': {
             'dist': 'deepspeed.comm',
             'op_builder': 'deepspeed.ops.op_builder',
@@ -4650,10 +4550,7 @@ MODULES = {
     },
     'deepspeed.runtime.hybrid_engine': {
         'c': 'DeepSpeedHybridEngine',
-        'v': 'OPTLearnedPositionalEmbedding',
-        'k': {
-            'inference_cuda_module': None,
-        },
+        'v': 'OPTLearnedPositionalEmbedding inference_cuda_module',
         'm': {
             'dist': 'deepspeed.comm',
         },
@@ -4724,6 +4621,7 @@ MODULES = {
     'deepspeed.runtime.pipe.engine': {
         'c': 'PipelineEngine',
         'f': 'is_even',
+        'v': 'mem_alloced mem_cached',
         'k': {
             'BATCH_INPUT_TIMER': 'batch_input',
             'DATA_PARALLEL_ID': -2,
@@ -4734,8 +4632,6 @@ MODULES = {
             'PIPE_SEND_OUTPUT_TIMER': 'pipe_send_output',
             'TARGET_ID': -2,
             'TRAIN_BATCH_TIMER': 'train_batch',
-            'mem_alloced': 0,
-            'mem_cached': 0,
         },
         'm': {
             'dist': 'deepspeed.comm',
@@ -4969,12 +4865,7 @@ MODULES = {
             'memory_status move_to_device noop_decorator partition_balanced partition_uniform prefix_sum_inc see_memory_usage '
             'set_random_seed'
         ),
-        'v': 'torch_max_memory_reserved torch_memory_reserved',
-        'k': {
-            'graph_cache': {},
-            'mem_alloced': 0,
-            'mem_cached': 0,
-        },
+        'v': 'graph_cache mem_alloced mem_cached torch_max_memory_reserved torch_memory_reserved',
         'm': {
             'dist': 'deepspeed.comm',
             'groups': 'deepspeed.utils.groups',
@@ -5100,13 +4991,11 @@ MODULES = {
             'debug_rank0 free_param get_all_subclasses get_new_tensor_fn_for_dtype print_rank_0 register_external_parameter '
             'restore_init_context shutdown_init_context unregister_external_parameter zero_wrapper_for_fp_tensor_constructor'
         ),
+        'v': 'reuse_buffers top_level_context zero_init_context',
         'k': {
             'empty_buffers': {},
             'partitioned_param_data_shape': [0],
-            'reuse_buffers': False,
             'temp_contiguous_tensor': None,
-            'top_level_context': None,
-            'zero_init_context': 0,
         },
         'e': {
             'ZeroParamStatus': ('', (('AVAILABLE', 1), ('NOT_AVAILABLE', 2), ('INFLIGHT', 3))),
@@ -5253,10 +5142,7 @@ MODULES = {
             'apply_to_tensors_only assert_ints_same_as_other_ranks get_lst_from_rank0 is_builtin_type is_zero_param '
             'is_zero_supported_optimizer isinstance_namedtuple'
         ),
-        'v': 'ZERO_SUPPORTED_OPTIMIZERS',
-        'k': {
-            'warned': False,
-        },
+        'v': 'ZERO_SUPPORTED_OPTIMIZERS warned',
         'm': {
             'dist': 'deepspeed.comm',
         },
@@ -5326,22 +5212,14 @@ MODULES = {
             'debug_module2name_id debug_param2name debug_param2name_id debug_param2name_id_numel debug_param2name_id_shape '
             'debug_param2name_id_shape_device debug_param2name_id_shape_status log_rank_file print_backward_tensors printflock'
         ),
-        'k': {
-            'fcntl': None,
-            'fh': None,
-            'module_names': {},
-            'param_names': {},
-        },
+        'v': 'fcntl fh module_names param_names',
     },
     'deepspeed.utils.exceptions': {
         'c': 'DeprecatedException',
     },
     'deepspeed.utils.groups': {
         'f': 'initialize',
-        'k': {
-            'expert_tensor_parallel_world_size': 1,
-            'mpu': None,
-        },
+        'v': 'expert_tensor_parallel_world_size mpu',
         'm': {
             'dist': 'deepspeed.comm',
         },

@@ -137,6 +137,13 @@ def worker_names(deepspeed, torch, work):
     from uckpt.runtime.constants import SPARSE_MODE_DEFAULT, TRAIN_MICRO_BATCH_SIZE_PER_GPU
     if (TRAIN_MICRO_BATCH_SIZE_PER_GPU, SPARSE_MODE_DEFAULT) != ("train_micro_batch_size_per_gpu", "fixed"):
         fail("deepspeed.runtime.constants' reassigned and aliased constants are not DeepSpeed's values")
+    # Values DeepSpeed's code changes after import (EXPORT_ENVS grows) or that depend on what is installed (the
+    # transformers module, else None) are refused, not answered with one import-time value.
+    from uckpt.launcher.runner import EXPORT_ENVS
+    from uckpt.linear.context_manager import transformers as linear_transformers
+    expect_error(NotImplementedError, "EXPORT_ENVS", lambda: list(EXPORT_ENVS), "launcher.runner.EXPORT_ENVS")
+    expect_error(NotImplementedError, "context_manager.transformers", lambda: bool(linear_transformers),
+                 "linear.context_manager.transformers")
     import uckpt.module_inject
     expect_error(NotImplementedError, ["replace_transformer_layer", "kernel injection"],
                  lambda: uckpt.module_inject.replace_transformer_layer(None, None), "module_inject")
