@@ -12,8 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-build-gpu-deps}
 multiarch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
-need=(/usr/include/nlohmann /usr/include/CLI /usr/include/zlib.h /usr/include/zconf.h /usr/include/openssl
-      /usr/include/"$multiarch"/openssl /usr/share/cmake/CLI11 /usr/share/cmake/nlohmann_json
+# Files, not only their folders: while apt-get unpacks, a folder holds *.dpkg-new files instead.
+need=(/usr/include/nlohmann/json.hpp /usr/include/CLI/CLI.hpp /usr/include/zlib.h /usr/include/zconf.h
+      /usr/include/openssl/evp.h /usr/include/"$multiarch"/openssl/configuration.h
+      /usr/share/cmake/CLI11/CLI11Config.cmake /usr/share/cmake/nlohmann_json/nlohmann_jsonConfig.cmake
       /usr/include/xxhash.h /usr/lib/"$multiarch"/libxxhash.a)
 for p in "${need[@]}"; do
   [ -e "$p" ] || { echo "gpu-deps: $p is missing here (apt-get install nlohmann-json3-dev libcli11-dev zlib1g-dev libssl-dev libxxhash-dev)" >&2; exit 1; }
