@@ -22,10 +22,14 @@
 # bench/ds-examples-both-gpu.sh; build-gpu-deps/dsx and .ds carried), hftrainer (the Hugging Face Trainer
 # against DeepSpeed at NG GPUs, bench/hf-trainer-gpu.sh with its MODEL, CASES, RESUME; .ds carried).
 # usage: PARTS="check matrix" bench/gpu-session.sh   (build-gpu-deps carried; see scripts/gpu-deps.sh)
+# A call carries at most 64 MiB of files (4 KiB blocks each): with DeepSpeedExamples' legacy packages, carry
+# build-gpu-deps and .ds as one tarball, build-carry/gpudeps.tgz (tar -czf build-carry/gpudeps.tgz build-gpu-deps .ds,
+# carry ["build-carry"]), which is unpacked here first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-session-out}; mkdir -p "$OUT"
+[ -f build-carry/gpudeps.tgz ] && { tar -xzf build-carry/gpudeps.tgz || { echo "build-carry/gpudeps.tgz: cannot unpack"; exit 1; }; }
 TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 { date -u; git log -1 --format='commit %H' 2>/dev/null; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
