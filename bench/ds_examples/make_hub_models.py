@@ -2,7 +2,9 @@
 hub cache (HF_HUB_CACHE), so from_pretrained("roberta-base") etc. find them with HF_HUB_OFFLINE=1: a tokenizer
 trained on a small vocabulary and a model from the real architecture's config, shrunk (2 layers x 64).
 
-usage: make_hub_models.py CACHE_DIR NAME...   (names: roberta-base bert-base-uncased bert-base-cased gpt2)"""
+usage: make_hub_models.py CACHE_DIR NAME...   (names: roberta-base bert-base-uncased bert-base-cased gpt2 gpt2-large
+       meta-llama/Llama-2-7b openai/clip-vit-large-patch14)
+Run it with the transformers the script will load them with (VisualChat's: transformers 4.36)."""
 import json
 import os
 import sys
@@ -66,6 +68,21 @@ def make(cache, name):
         config = tf.GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                                bos_token_id=eos, eos_token_id=eos)
         tf.GPT2LMHeadModel(config).save_pretrained(out)
+    elif name == "meta-llama/Llama-2-7b":
+        # Llama's tokenizer prepends <s> (VisualChat drops the first id of what it tokenizes)
+        bpe, _ = bpe_tokenizer(["<unk>", "<s>", "</s>"])
+        tok = tf.LlamaTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
+                                    unk_token="<unk>", add_bos_token=True)
+        tok.save_pretrained(out)
+        config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
+                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        tf.LlamaForCausalLM(config).save_pretrained(out)
+    elif name == "openai/clip-vit-large-patch14":
+        config = tf.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     image_size=224, patch_size=14, projection_dim=64)
+        tf.CLIPVisionModel(config).save_pretrained(out)
+        tf.CLIPImageProcessor(crop_size={"height": 224, "width": 224}, size={"shortest_edge": 224}).save_pretrained(out)
     else:
         raise SystemExit(f"make_hub_models.py: no stand-in for {name}")
     print(f"   {name}: stand-in in {out}")
