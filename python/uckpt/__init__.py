@@ -36,10 +36,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # As DeepSpeed: the process group first (discovering an MPI or Slurm launcher's world).
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     given = _resolve_config(args, config if config is not None else config_params)  # kept as engine.config
+    nonempty = [len(g["params"]) != 0 for g in getattr(optimizer, "param_groups", ())]
     core, loader = _initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                collate_fn=collate_fn, config=given,
                                partitioned=_zero_init_partitions(model) if isinstance(model, torch.nn.Module) else [])
+    if not all(nonempty):  # initialize dropped the optimizer's empty groups, as DeepSpeed does
+        _drop_scheduler_groups(lr_scheduler, optimizer, nonempty)
     engine = DeepSpeedEngine(core, model, config=given, client_optimizer=optimizer, client_lr_scheduler=lr_scheduler,
                              training_data=training_data, collate_fn=collate_fn, mpu=mpu)
     if engine.zero_optimization_stage() == 3:  # DeepSpeed's ds_status etc. on each parameter
@@ -49,6 +52,25 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         loader = resumable
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+# A torch scheduler's lists with one entry per param group.
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs", "base_momentums", "max_momentums")
+
+
+def _drop_scheduler_groups(scheduler, optimizer, kept):
+    """DeepSpeed removes a client optimizer's empty param groups in place; a torch scheduler made on that optimizer
+    before initialize keeps one entry per original group, and its first step then fails (torch zips them strictly)
+    or, with a torch that does not, gives the kept groups the entries of others. Here its per-group lists lose the
+    same entries, so that each kept group keeps its own lambda and base lr. Beyond DeepSpeed 0.14.5, which stops."""
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        return
+    for sub in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
+        _drop_scheduler_groups(sub, optimizer, kept)
+    for name in _PER_GROUP:
+        values = getattr(scheduler, name, None)
+        if isinstance(values, list) and len(values) == len(kept):
+            setattr(scheduler, name, [v for v, keep in zip(values, kept) if keep])
 
 
 def init_inference(model, config=None, **kwargs):

@@ -15,6 +15,7 @@ any object, a script's own optimizer.step() at stage 0, fp16 at stage 0 without 
     optimizer_step loss.backward(); optimizer.step(); optimizer.zero_grad() at stage 0 (BingBertGlue), against
                    torch's own optimizer on each rank's data (2 ranks)
     fp16_stage0    an engine without optimizer at stage 0 in fp16 only casts its module
+    empty_groups   a client optimizer's empty param groups dropped as DeepSpeed does, its scheduler following (2 ranks)
 """
 import os
 import shutil
@@ -534,6 +535,36 @@ def worker_optimizer_step(deepspeed, torch, work):
           "on each rank's own data (config AdamW, client SGD, lr set by hand); stage 1 refuses it naming engine.step()")
 
 
+# ---------------------------------------------------------------- empty param groups and a client scheduler
+
+def worker_empty_groups(deepspeed, torch, work):
+    """VisualChat's pattern: four param groups, two empty, and a LambdaLR made on them before initialize. DeepSpeed
+    drops the empty groups in place and its first step then stops in torch's LambdaLR (one lambda per original group);
+    uckpt drops them too and gives the scheduler the kept groups' lambdas and base lrs."""
+    lambdas = (lambda s: 1.0 / (s + 1), lambda s: 7.0, lambda s: 0.5 ** s, lambda s: 9.0)
+    for stage, make in ((0, lambda gs: torch.optim.SGD(gs, lr=0.1)), (2, lambda gs: torch.optim.AdamW(gs, lr=0.1))):
+        model = testkit.toy_net(torch)
+        params = list(model.parameters())
+        opt = make([{"params": params[:2], "lr": 0.1}, {"params": [], "lr": 0.2},
+                    {"params": params[2:], "lr": 0.01}, {"params": [], "lr": 0.3}])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, list(lambdas))
+        cfg = toy_cfg(stage)
+        del cfg["optimizer"]
+        engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                                  config=cfg)
+        if len(optimizer.param_groups) != 2:
+            fail(f"stage {stage}: {len(optimizer.param_groups)} param groups after initialize (DeepSpeed keeps 2)")
+        for step in range(3):
+            engine.backward(engine(torch.randn(2, 4)))
+            engine.step()
+            want = (0.1 * lambdas[0](step + 1), 0.01 * lambdas[2](step + 1))
+            got = tuple(g["lr"] for g in optimizer.param_groups)
+            if any(abs(a - b) > 1e-12 for a, b in zip(got, want)) or lr_scheduler.get_last_lr() != list(got):
+                fail(f"stage {stage}, step {step}: lrs {got}, scheduler {lr_scheduler.get_last_lr()}; want {want}")
+    print("ok   empty param groups dropped as DeepSpeed drops them (stages 0 and 2); the client LambdaLR made before "
+          "initialize keeps each kept group's lambda and base lr (DeepSpeed 0.14.5 stops at its first step)")
+
+
 # ---------------------------------------------------------------- fp16 at stage 0 without an optimizer
 
 def worker_fp16_stage0(deepspeed, torch, work):
@@ -560,7 +591,8 @@ def worker(case, work):
     globals()["worker_" + case](deepspeed, torch, work)
 
 
-WORLDS = {"comm": (2,), "config": (1, 2, 3), "client_state": (2,), "optimizer_step": (2,), "fp16_stage0": (1,)}
+WORLDS = {"comm": (2,), "config": (1, 2, 3), "client_state": (2,), "optimizer_step": (2,), "fp16_stage0": (1,),
+          "empty_groups": (2,)}
 
 
 def main():
