@@ -166,10 +166,10 @@ case_de_vit_imagenet() {  # data_efficiency/vit_finetuning run_imagenet_random_l
 case_visualchat() {  # DeepSpeed-VisualChat training/training_scripts/run_7b.sh's arguments, 1 epoch, its first data set
   # Stand-ins (made with the transformers 4.36 it runs on): a tiny Llama for meta-llama/Llama-2-7b, a tiny CLIP
   # vision tower for openai/clip-vit-large-patch14, seeded images and conversations in the llava layout. On the CPU
-  # the script stops at its own torch.cuda.set_device. On a GPU it builds the model under zero.Init, evaluates, and
-  # stops at the first step in torch's LambdaLR: two of its four param groups are empty for a Llama and ZeRO drops
-  # them, on DeepSpeed 0.14.5 as on uckpt (torch >= 2.6 zips strictly): AS-DEEPSPEED, with the loss of the
-  # evaluation before training in the reason, to compare.
+  # the script stops at its own torch.cuda.set_device. On a GPU it trains an epoch, saves, and is run again for a
+  # second epoch, which resumes from its checkpoint (out/latest). Two of its four param groups are empty for a
+  # Llama: DeepSpeed 0.14.5 drops them and its first step stops in torch's LambdaLR (AS-DEEPSPEED); uckpt drops
+  # them too and gives the scheduler the kept groups' entries. The loss of the evaluation before training compares.
   [ -n "${DSX_LEGACY_SITE:-}" ] || { result visualchat FAIL "needs DSX_LEGACY_SITE (transformers 4.36)"; return; }
   copy_example applications/DeepSpeed-VisualChat visualchat || { result visualchat FAIL "imports"; return; }
   mkdir -p "$work/visualchat/training/out"
@@ -182,20 +182,26 @@ case_visualchat() {  # DeepSpeed-VisualChat training/training_scripts/run_7b.sh'
     { result visualchat FAIL "stand-ins: $(reason "$work/hub-visualchat.log")"; return; }
   $PY "$here/bench/ds_examples/make_visualchat_data.py" "$work/visualchat/training/data" > /dev/null 2>&1 ||
     { result visualchat FAIL "stand-in data (make_visualchat_data.py needs PIL)"; return; }
-  HF_HUB_CACHE=$hub HF_HUB_OFFLINE=1 launch_n "$NPROC" visualchat "$work/visualchat/training" \
-    "$site$legacy:$work/visualchat:$work/alias" main.py \
-    --max_seq_len 4096 --data_path ./data --dataset_names llava --dataset_samples all \
-    --dataset_concatenate_samples 3 --max_num_image_per_sample 8 --lm_model_name_or_path meta-llama/Llama-2-7b \
-    --vision_model_name_or_path openai/clip-vit-large-patch14 --gradient_checkpointing --vis_proj baseline \
-    --gradient_accumulation_steps 1 --zero_stage 3 --learning_rate 1e-3 --num_warmup_steps 0.1 \
-    --per_device_train_batch_size 1 --per_device_eval_batch_size 2 --deepspeed --output_dir out --num_train_epochs 1 \
-    --enable_mmca_attention --enable_tensorboard
-  local rc=$? eval_loss
-  eval_loss=$(grep -m1 -o 'the eval average_loss: [0-9.e+-]*' "$work/visualchat.log")
+  local epochs rc=0 eval_loss
+  for epochs in 1 2; do
+    HF_HUB_CACHE=$hub HF_HUB_OFFLINE=1 launch_n "$NPROC" visualchat "$work/visualchat/training" \
+      "$site$legacy:$work/visualchat:$work/alias" main.py \
+      --max_seq_len 4096 --data_path ./data --dataset_names llava --dataset_samples all \
+      --dataset_concatenate_samples 3 --max_num_image_per_sample 8 --lm_model_name_or_path meta-llama/Llama-2-7b \
+      --vision_model_name_or_path openai/clip-vit-large-patch14 --gradient_checkpointing --vis_proj baseline \
+      --gradient_accumulation_steps 1 --zero_stage 3 --learning_rate 1e-3 --num_warmup_steps 0.1 \
+      --per_device_train_batch_size 1 --per_device_eval_batch_size 2 --deepspeed --output_dir out \
+      --num_train_epochs $epochs --enable_mmca_attention --enable_tensorboard
+    rc=$?
+    [ $epochs = 1 ] && eval_loss=$(grep -m1 -o 'the eval average_loss: [0-9.e+-]*' "$work/visualchat.log" | cut -d' ' -f4)
+    [ $rc = 0 ] || break
+    [ $epochs = 1 ] && mv "$work/visualchat.log" "$work/visualchat.train.log"
+  done
   if [ $rc != 0 ] && [ -n "$eval_loss" ] && grep -q "zip() argument 2 is longer than argument 1" "$work/visualchat.log"; then
-    result visualchat AS-DEEPSPEED "exit $rc: before training $eval_loss; its first step stops in torch's LambdaLR (two empty param groups dropped), as on DeepSpeed 0.14.5"
+    result visualchat AS-DEEPSPEED "exit $rc: evaluated before training ($eval_loss); its first step stops in torch's LambdaLR (two empty param groups dropped), as on DeepSpeed 0.14.5"
   else
-    classify visualchat $rc "before training $eval_loss"
+    classify visualchat $rc "evaluated before training ($eval_loss), $(grep -m1 -o 'Epoch 1, the average_loss: [0-9.e+-]*' \
+      "$work/visualchat.train.log" 2>/dev/null); resumed from its checkpoint: $(grep -m1 -o 'Epoch 2, the average_loss: [0-9.e+-]*' "$work/visualchat.log")"
   fi
 }
 
