@@ -24,6 +24,11 @@ class Section {
       if (!seen_.count(k)) warnings_->push_back(source_ + ": unknown key '" + Path(k) + "' ignored");
   }
 
+  // Whether the key is there at all, null included (Has() takes a null for absent).
+  bool Contains(const std::string& k) {
+    seen_.insert(k);
+    return j_.contains(k);
+  }
   bool Has(const std::string& k) {
     seen_.insert(k);
     if (drop_auto_ && j_.contains(k) && j_[k] == "auto") return false;
@@ -403,7 +408,7 @@ void ParseLegacyOffload(Section& s, ZeroConfig& z) {
 // DeepSpeedConfig.sparse_attention; uckpt refuses those modules by name.
 void ParseSparseAttention(Section& s) {
   static const std::set<std::string> kModes = {"dense", "fixed", "variable", "bigbird", "bslongformer"};
-  if (s.Has("mode") && !(s.Raw("mode").is_string() && kModes.count(s.Raw("mode").get<std::string>())))
+  if (s.Contains("mode") && !(s.Raw("mode").is_string() && kModes.count(s.Raw("mode").get<std::string>())))
     throw ConfigError("'sparse_attention.mode' = " + s.Raw("mode").dump() +
                       " is not a sparsity mode of DeepSpeed 0.14.5 (dense, fixed, variable, bigbird, bslongformer)");
   // What each mode reads (DeepSpeed's get_sparse_*_config); the others a mode ignores, as DeepSpeed does.

@@ -312,6 +312,7 @@ TEST(Config, DeepSpeedKeysHonouredRefusedOrWarnedOnce) {
   refused(R"({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})",
           "optimizer.type 'Lamb' is not supported by uckpt");
   refused(R"({"sparse_attention": {"mode": 3}})", "sparse_attention.mode");
+  refused(R"({"sparse_attention": {"mode": null}})", "sparse_attention.mode");
   refused(R"({"zero_optimization": {"stage": 2, "zero_quantized_gradients": true}})",
           "zero_optimization.zero_quantized_gradients");
   refused(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",
