@@ -35,7 +35,7 @@ chat_rm chat_dpo visualchat_api bing_bert de_vit_cifar de_vit_imagenet compress_
 offload_states cifar_moe visualchat moq autotuning domino stable_diffusion de_gpt compress_gpt2 pipeline chat_rlhf}
 DS_CASES=${DS_CASES:-imagenet imagenet_fp16 imagenet_fp16_z1 gan squad compress_cifar cifar hello chat_z0 chat_z2 chat_z3 \
 chat_rm chat_dpo visualchat_api bing_bert de_vit_cifar de_vit_imagenet compress_bert bingbertglue bing_bert_glue \
-offload_states cifar_moe}
+offload_states cifar_moe visualchat}
 DEADLINE_S=${DEADLINE_S:-420} TIMEOUT_S=${TIMEOUT_S:-150} MIN_START_S=${MIN_START_S:-45} PARALLEL=${PARALLEL:-4}
 work=$(realpath -m "${WORK_DIR:-/tmp/ds-examples-both}")
 site=$(realpath -m "${DSX_SITE:-$here/build-gpu-deps/dsx/site}")

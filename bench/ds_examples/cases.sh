@@ -14,9 +14,12 @@ copy_example() {  # copy_example SUBDIR NAME: $work/NAME is a copy of $dse/SUBDI
   rm -rf "$work/$2"; cp -r "$dse/$1" "$work/$2"
   uckpt_imports $(find "$work/$2" -name '*.py' | sort) > "$work/$2.imports" || return 1
 }
+made() {  # made NAME: its stand-in is complete (a run that failed halfway leaves the folder without the config)
+  compgen -G "$hub/models--${1//\//--}/snapshots/*/config.json" > /dev/null
+}
 hub_models() {  # hub_models NAME...: stand-ins in $hub for the models not made yet
   local m todo=()
-  for m in "$@"; do [ -d "$hub/models--${m//\//--}" ] || todo+=("$m"); done
+  for m in "$@"; do made "$m" || todo+=("$m"); done
   [ ${#todo[@]} = 0 ] || HF_HUB_OFFLINE=1 $PY "$here/bench/ds_examples/make_hub_models.py" "$hub" "${todo[@]}" \
     > "$work/hub.log" 2>&1
 }
@@ -169,19 +172,18 @@ case_visualchat() {  # DeepSpeed-VisualChat training/training_scripts/run_7b.sh'
   # the script stops at its own torch.cuda.set_device. On a GPU it trains an epoch, saves, and is run again for a
   # second epoch, which resumes from its checkpoint (out/latest). Two of its four param groups are empty for a
   # Llama: DeepSpeed 0.14.5 drops them and its first step stops in torch's LambdaLR (AS-DEEPSPEED); uckpt drops
-  # them too and gives the scheduler the kept groups' entries. The loss of the evaluation before training compares.
+  # them too and gives the scheduler the kept groups' entries (on uckpt that error is a FAIL). The loss of the
+  # evaluation before training compares.
   [ -n "${DSX_LEGACY_SITE:-}" ] || { result visualchat FAIL "needs DSX_LEGACY_SITE (transformers 4.36)"; return; }
   copy_example applications/DeepSpeed-VisualChat visualchat || { result visualchat FAIL "imports"; return; }
   mkdir -p "$work/visualchat/training/out"
   local m todo=()
-  for m in meta-llama/Llama-2-7b openai/clip-vit-large-patch14; do
-    [ -d "$hub/models--${m//\//--}" ] || todo+=("$m")
-  done
+  for m in meta-llama/Llama-2-7b openai/clip-vit-large-patch14; do made "$m" || todo+=("$m"); done
   [ ${#todo[@]} = 0 ] || PYTHONPATH=$DSX_LEGACY_SITE${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 \
     $PY "$here/bench/ds_examples/make_hub_models.py" "$hub" "${todo[@]}" > "$work/hub-visualchat.log" 2>&1 ||
     { result visualchat FAIL "stand-ins: $(reason "$work/hub-visualchat.log")"; return; }
-  $PY "$here/bench/ds_examples/make_visualchat_data.py" "$work/visualchat/training/data" > /dev/null 2>&1 ||
-    { result visualchat FAIL "stand-in data (make_visualchat_data.py needs PIL)"; return; }
+  $PY "$here/bench/ds_examples/make_visualchat_data.py" "$work/visualchat/training/data" > "$work/data-visualchat.log" 2>&1 ||
+    { result visualchat FAIL "stand-in data: $(reason "$work/data-visualchat.log")"; return; }
   local epochs rc=0 eval_loss
   for epochs in 1 2; do
     HF_HUB_CACHE=$hub HF_HUB_OFFLINE=1 launch_n "$NPROC" visualchat "$work/visualchat/training" \
@@ -195,9 +197,15 @@ case_visualchat() {  # DeepSpeed-VisualChat training/training_scripts/run_7b.sh'
     rc=$?
     [ $epochs = 1 ] && eval_loss=$(grep -m1 -o 'the eval average_loss: [0-9.e+-]*' "$work/visualchat.log" | cut -d' ' -f4)
     [ $rc = 0 ] || break
-    [ $epochs = 1 ] && mv "$work/visualchat.log" "$work/visualchat.train.log"
+    if [ $epochs = 1 ]; then
+      mv "$work/visualchat.log" "$work/visualchat.train.log"
+      [ -f "$work/visualchat/training/out/latest" ] || { result visualchat FAIL "epoch 1 left no out/latest"; return; }
+    elif grep -q -e "Before training" -e "Epoch 1," "$work/visualchat.log"; then
+      result visualchat FAIL "the second run did not resume from out/latest (it started at epoch 1)"; return
+    fi
   done
-  if [ $rc != 0 ] && [ -n "$eval_loss" ] && grep -q "zip() argument 2 is longer than argument 1" "$work/visualchat.log"; then
+  if [ "$IMPL" = deepspeed ] && [ $rc != 0 ] && [ -n "$eval_loss" ] &&
+      grep -q "zip() argument 2 is longer than argument 1" "$work/visualchat.log"; then
     result visualchat AS-DEEPSPEED "exit $rc: evaluated before training ($eval_loss); its first step stops in torch's LambdaLR (two empty param groups dropped), as on DeepSpeed 0.14.5"
   else
     classify visualchat $rc "evaluated before training ($eval_loss), $(grep -m1 -o 'Epoch 1, the average_loss: [0-9.e+-]*' \

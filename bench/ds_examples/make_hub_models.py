@@ -7,6 +7,7 @@ usage: make_hub_models.py CACHE_DIR NAME...   (names: roberta-base bert-base-unc
 Run it with the transformers the script will load them with (VisualChat's: transformers 4.36)."""
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -20,13 +21,16 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, interme
 
 
 def snapshot_dir(cache, name):
+    """The folder to make the stand-in in, and the snapshot folder it becomes once complete (moved there whole, so
+    that a run stopped halfway leaves no snapshot that looks made)."""
     repo = os.path.join(cache, "models--" + name.replace("/", "--"))
     os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write("0" * 40)
-    path = os.path.join(repo, "snapshots", "0" * 40)
-    os.makedirs(path, exist_ok=True)
-    return path
+    partial = os.path.join(repo, "partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    return partial, os.path.join(repo, "snapshots", "0" * 40)
 
 
 def bpe_tokenizer(specials, **names):
@@ -44,7 +48,7 @@ def wordpiece_tokenizer(lower):
 
 def make(cache, name):
     torch.manual_seed(0)  # the same weights in every run (uckpt's and DeepSpeed's compare from one model)
-    out = snapshot_dir(cache, name)
+    out, snapshot = snapshot_dir(cache, name)
     if name == "roberta-base":
         bpe, tok = bpe_tokenizer(["<s>", "<pad>", "</s>", "<unk>", "<mask>"], bos_token="<s>", eos_token="</s>",
                                  unk_token="<unk>", pad_token="<pad>", mask_token="<mask>", cls_token="<s>",
@@ -85,7 +89,10 @@ def make(cache, name):
         tf.CLIPImageProcessor(crop_size={"height": 224, "width": 224}, size={"shortest_edge": 224}).save_pretrained(out)
     else:
         raise SystemExit(f"make_hub_models.py: no stand-in for {name}")
-    print(f"   {name}: stand-in in {out}")
+    shutil.rmtree(snapshot, ignore_errors=True)
+    os.makedirs(os.path.dirname(snapshot), exist_ok=True)
+    os.rename(out, snapshot)
+    print(f"   {name}: stand-in in {snapshot}")
 
 
 if __name__ == "__main__":
