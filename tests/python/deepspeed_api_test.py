@@ -138,8 +138,8 @@ def worker_names(deepspeed, torch, work):
     from uckpt.runtime.constants import SPARSE_MODE_DEFAULT, TRAIN_MICRO_BATCH_SIZE_PER_GPU
     if (TRAIN_MICRO_BATCH_SIZE_PER_GPU, SPARSE_MODE_DEFAULT) != ("train_micro_batch_size_per_gpu", "fixed"):
         fail("deepspeed.runtime.constants' reassigned and aliased constants are not DeepSpeed's values")
-    # Values DeepSpeed's code changes after import (EXPORT_ENVS grows) or that depend on what is installed (the
-    # transformers module, else None) are refused, not answered with one import-time value.
+    # Values DeepSpeed's code changes after their first assignment (EXPORT_ENVS grows by +=) or that depend on what
+    # is installed (the transformers module, else None) are refused, not answered with one literal.
     from uckpt.launcher.runner import EXPORT_ENVS
     from uckpt.linear.context_manager import transformers as linear_transformers
     expect_error(NotImplementedError, "EXPORT_ENVS", lambda: list(EXPORT_ENVS), "launcher.runner.EXPORT_ENVS")
@@ -548,6 +548,9 @@ def worker_empty_groups(deepspeed, torch, work):
         opt = make([{"params": params[:2], "lr": 0.1}, {"params": [], "lr": 0.2},
                     {"params": params[2:], "lr": 0.01}, {"params": [], "lr": 0.3}])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, list(lambdas))
+        if stage == 0:  # the schedulers inside a SequentialLR follow too
+            constant = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0] * 4)
+            sched = torch.optim.lr_scheduler.SequentialLR(opt, [sched, constant], milestones=[10])
         cfg = toy_cfg(stage)
         del cfg["optimizer"]
         engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
