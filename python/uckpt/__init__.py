@@ -26,13 +26,18 @@ from uckpt.utils import log_dist, logger  # noqa: F401
 __version__ = "0.4.0"
 __git_hash__ = "uckpt"
 
+# DeepSpeed's module global: None until initialize() binds it to deepspeed.comm.
+dist = None
+
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None,
                config=None, mesh_param=None, config_params=None):
     """deepspeed.initialize: returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    global dist
     if model is None:
         raise ValueError("uckpt.initialize: model is required")
+    dist = comm
     # As DeepSpeed: the process group first (discovering an MPI or Slurm launcher's world).
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     given = _resolve_config(args, config if config is not None else config_params)  # kept as engine.config

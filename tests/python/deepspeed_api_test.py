@@ -542,6 +542,8 @@ def worker_empty_groups(deepspeed, torch, work):
     drops the empty groups in place and its first step then stops in torch's LambdaLR (one lambda per original group);
     uckpt drops them too and gives the scheduler the kept groups' lambdas and base lrs."""
     lambdas = (lambda s: 1.0 / (s + 1), lambda s: 7.0, lambda s: 0.5 ** s, lambda s: 9.0)
+    if deepspeed.dist is not None:  # DeepSpeed's module global, bound by initialize()
+        fail(f"deepspeed.dist before initialize: {deepspeed.dist!r}, DeepSpeed's is None")
     for stage, make in ((0, lambda gs: torch.optim.SGD(gs, lr=0.1)), (2, lambda gs: torch.optim.AdamW(gs, lr=0.1))):
         model = testkit.toy_net(torch)
         params = list(model.parameters())
@@ -555,6 +557,8 @@ def worker_empty_groups(deepspeed, torch, work):
         del cfg["optimizer"]
         engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                                   config=cfg)
+        if deepspeed.dist is not deepspeed.comm:
+            fail(f"deepspeed.dist after initialize: {deepspeed.dist!r}, DeepSpeed's is deepspeed.comm")
         if len(optimizer.param_groups) != 2:
             fail(f"stage {stage}: {len(optimizer.param_groups)} param groups after initialize (DeepSpeed keeps 2)")
         for step in range(3):
