@@ -210,8 +210,22 @@ def main():
     cloned = clone({"a": [big[2:4], (big[5:6], 3)], "b": "text"})
     out["clone"] = [cloned["a"][0].tolist(), cloned["a"][0].storage().size(), cloned["a"][1][1], cloned["b"]]
     out["checkpointing_configured"] = [deepspeed.checkpointing.is_configured()]
+    ck = deepspeed.checkpointing
+
+    def ck_globals():  # DeepSpeed's module globals, as a script reads them
+        return [ck.PARTITION_ACTIVATIONS, ck.CONTIGUOUS_CHECKPOINTING, ck.CPU_CHECKPOINT, ck.SYNCHRONIZE,
+                ck.PROFILE_TIME, ck.num_layers, ck.deepspeed_checkpointing_enabled, ck.mpu is None]
+    out["checkpointing_globals"] = [ck_globals()]
     deepspeed.checkpointing.configure(None, partition_activations=False)
     out["checkpointing_configured"].append(deepspeed.checkpointing.is_configured())
+    out["checkpointing_globals"].append(ck_globals())
+    deepspeed.checkpointing.configure(None, deepspeed_config={
+        "train_batch_size": 2 * torch.distributed.get_world_size(), "train_micro_batch_size_per_gpu": 2,
+        "activation_checkpointing": {"partition_activations": True, "synchronize_checkpoint_boundary": True}})
+    out["checkpointing_globals"].append(ck_globals())
+    deepspeed.checkpointing.configure(None, partition_activations=True, num_checkpoints=3)
+    out["checkpointing_globals"].append(ck_globals())
+    deepspeed.checkpointing.configure(None, partition_activations=False)
     helper = import_module(deepspeed.__name__ + ".compression.helper")  # DeepSpeed-Chat's LoRA
     tiny = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 3)))
     inner = helper.recursive_getattr(tiny, "1.0")

@@ -24,8 +24,17 @@ _CONFIG_KEYS = {
 _DEFAULTS = {"partition_activations": False, "contiguous_checkpointing": False, "num_checkpoints": None,
              "checkpoint_in_cpu": False, "synchronize": False, "profile": False}
 
-_configured = False
 _settings = dict(_DEFAULTS)
+
+# DeepSpeed's module globals, which a script may read: configure() sets them as DeepSpeed's does.
+deepspeed_checkpointing_enabled = False
+mpu = None
+num_layers = None
+PARTITION_ACTIVATIONS = False
+CONTIGUOUS_CHECKPOINTING = False
+CPU_CHECKPOINT = False
+SYNCHRONIZE = False
+PROFILE_TIME = False
 
 
 def _section_of(deepspeed_config):
@@ -48,9 +57,10 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     of each checkpointed forward), num_checkpoints. Refused: mpu_ (model parallelism),
     contiguous_checkpointing and checkpoint_in_cpu (uckpt does not move checkpointed activations). profile
     (timing logs only) is warned about."""
-    global _configured, _settings
+    global _settings, deepspeed_checkpointing_enabled, num_layers
+    global PARTITION_ACTIVATIONS, CONTIGUOUS_CHECKPOINTING, CPU_CHECKPOINT, SYNCHRONIZE, PROFILE_TIME
     _settings = dict(_DEFAULTS)
-    _configured = True
+    deepspeed_checkpointing_enabled = True
     if mpu_ is not None:
         raise ValueError("uckpt.checkpointing.configure: mpu_ (model parallelism) is not supported by uckpt; pass None")
     if deepspeed_config is not None:
@@ -59,6 +69,11 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
                  num_checkpoints=num_checkpoints, checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize,
                  profile=profile)
     _settings.update({k: v for k, v in given.items() if v is not None})
+    PARTITION_ACTIVATIONS = _settings["partition_activations"]
+    CONTIGUOUS_CHECKPOINTING = _settings["contiguous_checkpointing"]
+    CPU_CHECKPOINT, SYNCHRONIZE = _settings["checkpoint_in_cpu"], _settings["synchronize"]
+    PROFILE_TIME = _settings["profile"]
+    num_layers = _num_layers(deepspeed_config, num_checkpoints)
     if _settings["contiguous_checkpointing"]:
         if not _settings["partition_activations"]:  # DeepSpeed's own assertions first
             raise AssertionError("Contiguous Checkpointing is only available with partitioned activations. "
@@ -75,9 +90,17 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
                        "(training is unchanged)")
 
 
+def _num_layers(deepspeed_config, num_checkpoints):
+    """DeepSpeed's num_layers after configure(): the argument, else the config's number_checkpoints (None when
+    the section has none), else False."""
+    if num_checkpoints is not None:
+        return num_checkpoints
+    return False if deepspeed_config is None else _settings["num_checkpoints"]
+
+
 def is_configured():
     """True once configure() was called, as DeepSpeed's."""
-    return _configured
+    return deepspeed_checkpointing_enabled
 
 
 def reset():
