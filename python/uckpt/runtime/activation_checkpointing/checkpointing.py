@@ -24,9 +24,8 @@ _CONFIG_KEYS = {
 _DEFAULTS = {"partition_activations": False, "contiguous_checkpointing": False, "num_checkpoints": None,
              "checkpoint_in_cpu": False, "synchronize": False, "profile": False}
 
-_settings = dict(_DEFAULTS)
-
-# DeepSpeed's module globals, which a script may read: configure() sets them as DeepSpeed's does.
+# DeepSpeed's module globals, which a script may read: configure() sets them as DeepSpeed's does; they are
+# the module's only state.
 deepspeed_checkpointing_enabled = False
 mpu = None
 num_layers = None
@@ -57,45 +56,38 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     of each checkpointed forward), num_checkpoints. Refused: mpu_ (model parallelism),
     contiguous_checkpointing and checkpoint_in_cpu (uckpt does not move checkpointed activations). profile
     (timing logs only) is warned about."""
-    global _settings, deepspeed_checkpointing_enabled, num_layers
+    global deepspeed_checkpointing_enabled, num_layers
     global PARTITION_ACTIVATIONS, CONTIGUOUS_CHECKPOINTING, CPU_CHECKPOINT, SYNCHRONIZE, PROFILE_TIME
-    _settings = dict(_DEFAULTS)
+    settings = dict(_DEFAULTS)
     deepspeed_checkpointing_enabled = True
     if mpu_ is not None:
         raise ValueError("uckpt.checkpointing.configure: mpu_ (model parallelism) is not supported by uckpt; pass None")
     if deepspeed_config is not None:
-        _settings.update(_section_of(deepspeed_config))
+        settings.update(_section_of(deepspeed_config))
     given = dict(partition_activations=partition_activations, contiguous_checkpointing=contiguous_checkpointing,
                  num_checkpoints=num_checkpoints, checkpoint_in_cpu=checkpoint_in_cpu, synchronize=synchronize,
                  profile=profile)
-    _settings.update({k: v for k, v in given.items() if v is not None})
-    PARTITION_ACTIVATIONS = _settings["partition_activations"]
-    CONTIGUOUS_CHECKPOINTING = _settings["contiguous_checkpointing"]
-    CPU_CHECKPOINT, SYNCHRONIZE = _settings["checkpoint_in_cpu"], _settings["synchronize"]
-    PROFILE_TIME = _settings["profile"]
-    num_layers = _num_layers(deepspeed_config, num_checkpoints)
-    if _settings["contiguous_checkpointing"]:
-        if not _settings["partition_activations"]:  # DeepSpeed's own assertions first
+    settings.update({k: v for k, v in given.items() if v is not None})
+    PARTITION_ACTIVATIONS = settings["partition_activations"]
+    CONTIGUOUS_CHECKPOINTING = settings["contiguous_checkpointing"]
+    CPU_CHECKPOINT, SYNCHRONIZE = settings["checkpoint_in_cpu"], settings["synchronize"]
+    PROFILE_TIME = settings["profile"]
+    # num_layers: the argument, else the config's number_checkpoints (None when absent), else False.
+    num_layers = settings["num_checkpoints"] if deepspeed_config is not None or num_checkpoints is not None else False
+    if settings["contiguous_checkpointing"]:
+        if not settings["partition_activations"]:  # DeepSpeed's own assertions first
             raise AssertionError("Contiguous Checkpointing is only available with partitioned activations. "
                                  "Set partitioned activations to true in deepspeed config")
-        if _settings["num_checkpoints"] is None:
+        if settings["num_checkpoints"] is None:
             raise AssertionError("Must specify the number of layers with contiguous memory checkpointing")
         raise ValueError("uckpt.checkpointing.configure: contiguous_checkpointing (contiguous_memory_optimization) "
                          "is not supported by uckpt")
-    if _settings["checkpoint_in_cpu"]:
+    if settings["checkpoint_in_cpu"]:
         raise ValueError("uckpt.checkpointing.configure: checkpoint_in_cpu (cpu_checkpointing) is not supported by "
                          "uckpt: checkpointed activations stay on the device")
-    if _settings["profile"]:
+    if settings["profile"]:
         logger.warning("uckpt.checkpointing: profile is ignored: uckpt does not time checkpointed calls "
                        "(training is unchanged)")
-
-
-def _num_layers(deepspeed_config, num_checkpoints):
-    """DeepSpeed's num_layers after configure(): the argument, else the config's number_checkpoints (None when
-    the section has none), else False."""
-    if num_checkpoints is not None:
-        return num_checkpoints
-    return False if deepspeed_config is None else _settings["num_checkpoints"]
 
 
 def is_configured():
@@ -108,7 +100,7 @@ def reset():
 
 
 def _synchronize():
-    if _settings["synchronize"] and torch.cuda.is_available():
+    if SYNCHRONIZE and torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
