@@ -15,7 +15,8 @@ any object, a script's own optimizer.step() at stage 0, fp16 at stage 0 without 
     optimizer_step loss.backward(); optimizer.step(); optimizer.zero_grad() at stage 0 (BingBertGlue), against
                    torch's own optimizer on each rank's data (2 ranks)
     fp16_stage0    an engine without optimizer at stage 0 in fp16 only casts its module
-    empty_groups   a client optimizer's empty param groups dropped as DeepSpeed does, its scheduler following (2 ranks)
+    empty_groups   a client optimizer's empty param groups dropped as DeepSpeed does, its scheduler following
+                   (2 and 4 ranks)
 """
 import os
 import shutil
@@ -599,7 +600,7 @@ def worker(case, work):
 
 
 WORLDS = {"comm": (2,), "config": (1, 2, 3), "client_state": (2,), "optimizer_step": (2,), "fp16_stage0": (1,),
-          "empty_groups": (2,)}
+          "empty_groups": (2, 4)}
 
 
 def main():
